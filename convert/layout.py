@@ -1,0 +1,186 @@
+"""Pure data for sharded checkpoints: boxes, chunks, parameter specs and the manifest.
+
+A *box* is (offsets, lengths) in a tensor's global coordinates, as in torch.distributed.checkpoint's
+metadata. A checkpoint is a set of parameters, each with a global shape and dtype and a list of
+chunks; a chunk says which file and key hold which box. Nothing here reads tensor data.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_NAME = "titan-pipe-checkpoint"
+FORMAT_VERSION = 1
+
+
+class LayoutError(ValueError):
+    """A checkpoint whose layout is inconsistent (overlap, gap, shape mismatch...)."""
+
+
+@dataclass(frozen=True)
+class Box:
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+        if len(self.offsets) != len(self.lengths):
+            raise LayoutError(f"box offsets {self.offsets} and lengths {self.lengths} differ in rank")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.lengths)
+
+    def intersect(self, other: "Box") -> "Box | None":
+        offs, lens = [], []
+        for o1, n1, o2, n2 in zip(self.offsets, self.lengths, other.offsets, other.lengths):
+            lo, hi = max(o1, o2), min(o1 + n1, o2 + n2)
+            if hi <= lo:
+                return None
+            offs.append(lo)
+            lens.append(hi - lo)
+        return Box(tuple(offs), tuple(lens))
+
+    def within(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == len(self.offsets) and all(
+            o >= 0 and n >= 0 and o + n <= s for o, n, s in zip(self.offsets, self.lengths, shape))
+
+    @staticmethod
+    def full(shape: tuple[int, ...]) -> "Box":
+        return Box(tuple(0 for _ in shape), tuple(shape))
+
+
+def split_box(shape: tuple[int, ...], dim: int | None, n: int, i: int) -> Box:
+    """The i-th of n equal pieces of a tensor along ``dim`` (dim None: the whole tensor)."""
+    if dim is None:
+        return Box.full(shape)
+    if shape[dim] % n:
+        raise LayoutError(f"dim {dim} of shape {tuple(shape)} does not divide into {n} equal parts")
+    step = shape[dim] // n
+    offs = [0] * len(shape)
+    lens = list(shape)
+    offs[dim], lens[dim] = i * step, step
+    return Box(tuple(offs), tuple(lens))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    file: str  # relative to the checkpoint directory
+    key: str  # tensor name inside that file
+    box: Box
+
+
+@dataclass
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name: F32, BF16, F16 ...
+    tp_dim: int | None = None  # split dim under TP, from training/sharding.py (None: replicated)
+    stage: int | None = None  # pipeline stage that owns it
+    chunks: list[Chunk] = field(default_factory=list)
+
+    def check_coverage(self) -> None:
+        """Every element covered exactly once (replicas with identical boxes count once)."""
+        total = math.prod(self.shape)
+        distinct: list[Box] = []
+        for c in self.chunks:
+            if not c.box.within(self.shape):
+                raise LayoutError(f"{self.name}: chunk {c.file}:{c.key} box {c.box} lies outside "
+                                  f"shape {self.shape}")
+            if c.box in distinct:
+                continue
+            for other in distinct:
+                if c.box.intersect(other) is not None:
+                    raise LayoutError(f"{self.name}: two chunks claim overlapping boxes {other} and "
+                                      f"{c.box} (second in {c.file})")
+            distinct.append(c.box)
+        covered = sum(b.numel for b in distinct)
+        if covered != total:
+            raise LayoutError(f"{self.name}: chunks cover {covered} of {total} elements; "
+                              "a shard is missing")
+
+
+@dataclass
+class FileInfo:
+    size: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    """The contents of manifest.json (docs/checkpoint-format.md)."""
+
+    step: int
+    model: dict  # ModelArgs.to_dict()
+    parallel: dict  # dp, tp, pp, pp_schedule, stages (layer ids per virtual stage), stage_ranks
+    params: dict[str, ParamSpec]
+    files: dict[str, FileInfo]
+    extra: dict = field(default_factory=dict)  # optimizer dir, data state, tokenizer...
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        d = {
+            "format": self.format,
+            "format_version": self.format_version,
+            "step": self.step,
+            "model": self.model,
+            "parallel": self.parallel,
+            "files": {k: asdict(v) for k, v in sorted(self.files.items())},
+            "params": {
+                name: {
+                    "shape": list(p.shape), "dtype": p.dtype, "tp_dim": p.tp_dim, "stage": p.stage,
+                    "chunks": [{"file": c.file, "key": c.key, "offsets": list(c.box.offsets),
+                                "lengths": list(c.box.lengths)} for c in p.chunks],
+                }
+                for name, p in self.params.items()
+            },
+            "extra": self.extra,
+        }
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "manifest.json") -> "Manifest":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise LayoutError(f"{source}: not valid JSON ({e})") from None
+        if d.get("format") != FORMAT_NAME:
+            raise LayoutError(f"{source}: format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
+        if d.get("format_version", 0) > FORMAT_VERSION:
+            raise LayoutError(f"{source}: format_version {d['format_version']} is newer than this "
+                              f"titan-pipe reads ({FORMAT_VERSION}); upgrade titan-pipe")
+        try:
+            params = {
+                name: ParamSpec(
+                    name=name, shape=tuple(p["shape"]), dtype=p["dtype"], tp_dim=p.get("tp_dim"),
+                    stage=p.get("stage"),
+                    chunks=[Chunk(c["file"], c["key"], Box(c["offsets"], c["lengths"]))
+                            for c in p["chunks"]])
+                for name, p in d["params"].items()
+            }
+            files = {k: FileInfo(**v) for k, v in d["files"].items()}
+            return cls(step=int(d["step"]), model=d["model"], parallel=d["parallel"], params=params,
+                       files=files, extra=d.get("extra", {}), format=d["format"],
+                       format_version=d["format_version"])
+        except (KeyError, TypeError) as e:
+            raise LayoutError(f"{source}: missing or malformed field {e}") from None
+
+    @classmethod
+    def load(cls, ckpt_dir: str | Path) -> "Manifest":
+        path = Path(ckpt_dir) / MANIFEST_NAME
+        if not path.is_file():
+            raise LayoutError(f"{path}: no manifest; the checkpoint is incomplete or not a titan-pipe "
+                              "checkpoint")
+        return cls.from_json(path.read_text(), source=str(path))
+
+    def validate(self) -> None:
+        for p in self.params.values():
+            p.check_coverage()
+            for c in p.chunks:
+                if c.file not in self.files:
+                    raise LayoutError(f"{p.name}: chunk file {c.file!r} is not listed in 'files'")

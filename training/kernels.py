@@ -1,0 +1,98 @@
+"""Operator backends: the reference PyTorch ops, and the fused torch_npu kernels Ascend trains with.
+
+Both sides implement the same three functions, so the model and the evaluator can run either:
+  rms_norm(x (..., dim), weight (dim,), eps) -> (..., dim)
+  apply_rotary(q (B, H, T, hd), k (B, Hkv, T, hd), cos (T, hd), sin (T, hd)) -> q, k
+  attention(q (B, H, T, hd), k, v (B, Hkv, T, hd), n_rep, causal) -> (B, H, T, hd)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+KERNEL_CHOICES = ("auto", "reference", "npu_fused")
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Computed in float32 whatever the input dtype (as Hugging Face and torchtitan do), then cast
+    # back; written as pow/mean/rsqrt so ONNX sees Pow/ReduceMean/Sqrt/Div, no fused norm op.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_ref(q, k, cos, sin):
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, Hkv, T, hd) -> (B, Hkv*n_rep, T, hd), each kv head repeated for its query group."""
+    if n_rep == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
+
+
+def attention_ref(q, k, v, *, n_rep: int, causal: bool = True):
+    # Explicit repeat instead of SDPA's enable_gqa: older exporters and runtimes lack it.
+    return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=causal)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str
+    rms_norm: Callable
+    apply_rotary: Callable
+    attention: Callable
+
+
+def reference_kernels() -> Kernels:
+    return Kernels("reference", rms_norm_ref, apply_rotary_ref, attention_ref)
+
+
+def npu_fused_kernels() -> Kernels:
+    """torch_npu's fused kernels; imported here only, so CPU/CUDA never need torch_npu."""
+    import torch_npu  # noqa: F401  (lazy: only on Ascend hosts)
+
+    def rms_norm(x, weight, eps):
+        return torch_npu.npu_rms_norm(x, weight, epsilon=eps)[0]
+
+    def apply_rotary(q, k, cos, sin):
+        # npu_rotary_mul takes 4-D cos/sin broadcastable to (B, H, T, hd), rotate-half layout.
+        c, s = cos[None, None], sin[None, None]
+        return torch_npu.npu_rotary_mul(q, c, s), torch_npu.npu_rotary_mul(k, c, s)
+
+    def attention(q, k, v, *, n_rep, causal=True):
+        b, h, t, d = q.shape
+        mask = None
+        if causal:
+            mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=q.device), diagonal=1)
+        # BNSD layout; GQA handled natively (k/v carry the kv heads); sparse_mode=0 with an
+        # explicit upper-triangular mask means "masked where True".
+        return torch_npu.npu_fusion_attention(
+            q, k, v, h, input_layout="BNSD", atten_mask=mask, scale=d ** -0.5,
+            keep_prob=1.0, sparse_mode=0)[0]
+
+    return Kernels("npu_fused", rms_norm, apply_rotary, attention)
+
+
+def resolve_kernels(choice: str, device_type: str) -> Kernels:
+    """auto -> npu_fused on NPU, reference elsewhere. npu_fused off NPU is a config error."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"model.kernels={choice!r} is not one of {KERNEL_CHOICES}")
+    if choice == "auto":
+        choice = "npu_fused" if device_type == "npu" else "reference"
+    if choice == "npu_fused":
+        if device_type != "npu":
+            raise ValueError(f"model.kernels=npu_fused needs device npu, got {device_type!r}; "
+                             "use kernels: reference (or auto)")
+        return npu_fused_kernels()
+    return reference_kernels()

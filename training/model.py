@@ -1,0 +1,321 @@
+"""The LLaMA family: RMSNorm, real-valued RoPE, grouped-query attention, SwiGLU; flavours debug..70B.
+
+Parameter names follow torchtitan (``tok_embeddings``, ``layers.N.attention.wq``, ...) but the
+q/k rows are in Hugging Face's rotate-half RoPE layout, so a unified checkpoint maps to
+``LlamaForCausalLM`` by renaming alone. Layers live in a ModuleDict keyed by their global id, so a
+pipeline stage that keeps layers 4..7 still names them ``layers.4`` .. ``layers.7``.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_pipe.training.kernels import Kernels, reference_kernels
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 frequency scaling (``rope_type: llama3`` in Hugging Face configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 32000
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    ffn_hidden_dim: int | None = None  # explicit intermediate size wins over the formula
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU intermediate size: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ffn_hidden_dim"] = self.hidden_dim
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model field(s) {sorted(unknown)}; known: {sorted(known)}")
+        d = dict(d)
+        if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], RopeScaling):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+
+_LLAMA31_SCALING = RopeScaling(8.0, 1.0, 4.0, 8192)
+
+FLAVOURS: dict[str, ModelArgs] = {
+    # Tiny, for CPU tests and the shipped example; vocab covers the byte tokenizer (258) and
+    # divides by every tp up to 8.
+    "debug": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, multiple_of=32,
+                       max_seq_len=256, rope_theta=10000.0),
+    "llama2_7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256),
+    "llama2_13b": ModelArgs(dim=5120, n_layers=40, n_heads=40, vocab_size=32000, multiple_of=256),
+    "llama2_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
+                            multiple_of=4096, ffn_dim_multiplier=1.3),
+    "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                           multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0,
+                           rope_scaling=_LLAMA31_SCALING, max_seq_len=8192),
+    "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                            multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0,
+                            rope_scaling=_LLAMA31_SCALING, max_seq_len=8192),
+}
+
+
+def resolve_args(flavour: str | None, **overrides) -> ModelArgs:
+    """Flavour defaults with any dims given in the config laid over them."""
+    if flavour is None:
+        base = ModelArgs()
+    elif flavour in FLAVOURS:
+        base = FLAVOURS[flavour]
+    else:
+        raise ValueError(f"unknown model flavour {flavour!r}; known: {', '.join(FLAVOURS)}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(overrides.get("rope_scaling"), dict):
+        overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
+    return replace(base, **overrides)
+
+
+def count_params(args: ModelArgs) -> int:
+    """Exact parameter count from the dims alone (matches the published LLaMA sizes)."""
+    d, hd, kv = args.dim, args.head_dim, args.kv_heads
+    attn = d * args.n_heads * hd + 2 * d * kv * hd + args.n_heads * hd * d
+    ffn = 3 * d * args.hidden_dim
+    per_layer = attn + ffn + 2 * d
+    emb = args.vocab_size * d
+    out = 0 if args.tie_embeddings else args.vocab_size * d
+    return args.n_layers * per_layer + emb + out + d
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward): 6*N_matmul + causal attention.
+
+    Counts every matmul FLOP as 2 (multiply + add). The attention scores/values term uses the full
+    T x T product (as SDPA's math path computes it); embedding lookups are not matmuls.
+    """
+    norms = args.dim * (2 * args.n_layers + 1)
+    # The embedding is a gather, not a matmul; a tied matrix still runs once as the output matmul.
+    n_matmul = count_params(args) - norms - (0 if args.tie_embeddings else args.vocab_size * args.dim)
+    attn = 2 * 2 * args.n_layers * seq_len * args.n_heads * args.head_dim  # QK^T and PV, per token
+    return 3 * (2 * n_matmul + attn)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE: real-valued, rotate-half layout
+
+
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """(head_dim/2,) inverse frequencies, with Llama-3.1 scaling when configured."""
+    hd = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    s = args.rope_scaling
+    if s is None:
+        return inv.float()
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    scaled = torch.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
+    return scaled.float()
+
+
+def rope_cos_sin(args: ModelArgs, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (seq_len, head_dim), each half repeated (rotate-half convention)."""
+    t = torch.arange(seq_len or args.max_seq_len, dtype=torch.float32)
+    freqs = torch.outer(t, rope_inv_freq(args))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+# ---------------------------------------------------------------------------------------------
+# Modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, kernels: Kernels):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """GQA attention. Under TP, wq/wk/wv are column-split (local heads) and wo row-split."""
+
+    def __init__(self, args: ModelArgs, kernels: Kernels):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.kv_heads
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.kernels = kernels
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (B, T, dim) -> q (B, H, T, hd), k and v (B, Hkv, T, hd), RoPE applied to q and k.
+
+        Head counts come from the (possibly TP-local) weight shapes, hence ``-1`` in the views.
+        """
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q, k = self.kernels.apply_rotary(q, k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.project(x, cos, sin)
+        out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, kernels: Kernels):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, kernels)
+        self.attention = Attention(args, kernels)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, kernels)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only LLaMA. forward(tokens (B, T) int64) -> logits (B, T, vocab).
+
+    A pipeline stage is the same class with some parts set to None: without ``tok_embeddings`` the
+    input is the hidden state (B, T, dim); without ``output`` the result is the hidden state.
+    """
+
+    def __init__(self, args: ModelArgs, kernels: Kernels | None = None):
+        super().__init__()
+        self.args = args
+        kernels = kernels or reference_kernels()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, kernels) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps, kernels)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_cos_sin(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        t = h.shape[1]
+        cos, sin = self.rope_cos[:t].to(h.dtype), self.rope_sin[:t].to(h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    def init_rope(self) -> None:
+        """Recompute the RoPE buffers (after building on the meta device)."""
+        cos, sin = rope_cos_sin(self.args)
+        self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+
+
+def _param_std(name: str, args: ModelArgs) -> float | None:
+    """Init std per parameter: 0.02, output projections of each block scaled by depth."""
+    if name.endswith("norm.weight"):
+        return None  # ones
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        return 0.02 / math.sqrt(2 * args.n_layers)
+    if name == "output.weight":
+        return args.dim ** -0.5
+    return 0.02
+
+
+def init_param(name: str, shape: tuple[int, ...], args: ModelArgs, seed: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The full (global) initial value of one parameter, independent of any parallel layout.
+
+    Each parameter has its own generator seeded from (seed, name), so a pipeline stage or a TP
+    rank gets exactly the values the single-process model would hold.
+    """
+    std = _param_std(name, args)
+    if std is None:
+        return torch.ones(shape, dtype=dtype)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    t = torch.empty(shape, dtype=torch.float32)
+    t.normal_(0.0, std, generator=g)
+    t.clamp_(-3 * std, 3 * std)
+    return t.to(dtype)
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    """Initialise every (plain, non-DTensor) parameter in place, layout-independently."""
+    for name, p in model.named_parameters():
+        p.copy_(init_param(name, tuple(p.shape), model.args, seed, p.dtype))
+
+
+def build_model(args: ModelArgs, *, kernels: Kernels | None = None, seed: int | None = 0,
+                device: str | torch.device = "cpu") -> Transformer:
+    """A whole model on ``device``; ``seed=None`` leaves it uninitialised (e.g. to load weights)."""
+    with torch.device(device):
+        model = Transformer(args, kernels)
+    if seed is not None and str(device) != "meta":
+        init_weights(model, seed)
+    return model

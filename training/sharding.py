@@ -1,0 +1,107 @@
+"""THE sharding table: how each parameter splits under TP and which stage owns it under PP.
+
+Training builds its DTensor plan from ``TP_PLAN``; the checkpoint writer and the converter read the
+split dims from ``tp_split_dim``. One table, two users, so they cannot disagree.
+
+Names are native (model.py) names; ``*`` stands for a layer id.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TPRule:
+    """One module's tensor-parallel style.
+
+    style: "colwise" (weight Shard(0): output features split), "rowwise" (weight Shard(1): input
+    features split, partial sums all-reduced), "vocab" (embedding table Shard(0) over the vocab,
+    which torch's RowwiseParallel does for nn.Embedding) or "replicate".
+    """
+
+    module: str
+    style: str
+
+    @property
+    def weight_dim(self) -> int | None:
+        return {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None}[self.style]
+
+
+# The plan reads like a spec: attention and FFN in Megatron's column-then-row pairing, so each
+# block needs one all-reduce (or reduce-scatter under sequence parallel) after wo and after w2.
+TP_PLAN: tuple[TPRule, ...] = (
+    TPRule("tok_embeddings", "vocab"),
+    TPRule("layers.*.attention_norm", "replicate"),
+    TPRule("layers.*.attention.wq", "colwise"),
+    TPRule("layers.*.attention.wk", "colwise"),
+    TPRule("layers.*.attention.wv", "colwise"),
+    TPRule("layers.*.attention.wo", "rowwise"),
+    TPRule("layers.*.ffn_norm", "replicate"),
+    TPRule("layers.*.feed_forward.w1", "colwise"),
+    TPRule("layers.*.feed_forward.w3", "colwise"),
+    TPRule("layers.*.feed_forward.w2", "rowwise"),
+    TPRule("norm", "replicate"),
+    TPRule("output", "colwise"),
+)
+
+
+def tp_rule(param_name: str) -> TPRule:
+    """The rule of the module owning ``param_name`` (e.g. 'layers.3.attention.wq.weight')."""
+    module = param_name.rsplit(".", 1)[0]
+    for rule in TP_PLAN:
+        if fnmatch.fnmatchcase(module, rule.module):
+            return rule
+    raise KeyError(f"parameter {param_name!r} has no entry in the sharding table (training/sharding.py)")
+
+
+def tp_split_dim(param_name: str) -> int | None:
+    """The dim a parameter is split on under TP, or None when replicated."""
+    return tp_rule(param_name).weight_dim
+
+
+def layer_id(param_name: str) -> int | None:
+    parts = param_name.split(".")
+    return int(parts[1]) if parts[0] == "layers" else None
+
+
+def split_stages(n_layers: int, n_stages: int) -> list[list[int]]:
+    """Contiguous layer ids per pipeline stage, as even as possible (earlier stages get the extra).
+
+    The first stage also holds the embedding and the last the final norm and output, so with an
+    uneven split the extra layers go to the front stages, away from the output projection.
+    """
+    if n_stages < 1:
+        raise ValueError(f"pipeline stages must be >= 1, got {n_stages}")
+    if n_layers < n_stages:
+        raise ValueError(f"cannot split {n_layers} layers into {n_stages} pipeline stages: "
+                         f"need n_layers >= pp * virtual stages ({n_stages})")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        n = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def stage_of(param_name: str, stages: list[list[int]]) -> int:
+    """The pipeline stage that owns a parameter, given ``split_stages``' layer lists."""
+    lid = layer_id(param_name)
+    if lid is not None:
+        for s, layers in enumerate(stages):
+            if lid in layers:
+                return s
+        raise KeyError(f"layer {lid} of {param_name!r} is in no pipeline stage")
+    if param_name.startswith("tok_embeddings"):
+        return 0
+    if param_name.startswith(("norm.", "output.")):
+        return len(stages) - 1
+    raise KeyError(f"parameter {param_name!r} has no pipeline owner (training/sharding.py)")
+
+
+def stage_ranks(n_stages: int, pp: int, style: str = "loop") -> list[int]:
+    """Which pp rank runs each virtual stage: 'loop' (interleaved: stage s on rank s % pp)."""
+    if style != "loop":
+        raise ValueError(f"unknown stage placement {style!r}")
+    return [s % pp for s in range(n_stages)]
