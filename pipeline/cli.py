@@ -72,9 +72,16 @@ def validate(flow: Path = typer.Argument(..., help="flow.yaml to check")):
 
 
 def _register_stages() -> None:
+    # Each stage owns its commands; the root only mounts them.
+    from titan_pipe.convert import cli as convert_cli
+    from titan_pipe.convert import export_cli
+    from titan_pipe.evaluate import cli as evaluate_cli
+    from titan_pipe.flows import cli as flows_cli
     from titan_pipe.training import cli as training_cli
+    from titan_pipe.training import plan_cli
 
-    training_cli.register(app)
+    for module in (training_cli, plan_cli, convert_cli, export_cli, evaluate_cli, flows_cli):
+        module.register(app)
 
 
 _register_stages()

@@ -155,6 +155,33 @@ class CheckpointConfig(Section):
     save_optimizer: bool = True
 
 
+class ConvertConfig(Section):
+    naming: Literal["hf", "native"] = "hf"
+    dtype: Literal["keep", "float32", "float16", "bfloat16"] = "keep"
+    max_shard_size: str = "5GB"
+
+
+class ExportConfig(Section):
+    opset: int = Field(14, ge=11, le=15)  # ATC takes ONNX opsets 11-15 (SDPA export needs >= 14)
+    dtype: Literal["float32", "float16"] = "float32"
+    batch: int = Field(1, gt=0)
+    seq_len: int = Field(32, gt=0)
+    dynamic: bool = True
+    kv_cache: bool = True
+    soc_version: str = "Ascend910B3"
+    atc: bool = True  # run atc when it is on PATH
+    precision_mode: Literal["origin", "mixed_float16", "fp16"] = "origin"
+
+
+class EvaluateConfig(Section):
+    data: str | None = None  # held-out text; None: the validation split of the training data
+    batches: int = Field(2, gt=0)
+    batch_size: int = Field(2, gt=0)
+    seq_len: int = Field(32, gt=0)
+    operators: bool = True
+    thresholds: dict[str, dict[str, float]] = Field(default_factory=dict)  # per dtype overrides
+
+
 class FlowConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     runs_dir: str = "runs"
@@ -170,6 +197,9 @@ class FlowConfig(Section):
     launch: LaunchConfig = LaunchConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     init_from: str | None = None  # our checkpoint dir, a unified safetensors model or an HF dir
+    convert: ConvertConfig = ConvertConfig()
+    export: ExportConfig = ExportConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
 
     def run_dir(self, base: Path | None = None) -> Path:
         root = Path(self.runs_dir)
