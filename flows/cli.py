@@ -1,8 +1,122 @@
-"""CLI commands of this stage (to be filled in)."""
+"""`titan-pipe run` (the whole flow under Prefect, with a live per-stage summary) and `titan-pipe schedule`."""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 import typer
+from rich.console import Console
+from rich.table import Table
+
+STAGE_HELP = "train | convert | export | evaluate"
+
+
+def stage_figures(stage: str, summary: dict, passed: bool | None) -> str:
+    """The one-line summary of a finished stage in the live output and the final table."""
+    def num(key: str, fmt: str) -> str | None:
+        v = summary.get(key)
+        return None if v is None else format(v, fmt) if isinstance(v, (int, float)) else str(v)
+
+    if stage == "train":
+        mfu = summary.get("mfu")
+        parts = [f"loss {num('final_loss', '.4f')}" if "final_loss" in summary else None,
+                 f"{num('tokens_per_s', ',.0f')} tok/s" if "tokens_per_s" in summary else None,
+                 f"MFU {100 * mfu:.2f}%" if isinstance(mfu, (int, float)) else None,
+                 f"{summary['steps']} steps" if "steps" in summary else None]
+    elif stage == "export":
+        parts = [f"ATC: {summary.get('atc_status', 'n/a')}"]
+    elif stage == "evaluate":
+        parts = ["verdict PASS" if passed else "verdict FAIL"]
+    else:
+        parts = [f"{k} {v}" for k, v in list(summary.items())[:3] if isinstance(v, (int, float, str))]
+    return ", ".join(p for p in parts if p)
+
+
+class LiveSummary:
+    """Prints one line per stage event as it happens and keeps them for the closing table."""
+
+    STYLE = {"running": "cyan", "done": "green", "cached": "blue", "reused": "blue", "skipped": "dim",
+             "failed": "red"}
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.rows: dict[str, tuple[str, float, str]] = {}
+
+    def __call__(self, ev) -> None:
+        figures = ev.message
+        if ev.output is not None:
+            figures = stage_figures(ev.stage, ev.output.summary, ev.output.passed) or figures
+        self.rows[ev.stage] = (ev.status, ev.duration_s, figures)
+        style = self.STYLE.get(ev.status, "white")
+        took = f" in {ev.duration_s:.1f}s" if ev.duration_s else ""
+        self.console.print(f"[bold]{ev.stage:>8}[/bold] [{style}]{ev.status}[/{style}]{took}"
+                           + (f" — {figures}" if figures else ""), highlight=False)
+
+    def table(self) -> Table:
+        t = Table(title="titan-pipe run")
+        for col in ("stage", "status", "time", "summary"):
+            t.add_column(col)
+        for stage, (status, took, figures) in self.rows.items():
+            style = self.STYLE.get(status, "white")
+            t.add_row(stage, f"[{style}]{status}[/{style}]", f"{took:.1f}s" if took else "-", figures)
+        return t
 
 
 def register(app: typer.Typer) -> None:
-    return None
+    from titan_pipe.cli import handle_errors
+
+    @app.command()
+    @handle_errors
+    def run(flow: Path = typer.Argument(..., help="flow.yaml of the run"),
+            from_stage: Optional[str] = typer.Option(None, "--from", help=f"re-run from this stage on ({STAGE_HELP})"),
+            only: Optional[str] = typer.Option(None, "--only", help=f"run this one stage ({STAGE_HELP})"),
+            force: bool = typer.Option(False, "--force", help="run every stage even if its inputs are unchanged")):
+        """Run train -> convert -> export -> evaluate as a Prefect flow; unchanged stages are not re-run."""
+        from titan_pipe.config import load_flow
+        from titan_pipe.errors import UserError
+        from titan_pipe.flows import cache
+
+        cfg = load_flow(flow)  # bad config: exit 2, before any run dir or Prefect run exists
+        try:
+            actions = cache.plan_actions(from_stage=from_stage, only=only, force=force)
+        except UserError as e:
+            raise typer.BadParameter(str(e)) from None
+        cache.check_reusable(actions, cfg.run_dir().resolve())
+
+        from titan_pipe.flows.train_to_deploy import listening, train_to_deploy
+
+        console = Console(stderr=True)
+        live = LiveSummary(console)
+        failed: BaseException | None = None
+        result: dict = {}
+        with listening(live):
+            try:
+                result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force)
+            except BaseException as e:  # noqa: BLE001 - shown after the table; handle_errors maps it
+                failed = e
+        console.print(live.table())
+        passed = result.get("passed")
+        if failed is None:
+            verdict = "PASS" if passed else "not evaluated (stage not selected)" if passed is None else "FAIL"
+            console.print(f"verdict: [bold]{verdict}[/bold] — run dir {result.get('run_dir')}", highlight=False)
+            return
+        if isinstance(failed, UserError):
+            raise failed
+        if isinstance(failed, (KeyboardInterrupt, typer.Exit)):
+            raise failed
+        console.print(f"[red]error[/red] {type(failed).__name__}: {failed}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+    @app.command()
+    @handle_errors
+    def schedule(flow: Path = typer.Argument(..., help="flow.yaml to run on the schedule"),
+                 cron: str = typer.Option(..., "--cron", help='cron expression, e.g. "0 2 * * *" (02:00 daily)'),
+                 name: Optional[str] = typer.Option(None, "--name", help="deployment name (default: the flow's name)"),
+                 timezone: Optional[str] = typer.Option(None, "--timezone", help="IANA zone of the cron, e.g. Asia/Shanghai"),
+                 stage: Optional[str] = typer.Option(None, "--stage", help=f"deploy one stage's flow alone ({STAGE_HELP})")):
+        """Serve the flow as a Prefect deployment on a cron schedule (shows in the Prefect UI); runs until stopped."""
+        from titan_pipe.config import load_flow
+        from titan_pipe.flows.schedule import serve_flow
+
+        cfg = load_flow(flow)
+        serve_flow(flow_path=flow.resolve(), cfg=cfg, cron=cron, name=name, timezone=timezone, stage=stage)

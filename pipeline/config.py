@@ -95,6 +95,7 @@ class TrainConfig(Section):
     log_every: int = Field(1, gt=0)
     fail_at_step: int | None = None  # test hook: one rank exits at this step (fault injection)
     fail_rank: int = 0
+    fail_during: Literal["step", "checkpoint"] = "step"  # die mid-step, or mid-checkpoint-write
 
 
 class ParallelConfig(Section):
@@ -182,6 +183,20 @@ class EvaluateConfig(Section):
     thresholds: dict[str, dict[str, float]] = Field(default_factory=dict)  # per dtype overrides
 
 
+class OrchestrationConfig(Section):
+    """How `titan-pipe run` drives the stages under Prefect (docs/flows.md)."""
+    # Prefect retries of the training task, each resuming from the newest complete checkpoint.
+    # None: 2 when launch.max_restarts is 0, else 0 (torchrun then owns rank failures: one owner).
+    retries: int | None = Field(None, ge=0)
+    retry_delay_s: float = Field(10.0, ge=0)
+    cache: bool = True  # skip a stage whose config section and input files are unchanged
+
+    def train_retries(self, max_restarts: int) -> int:
+        if self.retries is not None:
+            return self.retries
+        return 0 if max_restarts > 0 else 2
+
+
 class FlowConfig(Section):
     name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
     runs_dir: str = "runs"
@@ -200,6 +215,7 @@ class FlowConfig(Section):
     convert: ConvertConfig = ConvertConfig()
     export: ExportConfig = ExportConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    orchestration: OrchestrationConfig = OrchestrationConfig()
 
     def run_dir(self, base: Path | None = None) -> Path:
         root = Path(self.runs_dir)
@@ -259,6 +275,10 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
         errs.append("launch.rdzv_endpoint: required when nnodes > 1 (host:port of node 0)")
     if launch.node_rank >= launch.nnodes:
         errs.append(f"launch.node_rank: {launch.node_rank} must be < nnodes={launch.nnodes}")
+    if (cfg.orchestration.retries or 0) > 0 and launch.max_restarts > 0:
+        errs.append(f"orchestration.retries: {cfg.orchestration.retries} with launch.max_restarts="
+                    f"{launch.max_restarts} would retry one failure twice over (torchrun restarts the "
+                    "ranks, then Prefect relaunches torchrun); set one of them to 0")
     if cfg.zero_stage is not None and cfg.zero_stage >= 1 and p.dp_mode == "ddp" and p.tp > 1:
         errs.append("zero_stage: ZeRO with dp_mode ddp and tp > 1 is not supported; use dp_mode: fsdp")
     if cfg.memory.optimizer_offload == "cpu" and not (p.dp_mode == "fsdp" or (cfg.zero_stage or 0) >= 2):

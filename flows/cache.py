@@ -1,0 +1,259 @@
+"""Stage caching as pure logic: a stage's key is its config section plus the sha256 of every file it reads.
+
+A finished stage leaves ``runs/<name>/.stages/<stage>.json`` (its key, its output files with their
+sha256, its result). The next run computes the key again; the same key with the same outputs still on
+disk means the stage is not run. Hashes are memoised by (size, mtime_ns) in ``.stages/hashes.json``,
+so re-checking a 140 GB checkpoint costs a ``stat`` per file, not a re-read. No Prefect here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from titan_pipe.config import FlowConfig
+from titan_pipe.errors import UserError
+
+STAGES = ("train", "convert", "export", "evaluate")
+SCHEMA = 1  # bump when the key recipe changes, so old records are not trusted
+
+# Training keys that say nothing about the weights: where the ranks run and the fault-injection hook.
+_TRAIN_SECTIONS = ("device", "model", "data", "train", "parallel", "precision", "memory", "zero_stage",
+                   "comm", "checkpoint", "init_from")
+_TRAIN_IGNORED = {"train": {"fail_at_step", "fail_rank", "log_every"}}
+# Files in a stage's output directory that the next stage does not read (they hold timestamps).
+_NOT_READ = {"provenance.json", "export.json"}
+_NOT_READ_SUFFIXES = (".log", ".sh", ".md", ".html", ".png", ".tmp")
+
+
+def sha256_file(path: Path, *, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class FileHasher:
+    """sha256 of files, memoised on (size, mtime_ns) in a JSON file so unchanged files are not re-read."""
+
+    def __init__(self, memo_path: Path | None = None):
+        self.memo_path = memo_path
+        self._memo: dict[str, list] = {}
+        if memo_path is not None and memo_path.is_file():
+            try:
+                self._memo = json.loads(memo_path.read_text())
+            except (OSError, ValueError):
+                self._memo = {}  # a damaged memo only costs re-hashing
+        self.hashed = 0  # files actually read (tests assert the memo works)
+
+    def sha256(self, path: Path) -> str:
+        st = path.stat()
+        key = str(path.resolve())
+        hit = self._memo.get(key)
+        if hit and hit[0] == st.st_size and hit[1] == st.st_mtime_ns:
+            return hit[2]
+        digest = sha256_file(path)
+        self.hashed += 1
+        self._memo[key] = [st.st_size, st.st_mtime_ns, digest]
+        return digest
+
+    def save(self) -> None:
+        if self.memo_path is not None:
+            write_json_atomic(self.memo_path, self._memo)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)
+
+
+def files_under(root: Path) -> list[Path]:
+    """Every regular file under root (or root itself), sorted, minus the ones no stage reads."""
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name not in _NOT_READ and not p.name.endswith(_NOT_READ_SUFFIXES) \
+                and not p.name.startswith("."):
+            out.append(p)
+    return out
+
+
+def _resolve(path: str, base: Path) -> Path:
+    p = Path(path).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+def data_files(cfg: FlowConfig, flow_dir: Path) -> list[Path]:
+    """The text and tokenizer files training (and evaluation on the held-out split) read."""
+    if cfg.data.path is None:
+        from titan_pipe.training.data import default_corpus
+
+        files = files_under(Path(default_corpus()))
+    else:
+        files = files_under(_resolve(cfg.data.path, flow_dir))
+    if cfg.data.tokenizer != "byte":
+        files.append(_resolve(cfg.data.tokenizer, flow_dir))
+    return files
+
+
+@dataclass(frozen=True)
+class StageInputs:
+    """What a stage depends on: a JSON-able config section and the files it reads."""
+
+    stage: str
+    section: dict
+    files: tuple[Path, ...]
+
+
+def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict[str, Path]) -> StageInputs:
+    """The inputs of one stage. upstream: "checkpoint", "model_dir", "onnx_dir" from earlier stages."""
+    if stage == "train":
+        section = cfg.model_dump(mode="json", include=set(_TRAIN_SECTIONS), exclude=_TRAIN_IGNORED)
+        files = data_files(cfg, flow_dir)
+        if cfg.init_from is not None:
+            files += files_under(_resolve(cfg.init_from, flow_dir))
+        return StageInputs(stage, section, tuple(files))
+    if stage == "convert":
+        return StageInputs(stage, cfg.convert.model_dump(mode="json"), tuple(files_under(upstream["checkpoint"])))
+    if stage == "export":
+        return StageInputs(stage, cfg.export.model_dump(mode="json"), tuple(files_under(upstream["model_dir"])))
+    if stage == "evaluate":
+        section = {"evaluate": cfg.evaluate.model_dump(mode="json")}
+        if cfg.evaluate.data is None:  # the held-out split of the training data
+            section["data"] = cfg.data.model_dump(mode="json")
+            files = data_files(cfg, flow_dir)
+        else:
+            files = [_resolve(cfg.evaluate.data, flow_dir)]
+        for name in ("checkpoint", "model_dir", "onnx_dir"):
+            files += files_under(upstream[name])
+        return StageInputs(stage, section, tuple(files))
+    raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+
+
+def _display(path: Path, run_dir: Path) -> str:
+    """Paths inside the run dir are keyed relative to it, so a moved runs/ keeps its cache."""
+    try:
+        return str(path.resolve().relative_to(run_dir.resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def stage_key(inputs: StageInputs, hasher: FileHasher, run_dir: Path) -> str:
+    """sha256 over the stage name, the section and {file: sha256} (canonical JSON)."""
+    doc = {
+        "schema": SCHEMA,
+        "stage": inputs.stage,
+        "section": inputs.section,
+        "files": {_display(p, run_dir): hasher.sha256(p) for p in inputs.files},
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    """What a finished stage leaves in .stages/<stage>.json."""
+
+    stage: str
+    key: str
+    outputs: dict[str, str]  # file (relative to the run dir when inside it) -> sha256
+    result: dict  # the stage's result: {"paths": {...}, "summary": {...}, "passed": bool|None}
+    finished_at: float = field(default_factory=time.time)
+    duration_s: float = 0.0
+
+
+def record_path(run_dir: Path, stage: str) -> Path:
+    return run_dir / ".stages" / f"{stage}.json"
+
+
+def read_record(run_dir: Path, stage: str) -> StageRecord | None:
+    """The stage's record, or None when there is none or it is unreadable (then the stage just re-runs)."""
+    path = record_path(run_dir, stage)
+    try:
+        data = json.loads(path.read_text())
+        if data.pop("schema", None) != SCHEMA:
+            return None
+        return StageRecord(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def write_record(run_dir: Path, record: StageRecord) -> Path:
+    path = record_path(run_dir, record.stage)
+    write_json_atomic(path, {"schema": SCHEMA, **asdict(record)})
+    return path
+
+
+def clear_record(run_dir: Path, stage: str) -> None:
+    """Forget a stage before it runs, so a crash half-way never leaves a 'finished' record behind."""
+    record_path(run_dir, stage).unlink(missing_ok=True)
+
+
+def hash_outputs(paths: Iterable[Path], hasher: FileHasher, run_dir: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for root in paths:
+        for p in files_under(root):
+            out[_display(p, run_dir)] = hasher.sha256(p)
+    return out
+
+
+def outputs_intact(record: StageRecord, hasher: FileHasher, run_dir: Path) -> bool:
+    """True when every output file the record lists is still there with the same sha256."""
+    for name, digest in record.outputs.items():
+        p = Path(name) if Path(name).is_absolute() else run_dir / name
+        if not p.is_file() or hasher.sha256(p) != digest:
+            return False
+    return bool(record.outputs)
+
+
+def cache_hit(record: StageRecord | None, key: str, hasher: FileHasher, run_dir: Path) -> bool:
+    return record is not None and record.key == key and outputs_intact(record, hasher, run_dir)
+
+
+# --- which stages run: pure selection ---------------------------------------------------------
+
+RUN = "run"  # run it, whatever the cache says
+AUTO = "auto"  # run it unless its key is unchanged (cache hit)
+REUSE = "reuse"  # not run; its recorded outputs feed the next stages (must exist)
+SKIP = "skip"  # not run and not needed (after --only STAGE)
+
+
+def plan_actions(*, from_stage: str | None = None, only: str | None = None, force: bool = False,
+                 cache: bool = True) -> dict[str, str]:
+    """{stage: action} for a run. --only and --from exclude each other; --force runs every selected stage."""
+    for opt, value in (("--from", from_stage), ("--only", only)):
+        if value is not None and value not in STAGES:
+            raise UserError(f"{opt} {value!r} is not a stage; use one of {', '.join(STAGES)}")
+    if from_stage is not None and only is not None:
+        raise UserError(f"--from {from_stage} and --only {only} exclude each other; pass one of them")
+    if only is not None:
+        i = STAGES.index(only)
+        return {s: REUSE if k < i else RUN if k == i else SKIP for k, s in enumerate(STAGES)}
+    if from_stage is not None:
+        i = STAGES.index(from_stage)
+        return {s: REUSE if k < i else RUN for k, s in enumerate(STAGES)}
+    return {s: RUN if force or not cache else AUTO for s in STAGES}
+
+
+def check_reusable(actions: dict[str, str], run_dir: Path) -> dict[str, StageRecord]:
+    """Records of the REUSE stages; a missing one is a UserError raised before anything runs."""
+    records: dict[str, StageRecord] = {}
+    for stage, action in actions.items():
+        if action != REUSE:
+            continue
+        rec = read_record(run_dir, stage)
+        if rec is None or not rec.outputs or any(
+                not (Path(n) if Path(n).is_absolute() else run_dir / n).is_file() for n in rec.outputs):
+            raise UserError(f"{record_path(run_dir, stage)}: the {stage} stage has no finished outputs in "
+                            f"{run_dir}, but the selected stages need them; run it first (drop --from/--only)")
+        records[stage] = rec
+    return records

@@ -1,0 +1,105 @@
+"""Stage output into the Prefect run logs: follow a growing log file (rank-0 torchrun output) line by line."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from pathlib import Path
+from typing import Iterator
+
+
+def run_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The Prefect logger of the current task/flow run; a plain logger outside one (``.fn`` calls)."""
+    try:
+        from prefect.exceptions import MissingContextError
+        from prefect.logging import get_run_logger
+
+        return get_run_logger()
+    except (ImportError, MissingContextError):
+        return logging.getLogger("titan_pipe.flows")
+
+
+def api_only_logger() -> logging.Logger | logging.LoggerAdapter | None:
+    """A logger that sends to the Prefect API only, not to the console.
+
+    The stage already streams its output to the console (launch.py tees torchrun to the terminal and
+    train.log); forwarding it through the normal run logger would print every line twice. Prefect's
+    ``prefect.extra`` logger has only the API handler. The run ids are attached explicitly because the
+    follower thread does not inherit the run context.
+    """
+    try:
+        from prefect.context import FlowRunContext, TaskRunContext
+        from prefect.logging.loggers import PrefectLogAdapter, get_logger
+    except ImportError:
+        return None
+    task_ctx, flow_ctx = TaskRunContext.get(), FlowRunContext.get()
+    extra: dict = {}
+    if task_ctx is not None:
+        extra = {"task_run_id": str(task_ctx.task_run.id), "flow_run_id": str(task_ctx.task_run.flow_run_id),
+                 "task_run_name": task_ctx.task_run.name}
+    elif flow_ctx is not None and flow_ctx.flow_run is not None:
+        extra = {"flow_run_id": str(flow_ctx.flow_run.id), "flow_run_name": flow_ctx.flow_run.name}
+    else:
+        return None
+    return PrefectLogAdapter(get_logger("extra"), extra=extra)
+
+
+class _Follower(threading.Thread):
+    """Reads lines appended to ``path`` after start-up and hands each to ``logger.info``."""
+
+    def __init__(self, path: Path, logger, poll_s: float):
+        super().__init__(name=f"follow-{path.name}", daemon=True)
+        self.path, self.logger, self.poll_s = path, logger, poll_s
+        self.stopped = threading.Event()
+        # Start at the current end: older content belongs to earlier attempts, already logged then.
+        self.pos = path.stat().st_size if path.is_file() else 0
+        self.partial = ""
+        self.lines = 0
+
+    def _drain(self) -> None:
+        if not self.path.is_file():
+            return
+        size = self.path.stat().st_size
+        if size < self.pos:  # the launcher truncated the log for a new attempt
+            self.pos = 0
+        if size == self.pos:
+            return
+        with open(self.path, "r", errors="replace") as f:
+            f.seek(self.pos)
+            chunk = f.read()
+            self.pos = f.tell()
+        text = self.partial + chunk
+        *complete, self.partial = text.split("\n")
+        for line in complete:
+            line = line.rstrip("\r")
+            if line.strip():
+                self.logger.info(line)
+                self.lines += 1
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.poll_s):
+            self._drain()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(timeout=5)
+        self._drain()
+        if self.partial.strip():
+            self.logger.info(self.partial.rstrip("\r"))
+            self.lines += 1
+        self.partial = ""
+
+
+@contextlib.contextmanager
+def follow_log(path: Path, logger=None, *, poll_s: float = 0.5) -> Iterator[_Follower | None]:
+    """Forward lines appended to ``path`` while the block runs; no-op without a logger or run context."""
+    logger = logger if logger is not None else api_only_logger()
+    if logger is None:
+        yield None
+        return
+    follower = _Follower(path, logger, poll_s)
+    follower.start()
+    try:
+        yield follower
+    finally:
+        follower.stop()

@@ -1,0 +1,117 @@
+"""One Prefect task per stage: thin wrappers over the stage library functions, returning paths + a summary.
+
+Each task takes paths and its config section, calls the stage's library function (the contract in
+docs/flows.md) and returns a ``StageOutput``. Caching is not Prefect's here (``NO_CACHE``; see
+flows/cache.py and docs/flows.md for why); retries are set per run by the flow (``with_options``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import task_run
+
+from titan_pipe.config import ConvertConfig, EvaluateConfig, ExportConfig, FlowConfig
+from titan_pipe.flows.logs import follow_log, run_logger
+from titan_pipe.run_dir import RunDir
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """What a stage hands to the next: named paths (absolute, as str), output roots, a small summary."""
+
+    stage: str
+    paths: dict[str, str]
+    outputs: list[str]  # files/dirs whose sha256 go into the stage record
+    summary: dict = field(default_factory=dict)
+    passed: bool | None = None  # the evaluation verdict; None for the other stages
+
+    def to_json(self) -> dict:
+        return {"stage": self.stage, "paths": self.paths, "outputs": self.outputs,
+                "summary": self.summary, "passed": self.passed}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "StageOutput":
+        return cls(stage=data["stage"], paths=dict(data["paths"]), outputs=list(data["outputs"]),
+                   summary=dict(data.get("summary") or {}), passed=data.get("passed"))
+
+
+def newest_complete_checkpoint(run_dir: Path) -> Path | None:
+    """The newest step dir holding manifest.json (written last, so its presence means complete)."""
+    for _, path in reversed(RunDir(run_dir).step_dirs()):
+        if (path / "manifest.json").is_file():
+            return path
+    return None
+
+
+def resume_decision(*, requested: bool, attempt: int, run_dir: Path) -> bool:
+    """Resume on a retry (attempt > 1) or when asked, and only if a complete checkpoint exists."""
+    return (requested or attempt > 1) and newest_complete_checkpoint(run_dir) is not None
+
+
+@task(name="train", cache_policy=NO_CACHE, persist_result=False)
+def train_task(flow_path: Path, cfg: FlowConfig, resume: bool = False) -> StageOutput:
+    from titan_pipe.training.launch import run_training
+
+    log, run_dir = run_logger(), cfg.run_dir().resolve()
+    attempt = task_run.get_run_count()
+    resume = resume_decision(requested=resume, attempt=attempt, run_dir=run_dir)
+    start = newest_complete_checkpoint(run_dir) if resume else None
+    log.info(f"attempt {max(attempt, 1)}: " + (f"resuming from {start}" if start else "training from step 0"))
+    with follow_log(RunDir(run_dir).train_log):
+        r = run_training(flow_path=flow_path, cfg=cfg, resume=resume)
+    log.info(f"training done: checkpoint {r.checkpoint}, summary {r.summary}")
+    return StageOutput("train", {"run_dir": str(r.run_dir), "checkpoint": str(r.checkpoint),
+                                 "metrics": str(r.metrics)},
+                       outputs=[str(r.checkpoint)], summary=dict(r.summary))
+
+
+@task(name="convert", cache_policy=NO_CACHE, persist_result=False)
+def convert_task(checkpoint: Path, out_dir: Path, settings: ConvertConfig) -> StageOutput:
+    from titan_pipe.convert.api import convert_checkpoint
+
+    run_logger().info(f"converting {checkpoint} -> {out_dir} ({settings.naming} names, dtype {settings.dtype})")
+    r = convert_checkpoint(src=checkpoint, out_dir=out_dir, naming=settings.naming, dtype=settings.dtype,
+                           max_shard_size=settings.max_shard_size, overwrite=True)
+    run_logger().info(f"wrote {len(r.files)} file(s): {', '.join(p.name for p in r.files)}")
+    return StageOutput("convert", {"model_dir": str(r.out_dir)}, outputs=[str(r.out_dir)],
+                       summary=dict(r.summary))
+
+
+@task(name="export", cache_policy=NO_CACHE, persist_result=False)
+def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> StageOutput:
+    from titan_pipe.convert.onnx_export import export_model
+
+    run_logger().info(f"exporting {model_dir} -> {out_dir} (opset {settings.opset}, {settings.dtype})")
+    r = export_model(model_dir=model_dir, out_dir=out_dir, opset=settings.opset, dtype=settings.dtype,
+                     batch=settings.batch, seq_len=settings.seq_len, dynamic=settings.dynamic,
+                     kv_cache=settings.kv_cache, soc_version=settings.soc_version, run_atc=settings.atc,
+                     precision_mode=settings.precision_mode, overwrite=True)
+    run_logger().info(f"ONNX {r.onnx}; ATC: {r.atc_status}")
+    paths = {"onnx_dir": str(r.out_dir), "onnx": str(r.onnx), "export_json": str(r.export_json)}
+    if r.decode_onnx is not None:
+        paths["decode_onnx"] = str(r.decode_onnx)
+    om = r.out_dir / "om" / "model.om"
+    if om.is_file():
+        paths["om"] = str(om)
+    return StageOutput("export", paths, outputs=[str(r.out_dir)],
+                       summary={**dict(r.summary), "atc_status": r.atc_status})
+
+
+@task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
+def evaluate_task(out_dir: Path, checkpoint: Path, model_dir: Path, onnx: Path, om: Path | None,
+                  data: Path | None, settings: EvaluateConfig) -> StageOutput:
+    from titan_pipe.evaluate.api import evaluate_model
+
+    run_logger().info(f"evaluating {checkpoint.name} / {model_dir.name} / {onnx.name} -> {out_dir}")
+    r = evaluate_model(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
+                       data=data, settings=settings)
+    run_logger().info(f"verdict: {'PASS' if r.passed else 'FAIL'} ({r.report_json})")
+    paths = {"report_dir": str(r.out_dir), "report_json": str(r.report_json)}
+    for name in ("report.md", "report.html"):
+        if (r.out_dir / name).is_file():
+            paths[name.replace(".", "_")] = str(r.out_dir / name)
+    return StageOutput("evaluate", paths, outputs=[str(r.report_json)], summary=dict(r.summary),
+                       passed=bool(r.passed))

@@ -1,0 +1,242 @@
+"""The Prefect flows: ``train_to_deploy`` (train -> convert -> export -> evaluate) and one flow per stage.
+
+The flows are thin: ``run_pipeline`` plans which stages run (flows/cache.py, pure), computes each
+stage's key just before it would run (its inputs are the previous stage's outputs), calls the stage
+task or takes the cached result, records it, publishes its artifacts and tells listeners (the CLI's
+live summary). Stage callables are injectable so the orchestration logic is testable on its own.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from prefect import flow
+
+from titan_pipe.config import FlowConfig, load_flow
+from titan_pipe.errors import StageFailed, UserError
+from titan_pipe.flows import cache
+from titan_pipe.flows.logs import run_logger
+from titan_pipe.flows.tasks import (StageOutput, convert_task, evaluate_task, export_task,
+                                    newest_complete_checkpoint, train_task)
+from titan_pipe.run_dir import RunDir
+
+DEFAULT_TASKS: dict[str, Callable[..., StageOutput]] = {
+    "train": train_task, "convert": convert_task, "export": export_task, "evaluate": evaluate_task,
+}
+
+
+@dataclass(frozen=True)
+class StageEvent:
+    """One step of the live summary: status is running | done | cached | reused | skipped | failed."""
+
+    stage: str
+    status: str
+    duration_s: float = 0.0
+    output: StageOutput | None = None
+    message: str = ""
+
+
+_listeners: list[Callable[[StageEvent], None]] = []
+
+
+@contextlib.contextmanager
+def listening(fn: Callable[[StageEvent], None]) -> Iterator[None]:
+    """Call fn for every StageEvent of flows run in this process while the block runs."""
+    _listeners.append(fn)
+    try:
+        yield
+    finally:
+        _listeners.remove(fn)
+
+
+def _emit(event: StageEvent) -> None:
+    for fn in list(_listeners):
+        fn(event)
+
+
+@dataclass
+class PipelineOutcome:
+    run_dir: Path
+    stages: dict[str, str] = field(default_factory=dict)  # stage -> final status
+    outputs: dict[str, StageOutput] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool | None:
+        ev = self.outputs.get("evaluate")
+        return None if ev is None else ev.passed
+
+    def to_json(self) -> dict:
+        return {"run_dir": str(self.run_dir), "stages": self.stages, "passed": self.passed,
+                "outputs": {k: v.to_json() for k, v in self.outputs.items()}}
+
+
+def _retryable(task, task_run, state) -> bool:
+    """Retry a crashed launch (StageFailed, or anything unexpected), never bad input (UserError)."""
+    try:
+        state.result()
+    except StageFailed:
+        return True
+    except UserError:
+        return False
+    except BaseException:  # noqa: BLE001 - a crash of the launcher itself is worth a retry too
+        return True
+    return False
+
+
+def _prepare_training(run_dir: Path, key: str, action: str) -> bool:
+    """Resume an interrupted run of the same training, else start clean. Returns ``resume``.
+
+    Same key as the last started training, not forced, a complete checkpoint on disk: continue it.
+    Otherwise older checkpoints belong to other settings; they are moved to ``checkpoints.prev/`` (one
+    generation kept) so the trainer never resumes from them or mixes its steps with theirs.
+    """
+    marker = cache.record_path(run_dir, "train.started")
+    started = None
+    if marker.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            import json
+
+            started = json.loads(marker.read_text()).get("key")
+    rd = RunDir(run_dir)
+    if action != cache.RUN and started == key and newest_complete_checkpoint(run_dir) is not None:
+        return True
+    if rd.step_dirs():
+        prev = run_dir / "checkpoints.prev"
+        shutil.rmtree(prev, ignore_errors=True)
+        rd.checkpoints.rename(prev)
+        run_logger().warning(f"moved checkpoints of earlier settings to {prev}")
+    if rd.metrics.is_file():
+        rd.metrics.replace(run_dir / "metrics.prev.jsonl")
+    cache.write_json_atomic(marker, {"key": key, "started_at": time.time()})
+    return False
+
+
+def _call_stage(stage: str, fn: Callable, *, cfg: FlowConfig, flow_path: Path, flow_dir: Path,
+                run_dir: Path, upstream: dict[str, str], resume: bool) -> StageOutput:
+    rd = RunDir(run_dir)
+    if stage == "train":
+        if hasattr(fn, "with_options"):  # a Prefect task: the retries of this flow.yaml
+            fn = fn.with_options(retries=cfg.orchestration.train_retries(cfg.launch.max_restarts),
+                                 retry_delay_seconds=cfg.orchestration.retry_delay_s,
+                                 retry_condition_fn=_retryable)
+        return fn(flow_path=flow_path, cfg=cfg, resume=resume)
+    if stage == "convert":
+        return fn(checkpoint=Path(upstream["checkpoint"]), out_dir=rd.model, settings=cfg.convert)
+    if stage == "export":
+        return fn(model_dir=Path(upstream["model_dir"]), out_dir=rd.onnx, settings=cfg.export)
+    data = None
+    if cfg.evaluate.data is not None:
+        data = Path(cfg.evaluate.data)
+        data = data if data.is_absolute() else flow_dir / data
+    om = upstream.get("om")
+    return fn(out_dir=rd.report, checkpoint=Path(upstream["checkpoint"]), model_dir=Path(upstream["model_dir"]),
+              onnx=Path(upstream["onnx"]), om=Path(om) if om else None, data=data, settings=cfg.evaluate)
+
+
+def run_pipeline(flow_path: Path, *, from_stage: str | None = None, only: str | None = None,
+                 force: bool = False, tasks: dict[str, Callable] | None = None,
+                 publish: bool = True) -> PipelineOutcome:
+    """Run the selected stages of flow.yaml in order, skipping those whose key is unchanged."""
+    from titan_pipe.flows.artifacts import publish as publish_artifacts
+
+    tasks = {**DEFAULT_TASKS, **(tasks or {})}
+    flow_path = Path(flow_path).resolve()
+    cfg = load_flow(flow_path)
+    actions = cache.plan_actions(from_stage=from_stage, only=only, force=force, cache=cfg.orchestration.cache)
+    run_dir = cfg.run_dir().resolve()
+    reused = cache.check_reusable(actions, run_dir)
+    log = run_logger()
+    log.info(f"run dir {run_dir}; stages: " + ", ".join(f"{s}={a}" for s, a in actions.items()))
+    hasher = cache.FileHasher(run_dir / ".stages" / "hashes.json")
+    outcome = PipelineOutcome(run_dir)
+    upstream: dict[str, str] = {}
+    for stage in cache.STAGES:
+        action = actions[stage]
+        if action == cache.SKIP:
+            outcome.stages[stage] = "skipped"
+            _emit(StageEvent(stage, "skipped", message="not selected (--only)"))
+            continue
+        if action == cache.REUSE:
+            out = StageOutput.from_json(reused[stage].result)
+            outcome.stages[stage], outcome.outputs[stage] = "reused", out
+            upstream.update(out.paths)
+            _emit(StageEvent(stage, "reused", output=out, message="outputs of its last run"))
+            continue
+        key = cache.stage_key(cache.stage_inputs(stage, cfg, flow_dir=flow_path.parent,
+                                                 upstream={k: Path(v) for k, v in upstream.items()}),
+                              hasher, run_dir)
+        record = cache.read_record(run_dir, stage)
+        if action == cache.AUTO and cache.cache_hit(record, key, hasher, run_dir):
+            out, status, took = StageOutput.from_json(record.result), "cached", 0.0
+            log.info(f"{stage}: cached (key {key[:12]}, inputs unchanged since {time.ctime(record.finished_at)})")
+        else:
+            cache.clear_record(run_dir, stage)
+            resume = _prepare_training(run_dir, key, action) if stage == "train" else False
+            _emit(StageEvent(stage, "running"))
+            t0 = time.perf_counter()
+            try:
+                out = _call_stage(stage, tasks[stage], cfg=cfg, flow_path=flow_path, flow_dir=flow_path.parent,
+                                  run_dir=run_dir, upstream=upstream, resume=resume)
+            except BaseException as e:
+                outcome.stages[stage] = "failed"
+                _emit(StageEvent(stage, "failed", time.perf_counter() - t0, message=str(e).splitlines()[0] if str(e) else type(e).__name__))
+                hasher.save()
+                raise
+            took, status = time.perf_counter() - t0, "done"
+            outputs = cache.hash_outputs([Path(p) for p in out.outputs], hasher, run_dir)
+            cache.write_record(run_dir, cache.StageRecord(stage=stage, key=key, outputs=outputs,
+                                                          result=out.to_json(), duration_s=took))
+        outcome.stages[stage], outcome.outputs[stage] = status, out
+        upstream.update(out.paths)
+        if publish:
+            publish_artifacts(out, run_name=cfg.name, cached=status == "cached")
+        _emit(StageEvent(stage, status, took, output=out))
+    hasher.save()
+    if outcome.passed is False:
+        raise StageFailed(f"evaluation failed its thresholds; see {outcome.outputs['evaluate'].paths['report_json']}")
+    return outcome
+
+
+def _enter(workdir: str | None) -> None:
+    # A deployment's runs start wherever the worker runs; runs_dir is relative to where it was scheduled.
+    if workdir:
+        os.chdir(workdir)
+
+
+@flow(name="train-to-deploy", description="Train, convert, export and evaluate one flow.yaml.")
+def train_to_deploy(flow_path: str, from_stage: str | None = None, only: str | None = None,
+                    force: bool = False, workdir: str | None = None) -> dict:
+    _enter(workdir)
+    return run_pipeline(Path(flow_path), from_stage=from_stage, only=only, force=force).to_json()
+
+
+@flow(name="titan-pipe-train", description="The training stage of a flow.yaml alone.")
+def train_flow(flow_path: str, workdir: str | None = None) -> dict:
+    _enter(workdir)
+    return run_pipeline(Path(flow_path), only="train").to_json()
+
+
+@flow(name="titan-pipe-convert", description="The convert stage alone, on the run's newest checkpoint.")
+def convert_flow(flow_path: str, workdir: str | None = None) -> dict:
+    _enter(workdir)
+    return run_pipeline(Path(flow_path), only="convert").to_json()
+
+
+@flow(name="titan-pipe-export", description="The export stage alone, on the run's converted model.")
+def export_flow(flow_path: str, workdir: str | None = None) -> dict:
+    _enter(workdir)
+    return run_pipeline(Path(flow_path), only="export").to_json()
+
+
+@flow(name="titan-pipe-evaluate", description="The evaluate stage alone, on the run's outputs.")
+def evaluate_flow(flow_path: str, workdir: str | None = None) -> dict:
+    _enter(workdir)
+    return run_pipeline(Path(flow_path), only="evaluate").to_json()
+
+
+STAGE_FLOWS = {"train": train_flow, "convert": convert_flow, "export": export_flow, "evaluate": evaluate_flow}
