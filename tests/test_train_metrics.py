@@ -1,0 +1,118 @@
+"""Training metrics: JSONL logger, peak FLOPs lookup/measurement, MFU, progress lines."""
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import pytest
+import torch
+
+from titan_pipe.devices import Device
+from titan_pipe.training.metrics import (
+    MetricsLogger,
+    TrainProgress,
+    format_progress_line,
+    measure_cpu_peak,
+    mfu,
+    parse_progress_line,
+    peak_flops,
+    profile_peak,
+    read_metrics,
+)
+
+
+def test_logger_appends_flushed_lines_and_disabled_writes_nothing(tmp_path):
+    path = tmp_path / "run" / "metrics.jsonl"
+    log = MetricsLogger(path, enabled=True)
+    log.log({"step": 1, "loss": torch.tensor(2.5), "mfu": None})
+    # flushed: readable while the logger is still open
+    assert json.loads(path.read_text().splitlines()[0]) == {"step": 1, "loss": 2.5, "mfu": None}
+    log.log({"step": 2, "loss": float("nan")})
+    log.close()
+    recs = read_metrics(path)
+    assert [r["step"] for r in recs] == [1, 2] and recs[1]["loss"] == "nan"
+    # a torn last line (killed writer) is skipped, earlier records kept
+    with path.open("a") as f:
+        f.write('{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    off = tmp_path / "off" / "metrics.jsonl"
+    MetricsLogger(off, enabled=False).log({"step": 1})
+    assert not off.exists() and not off.parent.exists()
+
+
+@pytest.mark.parametrize("name,dtype,tflops", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0),
+    ("NVIDIA A100-SXM4-80GB", torch.float16, 312.0),
+    ("Ascend910B3", torch.bfloat16, 294.9),
+    ("Ascend910B1", torch.bfloat16, 373.9),
+])
+def test_profile_peak_known_devices(name, dtype, tflops):
+    peak, source = profile_peak(name, dtype)
+    assert peak == pytest.approx(tflops * 1e12) and "TFLOPS" in source
+
+
+def test_unknown_accelerator_is_reported_not_guessed():
+    peak, source = profile_peak("Mystery Accelerator 9000", torch.bfloat16)
+    assert peak is None and source == "unknown device Mystery Accelerator 9000: MFU not reported"
+    peak, source = profile_peak("NVIDIA H100 80GB HBM3", torch.float32)
+    assert peak is None and "no float32 peak" in source
+    # no CUDA runtime on this machine: the device cannot be named, so no MFU
+    if not torch.cuda.is_available():
+        peak, source = peak_flops(Device("cuda", "nccl"), torch.bfloat16)
+        assert peak is None and source.startswith("unknown device cuda")
+
+
+def test_cpu_peak_is_measured_and_bounds_an_independent_matmul():
+    peak, source = peak_flops(Device("cpu", "gloo"), torch.float32)
+    assert "measured" in source and peak > 1e8
+    n = 256
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        torch.mm(a, b)
+    achieved = 5 * 2 * n**3 / (time.perf_counter() - t0)
+    # the measured best-case peak is a ceiling (with slack for a busy 2-core machine)
+    assert achieved < 3 * peak
+    assert measure_cpu_peak(torch.float32, n=128, seconds=0.05) > 0
+
+
+def test_mfu_arithmetic():
+    assert mfu(1000.0, 6e9, 12e12) == pytest.approx(0.5)
+    assert mfu(1000.0, 6e9, None) is None
+    assert mfu(float("nan"), 6e9, 1e12) is None
+
+
+def test_progress_line_round_trip():
+    m = {"loss": 3.14159, "lr": 1e-3, "tokens_per_s": 12345.0, "mfu": 0.0123,
+         "peak_memory_bytes": 512 * 1024**2}
+    line = format_progress_line(7, 20, m)
+    assert line == "step 7/20 | loss 3.1416 | lr 1.000e-03 | 12345 tok/s | MFU 1.23% | peak mem 512.0 MiB"
+    step, total, got = parse_progress_line(line)
+    assert (step, total) == (7, 20)
+    assert got["loss"] == pytest.approx(3.1416) and got["mfu"] == pytest.approx(0.0123)
+    assert got["peak_memory_bytes"] == 512 * 1024**2 and got["tokens_per_s"] == 12345
+    assert parse_progress_line(format_progress_line(1, 2, {"mfu": None}))[2] == {"mfu": None}
+    assert parse_progress_line("[rank0]: some warning") is None
+
+
+def test_progress_plain_lines_off_a_terminal():
+    out = io.StringIO()
+    with TrainProgress(5, enabled=True, log_every=2, stream=out) as p:
+        for s in range(1, 6):
+            p.update(s, {"loss": 1.0 / s, "mfu": None})
+    lines = out.getvalue().splitlines()
+    assert [parse_progress_line(x)[0] for x in lines] == [2, 4, 5]  # every 2nd and the last
+    quiet = io.StringIO()
+    with TrainProgress(5, enabled=False, stream=quiet) as p:
+        p.update(1, {"loss": 1.0})
+    assert quiet.getvalue() == ""
+
+
+def test_progress_live_bar_renders():
+    out = io.StringIO()
+    with TrainProgress(3, enabled=True, stream=out, live=True) as p:
+        for s in range(1, 4):
+            p.update(s, {"loss": 2.0, "tokens_per_s": 100.0, "mfu": 0.5})
+    text = out.getvalue()
+    assert "train" in text and "3/3" in text and "MFU 50.00%" in text

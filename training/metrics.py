@@ -1,0 +1,267 @@
+"""Training metrics: JSONL logging, device peak FLOPs and MFU, and the live progress display.
+
+Metric keys the trainer logs (one JSON object per step in runs/<name>/metrics.jsonl), and that
+the progress display and the launcher's summary read:
+  step (int, 1-based), loss (float), lr, grad_norm, tokens_per_s (global, all dp ranks),
+  mfu (fraction of peak, or null when the peak is unknown), peak_memory_bytes (max over ranks),
+  step_time_s. Any other key is kept in the JSONL and ignored by the display.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from titan_pipe.device_profiles import get_profile, match_device_name
+from titan_pipe.devices import Device
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class MetricsLogger:
+    """Appends one JSON line per ``log`` call and flushes it, so a crash loses at most the line
+    being written. Disabled (non-zero ranks) it writes nothing and creates no file."""
+
+    def __init__(self, path: Path, *, enabled: bool):
+        self.path = Path(path)
+        self.enabled = enabled
+        self._fh: IO[str] | None = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = self.path.open("a", encoding="utf-8")
+
+    def log(self, record: dict[str, Any]) -> None:
+        if self._fh is None:
+            return
+        clean = {str(k): _jsonable(v) for k, v in record.items()}
+        self._fh.write(json.dumps(clean, allow_nan=False) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _jsonable(value: Any) -> Any:
+    """Tensors and numpy scalars as plain numbers; NaN/inf as strings (JSON has no NaN)."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """All complete records of a metrics.jsonl (a torn last line from a killed run is skipped)."""
+    records = []
+    if not Path(path).is_file():
+        return records
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
+# --- peak FLOPs and MFU ---------------------------------------------------------------------------
+
+def accelerator_name(device: Device) -> str:
+    """The runtime's name of the local accelerator (e.g. 'NVIDIA H100 80GB HBM3', 'Ascend910B3')."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name()
+    if device.type == "npu":
+        return torch.npu.get_device_name()  # type: ignore[attr-defined]
+    raise ValueError(f"{device.type} is not an accelerator")
+
+
+def profile_peak(name: str, dtype: torch.dtype) -> tuple[float | None, str]:
+    """Peak FLOP/s of a named accelerator for ``dtype`` from pipeline/data/device_profiles.json."""
+    key = match_device_name(name)
+    if key is None:
+        return None, f"unknown device {name}: MFU not reported"
+    dname = DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    tflops = get_profile(key)["peak_tflops"].get(dname)
+    if tflops is None:
+        return None, f"{name} ({key}) has no {dname} peak in device_profiles.json: MFU not reported"
+    return tflops * 1e12, f"{key} {dname} peak {tflops:g} TFLOPS (device_profiles.json)"
+
+
+def measure_cpu_peak(dtype: torch.dtype = torch.float32, *, n: int = 512, seconds: float = 0.3) -> float:
+    """Best FLOP/s of an n x n x n matmul on this process's CPU threads over ~``seconds``.
+
+    Measured rather than looked up because a CPU's usable peak depends on its vector units, the
+    thread count torchrun gave us and what else shares the cores; it is an empirical ceiling
+    for this run, not a datasheet figure.
+    """
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    torch.mm(a, b)  # warm-up: thread pool and kernel selection
+    best = math.inf
+    deadline = time.perf_counter() + seconds
+    reps = 0
+    while reps < 3 or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+    return 2 * n**3 / best
+
+
+def peak_flops(device: Device, dtype: torch.dtype) -> tuple[float | None, str]:
+    """(peak FLOP/s of one device for ``dtype`` or None, where the figure comes from).
+
+    Accelerators: the runtime's device name looked up in the profile table; an unknown one is
+    reported as such (None), never guessed. CPU: a matmul peak measured now.
+    """
+    if device.type == "cpu":
+        flops = measure_cpu_peak(dtype)
+        dname = DTYPE_NAMES.get(dtype, str(dtype))
+        return flops, (f"CPU {dname} matmul peak measured at start-up: {flops / 1e9:.1f} GFLOP/s "
+                       f"on {torch.get_num_threads()} thread(s)")
+    try:
+        name = accelerator_name(device)
+    except Exception as e:  # a runtime that cannot name its device is an unknown device
+        return None, f"unknown device {device.type} ({e}): MFU not reported"
+    return profile_peak(name, dtype)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s over peak (a fraction, not a percentage).
+
+    Pass matching scopes: global tokens/s with the peak of all devices (peak * world size), or
+    per-device tokens/s with one device's peak. None when the peak is unknown.
+    """
+    if peak_flops is None or peak_flops <= 0 or not math.isfinite(tokens_per_s):
+        return None
+    return tokens_per_s * flops_per_token / peak_flops
+
+
+# --- progress display ------------------------------------------------------------------------------
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_progress_line(step: int, total: int, metrics: dict[str, Any]) -> str:
+    """The plain log line for one step; ``parse_progress_line`` reads it back."""
+    parts = [f"step {step}/{total}"]
+    if metrics.get("loss") is not None:
+        parts.append(f"loss {float(metrics['loss']):.4f}")
+    if metrics.get("lr") is not None:
+        parts.append(f"lr {float(metrics['lr']):.3e}")
+    if metrics.get("tokens_per_s") is not None:
+        parts.append(f"{float(metrics['tokens_per_s']):.0f} tok/s")
+    m = metrics.get("mfu")
+    parts.append(f"MFU {100 * float(m):.2f}%" if m is not None else "MFU n/a")
+    if metrics.get("peak_memory_bytes") is not None:
+        parts.append(f"peak mem {format_bytes(float(metrics['peak_memory_bytes']))}")
+    return " | ".join(parts)
+
+
+_LINE = re.compile(r"^step (?P<step>\d+)/(?P<total>\d+)(?P<rest>( \| .*)?)$")
+_UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
+
+
+def parse_progress_line(line: str) -> tuple[int, int, dict[str, float | None]] | None:
+    """(step, total, metrics) from a line ``format_progress_line`` wrote, else None.
+
+    The launcher uses it to drive a live bar in its own terminal while torchrun pipes rank 0's
+    plain lines to it.
+    """
+    m = _LINE.match(line.strip())
+    if not m:
+        return None
+    metrics: dict[str, float | None] = {}
+    for part in m.group("rest").split(" | ")[1:]:
+        try:
+            if part.startswith("loss "):
+                metrics["loss"] = float(part[5:])
+            elif part.startswith("lr "):
+                metrics["lr"] = float(part[3:])
+            elif part.endswith(" tok/s"):
+                metrics["tokens_per_s"] = float(part[:-6])
+            elif part.startswith("MFU "):
+                metrics["mfu"] = None if part == "MFU n/a" else float(part[4:].rstrip("%")) / 100
+            elif part.startswith("peak mem "):
+                value, unit = part[9:].split()
+                metrics["peak_memory_bytes"] = float(value) * _UNITS[unit]
+        except (ValueError, KeyError):
+            continue
+    return int(m.group("step")), int(m.group("total")), metrics
+
+
+class TrainProgress:
+    """Live progress of a training run: a rich bar on a terminal, plain lines otherwise.
+
+    ``with TrainProgress(steps, enabled=rank == 0) as p: p.update(step, metrics)``. Under torchrun
+    stdout is a pipe, so it prints one ``format_progress_line`` per ``log_every`` steps (and the
+    last), flushed, which the launcher streams and may redraw as a bar. Disabled: silent.
+    """
+
+    def __init__(self, total_steps: int, *, enabled: bool, log_every: int = 1, stream: IO[str] | None = None,
+                 live: bool | None = None, initial_step: int = 0):
+        self.total = total_steps
+        self.enabled = enabled
+        self.log_every = max(1, log_every)
+        self.stream = stream or sys.stdout
+        self.live = (self.stream.isatty() if live is None else live) and enabled
+        self.initial_step = initial_step
+        self._progress = None
+        self._task = None
+
+    def __enter__(self) -> "TrainProgress":
+        if self.live:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"), console=Console(file=self.stream), transient=False)
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self.total, completed=self.initial_step, info="")
+        return self
+
+    def update(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        line = format_progress_line(step, self.total, metrics)
+        if self._progress is not None:
+            info = line.split(" | ", 1)[1] if " | " in line else ""
+            self._progress.update(self._task, completed=step, info=info)
+        elif step % self.log_every == 0 or step == self.total:
+            print(line, file=self.stream, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
