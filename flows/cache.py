@@ -24,7 +24,7 @@ SCHEMA = 1  # bump when the key recipe changes, so old records are not trusted
 # Training keys that say nothing about the weights: where the ranks run and the fault-injection hook.
 _TRAIN_SECTIONS = ("device", "model", "data", "train", "parallel", "precision", "memory", "zero_stage",
                    "comm", "checkpoint", "init_from")
-_TRAIN_IGNORED = {"train": {"fail_at_step", "fail_rank", "log_every"}}
+_TRAIN_IGNORED = {"train": {"fail_at_step", "fail_rank", "fail_during", "log_every"}}
 # Files in a stage's output directory that the next stage does not read (they hold timestamps).
 _NOT_READ = {"provenance.json", "export.json"}
 _NOT_READ_SUFFIXES = (".log", ".sh", ".md", ".html", ".png", ".tmp")
@@ -129,9 +129,10 @@ def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict[
         return StageInputs(stage, cfg.export.model_dump(mode="json"), tuple(files_under(upstream["model_dir"])))
     if stage == "evaluate":
         section = {"evaluate": cfg.evaluate.model_dump(mode="json")}
-        if cfg.evaluate.data is None:  # the held-out split of the training data
-            section["data"] = cfg.data.model_dump(mode="json")
-            files = data_files(cfg, flow_dir)
+        if cfg.evaluate.data is None:  # evaluate_model then reads the shipped corpus's validation split
+            from titan_pipe.training.data import default_corpus
+
+            files = files_under(Path(default_corpus()))
         else:
             files = [_resolve(cfg.evaluate.data, flow_dir)]
         for name in ("checkpoint", "model_dir", "onnx_dir"):

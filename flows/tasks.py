@@ -46,8 +46,15 @@ def newest_complete_checkpoint(run_dir: Path) -> Path | None:
     return None
 
 
-def resume_decision(*, requested: bool, attempt: int, run_dir: Path) -> bool:
-    """Resume on a retry (attempt > 1) or when asked, and only if a complete checkpoint exists."""
+def resume_decision(*, requested: bool, attempt: int, run_dir: Path, torchrun_restarts: int = 0) -> bool:
+    """Resume on a retry (attempt > 1) or when asked, and only if a complete checkpoint exists.
+
+    With torchrun owning failures (launch.max_restarts > 0) the command always carries --resume: torchrun
+    restarts re-run the same command, and the trainer then continues from the newest complete checkpoint
+    instead of step 0 (with none yet it starts fresh). The flow clears checkpoints of other settings first.
+    """
+    if torchrun_restarts > 0:
+        return True
     return (requested or attempt > 1) and newest_complete_checkpoint(run_dir) is not None
 
 
@@ -57,7 +64,8 @@ def train_task(flow_path: Path, cfg: FlowConfig, resume: bool = False) -> StageO
 
     log, run_dir = run_logger(), cfg.run_dir().resolve()
     attempt = task_run.get_run_count()
-    resume = resume_decision(requested=resume, attempt=attempt, run_dir=run_dir)
+    resume = resume_decision(requested=resume, attempt=attempt, run_dir=run_dir,
+                             torchrun_restarts=cfg.launch.max_restarts)
     start = newest_complete_checkpoint(run_dir) if resume else None
     log.info(f"attempt {max(attempt, 1)}: " + (f"resuming from {start}" if start else "training from step 0"))
     with follow_log(RunDir(run_dir).train_log):
@@ -107,7 +115,7 @@ def evaluate_task(out_dir: Path, checkpoint: Path, model_dir: Path, onnx: Path, 
 
     run_logger().info(f"evaluating {checkpoint.name} / {model_dir.name} / {onnx.name} -> {out_dir}")
     r = evaluate_model(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
-                       data=data, settings=settings)
+                       data=data, settings=settings, progress=True)
     run_logger().info(f"verdict: {'PASS' if r.passed else 'FAIL'} ({r.report_json})")
     paths = {"report_dir": str(r.out_dir), "report_json": str(r.report_json)}
     for name in ("report.md", "report.html"):
