@@ -1,8 +1,53 @@
-"""CLI commands of this stage (to be filled in)."""
+"""`titan-pipe export`: a thin shell over titan_pipe.convert.onnx_export.export_model."""
 from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
 
 import typer
 
 
+class Dtype(str, Enum):
+    float32 = "float32"
+    float16 = "float16"
+
+
+class Precision(str, Enum):
+    origin = "origin"
+    mixed_float16 = "mixed_float16"
+    fp16 = "fp16"
+
+
 def register(app: typer.Typer) -> None:
-    return None
+    from titan_pipe.cli import console, handle_errors
+
+    @app.command("export")
+    @handle_errors
+    def export(
+        model_dir: Path = typer.Argument(..., help="Unified model dir (titan-pipe convert output or a Hugging Face LLaMA dir)"),
+        out_dir: Path = typer.Option(..., "-o", "--out", help="Directory to write model.onnx, decode.onnx, atc/, export.json"),
+        opset: int = typer.Option(14, "--opset", help="ONNX opset (ATC takes 11-15; the exporter needs >= 14)"),
+        dtype: Dtype = typer.Option(Dtype.float32, "--dtype", help="Weights/activations dtype in the graph"),
+        batch: int = typer.Option(1, "--batch", help="Batch size (static shape, and the ATC gears)"),
+        seq_len: int = typer.Option(32, "--seq-len", help="Sequence length (static shape, and the ATC gears)"),
+        dynamic: bool = typer.Option(True, "--dynamic/--static", help="Dynamic batch/sequence dims, or fixed ones"),
+        kv_cache: bool = typer.Option(True, "--kv-cache/--no-kv-cache", help="Also export decode.onnx with past/present KV"),
+        soc_version: str = typer.Option("Ascend910B3", "--soc-version", help="ATC --soc_version"),
+        atc: bool = typer.Option(True, "--atc/--no-atc", help="Run atc when it is on PATH"),
+        precision_mode: Precision = typer.Option(Precision.origin, "--precision-mode",
+                                                 help="ATC precision: origin keeps the graph dtype"),
+        expose_hidden: bool = typer.Option(False, "--expose-hidden", help="Add hidden.{i} outputs (for evaluation)"),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists"),
+    ):
+        """Export MODEL_DIR to ONNX (prefill + KV-cache decode) for Ascend ATC, with an operator report."""
+        from titan_pipe.convert.onnx_export import export_model
+
+        r = export_model(model_dir=model_dir, out_dir=out_dir, opset=opset, dtype=dtype.value, batch=batch,
+                         seq_len=seq_len, dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version,
+                         run_atc=atc, precision_mode=precision_mode.value, overwrite=overwrite,
+                         expose_hidden=expose_hidden)
+        s = r.summary
+        graphs = ", ".join(f"{f} ({g['nodes']} nodes, {g['bytes'] / 1e6:.1f} MB)" for f, g in s["graphs"].items())
+        console.print(f"exported {graphs} at opset {s['opset']}, {s['dtype']}, "
+                      f"{'dynamic' if s['dynamic'] else 'static'} shapes in {s['export_seconds']:.1f} s; "
+                      f"ATC: {r.atc_status}; report: {r.export_json}", highlight=False, soft_wrap=True)

@@ -1,0 +1,260 @@
+"""The export stage: a unified model dir -> model.onnx (+ decode.onnx), ATC command/.om, export.json.
+
+Graphs come from the TorchScript exporter (``torch.onnx.export(dynamo=False)``) because it takes
+``opset_version`` directly; the dynamo exporter emits opset >= 18, above ATC's 11..15. Opset 14
+is the default: the lowest opset at which ``scaled_dot_product_attention`` exports, and inside the
+window of every operator the graph uses (convert/data/atc_onnx_ops.json). Everything is written
+to a hidden sibling directory and renamed into place when complete, so a failure leaves nothing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from titan_pipe.convert import atc as atc_mod
+from titan_pipe.convert.atc_ops import find_problems, load_atc_ops, operator_report
+from titan_pipe.convert.export_graphs import DecodeGraph, PrefillGraph, dynamic_axes, io_names
+from titan_pipe.convert.onnx_files import check_and_infer, file_table, gather_external_data, move_files
+from titan_pipe.convert.unified import load_unified_model, locate_weights, read_model_args
+from titan_pipe.errors import UserError
+from titan_pipe.training.model import ModelArgs, count_params
+
+EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15 and >= 14 for the SDPA exporter
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """One graph to export: file name, I/O names, the dims ATC sees (-1 = dynamic) and trace dims."""
+
+    file: str
+    decode: bool
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    input_dims: dict[str, tuple[int, ...]]
+    trace_dims: dict[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    opset: int
+    dtype: str
+    batch: int
+    seq_len: int
+    dynamic: bool
+    kv_cache: bool
+    expose_hidden: bool
+    soc_version: str
+    precision_mode: str
+    run_atc: bool
+    weight_bytes: int
+    graphs: tuple[GraphPlan, ...]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out_dir: Path
+    onnx: Path
+    decode_onnx: Path | None
+    export_json: Path
+    atc_status: str  # ok | not_found | skipped
+    summary: dict
+
+
+def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", batch: int = 1, seq_len: int = 32,
+                dynamic: bool = True, kv_cache: bool = True, soc_version: str = "Ascend910B3",
+                run_atc: bool = True, precision_mode: str = "origin",
+                expose_hidden: bool = False) -> ExportPlan:
+    """Validate the options against the model and lay out the graphs (pure data, no I/O)."""
+    lo, hi = load_atc_ops()["atc_opset_window"]
+    if not isinstance(opset, int) or not lo <= opset <= hi:
+        raise UserError(f"opset {opset!r}: ATC takes ONNX opsets {lo}..{hi} only; use --opset 14 (default) or 15")
+    if opset not in EXPORT_OPSETS:
+        raise UserError(f"opset {opset}: the TorchScript exporter needs opset >= 14 for scaled_dot_product_attention; "
+                        "use --opset 14 (default) or 15")
+    if dtype not in DTYPES:
+        raise UserError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (ATC graphs carry no bfloat16)")
+    if precision_mode not in atc_mod.PRECISION_MODES:
+        raise UserError(f"precision mode {precision_mode!r} is not one of {', '.join(atc_mod.PRECISION_MODES)}")
+    if batch < 1 or seq_len < 1:
+        raise UserError(f"batch {batch} and seq_len {seq_len} must both be >= 1")
+    if seq_len + (1 if kv_cache else 0) > args.max_seq_len:
+        raise UserError(f"seq_len {seq_len} (+1 decode step) exceeds the model's max_position_embeddings "
+                        f"{args.max_seq_len} (config.json); pass a smaller --seq-len")
+    hkv, hd, n = args.kv_heads, args.head_dim, args.n_layers
+    graphs = []
+    for decode in ((False, True) if kv_cache else (False,)):
+        ins, outs = io_names(n, decode=decode, kv_cache=kv_cache, expose_hidden=expose_hidden)
+        if dynamic:  # trace with sizes > 1 so nothing specialises on a broadcastable 1
+            tb, ts, tp = max(batch, 2), (2 if decode else 3), 3
+            dims = {"input_ids": (-1, -1)}
+        else:
+            tb, ts, tp = batch, (1 if decode else seq_len), seq_len
+            dims = {"input_ids": (batch, ts)}
+        trace = {"input_ids": (tb, ts)}
+        for name in ins[1:]:
+            trace[name] = (tb, hkv, tp, hd)
+            dims[name] = (-1, hkv, -1, hd) if dynamic else (batch, hkv, seq_len, hd)
+        graphs.append(GraphPlan("decode.onnx" if decode else "model.onnx", decode, tuple(ins), tuple(outs),
+                                dims, trace))
+    itemsize = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    return ExportPlan(opset, dtype, batch, seq_len, dynamic, kv_cache, expose_hidden, soc_version,
+                      precision_mode, run_atc, count_params(args) * itemsize, tuple(graphs))
+
+
+def _check_paths(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not overwrite:
+        raise UserError(f"{out_dir} already exists; pass --overwrite to replace it (or choose another -o)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"{out_dir} exists and is not a directory; remove it or choose another -o")
+    src, dst = model_dir.resolve(), out_dir.resolve()
+    if dst == src or dst in src.parents:
+        raise UserError(f"output {out_dir} would contain or replace the source model {model_dir}; "
+                        "choose an output directory outside it")
+
+
+def _sample_inputs(g: GraphPlan, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, g.trace_dims["input_ids"], generator=gen)
+    past = [torch.randn(g.trace_dims[n], generator=gen).to(dtype) for n in g.inputs[1:]]
+    return (ids, *past)
+
+
+def _export_graph(model, args: ModelArgs, plan: ExportPlan, g: GraphPlan, work: Path) -> None:
+    """Trace one graph into ``work/g.file`` (external data gathered into ``g.file + '.data'``)."""
+    scratch = work / f".{g.file}.scratch"
+    scratch.mkdir()
+    module = (DecodeGraph(model, expose_hidden=plan.expose_hidden) if g.decode
+              else PrefillGraph(model, kv_cache=plan.kv_cache, expose_hidden=plan.expose_hidden)).eval()
+    sample = _sample_inputs(g, args.vocab_size, DTYPES[plan.dtype])
+    axes = dynamic_axes(list(g.inputs), list(g.outputs)) if plan.dynamic else None
+    if axes and not g.decode:  # in the prefill graph the cache length is the sequence length
+        axes = {k: ({0: "batch", 2: "seq"} if k.startswith("present.") else v) for k, v in axes.items()}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the exporter's deprecation and tracer notices
+        torch.onnx.export(module, sample, str(scratch / g.file), dynamo=False, opset_version=plan.opset,
+                          input_names=list(g.inputs), output_names=list(g.outputs), dynamic_axes=axes,
+                          do_constant_folding=True, export_params=True)
+    del module
+    gather_external_data(scratch / g.file)
+    move_files(scratch, work)
+    scratch.rmdir()
+
+
+def _graph_report(path: Path, plan: ExportPlan) -> dict:
+    """Check + shape-infer one graph, then its operator report; UserError if ATC would reject it."""
+    model = check_and_infer(path)
+    report = operator_report(model)
+    problems = find_problems(model, report)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise UserError(f"{path.name}: not ATC-compatible: {problems[0]}{more}")
+
+    def dims(vi):
+        return [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+
+    return {
+        "opset": plan.opset,
+        "inputs": {vi.name: dims(vi) for vi in model.graph.input},
+        "outputs": {vi.name: dims(vi) for vi in model.graph.output},
+        "n_nodes": len(model.graph.node),
+        "operators": [{"domain": u.domain, "op_type": u.op_type, "count": u.count,
+                       "since_version": u.since_version} for u in report],
+    }
+
+
+def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str = "float32", batch: int = 1,
+                 seq_len: int = 32, dynamic: bool = True, kv_cache: bool = True,
+                 soc_version: str = "Ascend910B3", run_atc: bool = True, precision_mode: str = "origin",
+                 overwrite: bool = False, expose_hidden: bool = False) -> ExportResult:
+    """Export a unified model dir to ONNX for ATC (see docs/export.md for the graphs' I/O).
+
+    Writes out_dir/{model.onnx, decode.onnx (kv_cache), *.onnx.data (graphs past 2 GB),
+    atc/command.sh, om/ (if atc ran), export.json}; nothing is left behind on failure.
+    """
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    _check_paths(model_dir, out_dir, overwrite)
+    args = read_model_args(model_dir)
+    locate_weights(model_dir)  # fail on missing weights before any work
+    plan = plan_export(args, opset=opset, dtype=dtype, batch=batch, seq_len=seq_len, dynamic=dynamic,
+                       kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
+                       precision_mode=precision_mode, expose_hidden=expose_hidden)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    t0 = time.perf_counter()
+    try:
+        work.mkdir()
+        with console.status(f"loading {model_dir} ({plan.weight_bytes / 1e9:.2f} GB as {dtype})"):
+            model, _ = load_unified_model(model_dir, dtype=DTYPES[dtype])
+        for g in plan.graphs:
+            with console.status(f"exporting {g.file} (opset {opset}, {'dynamic' if dynamic else 'static'} shapes)"):
+                _export_graph(model, args, plan, g, work)
+        del model
+        graphs = {}
+        for g in plan.graphs:
+            with console.status(f"checking {g.file} (onnx.checker full check, shape inference, ATC operators)"):
+                graphs[g.file] = _graph_report(work / g.file, plan)
+        invocations = [atc_mod.atc_invocation(
+            graph=g.file, inputs=[atc_mod.GraphInput(n, g.input_dims[n]) for n in g.inputs],
+            soc_version=soc_version, precision_mode=precision_mode, dynamic=dynamic, batch=batch,
+            seq_len=seq_len, max_len=args.max_seq_len, weight_bytes=plan.weight_bytes, decode=g.decode)
+            for g in plan.graphs]
+        (work / "atc").mkdir()
+        script = work / "atc" / "command.sh"
+        script.write_text(atc_mod.command_script(invocations, precision_mode))
+        script.chmod(0o755)
+        atc_status = "skipped"
+        if run_atc:
+            atc_status = atc_mod.run_atc(invocations, work, lambda line: console.print(line, highlight=False,
+                                                                                       markup=False))
+            if atc_status == "not_found":
+                console.print(f"atc is not on PATH: no .om built; the command is in {out_dir / 'atc' / 'command.sh'}",
+                              highlight=False, soft_wrap=True)
+        export_s = time.perf_counter() - t0
+        record = {
+            "format": "titan-pipe-export/1",
+            "source": {"model_dir": str(model_dir.resolve()), "config": args.to_dict()},
+            "options": {k: v for k, v in asdict(plan).items() if k not in ("graphs",)},
+            "exporter": {"torch": torch.__version__, "onnx": __import__("onnx").__version__,
+                         "path": "torch.onnx.export(dynamo=False)"},
+            "atc": {"status": atc_status, "soc_version": soc_version, "precision_mode": precision_mode,
+                    "commands": [list(i.argv) for i in invocations],
+                    "operator_list": {"file": "convert/data/atc_onnx_ops.json",
+                                      "cann_version": load_atc_ops()["cann_version"]}},
+            "graphs": graphs,
+            "files": file_table(work),
+            "export_seconds": round(export_s, 3),
+        }
+        (work / "export.json").write_text(json.dumps(record, indent=1) + "\n")
+        _swap_into_place(work, out_dir)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache,
+               "params": count_params(args), "weight_bytes": plan.weight_bytes,
+               "graphs": {f: {"nodes": r["n_nodes"], "bytes": record["files"][f]["bytes"]} for f, r in graphs.items()},
+               "atc_status": atc_status, "export_seconds": round(export_s, 3)}
+    return ExportResult(out_dir=out_dir, onnx=out_dir / "model.onnx",
+                        decode_onnx=out_dir / "decode.onnx" if kv_cache else None,
+                        export_json=out_dir / "export.json", atc_status=atc_status, summary=summary)
+
+
+def _swap_into_place(work: Path, out_dir: Path) -> None:
+    """Rename the finished ``work`` dir to ``out_dir``, replacing an old one only at the very end."""
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        out_dir.rename(old)
+    work.rename(out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

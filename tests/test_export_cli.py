@@ -1,0 +1,91 @@
+"""`titan-pipe export`: a static export end to end, and bad input -> one clear line, exit 1, nothing left."""
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from export_support import debug_model, write_unified
+from titan_pipe.cli import app
+
+ort = pytest.importorskip("onnxruntime")
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    model, args = debug_model()
+    return write_unified(model, args, tmp_path_factory.mktemp("src") / "model"), model, args
+
+
+def _run(*argv):
+    return runner.invoke(app, ["export", *map(str, argv)])
+
+
+def _leftovers(parent):
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+def test_static_export_via_cli(model_dir, tmp_path):
+    src, model, args = model_dir
+    before = sorted(p.name for p in src.iterdir())
+    res = _run(src, "-o", tmp_path / "out", "--static", "--batch", 2, "--seq-len", 12, "--opset", 15,
+               "--precision-mode", "mixed_float16")
+    assert res.exit_code == 0, res.output
+    assert "ATC: not_found" in res.output or "ATC: ok" in res.output
+    out = tmp_path / "out"
+    record = json.loads((out / "export.json").read_text())
+    assert record["options"]["opset"] == 15 and record["options"]["dynamic"] is False
+    assert record["graphs"]["model.onnx"]["inputs"] == {"input_ids": [2, 12]}
+    assert record["graphs"]["decode.onnx"]["inputs"]["past_key_values.0.key"] == [2, args.kv_heads, 12, args.head_dim]
+    assert record["graphs"]["decode.onnx"]["outputs"]["present.0.key"] == [2, args.kv_heads, 13, args.head_dim]
+    script = (out / "atc" / "command.sh").read_text()
+    assert "--input_shape=input_ids:2,12" in script and "--precision_mode_v2=mixed_float16" in script
+    assert "--dynamic_dims" not in script
+    tokens = torch.randint(0, args.vocab_size, (2, 12))
+    got = ort.InferenceSession(str(out / "model.onnx")).run(["logits"], {"input_ids": tokens.numpy()})[0]
+    with torch.no_grad():
+        assert np.abs(got - model(tokens).numpy()).max() <= 1e-4
+    assert sorted(p.name for p in src.iterdir()) == before  # the source is never touched
+    assert _leftovers(tmp_path) == []
+
+    res = _run(src, "-o", out)  # exists: refuse
+    assert res.exit_code == 1 and "already exists; pass --overwrite" in res.output
+    res = _run(src, "-o", out, "--overwrite", "--no-kv-cache", "--no-atc")
+    assert res.exit_code == 0, res.output
+    assert not (out / "decode.onnx").exists() and json.loads((out / "export.json").read_text())["atc"]["status"] == "skipped"
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no_config", "config.json: missing"),
+    ("mismatch", "has shape"),
+    ("opset16", "ATC takes ONNX opsets 11..15 only"),
+    ("opset12", "needs opset >= 14"),
+    ("too_long", "exceeds the model's max_position_embeddings"),
+])
+def test_bad_input_fails_cleanly(model_dir, tmp_path, case, message):
+    src, model, args = model_dir
+    argv = []
+    if case in ("no_config", "mismatch"):
+        src = write_unified(model, args, tmp_path / "bad")
+        if case == "no_config":
+            (src / "config.json").unlink()
+        else:
+            cfg = json.loads((src / "config.json").read_text())
+            cfg["hidden_size"], cfg["head_dim"] = 128, 32
+            (src / "config.json").write_text(json.dumps(cfg))
+    argv = {"opset16": ["--opset", 16], "opset12": ["--opset", 12], "too_long": ["--seq-len", 256]}.get(case, [])
+    out = tmp_path / "out"
+    res = _run(src, "-o", out, *argv)
+    assert res.exit_code == 1
+    assert message in res.output and "Traceback" not in res.output
+    assert len(res.output.strip().splitlines()) <= 3  # one message (soft-wrapped at most)
+    assert not out.exists() and _leftovers(tmp_path) == []
+
+
+def test_out_dir_may_not_be_the_source(model_dir):
+    src, _, _ = model_dir
+    res = _run(src, "-o", src, "--overwrite")
+    assert res.exit_code == 1 and "would contain or replace the source" in res.output
+    assert (src / "model.safetensors").is_file()
