@@ -1,8 +1,53 @@
-"""CLI commands of this stage (to be filled in)."""
+"""CLI of the convert stage: `titan-pipe convert` and `titan-pipe inspect` (thin shells over the library)."""
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
 
 import typer
 
 
 def register(app: typer.Typer) -> None:
-    return None
+    from titan_pipe.cli import handle_errors
+
+    @app.command("convert")
+    @handle_errors
+    def convert(
+        src: Path = typer.Argument(..., help="Checkpoint dir: titan-pipe, DCP/torchtitan, Megatron-LM or Hugging Face"),
+        out: Path = typer.Option(..., "-o", "--out", help="Output directory (must be empty or absent)"),
+        source_format: str = typer.Option("auto", "--from", help="auto | titan | dcp | megatron | hf"),
+        naming: str = typer.Option("hf", "--naming", help="hf (transformers loads it) | native"),
+        dtype: str = typer.Option("keep", "--dtype", help="keep | float32 | float16 | bfloat16"),
+        max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Split the output past this size"),
+        tp: Optional[int] = typer.Option(None, "--tp", help="Write our sharded layout with this TP size"),
+        pp: Optional[int] = typer.Option(None, "--pp", help="... and this number of pipeline stages"),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory"),
+        vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="True vocab size (Megatron padded vocab)"),
+        model_config: Optional[Path] = typer.Option(None, "--model-config", help="params.json / config.json for DCP sources"),
+    ):
+        """Convert a sharded checkpoint into one Hugging Face safetensors model (or reshard it)."""
+        from titan_pipe.convert.api import convert_checkpoint
+
+        r = convert_checkpoint(src=src, out_dir=out, source_format=source_format, naming=naming,
+                               dtype=dtype, max_shard_size=max_shard_size, tp=tp, pp=pp,
+                               overwrite=overwrite, vocab_size=vocab_size, model_config=model_config)
+        s = r.summary
+        typer.echo(f"converted {s['format']} {s['src']} (step {s['step']}, {s['layout']}) -> {r.out_dir}: "
+                   f"{s['tensors']} tensors, {s['bytes'] / 1e6:.1f} MB in {s['files']} file(s), "
+                   f"{s['wall_s']:.2f} s")
+
+    @app.command("inspect")
+    @handle_errors
+    def inspect(
+        src: Path = typer.Argument(..., help="Checkpoint dir to describe (no tensor data is read)"),
+        source_format: str = typer.Option("auto", "--from", help="auto | titan | dcp | megatron | hf"),
+        vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="True vocab size (Megatron)"),
+        model_config: Optional[Path] = typer.Option(None, "--model-config", help="params.json / config.json for DCP"),
+    ):
+        """Print a checkpoint's format, layout, parameters (shape, dtype, split) and size."""
+        from rich.console import Console
+
+        from titan_pipe.convert.inspect import inspect_checkpoint, render
+
+        render(inspect_checkpoint(src=src, source_format=source_format, vocab_size=vocab_size,
+                                  model_config=model_config), Console(width=160))

@@ -119,3 +119,65 @@ def from_hf_config(cfg: dict, *, source: str = "config.json") -> ModelArgs:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
     except KeyError as e:
         raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Canonical order and the tables of the other source formats
+
+_LAYER_PARAMS = ("attention_norm", "attention.wq", "attention.wk", "attention.wv", "attention.wo",
+                 "ffn_norm", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
+
+
+def native_names(args: ModelArgs) -> list[str]:
+    """Every native parameter name of a model, in model order (the order outputs are written in).
+
+    With tied embeddings ``output.weight`` is the embedding matrix and is not listed.
+    """
+    names = ["tok_embeddings.weight"]
+    for i in range(args.n_layers):
+        names += [f"layers.{i}.{p}.weight" for p in _LAYER_PARAMS]
+    names.append("norm.weight")
+    if not args.tie_embeddings:
+        names.append("output.weight")
+    return names
+
+
+# torchtitan / Meta (DCP) names are the native names; only the q/k row order differs (interleaved
+# RoPE pairs), which the DCP reader undoes. Full training checkpoints nest the model under "model.".
+TORCHTITAN_MODEL_PREFIX = "model."
+
+# Megatron-LM (megatron-core GPTModel) names, with {i} the layer index LOCAL to a pipeline stage.
+# Values: the native name, or a fused tensor the Megatron reader splits (qkv, fc1).
+MEGATRON_TO_NATIVE: tuple[tuple[str, str], ...] = (
+    ("embedding.word_embeddings.weight", "tok_embeddings.weight"),
+    ("decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight", "layers.{i}.attention_norm.weight"),
+    ("decoder.layers.{i}.input_layernorm.weight", "layers.{i}.attention_norm.weight"),
+    ("decoder.layers.{i}.self_attention.linear_qkv.weight", "<qkv>"),
+    ("decoder.layers.{i}.self_attention.linear_proj.weight", "layers.{i}.attention.wo.weight"),
+    ("decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight", "layers.{i}.ffn_norm.weight"),
+    ("decoder.layers.{i}.pre_mlp_layernorm.weight", "layers.{i}.ffn_norm.weight"),
+    ("decoder.layers.{i}.mlp.linear_fc1.weight", "<fc1>"),
+    ("decoder.layers.{i}.mlp.linear_fc2.weight", "layers.{i}.feed_forward.w2.weight"),
+    ("decoder.final_layernorm.weight", "norm.weight"),
+    ("output_layer.weight", "output.weight"),
+)
+_M2N = [(_compile(m), n) for m, n in MEGATRON_TO_NATIVE]
+
+
+def megatron_to_native(name: str, layer_offset: int) -> str | None:
+    """Native name (or '<qkv>'/'<fc1>' with the global layer id: '<qkv>:5') of a Megatron key.
+
+    None for keys that hold no weights (``_extra_state`` of Transformer Engine modules); KeyError
+    for anything else unknown (a bias, an MoE expert...), which the reader reports.
+    """
+    if name.endswith("._extra_state"):
+        return None
+    for rx, target in _M2N:
+        m = rx.match(name)
+        if m:
+            i = m.groupdict().get("i")
+            gid = None if i is None else int(i) + layer_offset
+            if target.startswith("<"):
+                return f"{target}:{gid}"
+            return target.format(i=gid) if gid is not None else target
+    raise KeyError(f"no native name for Megatron parameter {name!r} (convert/names.py)")

@@ -1,0 +1,206 @@
+"""convert_checkpoint: any supported checkpoint -> a unified Hugging Face model, or our sharded layout.
+
+Plan first (reader -> SourcePlan -> OutputPlan, all pure data and header reads), then stream: each
+output file is written by reshard.write_file into a hidden temporary directory beside ``out_dir``
+while a background thread hashes the sources; only when every file is complete and every hash
+checks out is the directory renamed into place. On any error the temporary directory is removed,
+an existing ``out_dir`` is left as it was, and the source is never opened for writing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+from titan_pipe.convert.detect import open_source
+from titan_pipe.convert.hashing import BackgroundHasher, sha256_file
+from titan_pipe.convert.layout import MANIFEST_NAME, Chunk, FileInfo, LayoutError, Manifest, ParamSpec
+from titan_pipe.convert.names import to_hf_config
+from titan_pipe.convert.plan import (HF_DTYPE_NAMES, OUT_DTYPES, OutputPlan, SourcePlan, parse_size,
+                                     plan_sharded, plan_unified)
+from titan_pipe.convert.reshard import write_file
+from titan_pipe.errors import UserError
+from titan_pipe.training.model import build_model
+from titan_pipe.training.sharding import stage_ranks, tp_split_dim
+
+CONVERTER_VERSION = "titan-pipe-convert 1"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ConvertResult:
+    out_dir: Path
+    files: list[Path]
+    summary: dict = field(default_factory=dict)
+
+
+def check_shapes(plan: SourcePlan) -> None:
+    """Every tensor has the shape the model config implies (a meta-device model; no memory)."""
+    model = build_model(plan.args, seed=None, device="meta")
+    want = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    for name, t in plan.tensors.items():
+        if name in want and want[name] != t.shape:
+            raise UserError(f"{plan.root}: {name} has shape {list(t.shape)} but the model config "
+                            f"implies {list(want[name])}; the checkpoint and its config disagree")
+
+
+def _check_out_dir(src: Path, out_dir: Path, overwrite: bool) -> None:
+    s, o = src.resolve(), out_dir.resolve()
+    if o == s or s in o.parents or o in s.parents:
+        raise UserError(f"{out_dir}: the output directory must lie outside the source {src} (and "
+                        "not contain it); choose another -o")
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            raise UserError(f"{out_dir}: exists and is not a directory; choose another -o")
+        if any(out_dir.iterdir()) and not overwrite:
+            raise UserError(f"{out_dir}: is not empty; pass --overwrite to replace it or choose "
+                            "another -o")
+
+
+def _config_dtype(out: OutputPlan) -> str:
+    dtypes = {t.dtype for f in out.files for t in f.tensors}
+    return HF_DTYPE_NAMES.get(dtypes.pop(), "float32") if len(dtypes) == 1 else "float32"
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _write_unified_meta(tmp: Path, src: SourcePlan, out: OutputPlan) -> list[Path]:
+    written = []
+    if len(out.files) > 1:
+        index = {"metadata": {"total_size": sum(f.nbytes for f in out.files)},
+                 "weight_map": {t.key: f.name for f in out.files for t in f.tensors}}
+        _write_json(tmp / INDEX_NAME, index)
+        written.append(tmp / INDEX_NAME)
+    _write_json(tmp / "config.json", to_hf_config(src.args, torch_dtype=_config_dtype(out)))
+    written.append(tmp / "config.json")
+    return written
+
+
+def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan) -> Path:
+    """manifest.json for a sharded output, written last (it marks the checkpoint complete)."""
+    params: dict[str, ParamSpec] = {}
+    for f in out.files:
+        stage = int(f.name.split("/")[-1].split("-")[0][2:])
+        for t in f.tensors:
+            p = params.setdefault(t.key, ParamSpec(t.key, t.source.shape, t.dtype,
+                                                   tp_split_dim(t.key) if out.tp > 1 else None, stage))
+            p.chunks.append(Chunk(f.name, t.key, t.region))
+    files = {}
+    for f in out.files:
+        path = tmp / f.name
+        files[f.name] = FileInfo(path.stat().st_size, sha256_file(path))
+    m = Manifest(step=src.step or 0, model=src.args.to_dict(),
+                 parallel={"dp": 1, "tp": out.tp, "pp": out.pp,
+                           "pp_schedule": src.layout.get("pp_schedule") or ("1f1b" if out.pp > 1 else "gpipe"),
+                           "stages": [list(s) for s in out.stages], "stage_ranks": stage_ranks(out.pp, out.pp)},
+                 params=params, files=files,
+                 extra={"converted_from": {"format": src.format, "path": str(src.root)},
+                        "optimizer": None})
+    m.validate()
+    path = tmp / MANIFEST_NAME
+    tmp_m = path.with_name(f".{path.name}.partial")
+    tmp_m.write_text(m.to_json())
+    os.replace(tmp_m, path)
+    return path
+
+
+def _progress(enabled: bool):
+    console = Console(stderr=True)
+    if not enabled or not console.is_terminal:
+        return nullcontext(None)
+    return Progress(TextColumn("[bold]convert[/bold] {task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), TimeRemainingColumn(), console=console,
+                    transient=True)
+
+
+def _move_into_place(tmp: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+
+
+def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto", naming: str = "hf",
+                       dtype: str = "keep", max_shard_size: str | int = "5GB", tp: int | None = None,
+                       pp: int | None = None, overwrite: bool = False, vocab_size: int | None = None,
+                       model_config: Path | None = None, progress: bool = True) -> ConvertResult:
+    """Convert ``src`` into ``out_dir``.
+
+    Default: ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` + index past
+    ``max_shard_size``), ``config.json`` (LlamaConfig) and ``provenance.json``. With ``tp``/``pp``:
+    our sharded layout (``manifest.json`` + ``model/pp{s}-tp{r}.safetensors``, native names,
+    no optimizer state). ``model_config``: a params.json/config.json for sources without one (DCP).
+    """
+    t0 = time.perf_counter()
+    src, out_dir = Path(src), Path(out_dir)
+    if dtype != "keep" and dtype not in OUT_DTYPES:
+        raise UserError(f"--dtype {dtype!r} is not one of keep, {', '.join(OUT_DTYPES)}")
+    if naming not in ("hf", "native"):
+        raise UserError(f"--naming {naming!r} is not one of hf, native")
+    try:
+        limit = parse_size(max_shard_size)
+    except ValueError as e:
+        raise UserError(f"--max-shard-size: {e}") from None
+    sharded = tp is not None or pp is not None
+    _check_out_dir(src, out_dir, overwrite)
+    plan, store = open_source(src, source_format, vocab_size=vocab_size, model_config=model_config)
+    with store:
+        check_shapes(plan)
+        try:
+            plan.check()
+            out = (plan_sharded(plan, tp=tp or 1, pp=pp or 1, dtype=dtype) if sharded
+                   else plan_unified(plan, naming=naming, dtype=dtype, max_shard_size=limit))
+        except (LayoutError, ValueError) as e:
+            raise UserError(f"{plan.root}: {e}") from None
+        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        hasher = BackgroundHasher(plan.root, plan.files, plan.expected_sha256).start()
+        total = sum(f.nbytes for f in out.files)
+        try:
+            with _progress(progress) as bar:
+                task = bar.add_task(str(src), total=total) if bar else None
+                advance = (lambda n: bar.advance(task, n)) if bar else (lambda n: None)
+                written = [write_file(tmp, f, store, metadata={"format": "pt"}, advance=advance)
+                           for f in out.files]
+            digests = hasher.result()
+            if sharded:
+                written.append(_write_manifest(tmp, plan, out))
+            else:
+                written += _write_unified_meta(tmp, plan, out)
+            provenance = {
+                "source": {"format": plan.format, "path": str(plan.root.resolve()), "step": plan.step,
+                           "layout": plan.layout, "sha256": digests},
+                "converter": CONVERTER_VERSION,
+                "output": {"kind": out.kind, "naming": "native" if sharded else naming, "dtype": dtype,
+                           "tp": out.tp, "pp": out.pp,
+                           "files": [str(p.relative_to(tmp)) for p in written]},
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            _write_json(tmp / "provenance.json", provenance)
+            _move_into_place(tmp, out_dir)
+        except BaseException:
+            hasher.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    files = [out_dir / p.relative_to(tmp) for p in written] + [out_dir / "provenance.json"]
+    wall = time.perf_counter() - t0
+    summary = {"format": plan.format, "src": str(plan.root), "step": plan.step, "layout": plan.layout,
+               "output": out.kind, "tp": out.tp, "pp": out.pp, "tensors": len(plan.tensors),
+               "bytes": total, "files": len(out.files), "wall_s": round(wall, 3),
+               "gb_per_s": round(total / wall / 1e9, 3) if wall > 0 else None}
+    return ConvertResult(out_dir=out_dir, files=files, summary=summary)

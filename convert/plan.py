@@ -1,0 +1,242 @@
+"""The conversion plan as pure data: for each output tensor, which boxes of which stored tensors fill it.
+
+Every reader turns its source format into a ``SourcePlan``: global tensors (native names, global
+shapes) each with ``Read``s, a read copying one box of a *stored* tensor (a shard, a fused
+Megatron tensor, a DCP chunk) to one box of the global tensor. A read is a translation of a box,
+optionally with the rows of each attention head reordered (Meta/torchtitan interleaved RoPE pairs
+-> Hugging Face rotate-half). Fused QKV, fused gate/up, padded vocabularies and pipeline layer
+offsets are all just reads with the right boxes.
+
+``plan_unified`` and ``plan_sharded`` then say which output file and key receives which *region*
+of each global tensor. Nothing here touches a file.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from titan_pipe.convert.layout import Box, LayoutError, split_box
+from titan_pipe.convert.names import native_to_hf
+from titan_pipe.training.model import ModelArgs
+from titan_pipe.training.sharding import split_stages, stage_of, tp_split_dim
+
+# safetensors dtype names <-> element sizes; the torch dtypes live in reshard.py (I/O side).
+DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+               "U8": 1, "BOOL": 1}
+OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+HF_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+@dataclass(frozen=True)
+class Read:
+    """Copy ``src_box`` of stored tensor ``file``/``key`` onto ``dst_box`` of the global tensor.
+
+    ``rope_head_dim``: the rows of the source box are whole attention heads of this size in
+    interleaved (Meta) RoPE order; they land in rotate-half order (row 2i -> i, 2i+1 -> hd/2 + i).
+    """
+
+    file: str
+    key: str
+    src_box: Box
+    dst_box: Box
+    rope_head_dim: int | None = None
+
+    def clip(self, region: Box) -> "Read | None":
+        """This read restricted to the part of ``dst_box`` inside ``region`` (global coordinates)."""
+        hit = self.dst_box.intersect(region)
+        if hit is None:
+            return None
+        if hit == self.dst_box:
+            return self
+        if self.rope_head_dim and (hit.offsets[0] - self.dst_box.offsets[0]) % self.rope_head_dim:
+            raise LayoutError(f"{self.key}: a region boundary at row {hit.offsets[0]} cuts an "
+                              f"attention head of {self.rope_head_dim} rows")
+        shift = [s - d for s, d in zip(self.src_box.offsets, self.dst_box.offsets)]
+        src = Box(tuple(o + s for o, s in zip(hit.offsets, shift)), hit.lengths)
+        return Read(self.file, self.key, src, hit, self.rope_head_dim)
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One global tensor (native name) and the reads that fill it exactly once."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name of the stored data
+    reads: tuple[Read, ...]
+    split: str = "replicated"  # how the source holds it, for inspect: "dim 0 over tp=2", "fused qkv" ...
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+    def check_coverage(self) -> None:
+        """Every element written exactly once; replicas (equal dst boxes) must be dropped before."""
+        total = math.prod(self.shape)
+        for i, r in enumerate(self.reads):
+            if not r.dst_box.within(self.shape):
+                raise LayoutError(f"{self.name}: {r.file}:{r.key} box {r.dst_box} lies outside "
+                                  f"shape {self.shape}")
+            for other in self.reads[:i]:
+                if r.dst_box.intersect(other.dst_box) is not None:
+                    raise LayoutError(f"{self.name}: {other.file} and {r.file} claim overlapping "
+                                      f"boxes {other.dst_box} and {r.dst_box}")
+        covered = sum(r.dst_box.numel for r in self.reads)
+        if covered != total:
+            raise LayoutError(f"{self.name}: the shards cover {covered} of {total} elements; "
+                              "a shard or chunk is missing")
+
+
+@dataclass
+class SourcePlan:
+    """A whole source checkpoint as global tensors; the common language of all readers."""
+
+    format: str  # titan | dcp | megatron | hf
+    root: Path
+    args: ModelArgs
+    tensors: dict[str, TensorPlan]  # native name -> plan, in model order
+    files: list[str]  # every data file the plan reads, relative to root
+    step: int | None = None
+    layout: dict = field(default_factory=dict)  # tp, pp, ... as found (for inspect/provenance)
+    expected_sha256: dict[str, str] = field(default_factory=dict)  # file -> sha256 (titan manifest)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def check(self) -> None:
+        for t in self.tensors.values():
+            t.check_coverage()
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """Output key ``key`` of file receives ``region`` of global tensor ``source`` as ``dtype``."""
+
+    key: str
+    source: TensorPlan
+    region: Box
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.region.lengths
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.numel * DTYPE_SIZES[self.dtype]
+
+    def reads(self) -> list[Read]:
+        """The source reads clipped to the region, with dst boxes made relative to the region."""
+        out = []
+        for r in self.source.reads:
+            c = r.clip(self.region)
+            if c is None:
+                continue
+            rel = Box(tuple(o - ro for o, ro in zip(c.dst_box.offsets, self.region.offsets)),
+                      c.dst_box.lengths)
+            out.append(Read(c.file, c.key, c.src_box, rel, c.rope_head_dim))
+        return out
+
+
+@dataclass(frozen=True)
+class OutFile:
+    name: str  # relative to the output directory
+    tensors: tuple[OutTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    kind: str  # "unified" | "sharded"
+    files: tuple[OutFile, ...]
+    tp: int = 1
+    pp: int = 1
+    stages: tuple[tuple[int, ...], ...] = ()
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5e9 bytes (decimal units as in Hugging Face; KiB/MiB/GiB binary)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"max shard size {text!r} is not a size like 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+
+
+def output_dtype(src_dtype: str, dtype: str) -> str:
+    if dtype == "keep":
+        return src_dtype
+    if dtype not in OUT_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of keep, {', '.join(OUT_DTYPES)}")
+    return OUT_DTYPES[dtype]
+
+
+def _unified_tensors(src: SourcePlan) -> list[TensorPlan]:
+    """The tensors a unified model holds: a tied output matrix is the embedding, so it is left out."""
+    return [t for n, t in src.tensors.items() if not (src.args.tie_embeddings and n == "output.weight")]
+
+
+def plan_unified(src: SourcePlan, *, naming: str = "hf", dtype: str = "keep",
+                 max_shard_size: int = 5 * 10**9) -> OutputPlan:
+    """One model.safetensors, or model-0000k-of-0000n.safetensors when past ``max_shard_size``.
+
+    Shards are filled greedily in model order (as transformers' save_pretrained does); a tensor
+    larger than the limit gets a file of its own.
+    """
+    if naming not in ("hf", "native"):
+        raise ValueError(f"naming {naming!r} is not one of hf, native")
+    outs = [OutTensor(native_to_hf(t.name) if naming == "hf" else t.name, t, Box.full(t.shape),
+                      output_dtype(t.dtype, dtype)) for t in _unified_tensors(src)]
+    groups: list[list[OutTensor]] = [[]]
+    size = 0
+    for o in outs:
+        if groups[-1] and size + o.nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(o)
+        size += o.nbytes
+    if len(groups) == 1:
+        return OutputPlan("unified", (OutFile("model.safetensors", tuple(groups[0])),))
+    n = len(groups)
+    return OutputPlan("unified", tuple(OutFile(f"model-{k + 1:05d}-of-{n:05d}.safetensors", tuple(g))
+                                       for k, g in enumerate(groups)))
+
+
+def plan_sharded(src: SourcePlan, *, tp: int, pp: int, dtype: str = "keep") -> OutputPlan:
+    """Our own checkpoint layout: model/pp{stage}-tp{rank}.safetensors, native keys, local tensors.
+
+    Split dims come from the sharding table (training/sharding.py), stages from split_stages, as
+    the trainer does; replicated tensors (norms) sit in every tp rank's file of their stage, so
+    each rank can load its own file alone.
+    """
+    args = src.args
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tp {tp} --pp {pp}: both must be >= 1")
+    for what, n in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
+                    ("vocab_size", args.vocab_size), ("ffn hidden size", args.hidden_dim)):
+        if n % tp:
+            raise ValueError(f"--tp {tp} does not divide the model's {what} ({n})")
+    stages = split_stages(args.n_layers, pp)  # raises ValueError naming the numbers
+    files = []
+    for s in range(pp):
+        for r in range(tp):
+            outs = []
+            for t in _unified_tensors(src):
+                if stage_of(t.name, stages) != s:
+                    continue
+                region = split_box(t.shape, tp_split_dim(t.name), tp, r)
+                outs.append(OutTensor(t.name, t, region, output_dtype(t.dtype, dtype)))
+            files.append(OutFile(f"model/pp{s}-tp{r}.safetensors", tuple(outs)))
+    return OutputPlan("sharded", tuple(files), tp=tp, pp=pp, stages=tuple(tuple(x) for x in stages))

@@ -1,0 +1,75 @@
+"""Reader for Hugging Face LLaMA directories: config.json + model.safetensors (or shards + index).
+
+Hugging Face q/k rows are in rotate-half order, as ours are, so every tensor is one whole-box read
+under its native name. Only safetensors weights are read (pytorch_model.bin is a pickle).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from titan_pipe.convert.layout import Box
+from titan_pipe.convert.names import from_hf_config, hf_to_native, native_names
+from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
+from titan_pipe.convert.readers.store import SafetensorsStore, read_header
+from titan_pipe.errors import UserError
+
+FORMAT = "hf"
+INDEX = "model.safetensors.index.json"
+
+
+def looks_like(path: Path) -> bool:
+    return (path / "config.json").is_file() and (
+        (path / INDEX).is_file() or any(path.glob("*.safetensors")))
+
+
+def weight_files(path: Path) -> list[str]:
+    if (path / INDEX).is_file():
+        try:
+            wm = json.loads((path / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise UserError(f"{path / INDEX}: not a valid safetensors index ({e})") from None
+        return sorted(set(wm.values()))
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        hint = " (only pytorch_model.bin: re-save with safe_serialization=True)" if any(
+            path.glob("pytorch_model*.bin")) else ""
+        raise UserError(f"{path}: no *.safetensors weights{hint}")
+    return files
+
+
+def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
+                read_headers: bool = True) -> tuple[SourcePlan, SafetensorsStore]:
+    cfg_path = path / "config.json"
+    try:
+        args = from_hf_config(json.loads(cfg_path.read_text()), source=str(cfg_path))
+    except FileNotFoundError:
+        raise UserError(f"{cfg_path}: missing; a Hugging Face model directory needs its config.json") from None
+    except ValueError as e:
+        raise UserError(f"{cfg_path}: {e}" if str(cfg_path) not in str(e) else str(e)) from None
+    if vocab_size is not None and vocab_size != args.vocab_size:
+        raise UserError(f"--vocab-size {vocab_size} disagrees with {cfg_path} (vocab_size "
+                        f"{args.vocab_size}); drop --vocab-size for Hugging Face models")
+    store = SafetensorsStore(path)
+    found: dict[str, tuple[str, str]] = {}  # native name -> (file, hf key)
+    for f in weight_files(path):
+        header = read_header(path / f)[0]
+        store.headers[f] = header
+        for key in header:
+            if "rotary_emb" in key:
+                continue  # a buffer some old exports saved, recomputed from the config
+            try:
+                found[hf_to_native(key)] = (f, key)
+            except KeyError as e:
+                raise UserError(f"{path / f}: {e.args[0]}; titan-pipe converts plain LLaMA "
+                                "weights only") from None
+    tensors = {}
+    for name in native_names(args):
+        if name not in found:
+            raise UserError(f"{path}: no tensor for {name!r} in {', '.join(weight_files(path))}; "
+                            "the model is incomplete")
+        f, key = found[name]
+        st = store.headers[f][key]
+        tensors[name] = TensorPlan(name, st.shape, st.dtype,
+                                   (Read(f, key, Box.full(st.shape), Box.full(st.shape)),), "whole")
+    return SourcePlan(FORMAT, path, args, tensors, files=weight_files(path), layout={"tp": 1, "pp": 1}), store

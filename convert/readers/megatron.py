@@ -1,0 +1,348 @@
+"""Reader for Megatron-LM legacy checkpoints of megatron-core GPT/LLaMA models.
+
+Tree: ``latest_checkpointed_iteration.txt`` + ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``
+(TT: tp rank, PPP: pp rank when pp > 1). Each file is a pickle; it is opened with
+``torch.load(weights_only=True, mmap=True)`` and an explicit allow-list (argparse.Namespace, the
+numpy types of the saved RNG state, stand-ins for Megatron's enums) -- never a plain unpickle --
+one rank file at a time as the plan reaches it.
+
+Plan rules (all boxes, see convert/plan.py):
+- ``linear_qkv`` (per rank: its query groups, each = that group's q heads, then its k head, then
+  its v head) -> wq/wk/wv rows of the group's global heads;
+- ``linear_fc1`` (per rank: its gate slice, then its up slice) -> w1 / w3 rows;
+- vocabulary padded to ``make_vocab_size_divisible_by x tp``: rows past the true vocab (from
+  ``args``, ``--vocab-size`` or a tokenizer.json) are not read;
+- layer indices are local to each pipeline stage: global id = stage's first layer + local id;
+- layer norms fused into the linear layers (``layer_norm_weight``) or standalone, replicated
+  over tp: read from tp rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import pickle
+import re
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from titan_pipe.convert.layout import Box
+from titan_pipe.convert.names import megatron_to_native, native_names
+from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
+from titan_pipe.convert.readers.store import DTYPE_NAMES, Store
+from titan_pipe.errors import UserError
+from titan_pipe.training.model import ModelArgs, RopeScaling
+
+FORMAT = "megatron"
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+class MegatronEnum:
+    """Stand-in for a Megatron enum member found in ``args`` (we only keep its name and value)."""
+
+    def __init__(self, *value):
+        self.value = value[0] if len(value) == 1 else value
+
+    def __repr__(self) -> str:
+        return f"MegatronEnum({self.value!r})"
+
+
+def _stand_in(qualname: str):
+    return (type(qualname.rsplit(".", 1)[1], (MegatronEnum,), {}), qualname)
+
+
+_NP_RECONSTRUCT = np._core.multiarray._reconstruct if hasattr(np, "_core") else np.core.multiarray._reconstruct
+ALLOWED = [
+    argparse.Namespace,
+    np.ndarray, np.dtype, type(np.dtype(np.uint32)), type(np.dtype(np.float64)),
+    type(np.dtype(np.int64)),
+    (_NP_RECONSTRUCT, "numpy.core.multiarray._reconstruct"),
+    (_NP_RECONSTRUCT, "numpy._core.multiarray._reconstruct"),
+    _stand_in("megatron.core.transformer.enums.AttnBackend"),
+    _stand_in("megatron.core.transformer.enums.AttnMaskType"),
+    _stand_in("megatron.core.enums.ModelType"),
+    _stand_in("megatron.core.transformer.enums.ModelType"),
+    _stand_in("megatron.core.transformer.enums.LayerType"),
+]
+
+
+def load_rank_file(path: Path) -> dict:
+    """One model_optim_rng.pt, tensors memory-mapped, through the allow-list only."""
+    try:
+        with torch.serialization.safe_globals(ALLOWED):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing rank file; copy the complete checkpoint") from None
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0][:200]
+        raise UserError(f"{path}: refused to unpickle ({first}). titan-pipe loads Megatron files "
+                        "with weights_only=True and an allow-list (convert/readers/megatron.py "
+                        "ALLOWED); the file holds a type outside it or is corrupted") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise UserError(f"{path}: not a readable torch checkpoint ({str(e).splitlines()[0][:160]}); "
+                        "it is truncated or corrupted") from None
+
+
+def _iter_dir(path: Path) -> Path | None:
+    if any(_RANK_DIR.match(p.name) for p in path.iterdir() if p.is_dir()):
+        return path
+    tracker = path / TRACKER
+    if tracker.is_file():
+        it = tracker.read_text().strip()
+        d = path / ("release" if it == "release" else f"iter_{int(it):07d}") if (
+            it == "release" or it.isdigit()) else None
+        if d is None:
+            raise UserError(f"{tracker}: holds {it!r}, expected an iteration number or 'release'")
+        if not d.is_dir():
+            raise UserError(f"{tracker}: points at {d.name}, which is missing; copy the checkpoint again")
+        return d
+    iters = sorted(p for p in path.glob("iter_*") if p.is_dir())
+    return iters[-1] if iters else None
+
+
+def looks_like(path: Path) -> bool:
+    try:
+        return _iter_dir(path) is not None
+    except UserError:
+        return (path / TRACKER).is_file()
+
+
+def rank_files(it_dir: Path) -> dict[tuple[int, int], str]:
+    """(tp rank, pp rank) -> file relative to the iteration dir."""
+    out = {}
+    for p in it_dir.iterdir():
+        m = _RANK_DIR.match(p.name)
+        if m and p.is_dir():
+            out[(int(m.group(1)), int(m.group(2) or 0))] = f"{p.name}/{FILE}"
+    return out
+
+
+def _true_vocab(a, root: Path, vocab_size: int | None) -> int:
+    if vocab_size is not None:
+        return vocab_size
+    if getattr(a, "vocab_size", None):
+        return int(a.vocab_size)
+    for d in (root, root.parent):
+        tok = d / "tokenizer.json"
+        if tok.is_file():
+            from tokenizers import Tokenizer
+
+            return Tokenizer.from_file(str(tok)).get_vocab_size(with_added_tokens=True)
+    raise UserError(f"{root}: the checkpoint's args hold only the padded vocabulary "
+                    f"({getattr(a, 'padded_vocab_size', '?')}); pass --vocab-size N (the tokenizer's "
+                    "size) or put its tokenizer.json beside the checkpoint")
+
+
+def _stage_layers(a, pp: int) -> list[int]:
+    """Number of layers per pp stage (even, or Megatron's first/last-stage overrides)."""
+    n = int(a.num_layers)
+    first = getattr(a, "decoder_first_pipeline_num_layers", None)
+    last = getattr(a, "decoder_last_pipeline_num_layers", None)
+    if pp == 1:
+        return [n]
+    counts: list[int | None] = [None] * pp
+    if first:
+        counts[0] = int(first)
+    if last:
+        counts[-1] = int(last)
+    rest = n - sum(c for c in counts if c)
+    free = counts.count(None)
+    if free and rest % free:
+        raise UserError(f"Megatron args: {n} layers do not split evenly over {free} pipeline stages")
+    return [c if c else rest // free for c in counts]
+
+
+def model_args(a, vocab: int, root: Path) -> ModelArgs:
+    def need(cond: bool, what: str):
+        if not cond:
+            raise UserError(f"{root}: Megatron args {what}; titan-pipe converts LLaMA-style models "
+                            "(RoPE, RMSNorm, SwiGLU, no linear biases) only")
+
+    need(getattr(a, "swiglu", True), "have swiglu=False")
+    need(not getattr(a, "add_bias_linear", False), "have add_bias_linear=True")
+    need(getattr(a, "normalization", "RMSNorm") == "RMSNorm", f"use normalization={getattr(a, 'normalization', None)!r}")
+    need(getattr(a, "position_embedding_type", "rope") == "rope",
+         f"use position_embedding_type={getattr(a, 'position_embedding_type', None)!r}")
+    if getattr(a, "num_layers_per_virtual_pipeline_stage", None):
+        raise UserError(f"{root}: virtual pipeline stages (model0, model1 ... per file) are not supported")
+    n_heads = int(a.num_attention_heads)
+    groups = int(a.num_query_groups) if getattr(a, "group_query_attention", False) else n_heads
+    kv_ch = getattr(a, "kv_channels", None)
+    if kv_ch and int(kv_ch) * n_heads != int(a.hidden_size):
+        raise UserError(f"{root}: kv_channels {kv_ch} x {n_heads} heads != hidden_size {a.hidden_size}")
+    scaling = None
+    if getattr(a, "use_rope_scaling", False):
+        scaling = RopeScaling(float(getattr(a, "rope_scaling_factor", 8.0)), 1.0, 4.0, 8192)
+    return ModelArgs(dim=int(a.hidden_size), n_layers=int(a.num_layers), n_heads=n_heads, n_kv_heads=groups,
+                     vocab_size=vocab, ffn_hidden_dim=int(a.ffn_hidden_size),
+                     norm_eps=float(getattr(a, "norm_epsilon", 1e-5)),
+                     rope_theta=float(getattr(a, "rotary_base", 10000)), rope_scaling=scaling,
+                     max_seq_len=int(getattr(a, "max_position_embeddings", None) or getattr(a, "seq_length", 4096)),
+                     tie_embeddings=not getattr(a, "untie_embeddings_and_output_weights", False))
+
+
+class MegatronStore(Store):
+    """Rank files loaded (memory-mapped) on demand; at most ``keep`` stay open (one pp stage)."""
+
+    def __init__(self, root: Path, keep: int):
+        super().__init__(root)
+        self.keep = keep
+        self._open: OrderedDict[str, dict] = OrderedDict()
+
+    def model(self, file: str) -> dict:
+        if file in self._open:
+            self._open.move_to_end(file)
+            return self._open[file]
+        sd = load_rank_file(self.root / file)
+        if "model" not in sd:
+            raise UserError(f"{self.root / file}: has no 'model' entry (keys: {sorted(sd)[:6]})")
+        self._open[file] = sd["model"]
+        while len(self._open) > self.keep:
+            self._open.popitem(last=False)  # dropping the last reference unmaps the file
+        return sd["model"]
+
+    def read_box(self, file: str, key: str, box: Box) -> torch.Tensor:
+        x = self.model(file)[key]
+        for d, (o, n) in enumerate(zip(box.offsets, box.lengths)):
+            x = x.narrow(d, o, n)
+        return x
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def _rows(off: int, n: int, dim: int) -> Box:
+    """Rows off..off+n of a (rows, dim) matrix."""
+    return Box((off, 0), (n, dim))
+
+
+def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
+                read_headers: bool = True) -> tuple[SourcePlan, MegatronStore]:
+    it_dir = _iter_dir(path)
+    if it_dir is None:
+        raise UserError(f"{path}: no {TRACKER}, iter_* directory or mp_rank_* directories; not a "
+                        "Megatron-LM checkpoint")
+    files = rank_files(it_dir)
+    if not files:
+        raise UserError(f"{it_dir}: no mp_rank_* directories")
+    first = load_rank_file(it_dir / files[min(files)])
+    a = first.get("args")
+    if a is None:
+        raise UserError(f"{it_dir / files[min(files)]}: has no 'args'; titan-pipe needs the model's "
+                        "Megatron arguments saved in the checkpoint")
+    tp, pp = int(a.tensor_model_parallel_size), int(a.pipeline_model_parallel_size)
+    want = {(t, p) for t in range(tp) for p in range(pp)}
+    if set(files) != want:
+        missing = sorted(want - set(files))
+        raise UserError(f"{it_dir}: args say tp={tp} pp={pp} but rank dirs "
+                        f"{['mp_rank_%02d' % t + ('_%03d' % p if pp > 1 else '') for t, p in missing] or sorted(files)} "
+                        "are missing or extra; copy the complete checkpoint")
+    for (t, p), f in files.items():
+        if not (it_dir / f).is_file():
+            raise UserError(f"{it_dir / f}: missing rank file; copy the complete checkpoint")
+    args = model_args(a, _true_vocab(a, path, vocab_size), path)
+    hd, ng, qpg = args.head_dim, args.kv_heads, args.n_heads // args.kv_heads
+    if ng % tp:
+        raise UserError(f"{it_dir}: {ng} query groups do not split over tp={tp}")
+    ng_local, ffn_local = ng // tp, args.hidden_dim // tp
+    padded = int(getattr(a, "padded_vocab_size", 0) or 0)
+    counts = _stage_layers(a, pp)
+    offsets = [sum(counts[:s]) for s in range(pp)]
+    dim = args.dim
+    reads: dict[str, list[Read]] = {}
+    shapes_seen: dict[str, tuple] = {}
+    dtypes: dict[str, str] = {}
+    interleaved = bool(getattr(a, "rotary_interleaved", False))
+    for (t, p), f in sorted(files.items(), key=lambda x: (x[0][1], x[0][0])):
+        sd = first if (t, p) == min(files) else load_rank_file(it_dir / f)
+        model = sd.get("model")
+        if model is None:
+            raise UserError(f"{it_dir / f}: no 'model' entry (keys {sorted(sd)[:6]}); virtual "
+                            "pipeline checkpoints (model0, model1 ...) are not supported")
+        n_local = 0
+        for key, x in model.items():
+            try:
+                name = megatron_to_native(key, offsets[p])
+            except KeyError as e:
+                raise UserError(f"{it_dir / f}: {e.args[0]}; only megatron-core LLaMA-style "
+                                "layers are converted") from None
+            if name is None or not isinstance(x, torch.Tensor):
+                continue
+            if ".layers." in key:
+                n_local = max(n_local, int(key.split(".")[2]) + 1)
+            dtype = DTYPE_NAMES[x.dtype]
+            shape = tuple(x.shape)
+            if name.startswith("<qkv>"):
+                gid = int(name.split(":")[1])
+                exp = (ng_local * (qpg + 2) * hd, dim)
+                if shape != exp:
+                    raise UserError(f"{it_dir / f}: {key} is {list(shape)}, expected {list(exp)} "
+                                    f"({ng_local} query groups x ({qpg} q + k + v) x {hd} rows)")
+                for g in range(ng_local):
+                    G, base = t * ng_local + g, g * (qpg + 2) * hd
+                    rope = hd if interleaved else None
+                    for nm, so, do, n in (("wq", base, G * qpg * hd, qpg * hd),
+                                          ("wk", base + qpg * hd, G * hd, hd),
+                                          ("wv", base + (qpg + 1) * hd, G * hd, hd)):
+                        full = f"layers.{gid}.attention.{nm}.weight"
+                        reads.setdefault(full, []).append(
+                            Read(f, key, _rows(so, n, dim), _rows(do, n, dim), None if nm == "wv" else rope))
+                        dtypes[full] = dtype
+                continue
+            if name.startswith("<fc1>"):
+                gid = int(name.split(":")[1])
+                if shape != (2 * ffn_local, dim):
+                    raise UserError(f"{it_dir / f}: {key} is {list(shape)}, expected {[2 * ffn_local, dim]}")
+                for nm, so in (("w1", 0), ("w3", ffn_local)):
+                    full = f"layers.{gid}.feed_forward.{nm}.weight"
+                    reads.setdefault(full, []).append(
+                        Read(f, key, _rows(so, ffn_local, dim), _rows(t * ffn_local, ffn_local, dim)))
+                    dtypes[full] = dtype
+                continue
+            dtypes[name] = dtype
+            if name in ("tok_embeddings.weight", "output.weight"):
+                rows = shape[0]
+                if padded and rows * tp != padded:
+                    raise UserError(f"{it_dir / f}: {key} has {rows} rows x tp {tp} != padded vocab {padded}")
+                lo, hi = t * rows, min((t + 1) * rows, args.vocab_size)
+                if hi > lo:
+                    reads.setdefault(name, []).append(Read(f, key, _rows(0, hi - lo, dim), _rows(lo, hi - lo, dim)))
+                shapes_seen[name] = (args.vocab_size, dim)
+            elif name.endswith(".attention.wo.weight") or name.endswith(".feed_forward.w2.weight"):
+                cols = shape[1]
+                reads.setdefault(name, []).append(
+                    Read(f, key, Box.full(shape), Box((0, t * cols), shape)))
+                shapes_seen[name] = (shape[0], cols * tp)
+            elif t == 0:  # norms: replicated over tp
+                reads.setdefault(name, []).append(Read(f, key, Box.full(shape), Box.full(shape)))
+                shapes_seen[name] = shape
+        if n_local != counts[p]:
+            raise UserError(f"{it_dir / f}: holds {n_local} layers but pp stage {p} should hold "
+                            f"{counts[p]} (num_layers {a.num_layers} over pp={pp})")
+        del sd, model
+    tensors = {}
+    for name in native_names(args):
+        if name not in reads:
+            raise UserError(f"{it_dir}: no tensor for {name!r}; the checkpoint is incomplete")
+        shape = shapes_seen.get(name)
+        if shape is None:  # de-fused q/k/v and gate/up
+            shape = {"wq": (args.n_heads * hd, dim), "wk": (ng * hd, dim), "wv": (ng * hd, dim),
+                     "w1": (args.hidden_dim, dim), "w3": (args.hidden_dim, dim)}[name.split(".")[-2]]
+        kind = ("fused qkv" if ".attention.w" in name and "wo" not in name else
+                "fused fc1" if name.endswith(("w1.weight", "w3.weight")) else
+                "replicated" if len(reads[name]) == 1 else f"over tp={tp}")
+        if name in ("tok_embeddings.weight", "output.weight") and padded:
+            kind = f"vocab-parallel, padded {padded} -> {args.vocab_size}"
+        tensors[name] = TensorPlan(name, shape, dtypes[name], tuple(reads[name]), kind)
+    # Reads name files relative to the iteration dir; the store and the hasher work from there.
+    plan = SourcePlan(FORMAT, it_dir, args, tensors,
+                      files=[files[k] for k in sorted(files, key=lambda x: (x[1], x[0]))],
+                      step=int(first.get("iteration", 0) or 0),
+                      layout={"tp": tp, "pp": pp, "layers_per_stage": counts,
+                              "checkpoint_version": first.get("checkpoint_version"),
+                              "padded_vocab_size": padded or None})
+    del first
+    return plan, MegatronStore(it_dir, keep=tp)

@@ -1,0 +1,190 @@
+"""Access to stored tensors by box: safetensors files read with pread (no whole-file load, no mmap).
+
+A safetensors file is an 8-byte little-endian header length N, N bytes of JSON (dtype, shape,
+data_offsets per tensor), then raw row-major bytes. ``read_box`` reads only the rows a box spans;
+``byte_span`` tells the writer where a contiguous box lies so it can copy file-to-file.
+
+Why pread and not mmap: pages of a mapping stay counted in the process's resident set until it is
+unmapped, so mmapping a 100 GB checkpoint reads as 100 GB RSS; pread into a buffer the size of one
+tensor keeps the memory bound real.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from titan_pipe.convert.layout import Box
+from titan_pipe.convert.plan import DTYPE_SIZES
+from titan_pipe.errors import UserError
+
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+                "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+def contiguous_span(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[int, int] | None:
+    """(byte offset, byte length) of ``box`` inside a row-major tensor, or None if not contiguous.
+
+    Contiguous: after the first dim whose length exceeds 1, every dim is taken whole.
+    """
+    k = next((d for d, n in enumerate(box.lengths) if n != 1), len(shape))
+    if any(box.lengths[d] != shape[d] for d in range(k + 1, len(shape))):
+        return None
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    offset = sum(o * s for o, s in zip(box.offsets, strides))
+    return offset * itemsize, box.numel * itemsize
+
+
+def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict]:
+    """The tensors of a safetensors file (validated against its size) and its __metadata__."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise UserError(f"{path}: truncated ({size} bytes); not a complete safetensors file. "
+                                "Copy the file again from where it was written")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER or 8 + n > size:
+                raise UserError(f"{path}: header length {n} does not fit in the file ({size} bytes); "
+                                "the file is truncated or not safetensors. Copy it again")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing; the checkpoint lists it but it is not there. Copy the "
+                        "complete checkpoint directory") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory, expected a safetensors file") from None
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("not an object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: corrupted safetensors header ({e}); copy the file again") from None
+    meta = header.pop("__metadata__", None) or {}
+    data_size = size - 8 - n
+    out = {}
+    for key, info in header.items():
+        try:
+            dtype, shape = info["dtype"], tuple(int(s) for s in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise UserError(f"{path}: corrupted header entry for {key!r}; copy the file again") from None
+        if dtype not in DTYPE_SIZES:
+            raise UserError(f"{path}: tensor {key!r} has dtype {dtype!r}, which titan-pipe does not "
+                            f"convert (supported: {', '.join(DTYPE_SIZES)})")
+        if end - begin != math.prod(shape) * DTYPE_SIZES[dtype] or begin < 0:
+            raise UserError(f"{path}: tensor {key!r} byte range {begin}..{end} does not match its "
+                            f"shape {shape} {dtype}; the header is corrupted")
+        if end > data_size:
+            raise UserError(f"{path}: truncated: tensor {key!r} ends at byte {8 + n + end} but the "
+                            f"file has {size} bytes. Copy the file again")
+        out[key] = StoredTensor(dtype, shape, 8 + n + begin, end - begin)
+    return out, meta
+
+
+def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset`` (pread may return short counts)."""
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got == 0:
+            raise UserError(f"{path}: ended early while reading byte {offset + done}; the file was "
+                            "truncated during the conversion")
+        done += got
+
+
+class Store:
+    """Stored tensors of one source, addressed by (file, key). Subclasses per storage kind."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def stored(self, file: str, key: str) -> StoredTensor | None:
+        """Shape/dtype of a stored tensor, or None when it is not in a byte-addressable file."""
+        return None
+
+    def byte_span(self, file: str, key: str, box: Box) -> tuple[int, int, int] | None:
+        """(fd, absolute offset, length) when ``box`` of the stored tensor is one contiguous range."""
+        return None
+
+    def read_box(self, file: str, key: str, box: Box) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class SafetensorsStore(Store):
+    """Tensors in safetensors files under ``root``; headers parsed once, data read by pread."""
+
+    def __init__(self, root: Path, headers: dict[str, dict[str, StoredTensor]] | None = None):
+        super().__init__(root)
+        self.headers: dict[str, dict[str, StoredTensor]] = dict(headers or {})
+        self._fds: dict[str, int] = {}
+
+    def header(self, file: str) -> dict[str, StoredTensor]:
+        if file not in self.headers:
+            self.headers[file] = read_header(self.root / file)[0]
+        return self.headers[file]
+
+    def stored(self, file: str, key: str) -> StoredTensor:
+        h = self.header(file)
+        if key not in h:
+            raise UserError(f"{self.root / file}: has no tensor {key!r}; the file does not belong "
+                            "to this checkpoint or was overwritten")
+        return h[key]
+
+    def fd(self, file: str) -> int:
+        if file not in self._fds:
+            self._fds[file] = os.open(self.root / file, os.O_RDONLY)
+        return self._fds[file]
+
+    def byte_span(self, file: str, key: str, box: Box) -> tuple[int, int, int] | None:
+        t = self.stored(file, key)
+        span = contiguous_span(t.shape, box, DTYPE_SIZES[t.dtype])
+        if span is None:
+            return None
+        return self.fd(file), t.start + span[0], span[1]
+
+    def read_box(self, file: str, key: str, box: Box) -> torch.Tensor:
+        """The box as a tensor of the stored dtype; reads only the rows (dim 0) the box spans."""
+        t = self.stored(file, key)
+        if not t.shape:
+            rows, row_bytes, first = 1, DTYPE_SIZES[t.dtype], 0
+        else:
+            rows, first = box.lengths[0], box.offsets[0]
+            row_bytes = math.prod(t.shape[1:]) * DTYPE_SIZES[t.dtype]
+        buf = torch.empty(rows * row_bytes, dtype=torch.uint8)
+        pread_into(self.fd(file), memoryview(buf.numpy()), t.start + first * row_bytes,
+                   self.root / file)
+        x = buf.view(TORCH_DTYPES[t.dtype]).view((rows, *t.shape[1:]) if t.shape else ())
+        for d in range(1, len(t.shape)):
+            x = x.narrow(d, box.offsets[d], box.lengths[d])
+        return x
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

@@ -1,0 +1,100 @@
+"""Reader for titan-pipe's own checkpoints: manifest.json + model/pp{stage}-tp{rank}.safetensors.
+
+Everything comes from the manifest (docs/checkpoint-format.md): global shapes, dtypes and the box
+each chunk fills. The reader checks the manifest against the files (present, sizes, keys, shapes)
+before anything is copied; sha256s are checked while the conversion streams (convert/hashing.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from titan_pipe.convert.layout import MANIFEST_NAME, Box, LayoutError, Manifest
+from titan_pipe.convert.names import native_names
+from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
+from titan_pipe.convert.readers.store import SafetensorsStore, read_header
+from titan_pipe.errors import UserError
+from titan_pipe.run_dir import STEP_DIR
+from titan_pipe.training.model import ModelArgs
+
+FORMAT = "titan"
+
+
+def _newest_complete(path: Path) -> Path | None:
+    """A run dir or its checkpoints/ dir -> the newest step-XXXXXX holding a manifest."""
+    for base in (path / "checkpoints", path):
+        if base.is_dir():
+            steps = sorted((int(m.group(1)), p) for p in base.iterdir()
+                           if (m := STEP_DIR.match(p.name)) and (p / MANIFEST_NAME).is_file())
+            if steps:
+                return steps[-1][1]
+    return None
+
+
+def looks_like(path: Path) -> bool:
+    return (path / MANIFEST_NAME).is_file() or _newest_complete(path) is not None
+
+
+def resolve(path: Path) -> Path:
+    if (path / MANIFEST_NAME).is_file():
+        return path
+    found = _newest_complete(path)
+    if found is None:
+        raise UserError(f"{path}: no {MANIFEST_NAME} here (nor a complete step-XXXXXX checkpoint "
+                        "under it); the checkpoint is incomplete or not a titan-pipe checkpoint")
+    return found
+
+
+def describe_split(tp_dim: int | None, n_chunks: int) -> str:
+    return "replicated" if tp_dim is None or n_chunks <= 1 else f"dim {tp_dim} in {n_chunks}"
+
+
+def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
+                read_headers: bool = True) -> tuple[SourcePlan, SafetensorsStore]:
+    root = resolve(path)
+    mpath = root / MANIFEST_NAME
+    try:
+        m = Manifest.load(root)
+        m.validate()
+        args = ModelArgs.from_dict(m.model)
+    except (LayoutError, ValueError, TypeError) as e:
+        raise UserError(f"{mpath}: {e}") from None
+    if vocab_size is not None and vocab_size != args.vocab_size:
+        raise UserError(f"--vocab-size {vocab_size} disagrees with {mpath} (vocab_size "
+                        f"{args.vocab_size}); drop --vocab-size for titan-pipe checkpoints")
+    missing = [n for n in native_names(args) if n not in m.params]
+    if missing:
+        raise UserError(f"{mpath}: parameters {missing[:3]} ({len(missing)} in all) are missing; "
+                        "the manifest does not describe a whole model")
+    store = SafetensorsStore(root)
+    for name, info in sorted(m.files.items()):
+        f = root / name
+        if not f.is_file():
+            raise UserError(f"{f}: missing shard (listed in {mpath}); copy the complete checkpoint")
+        size = f.stat().st_size
+        if size != info.size:
+            raise UserError(f"{f}: {size} bytes but {mpath} says {info.size}; the shard is truncated "
+                            "or was replaced. Copy it again")
+        if read_headers:
+            store.headers[name] = read_header(f)[0]
+    tensors = {}
+    for name in native_names(args):
+        p = m.params[name]
+        reads, seen = [], set()
+        for c in p.chunks:
+            if c.box in seen:
+                continue  # a replica (e.g. a norm in every tp rank's file): read it once
+            seen.add(c.box)
+            if read_headers:
+                st = store.stored(c.file, c.key)
+                if st.shape != c.box.lengths or st.dtype != p.dtype:
+                    raise UserError(f"{root / c.file}: tensor {c.key!r} is {st.dtype} {list(st.shape)} "
+                                    f"but {mpath} says {p.dtype} {list(c.box.lengths)}; the shard does "
+                                    "not belong to this manifest")
+            reads.append(Read(c.file, c.key, Box.full(c.box.lengths), c.box))
+        tensors[name] = TensorPlan(name, tuple(p.shape), p.dtype, tuple(reads),
+                                   describe_split(p.tp_dim, len(reads)))
+    par = m.parallel
+    plan = SourcePlan(FORMAT, root, args, tensors, files=sorted(m.files), step=m.step,
+                      layout={k: par.get(k) for k in ("dp", "tp", "pp", "pp_schedule") if k in par},
+                      expected_sha256={k: v.sha256 for k, v in m.files.items()})
+    return plan, store

@@ -1,0 +1,198 @@
+"""Test inputs for the convert stage: the same weights written by hand in each source format.
+
+Independent of titan_pipe.convert: Hugging Face through transformers' save_pretrained, DCP through
+torch.distributed.checkpoint's own save (torchtitan names, Meta interleaved RoPE), Megatron-LM as
+the dict tree megatron-core writes (fused per-group QKV, fused gate|up, padded vocab, per-stage
+local layer ids, args Namespace, RNG state).
+"""
+from __future__ import annotations
+
+import argparse
+import enum
+import hashlib
+import json
+import random
+import sys
+import types
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from titan_pipe.training.model import ModelArgs, build_model, resolve_args
+
+# GQA (8 q heads over 4 kv heads), divisible by tp 4; vocab 320 needs padding under Megatron.
+ARGS = dict(n_heads=8, n_kv_heads=4)
+
+
+def model_args(**overrides) -> ModelArgs:
+    return resolve_args("debug", **{**ARGS, **overrides})
+
+
+def native_state(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Our model's weights (norms randomised too, so a swapped norm cannot pass)."""
+    m = build_model(args, seed=seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    sd = {}
+    for k, v in m.state_dict().items():
+        if args.tie_embeddings and k == "output.weight":
+            continue
+        sd[k] = (torch.rand(v.shape, generator=g) + 0.5) if k.endswith("norm.weight") else v.clone()
+    return sd
+
+
+def write_hf(sd: dict, args: ModelArgs, out: Path, **save_kw) -> Path:
+    """save_pretrained of a tiny LlamaForCausalLM holding ``sd``."""
+    import transformers
+
+    from titan_pipe.convert.names import native_to_hf, to_hf_config
+
+    cfg = {k: v for k, v in to_hf_config(args).items() if k not in ("architectures", "torch_dtype")}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    missing, unexpected = model.load_state_dict({native_to_hf(k): v for k, v in sd.items()}, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.save_pretrained(out, safe_serialization=True, **save_kw)
+    return out
+
+
+def to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rotate-half rows -> Meta interleaved pairs (the inverse of the HF conversion's permute)."""
+    rows, dim = w.shape
+    hd = rows // n_heads
+    return w.view(n_heads, 2, hd // 2, dim).transpose(1, 2).reshape(rows, dim)
+
+
+def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True) -> Path:
+    """A torchtitan DCP checkpoint (single-process dcp.save), with params.json beside it."""
+    import torch.distributed.checkpoint as dcp
+
+    tt = {}
+    for k, v in sd.items():
+        if k.endswith("attention.wq.weight"):
+            v = to_interleaved(v, args.n_heads)
+        elif k.endswith("attention.wk.weight"):
+            v = to_interleaved(v, args.kv_heads)
+        tt[k] = v.clone()
+    if full:
+        state = {"model": tt,
+                 "optimizer": {"state": {k: {"exp_avg": torch.zeros_like(v), "step": torch.tensor(3.0)}
+                                         for k, v in list(tt.items())[:3]},
+                               "param_groups": [{"lr": 3e-4, "params": list(tt)[:3]}]},
+                 "train_state": {"step": 3}}
+    else:
+        state = tt
+    out.mkdir(parents=True)
+    dcp.save(state, checkpoint_id=str(out / "step-3"), no_dist=True)
+    params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads,
+              "n_kv_heads": args.kv_heads, "vocab_size": args.vocab_size, "norm_eps": args.norm_eps,
+              "rope_theta": args.rope_theta, "max_seq_len": args.max_seq_len}
+    (out / "params.json").write_text(json.dumps(params))
+    return out / "step-3"
+
+
+def _fake_megatron_enums():
+    """A stand-in megatron.core.transformer.enums so args pickle a real Megatron enum global."""
+    name = "megatron.core.transformer.enums"
+    if name not in sys.modules:
+        for part in ("megatron", "megatron.core", "megatron.core.transformer", name):
+            sys.modules.setdefault(part, types.ModuleType(part))
+        mod = sys.modules[name]
+
+        class AttnBackend(enum.Enum):
+            flash = 1
+            fused = 2
+            unfused = 3
+            local = 4
+            auto = 5
+
+        AttnBackend.__module__ = name
+        AttnBackend.__qualname__ = "AttnBackend"
+        mod.AttnBackend = AttnBackend
+    return sys.modules[name].AttnBackend
+
+
+def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *,
+                  fused_norms: bool, padded: int) -> OrderedDict:
+    """The 'model' dict of megatron-core's GPTModel on tp rank t, pp rank p."""
+    hd, ng = args.head_dim, args.kv_heads
+    qpg, ngl = args.n_heads // ng, ng // tp
+    per = args.n_layers // pp
+    g = torch.Generator().manual_seed(99)
+
+    def padded_rows(w):
+        pad = torch.randn(padded - w.shape[0], w.shape[1], generator=g)  # junk a reader must drop
+        return torch.cat([w, pad]).chunk(tp)[t].clone()
+
+    out = OrderedDict()
+    if p == 0:
+        out["embedding.word_embeddings.weight"] = padded_rows(sd["tok_embeddings.weight"])
+    for local in range(per):
+        i = p * per + local
+        L = f"decoder.layers.{local}."
+        q = sd[f"layers.{i}.attention.wq.weight"].view(ng, qpg * hd, -1)
+        k = sd[f"layers.{i}.attention.wk.weight"].view(ng, hd, -1)
+        v = sd[f"layers.{i}.attention.wv.weight"].view(ng, hd, -1)
+        qkv = torch.cat([q, k, v], dim=1)[t * ngl:(t + 1) * ngl].reshape(-1, args.dim).clone()
+        if fused_norms:
+            out[L + "self_attention.linear_qkv.layer_norm_weight"] = sd[f"layers.{i}.attention_norm.weight"].clone()
+        else:
+            out[L + "input_layernorm.weight"] = sd[f"layers.{i}.attention_norm.weight"].clone()
+        out[L + "self_attention.linear_qkv.weight"] = qkv
+        out[L + "self_attention.linear_qkv._extra_state"] = None
+        out[L + "self_attention.linear_proj.weight"] = sd[f"layers.{i}.attention.wo.weight"].chunk(tp, 1)[t].clone()
+        out[L + "self_attention.linear_proj._extra_state"] = None
+        if fused_norms:
+            out[L + "mlp.linear_fc1.layer_norm_weight"] = sd[f"layers.{i}.ffn_norm.weight"].clone()
+        else:
+            out[L + "pre_mlp_layernorm.weight"] = sd[f"layers.{i}.ffn_norm.weight"].clone()
+        out[L + "mlp.linear_fc1.weight"] = torch.cat([sd[f"layers.{i}.feed_forward.w1.weight"].chunk(tp)[t],
+                                                      sd[f"layers.{i}.feed_forward.w3.weight"].chunk(tp)[t]]).clone()
+        out[L + "mlp.linear_fc2.weight"] = sd[f"layers.{i}.feed_forward.w2.weight"].chunk(tp, 1)[t].clone()
+    if p == pp - 1:
+        out["decoder.final_layernorm.weight"] = sd["norm.weight"].clone()
+        out["output_layer.weight"] = padded_rows(sd["output.weight"])
+    return out
+
+
+def write_megatron(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp: int = 2,
+                   fused_norms: bool = True, iteration: int = 50, with_vocab: bool = True,
+                   divisible_by: int = 128) -> Path:
+    """iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt + latest_checkpointed_iteration.txt."""
+    multiple = divisible_by * tp
+    padded = -(-args.vocab_size // multiple) * multiple
+    ns = argparse.Namespace(
+        num_layers=args.n_layers, hidden_size=args.dim, ffn_hidden_size=args.hidden_dim,
+        num_attention_heads=args.n_heads, group_query_attention=True, num_query_groups=args.kv_heads,
+        kv_channels=args.head_dim, padded_vocab_size=padded, make_vocab_size_divisible_by=divisible_by,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, norm_epsilon=args.norm_eps,
+        rotary_base=int(args.rope_theta), max_position_embeddings=args.max_seq_len,
+        seq_length=args.max_seq_len, untie_embeddings_and_output_weights=True, swiglu=True,
+        add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
+        params_dtype=torch.float32, bf16=False, attention_backend=_fake_megatron_enums().auto,
+        transformer_impl="transformer_engine", num_layers_per_virtual_pipeline_stage=None)
+    if with_vocab:
+        ns.vocab_size = args.vocab_size
+    it = out / f"iter_{iteration:07d}"
+    for t in range(tp):
+        for p in range(pp):
+            d = it / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
+            d.mkdir(parents=True)
+            model = megatron_rank(sd, args, t, p, tp, pp, fused_norms=fused_norms, padded=padded)
+            ckpt = {"args": ns, "checkpoint_version": 3.0, "iteration": iteration, "model": model,
+                    "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]}},
+                    "opt_param_scheduler": {"num_steps": iteration},
+                    "rng_state": [{"random_rng_state": random.getstate(),
+                                   "np_rng_state": np.random.get_state(),
+                                   "torch_rng_state": torch.get_rng_state(),
+                                   "rng_tracker_states": {}}],
+                    "num_floating_point_operations_so_far": 0}
+            torch.save(ckpt, d / "model_optim_rng.pt")
+    (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return out
+
+
+def hash_tree(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` (to prove a source was left untouched)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}

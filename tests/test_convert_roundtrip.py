@@ -1,0 +1,190 @@
+"""Convert round trips: split -> merge bit-exact, resharding, every source format to the same bytes,
+and transformers loading the result with our model's logits."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from convert_writers import (hash_tree, model_args, native_state, write_dcp, write_hf,
+                             write_megatron)
+from titan_pipe.convert.api import convert_checkpoint
+from titan_pipe.convert.inspect import inspect_checkpoint
+from titan_pipe.convert.layout import Manifest
+from titan_pipe.convert.names import native_to_hf
+from titan_pipe.convert.reshard import deinterleave_rope
+from titan_pipe.training.model import build_model
+
+transformers = pytest.importorskip("transformers")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _assert_same_weights(out_dir, sd, *, naming="hf"):
+    got = load_file(out_dir / "model.safetensors")
+    want = {native_to_hf(k) if naming == "hf" else k: v for k, v in sd.items()}
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(_bits(got[k]), _bits(v)), k
+
+
+@pytest.fixture(scope="module")
+def weights():
+    args = model_args()
+    return args, native_state(args)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, weights):
+    args, sd = weights
+    return write_hf(sd, args, tmp_path_factory.mktemp("hf") / "model")
+
+
+@pytest.fixture(scope="module")
+def tp4pp2(tmp_path_factory, hf_dir):
+    out = tmp_path_factory.mktemp("t42") / "ckpt"
+    convert_checkpoint(src=hf_dir, out_dir=out, tp=4, pp=2, progress=False)
+    return out
+
+
+def test_split_merge_bit_exact_every_kind(tp4pp2, weights, tmp_path):
+    """HF -> tp4/pp2 shards (column, row, vocab splits; replicated norms) -> unified == original."""
+    args, sd = weights
+    m = Manifest.load(tp4pp2)
+    assert m.parallel["tp"] == 4 and m.parallel["pp"] == 2
+    assert m.params["layers.0.attention.wo.weight"].tp_dim == 1
+    assert m.params["layers.0.attention.wq.weight"].tp_dim == 0
+    assert m.params["tok_embeddings.weight"].stage == 0 and m.params["output.weight"].stage == 1
+    # a shard holds exactly its local box of the global tensor
+    with safe_open(tp4pp2 / "model/pp0-tp1.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor("layers.0.attention.wo.weight"),
+                           sd["layers.0.attention.wo.weight"][:, 16:32])
+        assert torch.equal(f.get_tensor("tok_embeddings.weight"), sd["tok_embeddings.weight"][80:160])
+        assert "output.weight" not in f.keys()
+    out = tmp_path / "u"
+    res = convert_checkpoint(src=tp4pp2, out_dir=out, progress=False)
+    _assert_same_weights(out, sd)
+    prov = json.loads((out / "provenance.json").read_text())
+    assert prov["source"]["format"] == "titan" and len(prov["source"]["sha256"]) == 8
+    assert res.summary["tensors"] == len(sd)
+
+
+def test_reshard_then_unify_equals_direct(tp4pp2, tmp_path):
+    convert_checkpoint(src=tp4pp2, out_dir=tmp_path / "direct", progress=False)
+    convert_checkpoint(src=tp4pp2, out_dir=tmp_path / "t2", tp=2, pp=1, progress=False)
+    assert sorted(p.name for p in (tmp_path / "t2/model").iterdir()) == ["pp0-tp0.safetensors",
+                                                                         "pp0-tp1.safetensors"]
+    convert_checkpoint(src=tmp_path / "t2", out_dir=tmp_path / "via", progress=False)
+    assert (tmp_path / "direct/model.safetensors").read_bytes() == (tmp_path / "via/model.safetensors").read_bytes()
+    assert (tmp_path / "direct/config.json").read_bytes() == (tmp_path / "via/config.json").read_bytes()
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    args = model_args(tie_embeddings=True)
+    sd = native_state(args, seed=3)
+    hf = write_hf(sd, args, tmp_path / "hf")
+    convert_checkpoint(src=hf, out_dir=tmp_path / "s", tp=2, pp=2, progress=False)
+    assert "output.weight" not in Manifest.load(tmp_path / "s").params
+    convert_checkpoint(src=tmp_path / "s", out_dir=tmp_path / "u", progress=False)
+    _assert_same_weights(tmp_path / "u", sd)
+    cfg = json.loads((tmp_path / "u/config.json").read_text())
+    assert cfg["tie_word_embeddings"] is True
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "u")
+    assert torch.equal(model.lm_head.weight, sd["tok_embeddings.weight"])
+
+
+def test_every_source_format_gives_identical_bytes(tmp_path, weights, hf_dir, tp4pp2):
+    args, sd = weights
+    sources = {
+        "hf": hf_dir,
+        "titan": tp4pp2,
+        "dcp": write_dcp(sd, args, tmp_path / "dcp_full", full=True),
+        "dcp_model_only": write_dcp(sd, args, tmp_path / "dcp_model", full=False),
+        "megatron": write_megatron(sd, args, tmp_path / "meg", tp=2, pp=2, fused_norms=True),
+        "megatron_standalone_norms": write_megatron(sd, args, tmp_path / "meg2", tp=4, pp=1,
+                                                    fused_norms=False),
+    }
+    outputs = {}
+    for name, src in sources.items():
+        before = hash_tree(src)
+        res = convert_checkpoint(src=src, out_dir=tmp_path / f"out_{name}", progress=False)
+        assert hash_tree(src) == before, f"{name}: source modified"
+        outputs[name] = ((res.out_dir / "model.safetensors").read_bytes(),
+                         (res.out_dir / "config.json").read_bytes())
+    ref = outputs.pop("hf")
+    _assert_same_weights(tmp_path / "out_hf", sd)
+    for name, got in outputs.items():
+        assert got[0] == ref[0], f"{name}: model.safetensors differs from the Hugging Face source's"
+        assert got[1] == ref[1], f"{name}: config.json differs"
+    prov = json.loads((tmp_path / "out_megatron/provenance.json").read_text())
+    assert prov["source"]["step"] == 50 and prov["source"]["layout"]["padded_vocab_size"] == 512
+
+
+def test_transformers_logits_equal_ours(tp4pp2, weights, tmp_path):
+    args, sd = weights
+    convert_checkpoint(src=tp4pp2, out_dir=tmp_path / "u", progress=False)
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "u", attn_implementation="eager").eval()
+    ours = build_model(args, seed=None)
+    ours.load_state_dict(sd)
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        diff = (hf(tokens).logits - ours.eval()(tokens)).abs().max().item()
+    assert diff <= 1e-5
+
+
+def test_dtype_cast_and_sharded_output(hf_dir, weights, tmp_path):
+    args, sd = weights
+    res = convert_checkpoint(src=hf_dir, out_dir=tmp_path / "bf", dtype="bfloat16",
+                             max_shard_size="200KB", naming="hf", progress=False)
+    index = json.loads((tmp_path / "bf/model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    got = {}
+    for s in shards:
+        got.update(load_file(tmp_path / "bf" / s))
+    for k, v in sd.items():
+        assert torch.equal(_bits(got[native_to_hf(k)]), _bits(v.to(torch.bfloat16))), k
+    assert json.loads((tmp_path / "bf/config.json").read_text())["torch_dtype"] == "bfloat16"
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "bf")
+    assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert len([f for f in res.files if f.suffix == ".safetensors"]) == len(shards)
+
+
+def test_native_naming(tp4pp2, weights, tmp_path):
+    convert_checkpoint(src=tp4pp2, out_dir=tmp_path / "n", naming="native", progress=False)
+    _assert_same_weights(tmp_path / "n", weights[1], naming="native")
+
+
+def test_rope_deinterleave_matches_meta_convention(weights):
+    """Interleaved RoPE on Meta rows == rotate-half RoPE on the de-interleaved rows."""
+    args, _ = weights
+    hd = args.head_dim
+    x = torch.randn(3, hd, generator=torch.Generator().manual_seed(0))  # 3 positions, one head
+    w = torch.randn(hd, hd, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(3, dtype=torch.float32)[:, None]
+    freqs = pos / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
+    q_meta = x @ w.T  # interleaved pairs (2i, 2i+1) rotate together
+    qc = torch.view_as_complex(q_meta.view(3, hd // 2, 2)) * torch.polar(torch.ones_like(freqs), freqs)
+    meta_rot = torch.view_as_real(qc).reshape(3, hd)
+    q_hf = x @ deinterleave_rope(w, hd).T
+    cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
+    rot_half = torch.cat([-q_hf[:, hd // 2:], q_hf[:, :hd // 2]], -1)
+    hf_rot = q_hf * cos + rot_half * sin
+    # the same rotation, rows in the two orders
+    assert torch.allclose(deinterleave_rope(meta_rot.T, hd).T, hf_rot, atol=1e-6)
+
+
+def test_inspect_reads_no_data(tp4pp2, tmp_path, weights):
+    args, sd = weights
+    meg = write_megatron(sd, args, tmp_path / "meg", tp=2, pp=2)
+    r = inspect_checkpoint(src=meg)
+    assert r.format == "megatron" and r.layout["tp"] == 2 and r.step == 50
+    wq = next(p for p in r.params if p["name"] == "layers.3.attention.wq.weight")
+    assert wq["shape"] == [64, 64] and wq["split"] == "fused qkv" and wq["reads"] == 4
+    r = inspect_checkpoint(src=tp4pp2)
+    assert r.total_bytes == sum(v.numel() * 4 for v in sd.values())
