@@ -1,8 +1,63 @@
-"""CLI commands of this stage (to be filled in)."""
+"""`titan-pipe evaluate`: a thin shell over titan_pipe.evaluate.api.evaluate_model."""
 from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Optional
 
 import typer
 
 
+class ThresholdDtype(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
 def register(app: typer.Typer) -> None:
-    return None
+    from titan_pipe.cli import console, handle_errors
+
+    @app.command("evaluate")
+    @handle_errors
+    def evaluate(
+        out_dir: Path = typer.Option(..., "-o", "--out", help="REPORT_DIR for report.json/.md/.html, CSVs, plots"),
+        checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Training checkpoint step dir "
+                                                  "(run under its own TP/PP layout with torchrun)"),
+        model_dir: Optional[Path] = typer.Option(None, "--model-dir", help="Unified model dir (titan-pipe convert)"),
+        onnx: Optional[Path] = typer.Option(None, "--onnx", help="Exported prefill graph OUT_DIR/model.onnx "
+                                            "(export with --expose-hidden for per-layer results)"),
+        om: Optional[Path] = typer.Option(None, "--om", help="ATC .om model (needs an Ascend runtime)"),
+        data: Optional[Path] = typer.Option(None, "--data", help="Held-out .txt/.jsonl text (default: the "
+                                            "validation split of the shipped corpus)"),
+        dtype: ThresholdDtype = typer.Option(ThresholdDtype.auto, "--dtype", help="Threshold set to judge by "
+                                             "(auto: each candidate's own dtype)"),
+        flow: Optional[Path] = typer.Option(None, "--flow", help="flow.yaml whose evaluate section (batches, "
+                                            "thresholds, ...) to use"),
+        batches: Optional[int] = typer.Option(None, "--batches", min=1, help="Number of held-out batches"),
+        operators: Optional[bool] = typer.Option(None, "--operators/--no-operators",
+                                                 help="Run the operator conformance table"),
+    ):
+        """Compare training checkpoint, unified model, ONNX and OM per layer, per operator, per dtype.
+
+        Exit code 1 when any threshold fails (the verdict names the first diverging layer and operator).
+        """
+        from titan_pipe.config import EvaluateConfig, load_flow
+        from titan_pipe.evaluate.api import evaluate_model
+
+        settings = load_flow(flow).evaluate if flow is not None else EvaluateConfig()
+        updates = {"dtype": dtype.value}
+        if batches is not None:
+            updates["batches"] = batches
+        if operators is not None:
+            updates["operators"] = operators
+        settings = settings.model_copy(update=updates)
+        r = evaluate_model(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
+                           data=data, settings=settings, progress=True)
+        for cid, status in r.summary["comparisons"].items():
+            console.print(f"  {cid:20s} {status}", highlight=False, soft_wrap=True)
+        colour = "green" if r.passed else "red"
+        console.print(f"[{colour}]{r.summary['verdict']}[/{colour}]", highlight=False, soft_wrap=True)
+        console.print(f"report: {r.report_json.parent / 'report.html'}", highlight=False, soft_wrap=True)
+        if not r.passed:
+            raise typer.Exit(1)

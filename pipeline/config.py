@@ -181,6 +181,21 @@ class EvaluateConfig(Section):
     seq_len: int = Field(32, gt=0)
     operators: bool = True
     thresholds: dict[str, dict[str, float]] = Field(default_factory=dict)  # per dtype overrides
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # threshold set; auto: the candidate's
+    prompts: int = Field(2, ge=0)  # greedy generations compared token for token (0: none)
+    prompt_len: int = Field(16, gt=0)
+    new_tokens: int = Field(16, gt=0)
+
+    @model_validator(mode="after")
+    def _check_thresholds(self):
+        from titan_pipe.errors import UserError
+        from titan_pipe.evaluate.thresholds import validate_overrides
+
+        try:
+            validate_overrides(self.thresholds)
+        except UserError as e:  # a known dtype and key each, so a typo cannot keep the default
+            raise ValueError(str(e)) from None
+        return self
 
 
 class OrchestrationConfig(Section):

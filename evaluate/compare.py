@@ -1,0 +1,248 @@
+"""The comparisons of issue 5 as pure data: outputs in, judged rows and a verdict out (no I/O).
+
+  1 sharded_vs_unified  training checkpoint under torchrun (reference) vs the unified model
+  2 torch_vs_onnx       unified model in PyTorch (reference) vs the exported graph in ONNX Runtime,
+                        per decoder layer (hidden.{i}) and on the logits; npu_fused: fused NPU kernels
+  3 operators           per-operator conformance table (operators.py)
+  4 om                  the .om through an Ascend runtime
+  5 task                perplexity on held-out text, greedy generations token for token
+
+The verdict names the first layer whose error breaks a bound (in the first comparison where one
+does) and the first failing operator; when all pass it still names the biggest jump in relative
+Euclidean distance between consecutive layers, the place to look first.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from titan_pipe.evaluate.metrics import TensorMetrics, compare_tensors, perplexity
+from titan_pipe.evaluate.operators import OperatorRow
+from titan_pipe.evaluate.runners import Outputs
+from titan_pipe.evaluate.thresholds import check_metrics, check_task
+
+ORDER = ("sharded_vs_unified", "torch_vs_onnx", "npu_fused", "operators", "om", "task")
+
+
+@dataclass(frozen=True)
+class TensorRow:
+    """One compared tensor: 'hidden.{i}' (layer i) or 'logits' (layer None)."""
+
+    comparison: str
+    candidate: str
+    tensor: str
+    layer: int | None
+    dtype: str  # threshold dtype it was judged with
+    shape: tuple[int, ...]
+    metrics: TensorMetrics
+    failures: tuple[str, ...] = ()
+
+    @property
+    def status(self) -> str:
+        return "fail" if self.failures else "pass"
+
+    def to_dict(self) -> dict:
+        return {"comparison": self.comparison, "candidate": self.candidate, "tensor": self.tensor,
+                "layer": self.layer, "dtype": self.dtype, "shape": list(self.shape), "status": self.status,
+                "metrics": self.metrics.to_dict(), "failures": list(self.failures)}
+
+
+@dataclass
+class Comparison:
+    """One comparison. status: 'pass', 'fail' or 'skipped: <reason>'."""
+
+    id: str
+    title: str
+    status: str
+    reference: str = ""
+    candidate: str = ""
+    dtype: str = ""
+    rows: list[TensorRow] = field(default_factory=list)
+    details: dict = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def first_failing_layer(self) -> int | None:
+        for r in self.rows:
+            if r.layer is not None and r.failures:
+                return r.layer
+        return None
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "title": self.title, "status": self.status, "reference": self.reference,
+                "candidate": self.candidate, "dtype": self.dtype, "rows": [r.to_dict() for r in self.rows],
+                "first_failing_layer": self.first_failing_layer, "biggest_jump": biggest_jump(self.rows),
+                "details": self.details, "failures": self.failures}
+
+
+def skipped(cid: str, title: str, reason: str) -> Comparison:
+    return Comparison(cid, title, f"skipped: {reason}")
+
+
+def compare_outputs(cid: str, title: str, ref: Outputs, cand: Outputs, *, ref_label: str, cand_label: str,
+                    dtype: str, limits: dict[str, float], logits_scope: str = "logits") -> Comparison:
+    """Per-layer hidden states (when both sides have them) and logits, each judged by ``limits``.
+
+    Without hidden states on one side, only the logits row is made and ``details['layers']`` says why.
+    """
+    rows: list[TensorRow] = []
+    details: dict = {}
+    if ref.hidden and cand.hidden:
+        if len(ref.hidden) != len(cand.hidden):
+            raise ValueError(f"{cand_label} exposes {len(cand.hidden)} layers, {ref_label} has {len(ref.hidden)}")
+        for i, (r, c) in enumerate(zip(ref.hidden, cand.hidden)):
+            m = compare_tensors(r, c)
+            fails = check_metrics(m, limits, "tensor")
+            rows.append(TensorRow(cid, cand_label, f"hidden.{i}", i, dtype, tuple(r.shape), m,
+                                  tuple(f.text for f in fails)))
+    else:
+        side = cand_label if not cand.hidden else ref_label
+        details["layers"] = (f"no per-layer hidden states from {side}; export with expose_hidden "
+                             "(titan-pipe export --expose-hidden) to get them")
+    m = compare_tensors(ref.logits, cand.logits)
+    fails = check_metrics(m, limits, logits_scope)
+    rows.append(TensorRow(cid, cand_label, "logits", None, dtype, tuple(ref.logits.shape), m,
+                          tuple(f.text for f in fails)))
+    status = "fail" if any(r.failures for r in rows) else "pass"
+    return Comparison(cid, title, status, ref_label, cand_label, dtype, rows, details)
+
+
+def operator_comparison(rows: list[OperatorRow], dtypes: tuple[str, ...]) -> Comparison:
+    """The conformance table as one comparison; only rows of ``dtypes`` (those evaluated) count."""
+    judged = [r for r in rows if r.dtype in dtypes]
+    failed = [r for r in judged if r.status == "fail"]
+    counts = {s: sum(1 for r in rows if r.status.startswith(s)) for s in ("pass", "fail", "skipped")}
+    status = "fail" if failed else ("pass" if any(r.status == "pass" for r in judged) else
+                                    "skipped: no operator ran in " + "/".join(dtypes))
+    return Comparison("operators", "operator conformance: PyTorch training operators vs ONNX Runtime",
+                      status, "torch (training operators)", "onnxruntime (one-node graphs)", "/".join(dtypes),
+                      details={"counts": counts},
+                      failures=[f"{r.op} {r.dtype} {r.case}: {r.failures[0]}" for r in failed])
+
+
+@torch.no_grad()
+def greedy_generate(run, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
+    """(N, P) prompts -> (N, P + n_new): argmax of the last position, re-running the whole prefix.
+
+    ``run(tokens) -> Outputs``. No KV cache, so every runner computes exactly the same graph.
+    """
+    seq = prompts.clone()
+    for _ in range(n_new):
+        nxt = run(seq).logits[:, -1].float().argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt.to(seq.dtype)], dim=1)
+    return seq
+
+
+def generation_agreement(ref: torch.Tensor, cand: torch.Tensor, n_prompt: int) -> dict:
+    """Position-by-position agreement of the generated part, and the first position that differs."""
+    r, c = ref[:, n_prompt:], cand[:, n_prompt:]
+    same = (r == c)
+    first = []
+    for row in same:
+        bad = (~row).nonzero()
+        first.append(int(bad[0]) if len(bad) else None)
+    return {"agreement": float(same.float().mean()), "first_mismatch": first,
+            "identical": bool(same.all())}
+
+
+def task_comparison(batches: list[torch.Tensor], outputs: dict[str, Outputs], reference: str,
+                    generations: dict[str, torch.Tensor], n_prompt: int,
+                    limits_of: dict[str, tuple[str, dict[str, float]]]) -> Comparison:
+    """Perplexity of every model on the held-out batches and greedy agreement with the reference.
+
+    outputs: label -> Outputs over all batches (concatenated); generations: label -> (N, P+n) tokens;
+    limits_of: candidate label -> (threshold dtype, limits).
+    """
+    tokens = torch.cat(batches)
+    ppl = {label: perplexity(o.logits[:, :-1], tokens[:, 1:]) for label, o in outputs.items()}
+    details: dict = {"perplexity": ppl, "reference": reference, "generation": {}}
+    failures: list[str] = []
+    ref_gen = generations.get(reference)
+    for label in outputs:
+        if label == reference:
+            continue
+        agree = None
+        if ref_gen is not None and label in generations:
+            g = generation_agreement(ref_gen, generations[label], n_prompt)
+            details["generation"][label] = g
+            agree = g["agreement"]
+        dtype, limits = limits_of[label]
+        for f in check_task(ppl_ref=ppl[reference], ppl_cand=ppl[label], agreement=agree, limits=limits):
+            failures.append(f"{label} ({dtype}): {f.text}")
+    if ref_gen is not None:
+        details["generated_tokens"] = {k: v.tolist() for k, v in generations.items()}
+    status = "fail" if failures else ("pass" if len(outputs) > 1 else "skipped: no candidate to compare")
+    return Comparison("task", "task level: perplexity and greedy generation", status, reference,
+                      ", ".join(k for k in outputs if k != reference), details=details, failures=failures)
+
+
+def biggest_jump(rows: list[TensorRow]) -> dict | None:
+    """The layer whose relative Euclidean distance grew most over the previous layer's."""
+    layers = [r for r in rows if r.layer is not None]
+    best = None
+    prev = None
+    for r in layers:
+        red = r.metrics.rel_euclidean
+        if prev is not None and math.isfinite(red):
+            ratio = red / max(prev, 1e-12)
+            if best is None or ratio > best["ratio"]:
+                best = {"layer": r.layer, "ratio": ratio, "rel_euclidean": red, "previous": prev}
+        prev = red if math.isfinite(red) else prev
+    return best
+
+
+@dataclass(frozen=True)
+class Verdict:
+    passed: bool
+    first_failing_layer: dict | None  # {"comparison", "candidate", "layer", "failure"}
+    first_failing_operator: dict | None  # {"op", "dtype", "case", "failure"}
+    failed: tuple[str, ...]  # ids of failed comparisons
+    text: str
+
+    def to_dict(self) -> dict:
+        return {"passed": self.passed, "first_failing_layer": self.first_failing_layer,
+                "first_failing_operator": self.first_failing_operator, "failed": list(self.failed),
+                "text": self.text}
+
+
+def decide(comparisons: list[Comparison], operator_rows: list[OperatorRow],
+           operator_dtypes: tuple[str, ...]) -> Verdict:
+    """Pass only when no comparison failed; name where the error starts."""
+    failed = tuple(c.id for c in comparisons if c.status == "fail")
+    layer = None
+    for c in sorted(comparisons, key=lambda c: ORDER.index(c.id) if c.id in ORDER else 99):
+        for r in c.rows:
+            if r.failures:
+                layer = {"comparison": c.id, "candidate": c.candidate, "layer": r.layer, "tensor": r.tensor,
+                         "failure": r.failures[0]}
+                break
+        if layer:
+            break
+    op = None
+    for r in operator_rows:
+        if r.status == "fail" and r.dtype in operator_dtypes:
+            op = {"op": r.op, "dtype": r.dtype, "case": r.case, "failure": r.failures[0]}
+            break
+    parts = []
+    if not failed:
+        parts.append("PASS: every comparison that ran is within its bounds")
+    else:
+        parts.append("FAIL: " + ", ".join(failed))
+    if layer:
+        where = f"layer {layer['layer']}" if layer["layer"] is not None else layer["tensor"]
+        parts.append(f"first divergence at {where} ({layer['comparison']}, {layer['candidate']}): {layer['failure']}")
+    else:
+        jumps = [(c, biggest_jump(c.rows)) for c in comparisons if c.rows]
+        jumps = [(c, j) for c, j in jumps if j]
+        if jumps:
+            c, j = max(jumps, key=lambda cj: cj[1]["ratio"])
+            parts.append(f"largest error jump: layer {j['layer']} in {c.id} "
+                         f"(relative Euclidean {j['previous']:.3g} -> {j['rel_euclidean']:.3g})")
+    if op:
+        parts.append(f"first failing operator: {op['op']} ({op['dtype']}, {op['case']} inputs): {op['failure']}")
+    for c in comparisons:
+        if c.failures and c.id != "operators":
+            parts.append(f"{c.id}: {c.failures[0]}")
+    return Verdict(not failed, layer, op, failed, "; ".join(parts))

@@ -1,0 +1,383 @@
+"""Per-operator conformance: each operator the model uses, alone, in PyTorch and in ONNX Runtime.
+
+For every (operator, dtype, input case) the same float32 inputs are rounded to the dtype on both
+sides; PyTorch runs the training operator (training/kernels.py's reference kernels, torch.nn.functional
+otherwise) and ONNX Runtime runs a one-node or small opset-14 graph built with ``onnx.helper`` that
+mirrors what the exporter emits (e.g. RMSNorm as Cast/Pow/ReduceMean/Add/Sqrt/Div in float32).
+Graph inputs are float32 and cast to the dtype inside the graph, the output is cast back to
+float32 (exact), so bfloat16 needs no numpy bfloat16 type.
+
+Where ONNX Runtime has no kernel for an operator in a dtype the row says so ("skipped: ORT has no
+bfloat16 Softmax kernel"), never a pass. Note: for float16, ONNX Runtime's CPU provider inserts
+Casts around operators it only has in float32, so some float16 rows measure float32 arithmetic
+with float16 rounding at the boundaries; that is what ORT on CPU really executes.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from titan_pipe.evaluate.metrics import TensorMetrics, compare_tensors
+from titan_pipe.evaluate.thresholds import check_metrics, resolve_thresholds
+from titan_pipe.training.kernels import apply_rotary_ref, attention_ref, rms_norm_ref
+
+OPSET = 14
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CASES = ("normal", "large", "tiny", "long")
+
+
+class GraphBuilder:
+    """Collects one small ONNX graph computing in ``dtype`` with float32 inputs and output."""
+
+    def __init__(self, dtype: str):
+        from onnx import TensorProto
+
+        self.elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
+                     "bfloat16": TensorProto.BFLOAT16}[dtype]
+        self.dtype = dtype
+        self.nodes, self.inputs, self.inits = [], [], []
+        self._n = 0
+
+    def _name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def node(self, op: str, inputs: list[str], n_out: int = 1, **attrs) -> str | list[str]:
+        from onnx import helper
+
+        outs = [self._name(op.lower()) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op, inputs, outs, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def cast(self, x: str, elem) -> str:
+        return self.node("Cast", [x], to=elem)
+
+    def input(self, name: str, array: np.ndarray) -> str:
+        """A graph input; float inputs come in as float32 and are cast to the working dtype."""
+        from onnx import TensorProto, helper
+
+        if array.dtype == np.int64:
+            self.inputs.append(helper.make_tensor_value_info(name, TensorProto.INT64, array.shape))
+            return name
+        self.inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, array.shape))
+        return name if self.elem == TensorProto.FLOAT else self.cast(name, self.elem)
+
+    def const(self, name: str, array, *, keep: bool = False) -> str:
+        """A constant, stored as float32 (int64 stays int64) and cast to the dtype unless ``keep``."""
+        from onnx import TensorProto, numpy_helper
+
+        arr = np.asarray(array)
+        arr = arr.astype(np.int64) if arr.dtype.kind in "iu" else arr.astype(np.float32)
+        self.inits.append(numpy_helper.from_array(arr, name))
+        if keep or arr.dtype == np.int64 or self.elem == TensorProto.FLOAT:
+            return name
+        return self.cast(name, self.elem)
+
+    def model(self, out: str):
+        from onnx import TensorProto, helper
+
+        final = out if self.elem == TensorProto.FLOAT else self.cast(out, TensorProto.FLOAT)
+        self.nodes.append(helper.make_node("Identity", [final], ["y"]))
+        graph = helper.make_graph(self.nodes, "op", self.inputs,
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                                  initializer=self.inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                 producer_name="titan-pipe-evaluate")
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One operator family: its inputs per case, its PyTorch form and its ONNX graph.
+
+    inputs(case, rng) -> {name: float32 or int64 array}; torch_fn(dict of tensors in dtype) -> tensor;
+    graph(builder, dict of graph names, arrays) -> output name. ``large``/``tiny`` are the input
+    magnitudes of those cases, chosen to stay inside float16's range for a correct kernel.
+    """
+
+    name: str
+    description: str
+    inputs: Callable
+    torch_fn: Callable
+    graph: Callable
+    large: float = 300.0
+    tiny: float = 1e-4
+    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
+
+
+def _scale(case: str, spec) -> float:
+    return {"normal": 1.0, "large": spec.large, "tiny": spec.tiny, "long": 1.0}[case]
+
+
+def _rows(case: str) -> tuple[int, int]:
+    """(rows, row length): long rows test reductions over many elements."""
+    return (4, 8192) if case == "long" else (16, 64)
+
+
+def _randn(rng, shape, scale):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+# -- embedding gather ------------------------------------------------------------------------
+
+
+def _emb_inputs(case, rng, spec):
+    vocab = 4096 if case == "long" else 320
+    return {"weight": _randn(rng, (vocab, 64), _scale(case, spec)),
+            "ids": rng.integers(0, vocab, size=(2, 16)).astype(np.int64)}
+
+
+def _emb_graph(b, n, a):
+    return b.node("Gather", [n["weight"], n["ids"]], axis=0)
+
+
+# -- linear / matmul -------------------------------------------------------------------------
+
+
+def _linear_inputs(case, rng, spec):
+    rows, k = _rows(case)
+    n_out = 256 if case == "long" else 96
+    return {"x": _randn(rng, (rows, k), _scale(case, spec)),
+            "w": _randn(rng, (n_out, k), 1.0 / math.sqrt(k))}
+
+
+def _linear_graph(b, n, a):
+    wt = b.node("Transpose", [n["w"]], perm=[1, 0])
+    return b.node("MatMul", [n["x"], wt])
+
+
+# -- RMSNorm ---------------------------------------------------------------------------------
+
+EPS = 1e-5
+
+
+def _norm_inputs(case, rng, spec):
+    rows, d = _rows(case)
+    return {"x": _randn(rng, (rows, d), _scale(case, spec)),
+            "weight": (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)}
+
+
+def _norm_graph(b, n, a):
+    from onnx import TensorProto
+
+    xf = b.cast(n["x"], TensorProto.FLOAT)  # as rms_norm_ref: statistics in float32
+    sq = b.node("Pow", [xf, b.const("two", np.float32(2.0), keep=True)])
+    ms = b.node("ReduceMean", [sq], axes=[-1], keepdims=1)
+    den = b.node("Sqrt", [b.node("Add", [ms, b.const("eps", np.float32(EPS), keep=True)])])
+    y = b.cast(b.node("Div", [xf, den]), b.elem)
+    return b.node("Mul", [n["weight"], y])
+
+
+# -- RoPE (rotate-half) ----------------------------------------------------------------------
+
+
+def _rope_inputs(case, rng, spec):
+    from titan_pipe.training.model import ModelArgs, rope_cos_sin
+
+    t = 256 if case == "long" else 16
+    cos, sin = rope_cos_sin(ModelArgs(dim=64, n_heads=4, max_seq_len=t), t)
+    return {"q": _randn(rng, (2, 4, t, 16), _scale(case, spec)), "cos": cos.numpy(), "sin": sin.numpy()}
+
+
+def _rope_torch(q, cos, sin):
+    return apply_rotary_ref(q, q, cos, sin)[0]
+
+
+def _rope_graph(b, n, a):
+    x1, x2 = b.node("Split", [n["q"]], n_out=2, axis=-1)
+    rot = b.node("Concat", [b.node("Neg", [x2]), x1], axis=-1)
+    return b.node("Add", [b.node("Mul", [n["q"], n["cos"]]), b.node("Mul", [rot, n["sin"]])])
+
+
+# -- attention with causal mask and GQA ------------------------------------------------------
+
+N_HEADS, N_KV = 4, 2
+
+
+def _attn_inputs(case, rng, spec):
+    t = 256 if case == "long" else 16
+    s = _scale(case, spec)
+    return {k: _randn(rng, (2, N_HEADS if k == "q" else N_KV, t, 16), s) for k in ("q", "k", "v")}
+
+
+def _attn_torch(q, k, v):
+    return attention_ref(q, k, v, n_rep=N_HEADS // N_KV, causal=True)
+
+
+def _attn_graph(b, n, a):
+    bsz, _, t, hd = a["q"].shape
+    rep = N_HEADS // N_KV
+
+    def repeat(x):  # (B, Hkv, T, hd) -> (B, H, T, hd), as repeat_kv
+        u = b.node("Unsqueeze", [x, b.const("ax2", np.array([2]))])
+        e = b.node("Expand", [u, b.const("rep_shape", np.array([bsz, N_KV, rep, t, hd]))])
+        return b.node("Reshape", [e, b.const("h_shape", np.array([bsz, N_HEADS, t, hd]))])
+
+    # SDPA's decomposition: q and k each scaled by sqrt(1/sqrt(hd)) before the matmul, which keeps
+    # low-precision scores in range; an additive -inf mask above the diagonal.
+    sq = b.const("sqrt_scale", np.float32(hd ** -0.25))
+    qs = b.node("Mul", [n["q"], sq])
+    kt = b.node("Transpose", [b.node("Mul", [repeat(n["k"]), sq])], perm=[0, 1, 3, 2])
+    mask = np.triu(np.full((t, t), -np.inf, dtype=np.float32), k=1)
+    scores = b.node("Add", [b.node("MatMul", [qs, kt]), b.const("mask", mask)])
+    return b.node("MatMul", [b.node("Softmax", [scores], axis=-1), repeat(n["v"])])
+
+
+# -- softmax, SiLU/SwiGLU, residual add, cast ------------------------------------------------
+
+
+def _x_inputs(case, rng, spec):
+    return {"x": _randn(rng, _rows(case), _scale(case, spec))}
+
+
+def _xy_inputs(case, rng, spec):
+    shape = _rows(case)
+    return {"a": _randn(rng, shape, _scale(case, spec)), "b": _randn(rng, shape, _scale(case, spec))}
+
+
+def _swiglu_graph(b, n, a):
+    silu = b.node("Mul", [n["a"], b.node("Sigmoid", [n["a"]])])
+    return b.node("Mul", [silu, n["b"]])
+
+
+def _cast_torch(x):
+    # Round trip through the other precision: float32 rows go through float16 (the fp16 export's
+    # casts), float16/bfloat16 rows up to float32 and back (RMSNorm's statistics).
+    low = torch.float16 if x.dtype == torch.float32 else torch.float32
+    return x.to(low).to(x.dtype)
+
+
+def _cast_graph(b, n, a):
+    from onnx import TensorProto
+
+    low = TensorProto.FLOAT16 if b.elem == TensorProto.FLOAT else TensorProto.FLOAT
+    return b.cast(b.cast(n["x"], low), b.elem)
+
+
+OPERATORS: tuple[OpSpec, ...] = (
+    OpSpec("embedding", "embedding gather (Gather axis 0)", _emb_inputs,
+           lambda weight, ids: F.embedding(ids, weight), _emb_graph),
+    OpSpec("linear", "linear / matmul x @ W^T (Transpose + MatMul)", _linear_inputs,
+           lambda x, w: F.linear(x, w), _linear_graph),
+    OpSpec("rms_norm", "RMSNorm, statistics in float32 (rms_norm_ref)", _norm_inputs,
+           lambda x, weight: rms_norm_ref(x, weight, EPS), _norm_graph),
+    OpSpec("rope", "RoPE rotate-half (apply_rotary_ref)", _rope_inputs, _rope_torch, _rope_graph),
+    OpSpec("attention", "causal GQA attention, 4 query / 2 kv heads (attention_ref)", _attn_inputs,
+           _attn_torch, _attn_graph, large=8.0),
+    OpSpec("softmax", "softmax over the last axis", _x_inputs, lambda x: torch.softmax(x, dim=-1),
+           lambda b, n, a: b.node("Softmax", [n["x"]], axis=-1), large=30.0),
+    OpSpec("silu", "SiLU x * sigmoid(x)", _x_inputs, lambda x: F.silu(x),
+           lambda b, n, a: b.node("Mul", [n["x"], b.node("Sigmoid", [n["x"]])])),
+    # tiny 1e-2: the product of two 1e-4 values is below float16's subnormals, which would test
+    # underflow, not the kernel.
+    OpSpec("swiglu", "SwiGLU silu(a) * b", _xy_inputs, lambda a, b: F.silu(a) * b, _swiglu_graph,
+           large=100.0, tiny=1e-2),
+    OpSpec("residual_add", "residual add a + b", _xy_inputs, lambda a, b: a + b,
+           lambda b, n, a: b.node("Add", [n["a"], n["b"]])),
+    OpSpec("cast", "cast round trip (float32 -> float16 -> float32; low -> float32 -> low)",
+           _x_inputs, _cast_torch, _cast_graph),
+)
+
+
+@dataclass(frozen=True)
+class OperatorRow:
+    """One (operator, dtype, case) result. status: "pass", "fail" or "skipped: <reason>"."""
+
+    op: str
+    dtype: str
+    case: str
+    status: str
+    shape: tuple[int, ...] = ()
+    metrics: TensorMetrics | None = None
+    failures: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        return {"op": self.op, "dtype": self.dtype, "case": self.case, "status": self.status,
+                "shape": list(self.shape), "metrics": self.metrics.to_dict() if self.metrics else None,
+                "failures": list(self.failures)}
+
+
+_MISSING_KERNEL = re.compile(r"implementation for (\w+)\((\d+)\)")
+
+
+def _ort_session(model):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,
+                 limits: dict[str, float] | None = None) -> OperatorRow:
+    """Run one operator in both runtimes and judge it with the dtype's ``operator`` bounds."""
+    if dtype not in spec.dtypes:
+        return OperatorRow(spec.name, dtype, case, f"skipped: {spec.name} is not used in {dtype}")
+    rng = np.random.default_rng(seed + 7919 * CASES.index(case))
+    arrays = spec.inputs(case, rng, spec)
+    tdt = TORCH_DTYPES[dtype]
+    with torch.no_grad():
+        tensors = {k: torch.from_numpy(v) if v.dtype == np.int64 else torch.from_numpy(v).to(tdt)
+                   for k, v in arrays.items()}
+        ref = spec.torch_fn(**tensors)
+    b = GraphBuilder(dtype)
+    names = {k: b.input(k, v) for k, v in arrays.items()}
+    model = b.model(spec.graph(b, names, arrays))
+    try:
+        sess = _ort_session(model)
+    except Exception as e:  # ORT raises its own NotImplemented type for a missing kernel
+        m = _MISSING_KERNEL.search(str(e))
+        if m:
+            return OperatorRow(spec.name, dtype, case,
+                               f"skipped: ORT has no {dtype} {m.group(1)} kernel (opset {m.group(2)}, CPU)")
+        return OperatorRow(spec.name, dtype, case, f"skipped: ORT could not load the graph: "
+                                                   f"{str(e).splitlines()[0][:160]}")
+    try:
+        (cand,) = sess.run(["y"], {k: v for k, v in arrays.items()})
+    except Exception as e:
+        m = _MISSING_KERNEL.search(str(e))
+        reason = (f"ORT has no {dtype} {m.group(1)} kernel" if m else
+                  f"ORT failed to run: {str(e).splitlines()[0][:160]}")
+        return OperatorRow(spec.name, dtype, case, f"skipped: {reason}")
+    metrics = compare_tensors(ref, cand)
+    fails = check_metrics(metrics, limits or resolve_thresholds(dtype), "operator")
+    return OperatorRow(spec.name, dtype, case, "fail" if fails else "pass", tuple(ref.shape), metrics,
+                       tuple(f.text for f in fails))
+
+
+def run_conformance(*, dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16"),
+                    ops: tuple[str, ...] | None = None, cases: tuple[str, ...] = CASES,
+                    thresholds: dict | None = None, seed: int = 0, progress=None) -> list[OperatorRow]:
+    """The whole table: every operator x dtype x case, in OPERATORS order (the model's order).
+
+    ``thresholds`` are flow.yaml-style overrides ``{dtype: {key: value}}``; ``progress`` is called
+    with each finished row (the CLI advances a rich progress bar with it).
+    """
+    specs = [s for s in OPERATORS if ops is None or s.name in ops]
+    unknown = set(ops or ()) - {s.name for s in OPERATORS}
+    if unknown:
+        raise ValueError(f"unknown operator(s) {sorted(unknown)}; known: {[s.name for s in OPERATORS]}")
+    rows = []
+    for dtype in dtypes:
+        limits = resolve_thresholds(dtype, thresholds)
+        for spec in specs:
+            for case in cases:
+                row = run_operator(spec, dtype, case, seed=seed, limits=limits)
+                rows.append(row)
+                if progress is not None:
+                    progress(row)
+    return rows
+
+
+def first_failing_operator(rows: list[OperatorRow], dtype: str | None = None) -> OperatorRow | None:
+    """The first failing row in model order (optionally of one dtype), or None."""
+    for row in rows:
+        if row.status == "fail" and (dtype is None or row.dtype == dtype):
+            return row
+    return None
