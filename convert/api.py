@@ -26,6 +26,7 @@ from titan_pipe.convert.names import to_hf_config
 from titan_pipe.convert.plan import (HF_DTYPE_NAMES, OUT_DTYPES, OutputPlan, SourcePlan, parse_size,
                                      plan_sharded, plan_unified)
 from titan_pipe.convert.reshard import write_file
+from titan_pipe.convert.writer import DISK_FULL_ERRNOS, DiskFull, disk_full_message
 from titan_pipe.errors import UserError
 from titan_pipe.training.model import build_model
 from titan_pipe.training.sharding import stage_ranks, tp_split_dim
@@ -193,9 +194,16 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
             }
             _write_json(tmp / "provenance.json", provenance)
             _move_into_place(tmp, out_dir)
-        except BaseException:
+        except DiskFull as e:
             hasher.stop()
             shutil.rmtree(tmp, ignore_errors=True)
+            where = out_dir / e.path.relative_to(tmp) if e.path and tmp in e.path.parents else out_dir
+            raise DiskFull(disk_full_message(where, e.reason), where, e.reason) from None
+        except BaseException as e:
+            hasher.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:  # config/provenance/manifest writes
+                raise DiskFull(disk_full_message(out_dir, os.strerror(e.errno)), out_dir) from None
             raise
     files = [out_dir / p.relative_to(tmp) for p in written] + [out_dir / "provenance.json"]
     wall = time.perf_counter() - t0

@@ -19,13 +19,17 @@ from pathlib import Path
 from titan_pipe.convert.plan import DTYPE_SIZES
 from titan_pipe.errors import UserError
 
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 COPY_BLOCK = 64 * 2**20
 
 
 class DiskFull(UserError):
     """The output disk (or a file-size limit) ran out mid-write."""
+
+    def __init__(self, message: str, path: Path | None = None, reason: str = ""):
+        super().__init__(message)
+        self.path, self.reason = path, reason
 
 
 @dataclass(frozen=True)
@@ -56,9 +60,14 @@ def build_header(entries: list[Entry], metadata: dict[str, str] | None = None) -
     return len(raw).to_bytes(8, "little") + raw, offsets
 
 
+def disk_full_message(path: Path, reason: str) -> str:
+    return (f"{path}: the disk filled up while writing ({reason}); nothing was kept. Free space "
+            "or choose another output directory with -o")
+
+
 def _disk_full(path: Path, e: OSError) -> DiskFull:
-    return DiskFull(f"{path}: the disk filled up while writing ({os.strerror(e.errno)}); nothing "
-                    "was kept. Free space or choose another output directory with -o")
+    reason = os.strerror(e.errno)
+    return DiskFull(disk_full_message(path, reason), path, reason)
 
 
 class SafetensorsWriter:
@@ -102,7 +111,7 @@ class SafetensorsWriter:
             while done < len(data):
                 done += os.pwrite(self.fd, data[done:], pos + done)
         except OSError as e:
-            if e.errno in _DISK_FULL:
+            if e.errno in DISK_FULL_ERRNOS:
                 raise _disk_full(self.path, e) from None
             raise
 
@@ -129,7 +138,7 @@ class SafetensorsWriter:
                                     f"{self.path}; the source was truncated during the conversion")
                 done += got
         except OSError as e:
-            if e.errno in _DISK_FULL:
+            if e.errno in DISK_FULL_ERRNOS:
                 raise _disk_full(self.path, e) from None
             raise
         buf = bytearray(min(COPY_BLOCK, n - done)) if done < n else None
