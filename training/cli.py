@@ -1,8 +1,39 @@
-"""CLI commands of the training stage (filled in by the trainer)."""
+"""`titan-pipe train FLOW [--resume]`: validate the flow, launch training, print a short summary."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
 
+def _format_summary(summary: dict) -> str:
+    def num(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    mfu = summary.get("mfu")
+    return (f"steps {summary.get('steps')} | final loss {num(summary.get('final_loss'), '.4f')} | "
+            f"{num(summary.get('tokens_per_s'), ',.0f')} tok/s | "
+            f"MFU {'n/a' if mfu is None else f'{100 * mfu:.2f}%'}")
+
+
 def register(app: typer.Typer) -> None:
-    return None
+    from titan_pipe.cli import console, handle_errors
+
+    @app.command()
+    @handle_errors
+    def train(flow: Path = typer.Argument(..., help="flow.yaml describing the run"),
+              resume: bool = typer.Option(False, "--resume",
+                                          help="continue from the newest complete checkpoint of the run")):
+        """Train the model of FLOW on dp*tp*pp processes (torchrun); exits with torchrun's status."""
+        from titan_pipe.config import load_flow
+        from titan_pipe.training.launch import run_training
+
+        cfg = load_flow(flow)  # ConfigError -> exit 2 before anything starts or any dir is made
+        p = cfg.parallel
+        console.print(f"training {cfg.name}: dp={p.dp} tp={p.tp} pp={p.pp}, {cfg.train.steps} steps, "
+                      f"run dir {cfg.run_dir()}", highlight=False, soft_wrap=True)
+        result = run_training(flow_path=flow, cfg=cfg, resume=resume)
+        console.print(f"done: {_format_summary(result.summary)}", highlight=False, soft_wrap=True)
+        if result.summary.get("peak_flops_source"):
+            console.print(f"peak FLOPs: {result.summary['peak_flops_source']}", highlight=False, soft_wrap=True)
+        console.print(f"checkpoint: {result.checkpoint}\nmetrics:    {result.metrics}", highlight=False, soft_wrap=True)

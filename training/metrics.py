@@ -3,8 +3,8 @@
 Metric keys the trainer logs (one JSON object per step in runs/<name>/metrics.jsonl), and that
 the progress display and the launcher's summary read:
   step (int, 1-based), loss (float), lr, grad_norm, tokens_per_s (global, all dp ranks),
-  mfu (fraction of peak, or null when the peak is unknown), peak_memory_bytes (max over ranks),
-  step_time_s. Any other key is kept in the JSONL and ignored by the display.
+  mfu (fraction of peak, or null when the peak is unknown), peak_memory_bytes or peak_mem_mb
+  (max over ranks), step_time_s. Any other key is kept in the JSONL and ignored by the display.
 """
 from __future__ import annotations
 
@@ -183,17 +183,24 @@ def format_progress_line(step: int, total: int, metrics: dict[str, Any]) -> str:
         parts.append(f"{float(metrics['tokens_per_s']):.0f} tok/s")
     m = metrics.get("mfu")
     parts.append(f"MFU {100 * float(m):.2f}%" if m is not None else "MFU n/a")
-    if metrics.get("peak_memory_bytes") is not None:
-        parts.append(f"peak mem {format_bytes(float(metrics['peak_memory_bytes']))}")
+    mem = metrics.get("peak_memory_bytes")
+    if mem is None and metrics.get("peak_mem_mb") is not None:
+        mem = float(metrics["peak_mem_mb"]) * 2**20
+    if mem is not None:
+        parts.append(f"peak mem {format_bytes(float(mem))}")
     return " | ".join(parts)
 
 
-_LINE = re.compile(r"^step (?P<step>\d+)/(?P<total>\d+)(?P<rest>( \| .*)?)$")
+# torchrun prefixes each worker line with "[<role><local_rank>]:" (e.g. "[default0]:").
+_LINE = re.compile(r"^(\[[^\]]*\]:)?step (?P<step>\d+)/(?P<total>\d+)(?P<rest>( \| .*)?)$")
 _UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 
 
 def parse_progress_line(line: str) -> tuple[int, int, dict[str, float | None]] | None:
     """(step, total, metrics) from a line ``format_progress_line`` wrote, else None.
+
+    A torchrun line prefix ("[default0]:") is allowed; metrics come back with the display's
+    rounding (loss to 4 decimals, memory in bytes).
 
     The launcher uses it to drive a live bar in its own terminal while torchrun pipes rank 0's
     plain lines to it.

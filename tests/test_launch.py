@@ -1,0 +1,214 @@
+"""The training launcher: torchrun command and env, streaming and exit codes, the train CLI."""
+from __future__ import annotations
+
+import io
+import json
+import socket
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from titan_pipe.cli import app
+from titan_pipe.config import parse_flow
+from titan_pipe.training.launch import (
+    build_torchrun_command,
+    first_slurm_host,
+    inside_launch,
+    launch_env,
+    run_training,
+    slurm_env,
+    stream_process,
+    summarize,
+)
+from titan_pipe.training.metrics import format_progress_line
+
+
+def _cfg(**sections):
+    data = {"name": "t", "device": "cpu", "model": {"flavour": "debug"}}
+    data.update(sections)
+    return parse_flow(data, base=Path.cwd())
+
+
+def _write_flow(tmp_path: Path, **sections) -> Path:
+    data = {"name": "t", "runs_dir": str(tmp_path / "runs"), "device": "cpu", "model": {"flavour": "debug"}}
+    data.update(sections)
+    path = tmp_path / "flow.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# --- command and environment ----------------------------------------------------------------------
+
+def test_single_node_command():
+    cfg = _cfg(parallel={"dp": 2, "tp": 2, "pp": 1})
+    cmd = build_torchrun_command(cfg, Path("/x/flow.yaml"), resume=False)
+    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--nnodes", "1",
+                   "--node_rank", "0", "--standalone", "--max_restarts", "0", "--local-ranks-filter", "0",
+                   "-m", "titan_pipe.training.train", "--flow", "/x/flow.yaml"]
+    cmd = build_torchrun_command(cfg, Path("/x/flow.yaml"), resume=True, log_dir=Path("/r/logs"))
+    assert cmd[-1] == "--resume"
+    i = cmd.index("--log_dir")
+    assert cmd[i:i + 4] == ["--log_dir", "/r/logs", "--tee", "3"]
+
+
+def test_multi_node_command():
+    cfg = _cfg(name="big", parallel={"dp": 4, "tp": 2, "pp": 2},
+               launch={"nnodes": 2, "node_rank": 1, "rdzv_endpoint": "10.0.0.1:29400", "max_restarts": 3})
+    cmd = build_torchrun_command(cfg, Path("/x/flow.yaml"), resume=False)
+    assert "--standalone" not in cmd
+    joined = " ".join(cmd)
+    assert "--nproc_per_node 8 --nnodes 2 --node_rank 1 " in joined
+    assert "--rdzv_backend c10d --rdzv_endpoint 10.0.0.1:29400 --rdzv_id big --max_restarts 3" in joined
+    cfg = _cfg(parallel={"dp": 4}, launch={"nnodes": 2, "nproc_per_node": 2, "rdzv_endpoint": "h:1"})
+    assert build_torchrun_command(cfg, Path("f"), resume=False)[4] == "2"
+
+
+def test_launch_env():
+    cfg = _cfg(parallel={"dp": 2, "tp": 2})
+    env = launch_env(cfg, "cpu", base={"PATH": "/bin"}, cpus=16)
+    assert env["OMP_NUM_THREADS"] == "4" and env["PYTHONUNBUFFERED"] == "1" and env["PATH"] == "/bin"
+    assert env["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0"
+    assert launch_env(cfg, "cpu", base={}, cpus=2)["OMP_NUM_THREADS"] == "1"
+    assert launch_env(cfg, "cpu", base={"OMP_NUM_THREADS": "7"}, cpus=2)["OMP_NUM_THREADS"] == "7"
+    assert "OMP_NUM_THREADS" not in launch_env(_cfg(), "cpu", base={}, cpus=2)  # one rank: untouched
+    npu = launch_env(_cfg(comm={"fusion_buffer_mb": 200}), "npu", base={})
+    assert npu["HCCL_BUFFSIZE"] == "200" and "OMP_NUM_THREADS" not in npu
+    assert "HCCL_BUFFSIZE" not in launch_env(cfg, "cuda", base={})
+
+
+def test_inside_launch_and_slurm_mapping():
+    assert not inside_launch({"PATH": "/bin"})
+    assert inside_launch({"LOCAL_RANK": "0"}) and inside_launch({"SLURM_PROCID": "3"})
+    cfg = _cfg(parallel={"dp": 4})
+    env = slurm_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+                     "SLURM_JOB_NODELIST": "gpu[07-08]"}, cfg)
+    assert env["RANK"] == "3" and env["WORLD_SIZE"] == "4" and env["LOCAL_RANK"] == "1"
+    assert env["MASTER_ADDR"] == "gpu07"
+    assert env["MASTER_PORT"] == "29500"
+    cfg = _cfg(parallel={"dp": 4}, launch={"rdzv_endpoint": "head:1234"})
+    env = slurm_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, cfg)
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("head", "1234")
+    assert slurm_env({"RANK": "0", "SLURM_PROCID": "0"}, cfg) == {}  # torchrun under srun wins
+    assert first_slurm_host("a1,b2") == "a1" and first_slurm_host("n[3,5-6]") == "n3"
+
+
+# --- streaming and exit status -------------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import sys
+    print("hello from the child")
+    print("to stderr", file=sys.stderr)
+    for s in (1, 2):
+        print({line!r}.replace("@", str(s)), flush=True)
+    sys.exit(3)
+""")
+
+
+def test_stream_process_tees_lines_and_returns_the_status(tmp_path):
+    line = format_progress_line(0, 2, {"loss": 1.5, "mfu": None}).replace("step 0", "step @")
+    code = CHILD.format(line=line)
+    out, log = io.StringIO(), tmp_path / "logs" / "train.log"
+    rc = stream_process([sys.executable, "-c", code], env=None, log_path=log, console=out, live=False)
+    assert rc == 3
+    text = log.read_text()
+    assert text.startswith("# ") and "hello from the child" in text and "to stderr" in text
+    assert "step 2/2 | loss 1.5000" in out.getvalue() and "to stderr" in out.getvalue()
+    # a second launch appends (resume keeps the first run's log)
+    assert stream_process([sys.executable, "-c", "print('again')"], env=None, log_path=log,
+                          console=io.StringIO(), live=False) == 0
+    assert "hello from the child" in log.read_text() and log.read_text().rstrip().endswith("again")
+    # on a terminal the progress lines drive a bar, the rest prints above it
+    live = io.StringIO()
+    assert stream_process([sys.executable, "-c", code], env=None, log_path=log, console=live, live=True) == 3
+    assert "hello from the child" in live.getvalue() and "2/2" in live.getvalue()
+
+
+def test_summarize_reads_metrics(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    recs = [{"step": 1, "loss": 5.0, "tokens_per_s": 10.0, "mfu": 0.1},
+            {"step": 2, "loss": 4.0, "tokens_per_s": 30.0, "mfu": 0.3},
+            {"step": 3, "loss": 3.0, "tokens_per_s": 50.0, "mfu": 0.5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 4, "lo')
+    s = summarize(path)
+    assert s == {"final_loss": 3.0, "tokens_per_s": 40.0, "mfu": pytest.approx(0.4), "steps": 3}
+    assert summarize(tmp_path / "none.jsonl")["steps"] == 0
+
+
+# --- the CLI and real runs -----------------------------------------------------------------------
+
+def test_cli_refuses_a_bad_flow_before_starting(tmp_path):
+    path = _write_flow(tmp_path, parallel={"dp": 3, "tp": 5}, train={"stepz": 3})
+    r = CliRunner().invoke(app, ["train", str(path)])
+    assert r.exit_code == 2, r.output
+    assert "train.stepz: unknown key" in r.output
+    assert not (tmp_path / "runs").exists()
+    r = CliRunner().invoke(app, ["train", str(tmp_path / "missing.yaml")])
+    assert r.exit_code == 2 and "file not found" in r.output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_in_process_run_inside_an_existing_launch(tmp_path, monkeypatch):
+    """RANK/WORLD_SIZE set (as torchrun sets them): the trainer runs here, no subprocess."""
+    flow = _write_flow(tmp_path, train={"steps": 3, "batch_size": 2, "seq_len": 16, "seed": 1},
+                       checkpoint={"every": 2, "keep_last": 1})
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    from titan_pipe.config import load_flow
+
+    cfg = load_flow(flow)
+    res = run_training(flow_path=flow, cfg=cfg)
+    assert res.run_dir == (tmp_path / "runs" / "t").resolve()
+    assert res.checkpoint.name == "step-000003" and (res.checkpoint / "manifest.json").is_file()
+    assert [p.name for p in (res.run_dir / "checkpoints").iterdir()] == ["step-000003"]  # keep_last 1
+    assert res.summary["steps"] == 3 and res.summary["final_loss"] > 0
+    assert (res.run_dir / "flow.yaml").read_text() == flow.read_text()
+    assert not (res.run_dir / "train.log").exists()  # nothing was spawned
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(Exception, match="WORLD_SIZE=2"):
+        run_training(flow_path=flow, cfg=cfg)
+
+
+@pytest.mark.distributed
+def test_train_cli_end_to_end_tp2(tmp_path, monkeypatch):
+    """`titan-pipe train` spawns torchrun with 2 gloo ranks (tp=2): metrics, checkpoint, status."""
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.chdir(tmp_path)
+    flow = _write_flow(tmp_path, train={"steps": 3, "batch_size": 4, "seq_len": 32, "seed": 0},
+                       parallel={"dp": 1, "tp": 2, "pp": 1}, checkpoint={"every": 2, "keep_last": 2})
+    r = CliRunner().invoke(app, ["train", str(flow)])
+    assert r.exit_code == 0, r.output
+    run = tmp_path / "runs" / "t"
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs] == [1, 2, 3]
+    assert all(x["loss"] > 0 and x["tokens_per_s"] > 0 for x in recs)
+    # byte tokenizer on the debug model starts near ln(320) and learns
+    assert 4.5 < recs[0]["loss"] < 7.5 and recs[-1]["loss"] < recs[0]["loss"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002", "step-000003"]
+    ck = run / "checkpoints" / "step-000003"
+    manifest = json.loads((ck / "manifest.json").read_text())
+    assert manifest  # written last: its presence marks the step complete
+    files = sorted(p.name for p in (ck / "model").glob("*.safetensors"))
+    assert files == ["pp0-tp0.safetensors", "pp0-tp1.safetensors"]
+    with safe_open(str(ck / "model" / "pp0-tp0.safetensors"), "pt") as f:
+        assert len(list(f.keys())) > 0
+    log = (run / "train.log").read_text()
+    assert "step 3/3" in log and "torch.distributed.run" in log
+    assert "done: steps 3" in r.output and "step-000003" in r.output
+    # a failing rank (fault injection) makes `titan-pipe train` exit non-zero and names the log
+    flow = _write_flow(tmp_path, name="bad", train={"steps": 3, "batch_size": 2, "seq_len": 16,
+                                                    "fail_at_step": 1})
+    r = CliRunner().invoke(app, ["train", str(flow)])
+    assert r.exit_code != 0
+    assert "torchrun exited with status" in r.output and "train.log" in r.output

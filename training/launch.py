@@ -1,0 +1,348 @@
+"""The training launcher: builds the torchrun command and environment, runs it, streams rank 0.
+
+``run_training`` is what ``titan-pipe train`` and the Prefect flow call. It starts
+``python -m torch.distributed.run ... -m titan_pipe.training.train --flow FLOW [--resume]`` as a
+subprocess, tees its output to the console and run_dir/train.log, and turns the run's files into a
+TrainResult. Inside an existing launch (torchrun, srun) it runs the trainer in this process instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Mapping
+
+from titan_pipe.config import FlowConfig
+from titan_pipe.errors import StageFailed, UserError
+from titan_pipe.run_dir import RunDir
+from titan_pipe.training.metrics import format_progress_line, parse_progress_line, read_metrics
+
+TRAIN_MODULE = "titan_pipe.training.train"
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun for each worker
+SLURM_VARS = ("SLURM_PROCID",)  # set by srun for each task
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    run_dir: Path
+    checkpoint: Path | None  # newest complete step dir; None only on a node that holds none
+    metrics: Path  # metrics.jsonl
+    summary: dict  # final_loss, tokens_per_s, mfu, steps (+ start_step, peak_flops_source)
+
+
+# --- plan: command and environment (pure) -------------------------------------------------------
+
+def nproc_per_node(cfg: FlowConfig) -> int:
+    """Processes on this node: launch.nproc_per_node, else dp*tp*pp spread evenly over nnodes."""
+    return cfg.launch.nproc_per_node or cfg.parallel.world_size // cfg.launch.nnodes
+
+
+def build_torchrun_command(cfg: FlowConfig, flow_path: Path, *, resume: bool,
+                           log_dir: Path | None = None) -> list[str]:
+    """The torchrun argv for this node. One node: --standalone (local rendezvous on a free port);
+    several: c10d rendezvous at launch.rdzv_endpoint with the run name as the job id, so every
+    node's launcher joins the same group. Only local rank 0 reaches the console; with ``log_dir``
+    every rank's stdout/stderr is also kept in files there (torchrun --tee 3)."""
+    la = cfg.launch
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           "--nproc_per_node", str(nproc_per_node(cfg)), "--nnodes", str(la.nnodes),
+           "--node_rank", str(la.node_rank)]
+    if la.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        if not la.rdzv_endpoint:
+            raise UserError("launch.rdzv_endpoint: required when nnodes > 1 (host:port of node 0)")
+        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", la.rdzv_endpoint, "--rdzv_id", cfg.name]
+    cmd += ["--max_restarts", str(la.max_restarts)]
+    if log_dir is not None:
+        cmd += ["--log_dir", str(log_dir), "--tee", "3"]
+    cmd += ["--local-ranks-filter", "0", "-m", TRAIN_MODULE, "--flow", str(flow_path)]
+    if resume:
+        cmd.append("--resume")
+    return cmd
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def launch_env(cfg: FlowConfig, device_type: str, *, base: Mapping[str, str] | None = None,
+               cpus: int | None = None) -> dict[str, str]:
+    """The environment torchrun and its workers get: ``base`` (default os.environ) plus, only
+    where ``base`` does not set them already:
+
+    - PYTHONUNBUFFERED=1: rank output reaches train.log line by line, not in 8 KB blocks.
+    - OMP_NUM_THREADS=cpus // nproc (at least 1) on CPU with several ranks per node, so ranks
+      sharing cores do not oversubscribe them (torchrun's own default is 1 with a warning).
+    - TORCH_DEVICE_BACKEND_AUTOLOAD=0 on CPU: a torch_npu installed without CANN would otherwise
+      break ``import torch`` in every rank.
+    - the collective library's settings from the comm section (training/train.py comm_env): on
+      NPU, HCCL_BUFFSIZE = comm.fusion_buffer_mb.
+    """
+    from titan_pipe.training.train import comm_env
+
+    env = dict(os.environ if base is None else base)
+    extra = {"PYTHONUNBUFFERED": "1"}
+    nproc = nproc_per_node(cfg)
+    if device_type == "cpu":
+        extra["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+        if nproc > 1:
+            extra["OMP_NUM_THREADS"] = str(max(1, (cpus or usable_cpus()) // nproc))
+    extra.update(comm_env(cfg, device_type))
+    for k, v in extra.items():
+        env.setdefault(k, v)
+    return env
+
+
+def inside_launch(environ: Mapping[str, str] | None = None) -> bool:
+    """True in a torchrun worker or an srun task: the processes already exist, do not spawn more."""
+    environ = os.environ if environ is None else environ
+    return any(k in environ for k in LAUNCH_VARS + SLURM_VARS)
+
+
+def slurm_env(environ: Mapping[str, str], cfg: FlowConfig) -> dict[str, str]:
+    """torch.distributed's env:// variables for an srun task that torchrun did not start.
+
+    RANK/WORLD_SIZE/LOCAL_RANK from SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID; MASTER_ADDR and
+    MASTER_PORT from launch.rdzv_endpoint, else the first host of SLURM_JOB_NODELIST and 29500.
+    Variables already set win.
+    """
+    out: dict[str, str] = {}
+    if "RANK" in environ or "SLURM_PROCID" not in environ:
+        return out
+    out["RANK"] = environ["SLURM_PROCID"]
+    out["WORLD_SIZE"] = environ.get("SLURM_NTASKS", str(cfg.parallel.world_size))
+    out["LOCAL_RANK"] = environ.get("SLURM_LOCALID", "0")
+    if "MASTER_ADDR" not in environ:
+        host, port = None, "29500"
+        if cfg.launch.rdzv_endpoint:
+            host, _, p = cfg.launch.rdzv_endpoint.rpartition(":")
+            host, port = (host, p) if host else (p, port)
+        else:
+            host = first_slurm_host(environ.get("SLURM_JOB_NODELIST", ""))
+        if not host:
+            raise UserError("launch.rdzv_endpoint: inside srun without a readable SLURM_JOB_NODELIST; "
+                            "set launch.rdzv_endpoint to host:port of the first node")
+        out["MASTER_ADDR"] = host
+        out.setdefault("MASTER_PORT", environ.get("MASTER_PORT", port))
+    return out
+
+
+def first_slurm_host(nodelist: str) -> str | None:
+    """The first host of a SLURM node list ('node[01-04],gpu7' -> 'node01'); scontrol if present."""
+    if not nodelist:
+        return None
+    if shutil.which("scontrol"):
+        try:
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                                 text=True, timeout=30, check=True).stdout.split()
+            if out:
+                return out[0]
+        except (subprocess.SubprocessError, OSError):
+            pass
+    first = nodelist.split(",")[0]
+    if "[" in first:  # prefix[a-b,c] -> prefix + a
+        prefix, rng = first.split("[", 1)
+        return prefix + rng.rstrip("]").split(",")[0].split("-")[0]
+    return first
+
+
+# --- I/O: run, stream, summarise ----------------------------------------------------------------
+
+def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: Path,
+                   console: IO[str] | None = None, live: bool | None = None,
+                   cwd: Path | None = None) -> int:
+    """Run ``cmd``, copying each output line (stdout and stderr merged) to ``console`` and
+    appending it to ``log_path`` as it arrives; returns the exit status.
+
+    On a terminal (``live``), progress lines (metrics.format_progress_line) drive a rich bar and
+    everything else prints above it; off a terminal every line is echoed as it is. Ctrl-C is
+    passed on to the child, which gets 30 s to stop before it is killed.
+    """
+    console = console or sys.stdout
+    live = console.isatty() if live is None else live
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("a", encoding="utf-8") as log:
+        log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} $ {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env) if env else None,
+                                cwd=cwd, text=True, errors="replace", bufsize=1)
+        bar = _LiveBar(console) if live else None
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if bar is not None:
+                    bar.feed(line.rstrip("\n"))
+                else:
+                    console.write(line)
+                    console.flush()
+            return proc.wait()
+        except KeyboardInterrupt:
+            proc.send_signal(2)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+class _LiveBar:
+    """A rich progress bar fed with the child's lines (progress lines update it, others print)."""
+
+    def __init__(self, stream: IO[str]):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
+                                 console=Console(file=stream))
+        self.task = None
+
+    def feed(self, line: str) -> None:
+        parsed = parse_progress_line(line)
+        if parsed is None:
+            self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            return
+        step, total, metrics = parsed
+        info = format_progress_line(step, total, metrics).partition(" | ")[2]
+        if self.task is None:
+            self.progress.start()
+            self.task = self.progress.add_task("train", total=total, completed=step, info=info)
+        self.progress.update(self.task, completed=step, total=total, info=info)
+
+    def close(self) -> None:
+        if self.task is not None:
+            self.progress.stop()
+
+
+def summarize(metrics_path: Path) -> dict:
+    """final_loss, tokens_per_s (mean over logged steps after the first, which carries warm-up),
+    mfu (same mean; None when never known), steps (last step logged) from metrics.jsonl."""
+    recs = [r for r in read_metrics(metrics_path) if isinstance(r.get("step"), int)]
+    if not recs:
+        return {"final_loss": None, "tokens_per_s": None, "mfu": None, "steps": 0}
+    timed = recs[1:] or recs
+
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in timed if isinstance(r.get(key), (int, float))]
+        return sum(vals) / len(vals) if vals else None
+
+    last_loss = next((r["loss"] for r in reversed(recs) if isinstance(r.get("loss"), (int, float))), None)
+    return {"final_loss": last_loss, "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu"),
+            "steps": recs[-1]["step"]}
+
+
+def failed_rank_logs(log_root: Path, since: float) -> list[Path]:
+    """stderr.log files written by this launch (torchrun --log_dir layout) that hold a traceback
+    or an error.json beside them: the ranks whose output the console filter hid."""
+    found = []
+    if not log_root.is_dir():
+        return found
+    for err in sorted(log_root.glob("*/attempt_*/*/stderr.log")):
+        if err.stat().st_mtime < since:
+            continue
+        text = err.read_text(errors="replace")
+        if (err.parent / "error.json").is_file() or "Traceback" in text or "Error" in text:
+            found.append(err)
+    return found
+
+
+def copy_flow(flow_path: Path, run: RunDir) -> None:
+    """The flow.yaml beside the run's outputs, so the run dir records what produced it."""
+    run.root.mkdir(parents=True, exist_ok=True)
+    if run.flow_yaml.exists() and run.flow_yaml.resolve() == flow_path.resolve():
+        return
+    tmp = run.flow_yaml.with_name(run.flow_yaml.name + ".tmp")
+    shutil.copyfile(flow_path, tmp)
+    tmp.replace(run.flow_yaml)
+
+
+def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> TrainResult:
+    """Train ``cfg`` (loaded from ``flow_path``) and return where its outputs are.
+
+    Spawns torchrun for this node, or inside an existing torchrun/srun launch runs the trainer in
+    this process. A non-zero exit raises StageFailed carrying torchrun's status (``exit_code``) and
+    naming run_dir/train.log.
+    """
+    from titan_pipe.devices import resolve_device
+
+    flow_path = Path(flow_path).resolve()
+    run = RunDir(cfg.run_dir().resolve())
+    try:
+        device = resolve_device(cfg.device)
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"{flow_path}: device: {e}") from None
+
+    if inside_launch():
+        return _run_in_process(flow_path, cfg, run, resume)
+
+    copy_flow(flow_path, run)
+    logs = run.root / "logs"
+    cmd = build_torchrun_command(cfg, flow_path, resume=resume, log_dir=logs)
+    started = time.time()
+    rc = stream_process(cmd, env=launch_env(cfg, device.type), log_path=run.train_log)
+    if rc != 0:
+        hidden = failed_rank_logs(logs, started - 1)
+        where = f"; failing ranks' output: {', '.join(map(str, hidden))}" if hidden else ""
+        err = StageFailed(f"training failed: torchrun exited with status {rc}; see {run.train_log}{where}")
+        err.exit_code = rc
+        raise err
+    return collect_result(run, cfg)
+
+
+def _run_in_process(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool) -> TrainResult:
+    from titan_pipe.training import train
+
+    extra = slurm_env(os.environ, cfg)
+    os.environ.update(extra)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != cfg.parallel.world_size:
+        raise UserError(f"{flow_path}: this launch has WORLD_SIZE={world} processes but dp*tp*pp = "
+                        f"{cfg.parallel.world_size}; start {cfg.parallel.world_size} tasks or change parallel")
+    if os.environ.get("RANK", "0") == "0":
+        copy_flow(flow_path, run)
+    rc = train.main(["--flow", str(flow_path)] + (["--resume"] if resume else []))
+    if rc != 0:
+        err = StageFailed(f"training failed on rank {os.environ.get('RANK')} with status {rc}")
+        err.exit_code = rc
+        raise err
+    return collect_result(run, cfg)
+
+
+def collect_result(run: RunDir, cfg: FlowConfig) -> TrainResult:
+    """The TrainResult of a finished run from its files (metrics.jsonl, summary.json, step dirs)."""
+    from titan_pipe.training.checkpoint import find_latest
+
+    summary = summarize(run.metrics)
+    extra = run.root / "summary.json"  # the trainer's own summary, for what metrics.jsonl lacks
+    if extra.is_file():
+        try:
+            theirs = json.loads(extra.read_text())
+            for k in ("start_step", "peak_flops_source"):
+                if k in theirs:
+                    summary[k] = theirs[k]
+        except ValueError:
+            pass
+    checkpoint = find_latest(run.checkpoints)
+    on_first_node = cfg.launch.node_rank == 0 and os.environ.get("RANK", "0") == "0"
+    if checkpoint is None and on_first_node:
+        raise StageFailed(f"training exited 0 but {run.checkpoints} holds no complete checkpoint "
+                          f"(no step dir with manifest.json); see {run.train_log}")
+    return TrainResult(run_dir=run.root, checkpoint=checkpoint, metrics=run.metrics, summary=summary)
