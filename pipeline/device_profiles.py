@@ -22,6 +22,34 @@ def get_profile(name: str) -> dict:
     return profiles[key]
 
 
+def _normalise(name: str) -> str:
+    return name.lower().replace("-", "").replace("_", "").replace(" ", "")
+
+
+def resolve_profile(name: str) -> tuple[str, dict, str | None]:
+    """(key, profile with ``links`` resolved, note) for a device name or an alias family.
+
+    An alias such as ``ascend910b`` (910B1-B4) resolves to one concrete model; ``note`` says which
+    and how to choose another. Unknown names raise KeyError listing the known ones.
+    """
+    data = json.loads(PROFILES_FILE.read_text())
+    key, note = _normalise(name), None
+    aliases = data.get("_aliases", {})
+    if key in aliases:
+        alias = aliases[key]
+        key = alias["resolves_to"]
+        others = ", ".join(f for f in alias["family"] if f != key)
+        note = (f"{name} means {key} ({alias['why']})" + (f"; pass --device {others} for another bin" if others else ""))
+    profiles = load_profiles()
+    if key not in profiles:
+        known = sorted(set(profiles) | set(aliases))
+        raise KeyError(f"unknown device {name!r}; known: {', '.join(known)}")
+    profile = dict(profiles[key])
+    if isinstance(profile.get("links"), str):
+        profile["links"] = data["_links"][profile["links"]]
+    return key, profile, note
+
+
 def match_device_name(device_name: str) -> str | None:
     """Map a runtime device name (e.g. 'NVIDIA H100 80GB HBM3', 'Ascend910B3') to a profile key."""
     n = device_name.lower().replace(" ", "").replace("-", "")

@@ -1,8 +1,202 @@
-"""CLI commands of this stage (to be filled in)."""
+"""`titan-pipe plan`: rank the dp x tp x pp layouts of a model on a cluster, explain the misfits,
+and write the winner as a flow.yaml (a thin shell over training/plan.py)."""
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
 
 import typer
 
 
+def _workload(model: str, seq_len: int, global_batch: int):
+    """A flavour name, or a flow.yaml whose model section (flavour + dims) is used."""
+    from titan_pipe.config import load_flow
+    from titan_pipe.errors import UserError
+    from titan_pipe.training.model import FLAVOURS
+    from titan_pipe.training.plan import Workload
+
+    if model in FLAVOURS:
+        return Workload(FLAVOURS[model], seq_len, global_batch, flavour=model)
+    path = Path(model)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        cfg = load_flow(path)
+        overrides = cfg.model.model_dump(exclude={"flavour", "kernels"}, exclude_none=True)
+        return Workload(cfg.model.args(), seq_len, global_batch, flavour=cfg.model.flavour,
+                        model_overrides=overrides)
+    raise UserError(f"--model {model!r} is neither a flavour ({', '.join(FLAVOURS)}) nor a flow.yaml file")
+
+
+def _gb(b: float) -> str:
+    return f"{b / 1e9:.1f}"
+
+
+def _zero(layout) -> str:
+    if layout.dp == 1:
+        return "-"
+    return {3: "fsdp", 2: "fsdp z2", 0: "ddp"}[layout.zero]
+
+
+def _table(plan, top: int):
+    from rich.table import Table
+
+    t = Table(title=f"Top {min(top, len(plan.ranked))} of {len(plan.ranked)} layouts that fit "
+                    f"({len(plan.misfits)} do not, {len(plan.invalid)} break a config rule)")
+    t.add_column("#", justify="right")
+    t.add_column("layout", no_wrap=True)
+    for col in ("mb", "dp", "SP", "AC", "GB/dev", "act", "bubble", "comm GB tp/pp/dp", "tok/s", "MFU"):
+        t.add_column(col, justify="right")
+    for i, e in enumerate(plan.ranked[:top], 1):
+        lay, m, c = e.layout, e.memory, e.timing.comm
+        comm = "/".join(f"{c[k].bytes / 1e9:.0f}" if k in c else "-" for k in ("tp", "pp", "dp"))
+        t.add_row(str(i), lay.label().replace("interleaved_1f1b(v=2)", "int1f1b"), str(lay.microbatches),
+                  _zero(lay), "y" if lay.sequence_parallel else "", str(lay.ac_every or ""),
+                  _gb(m.total), _gb(m.activations + m.recompute), f"{e.timing.bubble:.0%}", comm,
+                  f"{e.tokens_per_s:,.0f}", f"{e.mfu:.0%}")
+    return t
+
+
+def _misfit_table(rows):
+    from rich.table import Table
+
+    t = Table(title="Layouts with no variant that fits (their smallest variant)")
+    t.add_column("layout")
+    t.add_column("why not", overflow="fold", min_width=60)
+    for e in rows:
+        t.add_row(e.layout.label(), e.reason)
+    return t
+
+
+def _plot(plan, path: Path, top: int) -> None:
+    """Stacked memory per device of the top layouts and the smallest misfits, against capacity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from titan_pipe.training.plan import best_misfits_per_layout
+
+    rows = plan.ranked[:top] + best_misfits_per_layout(plan)[:top]
+    if not rows:
+        return
+    labels = [e.layout.label() + ("" if e.fits else " (x)") for e in rows]
+    kinds = list(rows[0].memory.items())
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
+    left = [0.0] * len(rows)
+    for k in kinds:
+        vals = [e.memory.items()[k] / 1e9 for e in rows]
+        ax.barh(labels, vals, left=left, label=k)
+        left = [a + b for a, b in zip(left, vals)]
+    ax.axvline(plan.cluster.memory_bytes / 1e9, color="k", ls="--", label="device memory")
+    ax.invert_yaxis()
+    ax.set_xlabel("GB per device")
+    ax.set_title(f"{plan.workload.flavour or 'model'} on {plan.cluster.n_devices} x {plan.cluster.device}")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def _write_flow(plan, path: Path, force: bool) -> None:
+    import yaml
+
+    from titan_pipe.config import parse_flow
+    from titan_pipe.errors import UserError
+    from titan_pipe.training.plan import layout_flow
+
+    if path.exists() and not force:
+        raise UserError(f"{path} already exists; pass --force to overwrite it")
+    best = plan.best
+    data = layout_flow(plan.workload, best.layout, plan.cluster, name=path.stem if path.stem != "flow" else "planned")
+    parse_flow(data, source=str(path), base=path.parent.resolve())  # what validate will check
+    m = best.memory
+    header = (f"# Written by `titan-pipe plan`: best of {len(plan.ranked)} fitting layouts for "
+              f"{plan.workload.flavour or 'the model'} on {plan.cluster.n_devices} x {plan.cluster.device}.\n"
+              f"# Estimate: {best.tokens_per_s:,.0f} tokens/s, {best.step_s:.2f} s/step, MFU {best.mfu:.0%}, "
+              f"{m.total / 1e9:.1f} GB/device (docs/plan.md says how it is computed).\n"
+              "# Add data.path, train.steps and the optimizer before training; check with titan-pipe validate.\n")
+    if "rdzv_endpoint" in data["launch"]:
+        header += "# launch.rdzv_endpoint: replace NODE0_HOST with the address of node 0.\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(header + yaml.safe_dump(data, sort_keys=False))
+    tmp.replace(path)
+
+
 def register(app: typer.Typer) -> None:
-    return None
+    from titan_pipe.cli import handle_errors
+
+    @app.command()
+    @handle_errors
+    def plan(
+        model: str = typer.Option(..., "--model", help="Flavour (llama2_13b, ...) or a flow.yaml whose model section to use"),
+        devices: int = typer.Option(..., "--devices", help="Number of accelerators"),
+        device: str = typer.Option(..., "--device", help="Device profile: ascend910a, ascend910b (= b3), ascend910b1-b4, a100, h100"),
+        device_memory: Optional[str] = typer.Option(None, "--device-memory", help="Override memory per device, e.g. 32GB"),
+        nodes: Optional[int] = typer.Option(None, "--nodes", help="Servers the devices are spread over (default: full servers)"),
+        seq_len: int = typer.Option(4096, "--seq-len", help="Tokens per sequence"),
+        global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Sequences per optimizer step (default 4 per device)"),
+        top: int = typer.Option(10, "--top", min=1, help="Rows of the ranked table"),
+        dp: Optional[int] = typer.Option(None, "--dp", help="Only layouts with this dp"),
+        tp: Optional[int] = typer.Option(None, "--tp", help="Only layouts with this tp"),
+        pp: Optional[int] = typer.Option(None, "--pp", help="Only layouts with this pp"),
+        efficiency: float = typer.Option(0.5, "--efficiency", min=0.01, max=1.0, help="Achieved fraction of peak FLOPs"),
+        comm_efficiency: float = typer.Option(0.7, "--comm-efficiency", min=0.01, max=1.0, help="Achieved fraction of link bandwidth"),
+        write: Optional[Path] = typer.Option(None, "--write", help="Write the best layout as this flow.yaml"),
+        force: bool = typer.Option(False, "--force", help="Overwrite the --write file"),
+        plot: Optional[Path] = typer.Option(None, "--plot", help="Save a memory-per-device chart (PNG)"),
+    ):
+        """Find the fastest dp x tp x pp layout that fits: memory, bubble, communication, tokens/s."""
+        from rich.console import Console
+        from rich.progress import Progress
+
+        from titan_pipe.errors import UserError
+        from titan_pipe.training.model import count_params, flops_per_token
+        from titan_pipe.training.plan import (Assumptions, best_misfits_per_layout, build_cluster,
+                                              make_plan)
+
+        out = Console()
+        if not out.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
+            out = Console(width=150)
+        cluster, notes = build_cluster(device, devices, nodes=nodes, device_memory=device_memory)
+        if seq_len < 1:
+            raise UserError(f"--seq-len {seq_len} must be >= 1")
+        gb = global_batch if global_batch is not None else 4 * devices
+        if gb < 1:
+            raise UserError(f"--global-batch {gb} must be >= 1")
+        w = _workload(model, seq_len, gb)
+        assume = Assumptions(compute_efficiency=efficiency, comm_efficiency=comm_efficiency)
+        for note in notes:
+            out.print(f"[yellow]note[/yellow] {note}", highlight=False)
+        links = ", ".join(f"{ln.name} {ln.gbps:g} GB/s" + (f" (groups of {ln.span})" if ln.span else "")
+                          for ln in cluster.links)
+        out.print(f"{w.flavour or 'model'}: {count_params(w.args) / 1e9:.2f}B parameters, "
+                  f"{flops_per_token(w.args, seq_len) / 1e9:.1f} GFLOP/token (train); batch {gb} x {seq_len} tokens\n"
+                  f"{devices} x {cluster.device} ({cluster.memory_bytes / 1e9:.0f} GB, "
+                  f"{', '.join(f'{k} {v:g} TFLOPS' for k, v in cluster.peak_tflops.items())}) in "
+                  f"{devices // cluster.devices_per_node} node(s) of {cluster.devices_per_node}; {links}",
+                  highlight=False)
+        with Progress(console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("estimating layouts", total=None)
+            result = make_plan(w, cluster, assume=assume, dp=dp, tp=tp, pp=pp, notes=notes,
+                               progress=lambda i, n: bar.update(task, completed=i, total=n))
+        if result.ranked:
+            out.print(_table(result, top))
+        misfits = best_misfits_per_layout(result)
+        if misfits:
+            out.print(_misfit_table(misfits))
+        if plot is not None:
+            _plot(result, plot, top)
+            out.print(f"wrote {plot}")
+        if result.best is None:
+            raise UserError(f"no layout fits in {cluster.memory_bytes / 1e9:.1f} GB per device; see the "
+                            "reasons above (more devices, a smaller --global-batch or --seq-len)")
+        b = result.best
+        out.print(f"best: {b.layout.label()}, {b.layout.microbatches} microbatches, {_zero(b.layout)}, "
+                  f"sequence_parallel={b.layout.sequence_parallel}, checkpoint every {b.layout.ac_every or '-'} "
+                  f"layer(s), {b.layout.amp_dtype}: {b.tokens_per_s:,.0f} tokens/s, "
+                  f"{b.memory.total / 1e9:.1f} GB/device", highlight=False)
+        if write is not None:
+            _write_flow(result, write, force)
+            out.print(f"wrote {write}; check it with: titan-pipe validate {write}")

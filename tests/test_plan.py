@@ -1,0 +1,229 @@
+"""The planner against the real model: activation bytes against the CPU memory profiler, FLOPs
+(with recomputation) against FlopCounterMode, parameter accounting against count_params, and the
+CLI (ranked table, misfit reasons, --write flow.yaml that validates, bad inputs)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+from titan_pipe.cli import app
+from titan_pipe.config import load_flow
+from titan_pipe.training.activation_checkpoint import apply_ac
+from titan_pipe.training.model import FLAVOURS, build_model, count_params, resolve_args
+from titan_pipe.training.plan import (
+    ActDtypes, Assumptions, Layout, Workload, activation_bytes, bubble_fraction, build_cluster,
+    dp_bytes, estimate, head_activation_bytes, layer_activation_bytes, make_plan, memory_per_device,
+    optimizer_bytes, rank_flops_per_token, rank_params, step_flops_per_token)
+
+# Small but not degenerate: GQA (8 heads, 2 kv heads), ffn 384, vocab 512.
+SMALL = resolve_args("debug", dim=128, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=512, multiple_of=128,
+                     max_seq_len=256)
+B, T = 2, 128
+
+
+def measured_forward_bytes(model, tokens, *, autocast_dtype=None) -> int:
+    """Bytes allocated during forward + loss and still held when it ends (kept for backward),
+    from the CPU memory profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ctx = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype else torch.autocast("cpu", enabled=False)
+    with ctx:  # warm-up: lazily built buffers and caches are not activations
+        model(tokens)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with ctx:
+            loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), tokens.flatten())
+    held = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_parent is None)
+    loss.backward()  # the graph was real
+    return held
+
+
+@pytest.mark.parametrize("case", ["fp32", "fp32_mha", "ac1", "ac2", "autocast_fp32_params", "bf16_params"])
+def test_activation_estimate_matches_profiler(case):
+    args = replace(SMALL, n_kv_heads=8) if case == "fp32_mha" else SMALL
+    ac = {"ac1": 1, "ac2": 2}.get(case, 0)
+    model = build_model(args, seed=0)
+    if ac:
+        apply_ac(model, ac)
+    tokens = torch.randint(0, args.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    w = Workload(args, T, B)
+    if case == "bf16_params":
+        # FSDP2 mixed precision computes with low-precision parameters: the residual stream is bf16.
+        model = model.to(torch.bfloat16)
+        dt = ActDtypes(matmul=2, resid=2)
+        expected = T * B * (args.n_layers * layer_activation_bytes(args, dt=dt)
+                            + head_activation_bytes(args, dt=dt) + 8)
+        got = measured_forward_bytes(model, tokens, autocast_dtype=torch.bfloat16)
+    else:
+        amp = "bfloat16" if case == "autocast_fp32_params" else None
+        layout = Layout(1, 1, 1, ac_every=ac, amp_dtype=amp)
+        kept, _ = activation_bytes(w, layout, 0)
+        # Autocast's bf16 copies of the weights are held for backward too (the planner books
+        # them as "parameter copies").
+        expected = kept + memory_per_device(w, layout).param_copies
+        got = measured_forward_bytes(model, tokens, autocast_dtype=torch.bfloat16 if amp else None)
+    assert abs(got - expected) / got < 0.15, (case, got, expected)
+    # Not just within 15 %: the table is the real list of saved tensors (checkpointing adds the
+    # RNG state it saves, 5 KB per checkpointed layer).
+    assert abs(got - expected) < 0.02 * got + 5100 * args.n_layers, (case, got, expected)
+
+
+def test_checkpointing_and_sp_shrink_activations_by_the_formula():
+    w = Workload(FLAVOURS["llama2_13b"], 4096, 8)
+    full = activation_bytes(w, Layout(1, 1, 1, amp_dtype="bfloat16"), 0)[0]
+    ac = activation_bytes(w, Layout(1, 1, 1, ac_every=1, amp_dtype="bfloat16"), 0)[0]
+    assert ac < full / 10  # only layer inputs remain
+    tp = activation_bytes(w, Layout(1, 8, 1, amp_dtype="bfloat16"), 0)[0]
+    sp = activation_bytes(w, Layout(1, 8, 1, sequence_parallel=True, amp_dtype="bfloat16"), 0)[0]
+    assert sp < tp < full
+
+
+@pytest.mark.parametrize("ac", [0, 1, 2])
+def test_flops_with_recompute_match_flop_counter(ac):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = SMALL
+    model = build_model(args, seed=0)
+    if ac:
+        apply_ac(model, ac)
+    tokens = torch.randint(0, args.vocab_size, (1, T))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        model(tokens).sum().backward()
+    measured = fc.get_total_flops() / T
+    assert abs(measured - step_flops_per_token(args, T, ac)) / measured < 0.02
+    # The pipeline ranks' shares add up to the whole model.
+    lay = Layout(1, 1, 3, "1f1b", microbatches=3, ac_every=ac)
+    total = sum(rank_flops_per_token(args, T, lay, r) for r in range(3))
+    assert total == pytest.approx(step_flops_per_token(args, T, ac), rel=1e-12)
+
+
+def test_bubble_fractions():
+    assert bubble_fraction(Layout(1, 1, 1)) == 0
+    assert bubble_fraction(Layout(1, 1, 4, "1f1b", microbatches=8)) == pytest.approx(3 / 11)
+    assert bubble_fraction(Layout(1, 1, 4, "gpipe", microbatches=4)) == pytest.approx(3 / 7)
+    # interleaved: the idle (p-1) is divided by v
+    assert bubble_fraction(Layout(1, 1, 4, "interleaved_1f1b", 2, 8)) == pytest.approx(1.5 / 9.5)
+
+
+@pytest.mark.parametrize("dp,tp,pp,zero", [(4, 1, 1, 3), (1, 2, 2, 3), (2, 2, 1, 0), (3, 1, 1, 3)])
+def test_rank_params_partition_the_model(dp, tp, pp, zero):
+    """Summed over ranks, the shards are the whole model once (replicated norms once per tp rank)."""
+    args = resolve_args("debug", vocab_size=322)  # 322 rows do not split evenly over 3 or 4 dp ranks
+    lay = Layout(dp, tp, pp, "1f1b", microbatches=max(pp, 1), zero=zero)
+    total = 0
+    for p in range(pp):
+        for t in range(tp):
+            for d in range(dp):
+                rp = rank_params(args, lay, pp_rank=p, tp_rank=t, dp_rank=d)
+                total += rp.params
+    replicated = args.dim * (2 * args.n_layers + 1) * (tp - 1)  # norms on every tp rank
+    copies = 1 if zero == 3 or dp == 1 else dp
+    assert total == copies * count_params(args) + replicated * copies
+
+
+def test_plain_dp_13b_needs_208_gb_of_state():
+    """16 bytes per parameter under DDP + AdamW: 13.0e9 x 16 = 208 GB per replica (docs/plan.md)."""
+    args = FLAVOURS["llama2_13b"]
+    lay = Layout(8, 1, 1, zero=0, amp_dtype="float16")
+    rp = rank_params(args, lay, pp_rank=0)
+    assert rp.params == count_params(args)
+    state = 4 * rp.params + 4 * rp.params + optimizer_bytes(rp)
+    assert state == 16 * count_params(args) + 4 * len(rp.names)
+    assert state / 1e9 == pytest.approx(208.25, abs=0.01)
+    fsdp = rank_params(args, replace(lay, zero=3), pp_rank=0)
+    assert fsdp.params == pytest.approx(count_params(args) / 8, rel=1e-3)
+
+
+def test_links_and_aliases():
+    c, notes = build_cluster("ascend910", 16)
+    assert c.device == "ascend910a" and "ascend910a" in notes[0] and c.devices_per_node == 8
+    assert c.link_for([0, 1, 2, 3]).name == "HCCS"
+    assert c.link_for(list(range(8))).name == "PCIe 4.0"
+    assert c.link_for([0, 8]).name == "RoCE"
+    c, notes = build_cluster("ascend910b", 8)
+    assert c.device == "ascend910b3" and "ascend910b1" in notes[0]
+    assert c.link_for(list(range(8))).name == "HCCS" and c.memory_bytes == 64e9
+    c, _ = build_cluster("h100", 16, device_memory="40GB")
+    assert c.memory_bytes == 40e9 and c.link_for([0, 8]).name == "InfiniBand NDR"
+
+
+def test_dp_traffic_ddp_vs_fsdp():
+    w = Workload(FLAVOURS["llama2_7b"], 2048, 16)
+    n = count_params(w.args)
+    ddp = dp_bytes(w, Layout(8, 1, 1, zero=0), Assumptions())
+    assert ddp == pytest.approx(2 * 7 / 8 * 4 * n)  # ring all-reduce of fp32 gradients
+    fsdp = dp_bytes(w, Layout(8, 1, 1, zero=3), Assumptions())
+    assert fsdp == pytest.approx(7 / 8 * (2 * 2 * n + 4 * n))  # 2 bf16 all-gathers + fp32 reduce-scatter
+
+
+def test_misfit_reason_names_the_component_and_a_fix():
+    c, _ = build_cluster("ascend910a", 8)
+    w = Workload(FLAVOURS["llama2_13b"], 4096, 8, flavour="llama2_13b")
+    e = estimate(w, Layout(8, 1, 1, zero=0, ac_every=1, amp_dtype="float16"), c)
+    assert not e.fits
+    assert e.reason.startswith(f"needs {e.memory.total / 1e9:.1f} GB/device > 32.0 GB: optimizer states")
+    assert "use FSDP" in e.reason
+
+
+def test_plan_ranks_fitting_layouts_fastest_first():
+    c, _ = build_cluster("ascend910b", 8)
+    w = Workload(FLAVOURS["llama2_7b"], 4096, 32, flavour="llama2_7b")
+    plan = make_plan(w, c)
+    assert plan.ranked and all(e.fits for e in plan.ranked) and not any(e.fits for e in plan.misfits)
+    speeds = [e.tokens_per_s for e in plan.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    for e in plan.ranked[:20]:
+        assert e.memory.total == memory_per_device(w, e.layout).total <= c.memory_bytes
+        assert all(e.layout.tp <= 8 for e in plan.ranked)
+
+
+runner = CliRunner()
+
+
+def test_cli_plan_writes_a_flow_that_validates(tmp_path):
+    out = tmp_path / "flow.yaml"
+    r = runner.invoke(app, ["plan", "--model", "llama2_13b", "--devices", "8", "--device", "ascend910b",
+                            "--top", "3", "--write", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "ascend910b means ascend910b3" in r.output and "Top 3 of" in r.output and "best:" in r.output
+    cfg = load_flow(out)
+    p = cfg.parallel
+    assert p.dp * p.tp * p.pp == 8 and cfg.model.flavour == "llama2_13b" and cfg.train.seq_len == 4096
+    assert runner.invoke(app, ["validate", str(out)]).exit_code == 0
+    # never overwritten without --force
+    r = runner.invoke(app, ["plan", "--model", "llama2_13b", "--devices", "8", "--device", "ascend910b",
+                            "--write", str(out)])
+    assert r.exit_code == 1 and "--force" in r.output
+
+
+def test_cli_multi_node_flow(tmp_path):
+    out = tmp_path / "big.yaml"
+    r = runner.invoke(app, ["plan", "--model", "debug", "--devices", "16", "--device", "a100", "--seq-len", "64",
+                            "--global-batch", "32", "--write", str(out), "--plot", str(tmp_path / "mem.png")])
+    assert r.exit_code == 0, r.output
+    cfg = load_flow(out)
+    assert cfg.launch.nnodes == 2 and cfg.launch.nproc_per_node == 8 and cfg.device == "cuda"
+    assert cfg.parallel.tp <= 8
+    assert (tmp_path / "mem.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--device", "tpu9"], "unknown device 'tpu9'"),
+    (["--device-memory", "lots"], "--device-memory 'lots' is not a size"),
+    (["--nodes", "3"], "--nodes 3 does not divide --devices 8"),
+    (["--seq-len", "999999"], "exceeds model max_seq_len"),
+    (["--model", "llama9"], "--model 'llama9' is neither a flavour"),
+    (["--device-memory", "1GB"], "no layout fits in 1.0 GB per device"),
+])
+def test_cli_bad_input(argv, needle):
+    base = {"--model": "llama2_7b", "--devices": "8", "--device": "ascend910b2"}
+    for k, v in zip(argv[::2], argv[1::2]):
+        base[k] = v
+    args = ["plan"] + [x for kv in base.items() for x in kv]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 1, r.output
+    assert needle in r.output and "Traceback" not in r.output
