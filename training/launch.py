@@ -20,7 +20,7 @@ from typing import IO, Mapping
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.run_dir import RunDir
-from titan_pipe.training.metrics import format_progress_line, parse_progress_line, read_metrics
+from titan_pipe.training.metrics import bar_info, new_progress_bar, parse_progress_line, read_metrics
 
 TRAIN_MODULE = "titan_pipe.training.train"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun for each worker
@@ -207,12 +207,7 @@ class _LiveBar:
     """A rich progress bar fed with the child's lines (progress lines update it, others print)."""
 
     def __init__(self, stream: IO[str]):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                                 console=Console(file=stream))
+        self.progress = new_progress_bar(stream)
         self.task = None
 
     def feed(self, line: str) -> None:
@@ -221,11 +216,10 @@ class _LiveBar:
             self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
             return
         step, total, metrics = parsed
-        info = format_progress_line(step, total, metrics).partition(" | ")[2]
         if self.task is None:
             self.progress.start()
-            self.task = self.progress.add_task("train", total=total, completed=step, info=info)
-        self.progress.update(self.task, completed=step, total=total, info=info)
+            self.task = self.progress.add_task("train", total=total, completed=step, info="")
+        self.progress.update(self.task, completed=step, total=total, info=bar_info(metrics))
 
     def close(self) -> None:
         if self.task is not None:

@@ -227,6 +227,22 @@ def parse_progress_line(line: str) -> tuple[int, int, dict[str, float | None]] |
     return int(m.group("step")), int(m.group("total")), metrics
 
 
+def bar_info(metrics: dict[str, Any]) -> str:
+    """The short text beside the bar (loss, tok/s, MFU, memory), sized to fit 80 columns."""
+    line = format_progress_line(0, 0, {k: v for k, v in metrics.items() if k != "lr"})
+    parts = line.split(" | ")[1:]
+    return "  ".join(p.replace("peak mem ", "mem ") for p in parts)
+
+
+def new_progress_bar(stream: IO[str]):
+    """The rich Progress both the trainer (on a terminal) and the launcher draw."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("[bold]train"), BarColumn(bar_width=12), MofNCompleteColumn(),
+                    TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=Console(file=stream))
+
+
 class TrainProgress:
     """Live progress of a training run: a rich bar on a terminal, plain lines otherwise.
 
@@ -248,12 +264,7 @@ class TrainProgress:
 
     def __enter__(self) -> "TrainProgress":
         if self.live:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.fields[info]}"), console=Console(file=self.stream), transient=False)
+            self._progress = new_progress_bar(self.stream)
             self._progress.start()
             self._task = self._progress.add_task("train", total=self.total, completed=self.initial_step, info="")
         return self
@@ -261,12 +272,10 @@ class TrainProgress:
     def update(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        line = format_progress_line(step, self.total, metrics)
         if self._progress is not None:
-            info = line.split(" | ", 1)[1] if " | " in line else ""
-            self._progress.update(self._task, completed=step, info=info)
+            self._progress.update(self._task, completed=step, info=bar_info(metrics))
         elif step % self.log_every == 0 or step == self.total:
-            print(line, file=self.stream, flush=True)
+            print(format_progress_line(step, self.total, metrics), file=self.stream, flush=True)
 
     def __exit__(self, *exc) -> None:
         if self._progress is not None:
