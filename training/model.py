@@ -257,13 +257,16 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Under sequence parallel (training/tensor_parallel.py) the residual stream holds T/tp
+        # positions per rank while attention sees all T: RoPE tables are cut to T = local * this.
+        self.seq_shards = 1
         cos, sin = rope_cos_sin(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        t = h.shape[1]
+        t = h.shape[1] * self.seq_shards
         cos, sin = self.rope_cos[:t].to(h.dtype), self.rope_sin[:t].to(h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

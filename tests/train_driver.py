@@ -1,0 +1,76 @@
+"""torchrun driver for the distributed training tests: runs several flows in one launch.
+
+    torchrun --nproc_per_node=N tests/train_driver.py SPEC.json
+
+SPEC: {"workdir": str, "runs": [{"name", "flow": {...flow.yaml dict...}, "resume": bool,
+"copy_from": {"run": NAME, "step": S} (seed this run's checkpoints with another run's step S),
+"save_init": bool (only build the model and save a step-0 checkpoint)}]}. Every flow must have
+dp*tp*pp = N. Rank 0 writes workdir/results.json: {name: {"metrics": [...jsonl records...]}}.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+import yaml
+
+from titan_pipe.config import load_flow
+from titan_pipe.training import checkpoint as ckpt
+from titan_pipe.training.data_parallel import plan_dp
+from titan_pipe.training.parallel_dims import ParallelDims
+from titan_pipe.training.parallelize import build_parallel_model
+from titan_pipe.training.train import train
+
+
+def save_init(cfg, run_root: Path) -> None:
+    p = cfg.parallel
+    mesh = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp).build_mesh("cpu")
+    dp_plan = plan_dp(dp=p.dp, tp=p.tp, dp_mode=p.dp_mode, zero_stage=cfg.zero_stage)
+    model = build_parallel_model(cfg.model.args(), mesh, schedule=p.pp_schedule,
+                                 virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel,
+                                 dp_plan=dp_plan, seed=cfg.train.seed)
+    ckpt.save_checkpoint(run_root / "checkpoints" / "step-000000", model=model, optimizers=None,
+                         train_state={"step": 0}, parallel={"dp": p.dp, "tp": p.tp, "pp": p.pp,
+                                                            "pp_schedule": p.pp_schedule})
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    work = Path(spec["workdir"])
+    os.chdir(work)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = {}
+    for run in spec["runs"]:
+        name = run["name"]
+        flow = dict(run["flow"], name=name, runs_dir=str(work / "runs"))
+        flow_path = work / f"{name}.yaml"
+        if rank == 0:
+            flow_path.write_text(yaml.safe_dump(flow))
+            if "copy_from" in run:
+                src = work / "runs" / run["copy_from"]["run"] / "checkpoints"
+                step = f"step-{run['copy_from']['step']:06d}"
+                dst = work / "runs" / name / "checkpoints"
+                dst.mkdir(parents=True, exist_ok=True)
+                shutil.copytree(src / step, dst / step)
+        dist.barrier()
+        cfg = load_flow(flow_path)
+        if run.get("save_init"):
+            save_init(cfg, work / "runs" / name)
+        else:
+            train(cfg, base=work, resume=run.get("resume", False))
+        if rank == 0:
+            mfile = work / "runs" / name / "metrics.jsonl"
+            records = [json.loads(line) for line in mfile.read_text().splitlines()] if mfile.exists() else []
+            results[name] = {"metrics": records}
+            (work / "results.json").write_text(json.dumps(results, indent=1))
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,50 @@
+"""Single-process reference for the distributed training tests: the plainest possible loop on
+the same model, data and hyperparameters, written without any titan-pipe training machinery
+beyond the model and the data loader."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from titan_pipe.config import parse_flow
+from titan_pipe.training.data import PackedLoader, prepare_data
+from titan_pipe.training.model import build_model
+
+
+def reference_run(flow: dict, *, base) -> dict:
+    """Per-step losses and pre-clip grad norms, and the final state dict, of ``flow`` at dp=tp=pp=1."""
+    cfg = parse_flow(dict(flow, parallel={}), base=base)
+    t, o = cfg.train, cfg.train.optimizer
+    args = cfg.model.args()
+    data = prepare_data(path=cfg.data.path, tokenizer=cfg.data.tokenizer, base=base,
+                        val_fraction=cfg.data.val_fraction, vocab_size=args.vocab_size)
+    loader = PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed)
+    model = build_model(args, seed=t.seed)
+    if o.name == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                weight_decay=o.weight_decay, foreach=False)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+
+    def factor(s):
+        if s < t.warmup_steps:
+            return (s + 1) / t.warmup_steps
+        frac = min(1.0, (s - t.warmup_steps) / max(1, t.steps - t.warmup_steps - 1))
+        return t.lr_min_ratio + (1 - t.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    losses, norms = [], []
+    for _ in range(t.steps):
+        x, y = loader.next_batch()
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "grad_norms": norms,
+            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}

@@ -1,0 +1,226 @@
+"""Checkpoints: one safetensors file per (pp stage, tp rank) of TP-local shards plus manifest.json
+(written LAST, marks the step complete), optimizer state beside it in torch DCP, and the
+find-newest / prune / resume logic. docs/checkpoint-format.md specifies the layout.
+
+For a weights-only read under any layout (e.g. evaluation)::
+
+    weights = CheckpointWeights(step_dir)            # training/weights.py, global tensors
+    model = build_parallel_model(weights.args, mesh, weights=weights)
+    # or, into an already built ParallelModel:  load_checkpoint(step_dir, model)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Replicate
+
+from titan_pipe.convert.layout import MANIFEST_NAME, Chunk, FileInfo, Manifest, ParamSpec, split_box
+from titan_pipe.run_dir import STEP_DIR
+from titan_pipe.training.parallelize import ParallelModel, fill_parameters
+from titan_pipe.training.sharding import tp_split_dim
+from titan_pipe.training.weights import CheckpointWeights
+
+OPTIM_DIR = "optimizer"
+TRAIN_STATE = "train_state.json"
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+
+
+def shard_file(stage: int, tp_rank: int) -> str:
+    return f"model/pp{stage}-tp{tp_rank}.safetensors"
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tp_local(p: torch.Tensor) -> torch.Tensor:
+    """The TP-local shard of a parameter, gathered over dp (collective over the param's mesh).
+
+    FSDP2 on top of TP places parameters as (_StridedShard(0), Shard(d)) on (dp, tp): a dp rank's
+    piece is not one box of the global tensor, so the dp dimension is made Replicate first.
+    """
+    if not isinstance(p, DTensor):
+        return p.detach()
+    names = p.device_mesh.mesh_dim_names or ()
+    placements = [Replicate() if n == "dp" else pl for n, pl in zip(names, p.placements)]
+    if list(placements) != list(p.placements):
+        p = p.redistribute(p.device_mesh, placements)
+    return p.to_local().detach()
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> FileInfo:
+    """Write to a temp name in the same dir, then rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+    os.replace(tmp, path)
+    return FileInfo(size=path.stat().st_size, sha256=sha256_of(path))
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def optimizer_state(model: ParallelModel, optimizers: list) -> dict:
+    """Flattened (FQN-keyed) optimizer state of every local part, merged; keys are disjoint."""
+    out: dict = {}
+    for module, opt in zip(model.modules, optimizers):
+        out.update(get_optimizer_state_dict(module, opt, options=_FLAT))
+    return out
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state().tolist(), "python": repr(random.getstate())}
+
+
+def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | None, train_state: dict,
+                    parallel: dict, fail_hook: Callable[[], None] | None = None) -> Path:
+    """Save a checkpoint of the whole model into ``step_dir``; collective, call on every rank.
+
+    Order: shard files (dp-rank-0 of each (stage, tp rank)), optimizer DCP, train_state.json,
+    then manifest.json by global rank 0 once everything else is on disk. ``fail_hook`` runs
+    after the shard files are written and before the manifest (fault-injection tests).
+    """
+    step_dir = Path(step_dir)
+    rank = dist.get_rank()
+    mesh = model.mesh
+    dp_rank, tp_rank, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank(), mesh["tp"].size()
+    if rank == 0 and step_dir.exists():
+        shutil.rmtree(step_dir)  # an incomplete earlier attempt at this step (no manifest)
+    dist.barrier()
+
+    specs: list[ParamSpec] = []
+    files: dict[str, FileInfo] = {}
+    per_stage: dict[int, dict[str, torch.Tensor]] = {}
+    for stage, name, p in model.named_parameters():
+        local = tp_local(p)
+        shape = tuple(p.shape)
+        tp_dim = tp_split_dim(name)
+        box = split_box(shape, tp_dim, tp, tp_rank)
+        if tuple(local.shape) != box.lengths:
+            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} != box {box.lengths} from "
+                               "training/sharding.py; the TP plan and the sharding table disagree")
+        per_stage.setdefault(stage, {})[name] = local
+        specs.append(ParamSpec(name=name, shape=shape, dtype=_ST_DTYPES[local.dtype], tp_dim=tp_dim,
+                               stage=stage, chunks=[Chunk(shard_file(stage, tp_rank), name, box)]))
+    if dp_rank == 0:
+        for stage, tensors in per_stage.items():
+            rel = shard_file(stage, tp_rank)
+            files[rel] = _write_safetensors(tensors, step_dir / rel)
+    if fail_hook is not None:
+        fail_hook()
+
+    if optimizers is not None:
+        dcp.save({"optimizer": optimizer_state(model, optimizers)}, checkpoint_id=str(step_dir / OPTIM_DIR))
+    if rank == 0:
+        state = dict(train_state, rng=rng_state())
+        _write_text(step_dir / TRAIN_STATE, json.dumps(state, indent=1))
+
+    gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object((specs if dp_rank == 0 else [], files), gathered, dst=0)
+    if rank == 0:
+        params: dict[str, ParamSpec] = {}
+        all_files: dict[str, FileInfo] = {}
+        for rank_specs, rank_files in gathered:
+            all_files.update(rank_files)
+            for spec in rank_specs:
+                if spec.name in params:
+                    params[spec.name].chunks.extend(spec.chunks)
+                else:
+                    params[spec.name] = spec
+        manifest = Manifest(step=int(train_state["step"]), model=model.args.to_dict(), parallel=parallel,
+                            params=dict(sorted(params.items())), files=all_files,
+                            extra={"optimizer": OPTIM_DIR if optimizers is not None else None,
+                                   "train_state": TRAIN_STATE})
+        manifest.validate()
+        _write_text(step_dir / MANIFEST_NAME, manifest.to_json())
+    dist.barrier()
+    return step_dir
+
+
+def load_checkpoint(step_dir: Path, model: ParallelModel) -> None:
+    """Weights only: fill ``model``'s local shards from a checkpoint of any dp/tp/pp layout."""
+    weights = CheckpointWeights(step_dir)
+    for module in model.modules:
+        device = next(module.parameters()).device
+        fill_parameters(module, model.args, device=device, seed=0, weights=weights)
+
+
+def load_train_state(step_dir: Path, model: ParallelModel, optimizers: list | None) -> dict:
+    """Optimizer state (DCP, resharded to this layout) into ``optimizers``; returns train_state."""
+    step_dir = Path(step_dir)
+    if optimizers is not None:
+        if not (step_dir / OPTIM_DIR).is_dir():
+            raise FileNotFoundError(f"{step_dir}: no {OPTIM_DIR}/ (saved with save_optimizer: false); "
+                                    "resume needs it, or start from the weights with init_from")
+        state = {"optimizer": optimizer_state(model, optimizers)}
+        dcp.load(state, checkpoint_id=str(step_dir / OPTIM_DIR))
+        for module, opt in zip(model.modules, optimizers):
+            set_optimizer_state_dict(module, opt, state["optimizer"], options=_FLAT)
+    return json.loads((step_dir / TRAIN_STATE).read_text())
+
+
+def is_complete(step_dir: Path) -> bool:
+    return (Path(step_dir) / MANIFEST_NAME).is_file()
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """step-XXXXXX dirs under ``root`` (complete or not), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def find_latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under ``root``; newer ones without manifest are skipped
+    with a warning (a run killed while writing them)."""
+    for step, path in reversed(step_dirs(root)):
+        if is_complete(path):
+            return path
+        warnings.warn(f"{path}: no {MANIFEST_NAME} (interrupted while saving); ignoring it", stacklevel=2)
+    return None
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints, and incomplete ones older
+    than the newest complete one. Call when no save is in progress. Returns what was removed."""
+    dirs = step_dirs(root)
+    complete = [p for _, p in dirs if is_complete(p)]
+    keep = set(complete[-keep_last:]) if keep_last > 0 else set()
+    newest = complete[-1] if complete else None
+    removed = []
+    for step, p in dirs:
+        stale_partial = not is_complete(p) and newest is not None and step < int(newest.name[5:])
+        if (is_complete(p) and p not in keep) or stale_partial:
+            shutil.rmtree(p)
+            removed.append(p)
+    return removed

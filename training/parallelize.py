@@ -1,0 +1,133 @@
+"""Parallelize a model: TP -> activation checkpointing -> FSDP/DDP in one fixed order, and
+build_parallel_model, which builds this rank's pipeline-stage modules with their local shards.
+
+For a forward-only runner (evaluation) under any layout::
+
+    mesh = ParallelDims(dp, tp, pp).build_mesh("cpu")
+    pm = build_parallel_model(args, mesh, weights=open_weights(step_dir))   # training/weights.py
+    logits = forward_logits(pm.modules, pm.stage_plan, tokens, pp_mesh=mesh["pp"], args=args)
+
+``forward_logits`` is in training/pipeline_parallel.py; every rank gets the full (B, T, vocab).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titan_pipe.training.activation_checkpoint import apply_ac
+from titan_pipe.training.data_parallel import DPPlan, apply_dp, unwrap
+from titan_pipe.training.kernels import Kernels
+from titan_pipe.training.model import ModelArgs, init_param
+from titan_pipe.training.pipeline_parallel import StagePlan, build_stage_module, plan_stages
+from titan_pipe.training.tensor_parallel import apply_tp
+
+
+@dataclass
+class ParallelModel:
+    """This rank's share of the model.
+
+    parts: what to run (stage modules, possibly DDP-wrapped), one per local virtual stage.
+    modules: the stage modules themselves (``Transformer`` with global parameter names).
+    """
+
+    args: ModelArgs
+    mesh: DeviceMesh
+    stage_plan: StagePlan
+    dp_plan: DPPlan
+    parts: list[nn.Module] = field(default_factory=list)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [unwrap(p) for p in self.parts]
+
+    def named_parameters(self) -> Iterator[tuple[int, str, nn.Parameter]]:
+        """(virtual stage, global parameter name, parameter) of every local parameter."""
+        for stage, module in zip(self.stage_plan.local, self.modules):
+            for name, p in module.named_parameters():
+                yield stage, name, p
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, _, p in self.named_parameters()]
+
+
+def parallelize(part: nn.Module, mesh: DeviceMesh, dp_plan: DPPlan, *, sequence_parallel: bool = False,
+                ac_every: int | None = None, materialize: Callable[[nn.Module], None]) -> nn.Module:
+    """TP, then activation checkpointing, then data parallelism, always in this order.
+
+    TP first because FSDP/replicate shard the TP-local DTensors further over dp; AC before DP so
+    the recomputed block's all-gathers are FSDP's own. ``materialize`` (allocate + fill the
+    local shards) runs before classic DDP, which broadcasts real weights when it is built, and
+    after FSDP otherwise, so each rank only ever allocates its own shard.
+    """
+    apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel)
+    if ac_every is not None:
+        apply_ac(part, ac_every)
+    if dp_plan.kind == "ddp" or dp_plan.kind == "none":
+        materialize(part)
+        return apply_dp(part, mesh["dp"], dp_plan)
+    part = apply_dp(part, mesh["dp"], dp_plan)
+    materialize(part)
+    return part
+
+
+def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of the global tensor ``full`` in the placement of parameter ``like``.
+
+    No communication: every rank holds ``full`` (src_data_rank=None) and keeps its own slice.
+    """
+    if isinstance(like, DTensor):
+        return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+    return full
+
+
+@torch.no_grad()
+def fill_parameters(module: nn.Module, args: ModelArgs, *, device: torch.device, seed: int,
+                    weights=None, dtype: torch.dtype = torch.float32) -> None:
+    """Allocate ``module``'s parameters on ``device`` (or the CPU under FSDP offload) and fill
+    each with its global value (``weights.full(name)`` or the layout-independent ``init_param``)
+    cut to this rank's shard."""
+    offloaded = any(isinstance(p, DTensor) and p.device.type == "cpu" for p in module.parameters())
+    module.to_empty(device="cpu" if offloaded else device)
+    for name, p in module.named_parameters():
+        shape = tuple(p.shape)  # global shape, also for DTensors
+        full = weights.full(name) if weights is not None else init_param(name, shape, args, seed, dtype)
+        if tuple(full.shape) != shape:
+            raise ValueError(f"weights for {name}: shape {tuple(full.shape)} but the model expects {shape}")
+        local = local_shard(full.to(p.dtype), p)
+        target = p.to_local() if isinstance(p, DTensor) else p
+        target.copy_(local)
+    module.init_rope()
+
+
+def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.device | None = None,
+                         schedule: str = "1f1b", virtual_stages: int = 2,
+                         sequence_parallel: bool = False, ac_every: int | None = None,
+                         dp_plan: DPPlan | None = None, kernels: Kernels | None = None,
+                         seed: int = 0, weights=None) -> ParallelModel:
+    """This rank's stage modules of ``args`` on the (dp, pp, tp) ``mesh``, parallelized and filled.
+
+    weights: None = layout-independent random init from ``seed`` (the same values a single-process
+    ``build_model(args, seed=seed)`` holds); otherwise anything with ``full(name) -> Tensor``
+    (training/weights.py: our checkpoint, a unified safetensors dir, a Hugging Face dir).
+    dp_plan: None = no data parallel wrapper (forward-only use; dp ranks then run independently).
+    """
+    device = device or torch.device("cpu")
+    dp_plan = dp_plan or DPPlan("none")
+    pp = mesh["pp"].size()
+    plan = plan_stages(args.n_layers, pp, mesh["pp"].get_local_rank(), schedule, virtual_stages)
+    model = ParallelModel(args, mesh, plan, dp_plan)
+
+    def materialize(part: nn.Module) -> None:
+        fill_parameters(unwrap(part), args, device=device, seed=seed, weights=weights)
+
+    for s in plan.local:
+        part = build_stage_module(args, plan.stages[s], first=plan.is_first(s), last=plan.is_last(s),
+                                  kernels=kernels, device="meta")
+        model.parts.append(parallelize(part, mesh, dp_plan, sequence_parallel=sequence_parallel,
+                                       ac_every=ac_every, materialize=materialize))
+    return model

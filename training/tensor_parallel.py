@@ -1,0 +1,89 @@
+"""apply_tp: DTensor tensor parallelism built from the sharding table (training/sharding.py TP_PLAN).
+
+Without sequence parallel the residual stream between blocks is a plain, replicated (B, T, dim)
+tensor on every tp rank; with it, each rank holds (B, T/tp, dim), Shard(1) on tp, and the norms run
+on the sequence shard. Norm weights always become Replicate DTensors, so every parameter of a TP
+model is a DTensor (AdamW's foreach path and grad clipping reject a mix of DTensor and Tensor).
+"""
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from titan_pipe.training.sharding import TP_PLAN, TPRule
+
+
+def _replicate_norm(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Norm on a replicated input: weight as Replicate DTensor, input/output as plain tensors."""
+
+    def to_dtensor(_mod, inputs, mesh_):
+        return tuple(DTensor.from_local(x, mesh_, [Replicate()], run_check=False) for x in inputs)
+
+    def to_local(_mod, output, _mesh):
+        return output.to_local()
+
+    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def _style(rule: TPRule, sequence_parallel: bool):
+    """The DTensor ParallelStyle for one rule of the table, or None for a replicated norm."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    if rule.style == "vocab":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if rule.style == "colwise":
+        if rule.module == "output":
+            # Logits are gathered to full (B, T, vocab) so the loss is the ordinary cross entropy.
+            return ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+        return ColwiseParallel()
+    if rule.style == "rowwise":
+        return RowwiseParallel(output_layouts=seq)
+    if rule.style == "replicate":
+        return SequenceParallel() if sequence_parallel else None
+    raise ValueError(f"unknown TP style {rule.style!r} in training/sharding.py")
+
+
+def _matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
+    """Parallelize ``model`` (a Transformer or a pipeline stage of it) over ``tp_mesh`` in place.
+
+    Weights: colwise -> Shard(0), rowwise -> Shard(1), vocab embedding -> Shard(0), norms ->
+    Replicate; all on the 1-D tp mesh. Modules absent from a stage (None) are skipped.
+    """
+    if tp_mesh.size() == 1:
+        return
+    present = {name for name, _ in model.named_modules() if name}
+    plan = {}
+    for rule in TP_PLAN:
+        names = sorted(n for n in present if _matches(n, rule.module))
+        style = _style(rule, sequence_parallel)
+        for name in names:
+            if style is None:
+                _replicate_norm(model.get_submodule(name), tp_mesh)
+            else:
+                plan[name] = style
+    if sequence_parallel:
+        # Attention and FFN consume the full sequence: all-gather the Shard(1) input on entry.
+        # Attention.forward(x, cos, sin): only x is sharded; cos/sin stay plain tensors.
+        for name in present:
+            if _matches(name, "layers.*.attention"):
+                plan[name] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                desired_input_layouts=(Replicate(), None, None))
+            elif _matches(name, "layers.*.feed_forward"):
+                plan[name] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                desired_input_layouts=(Replicate(),))
+    parallelize_module(model, tp_mesh, plan)
+    if sequence_parallel:
+        model.seq_shards = tp_mesh.size()

@@ -1,0 +1,115 @@
+"""Weight sources for init_from / resume: whole (global) parameter tensors, one at a time, read
+from one of our checkpoints (assembled by its manifest), a unified safetensors directory or a
+Hugging Face LLaMA directory. Every source has ``.args`` (ModelArgs) and ``.full(name) -> Tensor``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from titan_pipe.convert.layout import MANIFEST_NAME, LayoutError, Manifest
+from titan_pipe.convert.names import from_hf_config, hf_to_native
+from titan_pipe.errors import UserError
+from titan_pipe.training.model import ModelArgs
+
+_IGNORED = (".rotary_emb.inv_freq",)
+
+
+class CheckpointWeights:
+    """Parameters of a titan-pipe checkpoint step dir, each assembled from its TP chunks."""
+
+    def __init__(self, step_dir: Path):
+        self.dir = Path(step_dir)
+        try:
+            self.manifest = Manifest.load(self.dir)
+            self.manifest.validate()
+        except LayoutError as e:
+            raise UserError(str(e)) from None
+        self.args = ModelArgs.from_dict(self.manifest.model)
+        self._open: dict[str, object] = {}
+
+    def names(self) -> list[str]:
+        return list(self.manifest.params)
+
+    def _file(self, rel: str):
+        if rel not in self._open:
+            self._open[rel] = safe_open(str(self.dir / rel), framework="pt")
+        return self._open[rel]
+
+    def full(self, name: str) -> torch.Tensor:
+        """(global shape) tensor of ``name``, chunks placed by their manifest boxes."""
+        spec = self.manifest.params.get(name)
+        if spec is None:
+            raise UserError(f"{self.dir / MANIFEST_NAME}: no parameter {name!r}; the checkpoint is of "
+                            "another model (check model.* in flow.yaml)")
+        out = None
+        for c in spec.chunks:
+            piece = self._file(c.file).get_tensor(c.key)
+            if out is None:
+                out = torch.empty(spec.shape, dtype=piece.dtype)
+            idx = tuple(slice(o, o + n) for o, n in zip(c.box.offsets, c.box.lengths))
+            out[idx] = piece
+        return out
+
+
+class SafetensorsWeights:
+    """A unified model dir (ours or Hugging Face): config.json + model*.safetensors (+ index)."""
+
+    def __init__(self, model_dir: Path):
+        self.dir = Path(model_dir)
+        cfg = self.dir / "config.json"
+        if not cfg.is_file():
+            raise UserError(f"{cfg}: not found; a unified/Hugging Face model dir needs config.json")
+        try:
+            self.args = from_hf_config(json.loads(cfg.read_text()), source=str(cfg))
+        except (ValueError, json.JSONDecodeError) as e:
+            raise UserError(str(e)) from None
+        files = sorted(self.dir.glob("*.safetensors"))
+        if not files:
+            raise UserError(f"{self.dir}: no *.safetensors files; give a unified or Hugging Face model dir")
+        self._where: dict[str, tuple[Path, str]] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                for key in h.keys():
+                    if key.endswith(_IGNORED):
+                        continue
+                    name = key if not key.startswith(("model.", "lm_head.")) else hf_to_native(key)
+                    self._where[name] = (f, key)
+        if self.args.tie_embeddings and "output.weight" not in self._where and \
+                "tok_embeddings.weight" in self._where:
+            self._where["output.weight"] = self._where["tok_embeddings.weight"]
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def full(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise UserError(f"{self.dir}: no tensor for parameter {name!r}; the directory is "
+                            "incomplete or of another model")
+        f, key = self._where[name]
+        with safe_open(str(f), framework="pt") as h:
+            return h.get_tensor(key)
+
+
+def open_weights(path: Path):
+    """Our checkpoint (a step dir with manifest.json), or a dir of safetensors + config.json."""
+    path = Path(path)
+    if (path / MANIFEST_NAME).is_file():
+        return CheckpointWeights(path)
+    if (path / "config.json").is_file():
+        return SafetensorsWeights(path)
+    raise UserError(f"init_from: {path} is neither a titan-pipe checkpoint (no {MANIFEST_NAME}) nor a "
+                    "model dir (no config.json); point it at checkpoints/step-XXXXXX or a unified dir")
+
+
+def check_compatible(source_args: ModelArgs, args: ModelArgs, source: Path) -> None:
+    """The model in flow.yaml must have the shapes of the weights it starts from."""
+    keys = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "tie_embeddings")
+    diffs = [f"{k}={getattr(source_args, k)} there vs {getattr(args, k)} in flow.yaml"
+             for k in keys if getattr(source_args, k) != getattr(args, k)]
+    if diffs:
+        raise UserError(f"init_from: {source} holds another model shape ({'; '.join(diffs)}); set "
+                        "model.* in flow.yaml to match it")
