@@ -291,7 +291,13 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
     logs = run.root / "logs"
     cmd = build_torchrun_command(cfg, flow_path, resume=resume, log_dir=logs)
     started = time.time()
-    rc = stream_process(cmd, env=launch_env(cfg, device.type), log_path=run.train_log)
+    try:
+        rc = stream_process(cmd, env=launch_env(cfg, device.type), log_path=run.train_log)
+    except KeyboardInterrupt:
+        err = StageFailed(f"training interrupted; see {run.train_log}; continue with: titan-pipe train "
+                          f"{flow_path} --resume")
+        err.exit_code = 130
+        raise err from None
     if rc != 0:
         hidden = failed_rank_logs(logs, started - 1)
         where = f"; failing ranks' output: {', '.join(map(str, hidden))}" if hidden else ""
