@@ -56,10 +56,13 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group(device.backend)
     try:
         mesh = dims.build_mesh(device.type)
+        # the training operators of this device: npu_fused on Ascend, the reference ops elsewhere
         kernels = resolve_kernels(manifest.extra.get("kernels", "auto"), device.type)
+        # interleaved schedules hold n_stages / pp virtual stages per rank; the manifest records both
+        n_stages = int(p.get("n_stages", len(p.get("stages", [])) or dims.pp))
         pm = build_parallel_model(args, mesh, device=device.torch_device(local_rank),
                                   schedule=p.get("pp_schedule", "1f1b"),
-                                  virtual_stages=int(p.get("virtual_stages", 2)),
+                                  virtual_stages=max(1, n_stages // dims.pp),
                                   sequence_parallel=bool(p.get("sequence_parallel", False)),
                                   kernels=kernels, weights=open_weights(a.checkpoint))
         captured: dict[int, torch.Tensor] = {}

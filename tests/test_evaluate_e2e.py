@@ -81,3 +81,22 @@ def test_swapped_rows_in_unified_model_fail_at_that_layer(trained, tmp_path):
     assert r.summary["first_failing_layer"] == {**r.summary["first_failing_layer"], "layer": 3,
                                                 "comparison": "sharded_vs_unified"}
     assert torch.equal(load_file(str(Path(trained["model_dir"]) / "model.safetensors"))[key][0], w[1])
+
+
+@pytest.mark.distributed
+def test_checkpoint_and_model_dir_of_different_models_are_refused(trained, tmp_path):
+    from safetensors.torch import save_file as save
+
+    from titan_pipe.convert.names import native_to_hf, to_hf_config
+    from titan_pipe.errors import UserError
+    from titan_pipe.training.model import build_model, resolve_args
+
+    args = resolve_args("debug", n_layers=2)
+    other = tmp_path / "other"
+    other.mkdir()
+    save({native_to_hf(k): v for k, v in build_model(args, seed=0).state_dict().items()},
+         str(other / "model.safetensors"))
+    (other / "config.json").write_text(json.dumps(to_hf_config(args)))
+    with pytest.raises(UserError, match="the models disagree .*n_layers 4 vs 2"):
+        evaluate_model(out_dir=tmp_path / "rep", checkpoint=trained["checkpoint"], model_dir=other,
+                       settings=EvaluateConfig(batches=1, operators=False))

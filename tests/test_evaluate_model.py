@@ -176,3 +176,27 @@ def test_cli_exit_codes(art, tmp_path):
     missing = runner.invoke(app, common + ["--onnx", str(tmp_path / "x.onnx"), "-o", str(tmp_path / "m")])
     assert missing.exit_code == 1 and "does not exist" in missing.output
     assert "Traceback" not in missing.output
+
+
+def test_checkpoint_without_manifest_is_refused(art, tmp_path):
+    (tmp_path / "step-000001").mkdir()
+    with pytest.raises(UserError, match="no manifest.json"):
+        evaluate_model(out_dir=tmp_path / "rep", checkpoint=tmp_path / "step-000001", model_dir=art["model_dir"],
+                       settings=FAST)
+
+
+def test_graph_without_hidden_outputs_compares_logits_only(art, tmp_path):
+    plain = export_model(model_dir=art["model_dir"], out_dir=tmp_path / "plain", kv_cache=False,
+                         run_atc=False).onnx
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=plain, settings=FAST)
+    assert r.passed
+    c = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")
+    assert [row["tensor"] for row in c["rows"]] == ["logits"]
+    assert "expose-hidden" in c["details"]["layers"]
+
+
+def test_om_without_ascend_runtime_is_skipped_not_passed(art, tmp_path):
+    om = tmp_path / "model.om"
+    om.write_bytes(b"not run here")
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], om=om, settings=FAST)
+    assert r.summary["comparisons"]["om"].startswith("skipped: no Ascend runtime")
