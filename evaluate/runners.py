@@ -162,7 +162,12 @@ def ascend_runtime() -> str | None:
 
 
 class OmRunner:
-    """The .om model through ais_bench's InferSession (outputs in the graph's order: logits, ...)."""
+    """The .om model through ais_bench's InferSession (outputs named as in the ONNX graph).
+
+    ``dtype`` is known after the first run (the dtype of the logits the chip returns: ATC's
+    precision_mode decides it). Static .om files run in ais_bench's "static" mode; gear-compiled
+    ones (``--dynamic_dims``) in "dymdims", which accepts only the compiled (batch, seq) gears.
+    """
 
     def __init__(self, om_path: Path, *, device_id: int = 0):
         om_path = Path(om_path)
@@ -175,13 +180,17 @@ class OmRunner:
         self.session = InferSession(device_id, str(om_path))
         self.path, self.label, self.dtype = om_path, f"om ({om_path.name})", "float16"
         self.out_names = [o.name for o in self.session.get_outputs()]
+        in_shape = list(self.session.get_inputs()[0].shape)
+        self.mode = "static" if all(int(d) > 0 for d in in_shape) else "dymdims"
 
     def run(self, tokens: torch.Tensor) -> Outputs:
-        res = self.session.infer([tokens.cpu().numpy().astype(np.int64)], mode="dymshape")
+        res = self.session.infer([tokens.cpu().numpy().astype(np.int64)], mode=self.mode)
         by_name = dict(zip(self.out_names, res))
-        hidden = [torch.from_numpy(by_name[f"hidden.{i}"]) for i in range(len(by_name))
+        logits = np.asarray(by_name.get("logits", res[0]))
+        self.dtype = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"}.get(logits.dtype, "float16")
+        hidden = [torch.from_numpy(np.asarray(by_name[f"hidden.{i}"])) for i in range(len(by_name))
                   if f"hidden.{i}" in by_name]
-        return Outputs(torch.from_numpy(by_name.get("logits", res[0])), hidden)
+        return Outputs(torch.from_numpy(logits), hidden)
 
 
 class DistributedRunner:

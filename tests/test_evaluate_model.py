@@ -185,11 +185,18 @@ def test_checkpoint_without_manifest_is_refused(art, tmp_path):
                        settings=FAST)
 
 
-def test_graph_without_hidden_outputs_compares_logits_only(art, tmp_path):
+def test_graph_without_hidden_outputs(art, tmp_path):
+    """A deployment export has no hidden.{i}: per-layer rows come from a debug re-export whose
+    logits equal the graph's; without it (debug_export false) only the logits are compared."""
     plain = export_model(model_dir=art["model_dir"], out_dir=tmp_path / "plain", kv_cache=False,
                          run_atc=False).onnx
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=plain, settings=FAST)
     assert r.passed
+    c = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")
+    assert [row["tensor"] for row in c["rows"]] == ["hidden.0", "hidden.1", "hidden.2", "hidden.3", "logits"]
+    assert "debug re-export" in c["details"]["layers"]
+    off = FAST.model_copy(update={"debug_export": False})
+    r = evaluate_model(out_dir=tmp_path / "rep2", model_dir=art["model_dir"], onnx=plain, settings=off)
     c = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")
     assert [row["tensor"] for row in c["rows"]] == ["logits"]
     assert "expose-hidden" in c["details"]["layers"]
