@@ -11,13 +11,16 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from titan_pipe.convert.layout import Manifest
 from titan_pipe.training.model import FLAVOURS, build_model
+from titan_pipe.training.checkpoint import find_latest
 from titan_pipe.training.weights import CheckpointWeights
 
 from training_reference import reference_run
@@ -96,10 +99,37 @@ def launch(nproc: int, runs: list[dict], workdir: Path) -> dict:
     return json.loads((workdir / "results.json").read_text())
 
 
+CRASH_FLOW = dict(flow({"tp": 2}), name="crashed",
+                  checkpoint={"every": 2, "keep_last": 3},
+                  train=dict(BASE["train"], fail_at_step=4, fail_rank=1, fail_during="checkpoint"))
+
+
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
+def crashed(tmp_path_factory):
+    """A tp2 run whose rank 1 dies while writing the step-4 checkpoint (after its shard file)."""
     work = tmp_path_factory.mktemp("world2")
-    return work, launch(2, WORLD2, work)
+    CRASH_FLOW["runs_dir"] = str(work / "runs")
+    (work / "crashed.yaml").write_text(yaml.safe_dump(CRASH_FLOW))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "titan_pipe.training.train", "--flow", str(work / "crashed.yaml")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=work)
+    ckpts = work / "runs" / "crashed" / "checkpoints"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        latest = find_latest(ckpts)
+    snapshot = {"rc": proc.returncode, "latest": latest, "warnings": [str(w.message) for w in caught],
+                "step4": sorted(str(p.relative_to(ckpts)) for p in (ckpts / "step-000004").rglob("*"))}
+    return work, snapshot
+
+
+@pytest.fixture(scope="module")
+def world2(crashed):
+    work, _ = crashed
+    # The crashed run is resumed (same name, same flow without the fault) inside this launch.
+    resume = {"name": "crashed", "flow": flow({"tp": 2}, checkpoint={"every": 2, "keep_last": 3}),
+              "resume": True}
+    return work, launch(2, WORLD2 + [resume], work)
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +253,22 @@ def test_sharded_init_reassembles_exactly(world8):
     assert set(weights.names()) == set(want)
     for name, tensor in want.items():
         assert torch.equal(weights.full(name), tensor), name
+
+
+def test_killed_rank_fails_the_run_and_leaves_no_manifest(crashed):
+    _, snap = crashed
+    assert snap["rc"] != 0
+    # Rank 1 had written its shard of step 4 when it died; the step never got a manifest.
+    assert "step-000004/model/pp0-tp1.safetensors" in snap["step4"]
+    assert "step-000004/manifest.json" not in snap["step4"]
+    assert snap["latest"].name == "step-000002"
+    assert any("step-000004" in w and "ignoring" in w for w in snap["warnings"])
+
+
+def test_crashed_run_resumes_to_the_uninterrupted_curve(world2):
+    work, res = world2
+    recs = res["crashed"]["metrics"]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 3, 4, 5, 6, 7, 8]
+    assert [r["loss"] for r in recs[4:]] == losses(res, "tp2")[2:]
+    # The partial step-4 dir was replaced by a complete one on the way.
+    assert (work / "runs" / "crashed" / "checkpoints" / "step-000004" / "manifest.json").is_file()
