@@ -22,13 +22,12 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from titan_pipe.convert.detect import open_source
 from titan_pipe.convert.hashing import BackgroundHasher, sha256_file
 from titan_pipe.convert.layout import MANIFEST_NAME, Chunk, FileInfo, LayoutError, Manifest, ParamSpec
-from titan_pipe.convert.names import to_hf_config
+from titan_pipe.convert.names import native_shapes, to_hf_config
 from titan_pipe.convert.plan import (HF_DTYPE_NAMES, OUT_DTYPES, OutputPlan, SourcePlan, parse_size,
                                      plan_sharded, plan_unified)
 from titan_pipe.convert.reshard import write_file
 from titan_pipe.convert.writer import DISK_FULL_ERRNOS, DiskFull, disk_full_message
 from titan_pipe.errors import UserError
-from titan_pipe.training.model import build_model
 from titan_pipe.training.sharding import stage_ranks, tp_split_dim
 
 CONVERTER_VERSION = "titan-pipe-convert 1"
@@ -43,9 +42,8 @@ class ConvertResult:
 
 
 def check_shapes(plan: SourcePlan) -> None:
-    """Every tensor has the shape the model config implies (a meta-device model; no memory)."""
-    model = build_model(plan.args, seed=None, device="meta")
-    want = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    """Every tensor has the shape the model config implies."""
+    want = native_shapes(plan.args)
     for name, t in plan.tensors.items():
         if name in want and want[name] != t.shape:
             raise UserError(f"{plan.root}: {name} has shape {list(t.shape)} but the model config "
@@ -138,13 +136,16 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
 def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto", naming: str = "hf",
                        dtype: str = "keep", max_shard_size: str | int = "5GB", tp: int | None = None,
                        pp: int | None = None, overwrite: bool = False, vocab_size: int | None = None,
-                       model_config: Path | None = None, progress: bool = True) -> ConvertResult:
+                       model_config: Path | None = None, verify: bool = True,
+                       progress: bool = True) -> ConvertResult:
     """Convert ``src`` into ``out_dir``.
 
     Default: ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` + index past
     ``max_shard_size``), ``config.json`` (LlamaConfig) and ``provenance.json``. With ``tp``/``pp``:
     our sharded layout (``manifest.json`` + ``model/pp{s}-tp{r}.safetensors``, native names,
     no optimizer state). ``model_config``: a params.json/config.json for sources without one (DCP).
+    ``verify=False`` skips hashing the source (sizes, headers and shapes are still checked); the
+    provenance then records the manifest's sha256s as unverified.
     """
     t0 = time.perf_counter()
     src, out_dir = Path(src), Path(out_dir)
@@ -170,7 +171,7 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
         tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        hasher = BackgroundHasher(plan.root, plan.files, plan.expected_sha256).start()
+        hasher = BackgroundHasher(plan.root, plan.files if verify else [], plan.expected_sha256).start()
         total = sum(f.nbytes for f in out.files)
         try:
             with _progress(progress) as bar:
@@ -185,7 +186,9 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
                 written += _write_unified_meta(tmp, plan, out)
             provenance = {
                 "source": {"format": plan.format, "path": str(plan.root.resolve()), "step": plan.step,
-                           "layout": plan.layout, "sha256": digests},
+                           "layout": plan.layout,
+                           "sha256": digests if verify else dict(sorted(plan.expected_sha256.items())),
+                           "sha256_verified": verify},
                 "converter": CONVERTER_VERSION,
                 "output": {"kind": out.kind, "naming": "native" if sharded else naming, "dtype": dtype,
                            "tp": out.tp, "pp": out.pp,

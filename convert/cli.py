@@ -24,13 +24,15 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory"),
         vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="True vocab size (Megatron padded vocab)"),
         model_config: Optional[Path] = typer.Option(None, "--model-config", help="params.json / config.json for DCP sources"),
+        no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 of the source (sizes/headers still checked)"),
     ):
         """Convert a sharded checkpoint into one Hugging Face safetensors model (or reshard it)."""
         from titan_pipe.convert.api import convert_checkpoint
 
         r = convert_checkpoint(src=src, out_dir=out, source_format=source_format, naming=naming,
                                dtype=dtype, max_shard_size=max_shard_size, tp=tp, pp=pp,
-                               overwrite=overwrite, vocab_size=vocab_size, model_config=model_config)
+                               overwrite=overwrite, vocab_size=vocab_size, model_config=model_config,
+                               verify=not no_verify)
         s = r.summary
         typer.echo(f"converted {s['format']} {s['src']} (step {s['step']}, {s['layout']}) -> {r.out_dir}: "
                    f"{s['tensors']} tensors, {s['bytes'] / 1e6:.1f} MB in {s['files']} file(s), "

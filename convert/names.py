@@ -181,3 +181,19 @@ def megatron_to_native(name: str, layer_offset: int) -> str | None:
                 return f"{target}:{gid}"
             return target.format(i=gid) if gid is not None else target
     raise KeyError(f"no native name for Megatron parameter {name!r} (convert/names.py)")
+
+
+def native_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Global shape of every parameter in ``native_names(args)``, from the dims alone."""
+    d, hd, h = args.dim, args.head_dim, args.hidden_dim
+    per_layer = {"attention_norm": (d,), "attention.wq": (args.n_heads * hd, d),
+                 "attention.wk": (args.kv_heads * hd, d), "attention.wv": (args.kv_heads * hd, d),
+                 "attention.wo": (d, args.n_heads * hd), "ffn_norm": (d,),
+                 "feed_forward.w1": (h, d), "feed_forward.w3": (h, d), "feed_forward.w2": (d, h)}
+    out = {"tok_embeddings.weight": (args.vocab_size, d)}
+    for i in range(args.n_layers):
+        out.update({f"layers.{i}.{p}.weight": s for p, s in per_layer.items()})
+    out["norm.weight"] = (d,)
+    if not args.tie_embeddings:
+        out["output.weight"] = (args.vocab_size, d)
+    return out

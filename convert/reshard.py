@@ -10,6 +10,7 @@ rank file being read).
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -90,11 +91,28 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store) -> None:
 
 
 def write_file(out_dir: Path, f: OutFile, store: Store, *, metadata: dict[str, str] | None = None,
-               advance: Callable[[int], None] = lambda n: None) -> Path:
-    """Write one output safetensors file (atomically: a hidden partial name, renamed when whole)."""
+               advance: Callable[[int], None] = lambda n: None, threads: int = 2) -> Path:
+    """Write one output safetensors file (atomically: a hidden partial name, renamed when whole).
+
+    Tensors land at fixed offsets, so with a thread-safe store (safetensors sources) ``threads``
+    of them are filled at once: the copies are kernel calls that release the GIL, and two of
+    them keep a disk and a memory bus busier than one. Memory: ``threads`` blocks at most.
+    """
     entries = [Entry(t.key, t.dtype, t.shape) for t in f.tensors]
     with SafetensorsWriter(out_dir / f.name, entries, metadata) as w:
-        for t in f.tensors:
-            fill_tensor(w, t, store)
-            advance(t.nbytes)
+        if threads > 1 and store.threadsafe and len(f.tensors) > 1:
+            with ThreadPoolExecutor(threads, thread_name_prefix="titan-pipe-fill") as pool:
+                futures = [pool.submit(fill_tensor, w, t, store) for t in f.tensors]
+                try:
+                    for t, fut in zip(f.tensors, futures):
+                        fut.result()
+                        advance(t.nbytes)
+                except BaseException:
+                    for fut in futures:
+                        fut.cancel()
+                    raise
+        else:
+            for t in f.tensors:
+                fill_tensor(w, t, store)
+                advance(t.nbytes)
         return w.commit()

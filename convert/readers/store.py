@@ -14,6 +14,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,6 +113,8 @@ def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
 class Store:
     """Stored tensors of one source, addressed by (file, key). Subclasses per storage kind."""
 
+    threadsafe = False  # may several threads read at once?
+
     def __init__(self, root: Path):
         self.root = root
 
@@ -139,15 +142,19 @@ class Store:
 class SafetensorsStore(Store):
     """Tensors in safetensors files under ``root``; headers parsed once, data read by pread."""
 
+    threadsafe = True  # pread has no shared file position; the caches below are lock-guarded
+
     def __init__(self, root: Path, headers: dict[str, dict[str, StoredTensor]] | None = None):
         super().__init__(root)
         self.headers: dict[str, dict[str, StoredTensor]] = dict(headers or {})
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def header(self, file: str) -> dict[str, StoredTensor]:
-        if file not in self.headers:
-            self.headers[file] = read_header(self.root / file)[0]
-        return self.headers[file]
+        with self._lock:
+            if file not in self.headers:
+                self.headers[file] = read_header(self.root / file)[0]
+            return self.headers[file]
 
     def stored(self, file: str, key: str) -> StoredTensor:
         h = self.header(file)
@@ -157,9 +164,10 @@ class SafetensorsStore(Store):
         return h[key]
 
     def fd(self, file: str) -> int:
-        if file not in self._fds:
-            self._fds[file] = os.open(self.root / file, os.O_RDONLY)
-        return self._fds[file]
+        with self._lock:
+            if file not in self._fds:
+                self._fds[file] = os.open(self.root / file, os.O_RDONLY)
+            return self._fds[file]
 
     def byte_span(self, file: str, key: str, box: Box) -> tuple[int, int, int] | None:
         t = self.stored(file, key)
