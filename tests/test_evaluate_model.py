@@ -166,7 +166,10 @@ def test_onnx_dir_instead_of_file(art, tmp_path):
 
 def test_cli_exit_codes(art, tmp_path):
     runner = CliRunner()
-    common = ["evaluate", "--model-dir", str(art["model_dir"]), "--no-operators", "--batches", "1"]
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("evaluate: {prompts: 0, batch_size: 2, operators: true}\n")
+    common = ["evaluate", "--model-dir", str(art["model_dir"]), "--no-operators", "--batches", "1",
+              "--flow", str(flow)]
     ok = runner.invoke(app, common + ["--onnx", str(art["onnx32"]), "-o", str(tmp_path / "ok")])
     assert ok.exit_code == 0, ok.output
     assert "PASS" in ok.output
@@ -176,6 +179,9 @@ def test_cli_exit_codes(art, tmp_path):
     missing = runner.invoke(app, common + ["--onnx", str(tmp_path / "x.onnx"), "-o", str(tmp_path / "m")])
     assert missing.exit_code == 1 and "does not exist" in missing.output
     assert "Traceback" not in missing.output
+    flow.write_text("evaluate: {thresholds: {float32: {cosine: 0.5}}}\n")
+    typo = runner.invoke(app, common + ["--onnx", str(art["onnx32"]), "-o", str(tmp_path / "t")])
+    assert typo.exit_code == 2 and "float32.cosine: unknown threshold key" in typo.output
 
 
 def test_checkpoint_without_manifest_is_refused(art, tmp_path):
