@@ -18,7 +18,10 @@ import pytest
 import torch
 import yaml
 
+from titan_pipe.config import parse_flow
 from titan_pipe.convert.layout import Manifest
+from titan_pipe.training.data import PackedLoader, prepare_data
+from titan_pipe.training.parallelize import fill_parameters
 from titan_pipe.training.model import FLAVOURS, build_model
 from titan_pipe.training.checkpoint import find_latest
 from titan_pipe.training.weights import CheckpointWeights
@@ -60,6 +63,10 @@ WORLD2 = [
     {"name": "dp2_fsdp", "flow": flow({"dp": 2, "dp_mode": "fsdp"})},
     {"name": "dp2_ddp", "flow": flow({"dp": 2, "dp_mode": "ddp"})},
     {"name": "dp2_zero2", "flow": flow({"dp": 2}, zero_stage=2)},
+    {"name": "dp2_zero1", "flow": flow({"dp": 2, "dp_mode": "ddp"}, zero_stage=1)},
+    # ZeRO-1 optimizer shards saved in the common flattened form, resumed without ZeRO.
+    {"name": "zero1_to_fsdp", "flow": flow({"dp": 2, "dp_mode": "fsdp"}), "resume": True,
+     "copy_from": {"run": "dp2_zero1", "step": 4}},
     # Interrupted at step 4 (its checkpoint copied into a fresh run dir), resumed on the same layout.
     {"name": "dp2_fsdp_resumed", "flow": flow({"dp": 2, "dp_mode": "fsdp"}), "resume": True,
      "copy_from": {"run": "dp2_fsdp", "step": 4}},
@@ -129,7 +136,11 @@ def world2(crashed):
     # The crashed run is resumed (same name, same flow without the fault) inside this launch.
     resume = {"name": "crashed", "flow": flow({"tp": 2}, checkpoint={"every": 2, "keep_last": 3}),
               "resume": True}
-    return work, launch(2, WORLD2 + [resume], work)
+    # Continued pretraining from our own tp2 checkpoint, under another layout.
+    init = {"name": "init_from_tp2", "flow": dict(flow({"pp": 2, "microbatches": 2}),
+                                                  init_from=str(work / "runs" / "tp2" / "checkpoints" / "step-000008"),
+                                                  train=dict(BASE["train"], steps=2))}
+    return work, launch(2, WORLD2 + [resume, init], work)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +166,7 @@ def assert_close(got, want, rel=REL, what="loss"):
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "dp2_fsdp",
-                                  "dp2_ddp", "dp2_zero2"])
+                                  "dp2_ddp", "dp2_zero2", "dp2_zero1"])
 def test_world2_layouts_match_single_process(world2, ref, name):
     _, res = world2
     assert_close(losses(res, name), ref["adamw"]["losses"])
@@ -182,6 +193,11 @@ def test_resume_under_another_layout(world2, world8, ref):
     assert [r["step"] for r in r2["tp2_to_pp2"]["metrics"]] == [5, 6, 7, 8]
     assert_close(losses(r2, "tp2_to_pp2"), ref["adamw"]["losses"][4:])
     assert_close(losses(r8, "to_dp2_pp4"), ref["adamw"]["losses"][4:])
+
+
+def test_zero1_checkpoint_resumes_under_fsdp(world2):
+    _, res = world2
+    assert_close(losses(res, "zero1_to_fsdp"), losses(res, "dp2_zero1")[4:], rel=1e-6)
 
 
 def test_activation_checkpointing_changes_nothing(world2):
@@ -272,3 +288,19 @@ def test_crashed_run_resumes_to_the_uninterrupted_curve(world2):
     assert [r["loss"] for r in recs[4:]] == losses(res, "tp2")[2:]
     # The partial step-4 dir was replaced by a complete one on the way.
     assert (work / "runs" / "crashed" / "checkpoints" / "step-000004" / "manifest.json").is_file()
+
+
+def test_init_from_our_checkpoint_under_another_layout(world2):
+    work, res = world2
+    weights = CheckpointWeights(work / "runs" / "tp2" / "checkpoints" / "step-000008")
+    model = build_model(weights.args, seed=None, device="meta")
+    fill_parameters(model, weights.args, device=torch.device("cpu"), seed=0, weights=weights)
+    cfg = parse_flow(flow({}), base=work)
+    data = prepare_data(path=None, tokenizer="byte", val_fraction=cfg.data.val_fraction,
+                        vocab_size=weights.args.vocab_size)
+    x, y = PackedLoader(data.train, seq_len=32, global_batch=8, seed=0).next_batch()
+    with torch.no_grad():
+        want = float(torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+    got = res["init_from_tp2"]["metrics"][0]["loss"]
+    assert abs(got - want) <= 1e-5 * want
+    assert got < losses(res, "tp2")[0] - 1.0  # it really started from trained weights

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_pipe.convert.layout import MANIFEST_NAME, Chunk, FileInfo, Manifest, ParamSpec, split_box
@@ -35,6 +36,7 @@ from titan_pipe.run_dir import STEP_DIR
 from titan_pipe.training.parallelize import ParallelModel, fill_parameters
 from titan_pipe.training.sharding import tp_split_dim
 from titan_pipe.training.weights import CheckpointWeights
+from titan_pipe.training.zero1 import load_zero1_state, zero1_state
 
 OPTIM_DIR = "optimizer"
 TRAIN_STATE = "train_state.json"
@@ -88,11 +90,25 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def optimizer_state(model: ParallelModel, optimizers: list) -> dict:
-    """Flattened (FQN-keyed) optimizer state of every local part, merged; keys are disjoint."""
+    """Flattened (FQN-keyed) optimizer state of every local part, merged; keys are disjoint.
+
+    ZeRO-1 optimizers give the same keys for the parameters they own (training/zero1.py).
+    """
     out: dict = {}
     for module, opt in zip(model.modules, optimizers):
-        out.update(get_optimizer_state_dict(module, opt, options=_FLAT))
+        if isinstance(opt, ZeroRedundancyOptimizer):
+            out.update(zero1_state(opt, {p: n for n, p in module.named_parameters()}))
+        else:
+            out.update(get_optimizer_state_dict(module, opt, options=_FLAT))
     return out
+
+
+def _set_optimizer_state(model: ParallelModel, optimizers: list, flat: dict) -> None:
+    for module, opt in zip(model.modules, optimizers):
+        if isinstance(opt, ZeroRedundancyOptimizer):
+            load_zero1_state(opt, {p: n for n, p in module.named_parameters()}, flat)
+        else:
+            set_optimizer_state_dict(module, opt, flat, options=_FLAT)
 
 
 def rng_state() -> dict:
@@ -181,8 +197,7 @@ def load_train_state(step_dir: Path, model: ParallelModel, optimizers: list | No
                                     "resume needs it, or start from the weights with init_from")
         state = {"optimizer": optimizer_state(model, optimizers)}
         dcp.load(state, checkpoint_id=str(step_dir / OPTIM_DIR))
-        for module, opt in zip(model.modules, optimizers):
-            set_optimizer_state_dict(module, opt, state["optimizer"], options=_FLAT)
+        _set_optimizer_state(model, optimizers, state["optimizer"])
     return json.loads((step_dir / TRAIN_STATE).read_text())
 
 

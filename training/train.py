@@ -34,6 +34,7 @@ from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import build_parallel_model
 from titan_pipe.training.pipeline_parallel import build_schedule
 from titan_pipe.training.weights import check_compatible, open_weights
+from titan_pipe.training.zero1 import build_zero1
 
 
 def comm_env(cfg: FlowConfig, device_type: str) -> dict[str, str]:
@@ -131,8 +132,12 @@ def train(cfg: FlowConfig, *, base: Path, resume: bool = False) -> dict:
                                  ac_every=ac_every, dp_plan=dp_plan, kernels=kernels, seed=t.seed,
                                  weights=weights)
     o = t.optimizer
-    optimizers = [build_optimizer(list(m.parameters()), name=o.name, lr=o.lr, betas=o.betas, eps=o.eps,
-                                  weight_decay=o.weight_decay) for m in model.modules]
+    hparams = dict(name=o.name, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    if dp_plan.zero1:
+        optimizers = [build_zero1(list(m.parameters()), mesh["dp"].get_group(), **hparams)
+                      for m in model.modules]
+    else:
+        optimizers = [build_optimizer(list(m.parameters()), **hparams) for m in model.modules]
     schedulers = [build_scheduler(opt, warmup=t.warmup_steps, total=t.steps, min_ratio=t.lr_min_ratio)
                   for opt in optimizers]
     scaler = LossScaler.from_config(cfg.precision)
