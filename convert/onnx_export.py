@@ -21,7 +21,8 @@ import torch
 from titan_pipe.convert import atc as atc_mod
 from titan_pipe.convert.atc_ops import find_problems, load_atc_ops, operator_report
 from titan_pipe.convert.export_graphs import DecodeGraph, PrefillGraph, dynamic_axes, io_names
-from titan_pipe.convert.onnx_files import check_and_infer, file_table, gather_external_data, move_files
+from titan_pipe.convert.onnx_files import (check_and_infer, file_table, gather_external_data, move_files,
+                                           share_external_data)
 from titan_pipe.convert.unified import load_unified_model, locate_weights, read_model_args
 from titan_pipe.errors import UserError
 from titan_pipe.training.model import ModelArgs, count_params
@@ -192,18 +193,30 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    def lap(name: str, since: float) -> float:
+        now = time.perf_counter()
+        timings[name] = round(now - since, 3)
+        return now
+
     try:
         work.mkdir()
         with console.status(f"loading {model_dir} ({plan.weight_bytes / 1e9:.2f} GB as {dtype})"):
             model, _ = load_unified_model(model_dir, dtype=DTYPES[dtype])
+        t = lap("load", t0)
         for g in plan.graphs:
             with console.status(f"exporting {g.file} (opset {opset}, {'dynamic' if dynamic else 'static'} shapes)"):
                 _export_graph(model, args, plan, g, work)
+            t = lap(f"export {g.file}", t)
         del model
+        if kv_cache and (work / "model.onnx.data").exists():
+            share_external_data(work / "model.onnx", work / "decode.onnx")
         graphs = {}
         for g in plan.graphs:
             with console.status(f"checking {g.file} (onnx.checker full check, shape inference, ATC operators)"):
                 graphs[g.file] = _graph_report(work / g.file, plan)
+            t = lap(f"check {g.file}", t)
         invocations = [atc_mod.atc_invocation(
             graph=g.file, inputs=[atc_mod.GraphInput(n, g.input_dims[n]) for n in g.inputs],
             soc_version=soc_version, precision_mode=precision_mode, dynamic=dynamic, batch=batch,
@@ -220,6 +233,9 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
             if atc_status == "not_found":
                 console.print(f"atc is not on PATH: no .om built; the command is in {out_dir / 'atc' / 'command.sh'}",
                               highlight=False, soft_wrap=True)
+        t = lap("atc", t)
+        files = file_table(work)
+        lap("hash", t)
         export_s = time.perf_counter() - t0
         record = {
             "format": "titan-pipe-export/1",
@@ -232,8 +248,9 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                     "operator_list": {"file": "convert/data/atc_onnx_ops.json",
                                       "cann_version": load_atc_ops()["cann_version"]}},
             "graphs": graphs,
-            "files": file_table(work),
+            "files": files,
             "export_seconds": round(export_s, 3),
+            "timings_seconds": timings,
         }
         (work / "export.json").write_text(json.dumps(record, indent=1) + "\n")
         _swap_into_place(work, out_dir)
@@ -243,7 +260,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
     summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache,
                "params": count_params(args), "weight_bytes": plan.weight_bytes,
                "graphs": {f: {"nodes": r["n_nodes"], "bytes": record["files"][f]["bytes"]} for f, r in graphs.items()},
-               "atc_status": atc_status, "export_seconds": round(export_s, 3)}
+               "atc_status": atc_status, "export_seconds": round(export_s, 3), "timings_seconds": timings}
     return ExportResult(out_dir=out_dir, onnx=out_dir / "model.onnx",
                         decode_onnx=out_dir / "decode.onnx" if kv_cache else None,
                         export_json=out_dir / "export.json", atc_status=atc_status, summary=summary)

@@ -50,10 +50,7 @@ def gather_external_data(onnx_path: Path) -> Path | None:
                 fh.seek(info.offset or 0)
                 length = info.length if info.length is not None else src.stat().st_size - (info.offset or 0)
                 _copy_exact(fh, out, length, src)
-            del t.external_data[:]
-            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(length))):
-                entry = t.external_data.add()
-                entry.key, entry.value = k, v
+            _point_at(t, data_name, offset, length)
             sources.append(src)
     tmp.replace(data_path)
     onnx.save(model, str(onnx_path))
@@ -61,6 +58,51 @@ def gather_external_data(onnx_path: Path) -> Path | None:
         if src.exists() and src != data_path:
             src.unlink()
     return data_path
+
+
+def share_external_data(primary: Path, secondary: Path) -> int:
+    """Point ``secondary``'s external tensors at ``primary``'s data file where they are the same tensor.
+
+    Prefill and decode graphs carry the same weights under the same initializer names, so the
+    decode graph can read the prefill graph's ``.data`` file instead of a second copy on disk.
+    A tensor is shared only if name, dtype, dims and byte length all agree; the secondary's own
+    data file is deleted once nothing in it is referenced. Returns the bytes no longer duplicated.
+    """
+    primary, secondary = Path(primary), Path(secondary)
+    if primary.parent != secondary.parent:
+        raise ValueError(f"{primary} and {secondary} must share a directory")
+    p_model = onnx.load(str(primary), load_external_data=False)
+    s_model = onnx.load(str(secondary), load_external_data=False)
+    known = {}
+    for t in p_model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            known[t.name] = (t.data_type, tuple(t.dims), ExternalDataInfo(t))
+    saved, kept, dropped = 0, set(), set()
+    for t in s_model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = ExternalDataInfo(t)
+        match = known.get(t.name)
+        if match is None or match[:2] != (t.data_type, tuple(t.dims)) or match[2].length != info.length:
+            kept.add(info.location)
+            continue
+        _point_at(t, match[2].location, match[2].offset, match[2].length)
+        dropped.add(info.location)
+        saved += info.length or 0
+    onnx.save(s_model, str(secondary))
+    primary_files = {i.location for _, _, i in known.values()}
+    for location in dropped - kept - primary_files:
+        f = secondary.parent / location
+        if f.exists():
+            f.unlink()
+    return saved
+
+
+def _point_at(t: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    del t.external_data[:]
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = t.external_data.add()
+        entry.key, entry.value = k, v
 
 
 def _copy_exact(src, dst, length: int, name: Path, chunk: int = 64 * 1024**2) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from export_support import debug_model, hidden_states, write_unified
 from titan_pipe.convert.onnx_export import export_model
-from titan_pipe.convert.onnx_files import sha256
+from titan_pipe.convert.onnx_files import gather_external_data, sha256, share_external_data
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -150,3 +150,33 @@ def test_transformers_checkpoint_matches_transformers(tmp_path):
     with torch.no_grad():
         ref = hf(tokens).logits.numpy()
     assert np.abs(got - ref).max() <= 1e-4
+
+
+def test_external_data_gathered_and_shared(exported, tmp_path):
+    """The >2 GB path on small graphs: one tensor per file (as the exporter writes them) -> one .data
+    file, then the decode graph pointed at the prefill graph's data file; results unchanged."""
+    _, args, result = exported
+    for name in ("model.onnx", "decode.onnx"):  # each in its own scratch dir, as export does
+        scratch = tmp_path / f".{name}.scratch"
+        scratch.mkdir()
+        onnx.save_model(onnx.load(str(result.out_dir / name)), str(scratch / name), save_as_external_data=True,
+                        all_tensors_to_one_file=False, size_threshold=0)
+        assert len(list(scratch.iterdir())) > 10
+        gather_external_data(scratch / name)
+        for f in scratch.iterdir():
+            f.rename(tmp_path / f.name)
+        scratch.rmdir()
+    data = tmp_path / "model.onnx.data"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.onnx", "decode.onnx.data", "model.onnx",
+                                                         "model.onnx.data"]
+    saved = share_external_data(tmp_path / "model.onnx", tmp_path / "decode.onnx")
+    assert saved > 0.9 * data.stat().st_size and not (tmp_path / "decode.onnx.data").exists()
+    onnx.checker.check_model(str(tmp_path / "decode.onnx"), full_check=True)
+    tokens = torch.randint(0, args.vocab_size, (2, 6)).numpy()
+    ref = _session(result.onnx).run(None, {"input_ids": tokens})
+    got = _session(tmp_path / "model.onnx").run(None, {"input_ids": tokens})
+    assert all(np.array_equal(a, b) for a, b in zip(ref, got))
+    names = [i.name for i in _session(result.decode_onnx).get_inputs()]
+    feed = {"input_ids": tokens[:, :1], **dict(zip(names[1:], ref[1:1 + 2 * args.n_layers]))}
+    assert all(np.array_equal(a, b) for a, b in zip(_session(result.decode_onnx).run(None, feed),
+                                                    _session(tmp_path / "decode.onnx").run(None, feed)))
