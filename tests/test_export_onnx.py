@@ -180,3 +180,15 @@ def test_external_data_gathered_and_shared(exported, tmp_path):
     feed = {"input_ids": tokens[:, :1], **dict(zip(names[1:], ref[1:1 + 2 * args.n_layers]))}
     assert all(np.array_equal(a, b) for a, b in zip(_session(result.decode_onnx).run(None, feed),
                                                     _session(tmp_path / "decode.onnx").run(None, feed)))
+
+
+def test_tied_embeddings_and_llama3_rope(tmp_path):
+    model, args = debug_model(tie_embeddings=True, n_kv_heads=4, rope_theta=500000.0,
+                              rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 32})
+    src = write_unified(model, args, tmp_path / "model")
+    result = export_model(model_dir=src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False)
+    tokens = torch.randint(0, args.vocab_size, (2, 100), generator=torch.Generator().manual_seed(7))
+    got = _session(result.onnx).run(["logits"], {"input_ids": tokens.numpy()})[0]
+    with torch.no_grad():
+        assert np.abs(got - model(tokens).numpy()).max() <= 1e-4
