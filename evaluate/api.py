@@ -51,6 +51,9 @@ def _check_inputs(checkpoint, model_dir, onnx, om, data) -> None:
             raise UserError(f"{flag} {p}: does not exist; check the path")
         if kind == "dir" and not p.is_dir():
             raise UserError(f"{flag} {p}: is a file, expected a directory")
+        if flag == "--checkpoint" and not (p / "manifest.json").is_file():
+            raise UserError(f"--checkpoint {p}: no manifest.json, so not a complete titan-pipe checkpoint; pass "
+                            "runs/<name>/checkpoints/step-XXXXXX (the manifest is written last)")
         if kind == "file" and not p.is_file():
             raise UserError(f"{flag} {p}: is a directory, expected a file"
                             + ("; pass OUT_DIR/model.onnx" if flag == "--onnx" else ""))
@@ -141,7 +144,7 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
         ref_source = f"{Path(checkpoint) / 'manifest.json'}"
     args = ref.args
     dist = None
-    if checkpoint is not None and model_dir is not None:
+    if checkpoint is not None:
         dist = DistributedRunner(Path(checkpoint))
         _same_model(dist.args, args, f"--checkpoint {checkpoint} vs --model-dir {model_dir}")
     ort = None
@@ -184,9 +187,12 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
         task_outputs[dist.label] = dist_out
         limits_of[dist.label] = (dt, limits(dt))
         hist[f"{ref.label} vs {dist.label}"] = _abs_errors(dist_out, ref_out)
+        if model_dir is None:
+            comparisons[-1].title = ("training checkpoint under its TP/PP layout vs its own weights in one "
+                                     "process (no --model-dir: the converter is not covered)")
     else:
         comparisons.append(cmp.skipped("sharded_vs_unified", "training checkpoint under its TP/PP layout vs "
-                                       "the unified model", "needs both --checkpoint and --model-dir"))
+                                       "the unified model", "no --checkpoint given"))
 
     # 2. training operators (PyTorch) vs inference operators (ONNX Runtime)
     steps.step("ONNX Runtime")

@@ -100,3 +100,15 @@ def test_checkpoint_and_model_dir_of_different_models_are_refused(trained, tmp_p
     with pytest.raises(UserError, match="the models disagree .*n_layers 4 vs 2"):
         evaluate_model(out_dir=tmp_path / "rep", checkpoint=trained["checkpoint"], model_dir=other,
                        settings=EvaluateConfig(batches=1, operators=False))
+
+
+@pytest.mark.distributed
+def test_single_process_model_from_checkpoint_equals_converted_model(trained):
+    from titan_pipe.evaluate.api import torch_runner_from_checkpoint
+    from titan_pipe.evaluate.runners import TorchRunner
+
+    tokens = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(0))
+    a = torch_runner_from_checkpoint(trained["checkpoint"]).run(tokens)
+    b = TorchRunner.from_dir(trained["model_dir"]).run(tokens)
+    assert torch.equal(a.logits, b.logits)
+    assert all(torch.equal(x, y) for x, y in zip(a.hidden, b.hidden)) and len(a.hidden) == 4
