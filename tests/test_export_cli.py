@@ -47,6 +47,13 @@ def test_static_export_via_cli(model_dir, tmp_path):
     got = ort.InferenceSession(str(out / "model.onnx")).run(["logits"], {"input_ids": tokens.numpy()})[0]
     with torch.no_grad():
         assert np.abs(got - model(tokens).numpy()).max() <= 1e-4
+    full = torch.cat([tokens, torch.randint(0, args.vocab_size, (2, 1))], dim=1)
+    past = ort.InferenceSession(str(out / "model.onnx")).run(None, {"input_ids": tokens.numpy()})[1:]
+    dec = ort.InferenceSession(str(out / "decode.onnx"))
+    names = [i.name for i in dec.get_inputs()]
+    step = dec.run(["logits"], {"input_ids": full[:, 12:].numpy(), **dict(zip(names[1:], past))})[0]
+    with torch.no_grad():
+        assert np.abs(step[:, 0] - model(full)[:, -1].numpy()).max() <= 1e-4
     assert sorted(p.name for p in src.iterdir()) == before  # the source is never touched
     assert _leftovers(tmp_path) == []
 
@@ -89,3 +96,17 @@ def test_out_dir_may_not_be_the_source(model_dir):
     res = _run(src, "-o", src, "--overwrite")
     assert res.exit_code == 1 and "would contain or replace the source" in res.output
     assert (src / "model.safetensors").is_file()
+
+
+def test_incompatible_operator_fails_the_export_and_leaves_nothing(model_dir, tmp_path, monkeypatch):
+    from titan_pipe.convert import atc_ops
+
+    ops = json.loads(atc_ops.OPS_FILE.read_text())
+    del ops["operators"]["Range"]  # as if ATC did not list the op the causal mask is built from
+    monkeypatch.setattr(atc_ops, "load_atc_ops", lambda: ops)
+    monkeypatch.setattr("titan_pipe.convert.onnx_export.load_atc_ops", lambda: ops)
+    src, _, _ = model_dir
+    res = _run(src, "-o", tmp_path / "out", "--no-kv-cache")
+    assert res.exit_code == 1
+    assert "model.onnx: not ATC-compatible: node" in res.output and "(Range, 2x)" in res.output
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []
