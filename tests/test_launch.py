@@ -15,11 +15,14 @@ from typer.testing import CliRunner
 
 from titan_pipe.cli import app
 from titan_pipe.config import parse_flow
+from titan_pipe.run_dir import RunDir
 from titan_pipe.training.launch import (
     build_torchrun_command,
+    failure_message,
     first_slurm_host,
     inside_launch,
     launch_env,
+    root_cause,
     run_training,
     slurm_env,
     stream_process,
@@ -128,6 +131,46 @@ def test_stream_process_tees_lines_and_returns_the_status(tmp_path):
     assert "hello from the child" in live.getvalue() and "2/2" in live.getvalue()
 
 
+TORCHRUN_FAILURE = """
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+titan_pipe.training.train FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-02_15:13:26
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 21225)  (SIGTERM)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_15:13:26
+  host      : localhost
+  rank      : 3 (local_rank: 1)
+  exitcode  : 1 (pid: 21226)
+============================================================
+"""
+
+
+def test_failure_message_names_the_root_cause_rank_and_its_logs(tmp_path):
+    run = RunDir(tmp_path / "run")
+    (run.root / "logs" / "job_x" / "attempt_0" / "1").mkdir(parents=True)
+    (run.root / "logs" / "job_x" / "attempt_0" / "0").mkdir(parents=True)
+    old = "# earlier launch\n" + TORCHRUN_FAILURE.replace("rank      : 3", "rank      : 7")
+    run.train_log.write_text(old)
+    offset = run.train_log.stat().st_size
+    with run.train_log.open("a") as f:
+        f.write("# this launch\n" + TORCHRUN_FAILURE)
+    assert root_cause(TORCHRUN_FAILURE) == (3, 1, 1)
+    msg = failure_message(1, run, 0, offset)
+    assert "torchrun exited with status 1" in msg and str(run.train_log) in msg
+    assert "rank 3 failed first (exit code 1)" in msg
+    assert str(run.root / "logs" / "job_x" / "attempt_0" / "1" / "stderr.log") in msg
+    assert root_cause("plain output") is None
+    assert failure_message(2, run, 0, run.train_log.stat().st_size).endswith(str(run.train_log))
+
+
 def test_summarize_reads_metrics(tmp_path):
     path = tmp_path / "metrics.jsonl"
     recs = [{"step": 1, "loss": 5.0, "tokens_per_s": 10.0, "mfu": 0.1},
@@ -212,3 +255,4 @@ def test_train_cli_end_to_end_tp2(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["train", str(flow)])
     assert r.exit_code != 0
     assert "torchrun exited with status" in r.output and "train.log" in r.output
+    assert "rank 0 failed first (exit code 1)" in r.output and "stderr.log" in r.output

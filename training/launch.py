@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -243,19 +244,41 @@ def summarize(metrics_path: Path) -> dict:
             "steps": recs[-1]["step"]}
 
 
-def failed_rank_logs(log_root: Path, since: float) -> list[Path]:
-    """stderr.log files written by this launch (torchrun --log_dir layout) that hold a traceback
-    or an error.json beside them: the ranks whose output the console filter hid."""
-    found = []
-    if not log_root.is_dir():
-        return found
-    for err in sorted(log_root.glob("*/attempt_*/*/stderr.log")):
-        if err.stat().st_mtime < since:
-            continue
-        text = err.read_text(errors="replace")
-        if (err.parent / "error.json").is_file() or "Traceback" in text or "Error" in text:
-            found.append(err)
-    return found
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+) \(local_rank: (\d+)\).*?exitcode\s*:\s*(-?\d+)",
+                         re.S)
+
+
+def root_cause(output: str) -> tuple[int, int, int] | None:
+    """(rank, local_rank, exit code) of the first failure in torchrun's failure summary, if any."""
+    found = _ROOT_CAUSE.findall(output)
+    return tuple(int(x) for x in found[-1]) if found else None  # type: ignore[return-value]
+
+
+def rank_log_dir(log_root: Path, local_rank: int, since: float) -> Path | None:
+    """This launch's log dir of one local rank (torchrun --log_dir layout), newest attempt."""
+    dirs = [d for d in log_root.glob(f"*/attempt_*/{local_rank}") if d.is_dir() and d.stat().st_mtime >= since]
+    return max(dirs, key=lambda d: d.stat().st_mtime) if dirs else None
+
+
+def failure_message(rc: int, run: RunDir, started: float, log_offset: int = 0) -> str:
+    """What failed and where its output is: torchrun's root cause rank and that rank's log files.
+
+    ``log_offset``: the size of train.log before this launch (only its own part is searched).
+    """
+    msg = f"training failed: torchrun exited with status {rc}; see {run.train_log}"
+    text = ""
+    if run.train_log.is_file():
+        with run.train_log.open("rb") as f:
+            f.seek(log_offset)
+            text = f.read().decode("utf-8", errors="replace")
+    cause = root_cause(text)
+    if cause is not None:
+        rank, local_rank, code = cause
+        msg += f"; rank {rank} failed first (exit code {code})"
+        d = rank_log_dir(run.root / "logs", local_rank, started)
+        if d is not None:
+            msg += f", its output: {d / 'stdout.log'} and {d / 'stderr.log'}"
+    return msg
 
 
 def copy_flow(flow_path: Path, run: RunDir) -> None:
@@ -291,6 +314,7 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
     logs = run.root / "logs"
     cmd = build_torchrun_command(cfg, flow_path, resume=resume, log_dir=logs)
     started = time.time()
+    log_offset = run.train_log.stat().st_size if run.train_log.is_file() else 0
     try:
         rc = stream_process(cmd, env=launch_env(cfg, device.type), log_path=run.train_log)
     except KeyboardInterrupt:
@@ -299,9 +323,7 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
         err.exit_code = 130
         raise err from None
     if rc != 0:
-        hidden = failed_rank_logs(logs, started - 1)
-        where = f"; failing ranks' output: {', '.join(map(str, hidden))}" if hidden else ""
-        err = StageFailed(f"training failed: torchrun exited with status {rc}; see {run.train_log}{where}")
+        err = StageFailed(failure_message(rc, run, started - 1, log_offset))
         err.exit_code = rc
         raise err
     return collect_result(run, cfg)
