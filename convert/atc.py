@@ -90,7 +90,7 @@ def atc_invocation(*, graph: str, inputs: list[GraphInput], soc_version: str, pr
             if i.name == "input_ids":
                 shapes.append(f"{i.name}:{batch},1")
             else:
-                b_, h, _, d = i.dims
+                _, h, _, d = i.dims
                 shapes.append(f"{i.name}:{batch},{h},-1,{d}")
                 n_past += 1
         past = [p for p in seq_gears(seq_len, max_len - 1) if p + 1 <= max_len]

@@ -132,8 +132,11 @@ def io_names(n_layers: int, *, decode: bool, kv_cache: bool, expose_hidden: bool
     return inputs, outputs
 
 
-def dynamic_axes(inputs: list[str], outputs: list[str]) -> dict[str, dict[int, str]]:
-    """Named dynamic dims: batch, seq (new tokens), past (cached length), total (= past + seq)."""
+def dynamic_axes(inputs: list[str], outputs: list[str], *, decode: bool) -> dict[str, dict[int, str]]:
+    """Named dynamic dims: batch, seq (new tokens), past (cached length), total (= past + seq).
+
+    In the prefill graph the cache it returns is as long as the sequence, so present.* use ``seq``.
+    """
     axes: dict[str, dict[int, str]] = {}
     for name in inputs + outputs:
         if name in ("input_ids", "logits") or name.startswith("hidden."):
@@ -141,5 +144,5 @@ def dynamic_axes(inputs: list[str], outputs: list[str]) -> dict[str, dict[int, s
         elif name.startswith("past_key_values."):
             axes[name] = {0: "batch", 2: "past"}
         elif name.startswith("present."):
-            axes[name] = {0: "batch", 2: "total"}
+            axes[name] = {0: "batch", 2: "total" if decode else "seq"}
     return axes

@@ -16,6 +16,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import onnx
 import torch
 
 from titan_pipe.convert import atc as atc_mod
@@ -135,9 +136,7 @@ def _export_graph(model, args: ModelArgs, plan: ExportPlan, g: GraphPlan, work: 
     module = (DecodeGraph(model, expose_hidden=plan.expose_hidden) if g.decode
               else PrefillGraph(model, kv_cache=plan.kv_cache, expose_hidden=plan.expose_hidden)).eval()
     sample = _sample_inputs(g, args.vocab_size, DTYPES[plan.dtype])
-    axes = dynamic_axes(list(g.inputs), list(g.outputs)) if plan.dynamic else None
-    if axes and not g.decode:  # in the prefill graph the cache length is the sequence length
-        axes = {k: ({0: "batch", 2: "seq"} if k.startswith("present.") else v) for k, v in axes.items()}
+    axes = dynamic_axes(list(g.inputs), list(g.outputs), decode=g.decode) if plan.dynamic else None
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's deprecation and tracer notices
         torch.onnx.export(module, sample, str(scratch / g.file), dynamo=False, opset_version=plan.opset,
@@ -241,7 +240,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
             "format": "titan-pipe-export/1",
             "source": {"model_dir": str(model_dir.resolve()), "config": args.to_dict()},
             "options": {k: v for k, v in asdict(plan).items() if k not in ("graphs",)},
-            "exporter": {"torch": torch.__version__, "onnx": __import__("onnx").__version__,
+            "exporter": {"torch": torch.__version__, "onnx": onnx.__version__,
                          "path": "torch.onnx.export(dynamo=False)"},
             "atc": {"status": atc_status, "soc_version": soc_version, "precision_mode": precision_mode,
                     "commands": [list(i.argv) for i in invocations],
