@@ -216,7 +216,7 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
             gen_runners[ort.label] = ort
     else:
         comparisons.append(cmp.skipped("torch_vs_onnx", "PyTorch vs ONNX Runtime", "no --onnx given"))
-    comparisons.append(_npu_fused_row(model_dir, ref, ref_out, ev.batches, tdtype, limits))
+    comparisons.append(_npu_fused_row(model_dir, ev.batches, tdtype, limits))
 
     # 3. operator conformance
     steps.step("operator conformance")
@@ -318,7 +318,7 @@ def _hidden_from_debug_export(model_dir: Path, onnx_path: Path, ort: OnnxRuntime
         f"(same exporter, {ort.dtype}, opset {opset}, extra outputs only) whose logits equal the graph's bit for bit")
 
 
-def _npu_fused_row(model_dir, ref: TorchRunner, ref_out: Outputs, batches, tdtype, limits) -> cmp.Comparison:
+def _npu_fused_row(model_dir, batches, tdtype, limits) -> cmp.Comparison:
     """The fused NPU training kernels against the reference operators, on NPU hosts only."""
     from titan_pipe.devices import npu_available
 
@@ -327,14 +327,16 @@ def _npu_fused_row(model_dir, ref: TorchRunner, ref_out: Outputs, batches, tdtyp
         return cmp.skipped("npu_fused", title, "no NPU")
     if model_dir is None:
         return cmp.skipped("npu_fused", title, "needs --model-dir")
-    from titan_pipe.training.kernels import npu_fused_kernels
+    from titan_pipe.training.kernels import npu_fused_kernels, reference_kernels
 
+    # Both on the NPU, so the row measures the kernels and not the device's arithmetic.
+    plain = TorchRunner.from_dir(Path(model_dir), dtype="float32", device="npu", kernels=reference_kernels(),
+                                 label="torch float32 reference ops (npu)")
     fused = TorchRunner.from_dir(Path(model_dir), dtype="float32", device="npu", kernels=npu_fused_kernels(),
-                                 label="torch float32 npu_fused")
-    out = _run_batches(fused, batches)
+                                 label="torch float32 npu_fused (npu)")
     dt = tdtype("float32")
-    return cmp.compare_outputs("npu_fused", title, ref_out, out, ref_label=ref.label, cand_label=fused.label,
-                               dtype=dt, limits=limits(dt))
+    return cmp.compare_outputs("npu_fused", title, _run_batches(plain, batches), _run_batches(fused, batches),
+                               ref_label=plain.label, cand_label=fused.label, dtype=dt, limits=limits(dt))
 
 
 def _s(p) -> str | None:

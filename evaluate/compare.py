@@ -242,6 +242,13 @@ def decide(comparisons: list[Comparison], operator_rows: list[OperatorRow],
                          f"(relative Euclidean {j['previous']:.3g} -> {j['rel_euclidean']:.3g})")
     if op:
         parts.append(f"first failing operator: {op['op']} ({op['dtype']}, {op['case']} inputs): {op['failure']}")
+    else:
+        ran = [r for r in operator_rows if r.metrics is not None and r.dtype in operator_dtypes
+               and math.isfinite(r.metrics.rel_euclidean)]
+        if ran:
+            w = max(ran, key=lambda r: r.metrics.rel_euclidean)
+            parts.append(f"largest operator error: {w.op} ({w.dtype}, {w.case} inputs, relative Euclidean "
+                         f"{w.metrics.rel_euclidean:.3g})")
     for c in comparisons:
         if c.failures and c.id != "operators":
             parts.append(f"{c.id}: {c.failures[0]}")

@@ -190,7 +190,22 @@ def render_markdown(report: dict, plots: list[str]) -> str:
         for op in ops:
             lines.append(f"| {op} | " + " | ".join(cell.get((op, d), "") for d in dtypes) + " |")
         lines += ["", "Every row with its measures: `operators.csv`; every tensor: `tensors.csv` (msit column names).", ""]
+    lines += _thresholds_md(report.get("thresholds", {}))
     return "\n".join(lines) + "\n"
+
+
+def _thresholds_md(used: dict) -> list[str]:
+    """The threshold sets the verdict used, one column per dtype, with where each comes from."""
+    if not used:
+        return []
+    from titan_pipe.evaluate.thresholds import SOURCES
+
+    dts = list(used)
+    keys = list(dict.fromkeys(k for d in dts for k in used[d]))
+    lines = ["## Thresholds used", "", "| key | " + " | ".join(dts) + " | source |", "|" + "---|" * (len(dts) + 2)]
+    for k in keys:
+        lines.append(f"| {k} | " + " | ".join(_fmt(used[d].get(k, "")) for d in dts) + f" | {SOURCES.get(k, '')} |")
+    return lines + [""]
 
 
 def render_html(report: dict, plot_files: dict[str, Path]) -> str:
@@ -240,6 +255,18 @@ def render_html(report: dict, plot_files: dict[str, Path]) -> str:
                 cls = "pass" if s == "pass" else ("fail" if s == "fail" else "skip")
                 cells.append(f"<td class='l {cls}'>{e(s)}</td>")
             parts.append(f"<tr><td class='l'>{e(op)}</td>{''.join(cells)}</tr>")
+        parts.append("</table>")
+    used = report.get("thresholds", {})
+    if used:
+        from titan_pipe.evaluate.thresholds import SOURCES
+
+        dts = list(used)
+        keys = list(dict.fromkeys(k for d in dts for k in used[d]))
+        parts.append("<h2>Thresholds used</h2><table><tr><th>key</th>" + "".join(f"<th>{e(d)}</th>" for d in dts)
+                     + "<th>source</th></tr>")
+        for k in keys:
+            parts.append(f"<tr><td class='l'>{e(k)}</td>" + "".join(f"<td>{e(_fmt(used[d].get(k, '')))}</td>" for d in dts)
+                         + f"<td class='l'>{e(SOURCES.get(k, ''))}</td></tr>")
         parts.append("</table>")
     parts.append("</body></html>")
     return "\n".join(parts)
