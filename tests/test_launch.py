@@ -22,6 +22,7 @@ from titan_pipe.training.launch import (
     first_slurm_host,
     inside_launch,
     launch_env,
+    reports,
     root_cause,
     run_training,
     slurm_env,
@@ -97,6 +98,8 @@ def test_inside_launch_and_slurm_mapping():
     env = slurm_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}, cfg)
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("head", "1234")
     assert slurm_env({"RANK": "0", "SLURM_PROCID": "0"}, cfg) == {}  # torchrun under srun wins
+    assert reports({}) and reports({"RANK": "0"}) and not reports({"RANK": "1"})
+    assert not reports({"SLURM_PROCID": "2"}) and reports({"RANK": "0", "SLURM_PROCID": "5"})
     assert first_slurm_host("a1,b2") == "a1" and first_slurm_host("n[3,5-6]") == "n3"
 
 

@@ -109,6 +109,12 @@ def inside_launch(environ: Mapping[str, str] | None = None) -> bool:
     return any(k in environ for k in LAUNCH_VARS + SLURM_VARS)
 
 
+def reports(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process prints the run's summary: the launcher, or global rank 0 inside a launch."""
+    environ = os.environ if environ is None else environ
+    return environ.get("RANK", environ.get("SLURM_PROCID", "0")) == "0"
+
+
 def slurm_env(environ: Mapping[str, str], cfg: FlowConfig) -> dict[str, str]:
     """torch.distributed's env:// variables for an srun task that torchrun did not start.
 
