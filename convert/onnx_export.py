@@ -25,7 +25,7 @@ from titan_pipe.convert.export_graphs import DecodeGraph, PrefillGraph, dynamic_
 from titan_pipe.convert.onnx_files import (check_and_infer, file_table, gather_external_data, move_files,
                                            share_external_data)
 from titan_pipe.convert.unified import load_unified_model, locate_weights, read_model_args
-from titan_pipe.errors import UserError
+from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.training.model import ModelArgs, count_params
 
 EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15 and >= 14 for the SDPA exporter
@@ -137,11 +137,16 @@ def _export_graph(model, args: ModelArgs, plan: ExportPlan, g: GraphPlan, work: 
               else PrefillGraph(model, kv_cache=plan.kv_cache, expose_hidden=plan.expose_hidden)).eval()
     sample = _sample_inputs(g, args.vocab_size, DTYPES[plan.dtype])
     axes = dynamic_axes(list(g.inputs), list(g.outputs), decode=g.decode) if plan.dynamic else None
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the exporter's deprecation and tracer notices
-        torch.onnx.export(module, sample, str(scratch / g.file), dynamo=False, opset_version=plan.opset,
-                          input_names=list(g.inputs), output_names=list(g.outputs), dynamic_axes=axes,
-                          do_constant_folding=True, export_params=True)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporter's deprecation and tracer notices
+            torch.onnx.export(module, sample, str(scratch / g.file), dynamo=False, opset_version=plan.opset,
+                              input_names=list(g.inputs), output_names=list(g.outputs), dynamic_axes=axes,
+                              do_constant_folding=True, export_params=True)
+    except Exception as e:  # the exporter raises many types; the first line says what it could not map
+        raise StageFailed(f"{g.file}: torch.onnx.export (TorchScript, opset {plan.opset}) failed: "
+                          f"{str(e).strip().splitlines()[0][:400]}; model code that does not export belongs "
+                          "in training/model.py or convert/export_graphs.py") from e
     del module
     gather_external_data(scratch / g.file)
     move_files(scratch, work)
@@ -150,7 +155,11 @@ def _export_graph(model, args: ModelArgs, plan: ExportPlan, g: GraphPlan, work: 
 
 def _graph_report(path: Path, plan: ExportPlan) -> dict:
     """Check + shape-infer one graph, then its operator report; UserError if ATC would reject it."""
-    model = check_and_infer(path)
+    try:
+        model = check_and_infer(path)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise StageFailed(f"{path.name}: onnx.checker / shape inference rejected the exported graph: "
+                          f"{str(e).strip().splitlines()[0][:400]}") from e
     report = operator_report(model)
     problems = find_problems(model, report)
     if problems:
