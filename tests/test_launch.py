@@ -259,3 +259,15 @@ def test_train_cli_end_to_end_tp2(tmp_path, monkeypatch):
     assert r.exit_code != 0
     assert "torchrun exited with status" in r.output and "train.log" in r.output
     assert "rank 0 failed first (exit code 1)" in r.output and "stderr.log" in r.output
+
+
+class _ClosedPipe(io.StringIO):
+    def write(self, s):
+        raise BrokenPipeError
+
+
+def test_stream_process_outlives_a_closed_console(tmp_path):
+    log = tmp_path / "train.log"
+    code = "import sys\nfor i in range(3): print(i)\nsys.exit(4)"
+    rc = stream_process([sys.executable, "-c", code], env=None, log_path=log, console=_ClosedPipe(), live=False)
+    assert rc == 4 and log.read_text().splitlines()[-3:] == ["0", "1", "2"]

@@ -185,14 +185,20 @@ def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: P
         bar = _LiveBar(console) if live else None
         try:
             assert proc.stdout is not None
+            echo = True
             for line in proc.stdout:
                 log.write(line)
                 log.flush()
-                if bar is not None:
-                    bar.feed(line.rstrip("\n"))
-                else:
-                    console.write(line)
-                    console.flush()
+                if not echo:
+                    continue
+                try:
+                    if bar is not None:
+                        bar.feed(line.rstrip("\n"))
+                    else:
+                        console.write(line)
+                        console.flush()
+                except BrokenPipeError:  # `titan-pipe train | head`: keep training, keep logging
+                    echo = False
             return proc.wait()
         except KeyboardInterrupt:
             proc.send_signal(2)
