@@ -88,6 +88,20 @@ def files_under(root: Path) -> list[Path]:
     return out
 
 
+def checkpoint_files(ckpt: Path) -> list[Path]:
+    """What convert and evaluate read of a checkpoint: manifest.json and the weight files it lists.
+
+    Not the optimizer state beside them (its torch DCP files differ between identical runs), so a
+    retrain that reproduces the weights bit for bit leaves the later stages cached.
+    """
+    manifest = ckpt / "manifest.json"
+    try:
+        listed = json.loads(manifest.read_text())["files"]
+        return [manifest] + [ckpt / name for name in sorted(listed)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return files_under(ckpt)  # not our format: everything in it
+
+
 def _resolve(path: str, base: Path) -> Path:
     p = Path(path).expanduser()
     return p if p.is_absolute() else base / p
@@ -124,7 +138,7 @@ def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict[
             files += files_under(_resolve(cfg.init_from, flow_dir))
         return StageInputs(stage, section, tuple(files))
     if stage == "convert":
-        return StageInputs(stage, cfg.convert.model_dump(mode="json"), tuple(files_under(upstream["checkpoint"])))
+        return StageInputs(stage, cfg.convert.model_dump(mode="json"), tuple(checkpoint_files(upstream["checkpoint"])))
     if stage == "export":
         return StageInputs(stage, cfg.export.model_dump(mode="json"), tuple(files_under(upstream["model_dir"])))
     if stage == "evaluate":
@@ -135,7 +149,8 @@ def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict[
             files = files_under(Path(default_corpus()))
         else:
             files = [_resolve(cfg.evaluate.data, flow_dir)]
-        for name in ("checkpoint", "model_dir", "onnx_dir"):
+        files += checkpoint_files(upstream["checkpoint"])
+        for name in ("model_dir", "onnx_dir"):
             files += files_under(upstream[name])
         return StageInputs(stage, section, tuple(files))
     raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
@@ -149,15 +164,55 @@ def _display(path: Path, run_dir: Path) -> str:
         return str(path.resolve())
 
 
-def stage_key(inputs: StageInputs, hasher: FileHasher, run_dir: Path) -> str:
-    """sha256 over the stage name, the section and {file: sha256} (canonical JSON)."""
-    doc = {
+def stage_doc(inputs: StageInputs, hasher: FileHasher, run_dir: Path) -> dict:
+    """The stage's inputs as canonical data: the stage, its section, {file: sha256}."""
+    return {
         "schema": SCHEMA,
         "stage": inputs.stage,
         "section": inputs.section,
         "files": {_display(p, run_dir): hasher.sha256(p) for p in inputs.files},
     }
+
+
+def doc_key(doc: dict) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def stage_key(inputs: StageInputs, hasher: FileHasher, run_dir: Path) -> str:
+    """sha256 over the stage name, the section and {file: sha256} (canonical JSON)."""
+    return doc_key(stage_doc(inputs, hasher, run_dir))
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def explain_change(old: dict | None, new: dict, *, limit: int = 5) -> list[str]:
+    """Why a stage re-runs, for the log: the section values and the input files that changed."""
+    if not old:
+        return ["no earlier finished run"]
+    reasons = []
+    a, b = _flatten(old.get("section", {})), _flatten(new.get("section", {}))
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            reasons.append(f"{k}: {a.get(k)!r} -> {b.get(k)!r}")
+    fa, fb = old.get("files", {}), new.get("files", {})
+    for f in sorted(set(fa) | set(fb)):
+        if f not in fa:
+            reasons.append(f"new input {f}")
+        elif f not in fb:
+            reasons.append(f"input {f} is gone")
+        elif fa[f] != fb[f]:
+            reasons.append(f"input {f} changed")
+    if not reasons and old.get("schema") != new.get("schema"):
+        reasons.append("the cache recipe changed")
+    more = len(reasons) - limit
+    return reasons[:limit] + ([f"... and {more} more"] if more > 0 else [])
 
 
 @dataclass(frozen=True)
@@ -170,6 +225,7 @@ class StageRecord:
     result: dict  # the stage's result: {"paths": {...}, "summary": {...}, "passed": bool|None}
     finished_at: float = field(default_factory=time.time)
     duration_s: float = 0.0
+    inputs: dict = field(default_factory=dict)  # stage_doc: what the key was computed from
 
 
 def record_path(run_dir: Path, stage: str) -> Path:

@@ -1,6 +1,7 @@
 """`titan-pipe run` (the whole flow under Prefect, with a live per-stage summary) and `titan-pipe schedule`."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -9,6 +10,17 @@ from rich.console import Console
 from rich.table import Table
 
 STAGE_HELP = "train | convert | export | evaluate"
+
+# Prefect settings titan-pipe needs on a cluster (set only where the user has not): no usage
+# telemetry (nodes are often offline: it logs an ERROR each run), and time for the temporary
+# server's first start (database migrations; 20 s, Prefect's default, is too short on small hosts).
+PREFECT_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+
+
+def prefect_env() -> None:
+    for k, v in PREFECT_DEFAULTS.items():
+        os.environ.setdefault(k, v)
 
 
 def stage_figures(stage: str, summary: dict, passed: bool | None) -> str:
@@ -27,8 +39,12 @@ def stage_figures(stage: str, summary: dict, passed: bool | None) -> str:
         parts = [f"ATC: {summary.get('atc_status', 'n/a')}"]
     elif stage == "evaluate":
         parts = ["verdict PASS" if passed else "verdict FAIL"]
+    elif stage == "convert" and "tensors" in summary:
+        size = summary.get("bytes")
+        parts = [f"{summary['tensors']} tensors", f"{size / 1e6:.1f} MB" if isinstance(size, (int, float)) else None,
+                 f"{summary['files']} file(s)" if "files" in summary else None]
     else:
-        parts = [f"{k} {v}" for k, v in list(summary.items())[:3] if isinstance(v, (int, float, str))]
+        parts = [f"{k} {v}" for k, v in list(summary.items())[:3] if isinstance(v, (int, float))]
     return ", ".join(p for p in parts if p)
 
 
@@ -83,6 +99,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(e)) from None
         cache.check_reusable(actions, cfg.run_dir().resolve())
 
+        prefect_env()
         from titan_pipe.flows.train_to_deploy import listening, train_to_deploy
 
         console = Console(stderr=True)
@@ -104,7 +121,11 @@ def register(app: typer.Typer) -> None:
             raise failed
         if isinstance(failed, (KeyboardInterrupt, typer.Exit)):
             raise failed
-        console.print(f"[red]error[/red] {type(failed).__name__}: {failed}", highlight=False, soft_wrap=True)
+        hint = ""
+        if "ephemeral Prefect API server" in str(failed):
+            hint = ("; start a server (`prefect server start`, then export PREFECT_API_URL=http://127.0.0.1:4200/api) "
+                    "or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+        console.print(f"[red]error[/red] {type(failed).__name__}: {failed}{hint}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
 
     @app.command()
@@ -119,4 +140,5 @@ def register(app: typer.Typer) -> None:
         from titan_pipe.flows.schedule import serve_flow
 
         cfg = load_flow(flow)
+        prefect_env()
         serve_flow(flow_path=flow.resolve(), cfg=cfg, cron=cron, name=name, timezone=timezone, stage=stage)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import logging
 import threading
 from pathlib import Path
@@ -98,6 +100,10 @@ def follow_log(path: Path, logger=None, *, poll_s: float = 0.5) -> Iterator[_Fol
         yield None
         return
     follower = _Follower(path, logger, poll_s)
+    # The thread runs in a copy of this context: Prefect's settings (logging to the API on or off)
+    # and run context live in contextvars, which a plain new thread would not see.
+    ctx = contextvars.copy_context()
+    follower.run = functools.partial(ctx.run, follower.run)
     follower.start()
     try:
         yield follower

@@ -71,9 +71,11 @@ def train_task(flow_path: Path, cfg: FlowConfig, resume: bool = False) -> StageO
     with follow_log(RunDir(run_dir).train_log):
         r = run_training(flow_path=flow_path, cfg=cfg, resume=resume)
     log.info(f"training done: checkpoint {r.checkpoint}, summary {r.summary}")
-    return StageOutput("train", {"run_dir": str(r.run_dir), "checkpoint": str(r.checkpoint),
-                                 "metrics": str(r.metrics)},
-                       outputs=[str(r.checkpoint)], summary=dict(r.summary))
+    paths = {"run_dir": str(r.run_dir), "metrics": str(r.metrics)}
+    if r.checkpoint is not None:  # None on a worker node of a multi-node run: node 0 holds the files
+        paths["checkpoint"] = str(r.checkpoint)
+    return StageOutput("train", paths, outputs=[str(r.checkpoint)] if r.checkpoint else [],
+                       summary=dict(r.summary))
 
 
 @task(name="convert", cache_policy=NO_CACHE, persist_result=False)

@@ -167,14 +167,19 @@ def run_pipeline(flow_path: Path, *, from_stage: str | None = None, only: str | 
             upstream.update(out.paths)
             _emit(StageEvent(stage, "reused", output=out, message="outputs of its last run"))
             continue
-        key = cache.stage_key(cache.stage_inputs(stage, cfg, flow_dir=flow_path.parent,
+        doc = cache.stage_doc(cache.stage_inputs(stage, cfg, flow_dir=flow_path.parent,
                                                  upstream={k: Path(v) for k, v in upstream.items()}),
                               hasher, run_dir)
+        key = cache.doc_key(doc)
         record = cache.read_record(run_dir, stage)
         if action == cache.AUTO and cache.cache_hit(record, key, hasher, run_dir):
             out, status, took = StageOutput.from_json(record.result), "cached", 0.0
             log.info(f"{stage}: cached (key {key[:12]}, inputs unchanged since {time.ctime(record.finished_at)})")
         else:
+            why = ("selected to run" if action == cache.RUN else "; ".join(
+                cache.explain_change(record.inputs if record else None, doc)
+                if record is None or record.key != key else ["its outputs changed on disk"]))
+            log.info(f"{stage}: running ({why})")
             cache.clear_record(run_dir, stage)
             resume = _prepare_training(run_dir, key, action) if stage == "train" else False
             _emit(StageEvent(stage, "running"))
@@ -190,7 +195,7 @@ def run_pipeline(flow_path: Path, *, from_stage: str | None = None, only: str | 
             took, status = time.perf_counter() - t0, "done"
             outputs = cache.hash_outputs([Path(p) for p in out.outputs], hasher, run_dir)
             cache.write_record(run_dir, cache.StageRecord(stage=stage, key=key, outputs=outputs,
-                                                          result=out.to_json(), duration_s=took))
+                                                          result=out.to_json(), duration_s=took, inputs=doc))
         outcome.stages[stage], outcome.outputs[stage] = status, out
         upstream.update(out.paths)
         if publish:
@@ -199,6 +204,38 @@ def run_pipeline(flow_path: Path, *, from_stage: str | None = None, only: str | 
     hasher.save()
     if outcome.passed is False:
         raise StageFailed(f"evaluation failed its thresholds; see {outcome.outputs['evaluate'].paths['report_json']}")
+    return outcome
+
+
+def join_training(flow_path: Path, *, node_rank: int, tasks: dict[str, Callable] | None = None) -> PipelineOutcome:
+    """A worker node's share of a multi-node training (launch.nnodes > 1, node_rank > 0).
+
+    Node 0 runs ``train_to_deploy``; every other node runs this at the same time, so its torchrun
+    joins the c10d rendezvous at launch.rdzv_endpoint. The run dir is on shared storage: this node
+    computes the same train key as node 0 and skips when node 0 would (else node 0 would never
+    start and the others would wait for it), and never writes records (node 0 owns them).
+    """
+    fn = (tasks or DEFAULT_TASKS)["train"]
+    flow_path = Path(flow_path).resolve()
+    cfg = load_flow(flow_path)
+    if not 0 < node_rank < cfg.launch.nnodes:
+        raise UserError(f"{flow_path}: node_rank {node_rank} must be 1..{cfg.launch.nnodes - 1} for a worker node "
+                        f"(launch.nnodes={cfg.launch.nnodes}); node 0 runs the train-to-deploy flow")
+    cfg = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"node_rank": node_rank})})
+    run_dir = cfg.run_dir().resolve()
+    hasher = cache.FileHasher()  # no shared memo: node 0 owns .stages/
+    key = cache.stage_key(cache.stage_inputs("train", cfg, flow_dir=flow_path.parent, upstream={}), hasher, run_dir)
+    outcome = PipelineOutcome(run_dir)
+    record = cache.read_record(run_dir, "train")
+    if cfg.orchestration.cache and cache.cache_hit(record, key, hasher, run_dir):
+        outcome.stages["train"], outcome.outputs["train"] = "cached", StageOutput.from_json(record.result)
+        _emit(StageEvent("train", "cached", output=outcome.outputs["train"]))
+        return outcome
+    _emit(StageEvent("train", "running", message=f"node {node_rank} of {cfg.launch.nnodes}"))
+    out = _call_stage("train", fn, cfg=cfg, flow_path=flow_path, flow_dir=flow_path.parent, run_dir=run_dir,
+                      upstream={}, resume=False)
+    outcome.stages["train"], outcome.outputs["train"] = "done", out
+    _emit(StageEvent("train", "done", output=out))
     return outcome
 
 
@@ -215,9 +252,11 @@ def train_to_deploy(flow_path: str, from_stage: str | None = None, only: str | N
     return run_pipeline(Path(flow_path), from_stage=from_stage, only=only, force=force).to_json()
 
 
-@flow(name="titan-pipe-train", description="The training stage of a flow.yaml alone.")
-def train_flow(flow_path: str, workdir: str | None = None) -> dict:
+@flow(name="titan-pipe-train", description="The training stage of a flow.yaml alone (node_rank > 0: a worker node).")
+def train_flow(flow_path: str, workdir: str | None = None, node_rank: int | None = None) -> dict:
     _enter(workdir)
+    if node_rank:
+        return join_training(Path(flow_path), node_rank=node_rank).to_json()
     return run_pipeline(Path(flow_path), only="train").to_json()
 
 

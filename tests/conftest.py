@@ -19,3 +19,8 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+        # pytest has closed the stream Prefect's console handler writes to by session teardown;
+        # without this, "Stopping temporary server" ends the run with a logging traceback.
+        import logging
+
+        logging.getLogger("prefect").setLevel(logging.WARNING)

@@ -286,3 +286,40 @@ def test_retry_owner_is_single(tmp_path):
 
     with pytest.raises(ConfigError, match="twice over"):
         load_flow(path)
+
+
+def test_explain_change_names_values_and_files():
+    old = {"schema": 1, "section": {"train": {"steps": 20}}, "files": {"a.txt": "1", "b.txt": "2"}}
+    new = {"schema": 1, "section": {"train": {"steps": 21}}, "files": {"a.txt": "9", "c.txt": "3"}}
+    assert cache.explain_change(old, new) == ["train.steps: 20 -> 21", "input a.txt changed",
+                                              "input b.txt is gone", "new input c.txt"]
+    assert cache.explain_change(None, new) == ["no earlier finished run"]
+
+
+def test_checkpoint_inputs_are_the_manifest_and_its_weights_not_optimizer_state(tmp_path):
+    ck = tmp_path / "step-000004"
+    (ck / "model").mkdir(parents=True)
+    (ck / "optimizer").mkdir()
+    (ck / "model" / "pp0-tp0.safetensors").write_bytes(b"w")
+    (ck / "optimizer" / "__0_0.distcp").write_bytes(b"o")
+    (ck / "manifest.json").write_text(json.dumps({"files": {"model/pp0-tp0.safetensors": {}}}))
+    assert cache.checkpoint_files(ck) == [ck / "manifest.json", ck / "model" / "pp0-tp0.safetensors"]
+    (ck / "manifest.json").write_text("not json")  # not our format: everything it holds
+    assert len(cache.checkpoint_files(ck)) == 3
+
+
+def test_worker_node_joins_training_without_writing_records(tmp_path):
+    from titan_pipe.flows.train_to_deploy import join_training
+
+    path = _flow_yaml(tmp_path, parallel={"tp": 2}, launch={"nnodes": 2, "rdzv_endpoint": "node0:29500"})
+    seen = []
+
+    def train(*, flow_path, cfg, resume):
+        seen.append(cfg.launch.node_rank)
+        return StageOutput("train", {"metrics": "m"}, outputs=[], summary={})
+
+    with pytest.raises(UserError, match="node_rank 0 must be 1..1"):
+        join_training(path, node_rank=0, tasks={"train": train})
+    out = join_training(path, node_rank=1, tasks={"train": train})
+    assert seen == [1] and out.stages == {"train": "done"}
+    assert not (tmp_path / "runs/t/.stages").exists()
