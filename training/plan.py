@@ -153,6 +153,7 @@ class RankParams:
     optimizer_tensors: int  # parameters with a state entry here (each has a scalar ``step``)
     full_params: int  # the TP-local, unsharded elements of this rank's stages (before FSDP)
     matmul_params: int  # of which weights of Linear layers (what autocast casts)
+    grads: int  # gradient elements after backward (see _rank_params for the one exception)
 
 
 def rank_stage_layers(args: ModelArgs, layout: Layout, pp_rank: int) -> list[tuple[int, list[int]]]:
@@ -217,8 +218,14 @@ def _rank_params(args: ModelArgs, layout: Layout, pp_rank: int, tp_rank: int, dp
         else:
             local.append(_numel(shape))
             alloc.append(_numel(shape))
+    grads = sum(local)
+    if dpp.kind == "none" and layout.tp > 1 and "tok_embeddings.weight" in names:
+        # Without a data-parallel wrapper, DTensor's embedding backward leaves the vocab-parallel
+        # table's gradient Replicate: every tp rank holds the full (vocab, dim) gradient.
+        i = names.index("tok_embeddings.weight")
+        grads += args.vocab_size * args.dim - local[i]
     return RankParams(tuple(names), sum(local), sum(alloc), sum(local), len(local), sum(full),
-                      sum(n for name, n in zip(names, full) if _is_matmul(name)))
+                      sum(n for name, n in zip(names, full) if _is_matmul(name)), grads)
 
 
 def optimizer_bytes(rp: RankParams, optimizer: str = "adamw") -> int:
@@ -387,7 +394,8 @@ def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumption
     dpp = _dp_plan(layout, assume)
     master, a = 4, DTYPE_BYTES[layout.amp_dtype or "float32"]
     params = master * rp.params_alloc
-    grads = master * rp.params_alloc  # gradients land in the parameters' dtype (FSDP2: the shard)
+    # Gradients land in the parameters' dtype (FSDP2: the padded shard).
+    grads = master * (rp.params_alloc + rp.grads - rp.params)
     layer = _layer_param_elems(w.args, layout.tp)
     copies = buffers = 0.0
     if dpp.kind == "fsdp":
