@@ -176,6 +176,29 @@ def run_method(method: str, work: Path, out: Path) -> dict:
     return {"wall": time.perf_counter() - t0, "peak_mb": _peak_self_mb(), "base_mb": base}
 
 
+def plot(results: dict, floor: float, size_mb: float, path: Path) -> None:
+    """Two bar charts: wall time / floor and peak RSS / checkpoint size, target lines drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.barh(names, [results[n]["wall"] / floor for n in names], color="tab:blue")
+    ax1.axvline(1.3, color="red", linestyle="--", label="target 1.3x")
+    ax1.set_xlabel("wall time / plain copy")
+    ax1.legend()
+    ax2.barh(names, [results[n]["peak_mb"] / size_mb for n in names], color="tab:orange")
+    ax2.axvline(0.25, color="red", linestyle="--", label="target 0.25x")
+    ax2.set_xlabel("peak RSS / checkpoint size")
+    ax2.legend()
+    ax2.set_yticklabels([])
+    fig.suptitle(f"convert benchmark: {size_mb / 1024:.2f} GiB tp2 x pp2 checkpoint")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 METHODS = ("floor", "titan-pipe", "titan-pipe --no-verify", "load+cat", "titan-pipe/dcp", "dcp_to_torch_save", "consolidate")
 
 
@@ -195,6 +218,7 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--repeat", type=int, default=2, help="runs per method; the fastest is reported")
+    ap.add_argument("--png", type=Path, help="also draw the figures as a bar chart here")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -232,7 +256,7 @@ def main() -> None:
             if method not in results:
                 continue
             res = results[method]
-            print(f"  {method:<24} work {res['wall']:6.2f} s  process {proc:6.2f} s  peak RSS "
+            print(f"  {method:<24} work {res['wall']:6.2f} s  process {res['process']:6.2f} s  peak RSS "
                   f"{res['peak_mb']:7.0f} MB (before the work {res['base_mb']:5.0f} MB)", flush=True)
         shutil.rmtree(work / "out", ignore_errors=True)
         floor = results.get("floor", {}).get("wall")
@@ -249,6 +273,9 @@ def main() -> None:
             if tp and floor:
                 print(f"targets, {name}: wall {tp['wall'] / floor:.2f}x floor (<= 1.3), peak RSS "
                       f"{tp['peak_mb'] / size_mb:.3f}x checkpoint (<= 0.25)")
+        if a.png and floor:
+            plot(results, floor, size_mb, a.png)
+            print(f"chart: {a.png}")
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -21,7 +21,7 @@ from titan_pipe.convert.plan import DTYPE_SIZES, OutFile, OutTensor, Read
 from titan_pipe.convert.readers.store import TORCH_DTYPES, Store, contiguous_span
 from titan_pipe.convert.writer import Entry, SafetensorsWriter
 
-BLOCK_BYTES = 64 * 2**20
+BLOCK_BYTES = 32 * 2**20
 
 
 def deinterleave_rope(x: torch.Tensor, head_dim: int) -> torch.Tensor:
