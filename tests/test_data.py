@@ -95,7 +95,7 @@ def test_default_corpus_equals_bytes_of_sorted_files():
 
 
 def test_directory_of_txt_and_jsonl_is_read_in_sorted_order(tmp_path):
-    (tmp_path / "b.jsonl").write_text('{"text": "two"}\n\n{"text": "three", "id": 3}\n')
+    (tmp_path / "b.jsonl").write_text('\ufeff{"text": "two"}\r\n\n{"text": "three", "id": 3}\n')  # BOM, CRLF
     (tmp_path / "a.txt").write_text("one")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "c.txt").write_text("four")

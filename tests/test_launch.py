@@ -87,7 +87,10 @@ def test_launch_env():
 
 def test_inside_launch_and_slurm_mapping():
     assert not inside_launch({"PATH": "/bin"})
-    assert inside_launch({"LOCAL_RANK": "0"}) and inside_launch({"SLURM_PROCID": "3"})
+    assert inside_launch({"LOCAL_RANK": "0"}) and inside_launch({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"})
+    # an sbatch script's own shell is task 0 of 1 step: titan-pipe spawns torchrun there
+    assert not inside_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
+    assert inside_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "8"})
     cfg = _cfg(parallel={"dp": 4})
     env = slurm_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
                      "SLURM_JOB_NODELIST": "gpu[07-08]"}, cfg)

@@ -166,7 +166,7 @@ def corpus_files(path: Path) -> list[Path]:
 def read_documents(path: Path, *, text_key: str = "text") -> list[str]:
     """A .txt file is one document; a .jsonl file is one document per non-blank line (its text_key)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not text
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text (byte {e.start}); re-encode it as UTF-8") from None
     if path.suffix == ".txt":

@@ -103,10 +103,24 @@ def launch_env(cfg: FlowConfig, device_type: str, *, base: Mapping[str, str] | N
     return env
 
 
+def slurm_tasks(environ: Mapping[str, str]) -> int:
+    """Tasks of the current SLURM step (srun), else of the job; 1 outside SLURM."""
+    for key in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
+        if environ.get(key, "").isdigit():
+            return int(environ[key])
+    return 1
+
+
 def inside_launch(environ: Mapping[str, str] | None = None) -> bool:
-    """True in a torchrun worker or an srun task: the processes already exist, do not spawn more."""
+    """True in a torchrun worker or one of several srun tasks: the processes already exist.
+
+    A single SLURM task (an sbatch script's own shell has SLURM_PROCID=0 too) is not a launch:
+    there titan-pipe spawns torchrun for the node as usual.
+    """
     environ = os.environ if environ is None else environ
-    return any(k in environ for k in LAUNCH_VARS + SLURM_VARS)
+    if any(k in environ for k in LAUNCH_VARS):
+        return True
+    return any(k in environ for k in SLURM_VARS) and slurm_tasks(environ) > 1
 
 
 def reports(environ: Mapping[str, str] | None = None) -> bool:
@@ -126,7 +140,7 @@ def slurm_env(environ: Mapping[str, str], cfg: FlowConfig) -> dict[str, str]:
     if "RANK" in environ or "SLURM_PROCID" not in environ:
         return out
     out["RANK"] = environ["SLURM_PROCID"]
-    out["WORLD_SIZE"] = environ.get("SLURM_NTASKS", str(cfg.parallel.world_size))
+    out["WORLD_SIZE"] = str(slurm_tasks(environ))
     out["LOCAL_RANK"] = environ.get("SLURM_LOCALID", "0")
     if "MASTER_ADDR" not in environ:
         host, port = None, "29500"
