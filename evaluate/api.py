@@ -20,7 +20,7 @@ from titan_pipe.errors import UserError
 from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.batches import load_eval_data
 from titan_pipe.evaluate.operators import run_conformance
-from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, write_report
+from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, check_out_dir, write_report
 from titan_pipe.evaluate.runners import (DistributedRunner, OmRunner, OnnxRuntimeRunner, Outputs, TorchRunner,
                                          ascend_runtime, concat_outputs)
 from titan_pipe.evaluate.thresholds import resolve_thresholds
@@ -123,6 +123,7 @@ def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: 
     data = data if data is not None else settings.data  # flow.yaml evaluate.data
     _check_inputs(checkpoint, model_dir, onnx, om, data)
     out_dir = Path(out_dir)
+    check_out_dir(out_dir)  # fail before the work, not after
     steps = _Steps(progress, total=8)
     try:
         return _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, settings, steps)

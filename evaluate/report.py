@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from titan_pipe.errors import UserError
 from titan_pipe.evaluate.metrics import CSV_COLUMNS
 
 SCHEMA = "titan-pipe/evaluate-report"
@@ -272,12 +273,36 @@ def render_html(report: dict, plot_files: dict[str, Path]) -> str:
     return "\n".join(parts)
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """REPORT_DIR may be new, empty, or an earlier report (which is replaced); anything else is
+    refused, so ``-o runs/<name>`` cannot wipe a run directory."""
+    out_dir = Path(out_dir)
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise UserError(f"-o {out_dir}: is a file; give a directory for the report")
+    entries = list(out_dir.iterdir())
+    if not entries:
+        return
+    try:
+        earlier = json.loads((out_dir / "report.json").read_text()).get("schema") == SCHEMA
+    except (OSError, ValueError, AttributeError):
+        earlier = False
+    ours = {"report.json", "report.md", "report.html", "tensors.csv", "operators.csv", "layer_error.png",
+            "logits_error.png"}
+    if not earlier or any(p.name not in ours for p in entries):
+        raise UserError(f"-o {out_dir}: exists and is not (only) an earlier titan-pipe report; give a new "
+                        "directory (e.g. runs/<name>/report) or empty it first")
+
+
 def write_report(out_dir: Path, report: dict, logits_errors: dict[str, np.ndarray]) -> dict[str, Path]:
     """Write every report file into ``out_dir`` atomically (temp dir beside it, then rename).
 
-    An existing ``out_dir`` is replaced only once the new report is complete.
+    An existing ``out_dir`` (empty, or an earlier report: check_out_dir) is replaced only once the
+    new report is complete.
     """
     out_dir = Path(out_dir)
+    check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:

@@ -213,3 +213,26 @@ def test_om_without_ascend_runtime_is_skipped_not_passed(art, tmp_path):
     om.write_bytes(b"not run here")
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], om=om, settings=FAST)
     assert r.summary["comparisons"]["om"].startswith("skipped: no Ascend runtime")
+
+
+def test_report_dir_that_is_not_a_report_is_refused(art, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "flow.yaml").write_text("name: x\n")
+    with pytest.raises(UserError, match="not \\(only\\) an earlier titan-pipe report"):
+        evaluate_model(out_dir=run_dir, model_dir=art["model_dir"], settings=FAST)
+    assert (run_dir / "flow.yaml").is_file()
+    # an earlier report is replaced
+    rep = tmp_path / "rep"
+    evaluate_model(out_dir=rep, model_dir=art["model_dir"], settings=FAST)
+    first = json.loads((rep / "report.json").read_text())["created"]
+    evaluate_model(out_dir=rep, model_dir=art["model_dir"], settings=FAST)
+    assert json.loads((rep / "report.json").read_text())["created"] >= first
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".rep")]  # no temp dirs left
+
+
+def test_too_little_held_out_text_is_a_clear_error(art, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("only a few words")
+    with pytest.raises(UserError, match="short.txt: .* held-out tokens, but 1 batches x 2 x 32 need 64"):
+        evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], data=short, settings=FAST)
