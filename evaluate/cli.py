@@ -46,7 +46,9 @@ def register(app: typer.Typer) -> None:
         from titan_pipe.evaluate.api import evaluate_model
 
         settings = load_flow(flow).evaluate if flow is not None else EvaluateConfig()
-        updates = {"dtype": dtype.value}
+        updates: dict = {"dtype": dtype.value}
+        if flow is not None and settings.data and not Path(settings.data).is_absolute():
+            updates["data"] = str(flow.parent / settings.data)  # flow.yaml paths are relative to its dir
         if batches is not None:
             updates["batches"] = batches
         if operators is not None:
