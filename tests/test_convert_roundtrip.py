@@ -74,6 +74,18 @@ def test_split_merge_bit_exact_every_kind(tp4pp2, weights, tmp_path):
     assert res.summary["tensors"] == len(sd)
 
 
+def test_sharded_output_reads_back_through_the_trainer(tp4pp2, weights):
+    """The trainer's manifest reader (init_from / resume weights) assembles our --tp/--pp output."""
+    from titan_pipe.training.weights import CheckpointWeights, check_compatible
+
+    args, sd = weights
+    w = CheckpointWeights(tp4pp2)
+    check_compatible(w.args, args, tp4pp2)  # same dims (multiple_of is folded into ffn_hidden_dim)
+    assert set(w.names()) == set(sd)
+    for name, t in sd.items():
+        assert torch.equal(_bits(w.full(name)), _bits(t)), name
+
+
 def test_reshard_then_unify_equals_direct(tp4pp2, tmp_path):
     convert_checkpoint(src=tp4pp2, out_dir=tmp_path / "direct", progress=False)
     convert_checkpoint(src=tp4pp2, out_dir=tmp_path / "t2", tp=2, pp=1, progress=False)
