@@ -116,3 +116,19 @@ def test_progress_live_bar_renders():
             p.update(s, {"loss": 2.0, "tokens_per_s": 100.0, "mfu": 0.5})
     text = out.getvalue()
     assert "train" in text and "3/3" in text and "MFU 50.00%" in text
+
+
+def test_plot_metrics_writes_a_png(tmp_path):
+    from titan_pipe.training.metrics import plot_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLogger(path, enabled=True) as log:
+        for s in range(1, 6):
+            log.log({"step": s, "loss": 6.0 / s, "tokens_per_s": 100.0 * s, "mfu": 0.01 * s})
+    out = plot_metrics(path, tmp_path / "metrics.png")
+    assert out == tmp_path / "metrics.png"
+    png = out.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    assert not (tmp_path / "metrics.png.tmp").exists()
+    assert plot_metrics(tmp_path / "missing.jsonl", tmp_path / "x.png") is None
+    assert not (tmp_path / "x.png").exists()

@@ -40,3 +40,5 @@ def register(app: typer.Typer) -> None:
         if result.summary.get("peak_flops_source"):
             console.print(f"peak FLOPs: {result.summary['peak_flops_source']}", highlight=False, soft_wrap=True)
         console.print(f"checkpoint: {result.checkpoint}\nmetrics:    {result.metrics}", highlight=False, soft_wrap=True)
+        if result.summary.get("plot"):
+            console.print(f"curves:     {result.summary['plot']}", highlight=False, soft_wrap=True)

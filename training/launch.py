@@ -21,7 +21,8 @@ from typing import IO, Mapping
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.run_dir import RunDir
-from titan_pipe.training.metrics import bar_info, new_progress_bar, parse_progress_line, read_metrics
+from titan_pipe.training.metrics import (bar_info, new_progress_bar, parse_progress_line, plot_metrics,
+                                         step_records)
 
 TRAIN_MODULE = "titan_pipe.training.train"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun for each worker
@@ -33,7 +34,7 @@ class TrainResult:
     run_dir: Path
     checkpoint: Path | None  # newest complete step dir; None only on a node that holds none
     metrics: Path  # metrics.jsonl
-    summary: dict  # final_loss, tokens_per_s, mfu, steps (+ start_step, peak_flops_source)
+    summary: dict  # final_loss, tokens_per_s, mfu, steps (+ start_step, peak_flops_source, plot)
 
 
 # --- plan: command and environment (pure) -------------------------------------------------------
@@ -256,7 +257,7 @@ class _LiveBar:
 def summarize(metrics_path: Path) -> dict:
     """final_loss, tokens_per_s (mean over logged steps after the first, which carries warm-up),
     mfu (same mean; None when never known), steps (last step logged) from metrics.jsonl."""
-    recs = [r for r in read_metrics(metrics_path) if isinstance(r.get("step"), int)]
+    recs = step_records(metrics_path)
     if not recs:
         return {"final_loss": None, "tokens_per_s": None, "mfu": None, "steps": 0}
     timed = recs[1:] or recs
@@ -388,6 +389,10 @@ def collect_result(run: RunDir, cfg: FlowConfig) -> TrainResult:
                     summary[k] = theirs[k]
         except ValueError:
             pass
+    if reports() and cfg.launch.node_rank == 0:
+        picture = plot_metrics(run.metrics, run.root / "metrics.png")
+        if picture is not None:
+            summary["plot"] = str(picture)
     checkpoint = find_latest(run.checkpoints)
     on_first_node = cfg.launch.node_rank == 0 and os.environ.get("RANK", "0") == "0"
     if checkpoint is None and on_first_node:

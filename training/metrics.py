@@ -87,6 +87,16 @@ def read_metrics(path: Path) -> list[dict]:
     return records
 
 
+def step_records(path: Path) -> list[dict]:
+    """One record per step, ordered by step; where a resumed run logged a step again (it restarted
+    from an older checkpoint), the later record wins."""
+    by_step: dict[int, dict] = {}
+    for rec in read_metrics(path):
+        if isinstance(rec.get("step"), int):
+            by_step[rec["step"]] = rec
+    return [by_step[s] for s in sorted(by_step)]
+
+
 # --- peak FLOPs and MFU ---------------------------------------------------------------------------
 
 def accelerator_name(device: Device) -> str:
@@ -281,3 +291,45 @@ class TrainProgress:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+# --- picture ---------------------------------------------------------------------------------------
+
+def plot_metrics(metrics_path: Path, out_png: Path) -> Path | None:
+    """Loss, tokens/s and MFU against step from a metrics.jsonl as one PNG (written atomically).
+
+    None when there is nothing to plot or matplotlib (the ``report`` extra) is not installed.
+    """
+    recs = step_records(metrics_path)
+    if not recs:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    steps = [r["step"] for r in recs]
+
+    def series(key: str) -> list[float]:
+        return [r[key] if isinstance(r.get(key), (int, float)) else math.nan for r in recs]
+
+    mfu_pct = [100 * v for v in series("mfu")]
+    panels = [("loss", series("loss")), ("tokens/s", series("tokens_per_s"))]
+    if any(math.isfinite(v) for v in mfu_pct):
+        panels.append(("MFU (%)", mfu_pct))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (label, ys) in zip(axes, panels):
+        ax.plot(steps, ys, marker="o" if len(steps) <= 30 else None, markersize=3)
+        ax.set_xlabel("step")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{Path(metrics_path).parent.name}: {len(steps)} steps logged")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    tmp = out_png.with_name(out_png.name + ".tmp")
+    fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+    tmp.replace(out_png)
+    return out_png
