@@ -160,6 +160,9 @@ def test_prepare_data_checks_vocab(tmp_path):
     (tmp_path / "t.txt").write_text("hello world " * 10)
     s = prepare_data(path="t.txt", tokenizer="byte", base=tmp_path, val_fraction=0)
     assert s.train.tolist() == list(b"hello world " * 10) + [257]
+    assert s.describe() == (f"data: {tmp_path / 't.txt'} (1 file), ByteTokenizer(vocab_size=258): "
+                            "121 tokens, train 121 / val 0")
+    assert f"({len(list(default_corpus().glob('*.txt')))} files)" in splits.describe()
 
 
 # --- packed loader ------------------------------------------------------------------------------

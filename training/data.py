@@ -341,6 +341,14 @@ class DataSplits:
     tokenizer: ByteTokenizer | HFTokenizer
     train: torch.Tensor  # 1-D int64
     val: torch.Tensor  # 1-D int64, possibly empty
+    source: Path | None = None  # the corpus read (None: not recorded)
+    n_files: int = 0
+
+    def describe(self) -> str:
+        """One log line: where the tokens came from and how they split."""
+        where = f"{self.source} ({self.n_files} file{'s' * (self.n_files != 1)})" if self.source else "corpus"
+        return (f"data: {where}, {self.tokenizer!r}: {len(self.train) + len(self.val):,} tokens, "
+                f"train {len(self.train):,} / val {len(self.val):,}")
 
 
 def prepare_data(*, path: str | None, tokenizer: str, text_key: str = "text", val_fraction: float = 0.05,
@@ -361,4 +369,5 @@ def prepare_data(*, path: str | None, tokenizer: str, text_key: str = "text", va
             root = base / root
     tokens = load_tokens(path=root, tokenizer=tok, text_key=text_key)
     train, val = split_train_val(tokens, val_fraction)
-    return DataSplits(tokenizer=tok, train=train, val=val)
+    source = default_corpus() if root is None else root
+    return DataSplits(tokenizer=tok, train=train, val=val, source=source, n_files=len(corpus_files(source)))
