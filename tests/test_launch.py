@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors import safe_open
 from typer.testing import CliRunner
@@ -203,6 +204,11 @@ def test_cli_refuses_a_bad_flow_before_starting(tmp_path):
     assert not (tmp_path / "runs").exists()
     r = CliRunner().invoke(app, ["train", str(tmp_path / "missing.yaml")])
     assert r.exit_code == 2 and "file not found" in r.output
+    if not torch.cuda.is_available():  # a valid flow for a device this machine lacks: exit 1, nothing made
+        path = _write_flow(tmp_path, device="cuda")
+        r = CliRunner().invoke(app, ["train", str(path)])
+        assert r.exit_code == 1 and "device cuda requested but CUDA is not available" in r.output
+        assert not (tmp_path / "runs").exists()
 
 
 def _free_port() -> int:
