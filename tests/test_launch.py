@@ -24,6 +24,7 @@ from titan_pipe.training.launch import (
     inside_launch,
     launch_env,
     reports,
+    resume_flag,
     root_cause,
     run_training,
     slurm_env,
@@ -71,6 +72,18 @@ def test_multi_node_command():
     assert "--rdzv_backend c10d --rdzv_endpoint 10.0.0.1:29400 --rdzv_id big --max_restarts 3" in joined
     cfg = _cfg(parallel={"dp": 4}, launch={"nnodes": 2, "nproc_per_node": 2, "rdzv_endpoint": "h:1"})
     assert build_torchrun_command(cfg, Path("f"), resume=False)[4] == "2"
+
+
+def test_resume_flag_with_torchrun_restarts(tmp_path):
+    run = RunDir(tmp_path / "run")
+    plain, restarts = _cfg(), _cfg(launch={"max_restarts": 2})
+    assert resume_flag(plain, run, False) is False and resume_flag(plain, run, True) is True
+    assert resume_flag(restarts, run, False) is True  # fresh run: a restart must not redo step 0..
+    (run.checkpoint(4)).mkdir(parents=True)
+    assert resume_flag(restarts, run, False) is True  # an incomplete step dir does not count
+    (run.checkpoint(4) / "manifest.json").write_text("{}")
+    assert resume_flag(restarts, run, False) is False  # ..but an old run's checkpoints are not resumed unasked
+    assert resume_flag(restarts, run, True) is True
 
 
 def test_launch_env():

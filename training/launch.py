@@ -339,7 +339,7 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
 
     copy_flow(flow_path, run)
     logs = run.root / "logs"
-    cmd = build_torchrun_command(cfg, flow_path, resume=resume, log_dir=logs)
+    cmd = build_torchrun_command(cfg, flow_path, resume=resume_flag(cfg, run, resume), log_dir=logs)
     started = time.time()
     log_offset = run.train_log.stat().st_size if run.train_log.is_file() else 0
     try:
@@ -354,6 +354,19 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
         err.exit_code = rc
         raise err
     return collect_result(run, cfg)
+
+
+def resume_flag(cfg: FlowConfig, run: RunDir, resume: bool) -> bool:
+    """Whether the torchrun command carries --resume.
+
+    Asked for, or torchrun may restart the ranks (launch.max_restarts > 0) and this run has no
+    complete checkpoint yet: torchrun re-runs the same command, and with --resume a restarted
+    attempt continues from what the failed one saved instead of from step 0, while the first
+    attempt, finding nothing, starts fresh.
+    """
+    if resume or cfg.launch.max_restarts == 0:
+        return resume
+    return not any((p / "manifest.json").is_file() for _, p in run.step_dirs())
 
 
 def _run_in_process(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool) -> TrainResult:
