@@ -21,8 +21,8 @@ from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.batches import load_eval_data
 from titan_pipe.evaluate.operators import run_conformance
 from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, check_out_dir, write_report
-from titan_pipe.evaluate.runners import (DistributedRunner, OmRunner, OnnxRuntimeRunner, Outputs, TorchRunner,
-                                         ascend_runtime, concat_outputs)
+from titan_pipe.evaluate.runners import (DistributedRunner, OmRunner, OnnxDecodeRunner, OnnxRuntimeRunner, Outputs,
+                                         TorchRunner, ascend_runtime, concat_outputs)
 from titan_pipe.evaluate.thresholds import resolve_thresholds
 from titan_pipe.training.model import ModelArgs, build_model
 
@@ -254,11 +254,20 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
         hist[omr.label] = _abs_errors(ref_out, om_out)
         # no greedy generation on the .om: gear-compiled models take only their compiled lengths
 
-    # 5. task level
+    # 5. task level (and 2b, the KV-cache decode graph, which needs the reference's generations)
     steps.step("perplexity and greedy generation")
-    if s.prompts and len(gen_runners) > 1:
+    dec = OnnxDecodeRunner.beside(ort) if ort is not None else None
+    if s.prompts and (len(gen_runners) > 1 or dec is not None):
         for label, runner in gen_runners.items():
             generations[label] = cmp.greedy_generate(runner.run, ev.prompts, s.new_tokens)
+    if dec is not None and s.prompts:
+        comparisons.insert(2, _kv_decode_row(ref, dec, generations[ref.label], ev.prompts.shape[1], tdtype, limits))
+        generations[dec.label], _ = dec.generate(ev.prompts, s.new_tokens)
+        limits_of[dec.label] = limits_of[ort.label]
+    elif ort is not None:
+        why = ("evaluate.prompts is 0" if not s.prompts else
+               f"no decode.onnx beside {Path(onnx).name} exported with the KV cache (or a static graph)")
+        comparisons.insert(2, cmp.skipped("onnx_kv_decode", "KV-cache decode graph", why))
     task = cmp.task_comparison(ev.batches, task_outputs, ref.label, generations, ev.prompts.shape[1], limits_of)
     if ort is not None and ort.info.fixed_shape:
         task.details["generation_note"] = "skipped for the ONNX graph: static input shape"
@@ -284,6 +293,22 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
     files = write_report(out_dir, report, hist)
     summary = _summary(verdict, comparisons)
     return EvalResult(out_dir, verdict.passed, files["report.json"], summary)
+
+
+def _kv_decode_row(ref: TorchRunner, dec: OnnxDecodeRunner, ref_seq: torch.Tensor, n_prompt: int, tdtype,
+                   limits) -> cmp.Comparison:
+    """decode.onnx fed the reference's own greedy tokens step by step (teacher forcing) against the
+    reference's full forward on the same sequence: the logits predicting each new token."""
+    n_new = ref_seq.shape[1] - n_prompt
+    ref_logits = ref.run(ref_seq[:, :-1]).logits[:, n_prompt - 1:]
+    _, kv_logits = dec.generate(ref_seq[:, :n_prompt], n_new, forced=ref_seq[:, n_prompt:])
+    dt = tdtype(dec.prefill.dtype)
+    c = cmp.compare_outputs("onnx_kv_decode", "KV-cache decode graph (prefill + decode.onnx, one token a step) vs "
+                            "PyTorch full forward, teacher-forced", Outputs(ref_logits), Outputs(kv_logits),
+                            ref_label=ref.label, cand_label=dec.label, dtype=dt, limits=limits(dt))
+    c.details = {"positions": f"{n_new} generated positions of {ref_seq.shape[0]} prompt(s), "
+                              f"prompt length {n_prompt}"}
+    return c
 
 
 def _hidden_from_debug_export(model_dir: Path, onnx_path: Path, ort: OnnxRuntimeRunner, ort_out: Outputs,

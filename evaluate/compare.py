@@ -2,7 +2,8 @@
 
   1 sharded_vs_unified  training checkpoint under torchrun (reference) vs the unified model
   2 torch_vs_onnx       unified model in PyTorch (reference) vs the exported graph in ONNX Runtime,
-                        per decoder layer (hidden.{i}) and on the logits; npu_fused: fused NPU kernels
+                        per decoder layer (hidden.{i}) and on the logits; npu_fused: fused NPU kernels;
+                        onnx_kv_decode: prefill + decode.onnx with the KV cache, teacher-forced
   3 operators           per-operator conformance table (operators.py)
   4 om                  the .om through an Ascend runtime
   5 task                perplexity on held-out text, greedy generations token for token
@@ -23,7 +24,7 @@ from titan_pipe.evaluate.operators import OperatorRow
 from titan_pipe.evaluate.runners import Outputs
 from titan_pipe.evaluate.thresholds import check_metrics, check_task
 
-ORDER = ("sharded_vs_unified", "torch_vs_onnx", "npu_fused", "operators", "om", "task")
+ORDER = ("sharded_vs_unified", "torch_vs_onnx", "onnx_kv_decode", "npu_fused", "operators", "om", "task")
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def task_comparison(batches: list[torch.Tensor], outputs: dict[str, Outputs], re
     details: dict = {"perplexity": ppl, "reference": reference, "generation": {}}
     failures: list[str] = []
     ref_gen = generations.get(reference)
-    for label in outputs:
+    for label in dict.fromkeys([*outputs, *generations]):
         if label == reference:
             continue
         agree = None
@@ -169,11 +170,14 @@ def task_comparison(batches: list[torch.Tensor], outputs: dict[str, Outputs], re
             details["generation"][label] = g
             agree = g["agreement"]
         dtype, limits = limits_of[label]
-        for f in check_task(ppl_ref=ppl[reference], ppl_cand=ppl[label], agreement=agree, limits=limits):
+        # a generation-only candidate (the KV-cache decode path) has no perplexity of its own
+        p_cand = ppl.get(label, ppl[reference])
+        for f in check_task(ppl_ref=ppl[reference], ppl_cand=p_cand, agreement=agree, limits=limits):
             failures.append(f"{label} ({dtype}): {f.text}")
     if ref_gen is not None:
         details["generated_tokens"] = {k: v.tolist() for k, v in generations.items()}
-    status = "fail" if failures else ("pass" if len(outputs) > 1 else "skipped: no candidate to compare")
+    status = "fail" if failures else ("pass" if len(set(outputs) | set(generations)) > 1
+                                      else "skipped: no candidate to compare")
     return Comparison("task", "task level: perplexity and greedy generation", status, reference,
                       ", ".join(k for k in outputs if k != reference), details=details, failures=failures)
 

@@ -153,6 +153,60 @@ class OnnxRuntimeRunner:
         return Outputs(to_t(res[0]), [to_t(a) for a in res[1:]])
 
 
+class OnnxDecodeRunner:
+    """KV-cache generation with the exported pair: prefill ``model.onnx`` (its ``present.{i}.*``
+    outputs) then ``decode.onnx`` one token at a time (``past_key_values.{i}.*`` in, ``present``
+    out), the path a deployment generates with."""
+
+    def __init__(self, prefill: OnnxRuntimeRunner, decode_path: Path):
+        import onnxruntime as ort
+
+        self.prefill, self.path = prefill, Path(decode_path)
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        try:
+            self.session = ort.InferenceSession(str(self.path), opts, providers=["CPUExecutionProvider"])
+        except Exception as e:  # ORT's own exception types
+            raise UserError(f"{self.path}: ONNX Runtime cannot load it: {str(e).splitlines()[0][:300]}") from None
+        outs = [o.name for o in prefill.session.get_outputs()]
+        self.present = [n for n in outs if n.startswith("present.")]
+        self.past = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        if len(self.past) != len(self.present) or not self.past:
+            raise UserError(f"{self.path}: takes {len(self.past)} past_key_values inputs but {prefill.path.name} "
+                            f"gives {len(self.present)} present outputs; export both with kv_cache from one model")
+        self.label = f"onnxruntime KV-cache ({prefill.path.name} + {self.path.name})"
+
+    @classmethod
+    def beside(cls, prefill: OnnxRuntimeRunner) -> "OnnxDecodeRunner | None":
+        """The decode graph next to ``prefill`` when both were exported with the KV cache, else None."""
+        decode = prefill.path.parent / "decode.onnx"
+        has_present = any(o.name.startswith("present.") for o in prefill.session.get_outputs())
+        return cls(prefill, decode) if decode.is_file() and has_present and not prefill.info.fixed_shape else None
+
+    def generate(self, prompts: torch.Tensor, n_new: int, forced: torch.Tensor | None = None):
+        """(N, P) prompts -> (tokens (N, P + n_new), logits (N, n_new, vocab) predicting each new token).
+
+        ``forced`` (N, n_new): feed these tokens instead of the argmax (teacher forcing), so the
+        logits can be set against another model's on the very same sequence.
+        """
+        to_present = {p: "present." + p.removeprefix("past_key_values.") for p in self.past}
+        res = self.prefill.session.run(["logits"] + self.present, {"input_ids": prompts.numpy().astype(np.int64)})
+        logits, cache = res[0][:, -1], dict(zip(self.present, res[1:]))
+        seq, steps = prompts.clone(), []
+        for k in range(n_new):
+            steps.append(torch.from_numpy(np.ascontiguousarray(logits)))
+            nxt = forced[:, k:k + 1] if forced is not None else torch.from_numpy(logits).float().argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt.to(seq.dtype)], dim=1)
+            if k + 1 == n_new:
+                break
+            feeds = {"input_ids": nxt.numpy().astype(np.int64)}
+            feeds.update({p: cache[to_present[p]] for p in self.past})
+            out_names = ["logits"] + [to_present[p] for p in self.past]
+            res = self.session.run(out_names, feeds)
+            logits, cache = res[0][:, -1], dict(zip(out_names[1:], res[1:]))
+        return seq, torch.stack(steps, dim=1)
+
+
 def ascend_runtime() -> str | None:
     """'ais_bench' or 'acl' when that Python package is importable here, else None."""
     for name in ("ais_bench", "acl"):

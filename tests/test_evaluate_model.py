@@ -236,3 +236,25 @@ def test_too_little_held_out_text_is_a_clear_error(art, tmp_path):
     short.write_text("only a few words")
     with pytest.raises(UserError, match="short.txt: .* held-out tokens, but 1 batches x 2 x 32 need 64"):
         evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], data=short, settings=FAST)
+
+
+def test_kv_cache_decode_graph_is_checked_on_its_own(art, tmp_path):
+    """decode.onnx is what generation runs: a fault only there fails onnx_kv_decode, not the prefill rows."""
+    out = tmp_path / "kv"
+    export_model(model_dir=art["model_dir"], out_dir=out, kv_cache=True, expose_hidden=True, run_atc=False)
+    settings = FAST.model_copy(update={"prompts": 2, "new_tokens": 5})
+    good = evaluate_model(out_dir=tmp_path / "good", model_dir=art["model_dir"], onnx=out / "model.onnx",
+                          settings=settings)
+    assert good.passed and good.summary["comparisons"]["onnx_kv_decode"] == "pass"
+    gen = json.loads(good.report_json.read_text())["comparisons"][-1]["details"]["generation"]
+    assert any("KV-cache" in k and v["identical"] for k, v in gen.items())
+    m = onnx.load(str(out / "decode.onnx"))
+    init = next(i for i in m.graph.initializer if i.name == "layers.1.w2")
+    w = numpy_helper.to_array(init).copy()
+    w[3, 4] += 0.05
+    init.CopyFrom(numpy_helper.from_array(w, init.name))
+    onnx.save(m, str(out / "decode.onnx"))
+    bad = evaluate_model(out_dir=tmp_path / "bad", model_dir=art["model_dir"], onnx=out / "model.onnx",
+                         settings=settings)
+    st = bad.summary["comparisons"]
+    assert not bad.passed and st["onnx_kv_decode"] == "fail" and st["torch_vs_onnx"] == "pass"
