@@ -23,6 +23,7 @@ from titan_pipe.training.launch import (
     first_slurm_host,
     inside_launch,
     launch_env,
+    node_log,
     reports,
     resume_flag,
     root_cause,
@@ -84,6 +85,13 @@ def test_resume_flag_with_torchrun_restarts(tmp_path):
     (run.checkpoint(4) / "manifest.json").write_text("{}")
     assert resume_flag(restarts, run, False) is False  # ..but an old run's checkpoints are not resumed unasked
     assert resume_flag(restarts, run, True) is True
+
+
+def test_each_node_has_its_own_log():
+    run = RunDir(Path("/r/run"))
+    assert node_log(_cfg(), run) == run.train_log
+    cfg = _cfg(parallel={"dp": 4}, launch={"nnodes": 2, "node_rank": 1, "rdzv_endpoint": "h:1"})
+    assert node_log(cfg, run) == Path("/r/run/train-node1.log")
 
 
 def test_launch_env():

@@ -287,15 +287,21 @@ def rank_log_dir(log_root: Path, local_rank: int, since: float) -> Path | None:
     return max(dirs, key=lambda d: d.stat().st_mtime) if dirs else None
 
 
-def failure_message(rc: int, run: RunDir, started: float, log_offset: int = 0) -> str:
+def node_log(cfg: FlowConfig, run: RunDir) -> Path:
+    """train.log on node 0; train-node<k>.log on node k, so nodes sharing a run dir do not interleave."""
+    return run.train_log if cfg.launch.node_rank == 0 else run.root / f"train-node{cfg.launch.node_rank}.log"
+
+
+def failure_message(rc: int, run: RunDir, started: float, log_offset: int = 0, log: Path | None = None) -> str:
     """What failed and where its output is: torchrun's root cause rank and that rank's log files.
 
     ``log_offset``: the size of train.log before this launch (only its own part is searched).
     """
-    msg = f"training failed: torchrun exited with status {rc}; see {run.train_log}"
+    log = log or run.train_log
+    msg = f"training failed: torchrun exited with status {rc}; see {log}"
     text = ""
-    if run.train_log.is_file():
-        with run.train_log.open("rb") as f:
+    if log.is_file():
+        with log.open("rb") as f:
             f.seek(log_offset)
             text = f.read().decode("utf-8", errors="replace")
     cause = root_cause(text)
@@ -341,16 +347,17 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
     logs = run.root / "logs"
     cmd = build_torchrun_command(cfg, flow_path, resume=resume_flag(cfg, run, resume), log_dir=logs)
     started = time.time()
-    log_offset = run.train_log.stat().st_size if run.train_log.is_file() else 0
+    log = node_log(cfg, run)
+    log_offset = log.stat().st_size if log.is_file() else 0
     try:
-        rc = stream_process(cmd, env=launch_env(cfg, device.type), log_path=run.train_log)
+        rc = stream_process(cmd, env=launch_env(cfg, device.type), log_path=log)
     except KeyboardInterrupt:
-        err = StageFailed(f"training interrupted; see {run.train_log}; continue with: titan-pipe train "
+        err = StageFailed(f"training interrupted; see {log}; continue with: titan-pipe train "
                           f"{flow_path} --resume")
         err.exit_code = 130
         raise err from None
     if rc != 0:
-        err = StageFailed(failure_message(rc, run, started - 1, log_offset))
+        err = StageFailed(failure_message(rc, run, started - 1, log_offset, log))
         err.exit_code = rc
         raise err
     return collect_result(run, cfg)
