@@ -18,7 +18,8 @@ def row(label: str, w: Workload, lay: Layout, cluster, seed: str) -> str:
     m = e.memory
     state = m.params + m.grads + m.optimizer
     fit = "fits" if e.fits else "does not fit"
-    return (f"| {label} | {lay.label()} mb={lay.microbatches} {'fsdp' if lay.zero == 3 else 'ddp'}"
+    dp = ("fsdp+offload" if lay.offload else "fsdp") if lay.zero == 3 else ("fsdp z2" if lay.zero == 2 else "ddp")
+    return (f"| {label} | {lay.label()} mb={lay.microbatches} {dp}"
             f"{' sp' if lay.sequence_parallel else ''}{f' ac{lay.ac_every}' if lay.ac_every else ''} | "
             f"{state / 1e9:.1f} | {(m.activations + m.recompute) / 1e9:.1f} | {m.total / 1e9:.1f} ({fit}) | "
             f"{e.tokens_per_s:,.0f} ({e.mfu:.0%}) | {seed} |")
@@ -60,6 +61,8 @@ def main() -> None:
     print(row("dp4 tp4 pp2, batch 4/replica", w, Layout(4, 4, 2, "1f1b", 1, 4, amp_dtype=fp16), c32, "-"))
     print(row("  + SP + AC every layer", w, Layout(4, 4, 2, "1f1b", 1, 4, sequence_parallel=True, ac_every=1,
                                                    amp_dtype=fp16), c32, "-"))
+    print(row("  + SP + AC + CPU offload", w, Layout(4, 4, 2, "1f1b", 1, 4, sequence_parallel=True, ac_every=1,
+                                                     amp_dtype=fp16, offload=True), c32, "ZeRO-3 + offload"))
     for gb in (8, 16):
         plan = make_plan(Workload(a70, SEQ, gb, flavour="llama2_70b"), c32)
         print(f"| planner, batch {gb} x {SEQ} | {len(plan.ranked)} layouts fit | | | | | |")

@@ -45,8 +45,9 @@ def resolve_profile(name: str) -> tuple[str, dict, str | None]:
         known = sorted(set(profiles) | set(aliases))
         raise KeyError(f"unknown device {name!r}; known: {', '.join(known)}")
     profile = dict(profiles[key])
-    if isinstance(profile.get("links"), str):
-        profile["links"] = data["_links"][profile["links"]]
+    for field in ("links", "host_link"):
+        if isinstance(profile.get(field), str):
+            profile[field] = data["_links"][profile[field]]
     return key, profile, note
 
 

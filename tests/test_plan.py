@@ -227,3 +227,24 @@ def test_cli_bad_input(argv, needle):
     r = runner.invoke(app, args)
     assert r.exit_code == 1, r.output
     assert needle in r.output and "Traceback" not in r.output
+
+
+def test_cpu_offload_moves_state_to_the_host_and_costs_pcie_time(tmp_path):
+    c, _ = build_cluster("ascend910a", 32)
+    w = Workload(FLAVOURS["llama2_70b"], 4096, 16, flavour="llama2_70b")
+    lay = Layout(4, 4, 2, "1f1b", 1, 4, 3, True, 1, "float16")
+    on_device = estimate(w, lay, c)
+    offloaded = estimate(w, replace(lay, offload=True), c)
+    # 69.0e9 x 16 B / 32 ranks = 34.5 GB of state per device cannot fit in 32 GB ...
+    assert on_device.memory.optimizer + on_device.memory.params + on_device.memory.grads > 34e9
+    assert not on_device.fits and "optimizer_offload cpu (fits" in on_device.reason
+    # ... and goes to the host under offload, leaving activations and gathered layers.
+    m = offloaded.memory
+    assert m.params == m.grads == m.optimizer == 0 and m.host > 34e9 and offloaded.fits
+    assert "host" in offloaded.timing.comm and offloaded.step_s > on_device.step_s
+    flow = tmp_path / "f.yaml"
+    import yaml
+
+    from titan_pipe.training.plan import layout_flow
+    flow.write_text(yaml.safe_dump(layout_flow(w, replace(lay, offload=True), c)))
+    assert load_flow(flow).memory.optimizer_offload == "cpu"

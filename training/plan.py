@@ -48,6 +48,7 @@ class Cluster:
     memory_bytes: float
     peak_tflops: dict[str, float]  # per amp dtype
     links: tuple[Link, ...]  # fastest (smallest span) first
+    host_link: Link = Link("PCIe 4.0 x16", None, 32.0)  # device <-> host, for CPU offload
 
     def link_for(self, ranks: list[int]) -> Link:
         """The slowest tier a ring over ``ranks`` must cross: the smallest block holding them all."""
@@ -64,7 +65,8 @@ class Layout:
     zero: 3 = FSDP2 (dp_mode fsdp), 2 = FSDP2 without resharding after forward, 0 = DDP (FSDP2
     replicate when tp > 1); data_parallel.plan_dp makes the same mapping. (ZeRO-1 is left out: the
     trainer's optimizer does not shard states yet.) ac_every 0: no activation checkpointing.
-    amp_dtype None: float32 throughout.
+    amp_dtype None: float32 throughout. offload: FSDP2 CPU offload of parameters, gradients and
+    optimizer states (memory.optimizer_offload: cpu; zero 3 only).
     """
 
     dp: int
@@ -77,6 +79,7 @@ class Layout:
     sequence_parallel: bool = False
     ac_every: int = 0
     amp_dtype: str | None = "bfloat16"
+    offload: bool = False
 
     @property
     def world(self) -> int:
@@ -111,6 +114,7 @@ class Assumptions:
 
     compute_efficiency: float = 0.5  # achieved fraction of peak matmul FLOPs
     comm_efficiency: float = 0.7  # achieved fraction of the link bandwidth
+    host_memory_gbps: float = 20.0  # host DRAM bandwidth per device for the offloaded AdamW step
     comm_overlap: bool = True  # DP gradient traffic overlaps backward (comm.comm_overlap)
     gradient_sync_dtype: str = "float32"
     fusion_buffer_mb: int = 25
@@ -179,7 +183,7 @@ def _owned(name: str, stages: list[tuple[int, list[int]]], n_stages: int) -> boo
 
 def _dp_plan(layout: Layout, assume: Assumptions) -> DPPlan:
     return plan_dp(dp=layout.dp, tp=layout.tp, dp_mode=layout.dp_mode, zero_stage=layout.zero,
-                   amp_dtype=layout.amp_dtype, gradient_sync_dtype=assume.gradient_sync_dtype,
+                   offload="cpu" if layout.offload else "none", amp_dtype=layout.amp_dtype, gradient_sync_dtype=assume.gradient_sync_dtype,
                    fusion_buffer_mb=assume.fusion_buffer_mb, comm_overlap=assume.comm_overlap)
 
 
@@ -366,6 +370,7 @@ class Memory:
     recompute: float
     buffers: float  # DDP gradient buckets, FSDP reduce-scatter output
     pp_rank: int = 0
+    host: float = 0.0  # bytes kept in host memory instead (CPU offload), not counted in total
 
     def items(self) -> dict[str, float]:
         return {"parameters": self.params, "gradients": self.grads, "optimizer states": self.optimizer,
@@ -413,7 +418,10 @@ def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumption
         if dpp.kind == "ddp":
             buffers = 4 * rp.full_params  # the Reducer's flat buckets (gradient_as_bucket_view off)
     acts, recompute = activation_bytes(w, layout, pp_rank, assume)
-    return Memory(params, grads, optimizer_bytes(rp, optimizer), copies, acts, recompute, buffers, pp_rank)
+    opt = optimizer_bytes(rp, optimizer)
+    if dpp.cpu_offload:  # sharded parameters, their gradients and AdamW live in host memory
+        return Memory(0.0, 0.0, 0.0, copies, acts, recompute, buffers, pp_rank, host=params + grads + opt)
+    return Memory(params, grads, opt, copies, acts, recompute, buffers, pp_rank)
 
 
 def memory_per_device(w: Workload, layout: Layout, assume: Assumptions = Assumptions(),
@@ -598,11 +606,28 @@ def step_time(w: Workload, layout: Layout, cluster: Cluster, assume: Assumptions
         comm["pp"] = _comm("pp", pp_bytes(w, layout), cluster.link_for(group_ranks(layout, "pp")), assume)
     if layout.dp > 1:
         comm["dp"] = _comm("dp", dp_bytes(w, layout, assume, r), cluster.link_for(group_ranks(layout, "dp")), assume)
+    optimizer_s = 0.0
+    if layout.offload:
+        comm["host"] = _comm("host", host_bytes(w, layout, assume, r), cluster.host_link, assume)
+        rp = rank_params(w.args, layout, pp_rank=r, assume=assume)
+        # AdamW on the host reads parameter, gradient, m, v (16 B) and writes parameter, m, v (12 B).
+        optimizer_s = 28 * rp.params / (assume.host_memory_gbps * GB)
     bubble = bubble_fraction(layout)
     critical = (compute + tp.seconds + (comm["pp"].seconds if "pp" in comm else 0.0)) / (1 - bubble)
     window = compute * (1.0 if layout.zero >= 2 else 2 / 3) if assume.comm_overlap else 0.0
-    exposed = max(0.0, comm["dp"].seconds - window) if "dp" in comm else 0.0
-    return Timing(critical + exposed, compute, bubble, comm, exposed)
+    background = sum(comm[k].seconds for k in ("dp", "host") if k in comm)
+    exposed = max(0.0, background - window)
+    return Timing(critical + exposed + optimizer_s, compute, bubble, comm, exposed)
+
+
+def host_bytes(w: Workload, layout: Layout, assume: Assumptions, pp_rank: int = 0) -> float:
+    """CPU offload traffic per step: the fp32 shards copied to the device for every all-gather
+    (twice with pp == 1) and the fp32 gradient shards copied back."""
+    if not layout.offload:
+        return 0.0
+    rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume)
+    gathers = 2 if layout.pp == 1 else 1
+    return 4 * rp.params_alloc * (gathers + 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -639,13 +664,16 @@ def _fmt_gb(b: float) -> str:
     return f"{b / GB:.1f} GB"
 
 
-def _remedies(w: Workload, layout: Layout, component: str) -> list[tuple[str, Layout]]:
-    """Changes that shrink ``component`` (label, changed layout); the caller checks which fit."""
+def _remedies(w: Workload, layout: Layout, component: str, cluster: Cluster) -> list[tuple[str, Layout]]:
+    """Changes that shrink ``component`` (label, changed layout) and pass the config rules; the
+    caller checks which of them fit."""
     out: list[tuple[str, Layout]] = []
     world, n = layout.world, w.args.n_layers
     if component in ("optimizer states", "gradients", "parameters", "parameter copies", "comm buffers"):
         if layout.dp > 1 and layout.zero != 3:
             out.append(("use FSDP (dp_mode fsdp)", replace(layout, zero=3)))
+        if not layout.offload:
+            out.append(("optimizer_offload cpu", replace(layout, zero=3, offload=True)))
         if layout.dp % 2 == 0 and 2 * layout.pp <= n:
             m = max(layout.microbatches, 2 * layout.pp)
             out.append((f"pp >= {2 * layout.pp}", replace(layout, pp=2 * layout.pp, dp=layout.dp // 2,
@@ -664,7 +692,8 @@ def _remedies(w: Workload, layout: Layout, component: str) -> list[tuple[str, La
             out.append(("pp_schedule 1f1b", replace(layout, schedule="1f1b")))
         if layout.dp % 2 == 0 and w.args.kv_heads % (2 * layout.tp) == 0:
             out.append((f"tp {2 * layout.tp}", replace(layout, tp=2 * layout.tp, dp=layout.dp // 2)))
-    return [(label, lay) for label, lay in out if lay.world == world]
+    return [(label, lay) for label, lay in out
+            if lay.world == world and lay.tp <= cluster.devices_per_node and not check_layout(w, lay, cluster)]
 
 
 def misfit_reason(w: Workload, layout: Layout, cluster: Cluster, mem: Memory, assume: Assumptions) -> str:
@@ -672,7 +701,7 @@ def misfit_reason(w: Workload, layout: Layout, cluster: Cluster, mem: Memory, as
     component, size = max(mem.items().items(), key=lambda kv: kv[1])
     head = f"needs {_fmt_gb(mem.total)}/device > {_fmt_gb(cluster.memory_bytes)}: {component} {_fmt_gb(size)}"
     fixes = []
-    for label, lay in _remedies(w, layout, component):
+    for label, lay in _remedies(w, layout, component, cluster):
         try:
             total = memory_per_device(w, lay, assume).total
         except ValueError:  # e.g. more stages than layers
@@ -726,6 +755,9 @@ def build_cluster(device: str, n_devices: int, *, nodes: int | None = None,
     if nodes < 1 or n_devices % nodes:
         raise UserError(f"--nodes {nodes} does not divide --devices {n_devices}; give a node count "
                         f"that splits the devices evenly (a {key} server holds {per_node})")
+    if n_devices // nodes > per_node:
+        notes.append(f"{n_devices // nodes} devices per node, more than the {per_node} of a {key} server: "
+                     f"the intra-node links are assumed to span them all (pass --nodes to change)")
     per_node = n_devices // nodes
     links = []
     for link in prof.get("links") or [{"name": "link", "span": None, "gbps": 25.0}]:
@@ -733,9 +765,11 @@ def build_cluster(device: str, n_devices: int, *, nodes: int | None = None,
         if span is not None and span >= n_devices:
             span = None
         links.append(Link(link["name"], span, float(link["gbps"])))
+    host = prof.get("host_link") or {"name": "PCIe 4.0 x16", "gbps": 32.0}
     memory = parse_size(device_memory) if device_memory else prof["memory_gb"] * GB
     peaks = {k: v for k, v in prof["peak_tflops"].items() if v}
-    return Cluster(key, n_devices, per_node, memory, peaks, tuple(links)), notes
+    return Cluster(key, n_devices, per_node, memory, peaks, tuple(links),
+                   Link(host["name"], None, float(host["gbps"]))), notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -758,7 +792,8 @@ def candidate_layouts(w: Workload, cluster: Cluster, *, dp: int | None = None, t
                       pp: int | None = None, ac_choices=(0, 1, 2, 4)) -> list[Layout]:
     """Every combination the planner tries: tp inside a node, dp*tp*pp = devices, each pp schedule
     (interleaved with 2 virtual stages), microbatches pp, 2pp, 4pp, 8pp or all of the local
-    batch, every ZeRO stage the trainer maps, sequence parallel on/off, checkpointing 0/1/2/4."""
+    batch, every ZeRO stage the trainer maps (and FSDP2 with CPU offload), sequence parallel
+    on/off, checkpointing 0/1/2/4."""
     amp = amp_dtype_for(cluster)
     amp = None if amp == "float32" else amp
     out = []
@@ -775,13 +810,13 @@ def candidate_layouts(w: Workload, cluster: Cluster, *, dp: int | None = None, t
             else:
                 schedules = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
                 mbs = sorted({m for m in (p, 2 * p, 4 * p, 8 * p, local) if m and local % m == 0} or {p})
-            zeros = [3] if d == 1 else [3, 2, 0]
+            dps = [(3, False), (3, True)] + ([] if d == 1 else [(2, False), (0, False)])
             for sched, v in schedules:
                 for m in mbs:
-                    for z in zeros:
+                    for z, off in dps:
                         for sp in ([False, True] if t > 1 else [False]):
                             for ac in ac_choices:
-                                out.append(Layout(d, t, p, sched, v, m, z, sp, ac, amp))
+                                out.append(Layout(d, t, p, sched, v, m, z, sp, ac, amp, off))
     return out
 
 
@@ -806,7 +841,8 @@ def layout_flow(w: Workload, layout: Layout, cluster: Cluster, *, name: str = "p
         "precision": {"amp": layout.amp_dtype is not None, "amp_dtype": layout.amp_dtype or "bfloat16",
                       "loss_scale": "dynamic" if fp16 else None},
         "memory": {"activation_checkpointing": layout.ac_every > 0,
-                   "activation_checkpointing_layers": max(layout.ac_every, 1)},
+                   "activation_checkpointing_layers": max(layout.ac_every, 1),
+                   "optimizer_offload": "cpu" if layout.offload else "none"},
         "comm": {"comm_overlap": assume.comm_overlap, "fusion_buffer_mb": assume.fusion_buffer_mb,
                  "gradient_sync_dtype": assume.gradient_sync_dtype},
         "launch": launch,

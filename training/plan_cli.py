@@ -31,6 +31,8 @@ def _gb(b: float) -> str:
 
 
 def _zero(layout) -> str:
+    if layout.offload:
+        return "fsdp+offload"
     if layout.dp == 1:
         return "-"
     return {3: "fsdp", 2: "fsdp z2", 0: "ddp"}[layout.zero]
