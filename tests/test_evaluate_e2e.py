@@ -34,7 +34,7 @@ def trained(tmp_path_factory):
     result = run_training(flow_path=flow, cfg=load_flow(flow))
     model_dir = root / "model"
     convert_checkpoint(src=result.checkpoint, out_dir=model_dir)
-    onnx = export_model(model_dir=model_dir, out_dir=root / "onnx", kv_cache=False, expose_hidden=True,
+    onnx = export_model(model_dir=model_dir, out_dir=root / "onnx", kv_cache=True, expose_hidden=True,
                         run_atc=False).onnx
     return {"root": root, "checkpoint": result.checkpoint, "model_dir": model_dir, "onnx": onnx}
 
@@ -46,7 +46,7 @@ def test_tp2_pp2_every_comparison_runs_and_passes(trained):
                        onnx=trained["onnx"], settings=EvaluateConfig(batches=1, prompts=2, new_tokens=6))
     assert r.passed, r.summary["verdict"]
     st = r.summary["comparisons"]
-    for cid in ("sharded_vs_unified", "torch_vs_onnx", "operators", "task"):
+    for cid in ("sharded_vs_unified", "torch_vs_onnx", "onnx_kv_decode", "operators", "task"):
         assert st[cid] == "pass", (cid, st[cid])
     assert st["om"] == "skipped: no Ascend runtime" and st["npu_fused"] == "skipped: no NPU"
     rep = json.loads(r.report_json.read_text())
@@ -56,6 +56,8 @@ def test_tp2_pp2_every_comparison_runs_and_passes(trained):
     assert sharded["rows"][-1]["metrics"]["max_abs"] <= 1e-5  # TP reduction order only
     ppl = r.summary["perplexity"]
     assert len(ppl) == 3 and max(ppl.values()) / min(ppl.values()) - 1 < 1e-5
+    gen = next(c for c in rep["comparisons"] if c["id"] == "task")["details"]["generation"]
+    assert len(gen) == 2 and all(g["identical"] for g in gen.values())  # prefill re-run and KV-cache decode
     for name in ("report.json", "report.md", "report.html", "tensors.csv", "operators.csv",
                  "layer_error.png", "logits_error.png"):
         assert (out / name).is_file(), name
