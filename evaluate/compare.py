@@ -230,6 +230,10 @@ def decide(comparisons: list[Comparison], operator_rows: list[OperatorRow],
             op = {"op": r.op, "dtype": r.dtype, "case": r.case, "failure": r.failures[0]}
             break
     parts = []
+    ran = [c for c in comparisons if c.status in ("pass", "fail")]
+    if not ran:  # all skipped is no evidence either way, so it must not read as a pass
+        return Verdict(False, None, None, (), "FAIL: nothing was compared (every comparison was skipped); give "
+                       "--onnx, --checkpoint or --om, or enable evaluate.operators")
     if not failed:
         parts.append("PASS: every comparison that ran is within its bounds")
     else:

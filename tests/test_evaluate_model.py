@@ -258,3 +258,8 @@ def test_kv_cache_decode_graph_is_checked_on_its_own(art, tmp_path):
                          settings=settings)
     st = bad.summary["comparisons"]
     assert not bad.passed and st["onnx_kv_decode"] == "fail" and st["torch_vs_onnx"] == "pass"
+
+
+def test_nothing_compared_is_not_a_pass(art, tmp_path):
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], settings=FAST)
+    assert not r.passed and "nothing was compared" in r.summary["verdict"]
