@@ -14,10 +14,11 @@ from titan_pipe.cli import app
 from titan_pipe.config import load_flow
 from titan_pipe.training.activation_checkpoint import apply_ac
 from titan_pipe.training.model import FLAVOURS, build_model, count_params, resolve_args
-from titan_pipe.training.plan import (
-    ActDtypes, Assumptions, Layout, Workload, activation_bytes, bubble_fraction, build_cluster,
-    dp_bytes, estimate, head_activation_bytes, layer_activation_bytes, make_plan, memory_per_device,
-    optimizer_bytes, rank_flops_per_token, rank_params, step_flops_per_token)
+from titan_pipe.training.plan import build_cluster, estimate, layout_flow, make_plan
+from titan_pipe.training.plan_cost import (
+    ActDtypes, Assumptions, Layout, Workload, activation_bytes, bubble_fraction, dp_bytes,
+    head_activation_bytes, layer_activation_bytes, memory_per_device, optimizer_bytes,
+    rank_flops_per_token, rank_params, step_flops_per_token)
 
 # Small but not degenerate: GQA (8 heads, 2 kv heads), ffn 384, vocab 512.
 SMALL = resolve_args("debug", dim=128, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=512, multiple_of=128,
@@ -245,6 +246,5 @@ def test_cpu_offload_moves_state_to_the_host_and_costs_pcie_time(tmp_path):
     flow = tmp_path / "f.yaml"
     import yaml
 
-    from titan_pipe.training.plan import layout_flow
     flow.write_text(yaml.safe_dump(layout_flow(w, replace(lay, offload=True), c)))
     assert load_flow(flow).memory.optimizer_offload == "cpu"

@@ -13,7 +13,7 @@ def _workload(model: str, seq_len: int, global_batch: int):
     from titan_pipe.config import load_flow
     from titan_pipe.errors import UserError
     from titan_pipe.training.model import FLAVOURS
-    from titan_pipe.training.plan import Workload
+    from titan_pipe.training.plan_cost import Workload
 
     if model in FLAVOURS:
         return Workload(FLAVOURS[model], seq_len, global_batch, flavour=model)
@@ -155,8 +155,8 @@ def register(app: typer.Typer) -> None:
 
         from titan_pipe.errors import UserError
         from titan_pipe.training.model import count_params, flops_per_token
-        from titan_pipe.training.plan import (Assumptions, best_misfits_per_layout, build_cluster,
-                                              make_plan)
+        from titan_pipe.training.plan import best_misfits_per_layout, build_cluster, make_plan
+        from titan_pipe.training.plan_cost import Assumptions
 
         out = Console()
         if not out.is_terminal:  # piped or captured: do not squeeze the table into 80 columns

@@ -1,0 +1,630 @@
+"""The planner's cost model: per-rank parameters, gradients and optimizer states (exact), the
+activations a layer keeps for backward, FLOPs, pipeline bubble, communication per link and step
+time, for one layout of a model on a cluster. Pure arithmetic; training/plan.py enumerates and ranks.
+
+The parallel rules are the trainer's own: the data-parallel wrapper is ``data_parallel.plan_dp``,
+stage layers ``pipeline_parallel.plan_stages``, checkpointed layers
+``activation_checkpoint.ac_layer_ids``, per-parameter splits ``sharding.tp_split_dim``.
+Formulas and sources: docs/plan.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+
+from titan_pipe.errors import UserError
+from titan_pipe.training.activation_checkpoint import ac_layer_ids
+from titan_pipe.training.data_parallel import DPPlan, plan_dp
+from titan_pipe.training.model import ModelArgs, build_model, flops_per_token
+from titan_pipe.training.pipeline_parallel import plan_stages
+from titan_pipe.training.sharding import tp_split_dim
+
+GB = 1e9  # decimal gigabytes, as device datasheets count them
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs: the cluster and one layout
+
+
+@dataclass(frozen=True)
+class Link:
+    """One interconnect tier: groups of ranks inside one aligned block of ``span`` ranks use it.
+
+    gbps: GB/s one device can send on it (one direction); span None: the whole cluster.
+    """
+
+    name: str
+    span: int | None
+    gbps: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    device: str  # profile key, e.g. "ascend910b3"
+    n_devices: int
+    devices_per_node: int
+    memory_bytes: float
+    peak_tflops: dict[str, float]  # per amp dtype
+    links: tuple[Link, ...]  # fastest (smallest span) first
+    host_link: Link = Link("PCIe 4.0 x16", None, 32.0)  # device <-> host, for CPU offload
+
+    def link_for(self, ranks: list[int]) -> Link:
+        """The slowest tier a ring over ``ranks`` must cross: the smallest block holding them all."""
+        for link in self.links:
+            if link.span is None or len({r // link.span for r in ranks}) == 1:
+                return link
+        return self.links[-1]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: the parallel degrees and every knob the planner varies.
+
+    zero: 3 = FSDP2 (dp_mode fsdp), 2 = FSDP2 without resharding after forward, 0 = DDP (FSDP2
+    replicate when tp > 1); data_parallel.plan_dp makes the same mapping. (ZeRO-1 is left out: the
+    trainer's optimizer does not shard states yet.) ac_every 0: no activation checkpointing.
+    amp_dtype None: float32 throughout. offload: FSDP2 CPU offload of parameters, gradients and
+    optimizer states (memory.optimizer_offload: cpu; zero 3 only).
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1
+    zero: int = 3
+    sequence_parallel: bool = False
+    ac_every: int = 0
+    amp_dtype: str | None = "bfloat16"
+    offload: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def dp_mode(self) -> str:
+        return "fsdp" if self.zero >= 2 else "ddp"
+
+    def label(self) -> str:
+        sched = "" if self.pp == 1 else (
+            f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.schedule == "interleaved_1f1b" else ""))
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}{sched}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    args: ModelArgs
+    seq_len: int
+    global_batch: int  # sequences per optimizer step, over all dp ranks
+    flavour: str | None = None
+    model_overrides: dict = field(default_factory=dict)  # dims given on top of the flavour
+
+    @property
+    def tokens(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Efficiencies the estimate multiplies peak figures by (docs/plan.md, "Step time")."""
+
+    compute_efficiency: float = 0.5  # achieved fraction of peak matmul FLOPs
+    comm_efficiency: float = 0.7  # achieved fraction of the link bandwidth
+    host_memory_gbps: float = 20.0  # host DRAM bandwidth per device for the offloaded AdamW step
+    comm_overlap: bool = True  # DP gradient traffic overlaps backward (comm.comm_overlap)
+    gradient_sync_dtype: str = "float32"
+    fusion_buffer_mb: int = 25
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters, gradients, optimizer states per rank (exact)
+
+
+@lru_cache(maxsize=8)
+def param_shapes(args: ModelArgs) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(native name, global shape) of every parameter, read off the real model on the meta device."""
+    model = build_model(args, device="meta", seed=None)
+    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+
+
+def _chunk(n: int, parts: int, index: int) -> int:
+    """Length of ``torch.chunk``'s piece ``index`` of a dim of length n (FSDP2 shards this way)."""
+    size = -(-n // parts)
+    return max(0, min(size, n - index * size))
+
+
+def _numel(shape) -> int:
+    return math.prod(shape)
+
+
+def _is_matmul(name: str) -> bool:
+    return not (name.endswith("norm.weight") or name.startswith("tok_embeddings"))
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Elements one rank holds. ``params`` are the local shards (FSDP2: this rank's dim-0 chunk);
+    ``params_alloc`` counts FSDP2's padded shard storage (ceil(dim0/dp) rows each)."""
+
+    names: tuple[str, ...]
+    params: int
+    params_alloc: int
+    optimizer_params: int  # elements whose optimizer state this rank keeps
+    optimizer_tensors: int  # parameters with a state entry here (each has a scalar ``step``)
+    full_params: int  # the TP-local, unsharded elements of this rank's stages (before FSDP)
+    matmul_params: int  # of which weights of Linear layers (what autocast casts)
+    grads: int  # gradient elements after backward (see _rank_params for the one exception)
+
+
+def rank_stage_layers(args: ModelArgs, layout: Layout, pp_rank: int) -> list[tuple[int, list[int]]]:
+    """(virtual stage id, layer ids) run by ``pp_rank``."""
+    return _stage_layers(args.n_layers, layout.pp, pp_rank, layout.schedule, layout.virtual_stages)
+
+
+@lru_cache(maxsize=4096)
+def _stage_layers(n_layers: int, pp: int, pp_rank: int, schedule: str, v: int) -> list[tuple[int, list[int]]]:
+    plan = plan_stages(n_layers, pp, pp_rank, schedule, v)
+    return [(s, plan.stages[s]) for s in plan.local]
+
+
+def _owned(name: str, stages: list[tuple[int, list[int]]], n_stages: int) -> bool:
+    ids = {s for s, _ in stages}
+    if name.startswith("layers."):
+        lid = int(name.split(".")[1])
+        return any(lid in layers for _, layers in stages)
+    if name.startswith("tok_embeddings"):
+        return 0 in ids
+    return n_stages - 1 in ids  # norm, output
+
+
+def _dp_plan(layout: Layout, assume: Assumptions) -> DPPlan:
+    return plan_dp(dp=layout.dp, tp=layout.tp, dp_mode=layout.dp_mode, zero_stage=layout.zero,
+                   offload="cpu" if layout.offload else "none", amp_dtype=layout.amp_dtype, gradient_sync_dtype=assume.gradient_sync_dtype,
+                   fusion_buffer_mb=assume.fusion_buffer_mb, comm_overlap=assume.comm_overlap)
+
+
+def rank_params(args: ModelArgs, layout: Layout, *, pp_rank: int, tp_rank: int = 0, dp_rank: int = 0,
+                assume: Assumptions = Assumptions()) -> RankParams:
+    """Exactly what the trainer allocates for parameters and optimizer states on one rank.
+
+    TP splits a parameter's split dim (sharding table) by tp; FSDP2 then takes this rank's
+    ``torch.chunk`` piece of the TP-local dim 0; DDP/replicate keep the whole TP-local tensor.
+    AdamW keeps state for every local parameter (training/optim.py builds one per stage module).
+    """
+    static = replace(layout, microbatches=1, sequence_parallel=False, ac_every=0)
+    return _rank_params(args, static, pp_rank, tp_rank, dp_rank, assume)
+
+
+@lru_cache(maxsize=4096)
+def _rank_params(args: ModelArgs, layout: Layout, pp_rank: int, tp_rank: int, dp_rank: int,
+                 assume: Assumptions) -> RankParams:
+    stages = rank_stage_layers(args, layout, pp_rank)
+    n_stages = layout.pp * (layout.virtual_stages if layout.schedule == "interleaved_1f1b" and layout.pp > 1 else 1)
+    dpp = _dp_plan(layout, assume)
+    names, local, alloc, full = [], [], [], []
+    for name, shape in param_shapes(args):
+        if not _owned(name, stages, n_stages):
+            continue
+        shape = list(shape)
+        dim = tp_split_dim(name)
+        if dim is not None and layout.tp > 1:
+            shape[dim] = _chunk(shape[dim], layout.tp, tp_rank)
+        names.append(name)
+        full.append(_numel(shape))
+        if dpp.kind == "fsdp":
+            rest = _numel(shape[1:])
+            local.append(_chunk(shape[0], layout.dp, dp_rank) * rest)
+            alloc.append(-(-shape[0] // layout.dp) * rest)
+        else:
+            local.append(_numel(shape))
+            alloc.append(_numel(shape))
+    grads = sum(local)
+    if dpp.kind == "none" and layout.tp > 1 and "tok_embeddings.weight" in names:
+        # Without a data-parallel wrapper, DTensor's embedding backward leaves the vocab-parallel
+        # table's gradient Replicate: every tp rank holds the full (vocab, dim) gradient.
+        i = names.index("tok_embeddings.weight")
+        grads += args.vocab_size * args.dim - local[i]
+    return RankParams(tuple(names), sum(local), sum(alloc), sum(local), len(local), sum(full),
+                      sum(n for name, n in zip(names, full) if _is_matmul(name)), grads)
+
+
+def optimizer_bytes(rp: RankParams, optimizer: str = "adamw") -> int:
+    """AdamW: exp_avg + exp_avg_sq in float32 per element, a float32 ``step`` per parameter."""
+    if optimizer == "sgd":
+        return 0
+    return 8 * rp.optimizer_params + 4 * rp.optimizer_tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations: bytes kept for backward
+
+
+@dataclass(frozen=True)
+class ActDtypes:
+    """Bytes per element: ``matmul`` = outputs of Linear/SDPA (the AMP dtype under autocast),
+    ``resid`` = the residual stream (the parameters' compute dtype: AMP dtype under FSDP2 mixed
+    precision, float32 under DDP + autocast, where only matmuls run in low precision)."""
+
+    matmul: int = 4
+    resid: int = 4
+
+
+def act_dtypes(layout: Layout, assume: Assumptions = Assumptions()) -> ActDtypes:
+    if layout.amp_dtype is None:
+        return ActDtypes(4, 4)
+    a = DTYPE_BYTES[layout.amp_dtype]
+    low_params = _dp_plan(layout, assume).kind in ("fsdp", "replicate")
+    return ActDtypes(a, a if low_params else 4)
+
+
+def layer_activation_terms(args: ModelArgs, *, tp: int = 1, sp: bool = False,
+                           dt: ActDtypes = ActDtypes()) -> dict[str, float]:
+    """Bytes one token keeps for backward in one decoder layer, per tp rank (see docs/plan.md).
+
+    Korthikanti et al. (2022) count a GPT layer as sbh(34 + 5as/h) bytes; this is the same count for
+    our block as it really runs: RMSNorm in float32 (input in float32, 1/rms, the normalised
+    tensor), SwiGLU (four (T, ffn) tensors), GQA with k/v repeated to n_heads before attention, and
+    a fused (flash) SDPA that keeps q, k, v, its output and the float32 log-sum-exp instead of the
+    a*s*s score and softmax matrices. Under sequence parallel the norm tensors are split by tp; the
+    gathered input of the column-parallel projections is kept whole (DTensor saves the
+    all-gathered tensor, where Megatron re-gathers it in backward).
+    """
+    h, f, a, r = args.dim, args.hidden_dim, dt.matmul, dt.resid
+    kv = h if args.n_heads != args.kv_heads else args.kv_heads * args.head_dim
+    seq = tp if sp else 1
+    return {
+        "norm_input_fp32": 2 * 4 * h / seq,
+        "norm_rstd_fp32": 2 * 4 / seq,
+        "norm_normalised": 2 * r * h / seq,
+        # Autocast casts the float32 norm output once per projection (wq, wk, wv; w1, w3) and
+        # keeps each copy; with low-precision parameters the one norm output is shared.
+        "projection_inputs": (2 if r == a else 5) * a * h,
+        "attention_qkv": a * (h + 2 * kv) / tp,
+        "attention_out": a * h / tp,
+        "attention_lse_fp32": 4 * args.n_heads / tp,
+        "ffn_swiglu": 4 * a * f / tp,
+    }
+
+
+def layer_activation_bytes(args: ModelArgs, *, tp: int = 1, sp: bool = False, dt: ActDtypes = ActDtypes()) -> float:
+    return sum(layer_activation_terms(args, tp=tp, sp=sp, dt=dt).values())
+
+
+def checkpointed_layer_bytes(args: ModelArgs, *, tp: int = 1, sp: bool = False, dt: ActDtypes = ActDtypes()) -> float:
+    """A checkpointed layer keeps only its input (B, T, dim) (sequence-split under SP)."""
+    return dt.resid * args.dim / (tp if sp else 1)
+
+
+def head_activation_bytes(args: ModelArgs, *, tp: int = 1, sp: bool = False, dt: ActDtypes = ActDtypes()) -> float:
+    """Per token: the final norm, the output projection's (gathered) input and the float32
+    log-softmax of the full-vocabulary logits the loss keeps (logits are gathered over tp)."""
+    h, seq = args.dim, (tp if sp else 1)
+    return (4 * h + 4 + dt.resid * h) / seq + dt.matmul * h + 4 * args.vocab_size
+
+
+def embedding_activation_bytes() -> float:
+    return 8.0  # the int64 token ids
+
+
+def in_flight(layout: Layout, pp_rank: int) -> int:
+    """Microbatch-stage forwards whose activations a pp rank holds at once (its peak).
+
+    GPipe: all m. 1F1B: pp - rank. Interleaved 1F1B (torch.distributed.pipelining): warmup of
+    (v-1)*pp + 2*(pp-1-rank) chunk forwards, plus the one in flight.
+    """
+    m, p = layout.microbatches, layout.pp
+    if p == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return m
+    if layout.schedule == "1f1b":
+        return min(m, p - pp_rank)
+    v = layout.virtual_stages
+    return min(m * v, (v - 1) * p + 2 * (p - 1 - pp_rank) + 1)
+
+
+def activation_bytes(w: Workload, layout: Layout, pp_rank: int,
+                     assume: Assumptions = Assumptions()) -> tuple[float, float]:
+    """(kept for backward at the peak, recompute transient) on one rank, bytes.
+
+    Interleaved stages of one rank are charged at their average size; a checkpointed layer keeps
+    its input, and the one being recomputed in backward briefly holds a full layer's tensors.
+    """
+    args = w.args
+    mb_tokens = w.global_batch // layout.dp // layout.microbatches * w.seq_len
+    kw = dict(tp=layout.tp, sp=layout.sequence_parallel, dt=act_dtypes(layout, assume))
+    full, ckpt = layer_activation_bytes(args, **kw), checkpointed_layer_bytes(args, **kw)
+    stages = rank_stage_layers(args, layout, pp_rank)
+    n_stages = layout.pp * len(stages)
+    per_stage = []
+    for s, layers in stages:
+        done = set(ac_layer_ids(layers, layout.ac_every)) if layout.ac_every else set()
+        b = sum(ckpt if i in done else full for i in layers)
+        if s == 0:
+            b += embedding_activation_bytes()
+        if s == n_stages - 1:
+            b += head_activation_bytes(args, **kw)
+        per_stage.append(b)
+    kept = in_flight(layout, pp_rank) * sum(per_stage) / len(per_stage) * mb_tokens
+    recompute = full * mb_tokens if layout.ac_every else 0.0
+    return kept, recompute
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory per device
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on the most loaded rank, by kind."""
+
+    params: float
+    grads: float
+    optimizer: float
+    param_copies: float  # unsharded/low-precision copies: FSDP2 all-gathers, autocast cache
+    activations: float
+    recompute: float
+    buffers: float  # DDP gradient buckets, FSDP reduce-scatter output
+    pp_rank: int = 0
+    host: float = 0.0  # bytes kept in host memory instead (CPU offload), not counted in total
+
+    def items(self) -> dict[str, float]:
+        return {"parameters": self.params, "gradients": self.grads, "optimizer states": self.optimizer,
+                "parameter copies": self.param_copies, "activations": self.activations,
+                "recompute": self.recompute, "comm buffers": self.buffers}
+
+    @property
+    def total(self) -> float:
+        return sum(self.items().values())
+
+
+@lru_cache(maxsize=64)
+def _layer_param_elems(args: ModelArgs, tp: int) -> int:
+    """TP-local elements of one decoder layer (the unit FSDP2 gathers)."""
+    total = 0
+    for name, shape in param_shapes(args):
+        if name.startswith("layers.0."):
+            dim = tp_split_dim(name)
+            total += _numel(shape) // (tp if dim is not None else 1)
+    return total
+
+
+def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumptions = Assumptions(),
+                   optimizer: str = "adamw") -> Memory:
+    rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume)
+    dpp = _dp_plan(layout, assume)
+    master, a = 4, DTYPE_BYTES[layout.amp_dtype or "float32"]
+    params = master * rp.params_alloc
+    # Gradients land in the parameters' dtype (FSDP2: the padded shard).
+    grads = master * (rp.params_alloc + rp.grads - rp.params)
+    layer = _layer_param_elems(w.args, layout.tp)
+    copies = buffers = 0.0
+    if dpp.kind == "fsdp":
+        root = rp.full_params - layer * sum(len(l) for _, l in rank_stage_layers(w.args, layout, pp_rank))
+        if dpp.reshard_after_forward:
+            # Current and prefetched layer gathered, plus the root (kept unsharded after forward).
+            copies = a * (2 * layer + root)
+        else:
+            copies = a * rp.full_params
+        buffers = 4 * layer  # one layer's unsharded gradients before reduce-scatter
+    elif dpp.kind == "replicate":
+        copies = a * rp.full_params if layout.amp_dtype else 0.0
+    else:  # ddp / none: autocast's low-precision copy of every Linear weight, kept for backward
+        copies = a * rp.matmul_params if layout.amp_dtype else 0.0
+        if dpp.kind == "ddp":
+            buffers = 4 * rp.full_params  # the Reducer's flat buckets (gradient_as_bucket_view off)
+    acts, recompute = activation_bytes(w, layout, pp_rank, assume)
+    opt = optimizer_bytes(rp, optimizer)
+    if dpp.cpu_offload:  # sharded parameters, their gradients and AdamW live in host memory
+        return Memory(0.0, 0.0, 0.0, copies, acts, recompute, buffers, pp_rank, host=params + grads + opt)
+    return Memory(params, grads, opt, copies, acts, recompute, buffers, pp_rank)
+
+
+def memory_per_device(w: Workload, layout: Layout, assume: Assumptions = Assumptions(),
+                      optimizer: str = "adamw") -> Memory:
+    """The pp rank with the largest total (first stages hold more microbatches, last the logits)."""
+    return max((memory_on_rank(w, layout, r, assume, optimizer) for r in range(layout.pp)),
+               key=lambda m: m.total)
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs, bubble, communication, time
+
+
+def rank_layers(args: ModelArgs, layout: Layout, pp_rank: int) -> list[int]:
+    return [i for _, layers in rank_stage_layers(args, layout, pp_rank) for i in layers]
+
+
+def _n_stages(layout: Layout) -> int:
+    return layout.pp * (layout.virtual_stages if layout.schedule == "interleaved_1f1b" and layout.pp > 1 else 1)
+
+
+def _has_last(args: ModelArgs, layout: Layout, pp_rank: int) -> bool:
+    return any(s == _n_stages(layout) - 1 for s, _ in rank_stage_layers(args, layout, pp_rank))
+
+
+def layer_train_flops(args: ModelArgs, seq_len: int) -> float:
+    """Forward + backward FLOPs per token of one decoder layer (its share of model.flops_per_token)."""
+    return (flops_per_token(args, seq_len) - head_train_flops(args, seq_len)) / args.n_layers
+
+
+def head_train_flops(args: ModelArgs, seq_len: int) -> float:
+    """Forward + backward FLOPs per token outside the layers: the output projection."""
+    return flops_per_token(replace(args, n_layers=0), seq_len)
+
+
+def recompute_flops(args: ModelArgs, seq_len: int) -> float:
+    """FLOPs per token that recomputing one checkpointed layer costs in backward: its forward (a
+    third of its training FLOPs) less the w2 projection, which torch's non-reentrant checkpoint
+    never reruns (it stops early once the last tensor backward needs has been recomputed)."""
+    return layer_train_flops(args, seq_len) / 3 - 2 * args.hidden_dim * args.dim
+
+
+def step_flops_per_token(args: ModelArgs, seq_len: int, ac_every: int) -> float:
+    """Training FLOPs per token of the whole model, recomputation included."""
+    n_ckpt = len(ac_layer_ids(list(range(args.n_layers)), ac_every)) if ac_every else 0
+    return flops_per_token(args, seq_len) + n_ckpt * recompute_flops(args, seq_len)
+
+
+def rank_flops_per_token(args: ModelArgs, seq_len: int, layout: Layout, pp_rank: int) -> float:
+    """FLOPs per token of the global batch that one pp rank's stages execute (all tp ranks together)."""
+    layers = rank_layers(args, layout, pp_rank)
+    n_ckpt = len(ac_layer_ids(layers, layout.ac_every)) if layout.ac_every else 0
+    f = len(layers) * layer_train_flops(args, seq_len) + n_ckpt * recompute_flops(args, seq_len)
+    return f + (head_train_flops(args, seq_len) if _has_last(args, layout, pp_rank) else 0.0)
+
+
+def bubble_fraction(layout: Layout) -> float:
+    """Idle fraction of a pipeline step: (p-1)/(m+p-1); the idle part divided by v when interleaved."""
+    p, m = layout.pp, layout.microbatches
+    if p == 1:
+        return 0.0
+    idle = (p - 1) / (layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1)
+    return idle / (m + idle)
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One parallel dimension's traffic on the busiest rank: bytes it sends per step over ``link``."""
+
+    kind: str
+    bytes: float
+    link: str
+    seconds: float
+
+
+def group_ranks(layout: Layout, dim: str) -> list[int]:
+    """Ranks of the group through rank 0 along ``dim`` of the (dp, pp, tp) mesh (tp fastest)."""
+    if dim == "tp":
+        return list(range(layout.tp))
+    if dim == "pp":
+        return [i * layout.tp for i in range(layout.pp)]
+    return [i * layout.tp * layout.pp for i in range(layout.dp)]
+
+
+def _mb_tokens(w: Workload, layout: Layout) -> int:
+    return w.global_batch // layout.dp // layout.microbatches * w.seq_len
+
+
+def tp_bytes(w: Workload, layout: Layout, pp_rank: int) -> float:
+    """TP bytes one device sends per step (ring: an all-reduce sends 2(t-1)/t of the tensor).
+
+    Per layer and microbatch: 2 all-reduces of (b, s, h) forward, 2 backward (SP: the same volume
+    as all-gathers + reduce-scatters), 1 more per recomputed layer (the recompute stops before
+    w2 and its all-reduce); the vocab-parallel embedding
+    all-reduces its output; the output projection all-reduces its input gradient and all-gathers
+    the (b, s, V) logits.
+    """
+    t = layout.tp
+    if t == 1:
+        return 0.0
+    args, a = w.args, DTYPE_BYTES[layout.amp_dtype or "float32"]
+    layers = rank_layers(args, layout, pp_rank)
+    n_ckpt = len(ac_layer_ids(layers, layout.ac_every)) if layout.ac_every else 0
+    stage_ids = {s for s, _ in rank_stage_layers(args, layout, pp_rank)}
+    n_allreduce = 4 * len(layers) + n_ckpt + (1 if 0 in stage_ids else 0)
+    per_mb = 2 * (t - 1) / t * n_allreduce * a * args.dim
+    if _has_last(args, layout, pp_rank):
+        per_mb += 2 * (t - 1) / t * a * args.dim + (t - 1) / t * a * args.vocab_size
+    return per_mb * _mb_tokens(w, layout) * layout.microbatches
+
+
+def pp_bytes(w: Workload, layout: Layout) -> float:
+    """PP bytes a middle rank sends per step: (b, s, h) forward and its gradient back, per hop."""
+    if layout.pp == 1:
+        return 0.0
+    hops = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
+    a = act_dtypes(layout).resid
+    shard = layout.tp if layout.sequence_parallel else 1
+    return 2 * hops * layout.microbatches * _mb_tokens(w, layout) * w.args.dim * a / shard
+
+
+def dp_bytes(w: Workload, layout: Layout, assume: Assumptions, pp_rank: int = 0) -> float:
+    """DP bytes one device sends per step: DDP all-reduces gradients; FSDP2 all-gathers parameters
+    (in amp dtype; again in backward when it reshards after forward, pp == 1) and reduce-scatters
+    gradients."""
+    d = layout.dp
+    if d == 1:
+        return 0.0
+    rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume)
+    dpp = _dp_plan(layout, assume)
+    a = DTYPE_BYTES[layout.amp_dtype or "float32"]
+    grads = DTYPE_BYTES[assume.gradient_sync_dtype] * rp.full_params
+    if dpp.kind == "fsdp":
+        gathers = 2 if (dpp.reshard_after_forward and layout.pp == 1) else 1
+        return (d - 1) / d * (gathers * a * rp.full_params + grads)
+    return 2 * (d - 1) / d * grads
+
+
+def _comm(kind: str, b: float, link: Link, assume: Assumptions) -> Comm:
+    return Comm(kind, b, link.name, b / (link.gbps * GB * assume.comm_efficiency))
+
+
+def peak_flops(cluster: Cluster, layout: Layout) -> float:
+    dtype = layout.amp_dtype or "float32"
+    tflops = cluster.peak_tflops.get(dtype)
+    if not tflops:
+        raise UserError(f"device {cluster.device} has no {dtype} peak in pipeline/data/device_profiles.json; "
+                        "pick an AMP dtype it lists, or add the figure with its source")
+    return tflops * 1e12
+
+
+@dataclass(frozen=True)
+class Timing:
+    step_s: float
+    compute_s: float  # the slowest rank's FLOPs at peak * efficiency
+    bubble: float
+    comm: dict[str, Comm]
+    exposed_dp_s: float
+
+
+def step_time(w: Workload, layout: Layout, cluster: Cluster, assume: Assumptions = Assumptions()) -> Timing:
+    """Seconds per optimizer step, from the slowest pipeline rank.
+
+    Its compute (FLOPs incl. recomputation / (peak * compute_efficiency)) plus its TP and PP
+    traffic are on the critical path and stretched by the bubble: t / (1 - bubble). DP traffic
+    hides behind backward (FSDP2: forward and backward) when comm_overlap is on; only the excess adds.
+    """
+    peak = peak_flops(cluster, layout) * assume.compute_efficiency
+    rank_tokens = w.tokens / layout.dp
+    tp_link = cluster.link_for(group_ranks(layout, "tp"))
+    worst = None
+    for r in range(layout.pp):
+        compute = rank_tokens * rank_flops_per_token(w.args, w.seq_len, layout, r) / layout.tp / peak
+        tp = _comm("tp", tp_bytes(w, layout, r), tp_link, assume)
+        if worst is None or compute + tp.seconds > worst[0] + worst[1].seconds:
+            worst = (compute, tp, r)
+    compute, tp, r = worst
+    comm = {}
+    if layout.tp > 1:
+        comm["tp"] = tp
+    if layout.pp > 1:
+        comm["pp"] = _comm("pp", pp_bytes(w, layout), cluster.link_for(group_ranks(layout, "pp")), assume)
+    if layout.dp > 1:
+        comm["dp"] = _comm("dp", dp_bytes(w, layout, assume, r), cluster.link_for(group_ranks(layout, "dp")), assume)
+    optimizer_s = 0.0
+    if layout.offload:
+        comm["host"] = _comm("host", host_bytes(w, layout, assume, r), cluster.host_link, assume)
+        rp = rank_params(w.args, layout, pp_rank=r, assume=assume)
+        # AdamW on the host reads parameter, gradient, m, v (16 B) and writes parameter, m, v (12 B).
+        optimizer_s = 28 * rp.params / (assume.host_memory_gbps * GB)
+    bubble = bubble_fraction(layout)
+    critical = (compute + tp.seconds + (comm["pp"].seconds if "pp" in comm else 0.0)) / (1 - bubble)
+    window = compute * (1.0 if layout.zero >= 2 else 2 / 3) if assume.comm_overlap else 0.0
+    background = sum(comm[k].seconds for k in ("dp", "host") if k in comm)
+    exposed = max(0.0, background - window)
+    return Timing(critical + exposed + optimizer_s, compute, bubble, comm, exposed)
+
+
+def host_bytes(w: Workload, layout: Layout, assume: Assumptions, pp_rank: int = 0) -> float:
+    """CPU offload traffic per step: the fp32 shards copied to the device for every all-gather
+    (twice with pp == 1) and the fp32 gradient shards copied back."""
+    if not layout.offload:
+        return 0.0
+    rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume)
+    gathers = 2 if layout.pp == 1 else 1
+    return 4 * rp.params_alloc * (gathers + 1)
