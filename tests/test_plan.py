@@ -248,3 +248,17 @@ def test_cpu_offload_moves_state_to_the_host_and_costs_pcie_time(tmp_path):
 
     flow.write_text(yaml.safe_dump(layout_flow(w, replace(lay, offload=True), c)))
     assert load_flow(flow).memory.optimizer_offload == "cpu"
+
+
+def test_cli_model_from_flow_yaml_and_filters(tmp_path):
+    flow = tmp_path / "custom.yaml"
+    flow.write_text("model: {flavour: debug, n_layers: 6, dim: 96, n_heads: 6, n_kv_heads: 2}\n")
+    r = runner.invoke(app, ["plan", "--model", str(flow), "--devices", "4", "--device", "h100", "--seq-len", "64",
+                            "--tp", "2", "--pp", "2"])
+    assert r.exit_code == 0, r.output
+    assert "dp1 tp2 pp2" in r.output and "0.65M parameters" in r.output
+    r = runner.invoke(app, ["plan", "--model", str(flow), "--devices", "4", "--device", "h100", "--seq-len", "64",
+                            "--tp", "4"])
+    assert r.exit_code == 1 and "does not divide model n_kv_heads=2" in r.output  # the config rule, verbatim
+    r = runner.invoke(app, ["plan", "--model", str(flow), "--devices", "4", "--device", "h100", "--tp", "3"])
+    assert r.exit_code == 1 and "no dp x tp x pp layout of 4 devices" in r.output

@@ -34,7 +34,7 @@ def _zero(layout) -> str:
     if layout.offload:
         return "fsdp+offload"
     if layout.dp == 1:
-        return "-"
+        return "no dp"
     return {3: "fsdp", 2: "fsdp z2", 0: "ddp"}[layout.zero]
 
 
@@ -173,7 +173,9 @@ def register(app: typer.Typer) -> None:
             out.print(f"[yellow]note[/yellow] {note}", highlight=False)
         links = ", ".join(f"{ln.name} {ln.gbps:g} GB/s" + (f" (groups of {ln.span})" if ln.span else "")
                           for ln in cluster.links)
-        out.print(f"{w.flavour or 'model'}: {count_params(w.args) / 1e9:.2f}B parameters, "
+        n = count_params(w.args)
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+        out.print(f"{w.flavour or 'model'}: {size} parameters, "
                   f"{flops_per_token(w.args, seq_len) / 1e9:.1f} GFLOP/token (train); batch {gb} x {seq_len} tokens\n"
                   f"{devices} x {cluster.device} ({cluster.memory_bytes / 1e9:.0f} GB, "
                   f"{', '.join(f'{k} {v:g} TFLOPS' for k, v in cluster.peak_tflops.items())}) in "
