@@ -8,6 +8,7 @@ live summary). Stage callables are injectable so the orchestration logic is test
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import time
@@ -98,9 +99,7 @@ def _prepare_training(run_dir: Path, key: str, action: str) -> bool:
     marker = cache.record_path(run_dir, "train.started")
     started = None
     if marker.is_file():
-        with contextlib.suppress(OSError, ValueError):
-            import json
-
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             started = json.loads(marker.read_text()).get("key")
     rd = RunDir(run_dir)
     if action != cache.RUN and started == key and newest_complete_checkpoint(run_dir) is not None:
@@ -109,7 +108,8 @@ def _prepare_training(run_dir: Path, key: str, action: str) -> bool:
         prev = run_dir / "checkpoints.prev"
         shutil.rmtree(prev, ignore_errors=True)
         rd.checkpoints.rename(prev)
-        run_logger().warning(f"moved checkpoints of earlier settings to {prev}")
+        why = "this run is forced" if action == cache.RUN else "they belong to other settings"
+        run_logger().warning(f"moved the earlier checkpoints to {prev} ({why}); training starts at step 0")
     if rd.metrics.is_file():
         rd.metrics.replace(run_dir / "metrics.prev.jsonl")
     cache.write_json_atomic(marker, {"key": key, "started_at": time.time()})
