@@ -24,7 +24,7 @@ from titan_pipe.training.data import PackedLoader, prepare_data
 from titan_pipe.training.parallelize import fill_parameters
 from titan_pipe.training.model import FLAVOURS, build_model
 from titan_pipe.training.checkpoint import find_latest
-from titan_pipe.training.weights import CheckpointWeights
+from titan_pipe.training.weights import CheckpointWeights, open_weights
 
 from training_reference import reference_run
 
@@ -63,6 +63,7 @@ WORLD2 = [
     {"name": "dp2_fsdp", "flow": flow({"dp": 2, "dp_mode": "fsdp"})},
     {"name": "dp2_ddp", "flow": flow({"dp": 2, "dp_mode": "ddp"})},
     {"name": "dp2_zero2", "flow": flow({"dp": 2}, zero_stage=2)},
+    {"name": "dp2_offload", "flow": flow({"dp": 2}, memory={"optimizer_offload": "cpu"})},
     {"name": "dp2_zero1", "flow": flow({"dp": 2, "dp_mode": "ddp"}, zero_stage=1)},
     # ZeRO-1 optimizer shards saved in the common flattened form, resumed without ZeRO.
     {"name": "zero1_to_fsdp", "flow": flow({"dp": 2, "dp_mode": "fsdp"}), "resume": True,
@@ -166,7 +167,7 @@ def assert_close(got, want, rel=REL, what="loss"):
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "dp2_fsdp",
-                                  "dp2_ddp", "dp2_zero2", "dp2_zero1"])
+                                  "dp2_ddp", "dp2_zero2", "dp2_zero1", "dp2_offload"])
 def test_world2_layouts_match_single_process(world2, ref, name):
     _, res = world2
     assert_close(losses(res, name), ref["adamw"]["losses"])
@@ -292,7 +293,8 @@ def test_crashed_run_resumes_to_the_uninterrupted_curve(world2):
 
 def test_init_from_our_checkpoint_under_another_layout(world2):
     work, res = world2
-    weights = CheckpointWeights(work / "runs" / "tp2" / "checkpoints" / "step-000008")
+    weights = open_weights(work / "runs" / "tp2")  # a run dir means its newest complete step
+    assert isinstance(weights, CheckpointWeights) and weights.dir.name == "step-000008"
     model = build_model(weights.args, seed=None, device="meta")
     fill_parameters(model, weights.args, device=torch.device("cpu"), seed=0, weights=weights)
     cfg = parse_flow(flow({}), base=work)

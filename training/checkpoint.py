@@ -32,8 +32,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_pipe.convert.layout import MANIFEST_NAME, Chunk, FileInfo, Manifest, ParamSpec, split_box
+from titan_pipe.errors import UserError
 from titan_pipe.run_dir import STEP_DIR
-from titan_pipe.training.parallelize import ParallelModel, fill_parameters
+from titan_pipe.training.parallelize import ParallelModel, copy_global_values
 from titan_pipe.training.sharding import tp_split_dim
 from titan_pipe.training.weights import CheckpointWeights
 from titan_pipe.training.zero1 import load_zero1_state, zero1_state
@@ -116,12 +117,14 @@ def rng_state() -> dict:
 
 
 def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | None, train_state: dict,
-                    parallel: dict, fail_hook: Callable[[], None] | None = None) -> Path:
+                    parallel: dict, fail_hook: Callable[[], None] | None = None,
+                    extra: dict | None = None) -> Path:
     """Save a checkpoint of the whole model into ``step_dir``; collective, call on every rank.
 
     Order: shard files (dp-rank-0 of each (stage, tp rank)), optimizer DCP, train_state.json,
     then manifest.json by global rank 0 once everything else is on disk. ``fail_hook`` runs
     after the shard files are written and before the manifest (fault-injection tests).
+    ``extra`` adds keys to the manifest's ``extra`` (the trainer records kernels and tokenizer).
     """
     step_dir = Path(step_dir)
     rank = dist.get_rank()
@@ -173,7 +176,7 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
         manifest = Manifest(step=int(train_state["step"]), model=model.args.to_dict(), parallel=parallel,
                             params=dict(sorted(params.items())), files=all_files,
                             extra={"optimizer": OPTIM_DIR if optimizers is not None else None,
-                                   "train_state": TRAIN_STATE})
+                                   "train_state": TRAIN_STATE, **(extra or {})})
         manifest.validate()
         _write_text(step_dir / MANIFEST_NAME, manifest.to_json())
     dist.barrier()
@@ -184,8 +187,7 @@ def load_checkpoint(step_dir: Path, model: ParallelModel) -> None:
     """Weights only: fill ``model``'s local shards from a checkpoint of any dp/tp/pp layout."""
     weights = CheckpointWeights(step_dir)
     for module in model.modules:
-        device = next(module.parameters()).device
-        fill_parameters(module, model.args, device=device, seed=0, weights=weights)
+        copy_global_values(module, model.args, seed=0, weights=weights)
 
 
 def load_train_state(step_dir: Path, model: ParallelModel, optimizers: list | None) -> dict:
@@ -193,8 +195,8 @@ def load_train_state(step_dir: Path, model: ParallelModel, optimizers: list | No
     step_dir = Path(step_dir)
     if optimizers is not None:
         if not (step_dir / OPTIM_DIR).is_dir():
-            raise FileNotFoundError(f"{step_dir}: no {OPTIM_DIR}/ (saved with save_optimizer: false); "
-                                    "resume needs it, or start from the weights with init_from")
+            raise UserError(f"{step_dir}: no {OPTIM_DIR}/ (saved with checkpoint.save_optimizer: false); "
+                            "--resume needs it; start a new run from these weights with init_from instead")
         state = {"optimizer": optimizer_state(model, optimizers)}
         dcp.load(state, checkpoint_id=str(step_dir / OPTIM_DIR))
         _set_optimizer_state(model, optimizers, state["optimizer"])

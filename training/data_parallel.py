@@ -62,7 +62,9 @@ def plan_dp(*, dp: int, tp: int, dp_mode: str, zero_stage: int | None, offload: 
 def _fsdp_kwargs(plan: DPPlan, dp_mesh: DeviceMesh) -> dict:
     return dict(mesh=dp_mesh,
                 mp_policy=MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype),
-                offload_policy=CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy())
+                # Pinned host memory speeds accelerator <-> host copies; a CPU-only run has neither.
+                offload_policy=(CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
+                                if plan.cpu_offload else OffloadPolicy()))
 
 
 def apply_fsdp(part: nn.Module, dp_mesh: DeviceMesh, plan: DPPlan) -> nn.Module:

@@ -87,12 +87,22 @@ def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def fill_parameters(module: nn.Module, args: ModelArgs, *, device: torch.device, seed: int,
-                    weights=None, dtype: torch.dtype = torch.float32) -> None:
-    """Allocate ``module``'s parameters on ``device`` (or the CPU under FSDP offload) and fill
-    each with its global value (``weights.full(name)`` or the layout-independent ``init_param``)
-    cut to this rank's shard."""
-    offloaded = any(isinstance(p, DTensor) and p.device.type == "cpu" for p in module.parameters())
-    module.to_empty(device="cpu" if offloaded else device)
+                    weights=None, dtype: torch.dtype = torch.float32,
+                    param_device: torch.device | str | None = None) -> None:
+    """Allocate ``module``'s parameters on ``param_device`` (default ``device``; the CPU under
+    FSDP offload) and fill each with its global value (``weights.full(name)`` or the
+    layout-independent ``init_param``) cut to this rank's shard. RoPE buffers go to ``device``."""
+    module.to_empty(device=param_device or device)
+    copy_global_values(module, args, seed=seed, weights=weights, dtype=dtype)
+    module.init_rope()
+    module.rope_cos, module.rope_sin = module.rope_cos.to(device), module.rope_sin.to(device)
+
+
+@torch.no_grad()
+def copy_global_values(module: nn.Module, args: ModelArgs, *, seed: int, weights=None,
+                       dtype: torch.dtype = torch.float32) -> None:
+    """Overwrite every (already allocated) parameter's local shard with its global value cut to
+    its placement; FSDP/DDP wrappers keep working since no parameter object is replaced."""
     for name, p in module.named_parameters():
         shape = tuple(p.shape)  # global shape, also for DTensors
         full = weights.full(name) if weights is not None else init_param(name, shape, args, seed, dtype)
@@ -101,7 +111,6 @@ def fill_parameters(module: nn.Module, args: ModelArgs, *, device: torch.device,
         local = local_shard(full.to(p.dtype), p)
         target = p.to_local() if isinstance(p, DTensor) else p
         target.copy_(local)
-    module.init_rope()
 
 
 def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.device | None = None,
@@ -123,7 +132,8 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
     model = ParallelModel(args, mesh, plan, dp_plan)
 
     def materialize(part: nn.Module) -> None:
-        fill_parameters(unwrap(part), args, device=device, seed=seed, weights=weights)
+        fill_parameters(unwrap(part), args, device=device, seed=seed, weights=weights,
+                        param_device="cpu" if dp_plan.cpu_offload else device)
 
     for s in plan.local:
         part = build_stage_module(args, plan.stages[s], first=plan.is_first(s), last=plan.is_last(s),

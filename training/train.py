@@ -230,7 +230,8 @@ def train(cfg: FlowConfig, *, base: Path, resume: bool = False) -> dict:
                          "loader": loader.state_dict(), "scaler": scaler.state_dict()}
                 ckpt.save_checkpoint(run.checkpoint(step), model=model,
                                      optimizers=optimizers if cfg.checkpoint.save_optimizer else None,
-                                     train_state=state, parallel=parallel_meta, fail_hook=hook)
+                                     train_state=state, parallel=parallel_meta, fail_hook=hook,
+                                     extra={"kernels": cfg.model.kernels, "tokenizer": cfg.data.tokenizer})
                 if rank == 0:
                     ckpt.prune(run.checkpoints, cfg.checkpoint.keep_last)
 

@@ -95,8 +95,15 @@ class SafetensorsWeights:
 
 
 def open_weights(path: Path):
-    """Our checkpoint (a step dir with manifest.json), or a dir of safetensors + config.json."""
+    """Our checkpoint (a step dir with manifest.json; a run dir or its checkpoints/ dir means its
+    newest complete step), or a dir of safetensors + config.json (unified or Hugging Face)."""
     path = Path(path)
+    for root in (path, path / "checkpoints"):  # a run's checkpoints/ dir, or the run dir itself
+        steps = sorted((p for p in root.glob("step-*") if (p / MANIFEST_NAME).is_file()),
+                       key=lambda p: p.name) if root.is_dir() else []
+        if steps and not (path / MANIFEST_NAME).is_file():
+            path = steps[-1]
+            break
     if (path / MANIFEST_NAME).is_file():
         return CheckpointWeights(path)
     if (path / "config.json").is_file():
