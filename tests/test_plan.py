@@ -233,7 +233,7 @@ def test_cli_bad_input(argv, needle):
 def test_cpu_offload_moves_state_to_the_host_and_costs_pcie_time(tmp_path):
     c, _ = build_cluster("ascend910a", 32)
     w = Workload(FLAVOURS["llama2_70b"], 4096, 16, flavour="llama2_70b")
-    lay = Layout(4, 4, 2, "1f1b", 1, 4, 3, True, 1, "float16")
+    lay = Layout(16, 2, 1, "1f1b", 1, 1, 3, True, 1, "float16")
     on_device = estimate(w, lay, c)
     offloaded = estimate(w, replace(lay, offload=True), c)
     # 69.0e9 x 16 B / 32 ranks = 34.5 GB of state per device cannot fit in 32 GB ...

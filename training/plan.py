@@ -53,7 +53,12 @@ def _remedies(w: Workload, layout: Layout, component: str, cluster: Cluster) -> 
     caller checks which of them fit."""
     out: list[tuple[str, Layout]] = []
     world, n = layout.world, w.args.n_layers
-    if component in ("optimizer states", "gradients", "parameters", "parameter copies", "comm buffers"):
+    if component == "unsharded gradients" and layout.pp > 1 and layout.tp * 2 <= cluster.devices_per_node:
+        out.append((f"tp {2 * layout.tp}, pp {max(1, layout.pp // 2)}",
+                    replace(layout, tp=2 * layout.tp, pp=max(1, layout.pp // 2),
+                            microbatches=layout.microbatches if layout.pp > 2 else 1)))
+    if component in ("optimizer states", "gradients", "parameters", "parameter copies", "comm buffers",
+                     "unsharded gradients"):
         if layout.dp > 1 and layout.zero != 3:
             out.append(("use FSDP (dp_mode fsdp)", replace(layout, zero=3)))
         if not layout.offload:

@@ -371,11 +371,12 @@ class Memory:
     buffers: float  # DDP gradient buckets, FSDP reduce-scatter output
     pp_rank: int = 0
     host: float = 0.0  # bytes kept in host memory instead (CPU offload), not counted in total
+    grad_accum: float = 0.0  # FSDP2 under pp: unsharded float32 gradients held across microbatches
 
     def items(self) -> dict[str, float]:
         return {"parameters": self.params, "gradients": self.grads, "optimizer states": self.optimizer,
-                "parameter copies": self.param_copies, "activations": self.activations,
-                "recompute": self.recompute, "comm buffers": self.buffers}
+                "parameter copies": self.param_copies, "unsharded gradients": self.grad_accum,
+                "activations": self.activations, "recompute": self.recompute, "comm buffers": self.buffers}
 
     @property
     def total(self) -> float:
@@ -402,8 +403,14 @@ def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumption
     # Gradients land in the parameters' dtype (FSDP2: the padded shard).
     grads = master * (rp.params_alloc + rp.grads - rp.params)
     layer = _layer_param_elems(w.args, layout.tp)
-    copies = buffers = 0.0
-    if dpp.kind == "fsdp":
+    copies = buffers = accum = 0.0
+    if dpp.kind == "fsdp" and layout.pp > 1:
+        # torch.distributed.pipelining turns off FSDP's reshard-after-backward and gradient sync
+        # until the last microbatch: after a backward the whole stage stays gathered, and its
+        # unsharded gradients accumulate in float32 until the step's one reduce-scatter.
+        copies = a * rp.full_params
+        accum = 4 * rp.full_params
+    elif dpp.kind == "fsdp":
         root = rp.full_params - layer * sum(len(l) for _, l in rank_stage_layers(w.args, layout, pp_rank))
         if dpp.reshard_after_forward:
             # Current and prefetched layer gathered, plus the root (kept unsharded after forward).
@@ -420,8 +427,9 @@ def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumption
     acts, recompute = activation_bytes(w, layout, pp_rank, assume)
     opt = optimizer_bytes(rp, optimizer)
     if dpp.cpu_offload:  # sharded parameters, their gradients and AdamW live in host memory
-        return Memory(0.0, 0.0, 0.0, copies, acts, recompute, buffers, pp_rank, host=params + grads + opt)
-    return Memory(params, grads, opt, copies, acts, recompute, buffers, pp_rank)
+        return Memory(0.0, 0.0, 0.0, copies, acts, recompute, buffers, pp_rank, host=params + grads + opt,
+                      grad_accum=accum)
+    return Memory(params, grads, opt, copies, acts, recompute, buffers, pp_rank, grad_accum=accum)
 
 
 def memory_per_device(w: Workload, layout: Layout, assume: Assumptions = Assumptions(),
@@ -543,10 +551,18 @@ def pp_bytes(w: Workload, layout: Layout) -> float:
     return 2 * hops * layout.microbatches * _mb_tokens(w, layout) * w.args.dim * a / shard
 
 
+def fsdp_gathers(layout: Layout, dpp: DPPlan) -> int:
+    """How many times per step FSDP2 all-gathers a rank's parameters. Resharding after forward:
+    once in forward and once in backward, per microbatch under pp (each microbatch's forward
+    reshards again); without it (ZeRO-2), once per step."""
+    if not dpp.reshard_after_forward:
+        return 1
+    return 2 * layout.microbatches if layout.pp > 1 else 2
+
+
 def dp_bytes(w: Workload, layout: Layout, assume: Assumptions, pp_rank: int = 0) -> float:
     """DP bytes one device sends per step: DDP all-reduces gradients; FSDP2 all-gathers parameters
-    (in amp dtype; again in backward when it reshards after forward, pp == 1) and reduce-scatters
-    gradients."""
+    (in amp dtype; ``fsdp_gathers`` times) and reduce-scatters gradients once."""
     d = layout.dp
     if d == 1:
         return 0.0
@@ -555,8 +571,7 @@ def dp_bytes(w: Workload, layout: Layout, assume: Assumptions, pp_rank: int = 0)
     a = DTYPE_BYTES[layout.amp_dtype or "float32"]
     grads = DTYPE_BYTES[assume.gradient_sync_dtype] * rp.full_params
     if dpp.kind == "fsdp":
-        gathers = 2 if (dpp.reshard_after_forward and layout.pp == 1) else 1
-        return (d - 1) / d * (gathers * a * rp.full_params + grads)
+        return (d - 1) / d * (fsdp_gathers(layout, dpp) * a * rp.full_params + grads)
     return 2 * (d - 1) / d * grads
 
 
@@ -622,9 +637,8 @@ def step_time(w: Workload, layout: Layout, cluster: Cluster, assume: Assumptions
 
 def host_bytes(w: Workload, layout: Layout, assume: Assumptions, pp_rank: int = 0) -> float:
     """CPU offload traffic per step: the fp32 shards copied to the device for every all-gather
-    (twice with pp == 1) and the fp32 gradient shards copied back."""
+    (``fsdp_gathers``) and the fp32 gradient shards copied back."""
     if not layout.offload:
         return 0.0
     rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume)
-    gathers = 2 if layout.pp == 1 else 1
-    return 4 * rp.params_alloc * (gathers + 1)
+    return 4 * rp.params_alloc * (fsdp_gathers(layout, _dp_plan(layout, assume)) + 1)
