@@ -89,6 +89,10 @@ WORLD8 = [
     {"name": "dp2_tp2_pp2_ddp", "flow": flow({"dp": 2, "tp": 2, "pp": 2, "microbatches": 2, "dp_mode": "ddp"})},
     {"name": "to_dp2_pp4", "flow": flow({"dp": 2, "pp": 4, "pp_schedule": "gpipe", "microbatches": 4}),
      "resume": True, "copy_from": {"run": "dp2_tp2_pp2", "step": 4}},
+    # The evaluator's path: forward only, a (dp2, tp2, pp2) checkpoint under interleaved + SP.
+    {"name": "forward_interleaved_sp", "forward": {"run": "dp2_tp2_pp2", "step": 8},
+     "flow": flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2,
+                   "sequence_parallel": True})},
     {"name": "init_interleaved_sp", "save_init": True,
      "flow": flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2,
                    "sequence_parallel": True})},
@@ -306,3 +310,16 @@ def test_init_from_our_checkpoint_under_another_layout(world2):
     got = res["init_from_tp2"]["metrics"][0]["loss"]
     assert abs(got - want) <= 1e-5 * want
     assert got < losses(res, "tp2")[0] - 1.0  # it really started from trained weights
+
+
+def test_forward_logits_of_a_sharded_checkpoint(world8):
+    work, _ = world8
+    from safetensors.torch import load_file
+
+    got = load_file(str(work / "forward_interleaved_sp.safetensors"))
+    weights = CheckpointWeights(work / "runs" / "dp2_tp2_pp2" / "checkpoints" / "step-000008")
+    model = build_model(weights.args, seed=None, device="meta")
+    fill_parameters(model, weights.args, device=torch.device("cpu"), seed=0, weights=weights)
+    with torch.no_grad():
+        want = model(got["tokens"])
+    torch.testing.assert_close(got["logits"], want, rtol=0, atol=1e-5)

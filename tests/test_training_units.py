@@ -3,7 +3,6 @@ schedule, layout planning, checkpoint discovery/pruning, and weight sources (HF 
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch

@@ -4,7 +4,8 @@
 
 SPEC: {"workdir": str, "runs": [{"name", "flow": {...flow.yaml dict...}, "resume": bool,
 "copy_from": {"run": NAME, "step": S} (seed this run's checkpoints with another run's step S),
-"save_init": bool (only build the model and save a step-0 checkpoint)}]}. Every flow must have
+"save_init": bool (only build the model and save a step-0 checkpoint), "forward": {"run", "step"}
+(forward-only logits of that checkpoint under this flow's layout -> workdir/NAME.safetensors)}]}. Every flow must have
 dp*tp*pp = N. Rank 0 writes workdir/results.json: {name: {"metrics": [...jsonl records...]}}.
 """
 from __future__ import annotations
@@ -15,14 +16,18 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import yaml
+from safetensors.torch import save_file
 
 from titan_pipe.config import load_flow
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training.data_parallel import plan_dp
 from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import build_parallel_model
+from titan_pipe.training.pipeline_parallel import forward_logits
+from titan_pipe.training.weights import open_weights
 from titan_pipe.training.train import train
 
 
@@ -36,6 +41,19 @@ def save_init(cfg, run_root: Path) -> None:
     ckpt.save_checkpoint(run_root / "checkpoints" / "step-000000", model=model, optimizers=None,
                          train_state={"step": 0}, parallel={"dp": p.dp, "tp": p.tp, "pp": p.pp,
                                                             "pp_schedule": p.pp_schedule})
+
+
+def forward(cfg, step_dir: Path, out: Path) -> None:
+    """Forward-only logits of a checkpoint under cfg's layout (the evaluator's path)."""
+    p = cfg.parallel
+    mesh = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp).build_mesh("cpu")
+    weights = open_weights(step_dir)
+    model = build_parallel_model(weights.args, mesh, schedule=p.pp_schedule, virtual_stages=p.virtual_stages,
+                                 sequence_parallel=p.sequence_parallel, weights=weights)
+    tokens = torch.randint(0, weights.args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    logits = forward_logits(model.modules, model.stage_plan, tokens, pp_mesh=mesh["pp"], args=weights.args)
+    if dist.get_rank() == 0:
+        save_file({"tokens": tokens, "logits": logits.contiguous()}, str(out))
 
 
 def main(spec_path: str) -> None:
@@ -61,6 +79,9 @@ def main(spec_path: str) -> None:
         cfg = load_flow(flow_path)
         if run.get("save_init"):
             save_init(cfg, work / "runs" / name)
+        elif "forward" in run:
+            src = work / "runs" / run["forward"]["run"] / "checkpoints" / f"step-{run['forward']['step']:06d}"
+            forward(cfg, src, work / f"{name}.safetensors")
         else:
             train(cfg, base=work, resume=run.get("resume", False))
         if rank == 0:

@@ -12,7 +12,7 @@ For a forward-only runner (evaluation) under any layout::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from titan_pipe.training.kernels import Kernels
 from titan_pipe.training.model import ModelArgs, init_param
 from titan_pipe.training.pipeline_parallel import StagePlan, build_stage_module, plan_stages
 from titan_pipe.training.tensor_parallel import apply_tp
+
+if TYPE_CHECKING:
+    from titan_pipe.training.weights import WeightSource
 
 
 @dataclass
@@ -87,7 +90,7 @@ def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def fill_parameters(module: nn.Module, args: ModelArgs, *, device: torch.device, seed: int,
-                    weights=None, dtype: torch.dtype = torch.float32,
+                    weights: WeightSource | None = None, dtype: torch.dtype = torch.float32,
                     param_device: torch.device | str | None = None) -> None:
     """Allocate ``module``'s parameters on ``param_device`` (default ``device``; the CPU under
     FSDP offload) and fill each with its global value (``weights.full(name)`` or the
@@ -99,8 +102,8 @@ def fill_parameters(module: nn.Module, args: ModelArgs, *, device: torch.device,
 
 
 @torch.no_grad()
-def copy_global_values(module: nn.Module, args: ModelArgs, *, seed: int, weights=None,
-                       dtype: torch.dtype = torch.float32) -> None:
+def copy_global_values(module: nn.Module, args: ModelArgs, *, seed: int,
+                       weights: WeightSource | None = None, dtype: torch.dtype = torch.float32) -> None:
     """Overwrite every (already allocated) parameter's local shard with its global value cut to
     its placement; FSDP/DDP wrappers keep working since no parameter object is replaced."""
     for name, p in module.named_parameters():
@@ -117,7 +120,7 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
                          schedule: str = "1f1b", virtual_stages: int = 2,
                          sequence_parallel: bool = False, ac_every: int | None = None,
                          dp_plan: DPPlan | None = None, kernels: Kernels | None = None,
-                         seed: int = 0, weights=None) -> ParallelModel:
+                         seed: int = 0, weights: WeightSource | None = None) -> ParallelModel:
     """This rank's stage modules of ``args`` on the (dp, pp, tp) ``mesh``, parallelized and filled.
 
     weights: None = layout-independent random init from ``seed`` (the same values a single-process

@@ -102,7 +102,8 @@ def forward_logits(parts: list[nn.Module], plan: StagePlan, tokens: torch.Tensor
 
     ``tokens`` (B, T) int64 must be the same on every rank. Hidden states (B, T, dim) go from the
     owner of stage s to the owner of stage s+1 point to point; the last stage's logits are then
-    broadcast over the pp group. ``dtype`` is the dtype of those activations (the parameters'). Without pp (one part holding everything) this is ``parts[0](tokens)``.
+    broadcast over the pp group. ``dtype`` is the dtype of those activations (the parameters').
+    Without pp (one part holding everything) this is ``parts[0](tokens)``.
     Under sequence parallel the hidden states exchanged are (B, T/tp, dim) local shards.
     """
     if pp_mesh is None or pp_mesh.size() == 1:

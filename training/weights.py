@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -16,6 +17,16 @@ from titan_pipe.errors import UserError
 from titan_pipe.training.model import ModelArgs
 
 _IGNORED = (".rotary_emb.inv_freq",)
+
+
+class WeightSource(Protocol):
+    """What build_parallel_model reads weights from: global tensors by native parameter name."""
+
+    args: ModelArgs
+
+    def full(self, name: str) -> torch.Tensor: ...
+
+    def names(self) -> list[str]: ...
 
 
 class CheckpointWeights:
@@ -94,7 +105,7 @@ class SafetensorsWeights:
             return h.get_tensor(key)
 
 
-def open_weights(path: Path):
+def open_weights(path: Path) -> WeightSource:
     """Our checkpoint (a step dir with manifest.json; a run dir or its checkpoints/ dir means its
     newest complete step), or a dir of safetensors + config.json (unified or Hugging Face)."""
     path = Path(path)
