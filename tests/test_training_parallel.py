@@ -64,6 +64,8 @@ WORLD2 = [
     {"name": "dp2_ddp", "flow": flow({"dp": 2, "dp_mode": "ddp"})},
     {"name": "dp2_zero2", "flow": flow({"dp": 2}, zero_stage=2)},
     {"name": "dp2_offload", "flow": flow({"dp": 2}, memory={"optimizer_offload": "cpu"})},
+    {"name": "dp2_fsdp_no_overlap", "flow": flow({"dp": 2}, comm={"comm_overlap": False})},
+    {"name": "dp2_ddp_no_overlap", "flow": flow({"dp": 2, "dp_mode": "ddp"}, comm={"comm_overlap": False})},
     {"name": "dp2_zero1", "flow": flow({"dp": 2, "dp_mode": "ddp"}, zero_stage=1)},
     # ZeRO-1 optimizer shards saved in the common flattened form, resumed without ZeRO.
     {"name": "zero1_to_fsdp", "flow": flow({"dp": 2, "dp_mode": "fsdp"}), "resume": True,
@@ -171,7 +173,8 @@ def assert_close(got, want, rel=REL, what="loss"):
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "dp2_fsdp",
-                                  "dp2_ddp", "dp2_zero2", "dp2_zero1", "dp2_offload"])
+                                  "dp2_ddp", "dp2_zero2", "dp2_zero1", "dp2_offload",
+                                  "dp2_fsdp_no_overlap", "dp2_ddp_no_overlap"])
 def test_world2_layouts_match_single_process(world2, ref, name):
     _, res = world2
     assert_close(losses(res, name), ref["adamw"]["losses"])
