@@ -8,7 +8,7 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import handle_errors
+    from titan_pipe.cli import FLOW_HELP, call_stage, handle_errors
 
     @app.command("convert")
     @handle_errors
@@ -25,11 +25,12 @@ def register(app: typer.Typer) -> None:
         vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="True vocab size (Megatron padded vocab)"),
         model_config: Optional[Path] = typer.Option(None, "--model-config", help="params.json / config.json for DCP sources"),
         no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 of the source (sizes/headers still checked)"),
+        flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Convert a sharded checkpoint into one Hugging Face safetensors model (or reshard it)."""
         from titan_pipe.convert.api import convert_checkpoint
 
-        r = convert_checkpoint(src=src, out_dir=out, source_format=source_format, naming=naming,
+        r = call_stage("convert", convert_checkpoint, track=flow, src=src, out_dir=out, source_format=source_format, naming=naming,
                                dtype=dtype, max_shard_size=max_shard_size, tp=tp, pp=pp,
                                overwrite=overwrite, vocab_size=vocab_size, model_config=model_config,
                                verify=not no_verify)

@@ -19,7 +19,7 @@ class Precision(str, Enum):
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import console, handle_errors
+    from titan_pipe.cli import FLOW_HELP, call_stage, console, handle_errors
 
     @app.command("export")
     @handle_errors
@@ -38,11 +38,12 @@ def register(app: typer.Typer) -> None:
                                                  help="ATC precision: origin keeps the graph dtype"),
         expose_hidden: bool = typer.Option(False, "--expose-hidden", help="Add hidden.{i} outputs (for evaluation)"),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists"),
+        flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Export MODEL_DIR to ONNX (prefill + KV-cache decode) for Ascend ATC, with an operator report."""
         from titan_pipe.convert.onnx_export import export_model
 
-        r = export_model(model_dir=model_dir, out_dir=out_dir, opset=opset, dtype=dtype.value, batch=batch,
+        r = call_stage("export", export_model, track=flow, model_dir=model_dir, out_dir=out_dir, opset=opset, dtype=dtype.value, batch=batch,
                          seq_len=seq_len, dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version,
                          run_atc=atc, precision_mode=precision_mode.value, overwrite=overwrite,
                          expose_hidden=expose_hidden)

@@ -16,7 +16,7 @@ class ThresholdDtype(str, Enum):
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import console, handle_errors
+    from titan_pipe.cli import FLOW_HELP, call_stage, console, handle_errors
 
     @app.command("evaluate")
     @handle_errors
@@ -32,11 +32,12 @@ def register(app: typer.Typer) -> None:
                                             "validation split of the shipped corpus)"),
         dtype: ThresholdDtype = typer.Option(ThresholdDtype.auto, "--dtype", help="Threshold set to judge by "
                                              "(auto: each candidate's own dtype)"),
-        flow: Optional[Path] = typer.Option(None, "--flow", help="flow.yaml whose evaluate section (batches, "
-                                            "thresholds, ...) to use"),
+        config: Optional[Path] = typer.Option(None, "--config", help="flow.yaml whose evaluate section (batches, "
+                                              "thresholds, ...) to use"),
         batches: Optional[int] = typer.Option(None, "--batches", min=1, help="Number of held-out batches"),
         operators: Optional[bool] = typer.Option(None, "--operators/--no-operators",
                                                  help="Run the operator conformance table"),
+        flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Compare training checkpoint, unified model, ONNX and OM per layer, per operator, per dtype.
 
@@ -45,16 +46,16 @@ def register(app: typer.Typer) -> None:
         from titan_pipe.config import EvaluateConfig, load_flow
         from titan_pipe.evaluate.api import evaluate_model
 
-        settings = load_flow(flow).evaluate if flow is not None else EvaluateConfig()
+        settings = load_flow(config).evaluate if config is not None else EvaluateConfig()
         updates: dict = {"dtype": dtype.value}
-        if flow is not None and settings.data and not Path(settings.data).is_absolute():
-            updates["data"] = str(flow.parent / settings.data)  # flow.yaml paths are relative to its dir
+        if config is not None and settings.data and not Path(settings.data).is_absolute():
+            updates["data"] = str(config.parent / settings.data)  # flow.yaml paths are relative to its dir
         if batches is not None:
             updates["batches"] = batches
         if operators is not None:
             updates["operators"] = operators
         settings = settings.model_copy(update=updates)
-        r = evaluate_model(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
+        r = call_stage("evaluate", evaluate_model, track=flow, out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
                            data=data, settings=settings, progress=True)
         for cid, status in r.summary["comparisons"].items():
             console.print(f"  {cid:20s} {status}", highlight=False, soft_wrap=True)

@@ -11,17 +11,32 @@ def run_tracked(stage: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
 
     For stage CLIs (``titan-pipe convert ... --flow``): without the option they call the library
     function directly, with it they call ``run_tracked("convert", convert_checkpoint, src=..., ...)``.
-    Exceptions propagate unchanged, so the CLI's error mapping still applies. Prefect starts a
+    A UserError fails the flow run with its one-line message and is raised again for the CLI
+    to map; other exceptions propagate unchanged. Prefect starts a
     temporary server when PREFECT_API_URL is not set (10-30 s).
     """
     from prefect import flow
+    from prefect.states import Failed
 
+    from titan_pipe.errors import UserError
     from titan_pipe.flows.logs import run_logger
+
+    user_errors: list[UserError] = []
 
     def body(**kw: Any) -> T:
         run_logger().info(f"{stage}: {getattr(fn, '__name__', fn)}({', '.join(f'{k}={v}' for k, v in kw.items())})")
-        return fn(**kw)
+        try:
+            return fn(**kw)
+        except UserError as e:
+            # Bad input is the user's to fix: mark the run failed with the one-line message, not
+            # the traceback Prefect would log for an exception escaping the flow.
+            user_errors.append(e)
+            run_logger().error(str(e))
+            return Failed(message=str(e))
 
     tracked = flow(name=f"titan-pipe-{stage}-cli", validate_parameters=False, log_prints=True,
                    persist_result=False)(body)
-    return tracked(**kwargs)
+    state = tracked(**kwargs, return_state=True)
+    if user_errors:
+        raise user_errors[0]
+    return state.result()

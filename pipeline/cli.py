@@ -42,6 +42,18 @@ def handle_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+def call_stage(stage: str, fn: Callable, *, track: bool, **kwargs):
+    """Run a stage's library function directly, or (``--flow``) inside a tracked Prefect flow run."""
+    if not track:
+        return fn(**kwargs)
+    from titan_pipe.flows.track import run_tracked  # Prefect is imported only when asked for
+
+    return run_tracked(stage, fn, **kwargs)
+
+
+FLOW_HELP = "Track this run as a Prefect flow run (UI, logs); without it no Prefect is involved"
+
+
 @app.command()
 @handle_errors
 def init(directory: Path = typer.Argument(..., help="Directory to write flow.yaml into"),
@@ -89,3 +101,7 @@ _register_stages()
 
 def main() -> None:  # pragma: no cover - console entry
     sys.exit(app())
+
+
+if __name__ == "__main__":  # python -m titan_pipe.cli
+    app()

@@ -169,7 +169,7 @@ def test_cli_exit_codes(art, tmp_path):
     flow = tmp_path / "flow.yaml"
     flow.write_text("evaluate: {prompts: 0, batch_size: 2, operators: true}\n")
     common = ["evaluate", "--model-dir", str(art["model_dir"]), "--no-operators", "--batches", "1",
-              "--flow", str(flow)]
+              "--config", str(flow)]
     ok = runner.invoke(app, common + ["--onnx", str(art["onnx32"]), "-o", str(tmp_path / "ok")])
     assert ok.exit_code == 0, ok.output
     assert "PASS" in ok.output

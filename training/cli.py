@@ -17,13 +17,14 @@ def _format_summary(summary: dict) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import console, handle_errors
+    from titan_pipe.cli import FLOW_HELP, call_stage, console, handle_errors
 
     @app.command()
     @handle_errors
     def train(flow: Path = typer.Argument(..., help="flow.yaml describing the run"),
               resume: bool = typer.Option(False, "--resume",
-                                          help="continue from the newest complete checkpoint of the run")):
+                                          help="continue from the newest complete checkpoint of the run"),
+              track: bool = typer.Option(False, "--flow", help=FLOW_HELP)):
         """Train the model of FLOW on dp*tp*pp processes (torchrun); exits with torchrun's status."""
         from titan_pipe.config import load_flow
         from titan_pipe.training.launch import reports, run_training
@@ -35,7 +36,7 @@ def register(app: typer.Typer) -> None:
             return
         console.print(f"training {cfg.name}: dp={p.dp} tp={p.tp} pp={p.pp}, {cfg.train.steps} steps, "
                       f"run dir {cfg.run_dir()}", highlight=False, soft_wrap=True)
-        result = run_training(flow_path=flow, cfg=cfg, resume=resume)
+        result = call_stage("train", run_training, track=track, flow_path=flow, cfg=cfg, resume=resume)
         console.print(f"done: {_format_summary(result.summary)}", highlight=False, soft_wrap=True)
         if result.summary.get("peak_flops_source"):
             console.print(f"peak FLOPs: {result.summary['peak_flops_source']}", highlight=False, soft_wrap=True)
