@@ -74,7 +74,10 @@ class Fault:
 def _init_distributed(device) -> None:
     if not dist.is_initialized():
         set_local_device(device, int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(device.backend)
+        # On accelerators a gloo side-channel carries the small CPU collectives (per-step loss and
+        # memory stats, checkpoint bookkeeping); the model's collectives go over nccl/hccl.
+        backend = device.backend if device.type == "cpu" else f"cpu:gloo,{device.type}:{device.backend}"
+        dist.init_process_group(backend)
 
 
 def train(cfg: FlowConfig, *, base: Path, resume: bool = False) -> dict:
@@ -209,14 +212,17 @@ def train(cfg: FlowConfig, *, base: Path, resume: bool = False) -> dict:
                                   float(peak_memory_bytes(device))], dtype=torch.float64)
             loss_sum = stats[:1].clone()
             dist.all_reduce(loss_sum)
-            mem = stats[1:].clone()
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            per_rank = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(per_rank, stats[1:].clone())  # peak memory of every rank, in rank order
+            mem = max(float(m) for m in per_rank)
             dt = time.perf_counter() - t0
             tps = tokens_per_step / dt
             record = {"step": step, "loss": float(loss_sum) / (p.dp * p.tp), "lr": lr, "grad_norm": grad_norm,
                       "tokens_per_s": tps, "step_time_s": dt,
                       "mfu": metrics.mfu(tps, fpt, peak * world if peak else None),
-                      "peak_mem_mb": float(mem) / 2**20, "loss_scale": scaler.scale,
+                      "peak_mem_mb": mem / 2**20,
+                      "peak_mem_mb_per_rank": [round(float(m) / 2**20, 1) for m in per_rank],
+                      "loss_scale": scaler.scale,
                       "skipped": bool(found_inf)}
             history.append(record)
             if step % t.log_every == 0 or step == t.steps:
