@@ -1,27 +1,92 @@
 """The one loop: for each output file, write its header, then fill each tensor from the plan's reads.
 
 A tensor whose every read is a contiguous byte range on both sides in the same dtype (TP shards
-split on dim 0, whole tensors) is copied file-to-file by the kernel. Anything else (dim-1 splits,
-dtype casts, the RoPE row reorder, pickled sources) is assembled in row blocks of at most
-``BLOCK_BYTES``: the block buffer plus the source pieces that land in it are all the memory the
-conversion holds, whatever the model size (DCP and Megatron sources add the one stored chunk or
-rank file being read).
+split on dim 0, whole tensors) is copied file-to-file by the kernel. Anything else is assembled in
+row blocks of at most ``BLOCK_BYTES`` in a buffer each thread keeps for the whole run. Same-dtype
+reads whose source bytes are contiguous (dim-1 TP splits of safetensors shards: each output row
+interleaves one run from every shard) are scattered straight into their places in that buffer by
+one ``preadv`` per read, an iovec per run, so each byte is copied once into the buffer and once out;
+the rest (dtype casts, the RoPE row reorder, pickled sources) goes through torch. The block buffer
+plus the source pieces that land in it are all the memory the conversion holds, whatever the model
+size (DCP and Megatron sources add the one stored chunk or rank file being read).
 """
 from __future__ import annotations
 
 import math
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from titan_pipe.convert.layout import Box
 from titan_pipe.convert.plan import DTYPE_SIZES, OutFile, OutTensor, Read
 from titan_pipe.convert.readers.store import TORCH_DTYPES, Store, contiguous_span
 from titan_pipe.convert.writer import Entry, SafetensorsWriter
+from titan_pipe.errors import UserError
 
 BLOCK_BYTES = 32 * 2**20
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_local = threading.local()  # each fill thread's block buffer, reused across blocks and tensors
+
+
+def _block_buffer(nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` from this thread's reusable buffer (grown when needed).
+
+    Reusing it matters: a fresh 32 MiB allocation per block is a fresh mapping whose every page
+    faults and is zeroed before the first byte lands.
+    """
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _local.buf = bytearray(max(nbytes, 1))
+    return memoryview(buf)[:nbytes]
+
+
+def box_runs(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[np.ndarray, int]:
+    """(byte offset of every contiguous run, run length in bytes) of ``box`` in a row-major tensor.
+
+    The run is the box's extent from its last partial dim on (every later dim is whole); the
+    offsets enumerate the box's index grid over the dims before it, in row-major order.
+    """
+    if not shape:
+        return np.zeros(1, dtype=np.int64), itemsize
+    d = max((k for k in range(len(shape)) if box.lengths[k] != shape[k]), default=0)
+    strides = [math.prod(shape[k + 1:]) * itemsize for k in range(len(shape))]
+    run = math.prod(box.lengths[d:]) * itemsize
+    offs = np.array([box.offsets[d] * strides[d]], dtype=np.int64)
+    for k in range(d - 1, -1, -1):
+        idx = (box.offsets[k] + np.arange(box.lengths[k], dtype=np.int64)) * strides[k]
+        offs = (idx[:, None] + offs[None, :]).reshape(-1)
+    return offs, run
+
+
+def _scatter_read(fd: int, src_off: int, buf: memoryview, offs: np.ndarray, run: int, path) -> None:
+    """Read ``len(offs) * run`` contiguous bytes at ``src_off`` into ``buf[o:o + run]`` for each o."""
+    views = [buf[o:o + run] for o in offs.tolist()]
+    pos, i = src_off, 0
+    while i < len(views):
+        batch = views[i:i + IOV_MAX]
+        got = os.preadv(fd, batch, pos)
+        if got == 0:
+            raise UserError(f"{path}: ended early while reading byte {pos}; the file was truncated "
+                            "during the conversion")
+        pos += got
+        full, part = divmod(got, run)
+        i += full
+        if part:  # a short read stopped inside a run: finish that run from where it stopped
+            views[i] = views[i][part:]
+            run_left = len(views[i])
+            while run_left:
+                n = os.preadv(fd, [views[i][len(views[i]) - run_left:]], pos)
+                if n == 0:
+                    raise UserError(f"{path}: ended early while reading byte {pos}; the file was "
+                                    "truncated during the conversion")
+                pos += n
+                run_left -= n
+            i += 1
 
 
 def deinterleave_rope(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -76,18 +141,32 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store) -> None:
             w.copy(t.key, dst_off, fd, src_off, n)
         return
     out_dtype = TORCH_DTYPES[t.dtype]
+    itemsize = DTYPE_SIZES[t.dtype]
     for block in _row_blocks(t, reads):
-        buf = torch.empty(block.lengths, dtype=out_dtype)
+        raw = _block_buffer(block.numel * itemsize)
+        buf = None  # the torch view of raw, made only when a read needs torch
         for r in reads:
             c = r.clip(block)
             if c is None:
                 continue
+            span = None if c.rope_head_dim or t.source.dtype != t.dtype else \
+                store.byte_span(c.file, c.key, c.src_box)
+            rel = Box(tuple(o - b for o, b in zip(c.dst_box.offsets, block.offsets)), c.dst_box.lengths)
+            if span is not None:
+                fd, src_off, n = span
+                offs, run = box_runs(block.lengths, rel, itemsize)
+                if n == len(offs) * run:
+                    _scatter_read(fd, src_off, raw, offs, run, store.root / c.file)
+                    continue
+            if buf is None:
+                buf = torch.frombuffer(raw, dtype=torch.uint8).view(out_dtype).view(block.lengths) \
+                    if raw.nbytes else torch.empty(block.lengths, dtype=out_dtype)
             piece = store.read_box(c.file, c.key, c.src_box)
             if c.rope_head_dim:
                 piece = deinterleave_rope(piece, c.rope_head_dim)
             buf[_slices(c.dst_box, block.offsets)].copy_(piece)
-        start = contiguous_span(t.shape, block, DTYPE_SIZES[t.dtype])[0]
-        w.write(t.key, start, buf.reshape(-1).view(torch.uint8).numpy())
+        start = contiguous_span(t.shape, block, itemsize)[0]
+        w.write(t.key, start, raw)
 
 
 def write_file(out_dir: Path, f: OutFile, store: Store, *, metadata: dict[str, str] | None = None,
