@@ -8,6 +8,8 @@ an existing ``out_dir`` is left as it was, and the source is never opened for wr
 """
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import os
 import shutil
@@ -133,6 +135,26 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
         os.replace(tmp, out_dir)
 
 
+def _without_cyclic_gc(fn):
+    """Run ``fn`` with Python's cyclic garbage collector paused (restored afterwards).
+
+    The conversion allocates only small acyclic objects, which reference counting frees; but right
+    after ``import torch`` the interpreter holds ~10^6 objects, and the first full collection the
+    conversion's allocations trigger walks them all: ~0.1 s, a tenth of a plain copy of 2 GB.
+    """
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+    return wrapper
+
+
+@_without_cyclic_gc
 def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto", naming: str = "hf",
                        dtype: str = "keep", max_shard_size: str | int = "5GB", tp: int | None = None,
                        pp: int | None = None, overwrite: bool = False, vocab_size: int | None = None,

@@ -1,7 +1,9 @@
-"""sha256 of source files in a background thread, so verification overlaps the copy.
+"""sha256 of source files in background threads, so verification overlaps the copy.
 
-hashlib releases the GIL on large buffers, so the hash runs on another core while the main thread
-moves bytes; the conversion waits for it at the end and fails (leaving no output) on a mismatch.
+hashlib releases the GIL on large buffers, so the hashes run on other cores while the fill threads
+move bytes; the conversion waits for them at the end and fails (leaving no output) on a mismatch.
+One sha256 cannot be split (each block depends on the last), so the parallelism is across files:
+``threads`` files at once (default: one per core, at most the number of files).
 """
 from __future__ import annotations
 
@@ -15,12 +17,15 @@ from titan_pipe.errors import UserError
 BLOCK = 8 * 2**20
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
+    """Hex sha256 of the file; '' if ``stop`` was set before the end (the caller gave up)."""
     h = hashlib.sha256()
     buf = bytearray(BLOCK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
+            if stop is not None and stop.is_set():
+                return ""
             h.update(view[:n])
     return h.hexdigest()
 
@@ -28,33 +33,45 @@ def sha256_file(path: Path) -> str:
 class BackgroundHasher:
     """Hash ``files`` (relative to ``root``) in a daemon thread; ``result()`` joins and checks."""
 
-    def __init__(self, root: Path, files: list[str], expected: dict[str, str] | None = None):
+    def __init__(self, root: Path, files: list[str], expected: dict[str, str] | None = None,
+                 threads: int | None = None):
         self.root, self.files, self.expected = root, list(files), dict(expected or {})
         self.digests: dict[str, str] = {}
         self.error: BaseException | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="titan-pipe-sha256", daemon=True)
+        self._todo = iter(self.files)
+        self._lock = threading.Lock()
+        n = max(1, min(threads or os.cpu_count() or 1, len(self.files)))
+        self._threads = [threading.Thread(target=self._run, name=f"titan-pipe-sha256-{i}", daemon=True)
+                         for i in range(n)]
+
+    def _next(self) -> str | None:
+        with self._lock:
+            return next(self._todo, None)
 
     def _run(self) -> None:
         try:
-            for f in self.files:
-                if self._stop.is_set():
-                    return
-                self.digests[f] = sha256_file(self.root / f)
+            while not self._stop.is_set() and self.error is None and (f := self._next()) is not None:
+                self.digests[f] = sha256_file(self.root / f, self._stop)
         except BaseException as e:  # reported by result() in the main thread
             self.error = e
 
     def start(self) -> "BackgroundHasher":
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
+
+    def _join(self) -> None:
+        for t in self._threads:
+            t.join()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join()
+        self._join()
 
     def result(self) -> dict[str, str]:
         """file -> sha256; raises UserError naming the first file that does not match."""
-        self._thread.join()
+        self._join()
         if isinstance(self.error, OSError):
             raise UserError(f"{getattr(self.error, 'filename', self.root)}: cannot be read while "
                             f"hashing ({os.strerror(self.error.errno or 0)})")
@@ -65,4 +82,4 @@ class BackgroundHasher:
             if got is not None and got != want:
                 raise UserError(f"{self.root / f}: sha256 {got[:16]}... does not match the manifest "
                                 f"({want[:16]}...); the shard is corrupted. Copy it again")
-        return self.digests
+        return {f: self.digests[f] for f in self.files if f in self.digests}
