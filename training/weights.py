@@ -4,7 +4,6 @@ Hugging Face LLaMA directory. Every source has ``.args`` (ModelArgs) and ``.full
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Protocol
 
@@ -12,11 +11,8 @@ import torch
 from safetensors import safe_open
 
 from titan_pipe.convert.layout import MANIFEST_NAME, LayoutError, Manifest
-from titan_pipe.convert.names import from_hf_config, hf_to_native
 from titan_pipe.errors import UserError
 from titan_pipe.training.model import ModelArgs
-
-_IGNORED = (".rotary_emb.inv_freq",)
 
 
 class WeightSource(Protocol):
@@ -67,28 +63,22 @@ class CheckpointWeights:
 
 
 class SafetensorsWeights:
-    """A unified model dir (ours or Hugging Face): config.json + model*.safetensors (+ index)."""
+    """A unified model dir (ours or Hugging Face): config.json + model*.safetensors (+ index).
+
+    Found and named exactly as convert/unified.py's loader finds them, so a directory that
+    ``titan-pipe export`` accepts is one ``init_from`` accepts, with the same errors.
+    """
 
     def __init__(self, model_dir: Path):
+        from titan_pipe.convert.unified import locate_weights, native_name, read_model_args
+
         self.dir = Path(model_dir)
-        cfg = self.dir / "config.json"
-        if not cfg.is_file():
-            raise UserError(f"{cfg}: not found; a unified/Hugging Face model dir needs config.json")
-        try:
-            self.args = from_hf_config(json.loads(cfg.read_text()), source=str(cfg))
-        except (ValueError, json.JSONDecodeError) as e:
-            raise UserError(str(e)) from None
-        files = sorted(self.dir.glob("*.safetensors"))
-        if not files:
-            raise UserError(f"{self.dir}: no *.safetensors files; give a unified or Hugging Face model dir")
+        self.args = read_model_args(self.dir)
         self._where: dict[str, tuple[Path, str]] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as h:
-                for key in h.keys():
-                    if key.endswith(_IGNORED):
-                        continue
-                    name = key if not key.startswith(("model.", "lm_head.")) else hf_to_native(key)
-                    self._where[name] = (f, key)
+        for key, f in sorted(locate_weights(self.dir).key_to_file.items()):
+            name = native_name(key, f)
+            if name is not None:
+                self._where[name] = (f, key)
         if self.args.tie_embeddings and "output.weight" not in self._where and \
                 "tok_embeddings.weight" in self._where:
             self._where["output.weight"] = self._where["tok_embeddings.weight"]
