@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from titan_pipe.convert.detect import open_source
-from titan_pipe.convert.hashing import BackgroundHasher, sha256_file
+from titan_pipe.convert.hashing import BackgroundHasher
 from titan_pipe.convert.layout import MANIFEST_NAME, Chunk, FileInfo, LayoutError, Manifest, ParamSpec
 from titan_pipe.convert.names import native_shapes, to_hf_config
 from titan_pipe.convert.plan import (HF_DTYPE_NAMES, OUT_DTYPES, OutputPlan, SourcePlan, parse_size,
@@ -97,10 +97,9 @@ def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan) -> Path:
             p = params.setdefault(t.key, ParamSpec(t.key, t.source.shape, t.dtype,
                                                    tp_split_dim(t.key) if out.tp > 1 else None, stage))
             p.chunks.append(Chunk(f.name, t.key, t.region))
-    files = {}
-    for f in out.files:
-        path = tmp / f.name
-        files[f.name] = FileInfo(path.stat().st_size, sha256_file(path))
+    names = [f.name for f in out.files]
+    digests = BackgroundHasher(tmp, names).start().result()  # one file per core at once
+    files = {n: FileInfo((tmp / n).stat().st_size, digests[n]) for n in names}
     m = Manifest(step=src.step or 0, model=src.args.to_dict(),
                  parallel={"dp": 1, "tp": out.tp, "pp": out.pp,
                            "pp_schedule": src.layout.get("pp_schedule") or ("1f1b" if out.pp > 1 else "gpipe"),
