@@ -5,13 +5,13 @@ under its native name. Only safetensors weights are read (pytorch_model.bin is a
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from titan_pipe.convert.layout import Box
-from titan_pipe.convert.names import from_hf_config, hf_to_native, native_names
+from titan_pipe.convert.names import hf_to_native, native_names
 from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
 from titan_pipe.convert.readers.store import SafetensorsStore, read_header
+from titan_pipe.convert.unified import locate_weights, read_model_args
 from titan_pipe.errors import UserError
 
 FORMAT = "hf"
@@ -24,29 +24,14 @@ def looks_like(path: Path) -> bool:
 
 
 def weight_files(path: Path) -> list[str]:
-    if (path / INDEX).is_file():
-        try:
-            wm = json.loads((path / INDEX).read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise UserError(f"{path / INDEX}: not a valid safetensors index ({e})") from None
-        return sorted(set(wm.values()))
-    files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        hint = " (only pytorch_model.bin: re-save with safe_serialization=True)" if any(
-            path.glob("pytorch_model*.bin")) else ""
-        raise UserError(f"{path}: no *.safetensors weights{hint}")
-    return files
+    """Names of the weight files, found as the unified loader finds them (index, else model.safetensors)."""
+    return [f.name for f in locate_weights(path).files]
 
 
 def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
                 read_headers: bool = True) -> tuple[SourcePlan, SafetensorsStore]:
     cfg_path = path / "config.json"
-    try:
-        args = from_hf_config(json.loads(cfg_path.read_text()), source=str(cfg_path))
-    except FileNotFoundError:
-        raise UserError(f"{cfg_path}: missing; a Hugging Face model directory needs its config.json") from None
-    except ValueError as e:
-        raise UserError(f"{cfg_path}: {e}" if str(cfg_path) not in str(e) else str(e)) from None
+    args = read_model_args(path)
     if vocab_size is not None and vocab_size != args.vocab_size:
         raise UserError(f"--vocab-size {vocab_size} disagrees with {cfg_path} (vocab_size "
                         f"{args.vocab_size}); drop --vocab-size for Hugging Face models")
