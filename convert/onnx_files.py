@@ -4,12 +4,13 @@ Everything here works on paths, so a graph past 2 GB is never loaded with its we
 """
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 
 import onnx
 from onnx.external_data_helper import ExternalDataInfo
+
+from titan_pipe.hashing import sha256_file
 
 _ALIGN = 4096  # page-aligned tensors, so a runtime can mmap them
 
@@ -126,17 +127,9 @@ def check_and_infer(onnx_path: Path) -> onnx.ModelProto:
     return onnx.load(path, load_external_data=False)
 
 
-def sha256(path: Path, chunk: int = 16 * 1024**2) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def file_table(root: Path) -> dict[str, dict]:
     """{relative path: {bytes, sha256}} for every file under ``root``."""
-    return {str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": sha256(p)}
+    return {str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 

@@ -17,6 +17,7 @@ from typing import Any, Iterable
 
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
+from titan_pipe.hashing import sha256_file
 
 STAGES = ("train", "convert", "export", "evaluate")
 SCHEMA = 1  # bump when the key recipe changes, so old records are not trusted
@@ -28,14 +29,6 @@ _TRAIN_IGNORED = {"train": {"fail_at_step", "fail_rank", "fail_during", "log_eve
 # Files in a stage's output directory that the next stage does not read (they hold timestamps).
 _NOT_READ = {"provenance.json", "export.json"}
 _NOT_READ_SUFFIXES = (".log", ".sh", ".md", ".html", ".png", ".tmp")
-
-
-def sha256_file(path: Path, *, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 class FileHasher:

@@ -8,7 +8,8 @@ import torch
 
 from export_support import debug_model, hidden_states, write_unified
 from titan_pipe.convert.onnx_export import export_model
-from titan_pipe.convert.onnx_files import gather_external_data, sha256, share_external_data
+from titan_pipe.convert.onnx_files import gather_external_data, share_external_data
+from titan_pipe.hashing import sha256_file
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -109,7 +110,7 @@ def test_graph_is_atc_shaped(exported):
                                    if any(i in {t.name for t in m.graph.initializer} for i in n.input)}
     assert record["graphs"]["model.onnx"]["inputs"] == {"input_ids": ["batch", "seq"]}
     for name, info in record["files"].items():
-        assert sha256(result.out_dir / name) == info["sha256"]
+        assert sha256_file(result.out_dir / name) == info["sha256"]
     assert record["atc"]["status"] == "skipped" and result.atc_status == "skipped"
     assert (result.out_dir / "atc" / "command.sh").is_file()
 

@@ -10,7 +10,6 @@ For a weights-only read under any layout (e.g. evaluation)::
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -33,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from titan_pipe.convert.layout import MANIFEST_NAME, Chunk, FileInfo, Manifest, ParamSpec, split_box
 from titan_pipe.errors import UserError
+from titan_pipe.hashing import sha256_file
 from titan_pipe.run_dir import STEP_DIR
 from titan_pipe.training.parallelize import ParallelModel, copy_global_values
 from titan_pipe.training.sharding import tp_split_dim
@@ -47,14 +47,6 @@ _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"
 
 def shard_file(stage: int, tp_rank: int) -> str:
     return f"model/pp{stage}-tp{tp_rank}.safetensors"
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def tp_local(p: torch.Tensor) -> torch.Tensor:
@@ -78,7 +70,7 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> FileInfo
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
     os.replace(tmp, path)
-    return FileInfo(size=path.stat().st_size, sha256=sha256_of(path))
+    return FileInfo(size=path.stat().st_size, sha256=sha256_file(path))
 
 
 def _write_text(path: Path, text: str) -> None:
