@@ -28,6 +28,7 @@ from titan_pipe.convert.names import native_shapes, to_hf_config
 from titan_pipe.convert.plan import (HF_DTYPE_NAMES, OUT_DTYPES, OutputPlan, SourcePlan, parse_size,
                                      plan_sharded, plan_unified)
 from titan_pipe.convert.reshard import write_file
+from titan_pipe.convert.tokenizer_files import copy_tokenizer_files
 from titan_pipe.convert.writer import DISK_FULL_ERRNOS, DiskFull, disk_full_message
 from titan_pipe.errors import UserError
 from titan_pipe.training.sharding import stage_ranks, tp_split_dim
@@ -205,12 +206,15 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
                 written.append(_write_manifest(tmp, plan, out))
             else:
                 written += _write_unified_meta(tmp, plan, out)
+            tok_files, tok_record = ([], None) if sharded else copy_tokenizer_files(plan, tmp)
+            written += tok_files
             provenance = {
                 "source": {"format": plan.format, "path": str(plan.root.resolve()), "step": plan.step,
                            "layout": plan.layout,
                            "sha256": digests if verify else dict(sorted(plan.expected_sha256.items())),
                            "sha256_verified": verify},
                 "converter": CONVERTER_VERSION,
+                "tokenizer": tok_record,  # what the model dir carries: "byte", "tokenizer.json" or None
                 "output": {"kind": out.kind, "naming": "native" if sharded else naming, "dtype": dtype,
                            "tp": out.tp, "pp": out.pp,
                            "files": [str(p.relative_to(tmp)) for p in written]},

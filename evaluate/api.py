@@ -18,7 +18,7 @@ import torch
 from titan_pipe.config import EvaluateConfig
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate import compare as cmp
-from titan_pipe.evaluate.batches import load_eval_data
+from titan_pipe.evaluate.batches import ValidationSplit, load_eval_data
 from titan_pipe.evaluate.operators import run_conformance
 from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, check_out_dir, write_report
 from titan_pipe.evaluate.runners import (DistributedRunner, OmRunner, OnnxDecodeRunner, OnnxRuntimeRunner, Outputs,
@@ -113,8 +113,12 @@ class _Steps:
 
 def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: Path | None = None,
                    onnx: Path | None = None, om: Path | None = None, data: Path | None = None,
-                   settings: EvaluateConfig | None = None, progress: bool = False) -> EvalResult:
+                   settings: EvaluateConfig | None = None, progress: bool = False,
+                   split: ValidationSplit | None = None) -> EvalResult:
     """Compare everything given, write REPORT_DIR/{report.json, report.md, report.html, *.csv, *.png}.
+
+    Held-out text: ``data`` (or ``settings.data``), a file used whole; else ``split``, the
+    validation split of a training corpus (default: the shipped corpus's). Not both.
 
     Raises UserError for missing or mismatched inputs (nothing is written then); a failed verdict
     is not an exception: ``EvalResult.passed`` is False (the CLI turns it into exit code 1).
@@ -122,16 +126,20 @@ def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: 
     settings = settings or EvaluateConfig()
     data = data if data is not None else settings.data  # flow.yaml evaluate.data
     _check_inputs(checkpoint, model_dir, onnx, om, data)
+    if data is not None and split is not None:
+        raise UserError(f"--data {data} and the validation split of {split.corpus or 'the shipped corpus'} "
+                        "were both given; pass one of them")
     out_dir = Path(out_dir)
     check_out_dir(out_dir)  # fail before the work, not after
     steps = _Steps(progress, total=8)
     try:
-        return _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, settings, steps)
+        return _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, settings, steps, split)
     finally:
         steps.close()
 
 
-def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig, steps: _Steps) -> EvalResult:
+def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig, steps: _Steps,
+              split: ValidationSplit | None = None) -> EvalResult:
     def tdtype(cand_dtype: str) -> str:
         return cand_dtype if s.dtype == "auto" else s.dtype
 
@@ -159,7 +167,8 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
         raise UserError(f"evaluate.seq_len {seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
     ev = load_eval_data(data=Path(data) if data else None, model_dir=Path(model_dir) if model_dir else None,
                         vocab_size=args.vocab_size, n_batches=s.batches, batch_size=batch_size,
-                        seq_len=seq_len, n_prompts=s.prompts, prompt_len=s.prompt_len)
+                        seq_len=seq_len, n_prompts=s.prompts, prompt_len=s.prompt_len, split=split,
+                        checkpoint=Path(checkpoint) if checkpoint else None)
 
     steps.step("reference forward")
     ref_out = _run_batches(ref, ev.batches)

@@ -1,9 +1,11 @@
 """Held-out token batches and generation prompts for evaluation, from training's own data code.
 
-Without ``--data`` the text is the validation split (the last ``val_fraction`` of the stream) of
-the shipped corpus, so evaluation never scores text the model trained on; a ``--data`` file is
-held out by the user and used whole. The tokenizer is the model directory's ``tokenizer.json``
-when it has one, else the byte tokenizer training used.
+Two sources of held-out text: a ``--data`` file, held out by the user and used whole; or a
+``ValidationSplit`` of a corpus: the last ``val_fraction`` of its token stream, which is exactly
+what training left out of the same corpus, so evaluation never scores text the model trained on.
+The default is the split of the shipped corpus; a flow passes its own ``data`` section. The
+tokenizer is the model directory's ``tokenizer.json``, else the one the checkpoint carries
+(manifest ``extra.tokenizer``), else the byte tokenizer.
 """
 from __future__ import annotations
 
@@ -23,19 +25,48 @@ class EvalData:
     tokenizer: str
 
 
-def pick_tokenizer(model_dir: Path | None) -> str:
+@dataclass(frozen=True)
+class ValidationSplit:
+    """Held-out text = the validation split training cut from ``corpus`` (flow.yaml's data section)."""
+
+    corpus: Path | None = None  # a .txt/.jsonl file or a directory of them; None: the shipped corpus
+    val_fraction: float = 0.05
+    text_key: str = "text"
+
+    @classmethod
+    def of_flow(cls, data, flow_dir: Path) -> "ValidationSplit":
+        """flow.yaml's ``data`` section (DataConfig) as held-out text; data.path is relative to ``flow_dir``."""
+        corpus = None
+        if data.path is not None:
+            corpus = Path(data.path).expanduser()
+            corpus = corpus if corpus.is_absolute() else Path(flow_dir) / corpus
+        return cls(corpus=corpus, val_fraction=data.val_fraction, text_key=data.text_key)
+
+
+def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> str:
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         return str(Path(model_dir) / "tokenizer.json")
+    if checkpoint is not None and (Path(checkpoint) / "manifest.json").is_file():
+        from titan_pipe.convert.layout import Manifest
+
+        if Manifest.load(checkpoint).extra.get("tokenizer") == "tokenizer.json":
+            return str(Path(checkpoint) / "tokenizer.json")
     return "byte"
 
 
 def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int, n_batches: int,
                    batch_size: int, seq_len: int, n_prompts: int, prompt_len: int,
-                   val_fraction: float = 0.05) -> EvalData:
-    """``n_batches`` (batch_size, seq_len) batches cut from held-out text, and the prompts."""
+                   split: ValidationSplit | None = None, checkpoint: Path | None = None) -> EvalData:
+    """``n_batches`` (batch_size, seq_len) batches cut from held-out text, and the prompts.
+
+    ``data``: a file used whole; else ``split`` (default: the shipped corpus's validation split).
+    """
     from titan_pipe.training.data import build_tokenizer, load_tokens, split_train_val
 
-    spec = pick_tokenizer(model_dir)
+    if data is not None and split is not None:
+        raise UserError(f"--data {data} and a validation split of {split.corpus or 'the shipped corpus'} "
+                        "were both given; pass one")
+    spec = pick_tokenizer(model_dir, checkpoint)
     tok = build_tokenizer(spec)
     if data is not None:
         data = Path(data)
@@ -45,8 +76,14 @@ def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int
         stream = load_tokens(path=data, tokenizer=tok)
         source = str(data)
     else:
-        _, stream = split_train_val(load_tokens(path=None, tokenizer=tok), val_fraction)
-        source = f"shipped corpus, validation split (last {val_fraction:.0%})"
+        split = split or ValidationSplit()
+        if split.corpus is not None and not Path(split.corpus).exists():
+            raise UserError(f"data.path {split.corpus}: does not exist; its validation split is the held-out "
+                            "text. Fix data.path or give evaluate.data / --data")
+        tokens = load_tokens(path=split.corpus, tokenizer=tok, text_key=split.text_key)
+        _, stream = split_train_val(tokens, split.val_fraction)
+        where = split.corpus if split.corpus is not None else "shipped corpus"
+        source = f"{where}, validation split (last {split.val_fraction:.0%})"
     need = n_batches * batch_size * seq_len
     if len(stream) < need:
         raise UserError(f"{source}: {len(stream)} held-out tokens, but {n_batches} batches x {batch_size} x "

@@ -28,8 +28,9 @@ def register(app: typer.Typer) -> None:
         onnx: Optional[Path] = typer.Option(None, "--onnx", help="Exported prefill graph OUT_DIR/model.onnx "
                                             "(export with --expose-hidden for per-layer results)"),
         om: Optional[Path] = typer.Option(None, "--om", help="ATC .om model (needs an Ascend runtime)"),
-        data: Optional[Path] = typer.Option(None, "--data", help="Held-out .txt/.jsonl text (default: the "
-                                            "validation split of the shipped corpus)"),
+        data: Optional[Path] = typer.Option(None, "--data", help="Held-out .txt/.jsonl text, used whole "
+                                            "(default: the validation split of --config's data, else of the "
+                                            "shipped corpus)"),
         dtype: ThresholdDtype = typer.Option(ThresholdDtype.auto, "--dtype", help="Threshold set to judge by "
                                              "(auto: each candidate's own dtype)"),
         config: Optional[Path] = typer.Option(None, "--config", help="flow.yaml whose evaluate section (batches, "
@@ -46,7 +47,8 @@ def register(app: typer.Typer) -> None:
         from titan_pipe.config import EvaluateConfig, load_flow
         from titan_pipe.evaluate.api import evaluate_model
 
-        settings = load_flow(config).evaluate if config is not None else EvaluateConfig()
+        flow_cfg = load_flow(config) if config is not None else None
+        settings = flow_cfg.evaluate if flow_cfg is not None else EvaluateConfig()
         updates: dict = {"dtype": dtype.value}
         if config is not None and settings.data and not Path(settings.data).is_absolute():
             updates["data"] = str(config.parent / settings.data)  # flow.yaml paths are relative to its dir
@@ -55,8 +57,13 @@ def register(app: typer.Typer) -> None:
         if operators is not None:
             updates["operators"] = operators
         settings = settings.model_copy(update=updates)
+        split = None
+        if flow_cfg is not None and data is None and settings.data is None:
+            from titan_pipe.evaluate.batches import ValidationSplit
+
+            split = ValidationSplit.of_flow(flow_cfg.data, config.parent)  # the flow's own held-out split
         r = call_stage("evaluate", evaluate_model, track=flow, out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
-                           data=data, settings=settings, progress=True)
+                           data=data, settings=settings, progress=True, split=split)
         for cid, status in r.summary["comparisons"].items():
             console.print(f"  {cid:20s} {status}", highlight=False, soft_wrap=True)
         colour = "green" if r.passed else "red"

@@ -90,7 +90,8 @@ def checkpoint_files(ckpt: Path) -> list[Path]:
     manifest = ckpt / "manifest.json"
     try:
         listed = json.loads(manifest.read_text())["files"]
-        return [manifest] + [ckpt / name for name in sorted(listed)]
+        attached = json.loads(manifest.read_text()).get("extra", {}).get("attached") or {}
+        return [manifest] + [ckpt / name for name in sorted({*listed, *attached})]
     except (OSError, ValueError, KeyError, TypeError):
         return files_under(ckpt)  # not our format: everything in it
 
@@ -136,10 +137,9 @@ def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict[
         return StageInputs(stage, cfg.export.model_dump(mode="json"), tuple(files_under(upstream["model_dir"])))
     if stage == "evaluate":
         section = {"evaluate": cfg.evaluate.model_dump(mode="json")}
-        if cfg.evaluate.data is None:  # evaluate_model then reads the shipped corpus's validation split
-            from titan_pipe.training.data import default_corpus
-
-            files = files_under(Path(default_corpus()))
+        if cfg.evaluate.data is None:  # evaluate then reads the validation split of the training data
+            files = data_files(cfg, flow_dir)
+            section["split"] = cfg.data.model_dump(mode="json", include={"path", "val_fraction", "text_key"})
         else:
             files = [_resolve(cfg.evaluate.data, flow_dir)]
         files += checkpoint_files(upstream["checkpoint"])

@@ -112,12 +112,12 @@ def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> Stage
 
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
 def evaluate_task(out_dir: Path, checkpoint: Path, model_dir: Path, onnx: Path, om: Path | None,
-                  data: Path | None, settings: EvaluateConfig) -> StageOutput:
+                  data: Path | None, settings: EvaluateConfig, split=None) -> StageOutput:
     from titan_pipe.evaluate.api import evaluate_model
 
     run_logger().info(f"evaluating {checkpoint.name} / {model_dir.name} / {onnx.name} -> {out_dir}")
     r = evaluate_model(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
-                       data=data, settings=settings, progress=True)
+                       data=data, settings=settings, progress=True, split=split)
     run_logger().info(f"verdict: {'PASS' if r.passed else 'FAIL'} ({r.report_json})")
     paths = {"report_dir": str(r.out_dir), "report_json": str(r.report_json)}
     for name in ("report.md", "report.html"):

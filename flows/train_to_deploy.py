@@ -129,13 +129,18 @@ def _call_stage(stage: str, fn: Callable, *, cfg: FlowConfig, flow_path: Path, f
         return fn(checkpoint=Path(upstream["checkpoint"]), out_dir=rd.model, settings=cfg.convert)
     if stage == "export":
         return fn(model_dir=Path(upstream["model_dir"]), out_dir=rd.onnx, settings=cfg.export)
-    data = None
-    if cfg.evaluate.data is not None:
+    data = split = None
+    if cfg.evaluate.data is not None:  # a held-out file, used whole
         data = Path(cfg.evaluate.data)
         data = data if data.is_absolute() else flow_dir / data
+    else:  # the validation split of this flow's own training data, as training cut it
+        from titan_pipe.evaluate.batches import ValidationSplit
+
+        split = ValidationSplit.of_flow(cfg.data, flow_dir)
     om = upstream.get("om")
     return fn(out_dir=rd.report, checkpoint=Path(upstream["checkpoint"]), model_dir=Path(upstream["model_dir"]),
-              onnx=Path(upstream["onnx"]), om=Path(om) if om else None, data=data, settings=cfg.evaluate)
+              onnx=Path(upstream["onnx"]), om=Path(om) if om else None, data=data, settings=cfg.evaluate,
+              split=split)
 
 
 def run_pipeline(flow_path: Path, *, from_stage: str | None = None, only: str | None = None,

@@ -143,7 +143,7 @@ class StandIns:
         return StageOutput("export", {"onnx_dir": str(out_dir), "onnx": str(onnx)}, outputs=[str(out_dir)],
                            summary={"atc_status": "skipped: atc not on PATH"})
 
-    def evaluate(self, *, out_dir, checkpoint, model_dir, onnx, om, data, settings):
+    def evaluate(self, *, out_dir, checkpoint, model_dir, onnx, om, data, settings, split=None):
         self.calls.append("evaluate")
         out_dir.mkdir(parents=True, exist_ok=True)
         report = out_dir / "report.json"

@@ -82,6 +82,14 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _copy_file(src: Path, path: Path) -> FileInfo:
+    """Copy under a temp name, then rename (same rule as the shards)."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, path)
+    return FileInfo(size=path.stat().st_size, sha256=sha256_file(path))
+
+
 def optimizer_state(model: ParallelModel, optimizers: list) -> dict:
     """Flattened (FQN-keyed) optimizer state of every local part, merged; keys are disjoint.
 
@@ -110,13 +118,16 @@ def rng_state() -> dict:
 
 def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | None, train_state: dict,
                     parallel: dict, fail_hook: Callable[[], None] | None = None,
-                    extra: dict | None = None) -> Path:
+                    extra: dict | None = None, attach: dict[str, Path] | None = None) -> Path:
     """Save a checkpoint of the whole model into ``step_dir``; collective, call on every rank.
 
     Order: shard files (dp-rank-0 of each (stage, tp rank)), optimizer DCP, train_state.json,
     then manifest.json by global rank 0 once everything else is on disk. ``fail_hook`` runs
     after the shard files are written and before the manifest (fault-injection tests).
     ``extra`` adds keys to the manifest's ``extra`` (the trainer records kernels and tokenizer).
+    ``attach`` ({name in the step dir: source file}, e.g. the tokenizer) is copied in by rank 0
+    before the manifest and listed with size and sha256 under ``extra.attached``; not in
+    ``files``, which is the table of weight shards readers open as safetensors.
     """
     step_dir = Path(step_dir)
     rank = dist.get_rank()
@@ -152,6 +163,7 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
     if rank == 0:
         state = dict(train_state, rng=rng_state())
         _write_text(step_dir / TRAIN_STATE, json.dumps(state, indent=1))
+        attached = {name: _copy_file(src, step_dir / name) for name, src in sorted((attach or {}).items())}
 
     gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object((specs if dp_rank == 0 else [], files), gathered, dst=0)
@@ -168,7 +180,8 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
         manifest = Manifest(step=int(train_state["step"]), model=model.args.to_dict(), parallel=parallel,
                             params=dict(sorted(params.items())), files=all_files,
                             extra={"optimizer": OPTIM_DIR if optimizers is not None else None,
-                                   "train_state": TRAIN_STATE, **(extra or {})})
+                                   "train_state": TRAIN_STATE, **(extra or {}),
+                                   **({"attached": {k: vars(v) for k, v in attached.items()}} if attached else {})})
         manifest.validate()
         _write_text(step_dir / MANIFEST_NAME, manifest.to_json())
     dist.barrier()

@@ -141,6 +141,22 @@ def build_tokenizer(spec: str, *, base: Path | None = None) -> ByteTokenizer | H
     return HFTokenizer(path)
 
 
+# What a checkpoint / converted model carries of an HF tokenizer: the tokenizer.json (always under
+# this name, so evaluate and transformers find it) and, when beside it, the files naming bos/eos.
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_files(tok: ByteTokenizer | HFTokenizer) -> dict[str, Path]:
+    """{name in a model dir: source path} of the files that reproduce ``tok``; {} for the byte tokenizer."""
+    if not isinstance(tok, HFTokenizer):
+        return {}
+    out = {"tokenizer.json": Path(tok.path)}
+    for name in TOKENIZER_SIDE_FILES:
+        if (Path(tok.path).parent / name).is_file():
+            out[name] = Path(tok.path).parent / name
+    return out
+
+
 def default_corpus() -> Path:
     """The directory of public-domain texts shipped with titan-pipe (see docs/data.md)."""
     return CORPUS_DIR

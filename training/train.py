@@ -25,7 +25,7 @@ from titan_pipe.run_dir import RunDir
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training import metrics
 from titan_pipe.training.amp import LossScaler, autocast
-from titan_pipe.training.data import PackedLoader, prepare_data
+from titan_pipe.training.data import PackedLoader, prepare_data, tokenizer_files
 from titan_pipe.training.data_parallel import plan_dp
 from titan_pipe.training.kernels import resolve_kernels
 from titan_pipe.training.model import flops_per_token
@@ -107,6 +107,8 @@ def train(cfg: FlowConfig, *, base: Path, resume: bool = False) -> dict:
     kernels = resolve_kernels(cfg.model.kernels, device.type)
     data = prepare_data(path=cfg.data.path, tokenizer=cfg.data.tokenizer, text_key=cfg.data.text_key,
                         val_fraction=cfg.data.val_fraction, base=base, vocab_size=args.vocab_size)
+    # Copied into every checkpoint so it names its tokenizer itself, not a path relative to flow.yaml.
+    tok_files = tokenizer_files(data.tokenizer)
     dp_rank = mesh["dp"].get_local_rank()
     loader = PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size, dp_rank=dp_rank,
                           dp_size=p.dp, seed=t.seed)
@@ -237,7 +239,9 @@ def train(cfg: FlowConfig, *, base: Path, resume: bool = False) -> dict:
                 ckpt.save_checkpoint(run.checkpoint(step), model=model,
                                      optimizers=optimizers if cfg.checkpoint.save_optimizer else None,
                                      train_state=state, parallel=parallel_meta, fail_hook=hook,
-                                     extra={"kernels": cfg.model.kernels, "tokenizer": cfg.data.tokenizer})
+                                     extra={"kernels": cfg.model.kernels,
+                                            "tokenizer": "tokenizer.json" if tok_files else "byte"},
+                                     attach=tok_files)
                 if rank == 0:
                     ckpt.prune(run.checkpoints, cfg.checkpoint.keep_last)
 

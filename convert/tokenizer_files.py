@@ -1,0 +1,66 @@
+"""The tokenizer files a conversion carries from the source checkpoint into the unified model dir.
+
+A titan-pipe checkpoint names its tokenizer in manifest ``extra.tokenizer`` ("byte", or
+"tokenizer.json" beside the manifest, with every copied file's size and sha256 under
+``extra.attached``). Any other source (a Hugging Face dir, Megatron, DCP) contributes the
+tokenizer.json / tokenizer_config.json / special_tokens_map.json found beside its weights.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from titan_pipe.convert.layout import MANIFEST_NAME, Manifest
+from titan_pipe.convert.plan import SourcePlan
+from titan_pipe.errors import UserError
+from titan_pipe.hashing import sha256_file
+
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def plan_tokenizer_files(plan: SourcePlan) -> dict[str, Path]:
+    """{name in the output dir: source file} to copy; raises UserError when a listed one is missing."""
+    root = Path(plan.root)
+    if plan.format != "titan":
+        return {n: root / n for n in TOKENIZER_NAMES if (root / n).is_file()}
+    extra = Manifest.load(root).extra
+    if extra.get("tokenizer", "byte") == "byte":
+        return {}
+    attached = extra.get("attached") or {}
+    names = [n for n in TOKENIZER_NAMES if n in attached]
+    if extra["tokenizer"] != "tokenizer.json" or "tokenizer.json" not in attached:
+        return {}  # an older checkpoint that recorded the flow's tokenizer path, not a copy of it
+    out = {}
+    for n in names:
+        f = root / n
+        if not f.is_file() or f.stat().st_size != attached[n]["size"]:
+            raise UserError(f"{f}: missing or not the size {root / MANIFEST_NAME} records "
+                            f"({attached[n]['size']} bytes); copy the complete checkpoint")
+        out[n] = f
+    return out
+
+
+def copy_tokenizer_files(plan: SourcePlan, dest: Path) -> tuple[list[Path], dict]:
+    """Copy the source's tokenizer files into ``dest`` (the conversion's temp dir).
+
+    Returns the written paths and a provenance record {"tokenizer": "byte" | "tokenizer.json",
+    "files": {name: sha256}}; a titan source's sha256s are checked against its manifest.
+    """
+    todo = plan_tokenizer_files(plan)
+    expected = {}
+    if plan.format == "titan" and todo:
+        expected = {n: v["sha256"] for n, v in Manifest.load(plan.root).extra["attached"].items()}
+    written, digests = [], {}
+    for name, src in todo.items():
+        path = dest / name
+        tmp = path.with_name(f".{name}.partial")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, path)
+        digests[name] = sha256_file(path)
+        if name in expected and digests[name] != expected[name]:
+            raise UserError(f"{src}: sha256 {digests[name][:12]}... but {Path(plan.root) / MANIFEST_NAME} "
+                            f"records {expected[name][:12]}...; the file was replaced. Copy the checkpoint again")
+        written.append(path)
+    kind = "tokenizer.json" if "tokenizer.json" in todo else "byte" if plan.format == "titan" else None
+    return written, {"tokenizer": kind, "files": digests}
