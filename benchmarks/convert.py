@@ -11,8 +11,10 @@ bf16, ~2.2 GB), then measures, each in its own subprocess with a warm page cache
   consolidate  torch's consolidate_safetensors_files on the same shards in DCP's HF layout
 and prints wall time (of the work, and of the whole process) and peak RSS, with ratios to the
 floor and to the checkpoint size. Targets: wall <= 1.3x floor, peak RSS <= 0.25x checkpoint.
+With --cold the sources are evicted from the page cache before every run instead (posix_fadvise
+DONTNEED on just these files, after a sync), so every method reads them from the disk.
 
-    python benchmarks/convert.py [--workdir /tmp/titan-pipe-bench] [--layers 22] [--keep]
+    python benchmarks/convert.py [--workdir /tmp/titan-pipe-bench] [--layers 22] [--keep] [--cold]
 """
 from __future__ import annotations
 
@@ -211,6 +213,18 @@ def _warm(work: Path) -> None:
                         pass
 
 
+def _evict(work: Path) -> None:
+    """Drop the (clean, synced) pages of the inputs from the page cache: cold reads, no root needed."""
+    for d in ("titan", "dcp_root", "consolidate_in"):
+        for f in sorted((work / d).rglob("*")):
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/titan-pipe-bench"))
@@ -219,6 +233,8 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--repeat", type=int, default=2, help="runs per method; the fastest is reported")
     ap.add_argument("--png", type=Path, help="also draw the figures as a bar chart here")
+    ap.add_argument("--cold", action="store_true", help="evict the inputs from the page cache before "
+                    "every run (disk-bound reads) instead of warming them")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -241,7 +257,7 @@ def main() -> None:
                 out = work / "out"
                 shutil.rmtree(out, ignore_errors=True)
                 subprocess.run(["sync"])
-                _warm(work)
+                (_evict if a.cold else _warm)(work)
                 t = time.perf_counter()
                 r = subprocess.run([sys.executable, __file__, "--run", method, "--workdir", str(work),
                                     "--out", str(out)], capture_output=True, text=True)
@@ -263,7 +279,8 @@ def main() -> None:
         size_mb = info["bytes"] / 2**20
         print(f"\n{'method':<24} {'work s':>8} {'x floor':>8} {'process s':>10} {'peak RSS MB':>12} "
               f"{'x ckpt':>7}")
-        print(f"(repeats: {a.repeat}, fastest shown; load average {os.getloadavg()[0]:.1f})")
+        print(f"(repeats: {a.repeat}, fastest shown; inputs {'evicted (cold)' if a.cold else 'in the page cache'}; "
+              f"load average {os.getloadavg()[0]:.1f})")
         for method, r in results.items():
             ratio = f"{r['wall'] / floor:8.2f}" if floor else "       -"
             print(f"{method:<24} {r['wall']:8.2f} {ratio} {r['process']:10.2f} {r['peak_mb']:12.0f} "
