@@ -1,4 +1,9 @@
-"""`--flow` on a stage command: the same library call, tracked as a Prefect flow run."""
+"""`--flow` on a stage command: the same library call, tracked as a Prefect flow run.
+
+The commands run in real processes: Prefect's console log handlers bind to the stream they first
+see, and CliRunner's captured streams are closed after each invocation, which would break every
+later Prefect log line of the test session.
+"""
 import os
 import subprocess
 import sys
@@ -6,20 +11,25 @@ import sys
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
-from titan_pipe.cli import app
 from convert_writers import model_args, native_state, write_hf
 
 
+def _titan_pipe(*argv: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "titan_pipe.cli", *argv], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
 def test_convert_with_flow_is_tracked_and_gives_the_same_bytes(prefect_harness, tmp_path):
+    from prefect.settings import PREFECT_API_URL
+
     args = model_args()
     src = write_hf(native_state(args), args, tmp_path / "hf")
-    runner = CliRunner()
-    plain = runner.invoke(app, ["convert", str(src), "-o", str(tmp_path / "plain")])
-    assert plain.exit_code == 0, plain.output
-    tracked = runner.invoke(app, ["convert", str(src), "-o", str(tmp_path / "tracked"), "--flow"])
-    assert tracked.exit_code == 0, tracked.output
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}  # the session's test server
+    plain = _titan_pipe("convert", str(src), "-o", str(tmp_path / "plain"), env=env)
+    assert plain.returncode == 0, plain.stderr
+    tracked = _titan_pipe("convert", str(src), "-o", str(tmp_path / "tracked"), "--flow", env=env)
+    assert tracked.returncode == 0, tracked.stderr
     a = load_file(tmp_path / "plain" / "model.safetensors")
     b = load_file(tmp_path / "tracked" / "model.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
@@ -29,12 +39,9 @@ def test_convert_with_flow_is_tracked_and_gives_the_same_bytes(prefect_harness, 
 
 
 def test_bad_input_under_flow_is_one_line_and_a_failed_run(tmp_path):
-    # A real process (its own temporary Prefect server): CliRunner's captured streams and
-    # Prefect's console log handlers do not mix.
+    # Its own temporary Prefect server: nothing else is needed from the session.
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
-    r = subprocess.run([sys.executable, "-m", "titan_pipe.cli", "convert", str(tmp_path / "nope"),
-                        "-o", str(tmp_path / "x"), "--flow"], capture_output=True, text=True, env=env,
-                       timeout=300)
+    r = _titan_pipe("convert", str(tmp_path / "nope"), "-o", str(tmp_path / "x"), "--flow", env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 1, out
     assert f"error {tmp_path / 'nope'}: does not exist" in out
