@@ -31,6 +31,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_pipe.convert.layout import MANIFEST_NAME, Chunk, FileInfo, Manifest, ParamSpec, split_box
+from titan_pipe.convert.readers.store import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
 from titan_pipe.run_dir import STEP_DIR
@@ -42,7 +43,6 @@ from titan_pipe.training.zero1 import load_zero1_state, zero1_state
 OPTIM_DIR = "optimizer"
 TRAIN_STATE = "train_state.json"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-_ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
 
 
 def shard_file(stage: int, tp_rank: int) -> str:
@@ -149,7 +149,7 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} != box {box.lengths} from "
                                "training/sharding.py; the TP plan and the sharding table disagree")
         per_stage.setdefault(stage, {})[name] = local
-        specs.append(ParamSpec(name=name, shape=shape, dtype=_ST_DTYPES[local.dtype], tp_dim=tp_dim,
+        specs.append(ParamSpec(name=name, shape=shape, dtype=DTYPE_NAMES[local.dtype], tp_dim=tp_dim,
                                stage=stage, chunks=[Chunk(shard_file(stage, tp_rank), name, box)]))
     if dp_rank == 0:
         for stage, tensors in per_stage.items():
