@@ -110,6 +110,11 @@ def _native(hf_sd: dict) -> dict:
 # the methods (each runs in a child process: `--run METHOD`)
 
 
+# titan-pipe's own methods: source dir under the work dir, and whether the source sha256s are checked.
+_OURS = {"titan-pipe": ("titan", True), "titan-pipe --no-verify": ("titan", False),
+         "titan-pipe/dcp": ("dcp_root/ckpt", True)}
+
+
 def run_method(method: str, work: Path, out: Path) -> dict:
     base = _rss_mb()
     t0 = time.perf_counter()
@@ -120,24 +125,13 @@ def run_method(method: str, work: Path, out: Path) -> dict:
         peak = _peak_children_mb()
         wall = time.perf_counter() - t0
         return {"wall": wall, "peak_mb": peak, "base_mb": 0.0}
-    if method == "titan-pipe":
+    if method in _OURS:
         from titan_pipe.convert.api import convert_checkpoint
 
+        src, verify = _OURS[method]
         base = _rss_mb()
         t0 = time.perf_counter()
-        convert_checkpoint(src=work / "titan", out_dir=out, progress=False)
-    elif method == "titan-pipe --no-verify":
-        from titan_pipe.convert.api import convert_checkpoint
-
-        base = _rss_mb()
-        t0 = time.perf_counter()
-        convert_checkpoint(src=work / "titan", out_dir=out, progress=False, verify=False)
-    elif method == "titan-pipe/dcp":
-        from titan_pipe.convert.api import convert_checkpoint
-
-        base = _rss_mb()
-        t0 = time.perf_counter()
-        convert_checkpoint(src=work / "dcp_root/ckpt", out_dir=out, progress=False)
+        convert_checkpoint(src=work / src, out_dir=out, progress=False, verify=verify)
     elif method == "load+cat":
         import torch
         from safetensors.torch import load_file, save_file
