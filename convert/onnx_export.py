@@ -1,10 +1,12 @@
-"""The export stage: a unified model dir -> model.onnx (+ decode.onnx), ATC command/.om, export.json.
+"""The export stage: a unified model dir -> model.onnx + decode.onnx (+ model.onnx.data), ATC command/.om, export.json.
 
-Graphs come from the TorchScript exporter (``torch.onnx.export(dynamo=False)``) because it takes
-``opset_version`` directly; the dynamo exporter emits opset >= 18, above ATC's 11..15. Opset 14
-is the default: the lowest opset at which ``scaled_dot_product_attention`` exports, and inside the
-window of every operator the graph uses (convert/data/atc_onnx_ops.json). Everything is written
-to a hidden sibling directory and renamed into place when complete, so a failure leaves nothing.
+The graphs are built directly (convert/onnx_graph.py: a decoder layer's nodes emitted once per
+layer) and the weights streamed tensor by tensor from the safetensors files into one external-data
+file both graphs share (convert/onnx_weights.py), so the cost is the weights' I/O: the model is
+never loaded, traced or held in memory. Opset 14 is the default (15 accepted): inside ATC's 11..15
+and the window of every operator the graphs use (convert/data/atc_onnx_ops.json). Everything is
+written to a hidden sibling directory and renamed into place when complete, so a failure leaves
+nothing.
 """
 from __future__ import annotations
 
@@ -12,36 +14,40 @@ import json
 import os
 import shutil
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
-import torch
 
 from titan_pipe.convert import atc as atc_mod
 from titan_pipe.convert.atc_ops import find_problems, load_atc_ops, operator_report
-from titan_pipe.convert.export_graphs import DecodeGraph, PrefillGraph, dynamic_axes, io_names
-from titan_pipe.convert.onnx_files import (check_and_infer, file_table, gather_external_data, move_files,
-                                           share_external_data)
-from titan_pipe.convert.unified import load_unified_model, locate_weights, read_model_args
+from titan_pipe.convert.onnx_files import check_and_infer, file_table
+from titan_pipe.convert.onnx_graph import NP_DTYPES, GraphSpec, build_graph, initializer_names, io_dims, io_names
+from titan_pipe.convert.onnx_weights import DataWriter, plan_weights
+from titan_pipe.convert.unified import read_model_args
 from titan_pipe.errors import StageFailed, UserError
-from titan_pipe.training.model import ModelArgs, count_params
+from titan_pipe.training.model import ModelArgs, count_params, rope_cos_sin
 
-EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15 and >= 14 for the SDPA exporter
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
+EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15; 14 is the lowest every operator of the graphs is listed at
+DTYPES = ("float32", "float16")
+DEFAULT_CACHE_LEN = 4096
+DATA_FILE = "model.onnx.data"
+# How decode.onnx updates the cache: it writes the new key/value into slot write_index with Where
+# over a one-hot of the slots and returns the whole cache (see docs/export.md, "Decode cache").
+CACHE_UPDATE = "whole_cache"
 
 
 @dataclass(frozen=True)
 class GraphPlan:
-    """One graph to export: file name, I/O names, the dims ATC sees (-1 = dynamic) and trace dims."""
+    """One graph to build: file name, I/O names and the dims ATC sees (-1 = dynamic)."""
 
     file: str
     decode: bool
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     input_dims: dict[str, tuple[int, ...]]
-    trace_dims: dict[str, tuple[int, ...]]
+    spec: GraphSpec
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class ExportPlan:
     dtype: str
     batch: int
     seq_len: int
+    cache_len: int
     dynamic: bool
     kv_cache: bool
     expose_hidden: bool
@@ -70,17 +77,21 @@ class ExportResult:
     summary: dict
 
 
+def default_cache_len(args: ModelArgs) -> int:
+    return min(args.max_seq_len, DEFAULT_CACHE_LEN)
+
+
 def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", batch: int = 1, seq_len: int = 32,
-                dynamic: bool = True, kv_cache: bool = True, soc_version: str = "Ascend910B3",
-                run_atc: bool = True, precision_mode: str = "origin",
+                cache_len: int | None = None, dynamic: bool = True, kv_cache: bool = True,
+                soc_version: str = "Ascend910B3", run_atc: bool = True, precision_mode: str = "origin",
                 expose_hidden: bool = False) -> ExportPlan:
     """Validate the options against the model and lay out the graphs (pure data, no I/O)."""
     lo, hi = load_atc_ops()["atc_opset_window"]
     if not isinstance(opset, int) or not lo <= opset <= hi:
         raise UserError(f"opset {opset!r}: ATC takes ONNX opsets {lo}..{hi} only; use --opset 14 (default) or 15")
     if opset not in EXPORT_OPSETS:
-        raise UserError(f"opset {opset}: the TorchScript exporter needs opset >= 14 for scaled_dot_product_attention; "
-                        "use --opset 14 (default) or 15")
+        raise UserError(f"opset {opset}: the graphs need opset >= 14 (Trilu-free attention, Unsqueeze/Slice with "
+                        "tensor axes); use --opset 14 (default) or 15")
     if dtype not in DTYPES:
         raise UserError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (ATC graphs carry no bfloat16)")
     if precision_mode not in atc_mod.PRECISION_MODES:
@@ -90,24 +101,24 @@ def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", bat
     if seq_len + (1 if kv_cache else 0) > args.max_seq_len:
         raise UserError(f"seq_len {seq_len} (+1 decode step) exceeds the model's max_position_embeddings "
                         f"{args.max_seq_len} (config.json); pass a smaller --seq-len")
-    hkv, hd, n = args.kv_heads, args.head_dim, args.n_layers
+    cache_len = default_cache_len(args) if cache_len is None else cache_len
+    if kv_cache and cache_len < seq_len + 1:
+        raise UserError(f"cache_len {cache_len} is smaller than seq_len {seq_len} + 1 (the prompt plus one new "
+                        f"token); pass --cache-len {seq_len + 1} or more (or a smaller --seq-len)")
+    if kv_cache and cache_len > args.max_seq_len:
+        raise UserError(f"cache_len {cache_len} exceeds the model's max_position_embeddings {args.max_seq_len} "
+                        f"(config.json); pass --cache-len {args.max_seq_len} or less")
     graphs = []
     for decode in ((False, True) if kv_cache else (False,)):
-        ins, outs = io_names(n, decode=decode, kv_cache=kv_cache, expose_hidden=expose_hidden)
-        if dynamic:  # trace with sizes > 1 so nothing specialises on a broadcastable 1
-            tb, ts, tp = max(batch, 2), (2 if decode else 3), 3
-            dims = {"input_ids": (-1, -1)}
-        else:
-            tb, ts, tp = batch, (1 if decode else seq_len), seq_len
-            dims = {"input_ids": (batch, ts)}
-        trace = {"input_ids": (tb, ts)}
-        for name in ins[1:]:
-            trace[name] = (tb, hkv, tp, hd)
-            dims[name] = (-1, hkv, -1, hd) if dynamic else (batch, hkv, seq_len, hd)
-        graphs.append(GraphPlan("decode.onnx" if decode else "model.onnx", decode, tuple(ins), tuple(outs),
-                                dims, trace))
-    itemsize = torch.tensor([], dtype=DTYPES[dtype]).element_size()
-    return ExportPlan(opset, dtype, batch, seq_len, dynamic, kv_cache, expose_hidden, soc_version,
+        spec = GraphSpec(decode=decode, kv_cache=kv_cache, expose_hidden=expose_hidden,
+                         batch=None if dynamic else batch, seq=None if dynamic else seq_len,
+                         cache=None if dynamic else cache_len, dtype=dtype, opset=opset)
+        ins, outs = io_names(args.n_layers, decode=decode, kv_cache=kv_cache, expose_hidden=expose_hidden)
+        dims = io_dims(args, spec)
+        graphs.append(GraphPlan(spec.file, decode, tuple(ins), tuple(outs),
+                                {n: tuple(d if isinstance(d, int) else -1 for d in dims[n]) for n in ins}, spec))
+    itemsize = np.dtype(NP_DTYPES[dtype]).itemsize
+    return ExportPlan(opset, dtype, batch, seq_len, cache_len, dynamic, kv_cache, expose_hidden, soc_version,
                       precision_mode, run_atc, count_params(args) * itemsize, tuple(graphs))
 
 
@@ -122,35 +133,23 @@ def _check_paths(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
                         "choose an output directory outside it")
 
 
-def _sample_inputs(g: GraphPlan, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, g.trace_dims["input_ids"], generator=gen)
-    past = [torch.randn(g.trace_dims[n], generator=gen).to(dtype) for n in g.inputs[1:]]
-    return (ids, *past)
+def _rope_rows(plan: ExportPlan, args: ModelArgs) -> int:
+    """Rows of the RoPE tables: every position a graph can be asked for (positions < cache slots)."""
+    if plan.dynamic:
+        return args.max_seq_len
+    return plan.cache_len if plan.kv_cache else plan.seq_len
 
 
-def _export_graph(model, args: ModelArgs, plan: ExportPlan, g: GraphPlan, work: Path) -> None:
-    """Trace one graph into ``work/g.file`` (external data gathered into ``g.file + '.data'``)."""
-    scratch = work / f".{g.file}.scratch"
-    scratch.mkdir()
-    module = (DecodeGraph(model, expose_hidden=plan.expose_hidden) if g.decode
-              else PrefillGraph(model, kv_cache=plan.kv_cache, expose_hidden=plan.expose_hidden)).eval()
-    sample = _sample_inputs(g, args.vocab_size, DTYPES[plan.dtype])
-    axes = dynamic_axes(list(g.inputs), list(g.outputs), decode=g.decode) if plan.dynamic else None
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporter's deprecation and tracer notices
-            torch.onnx.export(module, sample, str(scratch / g.file), dynamo=False, opset_version=plan.opset,
-                              input_names=list(g.inputs), output_names=list(g.outputs), dynamic_axes=axes,
-                              do_constant_folding=True, export_params=True)
-    except Exception as e:  # the exporter raises many types; the first line says what it could not map
-        raise StageFailed(f"{g.file}: torch.onnx.export (TorchScript, opset {plan.opset}) failed: "
-                          f"{str(e).strip().splitlines()[0][:400]}; model code that does not export belongs "
-                          "in training/model.py or convert/export_graphs.py") from e
-    del module
-    gather_external_data(scratch / g.file)
-    move_files(scratch, work)
-    scratch.rmdir()
+def _write_weights(model_dir: Path, args: ModelArgs, plan: ExportPlan, work: Path, sources) -> DataWriter:
+    """Stream every weight (and the RoPE tables) into work/model.onnx.data, one tensor at a time."""
+    with DataWriter(work / DATA_FILE, plan.dtype) as data:
+        for init_name, native in initializer_names(args).items():
+            data.add_source(init_name, sources[native])
+        cos, sin = rope_cos_sin(args, _rope_rows(plan, args))
+        np_dtype = NP_DTYPES[plan.dtype]
+        data.add_array("rope_cos", cos.numpy().astype(np_dtype))
+        data.add_array("rope_sin", sin.numpy().astype(np_dtype))
+    return data
 
 
 def _graph_report(path: Path, plan: ExportPlan) -> dict:
@@ -180,13 +179,14 @@ def _graph_report(path: Path, plan: ExportPlan) -> dict:
 
 
 def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str = "float32", batch: int = 1,
-                 seq_len: int = 32, dynamic: bool = True, kv_cache: bool = True,
+                 seq_len: int = 32, cache_len: int | None = None, dynamic: bool = True, kv_cache: bool = True,
                  soc_version: str = "Ascend910B3", run_atc: bool = True, precision_mode: str = "origin",
                  overwrite: bool = False, expose_hidden: bool = False) -> ExportResult:
     """Export a unified model dir to ONNX for ATC (see docs/export.md for the graphs' I/O).
 
-    Writes out_dir/{model.onnx, decode.onnx (kv_cache), *.onnx.data (graphs past 2 GB),
+    Writes out_dir/{model.onnx, decode.onnx (kv_cache), model.onnx.data (the weights, shared),
     atc/command.sh, om/ (if atc ran), export.json}; nothing is left behind on failure.
+    ``cache_len`` (decode slots C) defaults to min(max_position_embeddings, 4096).
     """
     from rich.console import Console
 
@@ -194,10 +194,10 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     _check_paths(model_dir, out_dir, overwrite)
     args = read_model_args(model_dir)
-    locate_weights(model_dir)  # fail on missing weights before any work
-    plan = plan_export(args, opset=opset, dtype=dtype, batch=batch, seq_len=seq_len, dynamic=dynamic,
-                       kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
+    plan = plan_export(args, opset=opset, dtype=dtype, batch=batch, seq_len=seq_len, cache_len=cache_len,
+                       dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
                        precision_mode=precision_mode, expose_hidden=expose_hidden)
+    sources = plan_weights(model_dir, args)  # headers only: bad weights fail before any write
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     work = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     t0 = time.perf_counter()
@@ -210,26 +210,24 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
 
     try:
         work.mkdir()
-        with console.status(f"loading {model_dir} ({plan.weight_bytes / 1e9:.2f} GB as {dtype})"):
-            model, _ = load_unified_model(model_dir, dtype=DTYPES[dtype])
-        t = lap("load", t0)
+        with console.status(f"streaming {plan.weight_bytes / 1e9:.2f} GB of weights as {dtype} into {DATA_FILE}"):
+            data = _write_weights(model_dir, args, plan, work, sources)
+        t = lap("weights", t0)
+        graphs, layer_values = {}, {}
         for g in plan.graphs:
-            with console.status(f"exporting {g.file} (opset {opset}, {'dynamic' if dynamic else 'static'} shapes)"):
-                _export_graph(model, args, plan, g, work)
-            t = lap(f"export {g.file}", t)
-        del model
-        if kv_cache and (work / "model.onnx.data").exists():
-            share_external_data(work / "model.onnx", work / "decode.onnx")
-        graphs = {}
+            proto, layer_values[g.file] = build_graph(args, g.spec, data.entries, data_file=DATA_FILE)
+            onnx.save(proto, str(work / g.file))
+        t = lap("build", t)
         for g in plan.graphs:
             with console.status(f"checking {g.file} (onnx.checker full check, shape inference, ATC operators)"):
                 graphs[g.file] = _graph_report(work / g.file, plan)
+                graphs[g.file].update(vars(layer_values[g.file]))
             t = lap(f"check {g.file}", t)
         invocations = [atc_mod.atc_invocation(
             graph=g.file, inputs=[atc_mod.GraphInput(n, g.input_dims[n]) for n in g.inputs],
             soc_version=soc_version, precision_mode=precision_mode, dynamic=dynamic, batch=batch,
-            seq_len=seq_len, max_len=args.max_seq_len, weight_bytes=plan.weight_bytes, decode=g.decode)
-            for g in plan.graphs]
+            seq_len=seq_len, cache_len=plan.cache_len, max_len=args.max_seq_len,
+            weight_bytes=plan.weight_bytes, decode=g.decode) for g in plan.graphs]
         (work / "atc").mkdir()
         script = work / "atc" / "command.sh"
         script.write_text(atc_mod.command_script(invocations, precision_mode))
@@ -242,15 +240,18 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                 console.print(f"atc is not on PATH: no .om built; the command is in {out_dir / 'atc' / 'command.sh'}",
                               highlight=False, soft_wrap=True)
         t = lap("atc", t)
-        files = file_table(work)
+        files = file_table(work, {DATA_FILE: data.sha256})
         lap("hash", t)
         export_s = time.perf_counter() - t0
         record = {
-            "format": "titan-pipe-export/1",
+            "format": "titan-pipe-export/2",
             "source": {"model_dir": str(model_dir.resolve()), "config": args.to_dict()},
             "options": {k: v for k, v in asdict(plan).items() if k not in ("graphs",)},
-            "exporter": {"torch": torch.__version__, "onnx": onnx.__version__,
-                         "path": "torch.onnx.export(dynamo=False)"},
+            "exporter": {"onnx": onnx.__version__, "path": "titan_pipe.convert.onnx_graph (built directly)"},
+            "decode": None if not kv_cache else {
+                "cache_len": plan.cache_len, "cache_update": CACHE_UPDATE, "write_index": "write_index",
+                "note": "decode.onnx writes the step's key/value into slot write_index (Where over a one-hot of "
+                        "the slots) and returns the whole cache; feed present.* back as past_key_values.*"},
             "atc": {"status": atc_status, "soc_version": soc_version, "precision_mode": precision_mode,
                     "commands": [list(i.argv) for i in invocations],
                     "operator_list": {"file": "convert/data/atc_onnx_ops.json",
@@ -265,7 +266,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache,
+    summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache, "cache_len": plan.cache_len,
                "params": count_params(args), "weight_bytes": plan.weight_bytes,
                "graphs": {f: {"nodes": r["n_nodes"], "bytes": record["files"][f]["bytes"]} for f, r in graphs.items()},
                "atc_status": atc_status, "export_seconds": round(export_s, 3), "timings_seconds": timings}
