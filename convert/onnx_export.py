@@ -11,26 +11,28 @@ nothing.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import onnx
 
+from titan_pipe.atomic import swap_dir, temp_dir
 from titan_pipe.convert import atc as atc_mod
 from titan_pipe.convert.atc_ops import find_problems, load_atc_ops, operator_report
 from titan_pipe.convert.onnx_files import check_and_infer, file_table
 from titan_pipe.convert.onnx_graph import NP_DTYPES, GraphSpec, build_graph, initializer_names, io_dims, io_names
 from titan_pipe.convert.onnx_weights import DataWriter, plan_weights
-from titan_pipe.convert.unified import read_model_args
+from titan_pipe.dtypes import BY_NAME
 from titan_pipe.errors import StageFailed, UserError
-from titan_pipe.training.model import ModelArgs, count_params, rope_cos_sin
+from titan_pipe.model_args import ModelArgs, count_params
+from titan_pipe.training.model import rope_cos_sin
+from titan_pipe.unified_dir import read_model_args
 
 EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15; 14 is the lowest every operator of the graphs is listed at
-DTYPES = ("float32", "float16")
+# ATC graphs carry no bfloat16.
+EXPORT_DTYPES = ("float32", "float16")
 DEFAULT_CACHE_LEN = 4096
 DATA_FILE = "model.onnx.data"
 # How decode.onnx updates the cache: it writes the new key/value into slot write_index with Where
@@ -92,8 +94,8 @@ def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", bat
     if opset not in EXPORT_OPSETS:
         raise UserError(f"opset {opset}: the graphs need opset >= 14 (Trilu-free attention, Unsqueeze/Slice with "
                         "tensor axes); use --opset 14 (default) or 15")
-    if dtype not in DTYPES:
-        raise UserError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (ATC graphs carry no bfloat16)")
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)} (ATC graphs carry no bfloat16)")
     if precision_mode not in atc_mod.PRECISION_MODES:
         raise UserError(f"precision mode {precision_mode!r} is not one of {', '.join(atc_mod.PRECISION_MODES)}")
     if batch < 1 or seq_len < 1:
@@ -117,7 +119,7 @@ def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", bat
         dims = io_dims(args, spec)
         graphs.append(GraphPlan(spec.file, decode, tuple(ins), tuple(outs),
                                 {n: tuple(d if isinstance(d, int) else -1 for d in dims[n]) for n in ins}, spec))
-    itemsize = np.dtype(NP_DTYPES[dtype]).itemsize
+    itemsize = BY_NAME[dtype].itemsize
     return ExportPlan(opset, dtype, batch, seq_len, cache_len, dynamic, kv_cache, expose_hidden, soc_version,
                       precision_mode, run_atc, count_params(args) * itemsize, tuple(graphs))
 
@@ -198,8 +200,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                        dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
                        precision_mode=precision_mode, expose_hidden=expose_hidden)
     sources = plan_weights(model_dir, args)  # headers only: bad weights fail before any write
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    work = temp_dir(out_dir)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
 
@@ -209,7 +210,6 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
         return now
 
     try:
-        work.mkdir()
         with console.status(f"streaming {plan.weight_bytes / 1e9:.2f} GB of weights as {dtype} into {DATA_FILE}"):
             data = _write_weights(model_dir, args, plan, work, sources)
         t = lap("weights", t0)
@@ -262,7 +262,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
             "timings_seconds": timings,
         }
         (work / "export.json").write_text(json.dumps(record, indent=1) + "\n")
-        _swap_into_place(work, out_dir)
+        swap_dir(work, out_dir)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -273,14 +273,3 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
     return ExportResult(out_dir=out_dir, onnx=out_dir / "model.onnx",
                         decode_onnx=out_dir / "decode.onnx" if kv_cache else None,
                         export_json=out_dir / "export.json", atc_status=atc_status, summary=summary)
-
-
-def _swap_into_place(work: Path, out_dir: Path) -> None:
-    """Rename the finished ``work`` dir to ``out_dir``, replacing an old one only at the very end."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        out_dir.rename(old)
-    work.rename(out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -26,9 +26,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from titan_pipe.convert.onnx_weights import DataEntry
-from titan_pipe.training.model import ModelArgs
+from titan_pipe.dtypes import onnx_type
+from titan_pipe.model_args import ModelArgs
 
-ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 # Initializer name in the graph -> native parameter name (the weight as stored, (out, in) for linears).
@@ -154,7 +154,7 @@ def _rms_norm(g: _Builder, x: str, weight: str, eps: float, name: str) -> str:
     den = g.op("Sqrt", [g.op("Add", [ms, g.const(eps, np.float32)], f"{name}.add_eps")], f"{name}.sqrt")
     n = g.op("Div", [xf, den], f"{name}.div")
     if g.dtype != "float32":
-        n = g.op("Cast", [n], f"{name}.cast_out", to=ONNX_DTYPES[g.dtype])
+        n = g.op("Cast", [n], f"{name}.cast_out", to=onnx_type(g.dtype))
     return g.op("Mul", [weight, n], f"{name}.out")
 
 
@@ -183,7 +183,7 @@ def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry],
     names of its per-layer values. ``weights``: initializer name -> its place in the data file,
     including ``rope_cos`` / ``rope_sin``. See docs/export.md for the inputs and outputs."""
     g = _Builder(spec.dtype)
-    dt = ONNX_DTYPES[spec.dtype]
+    dt = onnx_type(spec.dtype)
     n_heads, hkv, hd, dim = args.n_heads, args.kv_heads, args.head_dim, args.dim
     n_rep = n_heads // hkv
     emb_out = "tok_embeddings.weight" if args.tie_embeddings else "output.weight"

@@ -21,15 +21,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from titan_pipe.convert.readers.store import TORCH_DTYPES, StoredTensor, pread_into, read_header
-from titan_pipe.convert.unified import CONFIG, locate_weights, native_name
+from titan_pipe.convert.readers.store import StoredTensor, pread_into, read_header
+from titan_pipe.dtypes import BY_NAME, HF_DTYPE_NAMES, TORCH_BY_NAME
 from titan_pipe.errors import UserError
-from titan_pipe.training.model import ModelArgs, build_model
+from titan_pipe.model_args import ModelArgs
+from titan_pipe.training.model import build_model
+from titan_pipe.unified_dir import CONFIG, locate_weights, native_name
 
 ALIGN = 4096  # page-aligned tensors, so a runtime can mmap them
 CHUNK = 32 * 2**20  # bytes per read; two buffers of this are the streaming's memory
-_EXPORT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
-_CASTABLE = ("F32", "F16", "BF16")
+_CASTABLE = ("F32", "F16", "BF16")  # safetensors codes of the float types export reads
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,8 @@ class DataWriter:
     so the digest overlaps the next read). Use as a context manager; ``sha256`` after close."""
 
     def __init__(self, path: Path, dtype: str):
-        self.path, self.target = Path(path), _EXPORT_DTYPES[dtype]
-        self.itemsize = torch.empty((), dtype=self.target).element_size()
+        self.path, self.target = Path(path), TORCH_BY_NAME[dtype]
+        self.itemsize = BY_NAME[dtype].itemsize
         self._out = open(self.path, "wb")
         self._hash = hashlib.sha256()
         self._pool = ThreadPoolExecutor(max_workers=1)
@@ -142,8 +143,8 @@ class DataWriter:
         """Stream one stored tensor in, cast to the export dtype chunk by chunk."""
         offset = self._align()
         s = src.stored
-        src_dtype = TORCH_DTYPES[s.dtype]
-        src_item = torch.empty((), dtype=src_dtype).element_size()
+        src_name = HF_DTYPE_NAMES[s.dtype]
+        src_dtype, src_item = TORCH_BY_NAME[src_name], BY_NAME[src_name].itemsize
         numel = s.nbytes // src_item
         per_chunk = CHUNK // max(src_item, self.itemsize)
         fd = os.open(src.file, os.O_RDONLY)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from titan_pipe.checkpoint_format import is_complete
 from titan_pipe.errors import UserError
 
 
@@ -46,8 +47,8 @@ class ValidationSplit:
 def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> str:
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         return str(Path(model_dir) / "tokenizer.json")
-    if checkpoint is not None and (Path(checkpoint) / "manifest.json").is_file():
-        from titan_pipe.convert.layout import Manifest
+    if checkpoint is not None and is_complete(Path(checkpoint)):
+        from titan_pipe.checkpoint_format import Manifest
 
         if Manifest.load(checkpoint).extra.get("tokenizer") == "tokenizer.json":
             return str(Path(checkpoint) / "tokenizer.json")
