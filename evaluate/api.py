@@ -25,7 +25,7 @@ from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, check_out_dir, wr
 from titan_pipe.evaluate.runners import (DistributedRunner, OmRunner, OnnxDecodeRunner, OnnxRuntimeRunner, Outputs,
                                          TorchRunner, ascend_runtime, concat_outputs)
 from titan_pipe.model_args import ModelArgs, model_differences
-from titan_pipe.thresholds import resolve_thresholds
+from titan_pipe.thresholds import check_task, resolve_thresholds
 from titan_pipe.training.model import build_model
 
 _MAX_HIST = 2_000_000  # logits error values kept for the histogram
@@ -266,20 +266,29 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
     # 5. task level (and 2b, the KV-cache decode graph, which needs the reference's generations)
     steps.step("perplexity and greedy generation")
     dec = OnnxDecodeRunner.beside(ort) if ort is not None else None
+    prompts, n_new, dec_skip = ev.prompts, s.new_tokens, None
+    if dec is not None and dec.prompt_len is not None:  # a static prefill graph takes at most T tokens
+        prompts = prompts[:, -dec.prompt_len:]
+    if dec is not None and dec.max_new_tokens(prompts.shape[1]) is not None:
+        n_new = min(n_new, dec.max_new_tokens(prompts.shape[1]))
+        if n_new < 1:
+            dec, dec_skip = None, f"the static cache of {Path(onnx).parent / 'decode.onnx'} has no slot left after the prompt"
     if s.prompts and (len(gen_runners) > 1 or dec is not None):
         for label, runner in gen_runners.items():
-            generations[label] = cmp.greedy_generate(runner.run, ev.prompts, s.new_tokens)
+            generations[label] = cmp.greedy_generate(runner.run, prompts, n_new)
     if dec is not None and s.prompts:
-        comparisons.insert(2, _kv_decode_row(ref, dec, generations[ref.label], ev.prompts.shape[1], tdtype, limits))
-        generations[dec.label], _ = dec.generate(ev.prompts, s.new_tokens)
+        comparisons.insert(2, _kv_decode_row(ref, dec, prompts, n_new, tdtype, limits))
+        gen = dec.generate(prompts.tolist(), n_new)
+        generations[dec.label] = torch.cat([prompts, torch.from_numpy(gen.new_tokens).to(prompts.dtype)], dim=1)
         limits_of[dec.label] = limits_of[ort.label]
     elif ort is not None:
-        why = ("evaluate.prompts is 0" if not s.prompts else
-               f"no decode.onnx beside {Path(onnx).name} exported with the KV cache (or a static graph)")
+        why = dec_skip or ("evaluate.prompts is 0" if not s.prompts else
+                           f"no decode.onnx beside {Path(onnx).name} exported with the KV cache")
         comparisons.insert(2, cmp.skipped("onnx_kv_decode", "KV-cache decode graph", why))
-    task = cmp.task_comparison(ev.batches, task_outputs, ref.label, generations, ev.prompts.shape[1], limits_of)
+    task = cmp.task_comparison(ev.batches, task_outputs, ref.label, generations, prompts.shape[1], limits_of)
     if ort is not None and ort.info.fixed_shape:
-        task.details["generation_note"] = "skipped for the ONNX graph: static input shape"
+        task.details["generation_note"] = ("prefill re-run skipped for the static ONNX graph (its generation is the "
+                                           "KV-cache loop's)")
     comparisons.append(task)
 
     verdict = cmp.decide(comparisons, op_rows, op_dtypes)
@@ -304,19 +313,44 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
     return EvalResult(out_dir, verdict.passed, files["report.json"], summary)
 
 
-def _kv_decode_row(ref: TorchRunner, dec: OnnxDecodeRunner, ref_seq: torch.Tensor, n_prompt: int, tdtype,
+def ragged_prompts(prompts: torch.Tensor) -> list[list[int]]:
+    """(N, P) -> N prompts of lengths P down to P - P//2 (the last N-1 cut from the left), so the
+    KV-cache loop runs a left-padded batch of mixed lengths."""
+    n, p = prompts.shape
+    lengths = [p - (j * (p // 2)) // max(1, n - 1) for j in range(n)]
+    return [row[p - k:].tolist() for row, k in zip(prompts, lengths)]
+
+
+def _kv_decode_row(ref: TorchRunner, dec: OnnxDecodeRunner, prompts: torch.Tensor, n_new: int, tdtype,
                    limits) -> cmp.Comparison:
-    """decode.onnx fed the reference's own greedy tokens step by step (teacher forcing) against the
-    reference's full forward on the same sequence: the logits predicting each new token."""
-    n_new = ref_seq.shape[1] - n_prompt
-    ref_logits = ref.run(ref_seq[:, :-1]).logits[:, n_prompt - 1:]
-    _, kv_logits = dec.generate(ref_seq[:, :n_prompt], n_new, forced=ref_seq[:, n_prompt:])
+    """The reference generation loop (left-padded batch of mixed-length prompts, prefill, decode.onnx
+    one token a step against the fixed cache) vs the PyTorch model run on each prompt alone,
+    unpadded: greedy token agreement, and the logits predicting each new token with the loop
+    teacher-forced onto the reference's own tokens."""
+    ragged = ragged_prompts(prompts)
+    ref_new, ref_logits = [], []
+    for p in ragged:
+        seq = cmp.greedy_generate(ref.run, torch.tensor([p]), n_new)[0]
+        ref_new.append(seq[len(p):])
+        ref_logits.append(ref.run(seq[None, :-1]).logits[0, len(p) - 1:])
+    ref_new = torch.stack(ref_new)
+    forced = dec.generate(ragged, n_new, forced=ref_new.numpy())
+    free = dec.generate(ragged, n_new)
     dt = tdtype(dec.prefill.dtype)
-    c = cmp.compare_outputs("onnx_kv_decode", "KV-cache decode graph (prefill + decode.onnx, one token a step) vs "
-                            "PyTorch full forward, teacher-forced", Outputs(ref_logits), Outputs(kv_logits),
-                            ref_label=ref.label, cand_label=dec.label, dtype=dt, limits=limits(dt))
-    c.details = {"positions": f"{n_new} generated positions of {ref_seq.shape[0]} prompt(s), "
-                              f"prompt length {n_prompt}"}
+    lim = limits(dt)
+    c = cmp.compare_outputs("onnx_kv_decode", "KV-cache decode loop (left-padded batch, prefill + decode.onnx against "
+                            "the fixed cache) vs PyTorch on each prompt alone", Outputs(torch.stack(ref_logits)),
+                            Outputs(torch.from_numpy(forced.logits)), ref_label=ref.label, cand_label=dec.label,
+                            dtype=dt, limits=lim)
+    agree = cmp.generation_agreement(ref_new, torch.from_numpy(free.new_tokens), 0)
+    for f in check_task(ppl_ref=1.0, ppl_cand=1.0, agreement=agree["agreement"], limits=lim):
+        c.failures.append(f"{dec.label} ({dt}): {f.text}")
+        c.status = "fail"
+    c.details = {"positions": f"{n_new} generated positions of {len(ragged)} prompt(s), left-padded, lengths "
+                              f"{[len(p) for p in ragged]}",
+                 "graphs": "static" if dec.cache_len is not None else "dynamic",
+                 "cache_len": dec.cache_len or max(len(p) for p in ragged) + n_new - 1,
+                 "generation": agree, "logits": "teacher-forced onto the reference's greedy tokens"}
     return c
 
 

@@ -72,6 +72,10 @@ class TorchRunner:
         return Outputs(logits, [captured[i] for i in sorted(captured)])
 
 
+# The prefill graph's inputs (convert/onnx_graph.py); the runner feeds unpadded batches.
+_PREFILL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
 @dataclass(frozen=True)
 class GraphInfo:
     """What an ONNX graph declares: dtype, static (B, T) if any, vocab, dim, exposed layers."""
@@ -113,10 +117,13 @@ class OnnxRuntimeRunner:
         if "input_ids" not in ins or "logits" not in outs:
             raise UserError(f"{self.path}: expected input 'input_ids' and output 'logits' (the prefill graph "
                             f"of `titan-pipe export`), found inputs {list(ins)} and outputs {list(outs)[:4]}")
-        extra = tuple(n for n in ins if n != "input_ids")
+        if any(n.startswith("past_key_values.") for n in ins):
+            raise UserError(f"{self.path}: takes past_key_values.* inputs: that is the KV-cache decode graph; "
+                            "pass the prefill graph model.onnx instead")
+        extra = tuple(n for n in ins if n not in _PREFILL_INPUTS)
         if extra:
-            raise UserError(f"{self.path}: takes {extra[0]!r} besides input_ids: that is the KV-cache decode "
-                            "graph; pass the prefill graph model.onnx instead")
+            raise UserError(f"{self.path}: takes {extra[0]!r} besides {', '.join(_PREFILL_INPUTS)}; pass the "
+                            "prefill graph model.onnx written by `titan-pipe export`")
         shape = ins["input_ids"].shape
         fixed = tuple(shape) if all(isinstance(d, int) for d in shape) else None
         lg = outs["logits"].shape
@@ -149,32 +156,39 @@ class OnnxRuntimeRunner:
             raise UserError(f"{self.path}: static input shape {list(self.info.fixed_shape)} but the batch is "
                             f"{list(tokens.shape)}; set evaluate.batch_size/seq_len to match or export with dynamic: true")
         names = ["logits"] + [f"hidden.{i}" for i in range(self.info.n_hidden)]
-        res = self.session.run(names, {"input_ids": tokens.cpu().numpy().astype(np.int64)})
+        ids = tokens.cpu().numpy().astype(np.int64)
+        feeds = {"input_ids": ids}
+        takes = {i.name for i in self.session.get_inputs()}
+        if "attention_mask" in takes:  # unpadded batches: every token real, positions 0..T-1
+            feeds["attention_mask"] = np.ones_like(ids)
+        if "position_ids" in takes:
+            feeds["position_ids"] = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
+        res = self.session.run(names, feeds)
         to_t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
         return Outputs(to_t(res[0]), [to_t(a) for a in res[1:]])
 
 
 class OnnxDecodeRunner:
-    """KV-cache generation with the exported pair: prefill ``model.onnx`` (its ``present.{i}.*``
-    outputs) then ``decode.onnx`` one token at a time (``past_key_values.{i}.*`` in, ``present``
-    out), the path a deployment generates with."""
+    """KV-cache generation with the exported pair through the reference loop
+    (titan_pipe.convert.onnx_generate): left-padded prompts, prefill ``model.onnx``, then
+    ``decode.onnx`` one token a step against the fixed-capacity cache — the path a deployment
+    generates with, on static graphs as on dynamic ones."""
 
     def __init__(self, prefill: OnnxRuntimeRunner, decode_path: Path):
-        import onnxruntime as ort
+        from titan_pipe.convert.onnx_generate import ort_session
 
         self.prefill, self.path = prefill, Path(decode_path)
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        try:
-            self.session = ort.InferenceSession(str(self.path), opts, providers=["CPUExecutionProvider"])
-        except Exception as e:  # ORT's own exception types
-            raise UserError(f"{self.path}: ONNX Runtime cannot load it: {str(e).splitlines()[0][:300]}") from None
-        outs = [o.name for o in prefill.session.get_outputs()]
-        self.present = [n for n in outs if n.startswith("present.")]
-        self.past = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
-        if len(self.past) != len(self.present) or not self.past:
-            raise UserError(f"{self.path}: takes {len(self.past)} past_key_values inputs but {prefill.path.name} "
-                            f"gives {len(self.present)} present outputs; export both with kv_cache from one model")
+        self.session = ort_session(self.path)
+        present = [o.name for o in prefill.session.get_outputs() if o.name.startswith("present.")]
+        past = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        if len(past) != len(present) or not past:
+            raise UserError(f"{self.path}: takes {len(past)} past_key_values inputs but {prefill.path.name} "
+                            f"gives {len(present)} present outputs; export both with kv_cache from one model")
+        dims = {i.name: i.shape for i in self.session.get_inputs()}
+        slots = dims.get("attention_mask", [None, None])[1]
+        self.cache_len = slots if isinstance(slots, int) else None  # fixed by a static graph
+        t = prefill.session.get_inputs()[0].shape[1]
+        self.prompt_len = t if isinstance(t, int) else None
         self.label = f"onnxruntime KV-cache ({prefill.path.name} + {self.path.name})"
 
     @classmethod
@@ -182,30 +196,21 @@ class OnnxDecodeRunner:
         """The decode graph next to ``prefill`` when both were exported with the KV cache, else None."""
         decode = prefill.path.parent / "decode.onnx"
         has_present = any(o.name.startswith("present.") for o in prefill.session.get_outputs())
-        return cls(prefill, decode) if decode.is_file() and has_present and not prefill.info.fixed_shape else None
+        return cls(prefill, decode) if decode.is_file() and has_present else None
 
-    def generate(self, prompts: torch.Tensor, n_new: int, forced: torch.Tensor | None = None):
-        """(N, P) prompts -> (tokens (N, P + n_new), logits (N, n_new, vocab) predicting each new token).
+    def max_new_tokens(self, prompt_len: int) -> int | None:
+        """How many tokens a prompt of this length can generate against a static cache (None: any)."""
+        if self.cache_len is None:
+            return None
+        return self.cache_len - max(prompt_len, self.prompt_len or 0) + 1
 
-        ``forced`` (N, n_new): feed these tokens instead of the argmax (teacher forcing), so the
-        logits can be set against another model's on the very same sequence.
-        """
-        to_present = {p: "present." + p.removeprefix("past_key_values.") for p in self.past}
-        res = self.prefill.session.run(["logits"] + self.present, {"input_ids": prompts.numpy().astype(np.int64)})
-        logits, cache = res[0][:, -1], dict(zip(self.present, res[1:]))
-        seq, steps = prompts.clone(), []
-        for k in range(n_new):
-            steps.append(torch.from_numpy(np.ascontiguousarray(logits)))
-            nxt = forced[:, k:k + 1] if forced is not None else torch.from_numpy(logits).float().argmax(-1, keepdim=True)
-            seq = torch.cat([seq, nxt.to(seq.dtype)], dim=1)
-            if k + 1 == n_new:
-                break
-            feeds = {"input_ids": nxt.numpy().astype(np.int64)}
-            feeds.update({p: cache[to_present[p]] for p in self.past})
-            out_names = ["logits"] + [to_present[p] for p in self.past]
-            res = self.session.run(out_names, feeds)
-            logits, cache = res[0][:, -1], dict(zip(out_names[1:], res[1:]))
-        return seq, torch.stack(steps, dim=1)
+    def generate(self, prompts: list[list[int]], n_new: int, forced=None):
+        """Ragged prompts -> Generation (new_tokens (N, n_new), logits (N, n_new, vocab)); ``forced``
+        (N, n_new) feeds those tokens instead of the argmax (teacher forcing)."""
+        from titan_pipe.convert.onnx_generate import generate
+
+        return generate(prefill=self.prefill.session, decode=self.session, prompts=prompts, max_new_tokens=n_new,
+                        forced=None if forced is None else np.asarray(forced))
 
 
 def ascend_runtime() -> str | None:

@@ -264,3 +264,23 @@ def test_kv_cache_decode_graph_is_checked_on_its_own(art, tmp_path):
 def test_nothing_compared_is_not_a_pass(art, tmp_path):
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], settings=FAST)
     assert not r.passed and "nothing was compared" in r.summary["verdict"]
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_kv_decode_row_runs_the_generation_loop(art, tmp_path, static):
+    """onnx_kv_decode: a left-padded batch of prompts of 12 down to 6 tokens through the reference loop,
+    on dynamic graphs and on static ones (batch 2), against PyTorch on each prompt alone."""
+    kw = dict(dynamic=False, batch=2, seq_len=32, cache_len=40) if static else {}
+    res = export_model(model_dir=art["model_dir"], out_dir=tmp_path / "onnx", run_atc=False, **kw)
+    settings = EvaluateConfig(operators=False, batches=1, batch_size=2, seq_len=32, prompts=3, prompt_len=12,
+                              new_tokens=6, debug_export=False)
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=res.onnx, settings=settings)
+    rep = json.loads(r.report_json.read_text())
+    row = next(c for c in rep["comparisons"] if c["id"] == "onnx_kv_decode")
+    assert row["status"] == "pass" and r.passed, r.summary["verdict"]
+    assert row["details"]["graphs"] == ("static" if static else "dynamic")
+    assert "left-padded, lengths [12, " in row["details"]["positions"] and row["details"]["positions"].endswith(", 6]")
+    assert row["details"]["generation"]["identical"]
+    assert row["rows"][-1]["metrics"]["max_abs"] <= 1e-4
+    gen = next(c for c in rep["comparisons"] if c["id"] == "task")["details"]["generation"]
+    assert all(g["identical"] for g in gen.values())
