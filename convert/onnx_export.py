@@ -142,7 +142,7 @@ def _rope_rows(plan: ExportPlan, args: ModelArgs) -> int:
     return plan.cache_len if plan.kv_cache else plan.seq_len
 
 
-def _write_weights(model_dir: Path, args: ModelArgs, plan: ExportPlan, work: Path, sources) -> DataWriter:
+def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources) -> DataWriter:
     """Stream every weight (and the RoPE tables) into work/model.onnx.data, one tensor at a time."""
     with DataWriter(work / DATA_FILE, plan.dtype) as data:
         for init_name, native in initializer_names(args).items():
@@ -211,7 +211,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
 
     try:
         with console.status(f"streaming {plan.weight_bytes / 1e9:.2f} GB of weights as {dtype} into {DATA_FILE}"):
-            data = _write_weights(model_dir, args, plan, work, sources)
+            data = _write_weights(args, plan, work, sources)
         t = lap("weights", t0)
         graphs, layer_values = {}, {}
         for g in plan.graphs:
