@@ -77,6 +77,7 @@ class ExportResult:
     export_json: Path
     atc_status: str  # ok | not_found | skipped
     summary: dict
+    om: Path | None = None  # the prefill graph's .om, when ATC ran and built it
 
 
 def default_cache_len(args: ModelArgs) -> int:
@@ -270,6 +271,8 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                "params": count_params(args), "weight_bytes": plan.weight_bytes,
                "graphs": {f: {"nodes": r["n_nodes"], "bytes": record["files"][f]["bytes"]} for f, r in graphs.items()},
                "atc_status": atc_status, "export_seconds": round(export_s, 3), "timings_seconds": timings}
+    om = out_dir / f"{invocations[0].om}.om"  # invocations[0]: the prefill graph, model.onnx
     return ExportResult(out_dir=out_dir, onnx=out_dir / "model.onnx",
                         decode_onnx=out_dir / "decode.onnx" if kv_cache else None,
-                        export_json=out_dir / "export.json", atc_status=atc_status, summary=summary)
+                        export_json=out_dir / "export.json", atc_status=atc_status, summary=summary,
+                        om=om if om.is_file() else None)

@@ -97,9 +97,8 @@ def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> Stage
     paths = {"onnx_dir": str(r.out_dir), "onnx": str(r.onnx), "export_json": str(r.export_json)}
     if r.decode_onnx is not None:
         paths["decode_onnx"] = str(r.decode_onnx)
-    om = r.out_dir / "om" / "model.om"
-    if om.is_file():
-        paths["om"] = str(om)
+    if r.om is not None:
+        paths["om"] = str(r.om)
     return StageOutput("export", paths, outputs=[str(r.out_dir)],
                        summary={**dict(r.summary), "atc_status": r.atc_status})
 
