@@ -143,9 +143,9 @@ def _rope_rows(plan: ExportPlan, args: ModelArgs) -> int:
     return plan.cache_len if plan.kv_cache else plan.seq_len
 
 
-def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources) -> DataWriter:
+def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_weights: bool) -> DataWriter:
     """Stream every weight (and the RoPE tables) into work/model.onnx.data, one tensor at a time."""
-    with DataWriter(work / DATA_FILE, plan.dtype) as data:
+    with DataWriter(work / DATA_FILE, plan.dtype, hash=hash_weights) as data:
         for init_name, native in initializer_names(args).items():
             data.add_source(init_name, sources[native])
         cos, sin = rope_cos_sin(args, _rope_rows(plan, args))
@@ -184,12 +184,14 @@ def _graph_report(path: Path, plan: ExportPlan) -> dict:
 def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str = "float32", batch: int = 1,
                  seq_len: int = 32, cache_len: int | None = None, dynamic: bool = True, kv_cache: bool = True,
                  soc_version: str = "Ascend910B3", run_atc: bool = True, precision_mode: str = "origin",
-                 overwrite: bool = False, expose_hidden: bool = False) -> ExportResult:
+                 overwrite: bool = False, expose_hidden: bool = False, hash_weights: bool = True) -> ExportResult:
     """Export a unified model dir to ONNX for ATC (see docs/export.md for the graphs' I/O).
 
     Writes out_dir/{model.onnx, decode.onnx (kv_cache), model.onnx.data (the weights, shared),
     atc/command.sh, om/ (if atc ran), export.json}; nothing is left behind on failure.
-    ``cache_len`` (decode slots C) defaults to min(max_position_embeddings, 4096).
+    ``cache_len`` (decode slots C) defaults to min(max_position_embeddings, 4096). ``hash_weights``:
+    the sha256 of model.onnx.data in export.json (computed while streaming; False records null and
+    saves the one CPU-bound pass over the weights' bytes — a flow's stage cache hashes them anyway).
     """
     from rich.console import Console
 
@@ -212,7 +214,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
 
     try:
         with console.status(f"streaming {plan.weight_bytes / 1e9:.2f} GB of weights as {dtype} into {DATA_FILE}"):
-            data = _write_weights(args, plan, work, sources)
+            data = _write_weights(args, plan, work, sources, hash_weights)
         t = lap("weights", t0)
         graphs, layer_values = {}, {}
         for g in plan.graphs:

@@ -22,13 +22,14 @@ def check_and_infer(onnx_path: Path) -> onnx.ModelProto:
     return onnx.load(path, load_external_data=False)
 
 
-def file_table(root: Path, known_sha256: dict[str, str] | None = None) -> dict[str, dict]:
+def file_table(root: Path, known_sha256: dict[str, str | None] | None = None) -> dict[str, dict]:
     """{relative path: {bytes, sha256}} for every file under ``root``; ``known_sha256`` gives digests
-    already computed while the file was written (the weights), so those bytes are not read again."""
+    already computed while the file was written (the weights), so those bytes are not read again;
+    a None there means "not hashed" and is recorded as null."""
     known = known_sha256 or {}
     table = {}
     for p in sorted(root.rglob("*")):
         if p.is_file():
             rel = str(p.relative_to(root))
-            table[rel] = {"bytes": p.stat().st_size, "sha256": known.get(rel) or sha256_file(p)}
+            table[rel] = {"bytes": p.stat().st_size, "sha256": known[rel] if rel in known else sha256_file(p)}
     return table

@@ -2,17 +2,20 @@
 
 Planning reads only the headers (names, dtypes, shapes, byte offsets) of the unified directory and
 checks them against config.json, so a bad directory fails before a byte is written. Streaming
-then copies each tensor, chunk by chunk, from its source file into ``model.onnx.data``, cast to
-the export dtype on the way and page-aligned so a runtime can mmap it; the sha256 of the data file
-is computed from the same chunks as they pass (no second read). Memory: two chunk buffers.
+then copies each tensor, chunk by chunk, from its source file into ``model.onnx.data``,
+page-aligned so a runtime can mmap it: a tensor already in the export dtype is copied by the
+kernel (copy_file_range, what `cp` does), a cast one through a chunk buffer. The sha256 of the
+data file is computed from the same bytes as they pass, in a helper thread (no second pass).
+Memory: two chunk buffers and one mmap window, whatever the model's size.
 
-Why pread and not mmap (see convert/readers/store.py): pages of a mapping count in the resident
-set until unmapped, so a mapped 14 GB model reads as 14 GB RSS; pread into a reused buffer keeps
-the bound real, and the page cache still serves the reads.
+Why not mmap whole files (see convert/readers/store.py): pages of a mapping count in the resident
+set until unmapped, so a mapped 14 GB model reads as 14 GB RSS; pread into a reused buffer, or a
+window unmapped right after use, keeps the bound real, and the page cache still serves the reads.
 """
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,11 +28,11 @@ from titan_pipe.convert.readers.store import StoredTensor, pread_into, read_head
 from titan_pipe.dtypes import BY_NAME, HF_DTYPE_NAMES, TORCH_BY_NAME
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs
-from titan_pipe.training.model import build_model
+from titan_pipe.names import native_shapes
 from titan_pipe.unified_dir import CONFIG, locate_weights, native_name
 
 ALIGN = 4096  # page-aligned tensors, so a runtime can mmap them
-CHUNK = 32 * 2**20  # bytes per read; two buffers of this are the streaming's memory
+CHUNK = 32 * 2**20  # bytes per copy/read; two buffers (casts) or one mmap window (digest) of this in memory
 _CASTABLE = ("F32", "F16", "BF16")  # safetensors codes of the float types export reads
 
 
@@ -54,9 +57,12 @@ class DataEntry:
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Native parameter name -> shape, from the model built on the meta device (no memory)."""
-    model = build_model(args, seed=None, device="meta")
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    """Native parameter name -> shape, from the dims alone; a tied model may still store output.weight
+    (it is the embedding, and the graphs use the embedding)."""
+    shapes = native_shapes(args)
+    if args.tie_embeddings:
+        shapes["output.weight"] = (args.vocab_size, args.dim)
+    return shapes
 
 
 def plan_weights(model_dir: Path, args: ModelArgs) -> dict[str, SourceTensor]:
@@ -98,18 +104,26 @@ def plan_weights(model_dir: Path, args: ModelArgs) -> dict[str, SourceTensor]:
 
 
 class DataWriter:
-    """Appends tensors to one data file, page-aligned, hashing every byte written (in a helper thread
-    so the digest overlaps the next read). Use as a context manager; ``sha256`` after close."""
+    """Appends tensors to one data file, page-aligned, hashing every byte written unless ``hash`` is
+    False; ``sha256`` after close (None when not hashed). Use as a context manager.
 
-    def __init__(self, path: Path, dtype: str):
+    A tensor already in the export dtype is copied file to file by the kernel (copy_file_range, as
+    `cp` does; pread/pwrite where the file system refuses); a cast goes through a chunk buffer.
+    The digest runs in a helper thread, in write order, over the same bytes (a short-lived mmap
+    window of the source, or the chunk buffer), so it overlaps the copying.
+    """
+
+    def __init__(self, path: Path, dtype: str, *, hash: bool = True):
         self.path, self.target = Path(path), TORCH_BY_NAME[dtype]
         self.itemsize = BY_NAME[dtype].itemsize
-        self._out = open(self.path, "wb")
-        self._hash = hashlib.sha256()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pos = 0
+        self._hash = hashlib.sha256() if hash else None
         self._pool = ThreadPoolExecutor(max_workers=1)
         self._bufs = [bytearray(CHUNK), bytearray(CHUNK)]
         self._busy = [None, None]  # the hash future still reading each buffer
         self._turn = 0
+        self._kernel_copy = hasattr(os, "copy_file_range")
         self.entries: dict[str, DataEntry] = {}
         self.sha256: str | None = None
 
@@ -126,18 +140,43 @@ class DataWriter:
         return self._bufs[i]
 
     def _emit(self, buf, n: int) -> None:
+        """Write the first n bytes of a chunk buffer (from _buffer()) and queue their digest."""
         view = memoryview(buf)[:n]
-        self._out.write(view)
-        self._busy[self._turn] = self._pool.submit(self._hash.update, view)
+        done = 0
+        while done < n:
+            done += os.pwrite(self._fd, view[done:], self._pos + done)
+        self._pos += n
+        if self._hash is not None:
+            self._busy[self._turn] = self._pool.submit(self._hash.update, view)
+
+    def _hash_range(self, path: Path, start: int, length: int) -> None:
+        """Digest bytes of a file through an mmap window unmapped right after (it counts in RSS while mapped)."""
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), start + length - base, offset=base,
+                                             access=mmap.ACCESS_READ) as mm:
+            with memoryview(mm) as whole, whole[start - base:] as part:
+                self._hash.update(part)
+
+    def _copy(self, fd: int, start: int, length: int, path: Path) -> None:
+        """Kernel copy of a source byte range to the end of the data file (one chunk)."""
+        done = 0
+        while done < length:
+            n = os.copy_file_range(fd, self._fd, length - done, start + done, self._pos + done)
+            if n == 0:
+                raise UserError(f"{path}: ended early while reading byte {start + done}; the file was "
+                                "truncated during the export")
+            done += n
+        self._pos += length
+        if self._hash is not None:
+            self._pool.submit(self._hash_range, path, start, length)
 
     def _align(self) -> int:
-        pos = self._out.tell()
-        pad = (-pos) % ALIGN
+        pad = (-self._pos) % ALIGN
         if pad:
             buf = self._buffer()
             buf[:pad] = bytes(pad)
             self._emit(buf, pad)
-        return pos + pad
+        return self._pos
 
     def add_source(self, name: str, src: SourceTensor) -> DataEntry:
         """Stream one stored tensor in, cast to the export dtype chunk by chunk."""
@@ -152,12 +191,20 @@ class DataWriter:
             done = 0
             while done < numel:
                 n = min(per_chunk, numel - done)
+                at = s.start + done * src_item
+                if src_dtype == self.target and self._kernel_copy:
+                    try:
+                        self._copy(fd, at, n * src_item, src.file)
+                        done += n
+                        continue
+                    except OSError:  # EXDEV/EINVAL/ENOSYS: this file system pair cannot; buffer from here on
+                        self._kernel_copy = False
+                        os.ftruncate(self._fd, self._pos)
                 buf = self._buffer()
+                pread_into(fd, memoryview(buf)[:n * src_item], at, src.file)
                 if src_dtype == self.target:
-                    pread_into(fd, memoryview(buf)[:n * src_item], s.start + done * src_item, src.file)
                     self._emit(buf, n * src_item)
                 else:
-                    pread_into(fd, memoryview(buf)[:n * src_item], s.start + done * src_item, src.file)
                     cast = torch.frombuffer(buf, dtype=src_dtype, count=n).to(self.target)
                     nb = n * self.itemsize
                     buf[:nb] = memoryview(cast.numpy()).cast("B")
@@ -186,10 +233,11 @@ class DataWriter:
         return entry
 
     def close(self) -> None:
-        if self._out.closed:
+        if self._fd < 0:
             return
         try:
-            self._out.close()
+            os.close(self._fd)
         finally:
+            self._fd = -1
             self._pool.shutdown(wait=True)
-        self.sha256 = self._hash.hexdigest()
+        self.sha256 = self._hash.hexdigest() if self._hash is not None else None

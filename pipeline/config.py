@@ -177,6 +177,7 @@ class ExportConfig(Section):
     batch: int = Field(1, gt=0)
     seq_len: int = Field(32, gt=0)
     cache_len: int | None = Field(None, gt=1)  # decode KV-cache slots; None: min(max_position_embeddings, 4096)
+    hash_weights: bool = True  # sha256 of model.onnx.data in export.json
     dynamic: bool = True
     kv_cache: bool = True
     soc_version: str = "Ascend910B3"

@@ -86,7 +86,11 @@ def test_export_never_loads_the_model(tmp_path, monkeypatch):
     monkeypatch.setattr(unified, "load_unified_model", refuse)
     model, args = debug_model()
     src = write_unified(model, args, tmp_path / "model")
-    result = export_model(model_dir=src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False)
+    result = export_model(model_dir=src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False,
+                          hash_weights=False)
+    files = json.loads(result.export_json.read_text())["files"]
+    assert files["model.onnx.data"]["sha256"] is None  # --no-hash-weights: the one pass skipped
+    assert files["model.onnx"]["sha256"] == sha256_file(result.onnx)
     tokens = torch.randint(0, args.vocab_size, (1, 9))
     with torch.no_grad():
         assert np.abs(_session(result.onnx).run(["logits"], _feeds(tokens))[0] - model(tokens).numpy()).max() <= 1e-4

@@ -40,6 +40,8 @@ def register(app: typer.Typer) -> None:
                                                  help="ATC precision: origin keeps the graph dtype"),
         expose_hidden: bool = typer.Option(False, "--expose-hidden", help="Add hidden.{i} outputs (for evaluation)"),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists"),
+        hash_weights: bool = typer.Option(True, "--hash-weights/--no-hash-weights",
+                                          help="sha256 of model.onnx.data in export.json (one CPU pass over the weights)"),
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Export MODEL_DIR to ONNX (prefill + KV-cache decode) for Ascend ATC, with an operator report."""
@@ -49,7 +51,7 @@ def register(app: typer.Typer) -> None:
                          seq_len=seq_len, cache_len=cache_len, dynamic=dynamic, kv_cache=kv_cache,
                          soc_version=soc_version,
                          run_atc=atc, precision_mode=precision_mode.value, overwrite=overwrite,
-                         expose_hidden=expose_hidden)
+                         expose_hidden=expose_hidden, hash_weights=hash_weights)
         s = r.summary
         graphs = ", ".join(f"{f} ({g['nodes']} nodes, {g['bytes'] / 1e6:.1f} MB)" for f, g in s["graphs"].items())
         console.print(f"exported {graphs} at opset {s['opset']}, {s['dtype']}, "
