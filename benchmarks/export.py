@@ -29,7 +29,7 @@ CHILD_EXPORT = """
 import json, sys, time
 from pathlib import Path
 t = time.perf_counter()
-from titan_pipe.convert.onnx_export import export_model
+from titan_pipe.convert.onnx.export import export_model
 t1 = time.perf_counter()
 r = export_model(model_dir=Path(sys.argv[1]), out_dir=Path(sys.argv[3]), dtype=sys.argv[2], run_atc=False,
                  hash_weights=sys.argv[4] == "hash")

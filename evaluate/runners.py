@@ -72,7 +72,7 @@ class TorchRunner:
         return Outputs(logits, [captured[i] for i in sorted(captured)])
 
 
-# The prefill graph's inputs (convert/onnx_graph.py); the runner feeds unpadded batches.
+# The prefill graph's inputs (convert/onnx/graphs.py); the runner feeds unpadded batches.
 _PREFILL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -170,12 +170,12 @@ class OnnxRuntimeRunner:
 
 class OnnxDecodeRunner:
     """KV-cache generation with the exported pair through the reference loop
-    (titan_pipe.convert.onnx_generate): left-padded prompts, prefill ``model.onnx``, then
+    (titan_pipe.convert.onnx.generate): left-padded prompts, prefill ``model.onnx``, then
     ``decode.onnx`` one token a step against the fixed-capacity cache — the path a deployment
     generates with, on static graphs as on dynamic ones."""
 
     def __init__(self, prefill: OnnxRuntimeRunner, decode_path: Path):
-        from titan_pipe.convert.onnx_generate import ort_session
+        from titan_pipe.convert.onnx.generate import ort_session
 
         self.prefill, self.path = prefill, Path(decode_path)
         self.session = ort_session(self.path)
@@ -207,7 +207,7 @@ class OnnxDecodeRunner:
     def generate(self, prompts: list[list[int]], n_new: int, forced=None):
         """Ragged prompts -> Generation (new_tokens (N, n_new), logits (N, n_new, vocab)); ``forced``
         (N, n_new) feeds those tokens instead of the argmax (teacher forcing)."""
-        from titan_pipe.convert.onnx_generate import generate
+        from titan_pipe.convert.onnx.generate import generate
 
         return generate(prefill=self.prefill.session, decode=self.session, prompts=prompts, max_new_tokens=n_new,
                         forced=None if forced is None else np.asarray(forced))

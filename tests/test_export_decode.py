@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from export_support import debug_model, write_unified
-from titan_pipe.convert.onnx_export import export_model
-from titan_pipe.convert.onnx_generate import generate, generate_padded, ort_session
+from titan_pipe.convert.onnx.export import export_model
+from titan_pipe.convert.onnx.generate import generate, generate_padded, ort_session
 from titan_pipe.errors import UserError
 
 ort = pytest.importorskip("onnxruntime")

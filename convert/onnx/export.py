@@ -1,10 +1,10 @@
 """The export stage: a unified model dir -> model.onnx + decode.onnx (+ model.onnx.data), ATC command/.om, export.json.
 
-The graphs are built directly (convert/onnx_graph.py: a decoder layer's nodes emitted once per
+The graphs are built directly (convert/onnx/graphs.py: a decoder layer's nodes emitted once per
 layer) and the weights streamed tensor by tensor from the safetensors files into one external-data
-file both graphs share (convert/onnx_weights.py), so the cost is the weights' I/O: the model is
+file both graphs share (convert/onnx/weights.py), so the cost is the weights' I/O: the model is
 never loaded, traced or held in memory. Opset 14 is the default (15 accepted): inside ATC's 11..15
-and the window of every operator the graphs use (convert/data/atc_onnx_ops.json). Everything is
+and the window of every operator the graphs use (convert/onnx/data/atc_onnx_ops.json). Everything is
 written to a hidden sibling directory and renamed into place when complete, so a failure leaves
 nothing.
 """
@@ -19,11 +19,11 @@ from pathlib import Path
 import onnx
 
 from titan_pipe.atomic import swap_dir, temp_dir
-from titan_pipe.convert import atc as atc_mod
-from titan_pipe.convert.atc_ops import find_problems, load_atc_ops, operator_report
-from titan_pipe.convert.onnx_files import check_and_infer, file_table
-from titan_pipe.convert.onnx_graph import NP_DTYPES, GraphSpec, build_graph, initializer_names, io_dims, io_names
-from titan_pipe.convert.onnx_weights import DataWriter, plan_weights
+from titan_pipe.convert.onnx import atc as atc_mod
+from titan_pipe.convert.onnx.atc_ops import find_problems, load_atc_ops, operator_report
+from titan_pipe.convert.onnx.files import check_and_infer, file_table
+from titan_pipe.convert.onnx.graphs import NP_DTYPES, GraphSpec, build_graph, initializer_names, io_dims, io_names
+from titan_pipe.convert.onnx.weights import DataWriter, plan_weights
 from titan_pipe.dtypes import BY_NAME
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.model_args import ModelArgs, count_params
@@ -250,14 +250,14 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
             "format": "titan-pipe-export/2",
             "source": {"model_dir": str(model_dir.resolve()), "config": args.to_dict()},
             "options": {k: v for k, v in asdict(plan).items() if k not in ("graphs",)},
-            "exporter": {"onnx": onnx.__version__, "path": "titan_pipe.convert.onnx_graph (built directly)"},
+            "exporter": {"onnx": onnx.__version__, "path": "titan_pipe.convert.onnx.graphs (built directly)"},
             "decode": None if not kv_cache else {
                 "cache_len": plan.cache_len, "cache_update": CACHE_UPDATE, "write_index": "write_index",
                 "note": "decode.onnx writes the step's key/value into slot write_index (Where over a one-hot of "
                         "the slots) and returns the whole cache; feed present.* back as past_key_values.*"},
             "atc": {"status": atc_status, "soc_version": soc_version, "precision_mode": precision_mode,
                     "commands": [list(i.argv) for i in invocations],
-                    "operator_list": {"file": "convert/data/atc_onnx_ops.json",
+                    "operator_list": {"file": "convert/onnx/data/atc_onnx_ops.json",
                                       "cann_version": load_atc_ops()["cann_version"]}},
             "graphs": graphs,
             "files": files,

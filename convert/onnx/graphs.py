@@ -2,7 +2,7 @@
 
 No tracing: a decoder layer is the same dozen-odd nodes emitted once per layer under the names
 ``layers.{i}.…``, on initializers that point into the shared external-data file (see
-convert/onnx_weights.py). The math is training/model.py's, op for op:
+convert/onnx/weights.py). The math is training/model.py's, op for op:
 
   RMSNorm   Cast(float32) -> Pow -> ReduceMean -> Add(eps) -> Sqrt -> Div [-> Cast back] -> Mul(weight)
   Linear    Gemm(x2d, W, transB=1) on the weight as stored (out, in): no transposed copy, no Transpose
@@ -15,7 +15,7 @@ convert/onnx_weights.py). The math is training/model.py's, op for op:
 
 Operators: Add, And, Cast, Concat, Equal, Expand, Gather, Gemm, Identity, LessOrEqual, MatMul,
 Mul, Neg, Pow, Range, ReduceMean, Reshape, Shape, Sigmoid, Slice, Softmax, Sqrt, Transpose,
-Unsqueeze, Where — all on ATC's list at opsets 14/15 (checked again by convert/atc_ops.py).
+Unsqueeze, Where — all on ATC's list at opsets 14/15 (checked again by convert/onnx/atc_ops.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from titan_pipe.convert.onnx_weights import DataEntry
+from titan_pipe.convert.onnx.weights import DataEntry
 from titan_pipe.dtypes import onnx_type
 from titan_pipe.model_args import ModelArgs
 
