@@ -102,9 +102,6 @@ class TrainConfig(Section):
     grad_clip: float | None = Field(1.0, gt=0)
     seed: int = 0
     log_every: int = Field(1, gt=0)
-    fail_at_step: int | None = None  # test hook: one rank exits at this step (fault injection)
-    fail_rank: int = 0
-    fail_during: Literal["step", "checkpoint"] = "step"  # die mid-step, or mid-checkpoint-write
 
 
 class ParallelConfig(Section):
