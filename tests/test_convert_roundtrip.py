@@ -244,3 +244,22 @@ def test_box_runs_match_numpy():
     assert run == 12 and offs.tolist() == [(r * 6 + 3) * 4 for r in range(8)]
     offs, run = box_runs((8, 6), Box((2, 0), (3, 6)), 1)  # whole rows: one run
     assert run == 18 and offs.tolist() == [12]
+
+
+def test_rope_row_runs_match_deinterleave():
+    """The scatter offsets of the RoPE reorder put every row where deinterleave_rope puts it."""
+    import numpy as np
+
+    from titan_pipe.convert.layout import Box
+    from titan_pipe.convert.reshard import rope_row_runs
+
+    hd, shape = 8, (40, 3)
+    box = Box((8, 0), (24, 3))  # three heads, starting at row 8 of the block
+    offs, run = rope_row_runs(shape, box, 2, hd)
+    assert run == 6
+    src = torch.arange(24 * 3, dtype=torch.int16).view(24, 3)
+    buf = np.zeros(40 * 3, dtype=np.int16)
+    for j, o in enumerate(offs.tolist()):  # what preadv does: source rows in order, to offs[j]
+        buf[o // 2:o // 2 + 3] = src[j].numpy()
+    assert torch.equal(torch.from_numpy(buf).view(40, 3)[8:32], deinterleave_rope(src, hd))
+    assert rope_row_runs(shape, Box((0, 0), (8, 2)), 2, hd)[1] == 0  # not whole rows: torch path

@@ -1,0 +1,91 @@
+"""torchrun driver (4 gloo ranks): DCP checkpoints of a model FSDP2- and TP-sharded over (dp 2, tp 2).
+
+Writes into OUT (argv[1]):
+  params.json                 the model's head counts (DCP stores no config)
+  model_only/                 dcp.save of the model state dict, weights = convert_writers.native_state
+                              with q/k rows in Meta/torchtitan interleaved RoPE order
+  full/step-1/                after one AdamW step: torchtitan's checkpoint layout -- the model's
+                              entries flattened at the top level beside optimizer (flattened),
+                              lr_scheduler, dataloader (one entry per dp rank) and train_state
+  full_reference.safetensors  rank 0's gathered full tensors after the step (the reference)
+  placements.json             each parameter's DTensor placements (to show _StridedShard is there)
+"""
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict)
+
+from convert_writers import model_args, native_state, to_interleaved
+from titan_pipe.training.data_parallel import plan_dp
+from titan_pipe.training.parallel_dims import ParallelDims
+from titan_pipe.training.parallelize import build_parallel_model
+
+
+class InterleavedWeights:
+    """native_state's weights, q/k rows in interleaved order (as torchtitan/Meta hold them)."""
+
+    def __init__(self, args):
+        self.args, self.sd = args, native_state(args)
+
+    def full(self, name: str) -> torch.Tensor:
+        w = self.sd[name]
+        if name.endswith("attention.wq.weight"):
+            return to_interleaved(w, self.args.n_heads)
+        if name.endswith("attention.wk.weight"):
+            return to_interleaved(w, self.args.kv_heads)
+        return w
+
+
+def main(out: Path) -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    args = model_args()
+    dims = ParallelDims(dp=2, tp=2)
+    mesh = dims.build_mesh("cpu")
+    pm = build_parallel_model(args, mesh, dp_plan=plan_dp(dp=2, tp=2, dp_mode="fsdp", zero_stage=None),
+                              weights=InterleavedWeights(args))
+    module = pm.parts[0]
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "params.json").write_text(json.dumps({"n_heads": args.n_heads, "n_kv_heads": args.kv_heads,
+                                                     "norm_eps": args.norm_eps, "rope_theta": args.rope_theta}))
+        (out / "placements.json").write_text(json.dumps(
+            {n: [str(p) for p in v.placements] for n, v in module.named_parameters()}))
+    dist.barrier()
+    dcp.save(get_model_state_dict(module), checkpoint_id=str(out / "model_only"))
+
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 4))
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits = module(tokens[:, :-1])
+    F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+    opt.step()
+    sched.step()
+    dp_rank = dims.coords(rank)[0]
+    state = {**get_model_state_dict(module),
+             "optimizer": get_optimizer_state_dict(module, opt, options=StateDictOptions(
+                 flatten_optimizer_state_dict=True)),
+             "lr_scheduler": sched.state_dict(),
+             "dataloader": {f"dp_rank_{dp_rank}": pickle.dumps({"sample": 17 + dp_rank})},
+             "train_state": {"step": torch.tensor(1), "ntokens_seen": torch.tensor(30)}}
+    dcp.save(state, checkpoint_id=str(out / "full/step-1"))
+    full = {n: p.full_tensor().clone() for n, p in module.named_parameters()}
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file(full, out / "full_reference.safetensors")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
