@@ -9,6 +9,11 @@ Writes into OUT (argv[1]):
                               lr_scheduler, dataloader (one entry per dp rank) and train_state
   full_reference.safetensors  rank 0's gathered full tensors after the step (the reference)
   placements.json             each parameter's DTensor placements (to show _StridedShard is there)
+  megatron/                   when megatron-core imports: the same weights in a megatron-core
+                              GPTModel (tp 2 x pp 2 x virtual pp 2, local layer spec) saved by
+                              megatron.core.dist_checkpointing.save as Megatron-LM does (torch_dist:
+                              args/iteration in common.pt, 'model0'/'model1' sharded); else
+                              megatron_skipped.txt with the import error
 """
 from __future__ import annotations
 
@@ -84,7 +89,61 @@ def main(out: Path) -> None:
 
         save_file(full, out / "full_reference.safetensors")
     dist.barrier()
+    save_megatron(out, rank)
+    dist.barrier()
     dist.destroy_process_group()
+
+
+def save_megatron(out: Path, rank: int, tp: int = 2, pp: int = 2, vpp: int = 2) -> None:
+    """megatron-core's own torch_dist save of native_state's weights (CPU: two CUDA calls stubbed)."""
+    try:
+        from megatron.core import dist_checkpointing, parallel_state
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    except Exception as e:  # ImportError, or a megatron-core that does not import without CUDA
+        if rank == 0:
+            (out / "megatron_skipped.txt").write_text(f"{type(e).__name__}: {e}")
+        return
+    from convert_writers import megatron_args, megatron_rank
+
+    # megatron-core's checkpoint saver synchronises CUDA and puts a flag tensor on the current
+    # CUDA device; neither exists on a CPU build of torch.
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"
+    args = model_args()
+    sd = native_state(args)
+    padded = 512  # vocab 320 padded to a multiple of 128 x tp
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             virtual_pipeline_model_parallel_size=vpp)
+    cfg = TransformerConfig(num_layers=args.n_layers, hidden_size=args.dim, ffn_hidden_size=args.hidden_dim,
+                            num_attention_heads=args.n_heads, num_query_groups=args.kv_heads,
+                            kv_channels=args.head_dim, use_cpu_initialization=True, gated_linear_unit=True,
+                            activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+                            layernorm_epsilon=args.norm_eps, tensor_model_parallel_size=tp,
+                            pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                            pipeline_dtype=torch.float32)
+    t, p = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
+    state = {"args": megatron_args(args, tp=tp, pp=pp, padded=padded, vpp=vpp), "iteration": 50,
+             "checkpoint_version": 3.0}
+    for v in range(vpp):
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v)
+        m = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded,
+                     max_sequence_length=args.max_seq_len, pre_process=first, post_process=last,
+                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                     rotary_base=int(args.rope_theta), vp_stage=v)
+        local = megatron_rank(sd, args, t, v * pp + p, tp, pp * vpp, fused_norms=False, padded=padded)
+        missing, unexpected = m.load_state_dict({k: x for k, x in local.items() if x is not None}, strict=False)
+        assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+        state[f"model{v}"] = m.sharded_state_dict()
+    ckpt = out / "megatron"
+    if rank == 0:
+        (ckpt / "iter_0000050").mkdir(parents=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(state, str(ckpt / "iter_0000050"))
+    if rank == 0:
+        (ckpt / "latest_checkpointed_iteration.txt").write_text("50")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from convert_writers import (hash_tree, model_args, native_state, write_dcp, write_hf,
-                             write_megatron)
+                             write_megatron, write_megatron_dist)
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
 from titan_pipe.convert.layout import Manifest
@@ -120,6 +120,8 @@ def test_every_source_format_gives_identical_bytes(tmp_path, weights, hf_dir, tp
         "megatron": write_megatron(sd, args, tmp_path / "meg", tp=2, pp=2, fused_norms=True),
         "megatron_standalone_norms": write_megatron(sd, args, tmp_path / "meg2", tp=4, pp=1,
                                                     fused_norms=False),
+        "megatron_torch_dist": write_megatron_dist(sd, args, tmp_path / "megd", tp=2, pp=2, vpp=2),
+        "megatron_torch_dist_tp4": write_megatron_dist(sd, args, tmp_path / "megd4", tp=4, pp=1, vpp=None),
     }
     outputs = {}
     for name, src in sources.items():
@@ -198,6 +200,11 @@ def test_inspect_reads_no_data(tp4pp2, tmp_path, weights):
     assert r.format == "megatron" and r.layout["tp"] == 2 and r.step == 50
     wq = next(p for p in r.params if p["name"] == "layers.3.attention.wq.weight")
     assert wq["shape"] == [64, 64] and wq["split"] == "fused qkv" and wq["reads"] == 4
+    r = inspect_checkpoint(src=write_megatron_dist(sd, args, tmp_path / "megd", tp=2, pp=2, vpp=2)
+                           / "iter_0000050")
+    assert r.format == "megatron" and r.layout["backend"] == "torch_dist" and r.layout["vpp"] == 2
+    wq = next(p for p in r.params if p["name"] == "layers.3.attention.wq.weight")
+    assert wq["split"] == "fused qkv" and wq["reads"] == 4
     r = inspect_checkpoint(src=tp4pp2)
     assert r.total_bytes == sum(v.numel() * 4 for v in sd.values())
 

@@ -72,7 +72,8 @@ def read_metadata(path: Path):
 
 
 def looks_like(path: Path) -> bool:
-    return (path / METADATA).is_file() and any(path.glob("*.distcp"))
+    # .metadata alone decides: with its data files missing the reader names the missing file.
+    return (path / METADATA).is_file()
 
 
 def _find_config(path: Path, model_config: Path | None) -> Path:
@@ -211,6 +212,10 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
         if name.startswith(("layers.", "tok_embeddings.", "norm.", "output.")) and "freqs_cis" not in name:
             tensor_meta[name] = (fqn, meta)
     if not tensor_meta:
+        if any(k.startswith(("decoder.layers.", "embedding.word_embeddings.")) for k in sdm):
+            raise UserError(f"{path / METADATA}: holds Megatron tensor names (decoder.layers...): a "
+                            "Megatron torch_dist checkpoint, which needs its metadata.json and "
+                            "common.pt beside .metadata; pass --from megatron")
         raise UserError(f"{path / METADATA}: holds no torchtitan model tensors (tok_embeddings, "
                         "layers.N...); is it a model checkpoint?")
     shapes = {n: tuple(m.size) for n, (_, m) in tensor_meta.items()}
@@ -267,6 +272,50 @@ def plan_tensors(path: Path, md, wanted: dict[str, tuple[str, object]], order, *
     return tensors
 
 
+class ChunkLocator:
+    """Finds where each storage item's tensor lies; opens every .distcp file once.
+
+    ``locate`` gives (file relative to the root, SavedTensor) and refuses, naming the file, a
+    missing file, an item past its end, a payload that is not a plain saved tensor, or one whose
+    dtype/shape disagrees with .metadata.
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._fds: dict[str, tuple[int, int]] = {}
+        self._st_headers: dict[Path, dict] = {}
+
+    def locate(self, fqn: str, info, dtype: torch.dtype, lengths: tuple[int, ...]) -> tuple[str, SavedTensor]:
+        f = data_path(self.root, info.relative_path)
+        rel = str(f.relative_to(self.root))
+        if rel not in self._fds:
+            try:
+                fd = os.open(f, os.O_RDONLY)
+            except FileNotFoundError:
+                raise UserError(f"{f}: missing; {METADATA} lists it (chunks of {fqn}). Copy the "
+                                "complete checkpoint") from None
+            except IsADirectoryError:
+                raise UserError(f"{f}: is a directory, expected a .distcp file") from None
+            self._fds[rel] = (fd, os.fstat(fd).st_size)
+        fd, size = self._fds[rel]
+        return rel, _locate_chunk(f, self.root, fd, size, fqn, info, dtype, lengths, self._st_headers)
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(self._fds)
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def locate_chunks(path: Path, md, tensors: dict[str, TensorPlan]):
     """(files read, safetensors-like headers per file, strided chunks) for every read of the plan.
 
@@ -278,29 +327,12 @@ def locate_chunks(path: Path, md, tensors: dict[str, TensorPlan]):
             by_key[f"{idx.fqn}@{','.join(map(str, idx.offset))}"] = (idx.fqn, info)
     headers: dict[str, dict[str, StoredTensor]] = {}
     strided: dict[tuple[str, str], SavedTensor] = {}
-    fds: dict[str, tuple[int, int]] = {}
-    st_headers: dict[Path, dict] = {}
-    try:
+    with ChunkLocator(path) as loc:
         for t in tensors.values():
-            dtype = TORCH_DTYPES[t.dtype]
             for r in t.reads:
                 fqn, info = by_key[r.key]
-                f = path / r.file
-                if r.file not in fds:
-                    try:
-                        fd = os.open(f, os.O_RDONLY)
-                    except FileNotFoundError:
-                        raise UserError(f"{f}: missing; {METADATA} lists it (chunks of {fqn}). Copy the "
-                                        "complete checkpoint") from None
-                    except IsADirectoryError:
-                        raise UserError(f"{f}: is a directory, expected a .distcp file") from None
-                    fds[r.file] = (fd, os.fstat(fd).st_size)
-                fd, size = fds[r.file]
-                s = _locate_chunk(f, path, fd, size, fqn, info, dtype, r.dst_box.lengths, st_headers)
-                headers.setdefault(r.file, {})[r.key] = StoredTensor(t.dtype, s.shape, s.start, s.nbytes)
+                file, s = loc.locate(fqn, info, TORCH_DTYPES[t.dtype], r.dst_box.lengths)
+                headers.setdefault(file, {})[r.key] = StoredTensor(t.dtype, s.shape, s.start, s.nbytes)
                 if not s.row_major:
-                    strided[(r.file, r.key)] = s
-    finally:
-        for fd, _ in fds.values():
-            os.close(fd)
-    return sorted(fds), headers, strided
+                    strided[(file, r.key)] = s
+        return loc.files, headers, strided

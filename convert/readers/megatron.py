@@ -30,6 +30,7 @@ import torch
 from titan_pipe.convert.layout import Box
 from titan_pipe.convert.names import megatron_to_native, native_names
 from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
+from titan_pipe.convert.readers import megatron_dist
 from titan_pipe.convert.readers.store import DTYPE_NAMES, Store
 from titan_pipe.errors import UserError
 from titan_pipe.training.model import ModelArgs, RopeScaling
@@ -104,6 +105,8 @@ def _iter_dir(path: Path) -> Path | None:
 
 
 def looks_like(path: Path) -> bool:
+    if megatron_dist.looks_like(path):
+        return True
     try:
         return _iter_dir(path) is not None
     except UserError:
@@ -155,7 +158,8 @@ def _stage_layers(a, pp: int) -> list[int]:
     return [c if c else rest // free for c in counts]
 
 
-def model_args(a, vocab: int, root: Path) -> ModelArgs:
+def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelArgs:
+    """ModelArgs from Megatron's args; ``virtual_ok``: the format places virtual stages itself (torch_dist)."""
     def need(cond: bool, what: str):
         if not cond:
             raise UserError(f"{root}: Megatron args {what}; titan-pipe converts LLaMA-style models "
@@ -166,7 +170,7 @@ def model_args(a, vocab: int, root: Path) -> ModelArgs:
     need(getattr(a, "normalization", "RMSNorm") == "RMSNorm", f"use normalization={getattr(a, 'normalization', None)!r}")
     need(getattr(a, "position_embedding_type", "rope") == "rope",
          f"use position_embedding_type={getattr(a, 'position_embedding_type', None)!r}")
-    if getattr(a, "num_layers_per_virtual_pipeline_stage", None):
+    if getattr(a, "num_layers_per_virtual_pipeline_stage", None) and not virtual_ok:
         raise UserError(f"{root}: virtual pipeline stages (model0, model1 ... per file) are not supported")
     n_heads = int(a.num_attention_heads)
     groups = int(a.num_query_groups) if getattr(a, "group_query_attention", False) else n_heads
@@ -221,6 +225,8 @@ def _rows(off: int, n: int, dim: int) -> Box:
 
 def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
                 read_headers: bool = True) -> tuple[SourcePlan, MegatronStore]:
+    if megatron_dist.looks_like(path):  # torch_dist (megatron.core.dist_checkpointing) layout
+        return megatron_dist.open_source(path, vocab_size=vocab_size, model_config=model_config)
     it_dir = _iter_dir(path)
     if it_dir is None:
         raise UserError(f"{path}: no {TRACKER}, iter_* directory or mp_rank_* directories; not a "
