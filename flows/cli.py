@@ -108,7 +108,8 @@ def register(app: typer.Typer) -> None:
         result: dict = {}
         with listening(live):
             try:
-                result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force)
+                result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force,
+                                         cfg=cfg)
             except BaseException as e:  # noqa: BLE001 - shown after the table; handle_errors maps it
                 failed = e
         console.print(live.table())

@@ -28,13 +28,14 @@ from pathlib import Path
 
 import torch
 
-from titan_pipe.convert.layout import Box
-from titan_pipe.convert.names import megatron_to_native, native_names, native_shapes
+from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
 from titan_pipe.convert.readers import dcp
-from titan_pipe.convert.readers.store import DTYPE_NAMES, TORCH_DTYPES, StoredTensor
+from titan_pipe.convert.readers.store import StoredTensor
 from titan_pipe.convert.readers.torch_save import SavedTensor
+from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
+from titan_pipe.names import megatron_to_native, native_names, native_shapes
 
 BACKEND_FILE = "metadata.json"
 COMMON = "common.pt"
