@@ -64,9 +64,14 @@ def to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, hd // 2, dim).transpose(1, 2).reshape(rows, dim)
 
 
-def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True) -> Path:
-    """A torchtitan DCP checkpoint (single-process dcp.save), with params.json beside it."""
+def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True, safetensors_items: bool = False) -> Path:
+    """A torchtitan DCP checkpoint (single-process dcp.save), with params.json beside it.
+
+    ``safetensors_items``: FileSystemWriter(serialization_format=SAFETENSORS), whose .distcp file
+    is a safetensors file of raw tensors instead of one torch.save payload per item.
+    """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
 
     tt = {}
     for k, v in sd.items():
@@ -84,7 +89,12 @@ def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True) -> Pat
     else:
         state = tt
     out.mkdir(parents=True)
-    dcp.save(state, checkpoint_id=str(out / "step-3"), no_dist=True)
+    if safetensors_items:
+        dcp.save(state, storage_writer=FileSystemWriter(str(out / "step-3"),
+                                                        serialization_format=SerializationFormat.SAFETENSORS),
+                 no_dist=True)
+    else:
+        dcp.save(state, checkpoint_id=str(out / "step-3"), no_dist=True)
     params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads,
               "n_kv_heads": args.kv_heads, "vocab_size": args.vocab_size, "norm_eps": args.norm_eps,
               "rope_theta": args.rope_theta, "max_seq_len": args.max_seq_len}

@@ -117,6 +117,7 @@ def test_every_source_format_gives_identical_bytes(tmp_path, weights, hf_dir, tp
         "titan": tp4pp2,
         "dcp": write_dcp(sd, args, tmp_path / "dcp_full", full=True),
         "dcp_model_only": write_dcp(sd, args, tmp_path / "dcp_model", full=False),
+        "dcp_safetensors_items": write_dcp(sd, args, tmp_path / "dcp_st", full=False, safetensors_items=True),
         "megatron": write_megatron(sd, args, tmp_path / "meg", tp=2, pp=2, fused_norms=True),
         "megatron_standalone_norms": write_megatron(sd, args, tmp_path / "meg2", tp=4, pp=1,
                                                     fused_norms=False),

@@ -165,7 +165,7 @@ class DcpStore(SafetensorsStore):
         return x
 
 
-def _locate_chunk(path: Path, root: Path, fd: int, size: int, fqn: str, info, dtype: torch.dtype,
+def _locate_chunk(path: Path, fd: int, size: int, fqn: str, info, dtype: torch.dtype,
                   lengths: tuple[int, ...], st_headers: dict) -> SavedTensor:
     """Where the bytes of one storage item lie; every way it can disagree with .metadata refused."""
     where = f"{path}: chunk of {fqn} at bytes {info.offset}..{info.offset + info.length}"
@@ -298,7 +298,7 @@ class ChunkLocator:
                 raise UserError(f"{f}: is a directory, expected a .distcp file") from None
             self._fds[rel] = (fd, os.fstat(fd).st_size)
         fd, size = self._fds[rel]
-        return rel, _locate_chunk(f, self.root, fd, size, fqn, info, dtype, lengths, self._st_headers)
+        return rel, _locate_chunk(f, fd, size, fqn, info, dtype, lengths, self._st_headers)
 
     @property
     def files(self) -> list[str]:

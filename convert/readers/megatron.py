@@ -1,5 +1,8 @@
 """Reader for Megatron-LM legacy checkpoints of megatron-core GPT/LLaMA models.
 
+(``torch_dist`` checkpoints -- a ``metadata.json`` naming that backend in the iteration dir -- are
+handed to megatron_dist.py; both are ``--from megatron``.)
+
 Tree: ``latest_checkpointed_iteration.txt`` + ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``
 (TT: tp rank, PPP: pp rank when pp > 1). Each file is a pickle; it is opened with
 ``torch.load(weights_only=True, mmap=True)`` and an explicit allow-list (argparse.Namespace, the
