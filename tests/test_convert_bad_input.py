@@ -217,6 +217,22 @@ def test_dcp_without_model_config(good, tmp_path):
     assert r.exit_code == 0, r.output
 
 
+def test_dcp_metadata_with_a_callable_outside_the_allow_list(good, tmp_path):
+    """A .metadata whose pickle would call a DCP function that writes files is refused by name."""
+    import pickle
+
+    class Hostile:
+        def __reduce__(self):
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+            return (dcp_to_torch_save, (str(tmp_path / "dcp/step-3"), str(tmp_path / "written.pt")))
+
+    ckpt = write_dcp(good["sd"], good["args"], tmp_path / "dcp")
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Hostile()))
+    _fails(ckpt, tmp_path / "out", expect="refusing to load torch.distributed.checkpoint.format_utils",
+           names=ckpt / ".metadata")
+    assert not (tmp_path / "written.pt").exists()
+
+
 def test_dcp_corrupted_metadata(good, tmp_path):
     ckpt = write_dcp(good["sd"], good["args"], tmp_path / "dcp")
     (ckpt / ".metadata").write_bytes(b"\x80\x04junk")

@@ -42,18 +42,29 @@ METADATA = ".metadata"
 _ROPE_PERMUTED = (".attention.wq.weight", ".attention.wk.weight")
 
 
+# Exactly the classes DCP's Metadata is built from (torch 2.x FileSystemWriter, megatron-core's
+# planner): constructing any of them runs no code with effects. A prefix rule would also admit
+# callables such as format_utils.dcp_to_torch_save, which writes files.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    "torch.distributed.checkpoint.planner": {  # all_local_plans, kept by newer savers
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+    "torch.serialization": {"_get_layout"},  # layout name -> torch.strided etc. (a dict lookup)
+    "torch._utils": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Admit only what DCP metadata is made of; anything else is refused by name."""
 
     def find_class(self, module: str, name: str):
-        ok = (module.startswith("torch.distributed.checkpoint.")
-              or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
-              or (module == "torch._utils" and name in ("_get_layout",))
-              or (module == "torch.serialization" and name == "_get_layout")
-              or (module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath",
-                                                   "PureWindowsPath", "Path"))
-              or (module == "collections" and name == "OrderedDict")
-              or name == "_MEM_FORMAT_ENCODING")
+        ok = (name in _METADATA_GLOBALS.get(module, ())
+              or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))))
         if not ok:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
         return super().find_class(module, name)
