@@ -21,9 +21,11 @@ chunks of *global* tensors, so TP, PP and virtual-PP need no rank arithmetic her
 """
 from __future__ import annotations
 
+import argparse
 import json
 import pickle
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,6 +37,7 @@ from titan_pipe.convert.readers.store import StoredTensor
 from titan_pipe.convert.readers.torch_save import SavedTensor
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
+from titan_pipe.model_args import ModelArgs
 from titan_pipe.names import megatron_to_native, native_names, native_shapes
 
 BACKEND_FILE = "metadata.json"
@@ -111,11 +114,22 @@ def _layer_slices(file: str, key: str, s: SavedTensor, headers: dict, strided: d
     return keys
 
 
-def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
-                read_headers: bool = True) -> tuple[SourcePlan, dcp.DcpStore]:
-    from titan_pipe.convert.readers.megatron import _true_vocab as true_vocab
-    from titan_pipe.convert.readers.megatron import model_args
+@dataclass
+class _Plan:
+    """What the chunks contribute, global tensor by global tensor, and where each stored piece is."""
 
+    reads: dict[str, list[Read]] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, dict[str, StoredTensor]] = field(default_factory=dict)
+    strided: dict[tuple[str, str], SavedTensor] = field(default_factory=dict)
+
+    def add(self, name: str, read: Read, dtype: str) -> None:
+        self.reads.setdefault(name, []).append(read)
+        self.dtypes[name] = dtype
+
+
+def _open_iteration(path: Path) -> tuple[Path, dict, argparse.Namespace]:
+    """(iteration dir, common state dict, Megatron args) of a torch_dist checkpoint."""
     d = resolve(path)
     if d is None:
         raise UserError(f"{path}: no {BACKEND_FILE} naming a sharded backend; not a Megatron "
@@ -129,114 +143,120 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
     if a is None:
         raise UserError(f"{d / COMMON}: has no 'args'; titan-pipe needs the model's Megatron "
                         "arguments saved in the checkpoint")
+    return d, common, a
+
+
+def _stored_pieces(d: Path, md, n_layers: int, loc: dcp.ChunkLocator, acc: _Plan):
+    """Every model chunk as 2-D (or 1-D) pieces: (megatron key with its global layer id, file,
+    store key, offsets, lengths in the layer's tensor, dtype). Stacked chunks are cut per layer."""
+    for fqn, meta in md.state_dict_metadata.items():
+        if not hasattr(meta, "chunks") or not _MODEL_KEY.match(fqn):
+            continue  # _extra_state objects, optimizer, rng state ...
+        dtype = DTYPE_NAMES.get(meta.properties.dtype)
+        if dtype is None:
+            raise UserError(f"{d / dcp.METADATA}: {fqn} has dtype {meta.properties.dtype}, not convertible")
+        stacked = _STACKED.match(fqn)
+        if stacked and meta.size[0] != n_layers:
+            raise UserError(f"{d / dcp.METADATA}: {fqn} stacks {meta.size[0]} layers but args say "
+                            f"num_layers {n_layers}")
+        for chunk in meta.chunks:
+            info = md.storage_data.get(dcp.MetadataIndex(fqn, chunk.offsets))
+            if info is None:
+                raise UserError(f"{d / dcp.METADATA}: the chunk of {fqn} at {list(chunk.offsets)} has "
+                                "no storage entry (no file holds it); the metadata is incomplete or corrupted")
+            if getattr(info, "transform_descriptors", None):
+                raise UserError(f"{dcp.data_path(d, info.relative_path)}: {fqn} is stored transformed "
+                                f"({', '.join(info.transform_descriptors)}); titan-pipe reads plain DCP only")
+            file, s = loc.locate(fqn, info, meta.properties.dtype, tuple(chunk.sizes))
+            key = f"{fqn}@{','.join(map(str, chunk.offsets))}"
+            if stacked:
+                offs, lens = tuple(chunk.offsets[1:]), tuple(chunk.sizes[1:])
+                for k, sub in enumerate(_layer_slices(file, key, s, acc.headers, acc.strided)):
+                    yield f"decoder.layers.{chunk.offsets[0] + k}.{stacked.group(1)}", file, sub, offs, lens, dtype
+            else:
+                acc.headers.setdefault(file, {})[key] = StoredTensor(dtype, s.shape, s.start, s.nbytes)
+                if not s.row_major:
+                    acc.strided[(file, key)] = s
+                yield fqn, file, key, tuple(chunk.offsets), tuple(chunk.sizes), dtype
+
+
+def _plan_piece(acc: _Plan, args: ModelArgs, name: str, file: str, key: str, offs: tuple, lens: tuple,
+                dtype: str, *, rope: int | None, where: Path) -> None:
+    """The reads one stored piece contributes (its box is ``offs``/``lens`` of Megatron's tensor)."""
+    hd, qpg, dim, ffn = args.head_dim, args.n_heads // args.kv_heads, args.dim, args.hidden_dim
+    if name.startswith("<qkv>"):  # rows: query groups in global order, each q heads | k | v
+        gid, group_rows = int(name.split(":")[1]), (qpg + 2) * hd
+        if offs[0] % group_rows or lens[0] % group_rows or lens[1] != dim:
+            raise UserError(f"{where}: {key} rows {offs[0]}+{lens[0]} do not hold whole query groups "
+                            f"of {group_rows} rows")
+        for g in range(lens[0] // group_rows):
+            G, base = offs[0] // group_rows + g, g * group_rows
+            for nm, so, do, n in (("wq", base, G * qpg * hd, qpg * hd), ("wk", base + qpg * hd, G * hd, hd),
+                                  ("wv", base + (qpg + 1) * hd, G * hd, hd)):
+                acc.add(f"layers.{gid}.attention.{nm}.weight",
+                        Read(file, key, Box((so, 0), (n, dim)), Box((do, 0), (n, dim)),
+                             None if nm == "wv" else rope), dtype)
+    elif name.startswith("<fc1>"):  # rows: [gate; up] of the whole FFN
+        gid = int(name.split(":")[1])
+        for nm, lo in (("w1", 0), ("w3", ffn)):
+            hit = Box(offs, lens).intersect(Box((lo, 0), (ffn, dim)))
+            if hit is not None:
+                acc.add(f"layers.{gid}.feed_forward.{nm}.weight",
+                        Read(file, key, Box((hit.offsets[0] - offs[0], 0), hit.lengths),
+                             Box((hit.offsets[0] - lo, 0), hit.lengths)), dtype)
+    elif name in ("tok_embeddings.weight", "output.weight"):
+        hit = Box(offs, lens).intersect(Box((0, 0), (args.vocab_size, dim)))
+        if hit is not None:  # rows past the true vocabulary are padding
+            acc.add(name, Read(file, key, Box((hit.offsets[0] - offs[0], 0), hit.lengths), hit), dtype)
+    else:
+        acc.add(name, Read(file, key, Box.full(lens), Box(offs, lens)), dtype)
+
+
+def _tensor_plans(d: Path, args: ModelArgs, padded: int, acc: _Plan) -> dict[str, TensorPlan]:
+    tensors, shapes = {}, native_shapes(args)
+    for name in native_names(args):
+        if name not in acc.reads:
+            raise UserError(f"{d}: no tensor for {name!r}; the checkpoint is incomplete")
+        part, reads = name.split(".")[-2], acc.reads[name]
+        kind = ("fused qkv" if part in ("wq", "wk", "wv") else "fused fc1" if part in ("w1", "w3")
+                else f"{len(reads)} chunks" if len(reads) > 1 else "whole")
+        if part in ("tok_embeddings", "output"):
+            kind = f"vocab padded to {padded or '?'}, {kind}"
+        tensors[name] = TensorPlan(name, shapes[name], acc.dtypes[name],
+                                   tuple(sorted(reads, key=lambda r: r.dst_box.offsets)), kind)
+    return tensors
+
+
+def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
+                read_headers: bool = True) -> tuple[SourcePlan, dcp.DcpStore]:
+    """Plan a torch_dist checkpoint: args from common.pt, then every model chunk of .metadata."""
+    from titan_pipe.convert.readers.megatron import _true_vocab as true_vocab
+    from titan_pipe.convert.readers.megatron import model_args
+
+    d, common, a = _open_iteration(path)
     md = dcp.read_metadata(d)
     args = model_args(a, true_vocab(a, path, vocab_size), path, virtual_ok=True)
-    hd, qpg = args.head_dim, args.n_heads // args.kv_heads
-    group_rows, ffn, dim = (qpg + 2) * hd, args.hidden_dim, args.dim
-    rope = hd if getattr(a, "rotary_interleaved", False) else None
-    reads: dict[str, list[Read]] = {}
-    dtypes: dict[str, str] = {}
-    headers: dict[str, dict[str, StoredTensor]] = {}
-    strided: dict[tuple[str, str], SavedTensor] = {}
-
-    def add(name: str, file: str, key: str, src: Box, dst: Box, dtype: str, rope_hd=None) -> None:
-        reads.setdefault(name, []).append(Read(file, key, src, dst, rope_hd))
-        dtypes[name] = dtype
-
+    rope = args.head_dim if getattr(a, "rotary_interleaved", False) else None
+    acc = _Plan()
     with dcp.ChunkLocator(d) as loc:
-        for fqn, meta in md.state_dict_metadata.items():
-            if not hasattr(meta, "chunks") or not _MODEL_KEY.match(fqn):
-                continue  # _extra_state objects, optimizer, rng state ...
-            dtype = DTYPE_NAMES.get(meta.properties.dtype)
-            if dtype is None:
-                raise UserError(f"{d / dcp.METADATA}: {fqn} has dtype {meta.properties.dtype}, not convertible")
-            stacked = _STACKED.match(fqn)
-            if stacked and len(meta.size) and meta.size[0] != args.n_layers:
-                raise UserError(f"{d / dcp.METADATA}: {fqn} stacks {meta.size[0]} layers but args say "
-                                f"num_layers {args.n_layers}")
-            for chunk in meta.chunks:
-                info = md.storage_data.get(dcp.MetadataIndex(fqn, chunk.offsets))
-                if info is None:
-                    raise UserError(f"{d / dcp.METADATA}: the chunk of {fqn} at {list(chunk.offsets)} has "
-                                    "no storage entry (no file holds it); the metadata is incomplete or corrupted")
-                if getattr(info, "transform_descriptors", None):
-                    raise UserError(f"{dcp.data_path(d, info.relative_path)}: {fqn} is stored transformed "
-                                    f"({', '.join(info.transform_descriptors)}); titan-pipe reads plain DCP only")
-                file, s = loc.locate(fqn, info, meta.properties.dtype, tuple(chunk.sizes))
-                key = f"{fqn}@{','.join(map(str, chunk.offsets))}"
-                if stacked:
-                    layers = [(chunk.offsets[0] + k, sub) for k, sub in
-                              enumerate(_layer_slices(file, key, s, headers, strided))]
-                    offs, lens = tuple(chunk.offsets[1:]), tuple(chunk.sizes[1:])
-                    sub_key = stacked.group(1)
-                else:
-                    headers.setdefault(file, {})[key] = StoredTensor(dtype, s.shape, s.start, s.nbytes)
-                    if not s.row_major:
-                        strided[(file, key)] = s
-                    layers = [(None, key)]
-                    offs, lens = tuple(chunk.offsets), tuple(chunk.sizes)
-                for layer, skey in layers:
-                    mkey = f"decoder.layers.{layer}.{sub_key}" if layer is not None else fqn
-                    try:
-                        name = megatron_to_native(mkey, 0)
-                    except KeyError as e:
-                        raise UserError(f"{d / dcp.METADATA}: {e.args[0]}; only megatron-core "
-                                        "LLaMA-style layers are converted") from None
-                    if name is None:
-                        continue
-                    src = Box.full(lens)
-                    if name.startswith("<qkv>"):
-                        gid = int(name.split(":")[1])
-                        if offs[0] % group_rows or lens[0] % group_rows or lens[1] != dim:
-                            raise UserError(f"{d / dcp.METADATA}: {fqn} chunk rows {offs[0]}+{lens[0]} "
-                                            f"do not hold whole query groups of {group_rows} rows")
-                        for g in range(lens[0] // group_rows):
-                            G, base = offs[0] // group_rows + g, g * group_rows
-                            for nm, so, do, n in (("wq", base, G * qpg * hd, qpg * hd),
-                                                  ("wk", base + qpg * hd, G * hd, hd),
-                                                  ("wv", base + (qpg + 1) * hd, G * hd, hd)):
-                                add(f"layers.{gid}.attention.{nm}.weight", file, skey,
-                                    Box((so, 0), (n, dim)), Box((do, 0), (n, dim)), dtype,
-                                    None if nm == "wv" else rope)
-                        continue
-                    if name.startswith("<fc1>"):
-                        gid = int(name.split(":")[1])
-                        chunk_box = Box(offs, lens)
-                        for nm, lo in (("w1", 0), ("w3", ffn)):
-                            hit = chunk_box.intersect(Box((lo, 0), (ffn, dim)))
-                            if hit is not None:
-                                add(f"layers.{gid}.feed_forward.{nm}.weight", file, skey,
-                                    Box((hit.offsets[0] - offs[0], 0), hit.lengths),
-                                    Box((hit.offsets[0] - lo, 0), hit.lengths), dtype)
-                        continue
-                    if name in ("tok_embeddings.weight", "output.weight"):
-                        hit = Box(offs, lens).intersect(Box((0, 0), (args.vocab_size, dim)))
-                        if hit is not None:  # rows past the true vocabulary are padding
-                            add(name, file, skey, Box((hit.offsets[0] - offs[0], 0), hit.lengths), hit, dtype)
-                        continue
-                    add(name, file, skey, src, Box(offs, lens), dtype)
+        for mkey, file, key, offs, lens, dtype in _stored_pieces(d, md, args.n_layers, loc, acc):
+            try:
+                name = megatron_to_native(mkey, 0)
+            except KeyError as e:
+                raise UserError(f"{d / dcp.METADATA}: {e.args[0]}; only megatron-core LLaMA-style "
+                                "layers are converted") from None
+            if name is not None:
+                _plan_piece(acc, args, name, file, key, offs, lens, dtype, rope=rope, where=d / dcp.METADATA)
         files = loc.files
-    tensors = {}
-    shapes = native_shapes(args)
-    for name in native_names(args):
-        if name not in reads:
-            raise UserError(f"{d}: no tensor for {name!r}; the checkpoint is incomplete")
-        part = name.split(".")[-2]
-        shape = shapes[name]
-        kind = ("fused qkv" if part in ("wq", "wk", "wv") else "fused fc1" if part in ("w1", "w3")
-                else f"{len(reads[name])} chunks" if len(reads[name]) > 1 else "whole")
-        if part in ("tok_embeddings", "output"):
-            kind = f"vocab padded to {int(getattr(a, 'padded_vocab_size', 0) or 0) or '?'}, " + kind
-        tensors[name] = TensorPlan(name, shape, dtypes[name], tuple(sorted(reads[name], key=lambda r: r.dst_box.offsets)),
-                                   kind)
+    padded = int(getattr(a, "padded_vocab_size", 0) or 0)
     vpp = getattr(a, "virtual_pipeline_model_parallel_size", None) or (
         int(a.num_layers) // int(a.pipeline_model_parallel_size) // int(a.num_layers_per_virtual_pipeline_stage)
         if getattr(a, "num_layers_per_virtual_pipeline_stage", None) else None)
-    plan = SourcePlan("megatron", d, args, tensors, files=files,
+    plan = SourcePlan("megatron", d, args, _tensor_plans(d, args, padded, acc), files=files,
                       step=int(common.get("iteration", 0) or 0),
                       layout={"backend": "torch_dist", "tp": int(getattr(a, "tensor_model_parallel_size", 1)),
                               "pp": int(getattr(a, "pipeline_model_parallel_size", 1)), "vpp": vpp,
                               "checkpoint_version": common.get("checkpoint_version"),
-                              "padded_vocab_size": int(getattr(a, "padded_vocab_size", 0) or 0) or None,
-                              "chunks": sum(len(t.reads) for t in tensors.values())})
-    return plan, dcp.DcpStore(d, headers, strided)
+                              "padded_vocab_size": padded or None})
+    plan.layout["chunks"] = sum(len(t.reads) for t in plan.tensors.values())
+    return plan, dcp.DcpStore(d, acc.headers, acc.strided)
