@@ -28,10 +28,10 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from titan_pipe.checkpoint_format import Box
-from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
 from titan_pipe.convert.readers import torch_save
 from titan_pipe.convert.readers.store import SafetensorsStore, StoredTensor, pread_into, read_header
 from titan_pipe.convert.readers.torch_save import SavedTensor
+from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.dtypes import DTYPE_NAMES, TORCH_DTYPES
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs, RopeScaling

@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+
 
 class ThresholdDtype(str, Enum):
     auto = "auto"
@@ -16,8 +18,6 @@ class ThresholdDtype(str, Enum):
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import FLOW_HELP, call_stage, console, handle_errors
-
     @app.command("evaluate")
     @handle_errors
     def evaluate(
