@@ -6,8 +6,9 @@ from pathlib import Path
 from titan_pipe.convert.readers import dcp, hf, megatron, titan
 from titan_pipe.errors import UserError
 
-# Order matters only for directories that match several (a titan run dir with a config.json).
-READERS = {"titan": titan, "dcp": dcp, "megatron": megatron, "hf": hf}
+# Order matters only for directories that match several: a titan run dir with a config.json, a
+# Megatron torch_dist iteration dir (which is also a DCP checkpoint: megatron before dcp).
+READERS = {"titan": titan, "megatron": megatron, "dcp": dcp, "hf": hf}
 FORMATS = ("auto", *READERS)
 
 

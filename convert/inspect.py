@@ -1,7 +1,7 @@
 """inspect_checkpoint: what a checkpoint holds (format, layout, parameters, size) without its data.
 
-Readers plan from metadata only (a manifest, safetensors headers, DCP's .metadata, Megatron files
-memory-mapped), so this reads no tensor bytes.
+Readers plan from metadata only (a manifest, safetensors headers, DCP's .metadata and each chunk's
+zip directory, Megatron files memory-mapped), so this reads no tensor bytes.
 """
 from __future__ import annotations
 

@@ -6,9 +6,10 @@ row blocks of at most ``BLOCK_BYTES`` in a buffer each thread keeps for the whol
 reads whose source bytes are contiguous (dim-1 TP splits of safetensors shards: each output row
 interleaves one run from every shard) are scattered straight into their places in that buffer by
 one ``preadv`` per read, an iovec per run, so each byte is copied once into the buffer and once out;
-the rest (dtype casts, the RoPE row reorder, pickled sources) goes through torch. The block buffer
+the RoPE row reorder of q/k is the same scatter with the rows' destinations permuted. The rest
+(dtype casts, pickled Megatron sources, strided chunks) goes through torch. The block buffer
 plus the source pieces that land in it are all the memory the conversion holds, whatever the model
-size (DCP and Megatron sources add the one stored chunk or rank file being read).
+size (legacy Megatron sources add the mapped pages of the rank files being read).
 """
 from __future__ import annotations
 
@@ -91,6 +92,23 @@ def _scatter_read(fd: int, src_off: int, buf: memoryview, offs: np.ndarray, run:
             i += 1
 
 
+def rope_row_runs(shape: tuple[int, ...], box: Box, itemsize: int, head_dim: int) -> tuple[np.ndarray, int]:
+    """Where each source row of ``box`` lands after the RoPE reorder, in source row order.
+
+    For a box of whole rows (every dim after 0 taken whole) of whole heads: source row 2i + h of
+    a head lands on row h*hd/2 + i of that head (see ``deinterleave_rope``). Returns (byte offset
+    in the row-major ``shape`` buffer of each source row's destination, row bytes), or (empty, 0)
+    when the box is not whole rows of whole heads (then the torch path does the reorder).
+    """
+    if not shape or tuple(box.lengths[1:]) != tuple(shape[1:]) or box.lengths[0] % head_dim:
+        return np.zeros(0, dtype=np.int64), 0
+    row = math.prod(shape[1:]) * itemsize
+    j = np.arange(box.lengths[0], dtype=np.int64)
+    w = j % head_dim
+    dest = j - w + (w % 2) * (head_dim // 2) + w // 2
+    return (box.offsets[0] + dest) * row, row
+
+
 def deinterleave_rope(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Rows of whole heads, Meta interleaved pairs -> rotate-half: row 2i+h of a head -> h*hd/2 + i.
 
@@ -151,13 +169,13 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store) -> None:
             c = r.clip(block)
             if c is None:
                 continue
-            span = None if c.rope_head_dim or t.source.dtype != t.dtype else \
-                store.byte_span(c.file, c.key, c.src_box)
+            span = None if t.source.dtype != t.dtype else store.byte_span(c.file, c.key, c.src_box)
             rel = Box(tuple(o - b for o, b in zip(c.dst_box.offsets, block.offsets)), c.dst_box.lengths)
             if span is not None:
                 fd, src_off, n = span
-                offs, run = box_runs(block.lengths, rel, itemsize)
-                if n == len(offs) * run:
+                offs, run = (rope_row_runs(block.lengths, rel, itemsize, c.rope_head_dim)
+                             if c.rope_head_dim else box_runs(block.lengths, rel, itemsize))
+                if run and n == len(offs) * run:
                     _scatter_read(fd, src_off, raw, offs, run, store.root / c.file)
                     continue
             if buf is None:

@@ -64,9 +64,14 @@ def to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, hd // 2, dim).transpose(1, 2).reshape(rows, dim)
 
 
-def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True) -> Path:
-    """A torchtitan DCP checkpoint (single-process dcp.save), with params.json beside it."""
+def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True, safetensors_items: bool = False) -> Path:
+    """A torchtitan DCP checkpoint (single-process dcp.save), with params.json beside it.
+
+    ``safetensors_items``: FileSystemWriter(serialization_format=SAFETENSORS), whose .distcp file
+    is a safetensors file of raw tensors instead of one torch.save payload per item.
+    """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter, SerializationFormat
 
     tt = {}
     for k, v in sd.items():
@@ -84,7 +89,12 @@ def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True) -> Pat
     else:
         state = tt
     out.mkdir(parents=True)
-    dcp.save(state, checkpoint_id=str(out / "step-3"), no_dist=True)
+    if safetensors_items:
+        dcp.save(state, storage_writer=FileSystemWriter(str(out / "step-3"),
+                                                        serialization_format=SerializationFormat.SAFETENSORS),
+                 no_dist=True)
+    else:
+        dcp.save(state, checkpoint_id=str(out / "step-3"), no_dist=True)
     params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads,
               "n_kv_heads": args.kv_heads, "vocab_size": args.vocab_size, "norm_eps": args.norm_eps,
               "rope_theta": args.rope_theta, "max_seq_len": args.max_seq_len}
@@ -189,6 +199,132 @@ def write_megatron(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp: int
                                    "rng_tracker_states": {}}],
                     "num_floating_point_operations_so_far": 0}
             torch.save(ckpt, d / "model_optim_rng.pt")
+    (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return out
+
+
+def megatron_args(args: ModelArgs, *, tp: int, pp: int, padded: int, divisible_by: int = 128,
+                  vpp: int | None = None, with_vocab: bool = True) -> argparse.Namespace:
+    """The model part of Megatron-LM's saved ``args``."""
+    ns = argparse.Namespace(
+        num_layers=args.n_layers, hidden_size=args.dim, ffn_hidden_size=args.hidden_dim,
+        num_attention_heads=args.n_heads, group_query_attention=True, num_query_groups=args.kv_heads,
+        kv_channels=args.head_dim, padded_vocab_size=padded, make_vocab_size_divisible_by=divisible_by,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, norm_epsilon=args.norm_eps,
+        rotary_base=int(args.rope_theta), max_position_embeddings=args.max_seq_len,
+        seq_length=args.max_seq_len, untie_embeddings_and_output_weights=True, swiglu=True,
+        add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
+        params_dtype=torch.float32, bf16=False, attention_backend=_fake_megatron_enums().auto,
+        transformer_impl="transformer_engine", ckpt_format="torch_dist",
+        num_layers_per_virtual_pipeline_stage=args.n_layers // pp // vpp if vpp else None,
+        virtual_pipeline_model_parallel_size=vpp)
+    if with_vocab:
+        ns.vocab_size = args.vocab_size
+    return ns
+
+
+def write_megatron_dist(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp: int = 2, vpp: int = 2,
+                        iteration: int = 50, divisible_by: int = 128, common: dict | None = None) -> Path:
+    """A Megatron-LM torch_dist checkpoint written to megatron.core.dist_checkpointing's layout.
+
+    ``iter_XXXXXXX/{metadata.json, common.pt, .metadata, __R_0.distcp}`` + the tracker file. The
+    .metadata is torch DCP's own Metadata of the chunks each (tp, pp) rank saves: layer tensors
+    stacked on a leading global-layer axis (one chunk per layer; virtual stage v of pp rank p holds
+    the layers of the v*pp+p-th of pp*vpp equal blocks), QKV rows per query group, fc1 as
+    [gate; up] with each tp rank's slice of both, row-parallel weights split on the last axis,
+    the padded vocabulary split over tp. Each chunk is one torch.save payload, as DCP's
+    FileSystemWriter writes it; _extra_state entries are byte items.
+    """
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                       Metadata, MetadataIndex, TensorProperties,
+                                                       TensorStorageMetadata)
+
+    hd, ng, qpg = args.head_dim, args.kv_heads, args.n_heads // args.kv_heads
+    L, dim, ffn = args.n_layers, args.dim, args.hidden_dim
+    multiple = divisible_by * tp
+    padded = -(-args.vocab_size // multiple) * multiple
+    g = torch.Generator().manual_seed(99)
+
+    def pad(w):
+        return torch.cat([w, torch.randn(padded - w.shape[0], w.shape[1], generator=g)])
+
+    full = {"embedding.word_embeddings.weight": pad(sd["tok_embeddings.weight"]),
+            "output_layer.weight": pad(sd["output.weight"]),
+            "decoder.final_layernorm.weight": sd["norm.weight"]}
+    stack = {"self_attention.linear_qkv.layer_norm_weight": [], "self_attention.linear_qkv.weight": [],
+             "self_attention.linear_proj.weight": [], "mlp.linear_fc1.layer_norm_weight": [],
+             "mlp.linear_fc1.weight": [], "mlp.linear_fc2.weight": []}
+    for i in range(L):
+        q = sd[f"layers.{i}.attention.wq.weight"].view(ng, qpg * hd, -1)
+        k = sd[f"layers.{i}.attention.wk.weight"].view(ng, hd, -1)
+        v = sd[f"layers.{i}.attention.wv.weight"].view(ng, hd, -1)
+        stack["self_attention.linear_qkv.layer_norm_weight"].append(sd[f"layers.{i}.attention_norm.weight"])
+        stack["self_attention.linear_qkv.weight"].append(torch.cat([q, k, v], dim=1).reshape(-1, dim))
+        stack["self_attention.linear_proj.weight"].append(sd[f"layers.{i}.attention.wo.weight"])
+        stack["mlp.linear_fc1.layer_norm_weight"].append(sd[f"layers.{i}.ffn_norm.weight"])
+        stack["mlp.linear_fc1.weight"].append(torch.cat([sd[f"layers.{i}.feed_forward.w1.weight"],
+                                                         sd[f"layers.{i}.feed_forward.w3.weight"]]))
+        stack["mlp.linear_fc2.weight"].append(sd[f"layers.{i}.feed_forward.w2.weight"])
+    for key, ts in stack.items():
+        full["decoder.layers." + key] = torch.stack(ts)
+
+    def chunks_of(t: int, p: int):
+        """(fqn, offsets, sizes) of the chunks rank (t, p) writes (replicas: tp rank 0 only)."""
+        vblocks = pp * (vpp or 1)
+        per = L // vblocks
+        layers = [i for v in range(vpp or 1) for i in range((v * pp + p) * per, (v * pp + p + 1) * per)]
+        if p == 0:
+            yield "embedding.word_embeddings.weight", (t * padded // tp, 0), (padded // tp, dim)
+        for i in layers:
+            if t == 0:
+                yield "decoder.layers.self_attention.linear_qkv.layer_norm_weight", (i, 0), (1, dim)
+                yield "decoder.layers.mlp.linear_fc1.layer_norm_weight", (i, 0), (1, dim)
+            rows = ng // tp * (qpg + 2) * hd
+            yield "decoder.layers.self_attention.linear_qkv.weight", (i, t * rows, 0), (1, rows, dim)
+            yield "decoder.layers.self_attention.linear_proj.weight", (i, 0, t * dim // tp), (1, dim, dim // tp)
+            for half in (0, ffn):
+                yield "decoder.layers.mlp.linear_fc1.weight", (i, half + t * ffn // tp, 0), (1, ffn // tp, dim)
+            yield "decoder.layers.mlp.linear_fc2.weight", (i, 0, t * ffn // tp), (1, dim, ffn // tp)
+        if p == pp - 1:
+            if t == 0:
+                yield "decoder.final_layernorm.weight", (0,), (dim,)
+            yield "output_layer.weight", (t * padded // tp, 0), (padded // tp, dim)
+
+    it = out / f"iter_{iteration:07d}"
+    it.mkdir(parents=True)
+    sdm, storage = {}, {}
+    for p in range(pp):
+        for t in range(tp):
+            rank = p * tp + t
+            name = f"__{rank}_0.distcp"
+            with open(it / name, "wb") as f:
+                extra = f"decoder.layers.self_attention.linear_qkv._extra_state/shard_{rank}_{tp * pp}"
+                blob = pickle.dumps(None)
+                storage[MetadataIndex(extra)] = _StorageInfo(name, f.tell(), len(blob))
+                f.write(blob)
+                sdm[extra] = BytesStorageMetadata()
+                for fqn, offs, sizes in chunks_of(t, p):
+                    x = full[fqn][tuple(slice(o, o + n) for o, n in zip(offs, sizes))].clone()
+                    at = f.tell()
+                    buf = io.BytesIO()
+                    torch.save(x, buf)
+                    f.write(buf.getvalue())
+                    storage[MetadataIndex(fqn, torch.Size(offs))] = _StorageInfo(name, at, f.tell() - at)
+                    m = sdm.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=x.dtype),
+                                                                  full[fqn].shape, []))
+                    m.chunks.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
+    with open(it / ".metadata", "wb") as f:
+        pickle.dump(Metadata(state_dict_metadata=sdm, storage_data=storage), f)
+    ns = megatron_args(args, tp=tp, pp=pp, padded=padded, divisible_by=divisible_by, vpp=vpp)
+    torch.save(common if common is not None else
+               {"args": ns, "checkpoint_version": 3.0, "iteration": iteration,
+                "num_floating_point_operations_so_far": 0}, it / "common.pt")
+    (it / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                  "common_backend": "torch", "common_backend_version": 1}))
     (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return out
 

@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from convert_writers import hash_tree, model_args, native_state, write_dcp, write_hf, write_megatron
+from convert_writers import (hash_tree, model_args, native_state, write_dcp, write_hf, write_megatron,
+                             write_megatron_dist)
 from titan_pipe.cli import app
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.hashing import sha256_file
@@ -216,10 +217,107 @@ def test_dcp_without_model_config(good, tmp_path):
     assert r.exit_code == 0, r.output
 
 
+def test_dcp_metadata_with_a_callable_outside_the_allow_list(good, tmp_path):
+    """A .metadata whose pickle would call a DCP function that writes files is refused by name."""
+    import pickle
+
+    class Hostile:
+        def __reduce__(self):
+            from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+            return (dcp_to_torch_save, (str(tmp_path / "dcp/step-3"), str(tmp_path / "written.pt")))
+
+    ckpt = write_dcp(good["sd"], good["args"], tmp_path / "dcp")
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Hostile()))
+    _fails(ckpt, tmp_path / "out", expect="refusing to load torch.distributed.checkpoint.format_utils",
+           names=ckpt / ".metadata")
+    assert not (tmp_path / "written.pt").exists()
+
+
 def test_dcp_corrupted_metadata(good, tmp_path):
     ckpt = write_dcp(good["sd"], good["args"], tmp_path / "dcp")
     (ckpt / ".metadata").write_bytes(b"\x80\x04junk")
     _fails(ckpt, tmp_path / "out", expect="DCP metadata", names=ckpt / ".metadata")
+
+
+def _edit_dcp_metadata(ckpt: Path, fn) -> None:
+    import pickle
+
+    with open(ckpt / ".metadata", "rb") as f:
+        md = pickle.load(f)  # the test's own fixture
+    fn(md)
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+
+
+def test_dcp_missing_distcp_file(good, tmp_path):
+    src = write_megatron_dist(good["sd"], good["args"], tmp_path / "meg", tp=2, pp=2, vpp=None)
+    f = src / "iter_0000050/__3_0.distcp"
+    f.unlink()
+    _fails(src, tmp_path / "out", expect="missing", names=f)
+    ckpt = write_dcp(good["sd"], good["args"], tmp_path / "dcp")
+    (ckpt / "__0_0.distcp").unlink()
+    _fails(ckpt, tmp_path / "out", expect="missing", names=ckpt / "__0_0.distcp")
+
+
+def test_dcp_metadata_names_an_absent_item(good, tmp_path):
+    ckpt = write_dcp(good["sd"], good["args"], tmp_path / "dcp")
+
+    def drop(md):
+        idx = next(i for i in md.storage_data if i.fqn == "model.layers.2.feed_forward.w2.weight")
+        del md.storage_data[idx]
+    _edit_dcp_metadata(ckpt, drop)
+    _fails(ckpt, tmp_path / "out", expect="has no storage entry", names=ckpt / ".metadata")
+
+
+def test_dcp_chunk_past_end_of_file(good, tmp_path):
+    ckpt = write_dcp(good["sd"], good["args"], tmp_path / "dcp", full=False)
+    f = ckpt / "__0_0.distcp"
+    os.truncate(f, f.stat().st_size - 1000)
+    _fails(ckpt, tmp_path / "out", expect="runs past the end of the file", names=f)
+
+
+def test_dcp_storage_path_outside_the_checkpoint(good, tmp_path):
+    ckpt = write_dcp(good["sd"], good["args"], tmp_path / "dcp")
+
+    def escape(md):
+        idx = next(i for i in md.storage_data if i.fqn == "model.norm.weight")
+        md.storage_data[idx].relative_path = "../../etc/passwd"
+    _edit_dcp_metadata(ckpt, escape)
+    _fails(ckpt, tmp_path / "out", expect="leaves the checkpoint directory", names=ckpt / ".metadata")
+
+
+def test_dcp_chunk_not_a_saved_tensor(good, tmp_path):
+    ckpt = write_dcp(good["sd"], good["args"], tmp_path / "dcp", full=False)
+
+    def shift(md):
+        idx = next(i for i in md.storage_data if i.fqn == "layers.1.attention.wo.weight")
+        md.storage_data[idx].offset += 7
+        md.storage_data[idx].length -= 7
+    _edit_dcp_metadata(ckpt, shift)
+    _fails(ckpt, tmp_path / "out", expect="not a torch.save archive", names=ckpt / "__0_0.distcp")
+
+
+def test_torch_dist_without_common_pt(good, tmp_path):
+    src = write_megatron_dist(good["sd"], good["args"], tmp_path / "meg")
+    f = src / "iter_0000050/common.pt"
+    f.unlink()
+    _fails(src, tmp_path / "out", expect="missing", names=f)
+
+
+def test_torch_dist_common_pt_with_unlisted_pickle_type(good, tmp_path):
+    from convert_writers import megatron_args
+
+    ns = megatron_args(good["args"], tp=2, pp=2, padded=512, vpp=2)
+    ns.tokenizer_obj = Path("/etc/passwd")  # a type outside the allow-list
+    src = write_megatron_dist(good["sd"], good["args"], tmp_path / "meg",
+                              common={"args": ns, "iteration": 50, "checkpoint_version": 3.0})
+    _fails(src, tmp_path / "out", expect="refused to unpickle", names=src / "iter_0000050/common.pt")
+
+
+def test_torch_dist_wrong_backend(good, tmp_path):
+    src = write_megatron_dist(good["sd"], good["args"], tmp_path / "meg")
+    (src / "iter_0000050/metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
+    _fails(src, tmp_path / "out", expect="'zarr'", names=src / "iter_0000050/metadata.json")
 
 
 def test_bad_options(good, tmp_path):

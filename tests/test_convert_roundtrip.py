@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from convert_writers import (hash_tree, model_args, native_state, write_dcp, write_hf,
-                             write_megatron)
+                             write_megatron, write_megatron_dist)
 from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
@@ -117,9 +117,12 @@ def test_every_source_format_gives_identical_bytes(tmp_path, weights, hf_dir, tp
         "titan": tp4pp2,
         "dcp": write_dcp(sd, args, tmp_path / "dcp_full", full=True),
         "dcp_model_only": write_dcp(sd, args, tmp_path / "dcp_model", full=False),
+        "dcp_safetensors_items": write_dcp(sd, args, tmp_path / "dcp_st", full=False, safetensors_items=True),
         "megatron": write_megatron(sd, args, tmp_path / "meg", tp=2, pp=2, fused_norms=True),
         "megatron_standalone_norms": write_megatron(sd, args, tmp_path / "meg2", tp=4, pp=1,
                                                     fused_norms=False),
+        "megatron_torch_dist": write_megatron_dist(sd, args, tmp_path / "megd", tp=2, pp=2, vpp=2),
+        "megatron_torch_dist_tp4": write_megatron_dist(sd, args, tmp_path / "megd4", tp=4, pp=1, vpp=None),
     }
     outputs = {}
     for name, src in sources.items():
@@ -198,6 +201,11 @@ def test_inspect_reads_no_data(tp4pp2, tmp_path, weights):
     assert r.format == "megatron" and r.layout["tp"] == 2 and r.step == 50
     wq = next(p for p in r.params if p["name"] == "layers.3.attention.wq.weight")
     assert wq["shape"] == [64, 64] and wq["split"] == "fused qkv" and wq["reads"] == 4
+    r = inspect_checkpoint(src=write_megatron_dist(sd, args, tmp_path / "megd", tp=2, pp=2, vpp=2)
+                           / "iter_0000050")
+    assert r.format == "megatron" and r.layout["backend"] == "torch_dist" and r.layout["vpp"] == 2
+    wq = next(p for p in r.params if p["name"] == "layers.3.attention.wq.weight")
+    assert wq["split"] == "fused qkv" and wq["reads"] == 4
     r = inspect_checkpoint(src=tp4pp2)
     assert r.total_bytes == sum(v.numel() * 4 for v in sd.values())
 
@@ -244,3 +252,22 @@ def test_box_runs_match_numpy():
     assert run == 12 and offs.tolist() == [(r * 6 + 3) * 4 for r in range(8)]
     offs, run = box_runs((8, 6), Box((2, 0), (3, 6)), 1)  # whole rows: one run
     assert run == 18 and offs.tolist() == [12]
+
+
+def test_rope_row_runs_match_deinterleave():
+    """The scatter offsets of the RoPE reorder put every row where deinterleave_rope puts it."""
+    import numpy as np
+
+    from titan_pipe.checkpoint_format import Box
+    from titan_pipe.convert.reshard import rope_row_runs
+
+    hd, shape = 8, (40, 3)
+    box = Box((8, 0), (24, 3))  # three heads, starting at row 8 of the block
+    offs, run = rope_row_runs(shape, box, 2, hd)
+    assert run == 6
+    src = torch.arange(24 * 3, dtype=torch.int16).view(24, 3)
+    buf = np.zeros(40 * 3, dtype=np.int16)
+    for j, o in enumerate(offs.tolist()):  # what preadv does: source rows in order, to offs[j]
+        buf[o // 2:o // 2 + 3] = src[j].numpy()
+    assert torch.equal(torch.from_numpy(buf).view(40, 3)[8:32], deinterleave_rope(src, hd))
+    assert rope_row_runs(shape, Box((0, 0), (8, 2)), 2, hd)[1] == 0  # not whole rows: torch path

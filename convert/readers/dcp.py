@@ -1,12 +1,16 @@
 """Reader for torch.distributed.checkpoint directories (.metadata + __R_N.distcp), torchtitan naming.
 
 ``.metadata`` (a pickle written by DCP) is read with a restricted unpickler that admits only DCP's
-own metadata classes, torch.Size, dtypes and paths; each chunk's (file, byte offset, length) comes
-from it, and a chunk's bytes (one ``torch.save`` payload) are loaded with ``weights_only=True`` when
-the plan reaches it, one chunk at a time. Model-only exports have torchtitan names at the top
-level; full training checkpoints have them under ``model.`` beside optimizer and train state,
-which are skipped. torchtitan (like Meta) keeps q/k rows in interleaved RoPE order: those reads
-carry ``rope_head_dim`` so the rows land in rotate-half order.
+own metadata classes, torch.Size, dtypes and paths. It gives every chunk of every tensor (its box
+in the global tensor) and the storage item holding it: (file, byte offset, length). Each item is
+one ``torch.save`` archive; its zip directory and data.pkl (a few hundred bytes, interpreted by
+convert/readers/torch_save.py without running torch code) give where its raw bytes start, so the
+chunk is then addressed exactly like a tensor of a safetensors shard and executed by the same
+block reader (pread / preadv scatter / copy_file_range): no torch DCP load path, no chunk loaded
+whole. Model-only exports and torchtitan's own checkpoints have torchtitan names at the top level
+(beside ``optimizer.*``, ``lr_scheduler``, ``dataloader``, ``train_state``, which are skipped);
+some have them under ``model.``. torchtitan (like Meta) keeps q/k rows in interleaved RoPE order:
+those reads carry ``rope_head_dim`` so the rows land in rotate-half order.
 
 DCP holds no model config: head counts, eps and RoPE settings come from a ``params.json`` (Meta /
 torchtitan) or ``config.json`` (Hugging Face) beside or above the checkpoint, or ``--model-config``;
@@ -14,17 +18,21 @@ dims, layer count, vocabulary and FFN size are read off the tensor shapes.
 """
 from __future__ import annotations
 
-import io
 import json
+import math
+import os
 import pickle
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from titan_pipe.checkpoint_format import Box
-from titan_pipe.convert.readers.store import Store
+from titan_pipe.convert.readers import torch_save
+from titan_pipe.convert.readers.store import SafetensorsStore, StoredTensor, pread_into, read_header
+from titan_pipe.convert.readers.torch_save import SavedTensor
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
-from titan_pipe.dtypes import DTYPE_NAMES
+from titan_pipe.dtypes import DTYPE_NAMES, TORCH_DTYPES
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs, RopeScaling
 from titan_pipe.names import TORCHTITAN_MODEL_PREFIX, from_hf_config, native_names
@@ -34,18 +42,29 @@ METADATA = ".metadata"
 _ROPE_PERMUTED = (".attention.wq.weight", ".attention.wk.weight")
 
 
+# Exactly the classes DCP's Metadata is built from (torch 2.x FileSystemWriter, megatron-core's
+# planner): constructing any of them runs no code with effects. A prefix rule would also admit
+# callables such as format_utils.dcp_to_torch_save, which writes files.
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    "torch.distributed.checkpoint.planner": {  # all_local_plans, kept by newer savers
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+    "torch.serialization": {"_get_layout"},  # layout name -> torch.strided etc. (a dict lookup)
+    "torch._utils": {"_get_layout"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Admit only what DCP metadata is made of; anything else is refused by name."""
 
     def find_class(self, module: str, name: str):
-        ok = (module.startswith("torch.distributed.checkpoint.")
-              or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
-              or (module == "torch._utils" and name in ("_get_layout",))
-              or (module == "torch.serialization" and name == "_get_layout")
-              or (module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath",
-                                                   "PureWindowsPath", "Path"))
-              or (module == "collections" and name == "OrderedDict")
-              or name == "_MEM_FORMAT_ENCODING")
+        ok = (name in _METADATA_GLOBALS.get(module, ())
+              or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))))
         if not ok:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
         return super().find_class(module, name)
@@ -64,7 +83,8 @@ def read_metadata(path: Path):
 
 
 def looks_like(path: Path) -> bool:
-    return (path / METADATA).is_file() and any(path.glob("*.distcp"))
+    # .metadata alone decides: with its data files missing the reader names the missing file.
+    return (path / METADATA).is_file()
 
 
 def _find_config(path: Path, model_config: Path | None) -> Path:
@@ -113,40 +133,76 @@ def model_args(cfg_path: Path, shapes: dict[str, tuple[int, ...]]) -> ModelArgs:
         raise UserError(f"{cfg_path}: cannot build the model config ({e!r} missing or malformed)") from None
 
 
-class DcpStore(Store):
-    """Chunks of a DCP checkpoint; keeps the one chunk last loaded (the plan reads it in row blocks)."""
+def data_path(root: Path, relative: str) -> Path:
+    """The file a storage entry of ``.metadata`` names, refused unless it lies inside ``root``.
 
-    def __init__(self, root: Path, storage: dict[str, object]):
-        super().__init__(root)
-        self.storage = storage  # key -> _StorageInfo(relative_path, offset, length)
-        self._cached: tuple[str, torch.Tensor] | None = None
+    The one place paths read from DCP metadata (also Megatron torch_dist's) become file paths.
+    """
+    rel = Path(str(relative))
+    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        raise UserError(f"{root / METADATA}: storage path {str(relative)!r} leaves the checkpoint "
+                        "directory; the metadata is corrupted or hostile")
+    return root / rel
 
-    def _load(self, key: str) -> torch.Tensor:
-        if self._cached and self._cached[0] == key:
-            return self._cached[1]
-        info = self.storage[key]
-        f = self.root / info.relative_path
-        try:
-            with open(f, "rb") as fh:
-                fh.seek(info.offset)
-                raw = fh.read(info.length)
-        except FileNotFoundError:
-            raise UserError(f"{f}: missing; {METADATA} lists it. Copy the complete checkpoint") from None
-        if len(raw) != info.length:
-            raise UserError(f"{f}: truncated (chunk {key} needs bytes {info.offset}..{info.offset + info.length})")
-        try:
-            t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        except Exception as e:  # torch raises several types for a damaged zip payload
-            raise UserError(f"{f}: chunk {key} at byte {info.offset} is corrupted ({type(e).__name__}: "
-                            f"{str(e)[:120]})") from None
-        self._cached = (key, t)
-        return t
+
+class DcpStore(SafetensorsStore):
+    """Chunks of a DCP checkpoint, addressed like safetensors tensors: (file, byte offset) of each.
+
+    Row-major chunks (all that DCP's writer produces from ordinary parameters) go through the
+    same pread / preadv / copy_file_range paths as our own shards. A chunk saved with other
+    strides is read whole (one chunk in memory) and viewed with them.
+    """
+
+    def __init__(self, root: Path, headers: dict[str, dict[str, StoredTensor]],
+                 strided: dict[tuple[str, str], SavedTensor]):
+        super().__init__(root, headers)
+        self.strided = strided
+
+    def header(self, file: str) -> dict[str, StoredTensor]:
+        return self.headers.get(file, {})
+
+    def byte_span(self, file: str, key: str, box: Box) -> tuple[int, int, int] | None:
+        return None if (file, key) in self.strided else super().byte_span(file, key, box)
 
     def read_box(self, file: str, key: str, box: Box) -> torch.Tensor:
-        x = self._load(key)
+        s = self.strided.get((file, key))
+        if s is None:
+            return super().read_box(file, key, box)
+        buf = torch.empty(s.storage_nbytes, dtype=torch.uint8)
+        pread_into(self.fd(file), memoryview(buf.numpy()), s.storage_start, self.root / file)
+        x = buf.view(s.dtype).as_strided(s.shape, s.stride, (s.start - s.storage_start) // s.dtype.itemsize)
         for d, (o, n) in enumerate(zip(box.offsets, box.lengths)):
             x = x.narrow(d, o, n)
         return x
+
+
+def _locate_chunk(path: Path, fd: int, size: int, fqn: str, info, dtype: torch.dtype,
+                  lengths: tuple[int, ...], st_headers: dict) -> SavedTensor:
+    """Where the bytes of one storage item lie; every way it can disagree with .metadata refused."""
+    where = f"{path}: chunk of {fqn} at bytes {info.offset}..{info.offset + info.length}"
+    if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
+        raise UserError(f"{where} runs past the end of the file ({size} bytes); the file is "
+                        "truncated. Copy the complete checkpoint")
+    try:
+        s = torch_save.locate(fd, info.offset, info.length)
+    except torch_save.PayloadError as e:
+        # FileSystemWriter(serialization_format=SAFETENSORS) writes a safetensors file instead:
+        # its chunks are raw tensors under their fqn.
+        if path not in st_headers:
+            try:
+                st_headers[path] = read_header(path)[0] if size >= 8 and os.pread(fd, 1, 8) == b"{" else {}
+            except UserError:
+                st_headers[path] = {}
+        t = st_headers[path].get(fqn)
+        if t is None:
+            raise UserError(f"{where}: {e}; expected a torch.save payload (titan-pipe reads DCP "
+                            "FileSystemWriter checkpoints)") from None
+        s = SavedTensor(TORCH_DTYPES[t.dtype], t.shape, tuple(math.prod(t.shape[d + 1:]) for d in range(len(t.shape))),
+                        t.start, t.start, t.nbytes)
+    if s.dtype != dtype or s.shape != tuple(lengths):
+        raise UserError(f"{where} holds {s.dtype} {list(s.shape)}, but {METADATA} says {dtype} "
+                        f"{list(lengths)}; the file does not belong to this checkpoint")
+    return s
 
 
 def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
@@ -167,6 +223,10 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
         if name.startswith(("layers.", "tok_embeddings.", "norm.", "output.")) and "freqs_cis" not in name:
             tensor_meta[name] = (fqn, meta)
     if not tensor_meta:
+        if any(k.startswith(("decoder.layers.", "embedding.word_embeddings.")) for k in sdm):
+            raise UserError(f"{path / METADATA}: holds Megatron tensor names (decoder.layers...): a "
+                            "Megatron torch_dist checkpoint, which needs its metadata.json and "
+                            "common.pt beside .metadata; pass --from megatron")
         raise UserError(f"{path / METADATA}: holds no torchtitan model tensors (tok_embeddings, "
                         "layers.N...); is it a model checkpoint?")
     shapes = {n: tuple(m.size) for n, (_, m) in tensor_meta.items()}
@@ -174,39 +234,116 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
     if vocab_size is not None and vocab_size != args.vocab_size:
         raise UserError(f"--vocab-size {vocab_size} disagrees with the embedding of {path} "
                         f"({args.vocab_size} rows)")
-    by_fqn: dict[str, list] = {}
-    for idx, info in md.storage_data.items():
-        by_fqn.setdefault(idx.fqn, []).append((idx, info))
-    storage, tensors, files = {}, {}, set()
-    for name in native_names(args):
-        if name not in tensor_meta:
+    tensors = plan_tensors(path, md, tensor_meta, native_names(args),
+                           rope_head_dim=lambda n: args.head_dim if n.endswith(_ROPE_PERMUTED) else None)
+    plan_files, headers, strided = locate_chunks(path, md, tensors)
+    return (SourcePlan(FORMAT, path, args, tensors, files=plan_files,
+                       layout={"chunks": sum(len(t.reads) for t in tensors.values()),
+                               "model_prefix": prefixed}),
+            DcpStore(path, headers, strided))
+
+
+def plan_tensors(path: Path, md, wanted: dict[str, tuple[str, object]], order, *,
+                 rope_head_dim=lambda name: None) -> dict[str, TensorPlan]:
+    """One TensorPlan per native name in ``order``: a read per chunk of its DCP tensor.
+
+    ``wanted``: native name -> (fqn in the checkpoint, TensorStorageMetadata). The store key of a
+    chunk is ``fqn@offsets``; its file is the storage entry's (validated) relative path.
+    """
+    storage = md.storage_data
+    tensors = {}
+    for name in order:
+        if name not in wanted:
             raise UserError(f"{path / METADATA}: no tensor {name!r}; the checkpoint is incomplete "
                             "or its config disagrees")
-        fqn, meta = tensor_meta[name]
+        fqn, meta = wanted[name]
         dtype = DTYPE_NAMES.get(meta.properties.dtype)
         if dtype is None:
             raise UserError(f"{path}: {fqn} has dtype {meta.properties.dtype}, not convertible")
-        hd = args.head_dim if name.endswith(_ROPE_PERMUTED) else None
+        hd = rope_head_dim(name)
         reads = []
-        for idx, info in sorted(by_fqn.get(fqn, []), key=lambda x: tuple(x[0].offset or ())):
+        for chunk in meta.chunks:
+            info = storage.get(MetadataIndex(fqn, chunk.offsets))  # its index is only a hint
+            if info is None:
+                raise UserError(f"{path / METADATA}: the chunk of {fqn} at {list(chunk.offsets)} has no "
+                                "storage entry (no file holds it); the metadata is incomplete or corrupted")
             if getattr(info, "transform_descriptors", None):
-                raise UserError(f"{path / info.relative_path}: {fqn} is stored compressed/transformed "
-                                f"({info.transform_descriptors}); titan-pipe reads plain DCP only")
-            chunk = next((c for c in meta.chunks if tuple(c.offsets) == tuple(idx.offset)), None)
-            if chunk is None:
-                raise UserError(f"{path / METADATA}: storage entry of {fqn} at {list(idx.offset)} "
-                                "has no chunk; the metadata is corrupted")
+                raise UserError(f"{data_path(path, info.relative_path)}: {fqn} is stored transformed "
+                                f"({', '.join(info.transform_descriptors)}); titan-pipe reads plain "
+                                "(uncompressed) DCP only")
             dst = Box(tuple(chunk.offsets), tuple(chunk.sizes))
             if hd and dst.offsets[0] % hd:
                 raise UserError(f"{path}: {fqn} chunk at row {dst.offsets[0]} splits an attention head")
-            key = f"{fqn}@{','.join(map(str, dst.offsets))}"
-            storage[key] = info
-            files.add(info.relative_path)
-            reads.append(Read(info.relative_path, key, Box.full(dst.lengths), dst, hd))
+            file = str(data_path(path, info.relative_path).relative_to(path))
+            reads.append(Read(file, f"{fqn}@{','.join(map(str, dst.offsets))}", Box.full(dst.lengths), dst, hd))
+        reads.sort(key=lambda r: r.dst_box.offsets)
         split = "whole" if len(reads) == 1 else f"{len(reads)} chunks"
         tensors[name] = TensorPlan(name, tuple(meta.size), dtype, tuple(reads),
                                    split + (", interleaved RoPE" if hd else ""))
-    return (SourcePlan(FORMAT, path, args, tensors, files=sorted(files),
-                       layout={"chunks": sum(len(t.reads) for t in tensors.values()),
-                               "model_prefix": prefixed}),
-            DcpStore(path, storage))
+    return tensors
+
+
+class ChunkLocator:
+    """Finds where each storage item's tensor lies; opens every .distcp file once.
+
+    ``locate`` gives (file relative to the root, SavedTensor) and refuses, naming the file, a
+    missing file, an item past its end, a payload that is not a plain saved tensor, or one whose
+    dtype/shape disagrees with .metadata.
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._fds: dict[str, tuple[int, int]] = {}
+        self._st_headers: dict[Path, dict] = {}
+
+    def locate(self, fqn: str, info, dtype: torch.dtype, lengths: tuple[int, ...]) -> tuple[str, SavedTensor]:
+        f = data_path(self.root, info.relative_path)
+        rel = str(f.relative_to(self.root))
+        if rel not in self._fds:
+            try:
+                fd = os.open(f, os.O_RDONLY)
+            except FileNotFoundError:
+                raise UserError(f"{f}: missing; {METADATA} lists it (chunks of {fqn}). Copy the "
+                                "complete checkpoint") from None
+            except IsADirectoryError:
+                raise UserError(f"{f}: is a directory, expected a .distcp file") from None
+            self._fds[rel] = (fd, os.fstat(fd).st_size)
+        fd, size = self._fds[rel]
+        return rel, _locate_chunk(f, fd, size, fqn, info, dtype, lengths, self._st_headers)
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(self._fds)
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def locate_chunks(path: Path, md, tensors: dict[str, TensorPlan]):
+    """(files read, safetensors-like headers per file, strided chunks) for every read of the plan.
+
+    Reads each storage item's zip directory and data.pkl (a few hundred bytes), never its data.
+    """
+    by_key = {}
+    for idx, info in md.storage_data.items():
+        if idx.offset is not None:
+            by_key[f"{idx.fqn}@{','.join(map(str, idx.offset))}"] = (idx.fqn, info)
+    headers: dict[str, dict[str, StoredTensor]] = {}
+    strided: dict[tuple[str, str], SavedTensor] = {}
+    with ChunkLocator(path) as loc:
+        for t in tensors.values():
+            for r in t.reads:
+                fqn, info = by_key[r.key]
+                file, s = loc.locate(fqn, info, TORCH_DTYPES[t.dtype], r.dst_box.lengths)
+                headers.setdefault(file, {})[r.key] = StoredTensor(t.dtype, s.shape, s.start, s.nbytes)
+                if not s.row_major:
+                    strided[(file, r.key)] = s
+        return loc.files, headers, strided

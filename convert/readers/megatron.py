@@ -1,5 +1,8 @@
 """Reader for Megatron-LM legacy checkpoints of megatron-core GPT/LLaMA models.
 
+(``torch_dist`` checkpoints -- a ``metadata.json`` naming that backend in the iteration dir -- are
+handed to megatron_dist.py; both are ``--from megatron``.)
+
 Tree: ``latest_checkpointed_iteration.txt`` + ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``
 (TT: tp rank, PPP: pp rank when pp > 1). Each file is a pickle; it is opened with
 ``torch.load(weights_only=True, mmap=True)`` and an explicit allow-list (argparse.Namespace, the
@@ -29,6 +32,7 @@ import numpy as np
 import torch
 
 from titan_pipe.checkpoint_format import Box
+from titan_pipe.convert.readers import megatron_dist
 from titan_pipe.convert.readers.store import Store
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.dtypes import DTYPE_NAMES
@@ -106,6 +110,8 @@ def _iter_dir(path: Path) -> Path | None:
 
 
 def looks_like(path: Path) -> bool:
+    if megatron_dist.looks_like(path):
+        return True
     try:
         return _iter_dir(path) is not None
     except UserError:
@@ -157,7 +163,8 @@ def _stage_layers(a, pp: int) -> list[int]:
     return [c if c else rest // free for c in counts]
 
 
-def model_args(a, vocab: int, root: Path) -> ModelArgs:
+def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelArgs:
+    """ModelArgs from Megatron's args; ``virtual_ok``: the format places virtual stages itself (torch_dist)."""
     def need(cond: bool, what: str):
         if not cond:
             raise UserError(f"{root}: Megatron args {what}; titan-pipe converts LLaMA-style models "
@@ -168,7 +175,7 @@ def model_args(a, vocab: int, root: Path) -> ModelArgs:
     need(getattr(a, "normalization", "RMSNorm") == "RMSNorm", f"use normalization={getattr(a, 'normalization', None)!r}")
     need(getattr(a, "position_embedding_type", "rope") == "rope",
          f"use position_embedding_type={getattr(a, 'position_embedding_type', None)!r}")
-    if getattr(a, "num_layers_per_virtual_pipeline_stage", None):
+    if getattr(a, "num_layers_per_virtual_pipeline_stage", None) and not virtual_ok:
         raise UserError(f"{root}: virtual pipeline stages (model0, model1 ... per file) are not supported")
     n_heads = int(a.num_attention_heads)
     groups = int(a.num_query_groups) if getattr(a, "group_query_attention", False) else n_heads
@@ -397,7 +404,10 @@ def _tensor_plans(lay: _Layout, acc: _Reads) -> dict[str, TensorPlan]:
 def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
                 read_headers: bool = True) -> tuple[SourcePlan, MegatronStore]:
     """Plan a Megatron-LM checkpoint: find the rank files, read the layout from their args, plan
-    each rank file's reads (one rank file in memory at a time), then every global tensor."""
+    each rank file's reads (one rank file in memory at a time), then every global tensor.
+    torch_dist checkpoints (megatron.core.dist_checkpointing) go to megatron_dist.py."""
+    if megatron_dist.looks_like(path):
+        return megatron_dist.open_source(path, vocab_size=vocab_size, model_config=model_config)
     it_dir, files, first = _rank_files(path)
     lay = _layout(path, it_dir, files, first["args"], vocab_size)
     acc = _Reads()
