@@ -16,6 +16,7 @@ import torch
 
 from titan_pipe.convert.names import from_hf_config, hf_to_native
 from titan_pipe.errors import UserError
+from titan_pipe.paths import resolve_inside
 from titan_pipe.training.kernels import Kernels
 from titan_pipe.training.model import ModelArgs, Transformer, build_model, rope_cos_sin
 
@@ -80,9 +81,13 @@ def locate_weights(model_dir: Path) -> WeightFiles:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise UserError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from None
-        key_to_file = {k: model_dir / v for k, v in weight_map.items()}
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise UserError(f"{index}: 'weight_map' must be a non-empty object {{tensor name: file}}; "
+                            "re-create the index with save_pretrained or `titan-pipe convert`")
+        key_to_file = {k: resolve_inside(model_dir, v, source=index, what=f"weight_map file of {k!r}")
+                       for k, v in weight_map.items()}
         for f in sorted(set(key_to_file.values())):
             if not f.is_file():
                 raise UserError(f"{index}: lists shard {f.name}, which is missing from {model_dir}")

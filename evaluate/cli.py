@@ -46,12 +46,15 @@ def register(app: typer.Typer) -> None:
         """
         from titan_pipe.config import EvaluateConfig, load_flow
         from titan_pipe.evaluate.api import evaluate_model
+        from titan_pipe.paths import resolve_inside
 
         flow_cfg = load_flow(config) if config is not None else None
         settings = flow_cfg.evaluate if flow_cfg is not None else EvaluateConfig()
         updates: dict = {"dtype": dtype.value}
-        if config is not None and settings.data and not Path(settings.data).is_absolute():
-            updates["data"] = str(config.parent / settings.data)  # flow.yaml paths are relative to its dir
+        if config is not None and settings.data and data is None:
+            # a path read from a file stays inside that file's dir; one on the command line is the user's
+            updates["data"] = str(resolve_inside(config.parent, settings.data, source=config, what="evaluate.data", kind="any",
+                                                 fix="put the file beside the flow.yaml, or pass it with --data FILE"))
         if batches is not None:
             updates["batches"] = batches
         if operators is not None:

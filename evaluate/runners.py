@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from titan_pipe.errors import StageFailed, UserError
+from titan_pipe.evaluate.graph_files import check_external_data
 from titan_pipe.training.model import ModelArgs
 
 _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16"}
@@ -93,6 +94,7 @@ class OnnxRuntimeRunner:
         if not onnx_path.is_file():
             raise UserError(f"{onnx_path}: ONNX file not found; pass the model.onnx written by "
                             "`titan-pipe export` (with --expose-hidden for per-layer results)")
+        check_external_data(onnx_path)  # before ONNX Runtime opens anything the graph names
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         if threads:
@@ -162,6 +164,7 @@ class OnnxDecodeRunner:
         import onnxruntime as ort
 
         self.prefill, self.path = prefill, Path(decode_path)
+        check_external_data(self.path)
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         try:

@@ -101,12 +101,14 @@ def register(app: typer.Typer) -> None:
 
         prefect_env()
         from titan_pipe.flows.train_to_deploy import listening, train_to_deploy
+        from titan_pipe.run_lock import run_lock
 
         console = Console(stderr=True)
         live = LiveSummary(console)
         failed: BaseException | None = None
         result: dict = {}
-        with listening(live):
+        # held here, before Prefect starts, so a second writer fails at once (run_pipeline re-enters it)
+        with run_lock(cfg.run_dir().resolve(), what=f"titan-pipe run {flow}"), listening(live):
             try:
                 result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force)
             except BaseException as e:  # noqa: BLE001 - shown after the table; handle_errors maps it

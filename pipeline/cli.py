@@ -11,6 +11,7 @@ from rich.console import Console
 
 from titan_pipe.config import ConfigError, load_flow
 from titan_pipe.errors import UserError
+from titan_pipe.run_lock import output_lock
 
 app = typer.Typer(
     name="titan-pipe",
@@ -44,11 +45,12 @@ def handle_errors(fn: Callable) -> Callable:
 
 def call_stage(stage: str, fn: Callable, *, track: bool, **kwargs):
     """Run a stage's library function directly, or (``--flow``) inside a tracked Prefect flow run."""
-    if not track:
-        return fn(**kwargs)
-    from titan_pipe.flows.track import run_tracked  # Prefect is imported only when asked for
+    with output_lock(kwargs.get("out_dir"), what=f"titan-pipe {stage}"):  # one writer per run dir
+        if not track:
+            return fn(**kwargs)
+        from titan_pipe.flows.track import run_tracked  # Prefect is imported only when asked for
 
-    return run_tracked(stage, fn, **kwargs)
+        return run_tracked(stage, fn, **kwargs)
 
 
 FLOW_HELP = "Track this run as a Prefect flow run (UI, logs); without it no Prefect is involved"

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from titan_pipe.convert.layout import MANIFEST_NAME, LayoutError, Manifest
 from titan_pipe.errors import UserError
+from titan_pipe.paths import resolve_inside
 from titan_pipe.training.model import ModelArgs
 
 
@@ -36,6 +37,9 @@ class CheckpointWeights:
         except LayoutError as e:
             raise UserError(str(e)) from None
         self.args = ModelArgs.from_dict(self.manifest.model)
+        # every chunk names a file listed here (validate), so checking these covers them all
+        self._paths = {rel: resolve_inside(self.dir, rel, source=self.dir / MANIFEST_NAME, what="shard")
+                       for rel in self.manifest.files}
         self._open: dict[str, object] = {}
 
     def names(self) -> list[str]:
@@ -43,7 +47,7 @@ class CheckpointWeights:
 
     def _file(self, rel: str):
         if rel not in self._open:
-            self._open[rel] = safe_open(str(self.dir / rel), framework="pt")
+            self._open[rel] = safe_open(str(self._paths[rel]), framework="pt")
         return self._open[rel]
 
     def full(self, name: str) -> torch.Tensor:

@@ -26,6 +26,7 @@ from titan_pipe.convert.names import TORCHTITAN_MODEL_PREFIX, from_hf_config, na
 from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
 from titan_pipe.convert.readers.store import DTYPE_NAMES, Store
 from titan_pipe.errors import UserError
+from titan_pipe.paths import resolve_inside
 from titan_pipe.training.model import ModelArgs, RopeScaling
 
 FORMAT = "dcp"
@@ -199,6 +200,7 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
             if hd and dst.offsets[0] % hd:
                 raise UserError(f"{path}: {fqn} chunk at row {dst.offsets[0]} splits an attention head")
             key = f"{fqn}@{','.join(map(str, dst.offsets))}"
+            resolve_inside(path, info.relative_path, source=path / METADATA, what=f"storage file of {fqn}")
             storage[key] = info
             files.add(info.relative_path)
             reads.append(Read(info.relative_path, key, Box.full(dst.lengths), dst, hd))

@@ -13,6 +13,7 @@ from titan_pipe.convert.names import native_names
 from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
 from titan_pipe.convert.readers.store import SafetensorsStore, read_header
 from titan_pipe.errors import UserError
+from titan_pipe.paths import resolve_inside
 from titan_pipe.run_dir import STEP_DIR
 from titan_pipe.training.model import ModelArgs
 
@@ -67,7 +68,7 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
                         "the manifest does not describe a whole model")
     store = SafetensorsStore(root)
     for name, info in sorted(m.files.items()):
-        f = root / name
+        f = resolve_inside(root, name, source=mpath, what="shard")
         if not f.is_file():
             raise UserError(f"{f}: missing shard (listed in {mpath}); copy the complete checkpoint")
         size = f.stat().st_size
