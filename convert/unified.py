@@ -93,6 +93,7 @@ def locate_weights(model_dir: Path) -> WeightFiles:
                 raise UserError(f"{index}: lists shard {f.name}, which is missing from {model_dir}")
         return WeightFiles(tuple(sorted(set(key_to_file.values()))), key_to_file)
     if single.is_file():
+        single = resolve_inside(model_dir, SINGLE, source=model_dir, what="weights file")
         try:
             with safe_open(str(single), framework="pt") as fh:
                 keys = list(fh.keys())

@@ -11,12 +11,14 @@ What is followed, and why:
   before the file system is touched.
 - Directories on the way (every component but the last) must resolve inside the root: a directory
   symlink planted in a source would open a whole foreign tree to names from the file.
-- The last component may be a symlink when its target is a regular file, wherever that file is:
-  content-addressed stores are built this way (a Hugging Face cache snapshot is symlinks into
-  ``../../blobs``; git-annex and DVC do the same), one link names one file that whoever built the
-  tree on this machine chose, and the file is then checked as the format it claims to be (header,
-  sizes, sha256 of the manifest). A link to a directory, device or FIFO is refused (a FIFO would
-  block the reader forever, a device never ends).
+- The last component may be a symlink to a regular file inside the root, or, when the root is a
+  Hugging Face cache snapshot (``.../snapshots/<revision>``), to a file in that repo's ``blobs/``
+  dir: that is how the hub cache stores every file (``model.safetensors -> ../../blobs/<sha>``).
+  A symlink anywhere else is refused, although one link names only one file: symlinks travel in
+  git clones and tar files, and a ``tokenizer.json -> ~/.ssh/id_rsa`` in a downloaded model would
+  otherwise be copied into the converted model dir, which users publish. (git-annex/DVC trees:
+  copy the files with ``cp -L`` first.) A link to a directory, device or FIFO is refused too (a
+  FIFO would block the reader forever, a device never ends).
 - A name that does not exist is returned as is: each reader reports a missing file its own way.
 The checks are made before the read, not atomically with it; a source changed while it is read
 is outside what this guards against.
@@ -64,6 +66,13 @@ def _inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
+def _hub_blobs(real_root: Path) -> Path | None:
+    """The blobs dir of a Hugging Face cache repo when ``real_root`` is one of its snapshots."""
+    if real_root.parent.name == "snapshots" and (real_root.parent.parent / "blobs").is_dir():
+        return real_root.parent.parent / "blobs"
+    return None
+
+
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
@@ -103,6 +112,12 @@ def resolve_inside(root: str | os.PathLike, relative: object, *, source: object,
     if kind == "file" and not stat.S_ISREG(st.st_mode):
         link = f" (a symlink to {os.readlink(path)})" if path.is_symlink() else ""
         raise _refuse(source, what, relative, f"is {_kind(st.st_mode)}{link}, not a regular file", fix)
+    if kind == "file" and path.is_symlink():
+        target = path.resolve()
+        blobs = _hub_blobs(real_root)
+        if not (_inside(target, real_root) or (blobs is not None and _inside(target, blobs))):
+            raise _refuse(source, what, relative, f"is a symlink to {target}, outside {root}; copy the "
+                          "real files into the directory (cp -L) if you trust them", fix)
     if kind == "dir":
         if not stat.S_ISDIR(st.st_mode):
             raise _refuse(source, what, relative, f"is {_kind(st.st_mode)}, not a directory", fix)

@@ -231,6 +231,23 @@ def test_hf_cache_symlinks_to_blobs_are_followed(good, tmp_path):
     assert torch.equal(got["model.norm.weight"], good["sd"]["norm.weight"])
 
 
+def test_tokenizer_symlinked_to_a_private_file_is_not_copied(good, tmp_path):
+    """A link in a downloaded model (git and tar carry them) must not pull a private file into the
+    converted model dir, which users publish."""
+    (tmp_path / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    src = copy(good["hf"], tmp_path / "src")
+    (src / "tokenizer.json").symlink_to(os.path.relpath(tmp_path / "id_rsa", src))
+    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
+            expect=(str(src), "'tokenizer.json' is a symlink to", "id_rsa", "cp -L"))
+
+
+def test_weights_symlinked_outside_a_plain_dir(good, tmp_path):
+    src = copy(good["hf"], tmp_path / "src")
+    (src / "model.safetensors").rename(tmp_path / "weights.bin")
+    (src / "model.safetensors").symlink_to(tmp_path / "weights.bin")
+    refused(tmp_path, "inspect", src, expect=("'model.safetensors' is a symlink to", "outside"))
+
+
 # --- DCP .metadata storage paths; Megatron directory discovery --------------------------------
 
 def test_dcp_storage_path_outside(good, tmp_path):
@@ -345,6 +362,22 @@ def test_nan_and_inf_weights_are_named(good, tmp_path):
     assert len(warning) == 1, text
     assert "model.layers.2.mlp.down_proj.weight" in warning[0] and "model.norm.weight" in warning[0]
     assert snapshot(src) == before
+
+
+def test_inf_from_a_cast_and_nan_in_a_pickled_source_are_named(good, tmp_path):
+    """Tensors assembled in memory (dtype casts, DCP's torch.save chunks) are checked as they pass."""
+    sd = dict(good["sd"])
+    sd["layers.1.attention.wk.weight"] = sd["layers.1.attention.wk.weight"].clone()
+    sd["layers.1.attention.wk.weight"][0, 0] = 1e6  # beyond float16's 65504
+    sd["layers.3.feed_forward.w1.weight"] = sd["layers.3.feed_forward.w1.weight"].clone()
+    sd["layers.3.feed_forward.w1.weight"][1, 1] = float("-inf")
+    hf = write_hf(sd, good["args"], tmp_path / "hf")
+    code, text = cli("convert", hf, "-o", tmp_path / "half", "--dtype", "float16")
+    assert code == 0 and "model.layers.1.self_attn.k_proj.weight" in text and "NaN/Inf values in 2" in text, text
+    sd["layers.0.attention.wv.weight"] = torch.full_like(sd["layers.0.attention.wv.weight"], float("nan"))
+    ckpt = write_dcp(sd, good["args"], tmp_path / "dcp")
+    code, text = cli("convert", ckpt, "-o", tmp_path / "from_dcp")
+    assert code == 0 and "NaN/Inf values in 2 tensor(s): model.layers.0.self_attn.v_proj.weight, model.layers.3.mlp.gate_proj" in text, text  # 1e6 is finite in float32
 
 
 # --- outputs that would replace a run dir ----------------------------------------------------------
