@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from titan_pipe.checkpoint_format import is_complete
+from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
 
 
@@ -43,11 +45,29 @@ class ValidationSplit:
         return cls(corpus=corpus, val_fraction=data.val_fraction, text_key=data.text_key)
 
 
+def held_out_text(*, data: Path | None, flow: FlowConfig | None, flow_dir: Path | None
+                  ) -> tuple[Path | None, ValidationSplit | None]:
+    """What an evaluation reads as held-out text: (a file used whole, or the split of a corpus).
+
+    ``data`` (--data) wins; else flow.yaml's evaluate.data (relative to ``flow_dir``); else the
+    validation split of the flow's own training data, as training cut it. (None, None) without a
+    flow: evaluate_model then takes the shipped corpus's split.
+    """
+    if data is not None:
+        return Path(data), None
+    if flow is None:
+        return None, None
+    if flow.evaluate.data is not None:
+        path = Path(flow.evaluate.data)
+        return (path if path.is_absolute() else Path(flow_dir) / path), None
+    return None, ValidationSplit.of_flow(flow.data, Path(flow_dir))
+
+
 def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> str:
     if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
         return str(Path(model_dir) / "tokenizer.json")
-    if checkpoint is not None and (Path(checkpoint) / "manifest.json").is_file():
-        from titan_pipe.convert.layout import Manifest
+    if checkpoint is not None and is_complete(Path(checkpoint)):
+        from titan_pipe.checkpoint_format import Manifest
 
         if Manifest.load(checkpoint).extra.get("tokenizer") == "tokenizer.json":
             return str(Path(checkpoint) / "tokenizer.json")

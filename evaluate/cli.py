@@ -46,25 +46,22 @@ def register(app: typer.Typer) -> None:
         """
         from titan_pipe.config import EvaluateConfig, load_flow
         from titan_pipe.evaluate.api import evaluate_model
+        from titan_pipe.evaluate.batches import held_out_text
         from titan_pipe.paths import resolve_inside
 
         flow_cfg = load_flow(config) if config is not None else None
         settings = flow_cfg.evaluate if flow_cfg is not None else EvaluateConfig()
-        updates: dict = {"dtype": dtype.value}
-        if config is not None and settings.data and data is None:
+        if data is None and flow_cfg is not None and flow_cfg.evaluate.data:
             # a path read from a file stays inside that file's dir; one on the command line is the user's
-            updates["data"] = str(resolve_inside(config.parent, settings.data, source=config, what="evaluate.data", kind="any",
-                                                 fix="put the file beside the flow.yaml, or pass it with --data FILE"))
+            resolve_inside(config.parent, flow_cfg.evaluate.data, source=config, what="evaluate.data", kind="any",
+                           fix="put the file beside the flow.yaml, or pass it with --data FILE")
+        data, split = held_out_text(data=data, flow=flow_cfg, flow_dir=config.parent if config else None)
+        updates: dict = {"dtype": dtype.value}
         if batches is not None:
             updates["batches"] = batches
         if operators is not None:
             updates["operators"] = operators
         settings = settings.model_copy(update=updates)
-        split = None
-        if flow_cfg is not None and data is None and settings.data is None:
-            from titan_pipe.evaluate.batches import ValidationSplit
-
-            split = ValidationSplit.of_flow(flow_cfg.data, config.parent)  # the flow's own held-out split
         r = call_stage("evaluate", evaluate_model, track=flow, out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
                            data=data, settings=settings, progress=True, split=split)
         for cid, status in r.summary["comparisons"].items():

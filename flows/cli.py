@@ -110,7 +110,8 @@ def register(app: typer.Typer) -> None:
         # held here, before Prefect starts, so a second writer fails at once (run_pipeline re-enters it)
         with run_lock(cfg.run_dir().resolve(), what=f"titan-pipe run {flow}"), listening(live):
             try:
-                result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force)
+                result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force,
+                                         cfg=cfg)
             except BaseException as e:  # noqa: BLE001 - shown after the table; handle_errors maps it
                 failed = e
         console.print(live.table())
