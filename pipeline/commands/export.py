@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+
 
 class Dtype(str, Enum):
     float32 = "float32"
@@ -19,8 +21,6 @@ class Precision(str, Enum):
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import FLOW_HELP, call_stage, console, handle_errors
-
     @app.command("export")
     @handle_errors
     def export(

@@ -9,6 +9,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from titan_pipe.commands.common import handle_errors
+from titan_pipe.run_lock import run_lock
+
 STAGE_HELP = "train | convert | export | evaluate"
 
 # Prefect settings titan-pipe needs on a cluster (set only where the user has not): no usage
@@ -79,8 +82,6 @@ class LiveSummary:
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import handle_errors
-
     @app.command()
     @handle_errors
     def run(flow: Path = typer.Argument(..., help="flow.yaml of the run"),
@@ -101,7 +102,6 @@ def register(app: typer.Typer) -> None:
 
         prefect_env()
         from titan_pipe.flows.train_to_deploy import listening, train_to_deploy
-        from titan_pipe.run_lock import run_lock
 
         console = Console(stderr=True)
         live = LiveSummary(console)

@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from titan_pipe.commands.common import handle_errors
+
 
 def _workload(model: str, seq_len: int, global_batch: int):
     """A flavour name, or a flow.yaml whose model section (flavour + dims) is used."""
@@ -129,8 +131,6 @@ def _write_flow(plan, path: Path, force: bool) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import handle_errors
-
     @app.command()
     @handle_errors
     def plan(

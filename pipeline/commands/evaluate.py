@@ -7,6 +7,9 @@ from typing import Optional
 
 import typer
 
+from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+from titan_pipe.paths import resolve_inside
+
 
 class ThresholdDtype(str, Enum):
     auto = "auto"
@@ -16,8 +19,6 @@ class ThresholdDtype(str, Enum):
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import FLOW_HELP, call_stage, console, handle_errors
-
     @app.command("evaluate")
     @handle_errors
     def evaluate(
@@ -47,7 +48,6 @@ def register(app: typer.Typer) -> None:
         from titan_pipe.config import EvaluateConfig, load_flow
         from titan_pipe.evaluate.api import evaluate_model
         from titan_pipe.evaluate.batches import held_out_text
-        from titan_pipe.paths import resolve_inside
 
         flow_cfg = load_flow(config) if config is not None else None
         settings = flow_cfg.evaluate if flow_cfg is not None else EvaluateConfig()
