@@ -95,7 +95,10 @@ def resolve_inside(root: str | os.PathLike, relative: object, *, source: object,
     root = Path(root)
     real_root = root.resolve()
     path = root.joinpath(*rel.parts)
-    parent = path.parent.resolve()
+    try:
+        parent = path.parent.resolve()
+    except (RuntimeError, OSError) as e:  # a symlink loop (RuntimeError before Python 3.13)
+        raise _refuse(source, what, relative, f"goes through a symlink loop ({e})", fix) from None
     if not _inside(parent, real_root):
         raise _refuse(source, what, relative, f"goes through a symlinked directory that leads outside "
                       f"{root} (to {parent})", fix)
@@ -113,7 +116,7 @@ def resolve_inside(root: str | os.PathLike, relative: object, *, source: object,
         link = f" (a symlink to {os.readlink(path)})" if path.is_symlink() else ""
         raise _refuse(source, what, relative, f"is {_kind(st.st_mode)}{link}, not a regular file", fix)
     if kind == "file" and path.is_symlink():
-        target = path.resolve()
+        target = path.resolve()  # stat above succeeded, so no loop
         blobs = _hub_blobs(real_root)
         if not (_inside(target, real_root) or (blobs is not None and _inside(target, blobs))):
             raise _refuse(source, what, relative, f"is a symlink to {target}, outside {root}; copy the "
@@ -121,7 +124,7 @@ def resolve_inside(root: str | os.PathLike, relative: object, *, source: object,
     if kind == "dir":
         if not stat.S_ISDIR(st.st_mode):
             raise _refuse(source, what, relative, f"is {_kind(st.st_mode)}, not a directory", fix)
-        if not _inside(path.resolve(), real_root):
+        if not _inside(path.resolve(), real_root):  # stat above succeeded, so no loop
             raise _refuse(source, what, relative, f"is a symlinked directory leading outside {root} "
                           f"(to {path.resolve()})", fix)
     return path

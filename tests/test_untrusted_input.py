@@ -171,6 +171,18 @@ def test_manifest_shard_that_is_a_fifo_does_not_hang(good, tmp_path):
             expect=("'model/pp1-tp0.safetensors'", "is a FIFO, not a regular file"))
 
 
+def test_symlink_loops_in_a_checkpoint(good, tmp_path):
+    src = copy(good["titan"], tmp_path / "src")
+    shard = src / "model/pp0-tp1.safetensors"
+    shard.unlink()
+    shard.symlink_to("pp0-tp1.safetensors")  # points at itself
+    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
+            expect=("'model/pp0-tp1.safetensors'", "cannot be examined", "symbolic links"))
+    shutil.rmtree(src / "model")
+    (src / "model").symlink_to("model", target_is_directory=True)  # a directory loop
+    refused(tmp_path, "inspect", src, expect=("'model/pp0-tp0.safetensors'", "symlink loop"))
+
+
 def test_manifest_that_is_not_an_object(good, tmp_path):
     src = copy(good["titan"], tmp_path / "src")
     (src / "manifest.json").write_text("[1, 2, 3]")
