@@ -2,10 +2,10 @@
 to ONNX + ATC (titan_pipe.convert.onnx).
 
 Entry points: ``convert_checkpoint`` (titan_pipe.convert.api), ``export_model``
-(titan_pipe.convert.onnx_export). Imported on first use, so importing one reader pulls no ONNX.
+(titan_pipe.convert.onnx.export). Imported on first use, so importing one reader pulls no ONNX.
 """
 
-_ENTRY_POINTS = {"convert_checkpoint": "titan_pipe.convert.api", "export_model": "titan_pipe.convert.onnx_export"}
+_ENTRY_POINTS = {"convert_checkpoint": "titan_pipe.convert.api", "export_model": "titan_pipe.convert.onnx.export"}
 
 
 def __getattr__(name: str):

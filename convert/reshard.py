@@ -24,8 +24,8 @@ import torch
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.finite import has_nonfinite
-from titan_pipe.convert.plan import OutFile, OutTensor, Read
 from titan_pipe.convert.readers.store import Store, contiguous_span
+from titan_pipe.convert.source_plan import OutFile, OutTensor, Read
 from titan_pipe.convert.writer import Entry, SafetensorsWriter
 from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.dtypes import TORCH_DTYPES

@@ -417,7 +417,7 @@ def _hidden_from_debug_export(model_dir: Path, onnx_path: Path, ort: OnnxRuntime
 
     import onnx as onnx_lib
 
-    from titan_pipe.convert.onnx_export import export_model
+    from titan_pipe.convert.onnx.export import export_model
 
     proto = onnx_lib.load(str(onnx_path), load_external_data=False)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 14)

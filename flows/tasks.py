@@ -88,7 +88,7 @@ def convert_task(checkpoint: Path, out_dir: Path, settings: ConvertConfig) -> St
 
 @task(name="export", cache_policy=NO_CACHE, persist_result=False)
 def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> StageOutput:
-    from titan_pipe.convert.onnx_export import export_model
+    from titan_pipe.convert.onnx.export import export_model
 
     run_logger().info(f"exporting {model_dir} -> {out_dir} (opset {settings.opset}, {settings.dtype})")
     r = export_model(model_dir=model_dir, out_dir=out_dir, opset=settings.opset, dtype=settings.dtype,

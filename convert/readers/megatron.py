@@ -6,7 +6,7 @@ Tree: ``latest_checkpointed_iteration.txt`` + ``iter_XXXXXXX/mp_rank_TT[_PPP]/mo
 numpy types of the saved RNG state, stand-ins for Megatron's enums) -- never a plain unpickle --
 one rank file at a time as the plan reaches it.
 
-Plan rules (all boxes, see convert/plan.py):
+Plan rules (all boxes, see convert/source_plan.py):
 - ``linear_qkv`` (per rank: its query groups, each = that group's q heads, then its k head, then
   its v head) -> wq/wk/wv rows of the group's global heads;
 - ``linear_fc1`` (per rank: its gate slice, then its up slice) -> w1 / w3 rows;
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from titan_pipe.checkpoint_format import Box
-from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
 from titan_pipe.convert.readers.store import Store
+from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs, RopeScaling

@@ -3,7 +3,7 @@
 Graphs come from the TorchScript exporter (``torch.onnx.export(dynamo=False)``) because it takes
 ``opset_version`` directly; the dynamo exporter emits opset >= 18, above ATC's 11..15. Opset 14
 is the default: the lowest opset at which ``scaled_dot_product_attention`` exports, and inside the
-window of every operator the graph uses (convert/data/atc_onnx_ops.json). Everything is written
+window of every operator the graph uses (convert/onnx/data/atc_onnx_ops.json). Everything is written
 to a hidden sibling directory and renamed into place when complete, so a failure leaves nothing.
 """
 from __future__ import annotations
@@ -20,11 +20,12 @@ import onnx
 import torch
 
 from titan_pipe.atomic import swap_dir, temp_dir
-from titan_pipe.convert import atc as atc_mod
-from titan_pipe.convert.atc_ops import find_problems, load_atc_ops, operator_report
-from titan_pipe.convert.export_graphs import DecodeGraph, PrefillGraph, dynamic_axes, io_names
-from titan_pipe.convert.onnx_files import (check_and_infer, file_table, gather_external_data, move_files,
-                                           share_external_data)
+from titan_pipe.convert.onnx import atc as atc_mod
+from titan_pipe.convert.onnx.atc_ops import find_problems, load_atc_ops, operator_report
+from titan_pipe.convert.onnx.files import (
+    check_and_infer, file_table, gather_external_data, move_files, share_external_data,
+)
+from titan_pipe.convert.onnx.graphs import DecodeGraph, PrefillGraph, dynamic_axes, io_names
 from titan_pipe.convert.unified import load_unified_model
 from titan_pipe.dtypes import BY_NAME, TORCH_BY_NAME
 from titan_pipe.errors import StageFailed, UserError
@@ -151,7 +152,7 @@ def _export_graph(model, args: ModelArgs, plan: ExportPlan, g: GraphPlan, work: 
     except Exception as e:  # the exporter raises many types; the first line says what it could not map
         raise StageFailed(f"{g.file}: torch.onnx.export (TorchScript, opset {plan.opset}) failed: "
                           f"{str(e).strip().splitlines()[0][:400]}; model code that does not export belongs "
-                          "in training/model.py or convert/export_graphs.py") from e
+                          "in training/model.py or convert/onnx/graphs.py") from e
     del module
     gather_external_data(scratch / g.file)
     move_files(scratch, work)
@@ -256,7 +257,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                          "path": "torch.onnx.export(dynamo=False)"},
             "atc": {"status": atc_status, "soc_version": soc_version, "precision_mode": precision_mode,
                     "commands": [list(i.argv) for i in invocations],
-                    "operator_list": {"file": "convert/data/atc_onnx_ops.json",
+                    "operator_list": {"file": "convert/onnx/data/atc_onnx_ops.json",
                                       "cann_version": load_atc_ops()["cann_version"]}},
             "graphs": graphs,
             "files": files,
