@@ -228,5 +228,5 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
                "output": out.kind, "tp": out.tp, "pp": out.pp, "tensors": len(plan.tensors),
                "bytes": total, "files": len(out.files), "wall_s": round(wall, 3),
                "gb_per_s": round(total / wall / 1e9, 3) if wall > 0 else None,
-               "nonfinite": sorted(nonfinite), "nonfinite_checked": "all" if verify else "assembled tensors only"}
+               "nonfinite": sorted(nonfinite), "nonfinite_checked": "all" if verify or not headers else "assembled tensors only"}
     return ConvertResult(out_dir=out_dir, files=files, summary=summary)
