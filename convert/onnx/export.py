@@ -27,14 +27,12 @@ from titan_pipe.convert.onnx.files import (
 )
 from titan_pipe.convert.onnx.graphs import DecodeGraph, PrefillGraph, dynamic_axes, io_names
 from titan_pipe.convert.unified import load_unified_model
-from titan_pipe.dtypes import BY_NAME, TORCH_BY_NAME
+from titan_pipe.dtypes import BY_NAME, EXPORT_NAMES, TORCH_BY_NAME
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.model_args import ModelArgs, count_params
 from titan_pipe.unified_dir import locate_weights, read_model_args
 
 EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15 and >= 14 for the SDPA exporter
-# ATC graphs carry no bfloat16.
-EXPORT_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -87,8 +85,8 @@ def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", bat
     if opset not in EXPORT_OPSETS:
         raise UserError(f"opset {opset}: the TorchScript exporter needs opset >= 14 for scaled_dot_product_attention; "
                         "use --opset 14 (default) or 15")
-    if dtype not in EXPORT_DTYPES:
-        raise UserError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)} (ATC graphs carry no bfloat16)")
+    if dtype not in EXPORT_NAMES:
+        raise UserError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_NAMES)} (ATC graphs carry no bfloat16)")
     if precision_mode not in atc_mod.PRECISION_MODES:
         raise UserError(f"precision mode {precision_mode!r} is not one of {', '.join(atc_mod.PRECISION_MODES)}")
     if batch < 1 or seq_len < 1:
