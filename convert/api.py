@@ -176,15 +176,21 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
         except (LayoutError, ValueError) as e:
             raise UserError(f"{plan.root}: {e}") from None
         tmp = temp_dir(out_dir)
-        hasher = BackgroundHasher(plan.root, plan.files if verify else [], plan.expected_sha256).start()
+        headers = getattr(store, "headers", {})  # safetensors sources: check NaN/Inf while hashing
+        spans = {f: [(t.start, t.nbytes, t.dtype, k) for k, t in h.items()] for f, h in headers.items()}
+        hasher = BackgroundHasher(plan.root, plan.files if verify else [], plan.expected_sha256,
+                                  tensors=spans).start()
+        nonfinite: set[str] = set()
         total = sum(f.nbytes for f in out.files)
         try:
             with _progress(progress) as bar:
                 task = bar.add_task(str(src), total=total) if bar else None
                 advance = (lambda n: bar.advance(task, n)) if bar else (lambda n: None)
-                written = [write_file(tmp, f, store, metadata={"format": "pt"}, advance=advance)
-                           for f in out.files]
+                written = [write_file(tmp, f, store, metadata={"format": "pt"}, advance=advance,
+                                      nonfinite=nonfinite) for f in out.files]
             digests = hasher.result()
+            out_name = {(r.file, r.key): t.key for f in out.files for t in f.tensors for r in t.reads()}
+            nonfinite.update(out_name.get((f, k), k) for f, keys in hasher.nonfinite.items() for k in keys)
             if sharded:
                 written.append(_write_manifest(tmp, plan, out))
             else:
@@ -221,5 +227,6 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
     summary = {"format": plan.format, "src": str(plan.root), "step": plan.step, "layout": plan.layout,
                "output": out.kind, "tp": out.tp, "pp": out.pp, "tensors": len(plan.tensors),
                "bytes": total, "files": len(out.files), "wall_s": round(wall, 3),
-               "gb_per_s": round(total / wall / 1e9, 3) if wall > 0 else None}
+               "gb_per_s": round(total / wall / 1e9, 3) if wall > 0 else None,
+               "nonfinite": sorted(nonfinite), "nonfinite_checked": "all" if verify or not headers else "assembled tensors only"}
     return ConvertResult(out_dir=out_dir, files=files, summary=summary)

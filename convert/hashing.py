@@ -12,31 +12,75 @@ import os
 import threading
 from pathlib import Path
 
+from titan_pipe.convert.finite import checks, has_nonfinite, itemsize
 from titan_pipe.errors import UserError
 
 BLOCK = 8 * 2**20
+Span = tuple[int, int, str, str]  # (absolute byte offset, byte length, safetensors dtype, key)
 
 
 def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
     """Hex sha256 of the file; '' if ``stop`` was set before the end (the caller gave up)."""
+    return scan_file(path, stop)[0]
+
+
+def scan_file(path: Path, stop: threading.Event | None = None,
+              tensors: list[Span] = ()) -> tuple[str, list[str]]:
+    """(hex sha256 of the file, keys of ``tensors`` holding NaN/Inf), in one sequential read.
+
+    ``tensors``: (absolute start, byte length, safetensors dtype, key) of disjoint tensors (a
+    safetensors header, checked by read_header); the bytes between and after them are hashed too.
+    Each tensor is read in pieces of whole elements, so every element is seen whole.
+    """
     h = hashlib.sha256()
     buf = bytearray(BLOCK)
     view = memoryview(buf)
+    bad: list[str] = []
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            if stop is not None and stop.is_set():
-                return ""
-            h.update(view[:n])
-    return h.hexdigest()
+        pos = 0
+        for start, nbytes, dtype, key in sorted(tensors) + [(None, None, None, None)]:
+            gap = None if start is None else start - pos
+            if not _feed(f, h, view, gap, stop, None):
+                return "", bad
+            if start is None:
+                break
+            step = BLOCK // itemsize(dtype) * itemsize(dtype) if checks(dtype) else BLOCK
+            found = _feed(f, h, view[:step], nbytes, stop, dtype if checks(dtype) else None)
+            if found is False:
+                return "", bad
+            if found == "nonfinite":
+                bad.append(key)
+            pos = start + nbytes
+    return h.hexdigest(), bad
+
+
+def _feed(f, h, view: memoryview, n: int | None, stop, dtype: str | None):
+    """Hash the next ``n`` bytes (None: to the end), checking them as ``dtype`` floats if given.
+    False if stopped; "nonfinite" if a NaN/Inf was seen; True otherwise."""
+    seen = False
+    while n is None or n > 0:
+        got = f.readinto(view if n is None or n >= len(view) else view[:n])
+        if not got:
+            return True if not seen else "nonfinite"  # a short file: the size checks report it
+        if stop is not None and stop.is_set():
+            return False
+        h.update(view[:got])
+        if dtype is not None and not seen and got % itemsize(dtype) == 0:
+            seen = has_nonfinite(view[:got], dtype)
+        if n is not None:
+            n -= got
+    return "nonfinite" if seen else True
 
 
 class BackgroundHasher:
     """Hash ``files`` (relative to ``root``) in a daemon thread; ``result()`` joins and checks."""
 
     def __init__(self, root: Path, files: list[str], expected: dict[str, str] | None = None,
-                 threads: int | None = None):
+                 threads: int | None = None, tensors: dict[str, list[Span]] | None = None):
         self.root, self.files, self.expected = root, list(files), dict(expected or {})
+        self.tensors = dict(tensors or {})  # file -> its tensors, checked for NaN/Inf on the way
         self.digests: dict[str, str] = {}
+        self.nonfinite: dict[str, list[str]] = {}  # file -> keys of tensors holding NaN/Inf
         self.error: BaseException | None = None
         self._stop = threading.Event()
         self._todo = iter(self.files)
@@ -52,7 +96,9 @@ class BackgroundHasher:
     def _run(self) -> None:
         try:
             while not self._stop.is_set() and self.error is None and (f := self._next()) is not None:
-                self.digests[f] = sha256_file(self.root / f, self._stop)
+                self.digests[f], bad = scan_file(self.root / f, self._stop, self.tensors.get(f, []))
+                if bad:
+                    self.nonfinite[f] = bad
         except BaseException as e:  # reported by result() in the main thread
             self.error = e
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from titan_pipe.checkpoint_format import Box
+from titan_pipe.convert.finite import has_nonfinite
 from titan_pipe.convert.readers.store import Store, contiguous_span
 from titan_pipe.convert.source_plan import OutFile, OutTensor, Read
 from titan_pipe.convert.writer import Entry, SafetensorsWriter
@@ -152,8 +153,9 @@ def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o - b, o - b + n) for o, n, b in zip(box.offsets, box.lengths, origin))
 
 
-def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store) -> None:
-    """Write every byte of output tensor ``t`` into ``w``."""
+def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set[str] | None = None) -> None:
+    """Write every byte of output tensor ``t`` into ``w``; a block it assembles that holds NaN/Inf
+    adds ``t.key`` to ``nonfinite`` (byte-copied tensors are checked by the sha256 pass instead)."""
     reads = t.reads()
     direct = _direct(t, reads, store)
     if direct is not None:
@@ -186,11 +188,14 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store) -> None:
                 piece = deinterleave_rope(piece, c.rope_head_dim)
             buf[_slices(c.dst_box, block.offsets)].copy_(piece)
         start = contiguous_span(t.shape, block, itemsize)[0]
+        if nonfinite is not None and t.key not in nonfinite and has_nonfinite(raw, t.dtype):
+            nonfinite.add(t.key)
         w.write(t.key, start, raw)
 
 
 def write_file(out_dir: Path, f: OutFile, store: Store, *, metadata: dict[str, str] | None = None,
-               advance: Callable[[int], None] = lambda n: None, threads: int = 2) -> Path:
+               advance: Callable[[int], None] = lambda n: None, threads: int = 2,
+               nonfinite: set[str] | None = None) -> Path:
     """Write one output safetensors file (atomically: a hidden partial name, renamed when whole).
 
     Tensors land at fixed offsets, so with a thread-safe store (safetensors sources) ``threads``
@@ -201,7 +206,7 @@ def write_file(out_dir: Path, f: OutFile, store: Store, *, metadata: dict[str, s
     with SafetensorsWriter(out_dir / f.name, entries, metadata) as w:
         if threads > 1 and store.threadsafe and len(f.tensors) > 1:
             with ThreadPoolExecutor(threads, thread_name_prefix="titan-pipe-fill") as pool:
-                futures = [pool.submit(fill_tensor, w, t, store) for t in f.tensors]
+                futures = [pool.submit(fill_tensor, w, t, store, nonfinite) for t in f.tensors]
                 try:
                     for t, fut in zip(f.tensors, futures):
                         fut.result()
@@ -212,6 +217,6 @@ def write_file(out_dir: Path, f: OutFile, store: Store, *, metadata: dict[str, s
                     raise
         else:
             for t in f.tensors:
-                fill_tensor(w, t, store)
+                fill_tensor(w, t, store, nonfinite)
                 advance(t.nbytes)
         return w.commit()

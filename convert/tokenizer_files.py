@@ -14,6 +14,7 @@ from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest
 from titan_pipe.convert.source_plan import SourcePlan
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
+from titan_pipe.paths import resolve_inside
 
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -21,8 +22,9 @@ TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def plan_tokenizer_files(plan: SourcePlan) -> dict[str, Path]:
     """{name in the output dir: source file} to copy; raises UserError when a listed one is missing."""
     root = Path(plan.root)
-    if plan.format != "titan":
-        return {n: root / n for n in TOKENIZER_NAMES if (root / n).is_file()}
+    if plan.format != "titan":  # copied verbatim into the output: never through a link leading outside
+        found = {n: resolve_inside(root, n, source=root, what="tokenizer file") for n in TOKENIZER_NAMES}
+        return {n: f for n, f in found.items() if f.is_file()}
     extra = Manifest.load(root).extra
     if extra.get("tokenizer", "byte") == "byte":
         return {}
@@ -32,7 +34,7 @@ def plan_tokenizer_files(plan: SourcePlan) -> dict[str, Path]:
         return {}  # an older checkpoint that recorded the flow's tokenizer path, not a copy of it
     out = {}
     for n in names:
-        f = root / n
+        f = resolve_inside(root, n, source=root / MANIFEST_NAME, what="attached file")
         if not f.is_file() or f.stat().st_size != attached[n]["size"]:
             raise UserError(f"{f}: missing or not the size {root / MANIFEST_NAME} records "
                             f"({attached[n]['size']} bytes); copy the complete checkpoint")

@@ -25,6 +25,7 @@ import torch
 from titan_pipe.checkpoint_format import is_complete
 from titan_pipe.dtypes import ORT_NAMES
 from titan_pipe.errors import StageFailed, UserError
+from titan_pipe.evaluate.graph_files import check_external_data
 from titan_pipe.model_args import ModelArgs
 
 
@@ -98,6 +99,7 @@ class OnnxRuntimeRunner:
         if not onnx_path.is_file():
             raise UserError(f"{onnx_path}: ONNX file not found; pass the model.onnx written by "
                             "`titan-pipe export` (with --expose-hidden for per-layer results)")
+        check_external_data(onnx_path)  # before ONNX Runtime opens anything the graph names
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         if threads:
@@ -178,6 +180,7 @@ class OnnxDecodeRunner:
         from titan_pipe.convert.onnx.generate import ort_session
 
         self.prefill, self.path = prefill, Path(decode_path)
+        check_external_data(self.path)  # before ONNX Runtime opens anything the graph names
         self.session = ort_session(self.path)
         present = [o.name for o in prefill.session.get_outputs() if o.name.startswith("present.")]
         past = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]

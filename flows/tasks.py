@@ -79,6 +79,9 @@ def convert_task(checkpoint: Path, out_dir: Path, settings: ConvertConfig) -> St
     r = convert_checkpoint(src=checkpoint, out_dir=out_dir, naming=settings.naming, dtype=settings.dtype,
                            max_shard_size=settings.max_shard_size, overwrite=True)
     run_logger().info(f"wrote {len(r.files)} file(s): {', '.join(p.name for p in r.files)}")
+    if r.summary.get("nonfinite"):
+        run_logger().warning(f"NaN/Inf values in {len(r.summary['nonfinite'])} tensor(s): "
+                             f"{', '.join(r.summary['nonfinite'][:8])}; evaluate fails on such a model")
     return StageOutput("convert", {"model_dir": str(r.out_dir)}, outputs=[str(r.out_dir)],
                        summary=dict(r.summary))
 

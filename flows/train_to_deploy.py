@@ -26,6 +26,7 @@ from titan_pipe.flows.logs import run_logger
 from titan_pipe.flows.tasks import (StageOutput, convert_task, evaluate_task, export_task,
                                     train_task)
 from titan_pipe.run_dir import RunDir
+from titan_pipe.run_lock import run_lock
 
 DEFAULT_TASKS: dict[str, Callable[..., StageOutput]] = {
     "train": train_task, "convert": convert_task, "export": export_task, "evaluate": evaluate_task,
@@ -146,13 +147,19 @@ def run_pipeline(flow_path: Path, *, from_stage: str | None = None, only: str | 
 
     ``cfg``: flow.yaml as the caller already loaded it (else it is loaded here).
     """
-    from titan_pipe.flows.artifacts import publish as publish_artifacts
-
     tasks = {**DEFAULT_TASKS, **(tasks or {})}
     flow_path = Path(flow_path).resolve()
     cfg = cfg if cfg is not None else load_flow(flow_path)
     actions = cache.plan_actions(from_stage=from_stage, only=only, force=force, cache=cfg.orchestration.cache)
     run_dir = cfg.run_dir().resolve()
+    with run_lock(run_dir, what=f"titan-pipe run {flow_path}"):  # re-entered when `titan-pipe run` holds it
+        return _run_stages(cfg, flow_path, run_dir, actions, tasks, publish)
+
+
+def _run_stages(cfg: FlowConfig, flow_path: Path, run_dir: Path, actions: dict[str, str],
+                tasks: dict[str, Callable], publish: bool) -> PipelineOutcome:
+    from titan_pipe.flows.artifacts import publish as publish_artifacts
+
     reused = cache.check_reusable(actions, run_dir)
     log = run_logger()
     log.info(f"run dir {run_dir}; stages: " + ", ".join(f"{s}={a}" for s, a in actions.items()))

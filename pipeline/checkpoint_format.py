@@ -153,8 +153,10 @@ class Manifest:
     def from_json(cls, text: str, *, source: str = MANIFEST_NAME) -> "Manifest":
         try:
             d = json.loads(text)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             raise LayoutError(f"{source}: not valid JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise LayoutError(f"{source}: holds a JSON {type(d).__name__}, not the manifest object")
         if d.get("format") != FORMAT_NAME:
             raise LayoutError(f"{source}: format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
         if d.get("format_version", 0) > FORMAT_VERSION:
@@ -182,7 +184,11 @@ class Manifest:
         if not path.is_file():
             raise LayoutError(f"{path}: no manifest; the checkpoint is incomplete or not a titan-pipe "
                               "checkpoint")
-        return cls.from_json(path.read_text(), source=str(path))
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise LayoutError(f"{path}: not UTF-8 JSON (byte {e.start}); copy the checkpoint again") from None
+        return cls.from_json(text, source=str(path))
 
     def validate(self) -> None:
         for p in self.params.values():

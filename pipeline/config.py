@@ -10,10 +10,13 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.model_args import FLAVOURS, ModelArgs, RopeScaling, resolve_args
+from titan_pipe.run_dir import run_name_problem, suggest_run_name
+
+MAX_FLOW_BYTES = 2**20  # 1 MiB
 
 
 class ConfigError(ValueError):
@@ -223,7 +226,7 @@ class OrchestrationConfig(Section):
 
 
 class FlowConfig(Section):
-    name: str = Field("run", pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = "run"  # the run dir is runs_dir/<name>: one safe path component (run_dir.run_name_problem)
     runs_dir: str = "runs"
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     model: ModelConfig = ModelConfig()
@@ -241,6 +244,14 @@ class FlowConfig(Section):
     export: ExportConfig = ExportConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        why = run_name_problem(name)
+        if why:
+            raise ValueError(f"run name {why}; use a name like {suggest_run_name(name)!r}")
+        return name
 
     def run_dir(self, base: Path | None = None) -> Path:
         root = Path(self.runs_dir)
@@ -361,8 +372,20 @@ def load_flow(path: str | Path) -> FlowConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(str(path), ["file not found; create one with `titan-pipe init DIR`"])
+    size = path.stat().st_size
+    if size > MAX_FLOW_BYTES:  # PyYAML parses ~1 MB/s; a flow file is a few KB
+        raise ConfigError(str(path), [f"is {size / 1e6:.1f} MB, larger than a flow file can be "
+                                      f"({MAX_FLOW_BYTES // 2**20} MB); pass the flow.yaml, not a data file"])
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(path), [f"not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
+                                      "save the file as UTF-8"]) from None
+    try:
+        data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         raise ConfigError(str(path), [f"not valid YAML: {str(e).splitlines()[0]}"]) from None
+    except RecursionError:  # PyYAML's composer recurses once per nesting level
+        raise ConfigError(str(path), ["nested too deeply to be a flow file; a flow.yaml is sections of "
+                                      "keys (name, model, train, ...)"]) from None
     return parse_flow(data, source=str(path), base=path.parent.resolve())

@@ -14,6 +14,7 @@ from pathlib import Path
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs
 from titan_pipe.names import from_hf_config, hf_to_native
+from titan_pipe.paths import resolve_inside
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -62,14 +63,19 @@ def locate_weights(model_dir: Path) -> WeightFiles:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
             raise UserError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from None
-        key_to_file = {k: model_dir / v for k, v in weight_map.items()}
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise UserError(f"{index}: 'weight_map' must be a non-empty object {{tensor name: file}}; "
+                            "re-create the index with save_pretrained or `titan-pipe convert`")
+        key_to_file = {k: resolve_inside(model_dir, v, source=index, what=f"weight_map file of {k!r}")
+                       for k, v in weight_map.items()}
         for f in sorted(set(key_to_file.values())):
             if not f.is_file():
                 raise UserError(f"{index}: lists shard {f.name}, which is missing from {model_dir}")
         return WeightFiles(tuple(sorted(set(key_to_file.values()))), key_to_file)
     if single.is_file():
+        single = resolve_inside(model_dir, SINGLE, source=model_dir, what="weights file")
         try:
             with safe_open(str(single), framework="pt") as fh:
                 keys = list(fh.keys())

@@ -7,6 +7,7 @@ TrainResult. Inside an existing launch (torchrun, srun) it runs the trainer in t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.run_dir import RunDir
+from titan_pipe.run_lock import run_lock
 from titan_pipe.training.metrics import (bar_info, new_progress_bar, parse_progress_line, plot_metrics,
                                          step_records)
 
@@ -340,9 +342,23 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
     except (RuntimeError, ValueError) as e:
         raise UserError(f"{flow_path}: device: {e}") from None
 
-    if inside_launch():
-        return _run_in_process(flow_path, cfg, run, resume)
+    with lock_run_dir(cfg, run):
+        if inside_launch():
+            return _run_in_process(flow_path, cfg, run, resume)
+        return _launch(flow_path, cfg, run, resume, device.type)
 
+
+def lock_run_dir(cfg: FlowConfig, run: RunDir):
+    """The run dir's lock, held by the process that owns the run dir: the launcher on node 0, or
+    global rank 0 inside an existing launch. Other nodes and ranks write beside it under node 0's
+    lock (they cannot share one flock), and torchrun's children inherit it (titan_pipe.run_lock)."""
+    if cfg.launch.node_rank != 0 or not reports():
+        return contextlib.nullcontext()
+    return run_lock(run.root, what=f"titan-pipe train {cfg.name}")
+
+
+def _launch(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool, device_type: str) -> TrainResult:
+    """torchrun for this node, its output teed into the run's log; StageFailed on a non-zero exit."""
     copy_flow(flow_path, run)
     logs = run.root / "logs"
     cmd = build_torchrun_command(cfg, flow_path, resume=resume_flag(cfg, run, resume), log_dir=logs)
@@ -350,7 +366,7 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
     log = node_log(cfg, run)
     log_offset = log.stat().st_size if log.is_file() else 0
     try:
-        rc = stream_process(cmd, env=launch_env(cfg, device.type), log_path=log)
+        rc = stream_process(cmd, env=launch_env(cfg, device_type), log_path=log)
     except KeyboardInterrupt:
         err = StageFailed(f"training interrupted; see {log}; continue with: titan-pipe train "
                           f"{flow_path} --resume")

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from titan_pipe.checkpoint_format import MANIFEST_NAME, LayoutError, Manifest, is_complete, newest_complete
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import SHAPE_KEYS, ModelArgs, model_differences
+from titan_pipe.paths import resolve_inside
 
 
 class WeightSource(Protocol):
@@ -36,6 +37,9 @@ class CheckpointWeights:
         except LayoutError as e:
             raise UserError(str(e)) from None
         self.args = ModelArgs.from_dict(self.manifest.model)
+        # every chunk names a file listed here (validate), so checking these covers them all
+        self._paths = {rel: resolve_inside(self.dir, rel, source=self.dir / MANIFEST_NAME, what="shard")
+                       for rel in self.manifest.files}
         self._open: dict[str, object] = {}
 
     def names(self) -> list[str]:
@@ -43,7 +47,7 @@ class CheckpointWeights:
 
     def _file(self, rel: str):
         if rel not in self._open:
-            self._open[rel] = safe_open(str(self.dir / rel), framework="pt")
+            self._open[rel] = safe_open(str(self._paths[rel]), framework="pt")
         return self._open[rel]
 
     def full(self, name: str) -> torch.Tensor:

@@ -36,6 +36,7 @@ from titan_pipe.dtypes import DTYPE_NAMES, TORCH_DTYPES
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs, RopeScaling
 from titan_pipe.names import TORCHTITAN_MODEL_PREFIX, from_hf_config, native_names
+from titan_pipe.paths import resolve_inside
 
 FORMAT = "dcp"
 METADATA = ".metadata"
@@ -138,11 +139,8 @@ def data_path(root: Path, relative: str) -> Path:
 
     The one place paths read from DCP metadata (also Megatron torch_dist's) become file paths.
     """
-    rel = Path(str(relative))
-    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
-        raise UserError(f"{root / METADATA}: storage path {str(relative)!r} leaves the checkpoint "
-                        "directory; the metadata is corrupted or hostile")
-    return root / rel
+    return resolve_inside(root, relative, source=root / METADATA, what="storage path",
+                          fix="the metadata is corrupted or hostile; re-save the checkpoint")
 
 
 class DcpStore(SafetensorsStore):

@@ -24,8 +24,8 @@ def looks_like(path: Path) -> bool:
 
 
 def weight_files(path: Path) -> list[str]:
-    """Names of the weight files, found as the unified loader finds them (index, else model.safetensors)."""
-    return [f.name for f in locate_weights(path).files]
+    """Weight files relative to ``path``, found as the unified loader finds them (index, else model.safetensors)."""
+    return [f.relative_to(path).as_posix() for f in locate_weights(path).files]
 
 
 def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
@@ -44,10 +44,15 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
             if "rotary_emb" in key:
                 continue  # a buffer some old exports saved, recomputed from the config
             try:
-                found[hf_to_native(key)] = (f, key)
+                name = hf_to_native(key)
             except KeyError as e:
                 raise UserError(f"{path / f}: {e.args[0]}; titan-pipe converts plain LLaMA "
                                 "weights only") from None
+            if name in found:
+                raise UserError(f"{path / f}: tensor {key!r} is also stored in {path / found[name][0]} "
+                                f"(as {found[name][1]!r}); which copy is meant is ambiguous. Keep it in one "
+                                "file (and in the index)")
+            found[name] = (f, key)
     tensors = {}
     for name in native_names(args):
         if name not in found:

@@ -39,6 +39,7 @@ from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs, RopeScaling
 from titan_pipe.names import megatron_to_native, native_names
+from titan_pipe.paths import resolve_inside
 
 FORMAT = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -75,6 +76,19 @@ ALLOWED = [
 ]
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_UNPICKLER = re.compile(r"WeightsUnpickler error: (.*?)(?: Please use|$)", re.M)
+
+
+def refusal_reason(e: Exception) -> str:
+    """The one informative clause of torch's multi-line weights_only refusal ('Unsupported global:
+    GLOBAL pathlib.PosixPath ...'), without its advice to load the file unsafely."""
+    text = _ANSI.sub("", str(e))
+    m = _UNPICKLER.search(text)
+    line = m.group(1) if m else next((ln for ln in text.splitlines() if ln.strip()), type(e).__name__)
+    return line.strip().rstrip(".")[:200]
+
+
 def load_rank_file(path: Path) -> dict:
     """One model_optim_rng.pt, tensors memory-mapped, through the allow-list only."""
     try:
@@ -83,10 +97,10 @@ def load_rank_file(path: Path) -> dict:
     except FileNotFoundError:
         raise UserError(f"{path}: missing rank file; copy the complete checkpoint") from None
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0][:200]
-        raise UserError(f"{path}: refused to unpickle ({first}). titan-pipe loads Megatron files "
-                        "with weights_only=True and an allow-list (convert/readers/megatron.py "
-                        "ALLOWED); the file holds a type outside it or is corrupted") from None
+        raise UserError(f"{path}: refused to unpickle ({refusal_reason(e)}): titan-pipe loads Megatron "
+                        "files with weights_only=True and an allow-list (convert/readers/megatron.py "
+                        "ALLOWED); the file holds a type outside it or is corrupted. Re-save it from "
+                        "Megatron-LM, and load it without the allow-list only if you trust its source") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise UserError(f"{path}: not a readable torch checkpoint ({str(e).splitlines()[0][:160]}); "
                         "it is truncated or corrupted") from None
@@ -97,16 +111,20 @@ def _iter_dir(path: Path) -> Path | None:
         return path
     tracker = path / TRACKER
     if tracker.is_file():
-        it = tracker.read_text().strip()
+        with open(tracker, "rb") as fh:  # a few bytes: the file is a number, whatever it claims
+            it = fh.read(32).decode("ascii", errors="replace").strip()
         d = path / ("release" if it == "release" else f"iter_{int(it):07d}") if (
-            it == "release" or it.isdigit()) else None
+            it == "release" or (it.isascii() and it.isdigit())) else None
         if d is None:
             raise UserError(f"{tracker}: holds {it!r}, expected an iteration number or 'release'")
         if not d.is_dir():
             raise UserError(f"{tracker}: points at {d.name}, which is missing; copy the checkpoint again")
-        return d
-    iters = sorted(p for p in path.glob("iter_*") if p.is_dir())
-    return iters[-1] if iters else None
+    else:
+        iters = sorted(p for p in path.glob("iter_*") if p.is_dir())
+        if not iters:
+            return None
+        d, tracker = iters[-1], path
+    return resolve_inside(path, d.name, source=tracker, what="iteration directory", kind="dir")
 
 
 def looks_like(path: Path) -> bool:
@@ -114,8 +132,8 @@ def looks_like(path: Path) -> bool:
         return True
     try:
         return _iter_dir(path) is not None
-    except UserError:
-        return (path / TRACKER).is_file()
+    except UserError:  # a Megatron tree with a bad tracker or iteration dir: open_source says which
+        return True
 
 
 def rank_files(it_dir: Path) -> dict[tuple[int, int], str]:
@@ -124,6 +142,7 @@ def rank_files(it_dir: Path) -> dict[tuple[int, int], str]:
     for p in it_dir.iterdir():
         m = _RANK_DIR.match(p.name)
         if m and p.is_dir():
+            resolve_inside(it_dir, f"{p.name}/{FILE}", source=it_dir, what="rank file")
             out[(int(m.group(1)), int(m.group(2) or 0))] = f"{p.name}/{FILE}"
     return out
 

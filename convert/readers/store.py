@@ -68,10 +68,10 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict]:
     except IsADirectoryError:
         raise UserError(f"{path}: is a directory, expected a safetensors file") from None
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
         if not isinstance(header, dict):
             raise ValueError("not an object")
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise UserError(f"{path}: corrupted safetensors header ({e}); copy the file again") from None
     meta = header.pop("__metadata__", None) or {}
     data_size = size - 8 - n
@@ -92,7 +92,27 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict]:
             raise UserError(f"{path}: truncated: tensor {key!r} ends at byte {8 + n + end} but the "
                             f"file has {size} bytes. Copy the file again")
         out[key] = StoredTensor(dtype, shape, 8 + n + begin, end - begin)
+    _check_disjoint(path, out)
     return out, meta
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json object hook: a key given twice is refused (json.loads would silently keep the last)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"key {dup!r} appears twice")
+    return out
+
+
+def _check_disjoint(path: Path, tensors: dict[str, StoredTensor]) -> None:
+    """No two tensors share bytes (a header that lies about offsets would make one read the other's data)."""
+    spans = sorted((t.start, t.start + t.nbytes, k) for k, t in tensors.items() if t.nbytes)
+    for (s0, e0, k0), (s1, e1, k1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise UserError(f"{path}: tensors {k0!r} (bytes {s0}..{e0}) and {k1!r} (bytes {s1}..{e1}) overlap; "
+                            "the header is corrupted or forged. Copy the file again")
 
 
 def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:

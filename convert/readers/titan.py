@@ -14,6 +14,7 @@ from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs
 from titan_pipe.names import native_names
+from titan_pipe.paths import resolve_inside
 
 FORMAT = "titan"
 
@@ -55,7 +56,7 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
                         "the manifest does not describe a whole model")
     store = SafetensorsStore(root)
     for name, info in sorted(m.files.items()):
-        f = root / name
+        f = resolve_inside(root, name, source=mpath, what="shard")
         if not f.is_file():
             raise UserError(f"{f}: missing shard (listed in {mpath}); copy the complete checkpoint")
         size = f.stat().st_size

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from titan_pipe.config import ConfigError
 from titan_pipe.errors import UserError
+from titan_pipe.run_lock import output_lock
 
 console = Console(stderr=True)
 
@@ -35,9 +36,11 @@ def handle_errors(fn: Callable) -> Callable:
 
 
 def call_stage(stage: str, fn: Callable, *, track: bool, **kwargs):
-    """Run a stage's library function directly, or (``--flow``) inside a tracked Prefect flow run."""
-    if not track:
-        return fn(**kwargs)
-    from titan_pipe.flows.track import run_tracked  # Prefect is imported only when asked for
+    """Run a stage's library function directly, or (``--flow``) inside a tracked Prefect flow run,
+    holding the lock of the run dir its ``out_dir`` lies in (titan_pipe.run_lock)."""
+    with output_lock(kwargs.get("out_dir"), what=f"titan-pipe {stage}"):  # one writer per run dir
+        if not track:
+            return fn(**kwargs)
+        from titan_pipe.flows.track import run_tracked  # Prefect is imported only when asked for
 
-    return run_tracked(stage, fn, **kwargs)
+        return run_tracked(stage, fn, **kwargs)

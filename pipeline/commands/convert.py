@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from titan_pipe.commands.common import FLOW_HELP, call_stage, handle_errors
+from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
 
 
 def register(app: typer.Typer) -> None:
@@ -29,12 +29,17 @@ def register(app: typer.Typer) -> None:
     ):
         """Convert a sharded checkpoint into one Hugging Face safetensors model (or reshard it)."""
         from titan_pipe.convert.api import convert_checkpoint
+        from titan_pipe.convert.finite import describe
 
         r = call_stage("convert", convert_checkpoint, track=flow, src=src, out_dir=out, source_format=source_format, naming=naming,
                                dtype=dtype, max_shard_size=max_shard_size, tp=tp, pp=pp,
                                overwrite=overwrite, vocab_size=vocab_size, model_config=model_config,
                                verify=not no_verify)
         s = r.summary
+        if s.get("nonfinite"):
+            console.print(f"[yellow]warning[/yellow] {r.out_dir}: NaN/Inf values in {len(s['nonfinite'])} "
+                          f"tensor(s): {describe(s['nonfinite'])}; the source holds them (or a --dtype cast "
+                          "overflowed): evaluate fails on such a model", highlight=False, soft_wrap=True)
         typer.echo(f"converted {s['format']} {s['src']} (step {s['step']}, {s['layout']}) -> {r.out_dir}: "
                    f"{s['tensors']} tensors, {s['bytes'] / 1e6:.1f} MB in {s['files']} file(s), "
                    f"{s['wall_s']:.2f} s")

@@ -9,6 +9,7 @@ import typer
 
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
 from titan_pipe.dtypes import FLOAT_NAMES
+from titan_pipe.paths import resolve_inside
 
 
 # --dtype choices: auto, then the float types of the dtype table.
@@ -48,6 +49,10 @@ def register(app: typer.Typer) -> None:
 
         flow_cfg = load_flow(config) if config is not None else None
         settings = flow_cfg.evaluate if flow_cfg is not None else EvaluateConfig()
+        if data is None and flow_cfg is not None and flow_cfg.evaluate.data:
+            # a path read from a file stays inside that file's dir; one on the command line is the user's
+            resolve_inside(config.parent, flow_cfg.evaluate.data, source=config, what="evaluate.data", kind="any",
+                           fix="put the file beside the flow.yaml, or pass it with --data FILE")
         data, split = held_out_text(data=data, flow=flow_cfg, flow_dir=config.parent if config else None)
         updates: dict = {"dtype": dtype.value}
         if batches is not None:

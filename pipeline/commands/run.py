@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from titan_pipe.commands.common import handle_errors
+from titan_pipe.run_lock import run_lock
 
 STAGE_HELP = "train | convert | export | evaluate"
 
@@ -106,7 +107,8 @@ def register(app: typer.Typer) -> None:
         live = LiveSummary(console)
         failed: BaseException | None = None
         result: dict = {}
-        with listening(live):
+        # held here, before Prefect starts, so a second writer fails at once (run_pipeline re-enters it)
+        with run_lock(cfg.run_dir().resolve(), what=f"titan-pipe run {flow}"), listening(live):
             try:
                 result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force,
                                          cfg=cfg)

@@ -1,0 +1,63 @@
+"""What an export dir handed to evaluate may make us read: files inside that dir, nothing else.
+
+An ONNX graph names its external-data files in the graph itself (``location`` of each external
+tensor), and ``export.json`` names the graphs and files of the export; both come from whoever made
+the export. Each name goes through titan_pipe.paths.resolve_inside before ONNX Runtime (or
+anything else) opens a file, so a graph cannot make evaluate read ``../../secret`` into a tensor.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from titan_pipe.errors import UserError
+from titan_pipe.paths import resolve_inside
+
+EXPORT_RECORD = "export.json"
+_FIX = "re-export the graph with `titan-pipe export` (its external data stays beside the graph)"
+
+
+def check_external_data(onnx_path: Path) -> list[Path]:
+    """The external-data files ``onnx_path`` reads (each inside its directory); UserError otherwise.
+
+    Reads the graph structure only (``load_external_data=False``): no weights are loaded.
+    """
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors
+
+    onnx_path = Path(onnx_path)
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise UserError(f"{onnx_path}: not an ONNX model ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
+                        "pass the model.onnx written by `titan-pipe export`") from None
+    files = {}
+    for t in _get_all_tensors(model):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = ExternalDataInfo(t).location
+        if location not in files:
+            files[location] = resolve_inside(onnx_path.parent, location, source=onnx_path,
+                                             what=f"external data location of tensor {t.name!r}", fix=_FIX)
+    return list(files.values())
+
+
+def read_export_record(onnx_dir: Path) -> dict | None:
+    """``onnx_dir/export.json`` with every graph and file it names checked to lie inside ``onnx_dir``;
+    None when the dir has no record (a graph exported elsewhere)."""
+    path = Path(onnx_dir) / EXPORT_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e}); re-export or delete it") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path}: expected a JSON object (the record `titan-pipe export` writes)")
+    for section in ("graphs", "files"):
+        names = record.get(section) or {}
+        if not isinstance(names, dict):
+            raise UserError(f"{path}: {section!r} must be an object keyed by file name, got {type(names).__name__}")
+        for name in names:
+            resolve_inside(onnx_dir, name, source=path, what=f"{section} entry", fix=_FIX)
+    return record

@@ -1,0 +1,141 @@
+"""One writer per run dir: an exclusive flock on ``<run dir>/.lock`` held while a stage writes there.
+
+``run_lock(run_dir, what=...)`` takes the lock or fails at once with one line naming the PID that
+holds it (written into the lock file). flock locks belong to the open file: the kernel drops them
+when the holder exits in any way (kill -9 included), so a lock is never stale; the file itself is
+left behind, empty.
+
+Re-entrancy: ``titan-pipe run`` holds the lock for the whole flow and calls the stages in this
+process, and training then starts torchrun children. Inside the holding process a nested
+``run_lock`` on the same dir just counts. Child processes inherit ``TITAN_PIPE_RUN_LOCKS`` (the
+dirs and the holder's PID) and take nothing: a child is trusted only while the lock file still
+names that PID and the lock is still held, so a stale variable in some shell cannot skip the lock.
+
+Read-only commands (inspect, validate, plan) take no lock.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from pathlib import Path
+from typing import Iterator
+
+from titan_pipe.errors import UserError
+
+LOCK_NAME = ".lock"
+ENV = "TITAN_PIPE_RUN_LOCKS"  # "dir=pid" entries joined by os.pathsep, set while a lock is held
+_held: dict[str, int] = {}  # resolved run dir -> nesting depth, in this process
+
+
+class RunDirBusy(UserError):
+    """Another process holds the run dir's lock."""
+
+
+def _holder(lock_file: Path) -> str:
+    try:
+        return lock_file.read_text(errors="replace").strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _inherited(key: str, lock_file: Path) -> bool:
+    """True when an ancestor process holds this lock (its env entry, its PID in the file, still held)."""
+    entries = dict(e.rpartition("=")[::2] for e in os.environ.get(ENV, "").split(os.pathsep) if "=" in e)
+    pid = entries.get(key)
+    if not pid or _holder(lock_file).split(" ")[0] != pid:
+        return False
+    try:
+        fd = os.open(lock_file, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True  # held, by the PID the environment names
+    finally:
+        os.close(fd)  # closing drops a lock we may have just taken: the entry was stale
+    return False
+
+
+def _set_env(entries: list[str]) -> None:
+    if entries:
+        os.environ[ENV] = os.pathsep.join(entries)
+    else:
+        os.environ.pop(ENV, None)
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: str | os.PathLike, *, what: str) -> Iterator[Path]:
+    """Hold ``run_dir``'s lock for the block (creating the dir); ``what`` names the holder's command.
+
+    Raises RunDirBusy (exit 1) when another process holds it: "<run dir>: in use by PID N (<what>)".
+    """
+    run_dir = Path(run_dir).resolve()
+    key = str(run_dir)
+    lock_file = run_dir / LOCK_NAME
+    if key in _held:
+        _held[key] += 1
+        try:
+            yield run_dir
+        finally:
+            _held[key] -= 1
+        return
+    if _inherited(key, lock_file):
+        yield run_dir
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        holder = _holder(lock_file)
+        pid, _, cmd = holder.partition(" ")
+        raise RunDirBusy(f"{run_dir}: in use by PID {pid}{f' ({cmd})' if cmd else ''}, which holds "
+                         f"{lock_file}; wait for it to finish or stop it, then run again") from None
+    previous_env = os.environ.get(ENV)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
+        _held[key] = 1
+        _set_env([e for e in (previous_env or "").split(os.pathsep) if e] + [f"{key}={os.getpid()}"])
+        yield run_dir
+    finally:
+        _held.pop(key, None)
+        if previous_env is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = previous_env
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)  # no PID left behind to mislead anyone reading the file
+        os.close(fd)  # releases the flock
+
+
+def is_run_dir(path: str | os.PathLike) -> bool:
+    """A directory some stage made a run dir: it holds the lock file, checkpoints/ or .stages/."""
+    p = Path(path)
+    return p.is_dir() and any((p / n).exists() for n in (LOCK_NAME, "checkpoints", ".stages"))
+
+
+@contextlib.contextmanager
+def output_lock(out_dir: str | os.PathLike | None, *, what: str) -> Iterator[None]:
+    """For a stage command writing ``out_dir``: refuse a run dir itself as the output, and hold the
+    lock of the run dir it lies in (``runs/<name>/model``), if it lies in one."""
+    if out_dir is None:
+        yield
+        return
+    out_dir = Path(out_dir)
+    if is_run_dir(out_dir):
+        raise UserError(f"-o {out_dir}: is a run dir (it holds {LOCK_NAME}, checkpoints/ or .stages/), which "
+                        f"this output would replace; give a directory inside it (e.g. {out_dir}/model, "
+                        "/onnx or /report)")
+    parent = out_dir.absolute().parent
+    if not is_run_dir(parent):
+        yield
+        return
+    with run_lock(parent, what=what):
+        yield
