@@ -139,7 +139,7 @@ def data_path(root: Path, relative: str) -> Path:
 
     The one place paths read from DCP metadata (also Megatron torch_dist's) become file paths.
     """
-    return resolve_inside(root, relative, source=root / METADATA, what="storage path",
+    return resolve_inside(root, relative, source=root / METADATA, what="storage file path",
                           fix="the metadata is corrupted or hostile; re-save the checkpoint")
 
 
