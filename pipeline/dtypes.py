@@ -97,6 +97,6 @@ def parse_dtype(dtype: "str | torch.dtype | None") -> "torch.dtype | None":
     if dtype in ("keep", "auto"):
         return None
     name = ALIASES.get(dtype, dtype)
-    if name not in TORCH_BY_NAME:
+    if name not in FLOAT_NAMES:
         raise UserError(f"dtype {dtype!r} is not one of float32, float16, bfloat16 (or keep)")
     return BY_NAME[name].torch
