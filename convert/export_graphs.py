@@ -37,14 +37,14 @@ class _BlockWeights(nn.Module):
 class LlamaStep(nn.Module):
     """Shared body of the export graphs; see PrefillGraph / DecodeGraph for the signatures."""
 
-    def __init__(self, model: Transformer, *, kv_cache: bool, expose_hidden: bool):
+    def __init__(self, model: Transformer, *, kv_cache: bool, taps: bool):
         super().__init__()
         if model.tok_embeddings is None or model.output is None or model.norm is None:
             raise ValueError("export needs a whole model (embedding, norm and output), not a pipeline stage")
         args = model.args
         self.n_heads, self.head_dim = args.n_heads, args.head_dim
         self.n_rep = args.n_heads // args.kv_heads
-        self.kv_cache, self.expose_hidden = kv_cache, expose_hidden
+        self.kv_cache, self.taps = kv_cache, taps
         self.tok_embeddings = model.tok_embeddings
         self.layers = nn.ModuleList(_BlockWeights(layer) for layer in model.layers.values())
         self.norm = model.norm
@@ -55,7 +55,9 @@ class LlamaStep(nn.Module):
     def step(self, input_ids: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]] | None):
         """input_ids (B, T) int64, past [(k, v) (B, Hkv, P, hd)] * n_layers or None (P = 0).
 
-        Returns (logits (B, T, vocab), presents [(k, v) (B, Hkv, P+T, hd)], hiddens [(B, T, dim)]).
+        Returns (logits (B, T, vocab), presents [(k, v) (B, Hkv, P+T, hd)], taps): taps[i] is
+        (layer i's output = the residual stream after it, its attention block's output, its MLP
+        block's output), each (B, T, dim); the two block outputs are taken before their residual Add.
         """
         b, t = input_ids.shape
         p = past[0][0].shape[2] if past else 0
@@ -66,7 +68,7 @@ class LlamaStep(nn.Module):
         q_pos = torch.arange(t, device=h.device) + p
         k_pos = torch.arange(p + t, device=h.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # (T, P+T) bool
-        presents, hiddens = [], []
+        presents, taps = [], []
         for i, w in enumerate(self.layers):
             x = w.attention_norm(h)
             q = torch.matmul(x, w.wq).view(b, t, -1, self.head_dim).transpose(1, 2)
@@ -79,27 +81,30 @@ class LlamaStep(nn.Module):
             presents.append((k, v))
             out = F.scaled_dot_product_attention(q, repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep),
                                                  attn_mask=mask)
-            h = h + torch.matmul(out.transpose(1, 2).reshape(b, t, -1), w.wo)
+            attn = torch.matmul(out.transpose(1, 2).reshape(b, t, -1), w.wo)
+            h = h + attn
             x = w.ffn_norm(h)
-            h = h + torch.matmul(F.silu(torch.matmul(x, w.w1)) * torch.matmul(x, w.w3), w.w2)
-            hiddens.append(h)
+            mlp = torch.matmul(F.silu(torch.matmul(x, w.w1)) * torch.matmul(x, w.w3), w.w2)
+            h = h + mlp
+            taps.append((h, attn, mlp))
         logits = torch.matmul(self.norm(h), self.output_t)
-        return logits, presents, hiddens
+        return logits, presents, taps
 
-    def flat_outputs(self, logits, presents, hiddens) -> tuple[torch.Tensor, ...]:
+    def flat_outputs(self, logits, presents, taps) -> tuple[torch.Tensor, ...]:
         out = [logits]
         if self.kv_cache:
             for k, v in presents:
                 out += [k, v]
-        if self.expose_hidden:
-            out += hiddens
+        if self.taps:  # in io_names order: every hidden.{i}, then attn_out.{i}, then mlp_out.{i}
+            for j in range(3):
+                out += [t[j] for t in taps]
         return tuple(out)
 
 
 class PrefillGraph(LlamaStep):
     """forward(input_ids (B, T) int64) -> logits (B, T, vocab)
     [, present.{i}.key, present.{i}.value (B, Hkv, T, hd) for each layer i when kv_cache]
-    [, hidden.{i} (B, T, dim) for each layer i when expose_hidden]."""
+    [, hidden.{i}, attn_out.{i}, mlp_out.{i} (B, T, dim) for each layer i when taps]."""
 
     def forward(self, input_ids: torch.Tensor):
         return self.flat_outputs(*self.step(input_ids, None))
@@ -107,17 +112,26 @@ class PrefillGraph(LlamaStep):
 
 class DecodeGraph(LlamaStep):
     """forward(input_ids (B, T), past.{i}.key, past.{i}.value (B, Hkv, P, hd) ...) -> logits (B, T, vocab),
-    present.{i}.key/value (B, Hkv, P+T, hd) [, hidden.{i}]. Positions are P .. P+T-1."""
+    present.{i}.key/value (B, Hkv, P+T, hd) [, taps as PrefillGraph]. Positions are P .. P+T-1."""
 
-    def __init__(self, model: Transformer, *, expose_hidden: bool):
-        super().__init__(model, kv_cache=True, expose_hidden=expose_hidden)
+    def __init__(self, model: Transformer, *, taps: bool):
+        super().__init__(model, kv_cache=True, taps=taps)
 
     def forward(self, input_ids: torch.Tensor, *past_flat: torch.Tensor):
         past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(len(past_flat) // 2)]
         return self.flat_outputs(*self.step(input_ids, past))
 
 
-def io_names(n_layers: int, *, decode: bool, kv_cache: bool, expose_hidden: bool) -> tuple[list[str], list[str]]:
+TAP_KINDS = ("hidden", "attn_out", "mlp_out")  # layer output, attention block output, MLP block output
+
+
+def tap_names(n_layers: int) -> dict[str, list[str]]:
+    """{kind: [value name of layer i]}: the per-layer values traced as outputs, then kept as inner
+    value names of the graph and recorded in export.json (layer_outputs, attn_outputs, mlp_outputs)."""
+    return {kind: [f"{kind}.{i}" for i in range(n_layers)] for kind in TAP_KINDS}
+
+
+def io_names(n_layers: int, *, decode: bool, kv_cache: bool, taps: bool) -> tuple[list[str], list[str]]:
     """(input names, output names) of a graph, in the order forward() takes and returns them."""
     inputs = ["input_ids"]
     if decode:
@@ -127,8 +141,9 @@ def io_names(n_layers: int, *, decode: bool, kv_cache: bool, expose_hidden: bool
     if kv_cache or decode:
         for i in range(n_layers):
             outputs += [f"present.{i}.key", f"present.{i}.value"]
-    if expose_hidden:
-        outputs += [f"hidden.{i}" for i in range(n_layers)]
+    if taps:
+        for names in tap_names(n_layers).values():
+            outputs += names
     return inputs, outputs
 
 
@@ -139,7 +154,7 @@ def dynamic_axes(inputs: list[str], outputs: list[str], *, decode: bool) -> dict
     """
     axes: dict[str, dict[int, str]] = {}
     for name in inputs + outputs:
-        if name in ("input_ids", "logits") or name.startswith("hidden."):
+        if name in ("input_ids", "logits") or name.split(".")[0] in TAP_KINDS:
             axes[name] = {0: "batch", 1: "seq"}
         elif name.startswith("past_key_values."):
             axes[name] = {0: "batch", 2: "past"}

@@ -21,7 +21,7 @@ import torch
 
 from titan_pipe.convert import atc as atc_mod
 from titan_pipe.convert.atc_ops import find_problems, load_atc_ops, operator_report
-from titan_pipe.convert.export_graphs import DecodeGraph, PrefillGraph, dynamic_axes, io_names
+from titan_pipe.convert.export_graphs import DecodeGraph, PrefillGraph, dynamic_axes, io_names, tap_names
 from titan_pipe.convert.onnx_files import (check_and_infer, file_table, gather_external_data, move_files,
                                            share_external_data)
 from titan_pipe.convert.unified import load_unified_model, locate_weights, read_model_args
@@ -34,12 +34,19 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 @dataclass(frozen=True)
 class GraphPlan:
-    """One graph to export: file name, I/O names, the dims ATC sees (-1 = dynamic) and trace dims."""
+    """One graph to export: file name, I/O names, the dims ATC sees (-1 = dynamic) and trace dims.
+
+    ``traced_outputs`` are the outputs the tracer is given: ``outputs`` plus every per-layer tap
+    (hidden.{i}, attn_out.{i}, mlp_out.{i}), so those values carry stable names in the graph; the
+    taps not in ``outputs`` are then dropped from the graph's outputs and stay inner values whose
+    names export.json records (layer_outputs, ...), for evaluate to expose in a copy of the graph.
+    """
 
     file: str
     decode: bool
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    traced_outputs: tuple[str, ...]
     input_dims: dict[str, tuple[int, ...]]
     trace_dims: dict[str, tuple[int, ...]]
 
@@ -93,7 +100,10 @@ def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", bat
     hkv, hd, n = args.kv_heads, args.head_dim, args.n_layers
     graphs = []
     for decode in ((False, True) if kv_cache else (False,)):
-        ins, outs = io_names(n, decode=decode, kv_cache=kv_cache, expose_hidden=expose_hidden)
+        ins, traced = io_names(n, decode=decode, kv_cache=kv_cache, taps=True)
+        kept = {"hidden"} if expose_hidden else set()
+        outs = [o for o in traced if o.split(".")[0] not in ("hidden", "attn_out", "mlp_out")
+                or o.split(".")[0] in kept]
         if dynamic:  # trace with sizes > 1 so nothing specialises on a broadcastable 1
             tb, ts, tp = max(batch, 2), (2 if decode else 3), 3
             dims = {"input_ids": (-1, -1)}
@@ -105,7 +115,7 @@ def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", bat
             trace[name] = (tb, hkv, tp, hd)
             dims[name] = (-1, hkv, -1, hd) if dynamic else (batch, hkv, seq_len, hd)
         graphs.append(GraphPlan("decode.onnx" if decode else "model.onnx", decode, tuple(ins), tuple(outs),
-                                dims, trace))
+                                tuple(traced), dims, trace))
     itemsize = torch.tensor([], dtype=DTYPES[dtype]).element_size()
     return ExportPlan(opset, dtype, batch, seq_len, dynamic, kv_cache, expose_hidden, soc_version,
                       precision_mode, run_atc, count_params(args) * itemsize, tuple(graphs))
@@ -133,15 +143,15 @@ def _export_graph(model, args: ModelArgs, plan: ExportPlan, g: GraphPlan, work: 
     """Trace one graph into ``work/g.file`` (external data gathered into ``g.file + '.data'``)."""
     scratch = work / f".{g.file}.scratch"
     scratch.mkdir()
-    module = (DecodeGraph(model, expose_hidden=plan.expose_hidden) if g.decode
-              else PrefillGraph(model, kv_cache=plan.kv_cache, expose_hidden=plan.expose_hidden)).eval()
+    module = (DecodeGraph(model, taps=True) if g.decode
+              else PrefillGraph(model, kv_cache=plan.kv_cache, taps=True)).eval()
     sample = _sample_inputs(g, args.vocab_size, DTYPES[plan.dtype])
-    axes = dynamic_axes(list(g.inputs), list(g.outputs), decode=g.decode) if plan.dynamic else None
+    axes = dynamic_axes(list(g.inputs), list(g.traced_outputs), decode=g.decode) if plan.dynamic else None
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter's deprecation and tracer notices
             torch.onnx.export(module, sample, str(scratch / g.file), dynamo=False, opset_version=plan.opset,
-                              input_names=list(g.inputs), output_names=list(g.outputs), dynamic_axes=axes,
+                              input_names=list(g.inputs), output_names=list(g.traced_outputs), dynamic_axes=axes,
                               do_constant_folding=True, export_params=True)
     except Exception as e:  # the exporter raises many types; the first line says what it could not map
         raise StageFailed(f"{g.file}: torch.onnx.export (TorchScript, opset {plan.opset}) failed: "
@@ -149,11 +159,34 @@ def _export_graph(model, args: ModelArgs, plan: ExportPlan, g: GraphPlan, work: 
                           "in training/model.py or convert/export_graphs.py") from e
     del module
     gather_external_data(scratch / g.file)
+    _drop_outputs(scratch / g.file, keep=g.outputs)
     move_files(scratch, work)
     scratch.rmdir()
 
 
-def _graph_report(path: Path, plan: ExportPlan) -> dict:
+def _drop_outputs(path: Path, *, keep: tuple[str, ...]) -> None:
+    """Remove the graph outputs not in ``keep`` (the per-layer taps): their values stay in the graph
+    under the same names, computed by the same nodes, just no longer returned."""
+    model = onnx.load(str(path), load_external_data=False)
+    outs = [o for o in model.graph.output if o.name in keep]
+    if len(outs) == len(model.graph.output):
+        return
+    del model.graph.output[:]
+    model.graph.output.extend(outs)
+    onnx.save(model, str(path))
+
+
+def _layer_taps(model: onnx.ModelProto, n_layers: int) -> dict[str, list[str | None]]:
+    """export.json's per-layer value names (the contract evaluate reads): layer_outputs[i] holds the
+    residual stream after decoder layer i, attn_outputs[i] / mlp_outputs[i] its attention / MLP
+    block output before the residual Add; null where the graph has no value of that name."""
+    produced = {o for n in model.graph.node for o in n.output}
+    names = tap_names(n_layers)
+    return {key: [v if v in produced else None for v in names[kind]]
+            for key, kind in (("layer_outputs", "hidden"), ("attn_outputs", "attn_out"), ("mlp_outputs", "mlp_out"))}
+
+
+def _graph_report(path: Path, plan: ExportPlan, n_layers: int) -> dict:
     """Check + shape-infer one graph, then its operator report; UserError if ATC would reject it."""
     try:
         model = check_and_infer(path)
@@ -174,6 +207,7 @@ def _graph_report(path: Path, plan: ExportPlan) -> dict:
         "inputs": {vi.name: dims(vi) for vi in model.graph.input},
         "outputs": {vi.name: dims(vi) for vi in model.graph.output},
         "n_nodes": len(model.graph.node),
+        **_layer_taps(model, n_layers),
         "operators": [{"domain": u.domain, "op_type": u.op_type, "count": u.count,
                        "since_version": u.since_version} for u in report],
     }
@@ -223,7 +257,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
         graphs = {}
         for g in plan.graphs:
             with console.status(f"checking {g.file} (onnx.checker full check, shape inference, ATC operators)"):
-                graphs[g.file] = _graph_report(work / g.file, plan)
+                graphs[g.file] = _graph_report(work / g.file, plan, args.n_layers)
             t = lap(f"check {g.file}", t)
         invocations = [atc_mod.atc_invocation(
             graph=g.file, inputs=[atc_mod.GraphInput(n, g.input_dims[n]) for n in g.inputs],

@@ -59,8 +59,8 @@ def _check_inputs(checkpoint, model_dir, onnx, om, data) -> None:
                             + ("; pass OUT_DIR/model.onnx" if flag == "--onnx" else ""))
 
 
-def torch_runner_from_checkpoint(checkpoint: Path) -> TorchRunner:
-    """The checkpoint's weights, assembled by its manifest, in one process (float32)."""
+def torch_runner_from_checkpoint(checkpoint: Path, *, device: str = "cpu") -> TorchRunner:
+    """The checkpoint's weights, assembled by its manifest, in one process (float32, on ``device``)."""
     from titan_pipe.training.weights import open_weights
 
     w = open_weights(Path(checkpoint))
@@ -69,7 +69,20 @@ def torch_runner_from_checkpoint(checkpoint: Path) -> TorchRunner:
         for name, p in model.named_parameters():
             p.copy_(w.full(name).to(torch.float32))
     model.init_rope()
-    return TorchRunner(model, w.args, label=f"torch float32 ({Path(checkpoint).name}, one process)")
+    model.to(device)
+    where = "" if device == "cpu" else f", {device}"
+    return TorchRunner(model, w.args, label=f"torch float32 ({Path(checkpoint).name}, one process{where})",
+                       device=device)
+
+
+def reference_device(choice: str) -> str:
+    """--device auto|cpu|cuda|npu -> the torch device type the PyTorch reference runs on."""
+    from titan_pipe.devices import resolve_device
+
+    try:
+        return resolve_device(choice).type
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"--device {choice}: {e}") from None
 
 
 def _same_model(a: ModelArgs, b: ModelArgs, where: str) -> None:
@@ -144,22 +157,25 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
         return cand_dtype if s.dtype == "auto" else s.dtype
 
     steps.step("loading the reference")
+    device = reference_device(s.device)
+    where = "" if device == "cpu" else f", {device}"
     if model_dir is not None:
-        ref = TorchRunner.from_dir(Path(model_dir), dtype="float32",
-                                   label=f"torch float32 ({Path(model_dir).name})")
+        ref = TorchRunner.from_dir(Path(model_dir), dtype="float32", device=device,
+                                   label=f"torch float32 ({Path(model_dir).name}{where})")
         ref_source = f"{Path(model_dir) / 'config.json'}"
     else:
-        ref = torch_runner_from_checkpoint(Path(checkpoint))
+        ref = torch_runner_from_checkpoint(Path(checkpoint), device=device)
         ref_source = f"{Path(checkpoint) / 'manifest.json'}"
     args = ref.args
     dist = None
     if checkpoint is not None:
-        dist = DistributedRunner(Path(checkpoint))
+        dist = DistributedRunner(Path(checkpoint), device=device)
         _same_model(dist.args, args, f"--checkpoint {checkpoint} vs --model-dir {model_dir}")
     ort = None
     if onnx is not None:
         ort = OnnxRuntimeRunner(Path(onnx))
         ort.check_matches(args, source=ref_source)
+        ort.find_layers(args.n_layers)  # the graph's own per-layer values (export.json / structure)
     batch_size, seq_len = s.batch_size, s.seq_len
     if ort is not None and ort.info.fixed_shape:
         batch_size, seq_len = ort.info.fixed_shape  # a static graph takes only its own shape
@@ -210,15 +226,11 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
     gen_runners = {ref.label: ref}
     if ort is not None:
         ort_out = _run_batches(ort, ev.batches)
-        debug_note = None
-        if not ort.info.n_hidden and model_dir is not None and s.debug_export:
-            ort_out, debug_note = _hidden_from_debug_export(Path(model_dir), Path(onnx), ort, ort_out, ev.batches)
         dt = tdtype(ort.dtype)
         comparisons.append(cmp.compare_outputs(
             "torch_vs_onnx", "PyTorch (training operators) vs ONNX Runtime, per decoder layer and logits",
             ref_out, ort_out, ref_label=ref.label, cand_label=ort.label, dtype=dt, limits=limits(dt)))
-        if debug_note:
-            comparisons[-1].details["layers"] = debug_note
+        comparisons[-1].details["layers"] = ort.graph.layers_detail()
         task_outputs[ort.label] = ort_out
         limits_of[ort.label] = (dt, limits(dt))
         hist[ort.label] = _abs_errors(ref_out, ort_out)
@@ -266,6 +278,8 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
     # 5. task level (and 2b, the KV-cache decode graph, which needs the reference's generations)
     steps.step("perplexity and greedy generation")
     dec = OnnxDecodeRunner.beside(ort) if ort is not None else None
+    if dec is not None:
+        dec.find_layers(args.n_layers)
     if s.prompts and (len(gen_runners) > 1 or dec is not None):
         for label, runner in gen_runners.items():
             generations[label] = cmp.greedy_generate(runner.run, ev.prompts, s.new_tokens)
@@ -309,48 +323,25 @@ def _kv_decode_row(ref: TorchRunner, dec: OnnxDecodeRunner, ref_seq: torch.Tenso
     """decode.onnx fed the reference's own greedy tokens step by step (teacher forcing) against the
     reference's full forward on the same sequence: the logits predicting each new token."""
     n_new = ref_seq.shape[1] - n_prompt
-    ref_logits = ref.run(ref_seq[:, :-1]).logits[:, n_prompt - 1:]
-    _, kv_logits = dec.generate(ref_seq[:, :n_prompt], n_new, forced=ref_seq[:, n_prompt:])
+    full = ref.run(ref_seq[:, :-1])
+    steps: list[Outputs] = []
+    _, kv_logits = dec.generate(ref_seq[:, :n_prompt], n_new, forced=ref_seq[:, n_prompt:], steps_out=steps)
+    ref_o, cand_o = Outputs(full.logits[:, n_prompt - 1:]), Outputs(kv_logits)
+    if steps:  # decode.onnx's own per-layer values at positions P .. P+n_new-2, one step each
+        cand_o = Outputs(kv_logits, *(getattr(concat_outputs(steps, dim=1), k) for k in ("hidden", "attn", "mlp")))
+        ref_o = Outputs(ref_o.logits, *([None if t is None else t[:, n_prompt:] for t in getattr(full, k)]
+                                        for k in ("hidden", "attn", "mlp")))
     dt = tdtype(dec.prefill.dtype)
     c = cmp.compare_outputs("onnx_kv_decode", "KV-cache decode graph (prefill + decode.onnx, one token a step) vs "
-                            "PyTorch full forward, teacher-forced", Outputs(ref_logits), Outputs(kv_logits),
+                            "PyTorch full forward, teacher-forced", ref_o, cand_o,
                             ref_label=ref.label, cand_label=dec.label, dtype=dt, limits=limits(dt))
     c.details = {"positions": f"{n_new} generated positions of {ref_seq.shape[0]} prompt(s), "
-                              f"prompt length {n_prompt}"}
+                              f"prompt length {n_prompt}",
+                 "layers": (f"{dec.path.name}: {dec.graph.layers_detail()}; per-layer rows are its {len(steps)} "
+                            f"decode steps (positions {n_prompt}..{n_prompt + len(steps) - 1}), the logits row "
+                            f"also has the prefill's last position") if steps else
+                           f"{dec.path.name}: {dec.graph.layers_detail() or 'no decode steps (new_tokens 1)'}"}
     return c
-
-
-def _hidden_from_debug_export(model_dir: Path, onnx_path: Path, ort: OnnxRuntimeRunner, ort_out: Outputs,
-                              batches) -> tuple[Outputs, str]:
-    """Per-layer states for a graph exported without them: the same exporter, dtype, opset and
-    shapes again, with ``hidden.{i}`` outputs, into a temp dir. Logits stay the graph's own; the
-    debug graph's logits must match them, or its hidden states would say nothing about the graph."""
-    import shutil
-    import tempfile
-
-    import onnx as onnx_lib
-
-    from titan_pipe.convert.onnx_export import export_model
-
-    proto = onnx_lib.load(str(onnx_path), load_external_data=False)
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 14)
-    fixed = ort.info.fixed_shape
-    tmp = Path(tempfile.mkdtemp(prefix="titan-eval-debug-export-"))
-    try:
-        res = export_model(model_dir=model_dir, out_dir=tmp / "onnx", opset=opset, dtype=ort.dtype,
-                           batch=fixed[0] if fixed else 1, seq_len=fixed[1] if fixed else 32,
-                           dynamic=fixed is None, kv_cache=False, run_atc=False, expose_hidden=True)
-        debug_out = _run_batches(OnnxRuntimeRunner(res.onnx), batches)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    gap = float((debug_out.logits.double() - ort_out.logits.double()).abs().max())
-    if gap > 0:
-        return ort_out, (f"{onnx_path.name} has no hidden.{{i}} outputs and a debug re-export from {model_dir} "
-                         f"does not reproduce its logits (max abs {gap:.3g}): the graph was not exported from "
-                         "this model dir (or with other settings), so no per-layer rows")
-    return Outputs(ort_out.logits, debug_out.hidden), (
-        f"{onnx_path.name} has no hidden.{{i}} outputs: per-layer states come from a debug re-export "
-        f"(same exporter, {ort.dtype}, opset {opset}, extra outputs only) whose logits equal the graph's bit for bit")
 
 
 def _npu_fused_row(model_dir, batches, tdtype, limits) -> cmp.Comparison:

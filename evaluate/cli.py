@@ -8,6 +8,13 @@ from typing import Optional
 import typer
 
 
+class RefDevice(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    npu = "npu"
+
+
 class ThresholdDtype(str, Enum):
     auto = "auto"
     float32 = "float32"
@@ -26,7 +33,7 @@ def register(app: typer.Typer) -> None:
                                                   "(run under its own TP/PP layout with torchrun)"),
         model_dir: Optional[Path] = typer.Option(None, "--model-dir", help="Unified model dir (titan-pipe convert)"),
         onnx: Optional[Path] = typer.Option(None, "--onnx", help="Exported prefill graph OUT_DIR/model.onnx "
-                                            "(export with --expose-hidden for per-layer results)"),
+                                            "(decode.onnx beside it is evaluated too)"),
         om: Optional[Path] = typer.Option(None, "--om", help="ATC .om model (needs an Ascend runtime)"),
         data: Optional[Path] = typer.Option(None, "--data", help="Held-out .txt/.jsonl text, used whole "
                                             "(default: the validation split of --config's data, else of the "
@@ -35,6 +42,9 @@ def register(app: typer.Typer) -> None:
                                              "(auto: each candidate's own dtype)"),
         config: Optional[Path] = typer.Option(None, "--config", help="flow.yaml whose evaluate section (batches, "
                                               "thresholds, ...) to use"),
+        device: Optional[RefDevice] = typer.Option(None, "--device", help="Where the PyTorch reference (and "
+                                                   "the torchrun ranks) run; auto: npu, then cuda, then cpu "
+                                                   "[default: evaluate.device, cpu]"),
         batches: Optional[int] = typer.Option(None, "--batches", min=1, help="Number of held-out batches"),
         operators: Optional[bool] = typer.Option(None, "--operators/--no-operators",
                                                  help="Run the operator conformance table"),
@@ -54,6 +64,8 @@ def register(app: typer.Typer) -> None:
             updates["data"] = str(config.parent / settings.data)  # flow.yaml paths are relative to its dir
         if batches is not None:
             updates["batches"] = batches
+        if device is not None:
+            updates["device"] = device.value
         if operators is not None:
             updates["operators"] = operators
         settings = settings.model_copy(update=updates)

@@ -63,7 +63,7 @@ def plot_layer_errors(comparisons: list[dict], path: Path) -> bool:
 
     series = []
     for c in comparisons:
-        layer_rows = [r for r in c["rows"] if r["layer"] is not None]
+        layer_rows = [r for r in c["rows"] if r["layer"] is not None and r["tensor"].startswith("hidden.")]
         if layer_rows:
             series.append((f"{c['id']}: {c['candidate']}", layer_rows))
     if not series:

@@ -30,15 +30,28 @@ _ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor
 
 @dataclass
 class Outputs:
-    logits: torch.Tensor  # (B, T, vocab)
-    hidden: list[torch.Tensor] = field(default_factory=list)  # n_layers x (B, T, dim); [] if not exposed
+    """logits (B, T, vocab); hidden[i] (B, T, dim) the residual stream after decoder layer i ([] if
+    not available); attn[i] / mlp[i] (B, T, dim) layer i's attention / MLP block output before its
+    residual Add (None entries, or [], where a candidate has no such value)."""
+
+    logits: torch.Tensor
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    attn: list[torch.Tensor | None] = field(default_factory=list)
+    mlp: list[torch.Tensor | None] = field(default_factory=list)
 
 
-def concat_outputs(parts: list[Outputs]) -> Outputs:
-    """Batches stacked along the batch dim (B_total, T, ...)."""
-    hidden = [torch.cat([p.hidden[i] for p in parts]) for i in range(len(parts[0].hidden))] \
-        if all(p.hidden for p in parts) else []
-    return Outputs(torch.cat([p.logits for p in parts]), hidden)
+def _cat(parts: list[list], dim: int = 0) -> list:
+    """Per-layer lists of several batches joined along ``dim`` ([] unless every part has them)."""
+    if not parts or not all(parts):
+        return []
+    return [None if any(p[i] is None for p in parts) else torch.cat([p[i] for p in parts], dim=dim)
+            for i in range(len(parts[0]))]
+
+
+def concat_outputs(parts: list[Outputs], dim: int = 0) -> Outputs:
+    """Batches stacked along the batch dim (B_total, T, ...) (``dim=1``: steps along T)."""
+    return Outputs(torch.cat([p.logits for p in parts], dim=dim), _cat([p.hidden for p in parts], dim),
+                   _cat([p.attn for p in parts], dim), _cat([p.mlp for p in parts], dim))
 
 
 class TorchRunner:
@@ -59,16 +72,107 @@ class TorchRunner:
 
     @torch.no_grad()
     def run(self, tokens: torch.Tensor) -> Outputs:
-        captured: dict[int, torch.Tensor] = {}
-        hooks = [layer.register_forward_hook(
-            lambda _m, _i, out, i=int(key): captured.__setitem__(i, out.detach().to("cpu")))
-            for key, layer in self.model.layers.items()]
+        captured: dict[tuple[str, int], torch.Tensor] = {}
+
+        def hook(kind: str, i: int):
+            return lambda _m, _i, out: captured.__setitem__((kind, i), out.detach().to("cpu"))
+
+        hooks = []
+        for key, layer in self.model.layers.items():
+            hooks.append(layer.register_forward_hook(hook("layer", int(key))))
+            hooks.append(layer.attention.register_forward_hook(hook("attn", int(key))))
+            hooks.append(layer.feed_forward.register_forward_hook(hook("mlp", int(key))))
         try:
             logits = self.model(tokens.to(self.device)).to("cpu")
         finally:
             for h in hooks:
                 h.remove()
-        return Outputs(logits, [captured[i] for i in sorted(captured)])
+        n = sorted(i for kind, i in captured if kind == "layer")
+        return Outputs(logits, [captured["layer", i] for i in n], [captured["attn", i] for i in n],
+                       [captured["mlp", i] for i in n])
+
+
+def _session_options(threads: int = 0):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+    return opts
+
+
+def _as_tensor(a) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+class OnnxGraph:
+    """One deployed ONNX file in ONNX Runtime, plus (after ``find_layers``) a copy of its structure
+    that also returns its per-layer values (evaluate/graph_taps.py): the per-layer tensors of the
+    candidate itself, computed by its own nodes on its own weights."""
+
+    def __init__(self, path: Path, *, threads: int = 0, hint: str = ""):
+        import onnx
+        import onnxruntime as ort
+
+        self.path, self.threads = Path(path), threads
+        try:
+            self.session = ort.InferenceSession(str(self.path), _session_options(threads),
+                                                providers=["CPUExecutionProvider"])
+            self.structure = onnx.load(str(self.path), load_external_data=False)
+        except Exception as e:  # ORT's own exception types (InvalidGraph, NoSuchFile, ...), protobuf errors
+            raise UserError(f"{self.path}: ONNX Runtime cannot load it: {str(e).splitlines()[0][:300]}"
+                            + (f"; {hint}" if hint else "")) from None
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self.taps = None
+        self.layers_note = ""
+        self.tap_session = None
+        self.copy_check: str | None = None  # how the copy's outputs compare with the graph's own
+        self._copy_equal: bool | None = None
+
+    def find_layers(self, n_layers: int) -> None:
+        """Locate the per-layer values (export.json, else the residual Add chain) and build the copy."""
+        from titan_pipe.evaluate.graph_taps import find_layer_taps, tapped_session
+
+        self.taps, self.layers_note = find_layer_taps(self.path, self.structure, n_layers)
+        if self.taps is not None and any(n not in self.outputs for n in self.taps.names()):
+            try:
+                self.tap_session = tapped_session(self.path, self.structure, self.taps.names(),
+                                                  _session_options(self.threads))
+            except Exception as e:  # a copy ORT refuses must not hide the graph's own results
+                self.taps, self.layers_note = None, (f"{self.layers_note}, but ONNX Runtime refused the copy "
+                                                     f"exposing them: {str(e).splitlines()[0][:200]}")
+
+    def run(self, names: list[str], feeds: dict) -> tuple[list[np.ndarray], Outputs | None]:
+        """(the graph's own ``names`` outputs, per-layer values as Outputs (logits unset) or None)."""
+        if self.taps is None:
+            return self.session.run(names, feeds), None
+        tap_names = self.taps.names()
+        if self.tap_session is None:  # every value is already a graph output
+            res = self.session.run(names + tap_names, feeds)
+            own, extra = res[:len(names)], res[len(names):]
+        else:
+            res = self.tap_session.run(names + tap_names, feeds)
+            own, extra = res[:len(names)], res[len(names):]
+            if self._copy_equal is None:  # once: does exposing values change what the graph computes?
+                real = self.session.run(names, feeds)
+                gap = max(float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) if a.size else 0.0
+                          for a, b in zip(real, own))
+                self._copy_equal = gap == 0.0
+                self.copy_check = ("the copy exposing them returns the graph's own outputs bit for bit"
+                                   if self._copy_equal else
+                                   f"the copy exposing them differs from the graph on its outputs (max abs "
+                                   f"{gap:.3g}, ORT fuses differently): outputs are taken from the graph itself")
+                own = real
+            elif not self._copy_equal:
+                own = self.session.run(names, feeds)
+        got = dict(zip(tap_names, extra))
+        t = self.taps
+        pick = lambda ns: [_as_tensor(got[n]) if n else None for n in ns]  # noqa: E731
+        return own, Outputs(torch.empty(0), pick(t.layer), pick(t.attn), pick(t.mlp))
+
+    def layers_detail(self) -> str:
+        return self.layers_note + (f"; {self.copy_check}" if self.copy_check else "")
 
 
 @dataclass(frozen=True)
@@ -84,27 +188,21 @@ class GraphInfo:
 
 
 class OnnxRuntimeRunner:
-    """The exported prefill graph: input ``input_ids`` (B, T), outputs ``logits`` [+ ``hidden.{i}``]."""
+    """The exported prefill graph: input ``input_ids`` (B, T), output ``logits``; per-layer values
+    from the graph itself once ``find_layers(n_layers)`` has located them."""
 
     def __init__(self, onnx_path: Path, *, label: str | None = None, threads: int = 0):
-        import onnxruntime as ort
-
         onnx_path = Path(onnx_path)
         if not onnx_path.is_file():
-            raise UserError(f"{onnx_path}: ONNX file not found; pass the model.onnx written by "
-                            "`titan-pipe export` (with --expose-hidden for per-layer results)")
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        if threads:
-            opts.intra_op_num_threads = threads
-        try:
-            self.session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
-        except Exception as e:  # ORT's own exception types (InvalidGraph, NoSuchFile, ...)
-            raise UserError(f"{onnx_path}: ONNX Runtime cannot load it: {str(e).splitlines()[0][:300]}; "
-                            "re-export it with `titan-pipe export`") from None
+            raise UserError(f"{onnx_path}: ONNX file not found; pass the model.onnx written by `titan-pipe export`")
+        self.graph = OnnxGraph(onnx_path, threads=threads, hint="re-export it with `titan-pipe export`")
+        self.session = self.graph.session
         self.path, self.label = onnx_path, label or f"onnxruntime ({onnx_path.name})"
         self.info = self._describe()
         self.dtype = self.info.dtype
+
+    def find_layers(self, n_layers: int) -> None:
+        self.graph.find_layers(n_layers)
 
     def _describe(self) -> GraphInfo:
         ins = {i.name: i for i in self.session.get_inputs()}
@@ -139,6 +237,11 @@ class OnnxRuntimeRunner:
             problems.append(f"hidden size {info.dim} vs dim {args.dim}")
         if info.n_hidden and info.n_hidden != args.n_layers:
             problems.append(f"{info.n_hidden} hidden.* outputs vs n_layers {args.n_layers}")
+        from titan_pipe.evaluate.graph_taps import recorded_layer_count
+
+        recorded = recorded_layer_count(self.path)
+        if not info.n_hidden and recorded is not None and recorded != args.n_layers:
+            problems.append(f"export.json records {recorded} layer outputs vs n_layers {args.n_layers}")
         if problems:
             raise UserError(f"{self.path} does not match {source}: {'; '.join(problems)}; export the graph "
                             "from this model directory (or pass the model directory it came from)")
@@ -147,27 +250,22 @@ class OnnxRuntimeRunner:
         if self.info.fixed_shape and tuple(tokens.shape) != self.info.fixed_shape:
             raise UserError(f"{self.path}: static input shape {list(self.info.fixed_shape)} but the batch is "
                             f"{list(tokens.shape)}; set evaluate.batch_size/seq_len to match or export with dynamic: true")
-        names = ["logits"] + [f"hidden.{i}" for i in range(self.info.n_hidden)]
-        res = self.session.run(names, {"input_ids": tokens.cpu().numpy().astype(np.int64)})
-        to_t = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-        return Outputs(to_t(res[0]), [to_t(a) for a in res[1:]])
+        (logits,), layers = self.graph.run(["logits"], {"input_ids": tokens.cpu().numpy().astype(np.int64)})
+        if layers is None:
+            return Outputs(_as_tensor(logits))
+        return Outputs(_as_tensor(logits), layers.hidden, layers.attn, layers.mlp)
 
 
 class OnnxDecodeRunner:
     """KV-cache generation with the exported pair: prefill ``model.onnx`` (its ``present.{i}.*``
     outputs) then ``decode.onnx`` one token at a time (``past_key_values.{i}.*`` in, ``present``
-    out), the path a deployment generates with."""
+    out), the path a deployment generates with. Per-layer values of each decode step come from
+    decode.onnx itself (``find_layers``)."""
 
     def __init__(self, prefill: OnnxRuntimeRunner, decode_path: Path):
-        import onnxruntime as ort
-
         self.prefill, self.path = prefill, Path(decode_path)
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        try:
-            self.session = ort.InferenceSession(str(self.path), opts, providers=["CPUExecutionProvider"])
-        except Exception as e:  # ORT's own exception types
-            raise UserError(f"{self.path}: ONNX Runtime cannot load it: {str(e).splitlines()[0][:300]}") from None
+        self.graph = OnnxGraph(self.path)
+        self.session = self.graph.session
         outs = [o.name for o in prefill.session.get_outputs()]
         self.present = [n for n in outs if n.startswith("present.")]
         self.past = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
@@ -176,6 +274,9 @@ class OnnxDecodeRunner:
                             f"gives {len(self.present)} present outputs; export both with kv_cache from one model")
         self.label = f"onnxruntime KV-cache ({prefill.path.name} + {self.path.name})"
 
+    def find_layers(self, n_layers: int) -> None:
+        self.graph.find_layers(n_layers)
+
     @classmethod
     def beside(cls, prefill: OnnxRuntimeRunner) -> "OnnxDecodeRunner | None":
         """The decode graph next to ``prefill`` when both were exported with the KV cache, else None."""
@@ -183,11 +284,14 @@ class OnnxDecodeRunner:
         has_present = any(o.name.startswith("present.") for o in prefill.session.get_outputs())
         return cls(prefill, decode) if decode.is_file() and has_present and not prefill.info.fixed_shape else None
 
-    def generate(self, prompts: torch.Tensor, n_new: int, forced: torch.Tensor | None = None):
+    def generate(self, prompts: torch.Tensor, n_new: int, forced: torch.Tensor | None = None,
+                 steps_out: list | None = None):
         """(N, P) prompts -> (tokens (N, P + n_new), logits (N, n_new, vocab) predicting each new token).
 
         ``forced`` (N, n_new): feed these tokens instead of the argmax (teacher forcing), so the
-        logits can be set against another model's on the very same sequence.
+        logits can be set against another model's on the very same sequence. ``steps_out``: a list
+        that receives, per decode.onnx step (new tokens 1 .. n_new-1, positions P .. P+n_new-2),
+        that step's per-layer Outputs (each (N, 1, dim)) when the decode graph's layers were found.
         """
         to_present = {p: "present." + p.removeprefix("past_key_values.") for p in self.past}
         res = self.prefill.session.run(["logits"] + self.present, {"input_ids": prompts.numpy().astype(np.int64)})
@@ -202,7 +306,9 @@ class OnnxDecodeRunner:
             feeds = {"input_ids": nxt.numpy().astype(np.int64)}
             feeds.update({p: cache[to_present[p]] for p in self.past})
             out_names = ["logits"] + [to_present[p] for p in self.past]
-            res = self.session.run(out_names, feeds)
+            res, layers = self.graph.run(out_names, feeds)
+            if layers is not None and steps_out is not None:
+                steps_out.append(layers)
             logits, cache = res[0][:, -1], dict(zip(out_names[1:], res[1:]))
         return seq, torch.stack(steps, dim=1)
 
@@ -270,7 +376,8 @@ class DistributedRunner:
         p = self.manifest.parallel
         self.layout = {k: int(p.get(k, 1)) for k in ("dp", "tp", "pp")}
         self.checkpoint, self.device, self.timeout_s = checkpoint, device, timeout_s
-        self.label = f"torchrun tp{self.layout['tp']} pp{self.layout['pp']} ({checkpoint.name})"
+        where = "" if device == "cpu" else f", {device}"
+        self.label = f"torchrun tp{self.layout['tp']} pp{self.layout['pp']} ({checkpoint.name}{where})"
         self.dtype = "float32"
 
     @property

@@ -82,6 +82,9 @@ SCOPES = {
                "logits_kl_max", "logits_top1_min"),
     "sharded": ("cosine_min", "rel_euclidean_max", "msprobe", "logits_kl_max", "sharded_max_abs_max"),
     "operator": ("cosine_min", "rel_euclidean_max"),
+    # a layer's attention / MLP block output before the residual Add: no residual stream to keep
+    # magnitudes up, so near-zero elements make absolute and mean-relative measures meaningless
+    "block": ("cosine_min", "rel_euclidean_max"),
 }
 
 

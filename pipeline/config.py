@@ -185,7 +185,7 @@ class EvaluateConfig(Section):
     prompts: int = Field(2, ge=0)  # greedy generations compared token for token (0: none)
     prompt_len: int = Field(16, gt=0)
     new_tokens: int = Field(16, gt=0)
-    debug_export: bool = True  # graph without hidden.{i} outputs: re-export them from the model dir
+    device: Literal["auto", "cpu", "cuda", "npu"] = "cpu"  # where the PyTorch reference runs
 
     @model_validator(mode="after")
     def _check_thresholds(self):
