@@ -50,7 +50,7 @@ def write_random_model(out: Path, args, seed: int = 0) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from titan_pipe.convert.names import native_to_hf, to_hf_config
+    from titan_pipe.names import native_to_hf, to_hf_config
     from titan_pipe.training.model import build_model
 
     out.mkdir(parents=True)
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--keep-under", type=Path, default=None, help="scratch parent dir (default: system temp)")
     opts = ap.parse_args()
 
-    from titan_pipe.training.model import ModelArgs, count_params
+    from titan_pipe.model_args import ModelArgs, count_params
 
     args = ModelArgs(dim=opts.dim, n_layers=opts.layers, n_heads=opts.heads, n_kv_heads=opts.kv_heads,
                      vocab_size=opts.vocab, ffn_hidden_dim=opts.ffn, max_seq_len=2048)

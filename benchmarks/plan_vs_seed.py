@@ -7,7 +7,7 @@ Pure arithmetic (no devices); the figures are what docs/plan.md quotes.
 """
 from __future__ import annotations
 
-from titan_pipe.training.model import FLAVOURS, count_params, flops_per_token
+from titan_pipe.model_args import FLAVOURS, count_params, flops_per_token
 from titan_pipe.training.plan import build_cluster, estimate, make_plan
 from titan_pipe.training.plan_cost import Layout, Workload
 

@@ -21,16 +21,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
+from titan_pipe.atomic import swap_dir, temp_dir, write_text
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Chunk, FileInfo, LayoutError, Manifest, ParamSpec
 from titan_pipe.convert.detect import open_source
 from titan_pipe.convert.hashing import BackgroundHasher
-from titan_pipe.convert.layout import MANIFEST_NAME, Chunk, FileInfo, LayoutError, Manifest, ParamSpec
-from titan_pipe.convert.names import native_shapes, to_hf_config
-from titan_pipe.convert.plan import (HF_DTYPE_NAMES, OUT_DTYPES, OutputPlan, SourcePlan, parse_size,
-                                     plan_sharded, plan_unified)
+from titan_pipe.convert.plan import OutputPlan, SourcePlan, parse_size, plan_sharded, plan_unified
 from titan_pipe.convert.reshard import write_file
 from titan_pipe.convert.tokenizer_files import copy_tokenizer_files
 from titan_pipe.convert.writer import DISK_FULL_ERRNOS, DiskFull, disk_full_message
+from titan_pipe.dtypes import HF_DTYPE_NAMES, OUT_DTYPES
 from titan_pipe.errors import UserError
+from titan_pipe.names import native_shapes, to_hf_config
 from titan_pipe.training.sharding import stage_ranks, tp_split_dim
 
 CONVERTER_VERSION = "titan-pipe-convert 1"
@@ -72,9 +73,7 @@ def _config_dtype(out: OutputPlan) -> str:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def _write_unified_meta(tmp: Path, src: SourcePlan, out: OutputPlan) -> list[Path]:
@@ -109,11 +108,7 @@ def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan) -> Path:
                  extra={"converted_from": {"format": src.format, "path": str(src.root)},
                         "optimizer": None})
     m.validate()
-    path = tmp / MANIFEST_NAME
-    tmp_m = path.with_name(f".{path.name}.partial")
-    tmp_m.write_text(m.to_json())
-    os.replace(tmp_m, path)
-    return path
+    return write_text(tmp / MANIFEST_NAME, m.to_json())
 
 
 def _progress(enabled: bool):
@@ -123,16 +118,6 @@ def _progress(enabled: bool):
     return Progress(TextColumn("[bold]convert[/bold] {task.description}"), BarColumn(), DownloadColumn(),
                     TransferSpeedColumn(), TimeRemainingColumn(), console=console,
                     transient=True)
-
-
-def _move_into_place(tmp: Path, out_dir: Path) -> None:
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
 
 
 def _without_cyclic_gc(fn):
@@ -190,9 +175,7 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
                    else plan_unified(plan, naming=naming, dtype=dtype, max_shard_size=limit))
         except (LayoutError, ValueError) as e:
             raise UserError(f"{plan.root}: {e}") from None
-        tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp = temp_dir(out_dir)
         hasher = BackgroundHasher(plan.root, plan.files if verify else [], plan.expected_sha256).start()
         total = sum(f.nbytes for f in out.files)
         try:
@@ -221,7 +204,7 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             _write_json(tmp / "provenance.json", provenance)
-            _move_into_place(tmp, out_dir)
+            swap_dir(tmp, out_dir)
         except DiskFull as e:
             hasher.stop()
             shutil.rmtree(tmp, ignore_errors=True)

@@ -19,17 +19,21 @@ from pathlib import Path
 import onnx
 import torch
 
+from titan_pipe.atomic import swap_dir, temp_dir
 from titan_pipe.convert import atc as atc_mod
 from titan_pipe.convert.atc_ops import find_problems, load_atc_ops, operator_report
 from titan_pipe.convert.export_graphs import DecodeGraph, PrefillGraph, dynamic_axes, io_names, tap_names
 from titan_pipe.convert.onnx_files import (check_and_infer, file_table, gather_external_data, move_files,
                                            share_external_data)
-from titan_pipe.convert.unified import load_unified_model, locate_weights, read_model_args
+from titan_pipe.convert.unified import load_unified_model
+from titan_pipe.dtypes import BY_NAME, TORCH_BY_NAME
 from titan_pipe.errors import StageFailed, UserError
-from titan_pipe.training.model import ModelArgs, count_params
+from titan_pipe.model_args import ModelArgs, count_params
+from titan_pipe.unified_dir import locate_weights, read_model_args
 
 EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15 and >= 14 for the SDPA exporter
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# ATC graphs carry no bfloat16.
+EXPORT_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,8 @@ def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", bat
     if opset not in EXPORT_OPSETS:
         raise UserError(f"opset {opset}: the TorchScript exporter needs opset >= 14 for scaled_dot_product_attention; "
                         "use --opset 14 (default) or 15")
-    if dtype not in DTYPES:
-        raise UserError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)} (ATC graphs carry no bfloat16)")
+    if dtype not in EXPORT_DTYPES:
+        raise UserError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)} (ATC graphs carry no bfloat16)")
     if precision_mode not in atc_mod.PRECISION_MODES:
         raise UserError(f"precision mode {precision_mode!r} is not one of {', '.join(atc_mod.PRECISION_MODES)}")
     if batch < 1 or seq_len < 1:
@@ -116,7 +120,7 @@ def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", bat
             dims[name] = (-1, hkv, -1, hd) if dynamic else (batch, hkv, seq_len, hd)
         graphs.append(GraphPlan("decode.onnx" if decode else "model.onnx", decode, tuple(ins), tuple(outs),
                                 tuple(traced), dims, trace))
-    itemsize = torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    itemsize = BY_NAME[dtype].itemsize
     return ExportPlan(opset, dtype, batch, seq_len, dynamic, kv_cache, expose_hidden, soc_version,
                       precision_mode, run_atc, count_params(args) * itemsize, tuple(graphs))
 
@@ -145,7 +149,7 @@ def _export_graph(model, args: ModelArgs, plan: ExportPlan, g: GraphPlan, work: 
     scratch.mkdir()
     module = (DecodeGraph(model, taps=True) if g.decode
               else PrefillGraph(model, kv_cache=plan.kv_cache, taps=True)).eval()
-    sample = _sample_inputs(g, args.vocab_size, DTYPES[plan.dtype])
+    sample = _sample_inputs(g, args.vocab_size, TORCH_BY_NAME[plan.dtype])
     axes = dynamic_axes(list(g.inputs), list(g.traced_outputs), decode=g.decode) if plan.dynamic else None
     try:
         with torch.no_grad(), warnings.catch_warnings():
@@ -232,8 +236,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
     plan = plan_export(args, opset=opset, dtype=dtype, batch=batch, seq_len=seq_len, dynamic=dynamic,
                        kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
                        precision_mode=precision_mode, expose_hidden=expose_hidden)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    work = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    work = temp_dir(out_dir)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
 
@@ -243,9 +246,8 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
         return now
 
     try:
-        work.mkdir()
         with console.status(f"loading {model_dir} ({plan.weight_bytes / 1e9:.2f} GB as {dtype})"):
-            model, _ = load_unified_model(model_dir, dtype=DTYPES[dtype])
+            model, _ = load_unified_model(model_dir, dtype=TORCH_BY_NAME[dtype])
         t = lap("load", t0)
         for g in plan.graphs:
             with console.status(f"exporting {g.file} (opset {opset}, {'dynamic' if dynamic else 'static'} shapes)"):
@@ -295,7 +297,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
             "timings_seconds": timings,
         }
         (work / "export.json").write_text(json.dumps(record, indent=1) + "\n")
-        _swap_into_place(work, out_dir)
+        swap_dir(work, out_dir)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -306,14 +308,3 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
     return ExportResult(out_dir=out_dir, onnx=out_dir / "model.onnx",
                         decode_onnx=out_dir / "decode.onnx" if kv_cache else None,
                         export_json=out_dir / "export.json", atc_status=atc_status, summary=summary)
-
-
-def _swap_into_place(work: Path, out_dir: Path) -> None:
-    """Rename the finished ``work`` dir to ``out_dir``, replacing an old one only at the very end."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
-        out_dir.rename(old)
-    work.rename(out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 import onnx
 from onnx.external_data_helper import ExternalDataInfo
 
+from titan_pipe.atomic import atomic_file
 from titan_pipe.hashing import sha256_file
 
 _ALIGN = 4096  # page-aligned tensors, so a runtime can mmap them
@@ -34,9 +35,8 @@ def gather_external_data(onnx_path: Path) -> Path | None:
     base = onnx_path.parent
     data_name = onnx_path.name + ".data"
     data_path = base / data_name
-    tmp = base / (data_name + ".tmp")
     sources: list[Path] = []
-    with open(tmp, "wb") as out:
+    with atomic_file(data_path) as tmp, open(tmp, "wb") as out:
         for t in model.graph.initializer:
             if t.data_location != onnx.TensorProto.EXTERNAL:
                 continue
@@ -53,7 +53,6 @@ def gather_external_data(onnx_path: Path) -> Path | None:
                 _copy_exact(fh, out, length, src)
             _point_at(t, data_name, offset, length)
             sources.append(src)
-    tmp.replace(data_path)
     onnx.save(model, str(onnx_path))
     for src in set(sources):
         if src.exists() and src != data_path:

@@ -17,16 +17,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan_pipe.convert.layout import Box, LayoutError, split_box
-from titan_pipe.convert.names import native_to_hf
-from titan_pipe.training.model import ModelArgs
+from titan_pipe.checkpoint_format import Box, LayoutError, split_box
+from titan_pipe.dtypes import DTYPE_SIZES, OUT_DTYPES
+from titan_pipe.model_args import ModelArgs
+from titan_pipe.names import native_to_hf
 from titan_pipe.training.sharding import split_stages, stage_of, tp_split_dim
 
-# safetensors dtype names <-> element sizes; the torch dtypes live in reshard.py (I/O side).
-DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-               "U8": 1, "BOOL": 1}
-OUT_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-HF_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from titan_pipe.convert.layout import Box
-from titan_pipe.convert.plan import DTYPE_SIZES, OutFile, OutTensor, Read
-from titan_pipe.convert.readers.store import TORCH_DTYPES, Store, contiguous_span
+from titan_pipe.checkpoint_format import Box
+from titan_pipe.convert.plan import OutFile, OutTensor, Read
+from titan_pipe.convert.readers.store import Store, contiguous_span
 from titan_pipe.convert.writer import Entry, SafetensorsWriter
+from titan_pipe.dtypes import DTYPE_SIZES
+from titan_pipe.dtypes import TORCH_DTYPES
 from titan_pipe.errors import UserError
 
 BLOCK_BYTES = 32 * 2**20

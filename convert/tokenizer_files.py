@@ -7,11 +7,10 @@ tokenizer.json / tokenizer_config.json / special_tokens_map.json found beside it
 """
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
-from titan_pipe.convert.layout import MANIFEST_NAME, Manifest
+from titan_pipe.atomic import copy_file
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest
 from titan_pipe.convert.plan import SourcePlan
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
@@ -54,9 +53,7 @@ def copy_tokenizer_files(plan: SourcePlan, dest: Path) -> tuple[list[Path], dict
     written, digests = [], {}
     for name, src in todo.items():
         path = dest / name
-        tmp = path.with_name(f".{name}.partial")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, path)
+        copy_file(src, path)
         digests[name] = sha256_file(path)
         if name in expected and digests[name] != expected[name]:
             raise UserError(f"{src}: sha256 {digests[name][:12]}... but {Path(plan.root) / MANIFEST_NAME} "

@@ -8,109 +8,16 @@ one copy of the weights (plus one tensor in flight for a dtype cast).
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from titan_pipe.convert.names import from_hf_config, hf_to_native
+from titan_pipe.dtypes import parse_dtype
 from titan_pipe.errors import UserError
+from titan_pipe.model_args import ModelArgs
 from titan_pipe.training.kernels import Kernels
-from titan_pipe.training.model import ModelArgs, Transformer, build_model, rope_cos_sin
-
-CONFIG = "config.json"
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-
-# Non-parameter tensors some Hugging Face versions saved; they carry nothing we need.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
-           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class WeightFiles:
-    """Where each stored tensor lives: stored name -> file, in a fixed order of files."""
-
-    files: tuple[Path, ...]
-    key_to_file: dict[str, Path]
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """'float32'/'float16'/'bfloat16' (or a torch.dtype, or None = keep) -> torch.dtype | None."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in ("keep", "auto"):
-        return None
-    if dtype not in _DTYPES:
-        raise UserError(f"dtype {dtype!r} is not one of float32, float16, bfloat16 (or keep)")
-    return _DTYPES[dtype]
-
-
-def read_model_args(model_dir: Path) -> ModelArgs:
-    """ModelArgs from ``model_dir/config.json``; UserError naming the file and field if unusable."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise UserError(f"{model_dir}: not a directory; pass the output directory of `titan-pipe convert` "
-                        "or a Hugging Face LLaMA directory")
-    cfg_path = model_dir / CONFIG
-    if not cfg_path.is_file():
-        raise UserError(f"{cfg_path}: missing; a unified model directory needs a Hugging Face config.json "
-                        "beside its weights (`titan-pipe convert` writes one)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg_path}: not valid JSON ({e}); rewrite it or re-run `titan-pipe convert`") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"{cfg_path}: expected a JSON object (a LlamaConfig), got {type(cfg).__name__}")
-    try:
-        return from_hf_config(cfg, source=str(cfg_path))
-    except ValueError as e:
-        raise UserError(str(e)) from None
-
-
-def locate_weights(model_dir: Path) -> WeightFiles:
-    """The safetensors files of ``model_dir`` and which stored tensor name each one holds."""
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    index, single = model_dir / INDEX, model_dir / SINGLE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise UserError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from None
-        key_to_file = {k: model_dir / v for k, v in weight_map.items()}
-        for f in sorted(set(key_to_file.values())):
-            if not f.is_file():
-                raise UserError(f"{index}: lists shard {f.name}, which is missing from {model_dir}")
-        return WeightFiles(tuple(sorted(set(key_to_file.values()))), key_to_file)
-    if single.is_file():
-        try:
-            with safe_open(str(single), framework="pt") as fh:
-                keys = list(fh.keys())
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise UserError(f"{single}: not a readable safetensors file ({e})") from None
-        return WeightFiles((single,), {k: single for k in keys})
-    found = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
-    hint = (f"found {', '.join(found)}" if found else "found no weight files")
-    raise UserError(f"{model_dir}: no {SINGLE} or {INDEX} ({hint}); titan-pipe reads safetensors only — "
-                    "convert the checkpoint with `titan-pipe convert` or save_pretrained(safe_serialization=True)")
-
-
-def native_name(stored: str, source: Path) -> str | None:
-    """Our parameter name for a stored tensor name (HF or native); None for ignorable buffers."""
-    if stored.endswith(_IGNORED_SUFFIXES):
-        return None
-    if stored.startswith(("model.", "lm_head.")):
-        try:
-            return hf_to_native(stored)
-        except KeyError:
-            raise UserError(f"{source}: tensor {stored!r} is not a LLaMA parameter titan-pipe knows "
-                            "(see convert/names.py); remove it or convert the checkpoint first") from None
-    return stored
+from titan_pipe.training.model import Transformer, build_model, rope_cos_sin
+from titan_pipe.unified_dir import CONFIG, locate_weights, native_name, read_model_args
 
 
 def load_unified_model(model_dir: Path, *, dtype: str | torch.dtype | None = None, device: str = "cpu",

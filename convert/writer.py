@@ -16,7 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan_pipe.convert.plan import DTYPE_SIZES
+from titan_pipe.atomic import temp_file
+from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
 
 DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -75,7 +76,7 @@ class SafetensorsWriter:
 
     def __init__(self, path: Path, entries: list[Entry], metadata: dict[str, str] | None = None):
         self.path = path
-        self.partial = path.with_name(f".{path.name}.partial")
+        self.partial = temp_file(path)
         self.entries = {e.key: e for e in entries}
         self.head, self.offsets = build_header(entries, metadata)
         self.written = {e.key: 0 for e in entries}

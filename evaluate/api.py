@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from titan_pipe.checkpoint_format import MANIFEST_NAME, is_complete
 from titan_pipe.config import EvaluateConfig
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate import compare as cmp
@@ -23,8 +24,9 @@ from titan_pipe.evaluate.operators import run_conformance
 from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, check_out_dir, write_report
 from titan_pipe.evaluate.runners import (DistributedRunner, OmRunner, OnnxDecodeRunner, OnnxRuntimeRunner, Outputs,
                                          TorchRunner, ascend_runtime, concat_outputs)
-from titan_pipe.evaluate.thresholds import resolve_thresholds
-from titan_pipe.training.model import ModelArgs, build_model
+from titan_pipe.model_args import ModelArgs, model_differences
+from titan_pipe.thresholds import resolve_thresholds
+from titan_pipe.training.model import build_model
 
 _MAX_HIST = 2_000_000  # logits error values kept for the histogram
 
@@ -51,7 +53,7 @@ def _check_inputs(checkpoint, model_dir, onnx, om, data) -> None:
             raise UserError(f"{flag} {p}: does not exist; check the path")
         if kind == "dir" and not p.is_dir():
             raise UserError(f"{flag} {p}: is a file, expected a directory")
-        if flag == "--checkpoint" and not (p / "manifest.json").is_file():
+        if flag == "--checkpoint" and not is_complete(p):
             raise UserError(f"--checkpoint {p}: no manifest.json, so not a complete titan-pipe checkpoint; pass "
                             "runs/<name>/checkpoints/step-XXXXXX (the manifest is written last)")
         if kind == "file" and not p.is_file():
@@ -86,9 +88,7 @@ def reference_device(choice: str) -> str:
 
 
 def _same_model(a: ModelArgs, b: ModelArgs, where: str) -> None:
-    keys = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "norm_eps", "rope_theta",
-            "tie_embeddings")
-    diffs = [f"{k} {getattr(a, k)} vs {getattr(b, k)}" for k in keys if getattr(a, k) != getattr(b, k)]
+    diffs = model_differences(a, b)
     if diffs:
         raise UserError(f"{where}: the models disagree ({'; '.join(diffs)}); pass artifacts of the same run")
 
@@ -165,7 +165,7 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
         ref_source = f"{Path(model_dir) / 'config.json'}"
     else:
         ref = torch_runner_from_checkpoint(Path(checkpoint), device=device)
-        ref_source = f"{Path(checkpoint) / 'manifest.json'}"
+        ref_source = f"{Path(checkpoint) / MANIFEST_NAME}"
     args = ref.args
     dist = None
     if checkpoint is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from titan_pipe.checkpoint_format import is_complete
 from titan_pipe.errors import UserError
 
 
@@ -63,8 +64,8 @@ def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> st
                 return "byte"
         except (OSError, ValueError, AttributeError):
             pass
-    if checkpoint is not None and (Path(checkpoint) / "manifest.json").is_file():
-        from titan_pipe.convert.layout import Manifest
+    if checkpoint is not None and is_complete(Path(checkpoint)):
+        from titan_pipe.checkpoint_format import Manifest
 
         kind = Manifest.load(checkpoint).extra.get("tokenizer")
         if kind == "tokenizer.json":

@@ -23,12 +23,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from titan_pipe.dtypes import FLOAT_NAMES, TORCH_BY_NAME, onnx_type
 from titan_pipe.evaluate.metrics import TensorMetrics, compare_tensors
-from titan_pipe.evaluate.thresholds import check_metrics, resolve_thresholds
+from titan_pipe.thresholds import check_metrics, resolve_thresholds
 from titan_pipe.training.kernels import apply_rotary_ref, attention_ref, rms_norm_ref
 
 OPSET = 14
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CASES = ("normal", "large", "tiny", "long")
 
 
@@ -36,10 +36,7 @@ class GraphBuilder:
     """Collects one small ONNX graph computing in ``dtype`` with float32 inputs and output."""
 
     def __init__(self, dtype: str):
-        from onnx import TensorProto
-
-        self.elem = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
-                     "bfloat16": TensorProto.BFLOAT16}[dtype]
+        self.elem = onnx_type(dtype)
         self.dtype = dtype
         self.nodes, self.inputs, self.inits = [], [], []
         self._n = 0
@@ -107,7 +104,7 @@ class OpSpec:
     graph: Callable
     large: float = 300.0
     tiny: float = 1e-4
-    dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
+    dtypes: tuple[str, ...] = FLOAT_NAMES
 
 
 def _scale(case: str, spec) -> float:
@@ -177,7 +174,8 @@ def _norm_graph(b, n, a):
 
 
 def _rope_inputs(case, rng, spec):
-    from titan_pipe.training.model import ModelArgs, rope_cos_sin
+    from titan_pipe.model_args import ModelArgs
+    from titan_pipe.training.model import rope_cos_sin
 
     t = 256 if case == "long" else 16
     cos, sin = rope_cos_sin(ModelArgs(dim=64, n_heads=4, max_seq_len=t), t)
@@ -321,7 +319,7 @@ def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,
         return OperatorRow(spec.name, dtype, case, f"skipped: {spec.name} is not used in {dtype}")
     rng = np.random.default_rng(seed + 7919 * CASES.index(case))
     arrays = spec.inputs(case, rng, spec)
-    tdt = TORCH_DTYPES[dtype]
+    tdt = TORCH_BY_NAME[dtype]
     with torch.no_grad():
         tensors = {k: torch.from_numpy(v) if v.dtype == np.int64 else torch.from_numpy(v).to(tdt)
                    for k, v in arrays.items()}
@@ -351,7 +349,7 @@ def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,
                        tuple(f.text for f in fails))
 
 
-def run_conformance(*, dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16"),
+def run_conformance(*, dtypes: tuple[str, ...] = FLOAT_NAMES,
                     ops: tuple[str, ...] | None = None, cases: tuple[str, ...] = CASES,
                     thresholds: dict | None = None, seed: int = 0, progress=None) -> list[OperatorRow]:
     """The whole table: every operator x dtype x case, in OPERATORS order (the model's order).

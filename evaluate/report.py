@@ -17,11 +17,11 @@ import html
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from titan_pipe.atomic import swap_dir, temp_dir
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.metrics import CSV_COLUMNS
 
@@ -199,7 +199,7 @@ def _thresholds_md(used: dict) -> list[str]:
     """The threshold sets the verdict used, one column per dtype, with where each comes from."""
     if not used:
         return []
-    from titan_pipe.evaluate.thresholds import SOURCES
+    from titan_pipe.thresholds import SOURCES
 
     dts = list(used)
     keys = list(dict.fromkeys(k for d in dts for k in used[d]))
@@ -259,7 +259,7 @@ def render_html(report: dict, plot_files: dict[str, Path]) -> str:
         parts.append("</table>")
     used = report.get("thresholds", {})
     if used:
-        from titan_pipe.evaluate.thresholds import SOURCES
+        from titan_pipe.thresholds import SOURCES
 
         dts = list(used)
         keys = list(dict.fromkeys(k for d in dts for k in used[d]))
@@ -303,8 +303,7 @@ def write_report(out_dir: Path, report: dict, logits_errors: dict[str, np.ndarra
     """
     out_dir = Path(out_dir)
     check_out_dir(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = temp_dir(out_dir)
     try:
         plots: dict[str, Path] = {}
         if plot_layer_errors(report["comparisons"], tmp / "layer_error.png"):
@@ -317,13 +316,7 @@ def write_report(out_dir: Path, report: dict, logits_errors: dict[str, np.ndarra
         (tmp / "report.md").write_text(render_markdown(report, list(plots)))
         (tmp / "report.html").write_text(render_html(report, plots))
         (tmp / "report.json").write_text(json.dumps(clean_json(report), indent=1, allow_nan=False))
-        old = None
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{tmp.name[-8:]}")
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        swap_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -22,10 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from titan_pipe.checkpoint_format import is_complete
+from titan_pipe.dtypes import ORT_NAMES
 from titan_pipe.errors import StageFailed, UserError
-from titan_pipe.training.model import ModelArgs
+from titan_pipe.model_args import ModelArgs
 
-_ORT_DTYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(bfloat16)": "bfloat16"}
 
 
 @dataclass
@@ -222,7 +223,7 @@ class OnnxRuntimeRunner:
         if n_hidden:
             hs = outs["hidden.0"].shape
             dim = hs[-1] if isinstance(hs[-1], int) else None
-        dtype = _ORT_DTYPES.get(outs["logits"].type)
+        dtype = ORT_NAMES.get(outs["logits"].type)
         if dtype is None:
             raise UserError(f"{self.path}: logits have type {outs['logits'].type}; expected float, float16 or bfloat16")
         return GraphInfo(dtype, fixed, lg[-1] if isinstance(lg[-1], int) else None, dim, n_hidden, extra)
@@ -362,10 +363,10 @@ class DistributedRunner:
     """
 
     def __init__(self, checkpoint: Path, *, device: str = "cpu", timeout_s: float = 900):
-        from titan_pipe.convert.layout import Manifest
+        from titan_pipe.checkpoint_format import Manifest
 
         checkpoint = Path(checkpoint)
-        if not (checkpoint / "manifest.json").is_file():
+        if not is_complete(checkpoint):
             raise UserError(f"{checkpoint}: no manifest.json, so not a complete titan-pipe checkpoint; pass "
                             "runs/<name>/checkpoints/step-XXXXXX (the manifest is written last)")
         try:

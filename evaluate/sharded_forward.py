@@ -37,10 +37,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from safetensors.torch import load_file, save_file
 
-    from titan_pipe.convert.layout import Manifest
+    from titan_pipe.checkpoint_format import Manifest
     from titan_pipe.devices import resolve_device, set_local_device
     from titan_pipe.training.kernels import resolve_kernels
-    from titan_pipe.training.model import ModelArgs
+    from titan_pipe.model_args import ModelArgs
     from titan_pipe.training.parallel_dims import ParallelDims
     from titan_pipe.training.parallelize import build_parallel_model
     from titan_pipe.training.pipeline_parallel import forward_logits

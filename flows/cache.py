@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from titan_pipe.atomic import write_text
+from titan_pipe.checkpoint_format import MANIFEST_NAME
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
@@ -61,10 +63,7 @@ class FileHasher:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    tmp.replace(path)
+    write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
 def files_under(root: Path) -> list[Path]:
@@ -87,7 +86,7 @@ def checkpoint_files(ckpt: Path) -> list[Path]:
     Not the optimizer state beside them (its torch DCP files differ between identical runs), so a
     retrain that reproduces the weights bit for bit leaves the later stages cached.
     """
-    manifest = ckpt / "manifest.json"
+    manifest = ckpt / MANIFEST_NAME
     try:
         listed = json.loads(manifest.read_text())["files"]
         attached = json.loads(manifest.read_text()).get("extra", {}).get("attached") or {}

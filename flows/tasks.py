@@ -13,6 +13,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
+from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import ConvertConfig, EvaluateConfig, ExportConfig, FlowConfig
 from titan_pipe.flows.logs import follow_log, run_logger
 from titan_pipe.run_dir import RunDir
@@ -38,14 +39,6 @@ class StageOutput:
                    summary=dict(data.get("summary") or {}), passed=data.get("passed"))
 
 
-def newest_complete_checkpoint(run_dir: Path) -> Path | None:
-    """The newest step dir holding manifest.json (written last, so its presence means complete)."""
-    for _, path in reversed(RunDir(run_dir).step_dirs()):
-        if (path / "manifest.json").is_file():
-            return path
-    return None
-
-
 def resume_decision(*, requested: bool, attempt: int, run_dir: Path, torchrun_restarts: int = 0) -> bool:
     """Resume on a retry (attempt > 1) or when asked, and only if a complete checkpoint exists.
 
@@ -55,7 +48,7 @@ def resume_decision(*, requested: bool, attempt: int, run_dir: Path, torchrun_re
     """
     if torchrun_restarts > 0:
         return True
-    return (requested or attempt > 1) and newest_complete_checkpoint(run_dir) is not None
+    return (requested or attempt > 1) and newest_complete(run_dir) is not None
 
 
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
@@ -66,7 +59,7 @@ def train_task(flow_path: Path, cfg: FlowConfig, resume: bool = False) -> StageO
     attempt = task_run.get_run_count()
     resume = resume_decision(requested=resume, attempt=attempt, run_dir=run_dir,
                              torchrun_restarts=cfg.launch.max_restarts)
-    start = newest_complete_checkpoint(run_dir) if resume else None
+    start = newest_complete(run_dir) if resume else None
     log.info(f"attempt {max(attempt, 1)}: " + (f"resuming from {start}" if start else "training from step 0"))
     with follow_log(RunDir(run_dir).train_log):
         r = run_training(flow_path=flow_path, cfg=cfg, resume=resume)

@@ -18,12 +18,13 @@ from typing import Callable, Iterator
 
 from prefect import flow
 
+from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig, load_flow
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.flows import cache
 from titan_pipe.flows.logs import run_logger
 from titan_pipe.flows.tasks import (StageOutput, convert_task, evaluate_task, export_task,
-                                    newest_complete_checkpoint, train_task)
+                                    train_task)
 from titan_pipe.run_dir import RunDir
 
 DEFAULT_TASKS: dict[str, Callable[..., StageOutput]] = {
@@ -102,7 +103,7 @@ def _prepare_training(run_dir: Path, key: str, action: str) -> bool:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             started = json.loads(marker.read_text()).get("key")
     rd = RunDir(run_dir)
-    if action != cache.RUN and started == key and newest_complete_checkpoint(run_dir) is not None:
+    if action != cache.RUN and started == key and newest_complete(run_dir) is not None:
         return True
     if rd.step_dirs():
         prev = run_dir / "checkpoints.prev"

@@ -9,6 +9,7 @@ from typing import Callable
 import typer
 from rich.console import Console
 
+from titan_pipe.atomic import write_text
 from titan_pipe.config import ConfigError, load_flow
 from titan_pipe.errors import UserError
 
@@ -62,10 +63,7 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
     target = directory / "flow.yaml"
     if target.exists() and not force:
         raise UserError(f"{target} already exists; pass --force to overwrite it")
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".yaml.tmp")
-    tmp.write_text(TEMPLATE.read_text())
-    tmp.replace(target)
+    write_text(target, TEMPLATE.read_text())
     console.print(f"wrote {target}; check it with: titan-pipe validate {target}")
 
 
@@ -75,7 +73,7 @@ def validate(flow: Path = typer.Argument(..., help="flow.yaml to check")):
     """Check a flow.yaml without running anything (exit 2 and one line per problem if invalid)."""
     cfg = load_flow(flow)
     args = cfg.model.args()
-    from titan_pipe.training.model import count_params
+    from titan_pipe.model_args import count_params
 
     p = cfg.parallel
     typer.echo(f"{flow}: ok — model {cfg.model.flavour or 'custom'} ({count_params(args) / 1e6:.2f}M params), "

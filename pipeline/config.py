@@ -5,13 +5,14 @@
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from titan_pipe.training.model import FLAVOURS, ModelArgs, resolve_args
+from titan_pipe.model_args import FLAVOURS, ModelArgs, RopeScaling, resolve_args
 
 
 class ConfigError(ValueError):
@@ -25,28 +26,32 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class RopeScalingConfig(Section):
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+def _mirror(cls, *, optional: bool, nested: dict[str, type] | None = None) -> dict[str, Any]:
+    """pydantic field definitions for the fields of dataclass ``cls`` (model_args), so the config
+    cannot drift from ModelArgs. ``optional``: every field defaults to None (not given: the flavour's
+    value) and numbers must be > 0; else each keeps the dataclass default."""
+    hints = get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in fields(cls):
+        if nested and f.name in nested:
+            out[f.name] = (nested[f.name] | None, None)
+            continue
+        t = hints[f.name]
+        if not optional:
+            out[f.name] = (t, f.default)
+            continue
+        base = next(a for a in get_args(t) if a is not type(None)) if type(None) in get_args(t) else t
+        out[f.name] = (base | None, None if base is bool else Field(None, gt=0))
+    return out
 
 
-class ModelConfig(Section):
+RopeScalingConfig = create_model("RopeScalingConfig", __base__=Section, **_mirror(RopeScaling, optional=False))
+
+
+class _ModelChoice(Section):
+    """A flavour and any dims laid over it (every field of ModelArgs, each optional)."""
+
     flavour: str | None = "debug"
-    dim: int | None = Field(None, gt=0)
-    n_layers: int | None = Field(None, gt=0)
-    n_heads: int | None = Field(None, gt=0)
-    n_kv_heads: int | None = Field(None, gt=0)
-    vocab_size: int | None = Field(None, gt=0)
-    multiple_of: int | None = Field(None, gt=0)
-    ffn_dim_multiplier: float | None = Field(None, gt=0)
-    ffn_hidden_dim: int | None = Field(None, gt=0)
-    norm_eps: float | None = Field(None, gt=0)
-    rope_theta: float | None = Field(None, gt=0)
-    rope_scaling: RopeScalingConfig | None = None
-    max_seq_len: int | None = Field(None, gt=0)
-    tie_embeddings: bool | None = None
     kernels: Literal["auto", "reference", "npu_fused"] = "auto"
 
     @model_validator(mode="after")
@@ -66,6 +71,10 @@ class ModelConfig(Section):
     def args(self) -> ModelArgs:
         dims = self.model_dump(exclude={"flavour", "kernels"}, exclude_none=True)
         return resolve_args(self.flavour, **dims)
+
+
+ModelConfig = create_model("ModelConfig", __base__=_ModelChoice,
+                           **_mirror(ModelArgs, optional=True, nested={"rope_scaling": RopeScalingConfig}))
 
 
 class DataConfig(Section):
@@ -190,7 +199,7 @@ class EvaluateConfig(Section):
     @model_validator(mode="after")
     def _check_thresholds(self):
         from titan_pipe.errors import UserError
-        from titan_pipe.evaluate.thresholds import validate_overrides
+        from titan_pipe.thresholds import validate_overrides
 
         try:
             validate_overrides(self.thresholds)

@@ -1,11 +1,10 @@
 """RunDir: the typed paths of every artifact of a run; the contract between stages."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
-STEP_DIR = re.compile(r"^step-(\d{6,})$")
+from titan_pipe.checkpoint_format import step_dir_name, step_dirs
 
 
 @dataclass(frozen=True)
@@ -21,7 +20,7 @@ class RunDir:
         return self.root / "checkpoints"
 
     def checkpoint(self, step: int) -> Path:
-        return self.checkpoints / f"step-{step:06d}"
+        return self.checkpoints / step_dir_name(step)
 
     @property
     def metrics(self) -> Path:
@@ -45,11 +44,4 @@ class RunDir:
 
     def step_dirs(self) -> list[tuple[int, Path]]:
         """All step-XXXXXX directories (complete or not), oldest first."""
-        if not self.checkpoints.is_dir():
-            return []
-        found = []
-        for p in self.checkpoints.iterdir():
-            m = STEP_DIR.match(p.name)
-            if m and p.is_dir():
-                found.append((int(m.group(1)), p))
-        return sorted(found)
+        return step_dirs(self.checkpoints)

@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 
 from convert_writers import (hash_tree, model_args, native_state, write_dcp, write_hf,
                              write_megatron)
+from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
-from titan_pipe.convert.layout import Manifest
-from titan_pipe.convert.names import native_to_hf
 from titan_pipe.convert.reshard import deinterleave_rope
+from titan_pipe.names import native_to_hf
 from titan_pipe.training.model import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -231,7 +231,7 @@ def test_box_runs_match_numpy():
     """box_runs gives the byte offsets numpy's own indexing of the box reads, in row-major order."""
     import numpy as np
 
-    from titan_pipe.convert.layout import Box
+    from titan_pipe.checkpoint_format import Box
     from titan_pipe.convert.reshard import box_runs
 
     shape, box = (4, 6, 5), Box((1, 2, 1), (2, 3, 3))  # last dim partial: a run per (i, j)

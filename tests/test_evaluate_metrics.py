@@ -8,7 +8,7 @@ import torch
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.metrics import CSV_COLUMNS, compare_tensors, perplexity
-from titan_pipe.evaluate.thresholds import DEFAULTS, check_metrics, check_task, resolve_thresholds
+from titan_pipe.thresholds import DEFAULTS, check_metrics, check_task, resolve_thresholds
 
 
 def test_hand_computed_values():

@@ -15,12 +15,13 @@ pytest.importorskip("onnxruntime")
 
 from titan_pipe.cli import app  # noqa: E402
 from titan_pipe.config import EvaluateConfig  # noqa: E402
-from titan_pipe.convert.names import native_to_hf, to_hf_config  # noqa: E402
 from titan_pipe.convert.onnx_export import export_model  # noqa: E402
 from titan_pipe.errors import UserError  # noqa: E402
 from titan_pipe.evaluate.api import evaluate_model  # noqa: E402
 from titan_pipe.evaluate.metrics import CSV_COLUMNS  # noqa: E402
-from titan_pipe.training.model import build_model, resolve_args  # noqa: E402
+from titan_pipe.model_args import resolve_args
+from titan_pipe.names import native_to_hf, to_hf_config
+from titan_pipe.training.model import build_model
 
 FAST = EvaluateConfig(operators=False, batches=1, batch_size=2, seq_len=32, prompts=1, new_tokens=4)
 

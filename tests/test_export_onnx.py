@@ -133,7 +133,7 @@ def test_fp16_graph_within_tolerance(tmp_path):
 
 def test_transformers_checkpoint_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from titan_pipe.convert.names import to_hf_config
+    from titan_pipe.names import to_hf_config
 
     _, args = debug_model()
     cfg = transformers.LlamaConfig(**{k: v for k, v in to_hf_config(args).items()

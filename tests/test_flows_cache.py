@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig, load_flow
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.flows import cache
-from titan_pipe.flows.tasks import StageOutput, newest_complete_checkpoint, resume_decision
+from titan_pipe.flows.tasks import StageOutput, resume_decision
 from titan_pipe.flows.train_to_deploy import _retryable, listening, run_pipeline
 
 
@@ -252,13 +253,13 @@ def test_interrupted_training_resumes_and_changed_training_starts_clean(tmp_path
 
 
 def test_resume_decision_and_retry_condition(tmp_path):
-    assert newest_complete_checkpoint(tmp_path) is None
+    assert newest_complete(tmp_path) is None
     for step, complete in ((5, True), (10, True), (15, False)):
         d = tmp_path / "checkpoints" / f"step-{step:06d}"
         d.mkdir(parents=True)
         if complete:
             (d / "manifest.json").write_text("{}")
-    assert newest_complete_checkpoint(tmp_path).name == "step-000010"
+    assert newest_complete(tmp_path).name == "step-000010"
     assert resume_decision(requested=False, attempt=2, run_dir=tmp_path)
     assert not resume_decision(requested=False, attempt=1, run_dir=tmp_path)
     assert not resume_decision(requested=True, attempt=3, run_dir=tmp_path / "empty")

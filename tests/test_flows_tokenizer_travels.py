@@ -15,9 +15,9 @@ import pytest
 import torch
 import yaml
 
+from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.config import EvaluateConfig, load_flow
 from titan_pipe.convert.api import convert_checkpoint
-from titan_pipe.convert.layout import Manifest
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.api import evaluate_model
 from titan_pipe.evaluate.batches import ValidationSplit, load_eval_data, pick_tokenizer

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from titan_pipe.convert.names import from_hf_config, hf_to_native, native_to_hf, to_hf_config
-from titan_pipe.training.model import FLAVOURS, build_model, count_params, flops_per_token, resolve_args
+from titan_pipe.model_args import FLAVOURS, count_params, flops_per_token, resolve_args
+from titan_pipe.names import from_hf_config, hf_to_native, native_to_hf, to_hf_config
+from titan_pipe.training.model import build_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from titan_pipe.cli import app
 from titan_pipe.config import load_flow
+from titan_pipe.model_args import FLAVOURS, count_params, resolve_args
 from titan_pipe.training.activation_checkpoint import apply_ac
-from titan_pipe.training.model import FLAVOURS, build_model, count_params, resolve_args
+from titan_pipe.training.model import build_model
 from titan_pipe.training.plan import build_cluster, estimate, layout_flow, make_plan
 from titan_pipe.training.plan_cost import (
     ActDtypes, Assumptions, Layout, Workload, activation_bytes, bubble_fraction, dp_bytes,

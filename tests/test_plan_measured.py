@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_pipe.training.model import resolve_args
+from titan_pipe.model_args import resolve_args
 from titan_pipe.training.plan_cost import Layout, Workload, activation_bytes, optimizer_bytes, rank_params
 
 pytestmark = pytest.mark.distributed

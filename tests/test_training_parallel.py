@@ -18,12 +18,13 @@ import pytest
 import torch
 import yaml
 
+from titan_pipe.checkpoint_format import Manifest
+from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import parse_flow
-from titan_pipe.convert.layout import Manifest
+from titan_pipe.model_args import FLAVOURS
 from titan_pipe.training.data import PackedLoader, prepare_data
+from titan_pipe.training.model import build_model
 from titan_pipe.training.parallelize import fill_parameters
-from titan_pipe.training.model import FLAVOURS, build_model
-from titan_pipe.training.checkpoint import find_latest
 from titan_pipe.training.weights import CheckpointWeights, open_weights
 
 from training_reference import reference_run
@@ -131,7 +132,7 @@ def crashed(tmp_path_factory):
     ckpts = work / "runs" / "crashed" / "checkpoints"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        latest = find_latest(ckpts)
+        latest = newest_complete(ckpts, warn=True)
     snapshot = {"rc": proc.returncode, "latest": latest, "warnings": [str(w.message) for w in caught],
                 "step4": sorted(str(p.relative_to(ckpts)) for p in (ckpts / "step-000004").rglob("*"))}
     return work, snapshot

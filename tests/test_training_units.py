@@ -8,13 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import PrecisionConfig
 from titan_pipe.errors import UserError
+from titan_pipe.model_args import FLAVOURS, ModelArgs
 from titan_pipe.training.activation_checkpoint import ac_layer_ids, apply_ac
 from titan_pipe.training.amp import LossScaler
-from titan_pipe.training.checkpoint import find_latest, prune
+from titan_pipe.training.checkpoint import prune
 from titan_pipe.training.data_parallel import plan_dp
-from titan_pipe.training.model import FLAVOURS, ModelArgs, build_model
+from titan_pipe.training.model import build_model
 from titan_pipe.training.optim import lr_factor
 from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import fill_parameters
@@ -170,13 +172,14 @@ def _fake_step(root, step, complete=True):
     return d
 
 
-def test_find_latest_skips_incomplete_with_a_warning(tmp_path):
-    assert find_latest(tmp_path / "none") is None
+def test_newest_complete_skips_incomplete_with_a_warning(tmp_path):
+    assert newest_complete(tmp_path / "none") is None
     _fake_step(tmp_path, 2)
     _fake_step(tmp_path, 4)
     _fake_step(tmp_path, 6, complete=False)
     with pytest.warns(UserWarning, match="step-000006"):
-        assert find_latest(tmp_path).name == "step-000004"
+        assert newest_complete(tmp_path, warn=True).name == "step-000004"
+    assert newest_complete(tmp_path.parent / tmp_path.name).name == "step-000004"  # no warning asked
 
 
 def test_prune_keeps_the_newest_complete(tmp_path):

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-AMP_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+from titan_pipe.dtypes import TORCH_BY_NAME
+
 DEFAULT_INIT_SCALE = 2.0 ** 16
 
 
@@ -20,7 +21,7 @@ def autocast(device_type: str, *, enabled: bool, dtype: str):
     """torch.autocast in ``dtype`` for the forward, or nothing (fp32)."""
     if not enabled:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=AMP_DTYPES[dtype])
+    return torch.autocast(device_type=device_type, dtype=TORCH_BY_NAME[dtype])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

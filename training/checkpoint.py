@@ -1,6 +1,6 @@
 """Checkpoints: one safetensors file per (pp stage, tp rank) of TP-local shards plus manifest.json
 (written LAST, marks the step complete), optimizer state beside it in torch DCP, and the
-find-newest / prune / resume logic. docs/checkpoint-format.md specifies the layout.
+prune / resume logic (the newest complete one: titan_pipe.checkpoint_format.newest_complete). docs/checkpoint-format.md specifies the layout.
 
 For a weights-only read under any layout (e.g. evaluation)::
 
@@ -11,10 +11,8 @@ For a weights-only read under any layout (e.g. evaluation)::
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -30,11 +28,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate
 
-from titan_pipe.convert.layout import MANIFEST_NAME, Chunk, FileInfo, Manifest, ParamSpec, split_box
-from titan_pipe.convert.readers.store import DTYPE_NAMES
+from titan_pipe.atomic import atomic_file, copy_file, write_text
+from titan_pipe.checkpoint_format import (MANIFEST_NAME, STEP_DIR, Chunk, FileInfo, Manifest, ParamSpec, is_complete,
+                                          split_box, step_dirs)
+from titan_pipe.checkpoint_format import STEP_DIR
+from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
-from titan_pipe.run_dir import STEP_DIR
 from titan_pipe.training.parallelize import ParallelModel, copy_global_values
 from titan_pipe.training.sharding import tp_split_dim
 from titan_pipe.training.weights import CheckpointWeights
@@ -66,27 +66,13 @@ def tp_local(p: torch.Tensor) -> torch.Tensor:
 
 def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> FileInfo:
     """Write to a temp name in the same dir, then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
     return FileInfo(size=path.stat().st_size, sha256=sha256_file(path))
 
 
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _copy_file(src: Path, path: Path) -> FileInfo:
-    """Copy under a temp name, then rename (same rule as the shards)."""
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, path)
+    copy_file(src, path)
     return FileInfo(size=path.stat().st_size, sha256=sha256_file(path))
 
 
@@ -162,7 +148,7 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
         dcp.save({"optimizer": optimizer_state(model, optimizers)}, checkpoint_id=str(step_dir / OPTIM_DIR))
     if rank == 0:
         state = dict(train_state, rng=rng_state())
-        _write_text(step_dir / TRAIN_STATE, json.dumps(state, indent=1))
+        write_text(step_dir / TRAIN_STATE, json.dumps(state, indent=1), fsync=True)
         attached = {name: _copy_file(src, step_dir / name) for name, src in sorted((attach or {}).items())}
 
     gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
@@ -183,7 +169,7 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
                                    "train_state": TRAIN_STATE, **(extra or {}),
                                    **({"attached": {k: vars(v) for k, v in attached.items()}} if attached else {})})
         manifest.validate()
-        _write_text(step_dir / MANIFEST_NAME, manifest.to_json())
+        write_text(step_dir / MANIFEST_NAME, manifest.to_json(), fsync=True)
     dist.barrier()
     return step_dir
 
@@ -208,30 +194,6 @@ def load_train_state(step_dir: Path, model: ParallelModel, optimizers: list | No
     return json.loads((step_dir / TRAIN_STATE).read_text())
 
 
-def is_complete(step_dir: Path) -> bool:
-    return (Path(step_dir) / MANIFEST_NAME).is_file()
-
-
-def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """step-XXXXXX dirs under ``root`` (complete or not), oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if p.is_dir() and (m := STEP_DIR.match(p.name))]
-    return sorted(found)
-
-
-def find_latest(root: Path) -> Path | None:
-    """The newest complete checkpoint under ``root``; newer ones without manifest are skipped
-    with a warning (a run killed while writing them)."""
-    for step, path in reversed(step_dirs(root)):
-        if is_complete(path):
-            return path
-        warnings.warn(f"{path}: no {MANIFEST_NAME} (interrupted while saving); ignoring it", stacklevel=2)
-    return None
-
-
 def prune(root: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints, and incomplete ones older
     than the newest complete one. Call when no save is in progress. Returns what was removed."""
@@ -240,8 +202,9 @@ def prune(root: Path, keep_last: int) -> list[Path]:
     keep = set(complete[-keep_last:]) if keep_last > 0 else set()
     newest = complete[-1] if complete else None
     removed = []
+    newest_step = int(STEP_DIR.match(newest.name).group(1)) if newest is not None else None
     for step, p in dirs:
-        stale_partial = not is_complete(p) and newest is not None and step < int(newest.name[5:])
+        stale_partial = not is_complete(p) and newest is not None and step < newest_step
         if (is_complete(p) and p not in keep) or stale_partial:
             shutil.rmtree(p)
             removed.append(p)

@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from titan_pipe.dtypes import TORCH_BY_NAME
+
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,8 @@ def plan_dp(*, dp: int, tp: int, dp_mode: str, zero_stage: int | None, offload: 
     between forward and backward; 1 -> DDP + ZeroRedundancyOptimizer (tp == 1) else as 2;
     0 -> DDP (tp == 1) or FSDP2 replicate (tp > 1). None: dp_mode decides (fsdp = 3, ddp = 0).
     """
-    common = dict(param_dtype=DTYPES[amp_dtype] if amp_dtype else None,
-                  reduce_dtype=DTYPES[gradient_sync_dtype], cpu_offload=offload == "cpu",
+    common = dict(param_dtype=TORCH_BY_NAME[amp_dtype] if amp_dtype else None,
+                  reduce_dtype=TORCH_BY_NAME[gradient_sync_dtype], cpu_offload=offload == "cpu",
                   bucket_cap_mb=float(fusion_buffer_mb), overlap=comm_overlap)
     stage = zero_stage if zero_stage is not None else (3 if dp_mode == "fsdp" else 0)
     if offload == "cpu":

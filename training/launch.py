@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Mapping
 
+from titan_pipe.atomic import copy_file
+from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.run_dir import RunDir
@@ -319,9 +321,7 @@ def copy_flow(flow_path: Path, run: RunDir) -> None:
     run.root.mkdir(parents=True, exist_ok=True)
     if run.flow_yaml.exists() and run.flow_yaml.resolve() == flow_path.resolve():
         return
-    tmp = run.flow_yaml.with_name(run.flow_yaml.name + ".tmp")
-    shutil.copyfile(flow_path, tmp)
-    tmp.replace(run.flow_yaml)
+    copy_file(flow_path, run.flow_yaml)
 
 
 def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> TrainResult:
@@ -373,7 +373,7 @@ def resume_flag(cfg: FlowConfig, run: RunDir, resume: bool) -> bool:
     """
     if resume or cfg.launch.max_restarts == 0:
         return resume
-    return not any((p / "manifest.json").is_file() for _, p in run.step_dirs())
+    return newest_complete(run.root) is None
 
 
 def _run_in_process(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool) -> TrainResult:
@@ -397,8 +397,6 @@ def _run_in_process(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool)
 
 def collect_result(run: RunDir, cfg: FlowConfig) -> TrainResult:
     """The TrainResult of a finished run from its files (metrics.jsonl, summary.json, step dirs)."""
-    from titan_pipe.training.checkpoint import find_latest
-
     summary = summarize(run.metrics)
     extra = run.root / "summary.json"  # the trainer's own summary, for what metrics.jsonl lacks
     if extra.is_file():
@@ -413,7 +411,7 @@ def collect_result(run: RunDir, cfg: FlowConfig) -> TrainResult:
         picture = plot_metrics(run.metrics, run.root / "metrics.png")
         if picture is not None:
             summary["plot"] = str(picture)
-    checkpoint = find_latest(run.checkpoints)
+    checkpoint = newest_complete(run.checkpoints, warn=True)
     on_first_node = cfg.launch.node_rank == 0 and os.environ.get("RANK", "0") == "0"
     if checkpoint is None and on_first_node:
         raise StageFailed(f"training exited 0 but {run.checkpoints} holds no complete checkpoint "

@@ -18,10 +18,11 @@ from typing import IO, Any
 
 import torch
 
+from titan_pipe.atomic import atomic_file
 from titan_pipe.device_profiles import get_profile, match_device_name
 from titan_pipe.devices import Device
+from titan_pipe.dtypes import name_of
 
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class MetricsLogger:
@@ -113,7 +114,7 @@ def profile_peak(name: str, dtype: torch.dtype) -> tuple[float | None, str]:
     key = match_device_name(name)
     if key is None:
         return None, f"unknown device {name}: MFU not reported"
-    dname = DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    dname = name_of(dtype)
     tflops = get_profile(key)["peak_tflops"].get(dname)
     if tflops is None:
         return None, f"{name} ({key}) has no {dname} peak in device_profiles.json: MFU not reported"
@@ -149,7 +150,7 @@ def peak_flops(device: Device, dtype: torch.dtype) -> tuple[float | None, str]:
     """
     if device.type == "cpu":
         flops = measure_cpu_peak(dtype)
-        dname = DTYPE_NAMES.get(dtype, str(dtype))
+        dname = name_of(dtype)
         return flops, (f"CPU {dname} matmul peak measured at start-up: {flops / 1e9:.1f} GFLOP/s "
                        f"on {torch.get_num_threads()} thread(s)")
     try:
@@ -328,8 +329,9 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> Path | None:
     fig.suptitle(f"{Path(metrics_path).parent.name}: {len(steps)} steps logged")
     fig.tight_layout()
     out_png = Path(out_png)
-    tmp = out_png.with_name(out_png.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=100)
-    plt.close(fig)
-    tmp.replace(out_png)
+    try:
+        with atomic_file(out_png) as tmp:
+            fig.savefig(tmp, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     return out_png

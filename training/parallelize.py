@@ -19,10 +19,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_pipe.model_args import ModelArgs
 from titan_pipe.training.activation_checkpoint import apply_ac
 from titan_pipe.training.data_parallel import DPPlan, apply_dp, unwrap
 from titan_pipe.training.kernels import Kernels
-from titan_pipe.training.model import ModelArgs, init_param
+from titan_pipe.training.model import init_param
 from titan_pipe.training.pipeline_parallel import StagePlan, build_stage_module, plan_stages
 from titan_pipe.training.tensor_parallel import apply_tp
 

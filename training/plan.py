@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
-from titan_pipe.training.model import flops_per_token
+from titan_pipe.model_args import flops_per_token
 from titan_pipe.training.plan_cost import (
     Assumptions, Cluster, GB, Layout, Link, Memory, Timing, Workload, memory_per_device, peak_flops, step_time)
 

@@ -12,7 +12,7 @@ def _workload(model: str, seq_len: int, global_batch: int):
     """A flavour name, or a flow.yaml whose model section (flavour + dims) is used."""
     from titan_pipe.config import load_flow
     from titan_pipe.errors import UserError
-    from titan_pipe.training.model import FLAVOURS
+    from titan_pipe.model_args import FLAVOURS
     from titan_pipe.training.plan_cost import Workload
 
     if model in FLAVOURS:
@@ -94,10 +94,13 @@ def _plot(plan, path: Path, top: int) -> None:
     ax.set_title(f"{plan.workload.flavour or 'model'} on {plan.cluster.n_devices} x {plan.cluster.device}")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    from titan_pipe.atomic import atomic_file
+
+    try:
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def _write_flow(plan, path: Path, force: bool) -> None:
@@ -120,10 +123,9 @@ def _write_flow(plan, path: Path, force: bool) -> None:
               "# Add data.path, train.steps and the optimizer before training; check with titan-pipe validate.\n")
     if "rdzv_endpoint" in data["launch"]:
         header += "# launch.rdzv_endpoint: replace NODE0_HOST with the address of node 0.\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(header + yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(path)
+    from titan_pipe.atomic import write_text
+
+    write_text(path, header + yaml.safe_dump(data, sort_keys=False))
 
 
 def register(app: typer.Typer) -> None:
@@ -154,7 +156,7 @@ def register(app: typer.Typer) -> None:
         from rich.progress import Progress
 
         from titan_pipe.errors import UserError
-        from titan_pipe.training.model import count_params, flops_per_token
+        from titan_pipe.model_args import count_params, flops_per_token
         from titan_pipe.training.plan import best_misfits_per_layout, build_cluster, make_plan
         from titan_pipe.training.plan_cost import Assumptions
 

@@ -13,15 +13,16 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
 from titan_pipe.errors import UserError
+from titan_pipe.model_args import ModelArgs, flops_per_token
 from titan_pipe.training.activation_checkpoint import ac_layer_ids
 from titan_pipe.training.data_parallel import DPPlan, plan_dp
-from titan_pipe.training.model import ModelArgs, build_model, flops_per_token
+from titan_pipe.training.model import build_model
 from titan_pipe.training.pipeline_parallel import plan_stages
 from titan_pipe.training.sharding import tp_split_dim
 
 GB = 1e9  # decimal gigabytes, as device datasheets count them
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +257,7 @@ class ActDtypes:
 def act_dtypes(layout: Layout, assume: Assumptions = Assumptions()) -> ActDtypes:
     if layout.amp_dtype is None:
         return ActDtypes(4, 4)
-    a = DTYPE_BYTES[layout.amp_dtype]
+    a = DTYPE_BYTES_BY_NAME[layout.amp_dtype]
     low_params = _dp_plan(layout, assume).kind in ("fsdp", "replicate")
     return ActDtypes(a, a if low_params else 4)
 
@@ -398,7 +399,7 @@ def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumption
                    optimizer: str = "adamw") -> Memory:
     rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume)
     dpp = _dp_plan(layout, assume)
-    master, a = 4, DTYPE_BYTES[layout.amp_dtype or "float32"]
+    master, a = 4, DTYPE_BYTES_BY_NAME[layout.amp_dtype or "float32"]
     params = master * rp.params_alloc
     # Gradients land in the parameters' dtype (FSDP2: the padded shard).
     grads = master * (rp.params_alloc + rp.grads - rp.params)
@@ -530,7 +531,7 @@ def tp_bytes(w: Workload, layout: Layout, pp_rank: int) -> float:
     t = layout.tp
     if t == 1:
         return 0.0
-    args, a = w.args, DTYPE_BYTES[layout.amp_dtype or "float32"]
+    args, a = w.args, DTYPE_BYTES_BY_NAME[layout.amp_dtype or "float32"]
     layers = rank_layers(args, layout, pp_rank)
     n_ckpt = len(ac_layer_ids(layers, layout.ac_every)) if layout.ac_every else 0
     stage_ids = {s for s, _ in rank_stage_layers(args, layout, pp_rank)}
@@ -568,8 +569,8 @@ def dp_bytes(w: Workload, layout: Layout, assume: Assumptions, pp_rank: int = 0)
         return 0.0
     rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume)
     dpp = _dp_plan(layout, assume)
-    a = DTYPE_BYTES[layout.amp_dtype or "float32"]
-    grads = DTYPE_BYTES[assume.gradient_sync_dtype] * rp.full_params
+    a = DTYPE_BYTES_BY_NAME[layout.amp_dtype or "float32"]
+    grads = DTYPE_BYTES_BY_NAME[assume.gradient_sync_dtype] * rp.full_params
     if dpp.kind == "fsdp":
         return (d - 1) / d * (fsdp_gathers(layout, dpp) * a * rp.full_params + grads)
     return 2 * (d - 1) / d * grads

@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import ConfigError, FlowConfig, load_flow
 from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
+from titan_pipe.model_args import flops_per_token
 from titan_pipe.run_dir import RunDir
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training import metrics
@@ -28,7 +30,6 @@ from titan_pipe.training.amp import LossScaler, autocast
 from titan_pipe.training.data import PackedLoader, prepare_data, tokenizer_files
 from titan_pipe.training.data_parallel import plan_dp
 from titan_pipe.training.kernels import resolve_kernels
-from titan_pipe.training.model import flops_per_token
 from titan_pipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import build_parallel_model
@@ -113,7 +114,7 @@ def train(cfg: FlowConfig, *, base: Path, resume: bool = False) -> dict:
     loader = PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size, dp_rank=dp_rank,
                           dp_size=p.dp, seed=t.seed)
 
-    latest = ckpt.find_latest(run.checkpoints) if resume else None
+    latest = newest_complete(run.checkpoints, warn=True) if resume else None
     if resume and latest is None and rank == 0:
         warnings.warn(f"--resume: no complete checkpoint under {run.checkpoints}; starting fresh",
                       stacklevel=2)
@@ -250,7 +251,7 @@ def train(cfg: FlowConfig, *, base: Path, resume: bool = False) -> dict:
                "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed) if timed else None,
                "mfu": history[-1]["mfu"] if history else None, "steps": t.steps,
                "start_step": start, "peak_flops_source": peak_source,
-               "checkpoint": str(ckpt.find_latest(run.checkpoints)) if rank == 0 else None}
+               "checkpoint": str(newest_complete(run.checkpoints, warn=True)) if rank == 0 else None}
     if rank == 0:
         (run.root / "summary.json").write_text(json.dumps(summary, indent=1))
     dist.barrier()

@@ -10,9 +10,9 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
-from titan_pipe.convert.layout import MANIFEST_NAME, LayoutError, Manifest
+from titan_pipe.checkpoint_format import MANIFEST_NAME, LayoutError, Manifest, is_complete, newest_complete
 from titan_pipe.errors import UserError
-from titan_pipe.training.model import ModelArgs
+from titan_pipe.model_args import SHAPE_KEYS, ModelArgs, model_differences
 
 
 class WeightSource(Protocol):
@@ -65,12 +65,12 @@ class CheckpointWeights:
 class SafetensorsWeights:
     """A unified model dir (ours or Hugging Face): config.json + model*.safetensors (+ index).
 
-    Found and named exactly as convert/unified.py's loader finds them, so a directory that
+    Found and named by titan_pipe.unified_dir, as convert/unified.py's loader finds them, so a directory that
     ``titan-pipe export`` accepts is one ``init_from`` accepts, with the same errors.
     """
 
     def __init__(self, model_dir: Path):
-        from titan_pipe.convert.unified import locate_weights, native_name, read_model_args
+        from titan_pipe.unified_dir import locate_weights, native_name, read_model_args
 
         self.dir = Path(model_dir)
         self.args = read_model_args(self.dir)
@@ -99,13 +99,9 @@ def open_weights(path: Path) -> WeightSource:
     """Our checkpoint (a step dir with manifest.json; a run dir or its checkpoints/ dir means its
     newest complete step), or a dir of safetensors + config.json (unified or Hugging Face)."""
     path = Path(path)
-    for root in (path, path / "checkpoints"):  # a run's checkpoints/ dir, or the run dir itself
-        steps = sorted((p for p in root.glob("step-*") if (p / MANIFEST_NAME).is_file()),
-                       key=lambda p: p.name) if root.is_dir() else []
-        if steps and not (path / MANIFEST_NAME).is_file():
-            path = steps[-1]
-            break
-    if (path / MANIFEST_NAME).is_file():
+    if not is_complete(path):  # a run dir or its checkpoints/ dir: its newest complete step
+        path = newest_complete(path) or path
+    if is_complete(path):
         return CheckpointWeights(path)
     if (path / "config.json").is_file():
         return SafetensorsWeights(path)
@@ -115,9 +111,7 @@ def open_weights(path: Path) -> WeightSource:
 
 def check_compatible(source_args: ModelArgs, args: ModelArgs, source: Path) -> None:
     """The model in flow.yaml must have the shapes of the weights it starts from."""
-    keys = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "tie_embeddings")
-    diffs = [f"{k}={getattr(source_args, k)} there vs {getattr(args, k)} in flow.yaml"
-             for k in keys if getattr(source_args, k) != getattr(args, k)]
+    diffs = model_differences(source_args, args, keys=SHAPE_KEYS, labels=("there", "in flow.yaml"))
     if diffs:
         raise UserError(f"init_from: {source} holds another model shape ({'; '.join(diffs)}); set "
                         "model.* in flow.yaml to match it")

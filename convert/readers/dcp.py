@@ -21,12 +21,13 @@ from pathlib import Path
 
 import torch
 
-from titan_pipe.convert.layout import Box
-from titan_pipe.convert.names import TORCHTITAN_MODEL_PREFIX, from_hf_config, native_names
+from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
-from titan_pipe.convert.readers.store import DTYPE_NAMES, Store
+from titan_pipe.convert.readers.store import Store
+from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
-from titan_pipe.training.model import ModelArgs, RopeScaling
+from titan_pipe.model_args import ModelArgs, RopeScaling
+from titan_pipe.names import TORCHTITAN_MODEL_PREFIX, from_hf_config, native_names
 
 FORMAT = "dcp"
 METADATA = ".metadata"

@@ -20,14 +20,10 @@ from pathlib import Path
 
 import torch
 
-from titan_pipe.convert.layout import Box
-from titan_pipe.convert.plan import DTYPE_SIZES
+from titan_pipe.checkpoint_format import Box
+from titan_pipe.dtypes import DTYPE_SIZES, TORCH_DTYPES
 from titan_pipe.errors import UserError
 
-TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-                "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-                "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
 
 

@@ -8,36 +8,24 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_pipe.convert.layout import MANIFEST_NAME, Box, LayoutError, Manifest
-from titan_pipe.convert.names import native_names
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, LayoutError, Manifest, newest_complete
 from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
 from titan_pipe.convert.readers.store import SafetensorsStore, read_header
 from titan_pipe.errors import UserError
-from titan_pipe.run_dir import STEP_DIR
-from titan_pipe.training.model import ModelArgs
+from titan_pipe.model_args import ModelArgs
+from titan_pipe.names import native_names
 
 FORMAT = "titan"
 
 
-def _newest_complete(path: Path) -> Path | None:
-    """A run dir or its checkpoints/ dir -> the newest step-XXXXXX holding a manifest."""
-    for base in (path / "checkpoints", path):
-        if base.is_dir():
-            steps = sorted((int(m.group(1)), p) for p in base.iterdir()
-                           if (m := STEP_DIR.match(p.name)) and (p / MANIFEST_NAME).is_file())
-            if steps:
-                return steps[-1][1]
-    return None
-
-
 def looks_like(path: Path) -> bool:
-    return (path / MANIFEST_NAME).is_file() or _newest_complete(path) is not None
+    return (path / MANIFEST_NAME).is_file() or newest_complete(path) is not None
 
 
 def resolve(path: Path) -> Path:
     if (path / MANIFEST_NAME).is_file():
         return path
-    found = _newest_complete(path)
+    found = newest_complete(path)
     if found is None:
         raise UserError(f"{path}: no {MANIFEST_NAME} here (nor a complete step-XXXXXX checkpoint "
                         "under it); the checkpoint is incomplete or not a titan-pipe checkpoint")

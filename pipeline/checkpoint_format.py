@@ -1,19 +1,25 @@
-"""Pure data for sharded checkpoints: boxes, chunks, parameter specs and the manifest.
+"""The checkpoint format: boxes, chunks, parameter specs, the manifest, and the step dirs that hold them.
 
 A *box* is (offsets, lengths) in a tensor's global coordinates, as in torch.distributed.checkpoint's
 metadata. A checkpoint is a set of parameters, each with a global shape and dtype and a list of
 chunks; a chunk says which file and key hold which box. Nothing here reads tensor data.
+
+A run's checkpoints are ``step-XXXXXX`` directories; one is complete once its manifest.json
+(written last) exists, and ``newest_complete`` is the one place that picks the checkpoint to read.
 """
 from __future__ import annotations
 
 import json
 import math
+import re
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "titan-pipe-checkpoint"
 FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
 class LayoutError(ValueError):
@@ -144,7 +150,7 @@ class Manifest:
         return json.dumps(d, indent=1)
 
     @classmethod
-    def from_json(cls, text: str, *, source: str = "manifest.json") -> "Manifest":
+    def from_json(cls, text: str, *, source: str = MANIFEST_NAME) -> "Manifest":
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
@@ -184,3 +190,37 @@ class Manifest:
             for c in p.chunks:
                 if c.file not in self.files:
                     raise LayoutError(f"{p.name}: chunk file {c.file!r} is not listed in 'files'")
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of the checkpoint of ``step``: step-000100."""
+    return f"step-{step:06d}"
+
+
+def is_complete(step_dir: Path) -> bool:
+    return (Path(step_dir) / MANIFEST_NAME).is_file()
+
+
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the step-XXXXXX dirs directly under ``root`` (complete or not), oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name)))
+
+
+def newest_complete(run_or_ckpt_dir: Path, *, warn: bool = False) -> Path | None:
+    """The newest complete step dir of a run dir (its checkpoints/) or of a dir of step dirs.
+
+    Newer step dirs without a manifest (a run killed while writing them) are skipped; ``warn``
+    says so with a warning. None when there is no complete checkpoint.
+    """
+    path = Path(run_or_ckpt_dir)
+    for base in (path / "checkpoints", path):
+        for _, step_dir in reversed(step_dirs(base)):
+            if is_complete(step_dir):
+                return step_dir
+            if warn:
+                warnings.warn(f"{step_dir}: no {MANIFEST_NAME} (interrupted while saving); ignoring it",
+                              stacklevel=2)
+    return None

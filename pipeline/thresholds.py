@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from titan_pipe.dtypes import FLOAT_NAMES
 from titan_pipe.errors import UserError
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = FLOAT_NAMES
 
 # msit `debug compare` analyser, normal precision: the first operator outside these is reported.
 MSIT_NORMAL = {

@@ -1,0 +1,145 @@
+"""Model arguments: the LLaMA family's dims (ModelArgs), its flavours debug..70B, parameter and FLOP counts.
+
+Pure data shared by every stage (the trainer builds its nn.Module from it, the converter and the
+exporter read it from manifests and config.json, the planner costs it); no torch here.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 frequency scaling (``rope_type: llama3`` in Hugging Face configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = 32000
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    ffn_hidden_dim: int | None = None  # explicit intermediate size wins over the formula
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 4096
+    tie_embeddings: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU intermediate size: 2/3 of 4*dim, times the multiplier, rounded up to multiple_of."""
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ffn_hidden_dim"] = self.hidden_dim
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model field(s) {sorted(unknown)}; known: {sorted(known)}")
+        d = dict(d)
+        if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], RopeScaling):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        return cls(**d)
+
+
+_LLAMA31_SCALING = RopeScaling(8.0, 1.0, 4.0, 8192)
+
+FLAVOURS: dict[str, ModelArgs] = {
+    # Tiny, for CPU tests and the shipped example; vocab covers the byte tokenizer (258) and
+    # divides by every tp up to 8.
+    "debug": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, multiple_of=32,
+                       max_seq_len=256, rope_theta=10000.0),
+    "llama2_7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256),
+    "llama2_13b": ModelArgs(dim=5120, n_layers=40, n_heads=40, vocab_size=32000, multiple_of=256),
+    "llama2_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
+                            multiple_of=4096, ffn_dim_multiplier=1.3),
+    "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                           multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0,
+                           rope_scaling=_LLAMA31_SCALING, max_seq_len=8192),
+    "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                            multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0,
+                            rope_scaling=_LLAMA31_SCALING, max_seq_len=8192),
+}
+
+
+def resolve_args(flavour: str | None, **overrides) -> ModelArgs:
+    """Flavour defaults with any dims given in the config laid over them."""
+    if flavour is None:
+        base = ModelArgs()
+    elif flavour in FLAVOURS:
+        base = FLAVOURS[flavour]
+    else:
+        raise ValueError(f"unknown model flavour {flavour!r}; known: {', '.join(FLAVOURS)}")
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if isinstance(overrides.get("rope_scaling"), dict):
+        overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
+    return replace(base, **overrides)
+
+
+def count_params(args: ModelArgs) -> int:
+    """Exact parameter count from the dims alone (matches the published LLaMA sizes)."""
+    d, hd, kv = args.dim, args.head_dim, args.kv_heads
+    attn = d * args.n_heads * hd + 2 * d * kv * hd + args.n_heads * hd * d
+    ffn = 3 * d * args.hidden_dim
+    per_layer = attn + ffn + 2 * d
+    emb = args.vocab_size * d
+    out = 0 if args.tie_embeddings else args.vocab_size * d
+    return args.n_layers * per_layer + emb + out + d
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward): 6*N_matmul + causal attention.
+
+    Counts every matmul FLOP as 2 (multiply + add). The attention scores/values term uses the full
+    T x T product (as SDPA's math path computes it); embedding lookups are not matmuls.
+    """
+    norms = args.dim * (2 * args.n_layers + 1)
+    # The embedding is a gather, not a matmul; a tied matrix still runs once as the output matmul.
+    n_matmul = count_params(args) - norms - (0 if args.tie_embeddings else args.vocab_size * args.dim)
+    attn = 2 * 2 * args.n_layers * seq_len * args.n_heads * args.head_dim  # QK^T and PV, per token
+    return 3 * (2 * n_matmul + attn)
+
+
+# Every dim that sizes a tensor: what weights must match to load into a model.
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "tie_embeddings")
+# The shapes plus the numerics of the forward: what two artifacts must share to be compared.
+SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + ("norm_eps", "rope_theta", "tie_embeddings")
+
+
+def model_differences(a: ModelArgs, b: ModelArgs, *, keys: tuple[str, ...] = SAME_MODEL_KEYS,
+                      labels: tuple[str, str] | None = None) -> list[str]:
+    """One line per key where ``a`` and ``b`` differ: ``k A vs B``, or with ``labels`` (la, lb)
+    ``k=A la vs B lb``; empty when they are the same model."""
+    out = []
+    for k in keys:
+        x, y = getattr(a, k), getattr(b, k)
+        if x != y:
+            out.append(f"{k}={x} {labels[0]} vs {y} {labels[1]}" if labels else f"{k} {x} vs {y}")
+    return out
