@@ -193,6 +193,7 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
     limits_of: dict[str, tuple[str, dict]] = {}
     thresholds_used: dict[str, dict] = {}
     hist: dict[str, np.ndarray] = {}
+    dumps: dict | None = {} if s.dump else None  # (comparison, tensor) -> (reference, candidate)
     judged_dtypes: list[str] = []
 
     def limits(dt: str) -> dict:
@@ -209,7 +210,7 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
         comparisons.append(cmp.compare_outputs(
             "sharded_vs_unified", "training checkpoint under its TP/PP layout vs the unified model",
             dist_out, ref_out, ref_label=dist.label, cand_label=ref.label, dtype=dt, limits=limits(dt),
-            logits_scope="sharded"))
+            logits_scope="sharded", keep=dumps))
         task_outputs[dist.label] = dist_out
         limits_of[dist.label] = (dt, limits(dt))
         hist[f"{ref.label} vs {dist.label}"] = _abs_errors(dist_out, ref_out)
@@ -229,7 +230,7 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
         dt = tdtype(ort.dtype)
         comparisons.append(cmp.compare_outputs(
             "torch_vs_onnx", "PyTorch (training operators) vs ONNX Runtime, per decoder layer and logits",
-            ref_out, ort_out, ref_label=ref.label, cand_label=ort.label, dtype=dt, limits=limits(dt)))
+            ref_out, ort_out, ref_label=ref.label, cand_label=ort.label, dtype=dt, limits=limits(dt), keep=dumps))
         comparisons[-1].details["layers"] = ort.graph.layers_detail()
         task_outputs[ort.label] = ort_out
         limits_of[ort.label] = (dt, limits(dt))
@@ -264,12 +265,15 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
         comparisons.append(cmp.skipped("om", "ATC .om model", "pyACL found but titan-pipe drives .om files "
                                        "through ais_bench; install ais_bench"))
     else:
-        omr = OmRunner(Path(om))
+        # per-layer rows from the .om's operator dump, mapped through the ONNX graph it was built from
+        omr = OmRunner(Path(om), graph=ort.graph if ort is not None else None, dim=args.dim)
         om_out = _run_batches(omr, ev.batches)
         dt = tdtype(omr.dtype)
         comparisons.append(cmp.compare_outputs("om", "PyTorch vs the .om on the Ascend runtime", ref_out, om_out,
                                                ref_label=ref.label, cand_label=omr.label, dtype=dt,
-                                               limits=limits(dt)))
+                                               limits=limits(dt), keep=dumps))
+        comparisons[-1].details["layers"] = (omr.layers_note or "per-layer rows need --onnx (the graph the .om was "
+                                             "compiled from) to map the operator dump to layers")
         task_outputs[omr.label] = om_out
         limits_of[omr.label] = (dt, limits(dt))
         hist[omr.label] = _abs_errors(ref_out, om_out)
@@ -284,7 +288,8 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
         for label, runner in gen_runners.items():
             generations[label] = cmp.greedy_generate(runner.run, ev.prompts, s.new_tokens)
     if dec is not None and s.prompts:
-        comparisons.insert(2, _kv_decode_row(ref, dec, generations[ref.label], ev.prompts.shape[1], tdtype, limits))
+        comparisons.insert(2, _kv_decode_row(ref, dec, generations[ref.label], ev.prompts.shape[1], tdtype, limits,
+                                             dumps))
         generations[dec.label], _ = dec.generate(ev.prompts, s.new_tokens)
         limits_of[dec.label] = limits_of[ort.label]
     elif ort is not None:
@@ -313,13 +318,13 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
         "comparisons": [c.to_dict() for c in comparisons],
         "operators": [r.to_dict() for r in op_rows],
     }
-    files = write_report(out_dir, report, hist)
+    files = write_report(out_dir, report, hist, dumps=dumps)
     summary = _summary(verdict, comparisons)
     return EvalResult(out_dir, verdict.passed, files["report.json"], summary)
 
 
 def _kv_decode_row(ref: TorchRunner, dec: OnnxDecodeRunner, ref_seq: torch.Tensor, n_prompt: int, tdtype,
-                   limits) -> cmp.Comparison:
+                   limits, dumps: dict | None = None) -> cmp.Comparison:
     """decode.onnx fed the reference's own greedy tokens step by step (teacher forcing) against the
     reference's full forward on the same sequence: the logits predicting each new token."""
     n_new = ref_seq.shape[1] - n_prompt
@@ -334,7 +339,7 @@ def _kv_decode_row(ref: TorchRunner, dec: OnnxDecodeRunner, ref_seq: torch.Tenso
     dt = tdtype(dec.prefill.dtype)
     c = cmp.compare_outputs("onnx_kv_decode", "KV-cache decode graph (prefill + decode.onnx, one token a step) vs "
                             "PyTorch full forward, teacher-forced", ref_o, cand_o,
-                            ref_label=ref.label, cand_label=dec.label, dtype=dt, limits=limits(dt))
+                            ref_label=ref.label, cand_label=dec.label, dtype=dt, limits=limits(dt), keep=dumps)
     c.details = {"positions": f"{n_new} generated positions of {ref_seq.shape[0]} prompt(s), "
                               f"prompt length {n_prompt}",
                  "layers": (f"{dec.path.name}: {dec.graph.layers_detail()}; per-layer rows are its {len(steps)} "

@@ -48,6 +48,9 @@ def register(app: typer.Typer) -> None:
         batches: Optional[int] = typer.Option(None, "--batches", min=1, help="Number of held-out batches"),
         operators: Optional[bool] = typer.Option(None, "--operators/--no-operators",
                                                  help="Run the operator conformance table"),
+        dump: Optional[bool] = typer.Option(None, "--dump/--no-dump", help="Also write every compared tensor "
+                                            "pair as REPORT_DIR/dump/<comparison>/{golden,candidate}/<tensor>.npy "
+                                            "(for msit / msprobe compare)"),
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Compare training checkpoint, unified model, ONNX and OM per layer, per operator, per dtype.
@@ -66,6 +69,8 @@ def register(app: typer.Typer) -> None:
             updates["batches"] = batches
         if device is not None:
             updates["device"] = device.value
+        if dump is not None:
+            updates["dump"] = dump
         if operators is not None:
             updates["operators"] = operators
         settings = settings.model_copy(update=updates)

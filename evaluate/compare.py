@@ -84,10 +84,13 @@ def skipped(cid: str, title: str, reason: str) -> Comparison:
 
 
 def compare_outputs(cid: str, title: str, ref: Outputs, cand: Outputs, *, ref_label: str, cand_label: str,
-                    dtype: str, limits: dict[str, float], logits_scope: str = "logits") -> Comparison:
+                    dtype: str, limits: dict[str, float], logits_scope: str = "logits",
+                    keep: dict | None = None) -> Comparison:
     """Per-layer hidden states (when both sides have them) and logits, each judged by ``limits``.
 
     Without hidden states on one side, only the logits row is made and ``details['layers']`` says why.
+    ``keep``: when a dict, every compared pair is put in it as ``{(cid, tensor): (reference, candidate)}``
+    (for the report's tensor dump).
     """
     rows: list[TensorRow] = []
     details: dict = {}
@@ -105,6 +108,8 @@ def compare_outputs(cid: str, title: str, ref: Outputs, cand: Outputs, *, ref_la
                 if r is None or c is None:
                     continue
                 m = compare_tensors(r, c)
+                if keep is not None:
+                    keep[cid, f"{kind}.{i}"] = (r, c)
                 fails = check_metrics(m, limits, scope)
                 rows.append(TensorRow(cid, cand_label, f"{kind}.{i}", i, dtype, tuple(r.shape), m,
                                       tuple(f.text for f in fails)))
@@ -112,6 +117,8 @@ def compare_outputs(cid: str, title: str, ref: Outputs, cand: Outputs, *, ref_la
         side = cand_label if not cand.hidden else ref_label
         details["layers"] = f"no per-layer values from {side}"
     m = compare_tensors(ref.logits, cand.logits)
+    if keep is not None:
+        keep[cid, "logits"] = (ref.logits, cand.logits)
     fails = check_metrics(m, limits, logits_scope)
     rows.append(TensorRow(cid, cand_label, "logits", None, dtype, tuple(ref.logits.shape), m,
                           tuple(f.text for f in fails)))

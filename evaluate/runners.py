@@ -160,6 +160,8 @@ class OnnxGraph:
                 gap = max(float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max()) if a.size else 0.0
                           for a, b in zip(real, own))
                 self._copy_equal = gap == 0.0
+                if self._copy_equal:  # one session from here on: the copy (weights held once, not twice)
+                    self.session = self.tap_session
                 self.copy_check = ("the copy exposing them returns the graph's own outputs bit for bit"
                                    if self._copy_equal else
                                    f"the copy exposing them differs from the graph on its outputs (max abs "
@@ -197,10 +199,13 @@ class OnnxRuntimeRunner:
         if not onnx_path.is_file():
             raise UserError(f"{onnx_path}: ONNX file not found; pass the model.onnx written by `titan-pipe export`")
         self.graph = OnnxGraph(onnx_path, threads=threads, hint="re-export it with `titan-pipe export`")
-        self.session = self.graph.session
         self.path, self.label = onnx_path, label or f"onnxruntime ({onnx_path.name})"
         self.info = self._describe()
         self.dtype = self.info.dtype
+
+    @property
+    def session(self):
+        return self.graph.session
 
     def find_layers(self, n_layers: int) -> None:
         self.graph.find_layers(n_layers)
@@ -266,7 +271,6 @@ class OnnxDecodeRunner:
     def __init__(self, prefill: OnnxRuntimeRunner, decode_path: Path):
         self.prefill, self.path = prefill, Path(decode_path)
         self.graph = OnnxGraph(self.path)
-        self.session = self.graph.session
         outs = [o.name for o in prefill.session.get_outputs()]
         self.present = [n for n in outs if n.startswith("present.")]
         self.past = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
@@ -274,6 +278,10 @@ class OnnxDecodeRunner:
             raise UserError(f"{self.path}: takes {len(self.past)} past_key_values inputs but {prefill.path.name} "
                             f"gives {len(self.present)} present outputs; export both with kv_cache from one model")
         self.label = f"onnxruntime KV-cache ({prefill.path.name} + {self.path.name})"
+
+    @property
+    def session(self):
+        return self.graph.session
 
     def find_layers(self, n_layers: int) -> None:
         self.graph.find_layers(n_layers)
@@ -328,9 +336,14 @@ class OmRunner:
     ``dtype`` is known after the first run (the dtype of the logits the chip returns: ATC's
     precision_mode decides it). Static .om files run in ais_bench's "static" mode; gear-compiled
     ones (``--dynamic_dims``) in "dymdims", which accepts only the compiled (batch, seq) gears.
+
+    With ``graph`` (the ONNX graph the .om was compiled from, its per-layer values found), every
+    run also dumps the operators' outputs through an ACL dump config and maps them to layers
+    (evaluate/om_dump.py). Not executed on a machine without an Ascend runtime.
     """
 
-    def __init__(self, om_path: Path, *, device_id: int = 0):
+    def __init__(self, om_path: Path, *, device_id: int = 0, graph: "OnnxGraph | None" = None,
+                 dim: int | None = None):
         om_path = Path(om_path)
         if not om_path.is_file():
             raise UserError(f"{om_path}: .om file not found; run `titan-pipe export` on a host with ATC")
@@ -338,20 +351,57 @@ class OmRunner:
             raise RuntimeError("OmRunner needs the ais_bench package (pyACL alone is not driven here)")
         from ais_bench.infer.interface import InferSession  # Ascend hosts only
 
-        self.session = InferSession(device_id, str(om_path))
+        from titan_pipe.evaluate.om_dump import acl_dump_config
+
+        self.graph = graph if graph is not None and graph.taps is not None and dim else None
+        self.dim = dim
+        acl_json = None
+        if self.graph is not None:
+            self.dump_root = Path(tempfile.mkdtemp(prefix="titan-eval-om-dump-"))
+            acl_json = self.dump_root / "acl.json"
+            acl_json.write_text(json.dumps(acl_dump_config(self.dump_root / "raw", om_path.stem)))
+        self.session = InferSession(device_id, str(om_path), acl_json_path=str(acl_json) if acl_json else None)
         self.path, self.label, self.dtype = om_path, f"om ({om_path.name})", "float16"
         self.out_names = [o.name for o in self.session.get_outputs()]
         in_shape = list(self.session.get_inputs()[0].shape)
         self.mode = "static" if all(int(d) > 0 for d in in_shape) else "dymdims"
+        self.layers_note = ""
 
     def run(self, tokens: torch.Tensor) -> Outputs:
         res = self.session.infer([tokens.cpu().numpy().astype(np.int64)], mode=self.mode)
         by_name = dict(zip(self.out_names, res))
         logits = np.asarray(by_name.get("logits", res[0]))
         self.dtype = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"}.get(logits.dtype, "float16")
-        hidden = [torch.from_numpy(np.asarray(by_name[f"hidden.{i}"])) for i in range(len(by_name))
-                  if f"hidden.{i}" in by_name]
-        return Outputs(torch.from_numpy(logits), hidden)
+        out = Outputs(torch.from_numpy(logits))
+        if self.graph is not None:
+            out = self._dumped_layers(out, tuple(tokens.shape))
+        return out
+
+    def _dumped_layers(self, out: Outputs, bt: tuple[int, int]) -> Outputs:
+        """This run's dump, converted to .npy by msaccucmp, mapped onto the graph's per-layer values."""
+        import shutil
+
+        from titan_pipe.evaluate.om_dump import load_layer, map_values_to_dump, msaccucmp_convert, scan_dump
+
+        raw = self.dump_root / "raw"
+        npy = self.dump_root / "npy"
+        shutil.rmtree(npy, ignore_errors=True)
+        msaccucmp_convert(raw, npy)
+        shutil.rmtree(raw, ignore_errors=True)  # the next run's dump starts empty
+        dump = scan_dump(npy)
+        t = self.graph.taps
+        shape = (*bt, self.dim)
+        lists = []
+        for names in (t.layer, t.attn, t.mlp):
+            mapped = map_values_to_dump(self.graph.structure, list(names), dump)
+            self.layers_note = "; ".join(mapped.notes[:3])
+            lists.append([_opt_tensor(load_layer(f, shape)) for f in mapped.files])
+        hidden = lists[0] if all(h is not None for h in lists[0]) else []
+        return Outputs(out.logits, hidden, lists[1], lists[2])
+
+
+def _opt_tensor(a):
+    return None if a is None else _as_tensor(a)
 
 
 class DistributedRunner:

@@ -195,6 +195,7 @@ class EvaluateConfig(Section):
     prompt_len: int = Field(16, gt=0)
     new_tokens: int = Field(16, gt=0)
     device: Literal["auto", "cpu", "cuda", "npu"] = "cpu"  # where the PyTorch reference runs
+    dump: bool = False  # REPORT_DIR/dump/<comparison>/{golden,candidate}/<tensor>.npy for msit/msprobe
 
     @model_validator(mode="after")
     def _check_thresholds(self):

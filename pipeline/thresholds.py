@@ -159,7 +159,7 @@ def check_metrics(m, limits: dict[str, float], scope: str) -> list[Failure]:
         out += _above("rel_euclidean_max", m.rel_euclidean, limits["rel_euclidean_max"],
                       "relative Euclidean distance")
     if "kl_max" in keys:
-        out += _above("kl_max", m.kl, limits["kl_max"], "KL divergence")
+        out += _above("kl_max", m.msit_kl, limits["kl_max"], "KL divergence (msit's)")
     if "logits_kl_max" in keys:
         out += _above("logits_kl_max", m.kl, limits["logits_kl_max"], "logits KL divergence")
     if "rmse_max" in keys:
