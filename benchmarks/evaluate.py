@@ -47,7 +47,7 @@ def bench_overhead() -> dict:
 
     from titan_pipe.config import EvaluateConfig
     from titan_pipe.names import native_to_hf, to_hf_config
-    from titan_pipe.convert.onnx_export import export_model
+    from titan_pipe.convert.onnx.export import export_model
     from titan_pipe.evaluate.api import evaluate_model
     from titan_pipe.evaluate.batches import load_eval_data
     from titan_pipe.training.model import build_model

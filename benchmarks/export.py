@@ -37,7 +37,7 @@ print(time.perf_counter() - t)
 CHILD_EXPORT = """
 import sys, time
 from pathlib import Path
-from titan_pipe.convert.onnx_export import export_model
+from titan_pipe.convert.onnx.export import export_model
 t = time.perf_counter()
 r = export_model(model_dir=Path(sys.argv[1]), out_dir=Path(sys.argv[3]), dtype=sys.argv[2], run_atc=False)
 print(r.summary["timings_seconds"])

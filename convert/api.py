@@ -25,8 +25,8 @@ from titan_pipe.atomic import swap_dir, temp_dir, write_text
 from titan_pipe.checkpoint_format import MANIFEST_NAME, Chunk, FileInfo, LayoutError, Manifest, ParamSpec
 from titan_pipe.convert.detect import open_source
 from titan_pipe.convert.hashing import BackgroundHasher
-from titan_pipe.convert.plan import OutputPlan, SourcePlan, parse_size, plan_sharded, plan_unified
 from titan_pipe.convert.reshard import write_file
+from titan_pipe.convert.source_plan import OutputPlan, SourcePlan, parse_size, plan_sharded, plan_unified
 from titan_pipe.convert.tokenizer_files import copy_tokenizer_files
 from titan_pipe.convert.writer import DISK_FULL_ERRNOS, DiskFull, disk_full_message
 from titan_pipe.dtypes import HF_DTYPE_NAMES, OUT_DTYPES

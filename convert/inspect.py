@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from titan_pipe.convert.detect import open_source
-from titan_pipe.convert.plan import SourcePlan
+from titan_pipe.convert.source_plan import SourcePlan
 
 
 @dataclass(frozen=True)

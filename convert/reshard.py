@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from titan_pipe.checkpoint_format import Box
-from titan_pipe.convert.plan import OutFile, OutTensor, Read
 from titan_pipe.convert.readers.store import Store, contiguous_span
+from titan_pipe.convert.source_plan import OutFile, OutTensor, Read
 from titan_pipe.convert.writer import Entry, SafetensorsWriter
 from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.dtypes import TORCH_DTYPES

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from titan_pipe.atomic import copy_file
 from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest
-from titan_pipe.convert.plan import SourcePlan
+from titan_pipe.convert.source_plan import SourcePlan
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
 

@@ -151,11 +151,68 @@ def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: 
         steps.close()
 
 
-def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig, steps: _Steps,
-              split: ValidationSplit | None = None) -> EvalResult:
-    def tdtype(cand_dtype: str) -> str:
-        return cand_dtype if s.dtype == "auto" else s.dtype
+@dataclass
+class _Run:
+    """One evaluation: its inputs, the reference and its outputs, and what the comparisons collect."""
 
+    s: EvaluateConfig
+    steps: _Steps
+    checkpoint: Path | None
+    model_dir: Path | None
+    onnx: Path | None
+    om: Path | None
+    ref: TorchRunner
+    ref_source: str
+    dist: DistributedRunner | None
+    ort: OnnxRuntimeRunner | None
+    ev: object  # EvalData (batches, prompts, source, tokenizer)
+    batch_size: int
+    seq_len: int
+    ref_out: Outputs | None = None
+    task_outputs: dict[str, Outputs] = field(default_factory=dict)
+    limits_of: dict[str, tuple[str, dict]] = field(default_factory=dict)
+    thresholds_used: dict[str, dict] = field(default_factory=dict)
+    hist: dict[str, np.ndarray] = field(default_factory=dict)
+    judged_dtypes: list[str] = field(default_factory=list)
+    gen_runners: dict = field(default_factory=dict)
+    generations: dict[str, torch.Tensor] | None = None
+    dec: OnnxDecodeRunner | None = None
+    op_rows: list = field(default_factory=list)
+    op_dtypes: tuple[str, ...] = ()
+    dumps: dict | None = None  # evaluate.dump: (comparison, tensor) -> (reference, candidate)
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.ref.args
+
+    def tdtype(self, cand_dtype: str) -> str:
+        """The threshold set: the candidate's dtype, unless evaluate.dtype names one."""
+        return cand_dtype if self.s.dtype == "auto" else self.s.dtype
+
+    def limits(self, dt: str) -> dict:
+        self.thresholds_used[dt] = resolve_thresholds(dt, self.s.thresholds)
+        if dt not in self.judged_dtypes:
+            self.judged_dtypes.append(dt)
+        return self.thresholds_used[dt]
+
+    def judged(self, label: str, out: Outputs, dt: str) -> None:
+        """Record a candidate's outputs for the task-level comparison, with its threshold set."""
+        self.task_outputs[label] = out
+        self.limits_of[label] = (dt, self.limits(dt))
+
+    def greedy(self) -> dict[str, torch.Tensor]:
+        """Greedy generations of every generating runner (computed once, when first needed)."""
+        if self.generations is None:
+            self.generations = {}
+            if self.s.prompts and (len(self.gen_runners) > 1 or self.dec is not None):
+                for label, runner in self.gen_runners.items():
+                    self.generations[label] = cmp.greedy_generate(runner.run, self.ev.prompts, self.s.new_tokens)
+        return self.generations
+
+
+def _prepare(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig, steps: _Steps,
+             split: ValidationSplit | None) -> _Run:
+    """Load the reference and the runners, check they are one model, load the held-out batches."""
     steps.step("loading the reference")
     device = reference_device(s.device)
     where = "" if device == "cpu" else f", {device}"
@@ -185,148 +242,176 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
                         vocab_size=args.vocab_size, n_batches=s.batches, batch_size=batch_size,
                         seq_len=seq_len, n_prompts=s.prompts, prompt_len=s.prompt_len, split=split,
                         checkpoint=Path(checkpoint) if checkpoint else None)
+    run = _Run(s=s, steps=steps, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om, ref=ref,
+               ref_source=ref_source, dist=dist, ort=ort, ev=ev, batch_size=batch_size, seq_len=seq_len)
+    run.gen_runners = {ref.label: ref}
+    if ort is not None and not ort.info.fixed_shape:
+        run.gen_runners[ort.label] = ort
+    run.dec = OnnxDecodeRunner.beside(ort) if ort is not None else None
+    if run.dec is not None:
+        run.dec.find_layers(args.n_layers)
+    run.dumps = {} if s.dump else None
 
     steps.step("reference forward")
-    ref_out = _run_batches(ref, ev.batches)
-    comparisons: list[cmp.Comparison] = []
-    task_outputs = {ref.label: ref_out}
-    limits_of: dict[str, tuple[str, dict]] = {}
-    thresholds_used: dict[str, dict] = {}
-    hist: dict[str, np.ndarray] = {}
-    dumps: dict | None = {} if s.dump else None  # (comparison, tensor) -> (reference, candidate)
-    judged_dtypes: list[str] = []
+    run.ref_out = _run_batches(ref, ev.batches)
+    run.task_outputs[ref.label] = run.ref_out
+    return run
 
-    def limits(dt: str) -> dict:
-        thresholds_used[dt] = resolve_thresholds(dt, s.thresholds)
-        if dt not in judged_dtypes:
-            judged_dtypes.append(dt)
-        return thresholds_used[dt]
 
-    # 1. sharded (training layout, torchrun) vs unified (one process)
-    steps.step("sharded checkpoint under torchrun")
-    if dist is not None:
-        dist_out = concat_outputs(dist.run_all(ev.batches))
-        dt = tdtype(dist.dtype)
-        comparisons.append(cmp.compare_outputs(
-            "sharded_vs_unified", "training checkpoint under its TP/PP layout vs the unified model",
-            dist_out, ref_out, ref_label=dist.label, cand_label=ref.label, dtype=dt, limits=limits(dt),
-            logits_scope="sharded", keep=dumps))
-        task_outputs[dist.label] = dist_out
-        limits_of[dist.label] = (dt, limits(dt))
-        hist[f"{ref.label} vs {dist.label}"] = _abs_errors(dist_out, ref_out)
-        if model_dir is None:
-            comparisons[-1].title = ("training checkpoint under its TP/PP layout vs its own weights in one "
-                                     "process (no --model-dir: the converter is not covered)")
-    else:
-        comparisons.append(cmp.skipped("sharded_vs_unified", "training checkpoint under its TP/PP layout vs "
-                                       "the unified model", "no --checkpoint given"))
+def _compare_sharded(run: _Run) -> cmp.Comparison:
+    """The sharded checkpoint (training layout, torchrun) vs the unified model in one process."""
+    run.steps.step("sharded checkpoint under torchrun")
+    if run.dist is None:
+        return cmp.skipped("sharded_vs_unified", "training checkpoint under its TP/PP layout vs "
+                           "the unified model", "no --checkpoint given")
+    dist, ref = run.dist, run.ref
+    dist_out = concat_outputs(dist.run_all(run.ev.batches))
+    dt = run.tdtype(dist.dtype)
+    c = cmp.compare_outputs(
+        "sharded_vs_unified", "training checkpoint under its TP/PP layout vs the unified model",
+        dist_out, run.ref_out, ref_label=dist.label, cand_label=ref.label, dtype=dt, limits=run.limits(dt),
+        logits_scope="sharded", keep=run.dumps)
+    run.judged(dist.label, dist_out, dt)
+    run.hist[f"{ref.label} vs {dist.label}"] = _abs_errors(dist_out, run.ref_out)
+    if run.model_dir is None:
+        c.title = ("training checkpoint under its TP/PP layout vs its own weights in one "
+                   "process (no --model-dir: the converter is not covered)")
+    return c
 
-    # 2. training operators (PyTorch) vs inference operators (ONNX Runtime)
-    steps.step("ONNX Runtime")
-    generations: dict[str, torch.Tensor] = {}
-    gen_runners = {ref.label: ref}
-    if ort is not None:
-        ort_out = _run_batches(ort, ev.batches)
-        dt = tdtype(ort.dtype)
-        comparisons.append(cmp.compare_outputs(
-            "torch_vs_onnx", "PyTorch (training operators) vs ONNX Runtime, per decoder layer and logits",
-            ref_out, ort_out, ref_label=ref.label, cand_label=ort.label, dtype=dt, limits=limits(dt), keep=dumps))
-        comparisons[-1].details["layers"] = ort.graph.layers_detail()
-        task_outputs[ort.label] = ort_out
-        limits_of[ort.label] = (dt, limits(dt))
-        hist[ort.label] = _abs_errors(ref_out, ort_out)
-        if not ort.info.fixed_shape:
-            gen_runners[ort.label] = ort
-    else:
-        comparisons.append(cmp.skipped("torch_vs_onnx", "PyTorch vs ONNX Runtime", "no --onnx given"))
-    comparisons.append(_npu_fused_row(model_dir, ev.batches, tdtype, limits))
 
-    # 3. operator conformance
-    steps.step("operator conformance")
-    op_rows = []
-    if s.operators:
-        op_dtypes = tuple(judged_dtypes) or (tdtype("float32"),)
-        op_rows = run_conformance(thresholds=s.thresholds)
-        comparisons.append(cmp.operator_comparison(op_rows, op_dtypes))
-    else:
-        op_dtypes = ()
-        comparisons.append(cmp.skipped("operators", "operator conformance", "evaluate.operators is false"))
+def _compare_onnx(run: _Run) -> cmp.Comparison:
+    """Training operators (PyTorch) vs inference operators (ONNX Runtime), per layer and logits."""
+    run.steps.step("ONNX Runtime")
+    ort, ref = run.ort, run.ref
+    if ort is None:
+        return cmp.skipped("torch_vs_onnx", "PyTorch vs ONNX Runtime", "no --onnx given")
+    ort_out = _run_batches(ort, run.ev.batches)
+    dt = run.tdtype(ort.dtype)
+    c = cmp.compare_outputs(
+        "torch_vs_onnx", "PyTorch (training operators) vs ONNX Runtime, per decoder layer and logits",
+        run.ref_out, ort_out, ref_label=ref.label, cand_label=ort.label, dtype=dt, limits=run.limits(dt),
+        keep=run.dumps)
+    c.details["layers"] = ort.graph.layers_detail()
+    run.judged(ort.label, ort_out, dt)
+    run.hist[ort.label] = _abs_errors(run.ref_out, ort_out)
+    return c
 
-    # 4. OM on an Ascend runtime
-    steps.step("OM")
-    runtime = ascend_runtime()
-    if om is None:
-        comparisons.append(cmp.skipped("om", "ATC .om model", "no Ascend runtime" if runtime is None
-                                       else "no --om given"))
-    elif runtime is None:
-        comparisons.append(cmp.skipped("om", "ATC .om model", "no Ascend runtime (neither ais_bench nor acl "
-                                       "is importable)"))
-    elif runtime != "ais_bench":
-        comparisons.append(cmp.skipped("om", "ATC .om model", "pyACL found but titan-pipe drives .om files "
-                                       "through ais_bench; install ais_bench"))
-    else:
-        # per-layer rows from the .om's operator dump, mapped through the ONNX graph it was built from
-        omr = OmRunner(Path(om), graph=ort.graph if ort is not None else None, dim=args.dim)
-        om_out = _run_batches(omr, ev.batches)
-        dt = tdtype(omr.dtype)
-        comparisons.append(cmp.compare_outputs("om", "PyTorch vs the .om on the Ascend runtime", ref_out, om_out,
-                                               ref_label=ref.label, cand_label=omr.label, dtype=dt,
-                                               limits=limits(dt), keep=dumps))
-        comparisons[-1].details["layers"] = (omr.layers_note or "per-layer rows need --onnx (the graph the .om was "
-                                             "compiled from) to map the operator dump to layers")
-        task_outputs[omr.label] = om_out
-        limits_of[omr.label] = (dt, limits(dt))
-        hist[omr.label] = _abs_errors(ref_out, om_out)
-        # no greedy generation on the .om: gear-compiled models take only their compiled lengths
 
-    # 5. task level (and 2b, the KV-cache decode graph, which needs the reference's generations)
-    steps.step("perplexity and greedy generation")
-    dec = OnnxDecodeRunner.beside(ort) if ort is not None else None
-    if dec is not None:
-        dec.find_layers(args.n_layers)
-    if s.prompts and (len(gen_runners) > 1 or dec is not None):
-        for label, runner in gen_runners.items():
-            generations[label] = cmp.greedy_generate(runner.run, ev.prompts, s.new_tokens)
+def _compare_kv_decode(run: _Run) -> cmp.Comparison | None:
+    """The KV-cache decode graph, teacher-forced on the reference's greedy tokens (no row without --onnx)."""
+    ort, dec, s = run.ort, run.dec, run.s
     if dec is not None and s.prompts:
-        comparisons.insert(2, _kv_decode_row(ref, dec, generations[ref.label], ev.prompts.shape[1], tdtype, limits,
-                                             dumps))
-        generations[dec.label], _ = dec.generate(ev.prompts, s.new_tokens)
-        limits_of[dec.label] = limits_of[ort.label]
-    elif ort is not None:
-        why = ("evaluate.prompts is 0" if not s.prompts else
-               f"no decode.onnx beside {Path(onnx).name} exported with the KV cache (or a static graph)")
-        comparisons.insert(2, cmp.skipped("onnx_kv_decode", "KV-cache decode graph", why))
-    task = cmp.task_comparison(ev.batches, task_outputs, ref.label, generations, ev.prompts.shape[1], limits_of)
-    if ort is not None and ort.info.fixed_shape:
-        task.details["generation_note"] = "skipped for the ONNX graph: static input shape"
-    comparisons.append(task)
+        generations = run.greedy()
+        row = _kv_decode_row(run.ref, dec, generations[run.ref.label], run.ev.prompts.shape[1], run.tdtype,
+                             run.limits, run.dumps)
+        generations[dec.label], _ = dec.generate(run.ev.prompts, s.new_tokens)
+        run.limits_of[dec.label] = run.limits_of[ort.label]
+        return row
+    if ort is None:
+        return None
+    why = ("evaluate.prompts is 0" if not s.prompts else
+           f"no decode.onnx beside {Path(run.onnx).name} exported with the KV cache (or a static graph)")
+    return cmp.skipped("onnx_kv_decode", "KV-cache decode graph", why)
 
-    verdict = cmp.decide(comparisons, op_rows, op_dtypes)
+
+def _compare_npu_fused(run: _Run) -> cmp.Comparison:
+    return _npu_fused_row(run.model_dir, run.ev.batches, run.tdtype, run.limits)
+
+
+def _compare_operators(run: _Run) -> cmp.Comparison:
+    """Per-operator conformance, judged in the dtypes the model comparisons used."""
+    run.steps.step("operator conformance")
+    if not run.s.operators:
+        return cmp.skipped("operators", "operator conformance", "evaluate.operators is false")
+    run.op_dtypes = tuple(run.judged_dtypes) or (run.tdtype("float32"),)
+    run.op_rows = run_conformance(thresholds=run.s.thresholds)
+    return cmp.operator_comparison(run.op_rows, run.op_dtypes)
+
+
+def _compare_om(run: _Run) -> cmp.Comparison:
+    """The ATC .om on an Ascend runtime (ais_bench), when there is one."""
+    run.steps.step("OM")
+    runtime = ascend_runtime()
+    if run.om is None:
+        return cmp.skipped("om", "ATC .om model", "no Ascend runtime" if runtime is None else "no --om given")
+    if runtime is None:
+        return cmp.skipped("om", "ATC .om model", "no Ascend runtime (neither ais_bench nor acl is importable)")
+    if runtime != "ais_bench":
+        return cmp.skipped("om", "ATC .om model", "pyACL found but titan-pipe drives .om files "
+                           "through ais_bench; install ais_bench")
+    # per-layer rows from the .om's operator dump, mapped through the ONNX graph it was built from
+    omr = OmRunner(Path(run.om), graph=run.ort.graph if run.ort is not None else None, dim=run.args.dim)
+    om_out = _run_batches(omr, run.ev.batches)
+    dt = run.tdtype(omr.dtype)
+    c = cmp.compare_outputs("om", "PyTorch vs the .om on the Ascend runtime", run.ref_out, om_out,
+                            ref_label=run.ref.label, cand_label=omr.label, dtype=dt, limits=run.limits(dt),
+                            keep=run.dumps)
+    c.details["layers"] = (omr.layers_note or "per-layer rows need --onnx (the graph the .om was compiled "
+                           "from) to map the operator dump to layers")
+    run.judged(omr.label, om_out, dt)
+    run.hist[omr.label] = _abs_errors(run.ref_out, om_out)
+    # no greedy generation on the .om: gear-compiled models take only their compiled lengths
+    return c
+
+
+def _compare_task(run: _Run) -> cmp.Comparison:
+    """Task level: perplexity of every candidate and greedy generations token for token."""
+    run.steps.step("perplexity and greedy generation")
+    generations = run.greedy()
+    task = cmp.task_comparison(run.ev.batches, run.task_outputs, run.ref.label, generations,
+                               run.ev.prompts.shape[1], run.limits_of)
+    if run.ort is not None and run.ort.info.fixed_shape:
+        task.details["generation_note"] = "skipped for the ONNX graph: static input shape"
+    return task
+
+
+# The comparisons in report order; each returns its row (None: no row for these inputs). The KV
+# decode row needs the reference's greedy generation (computed once, shared with the task row).
+COMPARISONS = (
+    _compare_sharded,
+    _compare_onnx,
+    _compare_kv_decode,
+    _compare_npu_fused,
+    _compare_operators,
+    _compare_om,
+    _compare_task,
+)
+
+
+def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig, steps: _Steps,
+              split: ValidationSplit | None = None) -> EvalResult:
+    run = _prepare(out_dir, checkpoint, model_dir, onnx, om, data, s, steps, split)
+    comparisons = [c for c in (compare(run) for compare in COMPARISONS) if c is not None]
+    verdict = cmp.decide(comparisons, run.op_rows, run.op_dtypes)
     steps.step("writing the report")
-    report = {
+    files = write_report(out_dir, _report(run, comparisons, verdict), run.hist, dumps=run.dumps)
+    return EvalResult(out_dir, verdict.passed, files["report.json"], _summary(verdict, comparisons))
+
+
+def _report(run: _Run, comparisons: list[cmp.Comparison], verdict: cmp.Verdict) -> dict:
+    args, ev, s = run.args, run.ev, run.s
+    return {
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "passed": verdict.passed, "verdict": verdict.to_dict(),
-        "inputs": {"checkpoint": _s(checkpoint), "model_dir": _s(model_dir), "onnx": _s(onnx), "om": _s(om),
-                   "data": ev.source},
+        "inputs": {"checkpoint": _s(run.checkpoint), "model_dir": _s(run.model_dir), "onnx": _s(run.onnx),
+                   "om": _s(run.om), "data": ev.source},
         "data": {"source": ev.source, "tokenizer": ev.tokenizer, "batches": len(ev.batches),
-                 "batch_size": batch_size, "seq_len": seq_len, "prompts": int(ev.prompts.shape[0]),
+                 "batch_size": run.batch_size, "seq_len": run.seq_len, "prompts": int(ev.prompts.shape[0]),
                  "prompt_len": int(ev.prompts.shape[1]), "new_tokens": s.new_tokens},
         "model": args.to_dict() | {"rope_scaling": None if args.rope_scaling is None else vars(args.rope_scaling)},
-        "settings": s.model_dump(), "thresholds": thresholds_used,
+        "settings": s.model_dump(), "thresholds": run.thresholds_used,
         "environment": _environment(),
         "comparisons": [c.to_dict() for c in comparisons],
-        "operators": [r.to_dict() for r in op_rows],
+        "operators": [r.to_dict() for r in run.op_rows],
     }
-    files = write_report(out_dir, report, hist, dumps=dumps)
-    summary = _summary(verdict, comparisons)
-    return EvalResult(out_dir, verdict.passed, files["report.json"], summary)
 
 
 def _kv_decode_row(ref: TorchRunner, dec: OnnxDecodeRunner, ref_seq: torch.Tensor, n_prompt: int, tdtype,
                    limits, dumps: dict | None = None) -> cmp.Comparison:
     """decode.onnx fed the reference's own greedy tokens step by step (teacher forcing) against the
-    reference's full forward on the same sequence: the logits predicting each new token."""
+    reference's full forward on the same sequence: the logits predicting each new token, and
+    decode.onnx's own per-layer values of each decode step against the reference's at that position."""
     n_new = ref_seq.shape[1] - n_prompt
     full = ref.run(ref_seq[:, :-1])
     steps: list[Outputs] = []

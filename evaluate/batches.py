@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from titan_pipe.checkpoint_format import is_complete
+from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
 
 
@@ -44,6 +45,24 @@ class ValidationSplit:
             corpus = Path(data.path).expanduser()
             corpus = corpus if corpus.is_absolute() else Path(flow_dir) / corpus
         return cls(corpus=corpus, val_fraction=data.val_fraction, text_key=data.text_key)
+
+
+def held_out_text(*, data: Path | None, flow: FlowConfig | None, flow_dir: Path | None
+                  ) -> tuple[Path | None, ValidationSplit | None]:
+    """What an evaluation reads as held-out text: (a file used whole, or the split of a corpus).
+
+    ``data`` (--data) wins; else flow.yaml's evaluate.data (relative to ``flow_dir``); else the
+    validation split of the flow's own training data, as training cut it. (None, None) without a
+    flow: evaluate_model then takes the shipped corpus's split.
+    """
+    if data is not None:
+        return Path(data), None
+    if flow is None:
+        return None, None
+    if flow.evaluate.data is not None:
+        path = Path(flow.evaluate.data)
+        return (path if path.is_absolute() else Path(flow_dir) / path), None
+    return None, ValidationSplit.of_flow(flow.data, Path(flow_dir))
 
 
 RANDOM_SEED = 0  # seed of the random token ids used when the model has no tokenizer

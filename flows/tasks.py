@@ -85,7 +85,7 @@ def convert_task(checkpoint: Path, out_dir: Path, settings: ConvertConfig) -> St
 
 @task(name="export", cache_policy=NO_CACHE, persist_result=False)
 def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> StageOutput:
-    from titan_pipe.convert.onnx_export import export_model
+    from titan_pipe.convert.onnx.export import export_model
 
     run_logger().info(f"exporting {model_dir} -> {out_dir} (opset {settings.opset}, {settings.dtype})")
     r = export_model(model_dir=model_dir, out_dir=out_dir, opset=settings.opset, dtype=settings.dtype,
@@ -96,9 +96,8 @@ def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> Stage
     paths = {"onnx_dir": str(r.out_dir), "onnx": str(r.onnx), "export_json": str(r.export_json)}
     if r.decode_onnx is not None:
         paths["decode_onnx"] = str(r.decode_onnx)
-    om = r.out_dir / "om" / "model.om"
-    if om.is_file():
-        paths["om"] = str(om)
+    if r.om is not None:
+        paths["om"] = str(r.om)
     return StageOutput("export", paths, outputs=[str(r.out_dir)],
                        summary={**dict(r.summary), "atc_status": r.atc_status})
 

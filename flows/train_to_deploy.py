@@ -130,14 +130,9 @@ def _call_stage(stage: str, fn: Callable, *, cfg: FlowConfig, flow_path: Path, f
         return fn(checkpoint=Path(upstream["checkpoint"]), out_dir=rd.model, settings=cfg.convert)
     if stage == "export":
         return fn(model_dir=Path(upstream["model_dir"]), out_dir=rd.onnx, settings=cfg.export)
-    data = split = None
-    if cfg.evaluate.data is not None:  # a held-out file, used whole
-        data = Path(cfg.evaluate.data)
-        data = data if data.is_absolute() else flow_dir / data
-    else:  # the validation split of this flow's own training data, as training cut it
-        from titan_pipe.evaluate.batches import ValidationSplit
+    from titan_pipe.evaluate.batches import held_out_text
 
-        split = ValidationSplit.of_flow(cfg.data, flow_dir)
+    data, split = held_out_text(data=None, flow=cfg, flow_dir=flow_dir)
     om = upstream.get("om")
     return fn(out_dir=rd.report, checkpoint=Path(upstream["checkpoint"]), model_dir=Path(upstream["model_dir"]),
               onnx=Path(upstream["onnx"]), om=Path(om) if om else None, data=data, settings=cfg.evaluate,
@@ -146,13 +141,16 @@ def _call_stage(stage: str, fn: Callable, *, cfg: FlowConfig, flow_path: Path, f
 
 def run_pipeline(flow_path: Path, *, from_stage: str | None = None, only: str | None = None,
                  force: bool = False, tasks: dict[str, Callable] | None = None,
-                 publish: bool = True) -> PipelineOutcome:
-    """Run the selected stages of flow.yaml in order, skipping those whose key is unchanged."""
+                 publish: bool = True, cfg: FlowConfig | None = None) -> PipelineOutcome:
+    """Run the selected stages of flow.yaml in order, skipping those whose key is unchanged.
+
+    ``cfg``: flow.yaml as the caller already loaded it (else it is loaded here).
+    """
     from titan_pipe.flows.artifacts import publish as publish_artifacts
 
     tasks = {**DEFAULT_TASKS, **(tasks or {})}
     flow_path = Path(flow_path).resolve()
-    cfg = load_flow(flow_path)
+    cfg = cfg if cfg is not None else load_flow(flow_path)
     actions = cache.plan_actions(from_stage=from_stage, only=only, force=force, cache=cfg.orchestration.cache)
     run_dir = cfg.run_dir().resolve()
     reused = cache.check_reusable(actions, run_dir)
@@ -253,9 +251,9 @@ def _enter(workdir: str | None) -> None:
 
 @flow(name="train-to-deploy", description="Train, convert, export and evaluate one flow.yaml.")
 def train_to_deploy(flow_path: str, from_stage: str | None = None, only: str | None = None,
-                    force: bool = False, workdir: str | None = None) -> dict:
+                    force: bool = False, workdir: str | None = None, cfg: FlowConfig | None = None) -> dict:
     _enter(workdir)
-    return run_pipeline(Path(flow_path), from_stage=from_stage, only=only, force=force).to_json()
+    return run_pipeline(Path(flow_path), from_stage=from_stage, only=only, force=force, cfg=cfg).to_json()
 
 
 @flow(name="titan-pipe-train", description="The training stage of a flow.yaml alone (node_rank > 0: a worker node).")

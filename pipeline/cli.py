@@ -1,16 +1,15 @@
-"""The titan-pipe command line: a Typer root app; each stage registers its own thin commands."""
+"""The titan-pipe command line: the Typer root app (init, validate); the commands of every stage live in
+titan_pipe.commands, one module per command group, each a thin shell over a stage's library function."""
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
-from typing import Callable
 
 import typer
-from rich.console import Console
 
 from titan_pipe.atomic import write_text
-from titan_pipe.config import ConfigError, load_flow
+from titan_pipe.commands.common import console, handle_errors
+from titan_pipe.config import load_flow
 from titan_pipe.errors import UserError
 
 app = typer.Typer(
@@ -20,39 +19,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
-
 TEMPLATE = Path(__file__).parent / "templates" / "flow.yaml"
-
-
-def handle_errors(fn: Callable) -> Callable:
-    """Map the errors a user can fix to one clear message and an exit code (no traceback)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except ConfigError as e:
-            for line in e.lines:
-                console.print(f"[red]error[/red] {e.source}: {line}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2)
-        except UserError as e:
-            console.print(f"[red]error[/red] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(e.exit_code)
-
-    return wrapper
-
-
-def call_stage(stage: str, fn: Callable, *, track: bool, **kwargs):
-    """Run a stage's library function directly, or (``--flow``) inside a tracked Prefect flow run."""
-    if not track:
-        return fn(**kwargs)
-    from titan_pipe.flows.track import run_tracked  # Prefect is imported only when asked for
-
-    return run_tracked(stage, fn, **kwargs)
-
-
-FLOW_HELP = "Track this run as a Prefect flow run (UI, logs); without it no Prefect is involved"
 
 
 @app.command()
@@ -81,20 +48,15 @@ def validate(flow: Path = typer.Argument(..., help="flow.yaml to check")):
                f"world size {p.world_size}, {cfg.train.steps} steps")
 
 
-def _register_stages() -> None:
-    # Each stage owns its commands; the root only mounts them.
-    from titan_pipe.convert import cli as convert_cli
-    from titan_pipe.convert import export_cli
-    from titan_pipe.evaluate import cli as evaluate_cli
-    from titan_pipe.flows import cli as flows_cli
-    from titan_pipe.training import cli as training_cli
-    from titan_pipe.training import plan_cli
+def _register_commands() -> None:
+    # One module per command group under titan_pipe.commands; the root only mounts them.
+    from titan_pipe.commands import convert, evaluate, export, plan, run, train
 
-    for module in (training_cli, plan_cli, convert_cli, export_cli, evaluate_cli, flows_cli):
+    for module in (train, plan, convert, export, evaluate, run):
         module.register(app)
 
 
-_register_stages()
+_register_commands()
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -11,7 +11,7 @@ pytest.importorskip("onnxruntime")
 
 from titan_pipe.config import EvaluateConfig, load_flow  # noqa: E402
 from titan_pipe.convert.api import convert_checkpoint  # noqa: E402
-from titan_pipe.convert.onnx_export import export_model  # noqa: E402
+from titan_pipe.convert.onnx.export import export_model
 from titan_pipe.evaluate.api import evaluate_model  # noqa: E402
 from titan_pipe.training.launch import run_training  # noqa: E402
 

@@ -15,7 +15,7 @@ pytest.importorskip("onnxruntime")
 
 from titan_pipe.cli import app  # noqa: E402
 from titan_pipe.config import EvaluateConfig  # noqa: E402
-from titan_pipe.convert.onnx_export import export_model  # noqa: E402
+from titan_pipe.convert.onnx.export import export_model
 from titan_pipe.errors import UserError  # noqa: E402
 from titan_pipe.evaluate.api import evaluate_model  # noqa: E402
 from titan_pipe.evaluate.metrics import CSV_COLUMNS  # noqa: E402

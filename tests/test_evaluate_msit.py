@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 
 from titan_pipe.config import EvaluateConfig  # noqa: E402
-from titan_pipe.convert.onnx_export import export_model  # noqa: E402
+from titan_pipe.convert.onnx.export import export_model  # noqa: E402
 from titan_pipe.evaluate.api import evaluate_model  # noqa: E402
 
 MSIT_COLUMNS = {  # msaccucmp algorithm -> our report key

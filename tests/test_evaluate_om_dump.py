@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("onnxruntime")
 
-from titan_pipe.convert.onnx_export import export_model  # noqa: E402
+from titan_pipe.convert.onnx.export import export_model  # noqa: E402
 from titan_pipe.evaluate.compare import compare_outputs  # noqa: E402
 from titan_pipe.evaluate.om_dump import (acl_dump_config, load_layer, map_values_to_dump, read_fusion_json,  # noqa: E402
                                          safe_name, scan_dump)

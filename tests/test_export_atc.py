@@ -7,8 +7,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from titan_pipe.convert.atc import GraphInput, atc_invocation, command_script, run_atc, seq_gears
-from titan_pipe.convert.atc_ops import find_problems, load_atc_ops, operator_report
+from titan_pipe.convert.onnx.atc import GraphInput, atc_invocation, command_script, run_atc, seq_gears
+from titan_pipe.convert.onnx.atc_ops import find_problems, load_atc_ops, operator_report
 from titan_pipe.errors import StageFailed
 
 

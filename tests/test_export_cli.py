@@ -99,12 +99,12 @@ def test_out_dir_may_not_be_the_source(model_dir):
 
 
 def test_incompatible_operator_fails_the_export_and_leaves_nothing(model_dir, tmp_path, monkeypatch):
-    from titan_pipe.convert import atc_ops
+    from titan_pipe.convert.onnx import atc_ops
 
     ops = json.loads(atc_ops.OPS_FILE.read_text())
     del ops["operators"]["Range"]  # as if ATC did not list the op the causal mask is built from
     monkeypatch.setattr(atc_ops, "load_atc_ops", lambda: ops)
-    monkeypatch.setattr("titan_pipe.convert.onnx_export.load_atc_ops", lambda: ops)
+    monkeypatch.setattr("titan_pipe.convert.onnx.export.load_atc_ops", lambda: ops)
     src, _, _ = model_dir
     res = _run(src, "-o", tmp_path / "out", "--no-kv-cache")
     assert res.exit_code == 1

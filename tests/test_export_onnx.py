@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from export_support import debug_model, hidden_states, write_unified
-from titan_pipe.convert.onnx_export import export_model
-from titan_pipe.convert.onnx_files import gather_external_data, share_external_data
+from titan_pipe.convert.onnx.export import export_model
+from titan_pipe.convert.onnx.files import gather_external_data, share_external_data
 from titan_pipe.hashing import sha256_file
 
 ort = pytest.importorskip("onnxruntime")

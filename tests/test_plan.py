@@ -15,11 +15,15 @@ from titan_pipe.config import load_flow
 from titan_pipe.model_args import FLAVOURS, count_params, resolve_args
 from titan_pipe.training.activation_checkpoint import apply_ac
 from titan_pipe.training.model import build_model
-from titan_pipe.training.plan import build_cluster, estimate, layout_flow, make_plan
-from titan_pipe.training.plan_cost import (
-    ActDtypes, Assumptions, Layout, Workload, activation_bytes, bubble_fraction, dp_bytes,
-    head_activation_bytes, layer_activation_bytes, memory_per_device, optimizer_bytes,
-    rank_flops_per_token, rank_params, step_flops_per_token)
+from titan_pipe.training.planner.memory import (
+    ActDtypes, activation_bytes, head_activation_bytes, layer_activation_bytes, memory_per_device,
+    optimizer_bytes, rank_params,
+)
+from titan_pipe.training.planner.search import build_cluster, estimate, layout_flow, make_plan
+from titan_pipe.training.planner.timing import (
+    bubble_fraction, dp_bytes, rank_flops_per_token, step_flops_per_token,
+)
+from titan_pipe.training.planner.workload import Assumptions, Layout, Workload
 
 # Small but not degenerate: GQA (8 heads, 2 kv heads), ffn 384, vocab 512.
 SMALL = resolve_args("debug", dim=128, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=512, multiple_of=128,

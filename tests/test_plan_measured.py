@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from titan_pipe.model_args import resolve_args
-from titan_pipe.training.plan_cost import Layout, Workload, activation_bytes, optimizer_bytes, rank_params
+from titan_pipe.training.planner.memory import activation_bytes, optimizer_bytes, rank_params
+from titan_pipe.training.planner.workload import Layout, Workload
 
 pytestmark = pytest.mark.distributed
 

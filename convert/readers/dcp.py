@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from titan_pipe.checkpoint_format import Box
-from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
 from titan_pipe.convert.readers.store import Store
+from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs, RopeScaling

@@ -6,7 +6,7 @@ Tree: ``latest_checkpointed_iteration.txt`` + ``iter_XXXXXXX/mp_rank_TT[_PPP]/mo
 numpy types of the saved RNG state, stand-ins for Megatron's enums) -- never a plain unpickle --
 one rank file at a time as the plan reaches it.
 
-Plan rules (all boxes, see convert/plan.py):
+Plan rules (all boxes, see convert/source_plan.py):
 - ``linear_qkv`` (per rank: its query groups, each = that group's q heads, then its k head, then
   its v head) -> wq/wk/wv rows of the group's global heads;
 - ``linear_fc1`` (per rank: its gate slice, then its up slice) -> w1 / w3 rows;
@@ -22,14 +22,15 @@ import argparse
 import pickle
 import re
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from titan_pipe.checkpoint_format import Box
-from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
 from titan_pipe.convert.readers.store import Store
+from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs, RopeScaling
@@ -220,8 +221,48 @@ def _rows(off: int, n: int, dim: int) -> Box:
     return Box((off, 0), (n, dim))
 
 
-def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
-                read_headers: bool = True) -> tuple[SourcePlan, MegatronStore]:
+@dataclass(frozen=True)
+class _Layout:
+    """The model and its tp/pp split, as a rank file's Megatron args describe them."""
+
+    it_dir: Path
+    files: dict  # (tp rank, pp rank) -> file relative to it_dir
+    a: argparse.Namespace
+    args: ModelArgs
+    tp: int
+    pp: int
+    padded: int  # padded_vocab_size (0: none)
+    counts: list[int]  # layers per pp stage
+    offsets: list[int]  # first global layer id of each pp stage
+
+    @property
+    def qpg(self) -> int:  # query heads per group
+        return self.args.n_heads // self.args.kv_heads
+
+    @property
+    def ng_local(self) -> int:  # query groups per tp rank
+        return self.args.kv_heads // self.tp
+
+    @property
+    def ffn_local(self) -> int:
+        return self.args.hidden_dim // self.tp
+
+
+@dataclass
+class _Reads:
+    """What the rank files contribute, global tensor by global tensor."""
+
+    reads: dict[str, list[Read]] = field(default_factory=dict)
+    shapes: dict[str, tuple] = field(default_factory=dict)  # where a rank's shape does not give it
+    dtypes: dict[str, str] = field(default_factory=dict)
+
+    def add(self, name: str, read: Read, dtype: str) -> None:
+        self.reads.setdefault(name, []).append(read)
+        self.dtypes[name] = dtype
+
+
+def _rank_files(path: Path) -> tuple[Path, dict, dict]:
+    """(iteration dir, {(tp, pp): rank file}, the first rank file loaded): the files and their args."""
     it_dir = _iter_dir(path)
     if it_dir is None:
         raise UserError(f"{path}: no {TRACKER}, iter_* directory or mp_rank_* directories; not a "
@@ -230,10 +271,14 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
     if not files:
         raise UserError(f"{it_dir}: no mp_rank_* directories")
     first = load_rank_file(it_dir / files[min(files)])
-    a = first.get("args")
-    if a is None:
+    if first.get("args") is None:
         raise UserError(f"{it_dir / files[min(files)]}: has no 'args'; titan-pipe needs the model's "
                         "Megatron arguments saved in the checkpoint")
+    return it_dir, files, first
+
+
+def _layout(path: Path, it_dir: Path, files: dict, a, vocab_size: int | None) -> _Layout:
+    """Check that every (tp, pp) rank file is there and the groups split over tp; the model args."""
     tp, pp = int(a.tensor_model_parallel_size), int(a.pipeline_model_parallel_size)
     want = {(t, p) for t in range(tp) for p in range(pp)}
     if set(files) != want:
@@ -245,105 +290,128 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
         if not (it_dir / f).is_file():
             raise UserError(f"{it_dir / f}: missing rank file; copy the complete checkpoint")
     args = model_args(a, _true_vocab(a, path, vocab_size), path)
-    hd, ng, qpg = args.head_dim, args.kv_heads, args.n_heads // args.kv_heads
-    if ng % tp:
-        raise UserError(f"{it_dir}: {ng} query groups do not split over tp={tp}")
-    ng_local, ffn_local = ng // tp, args.hidden_dim // tp
-    padded = int(getattr(a, "padded_vocab_size", 0) or 0)
+    if args.kv_heads % tp:
+        raise UserError(f"{it_dir}: {args.kv_heads} query groups do not split over tp={tp}")
     counts = _stage_layers(a, pp)
-    offsets = [sum(counts[:s]) for s in range(pp)]
-    dim = args.dim
-    reads: dict[str, list[Read]] = {}
-    shapes_seen: dict[str, tuple] = {}
-    dtypes: dict[str, str] = {}
-    interleaved = bool(getattr(a, "rotary_interleaved", False))
-    for (t, p), f in sorted(files.items(), key=lambda x: (x[0][1], x[0][0])):
-        sd = first if (t, p) == min(files) else load_rank_file(it_dir / f)
-        model = sd.get("model")
-        if model is None:
-            raise UserError(f"{it_dir / f}: no 'model' entry (keys {sorted(sd)[:6]}); virtual "
-                            "pipeline checkpoints (model0, model1 ...) are not supported")
-        n_local = 0
-        for key, x in model.items():
-            try:
-                name = megatron_to_native(key, offsets[p])
-            except KeyError as e:
-                raise UserError(f"{it_dir / f}: {e.args[0]}; only megatron-core LLaMA-style "
-                                "layers are converted") from None
-            if name is None or not isinstance(x, torch.Tensor):
-                continue
-            if ".layers." in key:
-                n_local = max(n_local, int(key.split(".")[2]) + 1)
-            dtype = DTYPE_NAMES[x.dtype]
-            shape = tuple(x.shape)
-            if name.startswith("<qkv>"):
-                gid = int(name.split(":")[1])
-                exp = (ng_local * (qpg + 2) * hd, dim)
-                if shape != exp:
-                    raise UserError(f"{it_dir / f}: {key} is {list(shape)}, expected {list(exp)} "
-                                    f"({ng_local} query groups x ({qpg} q + k + v) x {hd} rows)")
-                for g in range(ng_local):
-                    G, base = t * ng_local + g, g * (qpg + 2) * hd
-                    rope = hd if interleaved else None
-                    for nm, so, do, n in (("wq", base, G * qpg * hd, qpg * hd),
-                                          ("wk", base + qpg * hd, G * hd, hd),
-                                          ("wv", base + (qpg + 1) * hd, G * hd, hd)):
-                        full = f"layers.{gid}.attention.{nm}.weight"
-                        reads.setdefault(full, []).append(
-                            Read(f, key, _rows(so, n, dim), _rows(do, n, dim), None if nm == "wv" else rope))
-                        dtypes[full] = dtype
-                continue
-            if name.startswith("<fc1>"):
-                gid = int(name.split(":")[1])
-                if shape != (2 * ffn_local, dim):
-                    raise UserError(f"{it_dir / f}: {key} is {list(shape)}, expected {[2 * ffn_local, dim]}")
-                for nm, so in (("w1", 0), ("w3", ffn_local)):
-                    full = f"layers.{gid}.feed_forward.{nm}.weight"
-                    reads.setdefault(full, []).append(
-                        Read(f, key, _rows(so, ffn_local, dim), _rows(t * ffn_local, ffn_local, dim)))
-                    dtypes[full] = dtype
-                continue
-            dtypes[name] = dtype
-            if name in ("tok_embeddings.weight", "output.weight"):
-                rows = shape[0]
-                if padded and rows * tp != padded:
-                    raise UserError(f"{it_dir / f}: {key} has {rows} rows x tp {tp} != padded vocab {padded}")
-                lo, hi = t * rows, min((t + 1) * rows, args.vocab_size)
-                if hi > lo:
-                    reads.setdefault(name, []).append(Read(f, key, _rows(0, hi - lo, dim), _rows(lo, hi - lo, dim)))
-                shapes_seen[name] = (args.vocab_size, dim)
-            elif name.endswith(".attention.wo.weight") or name.endswith(".feed_forward.w2.weight"):
-                cols = shape[1]
-                reads.setdefault(name, []).append(
-                    Read(f, key, Box.full(shape), Box((0, t * cols), shape)))
-                shapes_seen[name] = (shape[0], cols * tp)
-            elif t == 0:  # norms: replicated over tp
-                reads.setdefault(name, []).append(Read(f, key, Box.full(shape), Box.full(shape)))
-                shapes_seen[name] = shape
-        if n_local != counts[p]:
-            raise UserError(f"{it_dir / f}: holds {n_local} layers but pp stage {p} should hold "
-                            f"{counts[p]} (num_layers {a.num_layers} over pp={pp})")
-        del sd, model
+    return _Layout(it_dir, files, a, args, tp, pp, int(getattr(a, "padded_vocab_size", 0) or 0), counts,
+                   [sum(counts[:s]) for s in range(pp)])
+
+
+def _qkv_reads(lay: _Layout, acc: _Reads, f: str, key: str, gid: int, t: int, shape: tuple, dtype: str) -> None:
+    """De-fuse one rank's linear_qkv: per query group, qpg q heads then k then v (rows of hd)."""
+    hd, qpg, ng_local, dim = lay.args.head_dim, lay.qpg, lay.ng_local, lay.args.dim
+    exp = (ng_local * (qpg + 2) * hd, dim)
+    if shape != exp:
+        raise UserError(f"{lay.it_dir / f}: {key} is {list(shape)}, expected {list(exp)} "
+                        f"({ng_local} query groups x ({qpg} q + k + v) x {hd} rows)")
+    rope = hd if bool(getattr(lay.a, "rotary_interleaved", False)) else None
+    for g in range(ng_local):
+        G, base = t * ng_local + g, g * (qpg + 2) * hd
+        for nm, so, do, n in (("wq", base, G * qpg * hd, qpg * hd),
+                              ("wk", base + qpg * hd, G * hd, hd),
+                              ("wv", base + (qpg + 1) * hd, G * hd, hd)):
+            acc.add(f"layers.{gid}.attention.{nm}.weight",
+                    Read(f, key, _rows(so, n, dim), _rows(do, n, dim), None if nm == "wv" else rope), dtype)
+
+
+def _fc1_reads(lay: _Layout, acc: _Reads, f: str, key: str, gid: int, t: int, shape: tuple, dtype: str) -> None:
+    """De-fuse one rank's linear_fc1: its gate rows, then its up rows."""
+    ffn_local, dim = lay.ffn_local, lay.args.dim
+    if shape != (2 * ffn_local, dim):
+        raise UserError(f"{lay.it_dir / f}: {key} is {list(shape)}, expected {[2 * ffn_local, dim]}")
+    for nm, so in (("w1", 0), ("w3", ffn_local)):
+        acc.add(f"layers.{gid}.feed_forward.{nm}.weight",
+                Read(f, key, _rows(so, ffn_local, dim), _rows(t * ffn_local, ffn_local, dim)), dtype)
+
+
+def _plain_reads(lay: _Layout, acc: _Reads, f: str, key: str, name: str, t: int, shape: tuple, dtype: str) -> None:
+    """Vocab-parallel embeddings (padding dropped), row-parallel wo/w2 (split columns), replicated norms."""
+    tp, dim = lay.tp, lay.args.dim
+    acc.dtypes[name] = dtype
+    if name in ("tok_embeddings.weight", "output.weight"):
+        rows = shape[0]
+        if lay.padded and rows * tp != lay.padded:
+            raise UserError(f"{lay.it_dir / f}: {key} has {rows} rows x tp {tp} != padded vocab {lay.padded}")
+        lo, hi = t * rows, min((t + 1) * rows, lay.args.vocab_size)
+        if hi > lo:
+            acc.reads.setdefault(name, []).append(Read(f, key, _rows(0, hi - lo, dim), _rows(lo, hi - lo, dim)))
+        acc.shapes[name] = (lay.args.vocab_size, dim)
+    elif name.endswith(".attention.wo.weight") or name.endswith(".feed_forward.w2.weight"):
+        cols = shape[1]
+        acc.reads.setdefault(name, []).append(Read(f, key, Box.full(shape), Box((0, t * cols), shape)))
+        acc.shapes[name] = (shape[0], cols * tp)
+    elif t == 0:  # norms: replicated over tp
+        acc.reads.setdefault(name, []).append(Read(f, key, Box.full(shape), Box.full(shape)))
+        acc.shapes[name] = shape
+
+
+def _plan_rank(lay: _Layout, acc: _Reads, t: int, p: int, f: str, sd: dict) -> None:
+    """The reads one (tp, pp) rank file contributes; its layer count must match its pp stage."""
+    model = sd.get("model")
+    if model is None:
+        raise UserError(f"{lay.it_dir / f}: no 'model' entry (keys {sorted(sd)[:6]}); virtual "
+                        "pipeline checkpoints (model0, model1 ...) are not supported")
+    n_local = 0
+    for key, x in model.items():
+        try:
+            name = megatron_to_native(key, lay.offsets[p])
+        except KeyError as e:
+            raise UserError(f"{lay.it_dir / f}: {e.args[0]}; only megatron-core LLaMA-style "
+                            "layers are converted") from None
+        if name is None or not isinstance(x, torch.Tensor):
+            continue
+        if ".layers." in key:
+            n_local = max(n_local, int(key.split(".")[2]) + 1)
+        dtype, shape = DTYPE_NAMES[x.dtype], tuple(x.shape)
+        if name.startswith("<qkv>"):
+            _qkv_reads(lay, acc, f, key, int(name.split(":")[1]), t, shape, dtype)
+        elif name.startswith("<fc1>"):
+            _fc1_reads(lay, acc, f, key, int(name.split(":")[1]), t, shape, dtype)
+        else:
+            _plain_reads(lay, acc, f, key, name, t, shape, dtype)
+    if n_local != lay.counts[p]:
+        raise UserError(f"{lay.it_dir / f}: holds {n_local} layers but pp stage {p} should hold "
+                        f"{lay.counts[p]} (num_layers {lay.a.num_layers} over pp={lay.pp})")
+
+
+def _tensor_plans(lay: _Layout, acc: _Reads) -> dict[str, TensorPlan]:
+    """Every parameter of the model with its global shape and reads; a missing one is an error."""
+    args, tp, dim, hd, ng = lay.args, lay.tp, lay.args.dim, lay.args.head_dim, lay.args.kv_heads
     tensors = {}
     for name in native_names(args):
-        if name not in reads:
-            raise UserError(f"{it_dir}: no tensor for {name!r}; the checkpoint is incomplete")
-        shape = shapes_seen.get(name)
+        if name not in acc.reads:
+            raise UserError(f"{lay.it_dir}: no tensor for {name!r}; the checkpoint is incomplete")
+        shape = acc.shapes.get(name)
         if shape is None:  # de-fused q/k/v and gate/up
             shape = {"wq": (args.n_heads * hd, dim), "wk": (ng * hd, dim), "wv": (ng * hd, dim),
                      "w1": (args.hidden_dim, dim), "w3": (args.hidden_dim, dim)}[name.split(".")[-2]]
         kind = ("fused qkv" if ".attention.w" in name and "wo" not in name else
                 "fused fc1" if name.endswith(("w1.weight", "w3.weight")) else
-                "replicated" if len(reads[name]) == 1 else f"over tp={tp}")
-        if name in ("tok_embeddings.weight", "output.weight") and padded:
-            kind = f"vocab-parallel, padded {padded} -> {args.vocab_size}"
-        tensors[name] = TensorPlan(name, shape, dtypes[name], tuple(reads[name]), kind)
+                "replicated" if len(acc.reads[name]) == 1 else f"over tp={tp}")
+        if name in ("tok_embeddings.weight", "output.weight") and lay.padded:
+            kind = f"vocab-parallel, padded {lay.padded} -> {args.vocab_size}"
+        tensors[name] = TensorPlan(name, shape, acc.dtypes[name], tuple(acc.reads[name]), kind)
+    return tensors
+
+
+def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
+                read_headers: bool = True) -> tuple[SourcePlan, MegatronStore]:
+    """Plan a Megatron-LM checkpoint: find the rank files, read the layout from their args, plan
+    each rank file's reads (one rank file in memory at a time), then every global tensor."""
+    it_dir, files, first = _rank_files(path)
+    lay = _layout(path, it_dir, files, first["args"], vocab_size)
+    acc = _Reads()
+    for (t, p), f in sorted(files.items(), key=lambda x: (x[0][1], x[0][0])):
+        sd = first if (t, p) == min(files) else load_rank_file(it_dir / f)
+        _plan_rank(lay, acc, t, p, f, sd)
+        del sd
+    tensors = _tensor_plans(lay, acc)
     # Reads name files relative to the iteration dir; the store and the hasher work from there.
-    plan = SourcePlan(FORMAT, it_dir, args, tensors,
+    plan = SourcePlan(FORMAT, it_dir, lay.args, tensors,
                       files=[files[k] for k in sorted(files, key=lambda x: (x[1], x[0]))],
                       step=int(first.get("iteration", 0) or 0),
-                      layout={"tp": tp, "pp": pp, "layers_per_stage": counts,
+                      layout={"tp": lay.tp, "pp": lay.pp, "layers_per_stage": lay.counts,
                               "checkpoint_version": first.get("checkpoint_version"),
-                              "padded_vocab_size": padded or None})
+                              "padded_vocab_size": lay.padded or None})
     del first
-    return plan, MegatronStore(it_dir, keep=tp)
+    return plan, MegatronStore(it_dir, keep=lay.tp)

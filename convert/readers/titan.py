@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, LayoutError, Manifest, newest_complete
-from titan_pipe.convert.plan import Read, SourcePlan, TensorPlan
 from titan_pipe.convert.readers.store import SafetensorsStore, read_header
+from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs
 from titan_pipe.names import native_names

@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+
 
 class RefDevice(str, Enum):
     auto = "auto"
@@ -23,8 +25,6 @@ class ThresholdDtype(str, Enum):
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import FLOW_HELP, call_stage, console, handle_errors
-
     @app.command("evaluate")
     @handle_errors
     def evaluate(
@@ -59,12 +59,12 @@ def register(app: typer.Typer) -> None:
         """
         from titan_pipe.config import EvaluateConfig, load_flow
         from titan_pipe.evaluate.api import evaluate_model
+        from titan_pipe.evaluate.batches import held_out_text
 
         flow_cfg = load_flow(config) if config is not None else None
         settings = flow_cfg.evaluate if flow_cfg is not None else EvaluateConfig()
+        data, split = held_out_text(data=data, flow=flow_cfg, flow_dir=config.parent if config else None)
         updates: dict = {"dtype": dtype.value}
-        if config is not None and settings.data and not Path(settings.data).is_absolute():
-            updates["data"] = str(config.parent / settings.data)  # flow.yaml paths are relative to its dir
         if batches is not None:
             updates["batches"] = batches
         if device is not None:
@@ -74,11 +74,6 @@ def register(app: typer.Typer) -> None:
         if operators is not None:
             updates["operators"] = operators
         settings = settings.model_copy(update=updates)
-        split = None
-        if flow_cfg is not None and data is None and settings.data is None:
-            from titan_pipe.evaluate.batches import ValidationSplit
-
-            split = ValidationSplit.of_flow(flow_cfg.data, config.parent)  # the flow's own held-out split
         r = call_stage("evaluate", evaluate_model, track=flow, out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
                            data=data, settings=settings, progress=True, split=split)
         for cid, status in r.summary["comparisons"].items():

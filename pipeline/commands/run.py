@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from titan_pipe.commands.common import handle_errors
+
 STAGE_HELP = "train | convert | export | evaluate"
 
 # Prefect settings titan-pipe needs on a cluster (set only where the user has not): no usage
@@ -79,8 +81,6 @@ class LiveSummary:
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import handle_errors
-
     @app.command()
     @handle_errors
     def run(flow: Path = typer.Argument(..., help="flow.yaml of the run"),
@@ -108,7 +108,8 @@ def register(app: typer.Typer) -> None:
         result: dict = {}
         with listening(live):
             try:
-                result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force)
+                result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force,
+                                         cfg=cfg)
             except BaseException as e:  # noqa: BLE001 - shown after the table; handle_errors maps it
                 failed = e
         console.print(live.table())

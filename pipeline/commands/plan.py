@@ -1,5 +1,5 @@
 """`titan-pipe plan`: rank the dp x tp x pp layouts of a model on a cluster, explain the misfits,
-and write the winner as a flow.yaml (a thin shell over training/plan.py)."""
+and write the winner as a flow.yaml (a thin shell over training/planner/search.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,13 +7,15 @@ from typing import Optional
 
 import typer
 
+from titan_pipe.commands.common import handle_errors
+
 
 def _workload(model: str, seq_len: int, global_batch: int):
     """A flavour name, or a flow.yaml whose model section (flavour + dims) is used."""
     from titan_pipe.config import load_flow
     from titan_pipe.errors import UserError
     from titan_pipe.model_args import FLAVOURS
-    from titan_pipe.training.plan_cost import Workload
+    from titan_pipe.training.planner.workload import Workload
 
     if model in FLAVOURS:
         return Workload(FLAVOURS[model], seq_len, global_batch, flavour=model)
@@ -75,7 +77,7 @@ def _plot(plan, path: Path, top: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from titan_pipe.training.plan import best_misfits_per_layout
+    from titan_pipe.training.planner.search import best_misfits_per_layout
 
     rows = plan.ranked[:top] + best_misfits_per_layout(plan)[:top]
     if not rows:
@@ -108,7 +110,7 @@ def _write_flow(plan, path: Path, force: bool) -> None:
 
     from titan_pipe.config import parse_flow
     from titan_pipe.errors import UserError
-    from titan_pipe.training.plan import layout_flow
+    from titan_pipe.training.planner.search import layout_flow
 
     if path.exists() and not force:
         raise UserError(f"{path} already exists; pass --force to overwrite it")
@@ -129,8 +131,6 @@ def _write_flow(plan, path: Path, force: bool) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import handle_errors
-
     @app.command()
     @handle_errors
     def plan(
@@ -157,8 +157,8 @@ def register(app: typer.Typer) -> None:
 
         from titan_pipe.errors import UserError
         from titan_pipe.model_args import count_params, flops_per_token
-        from titan_pipe.training.plan import best_misfits_per_layout, build_cluster, make_plan
-        from titan_pipe.training.plan_cost import Assumptions
+        from titan_pipe.training.planner.search import best_misfits_per_layout, build_cluster, make_plan
+        from titan_pipe.training.planner.workload import Assumptions
 
         out = Console()
         if not out.is_terminal:  # piped or captured: do not squeeze the table into 80 columns

@@ -1,4 +1,4 @@
-"""The ATC-supported ONNX operator list (convert/data/atc_onnx_ops.json) and the per-graph operator report.
+"""The ATC-supported ONNX operator list (convert/onnx/data/atc_onnx_ops.json) and the per-graph operator report.
 
 The report is pure data from a loaded ModelProto (no weights needed): every (domain, op type) with
 its count, the operator version the declared opset resolves to, and whether ATC's list allows

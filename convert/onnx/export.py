@@ -3,7 +3,7 @@
 Graphs come from the TorchScript exporter (``torch.onnx.export(dynamo=False)``) because it takes
 ``opset_version`` directly; the dynamo exporter emits opset >= 18, above ATC's 11..15. Opset 14
 is the default: the lowest opset at which ``scaled_dot_product_attention`` exports, and inside the
-window of every operator the graph uses (convert/data/atc_onnx_ops.json). Everything is written
+window of every operator the graph uses (convert/onnx/data/atc_onnx_ops.json). Everything is written
 to a hidden sibling directory and renamed into place when complete, so a failure leaves nothing.
 """
 from __future__ import annotations
@@ -20,11 +20,12 @@ import onnx
 import torch
 
 from titan_pipe.atomic import swap_dir, temp_dir
-from titan_pipe.convert import atc as atc_mod
-from titan_pipe.convert.atc_ops import find_problems, load_atc_ops, operator_report
-from titan_pipe.convert.export_graphs import DecodeGraph, PrefillGraph, dynamic_axes, io_names, tap_names
-from titan_pipe.convert.onnx_files import (check_and_infer, file_table, gather_external_data, move_files,
-                                           share_external_data)
+from titan_pipe.convert.onnx import atc as atc_mod
+from titan_pipe.convert.onnx.atc_ops import find_problems, load_atc_ops, operator_report
+from titan_pipe.convert.onnx.files import (
+    check_and_infer, file_table, gather_external_data, move_files, share_external_data,
+)
+from titan_pipe.convert.onnx.graphs import DecodeGraph, PrefillGraph, dynamic_axes, io_names, tap_names
 from titan_pipe.convert.unified import load_unified_model
 from titan_pipe.dtypes import BY_NAME, TORCH_BY_NAME
 from titan_pipe.errors import StageFailed, UserError
@@ -79,6 +80,7 @@ class ExportResult:
     export_json: Path
     atc_status: str  # ok | not_found | skipped
     summary: dict
+    om: Path | None = None  # the prefill graph's .om, when ATC ran and built it
 
 
 def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", batch: int = 1, seq_len: int = 32,
@@ -160,7 +162,7 @@ def _export_graph(model, args: ModelArgs, plan: ExportPlan, g: GraphPlan, work: 
     except Exception as e:  # the exporter raises many types; the first line says what it could not map
         raise StageFailed(f"{g.file}: torch.onnx.export (TorchScript, opset {plan.opset}) failed: "
                           f"{str(e).strip().splitlines()[0][:400]}; model code that does not export belongs "
-                          "in training/model.py or convert/export_graphs.py") from e
+                          "in training/model.py or convert/onnx/graphs.py") from e
     del module
     gather_external_data(scratch / g.file)
     _drop_outputs(scratch / g.file, keep=g.outputs)
@@ -289,7 +291,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                          "path": "torch.onnx.export(dynamo=False)"},
             "atc": {"status": atc_status, "soc_version": soc_version, "precision_mode": precision_mode,
                     "commands": [list(i.argv) for i in invocations],
-                    "operator_list": {"file": "convert/data/atc_onnx_ops.json",
+                    "operator_list": {"file": "convert/onnx/data/atc_onnx_ops.json",
                                       "cann_version": load_atc_ops()["cann_version"]}},
             "graphs": graphs,
             "files": files,
@@ -305,6 +307,8 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                "params": count_params(args), "weight_bytes": plan.weight_bytes,
                "graphs": {f: {"nodes": r["n_nodes"], "bytes": record["files"][f]["bytes"]} for f, r in graphs.items()},
                "atc_status": atc_status, "export_seconds": round(export_s, 3), "timings_seconds": timings}
+    om = out_dir / f"{invocations[0].om}.om"  # invocations[0]: the prefill graph, model.onnx
     return ExportResult(out_dir=out_dir, onnx=out_dir / "model.onnx",
                         decode_onnx=out_dir / "decode.onnx" if kv_cache else None,
-                        export_json=out_dir / "export.json", atc_status=atc_status, summary=summary)
+                        export_json=out_dir / "export.json", atc_status=atc_status, summary=summary,
+                        om=om if om.is_file() else None)

@@ -1,10 +1,12 @@
-"""`titan-pipe export`: a thin shell over titan_pipe.convert.onnx_export.export_model."""
+"""`titan-pipe export`: a thin shell over titan_pipe.convert.onnx.export.export_model."""
 from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
 
 import typer
+
+from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
 
 
 class Dtype(str, Enum):
@@ -19,8 +21,6 @@ class Precision(str, Enum):
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import FLOW_HELP, call_stage, console, handle_errors
-
     @app.command("export")
     @handle_errors
     def export(
@@ -41,7 +41,7 @@ def register(app: typer.Typer) -> None:
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Export MODEL_DIR to ONNX (prefill + KV-cache decode) for Ascend ATC, with an operator report."""
-        from titan_pipe.convert.onnx_export import export_model
+        from titan_pipe.convert.onnx.export import export_model
 
         r = call_stage("export", export_model, track=flow, model_dir=model_dir, out_dir=out_dir, opset=opset, dtype=dtype.value, batch=batch,
                          seq_len=seq_len, dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version,

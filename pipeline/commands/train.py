@@ -5,6 +5,8 @@ from pathlib import Path
 
 import typer
 
+from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+
 
 def _format_summary(summary: dict) -> str:
     def num(v, fmt):
@@ -17,8 +19,6 @@ def _format_summary(summary: dict) -> str:
 
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import FLOW_HELP, call_stage, console, handle_errors
-
     @app.command()
     @handle_errors
     def train(flow: Path = typer.Argument(..., help="flow.yaml describing the run"),

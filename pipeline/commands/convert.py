@@ -6,10 +6,10 @@ from typing import Optional
 
 import typer
 
+from titan_pipe.commands.common import FLOW_HELP, call_stage, handle_errors
+
 
 def register(app: typer.Typer) -> None:
-    from titan_pipe.cli import FLOW_HELP, call_stage, handle_errors
-
     @app.command("convert")
     @handle_errors
     def convert(

@@ -1,5 +1,5 @@
 """The parallelism planner: every valid dp x tp x pp layout of a model on a cluster, estimated
-(training/plan_cost.py), checked against the config rules ``titan-pipe validate`` applies
+(training/planner/memory.py, timing.py), checked against the config rules ``titan-pipe validate`` applies
 (``titan_pipe.config.parse_flow``), ranked by tokens/s, with the reasons a layout does not fit and
 the flow.yaml of the winner. Formulas and sources: docs/plan.md.
 """
@@ -10,8 +10,9 @@ from dataclasses import dataclass, replace
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import flops_per_token
-from titan_pipe.training.plan_cost import (
-    Assumptions, Cluster, GB, Layout, Link, Memory, Timing, Workload, memory_per_device, peak_flops, step_time)
+from titan_pipe.training.planner.memory import Memory, memory_per_device
+from titan_pipe.training.planner.timing import Timing, peak_flops, step_time
+from titan_pipe.training.planner.workload import GB, Assumptions, Cluster, Layout, Link, Workload
 
 
 # ---------------------------------------------------------------------------------------------
