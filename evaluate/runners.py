@@ -178,6 +178,10 @@ class OnnxGraph:
         return self.layers_note + (f"; {self.copy_check}" if self.copy_check else "")
 
 
+# The prefill graph's inputs (export.json; docs/export.md); the runner feeds unpadded batches.
+_PREFILL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
 @dataclass(frozen=True)
 class GraphInfo:
     """What an ONNX graph declares: dtype, static (B, T) if any, vocab, dim, exposed layers."""
@@ -216,10 +220,13 @@ class OnnxRuntimeRunner:
         if "input_ids" not in ins or "logits" not in outs:
             raise UserError(f"{self.path}: expected input 'input_ids' and output 'logits' (the prefill graph "
                             f"of `titan-pipe export`), found inputs {list(ins)} and outputs {list(outs)[:4]}")
-        extra = tuple(n for n in ins if n != "input_ids")
+        if any(n.startswith("past_key_values.") for n in ins):
+            raise UserError(f"{self.path}: takes past_key_values.* inputs: that is the KV-cache decode graph; "
+                            "pass the prefill graph model.onnx instead")
+        extra = tuple(n for n in ins if n not in _PREFILL_INPUTS)
         if extra:
-            raise UserError(f"{self.path}: takes {extra[0]!r} besides input_ids: that is the KV-cache decode "
-                            "graph; pass the prefill graph model.onnx instead")
+            raise UserError(f"{self.path}: takes {extra[0]!r} besides {', '.join(_PREFILL_INPUTS)}; pass the "
+                            "prefill graph model.onnx written by `titan-pipe export`")
         shape = ins["input_ids"].shape
         fixed = tuple(shape) if all(isinstance(d, int) for d in shape) else None
         lg = outs["logits"].shape
@@ -256,7 +263,14 @@ class OnnxRuntimeRunner:
         if self.info.fixed_shape and tuple(tokens.shape) != self.info.fixed_shape:
             raise UserError(f"{self.path}: static input shape {list(self.info.fixed_shape)} but the batch is "
                             f"{list(tokens.shape)}; set evaluate.batch_size/seq_len to match or export with dynamic: true")
-        (logits,), layers = self.graph.run(["logits"], {"input_ids": tokens.cpu().numpy().astype(np.int64)})
+        ids = tokens.cpu().numpy().astype(np.int64)
+        feeds = {"input_ids": ids}
+        takes = {i.name for i in self.session.get_inputs()}
+        if "attention_mask" in takes:  # unpadded batches: every token real, positions 0..T-1
+            feeds["attention_mask"] = np.ones_like(ids)
+        if "position_ids" in takes:
+            feeds["position_ids"] = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
+        (logits,), layers = self.graph.run(["logits"], feeds)
         if layers is None:
             return Outputs(_as_tensor(logits))
         return Outputs(_as_tensor(logits), layers.hidden, layers.attn, layers.mlp)

@@ -370,3 +370,17 @@ def test_model_without_tokenizer_runs_on_random_ids_and_a_tokenizer_is_kept(art,
 def test_nothing_compared_is_not_a_pass(art, tmp_path):
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], settings=FAST)
     assert not r.passed and "nothing was compared" in r.summary["verdict"]
+
+
+def test_reference_device_absent_is_one_line_error_and_cpu_is_named(art, tmp_path):
+    """--device picks where the PyTorch reference runs; an absent accelerator is a one-line error
+    before any work (this machine has neither CUDA nor an NPU)."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present here")
+    with pytest.raises(UserError, match=r"^--device cuda: device cuda requested but CUDA is not available"):
+        evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx32"],
+                       settings=FAST.model_copy(update={"device": "cuda"}))
+    assert not (tmp_path / "rep").exists()
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx32"],
+                       settings=FAST.model_copy(update={"device": "auto"}))
+    assert r.passed and json.loads(r.report_json.read_text())["settings"]["device"] == "auto"
