@@ -136,7 +136,8 @@ def test_float16_export_passes_fp16_thresholds_and_fails_fp32(art, tmp_path):
     c16 = next(c for c in rep["comparisons"] if c["id"] == "torch_vs_onnx")
     assert c16["dtype"] == "float16"
     # per-layer rows from the float16 graph's own values, each above float32 noise, within fp16 bounds
-    assert [row["tensor"] for row in c16["rows"]] == LAYER_ROWS + ["logits"] and "export.json" in c16["details"]["layers"]
+    assert [row["tensor"] for row in c16["rows"]] == LAYER_ROWS + ["logits"]
+    assert "export.json" in c16["details"]["layers"]
     hidden = [row["metrics"]["rel_euclidean"] for row in c16["rows"] if row["tensor"].startswith("hidden.")]
     assert all(1e-5 < x < 0.05 for x in hidden), hidden
     r32 = evaluate_model(out_dir=tmp_path / "b", model_dir=art["model_dir"], onnx=art["onnx16"],
