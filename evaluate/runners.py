@@ -143,6 +143,8 @@ class OnnxGraph:
             except Exception as e:  # a copy ORT refuses must not hide the graph's own results
                 self.taps, self.layers_note = None, (f"{self.layers_note}, but ONNX Runtime refused the copy "
                                                      f"exposing them: {str(e).splitlines()[0][:200]}")
+        # only the nodes are needed from here on; inline weights (graphs < 2 GB) need not stay twice
+        self.structure.graph.ClearField("initializer")
 
     def run(self, names: list[str], feeds: dict) -> tuple[list[np.ndarray], Outputs | None]:
         """(the graph's own ``names`` outputs, per-layer values as Outputs (logits unset) or None)."""

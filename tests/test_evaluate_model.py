@@ -291,6 +291,11 @@ def test_scaled_weight_in_deployed_graph_is_named_at_its_layer(art, kv_export, t
     if graph == "decode.onnx":  # the prefill graph is untouched and still passes
         assert r.summary["comparisons"]["torch_vs_onnx"] == "pass"
     assert (tmp_path / "rep" / "layer_error.png").stat().st_size > 1000
+    if (graph, layer) == ("model.onnx", 3):  # and through the CLI: exit 1, the layer named
+        res = CliRunner().invoke(app, ["evaluate", "--model-dir", str(art["model_dir"]), "--onnx",
+                                       str(bad / "model.onnx"), "--no-operators", "--batches", "1",
+                                       "-o", str(tmp_path / "cli")])
+        assert res.exit_code == 1 and "first divergence at layer 3" in " ".join(res.output.split()), res.output
 
 
 def test_om_without_ascend_runtime_is_skipped_not_passed(art, tmp_path):
