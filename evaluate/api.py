@@ -25,7 +25,7 @@ from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, check_out_dir, wr
 from titan_pipe.evaluate.runners import (DistributedRunner, OmRunner, OnnxDecodeRunner, OnnxRuntimeRunner, Outputs,
                                          TorchRunner, ascend_runtime, concat_outputs)
 from titan_pipe.model_args import ModelArgs, model_differences
-from titan_pipe.thresholds import resolve_thresholds
+from titan_pipe.thresholds import check_task, resolve_thresholds
 from titan_pipe.training.model import build_model
 
 _MAX_HIST = 2_000_000  # logits error values kept for the histogram
@@ -177,6 +177,9 @@ class _Run:
     gen_runners: dict = field(default_factory=dict)
     generations: dict[str, torch.Tensor] | None = None
     dec: OnnxDecodeRunner | None = None
+    dec_skip: str | None = None  # why the KV-cache loop cannot run on these graphs
+    prompts: torch.Tensor | None = None  # (N, P) the generations' prompts (cut to a static graph's T)
+    n_new: int = 0  # tokens generated per prompt (capped by a static graph's cache)
     op_rows: list = field(default_factory=list)
     op_dtypes: tuple[str, ...] = ()
     dumps: dict | None = None  # evaluate.dump: (comparison, tensor) -> (reference, candidate)
@@ -206,7 +209,7 @@ class _Run:
             self.generations = {}
             if self.s.prompts and (len(self.gen_runners) > 1 or self.dec is not None):
                 for label, runner in self.gen_runners.items():
-                    self.generations[label] = cmp.greedy_generate(runner.run, self.ev.prompts, self.s.new_tokens)
+                    self.generations[label] = cmp.greedy_generate(runner.run, self.prompts, self.n_new)
         return self.generations
 
 
@@ -251,11 +254,28 @@ def _prepare(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig, 
     if run.dec is not None:
         run.dec.find_layers(args.n_layers)
     run.dumps = {} if s.dump else None
+    _fit_generation(run)
 
     steps.step("reference forward")
     run.ref_out = _run_batches(ref, ev.batches)
     run.task_outputs[ref.label] = run.ref_out
     return run
+
+
+def _fit_generation(run: _Run) -> None:
+    """Prompts and new-token count every generation uses: a static prefill graph takes at most its T
+    tokens, and its fixed cache holds at most C - T + 1 generated ones."""
+    dec, run.prompts, run.n_new = run.dec, run.ev.prompts, run.s.new_tokens
+    if dec is None:
+        return
+    if dec.prompt_len is not None:
+        run.prompts = run.prompts[:, -dec.prompt_len:]
+    room = dec.max_new_tokens(run.prompts.shape[1])
+    if room is not None:
+        run.n_new = min(run.n_new, room)
+        if run.n_new < 1:
+            run.dec, run.n_new = None, run.s.new_tokens
+            run.dec_skip = f"the static cache of {dec.path} has no slot left after a {dec.prompt_len}-token prompt"
 
 
 def _compare_sharded(run: _Run) -> cmp.Comparison:
@@ -298,19 +318,20 @@ def _compare_onnx(run: _Run) -> cmp.Comparison:
 
 
 def _compare_kv_decode(run: _Run) -> cmp.Comparison | None:
-    """The KV-cache decode graph, teacher-forced on the reference's greedy tokens (no row without --onnx)."""
+    """The reference generation loop on the exported pair vs PyTorch per prompt (no row without --onnx)."""
     ort, dec, s = run.ort, run.dec, run.s
     if dec is not None and s.prompts:
         generations = run.greedy()
-        row = _kv_decode_row(run.ref, dec, generations[run.ref.label], run.ev.prompts.shape[1], run.tdtype,
-                             run.limits, run.dumps)
-        generations[dec.label], _ = dec.generate(run.ev.prompts, s.new_tokens)
+        row = _kv_decode_row(run.ref, dec, run.prompts, run.n_new, run.tdtype, run.limits, run.dumps)
+        gen = dec.generate(run.prompts.tolist(), run.n_new)
+        generations[dec.label] = torch.cat([run.prompts, torch.from_numpy(gen.new_tokens).to(run.prompts.dtype)],
+                                           dim=1)
         run.limits_of[dec.label] = run.limits_of[ort.label]
         return row
     if ort is None:
         return None
-    why = ("evaluate.prompts is 0" if not s.prompts else
-           f"no decode.onnx beside {Path(run.onnx).name} exported with the KV cache (or a static graph)")
+    why = run.dec_skip or ("evaluate.prompts is 0" if not s.prompts else
+                           f"no decode.onnx beside {Path(run.onnx).name} exported with the KV cache")
     return cmp.skipped("onnx_kv_decode", "KV-cache decode graph", why)
 
 
@@ -359,9 +380,10 @@ def _compare_task(run: _Run) -> cmp.Comparison:
     run.steps.step("perplexity and greedy generation")
     generations = run.greedy()
     task = cmp.task_comparison(run.ev.batches, run.task_outputs, run.ref.label, generations,
-                               run.ev.prompts.shape[1], run.limits_of)
+                               run.prompts.shape[1], run.limits_of)
     if run.ort is not None and run.ort.info.fixed_shape:
-        task.details["generation_note"] = "skipped for the ONNX graph: static input shape"
+        task.details["generation_note"] = ("prefill re-run skipped for the static ONNX graph (its generation is the "
+                                           "KV-cache loop's)")
     return task
 
 
@@ -407,29 +429,56 @@ def _report(run: _Run, comparisons: list[cmp.Comparison], verdict: cmp.Verdict) 
     }
 
 
-def _kv_decode_row(ref: TorchRunner, dec: OnnxDecodeRunner, ref_seq: torch.Tensor, n_prompt: int, tdtype,
+def ragged_prompts(prompts: torch.Tensor) -> list[list[int]]:
+    """(N, P) -> N prompts of lengths P down to P - P//2 (the last N-1 cut from the left), so the
+    KV-cache loop runs a left-padded batch of mixed lengths."""
+    n, p = prompts.shape
+    lengths = [p - (j * (p // 2)) // max(1, n - 1) for j in range(n)]
+    return [row[p - k:].tolist() for row, k in zip(prompts, lengths)]
+
+
+def _kv_decode_row(ref: TorchRunner, dec: OnnxDecodeRunner, prompts: torch.Tensor, n_new: int, tdtype,
                    limits, dumps: dict | None = None) -> cmp.Comparison:
-    """decode.onnx fed the reference's own greedy tokens step by step (teacher forcing) against the
-    reference's full forward on the same sequence: the logits predicting each new token, and
-    decode.onnx's own per-layer values of each decode step against the reference's at that position."""
-    n_new = ref_seq.shape[1] - n_prompt
-    full = ref.run(ref_seq[:, :-1])
+    """The reference generation loop (left-padded batch of mixed-length prompts, prefill, decode.onnx
+    one token a step against the fixed cache) vs the PyTorch model run on each prompt alone,
+    unpadded: greedy token agreement, and the logits predicting each new token with the loop
+    teacher-forced onto the reference's own tokens. Per layer: decode.onnx's own values at each
+    teacher-forced decode step vs the reference's at the same position of that prompt."""
+    ragged = ragged_prompts(prompts)
+    ref_new, ref_logits, ref_layers = [], [], []
+    for p in ragged:
+        seq = cmp.greedy_generate(ref.run, torch.tensor([p]), n_new)[0]
+        ref_new.append(seq[len(p):])
+        full = ref.run(seq[None, :-1])
+        ref_logits.append(full.logits[0, len(p) - 1:])
+        # decode steps feed new tokens 1..n_new-1, at positions len(p) .. len(p)+n_new-2
+        ref_layers.append(Outputs(torch.empty(0), *([None if t is None else t[:, len(p):] for t in getattr(full, k)]
+                                                    for k in ("hidden", "attn", "mlp"))))
+    ref_new = torch.stack(ref_new)
     steps: list[Outputs] = []
-    _, kv_logits = dec.generate(ref_seq[:, :n_prompt], n_new, forced=ref_seq[:, n_prompt:], steps_out=steps)
-    ref_o, cand_o = Outputs(full.logits[:, n_prompt - 1:]), Outputs(kv_logits)
-    if steps:  # decode.onnx's own per-layer values at positions P .. P+n_new-2, one step each
-        cand_o = Outputs(kv_logits, *(getattr(concat_outputs(steps, dim=1), k) for k in ("hidden", "attn", "mlp")))
-        ref_o = Outputs(ref_o.logits, *([None if t is None else t[:, n_prompt:] for t in getattr(full, k)]
-                                        for k in ("hidden", "attn", "mlp")))
+    forced = dec.generate(ragged, n_new, forced=ref_new.numpy(), steps_out=steps)
+    free = dec.generate(ragged, n_new)
     dt = tdtype(dec.prefill.dtype)
-    c = cmp.compare_outputs("onnx_kv_decode", "KV-cache decode graph (prefill + decode.onnx, one token a step) vs "
-                            "PyTorch full forward, teacher-forced", ref_o, cand_o,
-                            ref_label=ref.label, cand_label=dec.label, dtype=dt, limits=limits(dt), keep=dumps)
-    c.details = {"positions": f"{n_new} generated positions of {ref_seq.shape[0]} prompt(s), "
-                              f"prompt length {n_prompt}",
-                 "layers": (f"{dec.path.name}: {dec.graph.layers_detail()}; per-layer rows are its {len(steps)} "
-                            f"decode steps (positions {n_prompt}..{n_prompt + len(steps) - 1}), the logits row "
-                            f"also has the prefill's last position") if steps else
+    lim = limits(dt)
+    ref_o, cand_o = Outputs(torch.stack(ref_logits)), Outputs(torch.from_numpy(forced.logits))
+    if steps:
+        r = concat_outputs(ref_layers)
+        ref_o = Outputs(ref_o.logits, r.hidden, r.attn, r.mlp)
+        cand_o = Outputs(cand_o.logits, steps[0].hidden, steps[0].attn, steps[0].mlp)
+    c = cmp.compare_outputs("onnx_kv_decode", "KV-cache decode loop (left-padded batch, prefill + decode.onnx against "
+                            "the fixed cache) vs PyTorch on each prompt alone", ref_o, cand_o,
+                            ref_label=ref.label, cand_label=dec.label, dtype=dt, limits=lim, keep=dumps)
+    agree = cmp.generation_agreement(ref_new, torch.from_numpy(free.new_tokens), 0)
+    for f in check_task(ppl_ref=1.0, ppl_cand=1.0, agreement=agree["agreement"], limits=lim):
+        c.failures.append(f"{dec.label} ({dt}): {f.text}")
+        c.status = "fail"
+    c.details = {"positions": f"{n_new} generated positions of {len(ragged)} prompt(s), left-padded, lengths "
+                              f"{[len(p) for p in ragged]}",
+                 "graphs": "static" if dec.cache_len is not None else "dynamic",
+                 "cache_len": dec.cache_len or max(len(p) for p in ragged) + n_new - 1,
+                 "generation": agree, "logits": "teacher-forced onto the reference's greedy tokens",
+                 "layers": (f"{dec.path.name}: {dec.graph.layers_detail()}; per-layer rows are its {n_new - 1} "
+                            "teacher-forced decode steps of each prompt") if steps else
                            f"{dec.path.name}: {dec.graph.layers_detail() or 'no decode steps (new_tokens 1)'}"}
     return c
 

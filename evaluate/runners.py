@@ -51,7 +51,8 @@ def _cat(parts: list[list], dim: int = 0) -> list:
 
 def concat_outputs(parts: list[Outputs], dim: int = 0) -> Outputs:
     """Batches stacked along the batch dim (B_total, T, ...) (``dim=1``: steps along T)."""
-    return Outputs(torch.cat([p.logits for p in parts], dim=dim), _cat([p.hidden for p in parts], dim),
+    logits = torch.cat([p.logits for p in parts], dim=dim) if all(p.logits.numel() for p in parts) else torch.empty(0)
+    return Outputs(logits, _cat([p.hidden for p in parts], dim),
                    _cat([p.attn for p in parts], dim), _cat([p.mlp for p in parts], dim))
 
 
@@ -278,21 +279,47 @@ class OnnxRuntimeRunner:
         return Outputs(_as_tensor(logits), layers.hidden, layers.attn, layers.mlp)
 
 
+class _RecordingSession:
+    """A stand-in for an ORT session (``run``, ``get_inputs``, ``get_outputs``) that runs an
+    OnnxGraph and keeps each call's per-layer values, so the reference generation loop
+    (convert/onnx/generate.py) runs unchanged while decode.onnx's own layers are captured."""
+
+    def __init__(self, graph: OnnxGraph):
+        self.graph, self.calls = graph, []
+
+    def get_inputs(self):
+        return self.graph.session.get_inputs()
+
+    def get_outputs(self):
+        return self.graph.session.get_outputs()
+
+    def run(self, names, feeds):
+        own, layers = self.graph.run(list(names), feeds)
+        if layers is not None:
+            self.calls.append(layers)
+        return own
+
+
 class OnnxDecodeRunner:
-    """KV-cache generation with the exported pair: prefill ``model.onnx`` (its ``present.{i}.*``
-    outputs) then ``decode.onnx`` one token at a time (``past_key_values.{i}.*`` in, ``present``
-    out), the path a deployment generates with. Per-layer values of each decode step come from
-    decode.onnx itself (``find_layers``)."""
+    """KV-cache generation with the exported pair through the reference loop
+    (titan_pipe.convert.onnx.generate): left-padded prompts, prefill ``model.onnx``, then
+    ``decode.onnx`` one token a step against the fixed-capacity cache — the path a deployment
+    generates with, on static graphs as on dynamic ones. Per-layer values of each decode step
+    come from decode.onnx itself (``find_layers``)."""
 
     def __init__(self, prefill: OnnxRuntimeRunner, decode_path: Path):
         self.prefill, self.path = prefill, Path(decode_path)
-        self.graph = OnnxGraph(self.path)
-        outs = [o.name for o in prefill.session.get_outputs()]
-        self.present = [n for n in outs if n.startswith("present.")]
-        self.past = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
-        if len(self.past) != len(self.present) or not self.past:
-            raise UserError(f"{self.path}: takes {len(self.past)} past_key_values inputs but {prefill.path.name} "
-                            f"gives {len(self.present)} present outputs; export both with kv_cache from one model")
+        self.graph = OnnxGraph(self.path, hint="re-export it with `titan-pipe export`")
+        present = [o.name for o in prefill.session.get_outputs() if o.name.startswith("present.")]
+        past = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        if len(past) != len(present) or not past:
+            raise UserError(f"{self.path}: takes {len(past)} past_key_values inputs but {prefill.path.name} "
+                            f"gives {len(present)} present outputs; export both with kv_cache from one model")
+        dims = {i.name: i.shape for i in self.session.get_inputs()}
+        slots = dims.get("attention_mask", [None, None])[1]
+        self.cache_len = slots if isinstance(slots, int) else None  # fixed by a static graph
+        t = prefill.session.get_inputs()[0].shape[1]
+        self.prompt_len = t if isinstance(t, int) else None
         self.label = f"onnxruntime KV-cache ({prefill.path.name} + {self.path.name})"
 
     @property
@@ -307,35 +334,35 @@ class OnnxDecodeRunner:
         """The decode graph next to ``prefill`` when both were exported with the KV cache, else None."""
         decode = prefill.path.parent / "decode.onnx"
         has_present = any(o.name.startswith("present.") for o in prefill.session.get_outputs())
-        return cls(prefill, decode) if decode.is_file() and has_present and not prefill.info.fixed_shape else None
+        return cls(prefill, decode) if decode.is_file() and has_present else None
 
-    def generate(self, prompts: torch.Tensor, n_new: int, forced: torch.Tensor | None = None,
-                 steps_out: list | None = None):
-        """(N, P) prompts -> (tokens (N, P + n_new), logits (N, n_new, vocab) predicting each new token).
+    def max_new_tokens(self, prompt_len: int) -> int | None:
+        """How many tokens a prompt of this length can generate against a static cache (None: any)."""
+        if self.cache_len is None:
+            return None
+        return self.cache_len - max(prompt_len, self.prompt_len or 0) + 1
 
-        ``forced`` (N, n_new): feed these tokens instead of the argmax (teacher forcing), so the
-        logits can be set against another model's on the very same sequence. ``steps_out``: a list
-        that receives, per decode.onnx step (new tokens 1 .. n_new-1, positions P .. P+n_new-2),
-        that step's per-layer Outputs (each (N, 1, dim)) when the decode graph's layers were found.
-        """
-        to_present = {p: "present." + p.removeprefix("past_key_values.") for p in self.past}
-        res = self.prefill.session.run(["logits"] + self.present, {"input_ids": prompts.numpy().astype(np.int64)})
-        logits, cache = res[0][:, -1], dict(zip(self.present, res[1:]))
-        seq, steps = prompts.clone(), []
-        for k in range(n_new):
-            steps.append(torch.from_numpy(np.ascontiguousarray(logits)))
-            nxt = forced[:, k:k + 1] if forced is not None else torch.from_numpy(logits).float().argmax(-1, keepdim=True)
-            seq = torch.cat([seq, nxt.to(seq.dtype)], dim=1)
-            if k + 1 == n_new:
-                break
-            feeds = {"input_ids": nxt.numpy().astype(np.int64)}
-            feeds.update({p: cache[to_present[p]] for p in self.past})
-            out_names = ["logits"] + [to_present[p] for p in self.past]
-            res, layers = self.graph.run(out_names, feeds)
-            if layers is not None and steps_out is not None:
-                steps_out.append(layers)
-            logits, cache = res[0][:, -1], dict(zip(out_names[1:], res[1:]))
-        return seq, torch.stack(steps, dim=1)
+    def generate(self, prompts: list[list[int]], n_new: int, forced=None, steps_out: list | None = None):
+        """Ragged prompts -> Generation (new_tokens (N, n_new), logits (N, n_new, vocab)); ``forced``
+        (N, n_new) feeds those tokens instead of the argmax (teacher forcing). ``steps_out``: a list
+        that receives decode.onnx's per-layer values, (N, n_new - 1, dim) per layer as one Outputs
+        (logits unset): the steps feeding new tokens 1 .. n_new-1, when the decode graph's layers were
+        found."""
+        from titan_pipe.convert.onnx.generate import generate
+
+        decode = _RecordingSession(self.graph) if steps_out is not None else self.session
+        gen = generate(prefill=self.prefill.session, decode=decode, prompts=prompts, max_new_tokens=n_new,
+                       forced=None if forced is None else np.asarray(forced))
+        if steps_out is not None and decode.calls and len(decode.calls) % max(n_new - 1, 1) == 0:
+            # calls run batch after batch (static graphs: B prompts at a time, the last batch filled
+            # with copies after the real rows), n_new - 1 decode steps each
+            per = n_new - 1
+            batches = [concat_outputs(decode.calls[i:i + per], dim=1) for i in range(0, len(decode.calls), per)]
+            out = concat_outputs(batches, dim=0)
+            n = len(prompts)
+            trim = lambda xs: [None if x is None else x[:n] for x in xs]  # noqa: E731
+            steps_out.append(Outputs(torch.empty(0), trim(out.hidden), trim(out.attn), trim(out.mlp)))
+        return gen
 
 
 def ascend_runtime() -> str | None:

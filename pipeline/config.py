@@ -172,10 +172,12 @@ class ConvertConfig(Section):
 
 
 class ExportConfig(Section):
-    opset: int = Field(14, ge=11, le=15)  # ATC takes ONNX opsets 11-15 (SDPA export needs >= 14)
+    opset: int = Field(14, ge=11, le=15)  # ATC takes ONNX opsets 11-15 (the graphs need >= 14)
     dtype: Literal["float32", "float16"] = "float32"
     batch: int = Field(1, gt=0)
     seq_len: int = Field(32, gt=0)
+    cache_len: int | None = Field(None, gt=1)  # decode KV-cache slots; None: min(max_position_embeddings, 4096)
+    hash_weights: bool = True  # sha256 of model.onnx.data in export.json
     dynamic: bool = True
     kv_cache: bool = True
     soc_version: str = "Ascend910B3"

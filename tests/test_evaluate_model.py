@@ -210,7 +210,9 @@ def test_graph_without_export_json_falls_back_to_its_structure(art, tmp_path):
     the per-layer values; a graph whose chain does not split into the model's layers says why."""
     alone = tmp_path / "alone" / "model.onnx"
     alone.parent.mkdir()
-    alone.write_bytes(art["onnx32"].read_bytes())
+    for f in art["onnx32"].parent.glob("model.onnx*"):  # the graph and its external data, no export.json
+        (alone.parent / f.name).write_bytes(f.read_bytes())
+    last = json.loads((art["onnx32"].parent / "export.json").read_text())["graphs"]["model.onnx"]["layer_outputs"][-1]
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=alone, settings=FAST)
     assert r.passed, r.summary["verdict"]
     c = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")
@@ -218,13 +220,13 @@ def test_graph_without_export_json_falls_back_to_its_structure(art, tmp_path):
     assert "no export.json" in c["details"]["layers"] and "residual" in c["details"]["layers"]
     # an extra Add on the residual stream: 9 links for 4 layers, so no per-layer rows, and it says so
     m = onnx.load(str(alone))
-    last = next(n for n in m.graph.node if "hidden.3" in n.output)
+    producer = next(n for n in m.graph.node if last in n.output)
     zero = numpy_helper.from_array(np.zeros((), dtype=np.float32), "zero_extra")
     m.graph.initializer.append(zero)
     for n in m.graph.node:
-        n.input[:] = ["hidden.3x" if i == "hidden.3" else i for i in n.input]
-    m.graph.node.insert(list(m.graph.node).index(last) + 1,
-                        onnx.helper.make_node("Add", ["hidden.3", "zero_extra"], ["hidden.3x"]))
+        n.input[:] = [last + "x" if i == last else i for i in n.input]
+    m.graph.node.insert(list(m.graph.node).index(producer) + 1,
+                        onnx.helper.make_node("Add", [last, "zero_extra"], [last + "x"]))
     odd = tmp_path / "odd" / "model.onnx"
     odd.parent.mkdir()
     onnx.save(m, str(odd))
@@ -390,3 +392,26 @@ def test_reference_device_absent_is_one_line_error_and_cpu_is_named(art, tmp_pat
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx32"],
                        settings=FAST.model_copy(update={"device": "auto"}))
     assert r.passed and json.loads(r.report_json.read_text())["settings"]["device"] == "auto"
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_kv_decode_row_runs_the_generation_loop(art, tmp_path, static):
+    """onnx_kv_decode: a left-padded batch of prompts of 12 down to 6 tokens through the reference loop,
+    on dynamic graphs and on static ones (batch 2), against PyTorch on each prompt alone."""
+    kw = dict(dynamic=False, batch=2, seq_len=32, cache_len=40) if static else {}
+    res = export_model(model_dir=art["model_dir"], out_dir=tmp_path / "onnx", run_atc=False, **kw)
+    settings = EvaluateConfig(operators=False, batches=2, batch_size=2, seq_len=32, prompts=3, prompt_len=12,
+                              new_tokens=6)
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=res.onnx, settings=settings)
+    rep = json.loads(r.report_json.read_text())
+    row = next(c for c in rep["comparisons"] if c["id"] == "onnx_kv_decode")
+    assert row["status"] == "pass" and r.passed, r.summary["verdict"]
+    assert row["details"]["graphs"] == ("static" if static else "dynamic")
+    assert "left-padded, lengths [12, " in row["details"]["positions"] and row["details"]["positions"].endswith(", 6]")
+    assert row["details"]["generation"]["identical"]
+    assert row["rows"][-1]["metrics"]["max_abs"] <= 1e-4
+    # decode.onnx's own per-layer values: 5 teacher-forced steps of each of the 3 prompts (static: 2 batches)
+    assert [r["tensor"] for r in row["rows"]] == LAYER_ROWS + ["logits"]
+    assert row["rows"][0]["shape"] == [3, 5, 64]
+    gen = next(c for c in rep["comparisons"] if c["id"] == "task")["details"]["generation"]
+    assert all(g["identical"] for g in gen.values())

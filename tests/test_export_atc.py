@@ -71,12 +71,13 @@ def test_custom_domain_is_rejected():
     assert "custom domain 'com.example'" in text and "node rms (FusedRMSNorm" in text
 
 
-def _inputs(n_layers=2, dynamic=True):
-    d = -1 if dynamic else 1
-    ins = [GraphInput("input_ids", (d, 1 if not dynamic else -1))]
+def _decode_inputs(n_layers=2):
+    """decode.onnx's inputs with batch and cache dynamic (-1), as plan_export declares them."""
+    ins = [GraphInput("input_ids", (-1, 1)), GraphInput("position_ids", (-1, 1)),
+           GraphInput("attention_mask", (-1, -1)), GraphInput("write_index", (-1,))]
     for i in range(n_layers):
         for kv in ("key", "value"):
-            ins.append(GraphInput(f"past_key_values.{i}.{kv}", (d, 2, -1 if dynamic else 32, 16)))
+            ins.append(GraphInput(f"past_key_values.{i}.{kv}", (-1, 2, -1, 16)))
     return ins
 
 
@@ -92,18 +93,24 @@ def test_static_command_has_exact_shapes_and_origin_precision():
 
 
 def test_dynamic_commands_have_matching_gears():
-    inv = atc_invocation(graph="model.onnx", inputs=[GraphInput("input_ids", (-1, -1))], soc_version="Ascend910B3",
+    prefill = [GraphInput(n, (-1, -1)) for n in ("input_ids", "attention_mask", "position_ids")]
+    inv = atc_invocation(graph="model.onnx", inputs=prefill, soc_version="Ascend910B3",
                          precision_mode="mixed_float16", dynamic=True, batch=4, seq_len=64, max_len=256,
-                         weight_bytes=3 * 1024**3, decode=False)
-    assert "--input_shape=input_ids:-1,-1" in inv.argv and "--precision_mode_v2=mixed_float16" in inv.argv
-    assert inv.gears == tuple((b, s) for b in (1, 4) for s in (16, 32, 64))
-    assert "--dynamic_dims=1,16;1,32;1,64;4,16;4,32;4,64" in inv.argv and "--external_weight=1" in inv.argv
-    dec = atc_invocation(graph="decode.onnx", inputs=_inputs(), soc_version="Ascend910B3", precision_mode="fp16",
-                         dynamic=True, batch=2, seq_len=32, max_len=256, weight_bytes=10, decode=True)
+                         weight_bytes=3 * 1024**3, decode=False, cache_len=128)
+    assert "--input_shape=input_ids:4,-1;attention_mask:4,-1;position_ids:4,-1" in inv.argv
+    assert "--precision_mode_v2=mixed_float16" in inv.argv
+    # One value per -1 in --input_shape order: 3 per gear, inside CANN 6.x's documented 4 per gear.
+    assert inv.gears == ((16, 16, 16), (32, 32, 32), (64, 64, 64))
+    assert "--dynamic_dims=16,16,16;32,32,32;64,64,64" in inv.argv and "--external_weight=1" in inv.argv
+    # The dynamic decode graph compiles at the one shape a fixed-capacity cache needs: no gears.
+    dec = atc_invocation(graph="decode.onnx", inputs=_decode_inputs(), soc_version="Ascend910B3",
+                         precision_mode="fp16", dynamic=True, batch=2, seq_len=32, max_len=256, weight_bytes=10,
+                         decode=True, cache_len=128)
     shape = [a for a in dec.argv if a.startswith("--input_shape=")][0]
-    assert shape.startswith("--input_shape=input_ids:2,1;past_key_values.0.key:2,2,-1,16;")
-    assert shape.count("-1") == 4 and all(len(g) == 4 for g in dec.gears)  # one value per -1, in order
-    assert [g[0] for g in dec.gears] == [16, 32]
+    assert shape == ("--input_shape=input_ids:2,1;position_ids:2,1;attention_mask:2,128;write_index:2;"
+                     "past_key_values.0.key:2,2,128,16;past_key_values.0.value:2,2,128,16;"
+                     "past_key_values.1.key:2,2,128,16;past_key_values.1.value:2,2,128,16")
+    assert dec.gears == () and not any(a.startswith("--dynamic_dims") for a in dec.argv)
     script = command_script([inv, dec], "origin")
     assert script.startswith("#!/usr/bin/env bash") and "must_keep_origin_dtype" in script
     assert script.count("\natc \\") == 2

@@ -30,28 +30,39 @@ def _leftovers(parent):
 def test_static_export_via_cli(model_dir, tmp_path):
     src, model, args = model_dir
     before = sorted(p.name for p in src.iterdir())
-    res = _run(src, "-o", tmp_path / "out", "--static", "--batch", 2, "--seq-len", 12, "--opset", 15,
-               "--precision-mode", "mixed_float16")
+    res = _run(src, "-o", tmp_path / "out", "--static", "--batch", 2, "--seq-len", 12, "--cache-len", 20,
+               "--opset", 15, "--precision-mode", "mixed_float16")
     assert res.exit_code == 0, res.output
     assert "ATC: not_found" in res.output or "ATC: ok" in res.output
     out = tmp_path / "out"
     record = json.loads((out / "export.json").read_text())
     assert record["options"]["opset"] == 15 and record["options"]["dynamic"] is False
-    assert record["graphs"]["model.onnx"]["inputs"] == {"input_ids": [2, 12]}
-    assert record["graphs"]["decode.onnx"]["inputs"]["past_key_values.0.key"] == [2, args.kv_heads, 12, args.head_dim]
-    assert record["graphs"]["decode.onnx"]["outputs"]["present.0.key"] == [2, args.kv_heads, 13, args.head_dim]
+    assert record["options"]["cache_len"] == 20
+    assert record["graphs"]["model.onnx"]["inputs"]["input_ids"] == [2, 12]
+    assert record["graphs"]["decode.onnx"]["inputs"]["past_key_values.0.key"] == [2, args.kv_heads, 20, args.head_dim]
+    assert record["graphs"]["decode.onnx"]["outputs"]["present.0.key"] == [2, args.kv_heads, 20, args.head_dim]
     script = (out / "atc" / "command.sh").read_text()
-    assert "--input_shape=input_ids:2,12" in script and "--precision_mode_v2=mixed_float16" in script
-    assert "--dynamic_dims" not in script
+    assert "--input_shape='input_ids:2,12;attention_mask:2,12;position_ids:2,12'" in script
+    assert "--precision_mode_v2=mixed_float16" in script and "--dynamic_dims" not in script
     tokens = torch.randint(0, args.vocab_size, (2, 12))
-    got = ort.InferenceSession(str(out / "model.onnx")).run(["logits"], {"input_ids": tokens.numpy()})[0]
+    feeds = {"input_ids": tokens.numpy(), "attention_mask": np.ones((2, 12), np.int64),
+             "position_ids": np.tile(np.arange(12), (2, 1))}
+    prefill = ort.InferenceSession(str(out / "model.onnx"))
+    got, *present = prefill.run(None, feeds)
     with torch.no_grad():
         assert np.abs(got - model(tokens).numpy()).max() <= 1e-4
+    # One decode step at slot 12 of the 20-slot cache.
     full = torch.cat([tokens, torch.randint(0, args.vocab_size, (2, 1))], dim=1)
-    past = ort.InferenceSession(str(out / "model.onnx")).run(None, {"input_ids": tokens.numpy()})[1:]
     dec = ort.InferenceSession(str(out / "decode.onnx"))
-    names = [i.name for i in dec.get_inputs()]
-    step = dec.run(["logits"], {"input_ids": full[:, 12:].numpy(), **dict(zip(names[1:], past))})[0]
+    cache = [np.zeros((2, args.kv_heads, 20, args.head_dim), np.float32) for _ in present]
+    for c, p in zip(cache, present):
+        c[:, :, :12] = p
+    mask = np.zeros((2, 20), np.int64)
+    mask[:, :13] = 1
+    names = [i.name for i in dec.get_inputs()][4:]
+    step = dec.run(["logits"], {"input_ids": full[:, 12:].numpy(), "position_ids": np.full((2, 1), 12),
+                                "attention_mask": mask, "write_index": np.full((2,), 12),
+                                **dict(zip(names, cache))})[0]
     with torch.no_grad():
         assert np.abs(step[:, 0] - model(full)[:, -1].numpy()).max() <= 1e-4
     assert sorted(p.name for p in src.iterdir()) == before  # the source is never touched
@@ -68,8 +79,10 @@ def test_static_export_via_cli(model_dir, tmp_path):
     ("no_config", "config.json: missing"),
     ("mismatch", "has shape"),
     ("opset16", "ATC takes ONNX opsets 11..15 only"),
-    ("opset12", "needs opset >= 14"),
+    ("opset12", "the graphs need opset >= 14"),
     ("too_long", "exceeds the model's max_position_embeddings"),
+    ("cache_small", "cache_len 32 is smaller than seq_len 32 + 1"),
+    ("cache_large", "cache_len 300 exceeds the model's max_position_embeddings 256"),
 ])
 def test_bad_input_fails_cleanly(model_dir, tmp_path, case, message):
     src, model, args = model_dir
@@ -82,7 +95,8 @@ def test_bad_input_fails_cleanly(model_dir, tmp_path, case, message):
             cfg = json.loads((src / "config.json").read_text())
             cfg["hidden_size"], cfg["head_dim"] = 128, 32
             (src / "config.json").write_text(json.dumps(cfg))
-    argv = {"opset16": ["--opset", 16], "opset12": ["--opset", 12], "too_long": ["--seq-len", 256]}.get(case, [])
+    argv = {"opset16": ["--opset", 16], "opset12": ["--opset", 12], "too_long": ["--seq-len", 256],
+            "cache_small": ["--cache-len", 32], "cache_large": ["--cache-len", 300]}.get(case, [])
     out = tmp_path / "out"
     res = _run(src, "-o", out, *argv)
     assert res.exit_code == 1
@@ -108,5 +122,5 @@ def test_incompatible_operator_fails_the_export_and_leaves_nothing(model_dir, tm
     src, _, _ = model_dir
     res = _run(src, "-o", tmp_path / "out", "--no-kv-cache")
     assert res.exit_code == 1
-    assert "model.onnx: not ATC-compatible: node" in res.output and "(Range, 2x)" in res.output
+    assert "model.onnx: not ATC-compatible: node" in res.output and "(Range, 1x)" in res.output
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path) == []

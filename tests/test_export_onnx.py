@@ -8,7 +8,8 @@ import torch
 
 from export_support import debug_model, hidden_states, write_unified
 from titan_pipe.convert.onnx.export import export_model
-from titan_pipe.convert.onnx.files import gather_external_data, share_external_data
+from titan_pipe.convert.onnx.generate import generate_padded
+from titan_pipe.convert.readers.store import read_header
 from titan_pipe.hashing import sha256_file
 
 ort = pytest.importorskip("onnxruntime")
@@ -20,6 +21,14 @@ def _session(path):
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 1
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def _feeds(tokens) -> dict:
+    """Prefill inputs for unpadded sequences: every token real, positions 0..T-1."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    b, t = ids.shape
+    return {"input_ids": ids, "attention_mask": np.ones((b, t), np.int64),
+            "position_ids": np.tile(np.arange(t, dtype=np.int64), (b, 1))}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +46,7 @@ def test_dynamic_prefill_matches_pytorch(exported, batch, seq):
     model, args, result = exported
     sess = _session(result.onnx)
     tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seq))
-    outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {"input_ids": tokens.numpy()})))
+    outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, _feeds(tokens))))
     with torch.no_grad():
         ref = model(tokens).numpy()
         ref_hidden = [h.numpy() for h in hidden_states(model, tokens)]
@@ -49,14 +58,11 @@ def test_dynamic_prefill_matches_pytorch(exported, batch, seq):
 
 
 def test_prefill_then_greedy_decode_matches_full_sequence(exported):
+    """Aligned prompts through the fixed-capacity cache loop vs re-running the full sequence in PyTorch."""
     model, args, result = exported
     prefill, decode = _session(result.onnx), _session(result.decode_onnx)
-    past_names = [i.name for i in decode.get_inputs()][1:]
-    n_layers = args.n_layers
     prompt = torch.randint(0, args.vocab_size, (2, 7), generator=torch.Generator().manual_seed(5))
     steps = 6
-
-    # Reference: greedy generation by re-running the full sequence in PyTorch.
     seq = prompt.clone()
     ref_logits = []
     with torch.no_grad():
@@ -64,30 +70,30 @@ def test_prefill_then_greedy_decode_matches_full_sequence(exported):
             last = model(seq)[:, -1]
             ref_logits.append(last.numpy())
             seq = torch.cat([seq, last.argmax(-1, keepdim=True)], dim=1)
-
-    outs = prefill.run(None, {"input_ids": prompt.numpy()})
-    logits, past = outs[0][:, -1], outs[1:1 + 2 * n_layers]
-    tokens = [prompt.numpy()]
-    for step in range(steps):
-        assert np.abs(logits - ref_logits[step]).max() <= 1e-4, step
-        nxt = logits.argmax(-1)[:, None].astype(np.int64)
-        tokens.append(nxt)
-        outs = decode.run(None, {"input_ids": nxt, **dict(zip(past_names, past))})
-        logits, past = outs[0][:, -1], outs[1:1 + 2 * n_layers]
-        assert past[0].shape[2] == prompt.shape[1] + step + 1
-    assert np.array_equal(np.concatenate(tokens, axis=1), seq.numpy())
+    gen = generate_padded(prefill=prefill, decode=decode, input_ids=prompt.numpy(),
+                          attention_mask=np.ones((2, 7), np.int64), max_new_tokens=steps, cache_len=7 + steps - 1)
+    assert np.abs(gen.logits - np.stack(ref_logits, axis=1)).max() <= 1e-4
+    assert np.array_equal(gen.new_tokens, seq[:, 7:].numpy())
 
 
-def test_decode_several_new_tokens_at_once(exported):
-    model, args, result = exported
-    prefill, decode = _session(result.onnx), _session(result.decode_onnx)
-    past_names = [i.name for i in decode.get_inputs()][1:]
-    full = torch.randint(0, args.vocab_size, (3, 12), generator=torch.Generator().manual_seed(9))
-    past = prefill.run(None, {"input_ids": full[:, :8].numpy()})[1:1 + 2 * args.n_layers]
-    got = decode.run(["logits"], {"input_ids": full[:, 8:].numpy(), **dict(zip(past_names, past))})[0]
+def test_export_never_loads_the_model(tmp_path, monkeypatch):
+    """The graphs are built from config.json and the safetensors headers; weights are streamed."""
+    import titan_pipe.convert.unified as unified
+
+    def refuse(*a, **k):
+        raise AssertionError("export loaded the whole model")
+
+    monkeypatch.setattr(unified, "load_unified_model", refuse)
+    model, args = debug_model()
+    src = write_unified(model, args, tmp_path / "model")
+    result = export_model(model_dir=src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False,
+                          hash_weights=False)
+    files = json.loads(result.export_json.read_text())["files"]
+    assert files["model.onnx.data"]["sha256"] is None  # --no-hash-weights: the one pass skipped
+    assert files["model.onnx"]["sha256"] == sha256_file(result.onnx)
+    tokens = torch.randint(0, args.vocab_size, (1, 9))
     with torch.no_grad():
-        ref = model(full)[:, 8:].numpy()
-    assert np.abs(got - ref).max() <= 1e-4
+        assert np.abs(_session(result.onnx).run(["logits"], _feeds(tokens))[0] - model(tokens).numpy()).max() <= 1e-4
 
 
 def test_graph_is_atc_shaped(exported):
@@ -105,10 +111,12 @@ def test_graph_is_atc_shaped(exported):
         banned = {onnx.TensorProto.BFLOAT16, onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128}
         assert not {t.data_type for t in m.graph.initializer} & banned
         ops = {o["op_type"]: o["count"] for o in record["graphs"][path.name]["operators"]}
-        assert ops["MatMul"] == sum(n.op_type == "MatMul" for n in m.graph.node)
+        assert ops["Gemm"] == sum(n.op_type == "Gemm" for n in m.graph.node) == 7 * 4 + 1  # 7 linears/layer + head
         assert "Transpose" not in {n.op_type for n in m.graph.node
                                    if any(i in {t.name for t in m.graph.initializer} for i in n.input)}
-    assert record["graphs"]["model.onnx"]["inputs"] == {"input_ids": ["batch", "seq"]}
+    assert record["graphs"]["model.onnx"]["inputs"] == {"input_ids": ["batch", "seq"],
+                                                        "attention_mask": ["batch", "seq"],
+                                                        "position_ids": ["batch", "seq"]}
     for name, info in record["files"].items():
         assert sha256_file(result.out_dir / name) == info["sha256"]
     assert record["atc"]["status"] == "skipped" and result.atc_status == "skipped"
@@ -124,7 +132,7 @@ def test_fp16_graph_within_tolerance(tmp_path):
     m = onnx.load(str(result.onnx))
     assert {t.data_type for t in m.graph.initializer if t.name.startswith("layers.")} == {onnx.TensorProto.FLOAT16}
     tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
-    got = _session(result.onnx).run(["logits"], {"input_ids": tokens.numpy()})[0]
+    got = _session(result.onnx).run(["logits"], _feeds(tokens))[0]
     with torch.no_grad():
         ref = model(tokens).numpy()
     assert got.dtype == np.float16
@@ -147,40 +155,42 @@ def test_transformers_checkpoint_matches_transformers(tmp_path):
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     result = export_model(model_dir=tmp_path / "hf", out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False)
     tokens = torch.randint(0, args.vocab_size, (2, 19), generator=torch.Generator().manual_seed(4))
-    got = _session(result.onnx).run(["logits"], {"input_ids": tokens.numpy()})[0]
+    got = _session(result.onnx).run(["logits"], _feeds(tokens))[0]
     with torch.no_grad():
         ref = hf(tokens).logits.numpy()
     assert np.abs(got - ref).max() <= 1e-4
 
 
-def test_external_data_gathered_and_shared(exported, tmp_path):
-    """The >2 GB path on small graphs: one tensor per file (as the exporter writes them) -> one .data
-    file, then the decode graph pointed at the prefill graph's data file; results unchanged."""
-    _, args, result = exported
-    for name in ("model.onnx", "decode.onnx"):  # each in its own scratch dir, as export does
-        scratch = tmp_path / f".{name}.scratch"
-        scratch.mkdir()
-        onnx.save_model(onnx.load(str(result.out_dir / name)), str(scratch / name), save_as_external_data=True,
-                        all_tensors_to_one_file=False, size_threshold=0)
-        assert len(list(scratch.iterdir())) > 10
-        gather_external_data(scratch / name)
-        for f in scratch.iterdir():
-            f.rename(tmp_path / f.name)
-        scratch.rmdir()
-    data = tmp_path / "model.onnx.data"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["decode.onnx", "decode.onnx.data", "model.onnx",
-                                                         "model.onnx.data"]
-    saved = share_external_data(tmp_path / "model.onnx", tmp_path / "decode.onnx")
-    assert saved > 0.9 * data.stat().st_size and not (tmp_path / "decode.onnx.data").exists()
-    onnx.checker.check_model(str(tmp_path / "decode.onnx"), full_check=True)
-    tokens = torch.randint(0, args.vocab_size, (2, 6)).numpy()
-    ref = _session(result.onnx).run(None, {"input_ids": tokens})
-    got = _session(tmp_path / "model.onnx").run(None, {"input_ids": tokens})
-    assert all(np.array_equal(a, b) for a, b in zip(ref, got))
-    names = [i.name for i in _session(result.decode_onnx).get_inputs()]
-    feed = {"input_ids": tokens[:, :1], **dict(zip(names[1:], ref[1:1 + 2 * args.n_layers]))}
-    assert all(np.array_equal(a, b) for a, b in zip(_session(result.decode_onnx).run(None, feed),
-                                                    _session(tmp_path / "decode.onnx").run(None, feed)))
+def test_weights_streamed_into_one_shared_file(exported, tmp_path):
+    """Both graphs point every weight at the same page-aligned bytes of model.onnx.data, and those
+    bytes are the safetensors tensor's, bit for bit (fp32 -> fp32), or its cast (bf16 -> fp32)."""
+    model, args, result = exported
+    src = result.out_dir.parent / "model" / "model.safetensors"
+    header, _ = read_header(src)
+    places = {}
+    for path in (result.onnx, result.decode_onnx):
+        m = onnx.load(str(path), load_external_data=False)
+        for t in m.graph.initializer:
+            if t.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            info = {e.key: e.value for e in t.external_data}
+            assert info["location"] == "model.onnx.data" and int(info["offset"]) % 4096 == 0
+            assert places.setdefault(t.name, (info["offset"], info["length"])) == (info["offset"], info["length"])
+    assert sorted(p.name for p in result.out_dir.iterdir() if "onnx" in p.name) == [
+        "decode.onnx", "model.onnx", "model.onnx.data"]
+    data = (result.out_dir / "model.onnx.data").read_bytes()
+    raw = src.read_bytes()
+    for name, stored in (("layers.2.w2", "model.layers.2.mlp.down_proj.weight"),
+                         ("tok_embeddings.weight", "model.embed_tokens.weight")):
+        off, n = (int(x) for x in places[name])
+        s = header[stored]
+        assert data[off:off + n] == raw[s.start:s.start + s.nbytes]
+
+    bf16 = write_unified(model, args, tmp_path / "bf16", dtype=torch.bfloat16)
+    out = export_model(model_dir=bf16, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False)
+    init = next(t for t in onnx.load(str(out.onnx)).graph.initializer if t.name == "layers.1.wq")
+    want = model.layers["1"].attention.wq.weight.detach().to(torch.bfloat16).float().numpy()
+    assert np.array_equal(onnx.numpy_helper.to_array(init), want)
 
 
 def test_tied_embeddings_and_llama3_rope(tmp_path):
@@ -190,6 +200,6 @@ def test_tied_embeddings_and_llama3_rope(tmp_path):
     src = write_unified(model, args, tmp_path / "model")
     result = export_model(model_dir=src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False)
     tokens = torch.randint(0, args.vocab_size, (2, 100), generator=torch.Generator().manual_seed(7))
-    got = _session(result.onnx).run(["logits"], {"input_ids": tokens.numpy()})[0]
+    got = _session(result.onnx).run(["logits"], _feeds(tokens))[0]
     with torch.no_grad():
         assert np.abs(got - model(tokens).numpy()).max() <= 1e-4

@@ -1,6 +1,7 @@
-"""Export for deployment: the unified model as ONNX graphs (prefill + KV-cache decode) checked
-against Ascend ATC's operator list, and the ATC command (run when ``atc`` is on PATH).
+"""Export for deployment: the unified model as ONNX graphs (prefill + fixed-capacity KV-cache decode)
+checked against Ascend ATC's operator list, and the ATC command (run when ``atc`` is on PATH).
 
-export.py (export_model), graphs.py (the graph wrappers), files.py (external data, hashing),
-atc.py (the ATC invocation), atc_ops.py + data/atc_onnx_ops.json (the supported operator list).
+export.py (export_model), graphs.py (the graphs, built node by node), weights.py (weights streamed
+into the one external-data file), generate.py (the reference generation loop), files.py (checks,
+hashing), atc.py (the ATC invocation), atc_ops.py + data/atc_onnx_ops.json (the supported operator list).
 """

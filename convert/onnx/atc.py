@@ -22,7 +22,7 @@ _PRECISION_V2 = {"origin": "origin", "mixed_float16": "mixed_float16", "fp16": "
 _PRECISION_V1 = {"origin": "must_keep_origin_dtype", "mixed_float16": "allow_mix_precision_fp16",
                  "fp16": "force_fp16"}
 EXTERNAL_WEIGHT_BYTES = 2 * 1024**3  # above this, --external_weight=1 keeps weights out of the .om
-MAX_GEARS = 100  # ATC's --dynamic_dims limit
+MAX_GEARS = 100  # ATC's --dynamic_dims limit (2..100 gears, CANN 6.x and 8.0 alike)
 
 
 @dataclass(frozen=True)
@@ -65,36 +65,42 @@ def seq_gears(seq_len: int, max_len: int) -> list[int]:
 
 def atc_invocation(*, graph: str, inputs: list[GraphInput], soc_version: str, precision_mode: str,
                    dynamic: bool, batch: int, seq_len: int, max_len: int, weight_bytes: int,
-                   decode: bool) -> AtcInvocation:
+                   decode: bool, cache_len: int | None = None) -> AtcInvocation:
     """The atc argv for one graph.
 
-    Static graphs get their exact shapes. Dynamic graphs get ``--dynamic_dims`` gears (ATC compiles
-    one static graph per gear): prefill over (batch, seq) in {1, batch} x seq_gears; decode keeps
-    the batch at ``batch`` and one new token, and gears over the cached length (the same value for
-    every past input, in input order).
+    Static graphs get their exact shapes. A dynamic prefill graph keeps the batch at ``batch`` and
+    gets ``--dynamic_dims`` gears over the sequence (ATC compiles one static graph per gear); its
+    three (B, T) inputs make 3 values per gear, inside the 4 that CANN 6.x documents as the per-gear
+    maximum (CANN 8.0 documents no per-gear maximum, only 2..100 gears). A dynamic decode graph is
+    compiled at one shape, (batch, cache_len): the fixed-capacity cache needs no other, and its
+    2 * n_layers + 1 cache-length dims would pass that per-gear maximum.
     """
     if precision_mode not in PRECISION_MODES:
         raise ValueError(f"precision_mode {precision_mode!r} is not one of {PRECISION_MODES}")
     stem = Path(graph).stem
-    shapes: list[str] = []
     gears: list[tuple[int, ...]] = []
+
+    def fixed(i: GraphInput) -> tuple[int, ...]:
+        """Dynamic dims pinned: batch (dim 0) -> batch, cache slots -> cache_len, new tokens -> 1."""
+        if i.name == "write_index":
+            return (batch,)
+        if i.name in ("input_ids", "position_ids"):
+            return (batch, 1)
+        if i.name == "attention_mask":
+            return (batch, cache_len)
+        _, h, _, d = i.dims
+        return (batch, h, cache_len, d)
+
     if not dynamic:
-        shapes = [f"{i.name}:{','.join(map(str, i.dims))}" for i in inputs]
-    elif not decode:
-        (ids,) = inputs
-        shapes = [f"{ids.name}:-1,-1"]
-        gears = [(b, s) for b in sorted({1, batch}) for s in seq_gears(seq_len, max_len)]
+        dims = [i.dims for i in inputs]
+    elif decode:
+        if cache_len is None:
+            raise ValueError("a dynamic decode graph needs cache_len for its ATC shape")
+        dims = [fixed(i) for i in inputs]
     else:
-        n_past = 0
-        for i in inputs:
-            if i.name == "input_ids":
-                shapes.append(f"{i.name}:{batch},1")
-            else:
-                _, h, _, d = i.dims
-                shapes.append(f"{i.name}:{batch},{h},-1,{d}")
-                n_past += 1
-        past = [p for p in seq_gears(seq_len, max_len - 1) if p + 1 <= max_len]
-        gears = [tuple([p] * n_past) for p in past]
+        dims = [(batch, -1) for _ in inputs]
+        gears = [tuple([s] * len(inputs)) for s in seq_gears(seq_len, max_len)]
+    shapes = [f"{i.name}:{','.join(map(str, d))}" for i, d in zip(inputs, dims)]
     argv = ["atc", f"--model={graph}", "--framework=5", f"--output=om/{stem}", f"--soc_version={soc_version}",
             "--input_format=ND", f"--input_shape={';'.join(shapes)}",
             f"--precision_mode_v2={_PRECISION_V2[precision_mode]}"]

@@ -1,59 +1,55 @@
-"""The export stage: a unified model dir -> model.onnx (+ decode.onnx), ATC command/.om, export.json.
+"""The export stage: a unified model dir -> model.onnx + decode.onnx (+ model.onnx.data), ATC command/.om, export.json.
 
-Graphs come from the TorchScript exporter (``torch.onnx.export(dynamo=False)``) because it takes
-``opset_version`` directly; the dynamo exporter emits opset >= 18, above ATC's 11..15. Opset 14
-is the default: the lowest opset at which ``scaled_dot_product_attention`` exports, and inside the
-window of every operator the graph uses (convert/onnx/data/atc_onnx_ops.json). Everything is written
-to a hidden sibling directory and renamed into place when complete, so a failure leaves nothing.
+The graphs are built directly (convert/onnx/graphs.py: a decoder layer's nodes emitted once per
+layer) and the weights streamed tensor by tensor from the safetensors files into one external-data
+file both graphs share (convert/onnx/weights.py), so the cost is the weights' I/O: the model is
+never loaded, traced or held in memory. Opset 14 is the default (15 accepted): inside ATC's 11..15
+and the window of every operator the graphs use (convert/onnx/data/atc_onnx_ops.json). Everything is
+written to a hidden sibling directory and renamed into place when complete, so a failure leaves
+nothing.
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import onnx
-import torch
 
 from titan_pipe.atomic import swap_dir, temp_dir
 from titan_pipe.convert.onnx import atc as atc_mod
 from titan_pipe.convert.onnx.atc_ops import find_problems, load_atc_ops, operator_report
-from titan_pipe.convert.onnx.files import (
-    check_and_infer, file_table, gather_external_data, move_files, share_external_data,
-)
-from titan_pipe.convert.onnx.graphs import DecodeGraph, PrefillGraph, dynamic_axes, io_names, tap_names
-from titan_pipe.convert.unified import load_unified_model
-from titan_pipe.dtypes import BY_NAME, TORCH_BY_NAME
+from titan_pipe.convert.onnx.files import check_and_infer, file_table
+from titan_pipe.convert.onnx.graphs import NP_DTYPES, GraphSpec, build_graph, initializer_names, io_dims, io_names
+from titan_pipe.convert.onnx.weights import DataWriter, plan_weights
+from titan_pipe.dtypes import BY_NAME
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.model_args import ModelArgs, count_params
-from titan_pipe.unified_dir import locate_weights, read_model_args
+from titan_pipe.training.model import rope_cos_sin
+from titan_pipe.unified_dir import read_model_args
 
-EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15 and >= 14 for the SDPA exporter
+EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15; 14 is the lowest every operator of the graphs is listed at
 # ATC graphs carry no bfloat16.
 EXPORT_DTYPES = ("float32", "float16")
+DEFAULT_CACHE_LEN = 4096
+DATA_FILE = "model.onnx.data"
+# How decode.onnx updates the cache: it writes the new key/value into slot write_index with Where
+# over a one-hot of the slots and returns the whole cache (see docs/export.md, "Decode cache").
+CACHE_UPDATE = "whole_cache"
 
 
 @dataclass(frozen=True)
 class GraphPlan:
-    """One graph to export: file name, I/O names, the dims ATC sees (-1 = dynamic) and trace dims.
-
-    ``traced_outputs`` are the outputs the tracer is given: ``outputs`` plus every per-layer tap
-    (hidden.{i}, attn_out.{i}, mlp_out.{i}), so those values carry stable names in the graph; the
-    taps not in ``outputs`` are then dropped from the graph's outputs and stay inner values whose
-    names export.json records (layer_outputs, ...), for evaluate to expose in a copy of the graph.
-    """
+    """One graph to build: file name, I/O names and the dims ATC sees (-1 = dynamic)."""
 
     file: str
     decode: bool
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    traced_outputs: tuple[str, ...]
     input_dims: dict[str, tuple[int, ...]]
-    trace_dims: dict[str, tuple[int, ...]]
+    spec: GraphSpec
 
 
 @dataclass(frozen=True)
@@ -62,6 +58,7 @@ class ExportPlan:
     dtype: str
     batch: int
     seq_len: int
+    cache_len: int
     dynamic: bool
     kv_cache: bool
     expose_hidden: bool
@@ -83,17 +80,21 @@ class ExportResult:
     om: Path | None = None  # the prefill graph's .om, when ATC ran and built it
 
 
+def default_cache_len(args: ModelArgs) -> int:
+    return min(args.max_seq_len, DEFAULT_CACHE_LEN)
+
+
 def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", batch: int = 1, seq_len: int = 32,
-                dynamic: bool = True, kv_cache: bool = True, soc_version: str = "Ascend910B3",
-                run_atc: bool = True, precision_mode: str = "origin",
+                cache_len: int | None = None, dynamic: bool = True, kv_cache: bool = True,
+                soc_version: str = "Ascend910B3", run_atc: bool = True, precision_mode: str = "origin",
                 expose_hidden: bool = False) -> ExportPlan:
     """Validate the options against the model and lay out the graphs (pure data, no I/O)."""
     lo, hi = load_atc_ops()["atc_opset_window"]
     if not isinstance(opset, int) or not lo <= opset <= hi:
         raise UserError(f"opset {opset!r}: ATC takes ONNX opsets {lo}..{hi} only; use --opset 14 (default) or 15")
     if opset not in EXPORT_OPSETS:
-        raise UserError(f"opset {opset}: the TorchScript exporter needs opset >= 14 for scaled_dot_product_attention; "
-                        "use --opset 14 (default) or 15")
+        raise UserError(f"opset {opset}: the graphs need opset >= 14 (Trilu-free attention, Unsqueeze/Slice with "
+                        "tensor axes); use --opset 14 (default) or 15")
     if dtype not in EXPORT_DTYPES:
         raise UserError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)} (ATC graphs carry no bfloat16)")
     if precision_mode not in atc_mod.PRECISION_MODES:
@@ -103,27 +104,24 @@ def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", bat
     if seq_len + (1 if kv_cache else 0) > args.max_seq_len:
         raise UserError(f"seq_len {seq_len} (+1 decode step) exceeds the model's max_position_embeddings "
                         f"{args.max_seq_len} (config.json); pass a smaller --seq-len")
-    hkv, hd, n = args.kv_heads, args.head_dim, args.n_layers
+    cache_len = default_cache_len(args) if cache_len is None else cache_len
+    if kv_cache and cache_len < seq_len + 1:
+        raise UserError(f"cache_len {cache_len} is smaller than seq_len {seq_len} + 1 (the prompt plus one new "
+                        f"token); pass --cache-len {seq_len + 1} or more (or a smaller --seq-len)")
+    if kv_cache and cache_len > args.max_seq_len:
+        raise UserError(f"cache_len {cache_len} exceeds the model's max_position_embeddings {args.max_seq_len} "
+                        f"(config.json); pass --cache-len {args.max_seq_len} or less")
     graphs = []
     for decode in ((False, True) if kv_cache else (False,)):
-        ins, traced = io_names(n, decode=decode, kv_cache=kv_cache, taps=True)
-        kept = {"hidden"} if expose_hidden else set()
-        outs = [o for o in traced if o.split(".")[0] not in ("hidden", "attn_out", "mlp_out")
-                or o.split(".")[0] in kept]
-        if dynamic:  # trace with sizes > 1 so nothing specialises on a broadcastable 1
-            tb, ts, tp = max(batch, 2), (2 if decode else 3), 3
-            dims = {"input_ids": (-1, -1)}
-        else:
-            tb, ts, tp = batch, (1 if decode else seq_len), seq_len
-            dims = {"input_ids": (batch, ts)}
-        trace = {"input_ids": (tb, ts)}
-        for name in ins[1:]:
-            trace[name] = (tb, hkv, tp, hd)
-            dims[name] = (-1, hkv, -1, hd) if dynamic else (batch, hkv, seq_len, hd)
-        graphs.append(GraphPlan("decode.onnx" if decode else "model.onnx", decode, tuple(ins), tuple(outs),
-                                tuple(traced), dims, trace))
+        spec = GraphSpec(decode=decode, kv_cache=kv_cache, expose_hidden=expose_hidden,
+                         batch=None if dynamic else batch, seq=None if dynamic else seq_len,
+                         cache=None if dynamic else cache_len, dtype=dtype, opset=opset)
+        ins, outs = io_names(args.n_layers, decode=decode, kv_cache=kv_cache, expose_hidden=expose_hidden)
+        dims = io_dims(args, spec)
+        graphs.append(GraphPlan(spec.file, decode, tuple(ins), tuple(outs),
+                                {n: tuple(d if isinstance(d, int) else -1 for d in dims[n]) for n in ins}, spec))
     itemsize = BY_NAME[dtype].itemsize
-    return ExportPlan(opset, dtype, batch, seq_len, dynamic, kv_cache, expose_hidden, soc_version,
+    return ExportPlan(opset, dtype, batch, seq_len, cache_len, dynamic, kv_cache, expose_hidden, soc_version,
                       precision_mode, run_atc, count_params(args) * itemsize, tuple(graphs))
 
 
@@ -138,61 +136,26 @@ def _check_paths(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
                         "choose an output directory outside it")
 
 
-def _sample_inputs(g: GraphPlan, vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, g.trace_dims["input_ids"], generator=gen)
-    past = [torch.randn(g.trace_dims[n], generator=gen).to(dtype) for n in g.inputs[1:]]
-    return (ids, *past)
+def _rope_rows(plan: ExportPlan, args: ModelArgs) -> int:
+    """Rows of the RoPE tables: every position a graph can be asked for (positions < cache slots)."""
+    if plan.dynamic:
+        return args.max_seq_len
+    return plan.cache_len if plan.kv_cache else plan.seq_len
 
 
-def _export_graph(model, args: ModelArgs, plan: ExportPlan, g: GraphPlan, work: Path) -> None:
-    """Trace one graph into ``work/g.file`` (external data gathered into ``g.file + '.data'``)."""
-    scratch = work / f".{g.file}.scratch"
-    scratch.mkdir()
-    module = (DecodeGraph(model, taps=True) if g.decode
-              else PrefillGraph(model, kv_cache=plan.kv_cache, taps=True)).eval()
-    sample = _sample_inputs(g, args.vocab_size, TORCH_BY_NAME[plan.dtype])
-    axes = dynamic_axes(list(g.inputs), list(g.traced_outputs), decode=g.decode) if plan.dynamic else None
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporter's deprecation and tracer notices
-            torch.onnx.export(module, sample, str(scratch / g.file), dynamo=False, opset_version=plan.opset,
-                              input_names=list(g.inputs), output_names=list(g.traced_outputs), dynamic_axes=axes,
-                              do_constant_folding=True, export_params=True)
-    except Exception as e:  # the exporter raises many types; the first line says what it could not map
-        raise StageFailed(f"{g.file}: torch.onnx.export (TorchScript, opset {plan.opset}) failed: "
-                          f"{str(e).strip().splitlines()[0][:400]}; model code that does not export belongs "
-                          "in training/model.py or convert/onnx/graphs.py") from e
-    del module
-    gather_external_data(scratch / g.file)
-    _drop_outputs(scratch / g.file, keep=g.outputs)
-    move_files(scratch, work)
-    scratch.rmdir()
+def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_weights: bool) -> DataWriter:
+    """Stream every weight (and the RoPE tables) into work/model.onnx.data, one tensor at a time."""
+    with DataWriter(work / DATA_FILE, plan.dtype, hash=hash_weights) as data:
+        for init_name, native in initializer_names(args).items():
+            data.add_source(init_name, sources[native])
+        cos, sin = rope_cos_sin(args, _rope_rows(plan, args))
+        np_dtype = NP_DTYPES[plan.dtype]
+        data.add_array("rope_cos", cos.numpy().astype(np_dtype))
+        data.add_array("rope_sin", sin.numpy().astype(np_dtype))
+    return data
 
 
-def _drop_outputs(path: Path, *, keep: tuple[str, ...]) -> None:
-    """Remove the graph outputs not in ``keep`` (the per-layer taps): their values stay in the graph
-    under the same names, computed by the same nodes, just no longer returned."""
-    model = onnx.load(str(path), load_external_data=False)
-    outs = [o for o in model.graph.output if o.name in keep]
-    if len(outs) == len(model.graph.output):
-        return
-    del model.graph.output[:]
-    model.graph.output.extend(outs)
-    onnx.save(model, str(path))
-
-
-def _layer_taps(model: onnx.ModelProto, n_layers: int) -> dict[str, list[str | None]]:
-    """export.json's per-layer value names (the contract evaluate reads): layer_outputs[i] holds the
-    residual stream after decoder layer i, attn_outputs[i] / mlp_outputs[i] its attention / MLP
-    block output before the residual Add; null where the graph has no value of that name."""
-    produced = {o for n in model.graph.node for o in n.output}
-    names = tap_names(n_layers)
-    return {key: [v if v in produced else None for v in names[kind]]
-            for key, kind in (("layer_outputs", "hidden"), ("attn_outputs", "attn_out"), ("mlp_outputs", "mlp_out"))}
-
-
-def _graph_report(path: Path, plan: ExportPlan, n_layers: int) -> dict:
+def _graph_report(path: Path, plan: ExportPlan) -> dict:
     """Check + shape-infer one graph, then its operator report; UserError if ATC would reject it."""
     try:
         model = check_and_infer(path)
@@ -213,20 +176,22 @@ def _graph_report(path: Path, plan: ExportPlan, n_layers: int) -> dict:
         "inputs": {vi.name: dims(vi) for vi in model.graph.input},
         "outputs": {vi.name: dims(vi) for vi in model.graph.output},
         "n_nodes": len(model.graph.node),
-        **_layer_taps(model, n_layers),
         "operators": [{"domain": u.domain, "op_type": u.op_type, "count": u.count,
                        "since_version": u.since_version} for u in report],
     }
 
 
 def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str = "float32", batch: int = 1,
-                 seq_len: int = 32, dynamic: bool = True, kv_cache: bool = True,
+                 seq_len: int = 32, cache_len: int | None = None, dynamic: bool = True, kv_cache: bool = True,
                  soc_version: str = "Ascend910B3", run_atc: bool = True, precision_mode: str = "origin",
-                 overwrite: bool = False, expose_hidden: bool = False) -> ExportResult:
+                 overwrite: bool = False, expose_hidden: bool = False, hash_weights: bool = True) -> ExportResult:
     """Export a unified model dir to ONNX for ATC (see docs/export.md for the graphs' I/O).
 
-    Writes out_dir/{model.onnx, decode.onnx (kv_cache), *.onnx.data (graphs past 2 GB),
+    Writes out_dir/{model.onnx, decode.onnx (kv_cache), model.onnx.data (the weights, shared),
     atc/command.sh, om/ (if atc ran), export.json}; nothing is left behind on failure.
+    ``cache_len`` (decode slots C) defaults to min(max_position_embeddings, 4096). ``hash_weights``:
+    the sha256 of model.onnx.data in export.json (computed while streaming; False records null and
+    saves the one CPU-bound pass over the weights' bytes — a flow's stage cache hashes them anyway).
     """
     from rich.console import Console
 
@@ -234,10 +199,10 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     _check_paths(model_dir, out_dir, overwrite)
     args = read_model_args(model_dir)
-    locate_weights(model_dir)  # fail on missing weights before any work
-    plan = plan_export(args, opset=opset, dtype=dtype, batch=batch, seq_len=seq_len, dynamic=dynamic,
-                       kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
+    plan = plan_export(args, opset=opset, dtype=dtype, batch=batch, seq_len=seq_len, cache_len=cache_len,
+                       dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
                        precision_mode=precision_mode, expose_hidden=expose_hidden)
+    sources = plan_weights(model_dir, args)  # headers only: bad weights fail before any write
     work = temp_dir(out_dir)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -248,26 +213,24 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
         return now
 
     try:
-        with console.status(f"loading {model_dir} ({plan.weight_bytes / 1e9:.2f} GB as {dtype})"):
-            model, _ = load_unified_model(model_dir, dtype=TORCH_BY_NAME[dtype])
-        t = lap("load", t0)
+        with console.status(f"streaming {plan.weight_bytes / 1e9:.2f} GB of weights as {dtype} into {DATA_FILE}"):
+            data = _write_weights(args, plan, work, sources, hash_weights)
+        t = lap("weights", t0)
+        graphs, layer_values = {}, {}
         for g in plan.graphs:
-            with console.status(f"exporting {g.file} (opset {opset}, {'dynamic' if dynamic else 'static'} shapes)"):
-                _export_graph(model, args, plan, g, work)
-            t = lap(f"export {g.file}", t)
-        del model
-        if kv_cache and (work / "model.onnx.data").exists():
-            share_external_data(work / "model.onnx", work / "decode.onnx")
-        graphs = {}
+            proto, layer_values[g.file] = build_graph(args, g.spec, data.entries, data_file=DATA_FILE)
+            onnx.save(proto, str(work / g.file))
+        t = lap("build", t)
         for g in plan.graphs:
             with console.status(f"checking {g.file} (onnx.checker full check, shape inference, ATC operators)"):
-                graphs[g.file] = _graph_report(work / g.file, plan, args.n_layers)
+                graphs[g.file] = _graph_report(work / g.file, plan)
+                graphs[g.file].update(vars(layer_values[g.file]))
             t = lap(f"check {g.file}", t)
         invocations = [atc_mod.atc_invocation(
             graph=g.file, inputs=[atc_mod.GraphInput(n, g.input_dims[n]) for n in g.inputs],
             soc_version=soc_version, precision_mode=precision_mode, dynamic=dynamic, batch=batch,
-            seq_len=seq_len, max_len=args.max_seq_len, weight_bytes=plan.weight_bytes, decode=g.decode)
-            for g in plan.graphs]
+            seq_len=seq_len, cache_len=plan.cache_len, max_len=args.max_seq_len,
+            weight_bytes=plan.weight_bytes, decode=g.decode) for g in plan.graphs]
         (work / "atc").mkdir()
         script = work / "atc" / "command.sh"
         script.write_text(atc_mod.command_script(invocations, precision_mode))
@@ -280,15 +243,18 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                 console.print(f"atc is not on PATH: no .om built; the command is in {out_dir / 'atc' / 'command.sh'}",
                               highlight=False, soft_wrap=True)
         t = lap("atc", t)
-        files = file_table(work)
+        files = file_table(work, {DATA_FILE: data.sha256})
         lap("hash", t)
         export_s = time.perf_counter() - t0
         record = {
-            "format": "titan-pipe-export/1",
+            "format": "titan-pipe-export/2",
             "source": {"model_dir": str(model_dir.resolve()), "config": args.to_dict()},
             "options": {k: v for k, v in asdict(plan).items() if k not in ("graphs",)},
-            "exporter": {"torch": torch.__version__, "onnx": onnx.__version__,
-                         "path": "torch.onnx.export(dynamo=False)"},
+            "exporter": {"onnx": onnx.__version__, "path": "titan_pipe.convert.onnx.graphs (built directly)"},
+            "decode": None if not kv_cache else {
+                "cache_len": plan.cache_len, "cache_update": CACHE_UPDATE, "write_index": "write_index",
+                "note": "decode.onnx writes the step's key/value into slot write_index (Where over a one-hot of "
+                        "the slots) and returns the whole cache; feed present.* back as past_key_values.*"},
             "atc": {"status": atc_status, "soc_version": soc_version, "precision_mode": precision_mode,
                     "commands": [list(i.argv) for i in invocations],
                     "operator_list": {"file": "convert/onnx/data/atc_onnx_ops.json",
@@ -303,7 +269,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
-    summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache,
+    summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache, "cache_len": plan.cache_len,
                "params": count_params(args), "weight_bytes": plan.weight_bytes,
                "graphs": {f: {"nodes": r["n_nodes"], "bytes": record["files"][f]["bytes"]} for f, r in graphs.items()},
                "atc_status": atc_status, "export_seconds": round(export_s, 3), "timings_seconds": timings}

@@ -29,7 +29,9 @@ def register(app: typer.Typer) -> None:
         opset: int = typer.Option(14, "--opset", help="ONNX opset (ATC takes 11-15; the exporter needs >= 14)"),
         dtype: Dtype = typer.Option(Dtype.float32, "--dtype", help="Weights/activations dtype in the graph"),
         batch: int = typer.Option(1, "--batch", help="Batch size (static shape, and the ATC gears)"),
-        seq_len: int = typer.Option(32, "--seq-len", help="Sequence length (static shape, and the ATC gears)"),
+        seq_len: int = typer.Option(32, "--seq-len", help="Prompt length T of model.onnx (static shape, and the ATC gears)"),
+        cache_len: int = typer.Option(None, "--cache-len", help="KV-cache slots of decode.onnx (default: "
+                                      "min(max_position_embeddings, 4096)); >= seq-len + 1"),
         dynamic: bool = typer.Option(True, "--dynamic/--static", help="Dynamic batch/sequence dims, or fixed ones"),
         kv_cache: bool = typer.Option(True, "--kv-cache/--no-kv-cache", help="Also export decode.onnx with past/present KV"),
         soc_version: str = typer.Option("Ascend910B3", "--soc-version", help="ATC --soc_version"),
@@ -38,15 +40,18 @@ def register(app: typer.Typer) -> None:
                                                  help="ATC precision: origin keeps the graph dtype"),
         expose_hidden: bool = typer.Option(False, "--expose-hidden", help="Add hidden.{i} outputs (for evaluation)"),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists"),
+        hash_weights: bool = typer.Option(True, "--hash-weights/--no-hash-weights",
+                                          help="sha256 of model.onnx.data in export.json (one CPU pass over the weights)"),
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Export MODEL_DIR to ONNX (prefill + KV-cache decode) for Ascend ATC, with an operator report."""
         from titan_pipe.convert.onnx.export import export_model
 
         r = call_stage("export", export_model, track=flow, model_dir=model_dir, out_dir=out_dir, opset=opset, dtype=dtype.value, batch=batch,
-                         seq_len=seq_len, dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version,
+                         seq_len=seq_len, cache_len=cache_len, dynamic=dynamic, kv_cache=kv_cache,
+                         soc_version=soc_version,
                          run_atc=atc, precision_mode=precision_mode.value, overwrite=overwrite,
-                         expose_hidden=expose_hidden)
+                         expose_hidden=expose_hidden, hash_weights=hash_weights)
         s = r.summary
         graphs = ", ".join(f"{f} ({g['nodes']} nodes, {g['bytes'] / 1e6:.1f} MB)" for f, g in s["graphs"].items())
         console.print(f"exported {graphs} at opset {s['opset']}, {s['dtype']}, "
