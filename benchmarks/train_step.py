@@ -92,13 +92,13 @@ def worker_loop(kind: str, steps: int) -> dict:
 
 
 def worker_trainer(kind: str, steps: int, ac: bool) -> dict:
-    """The real trainer loop (titan_pipe.training.train.train) on a one-rank gloo group."""
+    """The real trainer loop (titan_pipe.training.trainer.train) on a one-rank gloo group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
     import torch.distributed as dist
 
     from titan_pipe.config import parse_flow
-    from titan_pipe.training import train as train_mod
+    from titan_pipe.training import trainer as train_mod
 
     work = Path(tempfile.mkdtemp(prefix="titan-bench-"))
     os.chdir(work)

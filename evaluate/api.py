@@ -1,4 +1,4 @@
-"""evaluate_model: run every comparison of issue 5 that the given artifacts allow, write the report.
+"""evaluate_model: run every comparison the given artifacts allow, write the report.
 
 The reference is the model as it ran in training: the checkpoint under its own TP/PP layout when
 ``checkpoint`` is given, proven equal (comparison 1) to the single-process float32 model that

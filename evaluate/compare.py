@@ -1,4 +1,4 @@
-"""The comparisons of issue 5 as pure data: outputs in, judged rows and a verdict out (no I/O).
+"""The evaluation's comparisons as pure data: outputs in, judged rows and a verdict out (no I/O).
 
   1 sharded_vs_unified  training checkpoint under torchrun (reference) vs the unified model
   2 torch_vs_onnx       unified model in PyTorch (reference) vs the exported graph in ONNX Runtime,

@@ -27,7 +27,7 @@ SCHEMA = 1  # bump when the key recipe changes, so old records are not trusted
 # Training keys that say nothing about the weights: where the ranks run and the fault-injection hook.
 _TRAIN_SECTIONS = ("device", "model", "data", "train", "parallel", "precision", "memory", "zero_stage",
                    "comm", "checkpoint", "init_from")
-_TRAIN_IGNORED = {"train": {"fail_at_step", "fail_rank", "fail_during", "log_every"}}
+_TRAIN_IGNORED = {"train": {"log_every"}}
 # Files in a stage's output directory that the next stage does not read (they hold timestamps).
 _NOT_READ = {"provenance.json", "export.json"}
 _NOT_READ_SUFFIXES = (".log", ".sh", ".md", ".html", ".png", ".tmp")

@@ -12,6 +12,7 @@ from typing import Any, Literal, get_args, get_type_hints
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
+from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.model_args import FLAVOURS, ModelArgs, RopeScaling, resolve_args
 
 
@@ -102,9 +103,6 @@ class TrainConfig(Section):
     grad_clip: float | None = Field(1.0, gt=0)
     seed: int = 0
     log_every: int = Field(1, gt=0)
-    fail_at_step: int | None = None  # test hook: one rank exits at this step (fault injection)
-    fail_rank: int = 0
-    fail_during: Literal["step", "checkpoint"] = "step"  # die mid-step, or mid-checkpoint-write
 
 
 class ParallelConfig(Section):
@@ -148,7 +146,7 @@ class CommConfig(Section):
     comm_overlap: bool = True
     fusion_buffer_mb: int = Field(25, gt=0)
     stream_num: int = Field(1, gt=0)
-    gradient_sync_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    gradient_sync_dtype: Literal[FLOAT_NAMES] = "float32"
 
 
 class LaunchConfig(Section):
@@ -167,13 +165,13 @@ class CheckpointConfig(Section):
 
 class ConvertConfig(Section):
     naming: Literal["hf", "native"] = "hf"
-    dtype: Literal["keep", "float32", "float16", "bfloat16"] = "keep"
+    dtype: Literal[("keep",) + FLOAT_NAMES] = "keep"
     max_shard_size: str = "5GB"
 
 
 class ExportConfig(Section):
     opset: int = Field(14, ge=11, le=15)  # ATC takes ONNX opsets 11-15 (the graphs need >= 14)
-    dtype: Literal["float32", "float16"] = "float32"
+    dtype: Literal[EXPORT_NAMES] = "float32"
     batch: int = Field(1, gt=0)
     seq_len: int = Field(32, gt=0)
     cache_len: int | None = Field(None, gt=1)  # decode KV-cache slots; None: min(max_position_embeddings, 4096)
@@ -192,7 +190,7 @@ class EvaluateConfig(Section):
     seq_len: int = Field(32, gt=0)
     operators: bool = True
     thresholds: dict[str, dict[str, float]] = Field(default_factory=dict)  # per dtype overrides
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # threshold set; auto: the candidate's
+    dtype: Literal[("auto",) + FLOAT_NAMES] = "auto"  # threshold set; auto: the candidate's
     prompts: int = Field(2, ge=0)  # greedy generations compared token for token (0: none)
     prompt_len: int = Field(16, gt=0)
     new_tokens: int = Field(16, gt=0)

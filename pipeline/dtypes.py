@@ -45,6 +45,8 @@ TABLE: tuple[DType, ...] = (
 
 # The float types a model is trained, converted, exported and evaluated in.
 FLOAT_NAMES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+# The float types an exported graph may carry (ATC graphs carry no bfloat16).
+EXPORT_NAMES: tuple[str, ...] = ("float32", "float16")
 # Short spellings accepted where a user types a dtype.
 ALIASES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 

@@ -35,7 +35,7 @@ def trained(tmp_path_factory):
     flow = dict(FLOW, runs_dir=str(work / "runs"))
     (work / "flow.yaml").write_text(yaml.safe_dump(flow))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
-           "-m", "titan_pipe.training.train", "--flow", str(work / "flow.yaml")]
+           "-m", "titan_pipe.training.trainer", "--flow", str(work / "flow.yaml")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=work)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -129,9 +129,10 @@ def test_changing_one_export_setting_reruns_export_and_evaluate_only(first):
     assert json.loads((run_dir / "onnx" / "export.json").read_text())["options"]["opset"] == 15
 
 
-def test_killed_rank_is_retried_and_resumes_to_the_same_weights(first):
+def test_killed_rank_is_retried_and_resumes_to_the_same_weights(first, monkeypatch):
     path, run_dir, _, _ = first
-    faulty = _test_flow(path.parent, "tinyfault", train={"fail_at_step": 6, "fail_rank": 1})
+    faulty = _test_flow(path.parent, "tinyfault")
+    monkeypatch.setenv("TITAN_PIPE_FAULT", "6:1:step")  # rank 1 dies at step 6 (test-only hook)
     result = CliRunner().invoke(app, ["run", str(faulty), "--only", "train"])
     assert result.exit_code == 0, result.output[-4000:]
     with _client() as client:

@@ -56,7 +56,7 @@ def test_single_node_command():
     cmd = build_torchrun_command(cfg, Path("/x/flow.yaml"), resume=False)
     assert cmd == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--nnodes", "1",
                    "--node_rank", "0", "--standalone", "--max_restarts", "0", "--local-ranks-filter", "0",
-                   "-m", "titan_pipe.training.train", "--flow", "/x/flow.yaml"]
+                   "-m", "titan_pipe.training.trainer", "--flow", "/x/flow.yaml"]
     cmd = build_torchrun_command(cfg, Path("/x/flow.yaml"), resume=True, log_dir=Path("/r/logs"))
     assert cmd[-1] == "--resume"
     i = cmd.index("--log_dir")
@@ -162,7 +162,7 @@ def test_stream_process_tees_lines_and_returns_the_status(tmp_path):
 TORCHRUN_FAILURE = """
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-titan_pipe.training.train FAILED
+titan_pipe.training.trainer FAILED
 ------------------------------------------------------------
 Failures:
 [1]:
@@ -290,9 +290,10 @@ def test_train_cli_end_to_end_tp2(tmp_path, monkeypatch):
     assert "step 3/3" in log and "torch.distributed.run" in log
     assert "done: steps 3" in r.output and "step-000003" in r.output and "metrics.png" in r.output
     # a failing rank (fault injection) makes `titan-pipe train` exit non-zero and names the log
-    flow = _write_flow(tmp_path, name="bad", train={"steps": 3, "batch_size": 2, "seq_len": 16,
-                                                    "fail_at_step": 1})
-    r = CliRunner().invoke(app, ["train", str(flow)])
+    flow = _write_flow(tmp_path, name="bad", train={"steps": 3, "batch_size": 2, "seq_len": 16})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TITAN_PIPE_FAULT", "1:0:step")
+        r = CliRunner().invoke(app, ["train", str(flow)])
     assert r.exit_code != 0
     assert "torchrun exited with status" in r.output and "train.log" in r.output
     assert "rank 0 failed first (exit code 1)" in r.output and "stderr.log" in r.output

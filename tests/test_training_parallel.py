@@ -116,7 +116,8 @@ def launch(nproc: int, runs: list[dict], workdir: Path) -> dict:
 
 CRASH_FLOW = dict(flow({"tp": 2}), name="crashed",
                   checkpoint={"every": 2, "keep_last": 3},
-                  train=dict(BASE["train"], fail_at_step=4, fail_rank=1, fail_during="checkpoint"))
+                  train=dict(BASE["train"]))
+CRASH_FAULT = "4:1:checkpoint"  # TITAN_PIPE_FAULT: rank 1 dies while writing the step-4 checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +126,9 @@ def crashed(tmp_path_factory):
     work = tmp_path_factory.mktemp("world2")
     CRASH_FLOW["runs_dir"] = str(work / "runs")
     (work / "crashed.yaml").write_text(yaml.safe_dump(CRASH_FLOW))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TITAN_PIPE_FAULT=CRASH_FAULT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "titan_pipe.training.train", "--flow", str(work / "crashed.yaml")]
+           "-m", "titan_pipe.training.trainer", "--flow", str(work / "crashed.yaml")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=work)
     ckpts = work / "runs" / "crashed" / "checkpoints"
     with warnings.catch_warnings(record=True) as caught:

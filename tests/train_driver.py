@@ -27,7 +27,7 @@ from titan_pipe.training.data_parallel import plan_dp
 from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import build_parallel_model
 from titan_pipe.training.pipeline_parallel import forward_logits
-from titan_pipe.training.train import train
+from titan_pipe.training.trainer import train
 from titan_pipe.training.weights import open_weights
 
 

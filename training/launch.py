@@ -1,7 +1,7 @@
 """The training launcher: builds the torchrun command and environment, runs it, streams rank 0.
 
 ``run_training`` is what ``titan-pipe train`` and the Prefect flow call. It starts
-``python -m torch.distributed.run ... -m titan_pipe.training.train --flow FLOW [--resume]`` as a
+``python -m torch.distributed.run ... -m titan_pipe.training.trainer --flow FLOW [--resume]`` as a
 subprocess, tees its output to the console and run_dir/train.log, and turns the run's files into a
 TrainResult. Inside an existing launch (torchrun, srun) it runs the trainer in this process instead.
 """
@@ -26,7 +26,7 @@ from titan_pipe.run_dir import RunDir
 from titan_pipe.training.metrics import (bar_info, new_progress_bar, parse_progress_line, plot_metrics,
                                          step_records)
 
-TRAIN_MODULE = "titan_pipe.training.train"
+TRAIN_MODULE = "titan_pipe.training.trainer"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # set by torchrun for each worker
 SLURM_VARS = ("SLURM_PROCID",)  # set by srun for each task
 
@@ -88,10 +88,10 @@ def launch_env(cfg: FlowConfig, device_type: str, *, base: Mapping[str, str] | N
       sharing cores do not oversubscribe them (torchrun's own default is 1 with a warning).
     - TORCH_DEVICE_BACKEND_AUTOLOAD=0 on CPU: a torch_npu installed without CANN would otherwise
       break ``import torch`` in every rank.
-    - the collective library's settings from the comm section (training/train.py comm_env): on
+    - the collective library's settings from the comm section (training/trainer.py comm_env): on
       NPU, HCCL_BUFFSIZE = comm.fusion_buffer_mb.
     """
-    from titan_pipe.training.train import comm_env
+    from titan_pipe.training.trainer import comm_env
 
     env = dict(os.environ if base is None else base)
     extra = {"PYTHONUNBUFFERED": "1"}
@@ -377,7 +377,7 @@ def resume_flag(cfg: FlowConfig, run: RunDir, resume: bool) -> bool:
 
 
 def _run_in_process(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool) -> TrainResult:
-    from titan_pipe.training import train
+    from titan_pipe.training import trainer
 
     extra = slurm_env(os.environ, cfg)
     os.environ.update(extra)
@@ -387,7 +387,7 @@ def _run_in_process(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool)
                         f"{cfg.parallel.world_size}; start {cfg.parallel.world_size} tasks or change parallel")
     if os.environ.get("RANK", "0") == "0":
         copy_flow(flow_path, run)
-    rc = train.main(["--flow", str(flow_path)] + (["--resume"] if resume else []))
+    rc = trainer.main(["--flow", str(flow_path)] + (["--resume"] if resume else []))
     if rc != 0:
         err = StageFailed(f"training failed on rank {os.environ.get('RANK')} with status {rc}")
         err.exit_code = rc

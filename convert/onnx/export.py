@@ -24,15 +24,13 @@ from titan_pipe.convert.onnx.atc_ops import find_problems, load_atc_ops, operato
 from titan_pipe.convert.onnx.files import check_and_infer, file_table
 from titan_pipe.convert.onnx.graphs import NP_DTYPES, GraphSpec, build_graph, initializer_names, io_dims, io_names
 from titan_pipe.convert.onnx.weights import DataWriter, plan_weights
-from titan_pipe.dtypes import BY_NAME
+from titan_pipe.dtypes import BY_NAME, EXPORT_NAMES
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.model_args import ModelArgs, count_params
 from titan_pipe.training.model import rope_cos_sin
 from titan_pipe.unified_dir import read_model_args
 
 EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15; 14 is the lowest every operator of the graphs is listed at
-# ATC graphs carry no bfloat16.
-EXPORT_DTYPES = ("float32", "float16")
 DEFAULT_CACHE_LEN = 4096
 DATA_FILE = "model.onnx.data"
 # How decode.onnx updates the cache: it writes the new key/value into slot write_index with Where
@@ -95,8 +93,8 @@ def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", bat
     if opset not in EXPORT_OPSETS:
         raise UserError(f"opset {opset}: the graphs need opset >= 14 (Trilu-free attention, Unsqueeze/Slice with "
                         "tensor axes); use --opset 14 (default) or 15")
-    if dtype not in EXPORT_DTYPES:
-        raise UserError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_DTYPES)} (ATC graphs carry no bfloat16)")
+    if dtype not in EXPORT_NAMES:
+        raise UserError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_NAMES)} (ATC graphs carry no bfloat16)")
     if precision_mode not in atc_mod.PRECISION_MODES:
         raise UserError(f"precision mode {precision_mode!r} is not one of {', '.join(atc_mod.PRECISION_MODES)}")
     if batch < 1 or seq_len < 1:

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+from titan_pipe.dtypes import FLOAT_NAMES
 
 
 class RefDevice(str, Enum):
@@ -17,11 +18,8 @@ class RefDevice(str, Enum):
     npu = "npu"
 
 
-class ThresholdDtype(str, Enum):
-    auto = "auto"
-    float32 = "float32"
-    float16 = "float16"
-    bfloat16 = "bfloat16"
+# --dtype choices: auto, then the float types of the dtype table.
+ThresholdDtype = Enum("ThresholdDtype", {n: n for n in ("auto", *FLOAT_NAMES)}, type=str)
 
 
 def register(app: typer.Typer) -> None:

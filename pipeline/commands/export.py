@@ -7,11 +7,10 @@ from pathlib import Path
 import typer
 
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+from titan_pipe.dtypes import EXPORT_NAMES
 
 
-class Dtype(str, Enum):
-    float32 = "float32"
-    float16 = "float16"
+Dtype = Enum("Dtype", {n: n for n in EXPORT_NAMES}, type=str)  # the dtype table's export types
 
 
 class Precision(str, Enum):

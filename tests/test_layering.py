@@ -1,0 +1,102 @@
+"""The layering of docs/architecture.md, checked on every import of every source file (top-level
+and lazy ones inside functions): stages import the core, never the CLI; training imports neither
+convert nor evaluate; flows may import stages but not the CLI; the core imports no stage."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Source folder -> import name (pyproject's package-dir).
+FOLDERS = {"pipeline": "titan_pipe", "training": "titan_pipe.training", "convert": "titan_pipe.convert",
+           "evaluate": "titan_pipe.evaluate", "flows": "titan_pipe.flows"}
+STAGES = ("training", "convert", "evaluate")
+# (importing layer, imported layer) pairs that must not occur.
+FORBIDDEN = {("training", "convert"), ("training", "evaluate"),
+             *((s, "cli") for s in STAGES), *((s, "flows") for s in STAGES),
+             ("flows", "cli"),
+             *(("core", x) for x in (*STAGES, "flows", "cli"))}
+
+
+def layer(module: str) -> str | None:
+    """Which layer a titan_pipe module belongs to (None: not ours)."""
+    parts = module.split(".")
+    if parts[0] != "titan_pipe":
+        return None
+    if len(parts) == 1:
+        return "core"
+    if parts[1] in ("cli", "commands"):
+        return "cli"
+    return parts[1] if parts[1] in (*STAGES, "flows") else "core"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO)
+    base = FOLDERS[rel.parts[0]].split(".")
+    inner = list(rel.parts[1:])
+    inner[-1] = inner[-1].removesuffix(".py")
+    if inner[-1] == "__init__":
+        inner.pop()
+    return ".".join(base + inner)
+
+
+def imported_modules(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, module) for every import statement anywhere in ``tree``, relative ones resolved,
+    ``from pkg import name`` counted as both pkg and pkg.name (name may be a submodule)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{a.name}") for a in node.names if a.name != "*"]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+              == "import_module" and node.args and isinstance(node.args[0], ast.Constant)):
+            found.append((node.lineno, str(node.args[0].value)))
+    return found
+
+
+def violations(path: Path, source: str, module: str) -> list[str]:
+    own = layer(module)
+    out = []
+    for line, target in imported_modules(ast.parse(source), module, path.name == "__init__.py"):
+        theirs = layer(target)
+        if theirs is not None and (own, theirs) in FORBIDDEN:
+            out.append(f"{path.relative_to(REPO)}:{line}: {own} imports {target} ({theirs})")
+    return out
+
+
+def source_files() -> list[Path]:
+    return sorted(p for folder in FOLDERS for p in (REPO / folder).rglob("*.py"))
+
+
+def test_no_layering_violations():
+    files = source_files()
+    assert len(files) > 80, "the scan found too few source files; check FOLDERS"
+    bad = [v for p in files for v in violations(p, p.read_text(), module_name(p))]
+    assert not bad, "layering violations (docs/architecture.md):\n" + "\n".join(bad)
+
+
+def test_the_scan_sees_lazy_relative_and_dynamic_imports(tmp_path):
+    src = ("import titan_pipe.model_args\n"
+           "def f():\n    from titan_pipe.convert.api import convert_checkpoint\n"
+           "def g():\n    from .. import commands\n"
+           "def h():\n    import importlib\n    importlib.import_module('titan_pipe.evaluate.api')\n")
+    path = REPO / "training" / "fake.py"
+    found = violations(path, src, "titan_pipe.training.fake")
+    assert [v.split(": ", 1)[1] for v in found] == [
+        "training imports titan_pipe.convert.api (convert)",
+        "training imports titan_pipe.convert.api.convert_checkpoint (convert)",
+        "training imports titan_pipe.commands (cli)",
+        "training imports titan_pipe.evaluate.api (evaluate)",
+    ]
+    assert layer("titan_pipe.checkpoint_format") == "core" and layer("titan_pipe.commands.run") == "cli"
+    assert violations(REPO / "pipeline" / "config.py", "from titan_pipe.training.model import x\n",
+                      "titan_pipe.config") == ["pipeline/config.py:1: core imports titan_pipe.training.model (training)",
+                                               "pipeline/config.py:1: core imports titan_pipe.training.model.x (training)"]

@@ -1,0 +1,375 @@
+"""The torchrun entry point: ``python -m titan_pipe.training.trainer --flow FLOW [--resume]``.
+
+The Trainer only: setup (process group and mesh, this rank's model, optimizer, loader), the step,
+the checkpoint, the loop with metrics. Everything else lives in the modules it calls.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titan_pipe.atomic import write_text
+from titan_pipe.checkpoint_format import newest_complete
+from titan_pipe.config import ConfigError, FlowConfig, load_flow
+from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
+from titan_pipe.errors import UserError
+from titan_pipe.model_args import flops_per_token
+from titan_pipe.run_dir import RunDir
+from titan_pipe.training import checkpoint as ckpt
+from titan_pipe.training import metrics
+from titan_pipe.training.amp import LossScaler, autocast
+from titan_pipe.training.data import PackedLoader, prepare_data, tokenizer_files
+from titan_pipe.training.data_parallel import plan_dp
+from titan_pipe.training.kernels import resolve_kernels
+from titan_pipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from titan_pipe.training.parallel_dims import ParallelDims
+from titan_pipe.training.parallelize import build_parallel_model
+from titan_pipe.training.pipeline_parallel import build_schedule
+from titan_pipe.training.weights import check_compatible, open_weights
+from titan_pipe.training.zero1 import build_zero1
+
+
+def comm_env(cfg: FlowConfig, device_type: str) -> dict[str, str]:
+    """Environment the collective library reads at init (set only where not already set).
+
+    On Ascend, comm.fusion_buffer_mb sizes HCCL's shared buffer (HCCL_BUFFSIZE, MB).
+    """
+    env = {}
+    if device_type == "npu":
+        env["HCCL_BUFFSIZE"] = str(cfg.comm.fusion_buffer_mb)
+    return env
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy; logits (B, T, vocab) in fp32 for a stable softmax."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Test-only fault injection, read from the environment (never from flow.yaml):
+    ``TITAN_PIPE_FAULT=STEP:RANK:PHASE`` makes rank RANK exit 1 at step STEP, after backward
+    (PHASE ``step``) or while writing that step's checkpoint, after its shard files and before the
+    manifest (PHASE ``checkpoint``, which forces a save at STEP). Used by the restart/resume tests.
+    """
+
+    step: int | None = None
+    rank: int = 0
+    during: str = "step"
+
+    ENV = "TITAN_PIPE_FAULT"
+
+    @classmethod
+    def from_env(cls, environ=None) -> "Fault":
+        spec = (os.environ if environ is None else environ).get(cls.ENV, "")
+        if not spec:
+            return cls()
+        try:
+            step, rank, during = spec.split(":")
+            fault = cls(int(step), int(rank), during)
+        except ValueError:
+            raise UserError(f"{cls.ENV}={spec!r}: expected STEP:RANK:PHASE, e.g. 4:1:checkpoint") from None
+        if during not in ("step", "checkpoint"):
+            raise UserError(f"{cls.ENV}={spec!r}: PHASE must be step or checkpoint")
+        return fault
+
+    def due(self, step: int, rank: int, during: str) -> bool:
+        return self.step == step and self.rank == rank and self.during == during
+
+    @staticmethod
+    def die() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _init_distributed(device) -> None:
+    if not dist.is_initialized():
+        set_local_device(device, int(os.environ.get("LOCAL_RANK", 0)))
+        # On accelerators a gloo side-channel carries the small CPU collectives (per-step loss and
+        # memory stats, checkpoint bookkeeping); the model's collectives go over nccl/hccl.
+        backend = device.backend if device.type == "cpu" else f"cpu:gloo,{device.type}:{device.backend}"
+        dist.init_process_group(backend)
+
+
+class Trainer:
+    """One training run of ``cfg`` on the current torchrun world, in torchtitan's Trainer shape:
+    ``__init__`` sets everything up (process group and mesh, data, this rank's model, optimizers,
+    a resumed state), ``train_step`` runs one step and returns its metrics record, ``save`` writes
+    a checkpoint, ``train`` is the loop. Works inside an existing process group too.
+
+    base: the flow.yaml's directory (relative data/init_from paths). The run dir is ``cfg.run_dir()``.
+    """
+
+    def __init__(self, cfg: FlowConfig, *, base: Path, resume: bool = False):
+        self.cfg = cfg
+        self._setup_world()
+        self._setup_data(base)
+        latest = self._find_resume_point(resume)
+        self._setup_model(self._weights(latest, base))
+        self._setup_optimizers()
+        self.start = self._restore(latest)
+        self._setup_schedule()
+        # The injected fault is one transient failure: a resumed run (a retry) does not die again.
+        fault = Fault.from_env()
+        self.fault = fault if self.start == 0 else Fault(None, fault.rank, fault.during)
+        self.forced_save_step = fault.step if fault.during == "checkpoint" else None
+        self._setup_metrics()
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _setup_world(self) -> None:
+        cfg, p = self.cfg, self.cfg.parallel
+        self.device = resolve_device(cfg.device)
+        for k, v in comm_env(cfg, self.device.type).items():
+            os.environ.setdefault(k, v)
+        _init_distributed(self.device)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp).build_mesh(self.device.type)
+        self.torch_device = self.device.torch_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.manual_seed(cfg.train.seed)
+        self.run = RunDir(cfg.run_dir())
+        if self.rank == 0:
+            self.run.root.mkdir(parents=True, exist_ok=True)
+        if cfg.comm.stream_num != 1 and self.rank == 0:
+            warnings.warn("comm.stream_num has no PyTorch-native equivalent; it is recorded, not applied",
+                          stacklevel=2)
+        self.args = cfg.model.args()
+
+    def _setup_data(self, base: Path) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        data = prepare_data(path=cfg.data.path, tokenizer=cfg.data.tokenizer, text_key=cfg.data.text_key,
+                            val_fraction=cfg.data.val_fraction, base=base, vocab_size=self.args.vocab_size)
+        # Copied into every checkpoint so it names its tokenizer itself, not a path relative to flow.yaml.
+        self.tok_files = tokenizer_files(data.tokenizer)
+        self.loader = PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size,
+                                   dp_rank=self.mesh["dp"].get_local_rank(), dp_size=cfg.parallel.dp, seed=t.seed)
+
+    def _find_resume_point(self, resume: bool) -> Path | None:
+        latest = newest_complete(self.run.checkpoints, warn=True) if resume else None
+        if resume and latest is None and self.rank == 0:
+            warnings.warn(f"--resume: no complete checkpoint under {self.run.checkpoints}; starting fresh",
+                          stacklevel=2)
+        return latest
+
+    def _weights(self, latest: Path | None, base: Path):
+        """The weights to start from: the resumed checkpoint, else init_from, else none (seeded init)."""
+        source = latest
+        if source is None and self.cfg.init_from is not None:
+            init_from = Path(self.cfg.init_from)
+            source = init_from if init_from.is_absolute() else base / init_from
+        if source is None:
+            return None
+        weights = open_weights(source)
+        check_compatible(weights.args, self.args, source)
+        return weights
+
+    def _setup_model(self, weights) -> None:
+        cfg, p = self.cfg, self.cfg.parallel
+        self.dp_plan = plan_dp(dp=p.dp, tp=p.tp, dp_mode=p.dp_mode, zero_stage=cfg.zero_stage,
+                               offload=cfg.memory.optimizer_offload,
+                               amp_dtype=cfg.precision.amp_dtype if cfg.precision.amp else None,
+                               gradient_sync_dtype=cfg.comm.gradient_sync_dtype,
+                               fusion_buffer_mb=cfg.comm.fusion_buffer_mb, comm_overlap=cfg.comm.comm_overlap)
+        ac_every = cfg.memory.activation_checkpointing_layers if cfg.memory.activation_checkpointing else None
+        self.model = build_parallel_model(self.args, self.mesh, device=self.torch_device, schedule=p.pp_schedule,
+                                          virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel,
+                                          ac_every=ac_every, dp_plan=self.dp_plan,
+                                          kernels=resolve_kernels(cfg.model.kernels, self.device.type),
+                                          seed=cfg.train.seed, weights=weights)
+        self.params = self.model.parameters()
+
+    def _setup_optimizers(self) -> None:
+        t, o = self.cfg.train, self.cfg.train.optimizer
+        hparams = dict(name=o.name, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        if self.dp_plan.zero1:
+            self.optimizers = [build_zero1(list(m.parameters()), self.mesh["dp"].get_group(), **hparams)
+                               for m in self.model.modules]
+        else:
+            self.optimizers = [build_optimizer(list(m.parameters()), **hparams) for m in self.model.modules]
+        self.schedulers = [build_scheduler(opt, warmup=t.warmup_steps, total=t.steps, min_ratio=t.lr_min_ratio)
+                           for opt in self.optimizers]
+        self.scaler = LossScaler.from_config(self.cfg.precision)
+
+    def _restore(self, latest: Path | None) -> int:
+        """Optimizer, scheduler, loader and loss-scaler state of a resumed run; its step (0: fresh)."""
+        if latest is None:
+            return 0
+        state = ckpt.load_train_state(latest, self.model, self.optimizers)
+        for s, sd in zip(self.schedulers, state["scheduler"]):
+            s.load_state_dict(sd)
+        self.loader.load_state_dict(state["loader"])
+        self.scaler.load_state_dict(state["scaler"])
+        return int(state["step"])
+
+    def _setup_schedule(self) -> None:
+        p, plan = self.cfg.parallel, self.model.stage_plan
+        self.has_first, self.has_last = 0 in plan.local, plan.n_stages - 1 in plan.local
+        self.schedule = None
+        if p.pp > 1:
+            self.schedule = build_schedule(self.model.parts, plan, schedule=p.pp_schedule, pp_mesh=self.mesh["pp"],
+                                           n_microbatches=p.n_microbatches, device=self.torch_device,
+                                           loss_fn=lambda out, y: self.scaler.scale_loss(loss_fn(out, y)))
+        self.parallel_meta = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "pp_schedule": p.pp_schedule,
+                              "n_stages": plan.n_stages, "stages": plan.stages,
+                              "stage_ranks": [s % p.pp for s in range(plan.n_stages)],
+                              "sequence_parallel": p.sequence_parallel, "dp_mode": p.dp_mode,
+                              "dp_kind": self.dp_plan.kind}
+
+    def _setup_metrics(self) -> None:
+        cfg, t = self.cfg, self.cfg.train
+        amp_dtype = torch.float16 if cfg.precision.amp_dtype == "float16" else torch.bfloat16
+        # Only rank 0 reports MFU; measuring the CPU peak on every rank would only contend for cores.
+        self.peak, self.peak_source = (metrics.peak_flops(self.device, amp_dtype if cfg.precision.amp else torch.float32)
+                                       if self.rank == 0 else (None, ""))
+        self.fpt = flops_per_token(self.args, t.seq_len)
+        self.tokens_per_step = t.batch_size * t.seq_len
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one global batch slice; this rank's loss (None off the last stage)."""
+        amp = self.cfg.precision
+        with autocast(self.device.type, enabled=amp.amp, dtype=amp.amp_dtype):
+            if self.schedule is not None:
+                losses: list = []
+                self.schedule.step(*([inputs] if self.has_first else []),
+                                   target=labels if self.has_last else None,
+                                   losses=losses if self.has_last else None)
+                return torch.stack(losses).mean().detach() / self.scaler.scale if self.has_last else None
+            loss = loss_fn(self.model.parts[0](inputs), labels)
+        self.scaler.scale_loss(loss).backward()  # outside autocast, as torch.amp recommends
+        return loss.detach()
+
+    def _optimizer_step(self) -> tuple[bool, float | None, float]:
+        """Unscale, clip and step (skipped on an fp16 overflow); (found_inf, grad norm, lr)."""
+        found_inf = self.scaler.unscale_(self.params)
+        grad_norm = None  # skipped step (fp16 overflow): no norm worth logging
+        if not found_inf:
+            grad_norm = float(clip_grad_norm_(self.params, self.cfg.train.grad_clip, self.mesh["pp"]))
+            for opt in self.optimizers:
+                opt.step()
+        self.scaler.update(found_inf)
+        lr = self.schedulers[0].get_last_lr()[0]
+        for s, opt in zip(self.schedulers, self.optimizers):
+            opt.zero_grad(set_to_none=True)
+            s.step()
+        return found_inf, grad_norm, lr
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step; returns its metrics record (loss over all dp ranks, memory of every rank)."""
+        p = self.cfg.parallel
+        t0 = time.perf_counter()
+        inputs, labels = (x.to(self.torch_device) for x in self.loader.next_batch())
+        local_loss = self._forward_backward(inputs, labels)
+        if self.fault.due(step, self.rank, "step"):
+            self.fault.die()
+        found_inf, grad_norm, lr = self._optimizer_step()
+        # Every holder of the last stage has the loss of its dp slice (tp ranks the same value).
+        stats = torch.tensor([0.0 if local_loss is None else float(local_loss),
+                              float(peak_memory_bytes(self.device))], dtype=torch.float64)
+        loss_sum = stats[:1].clone()
+        dist.all_reduce(loss_sum)
+        per_rank = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world)]
+        dist.all_gather(per_rank, stats[1:].clone())  # peak memory of every rank, in rank order
+        mem = max(float(m) for m in per_rank)
+        dt = time.perf_counter() - t0
+        tps = self.tokens_per_step / dt
+        return {"step": step, "loss": float(loss_sum) / (p.dp * p.tp), "lr": lr, "grad_norm": grad_norm,
+                "tokens_per_s": tps, "step_time_s": dt,
+                "mfu": metrics.mfu(tps, self.fpt, self.peak * self.world if self.peak else None),
+                "peak_mem_mb": mem / 2**20,
+                "peak_mem_mb_per_rank": [round(float(m) / 2**20, 1) for m in per_rank],
+                "loss_scale": self.scaler.scale,
+                "skipped": bool(found_inf)}
+
+    # -- checkpoint ----------------------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        return (step % self.cfg.checkpoint.every == 0 or step == self.cfg.train.steps
+                or step == self.forced_save_step)  # the same on all ranks
+
+    def save(self, step: int) -> None:
+        """Checkpoint ``step`` (collective), then prune old ones on rank 0."""
+        cfg = self.cfg
+        hook = self.fault.die if self.fault.due(step, self.rank, "checkpoint") else None
+        state = {"step": step, "scheduler": [s.state_dict() for s in self.schedulers],
+                 "loader": self.loader.state_dict(), "scaler": self.scaler.state_dict()}
+        ckpt.save_checkpoint(self.run.checkpoint(step), model=self.model,
+                             optimizers=self.optimizers if cfg.checkpoint.save_optimizer else None,
+                             train_state=state, parallel=self.parallel_meta, fail_hook=hook,
+                             extra={"kernels": cfg.model.kernels,
+                                    "tokenizer": "tokenizer.json" if self.tok_files else "byte"},
+                             attach=self.tok_files)
+        if self.rank == 0:
+            ckpt.prune(self.run.checkpoints, cfg.checkpoint.keep_last)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def train(self) -> dict:
+        """Steps start+1..train.steps with metrics and checkpoints; the summary (rank 0's)."""
+        t, rank = self.cfg.train, self.rank
+        history: list[dict] = []
+        with metrics.MetricsLogger(self.run.metrics, enabled=rank == 0) as logger, \
+                metrics.TrainProgress(t.steps, enabled=rank == 0, log_every=t.log_every,
+                                      initial_step=self.start) as progress:
+            for step in range(self.start + 1, t.steps + 1):
+                record = self.train_step(step)
+                history.append(record)
+                if step % t.log_every == 0 or step == t.steps:
+                    logger.log(record)
+                progress.update(step, record)
+                if self.should_save(step):
+                    self.save(step)
+        summary = self._summary(history)
+        if rank == 0:
+            write_text(self.run.root / "summary.json", json.dumps(summary, indent=1))
+        dist.barrier()
+        return summary
+
+    def _summary(self, history: list[dict]) -> dict:
+        timed = history[1:] or history
+        return {"final_loss": history[-1]["loss"] if history else None,
+                "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed) if timed else None,
+                "mfu": history[-1]["mfu"] if history else None, "steps": self.cfg.train.steps,
+                "start_step": self.start, "peak_flops_source": self.peak_source,
+                "checkpoint": str(newest_complete(self.run.checkpoints, warn=True)) if self.rank == 0 else None}
+
+
+def train(cfg: FlowConfig, *, base: Path, resume: bool = False) -> dict:
+    """Run the training of ``cfg`` on the current torchrun world; returns the summary (rank 0's)."""
+    return Trainer(cfg, base=base, resume=resume).train()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m titan_pipe.training.trainer")
+    ap.add_argument("--flow", required=True, type=Path, help="flow.yaml")
+    ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    a = ap.parse_args(argv)
+    try:
+        cfg = load_flow(a.flow)
+        train(cfg, base=a.flow.resolve().parent, resume=a.resume)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
