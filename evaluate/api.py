@@ -65,8 +65,8 @@ def _check_inputs(checkpoint, model_dir, onnx, om, data) -> None:
         check_external_data(Path(onnx))
 
 
-def torch_runner_from_checkpoint(checkpoint: Path) -> TorchRunner:
-    """The checkpoint's weights, assembled by its manifest, in one process (float32)."""
+def torch_runner_from_checkpoint(checkpoint: Path, *, device: str = "cpu") -> TorchRunner:
+    """The checkpoint's weights, assembled by its manifest, in one process (float32, on ``device``)."""
     from titan_pipe.training.weights import open_weights
 
     w = open_weights(Path(checkpoint))
@@ -75,7 +75,20 @@ def torch_runner_from_checkpoint(checkpoint: Path) -> TorchRunner:
         for name, p in model.named_parameters():
             p.copy_(w.full(name).to(torch.float32))
     model.init_rope()
-    return TorchRunner(model, w.args, label=f"torch float32 ({Path(checkpoint).name}, one process)")
+    model.to(device)
+    where = "" if device == "cpu" else f", {device}"
+    return TorchRunner(model, w.args, label=f"torch float32 ({Path(checkpoint).name}, one process{where})",
+                       device=device)
+
+
+def reference_device(choice: str) -> str:
+    """--device auto|cpu|cuda|npu -> the torch device type the PyTorch reference runs on."""
+    from titan_pipe.devices import resolve_device
+
+    try:
+        return resolve_device(choice).type
+    except (RuntimeError, ValueError) as e:
+        raise UserError(f"--device {choice}: {e}") from None
 
 
 def _same_model(a: ModelArgs, b: ModelArgs, where: str) -> None:
@@ -173,6 +186,7 @@ class _Run:
     n_new: int = 0  # tokens generated per prompt (capped by a static graph's cache)
     op_rows: list = field(default_factory=list)
     op_dtypes: tuple[str, ...] = ()
+    dumps: dict | None = None  # evaluate.dump: (comparison, tensor) -> (reference, candidate)
 
     @property
     def args(self) -> ModelArgs:
@@ -207,22 +221,25 @@ def _prepare(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig, 
              split: ValidationSplit | None) -> _Run:
     """Load the reference and the runners, check they are one model, load the held-out batches."""
     steps.step("loading the reference")
+    device = reference_device(s.device)
+    where = "" if device == "cpu" else f", {device}"
     if model_dir is not None:
-        ref = TorchRunner.from_dir(Path(model_dir), dtype="float32",
-                                   label=f"torch float32 ({Path(model_dir).name})")
+        ref = TorchRunner.from_dir(Path(model_dir), dtype="float32", device=device,
+                                   label=f"torch float32 ({Path(model_dir).name}{where})")
         ref_source = f"{Path(model_dir) / 'config.json'}"
     else:
-        ref = torch_runner_from_checkpoint(Path(checkpoint))
+        ref = torch_runner_from_checkpoint(Path(checkpoint), device=device)
         ref_source = f"{Path(checkpoint) / MANIFEST_NAME}"
     args = ref.args
     dist = None
     if checkpoint is not None:
-        dist = DistributedRunner(Path(checkpoint))
+        dist = DistributedRunner(Path(checkpoint), device=device)
         _same_model(dist.args, args, f"--checkpoint {checkpoint} vs --model-dir {model_dir}")
     ort = None
     if onnx is not None:
         ort = OnnxRuntimeRunner(Path(onnx))
         ort.check_matches(args, source=ref_source)
+        ort.find_layers(args.n_layers)  # the graph's own per-layer values (export.json / structure)
     batch_size, seq_len = s.batch_size, s.seq_len
     if ort is not None and ort.info.fixed_shape:
         batch_size, seq_len = ort.info.fixed_shape  # a static graph takes only its own shape
@@ -238,6 +255,9 @@ def _prepare(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig, 
     if ort is not None and not ort.info.fixed_shape:
         run.gen_runners[ort.label] = ort
     run.dec = OnnxDecodeRunner.beside(ort) if ort is not None else None
+    if run.dec is not None:
+        run.dec.find_layers(args.n_layers)
+    run.dumps = {} if s.dump else None
     _fit_generation(run)
 
     steps.step("reference forward")
@@ -274,7 +294,7 @@ def _compare_sharded(run: _Run) -> cmp.Comparison:
     c = cmp.compare_outputs(
         "sharded_vs_unified", "training checkpoint under its TP/PP layout vs the unified model",
         dist_out, run.ref_out, ref_label=dist.label, cand_label=ref.label, dtype=dt, limits=run.limits(dt),
-        logits_scope="sharded")
+        logits_scope="sharded", keep=run.dumps)
     run.judged(dist.label, dist_out, dt)
     run.hist[f"{ref.label} vs {dist.label}"] = _abs_errors(dist_out, run.ref_out)
     if run.model_dir is None:
@@ -286,20 +306,16 @@ def _compare_sharded(run: _Run) -> cmp.Comparison:
 def _compare_onnx(run: _Run) -> cmp.Comparison:
     """Training operators (PyTorch) vs inference operators (ONNX Runtime), per layer and logits."""
     run.steps.step("ONNX Runtime")
-    ort, ref, s = run.ort, run.ref, run.s
+    ort, ref = run.ort, run.ref
     if ort is None:
         return cmp.skipped("torch_vs_onnx", "PyTorch vs ONNX Runtime", "no --onnx given")
     ort_out = _run_batches(ort, run.ev.batches)
-    debug_note = None
-    if not ort.info.n_hidden and run.model_dir is not None and s.debug_export:
-        ort_out, debug_note = _hidden_from_debug_export(Path(run.model_dir), Path(run.onnx), ort, ort_out,
-                                                        run.ev.batches)
     dt = run.tdtype(ort.dtype)
     c = cmp.compare_outputs(
         "torch_vs_onnx", "PyTorch (training operators) vs ONNX Runtime, per decoder layer and logits",
-        run.ref_out, ort_out, ref_label=ref.label, cand_label=ort.label, dtype=dt, limits=run.limits(dt))
-    if debug_note:
-        c.details["layers"] = debug_note
+        run.ref_out, ort_out, ref_label=ref.label, cand_label=ort.label, dtype=dt, limits=run.limits(dt),
+        keep=run.dumps)
+    c.details["layers"] = ort.graph.layers_detail()
     run.judged(ort.label, ort_out, dt)
     run.hist[ort.label] = _abs_errors(run.ref_out, ort_out)
     return c
@@ -310,7 +326,7 @@ def _compare_kv_decode(run: _Run) -> cmp.Comparison | None:
     ort, dec, s = run.ort, run.dec, run.s
     if dec is not None and s.prompts:
         generations = run.greedy()
-        row = _kv_decode_row(run.ref, dec, run.prompts, run.n_new, run.tdtype, run.limits)
+        row = _kv_decode_row(run.ref, dec, run.prompts, run.n_new, run.tdtype, run.limits, run.dumps)
         gen = dec.generate(run.prompts.tolist(), run.n_new)
         generations[dec.label] = torch.cat([run.prompts, torch.from_numpy(gen.new_tokens).to(run.prompts.dtype)],
                                            dim=1)
@@ -348,11 +364,15 @@ def _compare_om(run: _Run) -> cmp.Comparison:
     if runtime != "ais_bench":
         return cmp.skipped("om", "ATC .om model", "pyACL found but titan-pipe drives .om files "
                            "through ais_bench; install ais_bench")
-    omr = OmRunner(Path(run.om))
+    # per-layer rows from the .om's operator dump, mapped through the ONNX graph it was built from
+    omr = OmRunner(Path(run.om), graph=run.ort.graph if run.ort is not None else None, dim=run.args.dim)
     om_out = _run_batches(omr, run.ev.batches)
     dt = run.tdtype(omr.dtype)
     c = cmp.compare_outputs("om", "PyTorch vs the .om on the Ascend runtime", run.ref_out, om_out,
-                            ref_label=run.ref.label, cand_label=omr.label, dtype=dt, limits=run.limits(dt))
+                            ref_label=run.ref.label, cand_label=omr.label, dtype=dt, limits=run.limits(dt),
+                            keep=run.dumps)
+    c.details["layers"] = (omr.layers_note or "per-layer rows need --onnx (the graph the .om was compiled "
+                           "from) to map the operator dump to layers")
     run.judged(omr.label, om_out, dt)
     run.hist[omr.label] = _abs_errors(run.ref_out, om_out)
     # no greedy generation on the .om: gear-compiled models take only their compiled lengths
@@ -390,7 +410,7 @@ def _evaluate(out_dir, checkpoint, model_dir, onnx, om, data, s: EvaluateConfig,
     comparisons = [c for c in (compare(run) for compare in COMPARISONS) if c is not None]
     verdict = cmp.decide(comparisons, run.op_rows, run.op_dtypes)
     steps.step("writing the report")
-    files = write_report(out_dir, _report(run, comparisons, verdict), run.hist)
+    files = write_report(out_dir, _report(run, comparisons, verdict), run.hist, dumps=run.dumps)
     return EvalResult(out_dir, verdict.passed, files["report.json"], _summary(verdict, comparisons))
 
 
@@ -422,26 +442,36 @@ def ragged_prompts(prompts: torch.Tensor) -> list[list[int]]:
 
 
 def _kv_decode_row(ref: TorchRunner, dec: OnnxDecodeRunner, prompts: torch.Tensor, n_new: int, tdtype,
-                   limits) -> cmp.Comparison:
+                   limits, dumps: dict | None = None) -> cmp.Comparison:
     """The reference generation loop (left-padded batch of mixed-length prompts, prefill, decode.onnx
     one token a step against the fixed cache) vs the PyTorch model run on each prompt alone,
     unpadded: greedy token agreement, and the logits predicting each new token with the loop
-    teacher-forced onto the reference's own tokens."""
+    teacher-forced onto the reference's own tokens. Per layer: decode.onnx's own values at each
+    teacher-forced decode step vs the reference's at the same position of that prompt."""
     ragged = ragged_prompts(prompts)
-    ref_new, ref_logits = [], []
+    ref_new, ref_logits, ref_layers = [], [], []
     for p in ragged:
         seq = cmp.greedy_generate(ref.run, torch.tensor([p]), n_new)[0]
         ref_new.append(seq[len(p):])
-        ref_logits.append(ref.run(seq[None, :-1]).logits[0, len(p) - 1:])
+        full = ref.run(seq[None, :-1])
+        ref_logits.append(full.logits[0, len(p) - 1:])
+        # decode steps feed new tokens 1..n_new-1, at positions len(p) .. len(p)+n_new-2
+        ref_layers.append(Outputs(torch.empty(0), *([None if t is None else t[:, len(p):] for t in getattr(full, k)]
+                                                    for k in ("hidden", "attn", "mlp"))))
     ref_new = torch.stack(ref_new)
-    forced = dec.generate(ragged, n_new, forced=ref_new.numpy())
+    steps: list[Outputs] = []
+    forced = dec.generate(ragged, n_new, forced=ref_new.numpy(), steps_out=steps)
     free = dec.generate(ragged, n_new)
     dt = tdtype(dec.prefill.dtype)
     lim = limits(dt)
+    ref_o, cand_o = Outputs(torch.stack(ref_logits)), Outputs(torch.from_numpy(forced.logits))
+    if steps:
+        r = concat_outputs(ref_layers)
+        ref_o = Outputs(ref_o.logits, r.hidden, r.attn, r.mlp)
+        cand_o = Outputs(cand_o.logits, steps[0].hidden, steps[0].attn, steps[0].mlp)
     c = cmp.compare_outputs("onnx_kv_decode", "KV-cache decode loop (left-padded batch, prefill + decode.onnx against "
-                            "the fixed cache) vs PyTorch on each prompt alone", Outputs(torch.stack(ref_logits)),
-                            Outputs(torch.from_numpy(forced.logits)), ref_label=ref.label, cand_label=dec.label,
-                            dtype=dt, limits=lim)
+                            "the fixed cache) vs PyTorch on each prompt alone", ref_o, cand_o,
+                            ref_label=ref.label, cand_label=dec.label, dtype=dt, limits=lim, keep=dumps)
     agree = cmp.generation_agreement(ref_new, torch.from_numpy(free.new_tokens), 0)
     for f in check_task(ppl_ref=1.0, ppl_cand=1.0, agreement=agree["agreement"], limits=lim):
         c.failures.append(f"{dec.label} ({dt}): {f.text}")
@@ -450,41 +480,11 @@ def _kv_decode_row(ref: TorchRunner, dec: OnnxDecodeRunner, prompts: torch.Tenso
                               f"{[len(p) for p in ragged]}",
                  "graphs": "static" if dec.cache_len is not None else "dynamic",
                  "cache_len": dec.cache_len or max(len(p) for p in ragged) + n_new - 1,
-                 "generation": agree, "logits": "teacher-forced onto the reference's greedy tokens"}
+                 "generation": agree, "logits": "teacher-forced onto the reference's greedy tokens",
+                 "layers": (f"{dec.path.name}: {dec.graph.layers_detail()}; per-layer rows are its {n_new - 1} "
+                            "teacher-forced decode steps of each prompt") if steps else
+                           f"{dec.path.name}: {dec.graph.layers_detail() or 'no decode steps (new_tokens 1)'}"}
     return c
-
-
-def _hidden_from_debug_export(model_dir: Path, onnx_path: Path, ort: OnnxRuntimeRunner, ort_out: Outputs,
-                              batches) -> tuple[Outputs, str]:
-    """Per-layer states for a graph exported without them: the same exporter, dtype, opset and
-    shapes again, with ``hidden.{i}`` outputs, into a temp dir. Logits stay the graph's own; the
-    debug graph's logits must match them, or its hidden states would say nothing about the graph."""
-    import shutil
-    import tempfile
-
-    import onnx as onnx_lib
-
-    from titan_pipe.convert.onnx.export import export_model
-
-    proto = onnx_lib.load(str(onnx_path), load_external_data=False)
-    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 14)
-    fixed = ort.info.fixed_shape
-    tmp = Path(tempfile.mkdtemp(prefix="titan-eval-debug-export-"))
-    try:
-        res = export_model(model_dir=model_dir, out_dir=tmp / "onnx", opset=opset, dtype=ort.dtype,
-                           batch=fixed[0] if fixed else 1, seq_len=fixed[1] if fixed else 32,
-                           dynamic=fixed is None, kv_cache=False, run_atc=False, expose_hidden=True)
-        debug_out = _run_batches(OnnxRuntimeRunner(res.onnx), batches)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    gap = float((debug_out.logits.double() - ort_out.logits.double()).abs().max())
-    if gap > 0:
-        return ort_out, (f"{onnx_path.name} has no hidden.{{i}} outputs and a debug re-export from {model_dir} "
-                         f"does not reproduce its logits (max abs {gap:.3g}): the graph was not exported from "
-                         "this model dir (or with other settings), so no per-layer rows")
-    return Outputs(ort_out.logits, debug_out.hidden), (
-        f"{onnx_path.name} has no hidden.{{i}} outputs: per-layer states come from a debug re-export "
-        f"(same exporter, {ort.dtype}, opset {opset}, extra outputs only) whose logits equal the graph's bit for bit")
 
 
 def _npu_fused_row(model_dir, batches, tdtype, limits) -> cmp.Comparison:

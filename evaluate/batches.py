@@ -4,11 +4,13 @@ Two sources of held-out text: a ``--data`` file, held out by the user and used w
 ``ValidationSplit`` of a corpus: the last ``val_fraction`` of its token stream, which is exactly
 what training left out of the same corpus, so evaluation never scores text the model trained on.
 The default is the split of the shipped corpus; a flow passes its own ``data`` section. The
-tokenizer is the model directory's ``tokenizer.json``, else the one the checkpoint carries
-(manifest ``extra.tokenizer``), else the byte tokenizer.
+tokenizer is the model directory's ``tokenizer.json`` (or "byte" as its provenance.json records),
+else the one the checkpoint names (manifest ``extra.tokenizer``). A model with no tokenizer and no
+``--data`` file is evaluated on seeded random token ids inside its vocabulary (labelled so).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,15 +65,43 @@ def held_out_text(*, data: Path | None, flow: FlowConfig | None, flow_dir: Path 
     return None, ValidationSplit.of_flow(flow.data, Path(flow_dir))
 
 
-def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> str:
-    if model_dir is not None and (Path(model_dir) / "tokenizer.json").is_file():
-        return str(Path(model_dir) / "tokenizer.json")
+RANDOM_SEED = 0  # seed of the random token ids used when the model has no tokenizer
+
+
+def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> str | None:
+    """The tokenizer the model was trained with: a tokenizer.json path, "byte", or None (unknown).
+
+    Model dir: its tokenizer.json, else its provenance.json's ``tokenizer`` ("byte" when convert
+    recorded that training used the byte tokenizer). Checkpoint: manifest ``extra.tokenizer``.
+    """
+    if model_dir is not None:
+        if (Path(model_dir) / "tokenizer.json").is_file():
+            return str(Path(model_dir) / "tokenizer.json")
+        try:
+            if json.loads((Path(model_dir) / "provenance.json").read_text()).get("tokenizer", {}).get(
+                    "tokenizer") == "byte":
+                return "byte"
+        except (OSError, ValueError, AttributeError):
+            pass
     if checkpoint is not None and is_complete(Path(checkpoint)):
         from titan_pipe.checkpoint_format import Manifest
 
-        if Manifest.load(checkpoint).extra.get("tokenizer") == "tokenizer.json":
+        kind = Manifest.load(checkpoint).extra.get("tokenizer")
+        if kind == "tokenizer.json":
             return str(Path(checkpoint) / "tokenizer.json")
-    return "byte"
+        if kind == "byte":
+            return "byte"
+    return None
+
+
+def random_eval_data(*, vocab_size: int, n_batches: int, batch_size: int, seq_len: int, n_prompts: int,
+                     prompt_len: int, why: str) -> EvalData:
+    """Seeded uniform token ids in [0, vocab_size): numerics need no text, only valid ids."""
+    g = torch.Generator().manual_seed(RANDOM_SEED)
+    rows = torch.randint(0, vocab_size, (n_batches * batch_size, seq_len), generator=g, dtype=torch.int64)
+    prompts = rows[:n_prompts, :min(prompt_len, seq_len)].clone()
+    source = f"random token ids (seed {RANDOM_SEED}, uniform in [0, {vocab_size})): {why}"
+    return EvalData(list(rows.split(batch_size)), prompts, source, "none (random token ids)")
 
 
 def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int, n_batches: int,
@@ -87,6 +117,12 @@ def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int
         raise UserError(f"--data {data} and a validation split of {split.corpus or 'the shipped corpus'} "
                         "were both given; pass one")
     spec = pick_tokenizer(model_dir, checkpoint)
+    if spec is None and data is None:
+        where = " and ".join(str(p) for p in (model_dir, checkpoint) if p is not None)
+        return random_eval_data(vocab_size=vocab_size, n_batches=n_batches, batch_size=batch_size,
+                                seq_len=seq_len, n_prompts=n_prompts, prompt_len=prompt_len,
+                                why=f"{where} carries no tokenizer (no tokenizer.json, no provenance naming one)")
+    spec = spec or "byte"  # --data given for a model without a tokenizer: bytes, checked against the vocab
     tok = build_tokenizer(spec)
     if data is not None:
         data = Path(data)

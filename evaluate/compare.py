@@ -29,7 +29,8 @@ ORDER = ("sharded_vs_unified", "torch_vs_onnx", "onnx_kv_decode", "npu_fused", "
 
 @dataclass(frozen=True)
 class TensorRow:
-    """One compared tensor: 'hidden.{i}' (layer i) or 'logits' (layer None)."""
+    """One compared tensor: 'hidden.{i}' (layer i's output), 'attn_out.{i}' / 'mlp_out.{i}' (its
+    attention / MLP block output before the residual Add), or 'logits' (layer None)."""
 
     comparison: str
     candidate: str
@@ -66,7 +67,7 @@ class Comparison:
 
     @property
     def first_failing_layer(self) -> int | None:
-        for r in self.rows:
+        for r in self.rows:  # rows are in computation order
             if r.layer is not None and r.failures:
                 return r.layer
         return None
@@ -83,26 +84,41 @@ def skipped(cid: str, title: str, reason: str) -> Comparison:
 
 
 def compare_outputs(cid: str, title: str, ref: Outputs, cand: Outputs, *, ref_label: str, cand_label: str,
-                    dtype: str, limits: dict[str, float], logits_scope: str = "logits") -> Comparison:
+                    dtype: str, limits: dict[str, float], logits_scope: str = "logits",
+                    keep: dict | None = None) -> Comparison:
     """Per-layer hidden states (when both sides have them) and logits, each judged by ``limits``.
 
     Without hidden states on one side, only the logits row is made and ``details['layers']`` says why.
+    ``keep``: when a dict, every compared pair is put in it as ``{(cid, tensor): (reference, candidate)}``
+    (for the report's tensor dump).
     """
     rows: list[TensorRow] = []
     details: dict = {}
     if ref.hidden and cand.hidden:
         if len(ref.hidden) != len(cand.hidden):
             raise ValueError(f"{cand_label} exposes {len(cand.hidden)} layers, {ref_label} has {len(ref.hidden)}")
-        for i, (r, c) in enumerate(zip(ref.hidden, cand.hidden)):
-            m = compare_tensors(r, c)
-            fails = check_metrics(m, limits, "tensor")
-            rows.append(TensorRow(cid, cand_label, f"hidden.{i}", i, dtype, tuple(r.shape), m,
-                                  tuple(f.text for f in fails)))
+        for i in range(len(ref.hidden)):
+            # within layer i in computation order: attention block, MLP block, the layer's output;
+            # the blocks (outputs before the residual Add) are judged on scale-free measures only
+            for kind, r_list, c_list, scope in (("attn_out", ref.attn, cand.attn, "block"),
+                                                ("mlp_out", ref.mlp, cand.mlp, "block"),
+                                                ("hidden", ref.hidden, cand.hidden, "tensor")):
+                r = r_list[i] if i < len(r_list) else None
+                c = c_list[i] if i < len(c_list) else None
+                if r is None or c is None:
+                    continue
+                m = compare_tensors(r, c)
+                if keep is not None:
+                    keep[cid, f"{kind}.{i}"] = (r, c)
+                fails = check_metrics(m, limits, scope)
+                rows.append(TensorRow(cid, cand_label, f"{kind}.{i}", i, dtype, tuple(r.shape), m,
+                                      tuple(f.text for f in fails)))
     else:
         side = cand_label if not cand.hidden else ref_label
-        details["layers"] = (f"no per-layer hidden states from {side}; export with expose_hidden "
-                             "(titan-pipe export --expose-hidden) to get them")
+        details["layers"] = f"no per-layer values from {side}"
     m = compare_tensors(ref.logits, cand.logits)
+    if keep is not None:
+        keep[cid, "logits"] = (ref.logits, cand.logits)
     fails = check_metrics(m, limits, logits_scope)
     rows.append(TensorRow(cid, cand_label, "logits", None, dtype, tuple(ref.logits.shape), m,
                           tuple(f.text for f in fails)))
@@ -183,8 +199,8 @@ def task_comparison(batches: list[torch.Tensor], outputs: dict[str, Outputs], re
 
 
 def biggest_jump(rows: list[TensorRow]) -> dict | None:
-    """The layer whose relative Euclidean distance grew most over the previous layer's."""
-    layers = [r for r in rows if r.layer is not None]
+    """The layer whose output's relative Euclidean distance grew most over the previous layer's."""
+    layers = [r for r in rows if r.layer is not None and r.tensor.startswith("hidden.")]
     best = None
     prev = None
     for r in layers:

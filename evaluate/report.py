@@ -8,6 +8,7 @@ Files written into REPORT_DIR (all at once: built in a temp dir beside it, then 
   operators.csv   the operator conformance table, same columns
   layer_error.png per-layer relative Euclidean distance and max abs error (log scale) per candidate
   logits_error.png histogram of |candidate - reference| over all logits, per candidate
+  dump/           with evaluate.dump: <comparison>/{golden,candidate}/<tensor>.npy, every compared pair
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from titan_pipe.atomic import swap_dir, temp_dir
 from titan_pipe.errors import UserError
-from titan_pipe.evaluate.metrics import CSV_COLUMNS
+from titan_pipe.evaluate.metrics import CSV_COLUMNS, CSV_FIELDS
 
 SCHEMA = "titan-pipe/evaluate-report"
 SCHEMA_VERSION = 1
@@ -63,7 +64,7 @@ def plot_layer_errors(comparisons: list[dict], path: Path) -> bool:
 
     series = []
     for c in comparisons:
-        layer_rows = [r for r in c["rows"] if r["layer"] is not None]
+        layer_rows = [r for r in c["rows"] if r["layer"] is not None and r["tensor"].startswith("hidden.")]
         if layer_rows:
             series.append((f"{c['id']}: {c['candidate']}", layer_rows))
     if not series:
@@ -114,30 +115,35 @@ def plot_logits_histogram(errors: dict[str, np.ndarray], path: Path) -> bool:
     return True
 
 
+def _csv_metrics(m: dict | None) -> list:
+    """The CSV_COLUMNS cells of one row's metrics dict (StandardDeviation in msit's format)."""
+    if not m:
+        return [""] * len(CSV_COLUMNS)
+    return [_msit_std(m) if f == "std" else m.get(f, "") for f in CSV_FIELDS]
+
+
+def _msit_std(m: dict) -> str:
+    vals = [m.get(k) for k in ("cand_mean", "cand_std", "ref_mean", "ref_std")]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals):
+        return "nan"
+    return "(%.3f;%.3f),(%.3f;%.3f)" % tuple(0.0 if abs(v) < 1e-3 else v for v in vals)
+
+
 def write_csvs(report: dict, out: Path) -> None:
     with open(out / "tensors.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(TENSOR_CSV_HEAD + CSV_COLUMNS + ("Status", "Failures"))
         for c in report["comparisons"]:
             for r in c["rows"]:
-                m = r["metrics"]
                 w.writerow([c["id"], r["candidate"], r["tensor"], "" if r["layer"] is None else r["layer"],
                             r["dtype"], "x".join(map(str, r["shape"]))]
-                           + [m[k] for k in _metric_keys()] + [r["status"], " | ".join(r["failures"])])
+                           + _csv_metrics(r["metrics"]) + [r["status"], " | ".join(r["failures"])])
     with open(out / "operators.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(OPERATOR_CSV_HEAD + CSV_COLUMNS + ("Failures",))
         for r in report["operators"]:
-            m = r["metrics"]
-            vals = [m[k] for k in _metric_keys()] if m else [""] * len(CSV_COLUMNS)
-            w.writerow([r["op"], r["dtype"], r["case"], "x".join(map(str, r["shape"])), r["status"]] + vals
-                       + [" | ".join(r["failures"])])
-
-
-def _metric_keys() -> tuple[str, ...]:
-    # TensorMetrics fields in CSV_COLUMNS order (metrics.TensorMetrics.csv_row).
-    return ("cosine", "max_abs", "mean_abs", "max_rel", "mean_rel", "rel_euclidean", "rmse", "kl",
-            "top1", "nan", "inf")
+            w.writerow([r["op"], r["dtype"], r["case"], "x".join(map(str, r["shape"])), r["status"]]
+                       + _csv_metrics(r["metrics"]) + [" | ".join(r["failures"])])
 
 
 _SHORT = ("cosine", "rel_euclidean", "max_abs", "mean_rel", "rmse", "kl", "top1")
@@ -289,13 +295,31 @@ def check_out_dir(out_dir: Path) -> None:
     except (OSError, ValueError, AttributeError):
         earlier = False
     ours = {"report.json", "report.md", "report.html", "tensors.csv", "operators.csv", "layer_error.png",
-            "logits_error.png"}
+            "logits_error.png", "dump"}
     if not earlier or any(p.name not in ours for p in entries):
         raise UserError(f"-o {out_dir}: exists and is not (only) an earlier titan-pipe report; give a new "
                         "directory (e.g. runs/<name>/report) or empty it first")
 
 
-def write_report(out_dir: Path, report: dict, logits_errors: dict[str, np.ndarray]) -> dict[str, Path]:
+def write_dump(dumps: dict, root: Path) -> list[str]:
+    """Each compared pair as ``root/<comparison>/{golden,candidate}/<tensor>.npy`` in its own dtype
+    (bfloat16 as float32), the layout msit's / msprobe's compare tools take file by file."""
+    import torch
+
+    written = []
+    for (cid, tensor), pair in dumps.items():
+        for side, t in zip(("golden", "candidate"), pair):
+            d = root / cid / side
+            d.mkdir(parents=True, exist_ok=True)
+            if isinstance(t, torch.Tensor):
+                t = (t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
+            np.save(d / f"{tensor}.npy", np.ascontiguousarray(t))
+        written.append(f"{cid}/{tensor}")
+    return written
+
+
+def write_report(out_dir: Path, report: dict, logits_errors: dict[str, np.ndarray],
+                 dumps: dict | None = None) -> dict[str, Path]:
     """Write every report file into ``out_dir`` atomically (temp dir beside it, then rename).
 
     An existing ``out_dir`` (empty, or an earlier report: check_out_dir) is replaced only once the
@@ -310,8 +334,9 @@ def write_report(out_dir: Path, report: dict, logits_errors: dict[str, np.ndarra
             plots["layer_error.png"] = tmp / "layer_error.png"
         if plot_logits_histogram(logits_errors, tmp / "logits_error.png"):
             plots["logits_error.png"] = tmp / "logits_error.png"
+        dumped = write_dump(dumps, tmp / "dump") if dumps else []
         report = dict(report, files=sorted(["report.json", "report.md", "report.html", "tensors.csv",
-                                            "operators.csv", *plots]))
+                                            "operators.csv", *plots]), dump=dumped)
         write_csvs(report, tmp)
         (tmp / "report.md").write_text(render_markdown(report, list(plots)))
         (tmp / "report.html").write_text(render_html(report, plots))

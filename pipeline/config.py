@@ -197,7 +197,8 @@ class EvaluateConfig(Section):
     prompts: int = Field(2, ge=0)  # greedy generations compared token for token (0: none)
     prompt_len: int = Field(16, gt=0)
     new_tokens: int = Field(16, gt=0)
-    debug_export: bool = True  # graph without hidden.{i} outputs: re-export them from the model dir
+    device: Literal["auto", "cpu", "cuda", "npu"] = "cpu"  # where the PyTorch reference runs
+    dump: bool = False  # REPORT_DIR/dump/<comparison>/{golden,candidate}/<tensor>.npy for msit/msprobe
 
     @model_validator(mode="after")
     def _check_thresholds(self):

@@ -83,6 +83,9 @@ SCOPES = {
                "logits_kl_max", "logits_top1_min"),
     "sharded": ("cosine_min", "rel_euclidean_max", "msprobe", "logits_kl_max", "sharded_max_abs_max"),
     "operator": ("cosine_min", "rel_euclidean_max"),
+    # a layer's attention / MLP block output before the residual Add: no residual stream to keep
+    # magnitudes up, so near-zero elements make absolute and mean-relative measures meaningless
+    "block": ("cosine_min", "rel_euclidean_max"),
 }
 
 
@@ -156,7 +159,7 @@ def check_metrics(m, limits: dict[str, float], scope: str) -> list[Failure]:
         out += _above("rel_euclidean_max", m.rel_euclidean, limits["rel_euclidean_max"],
                       "relative Euclidean distance")
     if "kl_max" in keys:
-        out += _above("kl_max", m.kl, limits["kl_max"], "KL divergence")
+        out += _above("kl_max", m.msit_kl, limits["kl_max"], "KL divergence (msit's)")
     if "logits_kl_max" in keys:
         out += _above("logits_kl_max", m.kl, limits["logits_kl_max"], "logits KL divergence")
     if "rmse_max" in keys:

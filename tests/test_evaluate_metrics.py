@@ -21,10 +21,17 @@ def test_hand_computed_values():
     assert m.rel_euclidean == pytest.approx(math.sqrt(0.5) / math.sqrt(21))
     dot, nr, nc = 1 + 5 + 0 + 16, math.sqrt(21), math.sqrt(1 + 6.25 + 0.25 + 16)
     assert m.cosine == pytest.approx(dot / (nr * nc))
-    # the zero in r is replaced by float64 eps, msprobe's rule
-    eps = np.finfo(np.float64).eps
-    rel = [0, 0.25, 0.5 / eps, 0]
+    # msit: an element whose reference is (near) zero counts 0; msprobe: eps is added to both sides
+    rel = [0, 0.25, 0, 0]
     assert m.max_rel == pytest.approx(max(rel)) and m.mean_rel == pytest.approx(sum(rel) / 4)
+    assert m.acc_rel == pytest.approx(sum(rel))
+    eps = np.finfo(np.float64).eps
+    assert m.msprobe_max_rel == pytest.approx(0.5 / eps)
+    assert m.err_ratio_1e3 == m.err_ratio_5e3 == 0.5  # the two exact elements
+    assert m.euc_dist == pytest.approx(math.sqrt(0.5))
+    assert (m.ref_mean, m.cand_mean) == (pytest.approx(-0.25), pytest.approx(0.0))
+    assert m.ref_std == pytest.approx(np.std([1.0, 2.0, 0.0, -4.0]))
+    assert m.msit_std() == "(0.000;%.3f),(-0.250;%.3f)" % (np.std([1.0, 2.5, 0.5, -4.0]), np.std([1.0, 2.0, 0.0, -4.0]))
     assert m.top1 == 1.0  # row argmaxes: (1, 1) and (0, 0)
     assert compare_tensors(np.array([[0.0, 1.0], [2.0, 1.0]]), np.array([[1.0, 0.0], [2.0, 1.0]])).top1 == 0.5
     assert (m.nan, m.inf) == (0, 0)
@@ -59,9 +66,10 @@ def test_float16_and_bfloat16_inputs_are_compared_in_float64():
     assert m.max_abs == 0.0
     mb = compare_tensors(x, x.bfloat16())
     assert mb.max_abs == pytest.approx(0.0009765625)  # bf16 rounds 1 + 2^-10 to 1
-    # relative error of a zero reference uses the reference dtype's eps (float16 here)
+    # msprobe's relative error of a zero reference adds eps of the computing dtype (>= float32)
     z = compare_tensors(torch.zeros(2, dtype=torch.float16), torch.tensor([0.0, 1e-3]))
-    assert z.max_rel == pytest.approx(1e-3 / float(torch.finfo(torch.float16).eps))
+    assert z.msprobe_max_rel == pytest.approx(1e-3 / float(torch.finfo(torch.float32).eps), rel=1e-6)
+    assert z.max_rel == 0.0  # msit leaves zero references out
 
 
 def test_nan_inf_counted_and_excluded():

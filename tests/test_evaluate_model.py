@@ -6,6 +6,7 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+import numpy as np
 from onnx import numpy_helper
 from safetensors.torch import save_file
 from typer.testing import CliRunner
@@ -45,8 +46,11 @@ def debug_model(seed=0, **overrides):
 
 
 def export(model_dir: Path, out: Path, dtype="float32") -> Path:
-    return export_model(model_dir=model_dir, out_dir=out, dtype=dtype, kv_cache=False, expose_hidden=True,
-                        run_atc=False).onnx
+    """A deployment export: no extra outputs; per-layer values are named in export.json."""
+    return export_model(model_dir=model_dir, out_dir=out, dtype=dtype, kv_cache=False, run_atc=False).onnx
+
+
+LAYER_ROWS = [f"{k}.{i}" for i in range(4) for k in ("attn_out", "mlp_out", "hidden")]
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +74,8 @@ def test_float32_export_passes_and_report_parses(art, tmp_path):
     rep = json.loads(r.report_json.read_text())
     assert rep["schema"] == "titan-pipe/evaluate-report" and rep["schema_version"] == 1
     onnx_cmp = next(c for c in rep["comparisons"] if c["id"] == "torch_vs_onnx")
-    assert [row["tensor"] for row in onnx_cmp["rows"]] == ["hidden.0", "hidden.1", "hidden.2", "hidden.3", "logits"]
+    assert [row["tensor"] for row in onnx_cmp["rows"]] == LAYER_ROWS + ["logits"]
+    assert "export.json" in onnx_cmp["details"]["layers"] and "bit for bit" in onnx_cmp["details"]["layers"]
     logits = onnx_cmp["rows"][-1]["metrics"]
     assert logits["kl"] < 1e-6 and logits["top1"] == 1.0 and logits["max_abs"] < 1e-4
     task = next(c for c in rep["comparisons"] if c["id"] == "task")
@@ -93,13 +98,15 @@ def test_perturbed_onnx_weight_fails_at_that_layer(art, tmp_path):
     w = numpy_helper.to_array(init).copy()
     w[5, 7] += 0.05  # one weight of layer 2's down projection
     init.CopyFrom(numpy_helper.from_array(w, init.name))
-    bad = tmp_path / "bad.onnx"
+    bad = tmp_path / "model.onnx"
     onnx.save(m, str(bad))
+    (tmp_path / "export.json").write_bytes((art["onnx32"].parent / "export.json").read_bytes())
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=bad, settings=FAST)
     assert not r.passed
     assert r.summary["first_failing_layer"]["layer"] == 2
     rows = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")["rows"]
-    assert [row["status"] for row in rows[:2]] == ["pass", "pass"]
+    assert all(row["status"] == "pass" for row in rows if row["layer"] in (0, 1))
+    assert {row["tensor"]: row["status"] for row in rows}["attn_out.2"] == "pass"  # before the fault
     assert "layer 2" in r.summary["verdict"]
 
 
@@ -126,7 +133,13 @@ def test_float16_export_passes_fp16_thresholds_and_fails_fp32(art, tmp_path):
     r16 = evaluate_model(out_dir=tmp_path / "a", model_dir=art["model_dir"], onnx=art["onnx16"], settings=FAST)
     assert r16.passed, r16.summary["verdict"]
     rep = json.loads(r16.report_json.read_text())
-    assert next(c for c in rep["comparisons"] if c["id"] == "torch_vs_onnx")["dtype"] == "float16"
+    c16 = next(c for c in rep["comparisons"] if c["id"] == "torch_vs_onnx")
+    assert c16["dtype"] == "float16"
+    # per-layer rows from the float16 graph's own values, each above float32 noise, within fp16 bounds
+    assert [row["tensor"] for row in c16["rows"]] == LAYER_ROWS + ["logits"]
+    assert "export.json" in c16["details"]["layers"]
+    hidden = [row["metrics"]["rel_euclidean"] for row in c16["rows"] if row["tensor"].startswith("hidden.")]
+    assert all(1e-5 < x < 0.05 for x in hidden), hidden
     r32 = evaluate_model(out_dir=tmp_path / "b", model_dir=art["model_dir"], onnx=art["onnx16"],
                          settings=FAST.model_copy(update={"dtype": "float32"}))
     assert not r32.passed
@@ -192,21 +205,99 @@ def test_checkpoint_without_manifest_is_refused(art, tmp_path):
                        settings=FAST)
 
 
-def test_graph_without_hidden_outputs(art, tmp_path):
-    """A deployment export has no hidden.{i}: per-layer rows come from a debug re-export whose
-    logits equal the graph's; without it (debug_export false) only the logits are compared."""
-    plain = export_model(model_dir=art["model_dir"], out_dir=tmp_path / "plain", kv_cache=False,
-                         run_atc=False).onnx
-    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=plain, settings=FAST)
-    assert r.passed
+def test_graph_without_export_json_falls_back_to_its_structure(art, tmp_path):
+    """A graph titan-pipe did not describe (no export.json beside it): the residual Add chain gives
+    the per-layer values; a graph whose chain does not split into the model's layers says why."""
+    alone = tmp_path / "alone" / "model.onnx"
+    alone.parent.mkdir()
+    for f in art["onnx32"].parent.glob("model.onnx*"):  # the graph and its external data, no export.json
+        (alone.parent / f.name).write_bytes(f.read_bytes())
+    last = json.loads((art["onnx32"].parent / "export.json").read_text())["graphs"]["model.onnx"]["layer_outputs"][-1]
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=alone, settings=FAST)
+    assert r.passed, r.summary["verdict"]
     c = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")
-    assert [row["tensor"] for row in c["rows"]] == ["hidden.0", "hidden.1", "hidden.2", "hidden.3", "logits"]
-    assert "debug re-export" in c["details"]["layers"]
-    off = FAST.model_copy(update={"debug_export": False})
-    r = evaluate_model(out_dir=tmp_path / "rep2", model_dir=art["model_dir"], onnx=plain, settings=off)
+    assert [row["tensor"] for row in c["rows"]] == LAYER_ROWS + ["logits"]
+    assert "no export.json" in c["details"]["layers"] and "residual" in c["details"]["layers"]
+    # an extra Add on the residual stream: 9 links for 4 layers, so no per-layer rows, and it says so
+    m = onnx.load(str(alone))
+    producer = next(n for n in m.graph.node if last in n.output)
+    zero = numpy_helper.from_array(np.zeros((), dtype=np.float32), "zero_extra")
+    m.graph.initializer.append(zero)
+    for n in m.graph.node:
+        n.input[:] = [last + "x" if i == last else i for i in n.input]
+    m.graph.node.insert(list(m.graph.node).index(producer) + 1,
+                        onnx.helper.make_node("Add", [last, "zero_extra"], [last + "x"]))
+    odd = tmp_path / "odd" / "model.onnx"
+    odd.parent.mkdir()
+    onnx.save(m, str(odd))
+    r = evaluate_model(out_dir=tmp_path / "rep2", model_dir=art["model_dir"], onnx=odd, settings=FAST)
     c = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")
     assert [row["tensor"] for row in c["rows"]] == ["logits"]
-    assert "expose-hidden" in c["details"]["layers"]
+    assert "9 links, not 2 x 4 layers" in c["details"]["layers"]
+
+
+def _scaled_copy(src: Path, dst: Path, graph: str, layer: int, factor: float = 1.5) -> str:
+    """Copy an export dir and multiply one 2-D weight of ``layer`` inside ``graph`` by ``factor``
+    (the other graph and every other file untouched). Returns the initializer's name."""
+    import re
+    import shutil
+
+    shutil.copytree(src, dst)
+    m = onnx.load(str(dst / graph))  # with its weights, wherever they are stored
+    pat = re.compile(rf"(^|[./_])layers[./_]{layer}[./_]")
+    cands = [i for i in m.graph.initializer if pat.search(i.name) and len(i.dims) == 2]
+    init = next((i for i in cands if "w2" in i.name or "down" in i.name), cands[0])
+    w = numpy_helper.to_array(init)
+    init.CopyFrom(numpy_helper.from_array((w * factor).astype(w.dtype), init.name))
+    onnx.save(m, str(dst / graph))  # weights inline: the other graph keeps its own (shared) data file
+    return init.name
+
+
+@pytest.fixture(scope="module")
+def kv_export(art):
+    out = art["root"] / "kv"
+    export_model(model_dir=art["model_dir"], out_dir=out, kv_cache=True, run_atc=False)
+    return out
+
+
+KV = FAST.model_copy(update={"prompts": 2, "new_tokens": 4})
+
+
+def test_honest_kv_export_passes_with_per_layer_rows_of_both_graphs(art, kv_export, tmp_path):
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=kv_export / "model.onnx",
+                       settings=KV)
+    assert r.passed, r.summary["verdict"]
+    rep = json.loads(r.report_json.read_text())
+    for cid in ("torch_vs_onnx", "onnx_kv_decode"):
+        c = next(c for c in rep["comparisons"] if c["id"] == cid)
+        assert [row["tensor"] for row in c["rows"]] == LAYER_ROWS + ["logits"], cid
+    dec = next(c for c in rep["comparisons"] if c["id"] == "onnx_kv_decode")
+    assert dec["rows"][0]["shape"] == [2, 3, 64]  # 3 decode steps of 2 prompts
+    assert "decode.onnx" in dec["details"]["layers"] and "export.json" in dec["details"]["layers"]
+    html = (tmp_path / "rep" / "report.html").read_text()
+    assert "alt='layer_error.png'" in html  # the per-layer plot of the deployed graphs
+
+
+@pytest.mark.parametrize("graph, cid", [("model.onnx", "torch_vs_onnx"), ("decode.onnx", "onnx_kv_decode")])
+@pytest.mark.parametrize("layer", [1, 3])
+def test_scaled_weight_in_deployed_graph_is_named_at_its_layer(art, kv_export, tmp_path, graph, cid, layer):
+    bad = tmp_path / "bad"
+    name = _scaled_copy(kv_export, bad, graph, layer)
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=bad / "model.onnx", settings=KV)
+    assert not r.passed
+    first = r.summary["first_failing_layer"]
+    assert (first["comparison"], first["layer"]) == (cid, layer), (name, first)
+    assert f"first divergence at layer {layer} ({cid}" in r.summary["verdict"]
+    rows = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == cid)["rows"]
+    assert all(row["status"] == "pass" for row in rows if row["layer"] is not None and row["layer"] < layer)
+    if graph == "decode.onnx":  # the prefill graph is untouched and still passes
+        assert r.summary["comparisons"]["torch_vs_onnx"] == "pass"
+    assert (tmp_path / "rep" / "layer_error.png").stat().st_size > 1000
+    if (graph, layer) == ("model.onnx", 3):  # and through the CLI: exit 1, the layer named
+        res = CliRunner().invoke(app, ["evaluate", "--model-dir", str(art["model_dir"]), "--onnx",
+                                       str(bad / "model.onnx"), "--no-operators", "--batches", "1",
+                                       "-o", str(tmp_path / "cli")])
+        assert res.exit_code == 1 and "first divergence at layer 3" in " ".join(res.output.split()), res.output
 
 
 def test_om_without_ascend_runtime_is_skipped_not_passed(art, tmp_path):
@@ -239,31 +330,68 @@ def test_too_little_held_out_text_is_a_clear_error(art, tmp_path):
         evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], data=short, settings=FAST)
 
 
-def test_kv_cache_decode_graph_is_checked_on_its_own(art, tmp_path):
+def test_kv_cache_decode_graph_is_checked_on_its_own(art, kv_export, tmp_path):
     """decode.onnx is what generation runs: a fault only there fails onnx_kv_decode, not the prefill rows."""
-    out = tmp_path / "kv"
-    export_model(model_dir=art["model_dir"], out_dir=out, kv_cache=True, expose_hidden=True, run_atc=False)
-    settings = FAST.model_copy(update={"prompts": 2, "new_tokens": 5})
-    good = evaluate_model(out_dir=tmp_path / "good", model_dir=art["model_dir"], onnx=out / "model.onnx",
-                          settings=settings)
+    good = evaluate_model(out_dir=tmp_path / "good", model_dir=art["model_dir"], onnx=kv_export / "model.onnx",
+                          settings=KV)
     assert good.passed and good.summary["comparisons"]["onnx_kv_decode"] == "pass"
     gen = json.loads(good.report_json.read_text())["comparisons"][-1]["details"]["generation"]
     assert any("KV-cache" in k and v["identical"] for k, v in gen.items())
+    out = tmp_path / "kv"
+    import shutil
+
+    shutil.copytree(kv_export, out)
     m = onnx.load(str(out / "decode.onnx"))
     init = next(i for i in m.graph.initializer if i.name == "layers.1.w2")
     w = numpy_helper.to_array(init).copy()
     w[3, 4] += 0.05
     init.CopyFrom(numpy_helper.from_array(w, init.name))
     onnx.save(m, str(out / "decode.onnx"))
-    bad = evaluate_model(out_dir=tmp_path / "bad", model_dir=art["model_dir"], onnx=out / "model.onnx",
-                         settings=settings)
+    bad = evaluate_model(out_dir=tmp_path / "bad", model_dir=art["model_dir"], onnx=out / "model.onnx", settings=KV)
     st = bad.summary["comparisons"]
     assert not bad.passed and st["onnx_kv_decode"] == "fail" and st["torch_vs_onnx"] == "pass"
+    assert bad.summary["first_failing_layer"]["layer"] == 1
+
+
+def test_model_without_tokenizer_runs_on_random_ids_and_a_tokenizer_is_kept(art, tmp_path):
+    """No tokenizer and no --data: seeded random ids inside the vocab (labelled); a model dir whose
+    provenance says it was trained with the byte tokenizer keeps using it."""
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx32"], settings=FAST)
+    data = json.loads(r.report_json.read_text())["data"]
+    assert data["tokenizer"] == "none (random token ids)" and data["source"].startswith("random token ids (seed 0")
+    assert "carries no tokenizer" in data["source"]
+    from titan_pipe.evaluate.batches import load_eval_data
+
+    kw = dict(data=None, vocab_size=300, n_batches=2, batch_size=2, seq_len=16, n_prompts=1, prompt_len=4)
+    a = load_eval_data(model_dir=art["model_dir"], **kw)
+    b = load_eval_data(model_dir=art["model_dir"], **kw)
+    assert all(torch.equal(x, y) for x, y in zip(a.batches, b.batches))  # seeded
+    ids = torch.cat(a.batches)
+    assert int(ids.max()) < 300 and int(ids.max()) > 256  # the whole vocab, not just bytes
+    byte_dir = tmp_path / "byte_model"
+    byte_dir.mkdir()
+    (byte_dir / "provenance.json").write_text(json.dumps({"tokenizer": {"tokenizer": "byte", "files": {}}}))
+    c = load_eval_data(model_dir=byte_dir, **kw)
+    assert c.tokenizer == "byte" and "validation split" in c.source
 
 
 def test_nothing_compared_is_not_a_pass(art, tmp_path):
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], settings=FAST)
     assert not r.passed and "nothing was compared" in r.summary["verdict"]
+
+
+def test_reference_device_absent_is_one_line_error_and_cpu_is_named(art, tmp_path):
+    """--device picks where the PyTorch reference runs; an absent accelerator is a one-line error
+    before any work (this machine has neither CUDA nor an NPU)."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present here")
+    with pytest.raises(UserError, match=r"^--device cuda: device cuda requested but CUDA is not available"):
+        evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx32"],
+                       settings=FAST.model_copy(update={"device": "cuda"}))
+    assert not (tmp_path / "rep").exists()
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx32"],
+                       settings=FAST.model_copy(update={"device": "auto"}))
+    assert r.passed and json.loads(r.report_json.read_text())["settings"]["device"] == "auto"
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -272,8 +400,8 @@ def test_kv_decode_row_runs_the_generation_loop(art, tmp_path, static):
     on dynamic graphs and on static ones (batch 2), against PyTorch on each prompt alone."""
     kw = dict(dynamic=False, batch=2, seq_len=32, cache_len=40) if static else {}
     res = export_model(model_dir=art["model_dir"], out_dir=tmp_path / "onnx", run_atc=False, **kw)
-    settings = EvaluateConfig(operators=False, batches=1, batch_size=2, seq_len=32, prompts=3, prompt_len=12,
-                              new_tokens=6, debug_export=False)
+    settings = EvaluateConfig(operators=False, batches=2, batch_size=2, seq_len=32, prompts=3, prompt_len=12,
+                              new_tokens=6)
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=res.onnx, settings=settings)
     rep = json.loads(r.report_json.read_text())
     row = next(c for c in rep["comparisons"] if c["id"] == "onnx_kv_decode")
@@ -282,5 +410,8 @@ def test_kv_decode_row_runs_the_generation_loop(art, tmp_path, static):
     assert "left-padded, lengths [12, " in row["details"]["positions"] and row["details"]["positions"].endswith(", 6]")
     assert row["details"]["generation"]["identical"]
     assert row["rows"][-1]["metrics"]["max_abs"] <= 1e-4
+    # decode.onnx's own per-layer values: 5 teacher-forced steps of each of the 3 prompts (static: 2 batches)
+    assert [r["tensor"] for r in row["rows"]] == LAYER_ROWS + ["logits"]
+    assert row["rows"][0]["shape"] == [3, 5, 64]
     gen = next(c for c in rep["comparisons"] if c["id"] == "task")["details"]["generation"]
     assert all(g["identical"] for g in gen.values())

@@ -12,6 +12,13 @@ from titan_pipe.dtypes import FLOAT_NAMES
 from titan_pipe.paths import resolve_inside
 
 
+class RefDevice(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    npu = "npu"
+
+
 # --dtype choices: auto, then the float types of the dtype table.
 ThresholdDtype = Enum("ThresholdDtype", {n: n for n in ("auto", *FLOAT_NAMES)}, type=str)
 
@@ -25,7 +32,7 @@ def register(app: typer.Typer) -> None:
                                                   "(run under its own TP/PP layout with torchrun)"),
         model_dir: Optional[Path] = typer.Option(None, "--model-dir", help="Unified model dir (titan-pipe convert)"),
         onnx: Optional[Path] = typer.Option(None, "--onnx", help="Exported prefill graph OUT_DIR/model.onnx "
-                                            "(export with --expose-hidden for per-layer results)"),
+                                            "(decode.onnx beside it is evaluated too)"),
         om: Optional[Path] = typer.Option(None, "--om", help="ATC .om model (needs an Ascend runtime)"),
         data: Optional[Path] = typer.Option(None, "--data", help="Held-out .txt/.jsonl text, used whole "
                                             "(default: the validation split of --config's data, else of the "
@@ -34,9 +41,15 @@ def register(app: typer.Typer) -> None:
                                              "(auto: each candidate's own dtype)"),
         config: Optional[Path] = typer.Option(None, "--config", help="flow.yaml whose evaluate section (batches, "
                                               "thresholds, ...) to use"),
+        device: Optional[RefDevice] = typer.Option(None, "--device", help="Where the PyTorch reference (and "
+                                                   "the torchrun ranks) run; auto: npu, then cuda, then cpu "
+                                                   "[default: evaluate.device, cpu]"),
         batches: Optional[int] = typer.Option(None, "--batches", min=1, help="Number of held-out batches"),
         operators: Optional[bool] = typer.Option(None, "--operators/--no-operators",
                                                  help="Run the operator conformance table"),
+        dump: Optional[bool] = typer.Option(None, "--dump/--no-dump", help="Also write every compared tensor "
+                                            "pair as REPORT_DIR/dump/<comparison>/{golden,candidate}/<tensor>.npy "
+                                            "(for msit / msprobe compare)"),
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Compare training checkpoint, unified model, ONNX and OM per layer, per operator, per dtype.
@@ -57,6 +70,10 @@ def register(app: typer.Typer) -> None:
         updates: dict = {"dtype": dtype.value}
         if batches is not None:
             updates["batches"] = batches
+        if device is not None:
+            updates["device"] = device.value
+        if dump is not None:
+            updates["dump"] = dump
         if operators is not None:
             updates["operators"] = operators
         settings = settings.model_copy(update=updates)
