@@ -1,8 +1,8 @@
 """Our msit / msprobe columns against the tools' own metric functions, on tensors evaluate dumped.
 
 msit `debug compare` runs CANN's msaccucmp, which msprobe ships as ``msprobe/msaccucmp``; msprobe's
-own `compare` has ``msprobe.core.compare.algorithm``. Neither is a dependency: without
-mindstudio-probe the test is skipped with the import error. Their functions round their results
+own `compare` has ``msprobe.core.compare.algorithm``. mindstudio-probe is in the test extra (CI runs
+this); where it does not import, the test is skipped with the import error. Their functions round their results
 for printing (msaccucmp to 6 decimals, msprobe to 12); the test replaces that rounding by the
 identity so the formulas themselves are compared, to 1e-6 relative. msaccucmp's command line also
 casts both tensors to float32 before its formulas; the test feeds float64, the precision we compute in.
