@@ -17,7 +17,7 @@ from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs
 from titan_pipe.training.kernels import Kernels
 from titan_pipe.training.model import Transformer, build_model, rope_cos_sin
-from titan_pipe.unified_dir import CONFIG, locate_weights, native_name, read_model_args
+from titan_pipe.unified_dir import check_all_placed, locate_weights, place_tensor, read_model_args
 
 
 def load_unified_model(model_dir: Path, *, dtype: str | torch.dtype | None = None, device: str = "cpu",
@@ -42,35 +42,17 @@ def load_unified_model(model_dir: Path, *, dtype: str | torch.dtype | None = Non
         with safe_open(str(path), framework="pt", device="cpu") as fh:
             present = set(fh.keys())
             for stored in wanted:
-                if stored not in present:
-                    raise UserError(f"{path}: the index says it holds {stored!r}, but it does not; "
-                                    "re-run the conversion")
-                name = native_name(stored, path)
+                shape = tuple(fh.get_slice(stored).get_shape()) if stored in present else None
+                name = place_tensor(model_dir, args, expected, path=path, stored=stored, present=present,
+                                    shape=shape, placed=loaded)
                 if name is None:
                     continue
-                if name not in expected:
-                    raise UserError(f"{path}: tensor {stored!r} has no place in a model with config "
-                                    f"{model_dir / CONFIG} ({args.n_layers} layers); the weights and "
-                                    "config.json do not belong together")
-                if name in loaded:
-                    raise UserError(f"{path}: tensor {stored!r} is stored twice (as {name!r} already)")
-                shape = tuple(fh.get_slice(stored).get_shape())
-                if shape != expected[name]:
-                    raise UserError(f"{path}: tensor {stored!r} has shape {list(shape)}, but "
-                                    f"{model_dir / CONFIG} implies {list(expected[name])}; the weights and "
-                                    "config.json do not belong together")
                 t = fh.get_tensor(stored)
                 if target is not None and t.dtype != target:
                     t = t.to(target)
                 _assign_param(model, name, t.to(device))
                 loaded.add(name)
-    missing = sorted(set(expected) - loaded)
-    if args.tie_embeddings and "output.weight" in missing:
-        missing.remove("output.weight")
-    if missing:
-        raise UserError(f"{model_dir}: {len(missing)} parameter(s) missing from the weights, e.g. "
-                        f"{missing[0]!r} (config.json: {args.n_layers} layers, dim {args.dim}); "
-                        "the weights and config.json do not belong together")
+    check_all_placed(model_dir, args, expected, loaded)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     dtypes = {p.dtype for p in model.parameters()}

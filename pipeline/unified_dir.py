@@ -99,3 +99,38 @@ def native_name(stored: str, source: Path) -> str | None:
             raise UserError(f"{source}: tensor {stored!r} is not a LLaMA parameter titan-pipe knows "
                             "(see pipeline/names.py); remove it or convert the checkpoint first") from None
     return stored
+
+
+def place_tensor(model_dir: Path, args: ModelArgs, expected: dict[str, tuple[int, ...]], *, path: Path,
+                 stored: str, present: "set[str] | dict", shape: tuple[int, ...] | None,
+                 placed: "set[str] | dict") -> str | None:
+    """The native parameter name stored tensor ``stored`` of weight file ``path`` fills, after the
+    checks every reader of a unified dir makes: the file holds it, the model has a place for it,
+    nothing filled that place already, its ``shape`` is the one config.json implies. None for a
+    stored buffer the model does not use. UserError naming the file and tensor otherwise."""
+    if stored not in present:
+        raise UserError(f"{path}: the index says it holds {stored!r}, but it does not; re-run the conversion")
+    name = native_name(stored, path)
+    if name is None:
+        return None
+    if name not in expected:
+        raise UserError(f"{path}: tensor {stored!r} has no place in a model with config "
+                        f"{model_dir / CONFIG} ({args.n_layers} layers); the weights and "
+                        "config.json do not belong together")
+    if name in placed:
+        raise UserError(f"{path}: tensor {stored!r} is stored twice (as {name!r} already)")
+    if shape is not None and tuple(shape) != tuple(expected[name]):
+        raise UserError(f"{path}: tensor {stored!r} has shape {list(shape)}, but "
+                        f"{model_dir / CONFIG} implies {list(expected[name])}; the weights and "
+                        "config.json do not belong together")
+    return name
+
+
+def check_all_placed(model_dir: Path, args: ModelArgs, expected: "dict[str, tuple[int, ...]]",
+                     placed: "set[str] | dict") -> None:
+    """UserError unless every expected parameter was placed (a tied model may omit output.weight)."""
+    missing = sorted(set(expected) - set(placed) - ({"output.weight"} if args.tie_embeddings else set()))
+    if missing:
+        raise UserError(f"{model_dir}: {len(missing)} parameter(s) missing from the weights, e.g. "
+                        f"{missing[0]!r} (config.json: {args.n_layers} layers, dim {args.dim}); "
+                        "the weights and config.json do not belong together")

@@ -172,18 +172,8 @@ def write_megatron(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp: int
     """iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt + latest_checkpointed_iteration.txt."""
     multiple = divisible_by * tp
     padded = -(-args.vocab_size // multiple) * multiple
-    ns = argparse.Namespace(
-        num_layers=args.n_layers, hidden_size=args.dim, ffn_hidden_size=args.hidden_dim,
-        num_attention_heads=args.n_heads, group_query_attention=True, num_query_groups=args.kv_heads,
-        kv_channels=args.head_dim, padded_vocab_size=padded, make_vocab_size_divisible_by=divisible_by,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, norm_epsilon=args.norm_eps,
-        rotary_base=int(args.rope_theta), max_position_embeddings=args.max_seq_len,
-        seq_length=args.max_seq_len, untie_embeddings_and_output_weights=True, swiglu=True,
-        add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
-        params_dtype=torch.float32, bf16=False, attention_backend=_fake_megatron_enums().auto,
-        transformer_impl="transformer_engine", num_layers_per_virtual_pipeline_stage=None)
-    if with_vocab:
-        ns.vocab_size = args.vocab_size
+    ns = megatron_args(args, tp=tp, pp=pp, padded=padded, divisible_by=divisible_by, with_vocab=with_vocab,
+                       ckpt_format=None)
     it = out / f"iter_{iteration:07d}"
     for t in range(tp):
         for p in range(pp):
@@ -204,8 +194,10 @@ def write_megatron(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp: int
 
 
 def megatron_args(args: ModelArgs, *, tp: int, pp: int, padded: int, divisible_by: int = 128,
-                  vpp: int | None = None, with_vocab: bool = True) -> argparse.Namespace:
-    """The model part of Megatron-LM's saved ``args``."""
+                  vpp: int | None = None, with_vocab: bool = True,
+                  ckpt_format: str | None = "torch_dist") -> argparse.Namespace:
+    """The model part of Megatron-LM's saved ``args`` (``ckpt_format=None``: the legacy layout's, which
+    predates that field and virtual pipeline stages)."""
     ns = argparse.Namespace(
         num_layers=args.n_layers, hidden_size=args.dim, ffn_hidden_size=args.hidden_dim,
         num_attention_heads=args.n_heads, group_query_attention=True, num_query_groups=args.kv_heads,
@@ -215,9 +207,10 @@ def megatron_args(args: ModelArgs, *, tp: int, pp: int, padded: int, divisible_b
         seq_length=args.max_seq_len, untie_embeddings_and_output_weights=True, swiglu=True,
         add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
         params_dtype=torch.float32, bf16=False, attention_backend=_fake_megatron_enums().auto,
-        transformer_impl="transformer_engine", ckpt_format="torch_dist",
-        num_layers_per_virtual_pipeline_stage=args.n_layers // pp // vpp if vpp else None,
-        virtual_pipeline_model_parallel_size=vpp)
+        transformer_impl="transformer_engine",
+        num_layers_per_virtual_pipeline_stage=args.n_layers // pp // vpp if vpp else None)
+    if ckpt_format is not None:
+        ns.ckpt_format, ns.virtual_pipeline_model_parallel_size = ckpt_format, vpp
     if with_vocab:
         ns.vocab_size = args.vocab_size
     return ns

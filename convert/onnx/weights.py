@@ -29,7 +29,7 @@ from titan_pipe.dtypes import BY_NAME, HF_DTYPE_NAMES, TORCH_BY_NAME
 from titan_pipe.errors import UserError
 from titan_pipe.model_args import ModelArgs
 from titan_pipe.names import native_shapes
-from titan_pipe.unified_dir import CONFIG, locate_weights, native_name
+from titan_pipe.unified_dir import check_all_placed, locate_weights, place_tensor
 
 ALIGN = 4096  # page-aligned tensors, so a runtime can mmap them
 CHUNK = 32 * 2**20  # bytes per copy/read; two buffers (casts) or one mmap window (digest) of this in memory
@@ -75,31 +75,16 @@ def plan_weights(model_dir: Path, args: ModelArgs) -> dict[str, SourceTensor]:
     for path in weights.files:
         header, _ = read_header(path)
         for stored in sorted(k for k, f in weights.key_to_file.items() if f == path):
-            if stored not in header:
-                raise UserError(f"{path}: the index says it holds {stored!r}, but it does not; re-run the conversion")
-            name = native_name(stored, path)
+            info = header.get(stored)
+            name = place_tensor(model_dir, args, expected, path=path, stored=stored, present=header,
+                                shape=info.shape if info is not None else None, placed=found)
             if name is None:
                 continue
-            if name not in expected:
-                raise UserError(f"{path}: tensor {stored!r} has no place in a model with config "
-                                f"{model_dir / CONFIG} ({args.n_layers} layers); the weights and "
-                                "config.json do not belong together")
-            if name in found:
-                raise UserError(f"{path}: tensor {stored!r} is stored twice (as {name!r} already)")
-            info = header[stored]
-            if info.shape != expected[name]:
-                raise UserError(f"{path}: tensor {stored!r} has shape {list(info.shape)}, but "
-                                f"{model_dir / CONFIG} implies {list(expected[name])}; the weights and "
-                                "config.json do not belong together")
             if info.dtype not in _CASTABLE:
                 raise UserError(f"{path}: tensor {stored!r} has dtype {info.dtype}; export reads float32, "
                                 "float16 or bfloat16 weights — convert the checkpoint with `titan-pipe convert`")
             found[name] = SourceTensor(name, path, stored, info)
-    missing = sorted(set(expected) - set(found) - ({"output.weight"} if args.tie_embeddings else set()))
-    if missing:
-        raise UserError(f"{model_dir}: {len(missing)} parameter(s) missing from the weights, e.g. "
-                        f"{missing[0]!r} (config.json: {args.n_layers} layers, dim {args.dim}); "
-                        "the weights and config.json do not belong together")
+    check_all_placed(model_dir, args, expected, found)
     return found
 
 
