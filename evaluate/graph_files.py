@@ -17,11 +17,9 @@ EXPORT_RECORD = "export.json"
 _FIX = "re-export the graph with `titan-pipe export` (its external data stays beside the graph)"
 
 
-def check_external_data(onnx_path: Path) -> list[Path]:
-    """The external-data files ``onnx_path`` reads (each inside its directory); UserError otherwise.
-
-    Reads the graph structure only (``load_external_data=False``): no weights are loaded.
-    """
+def check_external_data(onnx_path: Path) -> "onnx.ModelProto":
+    """The graph's structure (``load_external_data=False``: no weights loaded), once every
+    external-data file it names is checked to lie inside its directory; UserError otherwise."""
     import onnx
     from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors
 
@@ -31,15 +29,16 @@ def check_external_data(onnx_path: Path) -> list[Path]:
     except Exception as e:  # protobuf's DecodeError and friends
         raise UserError(f"{onnx_path}: not an ONNX model ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
                         "pass the model.onnx written by `titan-pipe export`") from None
-    files = {}
+    checked = set()
     for t in _get_all_tensors(model):
         if t.data_location != onnx.TensorProto.EXTERNAL:
             continue
         location = ExternalDataInfo(t).location
-        if location not in files:
-            files[location] = resolve_inside(onnx_path.parent, location, source=onnx_path,
-                                             what=f"external data location of tensor {t.name!r}", fix=_FIX)
-    return list(files.values())
+        if location not in checked:
+            resolve_inside(onnx_path.parent, location, source=onnx_path,
+                           what=f"external data location of tensor {t.name!r}", fix=_FIX)
+            checked.add(location)
+    return model
 
 
 def read_export_record(onnx_dir: Path) -> dict | None:

@@ -115,15 +115,14 @@ class OnnxGraph:
     candidate itself, computed by its own nodes on its own weights."""
 
     def __init__(self, path: Path, *, threads: int = 0, hint: str = ""):
-        import onnx
         import onnxruntime as ort
 
         self.path, self.threads = Path(path), threads
-        check_external_data(self.path)  # before ONNX Runtime opens anything the graph names
+        # the structure, checked before ONNX Runtime opens anything the graph names
+        self.structure = check_external_data(self.path)
         try:
             self.session = ort.InferenceSession(str(self.path), _session_options(threads),
                                                 providers=["CPUExecutionProvider"])
-            self.structure = onnx.load(str(self.path), load_external_data=False)
         except Exception as e:  # ORT's own exception types (InvalidGraph, NoSuchFile, ...), protobuf errors
             raise UserError(f"{self.path}: ONNX Runtime cannot load it: {str(e).splitlines()[0][:300]}"
                             + (f"; {hint}" if hint else "")) from None
