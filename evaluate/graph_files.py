@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from titan_pipe.errors import UserError
 from titan_pipe.paths import resolve_inside
+
+if TYPE_CHECKING:
+    import onnx
 
 EXPORT_RECORD = "export.json"
 _FIX = "re-export the graph with `titan-pipe export` (its external data stays beside the graph)"

@@ -75,15 +75,3 @@ def swap_dir(tmp: Path, out_dir: Path) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return out_dir
-
-
-@contextmanager
-def publish_dir(out_dir: Path) -> Iterator[Path]:
-    """Yield a temp dir to fill; swapped in as ``out_dir`` when the block ends without error."""
-    tmp = temp_dir(out_dir)
-    try:
-        yield tmp
-        swap_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

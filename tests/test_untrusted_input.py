@@ -19,7 +19,6 @@ import struct
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest

@@ -31,7 +31,6 @@ from torch.distributed.tensor import DTensor, Replicate
 from titan_pipe.atomic import atomic_file, copy_file, write_text
 from titan_pipe.checkpoint_format import (MANIFEST_NAME, STEP_DIR, Chunk, FileInfo, Manifest, ParamSpec, is_complete,
                                           split_box, step_dirs)
-from titan_pipe.checkpoint_format import STEP_DIR
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file

@@ -106,7 +106,7 @@ def find_problems(model: onnx.ModelProto, report: list[OpUse] | None = None) -> 
     problems: list[Problem] = []
     if not lo <= opset <= hi:
         problems.append(Problem("model", f"declares ONNX opset {opset}, outside ATC's {lo}..{hi}",
-                                f"export with --opset 14 (or 15)"))
+                                "export with --opset 14 (or 15)"))
     for imp in model.opset_import:
         if imp.domain not in ("", "ai.onnx"):
             problems.append(Problem("model", f"imports custom domain {imp.domain!r}",
