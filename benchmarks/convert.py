@@ -58,9 +58,9 @@ def build(work: Path, layers: int) -> dict:
 
     from titan_pipe.convert.api import convert_checkpoint
     from titan_pipe.checkpoint_format import Manifest
-    from titan_pipe.names import native_to_hf, to_hf_config
-    from titan_pipe.model_args import ModelArgs
-    from titan_pipe.training.model import build_model
+    from titan_pipe.model.names import native_to_hf, to_hf_config
+    from titan_pipe.model.args import ModelArgs
+    from titan_pipe.model.transformer import build_model
 
     args = ModelArgs(dim=2048, n_layers=layers, n_heads=32, n_kv_heads=4, vocab_size=32000,
                      ffn_hidden_dim=5632, max_seq_len=2048)
@@ -103,7 +103,7 @@ def build(work: Path, layers: int) -> dict:
 
 
 def _native(hf_sd: dict) -> dict:
-    from titan_pipe.names import hf_to_native
+    from titan_pipe.model.names import hf_to_native
 
     return {hf_to_native(k): v for k, v in hf_sd.items()}
 

@@ -46,12 +46,12 @@ def bench_overhead() -> dict:
     from safetensors.torch import save_file
 
     from titan_pipe.config import EvaluateConfig
-    from titan_pipe.names import native_to_hf, to_hf_config
+    from titan_pipe.model.names import native_to_hf, to_hf_config
     from titan_pipe.convert.onnx.export import export_model
     from titan_pipe.evaluate.api import evaluate_model
     from titan_pipe.evaluate.batches import load_eval_data
-    from titan_pipe.training.model import build_model
-    from titan_pipe.model_args import resolve_args
+    from titan_pipe.model.transformer import build_model
+    from titan_pipe.model.args import resolve_args
 
     args = resolve_args("debug")
     model = build_model(args, seed=0).eval()

@@ -52,7 +52,7 @@ BEFORE = {"tinyllama": "before (TorchScript tracer, load_unified_model): 736 s =
 
 
 def shapes(wide_layers: int) -> dict:
-    from titan_pipe.model_args import ModelArgs
+    from titan_pipe.model.args import ModelArgs
 
     return {
         "tinyllama": ModelArgs(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000,
@@ -69,8 +69,8 @@ def write_random_model(out: Path, args, seed: int = 0) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from titan_pipe.names import native_to_hf, to_hf_config
-    from titan_pipe.training.model import build_model
+    from titan_pipe.model.names import native_to_hf, to_hf_config
+    from titan_pipe.model.transformer import build_model
 
     out.mkdir(parents=True)
     meta = build_model(args, seed=None, device="meta")
@@ -107,7 +107,7 @@ def run_measured(argv: list[str]) -> tuple[float, float, str]:
 
 
 def bench_shape(name: str, args, dtype: str, root: Path, wide_layers: int) -> dict:
-    from titan_pipe.model_args import count_params
+    from titan_pipe.model.args import count_params
 
     n = count_params(args)
     print(f"\n== {name}: dim {args.dim}, {args.n_layers} layers, {args.n_heads}/{args.kv_heads} heads, "

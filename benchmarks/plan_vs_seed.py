@@ -7,7 +7,7 @@ Pure arithmetic (no devices); the figures are what docs/plan.md quotes.
 """
 from __future__ import annotations
 
-from titan_pipe.model_args import FLAVOURS, count_params, flops_per_token
+from titan_pipe.model.args import FLAVOURS, count_params, flops_per_token
 from titan_pipe.training.planner.search import build_cluster, estimate, make_plan
 from titan_pipe.training.planner.workload import Layout, Workload
 

@@ -61,8 +61,8 @@ def worker_loop(kind: str, steps: int) -> dict:
     import torch.nn.functional as F
 
     from titan_pipe.config import parse_flow
-    from titan_pipe.training.data import PackedLoader, prepare_data
-    from titan_pipe.training.model import build_model
+    from titan_pipe.tokens.corpus import PackedLoader, prepare_data
+    from titan_pipe.model.transformer import build_model
     from titan_pipe.training.optim import lr_factor
 
     cfg = parse_flow(flow_dict(kind, steps, False))

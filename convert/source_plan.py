@@ -19,9 +19,9 @@ from pathlib import Path
 
 from titan_pipe.checkpoint_format import Box, LayoutError, split_box
 from titan_pipe.dtypes import DTYPE_SIZES, OUT_DTYPES
-from titan_pipe.model_args import ModelArgs
-from titan_pipe.names import native_to_hf
-from titan_pipe.training.sharding import split_stages, stage_of, tp_split_dim
+from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.names import native_to_hf
+from titan_pipe.model.sharding import split_stages, stage_of, tp_split_dim
 
 
 
@@ -213,7 +213,7 @@ def plan_unified(src: SourcePlan, *, naming: str = "hf", dtype: str = "keep",
 def plan_sharded(src: SourcePlan, *, tp: int, pp: int, dtype: str = "keep") -> OutputPlan:
     """Our own checkpoint layout: model/pp{stage}-tp{rank}.safetensors, native keys, local tensors.
 
-    Split dims come from the sharding table (training/sharding.py), stages from split_stages, as
+    Split dims come from the sharding table (titan_pipe.model.sharding), stages from split_stages, as
     the trainer does; replicated tensors (norms) sit in every tp rank's file of their stage, so
     each rank can load its own file alone.
     """

@@ -25,9 +25,9 @@ from titan_pipe.evaluate.operators import run_conformance
 from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, check_out_dir, write_report
 from titan_pipe.evaluate.runners import (DistributedRunner, OmRunner, OnnxDecodeRunner, OnnxRuntimeRunner, Outputs,
                                          TorchRunner, ascend_runtime, concat_outputs)
-from titan_pipe.model_args import ModelArgs, model_differences
+from titan_pipe.model.args import ModelArgs, model_differences
 from titan_pipe.thresholds import check_task, resolve_thresholds
-from titan_pipe.training.model import build_model
+from titan_pipe.model.transformer import build_model
 
 _MAX_HIST = 2_000_000  # logits error values kept for the histogram
 
@@ -67,7 +67,7 @@ def _check_inputs(checkpoint, model_dir, onnx, om, data) -> None:
 
 def torch_runner_from_checkpoint(checkpoint: Path, *, device: str = "cpu") -> TorchRunner:
     """The checkpoint's weights, assembled by its manifest, in one process (float32, on ``device``)."""
-    from titan_pipe.training.weights import open_weights
+    from titan_pipe.model.weights import open_weights
 
     w = open_weights(Path(checkpoint))
     model = build_model(w.args, seed=None)
@@ -496,7 +496,7 @@ def _npu_fused_row(model_dir, batches, tdtype, limits) -> cmp.Comparison:
         return cmp.skipped("npu_fused", title, "no NPU")
     if model_dir is None:
         return cmp.skipped("npu_fused", title, "needs --model-dir")
-    from titan_pipe.training.kernels import npu_fused_kernels, reference_kernels
+    from titan_pipe.model.kernels import npu_fused_kernels, reference_kernels
 
     # Both on the NPU, so the row measures the kernels and not the device's arithmetic.
     plain = TorchRunner.from_dir(Path(model_dir), dtype="float32", device="npu", kernels=reference_kernels(),

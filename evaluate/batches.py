@@ -111,7 +111,8 @@ def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int
 
     ``data``: a file used whole; else ``split`` (default: the shipped corpus's validation split).
     """
-    from titan_pipe.training.data import build_tokenizer, load_tokens, split_train_val
+    from titan_pipe.tokens.corpus import load_tokens, split_train_val
+    from titan_pipe.tokens.tokenizer import build_tokenizer
 
     if data is not None and split is not None:
         raise UserError(f"--data {data} and a validation split of {split.corpus or 'the shipped corpus'} "

@@ -1,7 +1,7 @@
 """Per-operator conformance: each operator the model uses, alone, in PyTorch and in ONNX Runtime.
 
 For every (operator, dtype, input case) the same float32 inputs are rounded to the dtype on both
-sides; PyTorch runs the training operator (training/kernels.py's reference kernels, torch.nn.functional
+sides; PyTorch runs the training operator (titan_pipe.model.kernels's reference kernels, torch.nn.functional
 otherwise) and ONNX Runtime runs a one-node or small opset-14 graph built with ``onnx.helper`` that
 mirrors what the exporter emits (e.g. RMSNorm as Cast/Pow/ReduceMean/Add/Sqrt/Div in float32).
 Graph inputs are float32 and cast to the dtype inside the graph, the output is cast back to
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from titan_pipe.dtypes import FLOAT_NAMES, TORCH_BY_NAME, onnx_type
 from titan_pipe.evaluate.metrics import TensorMetrics, compare_tensors
 from titan_pipe.thresholds import check_metrics, resolve_thresholds
-from titan_pipe.training.kernels import apply_rotary_ref, attention_ref, rms_norm_ref
+from titan_pipe.model.kernels import apply_rotary_ref, attention_ref, rms_norm_ref
 
 OPSET = 14
 CASES = ("normal", "large", "tiny", "long")
@@ -174,8 +174,8 @@ def _norm_graph(b, n, a):
 
 
 def _rope_inputs(case, rng, spec):
-    from titan_pipe.model_args import ModelArgs
-    from titan_pipe.training.model import rope_cos_sin
+    from titan_pipe.model.args import ModelArgs
+    from titan_pipe.model.transformer import rope_cos_sin
 
     t = 256 if case == "long" else 16
     cos, sin = rope_cos_sin(ModelArgs(dim=64, n_heads=4, max_seq_len=t), t)

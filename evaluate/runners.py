@@ -26,7 +26,7 @@ from titan_pipe.checkpoint_format import is_complete
 from titan_pipe.dtypes import ORT_NAMES
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.evaluate.graph_files import check_external_data
-from titan_pipe.model_args import ModelArgs
+from titan_pipe.model.args import ModelArgs
 
 
 
@@ -67,7 +67,7 @@ class TorchRunner:
     @classmethod
     def from_dir(cls, model_dir: Path, *, dtype: str | None = "float32", device: str = "cpu",
                  kernels=None, label: str | None = None) -> "TorchRunner":
-        from titan_pipe.convert.unified import load_unified_model
+        from titan_pipe.model.load import load_unified_model
 
         model, args = load_unified_model(Path(model_dir), dtype=dtype, device=device, kernels=kernels)
         return cls(model, args, label=label or f"torch {dtype or 'stored'} ({Path(model_dir).name})",

@@ -39,12 +39,12 @@ def main(argv: list[str] | None = None) -> None:
 
     from titan_pipe.checkpoint_format import Manifest
     from titan_pipe.devices import resolve_device, set_local_device
-    from titan_pipe.training.kernels import resolve_kernels
-    from titan_pipe.model_args import ModelArgs
+    from titan_pipe.model.kernels import resolve_kernels
+    from titan_pipe.model.args import ModelArgs
     from titan_pipe.training.parallel_dims import ParallelDims
     from titan_pipe.training.parallelize import build_parallel_model
     from titan_pipe.training.pipeline_parallel import forward_logits
-    from titan_pipe.training.weights import open_weights
+    from titan_pipe.model.weights import open_weights
 
     manifest = Manifest.load(a.checkpoint)
     args = ModelArgs.from_dict(manifest.model)

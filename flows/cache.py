@@ -102,7 +102,7 @@ def _resolve(path: str, base: Path) -> Path:
 def data_files(cfg: FlowConfig, flow_dir: Path) -> list[Path]:
     """The text and tokenizer files training (and evaluation on the held-out split) read."""
     if cfg.data.path is None:
-        from titan_pipe.training.data import default_corpus
+        from titan_pipe.tokens.corpus import default_corpus
 
         files = files_under(Path(default_corpus()))
     else:

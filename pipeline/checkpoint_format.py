@@ -85,7 +85,7 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype name: F32, BF16, F16 ...
-    tp_dim: int | None = None  # split dim under TP, from training/sharding.py (None: replicated)
+    tp_dim: int | None = None  # split dim under TP, from titan_pipe.model.sharding (None: replicated)
     stage: int | None = None  # pipeline stage that owns it
     chunks: list[Chunk] = field(default_factory=list)
 

@@ -40,7 +40,7 @@ def validate(flow: Path = typer.Argument(..., help="flow.yaml to check")):
     """Check a flow.yaml without running anything (exit 2 and one line per problem if invalid)."""
     cfg = load_flow(flow)
     args = cfg.model.args()
-    from titan_pipe.model_args import count_params
+    from titan_pipe.model.args import count_params
 
     p = cfg.parallel
     typer.echo(f"{flow}: ok — model {cfg.model.flavour or 'custom'} ({count_params(args) / 1e6:.2f}M params), "

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
-from titan_pipe.model_args import FLAVOURS, ModelArgs, RopeScaling, resolve_args
+from titan_pipe.model.args import FLAVOURS, ModelArgs, RopeScaling, resolve_args
 from titan_pipe.run_dir import run_name_problem, suggest_run_name
 
 MAX_FLOW_BYTES = 2**20  # 1 MiB

@@ -1,6 +1,6 @@
 """A unified model directory: config.json (a Hugging Face LlamaConfig) beside model.safetensors or
 shards listed by model.safetensors.index.json. Finds the weight files and the ModelArgs; reads no
-tensor data (convert/unified.py loads a model from it, training/weights.py reads weights).
+tensor data (titan_pipe.model.load loads a model from it, titan_pipe.model.weights reads weights).
 
 Tensor names may be Hugging Face (``model.layers.0.self_attn.q_proj.weight``) or native
 (``layers.0.attention.wq.weight``); ``native_name`` maps either to ours.
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_pipe.errors import UserError
-from titan_pipe.model_args import ModelArgs
-from titan_pipe.names import from_hf_config, hf_to_native
+from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.names import from_hf_config, hf_to_native
 from titan_pipe.paths import resolve_inside
 
 CONFIG = "config.json"
@@ -97,7 +97,7 @@ def native_name(stored: str, source: Path) -> str | None:
             return hf_to_native(stored)
         except KeyError:
             raise UserError(f"{source}: tensor {stored!r} is not a LLaMA parameter titan-pipe knows "
-                            "(see pipeline/names.py); remove it or convert the checkpoint first") from None
+                            "(see titan_pipe.model.names); remove it or convert the checkpoint first") from None
     return stored
 
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from titan_pipe.model_args import ModelArgs, resolve_args
-from titan_pipe.training.model import build_model
+from titan_pipe.model.args import ModelArgs, resolve_args
+from titan_pipe.model.transformer import build_model
 
 # GQA (8 q heads over 4 kv heads), divisible by tp 4; vocab 320 needs padding under Megatron.
 ARGS = dict(n_heads=8, n_kv_heads=4)
@@ -47,7 +47,7 @@ def write_hf(sd: dict, args: ModelArgs, out: Path, **save_kw) -> Path:
     """save_pretrained of a tiny LlamaForCausalLM holding ``sd``."""
     import transformers
 
-    from titan_pipe.names import native_to_hf, to_hf_config
+    from titan_pipe.model.names import native_to_hf, to_hf_config
 
     cfg = {k: v for k, v in to_hf_config(args).items() if k not in ("architectures", "torch_dtype")}
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from titan_pipe.model_args import ModelArgs, resolve_args
-from titan_pipe.names import native_to_hf, to_hf_config
-from titan_pipe.training.model import Transformer, build_model
+from titan_pipe.model.args import ModelArgs, resolve_args
+from titan_pipe.model.names import native_to_hf, to_hf_config
+from titan_pipe.model.transformer import Transformer, build_model
 
 
 def random_norms(model: Transformer, seed: int = 3) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from titan_pipe.model_args import ModelArgs
+from titan_pipe.model.args import ModelArgs
 from titan_pipe.training.data_parallel import plan_dp
 from titan_pipe.training.optim import build_optimizer
 from titan_pipe.training.parallel_dims import ParallelDims

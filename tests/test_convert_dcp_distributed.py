@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from convert_writers import hash_tree, model_args, native_state, to_interleaved
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
-from titan_pipe.names import native_to_hf
+from titan_pipe.model.names import native_to_hf
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).parent

@@ -15,8 +15,8 @@ from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
 from titan_pipe.convert.reshard import deinterleave_rope
-from titan_pipe.names import native_to_hf
-from titan_pipe.training.model import build_model
+from titan_pipe.model.names import native_to_hf
+from titan_pipe.model.transformer import build_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,7 +76,7 @@ def test_split_merge_bit_exact_every_kind(tp4pp2, weights, tmp_path):
 
 def test_sharded_output_reads_back_through_the_trainer(tp4pp2, weights):
     """The trainer's manifest reader (init_from / resume weights) assembles our --tp/--pp output."""
-    from titan_pipe.training.weights import CheckpointWeights, check_compatible
+    from titan_pipe.model.weights import CheckpointWeights, check_compatible
 
     args, sd = weights
     w = CheckpointWeights(tp4pp2)

@@ -1,7 +1,7 @@
 """A checkpoint trained with (dp2, tp2, pp2), converted, loads into transformers with our logits.
 
 One short torchrun launch (8 gloo ranks, 2 steps). The reference is our own model filled from the
-shards by the trainer's manifest reader (training/weights.py), not by the converter.
+shards by the trainer's manifest reader (titan_pipe.model.weights), not by the converter.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from titan_pipe.convert.api import convert_checkpoint
-from titan_pipe.training.model import build_model
-from titan_pipe.training.weights import CheckpointWeights
+from titan_pipe.model.transformer import build_model
+from titan_pipe.model.weights import CheckpointWeights
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed

@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from titan_pipe.errors import UserError
-from titan_pipe.training.data import (
-    ByteTokenizer,
-    PackedLoader,
-    build_tokenizer,
-    default_corpus,
-    load_tokens,
-    prepare_data,
-    split_train_val,
-)
+from titan_pipe.tokens.corpus import PackedLoader, default_corpus, load_tokens, prepare_data, split_train_val
+from titan_pipe.tokens.tokenizer import ByteTokenizer, build_tokenizer
 
 SAMPLE = "Four score and seven years ago — naïve café, 東京, emoji 🚀.\nSecond line\ttab."
 

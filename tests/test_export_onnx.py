@@ -78,7 +78,7 @@ def test_prefill_then_greedy_decode_matches_full_sequence(exported):
 
 def test_export_never_loads_the_model(tmp_path, monkeypatch):
     """The graphs are built from config.json and the safetensors headers; weights are streamed."""
-    import titan_pipe.convert.unified as unified
+    import titan_pipe.model.load as unified
 
     def refuse(*a, **k):
         raise AssertionError("export loaded the whole model")
@@ -141,7 +141,7 @@ def test_fp16_graph_within_tolerance(tmp_path):
 
 def test_transformers_checkpoint_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from titan_pipe.names import to_hf_config
+    from titan_pipe.model.names import to_hf_config
 
     _, args = debug_model()
     cfg = transformers.LlamaConfig(**{k: v for k, v in to_hf_config(args).items()

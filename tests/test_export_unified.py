@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import save_file
 
 from export_support import debug_model, write_unified
-from titan_pipe.convert.unified import load_unified_model
+from titan_pipe.model.load import load_unified_model
 from titan_pipe.errors import UserError
-from titan_pipe.names import from_hf_config, to_hf_config
+from titan_pipe.model.names import from_hf_config, to_hf_config
 
 
 def _same_params(a, b):

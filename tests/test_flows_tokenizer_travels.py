@@ -23,7 +23,7 @@ from titan_pipe.evaluate.api import evaluate_model
 from titan_pipe.evaluate.batches import ValidationSplit, load_eval_data, pick_tokenizer
 from titan_pipe.flows.train_to_deploy import _call_stage
 from titan_pipe.hashing import sha256_file
-from titan_pipe.training.data import prepare_data
+from titan_pipe.tokens.corpus import prepare_data
 from titan_pipe.training.launch import run_training
 
 FAST = EvaluateConfig(operators=False, batches=1, batch_size=2, seq_len=32, prompts=1, new_tokens=4)

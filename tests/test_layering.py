@@ -84,7 +84,7 @@ def test_no_layering_violations():
 
 
 def test_the_scan_sees_lazy_relative_and_dynamic_imports(tmp_path):
-    src = ("import titan_pipe.model_args\n"
+    src = ("import titan_pipe.model.args\n"
            "def f():\n    from titan_pipe.convert.api import convert_checkpoint\n"
            "def g():\n    from .. import commands\n"
            "def h():\n    import importlib\n    importlib.import_module('titan_pipe.evaluate.api')\n")
@@ -97,6 +97,7 @@ def test_the_scan_sees_lazy_relative_and_dynamic_imports(tmp_path):
         "training imports titan_pipe.evaluate.api (evaluate)",
     ]
     assert layer("titan_pipe.checkpoint_format") == "core" and layer("titan_pipe.commands.run") == "cli"
-    assert violations(REPO / "pipeline" / "config.py", "from titan_pipe.training.model import x\n",
-                      "titan_pipe.config") == ["pipeline/config.py:1: core imports titan_pipe.training.model (training)",
-                                               "pipeline/config.py:1: core imports titan_pipe.training.model.x (training)"]
+    assert layer("titan_pipe.model.transformer") == "core" and layer("titan_pipe.tokens.corpus") == "core"
+    assert violations(REPO / "pipeline" / "config.py", "from titan_pipe.training.trainer import x\n",
+                      "titan_pipe.config") == ["pipeline/config.py:1: core imports titan_pipe.training.trainer (training)",
+                                               "pipeline/config.py:1: core imports titan_pipe.training.trainer.x (training)"]

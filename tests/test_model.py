@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from titan_pipe.model_args import FLAVOURS, count_params, flops_per_token, resolve_args
-from titan_pipe.names import from_hf_config, hf_to_native, native_to_hf, to_hf_config
-from titan_pipe.training.model import build_model
+from titan_pipe.model.args import FLAVOURS, count_params, flops_per_token, resolve_args
+from titan_pipe.model.names import from_hf_config, hf_to_native, native_to_hf, to_hf_config
+from titan_pipe.model.transformer import build_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from titan_pipe.cli import app
 from titan_pipe.config import load_flow
-from titan_pipe.model_args import FLAVOURS, count_params, resolve_args
+from titan_pipe.model.args import FLAVOURS, count_params, resolve_args
 from titan_pipe.training.activation_checkpoint import apply_ac
-from titan_pipe.training.model import build_model
+from titan_pipe.model.transformer import build_model
 from titan_pipe.training.planner.memory import (
     ActDtypes, activation_bytes, head_activation_bytes, layer_activation_bytes, memory_per_device,
     optimizer_bytes, rank_params,

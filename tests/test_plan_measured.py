@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_pipe.model_args import resolve_args
+from titan_pipe.model.args import resolve_args
 from titan_pipe.training.planner.memory import activation_bytes, optimizer_bytes, rank_params
 from titan_pipe.training.planner.workload import Layout, Workload
 

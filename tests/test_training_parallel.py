@@ -21,11 +21,11 @@ import yaml
 from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import parse_flow
-from titan_pipe.model_args import FLAVOURS
-from titan_pipe.training.data import PackedLoader, prepare_data
-from titan_pipe.training.model import build_model
+from titan_pipe.model.args import FLAVOURS
+from titan_pipe.tokens.corpus import PackedLoader, prepare_data
+from titan_pipe.model.transformer import build_model
 from titan_pipe.training.parallelize import fill_parameters
-from titan_pipe.training.weights import CheckpointWeights, open_weights
+from titan_pipe.model.weights import CheckpointWeights, open_weights
 
 from training_reference import reference_run
 

@@ -11,17 +11,17 @@ import torch.nn.functional as F
 from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import PrecisionConfig
 from titan_pipe.errors import UserError
-from titan_pipe.model_args import FLAVOURS, ModelArgs
+from titan_pipe.model.args import FLAVOURS, ModelArgs
 from titan_pipe.training.activation_checkpoint import ac_layer_ids, apply_ac
 from titan_pipe.training.amp import LossScaler
 from titan_pipe.training.checkpoint import prune
 from titan_pipe.training.data_parallel import plan_dp
-from titan_pipe.training.model import build_model
+from titan_pipe.model.transformer import build_model
 from titan_pipe.training.optim import lr_factor
 from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import fill_parameters
 from titan_pipe.training.pipeline_parallel import build_stage_module, plan_stages
-from titan_pipe.training.weights import SafetensorsWeights, check_compatible, open_weights
+from titan_pipe.model.weights import SafetensorsWeights, check_compatible, open_weights
 
 DEBUG = FLAVOURS["debug"]
 

@@ -191,7 +191,7 @@ def test_manifest_that_is_not_an_object(good, tmp_path):
 
 def test_init_from_weights_refuse_a_dotdot_chunk(good, tmp_path):
     """init_from / resume / evaluate --checkpoint read a manifest through CheckpointWeights."""
-    from titan_pipe.training.weights import open_weights
+    from titan_pipe.model.weights import open_weights
 
     src = copy(good["titan"], tmp_path / "src")
     edit_json(src / "manifest.json", lambda m: rename_shard(m, "model/pp0-tp1.safetensors", "../../x.safetensors"))

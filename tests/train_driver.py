@@ -28,7 +28,7 @@ from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import build_parallel_model
 from titan_pipe.training.pipeline_parallel import forward_logits
 from titan_pipe.training.trainer import train
-from titan_pipe.training.weights import open_weights
+from titan_pipe.model.weights import open_weights
 
 
 def save_init(cfg, run_root: Path) -> None:

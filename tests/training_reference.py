@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from titan_pipe.config import parse_flow
-from titan_pipe.training.data import PackedLoader, prepare_data
-from titan_pipe.training.model import build_model
+from titan_pipe.tokens.corpus import PackedLoader, prepare_data
+from titan_pipe.model.transformer import build_model
 
 
 def reference_run(flow: dict, *, base) -> dict:

@@ -1,7 +1,7 @@
 """The training stage: the LLaMA model, its 3D parallelism, checkpoints, the trainer and its launcher,
 and the planner (training/planner/).
 
-Entry points (imported on first use, so ``import titan_pipe.training.model`` pulls nothing else):
+Entry points (imported on first use, so ``import titan_pipe.model.transformer`` pulls nothing else):
 ``train`` (titan_pipe.training.launch.run_training: launch torchrun for a flow.yaml) and ``plan``
 (titan_pipe.training.planner.search.make_plan: rank the layouts of a workload on a cluster).
 """

@@ -4,7 +4,7 @@ prune / resume logic (the newest complete one: titan_pipe.checkpoint_format.newe
 
 For a weights-only read under any layout (e.g. evaluation)::
 
-    weights = CheckpointWeights(step_dir)            # training/weights.py, global tensors
+    weights = CheckpointWeights(step_dir)            # titan_pipe.model.weights, global tensors
     model = build_parallel_model(weights.args, mesh, weights=weights)
     # or, into an already built ParallelModel:  load_checkpoint(step_dir, model)
 """
@@ -35,8 +35,8 @@ from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
 from titan_pipe.training.parallelize import ParallelModel, copy_global_values
-from titan_pipe.training.sharding import tp_split_dim
-from titan_pipe.training.weights import CheckpointWeights
+from titan_pipe.model.sharding import tp_split_dim
+from titan_pipe.model.weights import CheckpointWeights
 from titan_pipe.training.zero1 import load_zero1_state, zero1_state
 
 OPTIM_DIR = "optimizer"
@@ -132,7 +132,7 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
         box = split_box(shape, tp_dim, tp, tp_rank)
         if tuple(local.shape) != box.lengths:
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} != box {box.lengths} from "
-                               "training/sharding.py; the TP plan and the sharding table disagree")
+                               "titan_pipe.model.sharding; the TP plan and the sharding table disagree")
         per_stage.setdefault(stage, {})[name] = local
         specs.append(ParamSpec(name=name, shape=shape, dtype=DTYPE_NAMES[local.dtype], tp_dim=tp_dim,
                                stage=stage, chunks=[Chunk(shard_file(stage, tp_rank), name, box)]))

@@ -4,7 +4,7 @@ build_parallel_model, which builds this rank's pipeline-stage modules with their
 For a forward-only runner (evaluation) under any layout::
 
     mesh = ParallelDims(dp, tp, pp).build_mesh("cpu")
-    pm = build_parallel_model(args, mesh, weights=open_weights(step_dir))   # training/weights.py
+    pm = build_parallel_model(args, mesh, weights=open_weights(step_dir))   # titan_pipe.model.weights
     logits = forward_logits(pm.modules, pm.stage_plan, tokens, pp_mesh=mesh["pp"], args=args)
 
 ``forward_logits`` is in training/pipeline_parallel.py; every rank gets the full (B, T, vocab).
@@ -19,16 +19,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_pipe.model_args import ModelArgs
+from titan_pipe.model.args import ModelArgs
 from titan_pipe.training.activation_checkpoint import apply_ac
 from titan_pipe.training.data_parallel import DPPlan, apply_dp, unwrap
-from titan_pipe.training.kernels import Kernels
-from titan_pipe.training.model import init_param
+from titan_pipe.model.kernels import Kernels
+from titan_pipe.model.transformer import init_param
 from titan_pipe.training.pipeline_parallel import StagePlan, build_stage_module, plan_stages
 from titan_pipe.training.tensor_parallel import apply_tp
 
 if TYPE_CHECKING:
-    from titan_pipe.training.weights import WeightSource
+    from titan_pipe.model.weights import WeightSource
 
 
 @dataclass
@@ -126,7 +126,7 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
 
     weights: None = layout-independent random init from ``seed`` (the same values a single-process
     ``build_model(args, seed=seed)`` holds); otherwise anything with ``full(name) -> Tensor``
-    (training/weights.py: our checkpoint, a unified safetensors dir, a Hugging Face dir).
+    (titan_pipe.model.weights: our checkpoint, a unified safetensors dir, a Hugging Face dir).
     dp_plan: None = no data parallel wrapper (forward-only use; dp ranks then run independently).
     """
     device = device or torch.device("cpu")

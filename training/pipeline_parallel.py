@@ -21,10 +21,10 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from titan_pipe.model_args import ModelArgs
-from titan_pipe.training.kernels import Kernels
-from titan_pipe.training.model import Transformer
-from titan_pipe.training.sharding import split_stages, stage_ranks
+from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.kernels import Kernels
+from titan_pipe.model.transformer import Transformer
+from titan_pipe.model.sharding import split_stages, stage_ranks
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 

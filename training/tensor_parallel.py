@@ -1,4 +1,4 @@
-"""apply_tp: DTensor tensor parallelism built from the sharding table (training/sharding.py TP_PLAN).
+"""apply_tp: DTensor tensor parallelism built from the sharding table (titan_pipe.model.sharding TP_PLAN).
 
 Without sequence parallel the residual stream between blocks is a plain, replicated (B, T, dim)
 tensor on every tp rank; with it, each rank holds (B, T/tp, dim), Shard(1) on tp, and the norms run
@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan_pipe.training.sharding import TP_PLAN, TPRule
+from titan_pipe.model.sharding import TP_PLAN, TPRule
 
 
 def _replicate_norm(module: nn.Module, mesh: DeviceMesh) -> None:
@@ -49,7 +49,7 @@ def _style(rule: TPRule, sequence_parallel: bool):
         return RowwiseParallel(output_layouts=seq)
     if rule.style == "replicate":
         return SequenceParallel() if sequence_parallel else None
-    raise ValueError(f"unknown TP style {rule.style!r} in training/sharding.py")
+    raise ValueError(f"unknown TP style {rule.style!r} in titan_pipe.model.sharding")
 
 
 def _matches(name: str, pattern: str) -> bool:

@@ -23,19 +23,20 @@ from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import ConfigError, FlowConfig, load_flow
 from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
-from titan_pipe.model_args import flops_per_token
+from titan_pipe.model.args import flops_per_token
 from titan_pipe.run_dir import RunDir
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training import metrics
 from titan_pipe.training.amp import LossScaler, autocast
-from titan_pipe.training.data import PackedLoader, prepare_data, tokenizer_files
+from titan_pipe.tokens.corpus import PackedLoader, prepare_data
+from titan_pipe.tokens.tokenizer import tokenizer_files
 from titan_pipe.training.data_parallel import plan_dp
-from titan_pipe.training.kernels import resolve_kernels
+from titan_pipe.model.kernels import resolve_kernels
 from titan_pipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import build_parallel_model
 from titan_pipe.training.pipeline_parallel import build_schedule
-from titan_pipe.training.weights import check_compatible, open_weights
+from titan_pipe.model.weights import check_compatible, open_weights
 from titan_pipe.training.zero1 import build_zero1
 
 

@@ -26,8 +26,8 @@ from titan_pipe.convert.onnx.graphs import NP_DTYPES, GraphSpec, build_graph, in
 from titan_pipe.convert.onnx.weights import DataWriter, plan_weights
 from titan_pipe.dtypes import BY_NAME, EXPORT_NAMES
 from titan_pipe.errors import StageFailed, UserError
-from titan_pipe.model_args import ModelArgs, count_params
-from titan_pipe.training.model import rope_cos_sin
+from titan_pipe.model.args import ModelArgs, count_params
+from titan_pipe.model.transformer import rope_cos_sin
 from titan_pipe.unified_dir import read_model_args
 
 EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15; 14 is the lowest every operator of the graphs is listed at

@@ -2,12 +2,12 @@
 
 No tracing: a decoder layer is the same dozen-odd nodes emitted once per layer under the names
 ``layers.{i}.…``, on initializers that point into the shared external-data file (see
-convert/onnx/weights.py). The math is training/model.py's, op for op:
+convert/onnx/weights.py). The math is titan_pipe.model.transformer's, op for op:
 
   RMSNorm   Cast(float32) -> Pow -> ReduceMean -> Add(eps) -> Sqrt -> Div [-> Cast back] -> Mul(weight)
   Linear    Gemm(x2d, W, transB=1) on the weight as stored (out, in): no transposed copy, no Transpose
   RoPE      rotate-half, real-valued: cos/sin rows Gathered by position_ids from tables computed by
-            training/model.py's rope_cos_sin (Llama-3.1 scaling included)
+            titan_pipe.model.transformer's rope_cos_sin (Llama-3.1 scaling included)
   GQA       each kv head repeated n_heads/n_kv_heads times (Unsqueeze -> Expand -> Reshape)
   SwiGLU    Gemm(w1) -> x*Sigmoid(x) -> Mul(Gemm(w3)) -> Gemm(w2)
   mask      Where(allowed, scores, finfo.min) before Softmax: a row with every key masked (a left
@@ -27,7 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from titan_pipe.convert.onnx.weights import DataEntry
 from titan_pipe.dtypes import onnx_type
-from titan_pipe.model_args import ModelArgs
+from titan_pipe.model.args import ModelArgs
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -147,7 +147,7 @@ class _Builder:
 
 
 def _rms_norm(g: _Builder, x: str, weight: str, eps: float, name: str) -> str:
-    """float32 whatever the graph dtype (as training/kernels.py's rms_norm_ref), then cast back."""
+    """float32 whatever the graph dtype (as titan_pipe.model.kernels's rms_norm_ref), then cast back."""
     xf = g.op("Cast", [x], f"{name}.cast_in", to=TensorProto.FLOAT) if g.dtype != "float32" else x
     sq = g.op("Pow", [xf, g.const(2.0, np.float32)], f"{name}.pow")
     ms = g.op("ReduceMean", [sq], f"{name}.mean", axes=[-1], keepdims=1)

@@ -34,8 +34,8 @@ from titan_pipe.convert.readers.torch_save import SavedTensor
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.dtypes import DTYPE_NAMES, TORCH_DTYPES
 from titan_pipe.errors import UserError
-from titan_pipe.model_args import ModelArgs, RopeScaling
-from titan_pipe.names import TORCHTITAN_MODEL_PREFIX, from_hf_config, native_names
+from titan_pipe.model.args import ModelArgs, RopeScaling
+from titan_pipe.model.names import TORCHTITAN_MODEL_PREFIX, from_hf_config, native_names
 from titan_pipe.paths import resolve_inside
 
 FORMAT = "dcp"

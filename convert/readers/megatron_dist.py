@@ -37,8 +37,8 @@ from titan_pipe.convert.readers.torch_save import SavedTensor
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
-from titan_pipe.model_args import ModelArgs
-from titan_pipe.names import megatron_to_native, native_names, native_shapes
+from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.names import megatron_to_native, native_names, native_shapes
 
 BACKEND_FILE = "metadata.json"
 COMMON = "common.pt"

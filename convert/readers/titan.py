@@ -12,8 +12,8 @@ from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, LayoutError, Manife
 from titan_pipe.convert.readers.store import SafetensorsStore, read_header
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.errors import UserError
-from titan_pipe.model_args import ModelArgs
-from titan_pipe.names import native_names
+from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.names import native_names
 from titan_pipe.paths import resolve_inside
 
 FORMAT = "titan"

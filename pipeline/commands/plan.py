@@ -14,7 +14,7 @@ def _workload(model: str, seq_len: int, global_batch: int):
     """A flavour name, or a flow.yaml whose model section (flavour + dims) is used."""
     from titan_pipe.config import load_flow
     from titan_pipe.errors import UserError
-    from titan_pipe.model_args import FLAVOURS
+    from titan_pipe.model.args import FLAVOURS
     from titan_pipe.training.planner.workload import Workload
 
     if model in FLAVOURS:
@@ -156,7 +156,7 @@ def register(app: typer.Typer) -> None:
         from rich.progress import Progress
 
         from titan_pipe.errors import UserError
-        from titan_pipe.model_args import count_params, flops_per_token
+        from titan_pipe.model.args import count_params, flops_per_token
         from titan_pipe.training.planner.search import best_misfits_per_layout, build_cluster, make_plan
         from titan_pipe.training.planner.workload import Assumptions
 

@@ -13,13 +13,13 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
-from titan_pipe.model_args import ModelArgs
+from titan_pipe.model.args import ModelArgs
 from titan_pipe.training.activation_checkpoint import ac_layer_ids
 from titan_pipe.training.data_parallel import DPPlan, plan_dp
-from titan_pipe.training.model import build_model
+from titan_pipe.model.transformer import build_model
 from titan_pipe.training.pipeline_parallel import plan_stages
 from titan_pipe.training.planner.workload import Assumptions, Layout, Workload
-from titan_pipe.training.sharding import tp_split_dim
+from titan_pipe.model.sharding import tp_split_dim
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
-from titan_pipe.model_args import flops_per_token
+from titan_pipe.model.args import flops_per_token
 from titan_pipe.training.planner.memory import Memory, memory_per_device
 from titan_pipe.training.planner.timing import Timing, peak_flops, step_time
 from titan_pipe.training.planner.workload import GB, Assumptions, Cluster, Layout, Link, Workload

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
 from titan_pipe.errors import UserError
-from titan_pipe.model_args import ModelArgs, flops_per_token
+from titan_pipe.model.args import ModelArgs, flops_per_token
 from titan_pipe.training.activation_checkpoint import ac_layer_ids
 from titan_pipe.training.data_parallel import DPPlan
 from titan_pipe.training.planner.memory import _dp_plan, act_dtypes, rank_params, rank_stage_layers

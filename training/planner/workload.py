@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titan_pipe.model_args import ModelArgs
+from titan_pipe.model.args import ModelArgs
 
 
 GB = 1e9  # decimal gigabytes, as device datasheets count them

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 
-from titan_pipe.model_args import ModelArgs, RopeScaling
+from titan_pipe.model.args import ModelArgs, RopeScaling
 
 # (native pattern, Hugging Face pattern); {i} is the layer id.
 NATIVE_TO_HF: tuple[tuple[str, str], ...] = (
@@ -46,14 +46,14 @@ def native_to_hf(name: str) -> str:
     try:
         return _translate(name, _N2H)
     except KeyError:
-        raise KeyError(f"no Hugging Face name for native parameter {name!r} (pipeline/names.py)") from None
+        raise KeyError(f"no Hugging Face name for native parameter {name!r} (titan_pipe.model.names)") from None
 
 
 def hf_to_native(name: str) -> str:
     try:
         return _translate(name, _H2N)
     except KeyError:
-        raise KeyError(f"no native name for Hugging Face parameter {name!r} (pipeline/names.py)") from None
+        raise KeyError(f"no native name for Hugging Face parameter {name!r} (titan_pipe.model.names)") from None
 
 
 def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
@@ -180,7 +180,7 @@ def megatron_to_native(name: str, layer_offset: int) -> str | None:
             if target.startswith("<"):
                 return f"{target}:{gid}"
             return target.format(i=gid) if gid is not None else target
-    raise KeyError(f"no native name for Megatron parameter {name!r} (pipeline/names.py)")
+    raise KeyError(f"no native name for Megatron parameter {name!r} (titan_pipe.model.names)")
 
 
 def native_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_pipe.model_args import ModelArgs
-from titan_pipe.training.kernels import Kernels, reference_kernels
+from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.kernels import Kernels, reference_kernels
 
 
 # ---------------------------------------------------------------------------------------------

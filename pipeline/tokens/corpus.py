@@ -1,4 +1,4 @@
-"""Training data: tokenizers (byte-level or a tokenizer.json), corpus loading, and the packed loader.
+"""Token data: corpus loading, the train/validation split and the packed loader.
 
 Everything here is deterministic and independent of the process layout: the corpus is read in
 sorted file order, and the global batch at step s is a pure function of (tokens, seq_len,
@@ -12,150 +12,17 @@ import json
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
 import titan_pipe
 from titan_pipe.errors import UserError
+from titan_pipe.tokens.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 # The titan_pipe package dir (pipeline/ in the repo, site-packages/titan_pipe when installed).
 CORPUS_DIR = Path(titan_pipe.__file__).resolve().parent / "data" / "corpus"
 TEXT_SUFFIXES = (".txt", ".jsonl")
-
-# Special tokens looked for in a tokenizer.json when no tokenizer_config.json names them; the
-# spellings of LLaMA-2 (<s>, </s>), LLaMA-3 (<|begin_of_text|>, <|end_of_text|>), GPT-2 and BERT-likes.
-BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]", "<|startoftext|>")
-EOS_CANDIDATES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "[EOS]", "<|eot_id|>")
-
-
-class Tokenizer(Protocol):
-    """What the trainer needs from a tokenizer. Ids are in [0, vocab_size)."""
-
-    vocab_size: int
-    bos_id: int | None
-    eos_id: int
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as ids 0..255, then bos=256 and eos=257: 258 ids, no vocabulary file."""
-
-    vocab_size = 258
-    bos_id = 256
-    eos_id = 257
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        # Special ids carry no text; a cut in the middle of a multi-byte character decodes to U+FFFD
-        # instead of failing, since sampled or sliced ids need not end on a character boundary.
-        raw = bytes(int(i) for i in ids if 0 <= int(i) < 256)
-        return raw.decode("utf-8", errors="replace")
-
-    def encode_array(self, text: str) -> np.ndarray:
-        """Same ids as encode(), as uint8 without a Python list (fast path for large corpora)."""
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-
-    def __repr__(self) -> str:
-        return "ByteTokenizer(vocab_size=258)"
-
-
-class HFTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer.json; bos/eos from tokenizer_config.json or by name."""
-
-    def __init__(self, path: Path):
-        from tokenizers import Tokenizer as _Tok
-
-        self.path = path
-        try:
-            self._tok = _Tok.from_file(str(path))
-        except Exception as e:  # tokenizers raises a bare Exception for malformed files
-            raise UserError(f"{path}: not a Hugging Face tokenizer.json ({str(e).splitlines()[0]}); "
-                            "give a tokenizer.json saved by `tokenizers` or transformers, or 'byte'") from None
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        named = _special_tokens_from_config(path.parent / "tokenizer_config.json")
-        self.bos_id = self._find_id(named.get("bos_token"), BOS_CANDIDATES)
-        eos = self._find_id(named.get("eos_token"), EOS_CANDIDATES)
-        if eos is None:
-            raise UserError(f"{path}: no end-of-text token found (looked for {', '.join(EOS_CANDIDATES)} "
-                            "and eos_token in tokenizer_config.json); documents are joined with it, "
-                            "so add one to the tokenizer")
-        self.eos_id = eos
-
-    def _find_id(self, named: str | None, candidates: tuple[str, ...]) -> int | None:
-        for token in ((named,) if named else ()) + candidates:
-            tid = self._tok.token_to_id(token)
-            if tid is not None:
-                return tid
-        return None
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer({self.path}, vocab_size={self.vocab_size})"
-
-
-def _special_tokens_from_config(path: Path) -> dict[str, str]:
-    """bos_token / eos_token as transformers' tokenizer_config.json names them (str or AddedToken dict)."""
-    if not path.is_file():
-        return {}
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    found = {}
-    for key in ("bos_token", "eos_token"):
-        v = cfg.get(key)
-        if isinstance(v, dict):
-            v = v.get("content")
-        if isinstance(v, str):
-            found[key] = v
-    return found
-
-
-def build_tokenizer(spec: str, *, base: Path | None = None) -> ByteTokenizer | HFTokenizer:
-    """"byte" or the path of a tokenizer.json (relative paths are read from ``base``, the flow's dir)."""
-    if spec == "byte":
-        return ByteTokenizer()
-    path = Path(spec).expanduser()
-    if not path.is_absolute() and base is not None:
-        path = base / path
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        path = path / "tokenizer.json"
-    if not path.is_file():
-        raise UserError(f"data.tokenizer: {spec!r} is not a file (resolved to {path}); give the path of a "
-                        "Hugging Face tokenizer.json or 'byte'")
-    return HFTokenizer(path)
-
-
-# What a checkpoint / converted model carries of an HF tokenizer: the tokenizer.json (always under
-# this name, so evaluate and transformers find it) and, when beside it, the files naming bos/eos.
-TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
-
-
-def tokenizer_files(tok: ByteTokenizer | HFTokenizer) -> dict[str, Path]:
-    """{name in a model dir: source path} of the files that reproduce ``tok``; {} for the byte tokenizer."""
-    if not isinstance(tok, HFTokenizer):
-        return {}
-    out = {"tokenizer.json": Path(tok.path)}
-    for name in TOKENIZER_SIDE_FILES:
-        if (Path(tok.path).parent / name).is_file():
-            out[name] = Path(tok.path).parent / name
-    return out
-
 
 def default_corpus() -> Path:
     """The directory of public-domain texts shipped with titan-pipe (see docs/data.md)."""

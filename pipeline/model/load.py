@@ -14,9 +14,9 @@ import torch
 
 from titan_pipe.dtypes import parse_dtype
 from titan_pipe.errors import UserError
-from titan_pipe.model_args import ModelArgs
-from titan_pipe.training.kernels import Kernels
-from titan_pipe.training.model import Transformer, build_model, rope_cos_sin
+from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.kernels import Kernels
+from titan_pipe.model.transformer import Transformer, build_model, rope_cos_sin
 from titan_pipe.unified_dir import check_all_placed, locate_weights, place_tensor, read_model_args
 
 

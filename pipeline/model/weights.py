@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from titan_pipe.checkpoint_format import MANIFEST_NAME, LayoutError, Manifest, is_complete, newest_complete
 from titan_pipe.errors import UserError
-from titan_pipe.model_args import SHAPE_KEYS, ModelArgs, model_differences
+from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, model_differences
 from titan_pipe.paths import resolve_inside
 
 
@@ -69,7 +69,7 @@ class CheckpointWeights:
 class SafetensorsWeights:
     """A unified model dir (ours or Hugging Face): config.json + model*.safetensors (+ index).
 
-    Found and named by titan_pipe.unified_dir, as convert/unified.py's loader finds them, so a directory that
+    Found and named by titan_pipe.unified_dir, as titan_pipe.model.load's loader finds them, so a directory that
     ``titan-pipe export`` accepts is one ``init_from`` accepts, with the same errors.
     """
 

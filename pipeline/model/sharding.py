@@ -52,7 +52,7 @@ def tp_rule(param_name: str) -> TPRule:
     for rule in TP_PLAN:
         if fnmatch.fnmatchcase(module, rule.module):
             return rule
-    raise KeyError(f"parameter {param_name!r} has no entry in the sharding table (training/sharding.py)")
+    raise KeyError(f"parameter {param_name!r} has no entry in the sharding table (titan_pipe.model.sharding)")
 
 
 def tp_split_dim(param_name: str) -> int | None:
@@ -97,7 +97,7 @@ def stage_of(param_name: str, stages: list[list[int]]) -> int:
         return 0
     if param_name.startswith(("norm.", "output.")):
         return len(stages) - 1
-    raise KeyError(f"parameter {param_name!r} has no pipeline owner (training/sharding.py)")
+    raise KeyError(f"parameter {param_name!r} has no pipeline owner (titan_pipe.model.sharding)")
 
 
 def stage_ranks(n_stages: int, pp: int, style: str = "loop") -> list[int]:
