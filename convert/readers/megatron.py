@@ -99,7 +99,7 @@ def load_rank_file(path: Path) -> dict:
         raise UserError(f"{path}: missing rank file; copy the complete checkpoint") from None
     except pickle.UnpicklingError as e:
         raise UserError(f"{path}: refused to unpickle ({refusal_reason(e)}): titan-pipe loads Megatron "
-                        "files with weights_only=True and an allow-list (convert/readers/megatron.py "
+                        "files with weights_only=True and an allow-list (titan_pipe.convert.readers.megatron "
                         "ALLOWED); the file holds a type outside it or is corrupted. Re-save it from "
                         "Megatron-LM, and load it without the allow-list only if you trust its source") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:

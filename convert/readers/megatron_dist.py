@@ -89,7 +89,7 @@ def load_common(f: Path) -> dict:
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0][:200]
         raise UserError(f"{f}: refused to unpickle ({first}). titan-pipe loads Megatron files with "
-                        "weights_only=True and an allow-list (convert/readers/megatron.py ALLOWED); "
+                        "weights_only=True and an allow-list (titan_pipe.convert.readers.megatron ALLOWED); "
                         "the file holds a type outside it or is corrupted") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise UserError(f"{f}: not a readable torch file ({str(e).splitlines()[0][:160]}); it is "
