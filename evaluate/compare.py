@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from titan_pipe.evaluate.metrics import TensorMetrics, compare_tensors, perplexity
+from titan_pipe.evaluate.metrics import TensorMetrics, compare_parts, compare_tensors
 from titan_pipe.evaluate.operators import OperatorRow
-from titan_pipe.evaluate.runners import Outputs
+from titan_pipe.evaluate.runners.outputs import Outputs
 from titan_pipe.thresholds import check_metrics, check_task
 
 ORDER = ("sharded_vs_unified", "torch_vs_onnx", "onnx_kv_decode", "npu_fused", "operators", "om", "task")
@@ -83,47 +83,83 @@ def skipped(cid: str, title: str, reason: str) -> Comparison:
     return Comparison(cid, title, f"skipped: {reason}")
 
 
-def compare_outputs(cid: str, title: str, ref: Outputs, cand: Outputs, *, ref_label: str, cand_label: str,
-                    dtype: str, limits: dict[str, float], logits_scope: str = "logits",
-                    keep: dict | None = None) -> Comparison:
-    """Per-layer hidden states (when both sides have them) and logits, each judged by ``limits``.
+class OutputsValues:
+    """Values (evaluate/store.py) over one Outputs: every layer's tensors and the logits as one part."""
 
-    Without hidden states on one side, only the logits row is made and ``details['layers']`` says why.
-    ``keep``: when a dict, every compared pair is put in it as ``{(cid, tensor): (reference, candidate)}``
-    (for the report's tensor dump).
-    """
-    rows: list[TensorRow] = []
+    def __init__(self, out: Outputs):
+        self.out, self.parts, self.n_layers = out, 1, len(out.hidden)
+        self.has_layers = bool(out.hidden)
+
+    def layer(self, kind: str, i: int):
+        values = {"attn": self.out.attn, "mlp": self.out.mlp, "hidden": self.out.hidden}[kind]
+        return values[i] if i < len(values) else None
+
+    def logits(self, part: int):
+        return self.out.logits
+
+
+_ROW = {"attn": ("attn_out", "block"), "mlp": ("mlp_out", "block"), "hidden": ("hidden", "tensor")}
+
+
+def _row(cid: str, cand_label: str, tensor: str, layer: int | None, dtype: str, limits: dict, scope: str,
+         shape: tuple, m) -> TensorRow:
+    fails = check_metrics(m, limits, scope)
+    return TensorRow(cid, cand_label, tensor, layer, dtype, shape, m, tuple(f.text for f in fails))
+
+
+def layer_rows(cid: str, ref, cand, *, cand_label: str, dtype: str, limits: dict, dump=None) -> list[TensorRow]:
+    """Per decoder layer i, in computation order: attention block, MLP block, the layer's output;
+    the blocks (outputs before the residual Add) are judged on scale-free measures only."""
+    rows = []
+    for i in range(ref.n_layers):
+        for kind in ("attn", "mlp", "hidden"):
+            r, c = ref.layer(kind, i), cand.layer(kind, i)
+            if r is None or c is None:
+                continue
+            name, scope = _ROW[kind]
+            if dump is not None:
+                dump.put(cid, f"{name}.{i}", r, c)
+            rows.append(_row(cid, cand_label, f"{name}.{i}", i, dtype, limits, scope, tuple(r.shape),
+                             compare_tensors(r, c)))
+    return rows
+
+
+def logits_row(cid: str, ref, cand, *, cand_label: str, dtype: str, limits: dict, scope: str = "logits",
+               dump=None) -> TensorRow:
+    """The logits over every part (batch), reduced part by part: no part stays in memory after."""
+    pairs = lambda: ((ref.logits(p), cand.logits(p)) for p in range(ref.parts))  # noqa: E731
+    shapes = [tuple(ref.logits(p).shape) for p in range(ref.parts)]
+    shape = (sum(s[0] for s in shapes), *shapes[0][1:])
+    if dump is not None:
+        dump.put(cid, "logits", torch.cat([a for a, _ in pairs()]), torch.cat([b for _, b in pairs()]))
+    return _row(cid, cand_label, "logits", None, dtype, limits, scope, shape, compare_parts(pairs))
+
+
+def compare_values(cid: str, title: str, ref, cand, *, ref_label: str, cand_label: str, dtype: str,
+                   limits: dict[str, float], logits_scope: str = "logits", dump=None) -> Comparison:
+    """Per-layer rows (when both sides have per-layer values) and the logits row, each judged by
+    ``limits``. ``ref`` / ``cand``: Values (evaluate/store.py) or OutputsValues. Without per-layer
+    values on one side, only the logits row is made and ``details['layers']`` says why. ``dump``:
+    a TensorDump (evaluate/report.py) every compared pair is written to."""
     details: dict = {}
-    if ref.hidden and cand.hidden:
-        if len(ref.hidden) != len(cand.hidden):
-            raise ValueError(f"{cand_label} exposes {len(cand.hidden)} layers, {ref_label} has {len(ref.hidden)}")
-        for i in range(len(ref.hidden)):
-            # within layer i in computation order: attention block, MLP block, the layer's output;
-            # the blocks (outputs before the residual Add) are judged on scale-free measures only
-            for kind, r_list, c_list, scope in (("attn_out", ref.attn, cand.attn, "block"),
-                                                ("mlp_out", ref.mlp, cand.mlp, "block"),
-                                                ("hidden", ref.hidden, cand.hidden, "tensor")):
-                r = r_list[i] if i < len(r_list) else None
-                c = c_list[i] if i < len(c_list) else None
-                if r is None or c is None:
-                    continue
-                m = compare_tensors(r, c)
-                if keep is not None:
-                    keep[cid, f"{kind}.{i}"] = (r, c)
-                fails = check_metrics(m, limits, scope)
-                rows.append(TensorRow(cid, cand_label, f"{kind}.{i}", i, dtype, tuple(r.shape), m,
-                                      tuple(f.text for f in fails)))
+    rows: list[TensorRow] = []
+    if ref.has_layers and cand.has_layers:
+        if ref.n_layers != cand.n_layers:
+            raise ValueError(f"{cand_label} exposes {cand.n_layers} layers, {ref_label} has {ref.n_layers}")
+        rows = layer_rows(cid, ref, cand, cand_label=cand_label, dtype=dtype, limits=limits, dump=dump)
     else:
-        side = cand_label if not cand.hidden else ref_label
-        details["layers"] = f"no per-layer values from {side}"
-    m = compare_tensors(ref.logits, cand.logits)
-    if keep is not None:
-        keep[cid, "logits"] = (ref.logits, cand.logits)
-    fails = check_metrics(m, limits, logits_scope)
-    rows.append(TensorRow(cid, cand_label, "logits", None, dtype, tuple(ref.logits.shape), m,
-                          tuple(f.text for f in fails)))
+        details["layers"] = f"no per-layer values from {cand_label if not cand.has_layers else ref_label}"
+    rows.append(logits_row(cid, ref, cand, cand_label=cand_label, dtype=dtype, limits=limits, scope=logits_scope,
+                           dump=dump))
     status = "fail" if any(r.failures for r in rows) else "pass"
     return Comparison(cid, title, status, ref_label, cand_label, dtype, rows, details)
+
+
+def compare_outputs(cid: str, title: str, ref: Outputs, cand: Outputs, *, ref_label: str, cand_label: str,
+                    dtype: str, limits: dict[str, float], logits_scope: str = "logits", dump=None) -> Comparison:
+    """compare_values on two whole Outputs (every layer and the logits of all batches at hand)."""
+    return compare_values(cid, title, OutputsValues(ref), OutputsValues(cand), ref_label=ref_label,
+                          cand_label=cand_label, dtype=dtype, limits=limits, logits_scope=logits_scope, dump=dump)
 
 
 def operator_comparison(rows: list[OperatorRow], dtypes: tuple[str, ...]) -> Comparison:
@@ -139,19 +175,6 @@ def operator_comparison(rows: list[OperatorRow], dtypes: tuple[str, ...]) -> Com
                       failures=[f"{r.op} {r.dtype} {r.case}: {r.failures[0]}" for r in failed])
 
 
-@torch.no_grad()
-def greedy_generate(run, prompts: torch.Tensor, n_new: int) -> torch.Tensor:
-    """(N, P) prompts -> (N, P + n_new): argmax of the last position, re-running the whole prefix.
-
-    ``run(tokens) -> Outputs``. No KV cache, so every runner computes exactly the same graph.
-    """
-    seq = prompts.clone()
-    for _ in range(n_new):
-        nxt = run(seq).logits[:, -1].float().argmax(-1, keepdim=True)
-        seq = torch.cat([seq, nxt.to(seq.dtype)], dim=1)
-    return seq
-
-
 def generation_agreement(ref: torch.Tensor, cand: torch.Tensor, n_prompt: int) -> dict:
     """Position-by-position agreement of the generated part, and the first position that differs."""
     r, c = ref[:, n_prompt:], cand[:, n_prompt:]
@@ -164,38 +187,35 @@ def generation_agreement(ref: torch.Tensor, cand: torch.Tensor, n_prompt: int) -
             "identical": bool(same.all())}
 
 
-def task_comparison(batches: list[torch.Tensor], outputs: dict[str, Outputs], reference: str,
-                    generations: dict[str, torch.Tensor], n_prompt: int,
+def task_comparison(perplexity: dict[str, float], reference: str, generations: dict[str, torch.Tensor],
                     limits_of: dict[str, tuple[str, dict[str, float]]]) -> Comparison:
     """Perplexity of every model on the held-out batches and greedy agreement with the reference.
 
-    outputs: label -> Outputs over all batches (concatenated); generations: label -> (N, P+n) tokens;
-    limits_of: candidate label -> (threshold dtype, limits).
+    perplexity: label -> perplexity (reduced batch by batch); generations: label -> (N, n_new) new
+    tokens of the same prompts; limits_of: candidate label -> (threshold dtype, limits).
     """
-    tokens = torch.cat(batches)
-    ppl = {label: perplexity(o.logits[:, :-1], tokens[:, 1:]) for label, o in outputs.items()}
-    details: dict = {"perplexity": ppl, "reference": reference, "generation": {}}
+    details: dict = {"perplexity": perplexity, "reference": reference, "generation": {}}
     failures: list[str] = []
     ref_gen = generations.get(reference)
-    for label in dict.fromkeys([*outputs, *generations]):
+    for label in dict.fromkeys([*perplexity, *generations]):
         if label == reference:
             continue
         agree = None
         if ref_gen is not None and label in generations:
-            g = generation_agreement(ref_gen, generations[label], n_prompt)
+            g = generation_agreement(ref_gen, generations[label], 0)
             details["generation"][label] = g
             agree = g["agreement"]
         dtype, limits = limits_of[label]
         # a generation-only candidate (the KV-cache decode path) has no perplexity of its own
-        p_cand = ppl.get(label, ppl[reference])
-        for f in check_task(ppl_ref=ppl[reference], ppl_cand=p_cand, agreement=agree, limits=limits):
+        p_cand = perplexity.get(label, perplexity[reference])
+        for f in check_task(ppl_ref=perplexity[reference], ppl_cand=p_cand, agreement=agree, limits=limits):
             failures.append(f"{label} ({dtype}): {f.text}")
     if ref_gen is not None:
         details["generated_tokens"] = {k: v.tolist() for k, v in generations.items()}
-    status = "fail" if failures else ("pass" if len(set(outputs) | set(generations)) > 1
+    status = "fail" if failures else ("pass" if len(set(perplexity) | set(generations)) > 1
                                       else "skipped: no candidate to compare")
     return Comparison("task", "task level: perplexity and greedy generation", status, reference,
-                      ", ".join(k for k in outputs if k != reference), details=details, failures=failures)
+                      ", ".join(k for k in perplexity if k != reference), details=details, failures=failures)
 
 
 def biggest_jump(rows: list[TensorRow]) -> dict | None:

@@ -13,7 +13,7 @@ block it has 2 links per layer (after attention, after the MLP), so layer i's ou
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
@@ -36,6 +36,7 @@ class LayerTaps:
     attn: tuple[str | None, ...]
     mlp: tuple[str | None, ...]
     source: str  # where the names come from, for the report
+    embed: str | None = None  # the residual stream entering layer 0 (None: not known)
 
     def names(self) -> list[str]:
         """Every value to expose, in (layer i, attn i, mlp i) order, without Nones."""
@@ -72,6 +73,8 @@ def find_layer_taps(graph_path: Path, model: onnx.ModelProto, n_layers: int) -> 
     entry, note = _graph_record(graph_path)
     if entry is not None:
         taps, note = _from_record(entry, graph_path.name, produced, n_layers)
+        if taps is not None and taps.embed is None:
+            taps = replace(taps, embed=_stream_into(model, taps.attn[0]))
         if taps is not None:
             return taps, f"per-layer values named in {RECORD_FILE} (graphs[{graph_path.name!r}].layer_outputs)"
     taps, why = _from_structure(model, n_layers)
@@ -94,7 +97,18 @@ def _from_record(entry: GraphRecord, file: str, produced: set[str], n_layers: in
             return None, (f"{RECORD_FILE} graphs[{file!r}].layer_outputs names {missing[0]!r}, which {file} does "
                           "not compute (the graph was changed after export)")
         lists[short] = tuple(n if n in produced else None for n in names)
-    return LayerTaps(lists["layer"], lists["attn"], lists["mlp"], RECORD_FILE), ""
+    embed = entry.embed_output if entry.embed_output in produced else None
+    return LayerTaps(lists["layer"], lists["attn"], lists["mlp"], RECORD_FILE, embed), ""
+
+
+def _stream_into(model: onnx.ModelProto, block: str | None) -> str | None:
+    """The residual stream a block output is added to: the other input of the one node taking it
+    (records written before ``embed_output`` was: the stream entering layer 0 from layer 0's
+    attention output)."""
+    users = [n for n in model.graph.node if block and block in n.input]
+    if len(users) != 1 or len(users[0].input) != 2:
+        return None
+    return next((i for i in users[0].input if i != block), None)
 
 
 _PASS_THROUGH = ("Cast", "Identity")  # a float32 graph casts the stream to float32 (a no-op) for each norm
@@ -149,7 +163,9 @@ def _from_structure(model: onnx.ModelProto, n_layers: int) -> tuple[LayerTaps | 
         attn.append(block(a, a_in))
         mlp.append(block(m, m_in))
         layer.append(m.output[0])
-    return (LayerTaps(tuple(layer), tuple(attn), tuple(mlp), "residual Add chain"),
+    first = chain[0][0]  # layer 0's first residual Add: the stream entering it is its other input
+    embed = next((i for i in first.input if i != attn[0]), None) if attn[0] else None
+    return (LayerTaps(tuple(layer), tuple(attn), tuple(mlp), "residual Add chain", embed),
             f"per-layer values found by structure: the residual stream's {len(chain)} Add nodes in order, "
             "layer i = the output of Add 2i+1")
 
@@ -175,14 +191,3 @@ def expose(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
         else:  # no type known: ORT accepts an untyped output and reports what it computes
             copy.graph.output.append(onnx.helper.make_empty_tensor_value_info(n))
     return copy
-
-
-def tapped_session(graph_path: Path, model: onnx.ModelProto, names: list[str], opts):
-    """An ONNX Runtime session of ``expose(model, names)`` that reads the candidate's own external
-    data (``graph_path``'s directory); nothing is written to disk."""
-    import onnxruntime as ort
-
-    copy = expose(model, names)
-    opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                  str(Path(graph_path).resolve().parent))
-    return ort.InferenceSession(copy.SerializeToString(), opts, providers=["CPUExecutionProvider"])

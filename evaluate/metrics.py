@@ -119,15 +119,6 @@ def _np_dtype(x) -> np.dtype:
     return np.asarray(x).dtype
 
 
-def cosine_similarity(r: np.ndarray, c: np.ndarray) -> float:
-    nr, nc = float(np.linalg.norm(r)), float(np.linalg.norm(c))
-    if nr == 0.0 and nc == 0.0:
-        return 1.0
-    if nr == 0.0 or nc == 0.0:
-        return 0.0
-    return float(np.dot(r, c) / (nr * nc))
-
-
 def msit_relative_errors(r: np.ndarray, c: np.ndarray) -> np.ndarray:
     """msit's q_i = |c_i / r_i - 1| where |r_i| > float64 eps, else 0 (float64)."""
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -145,42 +136,157 @@ def msprobe_relative_errors(r: np.ndarray, c: np.ndarray, dtype: np.dtype) -> np
         return np.abs(np.divide(n - b, b))
 
 
-def msit_kl(r: np.ndarray, c: np.ndarray) -> float:
-    """msit's KullbackLeiblerDivergence: min-max normalised, floored at float32 eps, summed to 1,
-    sum p log(p / g) with p from the candidate and g from the reference."""
-    def pdf(x):
-        span = x.max() - x.min()
-        x = (x - x.min()) / span if span != 0 else x
-        x = np.maximum(x, _EPS32)
-        return x / x.sum()
-
-    p, g = pdf(c), pdf(r)
-    v = float((p * np.log(p / g)).sum())
-    return 0.0 if abs(v) < _EPS64 else v
-
-
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(axis=-1, keepdims=True)
     x -= np.log(np.exp(x).sum(axis=-1, keepdims=True))
     return x
 
 
-def softmax_kl(r: np.ndarray, c: np.ndarray, chunk: int = 256) -> float:
-    """Mean over rows of KL(softmax(r) || softmax(c)); r, c are (rows, cols) float64.
-
-    Rows are taken ``chunk`` at a time so the temporaries stay a few chunk x cols arrays.
-    """
+def _softmax_kl_sum(r: np.ndarray, c: np.ndarray, chunk: int = 256) -> float:
+    """Sum over rows of KL(softmax(r) || softmax(c)); r, c are (rows, cols) float64, taken ``chunk``
+    rows at a time so the temporaries stay a few chunk x cols arrays."""
     total = 0.0
     for i in range(0, r.shape[0], chunk):
         lr, lc = _log_softmax(r[i:i + chunk]), _log_softmax(c[i:i + chunk])
         total += float((np.exp(lr) * (lr - lc)).sum())
-    # Rounding can make a zero divergence come out as -1e-17; KL is never negative.
-    return max(total / r.shape[0], 0.0)
+    return total
 
 
-def top1_agreement(r: np.ndarray, c: np.ndarray) -> float:
-    """Fraction of rows whose argmax agrees; r, c are (rows, cols)."""
-    return float((r.argmax(axis=-1) == c.argmax(axis=-1)).mean())
+@dataclass
+class _Pair:
+    """One part of a compared pair in float64: finite elements flattened, finite rows (last axis)."""
+
+    r: np.ndarray
+    c: np.ndarray
+    rows_r: np.ndarray
+    rows_c: np.ndarray
+    rel_dtype: np.dtype
+    counts: tuple[int, int, int, int, int]  # candidate NaN, Inf, reference NaN, Inf, numel
+
+
+def _pair(ref, cand) -> _Pair:
+    r_full, c_full = as_float64(ref), as_float64(cand)
+    if r_full.shape != c_full.shape:
+        raise ValueError(f"shape mismatch: reference {tuple(r_full.shape)} vs candidate {tuple(c_full.shape)}")
+    rel_dtype = np.result_type(_np_dtype(cand), _np_dtype(ref), np.float32)  # what msprobe computes in
+    counts = (int(np.isnan(c_full).sum()), int(np.isinf(c_full).sum()), int(np.isnan(r_full).sum()),
+              int(np.isinf(r_full).sum()), int(r_full.size))
+    rows_r = r_full.reshape(-1, r_full.shape[-1]) if r_full.ndim else r_full.reshape(1, 1)
+    rows_c = c_full.reshape(-1, c_full.shape[-1]) if c_full.ndim else c_full.reshape(1, 1)
+    if any(counts[:4]):
+        finite = np.isfinite(r_full) & np.isfinite(c_full)
+        r, c = r_full[finite].ravel(), c_full[finite].ravel()
+        row_ok = np.isfinite(rows_r).all(axis=-1) & np.isfinite(rows_c).all(axis=-1)
+        rows_r, rows_c = rows_r[row_ok], rows_c[row_ok]
+    else:  # the common case: views, no copies
+        r, c = r_full.ravel(), c_full.ravel()
+    return _Pair(r, c, rows_r, rows_c, rel_dtype, counts)
+
+
+class _Sums:
+    """Pass 1 over the parts: counts, extremes and sums of every measure that adds up."""
+
+    def __init__(self):
+        self.counts = np.zeros(5, dtype=np.int64)
+        self.n = 0
+        self.v = dict.fromkeys(("dot", "rr", "cc", "dd", "sum_abs", "sum_rel", "sum_r", "sum_c", "kl", "top1",
+                                "rows", "n1e3", "n5e3"), 0.0)
+        self.hi = dict.fromkeys(("max_abs", "max_rel", "msprobe_max_rel"), -math.inf)
+        self.lo_r = self.lo_c = math.inf
+        self.hi_r = self.hi_c = -math.inf
+
+    def add(self, p: _Pair) -> None:
+        self.counts += p.counts
+        if p.r.size:
+            r, c, v = p.r, p.c, self.v
+            rel = msit_relative_errors(r, c)
+            self._max("max_rel", rel.max())
+            v["sum_rel"] += float(rel.sum())
+            rel = msprobe_relative_errors(r, c, p.rel_dtype)
+            self._max("msprobe_max_rel", rel.max())
+            v["n1e3"] += int((rel < 0.001).sum())
+            v["n5e3"] += int((rel < 0.005).sum())
+            del rel
+            d = np.abs(c - r)
+            self._max("max_abs", d.max())
+            v["sum_abs"] += float(d.sum())
+            v["dd"] += float(np.dot(d, d))
+            del d
+            v["dot"] += float(np.dot(r, c))
+            v["rr"] += float(np.dot(r, r))
+            v["cc"] += float(np.dot(c, c))
+            v["sum_r"] += float(r.sum())
+            v["sum_c"] += float(c.sum())
+            self.lo_r, self.hi_r = min(self.lo_r, float(r.min())), max(self.hi_r, float(r.max()))
+            self.lo_c, self.hi_c = min(self.lo_c, float(c.min())), max(self.hi_c, float(c.max()))
+            self.n += r.size
+        if p.rows_r.shape[0]:
+            self.v["kl"] += _softmax_kl_sum(p.rows_r, p.rows_c)
+            self.v["top1"] += int((p.rows_r.argmax(axis=-1) == p.rows_c.argmax(axis=-1)).sum())
+            self.v["rows"] += p.rows_r.shape[0]
+
+    def _max(self, key: str, value) -> None:
+        self.hi[key] = max(self.hi[key], float(value))
+
+
+def _msit_pdf_part(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """msit's unnormalised pdf of one part: min-max scaled over the whole tensor, floored at float32 eps."""
+    span = hi - lo
+    x = (x - lo) / span if span != 0 else x
+    return np.maximum(x, _EPS32)
+
+
+def compare_parts(parts) -> TensorMetrics:
+    """All measures of a candidate against a reference given as parts (batches of one tensor), equal
+    to compare_tensors on the parts joined: ``parts()`` yields (reference, candidate) pairs, the
+    same each call; it is walked three times (sums; msit's normalisers and the moments; msit's KL),
+    one part in float64 at a time."""
+    return _compare_pairs(lambda: (_pair(r, c) for r, c in parts()))
+
+
+def _compare_pairs(pairs) -> TensorMetrics:
+    s = _Sums()
+    for p in pairs():
+        s.add(p)
+    nan, inf, ref_nan, ref_inf, numel = (int(x) for x in s.counts)
+    if s.n == 0:
+        n = float("nan")
+        return TensorMetrics(n, n, n, n, n, n, n, n, n, nan, inf, ref_nan, ref_inf, numel)
+    mean_r, mean_c = s.v["sum_r"] / s.n, s.v["sum_c"] / s.n
+    a_sum = b_sum = var_r = var_c = 0.0
+    for p in pairs():
+        a_sum += float(_msit_pdf_part(p.c, s.lo_c, s.hi_c).sum())
+        b_sum += float(_msit_pdf_part(p.r, s.lo_r, s.hi_r).sum())
+        var_r += float(np.square(p.r - mean_r).sum())
+        var_c += float(np.square(p.c - mean_c).sum())
+    kl = 0.0
+    for p in pairs():
+        pc = _msit_pdf_part(p.c, s.lo_c, s.hi_c) / a_sum
+        gr = _msit_pdf_part(p.r, s.lo_r, s.hi_r) / b_sum
+        kl += float((pc * np.log(pc / gr)).sum())
+    return _metrics(s, kl, mean_r, mean_c, var_r, var_c, numel)
+
+
+def _metrics(s: _Sums, msit_kl: float, mean_r: float, mean_c: float, var_r: float, var_c: float,
+             numel: int) -> TensorMetrics:
+    v, n = s.v, s.n
+    nr, nc, nd = math.sqrt(v["rr"]), math.sqrt(v["cc"]), math.sqrt(v["dd"])
+    if nr == 0.0 or nc == 0.0:
+        cosine = 1.0 if nr == nc else 0.0
+    else:
+        cosine = v["dot"] / (nr * nc)
+    rows = v["rows"]
+    nan, inf, ref_nan, ref_inf, _ = (int(x) for x in s.counts)
+    return TensorMetrics(
+        cosine=cosine, max_abs=s.hi["max_abs"], mean_abs=v["sum_abs"] / n, max_rel=s.hi["max_rel"],
+        mean_rel=v["sum_rel"] / n, rel_euclidean=nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf),
+        rmse=nd / math.sqrt(n),
+        # rounding can make a zero divergence come out as -1e-17; KL is never negative
+        kl=max(v["kl"] / rows, 0.0) if rows else float("nan"), top1=v["top1"] / rows if rows else float("nan"),
+        nan=nan, inf=inf, ref_nan=ref_nan, ref_inf=ref_inf, numel=numel, acc_rel=v["sum_rel"],
+        msit_kl=0.0 if abs(msit_kl) < _EPS64 else msit_kl, cand_mean=mean_c, cand_std=math.sqrt(var_c / n),
+        ref_mean=mean_r, ref_std=math.sqrt(var_r / n), euc_dist=nd, msprobe_max_rel=s.hi["msprobe_max_rel"],
+        err_ratio_1e3=v["n1e3"] / n, err_ratio_5e3=v["n5e3"] / n)
 
 
 def compare_tensors(ref, cand) -> TensorMetrics:
@@ -190,55 +296,21 @@ def compare_tensors(ref, cand) -> TensorMetrics:
     out of the other measures (so one Inf does not hide what the rest of the tensor looks like);
     a tensor with no finite pair gets NaN measures.
     """
-    r_full, c_full = as_float64(ref), as_float64(cand)
-    if r_full.shape != c_full.shape:
-        raise ValueError(f"shape mismatch: reference {tuple(r_full.shape)} vs candidate {tuple(c_full.shape)}")
-    rel_dtype = np.result_type(_np_dtype(cand), _np_dtype(ref), np.float32)  # what msprobe computes in
-    nan, inf = int(np.isnan(c_full).sum()), int(np.isinf(c_full).sum())
-    ref_nan, ref_inf = int(np.isnan(r_full).sum()), int(np.isinf(r_full).sum())
-    rows_r = r_full.reshape(-1, r_full.shape[-1]) if r_full.ndim else r_full.reshape(1, 1)
-    rows_c = c_full.reshape(-1, c_full.shape[-1]) if c_full.ndim else c_full.reshape(1, 1)
-    if nan or inf or ref_nan or ref_inf:
-        finite = np.isfinite(r_full) & np.isfinite(c_full)
-        r, c = r_full[finite].ravel(), c_full[finite].ravel()
-    else:  # the common case: views, no copies
-        r, c = r_full.ravel(), c_full.ravel()
-    if r.size == 0:
-        n = float("nan")
-        return TensorMetrics(n, n, n, n, n, n, n, n, n, nan, inf, ref_nan, ref_inf, int(r_full.size))
-    rel = msit_relative_errors(r, c)
-    max_rel, mean_rel, acc_rel = float(rel.max()), float(rel.mean()), float(rel.sum())
-    rel = msprobe_relative_errors(r, c, rel_dtype)
-    msprobe_max_rel = float(rel.max())
-    ratio_1e3, ratio_5e3 = float((rel < 0.001).sum() / rel.size), float((rel < 0.005).sum() / rel.size)
-    del rel
-    absd = np.abs(c - r)
-    nr = float(np.linalg.norm(r))
-    nd = float(np.linalg.norm(absd))
-    red = nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf)
-    max_abs, mean_abs = float(absd.max()), float(absd.mean())
-    rmse = nd / math.sqrt(absd.size)
-    del absd
-    if nan or inf or ref_nan or ref_inf:
-        row_ok = np.isfinite(rows_r).all(axis=-1) & np.isfinite(rows_c).all(axis=-1)
-        rows_r, rows_c = rows_r[row_ok], rows_c[row_ok]
-    if rows_r.shape[0]:
-        kl, top1 = softmax_kl(rows_r, rows_c), top1_agreement(rows_r, rows_c)
-    else:
-        kl = top1 = float("nan")
-    return TensorMetrics(
-        cosine=cosine_similarity(r, c), max_abs=max_abs, mean_abs=mean_abs, max_rel=max_rel, mean_rel=mean_rel,
-        rel_euclidean=red, rmse=rmse, kl=kl, top1=top1, nan=nan, inf=inf,
-        ref_nan=ref_nan, ref_inf=ref_inf, numel=int(r_full.size), acc_rel=acc_rel, msit_kl=msit_kl(r, c),
-        cand_mean=float(np.mean(c)), cand_std=float(np.std(c)), ref_mean=float(np.mean(r)), ref_std=float(np.std(r)),
-        euc_dist=nd, msprobe_max_rel=msprobe_max_rel, err_ratio_1e3=ratio_1e3, err_ratio_5e3=ratio_5e3)
+    pair = _pair(ref, cand)  # converted once, walked three times
+    return _compare_pairs(lambda: [pair])
 
 
-def perplexity(logits, targets) -> float:
-    """exp(mean token NLL): logits (B, T, V) predicting targets (B, T) int, in float64."""
+def nll_sum(logits, targets) -> tuple[float, int]:
+    """(sum of token NLLs, token count): logits (B, T, V) predicting targets (B, T) int, in float64;
+    parts add up, so perplexity is reduced batch by batch."""
     lg = as_float64(logits).reshape(-1, np.shape(logits)[-1])
     tg = np.asarray(targets.cpu() if isinstance(targets, torch.Tensor) else targets).reshape(-1)
     m = lg.max(axis=-1, keepdims=True)
     logz = (m + np.log(np.exp(lg - m).sum(axis=-1, keepdims=True)))[:, 0]
-    nll = logz - lg[np.arange(lg.shape[0]), tg]
-    return float(np.exp(nll.mean()))
+    return float((logz - lg[np.arange(lg.shape[0]), tg]).sum()), int(tg.size)
+
+
+def perplexity(logits, targets) -> float:
+    """exp(mean token NLL): logits (B, T, V) predicting targets (B, T) int, in float64."""
+    total, n = nll_sum(logits, targets)
+    return float(np.exp(total / n))

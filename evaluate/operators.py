@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 from titan_pipe import onnx_nodes as nodes
 from titan_pipe.dtypes import FLOAT_NAMES, TORCH_BY_NAME
+from titan_pipe.errors import UserError
 from titan_pipe.evaluate.metrics import TensorMetrics, compare_tensors
+from titan_pipe.generation import ort_session
 from titan_pipe.model.kernels import apply_rotary_ref, attention_ref, rms_norm_ref
 from titan_pipe.thresholds import check_metrics, resolve_thresholds
 
@@ -255,15 +257,6 @@ _MISSING_KERNEL = re.compile(r"implementation for (\w+)\((\d+)\)")
 _UNTYPED = re.compile(r"Type 'tensor\((\w+)\)' of input parameter \(.*?\) of operator \((\w+)\)")
 
 
-def _ort_session(model):
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 1
-    opts.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-
-
 def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,
                  limits: dict[str, float] | None = None) -> OperatorRow:
     """Run one operator in both runtimes and judge it with the dtype's ``operator`` bounds."""
@@ -280,8 +273,8 @@ def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,
     names = {k: b.input(k, v) for k, v in arrays.items()}
     model = b.model(spec.graph(b, names, arrays))
     try:
-        sess = _ort_session(model)
-    except Exception as e:  # ORT raises its own NotImplemented type for a missing kernel
+        sess = ort_session(model, threads=1)
+    except UserError as e:  # ORT's NotImplemented for a missing kernel, its type check for a schema
         m = _MISSING_KERNEL.search(str(e))
         if m:
             return OperatorRow(spec.name, dtype, case,

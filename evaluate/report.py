@@ -287,25 +287,33 @@ def check_out_dir(out_dir: Path) -> None:
                         "directory (e.g. runs/<name>/report) or empty it first")
 
 
-def write_dump(dumps: dict, root: Path) -> list[str]:
-    """Each compared pair as ``root/<comparison>/{golden,candidate}/<tensor>.npy`` in its own dtype
-    (bfloat16 as float32), the layout msit's / msprobe's compare tools take file by file."""
-    import torch
+class TensorDump:
+    """evaluate.dump: each compared pair written as it is compared, as
+    ``<comparison>/{golden,candidate}/<tensor>.npy`` in its own dtype (bfloat16 as float32), the
+    layout msit's / msprobe's compare tools take file by file; staged beside REPORT_DIR and moved
+    into the report by write_report (nothing of it stays in memory)."""
 
-    written = []
-    for (cid, tensor), pair in dumps.items():
-        for side, t in zip(("golden", "candidate"), pair):
-            d = root / cid / side
+    def __init__(self, out_dir: Path):
+        self.root = temp_dir(Path(out_dir))
+        self.names: list[str] = []
+
+    def put(self, cid: str, tensor: str, golden, candidate) -> None:
+        import torch
+
+        for side, t in (("golden", golden), ("candidate", candidate)):
+            d = self.root / cid / side
             d.mkdir(parents=True, exist_ok=True)
             if isinstance(t, torch.Tensor):
                 t = (t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
             np.save(d / f"{tensor}.npy", np.ascontiguousarray(t))
-        written.append(f"{cid}/{tensor}")
-    return written
+        self.names.append(f"{cid}/{tensor}")
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def write_report(out_dir: Path, report: dict, logits_errors: dict[str, np.ndarray],
-                 dumps: dict | None = None) -> dict[str, Path]:
+                 dump: TensorDump | None = None) -> dict[str, Path]:
     """Write every report file into ``out_dir`` atomically (temp dir beside it, then rename).
 
     An existing ``out_dir`` (empty, or an earlier report: check_out_dir) is replaced only once the
@@ -320,7 +328,10 @@ def write_report(out_dir: Path, report: dict, logits_errors: dict[str, np.ndarra
             plots["layer_error.png"] = tmp / "layer_error.png"
         if plot_logits_histogram(logits_errors, tmp / "logits_error.png"):
             plots["logits_error.png"] = tmp / "logits_error.png"
-        dumped = write_dump(dumps, tmp / "dump") if dumps else []
+        dumped = []
+        if dump is not None and dump.names:
+            shutil.move(str(dump.root), str(tmp / "dump"))
+            dumped = dump.names
         report = dict(report, files=sorted(["report.json", "report.md", "report.html", "tensors.csv",
                                             "operators.csv", *plots]), dump=dumped)
         write_csvs(report, tmp)

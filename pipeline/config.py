@@ -199,6 +199,19 @@ class EvaluateConfig(Section):
     new_tokens: int = Field(16, gt=0)
     device: Literal["auto", "cpu", "cuda", "npu"] = "cpu"  # where the PyTorch reference runs
     dump: bool = False  # REPORT_DIR/dump/<comparison>/{golden,candidate}/<tensor>.npy for msit/msprobe
+    # memory budget: auto (a fraction of the available RAM) or a size (8GB, 6GiB); whole graphs when
+    # they fit in it, else one decoder layer at a time (docs/evaluate.md, "Memory")
+    max_memory: str = "auto"
+
+    @field_validator("max_memory", mode="before")
+    @classmethod
+    def _check_max_memory(cls, v):
+        from titan_pipe.sizes import parse_size
+
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        parse_size(v)  # ValueError: one line naming the value and the fix
+        return str(v).strip()
 
     @model_validator(mode="after")
     def _check_thresholds(self):

@@ -10,7 +10,7 @@ Layout (format ``titan-pipe-export/2``; version 1 records load too, without per-
   exporter {onnx, path}                                   atc      {status, soc_version, ...}
   decode   null | {cache_len, cache_update, write_index, note}: the decode contract
   graphs   {file: {opset, inputs {name: dims}, outputs {name: dims}, n_nodes, operators [...],
-                   layer_outputs [...], attn_outputs [...], mlp_outputs [...]}}
+                   embed_output, layer_outputs [...], attn_outputs [...], mlp_outputs [...]}}
   files    {relative path: {bytes, sha256 | null}}        export_seconds, timings_seconds
 """
 from __future__ import annotations
@@ -45,7 +45,9 @@ class OperatorUse:
 class GraphRecord:
     """One exported graph: I/O dims (ints, or names where dynamic), nodes, operators, and the value
     names of each decoder layer i: output (residual stream, (B, T, dim)), attention and MLP block
-    outputs before their residual Add (None where the graph has none)."""
+    outputs before their residual Add (None where the graph has none); ``embed_output``: the
+    residual stream entering layer 0 (None in records written before it was recorded). Evaluate
+    cuts a graph into per-layer pieces between these names (titan_pipe.evaluate.pieces)."""
 
     opset: int | None = None
     inputs: dict[str, list] = field(default_factory=dict)
@@ -55,6 +57,7 @@ class GraphRecord:
     layer_outputs: tuple[str, ...] = ()
     attn_outputs: tuple[str | None, ...] = ()
     mlp_outputs: tuple[str | None, ...] = ()
+    embed_output: str | None = None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -150,6 +153,12 @@ def _names(values, *, optional: bool) -> tuple:
     return tuple(values)
 
 
+def _name(value) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"a value name must be a string, got {value!r:.80}")
+    return value
+
+
 def _graph(g: dict) -> GraphRecord:
     if not isinstance(g, dict):
         raise TypeError(f"a graph entry is a {type(g).__name__}, not an object")
@@ -160,7 +169,8 @@ def _graph(g: dict) -> GraphRecord:
                         for o in g.get("operators") or ()),
         layer_outputs=_names(g.get("layer_outputs") or [], optional=False),
         attn_outputs=_names(g.get("attn_outputs") or [], optional=True),
-        mlp_outputs=_names(g.get("mlp_outputs") or [], optional=True))
+        mlp_outputs=_names(g.get("mlp_outputs") or [], optional=True),
+        embed_output=_name(g.get("embed_output")))
 
 
 def _parse(d: dict, version: int) -> ExportRecord:

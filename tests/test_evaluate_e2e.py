@@ -107,11 +107,10 @@ def test_checkpoint_and_model_dir_of_different_models_are_refused(trained, tmp_p
 
 @pytest.mark.distributed
 def test_single_process_model_from_checkpoint_equals_converted_model(trained):
-    from titan_pipe.evaluate.api import torch_runner_from_checkpoint
-    from titan_pipe.evaluate.runners import TorchRunner
+    from titan_pipe.evaluate.runners.pytorch import LayeredModel
 
     tokens = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(0))
-    a = torch_runner_from_checkpoint(trained["checkpoint"]).run(tokens)
-    b = TorchRunner.from_dir(trained["model_dir"]).run(tokens)
+    a = LayeredModel.from_path(trained["checkpoint"]).run(tokens)
+    b = LayeredModel.from_path(trained["model_dir"]).run(tokens)
     assert torch.equal(a.logits, b.logits)
     assert all(torch.equal(x, y) for x, y in zip(a.hidden, b.hidden)) and len(a.hidden) == 4

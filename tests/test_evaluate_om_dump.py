@@ -15,7 +15,10 @@ from titan_pipe.convert.onnx.export import export_model  # noqa: E402
 from titan_pipe.evaluate.compare import compare_outputs  # noqa: E402
 from titan_pipe.evaluate.om_dump import (acl_dump_config, load_layer, map_values_to_dump, read_fusion_json,  # noqa: E402
                                          safe_name, scan_dump)
-from titan_pipe.evaluate.runners import OnnxRuntimeRunner, Outputs, TorchRunner  # noqa: E402
+from titan_pipe.evaluate.runners.ort import OnnxRuntimeRunner  # noqa: E402
+from titan_pipe.evaluate.runners.ort_layers import LayerChain  # noqa: E402
+from titan_pipe.evaluate.runners.outputs import Outputs  # noqa: E402
+from titan_pipe.evaluate.runners.pytorch import LayeredModel  # noqa: E402
 from titan_pipe.thresholds import resolve_thresholds  # noqa: E402
 
 
@@ -55,7 +58,7 @@ def test_dump_maps_to_layers_and_matches_the_reference(graph, tmp_path):
     ort, args = graph["ort"], graph["args"]
     taps = ort.graph.taps
     tokens = torch.randint(0, args.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
-    got = ort.run(tokens)  # stands in for what the .om computed
+    got = LayerChain(ort.graph).outputs([ort.feeds(tokens)])[0]  # stands in for what the .om computed
     values = {}
     for kind, names in (("hidden", taps.layer), ("attn", taps.attn), ("mlp", taps.mlp)):
         for i, n in enumerate(names):
@@ -82,7 +85,7 @@ def test_dump_maps_to_layers_and_matches_the_reference(graph, tmp_path):
     assert "fused operator" in map_values_to_dump(model, [taps.mlp[1]], dump, fusion).notes[0]
     missing = map_values_to_dump(model, [taps.mlp[1]], dump, None)  # without the json: not found, said so
     assert missing.files == [None] and "no dump of operator" in missing.notes[0]
-    ref = TorchRunner.from_dir(graph["model_dir"]).run(tokens)
+    ref = LayeredModel.from_path(graph["model_dir"]).run(tokens)
     om_like = Outputs(got.logits, lists["hidden"], lists["attn"], lists["mlp"])
     c = compare_outputs("om", "dump", ref, om_like, ref_label="torch", cand_label="om", dtype="float32",
                         limits=resolve_thresholds("float32"))

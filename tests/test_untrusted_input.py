@@ -451,7 +451,7 @@ def test_onnx_external_data_absolute(good, tmp_path):
 
 
 def test_onnx_runner_checks_before_onnxruntime_opens_the_graph(tmp_path):
-    from titan_pipe.evaluate.runners import OnnxRuntimeRunner
+    from titan_pipe.evaluate.runners.ort import OnnxRuntimeRunner
 
     (tmp_path / "secret.bin").write_bytes(b"\0" * (320 * 8 * 4))
     g = _graph_with_external(tmp_path / "onnx", "../secret.bin")

@@ -173,7 +173,7 @@ def _graph_report(path: Path, plan: ExportPlan, values: LayerValues) -> GraphRec
         outputs={vi.name: dims(vi) for vi in model.graph.output}, n_nodes=len(model.graph.node),
         operators=tuple(OperatorUse(u.domain, u.op_type, u.count, u.since_version) for u in report),
         layer_outputs=tuple(values.layer_outputs), attn_outputs=tuple(values.attn_outputs),
-        mlp_outputs=tuple(values.mlp_outputs))
+        mlp_outputs=tuple(values.mlp_outputs), embed_output=values.embed_output)
 
 
 def _record(*, model_dir: Path, args: ModelArgs, plan: ExportPlan, atc_status: str, invocations: list,

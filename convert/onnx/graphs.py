@@ -74,6 +74,7 @@ class LayerValues:
     layer_outputs: list[str] = field(default_factory=list)
     attn_outputs: list[str] = field(default_factory=list)
     mlp_outputs: list[str] = field(default_factory=list)
+    embed_output: str | None = None  # the residual stream entering layer 0
 
 
 def io_dims(args: ModelArgs, spec: GraphSpec) -> dict[str, list]:
@@ -199,7 +200,7 @@ def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry],
     sh = _shapes(g, args, bt)
     rope = _positions(g, spec, bt)
     h = embedding(g, "tok_embeddings.weight", INPUT_IDS, "embed")
-    values = LayerValues()
+    values = LayerValues(embed_output=h)
     outputs: dict[str, str] = {}
     for i in range(args.n_layers):
         h, attn, mlp = _layer(g, args, spec, i, h, sh, rope, outputs)

@@ -50,6 +50,11 @@ class CheckpointWeights:
             self._open[rel] = safe_open(str(self._paths[rel]), framework="pt")
         return self._open[rel]
 
+    def close(self) -> None:
+        """Drop the open shard files (their memory maps): a reader going layer by layer calls it
+        between layers, so mapped pages of layers already read do not stay in its memory."""
+        self._open.clear()
+
     def full(self, name: str) -> torch.Tensor:
         """(global shape) tensor of ``name``, chunks placed by their manifest boxes."""
         spec = self.manifest.params.get(name)

@@ -1,0 +1,68 @@
+"""task: perplexity of every candidate on the held-out batches (reduced batch by batch) and greedy
+generations token for token, on the prompts every generation shares."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from titan_pipe.evaluate import compare as cmp
+from titan_pipe.evaluate.comparisons.kv_decode import free_tokens
+from titan_pipe.evaluate.metrics import nll_sum
+from titan_pipe.evaluate.run import REF, Run
+
+
+def compare(run: Run) -> cmp.Comparison:
+    run.steps.step("perplexity and greedy generation")
+    ref = run.sides.reference
+    ppl = {ref.label: _perplexity(run, REF)}
+    ppl.update({label: _perplexity(run, side) for label, side in run.ledger.logits_of.items()})
+    generations = dict(run.ledger.generations)
+    if _prefill_generates(run):
+        generations[run.sides.prefill.label] = _prefill_generation(run)
+    if generations:
+        generations = {ref.label: run.prompts.reference, **generations}
+    task = cmp.task_comparison(ppl, ref.label, generations, run.ledger.limits_of)
+    task.details["prompt_lengths"] = [len(q) for q in run.prompts.prompts]
+    prefill = run.sides.prefill
+    if prefill is not None and prefill.info.fixed_shape:
+        task.details["generation_note"] = ("prefill re-run skipped for the static ONNX graph (its generation is the "
+                                           "KV-cache loop's)")
+    return task
+
+
+def _perplexity(run: Run, side: str) -> float:
+    total = count = 0
+    for b, tokens in enumerate(run.request.data.batches):
+        s, n = nll_sum(run.store.get((side, "logits", None, b))[:, :-1], tokens[:, 1:])
+        total, count = total + s, count + n
+    return math.exp(total / count)
+
+
+def _prefill_generates(run: Run) -> bool:
+    """The prefill graph generates on its own (re-running each prompt) when it takes any length and
+    there is no KV-cache loop, whose prefill it is otherwise."""
+    s = run.sides
+    return (s.prefill is not None and not s.prefill.info.fixed_shape and s.decode is None
+            and run.prompts.reference is not None)
+
+
+def _prefill_generation(run: Run) -> torch.Tensor:
+    """The prefill graph's greedy tokens (N, n_new) for each prompt alone, from teacher-forced
+    forwards of prompt + tokens (kv_decode.free_tokens): whole, or piece by piece."""
+    prompts, n_new = run.prompts.prompts, run.prompts.n_new
+
+    def score(tokens: torch.Tensor) -> torch.Tensor:
+        seqs = [torch.tensor([q + tokens[j, :-1].tolist()]) for j, q in enumerate(prompts)]
+        logits = _logits(run, seqs)
+        return torch.stack([lg[0, len(q) - 1:len(q) - 1 + n_new].float() for lg, q in zip(logits, prompts)])
+
+    ref = run.prompts.reference
+    return free_tokens(score, ref, score(ref))
+
+
+def _logits(run: Run, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    prefill, chain = run.sides.prefill, run.sides.prefill_chain
+    if chain is None:
+        return [prefill.run(x).logits for x in seqs]
+    return chain.logits([prefill.feeds(x) for x in seqs])

@@ -1,0 +1,152 @@
+"""Build a Run (evaluate/run.py): reference and candidates checked to be one model, data, memory
+mode, and the reference's values over every sequence the comparisons need (computed once)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from titan_pipe.checkpoint_format import MANIFEST_NAME
+from titan_pipe.config import EvaluateConfig
+from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
+from titan_pipe.errors import UserError
+from titan_pipe.evaluate.batches import ValidationSplit, load_eval_data
+from titan_pipe.evaluate.graph_pieces import tensor_bytes
+from titan_pipe.evaluate.inputs import reference_device, same_model
+from titan_pipe.evaluate.memory import MemoryPlan, Need, ort_bytes, plan_memory
+from titan_pipe.evaluate.report import TensorDump
+from titan_pipe.evaluate.run import REF, REF_GEN, Ledger, Prompts, Request, Run, Sides, ragged_prompts
+from titan_pipe.evaluate.runners.ort import OnnxDecodeRunner, OnnxRuntimeRunner
+from titan_pipe.evaluate.runners.ort_layers import LayerChain
+from titan_pipe.evaluate.runners.pytorch import LayeredModel, layer_bytes, top_bytes
+from titan_pipe.evaluate.runners.sharded import DistributedRunner
+from titan_pipe.evaluate.store import StoreSink, ValueStore
+from titan_pipe.model.args import ModelArgs
+
+
+def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, onnx: Path | None, om: Path | None,
+            data: Path | None, settings: EvaluateConfig, steps, split: ValidationSplit | None) -> Run:
+    """Everything the comparisons read; UserError (before any report is written) on bad input."""
+    steps.step("loading the reference")
+    device = reference_device(settings.device)
+    reference, ref_source = _reference(checkpoint, model_dir, device)
+    args = reference.args
+    sharded = None
+    if checkpoint is not None:
+        sharded = DistributedRunner(Path(checkpoint), device=device)
+        same_model(sharded.args, args, f"--checkpoint {checkpoint} vs --model-dir {model_dir}")
+    prefill = decode = None
+    if onnx is not None:
+        prefill = OnnxRuntimeRunner(Path(onnx))
+        prefill.check_matches(args, source=ref_source)
+        prefill.find_layers(args.n_layers)  # the graph's own per-layer values (export.json / structure)
+        decode = OnnxDecodeRunner.beside(prefill)
+        if decode is not None:
+            decode.find_layers(args.n_layers)
+    batch_size, seq_len = settings.batch_size, settings.seq_len
+    if prefill is not None and prefill.info.fixed_shape:
+        batch_size, seq_len = prefill.info.fixed_shape  # a static graph takes only its own shape
+    if seq_len > args.max_seq_len:
+        raise UserError(f"evaluate.seq_len {seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
+    ev = load_eval_data(data=Path(data) if data else None, model_dir=Path(model_dir) if model_dir else None,
+                        vocab_size=args.vocab_size, n_batches=settings.batches, batch_size=batch_size,
+                        seq_len=seq_len, n_prompts=settings.prompts, prompt_len=settings.prompt_len, split=split,
+                        checkpoint=Path(checkpoint) if checkpoint else None)
+    request = Request(settings, checkpoint, model_dir, onnx, om, ev, batch_size, seq_len)
+    prompts, n_new, decode, decode_skip = _fit_generation(ev.prompts, settings.new_tokens, decode)
+    chains = [_chain(g) for g in (prefill, decode)]
+    memory = _plan(settings, args, request, (prefill, decode), chains)
+    whole = memory.mode == "whole"
+    reference.keep = whole
+    for chain in chains:
+        if chain is not None:
+            chain.resident = whole
+    sides = Sides(reference, ref_source, sharded, prefill, chains[0], decode, chains[1], decode_skip)
+    run = Run(request, sides, Prompts(prompts, n_new, None), memory, ValueStore(spill=not whole), Ledger(), steps,
+              TensorDump(out_dir) if settings.dump else None)
+    try:
+        return _reference_values(run)
+    except BaseException:
+        run.close()
+        raise
+
+
+def _reference(checkpoint: Path | None, model_dir: Path | None, device: str) -> tuple[LayeredModel, str]:
+    """The float32 reference (its weights not read yet) and the file its model config came from."""
+    from titan_pipe.model.weights import open_weights
+
+    where = "" if device == "cpu" else f", {device}"
+    if model_dir is not None:
+        ref = LayeredModel(open_weights(Path(model_dir)), device=device,
+                           label=f"torch float32 ({Path(model_dir).name}{where})")
+        return ref, f"{Path(model_dir) / 'config.json'}"
+    ref = LayeredModel(open_weights(Path(checkpoint)), device=device,
+                       label=f"torch float32 ({Path(checkpoint).name}, one process{where})")
+    return ref, f"{Path(checkpoint) / MANIFEST_NAME}"
+
+
+def _fit_generation(prompts, n_new: int, dec: OnnxDecodeRunner | None):
+    """(ragged prompts, new tokens, decode runner, why no KV loop): a static prefill graph takes at
+    most its T tokens, and its fixed cache holds at most C - T + 1 generated ones."""
+    skip = None
+    if dec is not None:
+        if dec.prompt_len is not None:
+            prompts = prompts[:, -dec.prompt_len:]
+        room = dec.max_new_tokens(prompts.shape[1])
+        if room is not None:
+            if min(n_new, room) < 1:
+                dec, skip = None, f"the static cache of {dec.path} has no slot left after a {dec.prompt_len}-token prompt"
+            else:
+                n_new = min(n_new, room)
+    return ragged_prompts(prompts) if prompts.shape[0] else [], n_new, dec, skip
+
+
+def _chain(runner) -> LayerChain | None:
+    """The graph's layer chain, or None when its per-layer values (or the stream into layer 0) are unknown."""
+    if runner is None or runner.graph.taps is None or runner.graph.taps.embed is None:
+        return None
+    return LayerChain(runner.graph)
+
+
+def _plan(settings: EvaluateConfig, args: ModelArgs, request: Request, graphs, chains) -> MemoryPlan:
+    ref_layers = [Need(f"decoder layer {i} (PyTorch reference, float32)", layer_bytes(args, i))
+                  for i in range(args.n_layers)]
+    whole = [Need("reference", sum(n.bytes for n in ref_layers) + top_bytes(args))]
+    pieces = ref_layers + [Need("embedding and output (PyTorch reference, float32)", top_bytes(args))]
+    can_stream = None
+    for runner, chain in zip(graphs, chains):
+        if runner is None:
+            continue
+        item = DTYPE_BYTES_BY_NAME[runner.prefill.dtype if isinstance(runner, OnnxDecodeRunner) else runner.dtype]
+        if chain is None:
+            total = sum(tensor_bytes(t) for t in runner.graph.structure.graph.initializer)
+            whole.append(Need(runner.path.name, ort_bytes(total, item)))
+            can_stream = f"{runner.path.name}: {runner.graph.layers_note or 'no per-layer values'}"
+            continue
+        whole.append(Need(runner.path.name, sum(ort_bytes(p.weight_bytes, item) for p in chain.pieces)))
+        pieces += [Need(f"{runner.path.name} {p.name} (ONNX Runtime)", ort_bytes(p.weight_bytes, item))
+                   for p in chain.pieces]
+    b, t = request.batch_size, request.seq_len
+    activations = 4 * b * t * (len(request.data.batches) * 6 * args.dim + 2 * args.vocab_size)
+    return plan_memory(settings.max_memory, whole=whole, pieces=pieces, activations=activations,
+                       can_stream=can_stream)
+
+
+def _reference_values(run: Run) -> Run:
+    """The reference's greedy tokens (when a candidate generates), then one layer-major forward over
+    the held-out batches and, for the KV-cache loop, each prompt + its greedy tokens."""
+    s, p = run.sides, run.prompts
+    generates = s.decode is not None or (s.prefill is not None and not s.prefill.info.fixed_shape)
+    tokens = None
+    if p.prompts and generates:
+        run.steps.step("reference generation")
+        tokens = s.reference.greedy(p.prompts, p.n_new)
+    run.steps.step("reference forward")
+    seqs = list(run.request.data.batches)
+    parts = [(REF, b) for b in range(len(seqs))]
+    if tokens is not None and s.decode is not None:  # teacher forcing: the loop feeds new tokens 0..n-2
+        seqs += [torch.tensor([q + tokens[j, :-1].tolist()]) for j, q in enumerate(p.prompts)]
+        parts += [(REF_GEN, j) for j in range(len(p.prompts))]
+    s.reference.forward(seqs, StoreSink(run.store, parts))
+    return run if tokens is None else replace(run, prompts=Prompts(p.prompts, p.n_new, tokens))

@@ -1,0 +1,136 @@
+"""One evaluation as data: what was asked, who is compared, the memory mode, what comparisons leave.
+
+``prepare`` checks that the artifacts are one model, loads the held-out data, plans the memory
+mode (evaluate/memory.py), opens the reference and the candidates (no weights of a candidate are
+loaded yet), runs the reference over every token sequence the comparisons need (layer-major:
+each reference layer read once), and returns the Run every comparison reads.
+
+  Request  frozen: artifacts, settings, held-out data, batch shape
+  Sides    frozen: the reference and the candidates (whole graphs and their layer chains)
+  Prompts  frozen: the generations' prompts, new tokens per prompt, the reference's greedy tokens
+  Ledger   what the comparisons record for later ones and for the report (the one mutable part)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from titan_pipe.config import EvaluateConfig
+from titan_pipe.evaluate.batches import EvalData
+from titan_pipe.evaluate.memory import MemoryPlan
+from titan_pipe.evaluate.report import TensorDump
+from titan_pipe.evaluate.runners.ort import OnnxDecodeRunner, OnnxRuntimeRunner
+from titan_pipe.evaluate.runners.ort_layers import LayerChain
+from titan_pipe.evaluate.runners.pytorch import LayeredModel
+from titan_pipe.evaluate.runners.sharded import DistributedRunner
+from titan_pipe.evaluate.store import Values, ValueStore
+from titan_pipe.model.args import ModelArgs
+from titan_pipe.thresholds import resolve_thresholds
+
+REF = "ref"  # the reference's values over the held-out batches, in the store
+REF_GEN = "ref_gen"  # its values over each prompt + its greedy tokens (teacher forcing the KV loop)
+
+
+@dataclass(frozen=True)
+class Request:
+    settings: EvaluateConfig
+    checkpoint: Path | None
+    model_dir: Path | None
+    onnx: Path | None
+    om: Path | None
+    data: EvalData
+    batch_size: int
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class Sides:
+    reference: LayeredModel
+    reference_source: str  # the file its model config came from
+    sharded: DistributedRunner | None
+    prefill: OnnxRuntimeRunner | None
+    prefill_chain: LayerChain | None  # None: its per-layer values are unknown (logits from the whole graph)
+    decode: OnnxDecodeRunner | None
+    decode_chain: LayerChain | None
+    decode_skip: str | None  # why the KV-cache loop cannot run on these graphs
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """Prompts of mixed lengths (P down to P - P//2, cut to a static graph's T), ``n_new`` tokens
+    each (capped by a static cache), the reference's greedy tokens (N, n_new) or None."""
+
+    prompts: list[list[int]]
+    n_new: int
+    reference: torch.Tensor | None
+
+
+@dataclass
+class Ledger:
+    thresholds_used: dict[str, dict] = field(default_factory=dict)
+    judged_dtypes: list[str] = field(default_factory=list)
+    limits_of: dict[str, tuple[str, dict]] = field(default_factory=dict)  # candidate -> (dtype, limits)
+    logits_of: dict[str, str] = field(default_factory=dict)  # candidate -> its side in the store (perplexity)
+    generations: dict[str, torch.Tensor] = field(default_factory=dict)  # label -> (N, n_new) greedy tokens
+    hist: dict[str, np.ndarray] = field(default_factory=dict)  # label -> |cand - ref| logits sample
+    op_rows: list = field(default_factory=list)
+    op_dtypes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Run:
+    request: Request
+    sides: Sides
+    prompts: Prompts
+    memory: MemoryPlan
+    store: ValueStore
+    ledger: Ledger
+    steps: object  # progress (api.Steps)
+    dump: TensorDump | None
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.sides.reference.args
+
+    @property
+    def settings(self) -> EvaluateConfig:
+        return self.request.settings
+
+    def tdtype(self, cand_dtype: str) -> str:
+        """The threshold set: the candidate's dtype, unless evaluate.dtype names one."""
+        return cand_dtype if self.settings.dtype == "auto" else self.settings.dtype
+
+    def limits(self, dt: str) -> dict:
+        self.ledger.thresholds_used[dt] = resolve_thresholds(dt, self.settings.thresholds)
+        if dt not in self.ledger.judged_dtypes:
+            self.ledger.judged_dtypes.append(dt)
+        return self.ledger.thresholds_used[dt]
+
+    def judged(self, label: str, dt: str, side: str | None) -> None:
+        """Record a candidate for the task row: its threshold set, its logits' side in the store."""
+        self.ledger.limits_of[label] = (dt, self.limits(dt))
+        if side is not None:
+            self.ledger.logits_of[label] = side
+
+    def values(self, side: str, parts: int | None = None, n_layers: int | None = None, dim: int = 0) -> Values:
+        n = len(self.request.data.batches) if parts is None else parts
+        return Values(self.store, side, self.args.n_layers if n_layers is None else n_layers, n, dim)
+
+    def close(self) -> None:
+        self.store.close()
+        if self.dump is not None:
+            self.dump.close()
+        for chain in (self.sides.prefill_chain, self.sides.decode_chain):
+            if chain is not None:
+                chain.close()
+
+
+def ragged_prompts(prompts: torch.Tensor) -> list[list[int]]:
+    """(N, P) -> N prompts of lengths P down to P - P//2 (the last N-1 cut from the left), so the
+    KV-cache loop runs a left-padded batch of mixed lengths."""
+    n, p = prompts.shape
+    lengths = [p - (j * (p // 2)) // max(1, n - 1) for j in range(n)]
+    return [row[p - k:].tolist() for row, k in zip(prompts, lengths)]

@@ -1,0 +1,191 @@
+"""ONNX Runtime, streamed: a deployed graph run one piece at a time (evaluate/graph_pieces.py).
+
+The embedding piece, then decoder layer after decoder layer, then the head. Streamed, a piece's
+session opens when its turn comes and closes after, so ONNX Runtime holds one layer's weights at
+a time; resident (whole-graph mode, when everything fits), every piece's session stays open.
+Work is layer-major: every batch (or every decode step) goes through layer i before layer i+1
+opens, so each piece opens once. Each layer's piece runs on the chain's own previous output (what
+the whole graph computes) and, when asked, separately on the reference's input to that layer
+(its own error, apart from what it inherited).
+
+The KV-cache path runs teacher-forced (the tokens of every step are known up front): per layer,
+the prefill piece fills that layer's cache slice, then the decode piece runs every step against
+it (titan_pipe.generation's feeds: the deployed loop's host state, step by step).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import onnx
+import torch
+
+from titan_pipe.errors import UserError
+from titan_pipe.evaluate.graph_pieces import Piece, layer_pieces
+from titan_pipe.evaluate.memory import release
+from titan_pipe.evaluate.runners.ort import OnnxGraph, as_tensor
+from titan_pipe.evaluate.runners.outputs import Outputs, OutputsSink
+from titan_pipe.generation import PaddedBatch, cache_of, decode_feeds, ort_session, past_of, prefill_feeds
+from titan_pipe.graph_io import LOGITS, PRESENT
+
+
+class LayerChain:
+    """One deployed graph as pieces; ``graph.find_layers`` must have found its per-layer values."""
+
+    def __init__(self, graph: OnnxGraph, *, resident: bool = False):
+        t = graph.taps
+        if t is None or t.embed is None:
+            why = graph.layers_note or "no per-layer values found"
+            raise UserError(f"{graph.path}: cannot be evaluated one layer at a time ({why}); re-export it with "
+                            "`titan-pipe export` (export.json then names the values between layers) or raise "
+                            "--max-memory so the whole graph fits")
+        self.graph, self.taps = graph, t
+        self.pieces = layer_pieces(graph.structure, embed=t.embed, layers=t.layer, attn=t.attn, mlp=t.mlp)
+        self.layers = self.pieces[1:-1]
+        self.resident = resident
+        self._open: dict[str, object] = {}
+
+    @property
+    def largest_piece(self) -> Piece:
+        return max(self.pieces, key=lambda p: p.weight_bytes)
+
+    def session(self, piece: Piece):
+        """The piece's session: opened now, or kept from before when the chain is resident."""
+        if piece.name in self._open:
+            return self._open[piece.name]
+        s = ort_session(piece.model, threads=self.graph.threads, external_dir=self.graph.path.parent,
+                        hint="re-export it with `titan-pipe export`")
+        if self.resident:
+            self._open[piece.name] = s
+        return s
+
+    def close(self) -> None:
+        self._open.clear()
+        release()
+
+    def free(self) -> None:
+        """After a piece's turn (streamed): its session is gone; hand its memory back."""
+        if not self.resident:
+            release()
+
+    def _feeds(self, piece: Piece, graph_feeds: dict, stream) -> dict:
+        feeds = {n: graph_feeds[n] for n in piece.graph_inputs}
+        if piece.inputs:
+            feeds[piece.inputs[0]] = stream
+        return feeds
+
+    def boundary_dtype(self, piece: Piece) -> np.dtype:
+        """The numpy dtype of the stream a piece takes (the graph's float type)."""
+        vi = next(v for v in piece.model.graph.input if v.name == piece.inputs[0])
+        return onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+
+    def embed(self, feeds: list[dict]) -> list[np.ndarray]:
+        piece = self.pieces[0]
+        s = self.session(piece)
+        out = [s.run(list(piece.outputs), self._feeds(piece, f, None))[0] for f in feeds]
+        del s
+        self.free()
+        return out
+
+    def head(self, feeds: list[dict], streams: list[np.ndarray], last: bool = False) -> list[np.ndarray]:
+        """Logits of each part (B, T, vocab); ``last``: only the last position's (B, vocab)."""
+        piece = self.pieces[-1]
+        s = self.session(piece)
+        out = [s.run([LOGITS], self._feeds(piece, f, h))[0] for f, h in zip(feeds, streams)]
+        del s
+        self.free()
+        return [o[:, -1] for o in out] if last else out
+
+    def run_layer(self, session, i: int, feeds: dict, stream, extra: dict | None = None) -> dict[str, np.ndarray]:
+        """Layer i's piece on ``stream`` -> {value name: array} of every output it returns."""
+        piece = self.layers[i]
+        got = session.run(list(piece.outputs), self._feeds(piece, {**feeds, **(extra or {})}, stream))
+        return dict(zip(piece.outputs, got))
+
+    def values(self, i: int, named: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """(attention block, MLP block, layer output) of layer i from a piece's named outputs."""
+        t = self.taps
+        pick = lambda n: as_tensor(named[n]) if n and n in named else None  # noqa: E731
+        return pick(t.attn[i]), pick(t.mlp[i]), as_tensor(named[t.layer[i]])
+
+    def forward(self, feeds: list[dict], sink, inherited: Callable | None = None) -> None:
+        """Each part's graph feeds through the chain, layer-major: ``sink.layer(part, i, attn, mlp,
+        hidden)`` per layer, ``sink.logits(part, logits)`` at the end. ``inherited(i, part)``: the
+        reference's input to layer i (a tensor) to also run the piece on, reported through
+        ``sink.own(part, i, hidden)``."""
+        streams = self.embed(feeds)
+        for i, piece in enumerate(self.layers):
+            s = self.session(piece)
+            dtype = self.boundary_dtype(piece)
+            for b, f in enumerate(feeds):
+                named = self.run_layer(s, i, f, streams[b])
+                streams[b] = named[self.taps.layer[i]]
+                sink.layer(b, i, *self.values(i, named))
+                if inherited is not None:
+                    ref_in = inherited(i, b).numpy().astype(dtype)
+                    sink.own(b, i, as_tensor(self.run_layer(s, i, f, ref_in)[self.taps.layer[i]]))
+            del s
+            self.free()
+        for b, logits in enumerate(self.head(feeds, streams)):
+            sink.logits(b, as_tensor(logits))
+
+    def outputs(self, feeds: list[dict]) -> list[Outputs]:
+        """Each part through the chain, every layer's values and the logits kept (small models, tests)."""
+        sink = OutputsSink(len(feeds), len(self.layers))
+        self.forward(feeds, sink)
+        return sink.outputs
+
+    def logits(self, feeds: list[dict]) -> list[torch.Tensor]:
+        """Each part's logits (B, T, vocab) through the chain (no per-layer values kept)."""
+        sink = _LogitsSink()
+        self.forward(feeds, sink)
+        return [sink.got[b] for b in range(len(feeds))]
+
+
+class _LogitsSink:
+    def __init__(self):
+        self.got = {}
+
+    def layer(self, *_):
+        pass
+
+    def logits(self, part: int, logits: torch.Tensor) -> None:
+        self.got[part] = logits
+
+
+def forced_steps(prefill: LayerChain, decode: LayerChain, plan: list[PaddedBatch], n_new: int,
+                 sink=None) -> list[np.ndarray]:
+    """The generation loop teacher-forced onto each batch's ``forced`` tokens, layer-major: per
+    batch, logits (B, n_new, vocab) float32, row k predicting new token k. ``sink.step(batch, k, i,
+    attn, mlp, hidden)`` gets decode.onnx's layer-i values of decode step k (feeding new token k+1)."""
+    pre = [prefill_feeds(pb) for pb in plan]
+    steps = [(b, k, decode_feeds(pb, k, pb.forced[:, k])) for b, pb in enumerate(plan) for k in range(n_new - 1)]
+    s_pre = prefill.embed(pre)
+    s_dec = decode.embed([f for _, _, f in steps]) if steps else []
+    for i in range(len(prefill.layers)):
+        s = prefill.session(prefill.layers[i])
+        caches = []
+        for b, pb in enumerate(plan):
+            named = prefill.run_layer(s, i, pre[b], s_pre[b])
+            s_pre[b] = named[prefill.taps.layer[i]]
+            caches.append({past_of(n): cache_of(v, pb.cache_len) for n, v in named.items() if n.startswith(PRESENT)})
+        del s
+        prefill.free()
+        if not steps:
+            continue
+        s = decode.session(decode.layers[i])
+        for j, (b, k, f) in enumerate(steps):  # batch by batch, step by step: each step's cache is the last one's
+            named = decode.run_layer(s, i, f, s_dec[j], caches[b])
+            s_dec[j] = named[decode.taps.layer[i]]
+            caches[b] = {past_of(n): v for n, v in named.items() if n.startswith(PRESENT)}
+            if sink is not None:
+                sink.step(b, k, i, *decode.values(i, named))
+        del s
+        decode.free()
+    first = prefill.head(pre, s_pre, last=True)
+    later = decode.head([f for _, _, f in steps], s_dec, last=True) if steps else []
+    out = []
+    for b in range(len(plan)):
+        mine = [later[j] for j, (bb, _, _) in enumerate(steps) if bb == b]
+        out.append(np.stack([first[b], *mine], axis=1).astype(np.float32))
+    return out

@@ -1,0 +1,237 @@
+"""The PyTorch reference: the model's own decoder blocks, driven one layer at a time.
+
+The blocks are titan_pipe.model.transformer's ``TransformerBlock`` with the training operators
+(titan_pipe.model.kernels), in float32, fed exactly as ``Transformer.forward`` feeds them
+(embedding, RoPE rows of each position, layer after layer, final norm, output). Weights come
+from a WeightSource (titan_pipe.model.weights: a unified dir's safetensors, or a checkpoint's
+shards assembled by its manifest), one layer's at a time:
+
+  resident (whole-graph mode)  every layer read once and kept
+  streamed                     a layer read (memory-mapped, cast to float32) when its turn comes and
+                               dropped after, so at most one layer's float32 weights are held
+
+``forward`` runs token sequences layer-major (each layer loaded once for all of them) and hands
+each layer's values to a sink; ``greedy`` generates with a per-layer KV cache (one new token a
+step: the same blocks, the attention kernel prepending the cached keys and values).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from titan_pipe.evaluate.memory import release
+from titan_pipe.evaluate.runners.outputs import Outputs, OutputsSink
+from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.kernels import Kernels, reference_kernels
+from titan_pipe.model.params import native_shapes
+from titan_pipe.model.transformer import TransformerBlock, rope_cos_sin
+
+
+class LayerSink(Protocol):
+    """Receives a forward's values, on the CPU: ``embed(seq, h)`` (B, T, dim) the stream entering
+    layer 0, ``layer(seq, i, attn, mlp, hidden)`` (each (B, T, dim)) as layer i finishes a sequence,
+    ``logits(seq, logits)`` (B, T, vocab) at the end."""
+
+    def embed(self, seq: int, h: torch.Tensor) -> None: ...
+
+    def layer(self, seq: int, i: int, attn: torch.Tensor, mlp: torch.Tensor, hidden: torch.Tensor) -> None: ...
+
+    def logits(self, seq: int, logits: torch.Tensor) -> None: ...
+
+
+class _CachedAttention:
+    """The attention kernel with a KV cache: with ``past`` set (keys, values (B, Hkv, S, hd) of the
+    tokens before), one new query token attends to them and to itself; ``seen`` is what the layer
+    attended to, the next step's ``past``."""
+
+    def __init__(self, base: Callable):
+        self.base, self.past, self.seen = base, None, None
+
+    def __call__(self, q, k, v, *, n_rep: int, causal: bool = True, **kw):
+        if self.past is not None:
+            if q.shape[2] != 1:
+                raise ValueError("the cached reference takes one new token a step")
+            k, v = torch.cat([self.past[0], k], dim=2), torch.cat([self.past[1], v], dim=2)
+            causal = False  # the one new token sees every cached position and itself
+        self.seen = (k, v)
+        return self.base(q, k, v, n_rep=n_rep, causal=causal, **kw)
+
+
+class LayeredModel:
+    """The reference model over a WeightSource; ``keep``: resident (True) or streamed (False)."""
+
+    def __init__(self, source, *, device: str = "cpu", kernels: Kernels | None = None, keep: bool = True,
+                 label: str = "torch float32"):
+        self.source, self.args, self.device, self.keep, self.label = source, source.args, device, keep, label
+        self.dtype = "float32"
+        self._attn = _CachedAttention((kernels or reference_kernels()).attention)
+        self.kernels = replace(kernels or reference_kernels(), attention=self._attn)
+        cos, sin = rope_cos_sin(self.args)
+        self._cos, self._sin = cos.to(device), sin.to(device)
+        self._blocks: dict[int, TransformerBlock] = {}
+        self._top: dict[str, torch.Tensor] = {}
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def _weight(self, name: str, *, cast: bool = True) -> torch.Tensor:
+        t = self.source.full(name)
+        return (t.to(torch.float32) if cast else t).to(self.device)
+
+    def _load_block(self, i: int) -> TransformerBlock:
+        with torch.device("meta"):
+            block = TransformerBlock(self.args, self.kernels)
+        for name, _ in list(block.named_parameters()):
+            *path, leaf = name.split(".")
+            owner = block
+            for part in path:
+                owner = getattr(owner, part)
+            setattr(owner, leaf, torch.nn.Parameter(self._weight(f"layers.{i}.{name}"), requires_grad=False))
+        return block.eval()
+
+    def block(self, i: int) -> TransformerBlock:
+        """Decoder layer i in float32 on the device (read now, or kept from before when resident)."""
+        if i in self._blocks:
+            return self._blocks[i]
+        block = self._load_block(i)
+        if self.keep:
+            self._blocks[i] = block
+        self._release()
+        return block
+
+    def _top_weight(self, name: str, cast: bool) -> torch.Tensor:
+        if name in self._top:
+            return self._top[name]
+        t = self._weight(name, cast=cast)
+        if self.keep:
+            self._top[name] = t
+        return t
+
+    def _release(self) -> None:
+        """Close the source's open files between layers, so mapped pages do not add up (streamed)."""
+        if not self.keep and hasattr(self.source, "close"):
+            self.source.close()
+
+    def _free(self) -> None:
+        if not self.keep:
+            release()
+
+    def load_all(self) -> "LayeredModel":
+        """Read every layer now (resident mode), so load time is not counted in the first forward."""
+        for i in range(self.args.n_layers):
+            self.block(i)
+        return self
+
+    # -- pieces of the forward ------------------------------------------------------------------
+
+    def embed(self, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """(B, T) ids each -> (B, T, dim) float32: rows gathered in the stored dtype, then cast (exact)."""
+        table = self._top_weight("tok_embeddings.weight", cast=False)
+        return [F.embedding(t.to(self.device), table).to(torch.float32) for t in seqs]
+
+    def head(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """(B, T, dim) each -> logits (B, T, vocab) float32 on the CPU: final norm, output projection."""
+        out = "tok_embeddings.weight" if self.args.tie_embeddings else "output.weight"
+        norm, w = self._top_weight("norm.weight", cast=True), self._top_weight(out, cast=True)
+        logits = [F.linear(self.kernels.rms_norm(h, norm, self.args.norm_eps), w).to("cpu") for h in hs]
+        self._release()
+        return logits
+
+    def _rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cos[start:start + n], self._sin[start:start + n]
+
+    @torch.no_grad()
+    def run_block(self, block: TransformerBlock, h: torch.Tensor, start: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer output, attention block output, MLP block output for ``h`` (B, T, dim) at positions
+        start..start+T-1 (a cached step: ``self._attn.past`` set by the caller)."""
+        got = {}
+        hooks = [block.attention.register_forward_hook(lambda _m, _i, o: got.__setitem__("attn", o)),
+                 block.feed_forward.register_forward_hook(lambda _m, _i, o: got.__setitem__("mlp", o))]
+        try:
+            out = block(h, *self._rope(start, h.shape[1]))
+        finally:
+            for hk in hooks:
+                hk.remove()
+        return out, got["attn"], got["mlp"]
+
+    # -- what the comparisons call ---------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, seqs: list[torch.Tensor], sink: LayerSink) -> None:
+        """Every sequence (B, T) int64 through the model, layer-major: layer i is loaded once for all."""
+        h = self.embed(seqs)
+        for j, x in enumerate(h):
+            sink.embed(j, x.to("cpu"))
+        self._attn.past = None
+        for i in range(self.args.n_layers):
+            block = self.block(i)
+            for j, x in enumerate(h):
+                h[j], attn, mlp = self.run_block(block, x)
+                sink.layer(j, i, attn.to("cpu"), mlp.to("cpu"), h[j].to("cpu"))
+            del block
+            self._free()
+        for j, logits in enumerate(self.head(h)):
+            sink.logits(j, logits)
+
+    @classmethod
+    def from_path(cls, path, *, device: str = "cpu", kernels: Kernels | None = None, keep: bool = True,
+                  label: str | None = None) -> "LayeredModel":
+        """A unified model dir or a checkpoint step dir (titan_pipe.model.weights.open_weights)."""
+        from pathlib import Path
+
+        from titan_pipe.model.weights import open_weights
+
+        return cls(open_weights(Path(path)), device=device, kernels=kernels, keep=keep,
+                   label=label or f"torch float32 ({Path(path).name})")
+
+    def run(self, tokens: torch.Tensor) -> Outputs:
+        """One batch (B, T) -> Outputs (logits and every layer's values)."""
+        sink = OutputsSink(1, self.args.n_layers)
+        self.forward([tokens], sink)
+        return sink.outputs[0]
+
+    @torch.no_grad()
+    def greedy(self, prompts: list[list[int]], n_new: int) -> torch.Tensor:
+        """Greedy continuation of each prompt alone (unpadded) -> (N, n_new) int64: the prompt in one
+        step, then one token a step against each layer's KV cache."""
+        cache: dict[tuple[int, int], tuple] = {}
+        x = [torch.tensor([p], dtype=torch.int64) for p in prompts]
+        start = [0] * len(prompts)
+        new = torch.zeros(len(prompts), n_new, dtype=torch.int64)
+        for step in range(n_new):
+            h = self.embed(x)
+            for i in range(self.args.n_layers):
+                block = self.block(i)
+                for j in range(len(h)):
+                    self._attn.past = cache.get((j, i))
+                    h[j] = self.run_block(block, h[j], start[j])[0]
+                    cache[j, i] = self._attn.seen
+                del block
+                self._free()
+            self._attn.past = None
+            for j, logits in enumerate(self.head([t[:, -1:] for t in h])):
+                new[j, step] = int(logits.argmax(-1))
+                start[j] += x[j].shape[1]
+                x[j] = new[j, step].view(1, 1)
+        return new
+
+
+def layer_bytes(args: ModelArgs, i: int, itemsize: int = 4) -> int:
+    """Bytes of decoder layer i's parameters at ``itemsize`` bytes each (4: the float32 reference)."""
+    prefix = f"layers.{i}."
+    return itemsize * sum(_numel(s) for n, s in native_shapes(args).items() if n.startswith(prefix))
+
+
+def top_bytes(args: ModelArgs, itemsize: int = 4) -> int:
+    """Bytes of the parameters outside the layers (embedding, final norm, output)."""
+    return itemsize * sum(_numel(s) for n, s in native_shapes(args).items() if not n.startswith("layers."))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

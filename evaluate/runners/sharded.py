@@ -1,0 +1,71 @@
+"""The training checkpoint under its own dp/tp/pp layout: training's sharded forward process."""
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from titan_pipe import sharded_outputs
+from titan_pipe.checkpoint_format import is_complete
+from titan_pipe.errors import StageFailed, UserError
+from titan_pipe.evaluate.runners.outputs import Outputs
+from titan_pipe.model.args import ModelArgs
+
+
+class DistributedRunner:
+    """The training checkpoint under its own dp/tp/pp layout: torchrun + the training operators.
+
+    Starts training's sharded forward process (titan_pipe.sharded_outputs: ``python -m
+    torch.distributed.run --nproc_per_node=dp*tp*pp -m titan_pipe.training.sharded_forward``) once
+    for all batches (start-up dominates on CPU) and reads back logits and per-layer hidden states
+    from the safetensors files it writes.
+    """
+
+    def __init__(self, checkpoint: Path, *, device: str = "cpu", timeout_s: float = 900):
+        from titan_pipe.checkpoint_format import Manifest
+
+        checkpoint = Path(checkpoint)
+        if not is_complete(checkpoint):
+            raise UserError(f"{checkpoint}: no manifest.json, so not a complete titan-pipe checkpoint; pass "
+                            "runs/<name>/checkpoints/step-XXXXXX (the manifest is written last)")
+        try:
+            self.manifest = Manifest.load(checkpoint)
+        except Exception as e:
+            raise UserError(f"{checkpoint / 'manifest.json'}: unreadable ({e})") from None
+        self.args = ModelArgs.from_dict(self.manifest.model)
+        self.layout = self.manifest.parallel
+        self.checkpoint, self.device, self.timeout_s = checkpoint, device, timeout_s
+        where = "" if device == "cpu" else f", {device}"
+        self.label = f"torchrun tp{self.layout.tp} pp{self.layout.pp} ({checkpoint.name}{where})"
+        self.dtype = "float32"
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def run_all(self, batches: list[torch.Tensor]) -> list[Outputs]:
+        """All batches in one torchrun launch; StageFailed with the ranks' last log lines on error."""
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory(prefix="titan-eval-dist-") as tmp:
+            tmp = Path(tmp)
+            save_file({sharded_outputs.batch_key(i): b.contiguous() for i, b in enumerate(batches)},
+                      str(tmp / sharded_outputs.TOKENS_FILE))
+            cmd = sharded_outputs.command(world_size=self.world_size, checkpoint=self.checkpoint, out_dir=tmp,
+                                          device=self.device)
+            env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, env=env)
+            except subprocess.TimeoutExpired:
+                raise StageFailed(f"sharded forward of {self.checkpoint} timed out after {self.timeout_s:.0f}s") from None
+            if proc.returncode != 0:
+                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+                raise StageFailed(f"sharded forward of {self.checkpoint} failed (exit {proc.returncode}):\n{tail}")
+            got = sharded_outputs.read_outputs(tmp, n_batches=len(batches), n_layers=self.args.n_layers)
+        return [Outputs(logits, hidden) for logits, hidden in got]
+
+    def run(self, tokens: torch.Tensor) -> Outputs:
+        return self.run_all([tokens])[0]

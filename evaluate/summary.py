@@ -1,0 +1,59 @@
+"""What report.json holds about a run (inputs, data, model, settings, memory mode, environment), and
+the short summary evaluate_model returns."""
+from __future__ import annotations
+
+import datetime as _dt
+
+import torch
+
+from titan_pipe.evaluate import compare as cmp
+from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION
+from titan_pipe.evaluate.run import Run
+from titan_pipe.evaluate.runners.om import ascend_runtime
+
+
+def report_dict(run: Run, comparisons: list[cmp.Comparison], verdict: cmp.Verdict) -> dict:
+    args, q = run.args, run.request
+    ev, s = q.data, q.settings
+    return {
+        "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "passed": verdict.passed, "verdict": verdict.to_dict(),
+        "inputs": {"checkpoint": _s(q.checkpoint), "model_dir": _s(q.model_dir), "onnx": _s(q.onnx),
+                   "om": _s(q.om), "data": ev.source},
+        "data": {"source": ev.source, "tokenizer": ev.tokenizer, "batches": len(ev.batches),
+                 "batch_size": q.batch_size, "seq_len": q.seq_len, "prompts": int(ev.prompts.shape[0]),
+                 "prompt_len": int(ev.prompts.shape[1]), "new_tokens": s.new_tokens},
+        "model": args.to_dict() | {"rope_scaling": None if args.rope_scaling is None else vars(args.rope_scaling)},
+        "settings": s.model_dump(), "thresholds": run.ledger.thresholds_used,
+        "memory": run.memory.to_dict(),
+        "environment": environment(),
+        "comparisons": [c.to_dict() for c in comparisons],
+        "operators": [r.to_dict() for r in run.ledger.op_rows],
+    }
+
+
+def _s(p) -> str | None:
+    return None if p is None else str(p)
+
+
+def environment() -> dict:
+    import onnxruntime
+
+    return {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
+            "ascend_runtime": ascend_runtime()}
+
+
+def summary(verdict: cmp.Verdict, comparisons: list[cmp.Comparison], mode: str) -> dict:
+    out = {"passed": verdict.passed, "verdict": verdict.text, "memory_mode": mode,
+           "first_failing_layer": verdict.first_failing_layer,
+           "first_failing_operator": verdict.first_failing_operator,
+           "comparisons": {c.id: c.status for c in comparisons}}
+    for c in comparisons:
+        for r in c.rows:
+            if r.tensor == "logits":
+                out[f"{c.id}.logits"] = {"cosine": r.metrics.cosine, "max_abs": r.metrics.max_abs,
+                                         "kl": r.metrics.kl, "top1": r.metrics.top1}
+        if c.id == "task":
+            out["perplexity"] = c.details.get("perplexity")
+    return out
