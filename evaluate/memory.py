@@ -49,7 +49,10 @@ def budget_bytes(setting: str) -> int:
         import psutil
 
         return int(AUTO_FRACTION * psutil.virtual_memory().available)
-    return parse_size(setting)
+    try:
+        return parse_size(setting)
+    except ValueError as e:
+        raise UserError(f"--max-memory {setting}: {e} (or auto)") from None
 
 
 def ort_bytes(weight_bytes: int, itemsize: int) -> int:
@@ -59,11 +62,12 @@ def ort_bytes(weight_bytes: int, itemsize: int) -> int:
 
 def plan_memory(setting: str, *, whole: list[Need], pieces: list[Need], activations: int,
                 can_stream: str | None) -> MemoryPlan:
-    """``whole``: what stays loaded in whole mode (summed); ``pieces``: what one step holds in
-    streamed mode (the largest counts); ``can_stream``: None, or why streamed mode is impossible.
+    """``whole``: what whole mode holds at each stage, one after the other (the reference while it
+    runs, then the graphs' pieces; the largest counts); ``pieces``: what one step holds in streamed
+    mode (the largest counts); ``can_stream``: None, or why streamed mode is impossible.
     Whole mode when it fits; UserError when not even one piece fits (or streaming is impossible)."""
     budget = budget_bytes(setting)
-    need_whole = sum(n.bytes for n in whole) + activations
+    need_whole = max(n.bytes for n in whole) + activations
     top = max(pieces, key=lambda n: n.bytes)
     need_one = top.bytes + activations
     label = "auto" if setting == "auto" else setting

@@ -112,7 +112,8 @@ def _chain(runner) -> LayerChain | None:
 def _plan(settings: EvaluateConfig, args: ModelArgs, request: Request, graphs, chains) -> MemoryPlan:
     ref_layers = [Need(f"decoder layer {i} (PyTorch reference, float32)", layer_bytes(args, i))
                   for i in range(args.n_layers)]
-    whole = [Need("reference", sum(n.bytes for n in ref_layers) + top_bytes(args))]
+    whole = [Need("PyTorch reference, float32", sum(n.bytes for n in ref_layers) + top_bytes(args))]
+    graphs_whole = []
     pieces = ref_layers + [Need("embedding and output (PyTorch reference, float32)", top_bytes(args))]
     can_stream = None
     for runner, chain in zip(graphs, chains):
@@ -121,14 +122,16 @@ def _plan(settings: EvaluateConfig, args: ModelArgs, request: Request, graphs, c
         item = DTYPE_BYTES_BY_NAME[runner.prefill.dtype if isinstance(runner, OnnxDecodeRunner) else runner.dtype]
         if chain is None:
             total = sum(tensor_bytes(t) for t in runner.graph.structure.graph.initializer)
-            whole.append(Need(runner.path.name, ort_bytes(total, item)))
+            graphs_whole.append(Need(runner.path.name, ort_bytes(total, item)))
             can_stream = f"{runner.path.name}: {runner.graph.layers_note or 'no per-layer values'}"
             continue
-        whole.append(Need(runner.path.name, sum(ort_bytes(p.weight_bytes, item) for p in chain.pieces)))
+        graphs_whole.append(Need(runner.path.name, sum(ort_bytes(p.weight_bytes, item) for p in chain.pieces)))
         pieces += [Need(f"{runner.path.name} {p.name} (ONNX Runtime)", ort_bytes(p.weight_bytes, item))
                    for p in chain.pieces]
     b, t = request.batch_size, request.seq_len
     activations = 4 * b * t * (len(request.data.batches) * 6 * args.dim + 2 * args.vocab_size)
+    if graphs_whole:  # held together once the reference is done: the graphs' pieces, resident
+        whole.append(Need(" + ".join(n.name for n in graphs_whole), sum(n.bytes for n in graphs_whole)))
     return plan_memory(settings.max_memory, whole=whole, pieces=pieces, activations=activations,
                        can_stream=can_stream)
 
@@ -149,4 +152,5 @@ def _reference_values(run: Run) -> Run:
         seqs += [torch.tensor([q + tokens[j, :-1].tolist()]) for j, q in enumerate(p.prompts)]
         parts += [(REF_GEN, j) for j in range(len(p.prompts))]
     s.reference.forward(seqs, StoreSink(run.store, parts))
+    s.reference.drop()  # every comparison reads the reference's values from the store from here on
     return run if tokens is None else replace(run, prompts=Prompts(p.prompts, p.n_new, tokens))

@@ -119,13 +119,19 @@ class Run:
         n = len(self.request.data.batches) if parts is None else parts
         return Values(self.store, side, self.args.n_layers if n_layers is None else n_layers, n, dim)
 
+    def close_graphs(self, *, prefill: bool = True, decode: bool = True) -> None:
+        """Close the graphs' sessions a comparison was the last to need (they reopen if asked again)."""
+        s = self.sides
+        for wanted, graph in ((prefill, s.prefill_chain), (prefill, s.prefill), (decode, s.decode_chain),
+                              (decode, s.decode)):
+            if wanted and graph is not None:
+                graph.close()
+
     def close(self) -> None:
+        self.close_graphs()
         self.store.close()
         if self.dump is not None:
             self.dump.close()
-        for chain in (self.sides.prefill_chain, self.sides.decode_chain):
-            if chain is not None:
-                chain.close()
 
 
 def ragged_prompts(prompts: torch.Tensor) -> list[list[int]]:

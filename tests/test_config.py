@@ -36,6 +36,7 @@ def test_example_and_template_are_valid():
     ({"model": {"flavour": "debug", "kernels": "fused"}}, "model.kernels"),
     ({"device": "cpu", "model": {"flavour": "debug", "kernels": "npu_fused"}}, "npu_fused needs device npu"),
     ({"export": {"opset": 18}}, "export.opset"),
+    ({"evaluate": {"max_memory": "lots"}}, "evaluate.max_memory"),
 ])
 def test_bad_values_get_one_clear_line(patch, expect, tmp_path):
     data = _example()

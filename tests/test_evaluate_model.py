@@ -51,6 +51,14 @@ def export(model_dir: Path, out: Path, dtype="float32") -> Path:
 
 
 LAYER_ROWS = [f"{k}.{i}" for i in range(4) for k in ("attn_out", "mlp_out", "hidden")]
+# evaluate.max_memory for each mode on the debug model: everything loaded, or one layer at a time
+# (its largest piece needs < 1 MB, the whole evaluation ~5 MB)
+MODES = pytest.mark.parametrize("memory", ["auto", "2MB"], ids=["whole", "streamed"])
+
+
+def ran_in(report_json: Path, memory: str) -> None:
+    mode = json.loads(report_json.read_text())["memory"]["mode"]
+    assert mode == ("whole" if memory == "auto" else "streamed"), mode
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +100,8 @@ def test_float32_export_passes_and_report_parses(art, tmp_path):
     assert any(o["dtype"] == "bfloat16" and o["status"].startswith("skipped: ORT has no bfloat16") for o in ops)
 
 
-def test_perturbed_onnx_weight_fails_at_that_layer(art, tmp_path):
+@MODES
+def test_perturbed_onnx_weight_fails_at_that_layer(art, tmp_path, memory):
     m = onnx.load(str(art["onnx32"]))
     init = next(i for i in m.graph.initializer if i.name == "layers.2.w2")
     w = numpy_helper.to_array(init).copy()
@@ -101,7 +110,9 @@ def test_perturbed_onnx_weight_fails_at_that_layer(art, tmp_path):
     bad = tmp_path / "model.onnx"
     onnx.save(m, str(bad))
     (tmp_path / "export.json").write_bytes((art["onnx32"].parent / "export.json").read_bytes())
-    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=bad, settings=FAST)
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=bad,
+                       settings=FAST.model_copy(update={"max_memory": memory}))
+    ran_in(r.report_json, memory)
     assert not r.passed
     assert r.summary["first_failing_layer"]["layer"] == 2
     rows = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")["rows"]
@@ -278,12 +289,15 @@ def test_honest_kv_export_passes_with_per_layer_rows_of_both_graphs(art, kv_expo
     assert "alt='layer_error.png'" in html  # the per-layer plot of the deployed graphs
 
 
+@MODES
 @pytest.mark.parametrize("graph, cid", [("model.onnx", "torch_vs_onnx"), ("decode.onnx", "onnx_kv_decode")])
 @pytest.mark.parametrize("layer", [1, 3])
-def test_scaled_weight_in_deployed_graph_is_named_at_its_layer(art, kv_export, tmp_path, graph, cid, layer):
+def test_scaled_weight_in_deployed_graph_is_named_at_its_layer(art, kv_export, tmp_path, graph, cid, layer, memory):
     bad = tmp_path / "bad"
     name = _scaled_copy(kv_export, bad, graph, layer)
-    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=bad / "model.onnx", settings=KV)
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=bad / "model.onnx",
+                       settings=KV.model_copy(update={"max_memory": memory}))
+    ran_in(r.report_json, memory)
     assert not r.passed
     first = r.summary["first_failing_layer"]
     assert (first["comparison"], first["layer"]) == (cid, layer), (name, first)
@@ -293,7 +307,7 @@ def test_scaled_weight_in_deployed_graph_is_named_at_its_layer(art, kv_export, t
     if graph == "decode.onnx":  # the prefill graph is untouched and still passes
         assert r.summary["comparisons"]["torch_vs_onnx"] == "pass"
     assert (tmp_path / "rep" / "layer_error.png").stat().st_size > 1000
-    if (graph, layer) == ("model.onnx", 3):  # and through the CLI: exit 1, the layer named
+    if (graph, layer, memory) == ("model.onnx", 3, "auto"):  # and through the CLI: exit 1, the layer named
         res = CliRunner().invoke(app, ["evaluate", "--model-dir", str(art["model_dir"]), "--onnx",
                                        str(bad / "model.onnx"), "--no-operators", "--batches", "1",
                                        "-o", str(tmp_path / "cli")])
@@ -330,10 +344,13 @@ def test_too_little_held_out_text_is_a_clear_error(art, tmp_path):
         evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], data=short, settings=FAST)
 
 
-def test_kv_cache_decode_graph_is_checked_on_its_own(art, kv_export, tmp_path):
+@MODES
+def test_kv_cache_decode_graph_is_checked_on_its_own(art, kv_export, tmp_path, memory):
     """decode.onnx is what generation runs: a fault only there fails onnx_kv_decode, not the prefill rows."""
+    kv = KV.model_copy(update={"max_memory": memory})
     good = evaluate_model(out_dir=tmp_path / "good", model_dir=art["model_dir"], onnx=kv_export / "model.onnx",
-                          settings=KV)
+                          settings=kv)
+    ran_in(good.report_json, memory)
     assert good.passed and good.summary["comparisons"]["onnx_kv_decode"] == "pass"
     gen = json.loads(good.report_json.read_text())["comparisons"][-1]["details"]["generation"]
     assert any("KV-cache" in k and v["identical"] for k, v in gen.items())
@@ -347,7 +364,7 @@ def test_kv_cache_decode_graph_is_checked_on_its_own(art, kv_export, tmp_path):
     w[3, 4] += 0.05
     init.CopyFrom(numpy_helper.from_array(w, init.name))
     onnx.save(m, str(out / "decode.onnx"))
-    bad = evaluate_model(out_dir=tmp_path / "bad", model_dir=art["model_dir"], onnx=out / "model.onnx", settings=KV)
+    bad = evaluate_model(out_dir=tmp_path / "bad", model_dir=art["model_dir"], onnx=out / "model.onnx", settings=kv)
     st = bad.summary["comparisons"]
     assert not bad.passed and st["onnx_kv_decode"] == "fail" and st["torch_vs_onnx"] == "pass"
     assert bad.summary["first_failing_layer"]["layer"] == 1

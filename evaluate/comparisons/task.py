@@ -20,6 +20,7 @@ def compare(run: Run) -> cmp.Comparison:
     generations = dict(run.ledger.generations)
     if _prefill_generates(run):
         generations[run.sides.prefill.label] = _prefill_generation(run)
+        run.close_graphs()
     if generations:
         generations = {ref.label: run.prompts.reference, **generations}
     task = cmp.task_comparison(ppl, ref.label, generations, run.ledger.limits_of)

@@ -43,21 +43,26 @@ class LayerSink(Protocol):
 
 
 class _CachedAttention:
-    """The attention kernel with a KV cache: with ``past`` set (keys, values (B, Hkv, S, hd) of the
-    tokens before), one new query token attends to them and to itself; ``seen`` is what the layer
-    attended to, the next step's ``past``."""
+    """The attention kernel with a KV cache. ``past`` None: the block's tokens attend causally among
+    themselves. ``past`` a list (one (keys, values) (1, Hkv, S_r, hd) per batch row, each row its
+    own length): each row's one new token attends to its cached positions and itself. ``seen`` is
+    what each row attended to, the next step's ``past``."""
 
     def __init__(self, base: Callable):
         self.base, self.past, self.seen = base, None, None
 
     def __call__(self, q, k, v, *, n_rep: int, causal: bool = True, **kw):
-        if self.past is not None:
-            if q.shape[2] != 1:
-                raise ValueError("the cached reference takes one new token a step")
-            k, v = torch.cat([self.past[0], k], dim=2), torch.cat([self.past[1], v], dim=2)
-            causal = False  # the one new token sees every cached position and itself
-        self.seen = (k, v)
-        return self.base(q, k, v, n_rep=n_rep, causal=causal, **kw)
+        if self.past is None:
+            self.seen = [(k[r:r + 1], v[r:r + 1]) for r in range(k.shape[0])]
+            return self.base(q, k, v, n_rep=n_rep, causal=causal, **kw)
+        if q.shape[2] != 1:
+            raise ValueError("the cached reference takes one new token a step")
+        out, self.seen = [], []
+        for r, (pk, pv) in enumerate(self.past):
+            kr, vr = torch.cat([pk, k[r:r + 1]], dim=2), torch.cat([pv, v[r:r + 1]], dim=2)
+            self.seen.append((kr, vr))  # the one new token sees every cached position and itself
+            out.append(self.base(q[r:r + 1], kr, vr, n_rep=n_rep, causal=False, **kw))
+        return torch.cat(out)
 
 
 class LayeredModel:
@@ -117,6 +122,12 @@ class LayeredModel:
     def _free(self) -> None:
         if not self.keep:
             release()
+
+    def drop(self) -> None:
+        """Forget every layer kept (whole mode, once the reference's values are all computed)."""
+        self._blocks.clear()
+        self._top.clear()
+        release()
 
     def load_all(self) -> "LayeredModel":
         """Read every layer now (resident mode), so load time is not counted in the first forward."""
@@ -195,27 +206,35 @@ class LayeredModel:
 
     @torch.no_grad()
     def greedy(self, prompts: list[list[int]], n_new: int) -> torch.Tensor:
-        """Greedy continuation of each prompt alone (unpadded) -> (N, n_new) int64: the prompt in one
-        step, then one token a step against each layer's KV cache."""
-        cache: dict[tuple[int, int], tuple] = {}
-        x = [torch.tensor([p], dtype=torch.int64) for p in prompts]
-        start = [0] * len(prompts)
-        new = torch.zeros(len(prompts), n_new, dtype=torch.int64)
-        for step in range(n_new):
-            h = self.embed(x)
-            for i in range(self.args.n_layers):
+        """Greedy continuation of each prompt, unpadded -> (N, n_new) int64: each prompt alone in one
+        step, then one token a step for all prompts at once, each row against its own KV cache
+        (per row: its own positions, its own cached keys; only the matmuls are shared)."""
+        n, layers = len(prompts), range(self.args.n_layers)
+        new = torch.zeros(n, n_new, dtype=torch.int64)
+        h = self.embed([torch.tensor([p], dtype=torch.int64) for p in prompts])
+        cache: list[list] = [[] for _ in layers]  # layer -> per row (keys, values)
+        for i in layers:
+            block = self.block(i)
+            for j in range(n):
+                h[j] = self.run_block(block, h[j])[0]
+                cache[i] += self._attn.seen
+            del block
+            self._free()
+        new[:, 0] = torch.cat([lg[:, -1] for lg in self.head([x[:, -1:] for x in h])]).argmax(-1)
+        pos = torch.tensor([len(p) for p in prompts], device=self.device)
+        for step in range(1, n_new):
+            x = self.embed([new[:, step - 1:step]])[0]  # (N, 1, dim)
+            cos, sin = self._cos[pos][:, None, None], self._sin[pos][:, None, None]  # (N, 1, 1, hd)
+            for i in layers:
                 block = self.block(i)
-                for j in range(len(h)):
-                    self._attn.past = cache.get((j, i))
-                    h[j] = self.run_block(block, h[j], start[j])[0]
-                    cache[j, i] = self._attn.seen
+                self._attn.past = cache[i]
+                x = block(x, cos, sin)
+                cache[i] = self._attn.seen
                 del block
                 self._free()
             self._attn.past = None
-            for j, logits in enumerate(self.head([t[:, -1:] for t in h])):
-                new[j, step] = int(logits.argmax(-1))
-                start[j] += x[j].shape[1]
-                x[j] = new[j, step].view(1, 1)
+            new[:, step] = self.head([x])[0][:, -1].argmax(-1)
+            pos += 1
         return new
 
 

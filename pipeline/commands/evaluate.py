@@ -50,6 +50,9 @@ def register(app: typer.Typer) -> None:
         dump: Optional[bool] = typer.Option(None, "--dump/--no-dump", help="Also write every compared tensor "
                                             "pair as REPORT_DIR/dump/<comparison>/{golden,candidate}/<tensor>.npy "
                                             "(for msit / msprobe compare)"),
+        max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory budget, e.g. 8GB or 6GiB: "
+                                                 "whole graphs when they fit, else one decoder layer at a time; "
+                                                 "auto: half the RAM available [default: evaluate.max_memory, auto]"),
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Compare training checkpoint, unified model, ONNX and OM per layer, per operator, per dtype.
@@ -76,6 +79,8 @@ def register(app: typer.Typer) -> None:
             updates["dump"] = dump
         if operators is not None:
             updates["operators"] = operators
+        if max_memory is not None:
+            updates["max_memory"] = max_memory
         settings = settings.model_copy(update=updates)
         r = call_stage("evaluate", evaluate_model, track=flow, out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
                            data=data, settings=settings, progress=True, split=split)

@@ -1,0 +1,125 @@
+"""Layer-streamed evaluation: the same rows and verdict as whole-graph mode, pieces that compute what the
+whole graph computes, and a budget too small for one layer refused before any work."""
+import json
+import math
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from typer.testing import CliRunner
+
+pytest.importorskip("onnxruntime")
+
+from test_evaluate_model import LAYER_ROWS, debug_model, write_unified  # noqa: E402
+from titan_pipe.cli import app  # noqa: E402
+from titan_pipe.config import EvaluateConfig  # noqa: E402
+from titan_pipe.convert.onnx.export import export_model  # noqa: E402
+from titan_pipe.errors import UserError  # noqa: E402
+from titan_pipe.evaluate.api import evaluate_model  # noqa: E402
+from titan_pipe.evaluate.runners.ort import OnnxRuntimeRunner  # noqa: E402
+from titan_pipe.evaluate.runners.ort_layers import LayerChain  # noqa: E402
+from titan_pipe.generation import ort_session  # noqa: E402
+
+SETTINGS = EvaluateConfig(operators=False, batches=2, batch_size=2, seq_len=32, prompts=2, new_tokens=5)
+
+
+@pytest.fixture(scope="module")
+def art(tmp_path_factory):
+    root = tmp_path_factory.mktemp("streamed")
+    model, args = debug_model()
+    md = write_unified(model, args, root / "model")
+    onnx = {dt: export_model(model_dir=md, out_dir=root / dt, dtype=dt, kv_cache=True, run_atc=False).onnx
+            for dt in ("float32", "float16")}
+    return {"model_dir": md, "args": args, "onnx": onnx}
+
+
+def _report(art, tmp_path, dtype: str, memory: str) -> dict:
+    r = evaluate_model(out_dir=tmp_path / f"{dtype}-{memory}", model_dir=art["model_dir"], onnx=art["onnx"][dtype],
+                       settings=SETTINGS.model_copy(update={"max_memory": memory}))
+    return json.loads(r.report_json.read_text())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_streamed_rows_equal_whole_graph_rows(art, tmp_path, dtype):
+    whole, streamed = _report(art, tmp_path, dtype, "auto"), _report(art, tmp_path, dtype, "2MB")
+    assert (whole["memory"]["mode"], streamed["memory"]["mode"]) == ("whole", "streamed")
+    assert "one layer at a time" in streamed["memory"]["why"] and "fits" in whole["memory"]["why"]
+    assert whole["verdict"]["text"] == streamed["verdict"]["text"] and whole["passed"] == streamed["passed"]
+    pairs = 0
+    for a, b in zip(whole["comparisons"], streamed["comparisons"], strict=True):
+        assert (a["id"], a["status"]) == (b["id"], b["status"])
+        assert [r["tensor"] for r in a["rows"]] == [r["tensor"] for r in b["rows"]]
+        for ra, rb in zip(a["rows"], b["rows"]):
+            for key, va in ra["metrics"].items():
+                vb = rb["metrics"][key]
+                if isinstance(va, float) and math.isfinite(va):
+                    assert vb == pytest.approx(va, rel=1e-6, abs=1e-300), (a["id"], ra["tensor"], key)
+                    pairs += 1
+    rows = {c["id"]: [r["tensor"] for r in c["rows"]] for c in streamed["comparisons"]}
+    assert rows["torch_vs_onnx"] == rows["onnx_kv_decode"] == LAYER_ROWS + ["logits"]
+    assert pairs > 400  # every finite measure of 2 x 13 rows
+    onnx_row = next(c for c in streamed["comparisons"] if c["id"] == "torch_vs_onnx")
+    assert [e["layer"] for e in onnx_row["details"]["own_error"]] == [0, 1, 2, 3]  # each layer on the reference's input
+
+
+def test_pieces_compute_what_the_whole_graph_computes(art):
+    """float32: every layer's values and the logits of the chained pieces equal, bit for bit, those of
+    the whole graph in one session (the graph with the recorded values added as outputs)."""
+    path = art["onnx"]["float32"]
+    ort = OnnxRuntimeRunner(path)
+    ort.find_layers(art["args"].n_layers)
+    chain = LayerChain(ort.graph)
+    assert [p.name for p in chain.pieces] == ["embedding", "layer 0", "layer 1", "layer 2", "layer 3", "head"]
+    inits = {t.name for p in chain.pieces for t in p.model.graph.initializer if len(t.dims) == 2}
+    whole_inits = {t.name for t in onnx.load(str(path), load_external_data=False).graph.initializer
+                   if len(t.dims) == 2}
+    assert inits == whole_inits  # every weight in some piece, nothing re-exported
+    tokens = torch.randint(0, art["args"].vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    got = chain.outputs([ort.feeds(tokens)])[0]
+    m = onnx.load(str(path), load_external_data=False)
+    names = [n for n in ort.graph.taps.names()]
+    m.graph.output.extend(onnx.helper.make_empty_tensor_value_info(n) for n in names)
+    whole = ort_session(m, external_dir=path.parent).run(["logits"] + names, ort.feeds(tokens))
+    assert np.array_equal(whole[0], got.logits.numpy())
+    value = dict(zip(names, whole[1:]))
+    t = ort.graph.taps
+    for i in range(art["args"].n_layers):
+        assert np.array_equal(value[t.layer[i]], got.hidden[i].numpy())
+        assert np.array_equal(value[t.attn[i]], got.attn[i].numpy())
+
+
+def test_budget_too_small_for_one_layer_is_one_line(art, tmp_path):
+    with pytest.raises(UserError, match=r"^--max-memory 100kB \(100 kB\): too small for one layer: .*layer \d.* "
+                                        r"needs ~[0-9.]+ kB; give at least"):
+        evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx"]["float32"],
+                       settings=SETTINGS.model_copy(update={"max_memory": "100kB"}))
+    res = CliRunner().invoke(app, ["evaluate", "--model-dir", str(art["model_dir"]), "--onnx",
+                                   str(art["onnx"]["float32"]), "--max-memory", "100kB", "-o", str(tmp_path / "cli")])
+    assert res.exit_code == 1 and "too small for one layer" in res.output and "Traceback" not in res.output
+    assert len([ln for ln in res.output.strip().splitlines() if ln.strip()]) <= 3  # one message (wrapped)
+    bad = CliRunner().invoke(app, ["evaluate", "--model-dir", str(art["model_dir"]), "--max-memory", "lots",
+                                   "-o", str(tmp_path / "cli2")])
+    assert bad.exit_code == 1 and "'lots' is not a size" in bad.output
+    assert not (tmp_path / "rep").exists() and not (tmp_path / "cli").exists() and not (tmp_path / "cli2").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_graph_that_cannot_stream_is_refused_when_it_does_not_fit(art, tmp_path):
+    """No export.json and a residual chain that does not split into layers: no pieces to stream, so a
+    budget the whole graph exceeds is one line, not a silent whole-graph run."""
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    src = art["onnx"]["float32"].parent
+    m = onnx.load(str(src / "model.onnx"))  # its weights inline: no export.json, no external data
+    for n in m.graph.node:  # rename the residual Adds so the structure gives no layers
+        if n.op_type == "Add":
+            n.op_type = "Sum"
+    onnx.save(m, str(alone / "model.onnx"))
+    with pytest.raises(UserError, match="cannot go one layer at a time"):
+        evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=alone / "model.onnx",
+                       settings=SETTINGS.model_copy(update={"max_memory": "2MB"}))
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=alone / "model.onnx",
+                       settings=SETTINGS)
+    rows = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")["rows"]
+    assert r.passed and [row["tensor"] for row in rows] == ["logits"]
