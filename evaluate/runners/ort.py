@@ -62,7 +62,8 @@ class GraphIO:
 
 
 def as_tensor(a) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a))
+    """A session's output as a tensor of its own: a view would keep the session's memory arena alive."""
+    return torch.from_numpy(np.array(a, copy=True))
 
 
 class OnnxGraph:

@@ -23,10 +23,16 @@ import torch
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.graph_pieces import Piece, layer_pieces
 from titan_pipe.evaluate.memory import release
-from titan_pipe.evaluate.runners.ort import OnnxGraph, as_tensor
+from titan_pipe.evaluate.runners.ort import OnnxGraph
 from titan_pipe.evaluate.runners.outputs import Outputs, OutputsSink
 from titan_pipe.generation import PaddedBatch, cache_of, decode_feeds, ort_session, past_of, prefill_feeds
 from titan_pipe.graph_io import LOGITS, PRESENT
+
+
+def _own(a: np.ndarray) -> np.ndarray:
+    """A copy of a session's output: an output array keeps the closed session's whole memory arena
+    alive as long as it is referenced (measured: ~110 MB per decode layer of a 0.46 B model)."""
+    return np.array(a, copy=True)
 
 
 class LayerChain:
@@ -82,7 +88,7 @@ class LayerChain:
     def embed(self, feeds: list[dict]) -> list[np.ndarray]:
         piece = self.pieces[0]
         s = self.session(piece)
-        out = [s.run(list(piece.outputs), self._feeds(piece, f, None))[0] for f in feeds]
+        out = [_own(s.run(list(piece.outputs), self._feeds(piece, f, None))[0]) for f in feeds]
         del s
         self.free()
         return out
@@ -91,7 +97,7 @@ class LayerChain:
         """Logits of each part (B, T, vocab); ``last``: only the last position's (B, vocab)."""
         piece = self.pieces[-1]
         s = self.session(piece)
-        out = [s.run([LOGITS], self._feeds(piece, f, h))[0] for f, h in zip(feeds, streams)]
+        out = [_own(s.run([LOGITS], self._feeds(piece, f, h))[0]) for f, h in zip(feeds, streams)]
         del s
         self.free()
         return [o[:, -1] for o in out] if last else out
@@ -100,13 +106,13 @@ class LayerChain:
         """Layer i's piece on ``stream`` -> {value name: array} of every output it returns."""
         piece = self.layers[i]
         got = session.run(list(piece.outputs), self._feeds(piece, {**feeds, **(extra or {})}, stream))
-        return dict(zip(piece.outputs, got))
+        return dict(zip(piece.outputs, map(_own, got)))
 
     def values(self, i: int, named: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """(attention block, MLP block, layer output) of layer i from a piece's named outputs."""
         t = self.taps
-        pick = lambda n: as_tensor(named[n]) if n and n in named else None  # noqa: E731
-        return pick(t.attn[i]), pick(t.mlp[i]), as_tensor(named[t.layer[i]])
+        pick = lambda n: torch.from_numpy(named[n]) if n and n in named else None  # noqa: E731
+        return pick(t.attn[i]), pick(t.mlp[i]), torch.from_numpy(named[t.layer[i]])
 
     def forward(self, feeds: list[dict], sink, inherited: Callable | None = None) -> None:
         """Each part's graph feeds through the chain, layer-major: ``sink.layer(part, i, attn, mlp,
@@ -123,11 +129,11 @@ class LayerChain:
                 sink.layer(b, i, *self.values(i, named))
                 if inherited is not None:
                     ref_in = inherited(i, b).numpy().astype(dtype)
-                    sink.own(b, i, as_tensor(self.run_layer(s, i, f, ref_in)[self.taps.layer[i]]))
+                    sink.own(b, i, torch.from_numpy(self.run_layer(s, i, f, ref_in)[self.taps.layer[i]]))
             del s
             self.free()
         for b, logits in enumerate(self.head(feeds, streams)):
-            sink.logits(b, as_tensor(logits))
+            sink.logits(b, torch.from_numpy(logits))
 
     def outputs(self, feeds: list[dict]) -> list[Outputs]:
         """Each part through the chain, every layer's values and the logits kept (small models, tests)."""
