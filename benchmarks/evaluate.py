@@ -1,97 +1,234 @@
-"""Benchmark the evaluate stage's own cost, as ratios against baselines measured in the same run.
+"""Evaluate's wall time and peak memory against the forward passes it needs, measured in one run.
 
-  metrics:  compare_tensors on a (B, T, vocab) logits pair vs the floor of one float64 pass
-            (|c - r|.max() on the same data); peak extra memory vs the input size
-  overhead: evaluate_model (no operators, no generation) on the debug model vs the bare
-            forward passes it must run anyway (PyTorch + ONNX Runtime)
+For each shape it writes random bfloat16 weights as a unified dir (one safetensors shard per
+layer; N(0, 0.02), norms 1), exports them as `titan-pipe export --dtype float16 --static --batch 1
+--seq-len 64` would, then runs, each in a fresh child process whose own peak RSS is read from wait4():
+  floor     what evaluate cannot avoid, in three children one after the other (so they never add
+            up in memory): the float32 reference loaded and run over the held-out batches; the
+            prefill graph in ONNX Runtime over the same batches; the decode graph's session and
+            the decode steps the KV row runs (prompts x (new tokens - 1), static batch 1)
+  evaluate  evaluate_model with the default comparison set (2 batches, 2 prompts x 16 new tokens,
+            operators on) in each mode asked for: --max-memory BUDGET (streamed: one layer at a
+            time) and, where it fits in the RAM free now, auto (whole)
+and prints evaluate time / floor time (each timed inside its process, after imports) and evaluate
+peak RSS / the safetensors weight bytes. Shapes (default all three):
+  tinyllama  dim 2048, 22 layers, 32/4 heads, ffn 5632, vocab 32000 (1.10 B params, 2.20 GB bf16)
+  llama2w2   Llama-2-7B width: dim 4096, 32 heads, ffn 11008, vocab 32000, 2 layers (0.67 B, 1.33 GB)
+  llama2w8   the same with 8 layers (1.88 B, 3.76 GB): the same streamed peak as llama2w2 is what
+             says a 70B model (80 such layers, dim 8192) can be evaluated within a fixed budget
+Everything it wrote is deleted at the end. Needs ~2.2x the largest shape's bf16 weights on disk.
 
-  /work/venv/bin/python benchmarks/evaluate.py [--vocab 32000] [--tokens 1024]
+    python benchmarks/evaluate.py [--shapes tinyllama,llama2w2,llama2w8] [--budget 1.6GB]
+                                  [--modes streamed,whole] [--keep-under DIR] [--metrics]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import sys
 import tempfile
-import time
-import tracemalloc
 from pathlib import Path
 
-import numpy as np
-import torch
+sys.path.insert(0, str(Path(__file__).parent))
+import export as export_bench  # noqa: E402  (the random-weights writer and the measured child runner)
+
+SETTINGS = {"batches": 2, "batch_size": 1, "seq_len": 64, "prompts": 2, "new_tokens": 16}  # evaluate's defaults
+# on a static batch-1, 64-token export (a static graph fixes the batch shape)
+
+CHILD_EXPORT = """
+import sys
+from pathlib import Path
+from titan_pipe.convert.onnx.export import export_model
+export_model(model_dir=Path(sys.argv[1]), out_dir=Path(sys.argv[2]), dtype="float16", dynamic=False, batch=1,
+             seq_len=64, run_atc=False, hash_weights=False)
+"""
+
+CHILD_WRITE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import evaluate as bench, export
+args = bench.shapes()[sys.argv[2]]
+print(json.dumps(export.write_random_model(export.Path(sys.argv[3]), args, dtype="bfloat16", norms_one=True)))
+"""
+
+# the held-out batches evaluate uses for a model without a tokenizer: seeded random ids
+_BATCHES = """
+from titan_pipe.evaluate.batches import random_eval_data
+s = {settings}
+ev = random_eval_data(vocab_size={vocab}, n_batches=s["batches"], batch_size=s["batch_size"], seq_len=s["seq_len"],
+                      n_prompts=s["prompts"], prompt_len=16, why="benchmark")
+"""
+
+CHILD_FLOOR_REF = """
+import json, sys, time, torch
+from pathlib import Path
+from titan_pipe.model.load import load_unified_model
+{batches}
+t = time.perf_counter()
+model, _ = load_unified_model(Path(sys.argv[1]), dtype="float32")
+with torch.no_grad():
+    for b in ev.batches:
+        model(b)
+print(json.dumps({{"seconds": time.perf_counter() - t}}))
+"""
+
+CHILD_FLOOR_ORT = """
+import json, sys, time, numpy as np
+from titan_pipe.generation import ort_session
+{batches}
+t = time.perf_counter()
+s = ort_session(sys.argv[1])
+for b in ev.batches:
+    ids = b.numpy()
+    s.run(["logits"], {{"input_ids": ids, "attention_mask": np.ones_like(ids),
+                       "position_ids": np.arange(ids.shape[1])[None].repeat(ids.shape[0], 0)}})
+print(json.dumps({{"seconds": time.perf_counter() - t}}))
+"""
+
+CHILD_FLOOR_DECODE = """
+import json, sys, time, numpy as np
+from titan_pipe.generation import ort_session
+t = time.perf_counter()
+s = ort_session(sys.argv[1])
+feeds = {{}}
+for i in s.get_inputs():
+    dims = list(i.shape)
+    feeds[i.name] = (np.zeros(dims, np.float16) if "float16" in i.type else
+                     np.ones(dims, np.int64) if i.name == "attention_mask" else np.zeros(dims, np.int64))
+for _ in range(int(sys.argv[2])):
+    s.run(None, feeds)
+print(json.dumps({{"seconds": time.perf_counter() - t}}))
+"""
+
+CHILD_EVALUATE = """
+import json, sys, time
+from pathlib import Path
+from titan_pipe.config import EvaluateConfig
+from titan_pipe.evaluate.api import evaluate_model
+t = time.perf_counter()
+r = evaluate_model(out_dir=Path(sys.argv[3]), model_dir=Path(sys.argv[1]), onnx=Path(sys.argv[2]),
+                   settings=EvaluateConfig(max_memory=sys.argv[4]))
+print(json.dumps({"seconds": time.perf_counter() - t, "mode": r.summary["memory_mode"], "passed": r.passed,
+                  "verdict": r.summary["verdict"][:160]}))
+"""
 
 
-def bench_metrics(tokens: int, vocab: int) -> dict:
+def shapes() -> dict:
+    from titan_pipe.model.args import ModelArgs
+
+    wide = dict(dim=4096, n_heads=32, vocab_size=32000, ffn_hidden_dim=11008, max_seq_len=4096)
+    return {
+        "tinyllama": ModelArgs(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000,
+                               ffn_hidden_dim=5632, max_seq_len=2048),
+        "llama2w2": ModelArgs(n_layers=2, **wide),
+        "llama2w8": ModelArgs(n_layers=8, **wide),
+        "tiny": ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_hidden_dim=512,
+                          max_seq_len=512),  # a seconds-long check that the script runs
+    }
+
+
+def _child(code: str, *argv) -> tuple[dict, float]:
+    """(the child's json line, its own peak RSS in GB)."""
+    _, rss, out = export_bench.run_measured([sys.executable, "-c", code, *map(str, argv)])
+    return json.loads(out.strip().splitlines()[-1]), rss
+
+
+def floor(md: Path, onnx: Path, vocab: int) -> dict:
+    batches = _BATCHES.format(settings=SETTINGS, vocab=vocab)
+    ref, ref_rss = _child(CHILD_FLOOR_REF.format(batches=batches), md)
+    ort, ort_rss = _child(CHILD_FLOOR_ORT.format(batches=batches), onnx)
+    steps = SETTINGS["prompts"] * (SETTINGS["new_tokens"] - 1)  # static batch 1: one prompt a batch
+    dec, dec_rss = _child(CHILD_FLOOR_DECODE.format(), onnx.parent / "decode.onnx", steps)
+    parts = {"reference forward": ref["seconds"], "ORT forward": ort["seconds"],
+             f"ORT decode ({steps} steps)": dec["seconds"]}
+    return {"seconds": sum(parts.values()), "parts": parts, "peak_rss": max(ref_rss, ort_rss, dec_rss)}
+
+
+def _fits_whole(weight_bytes: int) -> bool:
+    """Whole mode holds the float32 reference, then both graphs' float32 copies: ~4x the bf16 bytes."""
+    import psutil
+
+    return 4.5 * weight_bytes < psutil.virtual_memory().available
+
+
+def bench_shape(name: str, root: Path, budget: str, modes: list[str]) -> dict:
+    from titan_pipe.model.args import count_params
+
+    args = shapes()[name]
+    md, out = root / name / "model", root / name / "onnx"
+    wrote, _ = _child(CHILD_WRITE, Path(__file__).parent, name, md)
+    export_bench.run_measured([sys.executable, "-c", CHILD_EXPORT, str(md), str(out)])
+    print(f"\n== {name}: dim {args.dim}, {args.n_layers} layers, vocab {args.vocab_size}: "
+          f"{count_params(args) / 1e9:.2f} B params, {wrote / 1e9:.2f} GB bf16; export float16, static 1 x 64")
+    f = floor(md, out / "model.onnx", args.vocab_size)
+    print(f"floor {f['seconds']:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in f["parts"].items())
+          + f"), its largest child peak RSS {f['peak_rss']:.2f} GB")
+    results = {}
+    for mode in modes:
+        if mode == "whole" and not _fits_whole(wrote):
+            print(f"whole: skipped (needs ~{4.5 * wrote / 1e9:.1f} GB; less is free now)")
+            continue
+        setting = budget if mode == "streamed" else "auto"
+        r, rss = _child(CHILD_EVALUATE, md, out / "model.onnx", root / name / f"rep-{mode}", setting)
+        results[mode] = {"seconds": r["seconds"], "time_ratio": r["seconds"] / f["seconds"], "peak_rss": rss,
+                         "rss_ratio": rss * 1e9 / wrote, "ran": r["mode"]}
+        print(f"evaluate --max-memory {setting}: ran {r['mode']}, {r['seconds']:.1f} s = "
+              f"{r['seconds'] / f['seconds']:.2f}x the floor; peak RSS {rss:.2f} GB = {rss * 1e9 / wrote:.3f}x the "
+              f"weights; {'PASS' if r['passed'] else 'FAIL'}: {r['verdict'][:100]}")
+    shutil.rmtree(root / name, ignore_errors=True)
+    return results
+
+
+def bench_metrics(tokens: int, vocab: int) -> None:
+    """compare_tensors on a (tokens, vocab) logits pair vs one float64 |c - r|.max() pass."""
+    import time
+
+    import numpy as np
+    import torch
+
     from titan_pipe.evaluate.metrics import compare_tensors
 
     g = torch.Generator().manual_seed(0)
     r = torch.randn(tokens, vocab, generator=g)
     c = r + 1e-3 * torch.randn(tokens, vocab, generator=g)
     t = time.perf_counter()
-    floor = float(np.abs(c.numpy().astype(np.float64) - r.numpy().astype(np.float64)).max())
+    ref = float(np.abs(c.numpy().astype(np.float64) - r.numpy().astype(np.float64)).max())
     t_floor = time.perf_counter() - t
-    tracemalloc.start()
     t = time.perf_counter()
     m = compare_tensors(r, c)
     t_metrics = time.perf_counter() - t
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    assert abs(m.max_abs - floor) < 1e-12
-    in_bytes = 2 * r.numel() * 4
-    return {"elements": r.numel(), "floor_s": t_floor, "compare_tensors_s": t_metrics,
-            "time_ratio": t_metrics / t_floor, "peak_extra_bytes": peak, "memory_ratio_vs_inputs": peak / in_bytes}
-
-
-def bench_overhead() -> dict:
-    import onnxruntime as ort
-    from safetensors.torch import save_file
-
-    from titan_pipe.config import EvaluateConfig
-    from titan_pipe.model.names import native_to_hf, to_hf_config
-    from titan_pipe.convert.onnx.export import export_model
-    from titan_pipe.evaluate.api import evaluate_model
-    from titan_pipe.evaluate.batches import load_eval_data
-    from titan_pipe.model.transformer import build_model
-    from titan_pipe.model.args import resolve_args
-
-    args = resolve_args("debug")
-    model = build_model(args, seed=0).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        md = tmp / "model"
-        md.mkdir()
-        save_file({native_to_hf(k): v for k, v in model.state_dict().items()}, str(md / "model.safetensors"))
-        (md / "config.json").write_text(json.dumps(to_hf_config(args)))
-        onnx = export_model(model_dir=md, out_dir=tmp / "onnx", kv_cache=False, expose_hidden=True,
-                            run_atc=False).onnx
-        s = EvaluateConfig(batches=4, batch_size=4, seq_len=64, operators=False, prompts=0)
-        ev = load_eval_data(data=None, model_dir=md, vocab_size=args.vocab_size, n_batches=4, batch_size=4,
-                            seq_len=64, n_prompts=0, prompt_len=16)
-        t = time.perf_counter()
-        sess = ort.InferenceSession(str(onnx), providers=["CPUExecutionProvider"])
-        with torch.no_grad():
-            for b in ev.batches:
-                model(b)
-                sess.run(None, {"input_ids": b.numpy()})
-        t_forward = time.perf_counter() - t
-        t = time.perf_counter()
-        r = evaluate_model(out_dir=tmp / "rep", model_dir=md, onnx=onnx, settings=s)
-        t_eval = time.perf_counter() - t
-        assert r.passed
-    return {"forward_only_s": t_forward, "evaluate_s": t_eval, "time_ratio": t_eval / t_forward}
+    assert abs(m.max_abs - ref) < 1e-12
+    print(f"metrics: {r.numel() / 1e6:.1f}M logits, compare_tensors {t_metrics:.2f} s = {t_metrics / t_floor:.1f}x "
+          f"one float64 |c-r|.max() pass ({t_floor:.2f} s)")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--tokens", type=int, default=1024)
-    a = ap.parse_args()
-    m = bench_metrics(a.tokens, a.vocab)
-    print(f"metrics: {m['elements'] / 1e6:.1f}M logits, compare_tensors {m['compare_tensors_s']:.2f} s = "
-          f"{m['time_ratio']:.1f}x one float64 |c-r|.max() pass ({m['floor_s']:.2f} s); peak extra memory "
-          f"{m['peak_extra_bytes'] / 2**20:.0f} MiB = {m['memory_ratio_vs_inputs']:.1f}x the float32 inputs")
-    o = bench_overhead()
-    print(f"overhead: evaluate_model {o['evaluate_s']:.2f} s = {o['time_ratio']:.1f}x the bare torch+ORT "
-          f"forwards ({o['forward_only_s']:.2f} s), debug model, 4 batches of 4x64, report included")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="tinyllama,llama2w2,llama2w8")
+    ap.add_argument("--budget", default="1.6GB", help="--max-memory of the streamed runs")
+    ap.add_argument("--modes", default="streamed,whole")
+    ap.add_argument("--keep-under", type=Path, default=None, help="scratch parent dir (default: system temp)")
+    ap.add_argument("--metrics", action="store_true", help="also time compare_tensors on 1024 x 32000 logits")
+    opts = ap.parse_args()
+    print(f"load average at start (1/5/15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+          f"{os.cpu_count()} CPUs")
+    if opts.metrics:
+        bench_metrics(1024, 32000)
+    root = Path(tempfile.mkdtemp(prefix="titan-evaluate-bench-", dir=opts.keep_under))
+    results = {}
+    try:
+        for name in opts.shapes.split(","):
+            results[name] = bench_shape(name, root, opts.budget, opts.modes.split(","))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"\nremoved {root}")
+        print(f"load average at end (1/5/15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    two, eight = (results.get(n, {}).get("streamed") for n in ("llama2w2", "llama2w8"))
+    if two and eight:
+        print(f"7B width, streamed: peak RSS {two['peak_rss']:.2f} GB with 2 layers, {eight['peak_rss']:.2f} GB with "
+              f"8 ({eight['peak_rss'] / two['peak_rss']:.3f}x; target within 15%)")
 
 
 if __name__ == "__main__":

@@ -64,8 +64,9 @@ def shapes(wide_layers: int) -> dict:
     }
 
 
-def write_random_model(out: Path, args, seed: int = 0) -> int:
-    """A unified dir with one safetensors shard per layer (so writing never holds the whole model)."""
+def write_random_model(out: Path, args, seed: int = 0, dtype: str = "float32", norms_one: bool = False) -> int:
+    """A unified dir with one safetensors shard per layer (so writing never holds the whole model):
+    N(0, 0.02) weights stored in ``dtype``; ``norms_one``: norm weights 1 (activations of a usual size)."""
     import torch
     from safetensors.torch import save_file
 
@@ -82,7 +83,9 @@ def write_random_model(out: Path, args, seed: int = 0) -> int:
     weight_map, total = {}, 0
     for i, (key, params) in enumerate(groups.items()):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        shard = {native_to_hf(n): (torch.randn(s, generator=g) * 0.02) for n, s in params}
+        shard = {native_to_hf(n): (torch.ones(s) if norms_one and n.endswith("norm.weight")
+                                   else torch.randn(s, generator=g) * 0.02).to(getattr(torch, dtype))
+                 for n, s in params}
         save_file(shard, str(out / fname))
         total += sum(t.numel() * t.element_size() for t in shard.values())
         weight_map.update({k: fname for k in shard})

@@ -1,11 +1,10 @@
-"""Per-layer tensors of a deployed ONNX graph itself: its own inner values exposed as outputs of a copy.
+"""Where a deployed ONNX graph holds each decoder layer's values: the names evaluate cuts it at.
 
 The exporter records in export.json (titan_pipe.export_record), per graph, the value name holding
-each decoder layer's output (``GraphRecord.layer_outputs``, and ``attn_outputs`` / ``mlp_outputs``). Evaluate
-loads the candidate's structure (``load_external_data=False``: weights stay where the candidate
-keeps them), appends those names to the graph outputs and hands the bytes to ONNX Runtime with the
-candidate's own directory as the external-data folder. Nothing is re-exported and nothing is
-written: every number comes from the candidate's nodes and weights.
+each decoder layer's output (``GraphRecord.layer_outputs``, and ``attn_outputs`` / ``mlp_outputs``),
+and the stream entering layer 0 (``embed_output``). Evaluate reads them against the candidate's
+structure (``load_external_data=False``) and cuts the graph into pieces between them
+(evaluate/graph_pieces.py): every number comes from the candidate's own nodes and weights.
 
 A graph without export.json (or not listed in it) falls back to its structure: the residual
 stream is the longest chain of ``Add`` nodes each taking the previous one's output; in a LLaMA
@@ -168,26 +167,3 @@ def _from_structure(model: onnx.ModelProto, n_layers: int) -> tuple[LayerTaps | 
     return (LayerTaps(tuple(layer), tuple(attn), tuple(mlp), "residual Add chain", embed),
             f"per-layer values found by structure: the residual stream's {len(chain)} Add nodes in order, "
             "layer i = the output of Add 2i+1")
-
-
-def expose(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
-    """A copy of ``model`` (structure; external weights stay referenced) returning ``names`` as well.
-
-    Types come from the graph's value_info, else from ONNX shape inference on the copy.
-    """
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    have = {o.name for o in copy.graph.output}
-    todo = [n for n in names if n not in have]
-    if not todo:
-        return copy
-    info = {v.name: v for v in copy.graph.value_info}
-    if any(n not in info for n in todo):
-        inferred = onnx.shape_inference.infer_shapes(copy)
-        info.update({v.name: v for v in inferred.graph.value_info})
-    for n in todo:
-        if n in info:
-            copy.graph.output.append(info[n])
-        else:  # no type known: ORT accepts an untyped output and reports what it computes
-            copy.graph.output.append(onnx.helper.make_empty_tensor_value_info(n))
-    return copy

@@ -171,6 +171,8 @@ def render_markdown(report: dict, plots: list[str]) -> str:
     v = report["verdict"]
     lines = ["# titan-pipe evaluation report", "", f"**{'PASS' if report['passed'] else 'FAIL'}** — {v['text']}", "",
              "Inputs: " + ", ".join(f"{k} `{val}`" for k, val in report["inputs"].items() if val), ""]
+    if report.get("memory"):
+        lines += [f"Memory: **{report['memory']['mode']}** ({report['memory']['why']})", ""]
     for p in plots:
         lines.append(f"![{p}]({p})")
     lines += ["", "## Comparisons", ""]
@@ -214,6 +216,8 @@ def render_html(report: dict, plot_files: dict[str, Path]) -> str:
              f"{'PASS' if report['passed'] else 'FAIL'}</b></p><p>{e(v['text'])}</p>",
              "<p>" + "<br>".join(f"{e(k)}: <code>{e(str(val))}</code>" for k, val in report["inputs"].items() if val)
              + "</p>"]
+    if report.get("memory"):
+        parts.append(f"<p>memory: <b>{e(report['memory']['mode'])}</b> ({e(report['memory']['why'])})</p>")
     for name, path in plot_files.items():
         data = base64.b64encode(path.read_bytes()).decode()
         parts.append(f"<p><img alt='{e(name)}' src='data:image/png;base64,{data}'></p>")
@@ -249,20 +253,26 @@ def render_html(report: dict, plot_files: dict[str, Path]) -> str:
                 cells.append(f"<td class='l {cls}'>{e(s)}</td>")
             parts.append(f"<tr><td class='l'>{e(op)}</td>{''.join(cells)}</tr>")
         parts.append("</table>")
-    used = report.get("thresholds", {})
-    if used:
-        from titan_pipe.thresholds import SOURCES
-
-        dts = list(used)
-        keys = list(dict.fromkeys(k for d in dts for k in used[d]))
-        parts.append("<h2>Thresholds used</h2><table><tr><th>key</th>" + "".join(f"<th>{e(d)}</th>" for d in dts)
-                     + "<th>source</th></tr>")
-        for k in keys:
-            parts.append(f"<tr><td class='l'>{e(k)}</td>" + "".join(f"<td>{e(_fmt(used[d].get(k, '')))}</td>" for d in dts)
-                         + f"<td class='l'>{e(SOURCES.get(k, ''))}</td></tr>")
-        parts.append("</table>")
+    parts += _thresholds_html(report.get("thresholds", {}))
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _thresholds_html(used: dict) -> list[str]:
+    """The threshold sets the verdict used, one column per dtype, with where each comes from."""
+    if not used:
+        return []
+    from titan_pipe.thresholds import SOURCES
+
+    e = html.escape
+    dts = list(used)
+    keys = list(dict.fromkeys(k for d in dts for k in used[d]))
+    parts = ["<h2>Thresholds used</h2><table><tr><th>key</th>" + "".join(f"<th>{e(d)}</th>" for d in dts)
+             + "<th>source</th></tr>"]
+    for k in keys:
+        parts.append(f"<tr><td class='l'>{e(k)}</td>" + "".join(f"<td>{e(_fmt(used[d].get(k, '')))}</td>" for d in dts)
+                     + f"<td class='l'>{e(SOURCES.get(k, ''))}</td></tr>")
+    return parts + ["</table>"]
 
 
 def check_out_dir(out_dir: Path) -> None:

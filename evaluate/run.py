@@ -99,6 +99,12 @@ class Run:
     def settings(self) -> EvaluateConfig:
         return self.request.settings
 
+    @property
+    def prefill_generates(self) -> bool:
+        """Whether the prefill graph generates on its own in the task row (it takes any length)."""
+        pre = self.sides.prefill
+        return pre is not None and not pre.info.fixed_shape and self.prompts.reference is not None
+
     def tdtype(self, cand_dtype: str) -> str:
         """The threshold set: the candidate's dtype, unless evaluate.dtype names one."""
         return cand_dtype if self.settings.dtype == "auto" else self.settings.dtype

@@ -55,7 +55,7 @@ def _row(run: Run) -> cmp.Comparison:
         c.failures.append(f"{dec.label} ({dt}): {f.text}")
         c.status = "fail"
     c.details = _details(run, agree, layered)
-    run.close_graphs()  # the last row to run them (the task row reads what this one recorded)
+    run.close_graphs(prefill=not run.prefill_generates)  # the last row to run them but the task row's
     return c
 
 

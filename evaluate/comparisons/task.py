@@ -18,7 +18,7 @@ def compare(run: Run) -> cmp.Comparison:
     ppl = {ref.label: _perplexity(run, REF)}
     ppl.update({label: _perplexity(run, side) for label, side in run.ledger.logits_of.items()})
     generations = dict(run.ledger.generations)
-    if _prefill_generates(run):
+    if run.prefill_generates:
         generations[run.sides.prefill.label] = _prefill_generation(run)
         run.close_graphs()
     if generations:
@@ -38,14 +38,6 @@ def _perplexity(run: Run, side: str) -> float:
         s, n = nll_sum(run.store.get((side, "logits", None, b))[:, :-1], tokens[:, 1:])
         total, count = total + s, count + n
     return math.exp(total / count)
-
-
-def _prefill_generates(run: Run) -> bool:
-    """The prefill graph generates on its own (re-running each prompt) when it takes any length and
-    there is no KV-cache loop, whose prefill it is otherwise."""
-    s = run.sides
-    return (s.prefill is not None and not s.prefill.info.fixed_shape and s.decode is None
-            and run.prompts.reference is not None)
 
 
 def _prefill_generation(run: Run) -> torch.Tensor:

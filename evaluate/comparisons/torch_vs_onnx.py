@@ -34,7 +34,7 @@ def compare(run: Run) -> cmp.Comparison:
         c.details["own_error"] = own_errors(run)
     run.judged(ort.label, dt, SIDE)
     run.ledger.hist[ort.label] = abs_errors(run.values(REF), run.values(SIDE))
-    if run.sides.decode is None and run.prompts.reference is None:  # no later row runs this graph
+    if run.sides.decode is None and not run.prefill_generates:  # no later row runs this graph
         run.close_graphs()
     return c
 
