@@ -36,6 +36,7 @@ import export as export_bench  # noqa: E402  (the random-weights writer and the 
 
 SETTINGS = {"batches": 2, "batch_size": 1, "seq_len": 64, "prompts": 2, "new_tokens": 16}  # evaluate's defaults
 # on a static batch-1, 64-token export (a static graph fixes the batch shape)
+WHOLE_X = 6.0  # whole mode runs only where this many times the bf16 weight bytes are free
 
 CHILD_EXPORT = """
 import sys
@@ -147,10 +148,11 @@ def floor(md: Path, onnx: Path, vocab: int) -> dict:
 
 
 def _fits_whole(weight_bytes: int) -> bool:
-    """Whole mode holds the float32 reference, then both graphs' float32 copies: ~4x the bf16 bytes."""
+    """Whole mode peaked at 5.3x the bf16 bytes on the issue's model (the float32 reference, then the
+    graphs' float32 copies in ORT); 6x of what is free now leaves the machine's other users room."""
     import psutil
 
-    return 4.5 * weight_bytes < psutil.virtual_memory().available
+    return WHOLE_X * weight_bytes < psutil.virtual_memory().available
 
 
 def bench_shape(name: str, root: Path, budget: str, modes: list[str]) -> dict:
@@ -168,7 +170,7 @@ def bench_shape(name: str, root: Path, budget: str, modes: list[str]) -> dict:
     results = {}
     for mode in modes:
         if mode == "whole" and not _fits_whole(wrote):
-            print(f"whole: skipped (needs ~{4.5 * wrote / 1e9:.1f} GB; less is free now)")
+            print(f"whole: skipped (needs ~{WHOLE_X * wrote / 1e9:.1f} GB; less is free now)")
             continue
         setting = budget if mode == "streamed" else "auto"
         r, rss = _child(CHILD_EVALUATE, md, out / "model.onnx", root / name / f"rep-{mode}", setting)
