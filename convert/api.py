@@ -31,7 +31,8 @@ from titan_pipe.convert.tokenizer_files import copy_tokenizer_files
 from titan_pipe.convert.writer import DISK_FULL_ERRNOS, DiskFull, disk_full_message
 from titan_pipe.dtypes import HF_DTYPE_NAMES, OUT_DTYPES
 from titan_pipe.errors import UserError
-from titan_pipe.model.names import native_shapes, to_hf_config
+from titan_pipe.model.hf_config import to_hf_config
+from titan_pipe.model.names import native_shapes
 from titan_pipe.model.sharding import stage_ranks, tp_split_dim
 
 CONVERTER_VERSION = "titan-pipe-convert 1"

@@ -20,7 +20,8 @@ from pathlib import Path
 from titan_pipe.checkpoint_format import Box, LayoutError, split_box
 from titan_pipe.dtypes import DTYPE_SIZES, OUT_DTYPES
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.names import native_to_hf
+from titan_pipe.errors import UserError
+from titan_pipe.model.names import native_names, native_to_hf
 from titan_pipe.model.sharding import split_stages, stage_of, tp_split_dim
 
 
@@ -154,6 +155,18 @@ class OutputPlan:
     tp: int = 1
     pp: int = 1
     stages: tuple[tuple[int, ...], ...] = ()
+
+
+def check_accounted(found, args: ModelArgs, *, source: object, describe=repr) -> None:
+    """Every tensor a source holds (``found``: native names) has a place in the model ``args``
+    describes; one that has none (a layer past n_layers, a parameter the model lacks) is refused,
+    naming it as stored (``describe(name)``), never skipped. A tied model may store output.weight."""
+    names = set(native_names(args)) | ({"output.weight"} if args.tie_embeddings else set())
+    extra = sorted(n for n in found if n not in names)
+    if extra:
+        raise UserError(f"{source}: tensor {describe(extra[0])} ({len(extra)} in all) has no place in the model its "
+                        f"config describes ({args.n_layers} layers, dim {args.dim}); fix the config (layer "
+                        "count, dims) to describe the weights, or remove the tensor")
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)

@@ -16,6 +16,10 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from titan_pipe.errors import UserError
+from titan_pipe.limits import Bound, shown
+from titan_pipe.values import DICT, INT, STR, check
+
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "titan-pipe-checkpoint"
 FORMAT_VERSION = 1
@@ -71,6 +75,24 @@ def split_box(shape: tuple[int, ...], dim: int | None, n: int, i: int) -> Box:
     lens = list(shape)
     offs[dim], lens[dim] = i * step, step
     return Box(tuple(offs), tuple(lens))
+
+
+# A manifest's numbers size what readers plan and allocate: typed strictly, bounded (titan_pipe.values).
+DIM_SIZE = Bound(0, 2**40, "one dimension of one tensor")
+FILE_BYTES = Bound(0, 2**50, "one shard file")
+STEP = Bound(0, 2**40, "a training step")
+
+
+def _dims(values: object, source: str, key: str) -> tuple[int, ...]:
+    """A list of non-negative integers (a shape, a box's offsets or lengths), typed strictly."""
+    if not isinstance(values, list) or len(values) > 8:
+        raise UserError(f"{source}: {key} = {shown(values)} is not a list of at most 8 integers; "
+                        "the manifest is corrupted. Copy the checkpoint again")
+    return tuple(check(v, INT, source=source, key=key, bound=DIM_SIZE) for v in values)
+
+
+def _opt_int(value: object, source: str, key: str) -> int | None:
+    return None if value is None else check(value, INT, source=source, key=key, bound=DIM_SIZE)
 
 
 @dataclass(frozen=True)
@@ -159,20 +181,28 @@ class Manifest:
             raise LayoutError(f"{source}: holds a JSON {type(d).__name__}, not the manifest object")
         if d.get("format") != FORMAT_NAME:
             raise LayoutError(f"{source}: format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
-        if d.get("format_version", 0) > FORMAT_VERSION:
+        if check(d.get("format_version", 0), INT, source=source, key="format_version") > FORMAT_VERSION:
             raise LayoutError(f"{source}: format_version {d['format_version']} is newer than this "
                               f"titan-pipe reads ({FORMAT_VERSION}); upgrade titan-pipe")
         try:
             params = {
                 name: ParamSpec(
-                    name=name, shape=tuple(p["shape"]), dtype=p["dtype"], tp_dim=p.get("tp_dim"),
-                    stage=p.get("stage"),
-                    chunks=[Chunk(c["file"], c["key"], Box(c["offsets"], c["lengths"]))
+                    name=name, shape=_dims(p["shape"], source, f"params.{name}.shape"),
+                    dtype=check(p["dtype"], STR, source=source, key=f"params.{name}.dtype"),
+                    tp_dim=_opt_int(p.get("tp_dim"), source, f"params.{name}.tp_dim"),
+                    stage=_opt_int(p.get("stage"), source, f"params.{name}.stage"),
+                    chunks=[Chunk(check(c["file"], STR, source=source, key=f"params.{name}.chunks.file"),
+                                  check(c["key"], STR, source=source, key=f"params.{name}.chunks.key"),
+                                  Box(_dims(c["offsets"], source, f"params.{name}.chunks.offsets"),
+                                      _dims(c["lengths"], source, f"params.{name}.chunks.lengths")))
                             for c in p["chunks"]])
-                for name, p in d["params"].items()
+                for name, p in check(d["params"], DICT, source=source, key="params").items()
             }
-            files = {k: FileInfo(**v) for k, v in d["files"].items()}
-            return cls(step=int(d["step"]), model=d["model"], parallel=d["parallel"], params=params,
+            files = {k: FileInfo(size=check(v["size"], INT, source=source, key=f"files.{k}.size", bound=FILE_BYTES),
+                                 sha256=check(v["sha256"], STR, source=source, key=f"files.{k}.sha256"))
+                     for k, v in check(d["files"], DICT, source=source, key="files").items()}
+            return cls(step=check(d["step"], INT, source=source, key="step", bound=STEP), model=d["model"],
+                       parallel=d["parallel"], params=params,
                        files=files, extra=d.get("extra", {}), format=d["format"],
                        format_version=d["format_version"])
         except (KeyError, TypeError) as e:

@@ -74,13 +74,18 @@ class SafetensorsWeights:
     """
 
     def __init__(self, model_dir: Path):
+        from titan_pipe.model.names import native_shapes
         from titan_pipe.unified_dir import locate_weights, native_name, read_model_args
 
         self.dir = Path(model_dir)
         self.args = read_model_args(self.dir)
+        expected = set(native_shapes(self.args)) | {"output.weight"}  # a tied model may store it too
         self._where: dict[str, tuple[Path, str]] = {}
-        for key, f in sorted(locate_weights(self.dir).key_to_file.items()):
+        for key, f in sorted(locate_weights(self.dir, self.args).key_to_file.items()):
             name = native_name(key, f)
+            if name is not None and name not in expected:  # every stored tensor is accounted for
+                raise UserError(f"{f}: tensor {key!r} has no place in the model of {self.dir / 'config.json'} "
+                                f"({self.args.n_layers} layers); the weights and config.json do not belong together")
             if name is not None:
                 self._where[name] = (f, key)
         if self.args.tie_embeddings and "output.weight" not in self._where and \
