@@ -14,9 +14,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan_pipe.choices import PRECISION_MODES
 from titan_pipe.errors import StageFailed
 
-PRECISION_MODES = ("origin", "mixed_float16", "fp16")
 # --precision_mode_v2 (CANN >= 8.0) value, and the older --precision_mode spelling of the same intent.
 _PRECISION_V2 = {"origin": "origin", "mixed_float16": "mixed_float16", "fp16": "fp16"}
 _PRECISION_V1 = {"origin": "must_keep_origin_dtype", "mixed_float16": "allow_mix_precision_fp16",
