@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan_pipe.checkpoint_format import Box, LayoutError, split_box
+from titan_pipe.choices import NAMINGS
 from titan_pipe.dtypes import DTYPE_SIZES, OUT_DTYPES
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.errors import UserError
@@ -204,8 +205,8 @@ def plan_unified(src: SourcePlan, *, naming: str = "hf", dtype: str = "keep",
     Shards are filled greedily in model order (as transformers' save_pretrained does); a tensor
     larger than the limit gets a file of its own.
     """
-    if naming not in ("hf", "native"):
-        raise ValueError(f"naming {naming!r} is not one of hf, native")
+    if naming not in NAMINGS:
+        raise ValueError(f"naming {naming!r} is not one of {', '.join(NAMINGS)}")
     outs = [OutTensor(native_to_hf(t.name) if naming == "hf" else t.name, t, Box.full(t.shape),
                       output_dtype(t.dtype, dtype)) for t in _unified_tensors(src)]
     groups: list[list[OutTensor]] = [[]]

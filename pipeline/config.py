@@ -21,6 +21,7 @@ from titan_pipe.choices import (DEVICES, DP_MODES, EXPORT, KERNELS, OFFLOADS, OP
                                 PRECISION_MODES, export_problems)
 from titan_pipe.choices import NAMINGS
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
+from titan_pipe.errors import UserError
 from titan_pipe.flow_yaml import FlowYamlError, load_flow_text
 from titan_pipe.model.args import FIELD_BOUNDS, FLAVOURS, SCALING_BOUNDS, ModelArgs, RopeScaling, args_problems, resolve_args
 from titan_pipe.model.sharding import stages_per_rank
@@ -29,7 +30,11 @@ from titan_pipe.run_dir import run_name_problem, suggest_run_name
 MAX_FLOW_BYTES = 2**20  # 1 MiB
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
+    """An invalid flow.yaml: one line per problem (the CLI exits 2); a UserError, so a flow never retries it."""
+
+    exit_code = 2
+
     def __init__(self, source: str, lines: list[str]):
         self.source = source
         self.lines = lines
@@ -224,7 +229,6 @@ class EvaluateConfig(Section):
 
     @model_validator(mode="after")
     def _check_thresholds(self):
-        from titan_pipe.errors import UserError
         from titan_pipe.thresholds import validate_overrides
 
         try:
@@ -302,6 +306,9 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     if args.vocab_size % p.tp:
         errs.append(f"parallel.tp: {p.tp} does not divide vocab_size={args.vocab_size}; pad the "
                     "vocabulary to a multiple of tp")
+    if args.tie_embeddings and p.pp > 1:
+        errs.append(f"parallel.pp: {p.pp} splits a model with tied embeddings (model.tie_embeddings) over "
+                    "stages, which the trainer cannot build (embedding and output must share a stage); set pp: 1")
     if args.n_layers < p.n_stages:
         errs.append(f"parallel.pp: {p.pp} x {p.n_stages // p.pp} stage(s) per rank needs at least "
                     f"{p.n_stages} layers, the model has n_layers={args.n_layers}; lower pp")

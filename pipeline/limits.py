@@ -48,6 +48,7 @@ PARAMS = Bound(1, 4e12, "the largest dense models have about 4e11 parameters")
 # --- parallel layouts and clusters ----------------------------------------------------------------
 DEVICES = Bound(1, 65536, "the planner's search space grows with the divisors of the device count")
 PARALLEL = Bound(1, 65536, "dp x tp x pp is a device count")
+LAYOUTS = Bound(1, 50_000, "the planner estimates every candidate layout, ~1-10 ms each")
 
 # --- sequences, batches, steps -------------------------------------------------------------------
 SEQ_LEN = Bound(1, POSITIONS.hi, "a sequence is at most as long as a model's positions")

@@ -25,6 +25,7 @@ from titan_pipe.config import FlowConfig
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.run_dir import RunDir
 from titan_pipe.run_lock import run_lock
+from titan_pipe.training.preflight import check_before_launch
 from titan_pipe.training.metrics import (bar_info, new_progress_bar, parse_progress_line, plot_metrics,
                                          step_records)
 
@@ -343,6 +344,8 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
         raise UserError(f"{flow_path}: device: {e}") from None
 
     with lock_run_dir(cfg, run):
+        # Refused here, nothing written: not the run's flow.yaml record, not a torchrun log.
+        check_before_launch(cfg, flow_path=flow_path, resume=resume)
         if inside_launch():
             return _run_in_process(flow_path, cfg, run, resume)
         return _launch(flow_path, cfg, run, resume, device.type)

@@ -9,6 +9,7 @@ Tensors come back on the CPU; the trainer moves them to its device.
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 
 import titan_pipe
 from titan_pipe.errors import UserError
+from titan_pipe.limits import RECORD_BYTES
 from titan_pipe.tokens.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 # The titan_pipe package dir (pipeline/ in the repo, site-packages/titan_pipe when installed).
@@ -46,16 +48,42 @@ def corpus_files(path: Path) -> list[Path]:
     return files
 
 
+def records(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of each record of a data file: a .txt file is one record, a .jsonl file
+    one per line. A record larger than titan_pipe.limits.RECORD_BYTES is refused before it is
+    read whole (one enormous line would otherwise be decoded, parsed and tokenized in memory)."""
+    limit = int(RECORD_BYTES.hi)
+    fix = (f"split it into records of at most {limit // 2**20} MiB (.jsonl: one document per line; "
+           ".txt: one document per file)")
+    out = []
+    with open(path, "rb") as f:
+        if path.suffix == ".txt":
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise UserError(f"{path}: {size / 2**20:.0f} MiB in one document (a .txt file), over the limit "
+                                f"of {limit // 2**20} MiB ({RECORD_BYTES.why}); {fix}")
+            lines = [f.read()]
+        else:
+            lines = iter(lambda: f.readline(limit + 1), b"")
+        for lineno, raw in enumerate(lines, start=1):
+            if len(raw) > limit:
+                raise UserError(f"{path}:{lineno}: a record over the limit of {limit // 2**20} MiB "
+                                f"({RECORD_BYTES.why}); {fix}")
+            try:
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading BOM is not text
+            except UnicodeDecodeError as e:
+                raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {e.start}); re-encode it as UTF-8") from None
+            out.append((lineno, text))
+    return out
+
+
 def read_documents(path: Path, *, text_key: str = "text") -> list[str]:
     """A .txt file is one document; a .jsonl file is one document per non-blank line (its text_key)."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # a leading byte-order mark is not text
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (byte {e.start}); re-encode it as UTF-8") from None
+    recs = records(path)
     if path.suffix == ".txt":
-        return [text]
+        return [recs[0][1] if recs else ""]
     docs = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in recs:
         if not line.strip():
             continue
         try:

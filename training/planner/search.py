@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from titan_pipe import limits
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import flops_per_token
@@ -167,7 +168,8 @@ def build_cluster(device: str, n_devices: int, *, nodes: int | None = None,
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def amp_dtype_for(cluster: Cluster) -> str:
@@ -270,6 +272,10 @@ def make_plan(w: Workload, cluster: Cluster, *, assume: Assumptions = Assumption
     ``progress(done, total)`` is called as candidates are estimated (the CLI draws a bar).
     """
     candidates = candidate_layouts(w, cluster, dp=dp, tp=tp, pp=pp)
+    if len(candidates) > limits.LAYOUTS.hi:
+        raise UserError(f"{len(candidates):,} candidate layouts of {cluster.n_devices} devices exceed the planner's "
+                        f"limit of {limits.LAYOUTS.hi:,.0f} ({limits.LAYOUTS.why}); narrow the search with --tp, "
+                        "--pp or --dp")
     if not candidates:
         raise UserError(f"no dp x tp x pp layout of {cluster.n_devices} devices matches the given "
                         f"--dp/--tp/--pp (tp must divide the devices and stay within a node of "

@@ -1,0 +1,129 @@
+"""Everything `titan-pipe train` can know before it launches a rank, checked in one pass.
+
+``titan-pipe validate`` and ``titan-pipe run`` call it before anything starts, and the launcher
+(training/launch.py) before it writes the run's record or spawns torchrun, so a run that would
+fail in its ranks fails here instead, one line per problem (ConfigError, exit 2) and nothing
+written: the run dir must be creatable and writable, ``init_from`` and the checkpoint a
+``--resume`` continues from must hold the model flow.yaml describes, and the corpus must fill at
+least one global batch. The rules on the config alone are titan_pipe.config's.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest, is_complete, newest_complete
+from titan_pipe.config import ConfigError, FlowConfig
+from titan_pipe.errors import UserError
+from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, model_differences
+from titan_pipe.unified_dir import read_model_args
+
+# A corpus whose token count its size cannot settle is tokenized here exactly as the trainer will,
+# up to this size; a larger one is left to the trainer's own check.
+EXACT_CORPUS_BYTES = 1 << 20
+BOM = 3  # bytes of a UTF-8 byte-order mark, which is not text
+
+
+def check_before_launch(cfg: FlowConfig, *, flow_path: Path, resume: bool = False) -> None:
+    """ConfigError naming ``flow_path`` with one line per problem the launch would meet; None if none."""
+    base = Path(flow_path).resolve().parent
+    lines = [p for p in (runs_dir_problem(cfg, base), init_from_problem(cfg, base),
+                         resume_problem(cfg, base) if resume else None, corpus_problem(cfg, base)) if p]
+    if lines:
+        raise ConfigError(str(flow_path), lines)
+
+
+def runs_dir_problem(cfg: FlowConfig, base: Path) -> str | None:
+    """The run dir must be a directory this user can create and write."""
+    run = cfg.run_dir(base)
+    probe = run
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return (f"runs_dir: {cfg.runs_dir!r} cannot hold the run dir {run}: {probe} is a file; choose a "
+                "directory for runs_dir")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"runs_dir: {probe} is not writable by this user; choose a writable runs_dir"
+    return None
+
+
+def model_of(path: Path) -> ModelArgs:
+    """The model a checkpoint step dir (or a run dir: its newest complete step) or a unified /
+    Hugging Face model dir holds, from its manifest or config.json alone (no weights read)."""
+    step = path if is_complete(path) else newest_complete(path)
+    if step is not None:
+        m = Manifest.load(step)
+        return ModelArgs.from_dict(m.model, source=step / MANIFEST_NAME)
+    return read_model_args(path)
+
+
+def _same_shape(source: ModelArgs, cfg: FlowConfig) -> list[str]:
+    return model_differences(source, cfg.model.args(), keys=SHAPE_KEYS, labels=("there", "in flow.yaml"))
+
+
+def init_from_problem(cfg: FlowConfig, base: Path) -> str | None:
+    if cfg.init_from is None:
+        return None
+    path = Path(cfg.init_from).expanduser()
+    path = path if path.is_absolute() else base / path
+    try:
+        diffs = _same_shape(model_of(path), cfg)
+    except (UserError, ValueError) as e:  # LayoutError is a ValueError
+        return f"init_from: {str(e).splitlines()[0]}"
+    if diffs:
+        return (f"init_from: {cfg.init_from} holds another model shape ({'; '.join(diffs)}); set model.* "
+                "in flow.yaml to match it")
+    return None
+
+
+def resume_problem(cfg: FlowConfig, base: Path) -> str | None:
+    """--resume continues the newest complete checkpoint of the run: it must be this model."""
+    latest = newest_complete(cfg.run_dir(base))
+    if latest is None:
+        return None  # nothing to resume: the trainer starts fresh and says so
+    try:
+        diffs = _same_shape(model_of(latest), cfg)
+    except (UserError, ValueError) as e:
+        return f"--resume: {str(e).splitlines()[0]}"
+    if diffs:
+        return (f"--resume: {latest} holds another model shape ({'; '.join(diffs)}); resume with the flow.yaml "
+                "that trained it, or start a fresh run (another name, or without --resume)")
+    return None
+
+
+def corpus_problem(cfg: FlowConfig, base: Path) -> str | None:
+    """The training split must hold one global batch of windows (train.batch_size x train.seq_len)."""
+    from titan_pipe.tokens.corpus import corpus_files, default_corpus
+
+    d, t = cfg.data, cfg.train
+    root = default_corpus() if d.path is None else Path(d.path).expanduser()
+    root = root if root.is_absolute() else base / root
+    try:
+        size = sum(f.stat().st_size for f in corpus_files(root))
+    except UserError as e:
+        return str(e)
+    need = t.batch_size * t.seq_len + 1  # the loader's windows overlap by one token
+    keep = 1 - d.val_fraction
+    most = 2 * size  # no tokenizer makes more than one token and one end-of-document per byte
+    if most * keep < need:
+        return _too_small(cfg, f"at most {most:,}", need)
+    # The byte tokenizer makes a token per byte of a .txt file (its BOM aside): no need to read it.
+    least = sum(max(0, f.stat().st_size - BOM) for f in corpus_files(root) if f.suffix == ".txt") \
+        if d.tokenizer == "byte" else 0
+    if least * keep - 1 >= need or size > EXACT_CORPUS_BYTES:
+        return None
+    from titan_pipe.tokens.corpus import prepare_data
+
+    try:
+        data = prepare_data(path=d.path, tokenizer=d.tokenizer, text_key=d.text_key, val_fraction=d.val_fraction,
+                            base=base, vocab_size=cfg.model.args().vocab_size)
+    except UserError as e:
+        return str(e)
+    return None if len(data.train) >= need else _too_small(cfg, f"{len(data.train):,}", need)
+
+
+def _too_small(cfg: FlowConfig, have: str, need: int) -> str:
+    t = cfg.train
+    return (f"data.path: {cfg.data.path or 'the shipped corpus'} gives {have} training tokens, fewer than one "
+            f"global batch of train.batch_size {t.batch_size} x train.seq_len {t.seq_len} (+1) = {need:,}; use "
+            "more text or lower train.batch_size / train.seq_len (or data.val_fraction)")
