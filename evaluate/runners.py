@@ -467,7 +467,7 @@ class DistributedRunner:
             self.manifest = Manifest.load(checkpoint)
         except Exception as e:
             raise UserError(f"{checkpoint / 'manifest.json'}: unreadable ({e})") from None
-        self.args = ModelArgs.from_dict(self.manifest.model)
+        self.args = ModelArgs.from_dict(self.manifest.model, source=checkpoint / "manifest.json")
         p = self.manifest.parallel
         self.layout = {k: int(p.get(k, 1)) for k in ("dp", "tp", "pp")}
         self.checkpoint, self.device, self.timeout_s = checkpoint, device, timeout_s

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     from titan_pipe.model.weights import open_weights
 
     manifest = Manifest.load(a.checkpoint)
-    args = ModelArgs.from_dict(manifest.model)
+    args = ModelArgs.from_dict(manifest.model, source=Path(a.checkpoint) / "manifest.json")
     p = manifest.parallel
     dims = ParallelDims(int(p.get("dp", 1)), int(p.get("tp", 1)), int(p.get("pp", 1)))
     device = resolve_device(a.device)

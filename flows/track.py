@@ -20,7 +20,9 @@ def run_tracked(stage: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
 
     from titan_pipe.errors import UserError
     from titan_pipe.flows.logs import run_logger
+    from titan_pipe.flows.prefect_api import check_api_reachable
 
+    check_api_reachable()  # a dead PREFECT_API_URL: one line, before the stage runs
     user_errors: list[UserError] = []
 
     def body(**kw: Any) -> T:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import ModelArgs, check_fits
+from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.hf_config import from_hf_config
 from titan_pipe.model.names import hf_to_native
 from titan_pipe.paths import resolve_inside
@@ -46,19 +46,14 @@ def read_model_args(model_dir: Path) -> ModelArgs:
     return from_hf_config(read_json(cfg_path, what="a LlamaConfig"), source=str(cfg_path))
 
 
-def locate_weights(model_dir: Path, args: ModelArgs | None = None) -> WeightFiles:
-    """The safetensors files of ``model_dir`` and which stored tensor name each one holds; with
-    ``args`` (its config.json's), refused unless the files are large enough to hold that model."""
-    weights = _locate(Path(model_dir))
-    if args is not None:
-        check_fits(args, sum(f.stat().st_size for f in weights.files), source=Path(model_dir) / CONFIG,
-                   where=", ".join(f.name for f in weights.files[:3]) + (" ..." if len(weights.files) > 3 else ""))
-    return weights
+def locate_weights(model_dir: Path) -> WeightFiles:
+    """The safetensors files of ``model_dir`` and which stored tensor name each one holds.
 
-
-def _locate(model_dir: Path) -> WeightFiles:
+    Every reader then accounts for each stored tensor against config.json (``place_tensor``,
+    ``check_all_placed``) from the headers, before any tensor data is read."""
     from safetensors import safe_open
 
+    model_dir = Path(model_dir)
     index, single = model_dir / INDEX, model_dir / SINGLE
     if index.is_file():
         weight_map = read_json(index, what="a safetensors index").get("weight_map")

@@ -92,11 +92,15 @@ def resume_problem(cfg: FlowConfig, base: Path) -> str | None:
 
 
 def corpus_problem(cfg: FlowConfig, base: Path) -> str | None:
-    """The training split must hold one global batch of windows (train.batch_size x train.seq_len)."""
-    from titan_pipe.tokens.corpus import corpus_files, default_corpus
-
+    """The training split of data.path must hold one global batch of windows (train.batch_size x
+    train.seq_len). Without data.path (the shipped demo corpus, which `titan-pipe plan` leaves for
+    the user to replace) the trainer's own check stands."""
     d, t = cfg.data, cfg.train
-    root = default_corpus() if d.path is None else Path(d.path).expanduser()
+    if d.path is None:
+        return None
+    from titan_pipe.tokens.corpus import corpus_files
+
+    root = Path(d.path).expanduser()
     root = root if root.is_absolute() else base / root
     try:
         size = sum(f.stat().st_size for f in corpus_files(root))
@@ -124,6 +128,6 @@ def corpus_problem(cfg: FlowConfig, base: Path) -> str | None:
 
 def _too_small(cfg: FlowConfig, have: str, need: int) -> str:
     t = cfg.train
-    return (f"data.path: {cfg.data.path or 'the shipped corpus'} gives {have} training tokens, fewer than one "
+    return (f"data.path: {cfg.data.path} gives {have} training tokens, fewer than one "
             f"global batch of train.batch_size {t.batch_size} x train.seq_len {t.seq_len} (+1) = {need:,}; use "
             "more text or lower train.batch_size / train.seq_len (or data.val_fraction)")

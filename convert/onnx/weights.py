@@ -69,7 +69,7 @@ def plan_weights(model_dir: Path, args: ModelArgs) -> dict[str, SourceTensor]:
     """Every parameter of the model -> where it is stored; UserError naming the tensor and file
     for a missing, extra, duplicated, mis-shaped or non-float tensor. Reads headers only."""
     model_dir = Path(model_dir)
-    weights = locate_weights(model_dir, args)
+    weights = locate_weights(model_dir)
     expected = expected_shapes(args)
     found: dict[str, SourceTensor] = {}
     for path in weights.files:

@@ -11,7 +11,6 @@ from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers.store import SafetensorsStore, read_header
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan, check_accounted
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.names import hf_to_native, native_names
 from titan_pipe.unified_dir import locate_weights, read_model_args
 
@@ -24,9 +23,9 @@ def looks_like(path: Path) -> bool:
         (path / INDEX).is_file() or any(path.glob("*.safetensors")))
 
 
-def weight_files(path: Path, args: ModelArgs | None = None) -> list[str]:
+def weight_files(path: Path) -> list[str]:
     """Weight files relative to ``path``, found as the unified loader finds them (index, else model.safetensors)."""
-    return [f.relative_to(path).as_posix() for f in locate_weights(path, args).files]
+    return [f.relative_to(path).as_posix() for f in locate_weights(path).files]
 
 
 def _stored(path: Path, files: list[str], store: SafetensorsStore) -> dict[str, tuple[str, str]]:
@@ -58,7 +57,7 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
     if vocab_size is not None and vocab_size != args.vocab_size:
         raise UserError(f"--vocab-size {vocab_size} disagrees with {cfg_path} (vocab_size "
                         f"{args.vocab_size}); drop --vocab-size for Hugging Face models")
-    files = weight_files(path, args)  # refused here if config.json declares more than the files hold
+    files = weight_files(path)
     store = SafetensorsStore(path)
     found = _stored(path, files, store)
     check_accounted(found, args, source=cfg_path, describe=lambda n: f"{found[n][1]!r} in {found[n][0]}")

@@ -105,7 +105,10 @@ def register(app: typer.Typer) -> None:
             check_before_launch(cfg, flow_path=flow)  # before Prefect starts: what training would meet
 
         prefect_env()
+        from titan_pipe.flows.prefect_api import check_api_reachable
         from titan_pipe.flows.train_to_deploy import listening, train_to_deploy
+
+        check_api_reachable()  # one line with the fix, before any stage or Prefect run starts
 
         console = Console(stderr=True)
         live = LiveSummary(console)

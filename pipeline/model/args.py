@@ -149,6 +149,10 @@ def args_problems(args: ModelArgs) -> list[str]:
                    f"most {limits.HEAD_DIM.hi:g}; change dim or n_heads")
     if args.n_heads % args.kv_heads:
         out.append(f"n_kv_heads: {args.kv_heads} does not divide n_heads={args.n_heads}; pick a divisor")
+    rows = args.max_seq_len * args.head_dim
+    if not out and rows > limits.ROPE_TABLE.hi:
+        out.append(f"max_seq_len: {args.max_seq_len} positions x head_dim {args.head_dim} = {rows:,} RoPE table "
+                   f"entries {limits.ROPE_TABLE.problem(rows)}; lower max_seq_len")
     p = _bound_problem("ffn hidden size", args.hidden_dim, limits.FFN)
     if p:
         out.append(p + " (set ffn_hidden_dim)")

@@ -33,7 +33,7 @@ def load_unified_model(model_dir: Path, *, dtype: str | torch.dtype | None = Non
     model_dir = Path(model_dir)
     args = read_model_args(model_dir)
     target = parse_dtype(dtype)
-    weights = locate_weights(model_dir, args)
+    weights = locate_weights(model_dir)
     model = build_model(args, kernels=kernels, seed=None, device="meta")
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     loaded: set[str] = set()
