@@ -56,6 +56,10 @@ def held_out_text(*, data: Path | None, flow: FlowConfig | None, flow_dir: Path 
     flow: evaluate_model then takes the shipped corpus's split.
     """
     if data is not None:
+        from titan_pipe.tokens.corpus import check_records
+
+        if Path(data).is_file():
+            check_records(Path(data))  # before any model is loaded: an enormous record is one line
         return Path(data), None
     if flow is None:
         return None, None

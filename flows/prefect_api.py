@@ -2,6 +2,7 @@
 deployment starts, so a dead PREFECT_API_URL is one line with the fix, not Prefect's traceback."""
 from __future__ import annotations
 
+import os
 import urllib.error
 import urllib.request
 
@@ -11,8 +12,10 @@ HEALTH_TIMEOUT_S = 5.0
 
 
 def configured_api_url() -> str | None:
-    """PREFECT_API_URL as Prefect resolves it now (environment, then the active profile); None:
-    Prefect starts a temporary server of its own."""
+    """PREFECT_API_URL as the environment sets it now, else as the active Prefect profile does;
+    None: Prefect starts a temporary server of its own."""
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
     from prefect.settings import get_current_settings
 
     return get_current_settings().api.url

@@ -76,12 +76,12 @@ def export_problems(*, max_positions: int, opset: object, dtype: str, batch: int
                               ("cache_len", cache_len, limits.CACHE_LEN)):
         why = None if value is None else bound.problem(value)
         if why:
-            out.append(f"{key} {value} {why}; pass {spell(key)} {bound.lo:g}..{bound.hi:g}")
+            out.append(f"{key} {value} {why}; pass {spell(key)} {bound.range}")
     if out:
         return out
-    if seq_len + (1 if kv_cache else 0) > max_positions:
-        out.append(f"seq_len {seq_len} (+1 decode step) exceeds the model's max_position_embeddings {max_positions} "
-                   f"(config.json); pass a smaller {spell('seq_len')}")
+    if seq_len + (1 if kv_cache else 0) > max_positions:  # the cache rules below follow from this one
+        return [f"seq_len {seq_len} (+1 decode step) exceeds the model's max_position_embeddings {max_positions} "
+                f"(config.json); pass a smaller {spell('seq_len')}"]
     cache = default_cache_len(max_positions) if cache_len is None else cache_len
     if kv_cache and cache < seq_len + 1:
         out.append(f"cache_len {cache} is smaller than seq_len {seq_len} + 1 (the prompt plus one new token); "

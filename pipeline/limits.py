@@ -24,10 +24,19 @@ class Bound:
     def problem(self, value: float) -> str | None:
         """Why ``value`` is outside the range, or None."""
         if value < self.lo:
-            return f"must be >= {self.lo:g}"
+            return f"must be >= {fmt(self.lo)}"
         if value > self.hi:
-            return f"exceeds titan-pipe's limit of {self.hi:g}" + (f" ({self.why})" if self.why else "")
+            return f"exceeds titan-pipe's limit of {fmt(self.hi)}" + (f" ({self.why})" if self.why else "")
         return None
+
+    @property
+    def range(self) -> str:
+        return f"{fmt(self.lo)}..{fmt(self.hi)}"
+
+
+def fmt(x: float) -> str:
+    """A bound or a value as a user writes it: whole numbers in full (1048576, not 1.04858e+06)."""
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e18 else f"{x:g}"
 
 
 # --- model dimensions (ModelArgs, from any source) ------------------------------------------------
@@ -82,4 +91,4 @@ def check_flag(flag: str, value: float | None, bound: Bound) -> None:
         return
     why = bound.problem(value)
     if why:
-        raise UserError(f"{flag} {value}: {why}; pass a value in {bound.lo:g}..{bound.hi:g}")
+        raise UserError(f"{flag} {value}: {why}; pass a value in {bound.range}")

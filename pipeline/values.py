@@ -69,7 +69,7 @@ def check(value: object, kind: str, *, source: object, key: str, bound: Bound | 
     if bound is not None and kind in (INT, FLOAT):
         why = bound.problem(value)
         if why:
-            raise refuse(source, key, value, why, fix or f"use a value in {bound.lo:g}..{bound.hi:g}")
+            raise refuse(source, key, value, why, fix or f"use a value in {bound.range}")
     return float(value) if kind == FLOAT else value
 
 
@@ -85,7 +85,7 @@ def read(d: Mapping, key: str, kind: str, *, source: object, default: Any = REQU
             return default
         if isinstance(d, Mapping) and key in d:
             raise refuse(source, name, None, f"is null, not {_NAMES[kind]}", fix or f"give {name} a value")
-        raise UserError(f"{source}: {name} is missing; {fix or f'add {name}'}")
+        raise UserError(f"{source}: missing field {name!r}; {fix or f'add {name}'}")
     return check(value, kind, source=source, key=name, bound=bound, fix=fix)
 
 

@@ -158,7 +158,8 @@ def register(app: typer.Typer) -> None:
 
         from titan_pipe.errors import UserError
         from titan_pipe.model.args import count_params, flops_per_token
-        from titan_pipe.training.planner.search import best_misfits_per_layout, build_cluster, make_plan
+        from titan_pipe.training.planner.search import (best_misfits_per_layout, bounded_candidates, build_cluster,
+                                                        make_plan)
         from titan_pipe.training.planner.workload import Assumptions
 
         out = Console()
@@ -172,6 +173,7 @@ def register(app: typer.Typer) -> None:
             limits.check_flag(flag, value, bound)  # the search space and every table are sized by these
         cluster, notes = build_cluster(device, devices, nodes=nodes, device_memory=device_memory)
         w = _workload(model, seq_len, gb)
+        bounded_candidates(w, cluster, dp=dp, tp=tp, pp=pp)  # a search too large: one line, before any output
         assume = Assumptions(compute_efficiency=efficiency, comm_efficiency=comm_efficiency)
         for note in notes:
             out.print(f"[yellow]note[/yellow] {note}", highlight=False)

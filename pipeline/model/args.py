@@ -123,7 +123,7 @@ def _read_scaling(d: object, source: object) -> RopeScaling:
 def _bound_problem(key: str, value: float, bound: limits.Bound) -> str | None:
     why = bound.problem(value)
     shown = value if isinstance(value, int) else f"{value:g}"
-    return None if why is None else f"{key}: {shown} {why}; use a value in {bound.lo:g}..{bound.hi:g}"
+    return None if why is None else f"{key}: {shown} {why}; use a value in {bound.range}"
 
 
 def args_problems(args: ModelArgs) -> list[str]:

@@ -48,32 +48,49 @@ def corpus_files(path: Path) -> list[Path]:
     return files
 
 
-def records(path: Path) -> list[tuple[int, str]]:
-    """(line number, text) of each record of a data file: a .txt file is one record, a .jsonl file
-    one per line. A record larger than titan_pipe.limits.RECORD_BYTES is refused before it is
-    read whole (one enormous line would otherwise be decoded, parsed and tokenized in memory)."""
+def _raw_records(path: Path):
+    """(line number, bytes) of each record of a data file, read one at a time: a .txt file is one
+    record, a .jsonl file one per line. A record larger than titan_pipe.limits.RECORD_BYTES is
+    refused before it is read whole (one enormous line would otherwise be decoded, parsed and
+    tokenized in memory)."""
     limit = int(RECORD_BYTES.hi)
-    fix = (f"split it into records of at most {limit // 2**20} MiB (.jsonl: one document per line; "
+    fix = (f"split it into records of at most {_size(limit)} (.jsonl: one document per line; "
            ".txt: one document per file)")
-    out = []
     with open(path, "rb") as f:
         if path.suffix == ".txt":
             size = os.fstat(f.fileno()).st_size
             if size > limit:
-                raise UserError(f"{path}: {size / 2**20:.0f} MiB in one document (a .txt file), over the limit "
-                                f"of {limit // 2**20} MiB ({RECORD_BYTES.why}); {fix}")
-            lines = [f.read()]
+                raise UserError(f"{path}: {_size(size)} in one document (a .txt file), over the limit of "
+                                f"{_size(limit)} ({RECORD_BYTES.why}); {fix}")
+            lines = iter([f.read()])
         else:
             lines = iter(lambda: f.readline(limit + 1), b"")
         for lineno, raw in enumerate(lines, start=1):
             if len(raw) > limit:
-                raise UserError(f"{path}:{lineno}: a record over the limit of {limit // 2**20} MiB "
+                raise UserError(f"{path}:{lineno}: a record over the limit of {_size(limit)} "
                                 f"({RECORD_BYTES.why}); {fix}")
-            try:
-                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading BOM is not text
-            except UnicodeDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {e.start}); re-encode it as UTF-8") from None
-            out.append((lineno, text))
+            yield lineno, raw
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def check_records(path: Path) -> None:
+    """Refuse a data file holding a record over the limit, reading it one record at a time."""
+    for _ in _raw_records(path):
+        pass
+
+
+def records(path: Path) -> list[tuple[int, str]]:
+    """(line number, text) of each record of a data file (see ``_raw_records``)."""
+    out = []
+    for lineno, raw in _raw_records(path):
+        try:
+            text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a leading BOM is not text
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}:{lineno}: not UTF-8 text (byte {e.start}); re-encode it as UTF-8") from None
+        out.append((lineno, text))
     return out
 
 

@@ -212,6 +212,17 @@ def candidate_layouts(w: Workload, cluster: Cluster, *, dp: int | None = None, t
     return out
 
 
+def bounded_candidates(w: Workload, cluster: Cluster, *, dp: int | None = None, tp: int | None = None,
+                       pp: int | None = None) -> list[Layout]:
+    """``candidate_layouts``, refused in one line when there are more than the planner may estimate."""
+    candidates = candidate_layouts(w, cluster, dp=dp, tp=tp, pp=pp)
+    if len(candidates) > limits.LAYOUTS.hi:
+        raise UserError(f"{len(candidates):,} candidate layouts of {cluster.n_devices} devices exceed the planner's "
+                        f"limit of {limits.LAYOUTS.hi:,.0f} ({limits.LAYOUTS.why}); narrow the search with --tp, "
+                        "--pp or --dp")
+    return candidates
+
+
 def layout_flow(w: Workload, layout: Layout, cluster: Cluster, *, name: str = "planned",
                 assume: Assumptions = Assumptions()) -> dict:
     """The flow.yaml (as a dict) that trains ``w`` with ``layout`` on ``cluster``."""
@@ -271,11 +282,7 @@ def make_plan(w: Workload, cluster: Cluster, *, assume: Assumptions = Assumption
 
     ``progress(done, total)`` is called as candidates are estimated (the CLI draws a bar).
     """
-    candidates = candidate_layouts(w, cluster, dp=dp, tp=tp, pp=pp)
-    if len(candidates) > limits.LAYOUTS.hi:
-        raise UserError(f"{len(candidates):,} candidate layouts of {cluster.n_devices} devices exceed the planner's "
-                        f"limit of {limits.LAYOUTS.hi:,.0f} ({limits.LAYOUTS.why}); narrow the search with --tp, "
-                        "--pp or --dp")
+    candidates = bounded_candidates(w, cluster, dp=dp, tp=tp, pp=pp)
     if not candidates:
         raise UserError(f"no dp x tp x pp layout of {cluster.n_devices} devices matches the given "
                         f"--dp/--tp/--pp (tp must divide the devices and stay within a node of "
