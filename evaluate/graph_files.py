@@ -7,12 +7,12 @@ anything else) opens a file, so a graph cannot make evaluate read ``../../secret
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from titan_pipe.errors import UserError
 from titan_pipe.paths import resolve_inside
+from titan_pipe.values import read_json
 
 if TYPE_CHECKING:
     import onnx
@@ -51,12 +51,7 @@ def read_export_record(onnx_dir: Path) -> dict | None:
     path = Path(onnx_dir) / EXPORT_RECORD
     if not path.is_file():
         return None
-    try:
-        record = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e}); re-export or delete it") from None
-    if not isinstance(record, dict):
-        raise UserError(f"{path}: expected a JSON object (the record `titan-pipe export` writes)")
+    record = read_json(path, what="the record `titan-pipe export` writes", fix="re-export or delete it")
     for section in ("graphs", "files"):
         names = record.get(section) or {}
         if not isinstance(names, dict):
