@@ -57,23 +57,21 @@ def model_of(path: Path) -> ModelArgs:
     return read_model_args(path)
 
 
-def _same_shape(source: ModelArgs, cfg: FlowConfig) -> list[str]:
-    return model_differences(source, cfg.model.args(), keys=SHAPE_KEYS, labels=("there", "in flow.yaml"))
+def shape_problem(what: str, path: Path, cfg: FlowConfig, fix: str) -> str | None:
+    """Why the weights at ``path`` (named ``what`` in the message) cannot start flow.yaml's model."""
+    try:
+        diffs = model_differences(model_of(path), cfg.model.args(), keys=SHAPE_KEYS, labels=("there", "in flow.yaml"))
+    except (UserError, ValueError) as e:  # LayoutError is a ValueError
+        return f"{what}: {str(e).splitlines()[0]}"
+    return f"{what}: {path} holds another model shape ({'; '.join(diffs)}); {fix}" if diffs else None
 
 
 def init_from_problem(cfg: FlowConfig, base: Path) -> str | None:
     if cfg.init_from is None:
         return None
     path = Path(cfg.init_from).expanduser()
-    path = path if path.is_absolute() else base / path
-    try:
-        diffs = _same_shape(model_of(path), cfg)
-    except (UserError, ValueError) as e:  # LayoutError is a ValueError
-        return f"init_from: {str(e).splitlines()[0]}"
-    if diffs:
-        return (f"init_from: {cfg.init_from} holds another model shape ({'; '.join(diffs)}); set model.* "
-                "in flow.yaml to match it")
-    return None
+    return shape_problem("init_from", path if path.is_absolute() else base / path, cfg,
+                         "set model.* in flow.yaml to match it")
 
 
 def resume_problem(cfg: FlowConfig, base: Path) -> str | None:
@@ -81,14 +79,8 @@ def resume_problem(cfg: FlowConfig, base: Path) -> str | None:
     latest = newest_complete(cfg.run_dir(base))
     if latest is None:
         return None  # nothing to resume: the trainer starts fresh and says so
-    try:
-        diffs = _same_shape(model_of(latest), cfg)
-    except (UserError, ValueError) as e:
-        return f"--resume: {str(e).splitlines()[0]}"
-    if diffs:
-        return (f"--resume: {latest} holds another model shape ({'; '.join(diffs)}); resume with the flow.yaml "
-                "that trained it, or start a fresh run (another name, or without --resume)")
-    return None
+    return shape_problem("--resume", latest, cfg, "resume with the flow.yaml that trained it, or start a fresh "
+                         "run (another name, or without --resume)")
 
 
 def corpus_problem(cfg: FlowConfig, base: Path) -> str | None:
