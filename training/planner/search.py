@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from titan_pipe import limits
+from titan_pipe.choices import INTERLEAVED, PP_SCHEDULES
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import flops_per_token
@@ -200,7 +201,7 @@ def candidate_layouts(w: Workload, cluster: Cluster, *, dp: int | None = None, t
             if p == 1:
                 schedules, mbs = [("1f1b", 1)], [1]
             else:
-                schedules = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+                schedules = [(s, 2 if s == INTERLEAVED else 1) for s in PP_SCHEDULES]  # every schedule the trainer has
                 mbs = sorted({m for m in (p, 2 * p, 4 * p, 8 * p, local) if m and local % m == 0} or {p})
             dps = [(3, False), (3, True)] + ([] if d == 1 else [(2, False), (0, False)])
             for sched, v in schedules:
@@ -237,7 +238,7 @@ def layout_flow(w: Workload, layout: Layout, cluster: Cluster, *, name: str = "p
         "model": {"flavour": w.flavour, **w.model_overrides},
         "train": {"batch_size": w.global_batch, "seq_len": w.seq_len},
         "parallel": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "pp_schedule": layout.schedule,
-                     "virtual_stages": max(layout.virtual_stages, 1) if layout.schedule == "interleaved_1f1b" else 2,
+                     "virtual_stages": max(layout.virtual_stages, 1) if layout.schedule == INTERLEAVED else 2,
                      "microbatches": layout.microbatches, "dp_mode": layout.dp_mode,
                      "sequence_parallel": layout.sequence_parallel},
         "zero_stage": {3: None, 2: 2, 0: None}[layout.zero],
