@@ -81,7 +81,7 @@ class _ModelChoice(Section):
     @model_validator(mode="after")
     def _check(self):
         if self.flavour is not None and self.flavour not in FLAVOURS:
-            raise ValueError(f"flavour {self.flavour!r} is unknown; use one of {', '.join(FLAVOURS)} "
+            raise ValueError(f"flavour {limits.shown(self.flavour)} is unknown; use one of {', '.join(FLAVOURS)} "
                              "or give the dims (dim, n_layers, n_heads, ...)")
         return self  # the dims' rules: _cross_checks, one line each (titan_pipe.model.args.args_problems)
 
