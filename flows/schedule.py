@@ -29,7 +29,8 @@ def check_cron(cron: str) -> None:
     than a crontab line of the same text."""
     fields = cron.split()
     if len(fields) != 5 and not (len(fields) == 1 and fields[0].lower() in CRON_ALIASES):
-        raise UserError(f"--cron {limits.shown(cron)} has {len(fields)} field(s); use five fields "
+        raise UserError(f"--cron {limits.shown(cron)} is not a cron expression of five fields (it has "
+                        f"{len(fields)}); use five fields "
                         "'minute hour day-of-month month day-of-week', e.g. '0 2 * * *' for 02:00 daily "
                         f"(or one of {', '.join(CRON_ALIASES)})")
 

@@ -258,7 +258,7 @@ def test_an_enormous_data_record(good, tmp_path, monkeypatch):
 
 def test_cron_with_seven_fields_is_not_served(tmp_path):
     refused(tmp_path, "schedule", REPO / "examples" / "tiny" / "flow.yaml", "--cron", "0 0 2 * * * *",
-            expect=("--cron '0 0 2 * * * *' has 7 field(s); use five fields",))
+            expect=("--cron '0 0 2 * * * *' is not a cron expression of five fields (it has 7)",))
 
 
 def test_unreachable_prefect_api_is_one_line(good, tmp_path, monkeypatch):
