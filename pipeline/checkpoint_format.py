@@ -16,9 +16,11 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from titan_pipe import limits
+from titan_pipe.choices import PP_SCHEDULES
 from titan_pipe.errors import UserError
 from titan_pipe.limits import Bound, shown
-from titan_pipe.values import DICT, INT, STR, check
+from titan_pipe.values import BOOL, DICT, INT, STR, check, read, refuse
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "titan-pipe-checkpoint"
@@ -83,12 +85,18 @@ FILE_BYTES = Bound(0, 2**50, "one shard file")
 STEP = Bound(0, 2**40, "a training step")
 
 
-def _dims(values: object, source: str, key: str) -> tuple[int, ...]:
-    """A list of non-negative integers (a shape, a box's offsets or lengths), typed strictly."""
-    if not isinstance(values, list) or len(values) > 8:
-        raise UserError(f"{source}: {key} = {shown(values)} is not a list of at most 8 integers; "
+def _list(values: object, source: str, key: str, most: int = 2**16) -> list:
+    """``values`` as a list of at most ``most`` items (None: empty); UserError naming it otherwise."""
+    values = [] if values is None else values
+    if not isinstance(values, list) or len(values) > most:
+        raise UserError(f"{source}: {key} = {shown(values)} is not a list of at most {most} items; "
                         "the manifest is corrupted. Copy the checkpoint again")
-    return tuple(check(v, INT, source=source, key=key, bound=DIM_SIZE) for v in values)
+    return values
+
+
+def _dims(values: object, source: str, key: str, most: int = 8) -> tuple[int, ...]:
+    """A list of non-negative integers (a shape, a box's offsets or lengths, layer ids), typed strictly."""
+    return tuple(check(v, INT, source=source, key=key, bound=DIM_SIZE) for v in _list(values, source, key, most))
 
 
 def _opt_int(value: object, source: str, key: str) -> int | None:
@@ -138,13 +146,72 @@ class FileInfo:
     sha256: str
 
 
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The rank layout a checkpoint was written under (manifest ``parallel``): dp x tp x pp ranks,
+    the pipeline schedule, the layer ids of each (virtual) pipeline stage and the pp rank running
+    it. The trainer writes every field, convert's sharded output the layout it produced; older
+    manifests may hold only dp/tp/pp (+ pp_schedule): the defaults below are the one reading of
+    what is absent."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    stages: tuple[tuple[int, ...], ...] = ()
+    stage_ranks: tuple[int, ...] = ()
+    sequence_parallel: bool = False
+    dp_mode: str | None = None
+    dp_kind: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages in all (interleaved schedules: virtual stages x pp)."""
+        return len(self.stages) or self.pp
+
+    @property
+    def virtual_stages(self) -> int:
+        return max(1, self.n_stages // self.pp)
+
+    def to_dict(self) -> dict:
+        d = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "pp_schedule": self.pp_schedule,
+             "n_stages": self.n_stages, "stages": [list(s) for s in self.stages],
+             "stage_ranks": list(self.stage_ranks), "sequence_parallel": self.sequence_parallel}
+        d.update({k: v for k, v in (("dp_mode", self.dp_mode), ("dp_kind", self.dp_kind)) if v is not None})
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, *, source: str = MANIFEST_NAME) -> "ParallelLayout":
+        """The layout of a manifest's ``parallel`` object; LayoutError naming the field otherwise."""
+        if not isinstance(d, dict):
+            raise LayoutError(f"{source}: 'parallel' is a {type(d).__name__}, not an object")
+        p = "parallel."  # every value typed strictly and bounded (titan_pipe.values): "2" is no tp
+        sizes = {k: read(d, k, INT, source=source, default=1, bound=limits.PARALLEL, prefix=p) for k in ("dp", "tp", "pp")}
+        schedule = read(d, "pp_schedule", STR, source=source, default="1f1b", prefix=p)
+        if schedule not in PP_SCHEDULES:
+            raise refuse(source, "parallel.pp_schedule", schedule, "is not a pipeline schedule",
+                         f"the manifest is corrupted (schedules: {', '.join(PP_SCHEDULES)})")
+        layers = int(limits.LAYERS.hi)
+        stages = tuple(_dims(s, source, "parallel.stages", most=layers)
+                       for s in _list(d.get("stages"), source, "parallel.stages", most=layers))
+        return cls(**sizes, pp_schedule=schedule, stages=stages,
+                   stage_ranks=_dims(d.get("stage_ranks") or [], source, "parallel.stage_ranks", most=2**16),
+                   sequence_parallel=read(d, "sequence_parallel", BOOL, source=source, default=False, prefix=p),
+                   dp_mode=read(d, "dp_mode", STR, source=source, default=None, prefix=p),
+                   dp_kind=read(d, "dp_kind", STR, source=source, default=None, prefix=p))
+
+
 @dataclass
 class Manifest:
     """The contents of manifest.json (docs/checkpoint-format.md)."""
 
     step: int
     model: dict  # ModelArgs.to_dict()
-    parallel: dict  # dp, tp, pp, pp_schedule, stages (layer ids per virtual stage), stage_ranks
+    parallel: ParallelLayout
     params: dict[str, ParamSpec]
     files: dict[str, FileInfo]
     extra: dict = field(default_factory=dict)  # optimizer dir, data state, tokenizer...
@@ -157,7 +224,7 @@ class Manifest:
             "format_version": self.format_version,
             "step": self.step,
             "model": self.model,
-            "parallel": self.parallel,
+            "parallel": self.parallel.to_dict(),
             "files": {k: asdict(v) for k, v in sorted(self.files.items())},
             "params": {
                 name: {
@@ -202,7 +269,7 @@ class Manifest:
                                  sha256=check(v["sha256"], STR, source=source, key=f"files.{k}.sha256"))
                      for k, v in check(d["files"], DICT, source=source, key="files").items()}
             return cls(step=check(d["step"], INT, source=source, key="step", bound=STEP), model=d["model"],
-                       parallel=d["parallel"], params=params,
+                       parallel=ParallelLayout.from_dict(d["parallel"], source=source), params=params,
                        files=files, extra=d.get("extra", {}), format=d["format"],
                        format_version=d["format_version"])
         except (KeyError, TypeError) as e:
