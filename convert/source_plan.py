@@ -22,7 +22,8 @@ from titan_pipe.choices import NAMINGS
 from titan_pipe.dtypes import DTYPE_SIZES, OUT_DTYPES
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.errors import UserError
-from titan_pipe.model.names import native_names, native_to_hf
+from titan_pipe.model.names import native_to_hf
+from titan_pipe.model.params import native_names
 from titan_pipe.model.sharding import split_stages, stage_of, tp_split_dim
 
 

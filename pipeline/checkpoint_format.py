@@ -81,6 +81,7 @@ def split_box(shape: tuple[int, ...], dim: int | None, n: int, i: int) -> Box:
 
 # A manifest's numbers size what readers plan and allocate: typed strictly, bounded (titan_pipe.values).
 DIM_SIZE = Bound(0, 2**40, "one dimension of one tensor")
+_MALFORMED = "the manifest holds a malformed value; copy the checkpoint again"
 FILE_BYTES = Bound(0, 2**50, "one shard file")
 STEP = Bound(0, 2**40, "a training step")
 
@@ -189,20 +190,21 @@ class ParallelLayout:
         """The layout of a manifest's ``parallel`` object; LayoutError naming the field otherwise."""
         if not isinstance(d, dict):
             raise LayoutError(f"{source}: 'parallel' is a {type(d).__name__}, not an object")
-        p = "parallel."  # every value typed strictly and bounded (titan_pipe.values): "2" is no tp
-        sizes = {k: read(d, k, INT, source=source, default=1, bound=limits.PARALLEL, prefix=p) for k in ("dp", "tp", "pp")}
-        schedule = read(d, "pp_schedule", STR, source=source, default="1f1b", prefix=p)
+        # Every value typed strictly and bounded (titan_pipe.values): "2" is no tp, 0 no pp.
+        kw = dict(source=source, prefix="parallel.", exc=LayoutError, fix=_MALFORMED)
+        sizes = {k: read(d, k, INT, default=1, bound=limits.PARALLEL, **kw) for k in ("dp", "tp", "pp")}
+        schedule = read(d, "pp_schedule", STR, default="1f1b", **kw)
         if schedule not in PP_SCHEDULES:
-            raise refuse(source, "parallel.pp_schedule", schedule, "is not a pipeline schedule",
-                         f"the manifest is corrupted (schedules: {', '.join(PP_SCHEDULES)})")
+            raise refuse(source, "parallel.pp_schedule", schedule, f"is not one of {', '.join(PP_SCHEDULES)}",
+                         _MALFORMED, exc=LayoutError)
         layers = int(limits.LAYERS.hi)
         stages = tuple(_dims(s, source, "parallel.stages", most=layers)
                        for s in _list(d.get("stages"), source, "parallel.stages", most=layers))
         return cls(**sizes, pp_schedule=schedule, stages=stages,
                    stage_ranks=_dims(d.get("stage_ranks") or [], source, "parallel.stage_ranks", most=2**16),
-                   sequence_parallel=read(d, "sequence_parallel", BOOL, source=source, default=False, prefix=p),
-                   dp_mode=read(d, "dp_mode", STR, source=source, default=None, prefix=p),
-                   dp_kind=read(d, "dp_kind", STR, source=source, default=None, prefix=p))
+                   sequence_parallel=read(d, "sequence_parallel", BOOL, default=False, **kw),
+                   dp_mode=read(d, "dp_mode", STR, default=None, **kw),
+                   dp_kind=read(d, "dp_kind", STR, default=None, **kw))
 
 
 @dataclass

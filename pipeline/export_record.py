@@ -151,6 +151,7 @@ def _names(values, *, optional: bool) -> tuple:
 
 # The record's numbers, typed strictly and bounded (titan_pipe.values) like every number read from a file.
 COUNT = Bound(0, 2**40, "nodes or operator uses of one graph")
+_MALFORMED = "a malformed field; re-export with `titan-pipe export`"
 OPSET = Bound(1, 1000, "an ONNX opset")
 
 
@@ -159,13 +160,13 @@ def _graph(g: dict, path: Path, file: str) -> GraphRecord:
         raise TypeError(f"a graph entry is a {type(g).__name__}, not an object")
     p = f"graphs.{file}."
     return GraphRecord(
-        opset=read(g, "opset", INT, source=path, default=None, bound=OPSET, prefix=p),
+        opset=read(g, "opset", INT, source=path, default=None, bound=OPSET, prefix=p, fix=_MALFORMED),
         inputs=dict(g.get("inputs") or {}), outputs=dict(g.get("outputs") or {}),
-        n_nodes=read(g, "n_nodes", INT, source=path, default=0, bound=COUNT, prefix=p),
+        n_nodes=read(g, "n_nodes", INT, source=path, default=0, bound=COUNT, prefix=p, fix=_MALFORMED),
         operators=tuple(OperatorUse(o.get("domain", ""), o["op_type"],
-                                    read(o, "count", INT, source=path, default=0, bound=COUNT, prefix=p + "operators."),
+                                    read(o, "count", INT, source=path, default=0, bound=COUNT, prefix=p + "operators.", fix=_MALFORMED),
                                     read(o, "since_version", INT, source=path, default=None, bound=OPSET,
-                                         prefix=p + "operators."))
+                                         prefix=p + "operators.", fix=_MALFORMED))
                         for o in g.get("operators") or ()),
         layer_outputs=_names(g.get("layer_outputs") or [], optional=False),
         attn_outputs=_names(g.get("attn_outputs") or [], optional=True),
@@ -176,10 +177,10 @@ def _parse(d: dict, version: int, path: Path) -> ExportRecord:
     dec = d.get("decode")
     return ExportRecord(
         graphs={f: _graph(g, path, f) for f, g in (d.get("graphs") or {}).items()},
-        files={f: FileEntry(read(e, "bytes", INT, source=path, bound=FILE_BYTES, prefix=f"files.{f}."), e.get("sha256"))
+        files={f: FileEntry(read(e, "bytes", INT, source=path, bound=FILE_BYTES, prefix=f"files.{f}.", fix=_MALFORMED), e.get("sha256"))
                for f, e in (d.get("files") or {}).items()},
         decode=None if not dec else DecodeContract(read(dec, "cache_len", INT, source=path, bound=limits.CACHE_LEN,
-                                                        prefix="decode."), dec.get("cache_update", CACHE_UPDATE),
+                                                        prefix="decode.", fix=_MALFORMED), dec.get("cache_update", CACHE_UPDATE),
                                                    dec.get("write_index", WRITE_INDEX), dec.get("note", DECODE_NOTE)),
         source=dict(d.get("source") or {}), options=dict(d.get("options") or {}),
         exporter=dict(d.get("exporter") or {}), atc=dict(d.get("atc") or {}),

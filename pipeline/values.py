@@ -55,28 +55,30 @@ def type_problem(value: object, kind: str) -> str | None:
     return None if ok else f"is {_type_name(value)}, not {_NAMES[kind]}"
 
 
-def refuse(source: object, key: str, value: object, problem: str, fix: str) -> UserError:
-    """The one-line error for ``key`` = ``value`` of ``source``."""
-    return UserError(f"{source}: {key} = {shown(value)} {problem}; {fix}")
+def refuse(source: object, key: str, value: object, problem: str, fix: str, *,
+           exc: type[Exception] = UserError) -> Exception:
+    """The one-line error for ``key`` = ``value`` of ``source`` (a UserError, or ``exc`` for a
+    record whose callers expect their own error type)."""
+    return exc(f"{source}: {key} = {shown(value)} {problem}; {fix}")
 
 
 def check(value: object, kind: str, *, source: object, key: str, bound: Bound | None = None,
-          fix: str = "") -> Any:
-    """``value`` if it is strictly of ``kind`` and inside ``bound``; UserError naming it otherwise."""
+          fix: str = "", exc: type[Exception] = UserError) -> Any:
+    """``value`` if it is strictly of ``kind`` and inside ``bound``; ``exc`` naming it otherwise."""
     why = type_problem(value, kind)
     if why:
-        raise refuse(source, key, value, why, fix or _FIXES[kind])
+        raise refuse(source, key, value, why, fix or _FIXES[kind], exc=exc)
     if bound is not None and kind in (INT, FLOAT):
         why = bound.problem(value)
         if why:
-            raise refuse(source, key, value, why, fix or f"use a value in {bound.range}")
+            raise refuse(source, key, value, why, fix or f"use a value in {bound.range}", exc=exc)
     return float(value) if kind == FLOAT else value
 
 
 def read(d: Mapping, key: str, kind: str, *, source: object, default: Any = REQUIRED,
-         bound: Bound | None = None, fix: str = "", prefix: str = "") -> Any:
+         bound: Bound | None = None, fix: str = "", prefix: str = "", exc: type[Exception] = UserError) -> Any:
     """``d[key]`` checked as ``kind`` (see ``check``). Absent, or null where a default exists:
-    the default; absent or null where none does: UserError saying so. ``prefix`` names the
+    the default; absent or null where none does: ``exc`` saying so. ``prefix`` names the
     enclosing key in messages (``rope_parameters.``)."""
     name = prefix + key
     value = d.get(key) if isinstance(d, Mapping) else None
@@ -84,9 +86,9 @@ def read(d: Mapping, key: str, kind: str, *, source: object, default: Any = REQU
         if default is not REQUIRED:
             return default
         if isinstance(d, Mapping) and key in d:
-            raise refuse(source, name, None, f"is null, not {_NAMES[kind]}", fix or f"give {name} a value")
-        raise UserError(f"{source}: missing field {name!r}; {fix or f'add {name}'}")
-    return check(value, kind, source=source, key=name, bound=bound, fix=fix)
+            raise refuse(source, name, None, f"is null, not {_NAMES[kind]}", fix or f"give {name} a value", exc=exc)
+        raise exc(f"{source}: missing field {name!r}; {fix or f'add {name}'}")
+    return check(value, kind, source=source, key=name, bound=bound, fix=fix, exc=exc)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
@@ -116,5 +118,5 @@ def read_json(path: Path, *, what: str, fix: str = "rewrite it or copy it again 
     except (ValueError, RecursionError) as e:
         raise UserError(f"{path}: not valid JSON for {what} ({str(e)[:200]}); {fix}") from None
     if not isinstance(data, dict):
-        raise UserError(f"{path}: holds {_type_name(data)}, not {what} (a JSON object); {fix}")
+        raise UserError(f"{path}: expected a JSON object ({what}), got {_type_name(data)}; {fix}")
     return data

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from convert_writers import model_args, native_state
+from convert_writers import model_args
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import RopeScaling

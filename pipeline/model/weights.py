@@ -76,7 +76,7 @@ class SafetensorsWeights:
     """
 
     def __init__(self, model_dir: Path):
-        from titan_pipe.model.names import native_shapes
+        from titan_pipe.model.params import native_shapes
         from titan_pipe.unified_dir import locate_weights, native_name, read_model_args
 
         self.dir = Path(model_dir)
