@@ -133,7 +133,7 @@ def _call_stage(stage: str, fn: Callable, *, cfg: FlowConfig, flow_path: Path, f
         return fn(model_dir=Path(upstream["model_dir"]), out_dir=rd.onnx, settings=cfg.export)
     from titan_pipe.evaluate.batches import held_out_text
 
-    data, split = held_out_text(data=None, flow=cfg, flow_dir=flow_dir)
+    data, split = held_out_text(data=None, flow=cfg, flow_dir=flow_dir, run_dir=run_dir)
     om = upstream.get("om")
     return fn(out_dir=rd.report, checkpoint=Path(upstream["checkpoint"]), model_dir=Path(upstream["model_dir"]),
               onnx=Path(upstream["onnx"]), om=Path(om) if om else None, data=data, settings=cfg.evaluate,

@@ -360,6 +360,7 @@ def lock_run_dir(cfg: FlowConfig, run: RunDir):
 def _launch(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool, device_type: str) -> TrainResult:
     """torchrun for this node, its output teed into the run's log; StageFailed on a non-zero exit."""
     copy_flow(flow_path, run)
+    prepare_data_once(cfg, flow_path, run)
     logs = run.root / "logs"
     cmd = build_torchrun_command(cfg, flow_path, resume=resume_flag(cfg, run, resume), log_dir=logs)
     started = time.time()
@@ -377,6 +378,17 @@ def _launch(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool, device_
         err.exit_code = rc
         raise err
     return collect_result(run, cfg)
+
+
+def prepare_data_once(cfg: FlowConfig, flow_path: Path, run: RunDir) -> None:
+    """Raw-text data.path tokenized into the run's data dir here, before any rank starts (node 0;
+    the ranks then only map it). A no-op when it is current (titan_pipe.training.prepare)."""
+    from titan_pipe.tokens.spec import data_spec
+    from titan_pipe.training.prepare import prepare_spec
+
+    spec = data_spec(cfg.data, base=flow_path.parent)
+    if spec.text is not None and cfg.launch.node_rank == 0:
+        prepare_spec(spec, run.data, progress=reports())
 
 
 def resume_flag(cfg: FlowConfig, run: RunDir, resume: bool) -> bool:

@@ -180,3 +180,10 @@ def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, s
                         split=split, skipped_empty=skipped)
     record.save(ds.prefix.parent)
     return record
+
+
+def prepare_spec(spec, out_dir: Path, *, progress: bool = True) -> PrepareResult:
+    """The raw text of a flow's resolved data section (titan_pipe.tokens.spec.DataSpec) prepared into
+    ``out_dir`` (the run's data dir); a no-op when it is current."""
+    return prepare(sources=[spec.text], out_dir=out_dir, tokenizer=spec.tokenizer, val_fraction=spec.val_fraction,
+                   text_key=spec.text_key, progress=progress)

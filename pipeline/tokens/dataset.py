@@ -197,3 +197,27 @@ def open_data(paths: list[Path], weights: list[float] | None = None, *, val_frac
             check_tokenizer(s, tokenizer, vocab_size=vocab_size)
     total = float(sum(weights))
     return TokenData([(s.train, w / total) for s, w in zip(sources, weights)], [s.val for s in sources], sources)
+
+
+def summarize(path: Path) -> list[tuple[str, str]]:
+    """(field, value) rows describing a prepared dir or a .bin/.idx prefix, for ``titan-pipe data inspect``."""
+    src = open_source(Path(path), val_fraction=0.0, fraction_given=False)
+    ds, rec = src.indexed, src.record
+    files = [f"{p.name} {p.stat().st_size:,} B" for p in (Path(f"{ds.prefix}.bin"), Path(f"{ds.prefix}.idx"))]
+    rows = [("path", str(src.path)), ("format", "Megatron indexed dataset (MMIDIDX v1)"
+                                      + (" + data.json" if rec else ", no data.json")),
+            ("files", ", ".join(files)), ("token dtype", ds.dtype.name),
+            ("tokens", f"{ds.n_tokens:,}"), ("documents", f"{ds.n_documents:,}"),
+            ("sequences", f"{ds.header.n_sequences:,}")]
+    if rec is None:
+        return rows + [("largest token id", f"{sampled_max(ds)} (sampled)")]
+    s = rec.split
+    return rows + [
+        ("largest token id", str(rec.max_token_id)),
+        ("tokenizer", f"{rec.tokenizer.describe()}, vocab {rec.tokenizer.vocab_size}, bos {rec.tokenizer.bos_id}, "
+                      f"eos {rec.tokenizer.eos_id}"),
+        ("split", f"train {s.train_documents:,} documents / {s.train_tokens:,} tokens, validation "
+                  f"{s.val_documents:,} documents / {s.val_tokens:,} tokens (val_fraction {s.val_fraction:g})"),
+        ("sources", f"{len(rec.sources)} file(s), {sum(x.size for x in rec.sources):,} B, text key {rec.text_key!r}"
+                    + (f", {rec.skipped_empty} empty document(s) left out" if rec.skipped_empty else "")),
+        ("key", rec.key)]

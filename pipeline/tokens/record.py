@@ -102,3 +102,13 @@ class DataRecord:
 
 def is_prepared(path: Path) -> bool:
     return (Path(path) / DATA_JSON).is_file()
+
+
+def prepared_from(rec: DataRecord, files: list[Path], *, text_key: str, val_fraction: float,
+                  tokenizer: TokenizerInfo) -> bool:
+    """True when ``rec`` was prepared from exactly ``files`` as they are now (paths, sizes, mtimes),
+    with this text key, validation fraction and tokenizer: its tokens are what they would give."""
+    now = [(str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
+    then = [(s.path, s.size, s.mtime_ns) for s in rec.sources]
+    return (now == then and rec.text_key == text_key and rec.split.val_fraction == val_fraction
+            and rec.tokenizer.fingerprint == tokenizer.fingerprint)

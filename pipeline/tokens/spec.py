@@ -70,3 +70,22 @@ def data_spec(data, *, base: Path | None) -> DataSpec:
     if is_token_data(path):
         return DataSpec(None, (path,), (1.0,), **common)
     return DataSpec(path, (), (), **common)
+
+
+def open_spec(spec: DataSpec, *, prepared: Path, vocab_size: int | None = None):
+    """(tokenizer, TokenData) of a resolved data section; ``prepared``: where its raw text was prepared.
+
+    ``vocab_size`` (the model's) is checked against the tokenizer and the data's largest id, so an
+    id can never index past the embedding.
+    """
+    from titan_pipe.errors import UserError
+    from titan_pipe.tokens.dataset import open_data
+    from titan_pipe.tokens.tokenizer import build_tokenizer, tokenizer_info
+
+    tok = build_tokenizer(spec.tokenizer)
+    if vocab_size is not None and tok.vocab_size > vocab_size:
+        raise UserError(f"model.vocab_size: {vocab_size} is smaller than the tokenizer's {tok.vocab_size} "
+                        f"ids ({tok!r}); raise model.vocab_size to at least {tok.vocab_size}")
+    data = open_data(spec.open_paths(prepared), list(spec.weights) or None, val_fraction=spec.val_fraction,
+                     fraction_given=spec.fraction_given, tokenizer=tokenizer_info(tok), vocab_size=vocab_size)
+    return tok, data
