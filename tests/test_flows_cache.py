@@ -350,7 +350,8 @@ def test_data_stage_runs_before_train_on_raw_text_only_and_is_cached(tmp_path):
     # token data (a prepared dir) needs no data stage
     prepared = tmp_path / "prepared"
     prepared.mkdir()
-    (prepared / "data.json").write_text("{}")
+    for name in ("data.json", "tokens.bin", "tokens.idx"):  # stand-in files: only their hashes are read here
+        (prepared / name).write_text(name)
     _flow_yaml(tmp_path, data={"path": str(prepared)})
     out = run_pipeline(path, tasks=s.tasks(), publish=False)
     assert s.data_calls == 2 and "data" not in out.stages and out.stages["train"] == "done"
