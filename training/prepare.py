@@ -152,19 +152,19 @@ def _write(plan: PreparePlan, tmp: Path, *, workers: int, progress: bool) -> Dat
     writer = IndexWriter(tmp / PREFIX, dtype)
     docs = (doc for f in plan.files for doc in iter_documents(f, text_key=plan.text_key))
     n_in, largest = 0, -1
-    try:
-        with PrepareProgress(sum(s.size for s in plan.sources), enabled=progress) as bar:
+    with PrepareProgress(sum(s.size for s in plan.sources), enabled=progress) as bar:
+        try:
             for ids, lengths, chars, docs_in in encode_stream(chunk_documents(docs), spec=plan.tokenizer,
                                                               dtype=dtype, workers=workers):
                 writer.add_chunk(ids, lengths)
                 largest = max(largest, int(ids.max()) if len(ids) else -1)
                 n_in += docs_in
                 bar.advance(chars, len(ids))
-        writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
-    return _record(plan, IndexedTokens(tmp / PREFIX), largest, dtype.name, skipped=n_in - writer.n_documents)
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        return _record(plan, IndexedTokens(tmp / PREFIX), largest, dtype.name, skipped=n_in - writer.n_documents)
 
 
 def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, skipped: int) -> DataRecord:

@@ -41,4 +41,6 @@ class PrepareProgress:
         if self._bar is not None:
             if exc_type is None:
                 self._bar.update(self._task, completed=self.total)
+            else:  # the error's one line is the whole story: no half-filled bar left above it
+                self._bar.live.transient = True
             self._bar.stop()

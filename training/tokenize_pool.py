@@ -22,8 +22,9 @@ _tok = None
 _dtype = None
 
 
-def chunk_documents(docs: Iterable[str], chars: int = CHUNK_CHARS) -> Iterator[list[str]]:
-    """Consecutive documents grouped into lists of about ``chars`` characters (a long document alone)."""
+def chunk_documents(docs: Iterable[str], chars: int | None = None) -> Iterator[list[str]]:
+    """Consecutive documents grouped into lists of about ``chars`` (default CHUNK_CHARS) characters."""
+    chars = chars or CHUNK_CHARS
     batch, size = [], 0
     for doc in docs:
         batch.append(doc)
