@@ -321,3 +321,18 @@ def test_blend_mixes_by_weight_deterministically_for_any_dp(two_sets):
     with pytest.raises(UserError, match="blend was"):
         other.load_state_dict(ref.state_dict())
     assert DataRecord.load(two_sets[0]).split.val_documents == 1
+
+
+def test_file_array_reads_what_numpy_reads(tmp_path):
+    from titan_pipe.tokens.indexed import FileArray
+
+    values = np.arange(1000, dtype=np.int32) * 7
+    (tmp_path / "a.bin").write_bytes(b"headr" + values.tobytes())
+    a = FileArray(tmp_path / "a.bin", np.int32, offset=5, count=1000)
+    assert len(a) == 1000 and a[0] == 0 and a[-1] == 6993 and a[10:13].tolist() == [70, 77, 84]
+    assert a[995:2000].tolist() == values[995:].tolist() and a[5:5].tolist() == []
+    with pytest.raises(IndexError):
+        a[1000]
+    os.truncate(tmp_path / "a.bin", 100)
+    with pytest.raises(UserError, match="truncated while in use"):
+        a[500:510]

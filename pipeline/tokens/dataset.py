@@ -1,6 +1,6 @@
 """Token data on disk opened for reading: a prepared dir, a Megatron .bin/.idx prefix, or a blend of them.
 
-``open_data`` maps the files and returns ``TokenData``: the training part as weighted spans of
+``open_data`` opens the files and returns ``TokenData``: the training part as weighted spans of
 the token stream and the validation part (held-out whole documents). Nothing proportional to the
 corpus is read or allocated: the split is found by binary search over document starts, the vocab
 check reads the record (or a fixed sample of the stream), the fingerprint reads the two ends.
@@ -24,7 +24,7 @@ VOCAB_SAMPLE_TOKENS = 4096
 
 @dataclass(frozen=True)
 class TokenSpan:
-    """Tokens [start, stop) of a 1-D token array (a memory map or an in-memory array)."""
+    """Tokens [start, stop) of a 1-D token array (a FileArray over a .bin, or an in-memory array)."""
 
     tokens: np.ndarray
     start: int

@@ -12,8 +12,8 @@ Layout of the ``.idx`` (little-endian), as megatron-core's ``datasets/indexed_da
     i64[D]    document index: document d is sequences [doc[d], doc[d+1])
     (i8[S]    sequence modes, multimodal datasets only; not read here)
 
-The ``.bin`` is the token ids of every sequence back to back. Readers here open both files by
-memory map and touch only the header and the few index entries they look up, so opening a
+The ``.bin`` is the token ids of every sequence back to back. Readers here open both files for
+pread (FileArray) and touch only the header and the few index entries they look up, so opening a
 dataset costs the same for 10 MB and 20 GB. Sequences are assumed contiguous in ``.bin`` (every
 writer we know lays them out so): the token stream is ``.bin`` read as one array.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,11 +106,48 @@ def read_header(idx: Path) -> IndexHeader:
     return IndexHeader(np.dtype(DTYPE_CODES[code]), n_seq, n_doc, size != plain)
 
 
-class IndexedTokens:
-    """A .bin/.idx pair opened by memory map: ``tokens`` (the whole stream) and document starts.
+class FileArray:
+    """A 1-D array of ``dtype`` stored in a file at ``offset``, read with pread: ``a[i]``, ``a[lo:hi]``.
 
-    ``tokens``: 1-D array of ``dtype`` over .bin (nothing is read until indexed). Document d spans
-    tokens ``[doc_start(d), doc_start(d + 1))``.
+    Not a memory map on purpose: a fault in a mapped file maps a whole page-cache folio (2 MB on
+    current kernels, however small the read), so a rank's RSS would grow with every window it
+    reads; pread copies just the bytes asked for. The page cache is still shared by all ranks.
+    """
+
+    def __init__(self, path: Path, dtype, *, offset: int = 0, count: int):
+        self.path, self.dtype, self.offset, self.count = Path(path), np.dtype(dtype), offset, count
+        self._fd = os.open(self.path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            lo, hi, step = key.indices(self.count)
+            if step != 1:
+                raise ValueError("FileArray slices have step 1")
+            return self._read(lo, max(lo, hi))
+        i = int(key)
+        i = i + self.count if i < 0 else i
+        if not 0 <= i < self.count:
+            raise IndexError(f"index {key} out of range for {self.count} entries of {self.path}")
+        return self._read(i, i + 1)[0]
+
+    def _read(self, lo: int, hi: int) -> np.ndarray:
+        size = (hi - lo) * self.dtype.itemsize
+        raw = os.pread(self._fd, size, self.offset + lo * self.dtype.itemsize) if size else b""
+        if len(raw) != size:
+            raise UserError(f"{self.path}: ended at byte {self.offset + lo * self.dtype.itemsize + len(raw)} while "
+                            f"reading entries {lo}..{hi}; the file was truncated while in use, prepare it again")
+        return np.frombuffer(raw, dtype=self.dtype)
+
+
+class IndexedTokens:
+    """A .bin/.idx pair opened for reading: ``tokens`` (the whole stream) and document starts.
+
+    ``tokens``: a FileArray of ``dtype`` over .bin (nothing is read until indexed); the index
+    arrays likewise. Document d spans tokens ``[doc_start(d), doc_start(d + 1))``.
     """
 
     def __init__(self, prefix: Path):
@@ -120,17 +158,15 @@ class IndexedTokens:
                 raise UserError(f"{p}: not found; a Megatron indexed dataset is a {self.prefix.name}.bin/"
                                 f"{self.prefix.name}.idx pair, give the prefix of both")
         self.header = h = read_header(idx)
-        mm = np.memmap(idx, dtype=np.uint8, mode="r")
         at = HEADER.size
-        self.lengths = mm[at:at + 4 * h.n_sequences].view(np.int32)
+        self.lengths = FileArray(idx, np.int32, offset=at, count=h.n_sequences)
         at += 4 * h.n_sequences
-        self.pointers = mm[at:at + 8 * h.n_sequences].view(np.int64)
+        self.pointers = FileArray(idx, np.int64, offset=at, count=h.n_sequences)
         at += 8 * h.n_sequences
-        self.doc_index = mm[at:at + 8 * h.n_doc_entries].view(np.int64)
+        self.doc_index = FileArray(idx, np.int64, offset=at, count=h.n_doc_entries)
         self.dtype = h.dtype
         self.n_tokens = self._check_bin(bin_)
-        self.tokens = (np.memmap(bin_, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
-                       if self.n_tokens else np.zeros(0, dtype=self.dtype))
+        self.tokens = FileArray(bin_, self.dtype, count=self.n_tokens)
 
     def _check_bin(self, bin_: Path) -> int:
         h, item = self.header, self.dtype.itemsize

@@ -3,7 +3,7 @@
 A dataset of N tokens is cut into ``n_seq = (N - 1) // seq_len`` windows of seq_len + 1 tokens,
 window i starting at token i * seq_len (neighbours share one token, so every token is a label
 once). The global batch at step s is samples [s*B, (s+1)*B) of a deterministic sample stream;
-dp rank r keeps rows [r*B/dp, (r+1)*B/dp) and reads only those windows from the memory map.
+dp rank r keeps rows [r*B/dp, (r+1)*B/dp) and reads only those windows from the files.
 
 - One dataset: an epoch is ``n_seq // B`` steps (the tail that does not fill a batch is skipped
   that epoch); sample k of epoch e is window perm_e(k), perm_e a keyed bijection of [0, n_seq)
@@ -11,7 +11,7 @@ dp rank r keeps rows [r*B/dp, (r+1)*B/dp) and reads only those windows from the 
 - A blend: sample j goes to component d and its sample number s by the block schedule
   (titan_pipe.tokens.blend); component d's sample s is window perm_{d,e}(s mod n_seq_d), e = s // n_seq_d.
 
-Nothing here is O(tokens) or O(windows): the loader holds the spans (memory maps) and a few
+Nothing here is O(tokens) or O(windows): the loader holds the spans (open files) and a few
 small tables. Tensors come back on the CPU; the trainer moves them to its device.
 """
 from __future__ import annotations
