@@ -336,3 +336,21 @@ def test_file_array_reads_what_numpy_reads(tmp_path):
     os.truncate(tmp_path / "a.bin", 100)
     with pytest.raises(UserError, match="truncated while in use"):
         a[500:510]
+
+
+def test_train_refuses_bad_token_data_in_one_line_before_any_rank_starts(prepared, bpe, tmp_path):
+    import yaml
+
+    def train(data: dict, vocab: int):
+        flow = tmp_path / "flow.yaml"
+        flow.write_text(yaml.safe_dump({"name": "t", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
+                                        "model": {"flavour": "debug", "vocab_size": vocab}, "data": data}))
+        code, lines = run_cli("train", str(flow))
+        return code, [ln for ln in lines if not ln.startswith("training t:")]  # the command's own header
+
+    megatron_build(tmp_path / "mc", [list(range(250, 1000))] * 8)  # ids up to 999, a byte-tokenizer flow
+    code, lines = train({"path": str(tmp_path / "mc")}, 320)
+    assert code == 1 and len(lines) == 1 and "token ids reaches 999 is >= model.vocab_size 320" in lines[0], lines
+    code, lines = train({"path": str(prepared), "tokenizer": str(bpe)}, 512)
+    assert code == 1 and len(lines) == 1 and "prepared with tokenizer byte" in lines[0], lines
+    assert not (tmp_path / "runs").exists()
