@@ -9,13 +9,18 @@ import torch
 
 from titan_pipe.errors import UserError
 from titan_pipe.config import parse_flow
-from titan_pipe.tokens.corpus import load_corpus, load_tokens
+from titan_pipe.tokens.corpus import load_corpus
 from titan_pipe.tokens.dataset import val_start
 from titan_pipe.tokens.loader import PackedLoader
 from titan_pipe.tokens.sources import default_corpus
 from titan_pipe.tokens.spec import data_spec, open_spec
 from titan_pipe.tokens.tokenizer import ByteTokenizer, build_tokenizer
 from titan_pipe.training.prepare import prepare_spec
+
+def load_tokens(**kw) -> torch.Tensor:
+    """Every document of a corpus, each followed by eos, as one int64 tensor (the in-memory reader)."""
+    return torch.from_numpy(load_corpus(**kw).tokens)
+
 
 SAMPLE = "Four score and seven years ago — naïve café, 東京, emoji 🚀.\nSecond line\ttab."
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from titan_pipe.errors import UserError
 from titan_pipe.tokens.dataset import TokenSpan, val_start
@@ -66,7 +65,3 @@ def load_corpus(*, path: Path | None, tokenizer: ByteTokenizer | HFTokenizer, te
     starts = np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
     return Corpus(np.concatenate(pieces), starts, root)
 
-
-def load_tokens(*, path: Path | None, tokenizer: ByteTokenizer | HFTokenizer, text_key: str = "text") -> torch.Tensor:
-    """Every document of the corpus, each followed by eos, as one 1-D int64 tensor (CPU)."""
-    return torch.from_numpy(load_corpus(path=path, tokenizer=tokenizer, text_key=text_key).tokens)
