@@ -9,17 +9,17 @@ import numpy as np
 import pytest
 import torch
 
+from test_data_prepare import import_megatron_indexed
 from test_training_parallel import BASE, REL, launch
 from titan_pipe.tokens.sources import default_corpus
 from training_reference import reference_run
 
 pytestmark = pytest.mark.distributed
-megatron_indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 
 
 def build_with_megatron(prefix) -> None:
     """The shipped corpus, byte ids + eos (257) per document, as megatron-core writes it (uint16)."""
-    builder = megatron_indexed.IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    builder = import_megatron_indexed().IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
     for f in sorted(default_corpus().glob("*.txt")):
         ids = list(f.read_bytes()) + [257]
         builder.add_document(torch.tensor(ids), [len(ids)])

@@ -27,7 +27,29 @@ from titan_pipe.training.prepare import prepare
 
 from test_data import _train_bpe
 
-megatron_indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+
+
+def import_megatron_indexed():
+    """megatron-core's indexed_dataset module, imported without leaving its torch.load allow-list behind:
+    importing megatron.core registers PosixPath, Namespace, ... as safe globals process-wide, which
+    would let later tests' refused pickles load."""
+    import importlib
+
+    import torch.serialization as ser
+
+    saved = list(ser.get_safe_globals())
+    try:
+        return importlib.import_module("megatron.core.datasets.indexed_dataset")
+    except ImportError:
+        pytest.skip("megatron-core is not installed (the [test] extra)")
+    finally:
+        ser.clear_safe_globals()
+        ser.add_safe_globals(saved)
+
+
+@pytest.fixture(scope="module")
+def megatron_indexed():
+    return import_megatron_indexed()
 
 DOCS = {  # file -> its documents, in the order prepare reads them (sorted relative paths)
     "a.txt": ["Four score and seven years ago — naïve café, 東京 🚀\n"],
@@ -69,7 +91,7 @@ def corpus(tmp_path):
     return write_corpus(tmp_path / "corpus")
 
 
-def test_megatron_core_reads_what_prepare_writes(bpe, corpus, tmp_path):
+def test_megatron_core_reads_what_prepare_writes(bpe, corpus, tmp_path, megatron_indexed):
     r = prepare(sources=[corpus], out_dir=tmp_path / "out", tokenizer=str(bpe), progress=False, val_fraction=0.3)
     tok = build_tokenizer(str(bpe))
     ds = megatron_indexed.IndexedDataset(str(tmp_path / "out" / "tokens"))
@@ -249,7 +271,7 @@ def test_ids_beyond_the_model_vocab_and_foreign_tokenizers_are_refused(prepared,
 # --- reading what megatron-core writes -------------------------------------------------------------
 
 def megatron_build(prefix: Path, docs: list[list[int]], dtype=np.uint16, split_at: int | None = None) -> None:
-    b = megatron_indexed.IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    b = import_megatron_indexed().IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
     for ids in docs:
         lengths = [len(ids)] if split_at is None or len(ids) <= split_at else [split_at, len(ids) - split_at]
         b.add_document(torch.tensor(ids), lengths)
