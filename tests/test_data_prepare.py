@@ -20,6 +20,7 @@ from titan_pipe.tokens.dataset import open_data, open_prefix, open_source
 from titan_pipe.tokens.indexed import IndexedTokens
 from titan_pipe.tokens.loader import PackedLoader
 from titan_pipe.tokens.record import DataRecord
+from titan_pipe.tokens import sources
 from titan_pipe.tokens.shuffle import Permutation
 from titan_pipe.tokens.tokenizer import build_tokenizer, tokenizer_info
 from titan_pipe.training import tokenize_pool
@@ -117,7 +118,8 @@ def test_megatron_core_reads_what_prepare_writes(bpe, corpus, tmp_path, megatron
 
 
 def test_output_is_the_same_for_any_worker_count(bpe, corpus, tmp_path, monkeypatch):
-    monkeypatch.setattr(tokenize_pool, "CHUNK_CHARS", 40)  # many chunks in flight, out of order in time
+    monkeypatch.setattr(tokenize_pool, "CHUNK_CHARS", 40)  # a chunk per block: many in flight at once
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 16)  # blocks of a line or two; lines longer than a block
     for workers in (1, 2):
         prepare(sources=[corpus], out_dir=tmp_path / f"w{workers}", tokenizer=str(bpe), workers=workers,
                 progress=False)
@@ -138,6 +140,17 @@ def test_rerun_with_the_same_inputs_does_nothing(corpus, tmp_path):
     assert IndexedTokens(out / "tokens").document(0).tolist() == list(b"changed text") + [257]
     fourth = prepare(sources=[corpus], out_dir=out, tokenizer="byte", progress=False, val_fraction=0.5)
     assert not fourth.reused and fourth.record.split.val_fraction == 0.5
+
+
+def test_small_blocks_give_the_same_documents_and_line_numbers(corpus, tmp_path, monkeypatch):
+    whole = [d for f in sources.corpus_files(corpus) for d in sources.iter_documents(f)]
+    monkeypatch.setattr(sources, "BLOCK_BYTES", 7)
+    assert [d for f in sources.corpus_files(corpus) for d in sources.iter_documents(f)] == whole
+    assert whole == [d for docs in DOCS.values() for d in docs]  # the empty record too: prepare drops it
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "one"}\n\n{"text": "two, a longer line than a block"}\n{"body": 4}\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:4: no 'text' field"):
+        list(sources.iter_documents(bad))
 
 
 def test_interrupted_prepare_leaves_nothing_and_keeps_the_old_dir(corpus, tmp_path):

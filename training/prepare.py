@@ -22,9 +22,9 @@ from titan_pipe.hashing import sha256_file
 from titan_pipe.tokens.dataset import val_start
 from titan_pipe.tokens.indexed import IndexedTokens, IndexWriter, token_dtype
 from titan_pipe.tokens.record import PREFIX, DataRecord, SourceInfo, Split, TokenizerInfo, is_prepared
-from titan_pipe.tokens.sources import corpus_files, iter_documents
+from titan_pipe.tokens.sources import corpus_files, iter_blocks
 from titan_pipe.tokens.tokenizer import build_tokenizer, tokenizer_info
-from titan_pipe.training.tokenize_pool import chunk_documents, encode_stream
+from titan_pipe.training.tokenize_pool import chunk_blocks, encode_stream
 
 SMALL_CORPUS = 8 << 20  # bytes of sources below which worker processes cost more than they save
 MAX_WORKERS = 8
@@ -150,12 +150,12 @@ def _write(plan: PreparePlan, tmp: Path, *, workers: int, progress: bool) -> Dat
 
     dtype = token_dtype(plan.info.vocab_size)
     writer = IndexWriter(tmp / PREFIX, dtype)
-    docs = (doc for f in plan.files for doc in iter_documents(f, text_key=plan.text_key))
+    blocks = (b for f in plan.files for b in iter_blocks(f, text_key=plan.text_key))
     n_in, largest = 0, -1
     with PrepareProgress(sum(s.size for s in plan.sources), enabled=progress) as bar:
         try:
-            for ids, lengths, chars, docs_in in encode_stream(chunk_documents(docs), spec=plan.tokenizer,
-                                                              dtype=dtype, workers=workers):
+            for ids, lengths, chars, docs_in in encode_stream(chunk_blocks(blocks), spec=plan.tokenizer, dtype=dtype,
+                                                              text_key=plan.text_key, workers=workers):
                 writer.add_chunk(ids, lengths)
                 largest = max(largest, int(ids.max()) if len(ids) else -1)
                 n_in += docs_in
