@@ -66,6 +66,7 @@ BATCH = Bound(1, 1 << 20, "sequences per step")
 STEPS = Bound(1, 1 << 40)
 CACHE_LEN = Bound(2, POSITIONS.hi, "decode KV-cache slots are positions")
 EVAL_BATCHES = Bound(1, 1 << 16)
+WORKERS = Bound(1, 1024, "processes started on this machine")
 TOP_ROWS = Bound(1, 10_000)
 
 # --- files ------------------------------------------------------------------------------------------

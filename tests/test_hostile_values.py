@@ -247,13 +247,14 @@ def test_evaluate_batches_are_bounded(good, tmp_path):
 
 def test_an_enormous_data_record(good, tmp_path, monkeypatch):
     """Was: one 700 MB line made evaluate take 5.6 GB. The limit is lowered here to keep the file small."""
-    import titan_pipe.tokens.corpus as corpus
+    import titan_pipe.tokens.sources as sources
 
-    monkeypatch.setattr(corpus, "RECORD_BYTES", Bound(0, 4096, "test limit"))
+    monkeypatch.setattr(sources, "RECORD_BYTES", Bound(0, 4096, "test limit"))
     data = tmp_path / "held.jsonl"
     data.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "x" * 10_000}) + "\n")
     refused(tmp_path, "evaluate", "--model-dir", good["model"], "-o", tmp_path / "rep", "--data", data,
-            "--no-operators", out=tmp_path / "rep", expect=(f"{data}:2: a record over the limit", "split it"))
+            "--no-operators", out=tmp_path / "rep", expect=(f"{data}:2: a record of at least 10014 bytes, over the "
+                                                            "limit of 4096 bytes", "split it"))
 
 
 def test_cron_with_seven_fields_is_not_served(tmp_path):

@@ -18,10 +18,9 @@ from titan_pipe.errors import UserError
 from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, model_differences
 from titan_pipe.unified_dir import read_model_args
 
-# A corpus whose token count its size cannot settle is tokenized here exactly as the trainer will,
-# up to this size; a larger one is left to the trainer's own check.
+# Raw text whose token count its size cannot settle is tokenized here exactly as data prepare will,
+# up to this size; a larger corpus is left to the trainer's own check.
 EXACT_CORPUS_BYTES = 1 << 20
-BOM = 3  # bytes of a UTF-8 byte-order mark, which is not text
 
 
 def check_before_launch(cfg: FlowConfig, *, flow_path: Path, resume: bool = False) -> None:
@@ -84,42 +83,55 @@ def resume_problem(cfg: FlowConfig, base: Path) -> str | None:
 
 
 def corpus_problem(cfg: FlowConfig, base: Path) -> str | None:
-    """The training split of data.path must hold one global batch of windows (train.batch_size x
-    train.seq_len). Without data.path (the shipped demo corpus, which `titan-pipe plan` leaves for
-    the user to replace) the trainer's own check stands."""
+    """The training data must fill one global batch: train.batch_size windows of train.seq_len + 1
+    tokens (a blend: one window from each dataset), as the trainer's loader requires. Without
+    data.path (the shipped demo corpus, which `titan-pipe plan` leaves for the user to replace) the
+    trainer's own check stands."""
     d, t = cfg.data, cfg.train
-    if d.path is None:
+    if d.path is None and not d.blend:
         return None
-    from titan_pipe.tokens.corpus import corpus_files
+    from titan_pipe.tokens.spec import data_spec
 
-    root = Path(d.path).expanduser()
-    root = root if root.is_absolute() else base / root
+    spec = data_spec(d, base=base)
+    blend = len(spec.paths) > 1
+    need = (t.seq_len + 1) if blend else t.batch_size * t.seq_len + 1  # windows overlap by one token
     try:
-        size = sum(f.stat().st_size for f in corpus_files(root))
+        if spec.text is None:  # token data: its training spans, from the .idx (and data.json) alone
+            from titan_pipe.tokens.dataset import open_source
+
+            spans = [open_source(p, val_fraction=spec.val_fraction, fraction_given=spec.fraction_given).train
+                     for p in spec.paths]
+            short = next((s for s in spans if len(s) < need), None)
+            return None if short is None else _too_small(cfg, short.name, f"{len(short):,}", need)
+        return _raw_text_problem(cfg, spec, need)
     except UserError as e:
         return str(e)
-    need = t.batch_size * t.seq_len + 1  # the loader's windows overlap by one token
-    keep = 1 - d.val_fraction
-    most = 2 * size  # no tokenizer makes more than one token and one end-of-document per byte
-    if most * keep < need:
-        return _too_small(cfg, f"at most {most:,}", need)
-    # The byte tokenizer makes a token per byte of a .txt file (its BOM aside): no need to read it.
-    least = sum(max(0, f.stat().st_size - BOM) for f in corpus_files(root) if f.suffix == ".txt") \
-        if d.tokenizer == "byte" else 0
-    if least * keep - 1 >= need or size > EXACT_CORPUS_BYTES:
+
+
+def _raw_text_problem(cfg: FlowConfig, spec, need: int) -> str | None:
+    """Raw text: refused when even its size cannot hold ``need`` tokens (no tokenizer makes more
+    than a token and an end-of-document per byte), else tokenized and split exactly as prepare
+    will when it is small and uncompressed; a larger corpus is left to the trainer's check."""
+    from titan_pipe.tokens.sources import corpus_files, kind_of
+
+    files = corpus_files(spec.text)
+    plain = all(kind_of(f) in (".txt", ".jsonl") for f in files)
+    size = sum(f.stat().st_size for f in files)
+    if plain and 2 * size < need:
+        return _too_small(cfg, cfg.data.path, f"at most {2 * size:,}", need)
+    if not plain or size > EXACT_CORPUS_BYTES:
         return None
-    from titan_pipe.tokens.corpus import prepare_data
+    from titan_pipe.tokens.corpus import load_corpus
+    from titan_pipe.tokens.tokenizer import build_tokenizer
 
-    try:
-        data = prepare_data(path=d.path, tokenizer=d.tokenizer, text_key=d.text_key, val_fraction=d.val_fraction,
-                            base=base, vocab_size=cfg.model.args().vocab_size)
-    except UserError as e:
-        return str(e)
-    return None if len(data.train) >= need else _too_small(cfg, f"{len(data.train):,}", need)
+    train, _ = load_corpus(path=spec.text, tokenizer=build_tokenizer(spec.tokenizer),
+                           text_key=spec.text_key).split(spec.val_fraction)
+    return None if len(train) >= need else _too_small(cfg, cfg.data.path, f"{len(train):,}", need)
 
 
-def _too_small(cfg: FlowConfig, have: str, need: int) -> str:
+def _too_small(cfg: FlowConfig, what: object, have: str, need: int) -> str:
     t = cfg.train
-    return (f"data.path: {cfg.data.path} gives {have} training tokens, fewer than one "
-            f"global batch of train.batch_size {t.batch_size} x train.seq_len {t.seq_len} (+1) = {need:,}; use "
-            "more text or lower train.batch_size / train.seq_len (or data.val_fraction)")
+    key = "data.blend" if cfg.data.blend else "data.path"
+    batch = "one window" if cfg.data.blend else f"one global batch of train.batch_size {t.batch_size} x"
+    return (f"{key}: {what} gives {have} training tokens, fewer than {batch} train.seq_len {t.seq_len} (+1) = "
+            f"{need:,}; use more text or lower train.batch_size / train.seq_len (or data.val_fraction)")
