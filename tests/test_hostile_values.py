@@ -213,6 +213,18 @@ def test_corpus_smaller_than_one_batch(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_prepared_data_smaller_than_one_batch(tmp_path):
+    from test_untrusted_input import cli
+
+    (tmp_path / "a.txt").write_text("hello world, " * 20)
+    (tmp_path / "b.txt").write_text("and more text " * 20)
+    code, text = cli("data", "prepare", tmp_path / "a.txt", tmp_path / "b.txt", "-o", tmp_path / "prepared")
+    assert code == 0, text
+    flow = _flow(tmp_path, "name: v\ndevice: cpu\ndata: {path: prepared}\ntrain: {batch_size: 8, seq_len: 64}\n")
+    refused(tmp_path, "validate", flow, code=2, expect=("data.path: ", "prepared (train) gives 261 training tokens",
+                                                        "= 513"))
+
+
 def test_runs_dir_that_is_a_file(tmp_path):
     (tmp_path / "runs").write_text("not a directory\n")
     flow = _flow(tmp_path, "name: v\ndevice: cpu\nruns_dir: runs\n")
@@ -253,7 +265,7 @@ def test_an_enormous_data_record(good, tmp_path, monkeypatch):
     data = tmp_path / "held.jsonl"
     data.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "x" * 10_000}) + "\n")
     refused(tmp_path, "evaluate", "--model-dir", good["model"], "-o", tmp_path / "rep", "--data", data,
-            "--no-operators", out=tmp_path / "rep", expect=(f"{data}:2: a record of at least 10014 bytes, over the "
+            "--no-operators", out=tmp_path / "rep", expect=(f"{data}:2: a record of at least 10012 bytes, over the "
                                                             "limit of 4096 bytes", "split it"))
 
 
