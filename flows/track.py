@@ -20,6 +20,7 @@ def run_tracked(stage: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
 
     from titan_pipe.errors import UserError
     from titan_pipe.flows.logs import run_logger
+    from titan_pipe.flows.server import temporary_server
 
     user_errors: list[UserError] = []
 
@@ -36,7 +37,8 @@ def run_tracked(stage: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
 
     tracked = flow(name=f"titan-pipe-{stage}-cli", validate_parameters=False, log_prints=True,
                    persist_result=False)(body)
-    state = tracked(**kwargs, return_state=True)
+    with temporary_server():  # dies with this command, however it ends
+        state = tracked(**kwargs, return_state=True)
     if user_errors:
         raise user_errors[0]
     return state.result()

@@ -79,9 +79,12 @@ class PipelineOutcome:
 
 
 def _retryable(task, task_run, state) -> bool:
-    """Retry a crashed launch (StageFailed, or anything unexpected), never bad input (UserError)."""
+    """Retry a crashed launch (StageFailed, or anything unexpected), never bad input or an OS fault
+    (UserError) and never an interrupt (Ctrl-C, SIGTERM: the user or the scheduler stopped it)."""
     try:
         state.result()
+    except KeyboardInterrupt:
+        return False
     except StageFailed:
         return True
     except UserError:

@@ -26,6 +26,7 @@ from titan_pipe.convert.onnx.graphs import NP_DTYPES, GraphSpec, build_graph, in
 from titan_pipe.convert.onnx.weights import DataWriter, plan_weights
 from titan_pipe.dtypes import BY_NAME, EXPORT_NAMES
 from titan_pipe.errors import StageFailed, UserError
+from titan_pipe.faults import as_fault, check_free_space
 from titan_pipe.model.args import ModelArgs, count_params
 from titan_pipe.model.transformer import rope_cos_sin
 from titan_pipe.unified_dir import read_model_args
@@ -36,6 +37,7 @@ DATA_FILE = "model.onnx.data"
 # How decode.onnx updates the cache: it writes the new key/value into slot write_index with Where
 # over a one-hot of the slots and returns the whole cache (see docs/export.md, "Decode cache").
 CACHE_UPDATE = "whole_cache"
+WHAT = "the ONNX export"
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,13 @@ def _rope_rows(plan: ExportPlan, args: ModelArgs) -> int:
     return plan.cache_len if plan.kv_cache else plan.seq_len
 
 
+def output_bytes(plan: ExportPlan, args: ModelArgs) -> int:
+    """What the export will take on disk: the weights in the graph dtype, the two RoPE tables, and
+    for each graph 64 kB plus 16 kB a layer (node protos without weights), ATC script, export.json."""
+    rope = 2 * _rope_rows(plan, args) * args.head_dim * BY_NAME[plan.dtype].itemsize
+    return plan.weight_bytes + rope + len(plan.graphs) * (65536 + 16384 * args.n_layers) + 65536
+
+
 def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_weights: bool) -> DataWriter:
     """Stream every weight (and the RoPE tables) into work/model.onnx.data, one tensor at a time."""
     with DataWriter(work / DATA_FILE, plan.dtype, hash=hash_weights) as data:
@@ -201,6 +210,8 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                        dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
                        precision_mode=precision_mode, expose_hidden=expose_hidden)
     sources = plan_weights(model_dir, args)  # headers only: bad weights fail before any write
+    needs = output_bytes(plan, args)
+    check_free_space(out_dir, needs=needs, what=WHAT)  # refuse before a byte is written
     work = temp_dir(out_dir)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -264,8 +275,11 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
         }
         (work / "export.json").write_text(json.dumps(record, indent=1) + "\n")
         swap_dir(work, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(work, ignore_errors=True)
+        fault = as_fault(e, path=out_dir, what=WHAT, needs=needs) if isinstance(e, Exception) else None
+        if fault is not None:  # after the cleanup, so "N free now" counts the space it gave back
+            raise fault from None
         raise
     summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache, "cache_len": plan.cache_len,
                "params": count_params(args), "weight_bytes": plan.weight_bytes,

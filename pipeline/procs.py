@@ -1,0 +1,160 @@
+"""Child processes that die with their command: every launcher of a child process starts it here.
+
+``popen(cmd, ...)`` starts ``cmd`` under a guardian (titan_pipe's guard.py, standard library only)
+in its own session. The guardian holds the read end of a pipe only this process writes to: when
+this process ends in any way (exit, exception, SIGTERM, SIGKILL) the guardian sees end of file and
+stops the whole tree — ``cmd``, and the processes ``cmd`` started even in their own sessions
+(torchrun's ranks): SIGTERM, then SIGKILL after ``grace`` seconds. Locks this process holds
+(titan_pipe.run_lock) are passed to the guardian, which exits last, so a lock is never free while a
+writer it covers is alive. ``Tree.stop(sig)`` stops the tree on purpose (Ctrl-C, a timeout).
+
+``run`` is ``subprocess.run`` on top of it; ``watch(pid)`` guards a process someone else started
+(Prefect's temporary API server).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+GUARD = Path(__file__).with_name("guard.py")
+GRACE_S = float(os.environ.get("TITAN_PIPE_STOP_GRACE_S", "10"))
+
+
+def _guard_argv(parent_fd: int, grace: float) -> list[str]:
+    # -I -S: no site-packages, no PYTHON* variables: the guardian imports the standard library only
+    return [sys.executable, "-I", "-S", str(GUARD), "--parent-fd", str(parent_fd), "--grace", str(grace)]
+
+
+def _held_locks() -> list[int]:
+    from titan_pipe.run_lock import held_fds
+
+    return held_fds()
+
+
+class Tree:
+    """A guarded child process tree; ``proc`` is the guardian (its stdio is the child's)."""
+
+    def __init__(self, proc: subprocess.Popen, parent_w: int):
+        self.proc, self._w = proc, parent_w
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def stdout(self):
+        return self.proc.stdout
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def poll(self) -> int | None:
+        rc = self.proc.poll()
+        if rc is not None:
+            self._release()
+        return rc
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The child's status (128+N when signal N ended it), once the whole tree is gone."""
+        rc = self.proc.wait(timeout)
+        self._release()
+        return rc
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> int:
+        """Send ``sig`` to the child (the guardian forwards it), SIGKILL what is left after the grace
+        period, and wait until the whole tree is gone."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+        return self.wait(timeout)
+
+    def _release(self) -> None:
+        if self._w >= 0:
+            os.close(self._w)
+            self._w = -1
+
+    def __enter__(self) -> "Tree":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.stop(signal.SIGTERM)
+        self._release()
+        for stream in (self.proc.stdout, self.proc.stderr, self.proc.stdin):
+            if stream is not None:
+                stream.close()
+
+
+def popen(cmd: Sequence[str], *, grace: float | None = None, hold: Sequence[int] | None = None,
+          **kwargs) -> Tree:
+    """Start ``cmd`` under a guardian; ``kwargs`` as for subprocess.Popen (stdout, env, cwd, text...).
+
+    ``hold``: file descriptors the guardian keeps open until the tree is gone (default: the locks
+    this process holds, titan_pipe.run_lock).
+    """
+    r, w = os.pipe()
+    fds = [r, *(_held_locks() if hold is None else hold)]
+    argv = _guard_argv(r, GRACE_S if grace is None else grace) + ["--", *map(str, cmd)]
+    try:
+        proc = subprocess.Popen(argv, pass_fds=fds, start_new_session=True, **kwargs)
+    except BaseException:
+        os.close(w)
+        raise
+    finally:
+        os.close(r)
+    return Tree(proc, w)
+
+
+def run(cmd: Sequence[str], *, timeout: float | None = None, capture_output: bool = False,
+        **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run for a guarded tree: on a timeout or an interrupt the whole tree is stopped
+    (then TimeoutExpired / KeyboardInterrupt propagates)."""
+    if capture_output:
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    with popen(cmd, **kwargs) as tree:
+        try:
+            out, err = tree.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            tree.stop(signal.SIGTERM)
+            raise
+        except KeyboardInterrupt as e:
+            tree.stop(getattr(e, "signum", signal.SIGINT))
+            raise
+        rc = tree.wait()
+    return subprocess.CompletedProcess(list(cmd), rc, out, err)
+
+
+class Watcher:
+    """A guardian watching a process this one did not start; ``close()`` ends the watch."""
+
+    def __init__(self, proc: subprocess.Popen, parent_w: int):
+        self.proc, self._w = proc, parent_w
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)  # not a stop signal: the default action ends it
+        self.proc.wait()
+        if self._w >= 0:
+            os.close(self._w)
+            self._w = -1
+
+
+def watch(pid: int, *, grace: float | None = None) -> Watcher:
+    """Stop process ``pid`` and its descendants if this process ends before ``close()``."""
+    r, w = os.pipe()
+    try:
+        proc = subprocess.Popen(_guard_argv(r, GRACE_S if grace is None else grace) + ["--watch", str(pid)],
+                                pass_fds=[r], start_new_session=True, stdin=subprocess.DEVNULL)
+    except BaseException:
+        os.close(w)
+        raise
+    finally:
+        os.close(r)
+    return Watcher(proc, w)
