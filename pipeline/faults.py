@@ -102,9 +102,10 @@ def _need(out: Path | None, needs: int | None) -> str:
     free = free_bytes(where)
     if needs is None:
         return f"free space there ({human(free)} free now)"
-    short = max(needs - free, 0)
-    return (f"free at least {human(short) if short else human(needs)} there (the output needs {human(needs)}, "
-            f"{human(free)} are free now)")
+    if free >= needs:  # the space went to another writer meanwhile, or a quota applies
+        return (f"free space there (the output needs {human(needs)}; {human(free)} are free now, so another "
+                "writer or a disk quota took the rest)")
+    return f"free at least {human(needs - free)} there (the output needs {human(needs)}, {human(free)} are free now)"
 
 
 def fault_message(e: OSError, *, path: Path | None = None, what: str | None = None,

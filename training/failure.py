@@ -20,6 +20,12 @@ _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+) \(local_rank: (\d+)\).*
 _RANK_LINE = re.compile(r"^(?:\[\w+\]:)?(error|fault): (.+)$", re.M)
 
 
+def torchrun_report(line: str) -> bool:
+    """The first line of torchrun's own failure report (its traceback; rank lines carry a
+    ``[default<N>]:`` prefix): from here on the console is spared what train.log keeps."""
+    return line.rstrip("\n") == "Traceback (most recent call last):"
+
+
 def root_cause(output: str) -> tuple[int, int, int] | None:
     """(rank, local_rank, exit code) of the first failure in torchrun's failure summary, if any."""
     found = _ROOT_CAUSE.findall(output)

@@ -20,7 +20,7 @@ from titan_pipe.config import FlowConfig
 from titan_pipe.errors import Interrupted, StageFailed, UserError
 from titan_pipe.run_dir import RunDir
 from titan_pipe.run_lock import run_lock
-from titan_pipe.training.failure import launch_failure, node_log
+from titan_pipe.training.failure import launch_failure, node_log, torchrun_report
 from titan_pipe.training.launch_command import build_torchrun_command, launch_env
 from titan_pipe.training.metrics import plot_metrics, step_records
 from titan_pipe.training.slurm import inside_launch, reports, slurm_env
@@ -103,7 +103,7 @@ def _launch(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool, device_
     log = node_log(cfg, run)
     log_offset = log.stat().st_size if log.is_file() else 0
     try:
-        rc = stream_process(cmd, env=launch_env(cfg, device_type), log_path=log)
+        rc = stream_process(cmd, env=launch_env(cfg, device_type), log_path=log, hide_from=torchrun_report)
     except KeyboardInterrupt as e:  # the tree is stopped; an interrupt, not a failure to retry
         raise Interrupted.of(e, f"torchrun and its ranks were stopped; see {log}; continue with: "
                                 f"titan-pipe train {flow_path} --resume") from None

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Mapping
+from typing import IO, Callable, Mapping
 
 from titan_pipe import procs
 from titan_pipe.training.metrics import bar_info, new_progress_bar, parse_progress_line
@@ -14,7 +14,7 @@ from titan_pipe.training.metrics import bar_info, new_progress_bar, parse_progre
 
 def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: Path,
                    console: IO[str] | None = None, live: bool | None = None,
-                   cwd: Path | None = None) -> int:
+                   cwd: Path | None = None, hide_from: Callable[[str], bool] | None = None) -> int:
     """Run ``cmd``, copying each output line (stdout and stderr merged) to ``console`` and
     appending it to ``log_path`` as it arrives; returns the exit status (128+N for signal N).
 
@@ -23,7 +23,8 @@ def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: P
     under titan_pipe.procs: it and everything it starts (torchrun's ranks) die with this process
     however it ends. An interrupt (Ctrl-C, or SIGTERM/SIGHUP turned into one by the CLI) is passed
     on as that signal; the tree gets procs.GRACE_S seconds to stop before it is killed, then the
-    interrupt propagates.
+    interrupt propagates. ``hide_from``: from the first line it accepts on, lines go to the log
+    only (torchrun's own failure report, which the launcher sums up in one line naming the log).
     """
     console = console or sys.stdout
     live = console.isatty() if live is None else live
@@ -36,22 +37,27 @@ def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: P
         bar = _LiveBar(console) if live else None
         with tree:
             try:
-                _tee(tree, log, console, bar)
+                _tee(tree, log, console, bar, hide_from)
                 return tree.wait()
             except KeyboardInterrupt as e:
-                tree.stop(getattr(e, "signum", signal.SIGINT))
+                tree.proc.send_signal(getattr(e, "signum", signal.SIGINT))  # the guardian passes it on
+                _tee(tree, log, None, None, None)  # the rest of the output goes to the log (and never blocks the tree)
+                tree.wait()
                 raise
             finally:
                 if bar is not None:
                     bar.close()
 
 
-def _tee(tree: procs.Tree, log: IO[str], console: IO[str], bar: "_LiveBar | None") -> None:
+def _tee(tree: procs.Tree, log: IO[str], console: IO[str] | None, bar: "_LiveBar | None",
+         hide_from: Callable[[str], bool] | None) -> None:
     assert tree.stdout is not None
-    echo = True
+    echo = console is not None
     for line in tree.stdout:
         log.write(line)
         log.flush()
+        if echo and hide_from is not None and hide_from(line):
+            echo = False
         if not echo:
             continue
         try:
