@@ -19,9 +19,10 @@ def run_tracked(stage: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
     from prefect.states import Failed
 
     from titan_pipe.errors import UserError
-    from titan_pipe.flows.logs import run_logger
+    from titan_pipe.flows.logs import quiet_user_error_tracebacks, run_logger
     from titan_pipe.flows.server import temporary_server
 
+    quiet_user_error_tracebacks()
     user_errors: list[UserError] = []
 
     def body(**kw: Any) -> T:

@@ -354,7 +354,8 @@ def test_outputs_follow_the_umask(built, tmp_path, umask, mode):
         os.umask(previous)
     for d in ("model", "onnx", "report"):
         assert (tmp_path / d).stat().st_mode & 0o777 == mode, d
-    assert (tmp_path / "model" / "model.safetensors").stat().st_mode & 0o777 == mode & 0o666
+    for f in ("model/model.safetensors", "onnx/model.onnx.data", "onnx/model.onnx", "report/report.json"):
+        assert (tmp_path / f).stat().st_mode & 0o777 == mode & 0o666, f
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "onnx", "report"]  # no lock or temp left
 
 
@@ -567,3 +568,42 @@ def test_sigkill_of_run_ends_the_prefect_server_the_task_and_its_ranks(tmp_path)
     p.kill()
     p.wait()
     wait_gone(pids, lock_file=run / ".lock", timeout=60)
+
+
+@pytest.mark.distributed
+def test_sigkill_of_evaluate_ends_its_sharded_ranks(built, tmp_path):
+    """evaluate --checkpoint runs the checkpoint under its own layout (torchrun, tp=2): killed with
+    SIGKILL during that step, it leaves no rank behind."""
+    ckpt = convert_checkpoint(src=built["hf"], out_dir=tmp_path / "ckpt", tp=2, progress=False).out_dir
+    p = titan_pipe("evaluate", "--checkpoint", ckpt, "--model-dir", built["model"], "-o", tmp_path / "report",
+                   env=dict(os.environ))
+    end = time.monotonic() + 300
+    while len(pids := descendants(p.pid)) < 4:  # guardian, torchrun, two ranks
+        assert p.poll() is None and time.monotonic() < end, p.communicate()[0]
+        time.sleep(0.1)
+    time.sleep(1)
+    pids = descendants(p.pid)
+    p.kill()
+    p.wait()
+    wait_gone(pids, timeout=60)
+    assert sorted(x.name for x in tmp_path.iterdir()) == [".report.lock", "ckpt"]  # no report, no temp
+
+
+@pytest.mark.distributed
+def test_disk_full_in_the_training_of_a_run_is_one_line_and_not_retried(prefect_harness, tmp_path):
+    """`titan-pipe run`: the training's rank meets ENOSPC writing its checkpoint; the train task fails
+    with the one line and is not retried (retries: 2 would retry a crash), no traceback anywhere."""
+    from prefect.settings import PREFECT_API_URL
+
+    runs = tmp_path / "runs"
+    flow = _flow(tmp_path, runs, orchestration={"retries": 2, "retry_delay_s": 0}, checkpoint={"every": 2})
+    env = {**shim_env(runs / "t" / "checkpoints", "ENOSPC"), "PREFECT_API_URL": PREFECT_API_URL.value()}
+    p = titan_pipe("run", flow, env=env)
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 1, out
+    errs = error_lines(out)
+    assert len(errs) == 1 and "Traceback" not in out, out
+    assert str(runs / "t" / "checkpoints" / "step-000002") in errs[0]
+    assert "cannot write the checkpoint of step 2: the disk filled up (ENOSPC)" in errs[0]
+    assert "attempt 1: training from step 0" in out and "attempt 2" not in out
+    assert not (runs / "t" / "checkpoints").exists()
