@@ -24,9 +24,21 @@ GUARD = Path(__file__).with_name("guard.py")
 GRACE_S = float(os.environ.get("TITAN_PIPE_STOP_GRACE_S", "10"))
 
 
-def _guard_argv(parent_fd: int, grace: float) -> list[str]:
+def _start_guard(args: list[str], *, grace: float | None, hold: Sequence[int],
+                 **kwargs) -> tuple[subprocess.Popen, int]:
+    """Start guard.py with ``args`` in its own session; returns it and the pipe end only we hold."""
+    r, w = os.pipe()
     # -I -S: no site-packages, no PYTHON* variables: the guardian imports the standard library only
-    return [sys.executable, "-I", "-S", str(GUARD), "--parent-fd", str(parent_fd), "--grace", str(grace)]
+    argv = [sys.executable, "-I", "-S", str(GUARD), "--parent-fd", str(r),
+            "--grace", str(GRACE_S if grace is None else grace), *args]
+    try:
+        proc = subprocess.Popen(argv, pass_fds=[r, *hold], start_new_session=True, **kwargs)
+    except BaseException:
+        os.close(w)
+        raise
+    finally:
+        os.close(r)
+    return proc, w
 
 
 def _held_locks() -> list[int]:
@@ -99,17 +111,8 @@ def popen(cmd: Sequence[str], *, grace: float | None = None, hold: Sequence[int]
     ``hold``: file descriptors the guardian keeps open until the tree is gone (default: the locks
     this process holds, titan_pipe.run_lock).
     """
-    r, w = os.pipe()
-    fds = [r, *(_held_locks() if hold is None else hold)]
-    argv = _guard_argv(r, GRACE_S if grace is None else grace) + ["--", *map(str, cmd)]
-    try:
-        proc = subprocess.Popen(argv, pass_fds=fds, start_new_session=True, **kwargs)
-    except BaseException:
-        os.close(w)
-        raise
-    finally:
-        os.close(r)
-    return Tree(proc, w)
+    return Tree(*_start_guard(["--", *map(str, cmd)], grace=grace,
+                              hold=_held_locks() if hold is None else hold, **kwargs))
 
 
 def run(cmd: Sequence[str], *, timeout: float | None = None, capture_output: bool = False,
@@ -148,13 +151,4 @@ class Watcher:
 
 def watch(pid: int, *, grace: float | None = None) -> Watcher:
     """Stop process ``pid`` and its descendants if this process ends before ``close()``."""
-    r, w = os.pipe()
-    try:
-        proc = subprocess.Popen(_guard_argv(r, GRACE_S if grace is None else grace) + ["--watch", str(pid)],
-                                pass_fds=[r], start_new_session=True, stdin=subprocess.DEVNULL)
-    except BaseException:
-        os.close(w)
-        raise
-    finally:
-        os.close(r)
-    return Watcher(proc, w)
+    return Watcher(*_start_guard(["--watch", str(pid)], grace=grace, hold=(), stdin=subprocess.DEVNULL))

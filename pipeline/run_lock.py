@@ -77,6 +77,20 @@ def _set_env(entries: list[str]) -> None:
         os.environ.pop(ENV, None)
 
 
+def _try_lock(lock_file: Path) -> int | None:
+    """The descriptor of ``lock_file`` (created per the umask) holding its exclusive flock; None
+    when another process holds it."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        return None
+    return fd
+
+
 @contextlib.contextmanager
 def run_lock(run_dir: str | os.PathLike, *, what: str) -> Iterator[Path]:
     """Hold ``run_dir``'s lock for the block (creating the dir); ``what`` names the holder's command.
@@ -97,13 +111,8 @@ def run_lock(run_dir: str | os.PathLike, *, what: str) -> Iterator[Path]:
         yield run_dir
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise
+    fd = _try_lock(lock_file)
+    if fd is None:
         holder = _holder(lock_file)
         pid, _, cmd = holder.partition(" ")
         raise RunDirBusy(f"{run_dir}: in use by PID {pid}{f' ({cmd})' if cmd else ''}{_gone_note(pid)}, which "
@@ -160,14 +169,9 @@ def path_lock(out: str | os.PathLike, *, what: str) -> Iterator[Path]:
     lock_file = out.parent / f".{out.name}.lock"
     out.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            raise _lock_file_busy(lock_file, out, what) from None
+        fd = _try_lock(lock_file)
+        if fd is None:
+            raise _lock_file_busy(lock_file, out, what)
         try:
             same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
