@@ -110,21 +110,30 @@ def _need(out: Path | None, needs: int | None) -> str:
 
 def fault_message(e: OSError, *, path: Path | None = None, what: str | None = None,
                   needs: int | None = None) -> str:
-    """One line: ``<path>: cannot write <what>: <reason> (<ERRNO>); <fix>`` (without ``what``, for
-    an error not known to be on the output side: ``<path>: <reason> (<ERRNO>); <fix>``).
+    """One line: ``<path>: cannot write <what>: <reason> (<ERRNO>); <fix>``.
 
     ``path``: the output; the message names the file the error names instead when that lies
-    inside the output (a temporary name is shown as the file it was to become). ``needs``: the
-    output's size in bytes, for a full disk's "free N" advice.
+    inside the output (a temporary name is shown as the file it was to become). An error naming a
+    file outside the output (an input, a scratch file in /tmp), or given no ``what``, is not
+    called a write: ``<file>: <reason> (<ERRNO>); <fix>``. ``needs``: the output's size in bytes,
+    for a full disk's "free N" advice.
     """
     reason, fix = _KNOWN.get(e.errno, (e.strerror or "error", "check the path and run again"))
     named = Path(final_path(e.filename)) if isinstance(e.filename, (str, os.PathLike)) else None
-    shown = named if named is not None and (path is None or _inside(named, path)) else path or named
-    out = path or shown
-    fix = fix.format(out=out, need=_need(out, needs) if e.errno in FULL else "")
+    ours = named is None or path is None or _part_of(named, Path(path))
+    shown = named if named is not None and (path is None or _inside(named, path)) else path if ours else named
+    if not ours and e.errno in (errno.EACCES, errno.EPERM):
+        fix = "fix its permissions, or run as a user who may use it"
+    fix = fix.format(out=shown, need=_need(shown, needs if ours else None) if e.errno in FULL else "")
     code = errno.errorcode.get(e.errno, str(e.errno))
-    doing = f"cannot write {what}: " if what else ""
+    doing = f"cannot write {what}: " if what and ours else ""
     return f"{shown or 'output'}: {doing}{reason} ({code}); {fix}"
+
+
+def _part_of(p: Path, out: Path) -> bool:
+    """``p`` is made in making ``out``: inside it, a directory above it, or its lock/temp sibling."""
+    p, out = Path(os.path.abspath(p)), Path(os.path.abspath(out))
+    return _inside(p, out) or p in out.parents or (p.parent == out.parent and p.name.startswith(f".{out.name}."))
 
 
 def _inside(p: Path, root: Path) -> bool:

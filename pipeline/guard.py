@@ -120,7 +120,10 @@ def guard_child(cmd: list[str], parent_fd: int, grace: float) -> int:
             _signal_all(descendants(os.getpid()), signal.SIGKILL)
         if not alive:
             break
-        _parent_gone(fd, 0.1) if fd is not None and not _requested else time.sleep(0.05)
+        if fd is not None and not _requested:
+            select.select([fd], [], [], 0.1)  # wakes on the parent's end of file, a signal, or after 0.1 s
+        else:
+            time.sleep(0.05)
     child.returncode = status.get("code", -signal.SIGKILL)  # reaped here, not by Popen
     _stop_rest(grace if deadline is None else max(0.0, deadline - time.monotonic()))
     code = status.get("code", -signal.SIGKILL)

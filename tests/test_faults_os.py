@@ -163,6 +163,52 @@ def built(tmp_path_factory):
     return {"hf": hf, "model": model, "onnx": onnx}
 
 
+# --- the one line ---------------------------------------------------------------------------------
+
+def test_fault_message_names_the_output_file_and_never_calls_a_read_a_write(tmp_path):
+    import errno
+
+    out = tmp_path / "out"
+    tmp = tmp_path / f".out.tmp-{_HOST}-123-abcd1234" / "model.safetensors"
+    line = faults.fault_message(OSError(errno.ENOSPC, "No space", str(tmp)), path=out, what="the model",
+                                needs=10**15)
+    assert line.startswith(f"{out / 'model.safetensors'}: cannot write the model: the disk filled up (ENOSPC); ")
+    assert "free at least" in line and "the output needs 1000000.0 GB" in line
+    lock = faults.fault_message(OSError(errno.EROFS, "ro", str(tmp_path / ".out.lock")), path=out, what="the model")
+    assert lock == f"{out}: cannot write the model: the file system is read-only (EROFS); choose a writable directory"
+    src = faults.fault_message(OSError(errno.EACCES, "denied", "/data/src.bin"), path=out, what="the model")
+    assert src == "/data/src.bin: permission denied (EACCES); fix its permissions, or run as a user who may use it"
+    rust = faults.as_fault(RuntimeError("Error while serializing: I/O error: Disk quota exceeded (os error 122)"),
+                           path=out, what="the model")
+    assert rust is not None and "(EDQUOT)" in str(rust) and str(rust).startswith(f"{out}: cannot write the model")
+    assert faults.as_fault(ValueError("a bug"), path=out, what="x") is None
+
+
+def test_a_rank_fault_line_is_the_launch_error(tmp_path):
+    from titan_pipe.errors import StageFailed
+    from titan_pipe.run_dir import RunDir
+    from titan_pipe.training.failure import launch_failure
+
+    run = RunDir(tmp_path / "run")
+    ranks = run.root / "logs" / "job" / "attempt_0"
+    for r in (0, 1):
+        (ranks / str(r)).mkdir(parents=True)
+        (ranks / str(r) / "stderr.log").write_text("")
+    (ranks / "1" / "stderr.log").write_text("fault: /r/checkpoints/step-000004/model: cannot write the checkpoint "
+                                            "of step 4: the disk filled up (ENOSPC); free space there\n")
+    run.train_log.write_text("# earlier launch\n[default0]:error: old\n")
+    offset = run.train_log.stat().st_size
+    with run.train_log.open("a") as f:
+        f.write("Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 9)\n")
+    err = launch_failure(1, run, 0, offset, run.train_log)
+    assert isinstance(err, faults.OutputFault) and not isinstance(err, StageFailed)
+    assert str(err).startswith("/r/checkpoints/step-000004/model: cannot write the checkpoint of step 4")
+    assert "rank 1 failed first" in str(err) and "train.log" in str(err)
+    (ranks / "1" / "stderr.log").write_text("error: data.path: corpus.txt holds no text\n")
+    err = launch_failure(1, run, 0, offset, run.train_log)
+    assert isinstance(err, StageFailed) and err.exit_code == 1 and str(err).endswith("corpus.txt holds no text")
+
+
 # --- convert ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("errno,expect", [
@@ -551,23 +597,29 @@ def test_sigterm_of_train_is_one_line_exit_143_and_no_rank_left(tmp_path):
     assert p.returncode == 143, out
     errs = error_lines(out)
     assert len(errs) == 1 and errs[0].startswith("error interrupted by SIGTERM; torchrun and its ranks were stopped")
-    assert "--resume" in errs[0] and "Traceback" not in out.split(errs[0])[0].split("step")[-1]
+    assert "--resume" in errs[0] and "Traceback" not in out  # torchrun's own report stays in train.log
     wait_gone(pids, timeout=5)  # gone before the command returned
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_sigkill_of_run_ends_the_prefect_server_the_task_and_its_ranks(tmp_path):
-    """`titan-pipe run` with its own temporary Prefect server: SIGKILL leaves nothing behind."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_killing_run_ends_the_prefect_server_the_task_and_its_ranks(tmp_path, sig):
+    """`titan-pipe run` with its own temporary Prefect server: SIGKILL or SIGTERM during training
+    leaves nothing behind; SIGTERM is one line, exit 143, and the training is not retried."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
     p, run = _start_training(tmp_path, "run", env=env)
     pids = descendants(p.pid)
     assert len(_ranks(pids)) == 2
     assert any("uvicorn" in _cmdline(x) for x in pids)  # Prefect's temporary server
-    p.kill()
-    p.wait()
+    p.send_signal(sig)
+    out, _ = p.communicate(timeout=300)
     wait_gone(pids, lock_file=run / ".lock", timeout=60)
+    if sig == signal.SIGTERM:
+        assert p.returncode == 143, out
+        assert error_lines(out)[-1].startswith("error interrupted by SIGTERM") and len(error_lines(out)) == 1, out
+        assert "Traceback" not in out and "attempt 2" not in out
 
 
 @pytest.mark.distributed
