@@ -28,7 +28,7 @@ from titan_pipe.convert.readers.store import StoredTensor, pread_into, read_head
 from titan_pipe.dtypes import BY_NAME, HF_DTYPE_NAMES, TORCH_BY_NAME
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.names import native_shapes
+from titan_pipe.model.params import native_shapes
 from titan_pipe.unified_dir import check_all_placed, locate_weights, place_tensor
 
 ALIGN = 4096  # page-aligned tensors, so a runtime can mmap them
