@@ -44,10 +44,19 @@ from titan_pipe.guard import descendants
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "faultshim"
-sys.path.insert(0, str(SHIM))
-import sitecustomize as shim  # noqa: E402  (the shim module; installs nothing without TITAN_FAULT_ROOT)
 
-sys.path.remove(str(SHIM))
+def _load_shim():
+    """The shim as a module of its own (``import sitecustomize`` would return the interpreter's own,
+    which Debian's Python has); it installs nothing without TITAN_FAULT_ROOT."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("titan_faultshim", SHIM / "sitecustomize.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+shim = _load_shim()
 
 
 # --- helpers ------------------------------------------------------------------------------------
