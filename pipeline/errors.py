@@ -28,7 +28,10 @@ class Interrupted(KeyboardInterrupt):
     def __str__(self) -> str:
         import signal
 
-        name = signal.Signals(self.signum).name if self.signum in signal.Signals._value2member_map_ else str(self.signum)
+        try:
+            name = signal.Signals(self.signum).name
+        except ValueError:
+            name = f"signal {self.signum}"
         return f"interrupted by {name}" + (f"; {self.hint}" if self.hint else "")
 
     @classmethod
