@@ -60,7 +60,8 @@ def data_task(flow_dir: Path, cfg: FlowConfig, out_dir: Path) -> StageOutput:
 
     spec = data_spec(cfg.data, base=flow_dir)
     run_logger().info(f"preparing {spec.text} -> {out_dir} (tokenizer {spec.tokenizer})")
-    r = prepare_spec(spec, out_dir, progress=False)
+    with writing(out_dir, what=STAGE_OUTPUTS["prepare"]):
+        r = prepare_spec(spec, out_dir, progress=False)
     rec = r.record
     run_logger().info(("already prepared from the same inputs: " if r.reused else "prepared: ")
                       + f"{rec.n_documents:,} documents, {rec.n_tokens:,} tokens in {r.seconds:.1f}s")

@@ -30,7 +30,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _requested: list[int] = []
 
 
-def _prctl(option: int, value: int) -> None:
+def prctl(option: int, value: int) -> None:
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -100,8 +100,8 @@ def _parent_gone(fd: int | None, timeout: float) -> bool:
 
 def guard_child(cmd: list[str], parent_fd: int, grace: float) -> int:
     """Run ``cmd`` and guard its tree; returns the status to exit with."""
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    child = subprocess.Popen(cmd, preexec_fn=lambda: _prctl(PR_SET_PDEATHSIG, signal.SIGKILL))
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    child = subprocess.Popen(cmd, preexec_fn=lambda: prctl(PR_SET_PDEATHSIG, signal.SIGKILL))
     status: dict = {}
     deadline = None  # when the stop's grace ends
     fd: int | None = parent_fd

@@ -9,7 +9,8 @@ stops the whole tree — ``cmd``, and the processes ``cmd`` started even in thei
 writer it covers is alive. ``Tree.stop(sig)`` stops the tree on purpose (Ctrl-C, a timeout).
 
 ``run`` is ``subprocess.run`` on top of it; ``watch(pid)`` guards a process someone else started
-(Prefect's temporary API server).
+(Prefect's temporary API server); ``die_with_parent()`` is for workers a library starts (the
+tokenizer pool of ``data prepare``).
 """
 from __future__ import annotations
 
@@ -132,6 +133,18 @@ def run(cmd: Sequence[str], *, timeout: float | None = None, capture_output: boo
             raise
         rc = tree.wait()
     return subprocess.CompletedProcess(list(cmd), rc, out, err)
+
+
+def die_with_parent(parent: int) -> None:
+    """For a worker process that a library starts (a multiprocessing pool): be killed when
+    ``parent`` (the PID that started it, passed in by that process) ends, however it ends, and exit
+    now if that already happened. Call it first thing in the worker (a pool's ``initializer``).
+    Linux; elsewhere nothing."""
+    from titan_pipe.guard import PR_SET_PDEATHSIG, prctl
+
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if sys.platform.startswith("linux") and os.getppid() != parent:
+        os._exit(1)  # re-parented before the death signal was armed: the parent is gone
 
 
 class Watcher:

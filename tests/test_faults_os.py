@@ -327,6 +327,45 @@ def test_evaluate_report_under_a_file(built, tmp_path):
                tmp_path / "f" / "report", expect=("a file stands where a directory must be made",))
 
 
+# --- data prepare -------------------------------------------------------------------------------
+
+def _corpus(path: Path, docs: int) -> Path:
+    line = '{"text": "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron"}\n'
+    path.write_text(line * docs)
+    return path
+
+
+@pytest.mark.parametrize("errno", ["EROFS", "ENOSPC"])
+def test_data_prepare_output_refused_by_the_os(tmp_path, errno):
+    src = _corpus(tmp_path / "corpus.jsonl", 200)
+    out = tmp_path / "w" / "data"
+    (tmp_path / "w").mkdir()
+    with fault(tmp_path / "w", errno):
+        fails_once(tmp_path, "data", "prepare", src, "-o", out,
+                   expect=(f"{out}: cannot write the prepared data", f"({errno})"))
+
+
+def test_data_prepare_disk_fills_up_on_a_real_small_disk(tmp_path):
+    src = _corpus(tmp_path / "corpus.jsonl", 2000)  # 170 kB of text: 340 kB of uint16 tokens
+    with tmpfs(tmp_path / "small", "64k") as small:
+        fails_once(small, "data", "prepare", src, "-o", small / "data", "--workers", "1", only_line=False,
+                   expect=(str(small / "data"), "cannot write the prepared data: the disk filled up (ENOSPC)"))
+
+
+def test_sigkill_of_data_prepare_ends_its_tokenizer_workers(tmp_path):
+    src = _corpus(tmp_path / "corpus.jsonl", 600_000)  # ~50 MB: seconds of tokenizing
+    p = titan_pipe("data", "prepare", src, "-o", tmp_path / "data", "--workers", "2", env=dict(os.environ))
+    end = time.monotonic() + 120
+    while len(workers := [x for x in descendants(p.pid) if "multiprocessing" in " ".join(_cmdline(x))]) < 2:
+        assert p.poll() is None and time.monotonic() < end, p.communicate()[0]
+        time.sleep(0.01)
+    p.send_signal(signal.SIGSTOP)  # hold it while the workers are known: it cannot finish first
+    pids = descendants(p.pid)
+    p.kill()
+    p.wait()
+    wait_gone(pids, timeout=30)
+
+
 # --- train, run, plan, init ---------------------------------------------------------------------
 
 def _flow(tmp_path: Path, runs: Path, name: str = "t", **sections) -> Path:
