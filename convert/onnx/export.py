@@ -27,12 +27,14 @@ from titan_pipe.choices import EXPORT, default_cache_len, export_problems
 from titan_pipe.dtypes import BY_NAME
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.export_record import RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord, OperatorUse
+from titan_pipe.faults import as_fault, check_free_space
 from titan_pipe.graph_io import DATA_FILE, DECODE_FILE, PREFILL_FILE
 from titan_pipe.model.args import ModelArgs, count_params
 from titan_pipe.model.transformer import rope_cos_sin
 from titan_pipe.onnx_nodes import NP_DTYPES
 from titan_pipe.unified_dir import read_model_args
 
+WHAT = "the ONNX export"
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,13 @@ def _rope_rows(plan: ExportPlan, args: ModelArgs) -> int:
     return plan.cache_len if plan.kv_cache else plan.seq_len
 
 
+def output_bytes(plan: ExportPlan, args: ModelArgs) -> int:
+    """What the export will take on disk: the weights in the graph dtype, the two RoPE tables, and
+    for each graph 64 kB plus 16 kB a layer (node protos without weights), ATC script, export.json."""
+    rope = 2 * _rope_rows(plan, args) * args.head_dim * BY_NAME[plan.dtype].itemsize
+    return plan.weight_bytes + rope + len(plan.graphs) * (65536 + 16384 * args.n_layers) + 65536
+
+
 def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_weights: bool) -> DataWriter:
     """Stream every weight (and the RoPE tables) into work/model.onnx.data, one tensor at a time."""
     with DataWriter(work / DATA_FILE, plan.dtype, hash=hash_weights) as data:
@@ -195,6 +204,8 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
                        dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
                        precision_mode=precision_mode, expose_hidden=expose_hidden)
     sources = plan_weights(model_dir, args)  # headers only: bad weights fail before any write
+    needs = output_bytes(plan, args)
+    check_free_space(out_dir, needs=needs, what=WHAT)  # refuse before a byte is written
     work = temp_dir(out_dir)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -241,8 +252,11 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
                          invocations=invocations, graphs=graphs, files=files, export_s=export_s, timings=timings)
         (work / RECORD_FILE).write_text(record.to_json())
         swap_dir(work, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(work, ignore_errors=True)
+        fault = as_fault(e, path=out_dir, what=WHAT, needs=needs) if isinstance(e, Exception) else None
+        if fault is not None:  # after the cleanup, so "N free now" counts the space it gave back
+            raise fault from None
         raise
     summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache, "cache_len": plan.cache_len,
                "params": count_params(args), "weight_bytes": plan.weight_bytes,

@@ -7,7 +7,7 @@ from typing import List, Optional
 import typer
 
 from titan_pipe import limits
-from titan_pipe.commands.common import console, handle_errors
+from titan_pipe.commands.common import call_stage, console, handle_errors
 
 data_app = typer.Typer(help="Prepare and inspect token data (Megatron indexed .bin/.idx + data.json).",
                        no_args_is_help=True)
@@ -29,8 +29,8 @@ def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.g
 
     limits.check_flag("--workers", workers, limits.WORKERS)  # one line naming the limit, before any work
 
-    r = run_prepare(sources=sources, out_dir=out, tokenizer=tokenizer, workers=workers, val_fraction=val_fraction,
-                    text_key=text_key, progress=True)
+    r = call_stage("prepare", run_prepare, track=False, sources=sources, out_dir=out, tokenizer=tokenizer,
+                   workers=workers, val_fraction=val_fraction, text_key=text_key, progress=True)
     rec = r.record
     if r.reused:
         console.print(f"{r.out_dir}: already prepared from the same inputs (key {rec.key[:12]}); nothing to do",

@@ -38,7 +38,8 @@ def register(app: typer.Typer) -> None:
         check_before_launch(cfg, flow_path=flow, resume=resume)  # before the first line is printed
         console.print(f"training {cfg.name}: dp={p.dp} tp={p.tp} pp={p.pp}, {cfg.train.steps} steps, "
                       f"run dir {cfg.run_dir()}", highlight=False, soft_wrap=True)
-        result = call_stage("train", run_training, track=track, flow_path=flow, cfg=cfg, resume=resume)
+        result = call_stage("train", run_training, track=track, writes=cfg.run_dir(), flow_path=flow, cfg=cfg,
+                            resume=resume)
         console.print(f"done: {_format_summary(result.summary)}", highlight=False, soft_wrap=True)
         if result.summary.get("peak_flops_source"):
             console.print(f"peak FLOPs: {result.summary['peak_flops_source']}", highlight=False, soft_wrap=True)
