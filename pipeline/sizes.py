@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+from titan_pipe.limits import shown
+
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 # decimal units as disks and Hugging Face count; the -iB units binary
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -17,10 +19,10 @@ def parse_size(text: str | int) -> int:
         return text
     m = _SIZE.match(str(text))
     if not m:
-        raise ValueError(f"{text!r} is not a size; write e.g. 8GB, 512MB or 6GiB")
+        raise ValueError(f"{shown(text)} is not a size; write e.g. 8GB, 512MB or 6GiB")
     n = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
     if n <= 0:
-        raise ValueError(f"size {text!r} must be positive")
+        raise ValueError(f"size {shown(text)} must be positive")
     return n
 
 
