@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.model.args import FLAVOURS, ModelArgs, RopeScaling, resolve_args
+from titan_pipe.model.families import family_of
 from titan_pipe.run_dir import run_name_problem, suggest_run_name
 
 MAX_FLOW_BYTES = 2**20  # 1 MiB
@@ -64,12 +65,17 @@ class _ModelChoice(Section):
             raise ValueError(f"flavour {self.flavour!r} is unknown; use one of {', '.join(FLAVOURS)} "
                              "or give the dims (dim, n_layers, n_heads, ...)")
         args = self.args()
-        if args.dim % args.n_heads:
-            raise ValueError(f"dim={args.dim} is not divisible by n_heads={args.n_heads}")
+        if args.dim % args.n_heads and args.q_dim != args.dim and self.head_dim is None:
+            raise ValueError(f"dim={args.dim} is not divisible by n_heads={args.n_heads}; pick dim = "
+                             "n_heads x head_dim, or set head_dim")
         if args.n_heads % args.kv_heads:
             raise ValueError(f"n_heads={args.n_heads} is not divisible by n_kv_heads={args.kv_heads}")
         if args.head_dim % 2:
             raise ValueError(f"head_dim={args.head_dim} must be even for RoPE")
+        try:
+            family_of(args)
+        except ValueError as e:  # convert could not write its config.json after training
+            raise ValueError(str(e)) from None
         return self
 
     def args(self) -> ModelArgs:
@@ -267,11 +273,11 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     args = cfg.model.args()
     p = cfg.parallel
     if args.n_heads % p.tp:
-        errs.append(f"parallel.tp: {p.tp} does not divide model n_heads={args.n_heads}; "
-                    f"pick tp from the divisors of {args.n_heads}")
+        errs.append(f"parallel.tp: {p.tp} does not divide model n_heads={args.n_heads} (tp splits the "
+                    f"q heads of head_dim {args.head_dim}); pick tp from the divisors of {args.n_heads}")
     if args.kv_heads % p.tp:
-        errs.append(f"parallel.tp: {p.tp} does not divide model n_kv_heads={args.kv_heads}; "
-                    f"pick tp dividing {args.kv_heads}")
+        errs.append(f"parallel.tp: {p.tp} does not divide model n_kv_heads={args.kv_heads} (tp splits the "
+                    f"k/v heads of head_dim {args.head_dim}); pick tp dividing {args.kv_heads}")
     if args.hidden_dim % p.tp:
         errs.append(f"parallel.tp: {p.tp} does not divide the FFN hidden size {args.hidden_dim}")
     if args.vocab_size % p.tp:

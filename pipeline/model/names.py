@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from titan_pipe.model.args import ModelArgs, RopeScaling
+from titan_pipe.model.families import architecture_problem, family_keys, read_variant
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS
 
 # (native pattern, Hugging Face pattern); {i} is the layer id. Derived from the parameter list.
@@ -51,10 +52,11 @@ def hf_to_native(name: str) -> str:
 
 
 def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
-    """A LlamaConfig dict (config.json) for ``args``."""
+    """A config.json dict for ``args``: Llama, Mistral, Qwen2 or Qwen3 (titan_pipe.model.families)."""
+    fam = family_keys(args)
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": fam.pop("architectures"),
+        "model_type": fam.pop("model_type"),
         "hidden_size": args.dim,
         "intermediate_size": args.hidden_dim,
         "num_hidden_layers": args.n_layers,
@@ -67,8 +69,7 @@ def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        **fam,
         "torch_dtype": torch_dtype,
         "rope_scaling": None,
     }
@@ -83,16 +84,15 @@ def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
 
 
 def from_hf_config(cfg: dict, *, source: str = "config.json") -> ModelArgs:
-    """ModelArgs from a LlamaConfig dict; raises ValueError naming the field on anything unusable."""
+    """ModelArgs from a config.json dict of a supported architecture (titan_pipe.model.families);
+    raises ValueError naming the field (or the architecture) on anything unusable."""
     try:
-        if cfg.get("model_type", "llama") not in ("llama", "mistral"):
-            raise ValueError(f"{source}: model_type {cfg.get('model_type')!r} is not a LLaMA model")
+        problem = architecture_problem(cfg)
+        if problem:
+            raise ValueError(f"{source}: {problem}")
         n_heads = int(cfg["num_attention_heads"])
         dim = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or dim // n_heads
-        if head_dim * n_heads != dim:
-            raise ValueError(f"{source}: head_dim {head_dim} x {n_heads} heads != hidden_size {dim}, "
-                             "which titan-pipe's model does not support")
+        head_dim = int(cfg.get("head_dim") or dim // n_heads)
         scaling = cfg.get("rope_scaling")
         rope_scaling = None
         if scaling:
@@ -102,15 +102,15 @@ def from_hf_config(cfg: dict, *, source: str = "config.json") -> ModelArgs:
             rope_scaling = RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
                                        float(scaling["high_freq_factor"]),
                                        int(scaling["original_max_position_embeddings"]))
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ValueError(f"{source}: attention_bias/mlp_bias are not supported")
+        n_layers = int(cfg["num_hidden_layers"])
         return ModelArgs(
-            dim=dim, n_layers=int(cfg["num_hidden_layers"]), n_heads=n_heads,
+            dim=dim, n_layers=n_layers, n_heads=n_heads, head_dim=head_dim,
             n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
             vocab_size=int(cfg["vocab_size"]), ffn_hidden_dim=int(cfg["intermediate_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
             rope_scaling=rope_scaling, max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            **read_variant(cfg, n_layers, source))
     except KeyError as e:
         raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
 
