@@ -69,10 +69,11 @@ def write_hf(sd: dict, args: ModelArgs, out: Path, **save_kw) -> Path:
 
 
 def to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rotate-half rows -> Meta interleaved pairs (the inverse of the HF conversion's permute)."""
-    rows, dim = w.shape
+    """Rotate-half rows -> Meta interleaved pairs (the inverse of the HF conversion's permute); a
+    1-D bias is a column."""
+    rows, *rest = w.shape
     hd = rows // n_heads
-    return w.view(n_heads, 2, hd // 2, dim).transpose(1, 2).reshape(rows, dim)
+    return w.reshape(n_heads, 2, hd // 2, -1).transpose(1, 2).reshape(rows, *rest)
 
 
 def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True, safetensors_items: bool = False) -> Path:
@@ -86,9 +87,11 @@ def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True, safete
 
     tt = {}
     for k, v in sd.items():
-        if k.endswith("attention.wq.weight"):
+        if args.qk_norm:  # torchtitan's qwen3: rotate-half rows, as Hugging Face's
+            pass
+        elif k.endswith(("attention.wq.weight", "attention.wq.bias")):
             v = to_interleaved(v, args.n_heads)
-        elif k.endswith("attention.wk.weight"):
+        elif k.endswith(("attention.wk.weight", "attention.wk.bias")):
             v = to_interleaved(v, args.kv_heads)
         tt[k] = v.clone()
     if full:
@@ -312,7 +315,8 @@ def write_megatron_dist(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp
             yield "decoder.layers.self_attention.linear_qkv.weight", (i, t * rows, 0), (1, rows, dim)
             if args.qkv_bias:
                 yield "decoder.layers.self_attention.linear_qkv.bias", (i, t * rows), (1, rows)
-            yield "decoder.layers.self_attention.linear_proj.weight", (i, 0, t * dim // tp), (1, dim, dim // tp)
+            q = args.q_dim
+            yield "decoder.layers.self_attention.linear_proj.weight", (i, 0, t * q // tp), (1, dim, q // tp)
             for half in (0, ffn):
                 yield "decoder.layers.mlp.linear_fc1.weight", (i, half + t * ffn // tp, 0), (1, ffn // tp, dim)
             yield "decoder.layers.mlp.linear_fc2.weight", (i, 0, t * ffn // tp), (1, dim, ffn // tp)
