@@ -288,3 +288,31 @@ def test_qwen2_config_windows_read_as_transformers_reads_them():
     assert to_hf_config(model_args(sliding_window=8))["architectures"] == ["MistralForCausalLM"]
     cfg = transformers.Qwen2Config(**{k: v for k, v in to_hf_config(whole).items() if k != "architectures"})
     assert cfg.layer_types == ["sliding_attention"] * 4 and cfg.sliding_window == 8
+
+
+def test_init_writes_a_valid_example_of_every_flavour(tmp_path):
+    from titan_pipe.model.args import FLAVOURS
+
+    for flavour in FLAVOURS:
+        r = runner.invoke(app, ["init", str(tmp_path / flavour), "--flavour", flavour])
+        assert r.exit_code == 0, r.output
+        r = runner.invoke(app, ["validate", str(tmp_path / flavour / "flow.yaml")])
+        assert r.exit_code == 0 and f"model {flavour} " in r.output, r.output
+    r = runner.invoke(app, ["init", str(tmp_path / "x"), "--flavour", "qwen3_moe_30b"])
+    assert r.exit_code == 1 and "qwen3_8b" in r.output and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("model, parallel, expect", [
+    ({"flavour": "qwen3_8b"}, {"tp": 16}, "parallel.tp: 16 does not divide model n_kv_heads=8"),
+    ({"flavour": "qwen2.5_7b"}, {"tp": 8}, "parallel.tp: 8 does not divide model n_heads=28"),
+    ({"flavour": "qwen2.5_0.5b"}, {"tp": 2}, "parallel.tp: 2 with model.tie_embeddings is not supported"),
+    ({"flavour": "debug", "qk_norm": True, "qkv_bias": True}, {}, "no Hugging Face architecture has both"),
+    ({"flavour": "debug", "dim": 66}, {}, "dim=66 is not divisible by n_heads=4; pick dim = n_heads x head_dim"),
+])
+def test_validate_refuses_what_the_families_cannot_run(tmp_path, model, parallel, expect):
+    import yaml
+
+    f = tmp_path / "flow.yaml"
+    f.write_text(yaml.safe_dump({"device": "cpu", "model": model, "parallel": parallel}))
+    r = runner.invoke(app, ["validate", str(f)])
+    assert r.exit_code == 2 and expect in r.output, r.output

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
     from titan_pipe.model.weights import WeightSource
 
 
+TIED_TP = ("model.tie_embeddings with tp > 1 is not supported: tensor parallelism would split the one "
+           "embedding/output matrix into two untied copies; set tp: 1 (FSDP over dp shards it) or untie")
+
+
 @dataclass
 class ParallelModel:
     """This rank's share of the model.
@@ -131,6 +135,10 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
     """
     device = device or torch.device("cpu")
     dp_plan = dp_plan or DPPlan("none")
+    if args.tie_embeddings and mesh["tp"].size() > 1:
+        # The vocab-parallel embedding and the column-parallel output each get their own shard of
+        # the one matrix: it would silently train as two untied copies.
+        raise ValueError(TIED_TP)
     pp = mesh["pp"].size()
     plan = plan_stages(args.n_layers, pp, mesh["pp"].get_local_rank(), schedule, virtual_stages)
     model = ParallelModel(args, mesh, plan, dp_plan)
