@@ -81,6 +81,8 @@ def architecture_problem(cfg: dict) -> str | None:
     kind = cfg.get("model_type", "llama")
     names = cfg.get("architectures")
     named = names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
+    if not isinstance(kind, str):
+        return f"model_type {kind!r} is not a name; titan-pipe computes {SUPPORTED}"
     if kind in FAMILIES:
         return None
     what = UNSUPPORTED.get(kind) or named or f"model_type {kind!r}"
