@@ -51,6 +51,22 @@ def resume_decision(*, requested: bool, attempt: int, run_dir: Path, torchrun_re
     return (requested or attempt > 1) and newest_complete(run_dir) is not None
 
 
+@task(name="data", cache_policy=NO_CACHE, persist_result=False)
+def data_task(flow_dir: Path, cfg: FlowConfig, out_dir: Path) -> StageOutput:
+    from titan_pipe.tokens.spec import data_spec
+    from titan_pipe.training.prepare import prepare_spec
+
+    spec = data_spec(cfg.data, base=flow_dir)
+    run_logger().info(f"preparing {spec.text} -> {out_dir} (tokenizer {spec.tokenizer})")
+    r = prepare_spec(spec, out_dir, progress=False)
+    rec = r.record
+    run_logger().info(("already prepared from the same inputs: " if r.reused else "prepared: ")
+                      + f"{rec.n_documents:,} documents, {rec.n_tokens:,} tokens in {r.seconds:.1f}s")
+    return StageOutput("data", {"data_dir": str(r.out_dir)}, outputs=[str(r.out_dir)],
+                       summary={"tokens": rec.n_tokens, "documents": rec.n_documents,
+                                "val_documents": rec.split.val_documents, "reused": r.reused})
+
+
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
 def train_task(flow_path: Path, cfg: FlowConfig, resume: bool = False) -> StageOutput:
     from titan_pipe.training.launch import run_training

@@ -68,9 +68,9 @@ def validate(flow: Path = typer.Argument(..., help="flow.yaml to check")):
 
 def _register_commands() -> None:
     # One module per command group under titan_pipe.commands; the root only mounts them.
-    from titan_pipe.commands import convert, evaluate, export, plan, run, train
+    from titan_pipe.commands import convert, data, evaluate, export, plan, run, train
 
-    for module in (train, plan, convert, export, evaluate, run):
+    for module in (data, train, plan, convert, export, evaluate, run):
         module.register(app)
 
 

@@ -87,11 +87,27 @@ ModelConfig = create_model("ModelConfig", __base__=_ModelChoice,
                            **_mirror(ModelArgs, optional=True, nested={"rope_scaling": RopeScalingConfig}))
 
 
+class BlendEntry(Section):
+    path: str  # a prepared data dir or a Megatron .bin/.idx prefix
+    weight: float = Field(gt=0)
+
+
 class DataConfig(Section):
-    path: str | None = None  # text/jsonl file or directory; None: the shipped corpus
+    # raw text (.txt/.jsonl/.jsonl.gz/.parquet file or dir; prepared into the run dir first), a prepared
+    # dir or a Megatron .bin/.idx prefix; None: the shipped corpus (docs/data.md)
+    path: str | None = None
+    blend: list[BlendEntry] | None = None  # prepared dirs / prefixes mixed by weight, instead of path
     tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
-    text_key: str = "text"  # field of a jsonl record holding the text
-    val_fraction: float = Field(0.05, ge=0, lt=1)
+    text_key: str = "text"  # field of a jsonl record (column of a parquet file) holding the text
+    val_fraction: float = Field(0.05, ge=0, lt=1)  # held out as whole documents (a prepared dir: its own)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.blend is not None and self.path is not None:
+            raise ValueError("path and blend both given; use path for one dataset or blend for a mix")
+        if self.blend is not None and not self.blend:
+            raise ValueError("blend is empty; list {path, weight} entries or remove it")
+        return self
 
 
 class OptimizerConfig(Section):
@@ -329,12 +345,7 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
         errs.append("zero_stage: ZeRO with dp_mode ddp and tp > 1 is not supported; use dp_mode: fsdp")
     if cfg.memory.optimizer_offload == "cpu" and not (p.dp_mode == "fsdp" or (cfg.zero_stage or 0) >= 2):
         errs.append("memory.optimizer_offload: cpu offload runs through FSDP2; set parallel.dp_mode: fsdp")
-    if cfg.data.path is not None:
-        dp_ = Path(cfg.data.path)
-        dp_ = dp_ if dp_.is_absolute() else base / dp_
-        if not dp_.exists():
-            errs.append(f"data.path: {cfg.data.path!r} does not exist (resolved to {dp_}); fix the path "
-                        "or remove it to use the shipped corpus")
+    errs += _data_path_checks(cfg.data, base)
     if cfg.data.tokenizer != "byte":
         tp_ = Path(cfg.data.tokenizer)
         tp_ = tp_ if tp_.is_absolute() else base / tp_
@@ -348,6 +359,24 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
         ip = ip if ip.is_absolute() else base / ip
         if not ip.exists():
             errs.append(f"init_from: {cfg.init_from!r} does not exist (resolved to {ip})")
+    return errs
+
+
+def _data_path_checks(data: DataConfig, base: Path) -> list[str]:
+    """data.path exists (a file, a dir or a .bin/.idx prefix); every data.blend entry is token data."""
+    from titan_pipe.tokens.spec import is_token_data, resolve
+
+    errs = []
+    if data.path is not None:
+        p = resolve(data.path, base)
+        if not p.exists() and not is_token_data(p):
+            errs.append(f"data.path: {data.path!r} does not exist (resolved to {p}); fix the path "
+                        "or remove it to use the shipped corpus")
+    for i, entry in enumerate(data.blend or []):
+        p = resolve(entry.path, base)
+        if not is_token_data(p):
+            errs.append(f"data.blend[{i}].path: {entry.path!r} (resolved to {p}) is not a prepared data dir or a "
+                        ".bin/.idx prefix; prepare raw text first with `titan-pipe data prepare SRC -o DIR`")
     return errs
 
 

@@ -17,7 +17,7 @@ from onnx import numpy_helper
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from convert_writers import (hash_tree, hf_model, model_args, native_state, write_dcp, write_hf, write_megatron,
+from convert_writers import (hash_tree, model_args, native_state, write_dcp, write_hf, write_megatron,
                              write_megatron_dist)
 from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.cli import app

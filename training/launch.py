@@ -342,6 +342,7 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
     except (RuntimeError, ValueError) as e:
         raise UserError(f"{flow_path}: device: {e}") from None
 
+    prepare_data_once(cfg, flow_path, None)  # token data: checked before anything is written
     with lock_run_dir(cfg, run):
         if inside_launch():
             return _run_in_process(flow_path, cfg, run, resume)
@@ -359,6 +360,7 @@ def lock_run_dir(cfg: FlowConfig, run: RunDir):
 
 def _launch(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool, device_type: str) -> TrainResult:
     """torchrun for this node, its output teed into the run's log; StageFailed on a non-zero exit."""
+    prepare_data_once(cfg, flow_path, run)
     copy_flow(flow_path, run)
     logs = run.root / "logs"
     cmd = build_torchrun_command(cfg, flow_path, resume=resume_flag(cfg, run, resume), log_dir=logs)
@@ -377,6 +379,23 @@ def _launch(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool, device_
         err.exit_code = rc
         raise err
     return collect_result(run, cfg)
+
+
+def prepare_data_once(cfg: FlowConfig, flow_path: Path, run: RunDir | None) -> None:
+    """Open the flow's data once here, before any rank starts, so bad data (ids past the vocab, a
+    foreign tokenizer, a damaged index) is one line instead of a failure in every rank. Raw text
+    is first prepared into the run's data dir (``run``; node 0 only, under the run dir's lock; a
+    no-op when current, titan_pipe.training.prepare); the ranks then only read it. ``run`` None:
+    token data only (checked before the run dir is made), raw text is left for later."""
+    from titan_pipe.tokens.spec import data_spec, open_spec
+    from titan_pipe.training.prepare import prepare_spec
+
+    spec = data_spec(cfg.data, base=flow_path.parent)
+    if cfg.launch.node_rank != 0 or (spec.text is None) == (run is not None):
+        return  # token data is checked on the first call (run None), raw text on the second
+    if spec.text is not None:
+        prepare_spec(spec, run.data, progress=reports())
+    open_spec(spec, prepared=run.data if run else flow_path.parent, vocab_size=cfg.model.args().vocab_size)
 
 
 def resume_flag(cfg: FlowConfig, run: RunDir, resume: bool) -> bool:

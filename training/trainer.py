@@ -28,7 +28,8 @@ from titan_pipe.run_dir import RunDir
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training import metrics
 from titan_pipe.training.amp import LossScaler, autocast
-from titan_pipe.tokens.corpus import PackedLoader, prepare_data
+from titan_pipe.tokens.loader import PackedLoader
+from titan_pipe.tokens.spec import data_spec, open_spec
 from titan_pipe.tokens.tokenizer import tokenizer_files
 from titan_pipe.training.data_parallel import plan_dp
 from titan_pipe.model.kernels import resolve_kernels
@@ -149,13 +150,22 @@ class Trainer:
         self.args = cfg.model.args()
 
     def _setup_data(self, base: Path) -> None:
+        """Memory-map the token data; raw text is prepared first, once (rank 0; a no-op when the
+        launcher or the flow's data stage already did), never tokenized per rank."""
         cfg, t = self.cfg, self.cfg.train
-        data = prepare_data(path=cfg.data.path, tokenizer=cfg.data.tokenizer, text_key=cfg.data.text_key,
-                            val_fraction=cfg.data.val_fraction, base=base, vocab_size=self.args.vocab_size)
+        spec = data_spec(cfg.data, base=base)
+        if spec.text is not None:
+            if self.rank == 0:
+                from titan_pipe.training.prepare import prepare_spec
+
+                prepare_spec(spec, self.run.data, progress=False)
+            dist.barrier()
+        tok, data = open_spec(spec, prepared=self.run.data, vocab_size=self.args.vocab_size)
         # Copied into every checkpoint so it names its tokenizer itself, not a path relative to flow.yaml.
-        self.tok_files = tokenizer_files(data.tokenizer)
+        self.tok_files = tokenizer_files(tok)
         self.loader = PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size,
-                                   dp_rank=self.mesh["dp"].get_local_rank(), dp_size=cfg.parallel.dp, seed=t.seed)
+                                   dp_rank=self.mesh["dp"].get_local_rank(), dp_size=cfg.parallel.dp, seed=t.seed,
+                                   vocab_size=self.args.vocab_size)
 
     def _find_resume_point(self, resume: bool) -> Path | None:
         latest = newest_complete(self.run.checkpoints, warn=True) if resume else None

@@ -34,9 +34,9 @@ def register(app: typer.Typer) -> None:
         onnx: Optional[Path] = typer.Option(None, "--onnx", help="Exported prefill graph OUT_DIR/model.onnx "
                                             "(decode.onnx beside it is evaluated too)"),
         om: Optional[Path] = typer.Option(None, "--om", help="ATC .om model (needs an Ascend runtime)"),
-        data: Optional[Path] = typer.Option(None, "--data", help="Held-out .txt/.jsonl text, used whole "
-                                            "(default: the validation split of --config's data, else of the "
-                                            "shipped corpus)"),
+        data: Optional[Path] = typer.Option(None, "--data", help="Held-out text (.txt/.jsonl/.jsonl.gz/.parquet or "
+                                            "a .bin/.idx prefix, used whole; a prepared dir: its validation documents; "
+                                            "default: the validation split of --config's data, else of the shipped corpus)"),
         dtype: ThresholdDtype = typer.Option(ThresholdDtype.auto, "--dtype", help="Threshold set to judge by "
                                              "(auto: each candidate's own dtype)"),
         config: Optional[Path] = typer.Option(None, "--config", help="flow.yaml whose evaluate section (batches, "
@@ -66,7 +66,8 @@ def register(app: typer.Typer) -> None:
             # a path read from a file stays inside that file's dir; one on the command line is the user's
             resolve_inside(config.parent, flow_cfg.evaluate.data, source=config, what="evaluate.data", kind="any",
                            fix="put the file beside the flow.yaml, or pass it with --data FILE")
-        data, split = held_out_text(data=data, flow=flow_cfg, flow_dir=config.parent if config else None)
+        data, split = held_out_text(data=data, flow=flow_cfg, flow_dir=config.parent if config else None,
+                                    run_dir=flow_cfg.run_dir() if flow_cfg is not None else None)
         updates: dict = {"dtype": dtype.value}
         if batches is not None:
             updates["batches"] = batches

@@ -32,7 +32,11 @@ def stage_figures(stage: str, summary: dict, passed: bool | None) -> str:
         v = summary.get(key)
         return None if v is None else format(v, fmt) if isinstance(v, (int, float)) else str(v)
 
-    if stage == "train":
+    if stage == "data":
+        parts = [f"{num('tokens', ',')} tokens" if "tokens" in summary else None,
+                 f"{num('documents', ',')} documents" if "documents" in summary else None,
+                 "already prepared" if summary.get("reused") else None]
+    elif stage == "train":
         mfu = summary.get("mfu")
         parts = [f"loss {num('final_loss', '.4f')}" if "final_loss" in summary else None,
                  f"{num('tokens_per_s', ',.0f')} tok/s" if "tokens_per_s" in summary else None,
