@@ -116,13 +116,15 @@ def _window(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, allowed: str) -> s
     """``allowed`` narrowed to each query's sliding window, by position distance (int64 gaps)."""
     if not window_applies(args):
         return allowed
+    # Named under "mask." with the other shared mask nodes every layer reads.
     if spec.decode:  # real tokens after each slot = query position - key position; (B, 1, 1, C)
-        after = g.op("CumSum", [ATTENTION_MASK, g.const(1)], "window.after", exclusive=1, reverse=1)
-        gap = g.op("Unsqueeze", [after, g.const([1, 2])], "window.gap")
+        after = g.op("CumSum", [ATTENTION_MASK, g.const(1)], "mask.window.after", exclusive=1, reverse=1)
+        gap = g.op("Unsqueeze", [after, g.const([1, 2])], "mask.window.gap")
     else:  # (B, 1, T, 1) - (B, 1, 1, T)
-        gap = g.op("Sub", [g.op("Unsqueeze", [POSITION_IDS, g.const([1, 3])], "window.query_pos"),
-                           g.op("Unsqueeze", [POSITION_IDS, g.const([1, 2])], "window.key_pos")], "window.gap")
-    return within_window(g, allowed, gap, args.sliding_window, "window")
+        gap = g.op("Sub", [g.op("Unsqueeze", [POSITION_IDS, g.const([1, 3])], "mask.window.query_pos"),
+                           g.op("Unsqueeze", [POSITION_IDS, g.const([1, 2])], "mask.window.key_pos")],
+                   "mask.window.gap")
+    return within_window(g, allowed, gap, args.sliding_window, "mask.window")
 
 
 def _positions(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, bt: str) -> tuple[str, str, str, str | None]:
