@@ -37,19 +37,14 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
 
 
 def example_flow(flavour: str) -> str:
-    """The template with ``flavour`` in it; tied-embedding flavours (Qwen2.5-0.5B, Qwen3-0.6B) get
-    tp 1 x pp 1 with dp 8 instead (tied embeddings need one tensor- and pipeline-parallel rank)."""
+    """The template with ``flavour`` in place of debug (its comment kept in its column where the
+    name allows)."""
     from titan_pipe.model.args import FLAVOURS
 
     if flavour not in FLAVOURS:
         raise UserError(f"--flavour {flavour!r} is unknown; use one of {', '.join(FLAVOURS)}")
-    # the flavour in place of debug, its comment kept in its column where the name allows
-    text = re.sub(r"(?m)^(  flavour: )debug( *)",
+    return re.sub(r"(?m)^(  flavour: )debug( *)",
                   lambda m: m.group(1) + flavour.ljust(len("debug") + len(m.group(2)) - 1) + " ", TEMPLATE.read_text())
-    if FLAVOURS[flavour].tie_embeddings:
-        for key, value in (("dp", 8), ("tp", 1), ("pp", 1), ("microbatches", 1)):
-            text = re.sub(rf"(?m)^(  {key}: )\d+", rf"\g<1>{value}", text, count=1)
-    return text
 
 
 @app.command()

@@ -294,9 +294,6 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     if args.kv_heads % p.tp:
         errs.append(f"parallel.tp: {p.tp} does not divide model n_kv_heads={args.kv_heads} (tp splits the "
                     f"k/v heads of head_dim {args.head_dim}); pick tp dividing {args.kv_heads}")
-    if args.tie_embeddings and p.tp > 1:
-        errs.append(f"parallel.tp: {p.tp} with model.tie_embeddings is not supported (tensor parallelism would "
-                    "untie the embedding and the output); set tp: 1 (FSDP over dp shards it) or untie")
     if args.hidden_dim % p.tp:
         errs.append(f"parallel.tp: {p.tp} does not divide the FFN hidden size {args.hidden_dim}")
     if args.vocab_size % p.tp:

@@ -138,14 +138,17 @@ def test_rank_params_partition_the_model(dp, tp, pp, zero):
     assert total == copies * count_params(args) + replicated * copies
 
 
-@pytest.mark.parametrize("over", [{"qkv_bias": True}, {"qk_norm": True, "head_dim": 32}])
+@pytest.mark.parametrize("over", [{"qkv_bias": True}, {"qk_norm": True, "head_dim": 32},
+                                  {"qkv_bias": True, "tie_embeddings": True}])
 def test_rank_params_count_the_families_parameters(over):
-    """q/k/v biases split over tp with their rows; q/k norms (head_dim each) on every tp rank."""
+    """q/k/v biases split over tp with their rows; q/k norms (head_dim each) on every tp rank; tied
+    embeddings under tp x pp: the last stage's output copy of the embedding (training/tied.py)."""
     args = resolve_args("debug", **over)
     lay = Layout(1, 2, 2, "1f1b", microbatches=2)
     total = sum(rank_params(args, lay, pp_rank=p, tp_rank=t).params for p in range(2) for t in range(2))
     norms = args.dim * (2 * args.n_layers + 1) + (2 * args.head_dim * args.n_layers if args.qk_norm else 0)
-    assert total == count_params(args) + norms  # the replicated ones twice (tp 2), the rest once
+    copy = args.vocab_size * args.dim if args.tie_embeddings else 0
+    assert total == count_params(args) + norms + copy  # replicated ones twice (tp 2), the rest once
 
 
 def test_plain_dp_13b_needs_208_gb_of_state():

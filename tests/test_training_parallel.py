@@ -101,11 +101,21 @@ WORLD8 = [
 ]
 
 
-# The other families in the 3-D layout, 4 steps each (Qwen2 untied: tied embeddings need pp 1 and
-# tp 1, which config validation says): q/k/v biases split with their rows, Qwen3's q/k norms
-# replicated over the split heads (gradients summed over tp), Mistral's window shorter than seq_len.
-FAMILIES = {"qwen2": {"qkv_bias": True}, "qwen3": {"qk_norm": True, "head_dim": 32},
+# The other families in the 3-D layout, 4 steps each: Qwen2's q/k/v biases split with their rows
+# and its tied embeddings (the last stage's output a synced copy of the embedding, training/tied.py),
+# Qwen3's q/k norms replicated over the split heads (gradients summed over tp), Mistral's window
+# shorter than seq_len.
+FAMILIES = {"qwen2": {"qkv_bias": True, "tie_embeddings": True}, "qwen3": {"qk_norm": True, "head_dim": 32},
             "mistral": {"sliding_window": 8}}
+# Tied embeddings resumed under other layouts: copy -> copy (pp2 -> tp2), copy -> one tensor (tp2 -> dp2).
+TIED = dict(flow({"pp": 2, "microbatches": 2}), model={"flavour": "debug", "qkv_bias": True, "tie_embeddings": True},
+            train=dict(BASE["train"], steps=4), checkpoint={"every": 2, "keep_last": 3})
+TIED_RUNS = [{"name": "tied_pp2", "flow": TIED},
+             {"name": "tied_tp2", "flow": dict(TIED, parallel={"tp": 2})},
+             {"name": "tied_pp2_to_tp2", "flow": dict(TIED, parallel={"tp": 2}), "resume": True,
+              "copy_from": {"run": "tied_pp2", "step": 2}},
+             {"name": "tied_tp2_to_dp2", "flow": dict(TIED, parallel={"dp": 2}), "resume": True,
+              "copy_from": {"run": "tied_tp2", "step": 2}}]
 FAMILY_RUNS = [{"name": f"{fam}_3d", "flow": dict(flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b",
                                                        "microbatches": 2}),
                                                  model={"flavour": "debug", **over},
@@ -160,7 +170,7 @@ def world2(crashed):
     init = {"name": "init_from_tp2", "flow": dict(flow({"pp": 2, "microbatches": 2}),
                                                   init_from=str(work / "runs" / "tp2" / "checkpoints" / "step-000008"),
                                                   train=dict(BASE["train"], steps=2))}
-    return work, launch(2, WORLD2 + [resume, init], work)
+    return work, launch(2, WORLD2 + [resume, init] + TIED_RUNS, work)
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +225,24 @@ def test_3d_families_match_single_process(world8, run, tmp_path):
     ref = reference_run(run["flow"], base=tmp_path)
     assert_close(losses(res, run["name"]), ref["losses"])
     assert_close([r["grad_norm"] for r in res[run["name"]]["metrics"]], ref["grad_norms"], what="grad norm")
+
+
+def test_tied_embeddings_under_tp_and_pp_resume_across_layouts(world2, world8, tmp_path):
+    """Tied embeddings trained as one matrix whatever the layout: the checkpoint holds the embedding
+    alone, and resuming pp2 -> tp2 (output copy to copy) or tp2 -> dp2 (copy to the module's own
+    tie) continues the single-process curve."""
+    work, res = world2
+    ref = reference_run(TIED, base=tmp_path)
+    for name in ("tied_pp2", "tied_tp2"):
+        assert_close(losses(res, name), ref["losses"])
+        assert_close([r["grad_norm"] for r in res[name]["metrics"]], ref["grad_norms"], what="grad norm")
+    for name in ("tied_pp2_to_tp2", "tied_tp2_to_dp2"):
+        assert [r["step"] for r in res[name]["metrics"]] == [3, 4]
+        assert_close(losses(res, name), ref["losses"][2:])
+    for run in ("tied_pp2", "tied_tp2"):
+        assert "output.weight" not in Manifest.load(work / "runs" / run / "checkpoints" / "step-000004").params
+    m = Manifest.load(world8[0] / "runs" / "qwen2_3d" / "checkpoints" / "step-000004")
+    assert "output.weight" not in m.params and m.params["layers.0.attention.wq.bias"].tp_dim == 0
 
 
 def test_init_from_a_hugging_face_qwen3_dir_under_dp_tp_pp(world8):

@@ -32,6 +32,15 @@ def param_shapes(args: ModelArgs) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple(native_shapes(args).items())
 
 
+def layout_params(args: ModelArgs, layout: Layout) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """What the trainer holds under ``layout``: the list, plus, for tied embeddings under tp or pp,
+    the output projection's copy of the embedding on the last stage (training/tied.py)."""
+    shapes = param_shapes(args)
+    if args.tie_embeddings and (layout.tp > 1 or layout.pp > 1):
+        shapes += (("output.weight", (args.vocab_size, args.dim)),)
+    return shapes
+
+
 def _chunk(n: int, parts: int, index: int) -> int:
     """Length of ``torch.chunk``'s piece ``index`` of a dim of length n (FSDP2 shards this way)."""
     size = -(-n // parts)
@@ -105,7 +114,7 @@ def _rank_params(args: ModelArgs, layout: Layout, pp_rank: int, tp_rank: int, dp
     n_stages = layout.pp * (layout.virtual_stages if layout.schedule == "interleaved_1f1b" and layout.pp > 1 else 1)
     dpp = _dp_plan(layout, assume)
     names, local, alloc, full = [], [], [], []
-    for name, shape in param_shapes(args):
+    for name, shape in layout_params(args, layout):
         if not _owned(name, stages, n_stages):
             continue
         shape = list(shape)
