@@ -22,11 +22,13 @@ from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig, load_flow
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.flows import cache
-from titan_pipe.flows.logs import run_logger
+from titan_pipe.flows.logs import quiet_user_error_tracebacks, run_logger
 from titan_pipe.flows.tasks import (StageOutput, convert_task, data_task, evaluate_task, export_task,
                                     train_task)
 from titan_pipe.run_dir import RunDir
 from titan_pipe.run_lock import run_lock
+
+quiet_user_error_tracebacks()  # a stage's UserError is one line in the run logs too, not a traceback
 
 DEFAULT_TASKS: dict[str, Callable[..., StageOutput]] = {
     "data": data_task, "train": train_task, "convert": convert_task, "export": export_task, "evaluate": evaluate_task,
@@ -79,9 +81,12 @@ class PipelineOutcome:
 
 
 def _retryable(task, task_run, state) -> bool:
-    """Retry a crashed launch (StageFailed, or anything unexpected), never bad input (UserError)."""
+    """Retry a crashed launch (StageFailed, or anything unexpected), never bad input or an OS fault
+    (UserError) and never an interrupt (Ctrl-C, SIGTERM: the user or the scheduler stopped it)."""
     try:
         state.result()
+    except KeyboardInterrupt:
+        return False
     except StageFailed:
         return True
     except UserError:

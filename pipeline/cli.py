@@ -8,10 +8,12 @@ from pathlib import Path
 
 import typer
 
+from titan_pipe import faults
 from titan_pipe.atomic import write_text
 from titan_pipe.commands.common import console, handle_errors
 from titan_pipe.config import load_flow
 from titan_pipe.errors import UserError
+from titan_pipe.run_lock import path_lock
 
 app = typer.Typer(
     name="titan-pipe",
@@ -30,9 +32,11 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
          force: bool = typer.Option(False, "--force", help="Overwrite an existing flow.yaml")):
     """Write a commented example flow.yaml (the debug model on CPU, or --flavour's) into DIRECTORY."""
     target = directory / "flow.yaml"
-    if target.exists() and not force:
-        raise UserError(f"{target} already exists; pass --force to overwrite it")
-    write_text(target, example_flow(flavour))
+    text = example_flow(flavour)  # an unknown flavour is refused before anything is written
+    with faults.writing(target, what="the example flow.yaml"), path_lock(target, what="titan-pipe init"):
+        if target.exists() and not force:
+            raise UserError(f"{target} already exists; pass --force to overwrite it")
+        write_text(target, text)
     console.print(f"wrote {target}; check it with: titan-pipe validate {target}")
 
 

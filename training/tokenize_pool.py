@@ -16,6 +16,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from titan_pipe import procs
 from titan_pipe.tokens.sources import Block, documents
 
 CHUNK_CHARS = 1 << 22  # ~4 MB of text per task: enough to amortise pickling, small enough to bound memory
@@ -40,7 +41,9 @@ def chunk_blocks(blocks: Iterable[Block], chars: int | None = None) -> Iterator[
         yield batch
 
 
-def _init(spec: str, dtype: str, text_key: str, single_thread: bool = True) -> None:
+def _init(spec: str, dtype: str, text_key: str, single_thread: bool = True, parent: int | None = None) -> None:
+    if parent is not None:  # a worker of the pool: no orphan tokenizing on when `data prepare` is killed
+        procs.die_with_parent(parent)
     if single_thread:  # a worker of the pool: the pool is the parallelism, not the tokenizer's threads
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     global _tok, _dtype, _text_key
@@ -68,7 +71,7 @@ def encode_stream(chunks: Iterable[list[Block]], *, spec: str, dtype: np.dtype, 
             yield _encode(chunk)
         return
     ctx = multiprocessing.get_context("spawn")  # no fork of a parent that may hold threads (torch, rayon)
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=args) as pool:
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(*args, True, os.getpid())) as pool:
         pending: deque = deque()
         try:
             for chunk in chunks:

@@ -23,7 +23,8 @@ from titan_pipe.checkpoint_format import ParallelLayout, newest_complete
 from titan_pipe.config import ConfigError, FlowConfig, load_flow
 from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import flops_per_token
+from titan_pipe.faults import STAGE_OUTPUTS, OutputFault, writing
+from titan_pipe.model.args import count_params, flops_per_token
 from titan_pipe.run_dir import RunDir
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training import metrics
@@ -315,18 +316,25 @@ class Trainer:
         return (step % self.cfg.checkpoint.every == 0 or step == self.cfg.train.steps
                 or step == self.forced_save_step)  # the same on all ranks
 
+    def checkpoint_bytes(self) -> int:
+        """About what one checkpoint takes: the fp32 weights, and AdamW's two fp32 moments when the
+        optimizer state is saved (for a full disk's "free N" advice)."""
+        n = count_params(self.cfg.model.args())
+        return 4 * n * (3 if self.cfg.checkpoint.save_optimizer else 1)
+
     def save(self, step: int) -> None:
         """Checkpoint ``step`` (collective), then prune old ones on rank 0."""
         cfg = self.cfg
         hook = self.fault.die if self.fault.due(step, self.rank, "checkpoint") else None
         state = {"step": step, "scheduler": [s.state_dict() for s in self.schedulers],
                  "loader": self.loader.state_dict(), "scaler": self.scaler.state_dict()}
-        ckpt.save_checkpoint(self.run.checkpoint(step), model=self.model,
-                             optimizers=self.optimizers if cfg.checkpoint.save_optimizer else None,
-                             train_state=state, parallel=self.parallel_meta, fail_hook=hook,
-                             extra={"kernels": cfg.model.kernels,
-                                    "tokenizer": "tokenizer.json" if self.tok_files else "byte"},
-                             attach=self.tok_files)
+        with writing(self.run.checkpoint(step), what=f"the checkpoint of step {step}", needs=self.checkpoint_bytes()):
+            ckpt.save_checkpoint(self.run.checkpoint(step), model=self.model,
+                                 optimizers=self.optimizers if cfg.checkpoint.save_optimizer else None,
+                                 train_state=state, parallel=self.parallel_meta, fail_hook=hook,
+                                 extra={"kernels": cfg.model.kernels,
+                                        "tokenizer": "tokenizer.json" if self.tok_files else "byte"},
+                                 attach=self.tok_files)
         if self.rank == 0:
             ckpt.prune(self.run.checkpoints, cfg.checkpoint.keep_last)
 
@@ -374,12 +382,16 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         cfg = load_flow(a.flow)
-        train(cfg, base=a.flow.resolve().parent, resume=a.resume)
+        with writing(cfg.run_dir(), what=STAGE_OUTPUTS["train"]):
+            train(cfg, base=a.flow.resolve().parent, resume=a.resume)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    except OutputFault as e:  # the launcher reports this line as the run's error (training/failure.py)
+        print(f"fault: {e}", file=sys.stderr, flush=True)
+        return 1
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
         if dist.is_initialized():

@@ -26,6 +26,7 @@ from titan_pipe.convert.onnx.weights import DataWriter, plan_weights
 from titan_pipe.dtypes import BY_NAME, EXPORT_NAMES
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.export_record import RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord, OperatorUse
+from titan_pipe.faults import as_fault, check_free_space
 from titan_pipe.graph_io import DATA_FILE, DECODE_FILE, PREFILL_FILE
 from titan_pipe.model.args import ModelArgs, count_params
 from titan_pipe.model.transformer import rope_cos_sin
@@ -34,6 +35,7 @@ from titan_pipe.unified_dir import read_model_args
 
 EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15; 14 is the lowest every operator of the graphs is listed at
 DEFAULT_CACHE_LEN = 4096
+WHAT = "the ONNX export"
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,13 @@ def _rope_rows(plan: ExportPlan, args: ModelArgs) -> int:
     return plan.cache_len if plan.kv_cache else plan.seq_len
 
 
+def output_bytes(plan: ExportPlan, args: ModelArgs) -> int:
+    """What the export will take on disk: the weights in the graph dtype, the two RoPE tables, and
+    for each graph 64 kB plus 16 kB a layer (node protos without weights), ATC script, export.json."""
+    rope = 2 * _rope_rows(plan, args) * args.head_dim * BY_NAME[plan.dtype].itemsize
+    return plan.weight_bytes + rope + len(plan.graphs) * (65536 + 16384 * args.n_layers) + 65536
+
+
 def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_weights: bool) -> DataWriter:
     """Stream every weight (and the RoPE tables) into work/model.onnx.data, one tensor at a time."""
     with DataWriter(work / DATA_FILE, plan.dtype, hash=hash_weights) as data:
@@ -215,6 +224,8 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                        dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
                        precision_mode=precision_mode, expose_hidden=expose_hidden)
     sources = plan_weights(model_dir, args)  # headers only: bad weights fail before any write
+    needs = output_bytes(plan, args)
+    check_free_space(out_dir, needs=needs, what=WHAT)  # refuse before a byte is written
     work = temp_dir(out_dir)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -261,8 +272,11 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                          invocations=invocations, graphs=graphs, files=files, export_s=export_s, timings=timings)
         (work / RECORD_FILE).write_text(record.to_json())
         swap_dir(work, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(work, ignore_errors=True)
+        fault = as_fault(e, path=out_dir, what=WHAT, needs=needs) if isinstance(e, Exception) else None
+        if fault is not None:  # after the cleanup, so "N free now" counts the space it gave back
+            raise fault from None
         raise
     summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache, "cache_len": plan.cache_len,
                "params": count_params(args), "weight_bytes": plan.weight_bytes,

@@ -101,7 +101,7 @@ class DataWriter:
     def __init__(self, path: Path, dtype: str, *, hash: bool = True):
         self.path, self.target = Path(path), TORCH_BY_NAME[dtype]
         self.itemsize = BY_NAME[dtype].itemsize
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask applies
         self._pos = 0
         self._hash = hashlib.sha256() if hash else None
         self._pool = ThreadPoolExecutor(max_workers=1)

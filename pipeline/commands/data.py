@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from titan_pipe.commands.common import console, handle_errors
+from titan_pipe.commands.common import call_stage, console, handle_errors
 
 data_app = typer.Typer(help="Prepare and inspect token data (Megatron indexed .bin/.idx + data.json).",
                        no_args_is_help=True)
@@ -26,8 +26,8 @@ def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.g
     """Tokenize SOURCES once into OUT (tokens.bin + tokens.idx + data.json); a no-op when OUT is current."""
     from titan_pipe.training.prepare import prepare as run_prepare
 
-    r = run_prepare(sources=sources, out_dir=out, tokenizer=tokenizer, workers=workers, val_fraction=val_fraction,
-                    text_key=text_key, progress=True)
+    r = call_stage("prepare", run_prepare, track=False, sources=sources, out_dir=out, tokenizer=tokenizer,
+                   workers=workers, val_fraction=val_fraction, text_key=text_key, progress=True)
     rec = r.record
     if r.reused:
         console.print(f"{r.out_dir}: already prepared from the same inputs (key {rec.key[:12]}); nothing to do",

@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 
+from titan_pipe import faults
 from titan_pipe.commands.common import handle_errors
+from titan_pipe.run_lock import path_lock
 
 
 def _workload(model: str, seq_len: int, global_batch: int):
@@ -193,7 +195,8 @@ def register(app: typer.Typer) -> None:
         if misfits:
             out.print(_misfit_table(misfits))
         if plot is not None:
-            _plot(result, plot, top)
+            with faults.writing(plot, what="the memory chart"), path_lock(plot, what="titan-pipe plan --plot"):
+                _plot(result, plot, top)
             out.print(f"wrote {plot}")
         if result.best is None:
             raise UserError(f"no layout fits in {cluster.memory_bytes / 1e9:.1f} GB per device; see the "
@@ -204,5 +207,6 @@ def register(app: typer.Typer) -> None:
                   f"layer(s), {b.layout.amp_dtype}: {b.tokens_per_s:,.0f} tokens/s, "
                   f"{b.memory.total / 1e9:.1f} GB/device", highlight=False)
         if write is not None:
-            _write_flow(result, write, force)
+            with faults.writing(write, what="the flow.yaml"), path_lock(write, what="titan-pipe plan --write"):
+                _write_flow(result, write, force)
             out.print(f"wrote {write}; check it with: titan-pipe validate {write}")

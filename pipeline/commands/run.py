@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from titan_pipe import faults
 from titan_pipe.commands.common import handle_errors
 from titan_pipe.run_lock import run_lock
 
@@ -105,6 +106,7 @@ def register(app: typer.Typer) -> None:
         cache.check_reusable(actions, cfg.run_dir().resolve())
 
         prefect_env()
+        from titan_pipe.flows.server import temporary_server
         from titan_pipe.flows.train_to_deploy import listening, train_to_deploy
 
         console = Console(stderr=True)
@@ -112,7 +114,8 @@ def register(app: typer.Typer) -> None:
         failed: BaseException | None = None
         result: dict = {}
         # held here, before Prefect starts, so a second writer fails at once (run_pipeline re-enters it)
-        with run_lock(cfg.run_dir().resolve(), what=f"titan-pipe run {flow}"), listening(live):
+        with faults.writing(cfg.run_dir(), what="the run dir"), \
+                run_lock(cfg.run_dir().resolve(), what=f"titan-pipe run {flow}"), listening(live), temporary_server():
             try:
                 result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force,
                                          cfg=cfg)
@@ -124,10 +127,11 @@ def register(app: typer.Typer) -> None:
             verdict = "PASS" if passed else "not evaluated (stage not selected)" if passed is None else "FAIL"
             console.print(f"verdict: [bold]{verdict}[/bold] — run dir {result.get('run_dir')}", highlight=False)
             return
-        if isinstance(failed, UserError):
+        if isinstance(failed, (UserError, KeyboardInterrupt, typer.Exit)):
             raise failed
-        if isinstance(failed, (KeyboardInterrupt, typer.Exit)):
-            raise failed
+        fault = faults.as_fault(failed, path=cfg.run_dir(), what="the run dir")
+        if fault is not None:
+            raise fault from None
         hint = ""
         if "ephemeral Prefect API server" in str(failed):
             hint = ("; start a server (`prefect server start`, then export PREFECT_API_URL=http://127.0.0.1:4200/api) "
@@ -145,7 +149,9 @@ def register(app: typer.Typer) -> None:
         """Serve the flow as a Prefect deployment on a cron schedule (shows in the Prefect UI); runs until stopped."""
         from titan_pipe.config import load_flow
         from titan_pipe.flows.schedule import serve_flow
+        from titan_pipe.flows.server import temporary_server
 
         cfg = load_flow(flow)
         prefect_env()
-        serve_flow(flow_path=flow.resolve(), cfg=cfg, cron=cron, name=name, timezone=timezone, stage=stage)
+        with temporary_server():
+            serve_flow(flow_path=flow.resolve(), cfg=cfg, cron=cron, name=name, timezone=timezone, stage=stage)

@@ -36,7 +36,8 @@ def register(app: typer.Typer) -> None:
             return
         console.print(f"training {cfg.name}: dp={p.dp} tp={p.tp} pp={p.pp}, {cfg.train.steps} steps, "
                       f"run dir {cfg.run_dir()}", highlight=False, soft_wrap=True)
-        result = call_stage("train", run_training, track=track, flow_path=flow, cfg=cfg, resume=resume)
+        result = call_stage("train", run_training, track=track, writes=cfg.run_dir(), flow_path=flow, cfg=cfg,
+                            resume=resume)
         console.print(f"done: {_format_summary(result.summary)}", highlight=False, soft_wrap=True)
         if result.summary.get("peak_flops_source"):
             console.print(f"peak FLOPs: {result.summary['peak_flops_source']}", highlight=False, soft_wrap=True)
