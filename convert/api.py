@@ -31,7 +31,7 @@ from titan_pipe.convert.tokenizer_files import copy_tokenizer_files, plan_tokeni
 from titan_pipe.dtypes import HF_DTYPE_NAMES, OUT_DTYPES
 from titan_pipe.errors import UserError
 from titan_pipe.faults import as_fault, check_free_space
-from titan_pipe.model.names import to_hf_config
+from titan_pipe.model.hf_config import to_hf_config
 from titan_pipe.model.params import native_shapes
 from titan_pipe.model.sharding import stage_ranks, tp_split_dim
 from titan_pipe.provenance import PROVENANCE_FILE, Provenance, SourceInfo

@@ -72,6 +72,10 @@ def held_out_text(*, data: Path | None, flow: FlowConfig | None, flow_dir: Path 
     takes the shipped corpus's split.
     """
     if data is not None:
+        from titan_pipe.tokens.sources import check_records, kind_of
+
+        if Path(data).is_file() and kind_of(Path(data)) is not None:
+            check_records(Path(data))  # before any model is loaded: an enormous record is one line
         return Path(data), None
     if flow is None:
         return None, None

@@ -466,7 +466,7 @@ class DistributedRunner:
             self.manifest = Manifest.load(checkpoint)
         except Exception as e:
             raise UserError(f"{checkpoint / 'manifest.json'}: unreadable ({e})") from None
-        self.args = ModelArgs.from_dict(self.manifest.model)
+        self.args = ModelArgs.from_dict(self.manifest.model, source=checkpoint / "manifest.json")
         self.layout = self.manifest.parallel
         self.checkpoint, self.device, self.timeout_s = checkpoint, device, timeout_s
         where = "" if device == "cpu" else f", {device}"

@@ -20,8 +20,10 @@ def run_tracked(stage: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
 
     from titan_pipe.errors import UserError
     from titan_pipe.flows.logs import quiet_user_error_tracebacks, run_logger
+    from titan_pipe.flows.prefect_api import check_api_reachable
     from titan_pipe.flows.server import temporary_server
 
+    check_api_reachable()  # a dead PREFECT_API_URL: one line, before the stage runs
     quiet_user_error_tracebacks()
     user_errors: list[UserError] = []
 

@@ -263,7 +263,7 @@ def _config_dir(tmp_path: Path, **changes) -> Path:
     ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, "architecture DeepseekV3ForCausalLM"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
      "a sliding window on 2 of 4 layers only"),
-    ({"attention_bias": True}, "attention_bias true puts a bias on o_proj"),
+    ({"attention_bias": True}, "attention_bias = True puts a bias on o_proj"),
 ])
 def test_unsupported_architectures_are_one_line(tmp_path, changes, expect):
     src = _config_dir(tmp_path, **changes)
@@ -306,7 +306,7 @@ def test_init_writes_a_valid_example_of_every_flavour(tmp_path):
     ({"flavour": "qwen3_8b"}, {"tp": 16}, "parallel.tp: 16 does not divide model n_kv_heads=8"),
     ({"flavour": "qwen2.5_7b"}, {"tp": 8}, "parallel.tp: 8 does not divide model n_heads=28"),
     ({"flavour": "debug", "qk_norm": True, "qkv_bias": True}, {}, "no Hugging Face architecture has both"),
-    ({"flavour": "debug", "dim": 66}, {}, "dim=66 is not divisible by n_heads=4; pick dim = n_heads x head_dim"),
+    ({"flavour": "debug", "dim": 66}, {}, "model.dim: 66 is not divisible by n_heads=4; pick dim = n_heads x head_dim"),
 ])
 def test_validate_refuses_what_the_families_cannot_run(tmp_path, model, parallel, expect):
     import yaml

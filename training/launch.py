@@ -25,6 +25,7 @@ from titan_pipe.training.launch_command import build_torchrun_command, launch_en
 from titan_pipe.training.metrics import plot_metrics, step_records
 from titan_pipe.training.slurm import inside_launch, reports, slurm_env
 from titan_pipe.training.stream import stream_process
+from titan_pipe.training.preflight import check_before_launch
 
 __all__ = ["TrainResult", "run_training", "reports", "collect_result", "summarize", "resume_flag"]
 
@@ -81,6 +82,8 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
 
     prepare_data_once(cfg, flow_path, None)  # token data: checked before anything is written
     with lock_run_dir(cfg, run):
+        # Refused here, nothing written: not the run's flow.yaml record, not a torchrun log.
+        check_before_launch(cfg, flow_path=flow_path, resume=resume)
         if inside_launch():
             return _run_in_process(flow_path, cfg, run, resume)
         return _launch(flow_path, cfg, run, resume, device.type)

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_pipe import procs
+from titan_pipe.choices import PRECISION_MODES
 from titan_pipe.errors import StageFailed
 from titan_pipe.graph_io import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, WRITE_INDEX
 
-PRECISION_MODES = ("origin", "mixed_float16", "fp16")
 # --precision_mode_v2 (CANN >= 8.0) value, and the older --precision_mode spelling of the same intent.
 _PRECISION_V2 = {"origin": "origin", "mixed_float16": "mixed_float16", "fp16": "fp16"}
 _PRECISION_V1 = {"origin": "must_keep_origin_dtype", "mixed_float16": "allow_mix_precision_fp16",

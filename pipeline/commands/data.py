@@ -6,6 +6,7 @@ from typing import List, Optional
 
 import typer
 
+from titan_pipe import limits
 from titan_pipe.commands.common import call_stage, console, handle_errors
 
 data_app = typer.Typer(help="Prepare and inspect token data (Megatron indexed .bin/.idx + data.json).",
@@ -17,7 +18,7 @@ data_app = typer.Typer(help="Prepare and inspect token data (Megatron indexed .b
 def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.gz/.parquet files or directories"),
             out: Path = typer.Option(..., "-o", "--out", help="the prepared data dir to write"),
             tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, or a Hugging Face tokenizer.json"),
-            workers: Optional[int] = typer.Option(None, "--workers", min=1,
+            workers: Optional[int] = typer.Option(None, "--workers",
                                                   help="tokenizer processes (default: the usable CPUs, at most 8; "
                                                        "1 for corpora under 8 MB)"),
             val_fraction: float = typer.Option(0.05, "--val-fraction",
@@ -25,6 +26,8 @@ def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.g
             text_key: str = typer.Option("text", "--text-key", help="the text field of .jsonl / column of .parquet")):
     """Tokenize SOURCES once into OUT (tokens.bin + tokens.idx + data.json); a no-op when OUT is current."""
     from titan_pipe.training.prepare import prepare as run_prepare
+
+    limits.check_flag("--workers", workers, limits.WORKERS)  # one line naming the limit, before any work
 
     r = call_stage("prepare", run_prepare, track=False, sources=sources, out_dir=out, tokenizer=tokenizer,
                    workers=workers, val_fraction=val_fraction, text_key=text_key, progress=True)

@@ -7,17 +7,14 @@ from typing import Optional
 
 import typer
 
+from titan_pipe import limits
+from titan_pipe.choices import DEVICES
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
 from titan_pipe.dtypes import FLOAT_NAMES
 from titan_pipe.paths import resolve_inside
 
 
-class RefDevice(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-    npu = "npu"
-
+RefDevice = Enum("RefDevice", {n: n for n in DEVICES}, type=str)  # titan_pipe.choices
 
 # --dtype choices: auto, then the float types of the dtype table.
 ThresholdDtype = Enum("ThresholdDtype", {n: n for n in ("auto", *FLOAT_NAMES)}, type=str)
@@ -44,7 +41,7 @@ def register(app: typer.Typer) -> None:
         device: Optional[RefDevice] = typer.Option(None, "--device", help="Where the PyTorch reference (and "
                                                    "the torchrun ranks) run; auto: npu, then cuda, then cpu "
                                                    "[default: evaluate.device, cpu]"),
-        batches: Optional[int] = typer.Option(None, "--batches", min=1, help="Number of held-out batches"),
+        batches: Optional[int] = typer.Option(None, "--batches", help="Number of held-out batches"),
         operators: Optional[bool] = typer.Option(None, "--operators/--no-operators",
                                                  help="Run the operator conformance table"),
         dump: Optional[bool] = typer.Option(None, "--dump/--no-dump", help="Also write every compared tensor "
@@ -60,6 +57,7 @@ def register(app: typer.Typer) -> None:
         from titan_pipe.evaluate.api import evaluate_model
         from titan_pipe.evaluate.batches import held_out_text
 
+        limits.check_flag("--batches", batches, limits.EVAL_BATCHES)
         flow_cfg = load_flow(config) if config is not None else None
         settings = flow_cfg.evaluate if flow_cfg is not None else EvaluateConfig()
         if data is None and flow_cfg is not None and flow_cfg.evaluate.data:

@@ -104,10 +104,17 @@ def register(app: typer.Typer) -> None:
         except UserError as e:
             raise typer.BadParameter(str(e)) from None
         cache.check_reusable(actions, cfg.run_dir().resolve())
+        if actions["train"] != cache.REUSE and actions["train"] != cache.SKIP:
+            from titan_pipe.training.preflight import check_before_launch
+
+            check_before_launch(cfg, flow_path=flow)  # before Prefect starts: what training would meet
 
         prefect_env()
+        from titan_pipe.flows.prefect_api import check_api_reachable
         from titan_pipe.flows.server import temporary_server
         from titan_pipe.flows.train_to_deploy import listening, train_to_deploy
+
+        check_api_reachable()  # one line with the fix, before any stage or Prefect run starts
 
         console = Console(stderr=True)
         live = LiveSummary(console)

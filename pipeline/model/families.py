@@ -9,15 +9,20 @@ One decoder with four switches (titan_pipe.model.args) covers four architectures
                                    (``use_sliding_window``, ``max_window_layers`` or ``layer_types``)
   Qwen3ForCausalLM    (qwen3)    + RMSNorm over each q/k head before RoPE (always); same windows as qwen2
 
-A config.json is read by its ``model_type``; what the model cannot compute (mixture-of-experts
-families, a bias on o_proj, a window on some layers only) is refused in one line naming it.
+A config.json is read by its ``model_type`` (titan_pipe.model.hf_config reads the rest), every key
+typed strictly (titan_pipe.values); what the model cannot compute (mixture-of-experts families, a
+bias on o_proj, a window on some layers only) is refused in one line naming it.
 The config written for a model is the simplest of the four that computes it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan_pipe import limits
+from titan_pipe.errors import UserError
+from titan_pipe.limits import Bound, shown
 from titan_pipe.model.args import ModelArgs
+from titan_pipe.values import BOOL, INT, STR, read, refuse
 
 
 @dataclass(frozen=True)
@@ -76,58 +81,55 @@ def family_keys(args: ModelArgs) -> dict:
     return cfg
 
 
-def architecture_problem(cfg: dict) -> str | None:
-    """Why ``cfg`` (a config.json) names an architecture titan-pipe cannot compute, or None."""
-    kind = cfg.get("model_type", "llama")
+def config_family(cfg: dict, source: str) -> Family:
+    """The supported family ``cfg``'s model_type names (a string; absent: llama); UserError naming
+    the architecture otherwise (a mixture-of-experts relative says so)."""
+    kind = read(cfg, "model_type", STR, source=source, default="llama",
+                fix=f"write the model_type of one of {SUPPORTED}")
+    if kind in FAMILIES:
+        return FAMILIES[kind]
     names = cfg.get("architectures")
     named = names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
-    if not isinstance(kind, str):
-        return f"model_type {kind!r} is not a name; titan-pipe computes {SUPPORTED}"
-    if kind in FAMILIES:
-        return None
-    what = UNSUPPORTED.get(kind) or named or f"model_type {kind!r}"
+    what = UNSUPPORTED.get(kind) or (shown(named) if named else f"model_type {shown(kind)}")
     why = " (mixture of experts)" if kind in UNSUPPORTED else ""
-    return f"architecture {what}{why} is not supported; titan-pipe computes {SUPPORTED}"
+    raise UserError(f"{source}: architecture {what}{why} is not supported; titan-pipe computes {SUPPORTED}")
 
 
-def read_variant(cfg: dict, n_layers: int, source: str) -> dict:
-    """ModelArgs fields {qkv_bias, qk_norm, sliding_window} of a config.json of a supported family;
-    ValueError naming the key for what the model cannot compute."""
-    fam = FAMILIES[cfg.get("model_type", "llama")]
-    if fam.model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
-        raise ValueError(f"{source}: attention_bias true puts a bias on o_proj too, which titan-pipe's model "
-                         "does not have; convert a model without it (Qwen2's q/k/v biases are supported)")
-    if cfg.get("mlp_bias"):
-        raise ValueError(f"{source}: mlp_bias true is not supported; convert a model without MLP biases")
+def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
+    """ModelArgs fields {qkv_bias, qk_norm, sliding_window} of a config.json, every key typed
+    strictly (titan_pipe.values); UserError naming the key for what the model cannot compute."""
+    fam = config_family(cfg, source)
+    if read(cfg, "attention_bias", BOOL, source=source, default=False) and fam.model_type in ("llama", "qwen3"):
+        raise refuse(source, "attention_bias", True, "puts a bias on o_proj too, which titan-pipe's model does not "
+                     "have", "convert a model without it (Qwen2's q/k/v biases are supported)")
+    if read(cfg, "mlp_bias", BOOL, source=source, default=False):
+        raise refuse(source, "mlp_bias", True, "is not supported", "convert a model without MLP biases")
     return {"qkv_bias": fam.qkv_bias, "qk_norm": fam.qk_norm,
             "sliding_window": _window(cfg, fam, n_layers, source)}
 
 
 def _window(cfg: dict, fam: Family, n_layers: int, source: str) -> int | None:
     """The one sliding window every layer uses, or None; a window on some layers only is refused."""
-    size = cfg.get("sliding_window")
     if fam.window_keys == "none":
         return None
+    size = read(cfg, "sliding_window", INT, source=source, default=None, bound=limits.POSITIONS,
+                fix="write a positive number of positions, or null for full attention")
     if fam.window_keys == "mistral":
-        return _positive(size, source)
+        return size
     types = cfg.get("layer_types")
     if types is None:  # Qwen2Config's rule: layers from max_window_layers on slide, when enabled
-        if not cfg.get("use_sliding_window") or size is None:
+        if not read(cfg, "use_sliding_window", BOOL, source=source, default=False) or size is None:
             return None
-        first = cfg.get("max_window_layers", 28)
+        first = read(cfg, "max_window_layers", INT, source=source, default=28, bound=Bound(0, limits.LAYERS.hi))
         types = [SLIDING if i >= first else FULL for i in range(n_layers)]
-    if not isinstance(types, list) or set(types) - {FULL, SLIDING} or len(types) != n_layers:
-        raise ValueError(f"{source}: layer_types must list {n_layers} entries of {FULL!r} / {SLIDING!r}")
+    if not isinstance(types, list) or set(map(str, types)) - {FULL, SLIDING} or len(types) != n_layers:
+        raise refuse(source, "layer_types", types, f"must list {n_layers} entries of {FULL!r} / {SLIDING!r}",
+                     "write one entry per layer")
     if set(types) == {FULL, SLIDING}:
-        raise ValueError(f"{source}: a sliding window on {types.count(SLIDING)} of {n_layers} layers only "
-                         "(max_window_layers / layer_types) is not supported; titan-pipe's model uses one "
-                         "attention for every layer")
-    return _positive(size, source) if types and types[0] == SLIDING else None
-
-
-def _positive(size, source: str) -> int | None:
-    if size is None:
-        return None
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"{source}: sliding_window {size!r} must be a positive number of positions or null")
-    return size
+        raise UserError(f"{source}: a sliding window on {types.count(SLIDING)} of {n_layers} layers only "
+                        "(max_window_layers / layer_types) is not supported; titan-pipe's model uses one "
+                        "attention for every layer")
+    if types and types[0] == SLIDING and size is None:
+        raise refuse(source, "sliding_window", None, "is null but layer_types slide",
+                     "give sliding_window a number of positions")
+    return size if types and types[0] == SLIDING else None

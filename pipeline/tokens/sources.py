@@ -20,6 +20,7 @@ from typing import Iterator
 
 import titan_pipe
 from titan_pipe.errors import UserError
+from titan_pipe.limits import RECORD_BYTES
 
 # The titan_pipe package dir (pipeline/ in the repo, site-packages/titan_pipe when installed).
 CORPUS_DIR = Path(titan_pipe.__file__).resolve().parent / "data" / "corpus"
@@ -99,8 +100,10 @@ def _line_blocks(f, path: Path, kind: str, block_bytes: int) -> Iterator[Block]:
     while chunk := f.read(block_bytes):
         data = rest + chunk
         cut = data.rfind(b"\n") + 1
-        if cut == 0:  # one line longer than a block: keep reading
+        if cut == 0:  # one line longer than a block: keep reading, up to the record limit
             rest = data
+            if len(rest) > RECORD_BYTES.hi:
+                raise too_large(path, line, len(rest))
             continue
         yield Block(path, kind, line, data[:cut])
         line += data.count(b"\n", 0, cut)
@@ -117,6 +120,8 @@ def documents(block: Block, *, text_key: str = "text") -> list[str]:
         return [_parquet_value(v, block.path, block.first_line + i, text_key) for i, v in enumerate(block.payload)]
     docs = []
     for lineno, raw in enumerate(block.payload.split(b"\n"), start=block.first_line):
+        if len(raw) > RECORD_BYTES.hi:
+            raise too_large(block.path, lineno, len(raw))
         if not raw.strip():
             continue
         try:
@@ -140,7 +145,34 @@ def iter_documents(path: Path, *, text_key: str = "text") -> Iterator[str]:
         yield from documents(block, text_key=text_key)
 
 
+def too_large(path: Path, line: int | None, size: int) -> UserError:
+    """A record (a .txt document, a .jsonl line, a parquet value) over titan_pipe.limits.RECORD_BYTES."""
+    limit = int(RECORD_BYTES.hi)
+    where = f"{path}:{line}" if line is not None else str(path)
+    return UserError(f"{where}: a record of at least {_size(size)}, over the limit of {_size(limit)} "
+                     f"({RECORD_BYTES.why}); split it into records of at most {_size(limit)} (.jsonl: one "
+                     "document per line; .txt: one document per file)")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def check_records(path: Path, *, text_key: str = "text") -> None:
+    """Refuse a source file holding a record over the limit, reading one block at a time."""
+    for block in iter_blocks(path, text_key=text_key):
+        if block.kind == ".parquet":
+            documents(block, text_key=text_key)  # its values are checked one by one
+        elif block.kind != ".txt":
+            for lineno, raw in enumerate(block.payload.split(b"\n"), start=block.first_line):
+                if len(raw) > RECORD_BYTES.hi:
+                    raise too_large(block.path, lineno, len(raw))
+
+
 def _read_txt(path: Path) -> str:
+    size = path.stat().st_size
+    if size > RECORD_BYTES.hi:  # one document: held whole while decoded and tokenized
+        raise too_large(path, None, size)
     try:
         return path.read_bytes().decode("utf-8-sig")  # a leading byte-order mark is not text
     except UnicodeDecodeError as e:
@@ -184,4 +216,6 @@ def _parquet_value(value, path: Path, row: int, text_key: str) -> str:
     if not isinstance(value, str):
         raise UserError(f"{path}: row {row}: column {text_key!r} is "
                         f"{'null' if value is None else type(value).__name__}, not a string")
+    if len(value) > RECORD_BYTES.hi:
+        raise too_large(path, row, len(value))
     return value

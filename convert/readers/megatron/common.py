@@ -24,11 +24,14 @@ import numpy as np
 import torch
 
 from titan_pipe.checkpoint_format import Box
-from titan_pipe.convert.source_plan import Read, TensorPlan
+from titan_pipe import limits
+from titan_pipe.convert.source_plan import Read, TensorPlan, check_accounted
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import ModelArgs, RopeScaling
+from titan_pipe.limits import Bound
+from titan_pipe.model.args import ModelArgs, RopeScaling, validate_args
 from titan_pipe.model.params import Param, fused_parts, layer_name, native_names, native_shapes, param_of
 from titan_pipe.paths import resolve_inside
+from titan_pipe.values import BOOL, FLOAT, INT, REQUIRED, read
 
 FORMAT = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -122,12 +125,25 @@ def iter_dir(path: Path) -> Path | None:
     return resolve_inside(path, d.name, source=tracker, what="iteration directory", kind="dir")
 
 
+def arg(a, name: str, kind: str, root: Path, *, default=REQUIRED, bound: Bound | None = None):
+    """Megatron argument ``name`` of the saved args, typed strictly (titan_pipe.values): a float
+    layer count or a string flag in a pickled Namespace is refused, never truncated or truthy."""
+    return read(vars(a) if hasattr(a, "__dict__") else {}, name, kind, source=f"{root}: Megatron args",
+                default=default, bound=bound, fix="re-save the checkpoint from Megatron-LM")
+
+
+def iteration(state: dict, where: Path) -> int:
+    """The training step a rank file or common.pt records (0 when absent), typed strictly."""
+    return read(state, "iteration", INT, source=where, default=0)
+
+
 def true_vocab(a, root: Path, vocab_size: int | None) -> int:
     """The unpadded vocabulary: --vocab-size, the args' vocab_size, or a tokenizer.json beside."""
     if vocab_size is not None:
         return vocab_size
-    if getattr(a, "vocab_size", None):
-        return int(a.vocab_size)
+    v = arg(a, "vocab_size", INT, root, default=None, bound=limits.VOCAB)
+    if v:
+        return v
     for d in (root, root.parent):
         tok = d / "tokenizer.json"
         if tok.is_file():
@@ -144,47 +160,65 @@ def _window(a, root: Path) -> int | None:
     w = getattr(a, "window_size", None)
     if not w:
         return None
-    left, right = (int(x) for x in w)
-    if right != 0 or left < 0:
+    if not (isinstance(w, (tuple, list)) and len(w) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                  for x in w)):
+        raise UserError(f"{root}: Megatron args window_size = {limits.shown(w)} is not a pair of integers "
+                        "(left, right); re-save the checkpoint from Megatron-LM")
+    left, right = w
+    if right != 0 or not 0 <= left < limits.POSITIONS.hi:
         raise UserError(f"{root}: Megatron args window_size {tuple(w)}: only a causal window (left, 0) "
                         "is supported")
     return left + 1  # the query itself plus `left` earlier positions
 
 
-def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelArgs:
-    """ModelArgs from Megatron's args; ``virtual_ok``: the format places virtual stages itself (torch_dist)."""
+def _refuse_architecture(a, root: Path) -> None:
+    """What the decoder cannot compute: another MLP, norm or position embedding, linear biases, MoE."""
     def need(cond: bool, what: str):
         if not cond:
             raise UserError(f"{root}: Megatron args {what}; titan-pipe converts LLaMA-family models "
                             "(RoPE, RMSNorm, SwiGLU, no linear biases but q/k/v ones) only")
 
-    need(getattr(a, "swiglu", True), "have swiglu=False")
-    need(not getattr(a, "add_bias_linear", False), "have add_bias_linear=True (biases on every linear layer)")
+    need(arg(a, "swiglu", BOOL, root, default=True), "have swiglu=False")
+    need(not arg(a, "add_bias_linear", BOOL, root, default=False),
+         "have add_bias_linear=True (biases on every linear layer)")
     need(getattr(a, "normalization", "RMSNorm") == "RMSNorm", f"use normalization={getattr(a, 'normalization', None)!r}")
     need(getattr(a, "position_embedding_type", "rope") == "rope",
          f"use position_embedding_type={getattr(a, 'position_embedding_type', None)!r}")
-    need(not getattr(a, "num_experts", None), f"have num_experts={getattr(a, 'num_experts', None)} (mixture of experts)")
-    if getattr(a, "num_layers_per_virtual_pipeline_stage", None) and not virtual_ok:
+    need(not arg(a, "num_experts", INT, root, default=None, bound=Bound(0, 1 << 20)),
+         f"have num_experts={getattr(a, 'num_experts', None)} (mixture of experts)")
+
+
+def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelArgs:
+    """ModelArgs from Megatron's args, every value typed strictly and bounded; ``virtual_ok``: the
+    format places virtual stages itself (torch_dist)."""
+    _refuse_architecture(a, root)
+    if arg(a, "num_layers_per_virtual_pipeline_stage", INT, root, default=None, bound=limits.LAYERS) and not virtual_ok:
         raise UserError(f"{root}: virtual pipeline stages (model0, model1 ... per file) are not supported")
-    n_heads = int(a.num_attention_heads)
-    groups = int(a.num_query_groups) if getattr(a, "group_query_attention", False) else n_heads
+    n_heads = arg(a, "num_attention_heads", INT, root, bound=limits.HEADS)
+    groups = (arg(a, "num_query_groups", INT, root, bound=limits.HEADS)
+              if arg(a, "group_query_attention", BOOL, root, default=False) else n_heads)
     scaling = None
-    if getattr(a, "use_rope_scaling", False):
-        scaling = RopeScaling(float(getattr(a, "rope_scaling_factor", 8.0)), 1.0, 4.0, 8192)
-    return ModelArgs(dim=int(a.hidden_size), n_layers=int(a.num_layers), n_heads=n_heads, n_kv_heads=groups,
-                     head_dim=int(getattr(a, "kv_channels", None) or int(a.hidden_size) // n_heads),
-                     vocab_size=vocab, ffn_hidden_dim=int(a.ffn_hidden_size),
-                     norm_eps=float(getattr(a, "norm_epsilon", 1e-5)),
-                     rope_theta=float(getattr(a, "rotary_base", 10000)), rope_scaling=scaling,
-                     max_seq_len=int(getattr(a, "max_position_embeddings", None) or getattr(a, "seq_length", 4096)),
-                     tie_embeddings=not getattr(a, "untie_embeddings_and_output_weights", False),
-                     qkv_bias=bool(getattr(a, "add_qkv_bias", False)), qk_norm=bool(getattr(a, "qk_layernorm", False)),
-                     sliding_window=_window(a, root))
+    if arg(a, "use_rope_scaling", BOOL, root, default=False):
+        scaling = RopeScaling(arg(a, "rope_scaling_factor", FLOAT, root, default=8.0, bound=limits.ROPE_FACTOR),
+                              1.0, 4.0, 8192)
+    positions = (arg(a, "max_position_embeddings", INT, root, default=None, bound=limits.POSITIONS)
+                 or arg(a, "seq_length", INT, root, default=4096, bound=limits.POSITIONS))
+    args = ModelArgs(dim=arg(a, "hidden_size", INT, root, bound=limits.DIM),
+                     n_layers=arg(a, "num_layers", INT, root, bound=limits.LAYERS), n_heads=n_heads,
+                     n_kv_heads=groups, head_dim=arg(a, "kv_channels", INT, root, default=None, bound=limits.HEAD_DIM),
+                     vocab_size=vocab, ffn_hidden_dim=arg(a, "ffn_hidden_size", INT, root, bound=limits.FFN),
+                     norm_eps=arg(a, "norm_epsilon", FLOAT, root, default=1e-5, bound=limits.NORM_EPS),
+                     rope_theta=arg(a, "rotary_base", FLOAT, root, default=10000.0, bound=limits.ROPE_THETA),
+                     rope_scaling=scaling, max_seq_len=positions,
+                     tie_embeddings=not arg(a, "untie_embeddings_and_output_weights", BOOL, root, default=False),
+                     qkv_bias=arg(a, "add_qkv_bias", BOOL, root, default=False),
+                     qk_norm=arg(a, "qk_layernorm", BOOL, root, default=False), sliding_window=_window(a, root))
+    return validate_args(args, source=f"{root}: Megatron args")
 
 
-def rope_rows(a, args: ModelArgs) -> int | None:
+def rope_rows(a, args: ModelArgs, root: Path) -> int | None:
     """Head size when q/k rows are in interleaved RoPE pairs (``rotary_interleaved``), else None."""
-    return args.head_dim if getattr(a, "rotary_interleaved", False) else None
+    return args.head_dim if arg(a, "rotary_interleaved", BOOL, root, default=False) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,8 +298,9 @@ class Reads:
 def tensor_plans(where: Path, args: ModelArgs, acc: Reads,
                  split: Callable[[Param, list[Read]], str]) -> dict[str, TensorPlan]:
     """Every parameter of the model with its declared global shape and its reads (sorted by
-    destination), ``split(entry, reads)`` describing how the source held it; a missing one is an
-    error naming ``where``."""
+    destination), ``split(entry, reads)`` describing how the source held it; a missing one, or a
+    stored tensor with no place in the model (check_accounted), is an error naming ``where``."""
+    check_accounted(acc.reads, args, source=f"{where}: Megatron args")
     tensors, shapes = {}, native_shapes(args)
     for name in native_names(args):
         if name not in acc.reads:

@@ -24,15 +24,17 @@ from pathlib import Path
 import torch
 
 from titan_pipe.checkpoint_format import Box
-from titan_pipe.convert.readers.megatron.common import (FORMAT, RANK_DIR, TRACKER, Reads, defuse_fc1, defuse_qkv,
-                                                        fused_group, iter_dir, load_pickle, model_args,
-                                                        qkv_group_rows, rope_rows, tensor_plans, true_vocab,
-                                                        vocab_read)
+from titan_pipe import limits
+from titan_pipe.convert.readers.megatron.common import (FORMAT, RANK_DIR, TRACKER, Reads, arg, defuse_fc1,
+                                                        defuse_qkv, fused_group, iter_dir, iteration, load_pickle,
+                                                        model_args, qkv_group_rows, rope_rows, tensor_plans,
+                                                        true_vocab, vocab_read)
 from titan_pipe.convert.readers.store import Store
 from titan_pipe.convert.source_plan import Read, SourcePlan
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import ModelArgs
+from titan_pipe.values import INT
+from titan_pipe.model.args import ModelArgs, check_fits
 from titan_pipe.model.names import megatron_to_native
 from titan_pipe.model.params import param_of
 from titan_pipe.paths import resolve_inside
@@ -56,18 +58,18 @@ def rank_files(it_dir: Path) -> dict[tuple[int, int], str]:
     return out
 
 
-def _stage_layers(a, pp: int) -> list[int]:
+def _stage_layers(a, pp: int, root: Path) -> list[int]:
     """Number of layers per pp stage (even, or Megatron's first/last-stage overrides)."""
-    n = int(a.num_layers)
-    first = getattr(a, "decoder_first_pipeline_num_layers", None)
-    last = getattr(a, "decoder_last_pipeline_num_layers", None)
+    n = arg(a, "num_layers", INT, root, bound=limits.LAYERS)
+    first = arg(a, "decoder_first_pipeline_num_layers", INT, root, default=None, bound=limits.LAYERS)
+    last = arg(a, "decoder_last_pipeline_num_layers", INT, root, default=None, bound=limits.LAYERS)
     if pp == 1:
         return [n]
     counts: list[int | None] = [None] * pp
     if first:
-        counts[0] = int(first)
+        counts[0] = first
     if last:
-        counts[-1] = int(last)
+        counts[-1] = last
     rest = n - sum(c for c in counts if c)
     free = counts.count(None)
     if free and rest % free:
@@ -142,7 +144,8 @@ def _rank_files(path: Path) -> tuple[Path, dict, dict]:
 
 def _layout(path: Path, it_dir: Path, files: dict, a, vocab_size: int | None) -> _Layout:
     """Check that every (tp, pp) rank file is there and the groups split over tp; the model args."""
-    tp, pp = int(a.tensor_model_parallel_size), int(a.pipeline_model_parallel_size)
+    tp = arg(a, "tensor_model_parallel_size", INT, path, bound=limits.PARALLEL)
+    pp = arg(a, "pipeline_model_parallel_size", INT, path, bound=limits.PARALLEL)
     want = {(t, p) for t in range(tp) for p in range(pp)}
     if set(files) != want:
         missing = sorted(want - set(files))
@@ -153,11 +156,13 @@ def _layout(path: Path, it_dir: Path, files: dict, a, vocab_size: int | None) ->
         if not (it_dir / f).is_file():
             raise UserError(f"{it_dir / f}: missing rank file; copy the complete checkpoint")
     args = model_args(a, true_vocab(a, path, vocab_size), path)
+    check_fits(args, sum((it_dir / f).stat().st_size for f in files.values()), source=f"{path}: Megatron args",
+               where="its rank files")
     if args.kv_heads % tp:
         raise UserError(f"{it_dir}: {args.kv_heads} query groups do not split over tp={tp}")
-    counts = _stage_layers(a, pp)
-    return _Layout(it_dir, files, a, args, tp, pp, int(getattr(a, "padded_vocab_size", 0) or 0), counts,
-                   [sum(counts[:s]) for s in range(pp)])
+    counts = _stage_layers(a, pp, path)
+    padded = arg(a, "padded_vocab_size", INT, path, default=0, bound=limits.VOCAB)
+    return _Layout(it_dir, files, a, args, tp, pp, padded, counts, [sum(counts[:s]) for s in range(pp)])
 
 
 def _fused_reads(lay: _Layout, acc: Reads, f: str, key: str, group: str, gid: int, t: int, shape: tuple,
@@ -175,7 +180,7 @@ def _fused_reads(lay: _Layout, acc: Reads, f: str, key: str, group: str, gid: in
             raise UserError(f"{lay.it_dir / f}: {key} is {list(shape)}, expected {list(exp)} ({lay.ng_local} "
                             f"query groups x ({args.n_heads // args.kv_heads} q + k + v) x {args.head_dim} rows)")
         reads = defuse_qkv(args, group, gid, f, key, first=t * lay.ng_local, n_groups=lay.ng_local, tail=tail,
-                           rope=rope_rows(lay.a, args))
+                           rope=rope_rows(lay.a, args, lay.it_dir))
     for name, read in reads:
         acc.add(name, read, dtype)
 
@@ -240,7 +245,7 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
     # Reads name files relative to the iteration dir; the store and the hasher work from there.
     plan = SourcePlan(FORMAT, it_dir, lay.args, tensor_plans(it_dir, lay.args, acc, split),
                       files=[files[k] for k in sorted(files, key=lambda x: (x[1], x[0]))],
-                      step=int(first.get("iteration", 0) or 0),
+                      step=iteration(first, it_dir / files[min(files)]),
                       layout={"tp": lay.tp, "pp": lay.pp, "layers_per_stage": lay.counts,
                               "checkpoint_version": first.get("checkpoint_version"),
                               "padded_vocab_size": lay.padded or None})

@@ -29,15 +29,17 @@ from pathlib import Path
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers import dcp
-from titan_pipe.convert.readers.megatron.common import (FORMAT, Reads, defuse_fc1, defuse_qkv, fused_group, iter_dir,
-                                                        load_pickle, model_args, qkv_group_rows, rope_rows,
-                                                        tensor_plans, true_vocab, vocab_read)
+from titan_pipe.convert.readers.megatron.common import (FORMAT, Reads, arg, defuse_fc1, defuse_qkv, fused_group,
+                                                        iter_dir, iteration, load_pickle, model_args, qkv_group_rows,
+                                                        rope_rows, tensor_plans, true_vocab, vocab_read)
 from titan_pipe.convert.readers.store import StoredTensor
 from titan_pipe.convert.readers.torch_save import SavedTensor
 from titan_pipe.convert.source_plan import Read, SourcePlan
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import ModelArgs
+from titan_pipe.values import INT
+from titan_pipe import limits
+from titan_pipe.model.args import ModelArgs, check_fits
 from titan_pipe.model.names import megatron_to_native
 from titan_pipe.model.params import param_of
 
@@ -174,11 +176,12 @@ def _plan_piece(acc: _Plan, args: ModelArgs, name: str, file: str, key: str, off
         acc.add(n, read, dtype)
 
 
-def _virtual_stages(a) -> int | None:
-    if getattr(a, "virtual_pipeline_model_parallel_size", None):
-        return a.virtual_pipeline_model_parallel_size
-    per = getattr(a, "num_layers_per_virtual_pipeline_stage", None)
-    return int(a.num_layers) // int(a.pipeline_model_parallel_size) // int(per) if per else None
+def _virtual_stages(a, args: ModelArgs, d: Path) -> int | None:
+    """Virtual pipeline stages per pp rank the checkpoint was saved with (informational), or None."""
+    vpp = arg(a, "virtual_pipeline_model_parallel_size", INT, d, default=None, bound=limits.LAYERS)
+    per = arg(a, "num_layers_per_virtual_pipeline_stage", INT, d, default=None, bound=limits.LAYERS)
+    pp = arg(a, "pipeline_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL)
+    return vpp or (args.n_layers // pp // per if per else None)
 
 
 def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
@@ -187,6 +190,9 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
     d, common, a = _open_iteration(path)
     md = dcp.read_metadata(d)
     args = model_args(a, true_vocab(a, path, vocab_size), path, virtual_ok=True)
+    check_fits(args, dcp.stored_bytes(md), source=f"{d / COMMON}: Megatron args",
+               where=f"the tensors {d / dcp.METADATA} lists")
+    rope = rope_rows(a, args, d)
     acc = _Plan()
     with dcp.ChunkLocator(d) as loc:
         for mkey, file, key, offs, lens, dtype in _stored_pieces(d, md, args.n_layers, loc, acc):
@@ -196,19 +202,21 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
                 raise UserError(f"{d / dcp.METADATA}: {e.args[0]}; only megatron-core LLaMA-family "
                                 "layers are converted") from None
             if name is not None:
-                _plan_piece(acc, args, name, file, key, offs, lens, dtype, rope=rope_rows(a, args),
+                _plan_piece(acc, args, name, file, key, offs, lens, dtype, rope=rope,
                             where=d / dcp.METADATA)
         files = loc.files
-    padded = int(getattr(a, "padded_vocab_size", 0) or 0)
+    padded = arg(a, "padded_vocab_size", INT, d, default=0, bound=limits.VOCAB)
 
     def split(spec, reads) -> str:
         kind = f"{len(reads)} chunks" if len(reads) > 1 else "whole"
         return f"vocab padded to {padded or '?'}, {kind}" if spec.vocab_rows else kind
 
     plan = SourcePlan(FORMAT, d, args, tensor_plans(d, args, acc, split), files=files,
-                      step=int(common.get("iteration", 0) or 0),
-                      layout={"backend": "torch_dist", "tp": int(getattr(a, "tensor_model_parallel_size", 1)),
-                              "pp": int(getattr(a, "pipeline_model_parallel_size", 1)), "vpp": _virtual_stages(a),
+                      step=iteration(common, d / COMMON),
+                      layout={"backend": "torch_dist",
+                              "tp": arg(a, "tensor_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL),
+                              "pp": arg(a, "pipeline_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL),
+                              "vpp": _virtual_stages(a, args, d),
                               "checkpoint_version": common.get("checkpoint_version"),
                               "padded_vocab_size": padded or None})
     plan.layout["chunks"] = sum(len(t.reads) for t in plan.tensors.values())
