@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from titan_pipe.evaluate import compare as cmp
-from titan_pipe.evaluate.operators import run_conformance
+from titan_pipe.evaluate.operators import model_operators, run_conformance
 from titan_pipe.evaluate.run import Run
 
 
@@ -11,5 +11,5 @@ def compare(run: Run) -> cmp.Comparison:
     if not run.settings.operators:
         return cmp.skipped("operators", "operator conformance", "evaluate.operators is false")
     run.ledger.op_dtypes = tuple(run.ledger.judged_dtypes) or (run.tdtype("float32"),)
-    run.ledger.op_rows = run_conformance(thresholds=run.settings.thresholds)
+    run.ledger.op_rows = run_conformance(thresholds=run.settings.thresholds, ops=model_operators(run.args))
     return cmp.operator_comparison(run.ledger.op_rows, run.ledger.op_dtypes)

@@ -45,8 +45,9 @@ class LayerSink(Protocol):
 class _CachedAttention:
     """The attention kernel with a KV cache. ``past`` None: the block's tokens attend causally among
     themselves. ``past`` a list (one (keys, values) (1, Hkv, S_r, hd) per batch row, each row its
-    own length): each row's one new token attends to its cached positions and itself. ``seen`` is
-    what each row attended to, the next step's ``past``."""
+    own length): each row's one new token attends to its cached positions and itself (under a
+    sliding window, the last ``window`` of them). ``seen`` is each row's keys and values so far, the
+    next step's ``past``."""
 
     def __init__(self, base: Callable):
         self.base, self.past, self.seen = base, None, None
@@ -57,10 +58,13 @@ class _CachedAttention:
             return self.base(q, k, v, n_rep=n_rep, causal=causal, **kw)
         if q.shape[2] != 1:
             raise ValueError("the cached reference takes one new token a step")
+        window = kw.pop("window", None)
         out, self.seen = [], []
         for r, (pk, pv) in enumerate(self.past):
             kr, vr = torch.cat([pk, k[r:r + 1]], dim=2), torch.cat([pv, v[r:r + 1]], dim=2)
-            self.seen.append((kr, vr))  # the one new token sees every cached position and itself
+            self.seen.append((kr, vr))
+            if window is not None:  # a row's cache holds its positions 0..t: the window is its tail
+                kr, vr = kr[:, :, -window:], vr[:, :, -window:]
             out.append(self.base(q[r:r + 1], kr, vr, n_rep=n_rep, causal=False, **kw))
         return torch.cat(out)
 
@@ -77,7 +81,7 @@ class LayeredModel:
         cos, sin = rope_cos_sin(self.args)
         self._cos, self._sin = cos.to(device), sin.to(device)
         self._blocks: dict[int, TransformerBlock] = {}
-        self._top: dict[str, torch.Tensor] = {}
+        self._top: dict[tuple[str, bool], torch.Tensor] = {}
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -107,11 +111,12 @@ class LayeredModel:
         return block
 
     def _top_weight(self, name: str, cast: bool) -> torch.Tensor:
-        if name in self._top:
-            return self._top[name]
+        key = (name, cast)  # tied embeddings: the stored table gathers, its float32 copy projects
+        if key in self._top:
+            return self._top[key]
         t = self._weight(name, cast=cast)
         if self.keep:
-            self._top[name] = t
+            self._top[key] = t
         return t
 
     def _release(self) -> None:
