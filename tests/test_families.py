@@ -239,8 +239,27 @@ def test_evaluate_passes_and_names_the_perturbed_layer(family, tmp_path):
     bad.parent.mkdir()
     onnx.save(m, str(bad))
     shutil.copy(res.export_json, bad.parent / "export.json")
-    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=src, onnx=bad, settings=fast)
-    assert not r.passed and r.summary["first_failing_layer"]["layer"] == 1, r.summary["verdict"]
+    for memory in ("auto", "1.5MB"):  # whole graphs, and one layer's piece at a time
+        r = evaluate_model(out_dir=tmp_path / f"rep-{memory}", model_dir=src, onnx=bad,
+                           settings=fast.model_copy(update={"max_memory": memory}))
+        assert r.summary["memory_mode"] == ("whole" if memory == "auto" else "streamed")
+        assert not r.passed and r.summary["first_failing_layer"]["layer"] == 1, r.summary["verdict"]
+
+
+def test_evaluate_streams_the_kv_decode_layer_by_layer(family, tmp_path):
+    """The KV generation row in streamed mode: decode.onnx cut into per-layer pieces (Qwen2's bias
+    Gemms, Qwen3's q/k norms, Mistral's window band inside them), each layer's cache slice filled by
+    the prefill piece, then every decode step, against the layered reference past the window."""
+    name, args, _, _, src = family
+    res = export_model(model_dir=src, out_dir=tmp_path / "onnx", kv_cache=True, run_atc=False)
+    fast = EvaluateConfig(batches=1, batch_size=1, seq_len=32, prompts=2, new_tokens=8, operators=False,
+                          max_memory="1.5MB")
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=src, onnx=res.onnx, settings=fast)
+    assert r.passed and r.summary["memory_mode"] == "streamed", r.summary["verdict"]
+    rows = {c["id"]: c for c in json.loads(r.report_json.read_text())["comparisons"]}
+    kv = rows["onnx_kv_decode"]
+    assert kv["status"] == "pass" and [x["tensor"] for x in kv["rows"] if x["tensor"].startswith("hidden.")] == [
+        f"hidden.{i}" for i in range(args.n_layers)], name
 
 
 def test_operator_conformance_runs_each_familys_operators():
