@@ -2,12 +2,12 @@
 
 No tracing: a decoder layer is the same dozen-odd nodes emitted once per layer under the names
 ``layers.{i}.…``, on initializers that point into the shared external-data file (see
-convert/onnx/weights.py). The math is titan_pipe.model.transformer's, op for op:
+convert/onnx/data_file.py). The math is titan_pipe.model.transformer's, op for op:
 
   RMSNorm   Cast(float32) -> Pow -> ReduceMean -> Add(eps) -> Sqrt -> Div [-> Cast back] -> Mul(weight)
   Linear    Gemm(x2d, W, transB=1) on the weight as stored (out, in): no transposed copy, no Transpose
   RoPE      rotate-half, real-valued: cos/sin rows Gathered by position_ids from tables computed by
-            titan_pipe.model.transformer's rope_cos_sin (Llama-3.1 scaling included)
+            titan_pipe.model.rope (the module's frequencies, Llama-3.1 scaling included)
   GQA       each kv head repeated n_heads/n_kv_heads times (Unsqueeze -> Expand -> Reshape)
   SwiGLU    Gemm(w1) -> x*Sigmoid(x) -> Mul(Gemm(w3)) -> Gemm(w2)
   mask      Where(allowed, scores, finfo.min) before Softmax: a row with every key masked (a left
