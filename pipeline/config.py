@@ -17,6 +17,8 @@ from titan_pipe.model.args import FLAVOURS, ModelArgs, RopeScaling, resolve_args
 from titan_pipe.run_dir import run_name_problem, suggest_run_name
 
 MAX_FLOW_BYTES = 2**20  # 1 MiB
+# train.compile_backend: auto = inductor on cuda/cpu, TorchAir's backend on npu (titan_pipe.training.compile)
+COMPILE_BACKENDS = ("auto", "inductor", "aot_eager", "eager")
 
 
 class ConfigError(ValueError):
@@ -106,6 +108,8 @@ class TrainConfig(Section):
     grad_clip: float | None = Field(1.0, gt=0)
     seed: int = 0
     log_every: int = Field(1, gt=0)
+    compile: bool = False  # torch.compile each transformer block (after TP and AC, before FSDP)
+    compile_backend: Literal[COMPILE_BACKENDS] = "auto"
 
 
 class ParallelConfig(Section):
@@ -286,6 +290,9 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     if p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and p.n_microbatches % p.pp:
         errs.append(f"parallel.microbatches: {p.n_microbatches} must be a multiple of pp={p.pp} "
                     "for interleaved_1f1b")
+    if args.tie_embeddings and p.pp > 1:
+        errs.append(f"model.tie_embeddings: the embedding and the output projection sit on different pipeline "
+                    f"stages with parallel.pp={p.pp}, so they cannot share a weight; use pp: 1 or untie them")
     if cfg.train.batch_size % p.dp:
         errs.append(f"train.batch_size: {cfg.train.batch_size} is not divisible by dp={p.dp}")
     elif (cfg.train.batch_size // p.dp) % p.n_microbatches:
@@ -296,6 +303,9 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     if p.sequence_parallel and p.tp > 1 and cfg.train.seq_len % p.tp:
         errs.append(f"train.seq_len: {cfg.train.seq_len} is not divisible by tp={p.tp} "
                     "(sequence_parallel splits the sequence)")
+    if cfg.train.compile_backend != "auto" and not cfg.train.compile:
+        errs.append(f"train.compile_backend: {cfg.train.compile_backend!r} has no effect while train.compile is "
+                    "false; set train.compile: true or remove train.compile_backend")
     pr = cfg.precision
     if pr.amp and pr.amp_dtype == "float16" and pr.loss_scale is None:
         errs.append("precision.loss_scale: float16 AMP needs loss scaling; set loss_scale: dynamic "
