@@ -42,6 +42,7 @@ BASE = {
     "checkpoint": {"every": 4, "keep_last": 3},
 }
 SGD = {"name": "sgd", "lr": 0.05, "weight_decay": 0.0}
+TIED = {"flavour": "debug", "tie_embeddings": True}
 
 
 def flow(parallel: dict, **sections) -> dict:
@@ -81,6 +82,9 @@ WORLD2 = [
                                          memory={"activation_checkpointing": True,
                                                  "activation_checkpointing_layers": 1})},
     {"name": "tp2_sgd", "flow": flow({"tp": 2}, optimizer=SGD)},
+    # Tied embeddings stay tied through TP (both Shard(0) on the vocab) and through to_empty.
+    {"name": "tp2_tied", "flow": flow({"tp": 2}, model=TIED)},
+    {"name": "dp2_fsdp_tied", "flow": flow({"dp": 2}, model=TIED)},
     {"name": "dp2_fp16", "flow": flow({"dp": 2, "dp_mode": "ddp"},
                                       precision={"amp": True, "amp_dtype": "float16", "loss_scale": 2.0 ** 19,
                                                  "loss_scale_window": 2, "min_loss_scale": 2.0 ** 10})},
@@ -161,7 +165,8 @@ def world8(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
     base = tmp_path_factory.mktemp("ref")
-    return {"adamw": reference_run(flow({}), base=base), "sgd": reference_run(flow({}, optimizer=SGD), base=base)}
+    return {"adamw": reference_run(flow({}), base=base), "sgd": reference_run(flow({}, optimizer=SGD), base=base),
+            "tied": reference_run(flow({}, model=TIED), base=base)}
 
 
 def losses(results, name):
@@ -188,6 +193,14 @@ def test_3d_layouts_match_single_process(world8, ref, name):
     _, res = world8
     assert_close(losses(res, name), ref["adamw"]["losses"])
     assert_close([r["grad_norm"] for r in res[name]["metrics"]], ref["adamw"]["grad_norms"], what="grad norm")
+
+
+@pytest.mark.parametrize("name", ["tp2_tied", "dp2_fsdp_tied"])
+def test_tied_embeddings_match_single_process(world2, ref, name):
+    """A tied model trains tied: the single-process reference ties the output to the embedding."""
+    _, res = world2
+    assert_close(losses(res, name), ref["tied"]["losses"])
+    assert_close([r["grad_norm"] for r in res[name]["metrics"]], ref["tied"]["grad_norms"], what="grad norm")
 
 
 def test_resume_continues_bit_for_bit(world2):
