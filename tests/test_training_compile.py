@@ -8,7 +8,6 @@ compile -> FSDP as the trainer applies them.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import socket
@@ -22,27 +21,20 @@ from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
 from titan_pipe.training import compile as compile_mod
 
+from test_training_parallel import assert_close, flow as parallel_flow
 from training_reference import reference_run
 
 HERE = Path(__file__).parent
-REL = 1e-4  # the parity bound of tests/test_training_parallel.py
-
-BASE = {
-    "device": "cpu",
-    "model": {"flavour": "debug"},
-    "train": {"steps": 4, "batch_size": 8, "seq_len": 32, "warmup_steps": 2, "grad_clip": 1.0, "seed": 0,
-              "optimizer": {"name": "adamw", "lr": 0.002, "weight_decay": 0.1}},
-    "checkpoint": {"every": 100, "keep_last": 1},
-}
 
 
 def flow(parallel: dict | None = None, *, compile_backend: str | None = None, steps: int = 4, **sections) -> dict:
-    f = copy.deepcopy(BASE)
+    """tests/test_training_parallel.py's flow (debug model, AdamW with clipping), ``steps`` long,
+    checkpointing only at the end, compiled with ``compile_backend`` when given."""
+    f = parallel_flow(parallel or {}, **sections)
     f["train"]["steps"] = steps
-    f["parallel"] = parallel or {}
+    f["checkpoint"] = {"every": 100, "keep_last": 1}
     if compile_backend:
         f["train"].update(compile=True, compile_backend=compile_backend)
-    f.update(sections)
     return f
 
 
@@ -69,18 +61,12 @@ def run_driver(runs: list[dict], work: Path, nproc: int) -> dict:
     return json.loads((work / "results.json").read_text())
 
 
-def assert_close(got: list[float], want: list[float], what: str) -> None:
-    assert len(got) == len(want)
-    for i, (g, w) in enumerate(zip(got, want)):
-        assert abs(g - w) <= REL * abs(w), f"{what} at step {i + 1}: {g} vs {w} (rel {abs(g - w) / abs(w):.2e})"
-
-
 def test_compiled_trainer_matches_eager_on_one_rank(tmp_path):
     res = run_driver([{"name": "eager", "flow": flow()},
                       {"name": "compiled", "flow": flow(compile_backend="aot_eager")}], tmp_path, 1)
     eager, compiled = res["eager"]["metrics"], res["compiled"]["metrics"]
-    assert_close([r["loss"] for r in compiled], [r["loss"] for r in eager], "loss")
-    assert_close([r["grad_norm"] for r in compiled], [r["grad_norm"] for r in eager], "grad norm")
+    assert_close([r["loss"] for r in compiled], [r["loss"] for r in eager])
+    assert_close([r["grad_norm"] for r in compiled], [r["grad_norm"] for r in eager], what="grad norm")
     # The first step compiled (forward and backward graphs); later steps reuse them, nothing recompiles.
     assert compiled[0]["compile_s"] > 0 and all(r["compile_s"] == 0 for r in compiled[2:])
     assert all(r["compile_s"] == 0 for r in eager)
@@ -108,7 +94,7 @@ def test_compile_config_and_backend_errors(monkeypatch):
     assert parse_flow(flow(compile_backend="aot_eager")).train.compile
     assert parse_flow(flow()).train.compile is False  # off by default
     with pytest.raises(ConfigError, match="train.compile_backend: 'aot_eager' has no effect"):
-        parse_flow(dict(flow(), train=dict(BASE["train"], compile_backend="aot_eager")))
+        parse_flow(dict(flow(), train=dict(flow()["train"], compile_backend="aot_eager")))
     with pytest.raises(ConfigError, match="train.compile_backend"):
         parse_flow(flow(compile_backend="tvm"))
     assert compile_mod.resolve_backend("auto", "cuda") == "inductor"
@@ -133,6 +119,6 @@ def test_compiled_dp2_tp2_matches_single_process(tmp_path):
     ref = reference_run(flow(steps=8), base=tmp_path)
     for run in runs:
         got = res[run["name"]]["metrics"]
-        assert_close([r["loss"] for r in got], ref["losses"], f"{run['name']} loss")
-        assert_close([r["grad_norm"] for r in got], ref["grad_norms"], f"{run['name']} grad norm")
+        assert_close([r["loss"] for r in got], ref["losses"], what=f"{run['name']} loss")
+        assert_close([r["grad_norm"] for r in got], ref["grad_norms"], what=f"{run['name']} grad norm")
         assert got[0]["compile_s"] > 0
