@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from titan_pipe.atomic import swap_dir, temp_dir, write_text
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Chunk, FileInfo, LayoutError, Manifest, ParamSpec
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Chunk, FileInfo, LayoutError, Manifest, ParallelLayout, ParamSpec
 from titan_pipe.convert.detect import open_source
 from titan_pipe.convert.hashing import BackgroundHasher
 from titan_pipe.convert.reshard import write_file
@@ -31,8 +31,10 @@ from titan_pipe.convert.tokenizer_files import copy_tokenizer_files
 from titan_pipe.convert.writer import DISK_FULL_ERRNOS, DiskFull, disk_full_message
 from titan_pipe.dtypes import HF_DTYPE_NAMES, OUT_DTYPES
 from titan_pipe.errors import UserError
-from titan_pipe.model.names import native_shapes, to_hf_config
+from titan_pipe.model.names import to_hf_config
+from titan_pipe.model.params import native_shapes
 from titan_pipe.model.sharding import stage_ranks, tp_split_dim
+from titan_pipe.provenance import PROVENANCE_FILE, Provenance, SourceInfo
 
 CONVERTER_VERSION = "titan-pipe-convert 1"
 INDEX_NAME = "model.safetensors.index.json"
@@ -101,9 +103,9 @@ def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan) -> Path:
     digests = BackgroundHasher(tmp, names).start().result()  # one file per core at once
     files = {n: FileInfo((tmp / n).stat().st_size, digests[n]) for n in names}
     m = Manifest(step=src.step or 0, model=src.args.to_dict(),
-                 parallel={"dp": 1, "tp": out.tp, "pp": out.pp,
-                           "pp_schedule": src.layout.get("pp_schedule") or ("1f1b" if out.pp > 1 else "gpipe"),
-                           "stages": [list(s) for s in out.stages], "stage_ranks": stage_ranks(out.pp, out.pp)},
+                 parallel=ParallelLayout(tp=out.tp, pp=out.pp,
+                                         pp_schedule=src.layout.get("pp_schedule") or ("1f1b" if out.pp > 1 else "gpipe"),
+                                         stages=tuple(map(tuple, out.stages)), stage_ranks=tuple(stage_ranks(out.pp, out.pp))),
                  params=params, files=files,
                  extra={"converted_from": {"format": src.format, "path": str(src.root)},
                         "optimizer": None})
@@ -197,19 +199,14 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
                 written += _write_unified_meta(tmp, plan, out)
             tok_files, tok_record = ([], None) if sharded else copy_tokenizer_files(plan, tmp)
             written += tok_files
-            provenance = {
-                "source": {"format": plan.format, "path": str(plan.root.resolve()), "step": plan.step,
-                           "layout": plan.layout,
-                           "sha256": digests if verify else dict(sorted(plan.expected_sha256.items())),
-                           "sha256_verified": verify},
-                "converter": CONVERTER_VERSION,
-                "tokenizer": tok_record,  # what the model dir carries: "byte", "tokenizer.json" or None
-                "output": {"kind": out.kind, "naming": "native" if sharded else naming, "dtype": dtype,
-                           "tp": out.tp, "pp": out.pp,
-                           "files": [str(p.relative_to(tmp)) for p in written]},
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
-            _write_json(tmp / "provenance.json", provenance)
+            provenance = Provenance(
+                source=SourceInfo(plan.format, str(plan.root.resolve()), plan.step, plan.layout,
+                                  digests if verify else dict(sorted(plan.expected_sha256.items())), verify),
+                converter=CONVERTER_VERSION, tokenizer=tok_record,
+                output={"kind": out.kind, "naming": "native" if sharded else naming, "dtype": dtype,
+                        "tp": out.tp, "pp": out.pp, "files": [str(p.relative_to(tmp)) for p in written]},
+                created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+            write_text(tmp / PROVENANCE_FILE, provenance.to_json())
             swap_dir(tmp, out_dir)
         except DiskFull as e:
             hasher.stop()
@@ -222,7 +219,7 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
             if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:  # config/provenance/manifest writes
                 raise DiskFull(disk_full_message(out_dir, os.strerror(e.errno)), out_dir) from None
             raise
-    files = [out_dir / p.relative_to(tmp) for p in written] + [out_dir / "provenance.json"]
+    files = [out_dir / p.relative_to(tmp) for p in written] + [out_dir / PROVENANCE_FILE]
     wall = time.perf_counter() - t0
     summary = {"format": plan.format, "src": str(plan.root), "step": plan.step, "layout": plan.layout,
                "output": out.kind, "tp": out.tp, "pp": out.pp, "tensors": len(plan.tensors),

@@ -15,6 +15,7 @@ from titan_pipe.convert.source_plan import SourcePlan
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
 from titan_pipe.paths import resolve_inside
+from titan_pipe.provenance import TokenizerInfo
 
 TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -42,11 +43,11 @@ def plan_tokenizer_files(plan: SourcePlan) -> dict[str, Path]:
     return out
 
 
-def copy_tokenizer_files(plan: SourcePlan, dest: Path) -> tuple[list[Path], dict]:
+def copy_tokenizer_files(plan: SourcePlan, dest: Path) -> tuple[list[Path], TokenizerInfo]:
     """Copy the source's tokenizer files into ``dest`` (the conversion's temp dir).
 
-    Returns the written paths and a provenance record {"tokenizer": "byte" | "tokenizer.json",
-    "files": {name: sha256}}; a titan source's sha256s are checked against its manifest.
+    Returns the written paths and what the provenance records: "byte" | "tokenizer.json" | None with
+    {name: sha256} of the copies; a titan source's sha256s are checked against its manifest.
     """
     todo = plan_tokenizer_files(plan)
     expected = {}
@@ -62,4 +63,4 @@ def copy_tokenizer_files(plan: SourcePlan, dest: Path) -> tuple[list[Path], dict
                             f"records {expected[name][:12]}...; the file was replaced. Copy the checkpoint again")
         written.append(path)
     kind = "tokenizer.json" if "tokenizer.json" in todo else "byte" if plan.format == "titan" else None
-    return written, {"tokenizer": kind, "files": digests}
+    return written, TokenizerInfo(kind, digests)

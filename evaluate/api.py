@@ -20,11 +20,12 @@ from titan_pipe.config import EvaluateConfig
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.batches import ValidationSplit, load_eval_data
-from titan_pipe.evaluate.graph_files import check_external_data, read_export_record
+from titan_pipe.evaluate.graph_files import check_external_data
 from titan_pipe.evaluate.operators import run_conformance
 from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, check_out_dir, write_report
 from titan_pipe.evaluate.runners import (DistributedRunner, OmRunner, OnnxDecodeRunner, OnnxRuntimeRunner, Outputs,
                                          TorchRunner, ascend_runtime, concat_outputs)
+from titan_pipe.export_record import ExportRecord
 from titan_pipe.model.args import ModelArgs, model_differences
 from titan_pipe.thresholds import check_task, resolve_thresholds
 from titan_pipe.model.transformer import build_model
@@ -61,7 +62,7 @@ def _check_inputs(checkpoint, model_dir, onnx, om, data) -> None:
             raise UserError(f"{flag} {p}: is a directory, expected a file"
                             + ("; pass OUT_DIR/model.onnx" if flag == "--onnx" else ""))
     if onnx is not None:  # names only files inside the export dir, or is refused before any work
-        read_export_record(Path(onnx).parent)
+        ExportRecord.find(Path(onnx).parent)
         check_external_data(Path(onnx))
 
 

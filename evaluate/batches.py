@@ -10,7 +10,6 @@ else the one the checkpoint names (manifest ``extra.tokenizer``). A model with n
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 from titan_pipe.checkpoint_format import is_complete
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
+from titan_pipe.provenance import Provenance
 
 
 @dataclass(frozen=True)
@@ -77,12 +77,9 @@ def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> st
     if model_dir is not None:
         if (Path(model_dir) / "tokenizer.json").is_file():
             return str(Path(model_dir) / "tokenizer.json")
-        try:
-            if json.loads((Path(model_dir) / "provenance.json").read_text()).get("tokenizer", {}).get(
-                    "tokenizer") == "byte":
-                return "byte"
-        except (OSError, ValueError, AttributeError):
-            pass
+        prov = Provenance.find(model_dir)
+        if prov is not None and prov.tokenizer is not None and prov.tokenizer.tokenizer == "byte":
+            return "byte"
     if checkpoint is not None and is_complete(Path(checkpoint)):
         from titan_pipe.checkpoint_format import Manifest
 

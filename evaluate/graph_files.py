@@ -1,13 +1,13 @@
-"""What an export dir handed to evaluate may make us read: files inside that dir, nothing else.
+"""What an ONNX graph handed to evaluate may make us read: files inside its dir, nothing else.
 
 An ONNX graph names its external-data files in the graph itself (``location`` of each external
-tensor), and ``export.json`` names the graphs and files of the export; both come from whoever made
-the export. Each name goes through titan_pipe.paths.resolve_inside before ONNX Runtime (or
-anything else) opens a file, so a graph cannot make evaluate read ``../../secret`` into a tensor.
+tensor); it comes from whoever made the export. Each name goes through titan_pipe.paths.resolve_inside
+before ONNX Runtime (or anything else) opens a file, so a graph cannot make evaluate read
+``../../secret`` into a tensor. (The export record's names are checked by
+titan_pipe.export_record.ExportRecord.load.)
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +17,6 @@ from titan_pipe.paths import resolve_inside
 if TYPE_CHECKING:
     import onnx
 
-EXPORT_RECORD = "export.json"
 _FIX = "re-export the graph with `titan-pipe export` (its external data stays beside the graph)"
 
 
@@ -43,24 +42,3 @@ def check_external_data(onnx_path: Path) -> "onnx.ModelProto":
                            what=f"external data location of tensor {t.name!r}", fix=_FIX)
             checked.add(location)
     return model
-
-
-def read_export_record(onnx_dir: Path) -> dict | None:
-    """``onnx_dir/export.json`` with every graph and file it names checked to lie inside ``onnx_dir``;
-    None when the dir has no record (a graph exported elsewhere)."""
-    path = Path(onnx_dir) / EXPORT_RECORD
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e}); re-export or delete it") from None
-    if not isinstance(record, dict):
-        raise UserError(f"{path}: expected a JSON object (the record `titan-pipe export` writes)")
-    for section in ("graphs", "files"):
-        names = record.get(section) or {}
-        if not isinstance(names, dict):
-            raise UserError(f"{path}: {section!r} must be an object keyed by file name, got {type(names).__name__}")
-        for name in names:
-            resolve_inside(onnx_dir, name, source=path, what=f"{section} entry", fix=_FIX)
-    return record

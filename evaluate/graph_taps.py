@@ -1,7 +1,7 @@
 """Per-layer tensors of a deployed ONNX graph itself: its own inner values exposed as outputs of a copy.
 
-The exporter records in export.json, per graph, the value name holding each decoder layer's output
-(``graphs[<file>]["layer_outputs"]``, optionally ``attn_outputs`` / ``mlp_outputs``). Evaluate
+The exporter records in export.json (titan_pipe.export_record), per graph, the value name holding
+each decoder layer's output (``GraphRecord.layer_outputs``, and ``attn_outputs`` / ``mlp_outputs``). Evaluate
 loads the candidate's structure (``load_external_data=False``: weights stay where the candidate
 keeps them), appends those names to the graph outputs and hands the bytes to ONNX Runtime with the
 candidate's own directory as the external-data folder. Nothing is re-exported and nothing is
@@ -13,11 +13,13 @@ block it has 2 links per layer (after attention, after the MLP), so layer i's ou
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnx
+
+from titan_pipe.errors import UserError
+from titan_pipe.export_record import RECORD_FILE, ExportRecord, GraphRecord
 
 TAP_KEYS = (("layer", "layer_outputs"), ("attn", "attn_outputs"), ("mlp", "mlp_outputs"))
 
@@ -40,13 +42,25 @@ class LayerTaps:
         return [n for i in range(len(self.layer)) for n in (self.attn[i], self.mlp[i], self.layer[i]) if n]
 
 
+def _graph_record(graph_path: Path) -> tuple[GraphRecord | None, str]:
+    """(the export record's entry for ``graph_path``, why there is none)."""
+    graph_path = Path(graph_path)
+    try:
+        record = ExportRecord.find(graph_path.parent)
+    except UserError as e:
+        return None, str(e)
+    if record is None:
+        return None, ""
+    entry = record.graph(graph_path.name)
+    if entry is None or not entry.layer_outputs:
+        return None, f"{RECORD_FILE} has no layer_outputs for {graph_path.name} (exported before they were recorded)"
+    return entry, ""
+
+
 def recorded_layer_count(graph_path: Path) -> int | None:
     """How many layers export.json beside ``graph_path`` records for it (None: no such record)."""
-    try:
-        entry = json.loads((Path(graph_path).parent / "export.json").read_text())["graphs"][Path(graph_path).name]
-        return len(entry["layer_outputs"]) if entry.get("layer_outputs") else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
+    entry, _ = _graph_record(graph_path)
+    return None if entry is None else len(entry.layer_outputs)
 
 
 def find_layer_taps(graph_path: Path, model: onnx.ModelProto, n_layers: int) -> tuple[LayerTaps | None, str]:
@@ -55,39 +69,32 @@ def find_layer_taps(graph_path: Path, model: onnx.ModelProto, n_layers: int) -> 
     says why (or where the names came from)."""
     graph_path = Path(graph_path)
     produced = {o for n in model.graph.node for o in n.output} | {o.name for o in model.graph.output}
-    note = ""
-    record = graph_path.parent / "export.json"
-    if record.is_file():
-        taps, note = _from_export_json(record, graph_path.name, produced, n_layers)
+    entry, note = _graph_record(graph_path)
+    if entry is not None:
+        taps, note = _from_record(entry, graph_path.name, produced, n_layers)
         if taps is not None:
-            return taps, f"per-layer values named in {record.name} (graphs[{graph_path.name!r}].layer_outputs)"
+            return taps, f"per-layer values named in {RECORD_FILE} (graphs[{graph_path.name!r}].layer_outputs)"
     taps, why = _from_structure(model, n_layers)
     if taps is not None:
-        prefix = f"{note}; " if note else f"no {record.name} beside {graph_path.name}; "
+        prefix = f"{note}; " if note else f"no {RECORD_FILE} beside {graph_path.name}; "
         return taps, prefix + why
-    prefix = f"{note}; " if note else f"no {record.name} beside {graph_path.name} (not a titan-pipe export); "
+    prefix = f"{note}; " if note else f"no {RECORD_FILE} beside {graph_path.name} (not a titan-pipe export); "
     return None, prefix + why
 
 
-def _from_export_json(record: Path, file: str, produced: set[str], n_layers: int) -> tuple[LayerTaps | None, str]:
-    try:
-        entry = json.loads(record.read_text()).get("graphs", {}).get(file)
-    except (OSError, ValueError, AttributeError) as e:
-        return None, f"{record} is unreadable ({e})"
-    if not isinstance(entry, dict) or not entry.get("layer_outputs"):
-        return None, f"{record.name} has no layer_outputs for {file} (exported before they were recorded)"
+def _from_record(entry: GraphRecord, file: str, produced: set[str], n_layers: int) -> tuple[LayerTaps | None, str]:
     lists = {}
     for short, key in TAP_KEYS:
-        names = entry.get(key) or [None] * n_layers
-        if not isinstance(names, list) or len(names) != n_layers:
-            return None, (f"{record.name} graphs[{file!r}].{key} has {len(names) if isinstance(names, list) else '?'} "
-                          f"entries but the model has {n_layers} layers")
+        names = getattr(entry, key) or (None,) * n_layers
+        if len(names) != n_layers:
+            return None, (f"{RECORD_FILE} graphs[{file!r}].{key} has {len(names)} entries but the model has "
+                          f"{n_layers} layers")
         missing = [n for n in names if n is not None and n not in produced]
-        if short == "layer" and (missing or None in names):
-            what = f"names {missing[0]!r}, which {file} does not compute" if missing else "has a null entry"
-            return None, f"{record.name} graphs[{file!r}].layer_outputs {what} (the graph was changed after export)"
+        if short == "layer" and missing:
+            return None, (f"{RECORD_FILE} graphs[{file!r}].layer_outputs names {missing[0]!r}, which {file} does "
+                          "not compute (the graph was changed after export)")
         lists[short] = tuple(n if n in produced else None for n in names)
-    return LayerTaps(lists["layer"], lists["attn"], lists["mlp"], f"{record.name}"), ""
+    return LayerTaps(lists["layer"], lists["attn"], lists["mlp"], RECORD_FILE), ""
 
 
 _PASS_THROUGH = ("Cast", "Identity")  # a float32 graph casts the stream to float32 (a no-op) for each norm

@@ -85,13 +85,24 @@ class TensorMetrics:
         return asdict(self)
 
     def msit_std(self) -> str:
-        """msit's StandardDeviation cell: "(mean;std),(mean;std)", candidate first, 3 decimals, |x| < 1e-3 as 0."""
-        z = [0.0 if abs(v) < 1e-3 else v for v in (self.cand_mean, self.cand_std, self.ref_mean, self.ref_std)]
-        return "(%.3f;%.3f),(%.3f;%.3f)" % tuple(z)
+        return msit_std(self.to_dict())
 
-    def csv_row(self) -> dict[str, float | int | str]:
-        """The values under msit's / msprobe's column names (CSV_COLUMNS)."""
-        return {col: (self.msit_std() if f == "std" else getattr(self, f)) for col, f in zip(CSV_COLUMNS, CSV_FIELDS)}
+
+def msit_std(m: dict) -> str:
+    """msit's StandardDeviation cell: "(mean;std),(mean;std)", candidate first, 3 decimals, |x| < 1e-3
+    as 0; "nan" when a moment is missing or not finite."""
+    vals = [m.get(k) for k in ("cand_mean", "cand_std", "ref_mean", "ref_std")]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals):
+        return "nan"
+    return "(%.3f;%.3f),(%.3f;%.3f)" % tuple(0.0 if abs(v) < 1e-3 else v for v in vals)
+
+
+def csv_cells(m: dict | None) -> list:
+    """The CSV_COLUMNS cells of one metrics dict (``TensorMetrics.to_dict()``, as report.json holds
+    it); empty cells for a row without metrics (a skipped one)."""
+    if not m:
+        return [""] * len(CSV_COLUMNS)
+    return [msit_std(m) if f == "std" else m.get(f, "") for f in CSV_FIELDS]
 
 
 def as_float64(x) -> np.ndarray:

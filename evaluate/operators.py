@@ -2,10 +2,10 @@
 
 For every (operator, dtype, input case) the same float32 inputs are rounded to the dtype on both
 sides; PyTorch runs the training operator (titan_pipe.model.kernels's reference kernels, torch.nn.functional
-otherwise) and ONNX Runtime runs a one-node or small opset-14 graph built with ``onnx.helper`` that
-mirrors what the exporter emits (e.g. RMSNorm as Cast/Pow/ReduceMean/Add/Sqrt/Div in float32).
-Graph inputs are float32 and cast to the dtype inside the graph, the output is cast back to
-float32 (exact), so bfloat16 needs no numpy bfloat16 type.
+otherwise) and ONNX Runtime runs a small opset-14 graph of the very nodes the exporter emits: the
+recipes of titan_pipe.onnx_nodes (e.g. RMSNorm as Cast/Pow/ReduceMean/Add/Sqrt/Div in float32), so
+the check cannot drift from what is deployed. Graph inputs are float32 and cast to the dtype inside
+the graph, the output is cast back to float32 (exact), so bfloat16 needs no numpy bfloat16 type.
 
 Where ONNX Runtime has no kernel for an operator in a dtype the row says so ("skipped: ORT has no
 bfloat16 Softmax kernel"), never a pass. Note: for float16, ONNX Runtime's CPU provider inserts
@@ -23,37 +23,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from titan_pipe.dtypes import FLOAT_NAMES, TORCH_BY_NAME, onnx_type
+from titan_pipe import onnx_nodes as nodes
+from titan_pipe.dtypes import FLOAT_NAMES, TORCH_BY_NAME
 from titan_pipe.evaluate.metrics import TensorMetrics, compare_tensors
-from titan_pipe.thresholds import check_metrics, resolve_thresholds
 from titan_pipe.model.kernels import apply_rotary_ref, attention_ref, rms_norm_ref
+from titan_pipe.thresholds import check_metrics, resolve_thresholds
 
 OPSET = 14
 CASES = ("normal", "large", "tiny", "long")
 
 
-class GraphBuilder:
-    """Collects one small ONNX graph computing in ``dtype`` with float32 inputs and output."""
+class OpGraph(nodes.NodeBuilder):
+    """One small ONNX graph computing in ``dtype`` with float32 inputs and output."""
 
     def __init__(self, dtype: str):
-        self.elem = onnx_type(dtype)
-        self.dtype = dtype
-        self.nodes, self.inputs, self.inits = [], [], []
-        self._n = 0
-
-    def _name(self, hint: str) -> str:
-        self._n += 1
-        return f"{hint}_{self._n}"
-
-    def node(self, op: str, inputs: list[str], n_out: int = 1, **attrs) -> str | list[str]:
-        from onnx import helper
-
-        outs = [self._name(op.lower()) for _ in range(n_out)]
-        self.nodes.append(helper.make_node(op, inputs, outs, **attrs))
-        return outs[0] if n_out == 1 else outs
-
-    def cast(self, x: str, elem) -> str:
-        return self.node("Cast", [x], to=elem)
+        super().__init__(dtype)
+        self.inputs = []
 
     def input(self, name: str, array: np.ndarray) -> str:
         """A graph input; float inputs come in as float32 and are cast to the working dtype."""
@@ -63,27 +48,16 @@ class GraphBuilder:
             self.inputs.append(helper.make_tensor_value_info(name, TensorProto.INT64, array.shape))
             return name
         self.inputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, array.shape))
-        return name if self.elem == TensorProto.FLOAT else self.cast(name, self.elem)
-
-    def const(self, name: str, array, *, keep: bool = False) -> str:
-        """A constant, stored as float32 (int64 stays int64) and cast to the dtype unless ``keep``."""
-        from onnx import TensorProto, numpy_helper
-
-        arr = np.asarray(array)
-        arr = arr.astype(np.int64) if arr.dtype.kind in "iu" else arr.astype(np.float32)
-        self.inits.append(numpy_helper.from_array(arr, name))
-        if keep or arr.dtype == np.int64 or self.elem == TensorProto.FLOAT:
-            return name
-        return self.cast(name, self.elem)
+        return name if self.elem == TensorProto.FLOAT else self.op("Cast", [name], f"{name}.in", to=self.elem)
 
     def model(self, out: str):
         from onnx import TensorProto, helper
 
-        final = out if self.elem == TensorProto.FLOAT else self.cast(out, TensorProto.FLOAT)
+        final = out if self.elem == TensorProto.FLOAT else self.op("Cast", [out], to=TensorProto.FLOAT)
         self.nodes.append(helper.make_node("Identity", [final], ["y"]))
         graph = helper.make_graph(self.nodes, "op", self.inputs,
                                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                                  initializer=self.inits)
+                                  initializer=self.consts)
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                                  producer_name="titan-pipe-evaluate")
 
@@ -93,7 +67,7 @@ class OpSpec:
     """One operator family: its inputs per case, its PyTorch form and its ONNX graph.
 
     inputs(case, rng) -> {name: float32 or int64 array}; torch_fn(dict of tensors in dtype) -> tensor;
-    graph(builder, dict of graph names, arrays) -> output name. ``large``/``tiny`` are the input
+    graph(OpGraph, dict of graph names, arrays) -> output name, built from titan_pipe.onnx_nodes. ``large``/``tiny`` are the input
     magnitudes of those cases, chosen to stay inside float16's range for a correct kernel.
     """
 
@@ -130,7 +104,7 @@ def _emb_inputs(case, rng, spec):
 
 
 def _emb_graph(b, n, a):
-    return b.node("Gather", [n["weight"], n["ids"]], axis=0)
+    return nodes.embedding(b, n["weight"], n["ids"])
 
 
 # -- linear / matmul -------------------------------------------------------------------------
@@ -144,8 +118,7 @@ def _linear_inputs(case, rng, spec):
 
 
 def _linear_graph(b, n, a):
-    wt = b.node("Transpose", [n["w"]], perm=[1, 0])
-    return b.node("MatMul", [n["x"], wt])
+    return nodes.linear(b, n["x"], n["w"])
 
 
 # -- RMSNorm ---------------------------------------------------------------------------------
@@ -160,14 +133,7 @@ def _norm_inputs(case, rng, spec):
 
 
 def _norm_graph(b, n, a):
-    from onnx import TensorProto
-
-    xf = b.cast(n["x"], TensorProto.FLOAT)  # as rms_norm_ref: statistics in float32
-    sq = b.node("Pow", [xf, b.const("two", np.float32(2.0), keep=True)])
-    ms = b.node("ReduceMean", [sq], axes=[-1], keepdims=1)
-    den = b.node("Sqrt", [b.node("Add", [ms, b.const("eps", np.float32(EPS), keep=True)])])
-    y = b.cast(b.node("Div", [xf, den]), b.elem)
-    return b.node("Mul", [n["weight"], y])
+    return nodes.rms_norm(b, n["x"], n["weight"], EPS, "norm")
 
 
 # -- RoPE (rotate-half) ----------------------------------------------------------------------
@@ -187,9 +153,7 @@ def _rope_torch(q, cos, sin):
 
 
 def _rope_graph(b, n, a):
-    x1, x2 = b.node("Split", [n["q"]], n_out=2, axis=-1)
-    rot = b.node("Concat", [b.node("Neg", [x2]), x1], axis=-1)
-    return b.node("Add", [b.node("Mul", [n["q"], n["cos"]]), b.node("Mul", [rot, n["sin"]])])
+    return nodes.rotary(b, n["q"], n["cos"], n["sin"], a["q"].shape[-1] // 2, "rope")
 
 
 # -- attention with causal mask and GQA ------------------------------------------------------
@@ -208,22 +172,9 @@ def _attn_torch(q, k, v):
 
 
 def _attn_graph(b, n, a):
-    bsz, _, t, hd = a["q"].shape
-    rep = N_HEADS // N_KV
-
-    def repeat(x):  # (B, Hkv, T, hd) -> (B, H, T, hd), as repeat_kv
-        u = b.node("Unsqueeze", [x, b.const("ax2", np.array([2]))])
-        e = b.node("Expand", [u, b.const("rep_shape", np.array([bsz, N_KV, rep, t, hd]))])
-        return b.node("Reshape", [e, b.const("h_shape", np.array([bsz, N_HEADS, t, hd]))])
-
-    # SDPA's decomposition: q and k each scaled by sqrt(1/sqrt(hd)) before the matmul, which keeps
-    # low-precision scores in range; an additive -inf mask above the diagonal.
-    sq = b.const("sqrt_scale", np.float32(hd ** -0.25))
-    qs = b.node("Mul", [n["q"], sq])
-    kt = b.node("Transpose", [b.node("Mul", [repeat(n["k"]), sq])], perm=[0, 1, 3, 2])
-    mask = np.triu(np.full((t, t), -np.inf, dtype=np.float32), k=1)
-    scores = b.node("Add", [b.node("MatMul", [qs, kt]), b.const("mask", mask)])
-    return b.node("MatMul", [b.node("Softmax", [scores], axis=-1), repeat(n["v"])])
+    _, _, t, hd = a["q"].shape
+    causal = b.const(np.tril(np.ones((t, t), dtype=bool)), dtype=bool)  # key <= query, as the prefill mask
+    return nodes.attention(b, n["q"], n["k"], n["v"], causal, n_heads=N_HEADS, n_kv_heads=N_KV, hd=hd, name="attn")
 
 
 # -- softmax, SiLU/SwiGLU, residual add, cast ------------------------------------------------
@@ -239,8 +190,7 @@ def _xy_inputs(case, rng, spec):
 
 
 def _swiglu_graph(b, n, a):
-    silu = b.node("Mul", [n["a"], b.node("Sigmoid", [n["a"]])])
-    return b.node("Mul", [silu, n["b"]])
+    return nodes.swiglu(b, n["a"], n["b"], "swiglu")
 
 
 def _cast_torch(x):
@@ -254,13 +204,13 @@ def _cast_graph(b, n, a):
     from onnx import TensorProto
 
     low = TensorProto.FLOAT16 if b.elem == TensorProto.FLOAT else TensorProto.FLOAT
-    return b.cast(b.cast(n["x"], low), b.elem)
+    return b.op("Cast", [b.op("Cast", [n["x"]], to=low)], to=b.elem)
 
 
 OPERATORS: tuple[OpSpec, ...] = (
     OpSpec("embedding", "embedding gather (Gather axis 0)", _emb_inputs,
            lambda weight, ids: F.embedding(ids, weight), _emb_graph),
-    OpSpec("linear", "linear / matmul x @ W^T (Transpose + MatMul)", _linear_inputs,
+    OpSpec("linear", "linear x @ W^T (Gemm transB=1 on W as stored)", _linear_inputs,
            lambda x, w: F.linear(x, w), _linear_graph),
     OpSpec("rms_norm", "RMSNorm, statistics in float32 (rms_norm_ref)", _norm_inputs,
            lambda x, weight: rms_norm_ref(x, weight, EPS), _norm_graph),
@@ -268,15 +218,15 @@ OPERATORS: tuple[OpSpec, ...] = (
     OpSpec("attention", "causal GQA attention, 4 query / 2 kv heads (attention_ref)", _attn_inputs,
            _attn_torch, _attn_graph, large=8.0),
     OpSpec("softmax", "softmax over the last axis", _x_inputs, lambda x: torch.softmax(x, dim=-1),
-           lambda b, n, a: b.node("Softmax", [n["x"]], axis=-1), large=30.0),
+           lambda b, n, a: b.op("Softmax", [n["x"]], axis=-1), large=30.0),
     OpSpec("silu", "SiLU x * sigmoid(x)", _x_inputs, lambda x: F.silu(x),
-           lambda b, n, a: b.node("Mul", [n["x"], b.node("Sigmoid", [n["x"]])])),
+           lambda b, n, a: nodes.silu(b, n["x"], "silu")),
     # tiny 1e-2: the product of two 1e-4 values is below float16's subnormals, which would test
     # underflow, not the kernel.
     OpSpec("swiglu", "SwiGLU silu(a) * b", _xy_inputs, lambda a, b: F.silu(a) * b, _swiglu_graph,
            large=100.0, tiny=1e-2),
     OpSpec("residual_add", "residual add a + b", _xy_inputs, lambda a, b: a + b,
-           lambda b, n, a: b.node("Add", [n["a"], n["b"]])),
+           lambda b, n, a: b.op("Add", [n["a"], n["b"]])),
     OpSpec("cast", "cast round trip (float32 -> float16 -> float32; low -> float32 -> low)",
            _x_inputs, _cast_torch, _cast_graph),
 )
@@ -301,6 +251,8 @@ class OperatorRow:
 
 
 _MISSING_KERNEL = re.compile(r"implementation for (\w+)\((\d+)\)")
+# An operator whose schema at this opset takes no such type (Where takes no bfloat16 before opset 16)
+_UNTYPED = re.compile(r"Type 'tensor\((\w+)\)' of input parameter \(.*?\) of operator \((\w+)\)")
 
 
 def _ort_session(model):
@@ -324,7 +276,7 @@ def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,
         tensors = {k: torch.from_numpy(v) if v.dtype == np.int64 else torch.from_numpy(v).to(tdt)
                    for k, v in arrays.items()}
         ref = spec.torch_fn(**tensors)
-    b = GraphBuilder(dtype)
+    b = OpGraph(dtype)
     names = {k: b.input(k, v) for k, v in arrays.items()}
     model = b.model(spec.graph(b, names, arrays))
     try:
@@ -334,6 +286,10 @@ def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,
         if m:
             return OperatorRow(spec.name, dtype, case,
                                f"skipped: ORT has no {dtype} {m.group(1)} kernel (opset {m.group(2)}, CPU)")
+        m = _UNTYPED.search(str(e))
+        if m:
+            return OperatorRow(spec.name, dtype, case, f"skipped: ORT has no {dtype} {m.group(2)} kernel (opset "
+                                                       f"{OPSET}: the operator's schema takes no tensor({m.group(1)}))")
         return OperatorRow(spec.name, dtype, case, f"skipped: ORT could not load the graph: "
                                                    f"{str(e).splitlines()[0][:160]}")
     try:

@@ -24,7 +24,7 @@ import numpy as np
 
 from titan_pipe.atomic import swap_dir, temp_dir
 from titan_pipe.errors import UserError
-from titan_pipe.evaluate.metrics import CSV_COLUMNS, CSV_FIELDS
+from titan_pipe.evaluate.metrics import CSV_COLUMNS, csv_cells
 
 SCHEMA = "titan-pipe/evaluate-report"
 SCHEMA_VERSION = 1
@@ -115,20 +115,6 @@ def plot_logits_histogram(errors: dict[str, np.ndarray], path: Path) -> bool:
     return True
 
 
-def _csv_metrics(m: dict | None) -> list:
-    """The CSV_COLUMNS cells of one row's metrics dict (StandardDeviation in msit's format)."""
-    if not m:
-        return [""] * len(CSV_COLUMNS)
-    return [_msit_std(m) if f == "std" else m.get(f, "") for f in CSV_FIELDS]
-
-
-def _msit_std(m: dict) -> str:
-    vals = [m.get(k) for k in ("cand_mean", "cand_std", "ref_mean", "ref_std")]
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals):
-        return "nan"
-    return "(%.3f;%.3f),(%.3f;%.3f)" % tuple(0.0 if abs(v) < 1e-3 else v for v in vals)
-
-
 def write_csvs(report: dict, out: Path) -> None:
     with open(out / "tensors.csv", "w", newline="") as f:
         w = csv.writer(f)
@@ -137,13 +123,13 @@ def write_csvs(report: dict, out: Path) -> None:
             for r in c["rows"]:
                 w.writerow([c["id"], r["candidate"], r["tensor"], "" if r["layer"] is None else r["layer"],
                             r["dtype"], "x".join(map(str, r["shape"]))]
-                           + _csv_metrics(r["metrics"]) + [r["status"], " | ".join(r["failures"])])
+                           + csv_cells(r["metrics"]) + [r["status"], " | ".join(r["failures"])])
     with open(out / "operators.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(OPERATOR_CSV_HEAD + CSV_COLUMNS + ("Failures",))
         for r in report["operators"]:
             w.writerow([r["op"], r["dtype"], r["case"], "x".join(map(str, r["shape"])), r["status"]]
-                       + _csv_metrics(r["metrics"]) + [" | ".join(r["failures"])])
+                       + csv_cells(r["metrics"]) + [" | ".join(r["failures"])])
 
 
 _SHORT = ("cosine", "rel_euclidean", "max_abs", "mean_rel", "rmse", "kl", "top1")

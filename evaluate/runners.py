@@ -2,7 +2,7 @@
 
   TorchRunner        the unified safetensors model in one process (forward hooks on each layer)
   OnnxRuntimeRunner  the exported graph in ONNX Runtime (``hidden.{i}`` outputs of a debug export)
-  DistributedRunner  the training checkpoint under its own TP/PP layout, under torchrun
+  DistributedRunner  the training checkpoint under its own TP/PP layout: training's sharded forward process
   OmRunner           the ATC .om through ais_bench when an Ascend runtime is importable
 
 Every ``run(tokens (B, T) int64)`` returns ``Outputs`` on the CPU in the runner's own dtype:
@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +21,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from titan_pipe import sharded_outputs
 from titan_pipe.checkpoint_format import is_complete
 from titan_pipe.dtypes import ORT_NAMES
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.evaluate.graph_files import check_external_data
+from titan_pipe.export_record import RECORD_FILE
+from titan_pipe.graph_io import (ATTENTION_MASK, DECODE_FILE, HIDDEN, INPUT_IDS, LOGITS, PAST, POSITION_IDS,
+                                 PREFILL_INPUTS, PRESENT, hidden_name)
 from titan_pipe.model.args import ModelArgs
-
 
 
 @dataclass
@@ -182,10 +184,6 @@ class OnnxGraph:
         return self.layers_note + (f"; {self.copy_check}" if self.copy_check else "")
 
 
-# The prefill graph's inputs (export.json; docs/export.md); the runner feeds unpadded batches.
-_PREFILL_INPUTS = ("input_ids", "attention_mask", "position_ids")
-
-
 @dataclass(frozen=True)
 class GraphInfo:
     """What an ONNX graph declares: dtype, static (B, T) if any, vocab, dim, exposed layers."""
@@ -221,27 +219,27 @@ class OnnxRuntimeRunner:
     def _describe(self) -> GraphInfo:
         ins = {i.name: i for i in self.session.get_inputs()}
         outs = {o.name: o for o in self.session.get_outputs()}
-        if "input_ids" not in ins or "logits" not in outs:
-            raise UserError(f"{self.path}: expected input 'input_ids' and output 'logits' (the prefill graph "
+        if INPUT_IDS not in ins or LOGITS not in outs:
+            raise UserError(f"{self.path}: expected input {INPUT_IDS!r} and output {LOGITS!r} (the prefill graph "
                             f"of `titan-pipe export`), found inputs {list(ins)} and outputs {list(outs)[:4]}")
-        if any(n.startswith("past_key_values.") for n in ins):
-            raise UserError(f"{self.path}: takes past_key_values.* inputs: that is the KV-cache decode graph; "
+        if any(n.startswith(PAST) for n in ins):
+            raise UserError(f"{self.path}: takes {PAST}* inputs: that is the KV-cache decode graph; "
                             "pass the prefill graph model.onnx instead")
-        extra = tuple(n for n in ins if n not in _PREFILL_INPUTS)
+        extra = tuple(n for n in ins if n not in PREFILL_INPUTS)
         if extra:
-            raise UserError(f"{self.path}: takes {extra[0]!r} besides {', '.join(_PREFILL_INPUTS)}; pass the "
+            raise UserError(f"{self.path}: takes {extra[0]!r} besides {', '.join(PREFILL_INPUTS)}; pass the "
                             "prefill graph model.onnx written by `titan-pipe export`")
-        shape = ins["input_ids"].shape
+        shape = ins[INPUT_IDS].shape
         fixed = tuple(shape) if all(isinstance(d, int) for d in shape) else None
-        lg = outs["logits"].shape
-        n_hidden = sum(1 for n in outs if n.startswith("hidden."))
+        lg = outs[LOGITS].shape
+        n_hidden = sum(1 for n in outs if n.startswith(HIDDEN))
         dim = None
         if n_hidden:
-            hs = outs["hidden.0"].shape
+            hs = outs[hidden_name(0)].shape
             dim = hs[-1] if isinstance(hs[-1], int) else None
-        dtype = ORT_NAMES.get(outs["logits"].type)
+        dtype = ORT_NAMES.get(outs[LOGITS].type)
         if dtype is None:
-            raise UserError(f"{self.path}: logits have type {outs['logits'].type}; expected float, float16 or bfloat16")
+            raise UserError(f"{self.path}: logits have type {outs[LOGITS].type}; expected float, float16 or bfloat16")
         return GraphInfo(dtype, fixed, lg[-1] if isinstance(lg[-1], int) else None, dim, n_hidden, extra)
 
     def check_matches(self, args: ModelArgs, *, source: str) -> None:
@@ -253,12 +251,12 @@ class OnnxRuntimeRunner:
         if info.dim is not None and info.dim != args.dim:
             problems.append(f"hidden size {info.dim} vs dim {args.dim}")
         if info.n_hidden and info.n_hidden != args.n_layers:
-            problems.append(f"{info.n_hidden} hidden.* outputs vs n_layers {args.n_layers}")
+            problems.append(f"{info.n_hidden} {HIDDEN}* outputs vs n_layers {args.n_layers}")
         from titan_pipe.evaluate.graph_taps import recorded_layer_count
 
         recorded = recorded_layer_count(self.path)
         if not info.n_hidden and recorded is not None and recorded != args.n_layers:
-            problems.append(f"export.json records {recorded} layer outputs vs n_layers {args.n_layers}")
+            problems.append(f"{RECORD_FILE} records {recorded} layer outputs vs n_layers {args.n_layers}")
         if problems:
             raise UserError(f"{self.path} does not match {source}: {'; '.join(problems)}; export the graph "
                             "from this model directory (or pass the model directory it came from)")
@@ -268,13 +266,13 @@ class OnnxRuntimeRunner:
             raise UserError(f"{self.path}: static input shape {list(self.info.fixed_shape)} but the batch is "
                             f"{list(tokens.shape)}; set evaluate.batch_size/seq_len to match or export with dynamic: true")
         ids = tokens.cpu().numpy().astype(np.int64)
-        feeds = {"input_ids": ids}
+        feeds = {INPUT_IDS: ids}
         takes = {i.name for i in self.session.get_inputs()}
-        if "attention_mask" in takes:  # unpadded batches: every token real, positions 0..T-1
-            feeds["attention_mask"] = np.ones_like(ids)
-        if "position_ids" in takes:
-            feeds["position_ids"] = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
-        (logits,), layers = self.graph.run(["logits"], feeds)
+        if ATTENTION_MASK in takes:  # unpadded batches: every token real, positions 0..T-1
+            feeds[ATTENTION_MASK] = np.ones_like(ids)
+        if POSITION_IDS in takes:
+            feeds[POSITION_IDS] = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
+        (logits,), layers = self.graph.run([LOGITS], feeds)
         if layers is None:
             return Outputs(_as_tensor(logits))
         return Outputs(_as_tensor(logits), layers.hidden, layers.attn, layers.mlp)
@@ -283,7 +281,7 @@ class OnnxRuntimeRunner:
 class _RecordingSession:
     """A stand-in for an ORT session (``run``, ``get_inputs``, ``get_outputs``) that runs an
     OnnxGraph and keeps each call's per-layer values, so the reference generation loop
-    (convert/onnx/generate.py) runs unchanged while decode.onnx's own layers are captured."""
+    (titan_pipe.generation) runs unchanged while decode.onnx's own layers are captured."""
 
     def __init__(self, graph: OnnxGraph):
         self.graph, self.calls = graph, []
@@ -303,7 +301,7 @@ class _RecordingSession:
 
 class OnnxDecodeRunner:
     """KV-cache generation with the exported pair through the reference loop
-    (titan_pipe.convert.onnx.generate): left-padded prompts, prefill ``model.onnx``, then
+    (titan_pipe.generation): left-padded prompts, prefill ``model.onnx``, then
     ``decode.onnx`` one token a step against the fixed-capacity cache — the path a deployment
     generates with, on static graphs as on dynamic ones. Per-layer values of each decode step
     come from decode.onnx itself (``find_layers``)."""
@@ -311,13 +309,13 @@ class OnnxDecodeRunner:
     def __init__(self, prefill: OnnxRuntimeRunner, decode_path: Path):
         self.prefill, self.path = prefill, Path(decode_path)
         self.graph = OnnxGraph(self.path, hint="re-export it with `titan-pipe export`")
-        present = [o.name for o in prefill.session.get_outputs() if o.name.startswith("present.")]
-        past = [i.name for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        present = [o.name for o in prefill.session.get_outputs() if o.name.startswith(PRESENT)]
+        past = [i.name for i in self.session.get_inputs() if i.name.startswith(PAST)]
         if len(past) != len(present) or not past:
-            raise UserError(f"{self.path}: takes {len(past)} past_key_values inputs but {prefill.path.name} "
-                            f"gives {len(present)} present outputs; export both with kv_cache from one model")
+            raise UserError(f"{self.path}: takes {len(past)} {PAST}* inputs but {prefill.path.name} "
+                            f"gives {len(present)} {PRESENT}* outputs; export both with kv_cache from one model")
         dims = {i.name: i.shape for i in self.session.get_inputs()}
-        slots = dims.get("attention_mask", [None, None])[1]
+        slots = dims.get(ATTENTION_MASK, [None, None])[1]
         self.cache_len = slots if isinstance(slots, int) else None  # fixed by a static graph
         t = prefill.session.get_inputs()[0].shape[1]
         self.prompt_len = t if isinstance(t, int) else None
@@ -333,8 +331,8 @@ class OnnxDecodeRunner:
     @classmethod
     def beside(cls, prefill: OnnxRuntimeRunner) -> "OnnxDecodeRunner | None":
         """The decode graph next to ``prefill`` when both were exported with the KV cache, else None."""
-        decode = prefill.path.parent / "decode.onnx"
-        has_present = any(o.name.startswith("present.") for o in prefill.session.get_outputs())
+        decode = prefill.path.parent / DECODE_FILE
+        has_present = any(o.name.startswith(PRESENT) for o in prefill.session.get_outputs())
         return cls(prefill, decode) if decode.is_file() and has_present else None
 
     def max_new_tokens(self, prompt_len: int) -> int | None:
@@ -349,7 +347,7 @@ class OnnxDecodeRunner:
         that receives decode.onnx's per-layer values, (N, n_new - 1, dim) per layer as one Outputs
         (logits unset): the steps feeding new tokens 1 .. n_new-1, when the decode graph's layers were
         found."""
-        from titan_pipe.convert.onnx.generate import generate
+        from titan_pipe.generation import generate
 
         decode = _RecordingSession(self.graph) if steps_out is not None else self.session
         gen = generate(prefill=self.prefill.session, decode=decode, prompts=prompts, max_new_tokens=n_new,
@@ -414,7 +412,7 @@ class OmRunner:
     def run(self, tokens: torch.Tensor) -> Outputs:
         res = self.session.infer([tokens.cpu().numpy().astype(np.int64)], mode=self.mode)
         by_name = dict(zip(self.out_names, res))
-        logits = np.asarray(by_name.get("logits", res[0]))
+        logits = np.asarray(by_name.get(LOGITS, res[0]))
         self.dtype = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"}.get(logits.dtype, "float16")
         out = Outputs(torch.from_numpy(logits))
         if self.graph is not None:
@@ -451,9 +449,10 @@ def _opt_tensor(a):
 class DistributedRunner:
     """The training checkpoint under its own dp/tp/pp layout: torchrun + the training operators.
 
-    Runs ``python -m torch.distributed.run --nproc_per_node=dp*tp*pp -m
-    titan_pipe.evaluate.sharded_forward`` once for all batches (start-up dominates on CPU) and
-    reads back logits and per-layer hidden states from safetensors files.
+    Starts training's sharded forward process (titan_pipe.sharded_outputs: ``python -m
+    torch.distributed.run --nproc_per_node=dp*tp*pp -m titan_pipe.training.sharded_forward``) once
+    for all batches (start-up dominates on CPU) and reads back logits and per-layer hidden states
+    from the safetensors files it writes.
     """
 
     def __init__(self, checkpoint: Path, *, device: str = "cpu", timeout_s: float = 900):
@@ -468,28 +467,26 @@ class DistributedRunner:
         except Exception as e:
             raise UserError(f"{checkpoint / 'manifest.json'}: unreadable ({e})") from None
         self.args = ModelArgs.from_dict(self.manifest.model)
-        p = self.manifest.parallel
-        self.layout = {k: int(p.get(k, 1)) for k in ("dp", "tp", "pp")}
+        self.layout = self.manifest.parallel
         self.checkpoint, self.device, self.timeout_s = checkpoint, device, timeout_s
         where = "" if device == "cpu" else f", {device}"
-        self.label = f"torchrun tp{self.layout['tp']} pp{self.layout['pp']} ({checkpoint.name}{where})"
+        self.label = f"torchrun tp{self.layout.tp} pp{self.layout.pp} ({checkpoint.name}{where})"
         self.dtype = "float32"
 
     @property
     def world_size(self) -> int:
-        return self.layout["tp"] * self.layout["pp"] * self.layout["dp"]
+        return self.layout.world_size
 
     def run_all(self, batches: list[torch.Tensor]) -> list[Outputs]:
         """All batches in one torchrun launch; StageFailed with the ranks' last log lines on error."""
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
 
         with tempfile.TemporaryDirectory(prefix="titan-eval-dist-") as tmp:
             tmp = Path(tmp)
-            save_file({f"batch.{i}": b.contiguous() for i, b in enumerate(batches)}, str(tmp / "tokens.safetensors"))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={self.world_size}", "-m", "titan_pipe.evaluate.sharded_forward",
-                   "--checkpoint", str(self.checkpoint), "--tokens", str(tmp / "tokens.safetensors"),
-                   "--out", str(tmp), "--device", self.device]
+            save_file({sharded_outputs.batch_key(i): b.contiguous() for i, b in enumerate(batches)},
+                      str(tmp / sharded_outputs.TOKENS_FILE))
+            cmd = sharded_outputs.command(world_size=self.world_size, checkpoint=self.checkpoint, out_dir=tmp,
+                                          device=self.device)
             env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, env=env)
@@ -498,17 +495,8 @@ class DistributedRunner:
             if proc.returncode != 0:
                 tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
                 raise StageFailed(f"sharded forward of {self.checkpoint} failed (exit {proc.returncode}):\n{tail}")
-            meta = json.loads((tmp / "done.json").read_text())
-            logits = load_file(str(tmp / "logits.safetensors"))
-            hidden: dict[str, torch.Tensor] = {}
-            for f in meta["hidden_files"]:
-                hidden.update(load_file(str(tmp / f)))
-        out = []
-        for i in range(len(batches)):
-            hs = [hidden[f"batch.{i}.hidden.{j}"] for j in range(self.args.n_layers)
-                  if f"batch.{i}.hidden.{j}" in hidden]
-            out.append(Outputs(logits[f"batch.{i}"], hs if len(hs) == self.args.n_layers else []))
-        return out
+            got = sharded_outputs.read_outputs(tmp, n_batches=len(batches), n_layers=self.args.n_layers)
+        return [Outputs(logits, hidden) for logits, hidden in got]
 
     def run(self, tokens: torch.Tensor) -> Outputs:
         return self.run_all([tokens])[0]

@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from titan_pipe.errors import UserError
+from titan_pipe.export_record import ExportRecord
 from titan_pipe.flows.tasks import StageOutput
 
 
@@ -43,21 +45,22 @@ def key_value_table(summary: dict) -> list[dict]:
     return [{"key": k, "value": _fmt(v)} for k, v in summary.items()]
 
 
-def operator_table(export_json: dict) -> list[dict]:
-    """Rows {graph, domain, operator, count, since opset} from export.json's per-graph operator report."""
+def operator_table(record: ExportRecord | None) -> list[dict]:
+    """Rows {graph, domain, operator, count, since opset} from the export record's per-graph operator report."""
     rows = []
-    for graph, report in sorted((export_json.get("graphs") or {}).items()):
-        for op in report.get("operators", []):
-            rows.append({"graph": graph, "domain": op.get("domain") or "ai.onnx", "operator": op.get("op_type"),
-                         "count": op.get("count"), "since opset": op.get("since_version")})
+    for graph, report in sorted((record.graphs if record else {}).items()):
+        for op in report.operators:
+            rows.append({"graph": graph, "domain": op.domain or "ai.onnx", "operator": op.op_type,
+                         "count": op.count, "since opset": op.since_version})
     return rows
 
 
-def _read_json(path: str | None) -> dict:
+def _export_record(export_json: str | None) -> ExportRecord | None:
+    """The export stage's record, or None (no table) when it is gone or unusable."""
     try:
-        return json.loads(Path(path).read_text()) if path else {}
-    except (OSError, ValueError):
-        return {}
+        return ExportRecord.find(Path(export_json).parent) if export_json else None
+    except UserError:
+        return None
 
 
 def evaluate_markdown(output: StageOutput, report_md: str | None) -> str:
@@ -98,7 +101,7 @@ def publish(output: StageOutput, *, run_name: str, cached: bool) -> list[str]:
     elif output.stage == "convert":
         table("summary", key_value_table(output.summary), "Conversion summary")
     elif output.stage == "export":
-        table("operators", operator_table(_read_json(output.paths.get("export_json"))),
+        table("operators", operator_table(_export_record(output.paths.get("export_json"))),
               "ONNX operators of the exported graphs (all on the ATC list: export checks it)")
         table("summary", key_value_table(output.summary), f"Export; ATC status: {output.summary.get('atc_status')}")
     elif output.stage == "evaluate":

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from titan_pipe.atomic import write_text
-from titan_pipe.checkpoint_format import MANIFEST_NAME
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
+from titan_pipe.export_record import RECORD_FILE
 from titan_pipe.hashing import sha256_file
+from titan_pipe.provenance import PROVENANCE_FILE
 
 STAGES = ("train", "convert", "export", "evaluate")
 SCHEMA = 1  # bump when the key recipe changes, so old records are not trusted
@@ -28,7 +30,7 @@ _TRAIN_SECTIONS = ("device", "model", "data", "train", "parallel", "precision", 
                    "comm", "checkpoint", "init_from")
 _TRAIN_IGNORED = {"train": {"log_every"}}
 # Files in a stage's output directory that the next stage does not read (they hold timestamps).
-_NOT_READ = {"provenance.json", "export.json"}
+_NOT_READ = {PROVENANCE_FILE, RECORD_FILE}
 _NOT_READ_SUFFIXES = (".log", ".sh", ".md", ".html", ".png", ".tmp")
 
 
@@ -85,13 +87,12 @@ def checkpoint_files(ckpt: Path) -> list[Path]:
     Not the optimizer state beside them (its torch DCP files differ between identical runs), so a
     retrain that reproduces the weights bit for bit leaves the later stages cached.
     """
-    manifest = ckpt / MANIFEST_NAME
     try:
-        listed = json.loads(manifest.read_text())["files"]
-        attached = json.loads(manifest.read_text()).get("extra", {}).get("attached") or {}
-        return [manifest] + [ckpt / name for name in sorted({*listed, *attached})]
-    except (OSError, ValueError, KeyError, TypeError):
+        m = Manifest.load(ckpt)
+    except (ValueError, OSError):  # LayoutError is a ValueError
         return files_under(ckpt)  # not our format: everything in it
+    attached = m.extra.get("attached") or {}
+    return [ckpt / MANIFEST_NAME] + [ckpt / name for name in sorted({*m.files, *attached})]
 
 
 def _resolve(path: str, base: Path) -> Path:

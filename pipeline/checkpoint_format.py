@@ -116,13 +116,70 @@ class FileInfo:
     sha256: str
 
 
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The rank layout a checkpoint was written under (manifest ``parallel``): dp x tp x pp ranks,
+    the pipeline schedule, the layer ids of each (virtual) pipeline stage and the pp rank running
+    it. The trainer writes every field, convert's sharded output the layout it produced; older
+    manifests may hold only dp/tp/pp (+ pp_schedule): the defaults below are the one reading of
+    what is absent."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    stages: tuple[tuple[int, ...], ...] = ()
+    stage_ranks: tuple[int, ...] = ()
+    sequence_parallel: bool = False
+    dp_mode: str | None = None
+    dp_kind: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def n_stages(self) -> int:
+        """Pipeline stages in all (interleaved schedules: virtual stages x pp)."""
+        return len(self.stages) or self.pp
+
+    @property
+    def virtual_stages(self) -> int:
+        return max(1, self.n_stages // self.pp)
+
+    def to_dict(self) -> dict:
+        d = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "pp_schedule": self.pp_schedule,
+             "n_stages": self.n_stages, "stages": [list(s) for s in self.stages],
+             "stage_ranks": list(self.stage_ranks), "sequence_parallel": self.sequence_parallel}
+        d.update({k: v for k, v in (("dp_mode", self.dp_mode), ("dp_kind", self.dp_kind)) if v is not None})
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, *, source: str = MANIFEST_NAME) -> "ParallelLayout":
+        """The layout of a manifest's ``parallel`` object; LayoutError naming the field otherwise."""
+        if not isinstance(d, dict):
+            raise LayoutError(f"{source}: 'parallel' is a {type(d).__name__}, not an object")
+        try:
+            sizes = {k: int(d.get(k, 1)) for k in ("dp", "tp", "pp")}
+            layout = cls(**sizes, pp_schedule=str(d.get("pp_schedule") or "1f1b"),
+                         stages=tuple(tuple(int(i) for i in s) for s in d.get("stages") or ()),
+                         stage_ranks=tuple(int(r) for r in d.get("stage_ranks") or ()),
+                         sequence_parallel=bool(d.get("sequence_parallel", False)),
+                         dp_mode=d.get("dp_mode"), dp_kind=d.get("dp_kind"))
+        except (TypeError, ValueError) as e:
+            raise LayoutError(f"{source}: 'parallel' holds a malformed value ({e})") from None
+        if min(sizes.values()) < 1:
+            raise LayoutError(f"{source}: parallel sizes {sizes} must all be >= 1")
+        return layout
+
+
 @dataclass
 class Manifest:
     """The contents of manifest.json (docs/checkpoint-format.md)."""
 
     step: int
     model: dict  # ModelArgs.to_dict()
-    parallel: dict  # dp, tp, pp, pp_schedule, stages (layer ids per virtual stage), stage_ranks
+    parallel: ParallelLayout
     params: dict[str, ParamSpec]
     files: dict[str, FileInfo]
     extra: dict = field(default_factory=dict)  # optimizer dir, data state, tokenizer...
@@ -135,7 +192,7 @@ class Manifest:
             "format_version": self.format_version,
             "step": self.step,
             "model": self.model,
-            "parallel": self.parallel,
+            "parallel": self.parallel.to_dict(),
             "files": {k: asdict(v) for k, v in sorted(self.files.items())},
             "params": {
                 name: {
@@ -172,7 +229,8 @@ class Manifest:
                 for name, p in d["params"].items()
             }
             files = {k: FileInfo(**v) for k, v in d["files"].items()}
-            return cls(step=int(d["step"]), model=d["model"], parallel=d["parallel"], params=params,
+            return cls(step=int(d["step"]), model=d["model"],
+                       parallel=ParallelLayout.from_dict(d["parallel"], source=source), params=params,
                        files=files, extra=d.get("extra", {}), format=d["format"],
                        format_version=d["format_version"])
         except (KeyError, TypeError) as e:

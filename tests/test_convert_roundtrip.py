@@ -56,7 +56,7 @@ def test_split_merge_bit_exact_every_kind(tp4pp2, weights, tmp_path):
     """HF -> tp4/pp2 shards (column, row, vocab splits; replicated norms) -> unified == original."""
     args, sd = weights
     m = Manifest.load(tp4pp2)
-    assert m.parallel["tp"] == 4 and m.parallel["pp"] == 2
+    assert m.parallel.tp == 4 and m.parallel.pp == 2
     assert m.params["layers.0.attention.wo.weight"].tp_dim == 1
     assert m.params["layers.0.attention.wq.weight"].tp_dim == 0
     assert m.params["tok_embeddings.weight"].stage == 0 and m.params["output.weight"].stage == 1

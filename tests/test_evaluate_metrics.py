@@ -7,7 +7,7 @@ import torch
 
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
-from titan_pipe.evaluate.metrics import CSV_COLUMNS, compare_tensors, perplexity
+from titan_pipe.evaluate.metrics import CSV_COLUMNS, compare_tensors, csv_cells, perplexity
 from titan_pipe.thresholds import DEFAULTS, check_metrics, check_task, resolve_thresholds
 
 
@@ -158,5 +158,8 @@ def test_csv_columns_are_msit_names():
                  "MeanRelativeError", "RelativeEuclideanDistance", "RootMeanSquareError",
                  "KullbackLeiblerDivergence"):
         assert name in CSV_COLUMNS
-    row = compare_tensors(torch.ones(3), torch.ones(3)).csv_row()
-    assert list(row) == list(CSV_COLUMNS)
+    cells = csv_cells(compare_tensors(torch.ones(3), torch.tensor([1.0, 1.0, 2.0])).to_dict())
+    assert len(cells) == len(CSV_COLUMNS)
+    row = dict(zip(CSV_COLUMNS, cells))
+    assert row["MaxAbsoluteError"] == 1.0 and row["StandardDeviation"] == "(1.333;0.471),(1.000;0.000)"
+    assert csv_cells(None) == [""] * len(CSV_COLUMNS)

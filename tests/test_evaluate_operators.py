@@ -57,9 +57,11 @@ def test_a_wrong_graph_fails():
     rope = next(s for s in OPERATORS if s.name == "rope")
 
     def wrong_graph(b, n, a):
-        x1, x2 = b.node("Split", [n["q"]], n_out=2, axis=-1)
-        rot = b.node("Concat", [x2, b.node("Neg", [x1])], axis=-1)  # sign flipped
-        return b.node("Add", [b.node("Mul", [n["q"], n["cos"]]), b.node("Mul", [rot, n["sin"]])])
+        half, axis = a["q"].shape[-1] // 2, b.const([-1])
+        x1 = b.op("Slice", [n["q"], b.const([0]), b.const([half]), axis])
+        x2 = b.op("Slice", [n["q"], b.const([half]), b.const([2 * half]), axis])
+        rot = b.op("Concat", [x2, b.op("Neg", [x1])], axis=-1)  # sign flipped
+        return b.op("Add", [b.op("Mul", [n["q"], n["cos"]]), b.op("Mul", [rot, n["sin"]])])
 
     row = run_operator(dataclasses.replace(rope, graph=wrong_graph), "float32", "normal")
     assert row.status == "fail" and row.failures

@@ -8,7 +8,7 @@ import torch
 
 from export_support import debug_model, hidden_states, write_unified
 from titan_pipe.convert.onnx.export import export_model
-from titan_pipe.convert.onnx.generate import generate_padded
+from titan_pipe.generation import generate_padded
 from titan_pipe.convert.readers.store import read_header
 from titan_pipe.hashing import sha256_file
 

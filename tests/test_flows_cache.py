@@ -303,7 +303,11 @@ def test_checkpoint_inputs_are_the_manifest_and_its_weights_not_optimizer_state(
     (ck / "optimizer").mkdir()
     (ck / "model" / "pp0-tp0.safetensors").write_bytes(b"w")
     (ck / "optimizer" / "__0_0.distcp").write_bytes(b"o")
-    (ck / "manifest.json").write_text(json.dumps({"files": {"model/pp0-tp0.safetensors": {}}}))
+    from titan_pipe.checkpoint_format import FileInfo, Manifest, ParallelLayout
+
+    manifest = Manifest(step=4, model={}, parallel=ParallelLayout(), params={},
+                        files={"model/pp0-tp0.safetensors": FileInfo(1, "0" * 64)})
+    (ck / "manifest.json").write_text(manifest.to_json())
     assert cache.checkpoint_files(ck) == [ck / "manifest.json", ck / "model" / "pp0-tp0.safetensors"]
     (ck / "manifest.json").write_text("not json")  # not our format: everything it holds
     assert len(cache.checkpoint_files(ck)) == 3

@@ -1,10 +1,12 @@
 """The layering of docs/architecture.md, checked on every import of every source file (top-level
-and lazy ones inside functions): stages import the core, never the CLI; training imports neither
-convert nor evaluate; flows may import stages but not the CLI; the core imports no stage."""
+and lazy ones inside functions): stages import the core, never each other and never the CLI or
+flows; flows may import stages but not the CLI; the core imports no stage. No exceptions."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # Source folder -> import name (pyproject's package-dir).
@@ -12,7 +14,7 @@ FOLDERS = {"pipeline": "titan_pipe", "training": "titan_pipe.training", "convert
            "evaluate": "titan_pipe.evaluate", "flows": "titan_pipe.flows"}
 STAGES = ("training", "convert", "evaluate")
 # (importing layer, imported layer) pairs that must not occur.
-FORBIDDEN = {("training", "convert"), ("training", "evaluate"),
+FORBIDDEN = {*((a, b) for a in STAGES for b in STAGES if a != b),
              *((s, "cli") for s in STAGES), *((s, "flows") for s in STAGES),
              ("flows", "cli"),
              *(("core", x) for x in (*STAGES, "flows", "cli"))}
@@ -101,3 +103,19 @@ def test_the_scan_sees_lazy_relative_and_dynamic_imports(tmp_path):
     assert violations(REPO / "pipeline" / "config.py", "from titan_pipe.training.trainer import x\n",
                       "titan_pipe.config") == ["pipeline/config.py:1: core imports titan_pipe.training.trainer (training)",
                                                "pipeline/config.py:1: core imports titan_pipe.training.trainer.x (training)"]
+
+
+@pytest.mark.parametrize("own, target", [("convert", "titan_pipe.training.parallelize"),
+                                         ("evaluate", "titan_pipe.training.sharded_forward"),
+                                         ("evaluate", "titan_pipe.convert.onnx.graphs"),
+                                         ("convert", "titan_pipe.evaluate.metrics")])
+def test_no_stage_imports_another_stage(own, target):
+    """Each stage-to-stage rule catches an import, top-level or lazy, absolute or relative."""
+    module = f"titan_pipe.{own}.fake"
+    path = REPO / own / "fake.py"
+    theirs = target.split(".")[1]
+    relative = "." + target.removeprefix("titan_pipe")  # from ..training.x import y
+    for src in (f"import {target}\n", f"def f():\n    from {target} import x\n", f"from {relative} import y\n"):
+        found = violations(path, src, module)
+        assert found and all(f": {own} imports titan_pipe.{theirs}" in v for v in found), (src, found)
+    assert not violations(path, "from titan_pipe.model.transformer import build_model\n", module)

@@ -275,7 +275,7 @@ def test_manifest_covers_every_parameter_once(world8):
     wo = m.params["layers.3.attention.wo.weight"]
     assert wo.tp_dim == 1 and wo.stage == 1 and sorted(c.box.offsets for c in wo.chunks) == [(0, 0), (0, 32)]
     assert m.params["norm.weight"].tp_dim is None and len(m.params["norm.weight"].chunks) == 2
-    assert m.parallel["dp"] == 2 and m.parallel["stages"] == [[0, 1], [2, 3]]
+    assert m.parallel.dp == 2 and m.parallel.stages == ((0, 1), (2, 3))
     # Pruned to keep_last=3: steps 4 and 8 remain (only two were written).
     assert sorted(p.name for p in step.parent.iterdir()) == ["step-000004", "step-000008"]
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import yaml
 from safetensors.torch import save_file
 
+from titan_pipe.checkpoint_format import ParallelLayout
 from titan_pipe.config import load_flow
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training.data_parallel import plan_dp
@@ -39,8 +40,8 @@ def save_init(cfg, run_root: Path) -> None:
                                  virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel,
                                  dp_plan=dp_plan, seed=cfg.train.seed)
     ckpt.save_checkpoint(run_root / "checkpoints" / "step-000000", model=model, optimizers=None,
-                         train_state={"step": 0}, parallel={"dp": p.dp, "tp": p.tp, "pp": p.pp,
-                                                            "pp_schedule": p.pp_schedule})
+                         train_state={"step": 0},
+                         parallel=ParallelLayout(dp=p.dp, tp=p.tp, pp=p.pp, pp_schedule=p.pp_schedule))
 
 
 def forward(cfg, step_dir: Path, out: Path) -> None:

@@ -29,8 +29,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_pipe.atomic import atomic_file, copy_file, write_text
-from titan_pipe.checkpoint_format import (MANIFEST_NAME, STEP_DIR, Chunk, FileInfo, Manifest, ParamSpec, is_complete,
-                                          split_box, step_dirs)
+from titan_pipe.checkpoint_format import (MANIFEST_NAME, STEP_DIR, Chunk, FileInfo, Manifest, ParallelLayout, ParamSpec,
+                                          is_complete, split_box, step_dirs)
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
@@ -102,7 +102,7 @@ def rng_state() -> dict:
 
 
 def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | None, train_state: dict,
-                    parallel: dict, fail_hook: Callable[[], None] | None = None,
+                    parallel: ParallelLayout, fail_hook: Callable[[], None] | None = None,
                     extra: dict | None = None, attach: dict[str, Path] | None = None) -> Path:
     """Save a checkpoint of the whole model into ``step_dir``; collective, call on every rank.
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_pipe.atomic import write_text
-from titan_pipe.checkpoint_format import newest_complete
+from titan_pipe.checkpoint_format import ParallelLayout, newest_complete
 from titan_pipe.config import ConfigError, FlowConfig, load_flow
 from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
@@ -33,6 +33,7 @@ from titan_pipe.tokens.corpus import PackedLoader, prepare_data
 from titan_pipe.tokens.tokenizer import tokenizer_files
 from titan_pipe.training.data_parallel import plan_dp
 from titan_pipe.model.kernels import resolve_kernels
+from titan_pipe.model.sharding import stage_ranks
 from titan_pipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import build_parallel_model
@@ -223,11 +224,10 @@ class Trainer:
             self.schedule = build_schedule(self.model.parts, plan, schedule=p.pp_schedule, pp_mesh=self.mesh["pp"],
                                            n_microbatches=p.n_microbatches, device=self.torch_device,
                                            loss_fn=lambda out, y: self.scaler.scale_loss(loss_fn(out, y)))
-        self.parallel_meta = {"dp": p.dp, "tp": p.tp, "pp": p.pp, "pp_schedule": p.pp_schedule,
-                              "n_stages": plan.n_stages, "stages": plan.stages,
-                              "stage_ranks": [s % p.pp for s in range(plan.n_stages)],
-                              "sequence_parallel": p.sequence_parallel, "dp_mode": p.dp_mode,
-                              "dp_kind": self.dp_plan.kind}
+        self.parallel_meta = ParallelLayout(
+            dp=p.dp, tp=p.tp, pp=p.pp, pp_schedule=p.pp_schedule, stages=tuple(map(tuple, plan.stages)),
+            stage_ranks=tuple(stage_ranks(plan.n_stages, p.pp)), sequence_parallel=p.sequence_parallel,
+            dp_mode=p.dp_mode, dp_kind=self.dp_plan.kind)
 
     def _setup_metrics(self) -> None:
         cfg, t = self.cfg, self.cfg.train

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from titan_pipe.errors import StageFailed
+from titan_pipe.graph_io import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, WRITE_INDEX
 
 PRECISION_MODES = ("origin", "mixed_float16", "fp16")
 # --precision_mode_v2 (CANN >= 8.0) value, and the older --precision_mode spelling of the same intent.
@@ -82,11 +83,11 @@ def atc_invocation(*, graph: str, inputs: list[GraphInput], soc_version: str, pr
 
     def fixed(i: GraphInput) -> tuple[int, ...]:
         """Dynamic dims pinned: batch (dim 0) -> batch, cache slots -> cache_len, new tokens -> 1."""
-        if i.name == "write_index":
+        if i.name == WRITE_INDEX:
             return (batch,)
-        if i.name in ("input_ids", "position_ids"):
+        if i.name in (INPUT_IDS, POSITION_IDS):
             return (batch, 1)
-        if i.name == "attention_mask":
+        if i.name == ATTENTION_MASK:
             return (batch, cache_len)
         _, h, _, d = i.dims
         return (batch, h, cache_len, d)

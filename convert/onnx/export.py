@@ -10,7 +10,6 @@ nothing.
 """
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -22,21 +21,20 @@ from titan_pipe.atomic import swap_dir, temp_dir
 from titan_pipe.convert.onnx import atc as atc_mod
 from titan_pipe.convert.onnx.atc_ops import find_problems, load_atc_ops, operator_report
 from titan_pipe.convert.onnx.files import check_and_infer, file_table
-from titan_pipe.convert.onnx.graphs import NP_DTYPES, GraphSpec, build_graph, initializer_names, io_dims, io_names
 from titan_pipe.convert.onnx.data_file import DataWriter
+from titan_pipe.convert.onnx.graphs import GraphSpec, LayerValues, build_graph, initializer_names, io_dims
 from titan_pipe.convert.onnx.weights import plan_weights
 from titan_pipe.dtypes import BY_NAME, EXPORT_NAMES
 from titan_pipe.errors import StageFailed, UserError
+from titan_pipe.export_record import RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord, OperatorUse
+from titan_pipe.graph_io import DATA_FILE, DECODE_FILE, PREFILL_FILE
 from titan_pipe.model import rope
 from titan_pipe.model.args import ModelArgs, count_params
+from titan_pipe.onnx_nodes import NP_DTYPES
 from titan_pipe.unified_dir import read_model_args
 
 EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15; 14 is the lowest every operator of the graphs is listed at
 DEFAULT_CACHE_LEN = 4096
-DATA_FILE = "model.onnx.data"
-# How decode.onnx updates the cache: it writes the new key/value into slot write_index with Where
-# over a one-hot of the slots and returns the whole cache (see docs/export.md, "Decode cache").
-CACHE_UPDATE = "whole_cache"
 
 
 @dataclass(frozen=True)
@@ -115,7 +113,7 @@ def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", bat
         spec = GraphSpec(decode=decode, kv_cache=kv_cache, expose_hidden=expose_hidden,
                          batch=None if dynamic else batch, seq=None if dynamic else seq_len,
                          cache=None if dynamic else cache_len, dtype=dtype, opset=opset)
-        ins, outs = io_names(args.n_layers, decode=decode, kv_cache=kv_cache, expose_hidden=expose_hidden)
+        ins, outs = spec.io_names(args.n_layers)
         dims = io_dims(args, spec)
         graphs.append(GraphPlan(spec.file, decode, tuple(ins), tuple(outs),
                                 {n: tuple(d if isinstance(d, int) else -1 for d in dims[n]) for n in ins}, spec))
@@ -154,8 +152,9 @@ def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_
     return data
 
 
-def _graph_report(path: Path, plan: ExportPlan) -> dict:
-    """Check + shape-infer one graph, then its operator report; UserError if ATC would reject it."""
+def _graph_report(path: Path, plan: ExportPlan, values: LayerValues) -> GraphRecord:
+    """Check + shape-infer one graph, then its record (I/O dims, operators, per-layer value names);
+    UserError if ATC would reject it."""
     try:
         model = check_and_infer(path)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
@@ -170,14 +169,29 @@ def _graph_report(path: Path, plan: ExportPlan) -> dict:
     def dims(vi):
         return [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
 
-    return {
-        "opset": plan.opset,
-        "inputs": {vi.name: dims(vi) for vi in model.graph.input},
-        "outputs": {vi.name: dims(vi) for vi in model.graph.output},
-        "n_nodes": len(model.graph.node),
-        "operators": [{"domain": u.domain, "op_type": u.op_type, "count": u.count,
-                       "since_version": u.since_version} for u in report],
-    }
+    return GraphRecord(
+        opset=plan.opset, inputs={vi.name: dims(vi) for vi in model.graph.input},
+        outputs={vi.name: dims(vi) for vi in model.graph.output}, n_nodes=len(model.graph.node),
+        operators=tuple(OperatorUse(u.domain, u.op_type, u.count, u.since_version) for u in report),
+        layer_outputs=tuple(values.layer_outputs), attn_outputs=tuple(values.attn_outputs),
+        mlp_outputs=tuple(values.mlp_outputs))
+
+
+def _record(*, model_dir: Path, args: ModelArgs, plan: ExportPlan, atc_status: str, invocations: list,
+            graphs: dict[str, GraphRecord], files: dict[str, dict], export_s: float,
+            timings: dict[str, float]) -> ExportRecord:
+    """The export record (titan_pipe.export_record) of a finished export."""
+    return ExportRecord(
+        source={"model_dir": str(model_dir.resolve()), "config": args.to_dict()},
+        options={k: v for k, v in asdict(plan).items() if k not in ("graphs",)},
+        exporter={"onnx": onnx.__version__, "path": "titan_pipe.convert.onnx.graphs (built directly)"},
+        decode=DecodeContract(plan.cache_len) if plan.kv_cache else None,
+        atc={"status": atc_status, "soc_version": plan.soc_version, "precision_mode": plan.precision_mode,
+             "commands": [list(i.argv) for i in invocations],
+             "operator_list": {"file": "titan_pipe.convert.onnx data/atc_onnx_ops.json",
+                               "cann_version": load_atc_ops()["cann_version"]}},
+        graphs=graphs, files={f: FileEntry(e["bytes"], e["sha256"]) for f, e in files.items()},
+        export_seconds=round(export_s, 3), timings_seconds=timings)
 
 
 def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str = "float32", batch: int = 1,
@@ -222,8 +236,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
         t = lap("build", t)
         for g in plan.graphs:
             with console.status(f"checking {g.file} (onnx.checker full check, shape inference, ATC operators)"):
-                graphs[g.file] = _graph_report(work / g.file, plan)
-                graphs[g.file].update(vars(layer_values[g.file]))
+                graphs[g.file] = _graph_report(work / g.file, plan, layer_values[g.file])
             t = lap(f"check {g.file}", t)
         invocations = [atc_mod.atc_invocation(
             graph=g.file, inputs=[atc_mod.GraphInput(n, g.input_dims[n]) for n in g.inputs],
@@ -245,35 +258,19 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
         files = file_table(work, {DATA_FILE: data.sha256})
         lap("hash", t)
         export_s = time.perf_counter() - t0
-        record = {
-            "format": "titan-pipe-export/2",
-            "source": {"model_dir": str(model_dir.resolve()), "config": args.to_dict()},
-            "options": {k: v for k, v in asdict(plan).items() if k not in ("graphs",)},
-            "exporter": {"onnx": onnx.__version__, "path": "titan_pipe.convert.onnx.graphs (built directly)"},
-            "decode": None if not kv_cache else {
-                "cache_len": plan.cache_len, "cache_update": CACHE_UPDATE, "write_index": "write_index",
-                "note": "decode.onnx writes the step's key/value into slot write_index (Where over a one-hot of "
-                        "the slots) and returns the whole cache; feed present.* back as past_key_values.*"},
-            "atc": {"status": atc_status, "soc_version": soc_version, "precision_mode": precision_mode,
-                    "commands": [list(i.argv) for i in invocations],
-                    "operator_list": {"file": "convert/onnx/data/atc_onnx_ops.json",
-                                      "cann_version": load_atc_ops()["cann_version"]}},
-            "graphs": graphs,
-            "files": files,
-            "export_seconds": round(export_s, 3),
-            "timings_seconds": timings,
-        }
-        (work / "export.json").write_text(json.dumps(record, indent=1) + "\n")
+        record = _record(model_dir=model_dir, args=args, plan=plan, atc_status=atc_status,
+                         invocations=invocations, graphs=graphs, files=files, export_s=export_s, timings=timings)
+        (work / RECORD_FILE).write_text(record.to_json())
         swap_dir(work, out_dir)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
     summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache, "cache_len": plan.cache_len,
                "params": count_params(args), "weight_bytes": plan.weight_bytes,
-               "graphs": {f: {"nodes": r["n_nodes"], "bytes": record["files"][f]["bytes"]} for f, r in graphs.items()},
+               "graphs": {f: {"nodes": r.n_nodes, "bytes": record.files[f].bytes} for f, r in graphs.items()},
                "atc_status": atc_status, "export_seconds": round(export_s, 3), "timings_seconds": timings}
     om = out_dir / f"{invocations[0].om}.om"  # invocations[0]: the prefill graph, model.onnx
-    return ExportResult(out_dir=out_dir, onnx=out_dir / "model.onnx",
-                        decode_onnx=out_dir / "decode.onnx" if kv_cache else None,
-                        export_json=out_dir / "export.json", atc_status=atc_status, summary=summary,
+    return ExportResult(out_dir=out_dir, onnx=out_dir / PREFILL_FILE,
+                        decode_onnx=out_dir / DECODE_FILE if kv_cache else None,
+                        export_json=out_dir / RECORD_FILE, atc_status=atc_status, summary=summary,
                         om=om if om.is_file() else None)

@@ -2,16 +2,13 @@
 
 No tracing: a decoder layer is the same dozen-odd nodes emitted once per layer under the names
 ``layers.{i}.…``, on initializers that point into the shared external-data file (see
-convert/onnx/data_file.py). The math is titan_pipe.model.transformer's, op for op:
+convert/onnx/data_file.py). Each operator is a recipe of titan_pipe.onnx_nodes (the ones operator
+conformance checks); the inputs and outputs are titan_pipe.graph_io's. Besides the recipes:
 
-  RMSNorm   Cast(float32) -> Pow -> ReduceMean -> Add(eps) -> Sqrt -> Div [-> Cast back] -> Mul(weight)
-  Linear    Gemm(x2d, W, transB=1) on the weight as stored (out, in): no transposed copy, no Transpose
-  RoPE      rotate-half, real-valued: cos/sin rows Gathered by position_ids from tables computed by
-            titan_pipe.model.rope (the module's frequencies, Llama-3.1 scaling included)
-  GQA       each kv head repeated n_heads/n_kv_heads times (Unsqueeze -> Expand -> Reshape)
-  SwiGLU    Gemm(w1) -> x*Sigmoid(x) -> Mul(Gemm(w3)) -> Gemm(w2)
-  mask      Where(allowed, scores, finfo.min) before Softmax: a row with every key masked (a left
-            padding query) gives a uniform row instead of NaN; causal from Range + LessOrEqual
+  RoPE      cos/sin rows Gathered by position_ids from tables computed by titan_pipe.model.rope
+            (the module's frequencies, Llama-3.1 scaling included)
+  mask      causal from Range + LessOrEqual (prefill); the decode graph's attention_mask covers the
+            cache slots, and a one-hot of write_index (Equal over Range) picks the slot it writes
 
 Operators: Add, And, Cast, Concat, Equal, Expand, Gather, Gemm, Identity, LessOrEqual, MatMul,
 Mul, Neg, Pow, Range, ReduceMean, Reshape, Shape, Sigmoid, Slice, Softmax, Sqrt, Transpose,
@@ -21,32 +18,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from titan_pipe.convert.onnx.weights import DataEntry
 from titan_pipe.dtypes import onnx_type
+from titan_pipe.graph_io import (ATTENTION_MASK, DECODE_FILE, HIDDEN, INPUT_IDS, INT_INPUTS, LOGITS, PAST,
+                                 POSITION_IDS, PREFILL_FILE, PRESENT, WRITE_INDEX, hidden_name, io_names)
 from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.params import LAYER_PARAMS, params, split_layer
+from titan_pipe.onnx_nodes import NodeBuilder, attention, embedding, linear, rms_norm, rotary, swiglu
 
-NP_DTYPES = {"float32": np.float32, "float16": np.float16}
-
-# Initializer name in the graph -> native parameter name (the weight as stored, (out, in) for linears).
-_LAYER_WEIGHTS = {"wq": "attention.wq.weight", "wk": "attention.wk.weight", "wv": "attention.wv.weight",
-                  "wo": "attention.wo.weight", "w1": "feed_forward.w1.weight", "w2": "feed_forward.w2.weight",
-                  "w3": "feed_forward.w3.weight", "attention_norm.weight": "attention_norm.weight",
-                  "ffn_norm.weight": "ffn_norm.weight"}
+_LAYER_INIT = {p.name: p.onnx for p in LAYER_PARAMS}  # native name within a layer -> initializer name
 
 
 def initializer_names(args: ModelArgs) -> dict[str, str]:
     """Graph initializer name -> native parameter name, in the order they are written to the data file."""
-    out = {"tok_embeddings.weight": "tok_embeddings.weight"}
-    for i in range(args.n_layers):
-        out.update({f"layers.{i}.{k}": f"layers.{i}.{v}" for k, v in _LAYER_WEIGHTS.items()})
-    out["norm.weight"] = "norm.weight"
-    if not args.tie_embeddings:
-        out["output.weight"] = "output.weight"
+    out = {}
+    for native, p in params(args):
+        lid, _ = split_layer(native)
+        out[p.onnx if lid is None else f"layers.{lid}.{p.onnx}"] = native
     return out
+
+
+def _w(i: int, native: str) -> str:
+    """Layer i's initializer of per-layer parameter ``native`` (``attention.wq.weight``)."""
+    return f"layers.{i}.{_LAYER_INIT[native]}"
 
 
 @dataclass(frozen=True)
@@ -64,33 +61,19 @@ class GraphSpec:
 
     @property
     def file(self) -> str:
-        return "decode.onnx" if self.decode else "model.onnx"
+        return DECODE_FILE if self.decode else PREFILL_FILE
+
+    def io_names(self, n_layers: int) -> tuple[list[str], list[str]]:
+        return io_names(n_layers, decode=self.decode, kv_cache=self.kv_cache, expose_hidden=self.expose_hidden)
 
 
 @dataclass
 class LayerValues:
-    """Names of the per-layer values of a built graph (the contract export.json carries)."""
+    """Names of the per-layer values of a built graph (the contract the export record carries)."""
 
     layer_outputs: list[str] = field(default_factory=list)
     attn_outputs: list[str] = field(default_factory=list)
     mlp_outputs: list[str] = field(default_factory=list)
-
-
-def io_names(n_layers: int, *, decode: bool, kv_cache: bool, expose_hidden: bool) -> tuple[list[str], list[str]]:
-    """(input names, output names) of a graph, in graph order."""
-    if decode:
-        inputs = ["input_ids", "position_ids", "attention_mask", "write_index"]
-        for i in range(n_layers):
-            inputs += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
-    else:
-        inputs = ["input_ids", "attention_mask", "position_ids"]
-    outputs = ["logits"]
-    if kv_cache or decode:
-        for i in range(n_layers):
-            outputs += [f"present.{i}.key", f"present.{i}.value"]
-    if expose_hidden:
-        outputs += [f"hidden.{i}" for i in range(n_layers)]
-    return inputs, outputs
 
 
 def io_dims(args: ModelArgs, spec: GraphSpec) -> dict[str, list]:
@@ -99,82 +82,107 @@ def io_dims(args: ModelArgs, spec: GraphSpec) -> dict[str, list]:
     t = 1 if spec.decode else (spec.seq or "seq")
     c = spec.cache or "cache"
     hkv, hd = args.kv_heads, args.head_dim
-    ins, outs = io_names(args.n_layers, decode=spec.decode, kv_cache=spec.kv_cache, expose_hidden=spec.expose_hidden)
+    ins, outs = spec.io_names(args.n_layers)
     dims: dict[str, list] = {}
     for name in ins + outs:
-        if name in ("input_ids", "position_ids"):
+        if name in (INPUT_IDS, POSITION_IDS):
             dims[name] = [b, t]
-        elif name == "attention_mask":
+        elif name == ATTENTION_MASK:
             dims[name] = [b, c] if spec.decode else [b, t]
-        elif name == "write_index":
+        elif name == WRITE_INDEX:
             dims[name] = [b]
-        elif name.startswith("past_key_values."):
+        elif name.startswith(PAST):
             dims[name] = [b, hkv, c, hd]
-        elif name.startswith("present."):
+        elif name.startswith(PRESENT):
             dims[name] = [b, hkv, c, hd] if spec.decode else [b, hkv, t, hd]
-        elif name == "logits":
+        elif name == LOGITS:
             dims[name] = [b, t, args.vocab_size]
-        elif name.startswith("hidden."):
+        elif name.startswith(HIDDEN):
             dims[name] = [b, t, args.dim]
     return dims
 
 
-class _Builder:
-    """Nodes, small constants and value names for one graph; every node's output is named after it."""
-
-    def __init__(self, dtype: str):
-        self.nodes: list[onnx.NodeProto] = []
-        self.consts: list[TensorProto] = []
-        self.dtype = dtype
-        self._const_names: dict[tuple, str] = {}
-
-    def op(self, op_type: str, inputs: list[str], name: str, **attrs) -> str:
-        self.nodes.append(helper.make_node(op_type, inputs, [name], name=name, **attrs))
-        return name
-
-    def const(self, value, dtype=np.int64) -> str:
-        """A small constant initializer (shapes, axes, scalars), shared by value."""
-        arr = np.asarray(value, dtype=dtype)
-        key = (arr.dtype.str, arr.shape, arr.tobytes())
-        if key not in self._const_names:
-            name = f"const.{len(self._const_names)}"
-            self.consts.append(numpy_helper.from_array(arr, name))
-            self._const_names[key] = name
-        return self._const_names[key]
-
-    def fconst(self, value) -> str:
-        return self.const(value, NP_DTYPES[self.dtype])
+def _positions(g: NodeBuilder, spec: GraphSpec, bt: str) -> tuple[str, str, str, str | None]:
+    """(cos, sin) rows for each token's position, (B, 1, T, hd); the keys each query may see, bool
+    (B, 1, T, S) (decode: (B, 1, 1, C)); decode: the one-hot (B, 1, C, 1) of the slot it writes."""
+    cos = g.op("Unsqueeze", [g.op("Gather", ["rope_cos", POSITION_IDS], "rope.cos_rows", axis=0), g.const([1])],
+               "rope.cos")
+    sin = g.op("Unsqueeze", [g.op("Gather", ["rope_sin", POSITION_IDS], "rope.sin_rows", axis=0), g.const([1])],
+               "rope.sin")
+    key_ok = g.op("Unsqueeze", [g.op("Cast", [ATTENTION_MASK], "mask.bool", to=TensorProto.BOOL),
+                                g.const([1, 2])], "mask.keys")
+    if spec.decode:
+        n_slots = g.op("Gather", [g.op("Shape", [ATTENTION_MASK], "shape.mask"), g.const(1)], "mask.slots", axis=0)
+        slots = g.op("Range", [g.const(0), n_slots, g.const(1)], "cache.slots")
+        hit = g.op("Equal", [g.op("Unsqueeze", [slots, g.const([0])], "cache.slots_row"),
+                             g.op("Unsqueeze", [WRITE_INDEX, g.const([1])], "cache.write_col")], "cache.hit")
+        return cos, sin, key_ok, g.op("Unsqueeze", [hit, g.const([1, 3])], "cache.write_at")
+    n_tok = g.op("Gather", [bt, g.const(1)], "mask.len", axis=0)
+    pos = g.op("Range", [g.const(0), n_tok, g.const(1)], "mask.pos")
+    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [pos, g.const([0])], "mask.key_pos"),
+                                  g.op("Unsqueeze", [pos, g.const([1])], "mask.query_pos")], "mask.causal")
+    return cos, sin, g.op("And", [key_ok, causal], "mask.allowed"), None
 
 
-def _rms_norm(g: _Builder, x: str, weight: str, eps: float, name: str) -> str:
-    """float32 whatever the graph dtype (as titan_pipe.model.kernels's rms_norm_ref), then cast back."""
-    xf = g.op("Cast", [x], f"{name}.cast_in", to=TensorProto.FLOAT) if g.dtype != "float32" else x
-    sq = g.op("Pow", [xf, g.const(2.0, np.float32)], f"{name}.pow")
-    ms = g.op("ReduceMean", [sq], f"{name}.mean", axes=[-1], keepdims=1)
-    den = g.op("Sqrt", [g.op("Add", [ms, g.const(eps, np.float32)], f"{name}.add_eps")], f"{name}.sqrt")
-    n = g.op("Div", [xf, den], f"{name}.div")
-    if g.dtype != "float32":
-        n = g.op("Cast", [n], f"{name}.cast_out", to=onnx_type(g.dtype))
-    return g.op("Mul", [weight, n], f"{name}.out")
+@dataclass(frozen=True)
+class _Shapes:
+    """Reshape targets: (B, T, H, hd), (B, T, Hkv, hd), (B, T, dim), (B, T, vocab), (B*T, dim)."""
+
+    q: str
+    kv: str
+    hidden: str
+    logits: str
+    flat: str
 
 
-def _rotary(g: _Builder, x: str, cos: str, sin: str, half: int, name: str) -> str:
-    """x*cos + rotate_half(x)*sin, rotate_half(x) = concat(-x[..., half:], x[..., :half])."""
-    axis = g.const([-1])
-    lo = g.op("Slice", [x, g.const([0]), g.const([half]), axis], f"{name}.lo")
-    hi = g.op("Slice", [x, g.const([half]), g.const([2 * half]), axis], f"{name}.hi")
-    rot = g.op("Concat", [g.op("Neg", [hi], f"{name}.neg"), lo], f"{name}.rot", axis=-1)
-    return g.op("Add", [g.op("Mul", [x, cos], f"{name}.xcos"), g.op("Mul", [rot, sin], f"{name}.rsin")],
-                f"{name}.out")
+def _shapes(g: NodeBuilder, args: ModelArgs, bt: str) -> _Shapes:
+    def with_tail(tail: list[int], name: str) -> str:
+        return g.op("Concat", [bt, g.const(tail)], name, axis=0)
+
+    return _Shapes(with_tail([args.n_heads, args.head_dim], "shape.q"), with_tail([args.kv_heads, args.head_dim], "shape.kv"),
+                   with_tail([args.dim], "shape.hidden"), with_tail([args.vocab_size], "shape.logits"),
+                   g.const([-1, args.dim]))
 
 
-def _repeat_kv(g: _Builder, x: str, n_rep: int, n_heads: int, hd: int, name: str) -> str:
-    """(B, Hkv, S, hd) -> (B, Hkv*n_rep, S, hd): kv head j serves query heads j*n_rep .. j*n_rep+n_rep-1."""
-    if n_rep == 1:
-        return x
-    u = g.op("Unsqueeze", [x, g.const([2])], f"{name}.unsqueeze")
-    e = g.op("Expand", [u, g.const([1, 1, n_rep, 1, 1])], f"{name}.expand")
-    return g.op("Reshape", [e, g.const([0, n_heads, -1, hd])], f"{name}.reshape")
+def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh: _Shapes, rope: tuple,
+           outputs: dict[str, str]) -> tuple[str, str, str]:
+    """Decoder layer i on the residual stream ``h``: (layer output, attention output, MLP output)."""
+    p, hd = f"layers.{i}", args.head_dim
+    cos, sin, allowed, write_at = rope
+    x = g.op("Reshape", [rms_norm(g, h, _w(i, "attention_norm.weight"), args.norm_eps, f"{p}.attention_norm"),
+                         sh.flat], f"{p}.attn.x2d")
+
+    def heads(native: str, shape: str) -> str:  # (B*T, dim) -> (B, heads, T, hd)
+        w = _LAYER_INIT[native]
+        y = linear(g, x, _w(i, native), f"{p}.attn.{w}")
+        return g.op("Transpose", [g.op("Reshape", [y, shape], f"{p}.attn.{w}.split")], f"{p}.attn.{w}.heads",
+                    perm=[0, 2, 1, 3])
+
+    q = rotary(g, heads("attention.wq.weight", sh.q), cos, sin, hd // 2, f"{p}.attn.rope_q")
+    k = rotary(g, heads("attention.wk.weight", sh.kv), cos, sin, hd // 2, f"{p}.attn.rope_k")
+    v = heads("attention.wv.weight", sh.kv)
+    if spec.decode:  # write this step's key/value into its slot of the fixed-capacity cache
+        k = g.op("Where", [write_at, k, f"{PAST}{i}.key"], f"{PRESENT}{i}.key")
+        v = g.op("Where", [write_at, v, f"{PAST}{i}.value"], f"{PRESENT}{i}.value")
+    elif spec.kv_cache:
+        k = g.op("Identity", [k], f"{PRESENT}{i}.key")
+        v = g.op("Identity", [v], f"{PRESENT}{i}.value")
+    if spec.kv_cache or spec.decode:
+        outputs[f"{PRESENT}{i}.key"], outputs[f"{PRESENT}{i}.value"] = k, v
+    ctx = attention(g, q, k, v, allowed, n_heads=args.n_heads, n_kv_heads=args.kv_heads, hd=hd, name=f"{p}.attn")
+    ctx = g.op("Transpose", [ctx], f"{p}.attn.context_t", perm=[0, 2, 1, 3])
+    ctx = g.op("Reshape", [ctx, g.const([-1, args.n_heads * hd])], f"{p}.attn.context2d")
+    attn = g.op("Reshape", [linear(g, ctx, _w(i, "attention.wo.weight"), f"{p}.attn.wo"), sh.hidden],
+                f"{p}.attn.output")
+    h = g.op("Add", [h, attn], f"{p}.attn.residual")
+
+    x = g.op("Reshape", [rms_norm(g, h, _w(i, "ffn_norm.weight"), args.norm_eps, f"{p}.ffn_norm"), sh.flat],
+             f"{p}.mlp.x2d")
+    gated = swiglu(g, linear(g, x, _w(i, "feed_forward.w1.weight"), f"{p}.mlp.w1"),
+                   linear(g, x, _w(i, "feed_forward.w3.weight"), f"{p}.mlp.w3"), f"{p}.mlp")
+    mlp = g.op("Reshape", [linear(g, gated, _w(i, "feed_forward.w2.weight"), f"{p}.mlp.w2"), sh.hidden],
+               f"{p}.mlp.output")
+    return g.op("Add", [h, mlp], f"{p}.output"), attn, mlp
 
 
 def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry], *,
@@ -182,110 +190,37 @@ def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry],
     """The ModelProto of one graph (weights as external references into ``data_file``) and the
     names of its per-layer values. ``weights``: initializer name -> its place in the data file,
     including ``rope_cos`` / ``rope_sin``. See docs/export.md for the inputs and outputs."""
-    g = _Builder(spec.dtype)
-    dt = onnx_type(spec.dtype)
-    n_heads, hkv, hd, dim = args.n_heads, args.kv_heads, args.head_dim, args.dim
-    n_rep = n_heads // hkv
-    emb_out = "tok_embeddings.weight" if args.tie_embeddings else "output.weight"
-
+    g = NodeBuilder(spec.dtype)
     # Shapes used by the Reshapes: (B, T) from input_ids when dynamic, constants when static.
-    static = spec.batch is not None and (spec.decode or spec.seq is not None)
-    if static:
-        t = 1 if spec.decode else spec.seq
-        bt = g.const([spec.batch, t])
+    if spec.batch is not None and (spec.decode or spec.seq is not None):
+        bt = g.const([spec.batch, 1 if spec.decode else spec.seq])
     else:
-        bt = g.op("Shape", ["input_ids"], "shape.input_ids")
-
-    def shape_with(tail: list[int], name: str) -> str:
-        return g.op("Concat", [bt, g.const(tail)], name, axis=0)
-
-    shape_q, shape_kv = shape_with([n_heads, hd], "shape.q"), shape_with([hkv, hd], "shape.kv")
-    shape_h, shape_v = shape_with([dim], "shape.hidden"), shape_with([args.vocab_size], "shape.logits")
-    flat_dim = g.const([-1, dim])
-
-    # RoPE rows for each token's position: (B, T, hd) -> (B, 1, T, hd), in the graph dtype.
-    cos = g.op("Unsqueeze", [g.op("Gather", ["rope_cos", "position_ids"], "rope.cos_rows", axis=0), g.const([1])],
-               "rope.cos")
-    sin = g.op("Unsqueeze", [g.op("Gather", ["rope_sin", "position_ids"], "rope.sin_rows", axis=0), g.const([1])],
-               "rope.sin")
-
-    # Which keys each query may see: (B, 1, T, S) bool (decode: (B, 1, 1, C)).
-    key_ok = g.op("Unsqueeze", [g.op("Cast", ["attention_mask"], "mask.bool", to=TensorProto.BOOL),
-                                g.const([1, 2])], "mask.keys")
-    if spec.decode:
-        allowed = key_ok
-        # One-hot of the slot this step writes: (B, 1, C, 1), from Equal(Range(C), write_index).
-        n_slots = g.op("Gather", [g.op("Shape", ["attention_mask"], "shape.mask"), g.const(1)], "mask.slots", axis=0)
-        slots = g.op("Range", [g.const(0), n_slots, g.const(1)], "cache.slots")
-        hit = g.op("Equal", [g.op("Unsqueeze", [slots, g.const([0])], "cache.slots_row"),
-                             g.op("Unsqueeze", ["write_index", g.const([1])], "cache.write_col")], "cache.hit")
-        write_at = g.op("Unsqueeze", [hit, g.const([1, 3])], "cache.write_at")
-    else:
-        n_tok = g.op("Gather", [bt, g.const(1)], "mask.len", axis=0)
-        pos = g.op("Range", [g.const(0), n_tok, g.const(1)], "mask.pos")
-        causal = g.op("LessOrEqual", [g.op("Unsqueeze", [pos, g.const([0])], "mask.key_pos"),
-                                      g.op("Unsqueeze", [pos, g.const([1])], "mask.query_pos")], "mask.causal")
-        allowed = g.op("And", [key_ok, causal], "mask.allowed")
-    neg = g.fconst(float(np.finfo(NP_DTYPES[spec.dtype]).min))
-    scale = g.fconst(1.0 / np.sqrt(hd))
-
-    h = g.op("Gather", ["tok_embeddings.weight", "input_ids"], "embed", axis=0)
+        bt = g.op("Shape", [INPUT_IDS], "shape.input_ids")
+    sh = _shapes(g, args, bt)
+    rope = _positions(g, spec, bt)
+    h = embedding(g, "tok_embeddings.weight", INPUT_IDS, "embed")
     values = LayerValues()
     outputs: dict[str, str] = {}
     for i in range(args.n_layers):
-        p = f"layers.{i}"
-        x = g.op("Reshape", [_rms_norm(g, h, f"{p}.attention_norm.weight", args.norm_eps, f"{p}.attention_norm"),
-                             flat_dim], f"{p}.attn.x2d")
-
-        def heads(w: str, shape: str) -> str:  # (B*T, dim) -> (B, heads, T, hd)
-            y = g.op("Gemm", [x, f"{p}.{w}"], f"{p}.attn.{w}", transB=1)
-            return g.op("Transpose", [g.op("Reshape", [y, shape], f"{p}.attn.{w}.split")],
-                        f"{p}.attn.{w}.heads", perm=[0, 2, 1, 3])
-
-        q = _rotary(g, heads("wq", shape_q), cos, sin, hd // 2, f"{p}.attn.rope_q")
-        k = _rotary(g, heads("wk", shape_kv), cos, sin, hd // 2, f"{p}.attn.rope_k")
-        v = heads("wv", shape_kv)
-        if spec.decode:  # write this step's key/value into its slot of the fixed-capacity cache
-            k = g.op("Where", [write_at, k, f"past_key_values.{i}.key"], f"present.{i}.key")
-            v = g.op("Where", [write_at, v, f"past_key_values.{i}.value"], f"present.{i}.value")
-        elif spec.kv_cache:
-            k = g.op("Identity", [k], f"present.{i}.key")
-            v = g.op("Identity", [v], f"present.{i}.value")
-        if spec.kv_cache or spec.decode:
-            outputs[f"present.{i}.key"], outputs[f"present.{i}.value"] = k, v
-        kr = _repeat_kv(g, k, n_rep, n_heads, hd, f"{p}.attn.repeat_k")
-        vr = _repeat_kv(g, v, n_rep, n_heads, hd, f"{p}.attn.repeat_v")
-        kt = g.op("Transpose", [kr], f"{p}.attn.k_t", perm=[0, 1, 3, 2])
-        scores = g.op("MatMul", [g.op("Mul", [q, scale], f"{p}.attn.q_scaled"), kt], f"{p}.attn.scores")
-        scores = g.op("Where", [allowed, scores, neg], f"{p}.attn.masked")
-        probs = g.op("Softmax", [scores], f"{p}.attn.probs", axis=-1)
-        ctx = g.op("Transpose", [g.op("MatMul", [probs, vr], f"{p}.attn.context")], f"{p}.attn.context_t",
-                   perm=[0, 2, 1, 3])
-        ctx = g.op("Reshape", [ctx, g.const([-1, n_heads * hd])], f"{p}.attn.context2d")
-        attn = g.op("Reshape", [g.op("Gemm", [ctx, f"{p}.wo"], f"{p}.attn.wo", transB=1), shape_h], f"{p}.attn.output")
-        h = g.op("Add", [h, attn], f"{p}.attn.residual")
-
-        x = g.op("Reshape", [_rms_norm(g, h, f"{p}.ffn_norm.weight", args.norm_eps, f"{p}.ffn_norm"), flat_dim],
-                 f"{p}.mlp.x2d")
-        gate = g.op("Gemm", [x, f"{p}.w1"], f"{p}.mlp.w1", transB=1)
-        act = g.op("Mul", [gate, g.op("Sigmoid", [gate], f"{p}.mlp.sigmoid")], f"{p}.mlp.silu")
-        up = g.op("Gemm", [x, f"{p}.w3"], f"{p}.mlp.w3", transB=1)
-        down = g.op("Gemm", [g.op("Mul", [act, up], f"{p}.mlp.gated"), f"{p}.w2"], f"{p}.mlp.w2", transB=1)
-        mlp = g.op("Reshape", [down, shape_h], f"{p}.mlp.output")
-        h = g.op("Add", [h, mlp], f"{p}.output")
+        h, attn, mlp = _layer(g, args, spec, i, h, sh, rope, outputs)
         values.layer_outputs.append(h)
         values.attn_outputs.append(attn)
         values.mlp_outputs.append(mlp)
         if spec.expose_hidden:
-            outputs[f"hidden.{i}"] = g.op("Identity", [h], f"hidden.{i}")
+            outputs[hidden_name(i)] = g.op("Identity", [h], hidden_name(i))
+    x = g.op("Reshape", [rms_norm(g, h, "norm.weight", args.norm_eps, "norm"), sh.flat], "norm.x2d")
+    emb_out = "tok_embeddings.weight" if args.tie_embeddings else "output.weight"
+    outputs[LOGITS] = g.op("Reshape", [linear(g, x, emb_out, "lm_head"), sh.logits], LOGITS)
+    return _model(g, args, spec, weights, data_file, outputs), values
 
-    x = g.op("Reshape", [_rms_norm(g, h, "norm.weight", args.norm_eps, "norm"), flat_dim], "norm.x2d")
-    outputs["logits"] = g.op("Reshape", [g.op("Gemm", [x, emb_out], "lm_head", transB=1), shape_v], "logits")
 
-    ins, outs = io_names(args.n_layers, decode=spec.decode, kv_cache=spec.kv_cache, expose_hidden=spec.expose_hidden)
+def _model(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry], data_file: str,
+           outputs: dict[str, str]) -> onnx.ModelProto:
+    """The graph's nodes with its declared inputs/outputs and the initializers its nodes use."""
+    dt = onnx_type(spec.dtype)
+    ins, outs = spec.io_names(args.n_layers)
     dims = io_dims(args, spec)
-    int_inputs = {"input_ids", "position_ids", "attention_mask", "write_index"}
-    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n in int_inputs else dt, dims[n]) for n in ins]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n in INT_INPUTS else dt, dims[n]) for n in ins]
     graph_outputs = [helper.make_tensor_value_info(n, dt, dims[n]) for n in outs]
     assert [outputs[n] for n in outs] == outs  # every output is a node named after it
     used = {name for node in g.nodes for name in node.input}
@@ -295,7 +230,7 @@ def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry],
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", spec.opset)],
                               producer_name="titan-pipe")
     model.ir_version = 8  # ONNX 1.10+; readable by the ONNX Runtime/CANN versions of the ATC list
-    return model, values
+    return model
 
 
 def _external(name: str, entry: DataEntry, dtype: int, location: str) -> TensorProto:

@@ -12,7 +12,7 @@ from pathlib import Path
 from titan_pipe.convert.readers.store import StoredTensor, read_header
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.names import native_shapes
+from titan_pipe.model.params import native_shapes
 from titan_pipe.unified_dir import check_all_placed, locate_weights, place_tensor
 
 _CASTABLE = ("F32", "F16", "BF16")  # safetensors codes of the float types export reads

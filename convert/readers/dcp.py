@@ -35,12 +35,12 @@ from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.dtypes import DTYPE_NAMES, TORCH_DTYPES
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs, RopeScaling
-from titan_pipe.model.names import TORCHTITAN_MODEL_PREFIX, from_hf_config, native_names
+from titan_pipe.model.names import TORCHTITAN_MODEL_PREFIX, from_hf_config
+from titan_pipe.model.params import native_names, param_of
 from titan_pipe.paths import resolve_inside
 
 FORMAT = "dcp"
 METADATA = ".metadata"
-_ROPE_PERMUTED = (".attention.wq.weight", ".attention.wk.weight")
 
 
 # Exactly the classes DCP's Metadata is built from (torch 2.x FileSystemWriter, megatron-core's
@@ -233,7 +233,7 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
         raise UserError(f"--vocab-size {vocab_size} disagrees with the embedding of {path} "
                         f"({args.vocab_size} rows)")
     tensors = plan_tensors(path, md, tensor_meta, native_names(args),
-                           rope_head_dim=lambda n: args.head_dim if n.endswith(_ROPE_PERMUTED) else None)
+                           rope_head_dim=lambda n: args.head_dim if param_of(n).rope else None)
     plan_files, headers, strided = locate_chunks(path, md, tensors)
     return (SourcePlan(FORMAT, path, args, tensors, files=plan_files,
                        layout={"chunks": sum(len(t.reads) for t in tensors.values()),

@@ -11,7 +11,8 @@ from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers.store import SafetensorsStore, read_header
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.errors import UserError
-from titan_pipe.model.names import hf_to_native, native_names
+from titan_pipe.model.names import hf_to_native
+from titan_pipe.model.params import native_names
 from titan_pipe.unified_dir import locate_weights, read_model_args
 
 FORMAT = "hf"

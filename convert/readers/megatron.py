@@ -38,7 +38,8 @@ from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs, RopeScaling
-from titan_pipe.model.names import megatron_to_native, native_names
+from titan_pipe.model.names import megatron_to_native
+from titan_pipe.model.params import fused_parts, layer_name, native_names, native_shapes, param_of
 from titan_pipe.paths import resolve_inside
 
 FORMAT = "megatron"
@@ -98,7 +99,7 @@ def load_rank_file(path: Path) -> dict:
         raise UserError(f"{path}: missing rank file; copy the complete checkpoint") from None
     except pickle.UnpicklingError as e:
         raise UserError(f"{path}: refused to unpickle ({refusal_reason(e)}): titan-pipe loads Megatron "
-                        "files with weights_only=True and an allow-list (convert/readers/megatron.py "
+                        "files with weights_only=True and an allow-list (titan_pipe.convert.readers.megatron "
                         "ALLOWED); the file holds a type outside it or is corrupted. Re-save it from "
                         "Megatron-LM, and load it without the allow-list only if you trust its source") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
@@ -331,13 +332,15 @@ def _qkv_reads(lay: _Layout, acc: _Reads, f: str, key: str, gid: int, t: int, sh
         raise UserError(f"{lay.it_dir / f}: {key} is {list(shape)}, expected {list(exp)} "
                         f"({ng_local} query groups x ({qpg} q + k + v) x {hd} rows)")
     rope = hd if bool(getattr(lay.a, "rotary_interleaved", False)) else None
+    parts = fused_parts("qkv")
     for g in range(ng_local):
         G, base = t * ng_local + g, g * (qpg + 2) * hd
-        for nm, so, do, n in (("wq", base, G * qpg * hd, qpg * hd),
-                              ("wk", base + qpg * hd, G * hd, hd),
-                              ("wv", base + (qpg + 1) * hd, G * hd, hd)):
-            acc.add(f"layers.{gid}.attention.{nm}.weight",
-                    Read(f, key, _rows(so, n, dim), _rows(do, n, dim), None if nm == "wv" else rope), dtype)
+        for part, so, do, n in (("q", base, G * qpg * hd, qpg * hd),
+                                ("k", base + qpg * hd, G * hd, hd),
+                                ("v", base + (qpg + 1) * hd, G * hd, hd)):
+            p = parts[part]
+            acc.add(layer_name(gid, p), Read(f, key, _rows(so, n, dim), _rows(do, n, dim), rope if p.rope else None),
+                    dtype)
 
 
 def _fc1_reads(lay: _Layout, acc: _Reads, f: str, key: str, gid: int, t: int, shape: tuple, dtype: str) -> None:
@@ -345,16 +348,17 @@ def _fc1_reads(lay: _Layout, acc: _Reads, f: str, key: str, gid: int, t: int, sh
     ffn_local, dim = lay.ffn_local, lay.args.dim
     if shape != (2 * ffn_local, dim):
         raise UserError(f"{lay.it_dir / f}: {key} is {list(shape)}, expected {[2 * ffn_local, dim]}")
-    for nm, so in (("w1", 0), ("w3", ffn_local)):
-        acc.add(f"layers.{gid}.feed_forward.{nm}.weight",
+    parts = fused_parts("fc1")
+    for part, so in (("gate", 0), ("up", ffn_local)):
+        acc.add(layer_name(gid, parts[part]),
                 Read(f, key, _rows(so, ffn_local, dim), _rows(t * ffn_local, ffn_local, dim)), dtype)
 
 
 def _plain_reads(lay: _Layout, acc: _Reads, f: str, key: str, name: str, t: int, shape: tuple, dtype: str) -> None:
     """Vocab-parallel embeddings (padding dropped), row-parallel wo/w2 (split columns), replicated norms."""
-    tp, dim = lay.tp, lay.args.dim
+    tp, dim, spec = lay.tp, lay.args.dim, param_of(name)
     acc.dtypes[name] = dtype
-    if name in ("tok_embeddings.weight", "output.weight"):
+    if spec.vocab_rows:
         rows = shape[0]
         if lay.padded and rows * tp != lay.padded:
             raise UserError(f"{lay.it_dir / f}: {key} has {rows} rows x tp {tp} != padded vocab {lay.padded}")
@@ -362,7 +366,7 @@ def _plain_reads(lay: _Layout, acc: _Reads, f: str, key: str, name: str, t: int,
         if hi > lo:
             acc.reads.setdefault(name, []).append(Read(f, key, _rows(0, hi - lo, dim), _rows(lo, hi - lo, dim)))
         acc.shapes[name] = (lay.args.vocab_size, dim)
-    elif name.endswith(".attention.wo.weight") or name.endswith(".feed_forward.w2.weight"):
+    elif spec.tp == "rowwise":
         cols = shape[1]
         acc.reads.setdefault(name, []).append(Read(f, key, Box.full(shape), Box((0, t * cols), shape)))
         acc.shapes[name] = (shape[0], cols * tp)
@@ -402,19 +406,16 @@ def _plan_rank(lay: _Layout, acc: _Reads, t: int, p: int, f: str, sd: dict) -> N
 
 def _tensor_plans(lay: _Layout, acc: _Reads) -> dict[str, TensorPlan]:
     """Every parameter of the model with its global shape and reads; a missing one is an error."""
-    args, tp, dim, hd, ng = lay.args, lay.tp, lay.args.dim, lay.args.head_dim, lay.args.kv_heads
-    tensors = {}
+    args, tp = lay.args, lay.tp
+    tensors, shapes = {}, native_shapes(args)
     for name in native_names(args):
         if name not in acc.reads:
             raise UserError(f"{lay.it_dir}: no tensor for {name!r}; the checkpoint is incomplete")
-        shape = acc.shapes.get(name)
-        if shape is None:  # de-fused q/k/v and gate/up
-            shape = {"wq": (args.n_heads * hd, dim), "wk": (ng * hd, dim), "wv": (ng * hd, dim),
-                     "w1": (args.hidden_dim, dim), "w3": (args.hidden_dim, dim)}[name.split(".")[-2]]
-        kind = ("fused qkv" if ".attention.w" in name and "wo" not in name else
-                "fused fc1" if name.endswith(("w1.weight", "w3.weight")) else
+        spec = param_of(name)
+        shape = acc.shapes.get(name, shapes[name])  # de-fused q/k/v and gate/up: the declared shape
+        kind = (f"fused {spec.fused[0]}" if spec.fused else
                 "replicated" if len(acc.reads[name]) == 1 else f"over tp={tp}")
-        if name in ("tok_embeddings.weight", "output.weight") and lay.padded:
+        if spec.vocab_rows and lay.padded:
             kind = f"vocab-parallel, padded {lay.padded} -> {args.vocab_size}"
         tensors[name] = TensorPlan(name, shape, acc.dtypes[name], tuple(acc.reads[name]), kind)
     return tensors

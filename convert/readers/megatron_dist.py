@@ -38,7 +38,8 @@ from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.names import megatron_to_native, native_names, native_shapes
+from titan_pipe.model.names import megatron_to_native
+from titan_pipe.model.params import fused_parts, layer_name, native_names, native_shapes, param_of
 
 BACKEND_FILE = "metadata.json"
 COMMON = "common.pt"
@@ -88,7 +89,7 @@ def load_common(f: Path) -> dict:
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0][:200]
         raise UserError(f"{f}: refused to unpickle ({first}). titan-pipe loads Megatron files with "
-                        "weights_only=True and an allow-list (convert/readers/megatron.py ALLOWED); "
+                        "weights_only=True and an allow-list (titan_pipe.convert.readers.megatron ALLOWED); "
                         "the file holds a type outside it or is corrupted") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
         raise UserError(f"{f}: not a readable torch file ({str(e).splitlines()[0][:160]}); it is "
@@ -189,22 +190,23 @@ def _plan_piece(acc: _Plan, args: ModelArgs, name: str, file: str, key: str, off
         if offs[0] % group_rows or lens[0] % group_rows or lens[1] != dim:
             raise UserError(f"{where}: {key} rows {offs[0]}+{lens[0]} do not hold whole query groups "
                             f"of {group_rows} rows")
+        parts = fused_parts("qkv")
         for g in range(lens[0] // group_rows):
             G, base = offs[0] // group_rows + g, g * group_rows
-            for nm, so, do, n in (("wq", base, G * qpg * hd, qpg * hd), ("wk", base + qpg * hd, G * hd, hd),
-                                  ("wv", base + (qpg + 1) * hd, G * hd, hd)):
-                acc.add(f"layers.{gid}.attention.{nm}.weight",
-                        Read(file, key, Box((so, 0), (n, dim)), Box((do, 0), (n, dim)),
-                             None if nm == "wv" else rope), dtype)
+            for part, so, do, n in (("q", base, G * qpg * hd, qpg * hd), ("k", base + qpg * hd, G * hd, hd),
+                                    ("v", base + (qpg + 1) * hd, G * hd, hd)):
+                p = parts[part]
+                acc.add(layer_name(gid, p), Read(file, key, Box((so, 0), (n, dim)), Box((do, 0), (n, dim)),
+                                                 rope if p.rope else None), dtype)
     elif name.startswith("<fc1>"):  # rows: [gate; up] of the whole FFN
-        gid = int(name.split(":")[1])
-        for nm, lo in (("w1", 0), ("w3", ffn)):
+        gid, parts = int(name.split(":")[1]), fused_parts("fc1")
+        for part, lo in (("gate", 0), ("up", ffn)):
             hit = Box(offs, lens).intersect(Box((lo, 0), (ffn, dim)))
             if hit is not None:
-                acc.add(f"layers.{gid}.feed_forward.{nm}.weight",
+                acc.add(layer_name(gid, parts[part]),
                         Read(file, key, Box((hit.offsets[0] - offs[0], 0), hit.lengths),
                              Box((hit.offsets[0] - lo, 0), hit.lengths)), dtype)
-    elif name in ("tok_embeddings.weight", "output.weight"):
+    elif param_of(name).vocab_rows:
         hit = Box(offs, lens).intersect(Box((0, 0), (args.vocab_size, dim)))
         if hit is not None:  # rows past the true vocabulary are padding
             acc.add(name, Read(file, key, Box((hit.offsets[0] - offs[0], 0), hit.lengths), hit), dtype)
@@ -217,10 +219,9 @@ def _tensor_plans(d: Path, args: ModelArgs, padded: int, acc: _Plan) -> dict[str
     for name in native_names(args):
         if name not in acc.reads:
             raise UserError(f"{d}: no tensor for {name!r}; the checkpoint is incomplete")
-        part, reads = name.split(".")[-2], acc.reads[name]
-        kind = ("fused qkv" if part in ("wq", "wk", "wv") else "fused fc1" if part in ("w1", "w3")
-                else f"{len(reads)} chunks" if len(reads) > 1 else "whole")
-        if part in ("tok_embeddings", "output"):
+        spec, reads = param_of(name), acc.reads[name]
+        kind = (f"fused {spec.fused[0]}" if spec.fused else f"{len(reads)} chunks" if len(reads) > 1 else "whole")
+        if spec.vocab_rows:
             kind = f"vocab padded to {padded or '?'}, {kind}"
         tensors[name] = TensorPlan(name, shapes[name], acc.dtypes[name],
                                    tuple(sorted(reads, key=lambda r: r.dst_box.offsets)), kind)

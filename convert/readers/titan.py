@@ -13,7 +13,7 @@ from titan_pipe.convert.readers.store import SafetensorsStore, read_header
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.names import native_names
+from titan_pipe.model.params import native_names
 from titan_pipe.paths import resolve_inside
 
 FORMAT = "titan"
@@ -84,6 +84,6 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
                                    describe_split(p.tp_dim, len(reads)))
     par = m.parallel
     plan = SourcePlan(FORMAT, root, args, tensors, files=sorted(m.files), step=m.step,
-                      layout={k: par.get(k) for k in ("dp", "tp", "pp", "pp_schedule") if k in par},
+                      layout={"dp": par.dp, "tp": par.tp, "pp": par.pp, "pp_schedule": par.pp_schedule},
                       expected_sha256={k: v.sha256 for k, v in m.files.items()})
     return plan, store

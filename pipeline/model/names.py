@@ -1,4 +1,6 @@
-"""Name tables: native (torchtitan-style) <-> Hugging Face LLaMA, and ModelArgs <-> LlamaConfig.
+"""Name tables: native (torchtitan-style) <-> Hugging Face LLaMA <-> Megatron, and ModelArgs <-> LlamaConfig.
+
+The tables are derived from the parameter list (titan_pipe.model.params), never spelled here.
 
 Native q/k rows are already in Hugging Face's rotate-half layout, so native <-> HF is renaming
 only. (torchtitan/Meta checkpoints use interleaved RoPE pairs: their reader permutes q/k rows.)
@@ -8,21 +10,13 @@ from __future__ import annotations
 import re
 
 from titan_pipe.model.args import ModelArgs, RopeScaling
+from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS
 
-# (native pattern, Hugging Face pattern); {i} is the layer id.
+# (native pattern, Hugging Face pattern); {i} is the layer id. Derived from the parameter list.
 NATIVE_TO_HF: tuple[tuple[str, str], ...] = (
-    ("tok_embeddings.weight", "model.embed_tokens.weight"),
-    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
+    *((p.name, p.hf) for p in MODEL_PARAMS if p.scope == "first"),
+    *((f"{LAYER_PREFIX}{{i}}.{p.name}", f"model.layers.{{i}}.{p.hf}") for p in LAYER_PARAMS),
+    *((p.name, p.hf) for p in MODEL_PARAMS if p.scope == "last"),
 )
 
 
@@ -122,25 +116,7 @@ def from_hf_config(cfg: dict, *, source: str = "config.json") -> ModelArgs:
 
 
 # ---------------------------------------------------------------------------------------------
-# Canonical order and the tables of the other source formats
-
-_LAYER_PARAMS = ("attention_norm", "attention.wq", "attention.wk", "attention.wv", "attention.wo",
-                 "ffn_norm", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
-
-
-def native_names(args: ModelArgs) -> list[str]:
-    """Every native parameter name of a model, in model order (the order outputs are written in).
-
-    With tied embeddings ``output.weight`` is the embedding matrix and is not listed.
-    """
-    names = ["tok_embeddings.weight"]
-    for i in range(args.n_layers):
-        names += [f"layers.{i}.{p}.weight" for p in _LAYER_PARAMS]
-    names.append("norm.weight")
-    if not args.tie_embeddings:
-        names.append("output.weight")
-    return names
-
+# The tables of the other source formats (the native names and shapes: titan_pipe.model.params)
 
 # torchtitan / Meta (DCP) names are the native names; only the q/k row order differs (interleaved
 # RoPE pairs), which the DCP reader undoes. Full training checkpoints nest the model under "model.".
@@ -148,19 +124,12 @@ TORCHTITAN_MODEL_PREFIX = "model."
 
 # Megatron-LM (megatron-core GPTModel) names, with {i} the layer index LOCAL to a pipeline stage.
 # Values: the native name, or a fused tensor the Megatron reader splits (qkv, fc1).
-MEGATRON_TO_NATIVE: tuple[tuple[str, str], ...] = (
-    ("embedding.word_embeddings.weight", "tok_embeddings.weight"),
-    ("decoder.layers.{i}.self_attention.linear_qkv.layer_norm_weight", "layers.{i}.attention_norm.weight"),
-    ("decoder.layers.{i}.input_layernorm.weight", "layers.{i}.attention_norm.weight"),
-    ("decoder.layers.{i}.self_attention.linear_qkv.weight", "<qkv>"),
-    ("decoder.layers.{i}.self_attention.linear_proj.weight", "layers.{i}.attention.wo.weight"),
-    ("decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight", "layers.{i}.ffn_norm.weight"),
-    ("decoder.layers.{i}.pre_mlp_layernorm.weight", "layers.{i}.ffn_norm.weight"),
-    ("decoder.layers.{i}.mlp.linear_fc1.weight", "<fc1>"),
-    ("decoder.layers.{i}.mlp.linear_fc2.weight", "layers.{i}.feed_forward.w2.weight"),
-    ("decoder.final_layernorm.weight", "norm.weight"),
-    ("output_layer.weight", "output.weight"),
-)
+MEGATRON_TO_NATIVE: tuple[tuple[str, str], ...] = tuple(dict.fromkeys((
+    *((m, p.name) for p in MODEL_PARAMS if p.scope == "first" for m in p.megatron),
+    *((f"decoder.layers.{{i}}.{m}", f"<{p.fused[0]}>" if p.fused else f"{LAYER_PREFIX}{{i}}.{p.name}")
+      for p in LAYER_PARAMS for m in p.megatron),
+    *((m, p.name) for p in MODEL_PARAMS if p.scope == "last" for m in p.megatron),
+)))
 _M2N = [(_compile(m), n) for m, n in MEGATRON_TO_NATIVE]
 
 
@@ -181,19 +150,3 @@ def megatron_to_native(name: str, layer_offset: int) -> str | None:
                 return f"{target}:{gid}"
             return target.format(i=gid) if gid is not None else target
     raise KeyError(f"no native name for Megatron parameter {name!r} (titan_pipe.model.names)")
-
-
-def native_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Global shape of every parameter in ``native_names(args)``, from the dims alone."""
-    d, hd, h = args.dim, args.head_dim, args.hidden_dim
-    per_layer = {"attention_norm": (d,), "attention.wq": (args.n_heads * hd, d),
-                 "attention.wk": (args.kv_heads * hd, d), "attention.wv": (args.kv_heads * hd, d),
-                 "attention.wo": (d, args.n_heads * hd), "ffn_norm": (d,),
-                 "feed_forward.w1": (h, d), "feed_forward.w3": (h, d), "feed_forward.w2": (d, h)}
-    out = {"tok_embeddings.weight": (args.vocab_size, d)}
-    for i in range(args.n_layers):
-        out.update({f"layers.{i}.{p}.weight": s for p, s in per_layer.items()})
-    out["norm.weight"] = (d,)
-    if not args.tie_embeddings:
-        out["output.weight"] = (args.vocab_size, d)
-    return out

@@ -1,14 +1,17 @@
 """THE sharding table: how each parameter splits under TP and which stage owns it under PP.
 
 Training builds its DTensor plan from ``TP_PLAN``; the checkpoint writer and the converter read the
-split dims from ``tp_split_dim``. One table, two users, so they cannot disagree.
+split dims from ``tp_split_dim``. One table, two users, so they cannot disagree. Both are keyed by
+the parameter list (titan_pipe.model.params): each entry declares its module's TP style, its split
+dim and its pipeline owner.
 
-Names are native (model.py) names; ``*`` stands for a layer id.
+Module names are native names; ``*`` stands for a layer id.
 """
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
+
+from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS, param_of, split_layer
 
 
 @dataclass(frozen=True)
@@ -23,46 +26,30 @@ class TPRule:
     module: str
     style: str
 
-    @property
-    def weight_dim(self) -> int | None:
-        return {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None}[self.style]
 
-
-# The plan reads like a spec: attention and FFN in Megatron's column-then-row pairing, so each
-# block needs one all-reduce (or reduce-scatter under sequence parallel) after wo and after w2.
-TP_PLAN: tuple[TPRule, ...] = (
-    TPRule("tok_embeddings", "vocab"),
-    TPRule("layers.*.attention_norm", "replicate"),
-    TPRule("layers.*.attention.wq", "colwise"),
-    TPRule("layers.*.attention.wk", "colwise"),
-    TPRule("layers.*.attention.wv", "colwise"),
-    TPRule("layers.*.attention.wo", "rowwise"),
-    TPRule("layers.*.ffn_norm", "replicate"),
-    TPRule("layers.*.feed_forward.w1", "colwise"),
-    TPRule("layers.*.feed_forward.w3", "colwise"),
-    TPRule("layers.*.feed_forward.w2", "rowwise"),
-    TPRule("norm", "replicate"),
-    TPRule("output", "colwise"),
-)
-
-
-def tp_rule(param_name: str) -> TPRule:
-    """The rule of the module owning ``param_name`` (e.g. 'layers.3.attention.wq.weight')."""
-    module = param_name.rsplit(".", 1)[0]
-    for rule in TP_PLAN:
-        if fnmatch.fnmatchcase(module, rule.module):
-            return rule
-    raise KeyError(f"parameter {param_name!r} has no entry in the sharding table (titan_pipe.model.sharding)")
+# Attention and FFN in Megatron's column-then-row pairing, so each block needs one all-reduce (or
+# reduce-scatter under sequence parallel) after wo and after w2. One rule per module, in model order.
+TP_PLAN: tuple[TPRule, ...] = tuple(dict.fromkeys(
+    [TPRule(p.module, p.tp) for p in MODEL_PARAMS if p.scope == "first"]
+    + [TPRule(f"{LAYER_PREFIX}*.{p.module}", p.tp) for p in LAYER_PARAMS]
+    + [TPRule(p.module, p.tp) for p in MODEL_PARAMS if p.scope == "last"]))
 
 
 def tp_split_dim(param_name: str) -> int | None:
     """The dim a parameter is split on under TP, or None when replicated."""
-    return tp_rule(param_name).weight_dim
+    return _param(param_name).tp_dim
+
+
+def _param(param_name: str):
+    try:
+        return param_of(param_name)
+    except KeyError:
+        raise KeyError(f"parameter {param_name!r} has no entry in the sharding table "
+                       "(titan_pipe.model.params)") from None
 
 
 def layer_id(param_name: str) -> int | None:
-    parts = param_name.split(".")
-    return int(parts[1]) if parts[0] == "layers" else None
+    return split_layer(param_name)[0]
 
 
 def split_stages(n_layers: int, n_stages: int) -> list[list[int]]:
@@ -87,17 +74,16 @@ def split_stages(n_layers: int, n_stages: int) -> list[list[int]]:
 
 def stage_of(param_name: str, stages: list[list[int]]) -> int:
     """The pipeline stage that owns a parameter, given ``split_stages``' layer lists."""
-    lid = layer_id(param_name)
-    if lid is not None:
-        for s, layers in enumerate(stages):
-            if lid in layers:
-                return s
-        raise KeyError(f"layer {lid} of {param_name!r} is in no pipeline stage")
-    if param_name.startswith("tok_embeddings"):
+    scope = _param(param_name).scope
+    if scope == "first":
         return 0
-    if param_name.startswith(("norm.", "output.")):
+    if scope == "last":
         return len(stages) - 1
-    raise KeyError(f"parameter {param_name!r} has no pipeline owner (titan_pipe.model.sharding)")
+    lid = layer_id(param_name)
+    for s, layers in enumerate(stages):
+        if lid in layers:
+            return s
+    raise KeyError(f"layer {lid} of {param_name!r} is in no pipeline stage")
 
 
 def stage_ranks(n_stages: int, pp: int, style: str = "loop") -> list[int]:

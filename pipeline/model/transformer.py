@@ -17,6 +17,7 @@ from torch import nn
 from titan_pipe.model import rope
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels, reference_kernels
+from titan_pipe.model.params import param_of
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,12 +150,13 @@ class Transformer(nn.Module):
 
 
 def _param_std(name: str, args: ModelArgs) -> float | None:
-    """Init std per parameter: 0.02, output projections of each block scaled by depth."""
-    if name.endswith("norm.weight"):
-        return None  # ones
-    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+    """Init std of a parameter by its declared init (titan_pipe.model.params); None: ones."""
+    init = param_of(name).init
+    if init == "ones":
+        return None
+    if init == "depth_scaled":  # projections back into the residual stream, scaled by depth
         return 0.02 / math.sqrt(2 * args.n_layers)
-    if name == "output.weight":
+    if init == "fan_in":
         return args.dim ** -0.5
     return 0.02
 

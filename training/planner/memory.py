@@ -16,10 +16,10 @@ from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.training.activation_checkpoint import ac_layer_ids
 from titan_pipe.training.data_parallel import DPPlan, plan_dp
-from titan_pipe.model.transformer import build_model
 from titan_pipe.training.pipeline_parallel import plan_stages
 from titan_pipe.training.planner.workload import Assumptions, Layout, Workload
-from titan_pipe.model.sharding import tp_split_dim
+from titan_pipe.model.params import native_shapes, param_of
+from titan_pipe.model.sharding import layer_id, tp_split_dim
 
 
 # ---------------------------------------------------------------------------------------------
@@ -28,9 +28,8 @@ from titan_pipe.model.sharding import tp_split_dim
 
 @lru_cache(maxsize=8)
 def param_shapes(args: ModelArgs) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(native name, global shape) of every parameter, read off the real model on the meta device."""
-    model = build_model(args, device="meta", seed=None)
-    return tuple((n, tuple(p.shape)) for n, p in model.named_parameters())
+    """(native name, global shape) of every parameter: the model's declared parameter list."""
+    return tuple(native_shapes(args).items())
 
 
 def _chunk(n: int, parts: int, index: int) -> int:
@@ -44,7 +43,7 @@ def _numel(shape) -> int:
 
 
 def _is_matmul(name: str) -> bool:
-    return not (name.endswith("norm.weight") or name.startswith("tok_embeddings"))
+    return param_of(name).matmul
 
 
 @dataclass(frozen=True)
@@ -74,13 +73,11 @@ def _stage_layers(n_layers: int, pp: int, pp_rank: int, schedule: str, v: int) -
 
 
 def _owned(name: str, stages: list[tuple[int, list[int]]], n_stages: int) -> bool:
-    ids = {s for s, _ in stages}
-    if name.startswith("layers."):
-        lid = int(name.split(".")[1])
-        return any(lid in layers for _, layers in stages)
-    if name.startswith("tok_embeddings"):
-        return 0 in ids
-    return n_stages - 1 in ids  # norm, output
+    """Whether one of a rank's (virtual stage id, layer ids) holds ``name`` (its declared scope)."""
+    scope = param_of(name).scope
+    if scope == "layer":
+        return any(layer_id(name) in layers for _, layers in stages)
+    return (0 if scope == "first" else n_stages - 1) in {s for s, _ in stages}
 
 
 def _dp_plan(layout: Layout, assume: Assumptions) -> DPPlan:
@@ -290,7 +287,7 @@ def _layer_param_elems(args: ModelArgs, tp: int) -> int:
     """TP-local elements of one decoder layer (the unit FSDP2 gathers)."""
     total = 0
     for name, shape in param_shapes(args):
-        if name.startswith("layers.0."):
+        if layer_id(name) == 0:
             dim = tp_split_dim(name)
             total += _numel(shape) // (tp if dim is not None else 1)
     return total

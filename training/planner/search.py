@@ -128,7 +128,7 @@ def parse_size(text: str) -> float:
 
 def build_cluster(device: str, n_devices: int, *, nodes: int | None = None,
                   device_memory: str | None = None) -> tuple[Cluster, list[str]]:
-    """The Cluster for ``n_devices`` of one profile (pipeline/data/device_profiles.json), with notes
+    """The Cluster for ``n_devices`` of one profile (titan_pipe.device_profiles), with notes
     (e.g. which bin an alias family resolved to). Device memory counts memory_gb as 10^9 bytes."""
     from titan_pipe.device_profiles import resolve_profile
 
@@ -175,7 +175,7 @@ def amp_dtype_for(cluster: Cluster) -> str:
     for dtype in ("bfloat16", "float16", "float32"):
         if cluster.peak_tflops.get(dtype):
             return dtype
-    raise UserError(f"device {cluster.device} lists no peak TFLOPS in pipeline/data/device_profiles.json")
+    raise UserError(f"device {cluster.device} lists no peak TFLOPS in titan_pipe.device_profiles (its data/device_profiles.json)")
 
 
 def candidate_layouts(w: Workload, cluster: Cluster, *, dp: int | None = None, tp: int | None = None,

@@ -158,7 +158,7 @@ def peak_flops(cluster: Cluster, layout: Layout) -> float:
     dtype = layout.amp_dtype or "float32"
     tflops = cluster.peak_tflops.get(dtype)
     if not tflops:
-        raise UserError(f"device {cluster.device} has no {dtype} peak in pipeline/data/device_profiles.json; "
+        raise UserError(f"device {cluster.device} has no {dtype} peak in titan_pipe.device_profiles (its data/device_profiles.json); "
                         "pick an AMP dtype it lists, or add the figure with its source")
     return tflops * 1e12
 

@@ -1,6 +1,9 @@
 """Reference greedy generation with the exported pair: a left-padded batch, one prefill, then
 decode.onnx step by step against a fixed-capacity KV cache — the loop a deployment runs.
 
+Part of the deployed-graph contract (titan_pipe.graph_io names every input and output it feeds):
+the exporter builds graphs this loop drives, evaluate drives them with it.
+
 Works with any session object that has ONNX Runtime's ``run(output_names, feeds)`` and
 ``get_inputs()`` (an ``ais_bench`` wrapper on an Ascend host can offer the same two), on static
 graphs (every dim fixed) and dynamic ones alike. The host state is exactly what an Ascend host
@@ -20,6 +23,8 @@ from typing import Sequence
 import numpy as np
 
 from titan_pipe.errors import UserError
+from titan_pipe.graph_io import (ATTENTION_MASK, INPUT_IDS, LOGITS, PAST, POSITION_IDS, PRESENT, WRITE_INDEX, past_of,
+                                 present_of)
 
 
 @dataclass(frozen=True)
@@ -102,8 +107,8 @@ def generate(*, prefill, decode, prompts: Sequence[Sequence[int]], max_new_token
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens {max_new_tokens}: generate at least one token")
     pd, dd = _dims(prefill), _dims(decode)
-    b_fixed, t_fixed = _fixed(pd["input_ids"][0]), _fixed(pd["input_ids"][1])
-    c_fixed = _fixed(dd["attention_mask"][1])
+    b_fixed, t_fixed = _fixed(pd[INPUT_IDS][0]), _fixed(pd[INPUT_IDS][1])
+    c_fixed = _fixed(dd[ATTENTION_MASK][1])
     for r, p in enumerate(prompts):
         if len(p) == 0:
             raise UserError(f"prompt {r} is empty (its attention_mask row would be all zeros); give every prompt "
@@ -149,23 +154,23 @@ def generate_padded(*, prefill, decode, input_ids: np.ndarray, attention_mask: n
                         f"{t + max_new_tokens - 1} cache slots but the cache has {cache_len}; generate fewer tokens, "
                         f"shorten the prompt, or re-export with --cache-len {t + max_new_tokens - 1} or more")
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-    present = [o.name for o in prefill.get_outputs() if o.name.startswith("present.")]
-    past = [i.name for i in decode.get_inputs() if i.name.startswith("past_key_values.")]
+    present = [o.name for o in prefill.get_outputs() if o.name.startswith(PRESENT)]
+    past = [i.name for i in decode.get_inputs() if i.name.startswith(PAST)]
     if not present or len(present) != len(past):
-        raise UserError(f"the prefill graph gives {len(present)} present.* outputs but the decode graph takes "
-                        f"{len(past)} past_key_values.* inputs; export both from one model with the KV cache")
-    res = prefill.run(["logits"] + present, {"input_ids": ids, "attention_mask": mask, "position_ids": positions})
+        raise UserError(f"the prefill graph gives {len(present)} {PRESENT}* outputs but the decode graph takes "
+                        f"{len(past)} {PAST}* inputs; export both from one model with the KV cache")
+    res = prefill.run([LOGITS] + present, {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: positions})
     logits = res[0][:, -1]
     cache = {}
     for name, kv in zip(present, res[1:]):
         buf = np.zeros(kv.shape[:2] + (cache_len,) + kv.shape[3:], dtype=kv.dtype)
         buf[:, :, :t] = kv
-        cache["past_key_values." + name.removeprefix("present.")] = buf
+        cache[past_of(name)] = buf
     slot_mask = np.zeros((b, cache_len), dtype=np.int64)
     slot_mask[:, :t] = mask
     new_tokens = np.zeros((b, max_new_tokens), dtype=np.int64)
     all_logits = []
-    out_names = ["logits"] + ["present." + p.removeprefix("past_key_values.") for p in past]
+    out_names = [LOGITS] + [present_of(p) for p in past]
     for k in range(max_new_tokens):
         all_logits.append(logits.astype(np.float32))
         nxt = forced[:, k] if forced is not None else logits.argmax(-1)
@@ -174,8 +179,8 @@ def generate_padded(*, prefill, decode, input_ids: np.ndarray, attention_mask: n
             break
         slot = t + k
         slot_mask[:, slot] = 1
-        feeds = {"input_ids": new_tokens[:, k:k + 1].copy(), "position_ids": (lengths + k)[:, None].astype(np.int64),
-                 "attention_mask": slot_mask, "write_index": np.full((b,), slot, dtype=np.int64), **cache}
+        feeds = {INPUT_IDS: new_tokens[:, k:k + 1].copy(), POSITION_IDS: (lengths + k)[:, None].astype(np.int64),
+                 ATTENTION_MASK: slot_mask, WRITE_INDEX: np.full((b,), slot, dtype=np.int64), **cache}
         res = decode.run(out_names, feeds)
         logits = res[0][:, -1]
         cache = dict(zip(past, res[1:]))

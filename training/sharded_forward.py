@@ -1,18 +1,15 @@
 """torchrun entry: forward a training checkpoint under its own dp/tp/pp layout, save the outputs.
 
-  python -m torch.distributed.run --nproc_per_node=N -m titan_pipe.evaluate.sharded_forward \
+  python -m torch.distributed.run --nproc_per_node=N -m titan_pipe.training.sharded_forward \
       --checkpoint STEP_DIR --tokens TOKENS.safetensors --out DIR [--device cpu]
 
-TOKENS holds ``batch.{i}`` (B, T) int64. Written to DIR: ``logits.safetensors`` (``batch.{i}``
-(B, T, vocab), by global rank 0), ``hidden-pp{r}.safetensors`` (``batch.{i}.hidden.{layer}``
-(B, T, dim) for the layers of pp rank r, by its dp0/tp0 rank), and ``done.json`` last.
-The model is built by training's own ``build_parallel_model`` with the training operators, and
-run by ``forward_logits``, the forward the training pipeline uses.
+Evaluate starts this process (titan_pipe.sharded_outputs: the command line, the files written to
+DIR and how they are read back). The model is built by ``build_parallel_model`` with the training
+operators, and run by ``forward_logits``, the forward the training pipeline uses.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
@@ -27,6 +24,16 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _capture(pm) -> dict[int, torch.Tensor]:
+    """Forward hooks on every decoder layer this rank holds: {layer id: its output (B, T, dim)}."""
+    captured: dict[int, torch.Tensor] = {}
+    for module in pm.modules:
+        for key, layer in module.layers.items():
+            layer.register_forward_hook(
+                lambda _m, _i, out, i=int(key): captured.__setitem__(i, _full(out).detach().cpu()))
+    return captured
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", required=True, type=Path)
@@ -37,19 +44,19 @@ def main(argv: list[str] | None = None) -> None:
 
     from safetensors.torch import load_file, save_file
 
+    from titan_pipe import sharded_outputs as so
     from titan_pipe.checkpoint_format import Manifest
     from titan_pipe.devices import resolve_device, set_local_device
-    from titan_pipe.model.kernels import resolve_kernels
     from titan_pipe.model.args import ModelArgs
+    from titan_pipe.model.kernels import resolve_kernels
+    from titan_pipe.model.weights import open_weights
     from titan_pipe.training.parallel_dims import ParallelDims
     from titan_pipe.training.parallelize import build_parallel_model
     from titan_pipe.training.pipeline_parallel import forward_logits
-    from titan_pipe.model.weights import open_weights
 
     manifest = Manifest.load(a.checkpoint)
-    args = ModelArgs.from_dict(manifest.model)
-    p = manifest.parallel
-    dims = ParallelDims(int(p.get("dp", 1)), int(p.get("tp", 1)), int(p.get("pp", 1)))
+    args, p = ModelArgs.from_dict(manifest.model), manifest.parallel
+    dims = ParallelDims(p.dp, p.tp, p.pp)
     device = resolve_device(a.device)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     set_local_device(device, local_rank)
@@ -58,36 +65,27 @@ def main(argv: list[str] | None = None) -> None:
         mesh = dims.build_mesh(device.type)
         # the training operators of this device: npu_fused on Ascend, the reference ops elsewhere
         kernels = resolve_kernels(manifest.extra.get("kernels", "auto"), device.type)
-        # interleaved schedules hold n_stages / pp virtual stages per rank; the manifest records both
-        n_stages = int(p.get("n_stages", len(p.get("stages", [])) or dims.pp))
-        pm = build_parallel_model(args, mesh, device=device.torch_device(local_rank),
-                                  schedule=p.get("pp_schedule", "1f1b"),
-                                  virtual_stages=max(1, n_stages // dims.pp),
-                                  sequence_parallel=bool(p.get("sequence_parallel", False)),
+        pm = build_parallel_model(args, mesh, device=device.torch_device(local_rank), schedule=p.pp_schedule,
+                                  virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel,
                                   kernels=kernels, weights=open_weights(a.checkpoint))
-        captured: dict[int, torch.Tensor] = {}
-        for module in pm.modules:
-            for key, layer in module.layers.items():
-                layer.register_forward_hook(
-                    lambda _m, _i, out, i=int(key): captured.__setitem__(i, _full(out).detach().cpu()))
+        captured = _capture(pm)
         batches = load_file(str(a.tokens))
         logits_out, hidden_out = {}, {}
         for i in range(len(batches)):
-            tokens = batches[f"batch.{i}"].to(device.torch_device(local_rank))
+            tokens = batches[so.batch_key(i)].to(device.torch_device(local_rank))
             captured.clear()
             logits = forward_logits(pm.modules, pm.stage_plan, tokens, pp_mesh=mesh["pp"], args=args)
-            logits_out[f"batch.{i}"] = _full(logits).detach().cpu().contiguous()
-            hidden_out.update({f"batch.{i}.hidden.{j}": h.contiguous() for j, h in captured.items()})
+            logits_out[so.batch_key(i)] = _full(logits).detach().cpu().contiguous()
+            hidden_out.update({so.hidden_key(i, j): h.contiguous() for j, h in captured.items()})
         rank = dist.get_rank()
         dp_rank, pp_rank, tp_rank = dims.coords(rank)
         if dp_rank == 0 and tp_rank == 0:
-            save_file(hidden_out, str(a.out / f"hidden-pp{pp_rank}.safetensors"))
+            save_file(hidden_out, str(a.out / so.hidden_file(pp_rank)))
         if rank == 0:
-            save_file(logits_out, str(a.out / "logits.safetensors"))
+            save_file(logits_out, str(a.out / so.LOGITS_FILE))
         dist.barrier()
         if rank == 0:
-            files = [f"hidden-pp{r}.safetensors" for r in range(dims.pp)]
-            (a.out / "done.json").write_text(json.dumps({"hidden_files": files}))
+            so.write_done(a.out, dims.pp)
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,172 @@
+"""THE parameter list: every per-model and per-layer parameter, its shape from ModelArgs, and what
+each stage needs to know about it. Pure data, no torch.
+
+The name tables (titan_pipe.model.names: Hugging Face, Megatron), the sharding table
+(titan_pipe.model.sharding), the module's initialisation (titan_pipe.model.transformer), the
+planner's memory model, the converters' readers and the exported graphs' initializers all derive
+from ``MODEL_PARAMS`` + ``LAYER_PARAMS``; tests check the nn.Module holds exactly this list.
+
+A new optional parameter (a q/k/v bias, a q/k norm) is one ``Param`` entry with its ``when``
+condition on ModelArgs (and the module attribute that holds it); every table follows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from titan_pipe.model.args import ModelArgs
+
+# The TP style of the module that owns a parameter (training/tensor_parallel.py builds the DTensor
+# plan from it) and the dim of the parameter it splits (None: replicated).
+TP_STYLES = ("colwise", "rowwise", "vocab", "replicate")
+_WEIGHT_SPLIT = {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None}
+# Initial values (transformer.init_param): ones; N(0, 0.02); N(0, 0.02 / sqrt(2 n_layers)) for the
+# projections back into the residual stream; N(0, dim^-0.5) for the output projection.
+INITS = ("ones", "normal", "depth_scaled", "fan_in")
+# Pipeline owner: the first stage, the stage holding the layer, the last stage.
+SCOPES = ("first", "layer", "last")
+
+
+def _always(_args: ModelArgs) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter.
+
+    ``name``, ``hf``, ``onnx`` and ``megatron`` of a per-layer parameter are relative to its layer
+    (``layers.{i}.``, ``model.layers.{i}.``, ``layers.{i}.`` and ``decoder.layers.{i}.``).
+    ``shape(args)``: the global shape. ``fused``: (Megatron's fused tensor, this parameter's part
+    in it), e.g. ("qkv", "q"); the Megatron readers de-fuse it. ``rope``: rows in rotate-half RoPE
+    order, which readers of interleaved-pair checkpoints (torchtitan/Meta, Megatron with
+    rotary_interleaved) permute. ``vocab_rows``: dim 0 is the vocabulary (Megatron pads it).
+    ``matmul``: the weight of a Linear (what autocast casts; the planner counts it).
+    ``tp_dim``: the split dim under TP when it is not the style's weight dim (a rowwise bias: None).
+    """
+
+    name: str
+    shape: Callable[[ModelArgs], tuple[int, ...]]
+    tp: str
+    scope: str
+    hf: str
+    onnx: str
+    init: str = "normal"
+    matmul: bool = True
+    megatron: tuple[str, ...] = ()
+    fused: tuple[str, str] | None = None
+    rope: bool = False
+    vocab_rows: bool = False
+    when: Callable[[ModelArgs], bool] = _always
+    tp_dim: int | None | str = "style"
+
+    def __post_init__(self):
+        if self.tp not in TP_STYLES or self.init not in INITS or self.scope not in SCOPES:
+            raise ValueError(f"parameter {self.name!r}: tp {self.tp!r}, init {self.init!r} or scope "
+                             f"{self.scope!r} is not one of {TP_STYLES}, {INITS}, {SCOPES}")
+        if self.tp_dim == "style":
+            object.__setattr__(self, "tp_dim", _WEIGHT_SPLIT[self.tp])
+
+    @property
+    def module(self) -> str:
+        """The owning module (``attention.wq``), relative to the layer for per-layer parameters."""
+        return self.name.rsplit(".", 1)[0]
+
+
+def _norm(name: str, hf: str, megatron: tuple[str, ...], scope: str) -> Param:
+    return Param(name, lambda a: (a.dim,), "replicate", scope, hf, name, init="ones", matmul=False,
+                 megatron=megatron)
+
+
+MODEL_PARAMS: tuple[Param, ...] = (
+    Param("tok_embeddings.weight", lambda a: (a.vocab_size, a.dim), "vocab", "first",
+          "model.embed_tokens.weight", "tok_embeddings.weight", matmul=False,
+          megatron=("embedding.word_embeddings.weight",), vocab_rows=True),
+    _norm("norm.weight", "model.norm.weight", ("decoder.final_layernorm.weight",), "last"),
+    # Tied embeddings: the output projection is the embedding matrix, stored once as that.
+    Param("output.weight", lambda a: (a.vocab_size, a.dim), "colwise", "last", "lm_head.weight",
+          "output.weight", init="fan_in", megatron=("output_layer.weight",), vocab_rows=True,
+          when=lambda a: not a.tie_embeddings),
+)
+
+LAYER_PARAMS: tuple[Param, ...] = (
+    _norm("attention_norm.weight", "input_layernorm.weight",
+          ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"), "layer"),
+    Param("attention.wq.weight", lambda a: (a.n_heads * a.head_dim, a.dim), "colwise", "layer",
+          "self_attn.q_proj.weight", "wq", megatron=("self_attention.linear_qkv.weight",),
+          fused=("qkv", "q"), rope=True),
+    Param("attention.wk.weight", lambda a: (a.kv_heads * a.head_dim, a.dim), "colwise", "layer",
+          "self_attn.k_proj.weight", "wk", megatron=("self_attention.linear_qkv.weight",),
+          fused=("qkv", "k"), rope=True),
+    Param("attention.wv.weight", lambda a: (a.kv_heads * a.head_dim, a.dim), "colwise", "layer",
+          "self_attn.v_proj.weight", "wv", megatron=("self_attention.linear_qkv.weight",),
+          fused=("qkv", "v")),
+    Param("attention.wo.weight", lambda a: (a.dim, a.n_heads * a.head_dim), "rowwise", "layer",
+          "self_attn.o_proj.weight", "wo", init="depth_scaled",
+          megatron=("self_attention.linear_proj.weight",)),
+    _norm("ffn_norm.weight", "post_attention_layernorm.weight",
+          ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), "layer"),
+    Param("feed_forward.w1.weight", lambda a: (a.hidden_dim, a.dim), "colwise", "layer",
+          "mlp.gate_proj.weight", "w1", megatron=("mlp.linear_fc1.weight",), fused=("fc1", "gate")),
+    Param("feed_forward.w3.weight", lambda a: (a.hidden_dim, a.dim), "colwise", "layer",
+          "mlp.up_proj.weight", "w3", megatron=("mlp.linear_fc1.weight",), fused=("fc1", "up")),
+    Param("feed_forward.w2.weight", lambda a: (a.dim, a.hidden_dim), "rowwise", "layer",
+          "mlp.down_proj.weight", "w2", init="depth_scaled", megatron=("mlp.linear_fc2.weight",)),
+)
+
+LAYER_PREFIX = "layers."
+_MODEL = {p.name: p for p in MODEL_PARAMS}
+_LAYER = {p.name: p for p in LAYER_PARAMS}
+
+
+def layer_name(i: int, p: Param) -> str:
+    """The native name of per-layer parameter ``p`` in layer ``i``: ``layers.{i}.<p.name>``."""
+    return f"{LAYER_PREFIX}{i}.{p.name}"
+
+
+def split_layer(name: str) -> tuple[int | None, str]:
+    """(layer id, name within the layer) of a native name; (None, name) for a per-model one."""
+    if name.startswith(LAYER_PREFIX):
+        lid, _, rest = name[len(LAYER_PREFIX):].partition(".")
+        if lid.isdigit():
+            return int(lid), rest
+    return None, name
+
+
+def param_of(name: str) -> Param:
+    """The entry of a native parameter name (``layers.3.attention.wq.weight``); KeyError if none."""
+    lid, rest = split_layer(name)
+    p = (_LAYER if lid is not None else _MODEL).get(rest)
+    if p is None:
+        raise KeyError(f"parameter {name!r} is not in the model's parameter list (titan_pipe.model.params)")
+    return p
+
+
+def params(args: ModelArgs) -> list[tuple[str, Param]]:
+    """(native name, entry) of every parameter a model of ``args`` holds, in model order: the
+    first-stage ones, the layers, the last-stage ones (the order outputs are written in)."""
+    model = [p for p in MODEL_PARAMS if p.when(args)]
+    layer = [p for p in LAYER_PARAMS if p.when(args)]
+    out = [(p.name, p) for p in model if p.scope == "first"]
+    for i in range(args.n_layers):
+        out += [(layer_name(i, p), p) for p in layer]
+    return out + [(p.name, p) for p in model if p.scope == "last"]
+
+
+def native_names(args: ModelArgs) -> list[str]:
+    """Every native parameter name of a model, in model order (tied: no ``output.weight``)."""
+    return [n for n, _ in params(args)]
+
+
+def native_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Global shape of every parameter in ``native_names(args)``, from the dims alone."""
+    return {n: tuple(p.shape(args)) for n, p in params(args)}
+
+
+def fused_parts(group: str) -> dict[str, Param]:
+    """{part: entry} of the per-layer parameters Megatron fuses into ``group`` ("qkv", "fc1"), in
+    the order of their rows in the fused tensor."""
+    parts = {p.fused[1]: p for p in LAYER_PARAMS if p.fused and p.fused[0] == group}
+    if not parts:
+        raise KeyError(f"no parameters fused as {group!r} (titan_pipe.model.params)")
+    return parts

@@ -1,0 +1,131 @@
+"""The ONNX node recipes of the deployed graphs: each operator of the model as the nodes the exporter emits.
+
+The export graph builder (titan_pipe.convert.onnx.graphs) assembles its prefill and decode graphs
+from these recipes, and evaluate's operator conformance (titan_pipe.evaluate.operators) runs each
+recipe alone against the PyTorch operator, so the check exercises exactly what is deployed.
+The math is titan_pipe.model.transformer's, op for op:
+
+  embedding  Gather(table, ids, axis 0)
+  linear     Gemm(x2d, W, transB=1) on the weight as stored (out, in): no transposed copy
+  rms_norm   Cast(float32) -> Pow -> ReduceMean -> Add(eps) -> Sqrt -> Div [-> Cast back] -> Mul(weight)
+  rotary     rotate-half, real-valued: x*cos + concat(-x[..., half:], x[..., :half])*sin (Slice/Neg/Concat)
+  repeat_kv  each kv head repeated n_heads/n_kv_heads times (Unsqueeze -> Expand -> Reshape)
+  attention  q*scale @ k^T -> Where(allowed, scores, finfo.min) -> Softmax -> @ v: a row with every
+             key masked (a left padding query) gives a uniform row instead of NaN
+  silu       x * Sigmoid(x);  swiglu: silu(gate) * up
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from titan_pipe.dtypes import onnx_type
+
+NP_DTYPES = {"float32": np.float32, "float16": np.float16}
+_LOWEST = {"float32": float(np.finfo(np.float32).min), "float16": float(np.finfo(np.float16).min),
+           "bfloat16": -3.3895313892515355e38}  # torch.finfo(torch.bfloat16).min, exact in float32
+
+
+class NodeBuilder:
+    """Nodes and small constants of one graph computing in ``dtype``; each node has one output,
+    named after the node (``name``), or numbered when no name is given."""
+
+    def __init__(self, dtype: str):
+        self.nodes: list[onnx.NodeProto] = []
+        self.consts: list[TensorProto] = []
+        self.dtype = dtype
+        self.elem = onnx_type(dtype)
+        self._const_names: dict[tuple, str] = {}
+
+    def op(self, op_type: str, inputs: list[str], name: str | None = None, **attrs) -> str:
+        name = name or f"{op_type.lower()}.{len(self.nodes)}"
+        self.nodes.append(helper.make_node(op_type, inputs, [name], name=name, **attrs))
+        return name
+
+    def const(self, value, dtype=np.int64) -> str:
+        """A small constant initializer (shapes, axes, scalars, masks), shared by value."""
+        arr = np.asarray(value, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._const_names:
+            name = f"const.{len(self._const_names)}"
+            self.consts.append(numpy_helper.from_array(arr, name))
+            self._const_names[key] = name
+        return self._const_names[key]
+
+    def fconst(self, value) -> str:
+        """A constant in the graph dtype (bfloat16, which numpy lacks: float32 cast in the graph)."""
+        if self.dtype in NP_DTYPES:
+            return self.const(value, NP_DTYPES[self.dtype])
+        return self.op("Cast", [self.const(value, np.float32)], to=self.elem)
+
+    @property
+    def lowest(self) -> float:
+        """The graph dtype's lowest finite value (what masked attention scores become)."""
+        return _LOWEST[self.dtype]
+
+
+def embedding(g: NodeBuilder, table: str, ids: str, name: str | None = None) -> str:
+    """(vocab, dim) table, (B, T) ids -> (B, T, dim)."""
+    return g.op("Gather", [table, ids], name, axis=0)
+
+
+def linear(g: NodeBuilder, x2d: str, weight: str, name: str | None = None) -> str:
+    """(N, in) @ W^T with W (out, in) as stored -> (N, out)."""
+    return g.op("Gemm", [x2d, weight], name, transB=1)
+
+
+def rms_norm(g: NodeBuilder, x: str, weight: str, eps: float, name: str) -> str:
+    """Statistics in float32 whatever the graph dtype (as kernels.rms_norm_ref), then cast back."""
+    xf = g.op("Cast", [x], f"{name}.cast_in", to=TensorProto.FLOAT) if g.dtype != "float32" else x
+    sq = g.op("Pow", [xf, g.const(2.0, np.float32)], f"{name}.pow")
+    ms = g.op("ReduceMean", [sq], f"{name}.mean", axes=[-1], keepdims=1)
+    den = g.op("Sqrt", [g.op("Add", [ms, g.const(eps, np.float32)], f"{name}.add_eps")], f"{name}.sqrt")
+    n = g.op("Div", [xf, den], f"{name}.div")
+    if g.dtype != "float32":
+        n = g.op("Cast", [n], f"{name}.cast_out", to=g.elem)
+    return g.op("Mul", [weight, n], f"{name}.out")
+
+
+def rotary(g: NodeBuilder, x: str, cos: str, sin: str, half: int, name: str) -> str:
+    """x*cos + rotate_half(x)*sin, rotate_half(x) = concat(-x[..., half:], x[..., :half]);
+    cos/sin broadcast against x (..., T, 2*half)."""
+    axis = g.const([-1])
+    lo = g.op("Slice", [x, g.const([0]), g.const([half]), axis], f"{name}.lo")
+    hi = g.op("Slice", [x, g.const([half]), g.const([2 * half]), axis], f"{name}.hi")
+    rot = g.op("Concat", [g.op("Neg", [hi], f"{name}.neg"), lo], f"{name}.rot", axis=-1)
+    return g.op("Add", [g.op("Mul", [x, cos], f"{name}.xcos"), g.op("Mul", [rot, sin], f"{name}.rsin")],
+                f"{name}.out")
+
+
+def repeat_kv(g: NodeBuilder, x: str, n_rep: int, n_heads: int, hd: int, name: str) -> str:
+    """(B, Hkv, S, hd) -> (B, Hkv*n_rep, S, hd): kv head j serves query heads j*n_rep .. j*n_rep+n_rep-1."""
+    if n_rep == 1:
+        return x
+    u = g.op("Unsqueeze", [x, g.const([2])], f"{name}.unsqueeze")
+    e = g.op("Expand", [u, g.const([1, 1, n_rep, 1, 1])], f"{name}.expand")
+    return g.op("Reshape", [e, g.const([0, n_heads, -1, hd])], f"{name}.reshape")
+
+
+def attention(g: NodeBuilder, q: str, k: str, v: str, allowed: str, *, n_heads: int, n_kv_heads: int, hd: int,
+              name: str) -> str:
+    """q (B, H, T, hd), k/v (B, Hkv, S, hd), allowed (bool, broadcast to (B, H, T, S)) -> context
+    (B, H, T, hd). Masked scores become the dtype's lowest finite value before Softmax."""
+    n_rep = n_heads // n_kv_heads
+    kr = repeat_kv(g, k, n_rep, n_heads, hd, f"{name}.repeat_k")
+    vr = repeat_kv(g, v, n_rep, n_heads, hd, f"{name}.repeat_v")
+    kt = g.op("Transpose", [kr], f"{name}.k_t", perm=[0, 1, 3, 2])
+    scores = g.op("MatMul", [g.op("Mul", [q, g.fconst(1.0 / np.sqrt(hd))], f"{name}.q_scaled"), kt],
+                  f"{name}.scores")
+    masked = g.op("Where", [allowed, scores, g.fconst(g.lowest)], f"{name}.masked")
+    probs = g.op("Softmax", [masked], f"{name}.probs", axis=-1)
+    return g.op("MatMul", [probs, vr], f"{name}.context")
+
+
+def silu(g: NodeBuilder, x: str, name: str) -> str:
+    return g.op("Mul", [x, g.op("Sigmoid", [x], f"{name}.sigmoid")], f"{name}.silu")
+
+
+def swiglu(g: NodeBuilder, gate: str, up: str, name: str) -> str:
+    """silu(gate) * up: the SwiGLU product before the down projection."""
+    return g.op("Mul", [silu(g, gate, name), up], f"{name}.gated")

@@ -1,0 +1,89 @@
+"""The provenance record of a unified model dir: ``provenance.json``, written by `titan-pipe convert`.
+
+It says where the weights came from (source format, path, step, layout and the sha256 of every
+source file), which tokenizer the model dir carries, and what was written. Evaluate reads the
+tokenizer from it; flows do not key their cache on it (it holds a timestamp).
+
+Layout (``format: titan-pipe-provenance/1``; records written before the field existed load as
+version 1): source {format, path, step, layout, sha256 {file: digest}, sha256_verified},
+converter, tokenizer null | {tokenizer: "byte" | "tokenizer.json" | null, files {name: sha256}},
+output {kind, naming, dtype, tp, pp, files [...]}, created (UTC, ISO 8601).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from titan_pipe.errors import UserError
+
+PROVENANCE_FILE = "provenance.json"
+FORMAT_NAME = "titan-pipe-provenance"
+FORMAT_VERSION = 1
+_FIX = "re-run `titan-pipe convert` to write it again"
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    format: str
+    path: str
+    step: int | None = None
+    layout: dict = field(default_factory=dict)
+    sha256: dict[str, str] = field(default_factory=dict)
+    sha256_verified: bool = True  # False: the source's own recorded digests, not re-computed
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What the model dir carries: "tokenizer.json" (copied, with ``files``' sha256s), "byte" (the
+    checkpoint was trained on bytes) or None (the source named none)."""
+
+    tokenizer: str | None
+    files: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Provenance:
+    source: SourceInfo | None  # None only in records written by hand
+    converter: str = ""
+    output: dict = field(default_factory=dict)  # kind, naming, dtype, tp, pp, files (relative paths written)
+    created: str = ""
+    tokenizer: TokenizerInfo | None = None
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> str:
+        d = {"format": f"{FORMAT_NAME}/{self.format_version}",
+             "source": None if self.source is None else asdict(self.source),
+             "converter": self.converter, "tokenizer": None if self.tokenizer is None else asdict(self.tokenizer),
+             "output": self.output, "created": self.created}
+        return json.dumps(d, indent=2) + "\n"
+
+    @classmethod
+    def load(cls, model_dir: Path) -> "Provenance":
+        """``model_dir/provenance.json``; UserError (the file, the problem, the fix) if unusable."""
+        path = Path(model_dir) / PROVENANCE_FILE
+        try:
+            d = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            raise UserError(f"{path}: missing; {_FIX}") from None
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise UserError(f"{path}: not readable JSON ({e}); {_FIX}") from None
+        if not isinstance(d, dict):
+            raise UserError(f"{path}: expected a JSON object, got {type(d).__name__}; {_FIX}")
+        name, _, version = str(d.get("format", f"{FORMAT_NAME}/1")).partition("/")
+        if name != FORMAT_NAME or not version.isdigit() or int(version) > FORMAT_VERSION:
+            raise UserError(f"{path}: format {d.get('format')!r} is not {FORMAT_NAME}/1..{FORMAT_VERSION}; "
+                            "upgrade titan-pipe or re-run `titan-pipe convert`")
+        try:
+            tok, src = d.get("tokenizer"), d.get("source")
+            return cls(source=None if src is None else SourceInfo(**src), converter=str(d.get("converter", "")),
+                       output=dict(d.get("output") or {}), created=str(d.get("created", "")),
+                       tokenizer=None if tok is None else TokenizerInfo(tok.get("tokenizer"), dict(tok.get("files") or {})),
+                       format_version=int(version))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"{path}: missing or malformed field ({e!r}); {_FIX}") from None
+
+    @classmethod
+    def find(cls, model_dir: Path) -> "Provenance | None":
+        """``load`` when ``model_dir`` has a provenance record, else None (a model dir from elsewhere)."""
+        return cls.load(model_dir) if (Path(model_dir) / PROVENANCE_FILE).is_file() else None

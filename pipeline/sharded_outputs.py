@@ -1,0 +1,63 @@
+"""The sharded forward as a process: its command line and the files it exchanges with its caller.
+
+Training owns the process (``python -m titan_pipe.training.sharded_forward``: a checkpoint forwarded
+under its own dp/tp/pp layout by the training model and operators); evaluate starts it through
+torch.distributed.run and reads what it wrote. Both use this module, so neither spells the other's
+file names. Files in the exchange directory:
+
+  tokens.safetensors      (by the caller) ``batch.{i}`` (B, T) int64
+  logits.safetensors      ``batch.{i}`` (B, T, vocab), by global rank 0
+  hidden-pp{r}.safetensors ``batch.{i}.hidden.{layer}`` (B, T, dim) for pp rank r's layers, by its dp0/tp0 rank
+  done.json               ``{"hidden_files": [...]}``, by global rank 0 after every file above
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+MODULE = "titan_pipe.training.sharded_forward"
+TOKENS_FILE = "tokens.safetensors"
+LOGITS_FILE = "logits.safetensors"
+DONE_FILE = "done.json"
+
+
+def hidden_file(pp_rank: int) -> str:
+    return f"hidden-pp{pp_rank}.safetensors"
+
+
+def batch_key(i: int) -> str:
+    return f"batch.{i}"
+
+
+def hidden_key(i: int, layer: int) -> str:
+    return f"batch.{i}.hidden.{layer}"
+
+
+def command(*, world_size: int, checkpoint: Path, out_dir: Path, device: str) -> list[str]:
+    """The torchrun command line forwarding ``out_dir/tokens.safetensors`` through ``checkpoint``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+            "-m", MODULE, "--checkpoint", str(checkpoint), "--tokens", str(Path(out_dir) / TOKENS_FILE),
+            "--out", str(out_dir), "--device", device]
+
+
+def write_done(out_dir: Path, pp: int) -> None:
+    """The completion marker, written last by global rank 0."""
+    (Path(out_dir) / DONE_FILE).write_text(json.dumps({"hidden_files": [hidden_file(r) for r in range(pp)]}))
+
+
+def read_outputs(out_dir: Path, *, n_batches: int, n_layers: int) -> list[tuple]:
+    """(logits (B, T, vocab), [hidden (B, T, dim) per layer] or [] if any layer is missing) per batch."""
+    from safetensors.torch import load_file
+
+    out_dir = Path(out_dir)
+    done = json.loads((out_dir / DONE_FILE).read_text())
+    logits = load_file(str(out_dir / LOGITS_FILE))
+    hidden: dict = {}
+    for f in done["hidden_files"]:
+        hidden.update(load_file(str(out_dir / Path(f).name)))
+    out = []
+    for i in range(n_batches):
+        hs = [hidden[hidden_key(i, j)] for j in range(n_layers) if hidden_key(i, j) in hidden]
+        out.append((logits[batch_key(i)], hs if len(hs) == n_layers else []))
+    return out

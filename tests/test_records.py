@@ -1,0 +1,145 @@
+"""The typed stage records of the core: the parameter list, the manifest's parallel layout, the export
+record and the provenance record — round trips, records written by the previous version, bad input."""
+import json
+
+import pytest
+
+from titan_pipe.checkpoint_format import LayoutError, Manifest, ParallelLayout
+from titan_pipe.errors import UserError
+from titan_pipe.export_record import (RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord,
+                                      OperatorUse)
+from titan_pipe.model.args import resolve_args
+from titan_pipe.model.names import MEGATRON_TO_NATIVE, hf_to_native, megatron_to_native, native_to_hf
+from titan_pipe.model.params import LAYER_PARAMS, MODEL_PARAMS, Param, fused_parts, native_shapes, param_of, params
+from titan_pipe.model.sharding import TP_PLAN, stage_of, tp_split_dim
+from titan_pipe.model.transformer import build_model
+from titan_pipe.provenance import PROVENANCE_FILE, Provenance, SourceInfo, TokenizerInfo
+
+
+# --- the parameter list ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True}, {"n_kv_heads": 4, "n_layers": 3}])
+def test_the_parameter_list_is_what_the_module_holds(overrides):
+    args = resolve_args("debug", **overrides)
+    model = build_model(args, device="meta", seed=None)
+    assert native_shapes(args) == {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def test_every_table_derives_from_the_list():
+    args = resolve_args("debug")
+    for name, p in params(args):
+        assert hf_to_native(native_to_hf(name)) == name
+        assert tp_split_dim(name) == {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None}[p.tp]
+        owner = 0 if p.scope == "first" else 1 if p.scope == "last" else int(name.split(".")[1]) // 2
+        assert stage_of(name, [[0, 1], [2, 3]]) == owner
+    modules = {r.module for r in TP_PLAN}
+    assert modules == {p.module for p in MODEL_PARAMS} | {f"layers.*.{p.module}" for p in LAYER_PARAMS}
+    assert megatron_to_native("decoder.layers.1.self_attention.linear_qkv.weight", 2) == "<qkv>:3"
+    assert megatron_to_native("decoder.layers.0.pre_mlp_layernorm.weight", 5) == "layers.5.ffn_norm.weight"
+    assert len(MEGATRON_TO_NATIVE) == len(dict(MEGATRON_TO_NATIVE))
+    assert list(fused_parts("qkv")) == ["q", "k", "v"] and list(fused_parts("fc1")) == ["gate", "up"]
+    with pytest.raises(KeyError, match="titan_pipe.model.params"):
+        param_of("layers.0.attention.wq.bias")
+
+
+def test_an_optional_parameter_is_one_entry_with_its_condition(monkeypatch):
+    """What a q-bias entry would look like: present exactly when its ModelArgs condition holds, with
+    its shape, split and owner."""
+    from titan_pipe.model import params as plist
+
+    bias = Param("attention.wq.bias", lambda a: (a.n_heads * a.head_dim,), "colwise", "layer",
+                 "self_attn.q_proj.bias", "bq", init="ones", matmul=False, when=lambda a: a.n_layers == 3)
+    monkeypatch.setattr(plist, "LAYER_PARAMS", LAYER_PARAMS + (bias,))
+    monkeypatch.setitem(plist._LAYER, bias.name, bias)
+    with_bias, without = resolve_args("debug", n_layers=3), resolve_args("debug")
+    assert native_shapes(with_bias)["layers.2.attention.wq.bias"] == (with_bias.dim,)
+    assert not any(n.endswith(".bias") for n in native_shapes(without))
+    assert tp_split_dim("layers.2.attention.wq.bias") == 0 and stage_of("layers.2.attention.wq.bias", [[0, 1], [2]]) == 1
+    with pytest.raises(ValueError, match="not one of"):
+        Param("x.weight", lambda a: (1,), "diagonal", "layer", "x", "x")
+
+
+# --- the manifest's parallel layout ---------------------------------------------------------------
+
+def test_parallel_layout_round_trips_and_reads_old_manifests():
+    lay = ParallelLayout(dp=2, tp=2, pp=2, pp_schedule="interleaved_1f1b", stages=((0,), (1,), (2,), (3,)),
+                         stage_ranks=(0, 1, 0, 1), sequence_parallel=True, dp_mode="fsdp", dp_kind="fsdp")
+    assert ParallelLayout.from_dict(json.loads(json.dumps(lay.to_dict()))) == lay
+    assert (lay.world_size, lay.n_stages, lay.virtual_stages) == (8, 4, 2)
+    old = ParallelLayout.from_dict({"dp": 1, "tp": 2, "pp": 2, "pp_schedule": "gpipe"})  # tests' early manifests
+    assert (old.world_size, old.n_stages, old.virtual_stages, old.sequence_parallel) == (4, 2, 1, False)
+    for bad, why in (({"tp": "two"}, "malformed"), ({"pp": 0}, ">= 1"), ([1, 2], "not an object")):
+        with pytest.raises(LayoutError, match=why):
+            ParallelLayout.from_dict(bad, source="m.json")
+
+
+def test_manifest_parallel_is_typed():
+    m = Manifest(step=1, model={}, parallel=ParallelLayout(tp=2), params={}, files={})
+    back = Manifest.from_json(m.to_json())
+    assert back.parallel == ParallelLayout(tp=2) and json.loads(m.to_json())["parallel"]["tp"] == 2
+
+
+# --- the export record ----------------------------------------------------------------------------
+
+def _record() -> ExportRecord:
+    g = GraphRecord(opset=14, inputs={"input_ids": ["batch", "seq"]}, outputs={"logits": ["batch", "seq", 320]},
+                    n_nodes=7, operators=(OperatorUse("", "Gemm", 3, 13),), layer_outputs=("layers.0.output",),
+                    attn_outputs=("layers.0.attn.output",), mlp_outputs=(None,))
+    return ExportRecord(graphs={"model.onnx": g}, files={"model.onnx": FileEntry(10, "ab" * 32)},
+                        decode=DecodeContract(64), options={"opset": 14}, export_seconds=1.5)
+
+
+def test_export_record_round_trips(tmp_path):
+    rec = _record()
+    (tmp_path / RECORD_FILE).write_text(rec.to_json())
+    assert ExportRecord.load(tmp_path) == rec
+    d = json.loads(rec.to_json())
+    assert d["format"] == "titan-pipe-export/2" and d["decode"]["write_index"] == "write_index"
+    assert d["graphs"]["model.onnx"]["operators"][0]["op_type"] == "Gemm"
+    assert ExportRecord.find(tmp_path / "elsewhere") is None
+
+
+def test_export_record_of_an_older_version_loads(tmp_path):
+    """A version-1 record (no per-layer values, fewer sections) still loads, with empty defaults."""
+    (tmp_path / RECORD_FILE).write_text(json.dumps({"format": "titan-pipe-export/1", "graphs": {
+        "model.onnx": {"opset": 14, "inputs": {}, "outputs": {}, "n_nodes": 3, "operators": []}},
+        "files": {"model.onnx": {"bytes": 3, "sha256": None}}}))
+    rec = ExportRecord.load(tmp_path)
+    assert rec.format_version == 1 and rec.graph().layer_outputs == () and rec.decode is None
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"format": "titan-pipe-export/9", "graphs": {}}', "newer than this titan-pipe reads"),
+    ('{"format": "something-else/1"}', "is not 'titan-pipe-export'/N"),
+    ('[1]', "expected a JSON object"),
+    ("{not json", "not valid JSON"),
+    ('{"format": "titan-pipe-export/2", "graphs": {"/etc/passwd": {}}}', "absolute path"),
+    ('{"format": "titan-pipe-export/2", "files": {"a.onnx": {"sha256": null}}}', "malformed field"),
+    ('{"format": "titan-pipe-export/2", "graphs": {"m.onnx": {"layer_outputs": [null]}}}', "malformed field"),
+])
+def test_bad_export_records_fail_with_one_line(tmp_path, content, message):
+    (tmp_path / RECORD_FILE).write_text(content)
+    with pytest.raises(UserError, match=message) as e:
+        ExportRecord.load(tmp_path)
+    assert str(tmp_path / RECORD_FILE) in str(e.value) and "\n" not in str(e.value)
+
+
+# --- the provenance record ------------------------------------------------------------------------
+
+def test_provenance_round_trips_and_reads_records_without_a_format(tmp_path):
+    p = Provenance(source=SourceInfo("titan", "/runs/x/step-000002", 2, {"tp": 2}, {"a": "0" * 64}, True),
+                   converter="titan-pipe-convert 1", output={"kind": "unified"}, created="2025-01-01T00:00:00Z",
+                   tokenizer=TokenizerInfo("tokenizer.json", {"tokenizer.json": "1" * 64}))
+    (tmp_path / PROVENANCE_FILE).write_text(p.to_json())
+    assert Provenance.load(tmp_path) == p
+    d = json.loads(p.to_json())
+    d.pop("format")  # as every provenance.json before the field existed
+    (tmp_path / PROVENANCE_FILE).write_text(json.dumps(d))
+    assert Provenance.load(tmp_path) == p
+    (tmp_path / PROVENANCE_FILE).write_text('{"format": "titan-pipe-provenance/7"}')
+    with pytest.raises(UserError, match="upgrade titan-pipe"):
+        Provenance.load(tmp_path)
+    (tmp_path / PROVENANCE_FILE).write_text('{"source": {"path": "x"}}')
+    with pytest.raises(UserError, match="malformed field"):
+        Provenance.load(tmp_path)
+    assert Provenance.find(tmp_path / "none") is None
