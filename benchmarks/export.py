@@ -19,7 +19,8 @@ ATC wants fp16). Shapes:
   tiny       a seconds-long check that the script runs
 Everything it wrote is deleted at the end. Needs ~3x the largest source's weights free on disk.
 
-    python benchmarks/export.py [--shape llama2w] [--wide-layers 4] [--pairs bf16:fp16,...] [--keep-under DIR]
+    python benchmarks/export.py [--shape llama2w] [--wide-layers 4] [--pairs bf16:fp16,...] [--before PYTHON]
+                                [--keep-under DIR] [--json FILE]
 """
 from __future__ import annotations
 
@@ -136,39 +137,47 @@ def cp_floor(src: Path, dst: Path) -> float:
     return wall
 
 
-def export_runs(src: Path, target: str, out: Path) -> dict:
-    """Default and --no-hash-weights exports of ``src`` to ``target``: {mode: (wall, rss, child's json)}."""
+def export_runs(src: Path, target: str, out: Path, python: str) -> dict:
+    """Default and --no-hash-weights exports of ``src`` to ``target`` by the titan_pipe that ``python``
+    imports: {mode: (wall, rss, child's json)}."""
     runs = {}
     for mode in ("hash", "nohash"):
-        wall, rss, text = run_measured([sys.executable, "-c", CHILD_EXPORT, str(src), NAMES[target], str(out), mode])
+        wall, rss, text = run_measured([python, "-c", CHILD_EXPORT, str(src), NAMES[target], str(out), mode])
         runs[mode] = (wall, rss, json.loads(text.strip().splitlines()[-1]))
         shutil.rmtree(out)
     return runs
 
 
-def bench_source(src_key: str, targets: list[str], args, root: Path, wide_layers: int, shape: str) -> list[dict]:
-    """Write the weights in one source dtype, then cp / exports / cp; one result row per target."""
+def row_figures(runs: dict, floor: float, weights_gb: float) -> dict:
+    return {mode: {"seconds": child["seconds"], "x_cp": child["seconds"] / floor, "process_s": wall,
+                   "import_s": child["import"], "rss_gb": rss, "x_weights": rss / weights_gb,
+                   "torch_imported": child["torch"], "timings": child["timings"]}
+            for mode, (wall, rss, child) in runs.items()}
+
+
+def bench_source(src_key: str, targets: list[str], args, root: Path, opts) -> list[dict]:
+    """Write the weights in one source dtype, then cp / exports (/ the --before exports) / cp; a row per target."""
     from titan_pipe.model.args import count_params
 
     n = count_params(args)
     src = root / f"model-{src_key}"
-    write_s, _, text = run_measured([sys.executable, "-c", CHILD_WRITE, str(Path(__file__).parent), shape, str(src),
-                                     str(wide_layers), NAMES[src_key]])
+    write_s, _, text = run_measured([sys.executable, "-c", CHILD_WRITE, str(Path(__file__).parent), opts.shape,
+                                     str(src), str(opts.wide_layers), NAMES[src_key]])
     print(f"\n-- source {src_key}: wrote {json.loads(text) / 1e9:.2f} GB of random weights in {write_s:.1f} s")
     cp_floor(src, root / "copy")  # untimed: the copy's pages come from the page cache from here on
     cps = [cp_floor(src, root / "copy")]
-    runs = {t: export_runs(src, t, root / "onnx") for t in targets}
+    runs = {t: export_runs(src, t, root / "onnx", sys.executable) for t in targets}
+    before = {t: export_runs(src, t, root / "onnx", opts.before) for t in targets} if opts.before else {}
     cps.append(cp_floor(src, root / "copy"))
     shutil.rmtree(src)
     floor = min(cps)
     rows = []
     for t in targets:
         weights_gb = n * min(SIZES[src_key], SIZES[t]) / 1e9
-        row = {"pair": f"{src_key}->{t}", "cp_s": floor, "cp_runs_s": cps, "weights_gb": weights_gb}
-        for mode, (wall, rss, child) in runs[t].items():
-            row[mode] = {"seconds": child["seconds"], "x_cp": child["seconds"] / floor, "process_s": wall,
-                         "import_s": child["import"], "rss_gb": rss, "x_weights": rss / weights_gb,
-                         "torch_imported": child["torch"], "timings": child["timings"]}
+        row = {"pair": f"{src_key}->{t}", "cp_s": floor, "cp_runs_s": cps, "weights_gb": weights_gb,
+               **row_figures(runs[t], floor, weights_gb)}
+        if t in before:
+            row["before"] = row_figures(before[t], floor, weights_gb)
         rows.append(row)
         print(f"{row['pair']:>10}: cp {floor:.2f} s (runs {', '.join(f'{c:.2f}' for c in cps)}); "
               f"export {row['hash']['seconds']:.2f} s = {row['hash']['x_cp']:.2f}x cp, "
@@ -179,14 +188,17 @@ def bench_source(src_key: str, targets: list[str], args, root: Path, wide_layers
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'pair':>10}{'weights GB':>12}{'cp s':>8}{'export s':>10}{'x cp':>7}{'no-hash s':>11}{'x cp':>7}"
-          f"{'RSS GB':>9}{'x weights':>11}{'process s':>11}  targets")
+    print(f"\n{'pair':>10}{'':>8}{'weights GB':>11}{'cp s':>7}{'export s':>10}{'x cp':>7}{'no-hash s':>11}"
+          f"{'x cp':>7}{'RSS GB':>8}{'x weights':>11}{'process s':>11}  targets")
     for r in rows:
-        h, nh = r["hash"], r["nohash"]
-        ok = "ok" if h["x_cp"] <= 2.5 and h["x_weights"] <= 0.2 else "MISSED"
-        print(f"{r['pair']:>10}{r['weights_gb']:>12.2f}{r['cp_s']:>8.2f}{h['seconds']:>10.2f}{h['x_cp']:>7.2f}"
-              f"{nh['seconds']:>11.2f}{nh['x_cp']:>7.2f}{h['rss_gb']:>9.3f}{h['x_weights']:>11.3f}"
-              f"{h['process_s']:>11.2f}  {ok} (<= 2.5x cp, <= 0.2x weights)")
+        for label, fig in (("after", r), ("before", r.get("before"))):
+            if fig is None:
+                continue
+            h, nh = fig["hash"], fig["nohash"]
+            ok = "ok" if h["x_cp"] <= 2.5 and h["x_weights"] <= 0.2 else "MISSED"
+            print(f"{r['pair']:>10}{label:>8}{r['weights_gb']:>11.2f}{r['cp_s']:>7.2f}{h['seconds']:>10.2f}"
+                  f"{h['x_cp']:>7.2f}{nh['seconds']:>11.2f}{nh['x_cp']:>7.2f}{h['rss_gb']:>8.3f}{h['x_weights']:>11.3f}"
+                  f"{h['process_s']:>11.2f}  {ok} (<= 2.5x cp, <= 0.2x weights)")
 
 
 def main() -> None:
@@ -196,6 +208,9 @@ def main() -> None:
     ap.add_argument("--pairs", default=DEFAULT_PAIRS, help="SRC:DST,... from bf16, fp16, fp32 (DST fp16 or fp32)")
     ap.add_argument("--keep-under", type=Path, default=None, help="scratch parent dir (default: system temp)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--before", default=None, metavar="PYTHON",
+                    help="also export with this interpreter's titan_pipe (e.g. a checkout of the previous "
+                         "version's venv): before/after rows against the same cp, in the same run")
     opts = ap.parse_args()
     pairs = [tuple(p.split(":")) for p in opts.pairs.split(",")]
     by_source: dict[str, list[str]] = {}
@@ -217,13 +232,14 @@ def main() -> None:
         largest = n * 4 * 2  # a fp32 source or output, twice
         print(f"warm-up: wrote and deleted {largest / 1e9:.1f} GB of fresh pages in {warm_pages(root, largest):.1f} s")
         for s, targets in by_source.items():
-            rows += bench_source(s, targets, args, root, opts.wide_layers, opts.shape)
+            rows += bench_source(s, targets, args, root, opts)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         print(f"\nremoved {root}")
         print(f"load average at end (1/5/15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print_table(rows)
-    print(BEFORE)
+    if not opts.before:
+        print(BEFORE)
     if opts.json:
         opts.json.write_text(json.dumps({"shape": opts.shape, "params": n, "rows": rows,
                                          "load_end": os.getloadavg()}, indent=1))
