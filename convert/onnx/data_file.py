@@ -3,8 +3,8 @@
 Every offset is planned up front in the caller's thread (``add_source``/``add_array`` return at once
 with the tensor's place); the bytes move on three worker threads, each in file order:
 
-  load    pread a chunk of the source into one read buffer and cast it (numpy, titan_pipe.convert.casts)
-          into a chunk buffer of the export dtype
+  load    cast a chunk of the source, read through a short-lived mmap window of it (numpy,
+          titan_pipe.convert.casts), into a chunk buffer of the export dtype
   write   pwrite that buffer at its offset; a tensor already in the export dtype skips load and is
           copied file to file by the kernel here instead (copy_file_range, what `cp` does; pread/pwrite
           where the file system refuses)
@@ -12,12 +12,13 @@ with the tensor's place); the bytes move on three worker threads, each in file o
           mmap window of the source (no second read of the data file)
 
 so reading, casting, writing and hashing of different chunks overlap; numpy, the file calls and
-hashlib release the GIL. Memory: one read buffer and DEPTH chunk buffers, whatever the model's size;
-the caller blocks when all chunk buffers are in flight. No torch is imported.
+hashlib release the GIL. Memory: DEPTH chunk buffers and two source windows of a chunk, whatever the
+model's size; the caller blocks when all chunk buffers are in flight. No torch is imported.
 
 Why not mmap whole files (see convert/readers/store.py): pages of a mapping count in the resident
-set until unmapped, so a mapped 14 GB model reads as 14 GB RSS; pread into a reused buffer, or a
-window unmapped right after use, keeps the bound real, and the page cache still serves the reads.
+set until unmapped, so a mapped 14 GB model reads as 14 GB RSS; a window unmapped right after use
+keeps the bound real, and the page cache still serves the reads. A source shorter than its header
+says is refused before its window is mapped (touching a mapping past the end of a file faults).
 """
 from __future__ import annotations
 
@@ -56,7 +57,6 @@ class DataWriter:
         self._load = ThreadPoolExecutor(1, thread_name_prefix="export-load")
         self._write = ThreadPoolExecutor(1, thread_name_prefix="export-write")
         self._digest = ThreadPoolExecutor(1, thread_name_prefix="export-hash") if hash else None
-        self._read_buf = np.empty(CHUNK, np.uint8)  # used by the load thread alone
         self._bufs = [np.empty(CHUNK, np.uint8) for _ in range(DEPTH)]
         self._buf_jobs: list[tuple[Future, ...]] = [() for _ in range(DEPTH)]  # last jobs reading each buffer
         self._turn = -1
@@ -156,12 +156,16 @@ class DataWriter:
     # -- the workers ----------------------------------------------------------------------------
 
     def _read_cast(self, fd: int, at: int, n: int, src_code: str, buf: np.ndarray, path: Path) -> None:
-        """load thread: n elements at byte ``at`` of the source -> export-dtype bits at the head of ``buf``."""
-        src_item = DTYPE_SIZES[src_code]
-        raw = self._read_buf[:n * src_item]
-        pread_into(fd, memoryview(raw), at, path)
-        cast_bits(raw.view(bits_dtype(src_code)), src_code, buf[:n * self.itemsize].view(bits_dtype(self.code)),
-                  self.code)
+        """load thread: n elements at byte ``at`` of the source -> export-dtype bits at the head of ``buf``,
+        cast straight from a window of the page cache (one copy fewer than pread into a buffer)."""
+        nbytes = n * DTYPE_SIZES[src_code]
+        if os.fstat(fd).st_size < at + nbytes:  # a mapping past the end would fault, not raise
+            raise UserError(f"{path}: ended early while reading byte {at}; the file was truncated during the export")
+        base = at - at % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(fd, at + nbytes - base, offset=base, access=mmap.ACCESS_READ) as window:
+            src = np.frombuffer(window, np.uint8, nbytes, at - base).view(bits_dtype(src_code))
+            cast_bits(src, src_code, buf[:n * self.itemsize].view(bits_dtype(self.code)), self.code)
+            del src  # the mapping closes only once no array views it
 
     @staticmethod
     def _after(first: Future, fn, *args) -> None:
