@@ -116,15 +116,20 @@ def run_loop(spec: dict, work: Path) -> dict:
     from titan_pipe.devices import resolve_device
     from titan_pipe.model.args import flops_per_token
     from titan_pipe.model.transformer import build_model
-    from titan_pipe.tokens.corpus import PackedLoader, prepare_data
+    from titan_pipe.tokens.loader import PackedLoader
+    from titan_pipe.tokens.spec import data_spec, open_spec
     from titan_pipe.training.metrics import mfu, peak_flops
     from titan_pipe.training.optim import lr_factor
+    from titan_pipe.training.prepare import prepare_spec
 
     cfg = parse_flow(flow_dict(spec, "loop", work, compile=False), base=work)
     t, args = cfg.train, cfg.model.args()
     device = resolve_device(spec["device"])
     dev = device.torch_device(0)
-    data = prepare_data(path=None, tokenizer="byte", val_fraction=cfg.data.val_fraction, vocab_size=args.vocab_size)
+    spec_data = data_spec(cfg.data, base=work)  # the trainer's data: raw text prepared as it prepares it
+    if spec_data.text is not None:
+        prepare_spec(spec_data, work / "loop-data", progress=False)
+    _, data = open_spec(spec_data, prepared=work / "loop-data", vocab_size=args.vocab_size)
     loader = PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed)
     model = build_model(args, seed=t.seed, device=dev)
     opt = torch.optim.AdamW(model.parameters(), lr=t.optimizer.lr, betas=t.optimizer.betas, eps=t.optimizer.eps,

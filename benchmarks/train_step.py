@@ -66,13 +66,18 @@ def worker_loop(kind: str, steps: int) -> dict:
     import torch.nn.functional as F
 
     from titan_pipe.config import parse_flow
-    from titan_pipe.tokens.corpus import PackedLoader, prepare_data
+    from titan_pipe.tokens.loader import PackedLoader
+    from titan_pipe.tokens.spec import data_spec, open_spec
+    from titan_pipe.training.prepare import prepare_spec
     from titan_pipe.model.transformer import build_model
     from titan_pipe.training.optim import lr_factor
 
     cfg = parse_flow(flow_dict(kind, steps, False))
     t = cfg.train
-    data = prepare_data(path=None, tokenizer="byte", val_fraction=cfg.data.val_fraction)
+    spec = data_spec(cfg.data, base=None)
+    prepared = Path(tempfile.mkdtemp(prefix="bench-data-")) / "data"
+    prepare_spec(spec, prepared, progress=False)
+    _, data = open_spec(spec, prepared=prepared)
     loader = PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed)
     model = build_model(cfg.model.args(), seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=t.optimizer.lr, betas=t.optimizer.betas,

@@ -27,16 +27,17 @@ from titan_pipe.convert.detect import open_source
 from titan_pipe.convert.hashing import BackgroundHasher
 from titan_pipe.convert.reshard import write_file
 from titan_pipe.convert.source_plan import OutputPlan, SourcePlan, parse_size, plan_sharded, plan_unified
-from titan_pipe.convert.tokenizer_files import copy_tokenizer_files
-from titan_pipe.convert.writer import DISK_FULL_ERRNOS, DiskFull, disk_full_message
+from titan_pipe.convert.tokenizer_files import copy_tokenizer_files, plan_tokenizer_files
 from titan_pipe.dtypes import HF_DTYPE_NAMES, OUT_DTYPES
 from titan_pipe.errors import UserError
-from titan_pipe.model.names import to_hf_config
+from titan_pipe.faults import as_fault, check_free_space
+from titan_pipe.model.hf_config import to_hf_config
 from titan_pipe.model.params import native_shapes
 from titan_pipe.model.sharding import stage_ranks, tp_split_dim
 from titan_pipe.provenance import PROVENANCE_FILE, Provenance, SourceInfo
 
 CONVERTER_VERSION = "titan-pipe-convert 1"
+WHAT = "the converted model"
 INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -54,6 +55,15 @@ def check_shapes(plan: SourcePlan) -> None:
         if name in want and want[name] != t.shape:
             raise UserError(f"{plan.root}: {name} has shape {list(t.shape)} but the model config "
                             f"implies {list(want[name])}; the checkpoint and its config disagree")
+
+
+def output_bytes(plan: SourcePlan, out: OutputPlan, *, sharded: bool) -> int:
+    """What the output will take on disk: every tensor's bytes, 512 bytes a tensor for its entries in
+    safetensors headers and the index or manifest, the tokenizer files it carries, and 64 kB for
+    config.json and provenance.json."""
+    tokenizer = 0 if sharded else sum(f.stat().st_size for f in plan_tokenizer_files(plan).values())
+    tensors = sum(len(f.tensors) for f in out.files)
+    return sum(f.nbytes for f in out.files) + 512 * tensors + tokenizer + 65536
 
 
 def _check_out_dir(src: Path, out_dir: Path, overwrite: bool) -> None:
@@ -177,13 +187,15 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
                    else plan_unified(plan, naming=naming, dtype=dtype, max_shard_size=limit))
         except (LayoutError, ValueError) as e:
             raise UserError(f"{plan.root}: {e}") from None
+        total = sum(f.nbytes for f in out.files)
+        needs = output_bytes(plan, out, sharded=sharded)
+        check_free_space(out_dir, needs=needs, what=WHAT)  # refuse before a byte is written
         tmp = temp_dir(out_dir)
         headers = getattr(store, "headers", {})  # safetensors sources: check NaN/Inf while hashing
         spans = {f: [(t.start, t.nbytes, t.dtype, k) for k, t in h.items()] for f, h in headers.items()}
         hasher = BackgroundHasher(plan.root, plan.files if verify else [], plan.expected_sha256,
                                   tensors=spans).start()
         nonfinite: set[str] = set()
-        total = sum(f.nbytes for f in out.files)
         try:
             with _progress(progress) as bar:
                 task = bar.add_task(str(src), total=total) if bar else None
@@ -208,16 +220,12 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
                 created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             write_text(tmp / PROVENANCE_FILE, provenance.to_json())
             swap_dir(tmp, out_dir)
-        except DiskFull as e:
-            hasher.stop()
-            shutil.rmtree(tmp, ignore_errors=True)
-            where = out_dir / e.path.relative_to(tmp) if e.path and tmp in e.path.parents else out_dir
-            raise DiskFull(disk_full_message(where, e.reason), where, e.reason) from None
         except BaseException as e:
             hasher.stop()
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS:  # config/provenance/manifest writes
-                raise DiskFull(disk_full_message(out_dir, os.strerror(e.errno)), out_dir) from None
+            fault = as_fault(e, path=out_dir, what=WHAT, needs=needs) if isinstance(e, Exception) else None
+            if fault is not None:  # after the cleanup, so "N free now" counts the space it gave back
+                raise fault from None
             raise
     files = [out_dir / p.relative_to(tmp) for p in written] + [out_dir / PROVENANCE_FILE]
     wall = time.perf_counter() - t0

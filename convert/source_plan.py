@@ -18,9 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan_pipe.checkpoint_format import Box, LayoutError, split_box
+from titan_pipe.choices import NAMINGS
 from titan_pipe.dtypes import DTYPE_SIZES, OUT_DTYPES
 from titan_pipe.model.args import ModelArgs
+from titan_pipe.errors import UserError
 from titan_pipe.model.names import native_to_hf
+from titan_pipe.model.params import native_names
 from titan_pipe.model.sharding import split_stages, stage_of, tp_split_dim
 
 
@@ -156,6 +159,18 @@ class OutputPlan:
     stages: tuple[tuple[int, ...], ...] = ()
 
 
+def check_accounted(found, args: ModelArgs, *, source: object, describe=repr) -> None:
+    """Every tensor a source holds (``found``: native names) has a place in the model ``args``
+    describes; one that has none (a layer past n_layers, a parameter the model lacks) is refused,
+    naming it as stored (``describe(name)``), never skipped. A tied model may store output.weight."""
+    names = set(native_names(args)) | ({"output.weight"} if args.tie_embeddings else set())
+    extra = sorted(n for n in found if n not in names)
+    if extra:
+        raise UserError(f"{source}: tensor {describe(extra[0])} ({len(extra)} in all) has no place in the model its "
+                        f"config describes ({args.n_layers} layers, dim {args.dim}); fix the config (layer "
+                        "count, dims) to describe the weights, or remove the tensor")
+
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -191,8 +206,8 @@ def plan_unified(src: SourcePlan, *, naming: str = "hf", dtype: str = "keep",
     Shards are filled greedily in model order (as transformers' save_pretrained does); a tensor
     larger than the limit gets a file of its own.
     """
-    if naming not in ("hf", "native"):
-        raise ValueError(f"naming {naming!r} is not one of hf, native")
+    if naming not in NAMINGS:
+        raise ValueError(f"naming {naming!r} is not one of {', '.join(NAMINGS)}")
     outs = [OutTensor(native_to_hf(t.name) if naming == "hf" else t.name, t, Box.full(t.shape),
                       output_dtype(t.dtype, dtype)) for t in _unified_tensors(src)]
     groups: list[list[OutTensor]] = [[]]

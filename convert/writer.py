@@ -4,8 +4,9 @@ Every shape and dtype is known before a byte is copied, so the header (and every
 is fixed up front; pieces are then written where they belong, either from a buffer (``write``) or
 straight from a source file with ``copy_file_range`` (``copy``), which never passes through this
 process's memory. The file is written under a hidden ``.partial`` name and renamed only when
-every byte of every tensor has arrived; on any error it is removed. A full disk (ENOSPC, EDQUOT, or
-EFBIG from a file-size limit) becomes one ``DiskFull`` error naming the file.
+every byte of every tensor has arrived; on any error it is removed. An OS fault (a full disk, a
+file-size limit, ...) is raised as an OSError naming the file being written, which titan_pipe.faults
+turns into one line.
 """
 from __future__ import annotations
 
@@ -20,17 +21,8 @@ from titan_pipe.atomic import temp_file
 from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
 
-DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF}
 COPY_BLOCK = 64 * 2**20
-
-
-class DiskFull(UserError):
-    """The output disk (or a file-size limit) ran out mid-write."""
-
-    def __init__(self, message: str, path: Path | None = None, reason: str = ""):
-        super().__init__(message)
-        self.path, self.reason = path, reason
 
 
 @dataclass(frozen=True)
@@ -61,14 +53,9 @@ def build_header(entries: list[Entry], metadata: dict[str, str] | None = None) -
     return len(raw).to_bytes(8, "little") + raw, offsets
 
 
-def disk_full_message(path: Path, reason: str) -> str:
-    return (f"{path}: the disk filled up while writing ({reason}); nothing was kept. Free space "
-            "or choose another output directory with -o")
-
-
-def _disk_full(path: Path, e: OSError) -> DiskFull:
-    reason = os.strerror(e.errno)
-    return DiskFull(disk_full_message(path, reason), path, reason)
+def _named(path: Path, e: OSError) -> OSError:
+    """The error of a write through a descriptor, naming the file (pwrite errors carry no name)."""
+    return OSError(e.errno, e.strerror, str(path))
 
 
 class SafetensorsWriter:
@@ -88,7 +75,7 @@ class SafetensorsWriter:
 
     def __enter__(self) -> "SafetensorsWriter":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         self._pwrite(memoryview(self.head), 0)
         return self
 
@@ -112,9 +99,7 @@ class SafetensorsWriter:
             while done < len(data):
                 done += os.pwrite(self.fd, data[done:], pos + done)
         except OSError as e:
-            if e.errno in DISK_FULL_ERRNOS:
-                raise _disk_full(self.path, e) from None
-            raise
+            raise _named(self.path, e) from None
 
     def write(self, key: str, offset: int, data) -> None:
         """Write a bytes-like object at byte ``offset`` of tensor ``key``'s data."""
@@ -139,9 +124,7 @@ class SafetensorsWriter:
                                     f"{self.path}; the source was truncated during the conversion")
                 done += got
         except OSError as e:
-            if e.errno in DISK_FULL_ERRNOS:
-                raise _disk_full(self.path, e) from None
-            raise
+            raise _named(self.path, e) from None
         buf = bytearray(min(COPY_BLOCK, n - done)) if done < n else None
         while done < n:
             m = min(len(buf), n - done)

@@ -1,18 +1,21 @@
-"""Held-out token batches and generation prompts for evaluation, from training's own data code.
+"""Held-out token batches and generation prompts for evaluation, read with the core's token data code.
 
-Two sources of held-out text: a ``--data`` file, held out by the user and used whole; or a
-``ValidationSplit`` of a corpus: the last ``val_fraction`` of its token stream, which is exactly
-what training left out of the same corpus, so evaluation never scores text the model trained on.
-The default is the split of the shipped corpus; a flow passes its own ``data`` section. The
+Two sources of held-out text: a ``--data`` path, held out by the user: a text file used whole, a
+prepared data dir (its validation documents) or a .bin/.idx prefix (used whole); or a
+``ValidationSplit`` of the training data: the documents training held out of it (the same
+rule, titan_pipe.tokens.dataset.val_start), so evaluation never scores text the model trained
+on. Raw text is read from the run's prepared copy when that is current, else tokenized here. The
+default is the split of the shipped corpus; a flow passes its own ``data`` section. The
 tokenizer is the model directory's ``tokenizer.json`` (or "byte" as its provenance.json records),
 else the one the checkpoint names (manifest ``extra.tokenizer``). A model with no tokenizer and no
-``--data`` file is evaluated on seeded random token ids inside its vocabulary (labelled so).
+``--data`` is evaluated on seeded random token ids inside its vocabulary (labelled so).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from titan_pipe.checkpoint_format import is_complete
@@ -31,38 +34,55 @@ class EvalData:
 
 @dataclass(frozen=True)
 class ValidationSplit:
-    """Held-out text = the validation split training cut from ``corpus`` (flow.yaml's data section)."""
+    """Held-out text = the validation split training cut from its data (flow.yaml's data section).
 
-    corpus: Path | None = None  # a .txt/.jsonl file or a directory of them; None: the shipped corpus
+    corpus: raw text, a prepared dir or a .bin/.idx prefix (None: the shipped corpus); blend: the
+    datasets of a data.blend instead; prepared: where the run prepared raw text (read when current).
+    """
+
+    corpus: Path | None = None
     val_fraction: float = 0.05
     text_key: str = "text"
+    blend: tuple[Path, ...] = ()
+    prepared: Path | None = field(default=None, compare=False)  # a cache of corpus, not another split
 
     @classmethod
-    def of_flow(cls, data, flow_dir: Path) -> "ValidationSplit":
-        """flow.yaml's ``data`` section (DataConfig) as held-out text; data.path is relative to ``flow_dir``."""
-        corpus = None
-        if data.path is not None:
-            corpus = Path(data.path).expanduser()
-            corpus = corpus if corpus.is_absolute() else Path(flow_dir) / corpus
-        return cls(corpus=corpus, val_fraction=data.val_fraction, text_key=data.text_key)
+    def of_flow(cls, data, flow_dir: Path, run_dir: Path | None = None) -> "ValidationSplit":
+        """flow.yaml's ``data`` section (DataConfig) as held-out text; paths are relative to ``flow_dir``."""
+        from titan_pipe.run_dir import RunDir
+        from titan_pipe.tokens.spec import data_spec
+
+        spec = data_spec(data, base=Path(flow_dir))
+        corpus = spec.text if data.path is not None and spec.text is not None else None
+        if spec.text is None and len(spec.paths) == 1 and not data.blend:
+            corpus = spec.paths[0]
+        blend = spec.paths if data.blend else ()
+        prepared = RunDir(Path(run_dir)).data if run_dir is not None and spec.text is not None else None
+        return cls(corpus=corpus, val_fraction=data.val_fraction, text_key=data.text_key, blend=blend,
+                   prepared=prepared)
 
 
-def held_out_text(*, data: Path | None, flow: FlowConfig | None, flow_dir: Path | None
-                  ) -> tuple[Path | None, ValidationSplit | None]:
-    """What an evaluation reads as held-out text: (a file used whole, or the split of a corpus).
+def held_out_text(*, data: Path | None, flow: FlowConfig | None, flow_dir: Path | None,
+                  run_dir: Path | None = None) -> tuple[Path | None, ValidationSplit | None]:
+    """What an evaluation reads as held-out text: (a path used as given, or the split of the data).
 
     ``data`` (--data) wins; else flow.yaml's evaluate.data (relative to ``flow_dir``); else the
-    validation split of the flow's own training data, as training cut it. (None, None) without a
-    flow: evaluate_model then takes the shipped corpus's split.
+    validation split of the flow's own training data, as training cut it (``run_dir``: the run
+    whose prepared copy of raw text may be read). (None, None) without a flow: evaluate_model then
+    takes the shipped corpus's split.
     """
     if data is not None:
+        from titan_pipe.tokens.sources import check_records, kind_of
+
+        if Path(data).is_file() and kind_of(Path(data)) is not None:
+            check_records(Path(data))  # before any model is loaded: an enormous record is one line
         return Path(data), None
     if flow is None:
         return None, None
     if flow.evaluate.data is not None:
         path = Path(flow.evaluate.data)
         return (path if path.is_absolute() else Path(flow_dir) / path), None
-    return None, ValidationSplit.of_flow(flow.data, Path(flow_dir))
+    return None, ValidationSplit.of_flow(flow.data, Path(flow_dir), run_dir)
 
 
 RANDOM_SEED = 0  # seed of the random token ids used when the model has no tokenizer
@@ -101,14 +121,66 @@ def random_eval_data(*, vocab_size: int, n_batches: int, batch_size: int, seq_le
     return EvalData(list(rows.split(batch_size)), prompts, source, "none (random token ids)")
 
 
+def _given_stream(data: Path, tok, vocab_size: int) -> tuple[np.ndarray, str]:
+    """--data: a text file (whole), a prepared dir (its validation documents) or a prefix (whole)."""
+    from titan_pipe.tokens.corpus import load_corpus
+    from titan_pipe.tokens.dataset import check_tokenizer, open_source
+    from titan_pipe.tokens.spec import is_token_data
+    from titan_pipe.tokens.tokenizer import tokenizer_info
+
+    if not data.exists() and not is_token_data(data):
+        raise UserError(f"--data {data}: file not found; give held-out text (.txt/.jsonl/...), a prepared data "
+                        "dir or a .bin/.idx prefix, or leave it out to use the validation split of the shipped corpus")
+    if not is_token_data(data):
+        return load_corpus(path=data, tokenizer=tok).tokens, str(data)
+    src = open_source(data, val_fraction=0.0, fraction_given=False)
+    check_tokenizer(src, tokenizer_info(tok), vocab_size=vocab_size)
+    if src.record is None:
+        return src.train.read(0, len(src.train)), f"{src.path} (whole)"
+    if not len(src.val):
+        raise UserError(f"--data {data}: prepared with --val-fraction 0, so it holds no held-out documents; "
+                        "prepare held-out text with a validation fraction, or pass a text file")
+    return src.val.read(0, len(src.val)), f"{src.path}, validation documents"
+
+
+def _split_stream(split: ValidationSplit, tok, vocab_size: int, need: int) -> tuple[np.ndarray, str]:
+    """The first ``need`` tokens of the validation documents of ``split``."""
+    from titan_pipe.tokens.corpus import load_corpus
+    from titan_pipe.tokens.dataset import open_data
+    from titan_pipe.tokens.record import DataRecord, is_prepared, prepared_from
+    from titan_pipe.tokens.sources import corpus_files, default_corpus
+    from titan_pipe.tokens.spec import is_token_data
+    from titan_pipe.tokens.tokenizer import tokenizer_info
+
+    info = tokenizer_info(tok)
+    paths = list(split.blend) or ([split.corpus] if split.corpus is not None and is_token_data(split.corpus) else [])
+    where = ", ".join(map(str, paths)) if paths else (split.corpus or "shipped corpus")
+    source = f"{where}, validation split (the held-out documents, last {split.val_fraction:.0%} or more)"
+    if not paths and split.prepared is not None and is_prepared(split.prepared):
+        files = corpus_files(split.corpus or default_corpus())
+        if prepared_from(DataRecord.load(split.prepared), files, text_key=split.text_key,
+                         val_fraction=split.val_fraction, tokenizer=info):
+            paths = [split.prepared]
+    if paths:
+        data = open_data(paths, val_fraction=split.val_fraction, fraction_given=False, tokenizer=info,
+                         vocab_size=vocab_size)
+        return data.val_head(need), source
+    if split.corpus is not None and not Path(split.corpus).exists():
+        raise UserError(f"data.path {split.corpus}: does not exist; its validation split is the held-out "
+                        "text. Fix data.path or give evaluate.data / --data")
+    corpus = load_corpus(path=split.corpus, tokenizer=tok, text_key=split.text_key)
+    val = corpus.split(split.val_fraction)[1]
+    return val.read(0, min(need, len(val))), source
+
+
 def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int, n_batches: int,
                    batch_size: int, seq_len: int, n_prompts: int, prompt_len: int,
                    split: ValidationSplit | None = None, checkpoint: Path | None = None) -> EvalData:
     """``n_batches`` (batch_size, seq_len) batches cut from held-out text, and the prompts.
 
-    ``data``: a file used whole; else ``split`` (default: the shipped corpus's validation split).
+    ``data``: a path used as given (see _given_stream); else ``split`` (default: the shipped
+    corpus's validation split).
     """
-    from titan_pipe.tokens.corpus import load_tokens, split_train_val
     from titan_pipe.tokens.tokenizer import build_tokenizer
 
     if data is not None and split is not None:
@@ -122,31 +194,19 @@ def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int
                                 why=f"{where} carries no tokenizer (no tokenizer.json, no provenance naming one)")
     spec = spec or "byte"  # --data given for a model without a tokenizer: bytes, checked against the vocab
     tok = build_tokenizer(spec)
-    if data is not None:
-        data = Path(data)
-        if not data.exists():
-            raise UserError(f"--data {data}: file not found; give a .txt/.jsonl file of held-out text, or "
-                            "leave it out to use the validation split of the shipped corpus")
-        stream = load_tokens(path=data, tokenizer=tok)
-        source = str(data)
-    else:
-        split = split or ValidationSplit()
-        if split.corpus is not None and not Path(split.corpus).exists():
-            raise UserError(f"data.path {split.corpus}: does not exist; its validation split is the held-out "
-                            "text. Fix data.path or give evaluate.data / --data")
-        tokens = load_tokens(path=split.corpus, tokenizer=tok, text_key=split.text_key)
-        _, stream = split_train_val(tokens, split.val_fraction)
-        where = split.corpus if split.corpus is not None else "shipped corpus"
-        source = f"{where}, validation split (last {split.val_fraction:.0%})"
     need = n_batches * batch_size * seq_len
+    if data is not None:
+        stream, source = _given_stream(Path(data), tok, vocab_size)
+    else:
+        stream, source = _split_stream(split or ValidationSplit(), tok, vocab_size, need)
     if len(stream) < need:
         raise UserError(f"{source}: {len(stream)} held-out tokens, but {n_batches} batches x {batch_size} x "
                         f"{seq_len} need {need}; give more text (--data) or lower evaluate.batches/"
                         "batch_size/seq_len")
-    if int(stream.max()) >= vocab_size:
-        raise UserError(f"tokenizer {spec} produced id {int(stream.max())}, but the model's vocab_size is "
+    if int(stream[:need].max()) >= vocab_size:
+        raise UserError(f"tokenizer {spec} produced id {int(stream[:need].max())}, but the model's vocab_size is "
                         f"{vocab_size}; evaluate with the tokenizer the model was trained with")
-    rows = stream[:need].view(n_batches * batch_size, seq_len)
+    rows = torch.from_numpy(np.ascontiguousarray(stream[:need], dtype=np.int64)).view(n_batches * batch_size, seq_len)
     batches = list(rows.split(batch_size))
     p = min(prompt_len, seq_len)
     prompts = rows[:n_prompts, :p].clone()

@@ -133,9 +133,9 @@ def msaccucmp_script() -> Path | None:
 
 def msaccucmp_convert(raw_dir: Path, npy_dir: Path) -> None:
     """Raw ACL dump files under ``raw_dir`` -> ``npy_dir/*.output.{i}.npy`` (msaccucmp convert)."""
-    import subprocess
     import sys
 
+    from titan_pipe import procs
     from titan_pipe.errors import StageFailed
 
     script = msaccucmp_script()
@@ -143,7 +143,7 @@ def msaccucmp_convert(raw_dir: Path, npy_dir: Path) -> None:
         raise StageFailed("converting the .om dump needs msaccucmp.py (CANN toolkit or `pip install mindstudio-probe`)")
     npy_dir.mkdir(parents=True, exist_ok=True)
     for leaf in sorted({p.parent for p in Path(raw_dir).rglob("*") if p.is_file()}):
-        proc = subprocess.run([sys.executable, str(script), "convert", "-d", str(leaf), "-out", str(npy_dir)],
-                              capture_output=True, text=True)
+        proc = procs.run([sys.executable, str(script), "convert", "-d", str(leaf), "-out", str(npy_dir)],
+                         capture_output=True, text=True)
         if proc.returncode != 0:
             raise StageFailed(f"msaccucmp convert of {leaf} failed: {(proc.stdout + proc.stderr).strip()[-400:]}")

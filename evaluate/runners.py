@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from titan_pipe import sharded_outputs
+from titan_pipe import procs, sharded_outputs
 from titan_pipe.checkpoint_format import is_complete
 from titan_pipe.dtypes import ORT_NAMES
 from titan_pipe.errors import StageFailed, UserError
@@ -466,7 +466,7 @@ class DistributedRunner:
             self.manifest = Manifest.load(checkpoint)
         except Exception as e:
             raise UserError(f"{checkpoint / 'manifest.json'}: unreadable ({e})") from None
-        self.args = ModelArgs.from_dict(self.manifest.model)
+        self.args = ModelArgs.from_dict(self.manifest.model, source=checkpoint / "manifest.json")
         self.layout = self.manifest.parallel
         self.checkpoint, self.device, self.timeout_s = checkpoint, device, timeout_s
         where = "" if device == "cpu" else f", {device}"
@@ -489,7 +489,8 @@ class DistributedRunner:
                                           device=self.device)
             env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
             try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, env=env)
+                # guarded: the ranks die with this process, on a timeout or an interrupt too
+                proc = procs.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, env=env)
             except subprocess.TimeoutExpired:
                 raise StageFailed(f"sharded forward of {self.checkpoint} timed out after {self.timeout_s:.0f}s") from None
             if proc.returncode != 0:

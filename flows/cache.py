@@ -23,6 +23,8 @@ from titan_pipe.hashing import sha256_file
 from titan_pipe.provenance import PROVENANCE_FILE
 
 STAGES = ("train", "convert", "export", "evaluate")
+# Runs before train when data.path is raw text (prepares it into the run dir); not selectable on its own.
+DATA = "data"
 SCHEMA = 1  # bump when the key recipe changes, so old records are not trusted
 
 # Training keys that say nothing about the weights: where the ranks run and the fault-injection hook.
@@ -101,16 +103,24 @@ def _resolve(path: str, base: Path) -> Path:
 
 
 def data_files(cfg: FlowConfig, flow_dir: Path) -> list[Path]:
-    """The text and tokenizer files training (and evaluation on the held-out split) read."""
-    if cfg.data.path is None:
-        from titan_pipe.tokens.corpus import default_corpus
+    """The text (or token data) and tokenizer files training and evaluation on the held-out split read."""
+    from titan_pipe.tokens.spec import data_spec
 
-        files = files_under(Path(default_corpus()))
-    else:
-        files = files_under(_resolve(cfg.data.path, flow_dir))
-    if cfg.data.tokenizer != "byte":
-        files.append(_resolve(cfg.data.tokenizer, flow_dir))
-    return files
+    return data_spec(cfg.data, base=flow_dir).input_files()
+
+
+def needs_data_stage(cfg: FlowConfig, flow_dir: Path) -> bool:
+    """data.path is raw text (or null, the shipped corpus): it is prepared before training."""
+    from titan_pipe.tokens.spec import data_spec
+
+    return data_spec(cfg.data, base=flow_dir).text is not None
+
+
+def with_data_stage(actions: dict[str, str], raw_text: bool) -> dict[str, str]:
+    """``actions`` with the data stage first, as train's, when training runs on raw text."""
+    if not raw_text or actions["train"] not in (RUN, AUTO):
+        return dict(actions)
+    return {DATA: actions["train"], **actions}
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,9 @@ class StageInputs:
 
 def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict[str, Path]) -> StageInputs:
     """The inputs of one stage. upstream: "checkpoint", "model_dir", "onnx_dir" from earlier stages."""
+    if stage == DATA:
+        section = cfg.data.model_dump(mode="json", include={"path", "tokenizer", "text_key", "val_fraction"})
+        return StageInputs(stage, section, tuple(data_files(cfg, flow_dir)))
     if stage == "train":
         section = cfg.model_dump(mode="json", include=set(_TRAIN_SECTIONS), exclude=_TRAIN_IGNORED)
         files = data_files(cfg, flow_dir)
@@ -138,7 +151,8 @@ def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict[
         section = {"evaluate": cfg.evaluate.model_dump(mode="json")}
         if cfg.evaluate.data is None:  # evaluate then reads the validation split of the training data
             files = data_files(cfg, flow_dir)
-            section["split"] = cfg.data.model_dump(mode="json", include={"path", "val_fraction", "text_key"})
+            section["split"] = cfg.data.model_dump(mode="json", include={"path", "blend", "val_fraction", "text_key"},
+                                                   exclude_none=True)
         else:
             files = [_resolve(cfg.evaluate.data, flow_dir)]
         files += checkpoint_files(upstream["checkpoint"])

@@ -109,3 +109,25 @@ def follow_log(path: Path, logger=None, *, poll_s: float = 0.5) -> Iterator[_Fol
         yield follower
     finally:
         follower.stop()
+
+
+class _NoUserErrorTraceback(logging.Filter):
+    """Prefect logs a failed task or flow run with its traceback; for a UserError (bad input, an OS
+    fault: titan_pipe.faults) or an interrupt the one-line message is the whole story, so the
+    record keeps its message and drops the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from titan_pipe.errors import UserError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, (UserError, KeyboardInterrupt)):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_user_error_tracebacks() -> None:
+    """Install the filter on Prefect's task-run and flow-run loggers (once per process)."""
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoUserErrorTraceback) for f in logger.filters):
+            logger.addFilter(_NoUserErrorTraceback())

@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan_pipe import limits
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
 
@@ -19,6 +20,21 @@ class DeploymentPlan:
     tags: tuple[str, ...]
 
 
+CRON_ALIASES = ("@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly")
+
+
+def check_cron(cron: str) -> None:
+    """Five fields (minute hour day-of-month month day-of-week) or an @alias. Prefect's parser
+    also takes 6 and 7 fields (seconds, years), which would silently fire on another schedule
+    than a crontab line of the same text."""
+    fields = cron.split()
+    if len(fields) != 5 and not (len(fields) == 1 and fields[0].lower() in CRON_ALIASES):
+        raise UserError(f"--cron {limits.shown(cron)} is not a cron expression of five fields (it has "
+                        f"{len(fields)}); use five fields "
+                        "'minute hour day-of-month month day-of-week', e.g. '0 2 * * *' for 02:00 daily "
+                        f"(or one of {', '.join(CRON_ALIASES)})")
+
+
 def plan_deployment(*, flow_path: Path, cfg: FlowConfig, cron: str, name: str | None = None,
                     timezone: str | None = None, stage: str | None = None,
                     workdir: Path | None = None) -> DeploymentPlan:
@@ -28,13 +44,14 @@ def plan_deployment(*, flow_path: Path, cfg: FlowConfig, cron: str, name: str | 
 
     from titan_pipe.flows.cache import STAGES
 
+    check_cron(cron)
     try:
         CronSchedule(cron=cron, timezone=timezone)  # Prefect's own validation of both
     except ValidationError as e:
         bad_zone = any("timezone" in str(err.get("loc", "")) for err in e.errors())
         if bad_zone:
-            raise UserError(f"--timezone {timezone!r} is not an IANA time zone; e.g. UTC or Asia/Shanghai") from None
-        raise UserError(f"--cron {cron!r} is not a cron expression; use five fields "
+            raise UserError(f"--timezone {limits.shown(timezone)} is not an IANA time zone; e.g. UTC or Asia/Shanghai") from None
+        raise UserError(f"--cron {limits.shown(cron)} is not a cron expression; use five fields "
                         "'minute hour day-of-month month day-of-week', e.g. '0 2 * * *' for 02:00 daily") from None
     if stage is not None and stage not in STAGES:
         raise UserError(f"--stage {stage!r} is not a stage; use one of {', '.join(STAGES)}")
@@ -49,6 +66,9 @@ def serve_flow(*, flow_path: Path, cfg: FlowConfig, cron: str, name: str | None 
                timezone: str | None = None, stage: str | None = None) -> None:
     """Create the deployment and serve it: a runner in this process starts each scheduled run (blocks)."""
     plan = plan_deployment(flow_path=flow_path, cfg=cfg, cron=cron, name=name, timezone=timezone, stage=stage)
+    from titan_pipe.flows.prefect_api import check_api_reachable
+
+    check_api_reachable()
     from prefect.client.schemas.schedules import CronSchedule
     from prefect.deployments.runner import EntrypointType
 

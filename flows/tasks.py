@@ -1,7 +1,8 @@
 """One Prefect task per stage: thin wrappers over the stage library functions, returning paths + a summary.
 
 Each task takes paths and its config section, calls the stage's library function (the contract in
-docs/flows.md) and returns a ``StageOutput``. Caching is not Prefect's here (``NO_CACHE``; see
+docs/flows.md) and returns a ``StageOutput``. An OS fault (full disk, read-only dir, ...) becomes
+titan_pipe.faults' one line (a UserError: the flow never retries it). Caching is not Prefect's here (``NO_CACHE``; see
 flows/cache.py and docs/flows.md for why); retries are set per run by the flow (``with_options``).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prefect.runtime import task_run
 
 from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import ConvertConfig, EvaluateConfig, ExportConfig, FlowConfig
+from titan_pipe.faults import STAGE_OUTPUTS, writing
 from titan_pipe.flows.logs import follow_log, run_logger
 from titan_pipe.run_dir import RunDir
 
@@ -51,6 +53,23 @@ def resume_decision(*, requested: bool, attempt: int, run_dir: Path, torchrun_re
     return (requested or attempt > 1) and newest_complete(run_dir) is not None
 
 
+@task(name="data", cache_policy=NO_CACHE, persist_result=False)
+def data_task(flow_dir: Path, cfg: FlowConfig, out_dir: Path) -> StageOutput:
+    from titan_pipe.tokens.spec import data_spec
+    from titan_pipe.training.prepare import prepare_spec
+
+    spec = data_spec(cfg.data, base=flow_dir)
+    run_logger().info(f"preparing {spec.text} -> {out_dir} (tokenizer {spec.tokenizer})")
+    with writing(out_dir, what=STAGE_OUTPUTS["prepare"]):
+        r = prepare_spec(spec, out_dir, progress=False)
+    rec = r.record
+    run_logger().info(("already prepared from the same inputs: " if r.reused else "prepared: ")
+                      + f"{rec.n_documents:,} documents, {rec.n_tokens:,} tokens in {r.seconds:.1f}s")
+    return StageOutput("data", {"data_dir": str(r.out_dir)}, outputs=[str(r.out_dir)],
+                       summary={"tokens": rec.n_tokens, "documents": rec.n_documents,
+                                "val_documents": rec.split.val_documents, "reused": r.reused})
+
+
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
 def train_task(flow_path: Path, cfg: FlowConfig, resume: bool = False) -> StageOutput:
     from titan_pipe.training.launch import run_training
@@ -61,7 +80,7 @@ def train_task(flow_path: Path, cfg: FlowConfig, resume: bool = False) -> StageO
                              torchrun_restarts=cfg.launch.max_restarts)
     start = newest_complete(run_dir) if resume else None
     log.info(f"attempt {max(attempt, 1)}: " + (f"resuming from {start}" if start else "training from step 0"))
-    with follow_log(RunDir(run_dir).train_log):
+    with writing(run_dir, what=STAGE_OUTPUTS["train"]), follow_log(RunDir(run_dir).train_log):
         r = run_training(flow_path=flow_path, cfg=cfg, resume=resume)
     log.info(f"training done: checkpoint {r.checkpoint}, summary {r.summary}")
     paths = {"run_dir": str(r.run_dir), "metrics": str(r.metrics)}
@@ -76,8 +95,9 @@ def convert_task(checkpoint: Path, out_dir: Path, settings: ConvertConfig) -> St
     from titan_pipe.convert.api import convert_checkpoint
 
     run_logger().info(f"converting {checkpoint} -> {out_dir} ({settings.naming} names, dtype {settings.dtype})")
-    r = convert_checkpoint(src=checkpoint, out_dir=out_dir, naming=settings.naming, dtype=settings.dtype,
-                           max_shard_size=settings.max_shard_size, overwrite=True)
+    with writing(out_dir, what=STAGE_OUTPUTS["convert"]):
+        r = convert_checkpoint(src=checkpoint, out_dir=out_dir, naming=settings.naming, dtype=settings.dtype,
+                               max_shard_size=settings.max_shard_size, overwrite=True)
     run_logger().info(f"wrote {len(r.files)} file(s): {', '.join(p.name for p in r.files)}")
     if r.summary.get("nonfinite"):
         run_logger().warning(f"NaN/Inf values in {len(r.summary['nonfinite'])} tensor(s): "
@@ -91,12 +111,12 @@ def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> Stage
     from titan_pipe.convert.onnx.export import export_model
 
     run_logger().info(f"exporting {model_dir} -> {out_dir} (opset {settings.opset}, {settings.dtype})")
-    r = export_model(model_dir=model_dir, out_dir=out_dir, opset=settings.opset, dtype=settings.dtype,
-                     batch=settings.batch, seq_len=settings.seq_len, cache_len=settings.cache_len,
-                     hash_weights=settings.hash_weights,
-                     dynamic=settings.dynamic,
-                     kv_cache=settings.kv_cache, soc_version=settings.soc_version, run_atc=settings.atc,
-                     precision_mode=settings.precision_mode, overwrite=True)
+    with writing(out_dir, what=STAGE_OUTPUTS["export"]):
+        r = export_model(model_dir=model_dir, out_dir=out_dir, opset=settings.opset, dtype=settings.dtype,
+                         batch=settings.batch, seq_len=settings.seq_len, cache_len=settings.cache_len,
+                         hash_weights=settings.hash_weights, dynamic=settings.dynamic,
+                         kv_cache=settings.kv_cache, soc_version=settings.soc_version, run_atc=settings.atc,
+                         precision_mode=settings.precision_mode, overwrite=True)
     run_logger().info(f"ONNX {r.onnx}; ATC: {r.atc_status}")
     paths = {"onnx_dir": str(r.out_dir), "onnx": str(r.onnx), "export_json": str(r.export_json)}
     if r.decode_onnx is not None:
@@ -113,8 +133,9 @@ def evaluate_task(out_dir: Path, checkpoint: Path, model_dir: Path, onnx: Path, 
     from titan_pipe.evaluate.api import evaluate_model
 
     run_logger().info(f"evaluating {checkpoint.name} / {model_dir.name} / {onnx.name} -> {out_dir}")
-    r = evaluate_model(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
-                       data=data, settings=settings, progress=True, split=split)
+    with writing(out_dir, what=STAGE_OUTPUTS["evaluate"]):
+        r = evaluate_model(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
+                           data=data, settings=settings, progress=True, split=split)
     run_logger().info(f"verdict: {'PASS' if r.passed else 'FAIL'} ({r.report_json})")
     paths = {"report_dir": str(r.out_dir), "report_json": str(r.report_json)}
     for name in ("report.md", "report.html"):

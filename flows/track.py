@@ -19,8 +19,12 @@ def run_tracked(stage: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
     from prefect.states import Failed
 
     from titan_pipe.errors import UserError
-    from titan_pipe.flows.logs import run_logger
+    from titan_pipe.flows.logs import quiet_user_error_tracebacks, run_logger
+    from titan_pipe.flows.prefect_api import check_api_reachable
+    from titan_pipe.flows.server import temporary_server
 
+    check_api_reachable()  # a dead PREFECT_API_URL: one line, before the stage runs
+    quiet_user_error_tracebacks()
     user_errors: list[UserError] = []
 
     def body(**kw: Any) -> T:
@@ -36,7 +40,8 @@ def run_tracked(stage: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
 
     tracked = flow(name=f"titan-pipe-{stage}-cli", validate_parameters=False, log_prints=True,
                    persist_result=False)(body)
-    state = tracked(**kwargs, return_state=True)
+    with temporary_server():  # dies with this command, however it ends
+        state = tracked(**kwargs, return_state=True)
     if user_errors:
         raise user_errors[0]
     return state.result()

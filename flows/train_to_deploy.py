@@ -22,14 +22,16 @@ from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig, load_flow
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.flows import cache
-from titan_pipe.flows.logs import run_logger
-from titan_pipe.flows.tasks import (StageOutput, convert_task, evaluate_task, export_task,
+from titan_pipe.flows.logs import quiet_user_error_tracebacks, run_logger
+from titan_pipe.flows.tasks import (StageOutput, convert_task, data_task, evaluate_task, export_task,
                                     train_task)
 from titan_pipe.run_dir import RunDir
 from titan_pipe.run_lock import run_lock
 
+quiet_user_error_tracebacks()  # a stage's UserError is one line in the run logs too, not a traceback
+
 DEFAULT_TASKS: dict[str, Callable[..., StageOutput]] = {
-    "train": train_task, "convert": convert_task, "export": export_task, "evaluate": evaluate_task,
+    "data": data_task, "train": train_task, "convert": convert_task, "export": export_task, "evaluate": evaluate_task,
 }
 
 
@@ -79,9 +81,12 @@ class PipelineOutcome:
 
 
 def _retryable(task, task_run, state) -> bool:
-    """Retry a crashed launch (StageFailed, or anything unexpected), never bad input (UserError)."""
+    """Retry a crashed launch (StageFailed, or anything unexpected), never bad input or an OS fault
+    (UserError) and never an interrupt (Ctrl-C, SIGTERM: the user or the scheduler stopped it)."""
     try:
         state.result()
+    except KeyboardInterrupt:
+        return False
     except StageFailed:
         return True
     except UserError:
@@ -121,6 +126,8 @@ def _prepare_training(run_dir: Path, key: str, action: str) -> bool:
 def _call_stage(stage: str, fn: Callable, *, cfg: FlowConfig, flow_path: Path, flow_dir: Path,
                 run_dir: Path, upstream: dict[str, str], resume: bool) -> StageOutput:
     rd = RunDir(run_dir)
+    if stage == cache.DATA:
+        return fn(flow_dir=flow_dir, cfg=cfg, out_dir=rd.data)
     if stage == "train":
         if hasattr(fn, "with_options"):  # a Prefect task: the retries of this flow.yaml
             fn = fn.with_options(retries=cfg.orchestration.train_retries(cfg.launch.max_restarts),
@@ -133,7 +140,7 @@ def _call_stage(stage: str, fn: Callable, *, cfg: FlowConfig, flow_path: Path, f
         return fn(model_dir=Path(upstream["model_dir"]), out_dir=rd.onnx, settings=cfg.export)
     from titan_pipe.evaluate.batches import held_out_text
 
-    data, split = held_out_text(data=None, flow=cfg, flow_dir=flow_dir)
+    data, split = held_out_text(data=None, flow=cfg, flow_dir=flow_dir, run_dir=run_dir)
     om = upstream.get("om")
     return fn(out_dir=rd.report, checkpoint=Path(upstream["checkpoint"]), model_dir=Path(upstream["model_dir"]),
               onnx=Path(upstream["onnx"]), om=Path(om) if om else None, data=data, settings=cfg.evaluate,
@@ -166,8 +173,8 @@ def _run_stages(cfg: FlowConfig, flow_path: Path, run_dir: Path, actions: dict[s
     hasher = cache.FileHasher(run_dir / ".stages" / "hashes.json")
     outcome = PipelineOutcome(run_dir)
     upstream: dict[str, str] = {}
-    for stage in cache.STAGES:
-        action = actions[stage]
+    actions = cache.with_data_stage(actions, cache.needs_data_stage(cfg, flow_path.parent))
+    for stage, action in actions.items():
         if action == cache.SKIP:
             outcome.stages[stage] = "skipped"
             _emit(StageEvent(stage, "skipped", message="not selected (--only)"))

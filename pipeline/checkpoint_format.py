@@ -16,6 +16,12 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from titan_pipe import limits
+from titan_pipe.choices import PP_SCHEDULES
+from titan_pipe.errors import UserError
+from titan_pipe.limits import Bound, shown
+from titan_pipe.values import BOOL, DICT, INT, STR, check, read, refuse
+
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "titan-pipe-checkpoint"
 FORMAT_VERSION = 1
@@ -71,6 +77,31 @@ def split_box(shape: tuple[int, ...], dim: int | None, n: int, i: int) -> Box:
     lens = list(shape)
     offs[dim], lens[dim] = i * step, step
     return Box(tuple(offs), tuple(lens))
+
+
+# A manifest's numbers size what readers plan and allocate: typed strictly, bounded (titan_pipe.values).
+DIM_SIZE = Bound(0, 2**40, "one dimension of one tensor")
+_MALFORMED = "the manifest holds a malformed value; copy the checkpoint again"
+FILE_BYTES = Bound(0, 2**50, "one shard file")
+STEP = Bound(0, 2**40, "a training step")
+
+
+def _list(values: object, source: str, key: str, most: int = 2**16) -> list:
+    """``values`` as a list of at most ``most`` items (None: empty); UserError naming it otherwise."""
+    values = [] if values is None else values
+    if not isinstance(values, list) or len(values) > most:
+        raise UserError(f"{source}: {key} = {shown(values)} is not a list of at most {most} items; "
+                        "the manifest is corrupted. Copy the checkpoint again")
+    return values
+
+
+def _dims(values: object, source: str, key: str, most: int = 8) -> tuple[int, ...]:
+    """A list of non-negative integers (a shape, a box's offsets or lengths, layer ids), typed strictly."""
+    return tuple(check(v, INT, source=source, key=key, bound=DIM_SIZE) for v in _list(values, source, key, most))
+
+
+def _opt_int(value: object, source: str, key: str) -> int | None:
+    return None if value is None else check(value, INT, source=source, key=key, bound=DIM_SIZE)
 
 
 @dataclass(frozen=True)
@@ -159,18 +190,21 @@ class ParallelLayout:
         """The layout of a manifest's ``parallel`` object; LayoutError naming the field otherwise."""
         if not isinstance(d, dict):
             raise LayoutError(f"{source}: 'parallel' is a {type(d).__name__}, not an object")
-        try:
-            sizes = {k: int(d.get(k, 1)) for k in ("dp", "tp", "pp")}
-            layout = cls(**sizes, pp_schedule=str(d.get("pp_schedule") or "1f1b"),
-                         stages=tuple(tuple(int(i) for i in s) for s in d.get("stages") or ()),
-                         stage_ranks=tuple(int(r) for r in d.get("stage_ranks") or ()),
-                         sequence_parallel=bool(d.get("sequence_parallel", False)),
-                         dp_mode=d.get("dp_mode"), dp_kind=d.get("dp_kind"))
-        except (TypeError, ValueError) as e:
-            raise LayoutError(f"{source}: 'parallel' holds a malformed value ({e})") from None
-        if min(sizes.values()) < 1:
-            raise LayoutError(f"{source}: parallel sizes {sizes} must all be >= 1")
-        return layout
+        # Every value typed strictly and bounded (titan_pipe.values): "2" is no tp, 0 no pp.
+        kw = dict(source=source, prefix="parallel.", exc=LayoutError, fix=_MALFORMED)
+        sizes = {k: read(d, k, INT, default=1, bound=limits.PARALLEL, **kw) for k in ("dp", "tp", "pp")}
+        schedule = read(d, "pp_schedule", STR, default="1f1b", **kw)
+        if schedule not in PP_SCHEDULES:
+            raise refuse(source, "parallel.pp_schedule", schedule, f"is not one of {', '.join(PP_SCHEDULES)}",
+                         _MALFORMED, exc=LayoutError)
+        layers = int(limits.LAYERS.hi)
+        stages = tuple(_dims(s, source, "parallel.stages", most=layers)
+                       for s in _list(d.get("stages"), source, "parallel.stages", most=layers))
+        return cls(**sizes, pp_schedule=schedule, stages=stages,
+                   stage_ranks=_dims(d.get("stage_ranks") or [], source, "parallel.stage_ranks", most=2**16),
+                   sequence_parallel=read(d, "sequence_parallel", BOOL, default=False, **kw),
+                   dp_mode=read(d, "dp_mode", STR, default=None, **kw),
+                   dp_kind=read(d, "dp_kind", STR, default=None, **kw))
 
 
 @dataclass
@@ -216,20 +250,27 @@ class Manifest:
             raise LayoutError(f"{source}: holds a JSON {type(d).__name__}, not the manifest object")
         if d.get("format") != FORMAT_NAME:
             raise LayoutError(f"{source}: format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
-        if d.get("format_version", 0) > FORMAT_VERSION:
+        if check(d.get("format_version", 0), INT, source=source, key="format_version") > FORMAT_VERSION:
             raise LayoutError(f"{source}: format_version {d['format_version']} is newer than this "
                               f"titan-pipe reads ({FORMAT_VERSION}); upgrade titan-pipe")
         try:
             params = {
                 name: ParamSpec(
-                    name=name, shape=tuple(p["shape"]), dtype=p["dtype"], tp_dim=p.get("tp_dim"),
-                    stage=p.get("stage"),
-                    chunks=[Chunk(c["file"], c["key"], Box(c["offsets"], c["lengths"]))
+                    name=name, shape=_dims(p["shape"], source, f"params.{name}.shape"),
+                    dtype=check(p["dtype"], STR, source=source, key=f"params.{name}.dtype"),
+                    tp_dim=_opt_int(p.get("tp_dim"), source, f"params.{name}.tp_dim"),
+                    stage=_opt_int(p.get("stage"), source, f"params.{name}.stage"),
+                    chunks=[Chunk(check(c["file"], STR, source=source, key=f"params.{name}.chunks.file"),
+                                  check(c["key"], STR, source=source, key=f"params.{name}.chunks.key"),
+                                  Box(_dims(c["offsets"], source, f"params.{name}.chunks.offsets"),
+                                      _dims(c["lengths"], source, f"params.{name}.chunks.lengths")))
                             for c in p["chunks"]])
-                for name, p in d["params"].items()
+                for name, p in check(d["params"], DICT, source=source, key="params").items()
             }
-            files = {k: FileInfo(**v) for k, v in d["files"].items()}
-            return cls(step=int(d["step"]), model=d["model"],
+            files = {k: FileInfo(size=check(v["size"], INT, source=source, key=f"files.{k}.size", bound=FILE_BYTES),
+                                 sha256=check(v["sha256"], STR, source=source, key=f"files.{k}.sha256"))
+                     for k, v in check(d["files"], DICT, source=source, key="files").items()}
+            return cls(step=check(d["step"], INT, source=source, key="step", bound=STEP), model=d["model"],
                        parallel=ParallelLayout.from_dict(d["parallel"], source=source), params=params,
                        files=files, extra=d.get("extra", {}), format=d["format"],
                        format_version=d["format_version"])

@@ -7,10 +7,12 @@ from pathlib import Path
 
 import typer
 
+from titan_pipe import faults
 from titan_pipe.atomic import write_text
 from titan_pipe.commands.common import console, handle_errors
 from titan_pipe.config import load_flow
 from titan_pipe.errors import UserError
+from titan_pipe.run_lock import path_lock
 
 app = typer.Typer(
     name="titan-pipe",
@@ -28,9 +30,10 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
          force: bool = typer.Option(False, "--force", help="Overwrite an existing flow.yaml")):
     """Write a commented example flow.yaml (the debug model on CPU) into DIRECTORY."""
     target = directory / "flow.yaml"
-    if target.exists() and not force:
-        raise UserError(f"{target} already exists; pass --force to overwrite it")
-    write_text(target, TEMPLATE.read_text())
+    with faults.writing(target, what="the example flow.yaml"), path_lock(target, what="titan-pipe init"):
+        if target.exists() and not force:
+            raise UserError(f"{target} already exists; pass --force to overwrite it")
+        write_text(target, TEMPLATE.read_text())
     console.print(f"wrote {target}; check it with: titan-pipe validate {target}")
 
 
@@ -41,6 +44,9 @@ def validate(flow: Path = typer.Argument(..., help="flow.yaml to check")):
     cfg = load_flow(flow)
     args = cfg.model.args()
     from titan_pipe.model.args import count_params
+    from titan_pipe.training.preflight import check_before_launch
+
+    check_before_launch(cfg, flow_path=flow)  # what train would meet before its first step
 
     p = cfg.parallel
     typer.echo(f"{flow}: ok — model {cfg.model.flavour or 'custom'} ({count_params(args) / 1e6:.2f}M params), "
@@ -50,9 +56,9 @@ def validate(flow: Path = typer.Argument(..., help="flow.yaml to check")):
 
 def _register_commands() -> None:
     # One module per command group under titan_pipe.commands; the root only mounts them.
-    from titan_pipe.commands import convert, evaluate, export, plan, run, train
+    from titan_pipe.commands import convert, data, evaluate, export, plan, run, train
 
-    for module in (train, plan, convert, export, evaluate, run):
+    for module in (data, train, plan, convert, export, evaluate, run):
         module.register(app)
 
 

@@ -1,7 +1,11 @@
-"""FlowConfig: one flow.yaml describes a whole run. pydantic v2, unknown keys are errors.
+"""FlowConfig: one flow.yaml describes a whole run. pydantic v2, strict types, unknown keys are errors.
 
 ``load_flow(path)`` turns every problem into one line naming the key, the value and the fix
-(``ConfigError.lines``); the CLI prints them and exits 2.
+(``ConfigError.lines``); the CLI prints them and exits 2. Values are typed strictly ("false" is no
+boolean, 4.0 no integer) and bounded (titan_pipe.limits); choice sets and the export rules come
+from titan_pipe.choices, the model's rules from titan_pipe.model.args, so validation refuses what a
+stage would. The YAML itself is refused when a key appears twice or its aliases expand past
+limits.YAML_NODES; no message prints more of a value than limits.shown does.
 """
 from __future__ import annotations
 
@@ -12,16 +16,25 @@ from typing import Any, Literal, get_args, get_type_hints
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from titan_pipe import limits
+from titan_pipe.choices import (COMPILE_BACKENDS, DEVICES, DP_MODES, EXPORT, KERNELS, OFFLOADS, OPTIMIZERS, PP_SCHEDULES,
+                                PRECISION_MODES, export_problems)
+from titan_pipe.choices import NAMINGS
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
-from titan_pipe.model.args import FLAVOURS, ModelArgs, RopeScaling, resolve_args
+from titan_pipe.errors import UserError
+from titan_pipe.flow_yaml import FlowYamlError, load_flow_text
+from titan_pipe.model.args import FIELD_BOUNDS, FLAVOURS, SCALING_BOUNDS, ModelArgs, RopeScaling, args_problems, resolve_args
+from titan_pipe.model.sharding import stages_per_rank
 from titan_pipe.run_dir import run_name_problem, suggest_run_name
 
 MAX_FLOW_BYTES = 2**20  # 1 MiB
-# train.compile_backend: auto = inductor on cuda/cpu, TorchAir's backend on npu (titan_pipe.training.compile)
-COMPILE_BACKENDS = ("auto", "inductor", "aot_eager", "eager")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
+    """An invalid flow.yaml: one line per problem (the CLI exits 2); a UserError, so a flow never retries it."""
+
+    exit_code = 2
+
     def __init__(self, source: str, lines: list[str]):
         self.source = source
         self.lines = lines
@@ -29,13 +42,15 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
 
 
-def _mirror(cls, *, optional: bool, nested: dict[str, type] | None = None) -> dict[str, Any]:
+def _mirror(cls, *, optional: bool, bounds: dict[str, limits.Bound],
+            nested: dict[str, type] | None = None) -> dict[str, Any]:
     """pydantic field definitions for the fields of dataclass ``cls`` (model_args), so the config
     cannot drift from ModelArgs. ``optional``: every field defaults to None (not given: the flavour's
-    value) and numbers must be > 0; else each keeps the dataclass default."""
+    value); else each keeps the dataclass default. Numbers are bounded by ``bounds``
+    (titan_pipe.model.args: the bounds every reader of a model applies)."""
     hints = get_type_hints(cls)
     out: dict[str, Any] = {}
     for f in fields(cls):
@@ -43,36 +58,32 @@ def _mirror(cls, *, optional: bool, nested: dict[str, type] | None = None) -> di
             out[f.name] = (nested[f.name] | None, None)
             continue
         t = hints[f.name]
-        if not optional:
-            out[f.name] = (t, f.default)
-            continue
         base = next(a for a in get_args(t) if a is not type(None)) if type(None) in get_args(t) else t
-        out[f.name] = (base | None, None if base is bool else Field(None, gt=0))
+        b = bounds.get(f.name)
+        limit = {} if b is None else {"ge": b.lo, "le": b.hi}
+        if not optional:
+            out[f.name] = (t, Field(f.default, **limit))
+            continue
+        out[f.name] = (base | None, None if base is bool else Field(None, **limit))
     return out
 
 
-RopeScalingConfig = create_model("RopeScalingConfig", __base__=Section, **_mirror(RopeScaling, optional=False))
+RopeScalingConfig = create_model("RopeScalingConfig", __base__=Section,
+                                 **_mirror(RopeScaling, optional=False, bounds=SCALING_BOUNDS))
 
 
 class _ModelChoice(Section):
     """A flavour and any dims laid over it (every field of ModelArgs, each optional)."""
 
     flavour: str | None = "debug"
-    kernels: Literal["auto", "reference", "npu_fused"] = "auto"
+    kernels: Literal[KERNELS] = "auto"
 
     @model_validator(mode="after")
     def _check(self):
         if self.flavour is not None and self.flavour not in FLAVOURS:
-            raise ValueError(f"flavour {self.flavour!r} is unknown; use one of {', '.join(FLAVOURS)} "
+            raise ValueError(f"flavour {limits.shown(self.flavour)} is unknown; use one of {', '.join(FLAVOURS)} "
                              "or give the dims (dim, n_layers, n_heads, ...)")
-        args = self.args()
-        if args.dim % args.n_heads:
-            raise ValueError(f"dim={args.dim} is not divisible by n_heads={args.n_heads}")
-        if args.n_heads % args.kv_heads:
-            raise ValueError(f"n_heads={args.n_heads} is not divisible by n_kv_heads={args.kv_heads}")
-        if args.head_dim % 2:
-            raise ValueError(f"head_dim={args.head_dim} must be even for RoPE")
-        return self
+        return self  # the dims' rules: _cross_checks, one line each (titan_pipe.model.args.args_problems)
 
     def args(self) -> ModelArgs:
         dims = self.model_dump(exclude={"flavour", "kernels"}, exclude_none=True)
@@ -80,46 +91,73 @@ class _ModelChoice(Section):
 
 
 ModelConfig = create_model("ModelConfig", __base__=_ModelChoice,
-                           **_mirror(ModelArgs, optional=True, nested={"rope_scaling": RopeScalingConfig}))
+                           **_mirror(ModelArgs, optional=True, bounds=FIELD_BOUNDS,
+                                     nested={"rope_scaling": RopeScalingConfig}))
+
+
+class BlendEntry(Section):
+    path: str  # a prepared data dir or a Megatron .bin/.idx prefix
+    weight: float = Field(gt=0)
 
 
 class DataConfig(Section):
-    path: str | None = None  # text/jsonl file or directory; None: the shipped corpus
+    # raw text (.txt/.jsonl/.jsonl.gz/.parquet file or dir; prepared into the run dir first), a prepared
+    # dir or a Megatron .bin/.idx prefix; None: the shipped corpus (docs/data.md)
+    path: str | None = None
+    blend: list[BlendEntry] | None = None  # prepared dirs / prefixes mixed by weight, instead of path
     tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
-    text_key: str = "text"  # field of a jsonl record holding the text
-    val_fraction: float = Field(0.05, ge=0, lt=1)
+    text_key: str = "text"  # field of a jsonl record (column of a parquet file) holding the text
+    val_fraction: float = Field(0.05, ge=0, lt=1)  # held out as whole documents (a prepared dir: its own)
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.blend is not None and self.path is not None:
+            raise ValueError("path and blend both given; use path for one dataset or blend for a mix")
+        if self.blend is not None and not self.blend:
+            raise ValueError("blend is empty; list {path, weight} entries or remove it")
+        return self
+
+
+def _bounded(default, bound: limits.Bound, **kw):
+    """A pydantic Field inside ``bound`` (titan_pipe.limits)."""
+    return Field(default, ge=bound.lo, le=bound.hi, **kw)
 
 
 class OptimizerConfig(Section):
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(3e-4, gt=0)
+    name: Literal[OPTIMIZERS] = "adamw"
+    lr: float = Field(3e-4, gt=0, le=1e3)
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.1, ge=0)
+    eps: float = Field(1e-8, gt=0, le=1)
+    weight_decay: float = Field(0.1, ge=0, le=1e3)
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _betas_from_a_list(cls, v):
+        return tuple(v) if isinstance(v, list) else v  # YAML has lists, no tuples; items stay strict
 
 
 class TrainConfig(Section):
-    steps: int = Field(20, gt=0)
-    batch_size: int = Field(8, gt=0)  # global batch, in sequences, across all dp ranks
-    seq_len: int = Field(64, gt=0)
+    steps: int = _bounded(20, limits.STEPS)
+    batch_size: int = _bounded(8, limits.BATCH)  # global batch, in sequences, across all dp ranks
+    seq_len: int = _bounded(64, limits.SEQ_LEN)
     optimizer: OptimizerConfig = OptimizerConfig()
-    warmup_steps: int = Field(2, ge=0)
+    warmup_steps: int = Field(2, ge=0, le=limits.STEPS.hi)
     lr_min_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * lr_min_ratio
     grad_clip: float | None = Field(1.0, gt=0)
-    seed: int = 0
-    log_every: int = Field(1, gt=0)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    log_every: int = _bounded(1, limits.STEPS)
     compile: bool = False  # torch.compile each transformer block (after TP and AC, before FSDP)
     compile_backend: Literal[COMPILE_BACKENDS] = "auto"
 
 
 class ParallelConfig(Section):
-    dp: int = Field(1, gt=0)
-    tp: int = Field(1, gt=0)
-    pp: int = Field(1, gt=0)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
-    virtual_stages: int = Field(2, gt=0)  # stages per pp rank for interleaved_1f1b
-    microbatches: int | None = Field(None, gt=0)  # default: pp (or 1 without pp)
-    dp_mode: Literal["fsdp", "ddp"] = "fsdp"
+    dp: int = _bounded(1, limits.PARALLEL)
+    tp: int = _bounded(1, limits.PARALLEL)
+    pp: int = _bounded(1, limits.PARALLEL)
+    pp_schedule: Literal[PP_SCHEDULES] = "1f1b"
+    virtual_stages: int = _bounded(2, limits.LAYERS)  # stages per pp rank for interleaved_1f1b
+    microbatches: int | None = _bounded(None, limits.BATCH)  # default: pp (or 1 without pp)
+    dp_mode: Literal[DP_MODES] = "fsdp"
     sequence_parallel: bool = False
 
     @property
@@ -132,81 +170,83 @@ class ParallelConfig(Section):
 
     @property
     def n_stages(self) -> int:
-        return self.pp * (self.virtual_stages if self.pp_schedule == "interleaved_1f1b" else 1)
+        return self.pp * stages_per_rank(self.pp, self.pp_schedule, self.virtual_stages)
 
 
 class PrecisionConfig(Section):
     amp: bool = False
     amp_dtype: Literal["float16", "bfloat16"] = "bfloat16"
     loss_scale: float | Literal["dynamic"] | None = None  # initial scale; None: no scaling
-    loss_scale_window: int = Field(2000, gt=0)  # overflow-free steps before the scale doubles
+    loss_scale_window: int = _bounded(2000, limits.STEPS)  # overflow-free steps before the scale doubles
     min_loss_scale: float = Field(1.0, gt=0)
 
 
 class MemoryConfig(Section):
     activation_checkpointing: bool = False
-    activation_checkpointing_layers: int = Field(1, gt=0)  # checkpoint every N-th layer
-    optimizer_offload: Literal["none", "cpu"] = "none"
+    activation_checkpointing_layers: int = _bounded(1, limits.LAYERS)  # checkpoint every N-th layer
+    optimizer_offload: Literal[OFFLOADS] = "none"
 
 
 class CommConfig(Section):
     comm_overlap: bool = True
-    fusion_buffer_mb: int = Field(25, gt=0)
-    stream_num: int = Field(1, gt=0)
+    fusion_buffer_mb: int = Field(25, gt=0, le=2**20)
+    stream_num: int = Field(1, gt=0, le=64)
     gradient_sync_dtype: Literal[FLOAT_NAMES] = "float32"
 
 
 class LaunchConfig(Section):
-    nproc_per_node: int | None = Field(None, gt=0)  # default: dp*tp*pp / nnodes
-    nnodes: int = Field(1, gt=0)
-    node_rank: int = Field(0, ge=0)
+    nproc_per_node: int | None = _bounded(None, limits.DEVICES)  # default: dp*tp*pp / nnodes
+    nnodes: int = _bounded(1, limits.DEVICES)
+    node_rank: int = Field(0, ge=0, le=limits.DEVICES.hi)
     rdzv_endpoint: str | None = None  # host:port; required when nnodes > 1
-    max_restarts: int = Field(0, ge=0)
+    max_restarts: int = Field(0, ge=0, le=1000)
 
 
 class CheckpointConfig(Section):
-    every: int = Field(10, gt=0)
-    keep_last: int = Field(2, gt=0)
+    every: int = _bounded(10, limits.STEPS)
+    keep_last: int = Field(2, gt=0, le=10_000)
     save_optimizer: bool = True
 
 
 class ConvertConfig(Section):
-    naming: Literal["hf", "native"] = "hf"
+    naming: Literal[NAMINGS] = "hf"
     dtype: Literal[("keep",) + FLOAT_NAMES] = "keep"
     max_shard_size: str = "5GB"
 
 
 class ExportConfig(Section):
-    opset: int = Field(14, ge=11, le=15)  # ATC takes ONNX opsets 11-15 (the graphs need >= 14)
-    dtype: Literal[EXPORT_NAMES] = "float32"
-    batch: int = Field(1, gt=0)
-    seq_len: int = Field(32, gt=0)
-    cache_len: int | None = Field(None, gt=1)  # decode KV-cache slots; None: min(max_position_embeddings, 4096)
-    hash_weights: bool = True  # sha256 of model.onnx.data in export.json
-    dynamic: bool = True
-    kv_cache: bool = True
-    soc_version: str = "Ascend910B3"
-    atc: bool = True  # run atc when it is on PATH
-    precision_mode: Literal["origin", "mixed_float16", "fp16"] = "origin"
+    """The export stage's options; the stage's own rules (titan_pipe.choices.export_problems) are
+    applied to them by _cross_checks, against the model's positions."""
+
+    opset: int = EXPORT.opset  # titan_pipe.choices.EXPORT_OPSETS, inside ATC's window
+    dtype: Literal[EXPORT_NAMES] = EXPORT.dtype
+    batch: int = EXPORT.batch
+    seq_len: int = EXPORT.seq_len
+    cache_len: int | None = EXPORT.cache_len  # decode KV-cache slots; None: min(max_position_embeddings, 4096)
+    hash_weights: bool = EXPORT.hash_weights  # sha256 of model.onnx.data in export.json
+    dynamic: bool = EXPORT.dynamic
+    kv_cache: bool = EXPORT.kv_cache
+    soc_version: str = EXPORT.soc_version
+    atc: bool = EXPORT.run_atc  # run atc when it is on PATH
+    precision_mode: Literal[PRECISION_MODES] = EXPORT.precision_mode
 
 
 class EvaluateConfig(Section):
     data: str | None = None  # held-out text; None: the validation split of the training data
-    batches: int = Field(2, gt=0)
-    batch_size: int = Field(2, gt=0)
-    seq_len: int = Field(32, gt=0)
+    batches: int = _bounded(2, limits.EVAL_BATCHES)
+    batch_size: int = _bounded(2, limits.BATCH)
+    seq_len: int = _bounded(32, limits.SEQ_LEN)
     operators: bool = True
     thresholds: dict[str, dict[str, float]] = Field(default_factory=dict)  # per dtype overrides
     dtype: Literal[("auto",) + FLOAT_NAMES] = "auto"  # threshold set; auto: the candidate's
-    prompts: int = Field(2, ge=0)  # greedy generations compared token for token (0: none)
-    prompt_len: int = Field(16, gt=0)
-    new_tokens: int = Field(16, gt=0)
-    device: Literal["auto", "cpu", "cuda", "npu"] = "cpu"  # where the PyTorch reference runs
+    prompts: int = Field(2, ge=0, le=limits.BATCH.hi)  # greedy generations compared token for token (0: none)
+    prompt_len: int = _bounded(16, limits.SEQ_LEN)
+    new_tokens: int = _bounded(16, limits.SEQ_LEN)
+    device: Literal[DEVICES] = "cpu"  # where the PyTorch reference runs
     dump: bool = False  # REPORT_DIR/dump/<comparison>/{golden,candidate}/<tensor>.npy for msit/msprobe
 
     @model_validator(mode="after")
     def _check_thresholds(self):
-        from titan_pipe.errors import UserError
         from titan_pipe.thresholds import validate_overrides
 
         try:
@@ -220,8 +260,8 @@ class OrchestrationConfig(Section):
     """How `titan-pipe run` drives the stages under Prefect (docs/flows.md)."""
     # Prefect retries of the training task, each resuming from the newest complete checkpoint.
     # None: 2 when launch.max_restarts is 0, else 0 (torchrun then owns rank failures: one owner).
-    retries: int | None = Field(None, ge=0)
-    retry_delay_s: float = Field(10.0, ge=0)
+    retries: int | None = Field(None, ge=0, le=100)
+    retry_delay_s: float = Field(10.0, ge=0, le=86400)
     cache: bool = True  # skip a stage whose config section and input files are unchanged
 
     def train_retries(self, max_restarts: int) -> int:
@@ -233,14 +273,14 @@ class OrchestrationConfig(Section):
 class FlowConfig(Section):
     name: str = "run"  # the run dir is runs_dir/<name>: one safe path component (run_dir.run_name_problem)
     runs_dir: str = "runs"
-    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    device: Literal[DEVICES] = "auto"
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     parallel: ParallelConfig = ParallelConfig()
     precision: PrecisionConfig = PrecisionConfig()
     memory: MemoryConfig = MemoryConfig()
-    zero_stage: Literal[0, 1, 2, 3] | None = None  # None: dp_mode decides
+    zero_stage: int | None = Field(None, ge=0, le=3)  # ZeRO 0-3; None: dp_mode decides
     comm: CommConfig = CommConfig()
     launch: LaunchConfig = LaunchConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -267,8 +307,11 @@ class FlowConfig(Section):
 
 def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     """Rules that span sections; each message names the key, the value and the fix."""
-    errs: list[str] = []
     args = cfg.model.args()
+    problems = args_problems(args)
+    if problems:  # the rules below divide by these dims
+        return [f"model.{line}" for line in problems]
+    errs = _export_and_positions(cfg, args)
     p = cfg.parallel
     if args.n_heads % p.tp:
         errs.append(f"parallel.tp: {p.tp} does not divide model n_heads={args.n_heads}; "
@@ -281,6 +324,9 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     if args.vocab_size % p.tp:
         errs.append(f"parallel.tp: {p.tp} does not divide vocab_size={args.vocab_size}; pad the "
                     "vocabulary to a multiple of tp")
+    if args.tie_embeddings and p.pp > 1:
+        errs.append(f"parallel.pp: {p.pp} splits a model with tied embeddings (model.tie_embeddings) over "
+                    "stages, which the trainer cannot build (embedding and output must share a stage); set pp: 1")
     if args.n_layers < p.n_stages:
         errs.append(f"parallel.pp: {p.pp} x {p.n_stages // p.pp} stage(s) per rank needs at least "
                     f"{p.n_stages} layers, the model has n_layers={args.n_layers}; lower pp")
@@ -298,8 +344,6 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     elif (cfg.train.batch_size // p.dp) % p.n_microbatches:
         errs.append(f"train.batch_size: {cfg.train.batch_size // p.dp} sequences per dp rank do not "
                     f"split into microbatches={p.n_microbatches}")
-    if cfg.train.seq_len > args.max_seq_len:
-        errs.append(f"train.seq_len: {cfg.train.seq_len} exceeds model max_seq_len={args.max_seq_len}")
     if p.sequence_parallel and p.tp > 1 and cfg.train.seq_len % p.tp:
         errs.append(f"train.seq_len: {cfg.train.seq_len} is not divisible by tp={p.tp} "
                     "(sequence_parallel splits the sequence)")
@@ -330,12 +374,7 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
         errs.append("zero_stage: ZeRO with dp_mode ddp and tp > 1 is not supported; use dp_mode: fsdp")
     if cfg.memory.optimizer_offload == "cpu" and not (p.dp_mode == "fsdp" or (cfg.zero_stage or 0) >= 2):
         errs.append("memory.optimizer_offload: cpu offload runs through FSDP2; set parallel.dp_mode: fsdp")
-    if cfg.data.path is not None:
-        dp_ = Path(cfg.data.path)
-        dp_ = dp_ if dp_.is_absolute() else base / dp_
-        if not dp_.exists():
-            errs.append(f"data.path: {cfg.data.path!r} does not exist (resolved to {dp_}); fix the path "
-                        "or remove it to use the shipped corpus")
+    errs += _data_path_checks(cfg.data, base)
     if cfg.data.tokenizer != "byte":
         tp_ = Path(cfg.data.tokenizer)
         tp_ = tp_ if tp_.is_absolute() else base / tp_
@@ -352,6 +391,37 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     return errs
 
 
+def _export_and_positions(cfg: FlowConfig, args: ModelArgs) -> list[str]:
+    """Every length the model's positions bound, and the export stage's own option rules."""
+    errs = [f"{key}: {value} exceeds model max_seq_len={args.max_seq_len}; lower it or raise model.max_seq_len"
+            for key, value in (("train.seq_len", cfg.train.seq_len), ("evaluate.seq_len", cfg.evaluate.seq_len))
+            if value > args.max_seq_len]
+    e = cfg.export
+    errs += [f"export: {line}" for line in export_problems(
+        max_positions=args.max_seq_len, opset=e.opset, dtype=e.dtype, batch=e.batch, seq_len=e.seq_len,
+        cache_len=e.cache_len, kv_cache=e.kv_cache, precision_mode=e.precision_mode,
+        spell=lambda k: f"export.{k}:")]
+    return errs
+
+
+def _data_path_checks(data: DataConfig, base: Path) -> list[str]:
+    """data.path exists (a file, a dir or a .bin/.idx prefix); every data.blend entry is token data."""
+    from titan_pipe.tokens.spec import is_token_data, resolve
+
+    errs = []
+    if data.path is not None:
+        p = resolve(data.path, base)
+        if not p.exists() and not is_token_data(p):
+            errs.append(f"data.path: {data.path!r} does not exist (resolved to {p}); fix the path "
+                        "or remove it to use the shipped corpus")
+    for i, entry in enumerate(data.blend or []):
+        p = resolve(entry.path, base)
+        if not is_token_data(p):
+            errs.append(f"data.blend[{i}].path: {entry.path!r} (resolved to {p}) is not a prepared data dir or a "
+                        ".bin/.idx prefix; prepare raw text first with `titan-pipe data prepare SRC -o DIR`")
+    return errs
+
+
 def _format_pydantic(e: ValidationError) -> list[str]:
     lines = []
     for err in e.errors():
@@ -360,7 +430,7 @@ def _format_pydantic(e: ValidationError) -> list[str]:
             lines.append(f"{loc}: unknown key; remove it or check its spelling")
             continue
         value = err.get("input")
-        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        shown = "" if isinstance(value, dict) else f" (got {limits.shown(value)})"  # never a whole input
         msg = err["msg"].removeprefix("Value error, ")
         lines.append(f"{loc}: {msg}{shown}")
     return lines
@@ -393,7 +463,9 @@ def load_flow(path: str | Path) -> FlowConfig:
         raise ConfigError(str(path), [f"not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
                                       "save the file as UTF-8"]) from None
     try:
-        data = yaml.safe_load(text) or {}
+        data = load_flow_text(text) or {}
+    except FlowYamlError as e:
+        raise ConfigError(str(path), [str(e)]) from None
     except yaml.YAMLError as e:
         raise ConfigError(str(path), [f"not valid YAML: {str(e).splitlines()[0]}"]) from None
     except RecursionError:  # PyYAML's composer recurses once per nesting level

@@ -19,9 +19,13 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from titan_pipe import limits
+from titan_pipe.checkpoint_format import FILE_BYTES
 from titan_pipe.errors import UserError
 from titan_pipe.graph_io import CACHE_UPDATE, PREFILL_FILE, WRITE_INDEX
+from titan_pipe.limits import Bound
 from titan_pipe.paths import resolve_inside
+from titan_pipe.values import INT, read, read_json
 
 RECORD_FILE = "export.json"
 FORMAT_NAME = "titan-pipe-export"
@@ -109,12 +113,7 @@ class ExportRecord:
         path = Path(export_dir) / RECORD_FILE
         if not path.is_file():
             raise UserError(f"{path}: missing; pass the output directory of `titan-pipe export`")
-        try:
-            d = json.loads(path.read_bytes())
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise UserError(f"{path}: not valid JSON ({e}); re-export or delete it") from None
-        if not isinstance(d, dict):
-            raise UserError(f"{path}: expected a JSON object (the record `titan-pipe export` writes)")
+        d = read_json(path, what="the record `titan-pipe export` writes", fix="re-export or delete it")
         version = _version(d.get("format"), path)
         for section in ("graphs", "files"):
             names = d.get(section) or {}
@@ -123,7 +122,7 @@ class ExportRecord:
             for name in names:
                 resolve_inside(export_dir, name, source=path, what=f"{section} entry", fix=_FIX)
         try:
-            return _parse(d, version)
+            return _parse(d, version, path)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"{path}: malformed field ({e!r}); re-export with `titan-pipe export`") from None
 
@@ -150,25 +149,38 @@ def _names(values, *, optional: bool) -> tuple:
     return tuple(values)
 
 
-def _graph(g: dict) -> GraphRecord:
+# The record's numbers, typed strictly and bounded (titan_pipe.values) like every number read from a file.
+COUNT = Bound(0, 2**40, "nodes or operator uses of one graph")
+_MALFORMED = "a malformed field; re-export with `titan-pipe export`"
+OPSET = Bound(1, 1000, "an ONNX opset")
+
+
+def _graph(g: dict, path: Path, file: str) -> GraphRecord:
     if not isinstance(g, dict):
         raise TypeError(f"a graph entry is a {type(g).__name__}, not an object")
+    p = f"graphs.{file}."
     return GraphRecord(
-        opset=g.get("opset"), inputs=dict(g.get("inputs") or {}), outputs=dict(g.get("outputs") or {}),
-        n_nodes=int(g.get("n_nodes") or 0),
-        operators=tuple(OperatorUse(o.get("domain", ""), o["op_type"], int(o.get("count", 0)), o.get("since_version"))
+        opset=read(g, "opset", INT, source=path, default=None, bound=OPSET, prefix=p, fix=_MALFORMED),
+        inputs=dict(g.get("inputs") or {}), outputs=dict(g.get("outputs") or {}),
+        n_nodes=read(g, "n_nodes", INT, source=path, default=0, bound=COUNT, prefix=p, fix=_MALFORMED),
+        operators=tuple(OperatorUse(o.get("domain", ""), o["op_type"],
+                                    read(o, "count", INT, source=path, default=0, bound=COUNT, prefix=p + "operators.", fix=_MALFORMED),
+                                    read(o, "since_version", INT, source=path, default=None, bound=OPSET,
+                                         prefix=p + "operators.", fix=_MALFORMED))
                         for o in g.get("operators") or ()),
         layer_outputs=_names(g.get("layer_outputs") or [], optional=False),
         attn_outputs=_names(g.get("attn_outputs") or [], optional=True),
         mlp_outputs=_names(g.get("mlp_outputs") or [], optional=True))
 
 
-def _parse(d: dict, version: int) -> ExportRecord:
+def _parse(d: dict, version: int, path: Path) -> ExportRecord:
     dec = d.get("decode")
     return ExportRecord(
-        graphs={f: _graph(g) for f, g in (d.get("graphs") or {}).items()},
-        files={f: FileEntry(int(e["bytes"]), e.get("sha256")) for f, e in (d.get("files") or {}).items()},
-        decode=None if not dec else DecodeContract(int(dec["cache_len"]), dec.get("cache_update", CACHE_UPDATE),
+        graphs={f: _graph(g, path, f) for f, g in (d.get("graphs") or {}).items()},
+        files={f: FileEntry(read(e, "bytes", INT, source=path, bound=FILE_BYTES, prefix=f"files.{f}.", fix=_MALFORMED), e.get("sha256"))
+               for f, e in (d.get("files") or {}).items()},
+        decode=None if not dec else DecodeContract(read(dec, "cache_len", INT, source=path, bound=limits.CACHE_LEN,
+                                                        prefix="decode.", fix=_MALFORMED), dec.get("cache_update", CACHE_UPDATE),
                                                    dec.get("write_index", WRITE_INDEX), dec.get("note", DECODE_NOTE)),
         source=dict(d.get("source") or {}), options=dict(d.get("options") or {}),
         exporter=dict(d.get("exporter") or {}), atc=dict(d.get("atc") or {}),

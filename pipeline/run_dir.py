@@ -49,6 +49,11 @@ class RunDir:
         return self.root / "flow.yaml"
 
     @property
+    def data(self) -> Path:
+        """Raw-text data.path prepared for this run (titan_pipe.tokens.spec)."""
+        return self.root / "data"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 

@@ -1,4 +1,8 @@
-"""One writer per run dir: an exclusive flock on ``<run dir>/.lock`` held while a stage writes there.
+"""One writer per run dir, and per output: exclusive flocks held while a command writes.
+
+Run dirs: ``<run dir>/.lock``, kept (below). Any other output a command writes (``-o OUT``, a
+``--write`` file): ``path_lock`` holds ``.OUT.lock`` beside it and removes it when done, so two
+``convert -o X`` at once cannot both succeed: the second stops at once naming the first's PID.
 
 ``run_lock(run_dir, what=...)`` takes the lock or fails at once with one line naming the PID that
 holds it (written into the lock file). flock locks belong to the open file: the kernel drops them
@@ -27,6 +31,13 @@ from titan_pipe.errors import UserError
 LOCK_NAME = ".lock"
 ENV = "TITAN_PIPE_RUN_LOCKS"  # "dir=pid" entries joined by os.pathsep, set while a lock is held
 _held: dict[str, int] = {}  # resolved run dir -> nesting depth, in this process
+_fds: dict[str, int] = {}  # lock file -> the descriptor holding its flock, in this process
+
+
+def held_fds() -> list[int]:
+    """The descriptors of every lock this process holds: titan_pipe.procs passes them to the
+    guardian of each child tree, so a lock stays held until the last writer under it is gone."""
+    return list(_fds.values())
 
 
 class RunDirBusy(UserError):
@@ -66,6 +77,20 @@ def _set_env(entries: list[str]) -> None:
         os.environ.pop(ENV, None)
 
 
+def _try_lock(lock_file: Path) -> int | None:
+    """The descriptor of ``lock_file`` (created per the umask) holding its exclusive flock; None
+    when another process holds it."""
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        return None
+    return fd
+
+
 @contextlib.contextmanager
 def run_lock(run_dir: str | os.PathLike, *, what: str) -> Iterator[Path]:
     """Hold ``run_dir``'s lock for the block (creating the dir); ``what`` names the holder's command.
@@ -86,26 +111,23 @@ def run_lock(run_dir: str | os.PathLike, *, what: str) -> Iterator[Path]:
         yield run_dir
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise
+    fd = _try_lock(lock_file)
+    if fd is None:
         holder = _holder(lock_file)
         pid, _, cmd = holder.partition(" ")
-        raise RunDirBusy(f"{run_dir}: in use by PID {pid}{f' ({cmd})' if cmd else ''}, which holds "
-                         f"{lock_file}; wait for it to finish or stop it, then run again") from None
+        raise RunDirBusy(f"{run_dir}: in use by PID {pid}{f' ({cmd})' if cmd else ''}{_gone_note(pid)}, which "
+                         f"holds {lock_file}; wait for it to finish or stop it, then run again") from None
     previous_env = os.environ.get(ENV)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
         _held[key] = 1
+        _fds[str(lock_file)] = fd
         _set_env([e for e in (previous_env or "").split(os.pathsep) if e] + [f"{key}={os.getpid()}"])
         yield run_dir
     finally:
         _held.pop(key, None)
+        _fds.pop(str(lock_file), None)
         if previous_env is None:
             os.environ.pop(ENV, None)
         else:
@@ -113,6 +135,60 @@ def run_lock(run_dir: str | os.PathLike, *, what: str) -> Iterator[Path]:
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)  # no PID left behind to mislead anyone reading the file
         os.close(fd)  # releases the flock
+
+
+def _gone_note(pid: str) -> str:
+    """For a lock whose named holder has exited: its child processes (which inherited the lock,
+    titan_pipe.procs) are still stopping."""
+    if not pid.isdigit():
+        return ""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return " (it has exited; the processes it started still hold the lock while they stop: try again in a few seconds)"
+    except PermissionError:
+        pass
+    return ""
+
+
+def _lock_file_busy(lock_file: Path, out: Path, what: str) -> RunDirBusy:
+    pid, _, cmd = _holder(lock_file).partition(" ")
+    return RunDirBusy(f"{out}: being written by PID {pid}{f' ({cmd})' if cmd else ''}{_gone_note(pid)}; wait for "
+                      f"it to finish or stop it, or choose another output path")
+
+
+@contextlib.contextmanager
+def path_lock(out: str | os.PathLike, *, what: str) -> Iterator[Path]:
+    """Hold the lock of one output path (a dir or a file) for the block: ``.OUT.lock`` beside it.
+
+    The lock file is removed on release (while still locked, so a process that opened the old
+    file and locks it afterwards sees it is no longer the one on disk and starts again). Raises
+    RunDirBusy naming the holder's PID when another process writes ``out``.
+    """
+    out = Path(os.path.abspath(out))
+    lock_file = out.parent / f".{out.name}.lock"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = _try_lock(lock_file)
+        if fd is None:
+            raise _lock_file_busy(lock_file, out, what)
+        try:
+            same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder released and removed it between our open and flock: again
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
+        _fds[str(lock_file)] = fd
+        yield out
+    finally:
+        _fds.pop(str(lock_file), None)
+        with contextlib.suppress(OSError):
+            os.unlink(lock_file)
+        os.close(fd)
 
 
 def is_run_dir(path: str | os.PathLike) -> bool:
@@ -123,8 +199,9 @@ def is_run_dir(path: str | os.PathLike) -> bool:
 
 @contextlib.contextmanager
 def output_lock(out_dir: str | os.PathLike | None, *, what: str) -> Iterator[None]:
-    """For a stage command writing ``out_dir``: refuse a run dir itself as the output, and hold the
-    lock of the run dir it lies in (``runs/<name>/model``), if it lies in one."""
+    """For a stage command writing ``out_dir``: refuse a run dir itself as the output, hold the
+    lock of the run dir it lies in (``runs/<name>/model``), if it lies in one, and the output's own
+    lock (path_lock)."""
     if out_dir is None:
         yield
         return
@@ -134,8 +211,6 @@ def output_lock(out_dir: str | os.PathLike | None, *, what: str) -> Iterator[Non
                         f"this output would replace; give a directory inside it (e.g. {out_dir}/model, "
                         "/onnx or /report)")
     parent = out_dir.absolute().parent
-    if not is_run_dir(parent):
-        yield
-        return
-    with run_lock(parent, what=what):
+    with run_lock(parent, what=what) if is_run_dir(parent) else contextlib.nullcontext(), \
+            path_lock(out_dir, what=what):
         yield

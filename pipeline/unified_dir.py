@@ -7,14 +7,15 @@ Tensor names may be Hugging Face (``model.layers.0.self_attn.q_proj.weight``) or
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.names import from_hf_config, hf_to_native
+from titan_pipe.model.hf_config import from_hf_config
+from titan_pipe.model.names import hf_to_native
 from titan_pipe.paths import resolve_inside
+from titan_pipe.values import read_json
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -42,29 +43,20 @@ def read_model_args(model_dir: Path) -> ModelArgs:
     if not cfg_path.is_file():
         raise UserError(f"{cfg_path}: missing; a unified model directory needs a Hugging Face config.json "
                         "beside its weights (`titan-pipe convert` writes one)")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg_path}: not valid JSON ({e}); rewrite it or re-run `titan-pipe convert`") from None
-    if not isinstance(cfg, dict):
-        raise UserError(f"{cfg_path}: expected a JSON object (a LlamaConfig), got {type(cfg).__name__}")
-    try:
-        return from_hf_config(cfg, source=str(cfg_path))
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    return from_hf_config(read_json(cfg_path, what="a LlamaConfig"), source=str(cfg_path))
 
 
 def locate_weights(model_dir: Path) -> WeightFiles:
-    """The safetensors files of ``model_dir`` and which stored tensor name each one holds."""
+    """The safetensors files of ``model_dir`` and which stored tensor name each one holds.
+
+    Every reader then accounts for each stored tensor against config.json (``place_tensor``,
+    ``check_all_placed``) from the headers, before any tensor data is read."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
     index, single = model_dir / INDEX, model_dir / SINGLE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-            raise UserError(f"{index}: not a safetensors index (needs a 'weight_map' object): {e}") from None
+        weight_map = read_json(index, what="a safetensors index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise UserError(f"{index}: 'weight_map' must be a non-empty object {{tensor name: file}}; "
                             "re-create the index with save_pretrained or `titan-pipe convert`")

@@ -72,3 +72,26 @@ def test_init_writes_a_valid_flow_and_refuses_to_overwrite(tmp_path):
     assert load_flow(tmp_path / "proj" / "flow.yaml").name == "tiny"
     again = runner.invoke(app, ["init", str(tmp_path / "proj")])
     assert again.exit_code == 1 and "already exists" in again.output
+
+
+def test_data_blend_and_token_data_paths(tmp_path):
+    from titan_pipe.training.prepare import prepare
+
+    (tmp_path / "src").mkdir()
+    for i in range(2):
+        (tmp_path / "src" / f"{i}.txt").write_text(f"text {i} " * 20)
+    prepare(sources=[tmp_path / "src"], out_dir=tmp_path / "prep", tokenizer="byte", progress=False)
+    ok = parse_flow({"data": {"blend": [{"path": "prep", "weight": 0.7}, {"path": "prep/tokens", "weight": 0.3}]}},
+                    base=tmp_path)
+    assert [b.weight for b in ok.data.blend] == [0.7, 0.3]
+    assert parse_flow({"data": {"path": "prep/tokens.idx"}}, base=tmp_path).data.path == "prep/tokens.idx"
+    for data, expect in [
+        ({"path": "prep", "blend": [{"path": "prep", "weight": 1}]}, "path and blend both given"),
+        ({"blend": []}, "blend is empty"),
+        ({"blend": [{"path": "prep", "weight": 0}]}, "data.blend.0.weight: Input should be greater than 0"),
+        ({"blend": [{"path": "src", "weight": 1}]}, "data.blend[0].path: 'src' (resolved to"),
+        ({"path": "prep/nope"}, "data.path: 'prep/nope' does not exist"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            parse_flow({"data": data}, base=tmp_path)
+        assert any(expect in line for line in e.value.lines), e.value.lines

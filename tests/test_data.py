@@ -1,4 +1,4 @@
-"""Data stage: tokenizers, corpus reading, train/val split and the dp-invariant packed loader."""
+"""Token data: tokenizers, corpus reading, the document split and the dp-invariant packed loader."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,19 @@ import pytest
 import torch
 
 from titan_pipe.errors import UserError
-from titan_pipe.tokens.corpus import PackedLoader, default_corpus, load_tokens, prepare_data, split_train_val
+from titan_pipe.config import parse_flow
+from titan_pipe.tokens.corpus import load_corpus
+from titan_pipe.tokens.dataset import val_start
+from titan_pipe.tokens.loader import PackedLoader
+from titan_pipe.tokens.sources import default_corpus
+from titan_pipe.tokens.spec import data_spec, open_spec
 from titan_pipe.tokens.tokenizer import ByteTokenizer, build_tokenizer
+from titan_pipe.training.prepare import prepare_spec
+
+def load_tokens(**kw) -> torch.Tensor:
+    """Every document of a corpus, each followed by eos, as one int64 tensor (the in-memory reader)."""
+    return torch.from_numpy(load_corpus(**kw).tokens)
+
 
 SAMPLE = "Four score and seven years ago — naïve café, 東京, emoji 🚀.\nSecond line\ttab."
 
@@ -111,7 +122,7 @@ def test_corpus_bad_inputs(tmp_path):
     tok = ByteTokenizer()
     with pytest.raises(UserError, match="does not exist"):
         load_tokens(path=tmp_path / "nope", tokenizer=tok)
-    with pytest.raises(UserError, match="holds no .txt or .jsonl"):
+    with pytest.raises(UserError, match="holds no .txt, .jsonl, .jsonl.gz, .parquet files"):
         load_tokens(path=tmp_path, tokenizer=tok)
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(UserError, match="holds no text"):
@@ -130,32 +141,46 @@ def test_corpus_bad_inputs(tmp_path):
     b.write_bytes("café".encode("latin-1"))
     with pytest.raises(UserError, match="not UTF-8"):
         load_tokens(path=b, tokenizer=tok)
-    with pytest.raises(UserError, match="not a .txt or .jsonl"):
+    with pytest.raises(UserError, match="is not a .txt, .jsonl, .jsonl.gz, .parquet file"):
         (tmp_path / "d.csv").write_text("a")
         load_tokens(path=tmp_path / "d.csv", tokenizer=tok)
 
 
-def test_split_train_val_is_a_deterministic_tail():
-    t = torch.arange(1000)
-    train, val = split_train_val(t, 0.1)
-    assert torch.equal(train, t[:900]) and torch.equal(val, t[900:])
-    train, val = split_train_val(t, 0.0)
-    assert len(train) == 1000 and len(val) == 0
-    with pytest.raises(UserError):
-        split_train_val(t, 1.0)
+def test_validation_is_the_shortest_tail_of_whole_documents():
+    starts = [0, 100, 300, 350, 1000]  # four documents of 100, 200, 50 and 650 tokens
+    def first_val(f):
+        return val_start(lambda d: starts[d], 4, 1000, f, where="x")
+    assert first_val(0.0) == 4  # nothing held out
+    assert first_val(0.5) == 3  # 650 tokens >= 500: the last document alone
+    assert first_val(0.65) == 3  # exactly 65%
+    assert first_val(0.66) == 2  # the last two documents (700 tokens)
+    assert first_val(0.01) == 3  # at least one whole document
+    assert first_val(0.8) == 1
+    with pytest.raises(UserError, match="leaves none of its 4 document"):
+        first_val(0.95)
+    with pytest.raises(UserError, match="leaves none of its 1 document"):
+        val_start(lambda d: 0, 1, 10, 0.05, where="one.txt")
+    with pytest.raises(UserError, match="must be in"):
+        first_val(1.0)
+    # the in-memory corpus (evaluate without prepared data) splits by the same rule
+    train, val = load_corpus(path=None, tokenizer=ByteTokenizer()).split(0.05)
+    files = sorted(default_corpus().glob("*.txt"))
+    tail = sum(f.stat().st_size + 1 for f in files[6:])
+    assert len(val) == tail and len(train) + len(val) == sum(f.stat().st_size + 1 for f in files)
+    assert val.read(0, 5).tolist() == list(files[6].read_bytes()[:5])
 
 
-def test_prepare_data_checks_vocab(tmp_path):
-    splits = prepare_data(path=None, tokenizer="byte", val_fraction=0.05, vocab_size=320)
-    assert len(splits.val) == int(0.05 * (len(splits.train) + len(splits.val)))
-    with pytest.raises(UserError, match="smaller than the tokenizer's 258"):
-        prepare_data(path=None, tokenizer="byte", vocab_size=100)
+def test_open_spec_checks_vocab(tmp_path):
     (tmp_path / "t.txt").write_text("hello world " * 10)
-    s = prepare_data(path="t.txt", tokenizer="byte", base=tmp_path, val_fraction=0)
-    assert s.train.tolist() == list(b"hello world " * 10) + [257]
-    assert s.describe() == (f"data: {tmp_path / 't.txt'} (1 file), ByteTokenizer(vocab_size=258): "
-                            "121 tokens, train 121 / val 0")
-    assert f"({len(list(default_corpus().glob('*.txt')))} files)" in splits.describe()
+    cfg = parse_flow({"data": {"path": "t.txt", "val_fraction": 0}}, base=tmp_path)
+    spec = data_spec(cfg.data, base=tmp_path)
+    assert spec.text == tmp_path / "t.txt"
+    prepare_spec(spec, tmp_path / "prepared", progress=False)
+    tok, data = open_spec(spec, prepared=tmp_path / "prepared", vocab_size=320)
+    assert data.train[0][0].read(0, 200).tolist() == list(b"hello world " * 10) + [257]
+    assert data.n_val == 0 and tok.eos_id == 257
+    with pytest.raises(UserError, match="smaller than the tokenizer's 258"):
+        open_spec(spec, prepared=tmp_path / "prepared", vocab_size=100)
 
 
 # --- packed loader ------------------------------------------------------------------------------

@@ -108,9 +108,16 @@ class StandIns:
 
     def __init__(self, fail_train_times: int = 0, passed: bool = True):
         self.calls: list[str] = []
+        self.data_calls = 0  # the data stage runs before train on raw text: counted apart
         self.resume_flags: list[bool] = []
         self.fail_train_times = fail_train_times
         self.passed = passed
+
+    def data(self, *, flow_dir, cfg, out_dir):
+        self.data_calls += 1
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "data.json").write_text(json.dumps({"tokenizer": cfg.data.tokenizer}))
+        return StageOutput("data", {"data_dir": str(out_dir)}, outputs=[str(out_dir)], summary={"tokens": 1})
 
     def train(self, *, flow_path, cfg, resume):
         self.calls.append("train")
@@ -153,7 +160,8 @@ class StandIns:
                            summary={"passed": self.passed}, passed=self.passed)
 
     def tasks(self):
-        return {"train": self.train, "convert": self.convert, "export": self.export, "evaluate": self.evaluate}
+        return {"data": self.data, "train": self.train, "convert": self.convert, "export": self.export,
+                "evaluate": self.evaluate}
 
 
 def _flow_yaml(tmp_path: Path, **over) -> Path:
@@ -179,7 +187,7 @@ def test_second_run_is_all_cached_and_export_change_reruns_export_and_evaluate(t
     _flow_yaml(tmp_path, export={"opset": 15})
     third = run_pipeline(path, tasks=s.tasks(), publish=False)
     assert s.calls == ["export", "evaluate"]
-    assert third.stages == dict(train="cached", convert="cached", export="done", evaluate="done")
+    assert third.stages == dict(data="cached", train="cached", convert="cached", export="done", evaluate="done")
     assert "opset15" in (tmp_path / "runs/t/report/report.json").read_text()
 
     s.calls.clear()
@@ -328,3 +336,26 @@ def test_worker_node_joins_training_without_writing_records(tmp_path):
     out = join_training(path, node_rank=1, tasks={"train": train})
     assert seen == [1] and out.stages == {"train": "done"}
     assert not (tmp_path / "runs/t/.stages").exists()
+
+
+def test_data_stage_runs_before_train_on_raw_text_only_and_is_cached(tmp_path):
+    s = StandIns()
+    path = _flow_yaml(tmp_path)
+    first = run_pipeline(path, tasks=s.tasks(), publish=False)
+    assert s.data_calls == 1 and list(first.stages) == ["data", "train", "convert", "export", "evaluate"]
+    again = run_pipeline(path, tasks=s.tasks(), publish=False)
+    assert s.data_calls == 1 and again.stages["data"] == "cached"
+    (tmp_path / "corpus.txt").write_text("other text " * 40)  # new text: prepared again, trained again
+    s.calls.clear()
+    run_pipeline(path, tasks=s.tasks(), publish=False)
+    assert s.data_calls == 2 and s.calls == ["train", "evaluate"]  # same stand-in weights: convert cached
+    out = run_pipeline(path, from_stage="export", tasks=s.tasks(), publish=False)
+    assert s.data_calls == 2 and "data" not in out.stages  # training not selected: nothing to prepare
+    # token data (a prepared dir) needs no data stage
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    for name in ("data.json", "tokens.bin", "tokens.idx"):  # stand-in files: only their hashes are read here
+        (prepared / name).write_text(name)
+    _flow_yaml(tmp_path, data={"path": str(prepared)})
+    out = run_pipeline(path, tasks=s.tasks(), publish=False)
+    assert s.data_calls == 2 and "data" not in out.stages and out.stages["train"] == "done"

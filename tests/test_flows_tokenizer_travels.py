@@ -23,7 +23,7 @@ from titan_pipe.evaluate.api import evaluate_model
 from titan_pipe.evaluate.batches import ValidationSplit, load_eval_data, pick_tokenizer
 from titan_pipe.flows.train_to_deploy import _call_stage
 from titan_pipe.hashing import sha256_file
-from titan_pipe.tokens.corpus import prepare_data
+from titan_pipe.tokens.tokenizer import build_tokenizer
 from titan_pipe.training.launch import run_training
 
 FAST = EvaluateConfig(operators=False, batches=1, batch_size=2, seq_len=32, prompts=1, new_tokens=4)
@@ -68,7 +68,7 @@ def trained(tmp_path_factory):
     tok = _train_bpe(corpus, root / "tok")
     flow = root / "flow.yaml"
     flow.write_text(yaml.safe_dump({
-        "name": "t", "runs_dir": "runs", "device": "cpu", "model": {"flavour": "debug"},
+        "name": "t", "runs_dir": str(root / "runs"), "device": "cpu", "model": {"flavour": "debug"},
         "data": {"path": "corpus", "tokenizer": "tok/tokenizer.json", "val_fraction": 0.2},
         "train": {"steps": 2, "batch_size": 2, "seq_len": 16, "seed": 1},
         "checkpoint": {"every": 2, "keep_last": 1}}))
@@ -143,11 +143,20 @@ def test_flow_evaluates_on_its_own_validation_split_with_the_trained_tokenizer(t
     assert report["data"]["tokenizer"] == str(trained["model"].out_dir / "tokenizer.json")
     assert str(flow.parent / "corpus") in report["data"]["source"]
 
-    # the batches are the start of the very split training held out (same tokenizer, same fraction)
-    splits = prepare_data(path=cfg.data.path, tokenizer=cfg.data.tokenizer, val_fraction=0.2, base=flow.parent)
+    # the batches are the start of the very documents training held out (same tokenizer, same fraction):
+    # 20% of two equal files held out as whole documents is the last file, encoded by the tokenizer itself
+    tok = build_tokenizer(str(trained["tok"]))
+    held_out = tok.encode((flow.parent / "corpus" / "part1.txt").read_text()) + [tok.eos_id]
     ev = load_eval_data(data=None, model_dir=trained["model"].out_dir, vocab_size=320, n_batches=1, batch_size=2,
                         seq_len=32, n_prompts=0, prompt_len=4, split=seen["split"])
-    assert torch.equal(torch.cat(ev.batches).flatten(), splits.val[:64])
+    assert torch.cat(ev.batches).flatten().tolist() == held_out[:64]
+    # read from the run's prepared copy (what training read), and the same when tokenized here
+    prepared = trained["root"] / "runs" / "t" / "data"
+    assert seen["split"].prepared == prepared and (prepared / "data.json").is_file()
+    raw = load_eval_data(data=None, model_dir=trained["model"].out_dir, vocab_size=320, n_batches=1, batch_size=2,
+                         seq_len=32, n_prompts=0, prompt_len=4, split=ValidationSplit(corpus=flow.parent / "corpus",
+                                                                                      val_fraction=0.2))
+    assert torch.equal(torch.cat(raw.batches), torch.cat(ev.batches))
 
     # evaluate.data set: that file, used whole, and no split
     held = trained["root"] / "held.txt"

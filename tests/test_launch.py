@@ -17,21 +17,11 @@ from typer.testing import CliRunner
 from titan_pipe.cli import app
 from titan_pipe.config import parse_flow
 from titan_pipe.run_dir import RunDir
-from titan_pipe.training.launch import (
-    build_torchrun_command,
-    failure_message,
-    first_slurm_host,
-    inside_launch,
-    launch_env,
-    node_log,
-    reports,
-    resume_flag,
-    root_cause,
-    run_training,
-    slurm_env,
-    stream_process,
-    summarize,
-)
+from titan_pipe.training.failure import failure_message, node_log, root_cause
+from titan_pipe.training.launch import resume_flag, run_training, summarize
+from titan_pipe.training.launch_command import build_torchrun_command, launch_env
+from titan_pipe.training.slurm import first_slurm_host, inside_launch, reports, slurm_env
+from titan_pipe.training.stream import stream_process
 from titan_pipe.training.metrics import format_progress_line
 
 

@@ -102,6 +102,30 @@ def test_compile_config_and_backend_errors(monkeypatch):
     monkeypatch.setattr(compile_mod.shutil, "which", lambda name: None)
     with pytest.raises(UserError, match="needs a C\\+\\+ compiler.*compile_backend: aot_eager"):
         compile_mod.resolve_backend("auto", "cpu")
+    assert compile_mod.resolve_backend("aot_eager", "cpu") == "aot_eager"  # no compiler needed
+    assert compile_mod.resolve_backend("auto", "cuda") == "inductor"  # nvcc/triton: not this check's business
+
+
+def test_launch_preflight_refuses_inductor_without_a_compiler(tmp_path, monkeypatch):
+    """validate/run/train refuse a compiled cpu flow this host cannot compile, before any rank starts."""
+    from titan_pipe.training.preflight import check_before_launch
+
+    data = dict(flow(compile_backend="inductor"), runs_dir=str(tmp_path / "runs"))
+    monkeypatch.setattr(compile_mod.shutil, "which", lambda name: None)
+
+    def problems(train: dict) -> list[str]:
+        try:
+            check_before_launch(parse_flow(dict(data, train=dict(data["train"], **train)), base=tmp_path),
+                                flow_path=tmp_path / "flow.yaml")
+        except ConfigError as e:
+            return e.lines
+        return []
+
+    needs = "train.compile with the inductor backend on cpu needs a C++ compiler"
+    assert [line for line in problems({}) if line.startswith(needs)]
+    assert [line for line in problems({"compile_backend": "auto"}) if line.startswith(needs)]
+    assert not [line for line in problems({"compile_backend": "aot_eager"}) if "train.compile" in line]
+    assert not [line for line in problems({"compile": False, "compile_backend": "auto"}) if "train.compile" in line]
 
 
 @pytest.mark.slow

@@ -22,12 +22,11 @@ from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import parse_flow
 from titan_pipe.model.args import FLAVOURS
-from titan_pipe.tokens.corpus import PackedLoader, prepare_data
 from titan_pipe.model.transformer import build_model
 from titan_pipe.training.parallelize import fill_parameters
 from titan_pipe.model.weights import CheckpointWeights, open_weights
 
-from training_reference import reference_run
+from training_reference import reference_run, training_loader
 
 pytestmark = pytest.mark.distributed
 
@@ -320,9 +319,7 @@ def test_init_from_our_checkpoint_under_another_layout(world2):
     model = build_model(weights.args, seed=None, device="meta")
     fill_parameters(model, weights.args, device=torch.device("cpu"), seed=0, weights=weights)
     cfg = parse_flow(flow({}), base=work)
-    data = prepare_data(path=None, tokenizer="byte", val_fraction=cfg.data.val_fraction,
-                        vocab_size=weights.args.vocab_size)
-    x, y = PackedLoader(data.train, seq_len=32, global_batch=8, seed=0).next_batch()
+    x, y = training_loader(cfg, base=work, prepared=work / "ref-data").next_batch()
     with torch.no_grad():
         want = float(torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
     got = res["init_from_tp2"]["metrics"][0]["loss"]

@@ -9,8 +9,20 @@ import torch
 import torch.nn.functional as F
 
 from titan_pipe.config import parse_flow
-from titan_pipe.tokens.corpus import PackedLoader, prepare_data
 from titan_pipe.model.transformer import build_model
+from titan_pipe.tokens.loader import PackedLoader
+from titan_pipe.tokens.spec import data_spec, open_spec
+from titan_pipe.training.prepare import prepare_spec
+
+
+def training_loader(cfg, *, base, prepared) -> PackedLoader:
+    """The loader of ``cfg`` at dp=1, its raw text prepared into ``prepared`` (as the trainer does)."""
+    spec = data_spec(cfg.data, base=base)
+    if spec.text is not None:
+        prepare_spec(spec, prepared, progress=False)
+    _, data = open_spec(spec, prepared=prepared, vocab_size=cfg.model.args().vocab_size)
+    t = cfg.train
+    return PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed)
 
 
 def reference_run(flow: dict, *, base) -> dict:
@@ -18,9 +30,7 @@ def reference_run(flow: dict, *, base) -> dict:
     cfg = parse_flow(dict(flow, parallel={}), base=base)
     t, o = cfg.train, cfg.train.optimizer
     args = cfg.model.args()
-    data = prepare_data(path=cfg.data.path, tokenizer=cfg.data.tokenizer, base=base,
-                        val_fraction=cfg.data.val_fraction, vocab_size=args.vocab_size)
-    loader = PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed)
+    loader = training_loader(cfg, base=base, prepared=base / "data")
     model = build_model(args, seed=t.seed)
     if o.name == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,

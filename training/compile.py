@@ -22,7 +22,7 @@ import shutil
 import torch
 from torch import nn
 
-from titan_pipe.config import COMPILE_BACKENDS
+from titan_pipe.choices import COMPILE_BACKENDS
 from titan_pipe.errors import UserError
 
 
@@ -43,11 +43,20 @@ def resolve_backend(name: str, device_type: str):
             raise UserError("train.compile on npu needs TorchAir (torchair, shipped with torch_npu's CANN "
                             "toolkit); install it or set train.compile: false") from None
         return torchair.get_npu_backend()
-    backend = "inductor" if name == "auto" else name
+    problem = backend_problem(name, device_type)
+    if problem:
+        raise UserError(problem)
+    return "inductor" if name == "auto" else name
+
+
+def backend_problem(name: str, device_type: str) -> str | None:
+    """Why ``train.compile_backend`` cannot compile on ``device_type`` on this host (one line), or None:
+    inductor on cpu generates C++, so it needs a compiler. Also the launch preflight's check."""
+    backend = "inductor" if name == "auto" and device_type != "npu" else name
     if backend == "inductor" and device_type == "cpu" and not cpp_compiler():
-        raise UserError("train.compile with the inductor backend on cpu needs a C++ compiler (g++ or clang++ "
-                        "on PATH); install one, or set train.compile_backend: aot_eager")
-    return backend
+        return ("train.compile with the inductor backend on cpu needs a C++ compiler (g++ or clang++ on PATH); "
+                "install one, or set train.compile_backend: aot_eager")
+    return None
 
 
 def cpp_compiler() -> str | None:

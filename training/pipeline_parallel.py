@@ -21,12 +21,11 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from titan_pipe.choices import INTERLEAVED, PP_SCHEDULES
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels
 from titan_pipe.model.transformer import Transformer
-from titan_pipe.model.sharding import split_stages, stage_ranks
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+from titan_pipe.model.sharding import split_stages, stage_ranks, stages_per_rank
 
 
 @dataclass(frozen=True)
@@ -47,10 +46,9 @@ class StagePlan:
 
 def plan_stages(n_layers: int, pp: int, pp_rank: int, schedule: str, virtual_stages: int = 2) -> StagePlan:
     """Stage layout for one pp rank: gpipe/1f1b one stage per rank, interleaved ``virtual_stages``."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallel.pp_schedule {schedule!r} is not one of {SCHEDULES}")
-    per_rank = virtual_stages if (schedule == "interleaved_1f1b" and pp > 1) else 1
-    n_stages = pp * per_rank
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule {schedule!r} is not one of {PP_SCHEDULES}")
+    n_stages = pp * stages_per_rank(pp, schedule, virtual_stages)
     stages = split_stages(n_layers, n_stages)
     ranks = stage_ranks(n_stages, pp)
     return StagePlan(n_stages, pp, stages, [s for s in range(n_stages) if ranks[s] == pp_rank])
@@ -89,7 +87,7 @@ def build_schedule(parts: list[nn.Module], plan: StagePlan, *, schedule: str, pp
     group = pp_mesh.get_group()
     stages = [PipelineStage(part, stage_index=s, num_stages=plan.n_stages, device=device, group=group)
               for part, s in zip(parts, plan.local)]
-    if schedule == "interleaved_1f1b":
+    if schedule == INTERLEAVED:
         return ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn)

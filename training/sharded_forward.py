@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     from titan_pipe.training.pipeline_parallel import forward_logits
 
     manifest = Manifest.load(a.checkpoint)
-    args, p = ModelArgs.from_dict(manifest.model), manifest.parallel
+    args, p = ModelArgs.from_dict(manifest.model, source=Path(a.checkpoint) / "manifest.json"), manifest.parallel
     dims = ParallelDims(p.dp, p.tp, p.pp)
     device = resolve_device(a.device)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

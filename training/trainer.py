@@ -23,13 +23,15 @@ from titan_pipe.checkpoint_format import ParallelLayout, newest_complete
 from titan_pipe.config import ConfigError, FlowConfig, load_flow
 from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import flops_per_token
+from titan_pipe.faults import STAGE_OUTPUTS, OutputFault, writing
+from titan_pipe.model.args import count_params, flops_per_token
 from titan_pipe.run_dir import RunDir
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training import metrics
 from titan_pipe.training.amp import LossScaler, autocast
 from titan_pipe.training.compile import compile_seconds, resolve_backend
-from titan_pipe.tokens.corpus import PackedLoader, prepare_data
+from titan_pipe.tokens.loader import PackedLoader
+from titan_pipe.tokens.spec import data_spec, open_spec
 from titan_pipe.tokens.tokenizer import tokenizer_files
 from titan_pipe.training.data_parallel import plan_dp
 from titan_pipe.model.kernels import resolve_kernels
@@ -150,13 +152,22 @@ class Trainer:
         self.args = cfg.model.args()
 
     def _setup_data(self, base: Path) -> None:
+        """Memory-map the token data; raw text is prepared first, once (rank 0; a no-op when the
+        launcher or the flow's data stage already did), never tokenized per rank."""
         cfg, t = self.cfg, self.cfg.train
-        data = prepare_data(path=cfg.data.path, tokenizer=cfg.data.tokenizer, text_key=cfg.data.text_key,
-                            val_fraction=cfg.data.val_fraction, base=base, vocab_size=self.args.vocab_size)
+        spec = data_spec(cfg.data, base=base)
+        if spec.text is not None:
+            if self.rank == 0:
+                from titan_pipe.training.prepare import prepare_spec
+
+                prepare_spec(spec, self.run.data, progress=False)
+            dist.barrier()
+        tok, data = open_spec(spec, prepared=self.run.data, vocab_size=self.args.vocab_size)
         # Copied into every checkpoint so it names its tokenizer itself, not a path relative to flow.yaml.
-        self.tok_files = tokenizer_files(data.tokenizer)
+        self.tok_files = tokenizer_files(tok)
         self.loader = PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size,
-                                   dp_rank=self.mesh["dp"].get_local_rank(), dp_size=cfg.parallel.dp, seed=t.seed)
+                                   dp_rank=self.mesh["dp"].get_local_rank(), dp_size=cfg.parallel.dp, seed=t.seed,
+                                   vocab_size=self.args.vocab_size)
 
     def _find_resume_point(self, resume: bool) -> Path | None:
         latest = newest_complete(self.run.checkpoints, warn=True) if resume else None
@@ -303,18 +314,25 @@ class Trainer:
         return (step % self.cfg.checkpoint.every == 0 or step == self.cfg.train.steps
                 or step == self.forced_save_step)  # the same on all ranks
 
+    def checkpoint_bytes(self) -> int:
+        """About what one checkpoint takes: the fp32 weights, and AdamW's two fp32 moments when the
+        optimizer state is saved (for a full disk's "free N" advice)."""
+        n = count_params(self.cfg.model.args())
+        return 4 * n * (3 if self.cfg.checkpoint.save_optimizer else 1)
+
     def save(self, step: int) -> None:
         """Checkpoint ``step`` (collective), then prune old ones on rank 0."""
         cfg = self.cfg
         hook = self.fault.die if self.fault.due(step, self.rank, "checkpoint") else None
         state = {"step": step, "scheduler": [s.state_dict() for s in self.schedulers],
                  "loader": self.loader.state_dict(), "scaler": self.scaler.state_dict()}
-        ckpt.save_checkpoint(self.run.checkpoint(step), model=self.model,
-                             optimizers=self.optimizers if cfg.checkpoint.save_optimizer else None,
-                             train_state=state, parallel=self.parallel_meta, fail_hook=hook,
-                             extra={"kernels": cfg.model.kernels,
-                                    "tokenizer": "tokenizer.json" if self.tok_files else "byte"},
-                             attach=self.tok_files)
+        with writing(self.run.checkpoint(step), what=f"the checkpoint of step {step}", needs=self.checkpoint_bytes()):
+            ckpt.save_checkpoint(self.run.checkpoint(step), model=self.model,
+                                 optimizers=self.optimizers if cfg.checkpoint.save_optimizer else None,
+                                 train_state=state, parallel=self.parallel_meta, fail_hook=hook,
+                                 extra={"kernels": cfg.model.kernels,
+                                        "tokenizer": "tokenizer.json" if self.tok_files else "byte"},
+                                 attach=self.tok_files)
         if self.rank == 0:
             ckpt.prune(self.run.checkpoints, cfg.checkpoint.keep_last)
 
@@ -364,12 +382,16 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         cfg = load_flow(a.flow)
-        train(cfg, base=a.flow.resolve().parent, resume=a.resume)
+        with writing(cfg.run_dir(), what=STAGE_OUTPUTS["train"]):
+            train(cfg, base=a.flow.resolve().parent, resume=a.resume)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    except OutputFault as e:  # the launcher reports this line as the run's error (training/failure.py)
+        print(f"fault: {e}", file=sys.stderr, flush=True)
+        return 1
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
         if dist.is_initialized():

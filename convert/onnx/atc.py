@@ -14,10 +14,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan_pipe import procs
+from titan_pipe.choices import PRECISION_MODES
 from titan_pipe.errors import StageFailed
 from titan_pipe.graph_io import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, WRITE_INDEX
 
-PRECISION_MODES = ("origin", "mixed_float16", "fp16")
 # --precision_mode_v2 (CANN >= 8.0) value, and the older --precision_mode spelling of the same intent.
 _PRECISION_V2 = {"origin": "origin", "mixed_float16": "mixed_float16", "fp16": "fp16"}
 _PRECISION_V1 = {"origin": "must_keep_origin_dtype", "mixed_float16": "allow_mix_precision_fp16",
@@ -144,13 +145,14 @@ def run_atc(invocations: list[AtcInvocation], export_dir: Path, log, atc: str | 
     for inv in invocations:
         argv = [exe, *inv.argv[1:]]
         tail: list[str] = []
-        proc = subprocess.Popen(argv, cwd=export_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1)
-        assert proc.stdout is not None
-        for line in proc.stdout:  # stream ATC's log as it comes
-            log(line.rstrip("\n"))
-            tail = (tail + [line.rstrip("\n")])[-20:]
-        rc = proc.wait()
+        # guarded (titan_pipe.procs): atc dies with this process, however it ends
+        with procs.popen(argv, cwd=export_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, bufsize=1) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:  # stream ATC's log as it comes
+                log(line.rstrip("\n"))
+                tail = (tail + [line.rstrip("\n")])[-20:]
+            rc = proc.wait()
         produced = sorted(om_dir.glob(Path(inv.om).name + "*.om"))
         if rc != 0 or not produced:
             shutil.rmtree(om_dir, ignore_errors=True)

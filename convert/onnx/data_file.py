@@ -51,7 +51,7 @@ class DataWriter:
     def __init__(self, path: Path, dtype: str, *, hash: bool = True):
         self.path, self.code = Path(path), BY_NAME[dtype].code
         self.itemsize = BY_NAME[dtype].itemsize
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask applies
         self._pos = 0  # end of what is planned so far
         self._hash = hashlib.sha256() if hash else None
         self._load = ThreadPoolExecutor(1, thread_name_prefix="export-load")

@@ -24,17 +24,18 @@ from titan_pipe.convert.onnx.files import check_and_infer, file_table
 from titan_pipe.convert.onnx.data_file import DataWriter
 from titan_pipe.convert.onnx.graphs import GraphSpec, LayerValues, build_graph, initializer_names, io_dims
 from titan_pipe.convert.onnx.weights import plan_weights
-from titan_pipe.dtypes import BY_NAME, EXPORT_NAMES
+from titan_pipe.choices import EXPORT, default_cache_len, export_problems
+from titan_pipe.dtypes import BY_NAME
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.export_record import RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord, OperatorUse
+from titan_pipe.faults import as_fault, check_free_space
 from titan_pipe.graph_io import DATA_FILE, DECODE_FILE, PREFILL_FILE
 from titan_pipe.model import rope
 from titan_pipe.model.args import ModelArgs, count_params
 from titan_pipe.onnx_nodes import NP_DTYPES
 from titan_pipe.unified_dir import read_model_args
 
-EXPORT_OPSETS = (14, 15)  # inside ATC's 11..15; 14 is the lowest every operator of the graphs is listed at
-DEFAULT_CACHE_LEN = 4096
+WHAT = "the ONNX export"
 
 
 @dataclass(frozen=True)
@@ -77,37 +78,17 @@ class ExportResult:
     om: Path | None = None  # the prefill graph's .om, when ATC ran and built it
 
 
-def default_cache_len(args: ModelArgs) -> int:
-    return min(args.max_seq_len, DEFAULT_CACHE_LEN)
-
-
-def plan_export(args: ModelArgs, *, opset: int = 14, dtype: str = "float32", batch: int = 1, seq_len: int = 32,
-                cache_len: int | None = None, dynamic: bool = True, kv_cache: bool = True,
-                soc_version: str = "Ascend910B3", run_atc: bool = True, precision_mode: str = "origin",
-                expose_hidden: bool = False) -> ExportPlan:
-    """Validate the options against the model and lay out the graphs (pure data, no I/O)."""
-    lo, hi = load_atc_ops()["atc_opset_window"]
-    if not isinstance(opset, int) or not lo <= opset <= hi:
-        raise UserError(f"opset {opset!r}: ATC takes ONNX opsets {lo}..{hi} only; use --opset 14 (default) or 15")
-    if opset not in EXPORT_OPSETS:
-        raise UserError(f"opset {opset}: the graphs need opset >= 14 (Trilu-free attention, Unsqueeze/Slice with "
-                        "tensor axes); use --opset 14 (default) or 15")
-    if dtype not in EXPORT_NAMES:
-        raise UserError(f"dtype {dtype!r} is not one of {', '.join(EXPORT_NAMES)} (ATC graphs carry no bfloat16)")
-    if precision_mode not in atc_mod.PRECISION_MODES:
-        raise UserError(f"precision mode {precision_mode!r} is not one of {', '.join(atc_mod.PRECISION_MODES)}")
-    if batch < 1 or seq_len < 1:
-        raise UserError(f"batch {batch} and seq_len {seq_len} must both be >= 1")
-    if seq_len + (1 if kv_cache else 0) > args.max_seq_len:
-        raise UserError(f"seq_len {seq_len} (+1 decode step) exceeds the model's max_position_embeddings "
-                        f"{args.max_seq_len} (config.json); pass a smaller --seq-len")
-    cache_len = default_cache_len(args) if cache_len is None else cache_len
-    if kv_cache and cache_len < seq_len + 1:
-        raise UserError(f"cache_len {cache_len} is smaller than seq_len {seq_len} + 1 (the prompt plus one new "
-                        f"token); pass --cache-len {seq_len + 1} or more (or a smaller --seq-len)")
-    if kv_cache and cache_len > args.max_seq_len:
-        raise UserError(f"cache_len {cache_len} exceeds the model's max_position_embeddings {args.max_seq_len} "
-                        f"(config.json); pass --cache-len {args.max_seq_len} or less")
+def plan_export(args: ModelArgs, *, opset: int = EXPORT.opset, dtype: str = EXPORT.dtype, batch: int = EXPORT.batch,
+                seq_len: int = EXPORT.seq_len, cache_len: int | None = EXPORT.cache_len, dynamic: bool = EXPORT.dynamic,
+                kv_cache: bool = EXPORT.kv_cache, soc_version: str = EXPORT.soc_version, run_atc: bool = EXPORT.run_atc,
+                precision_mode: str = EXPORT.precision_mode, expose_hidden: bool = False) -> ExportPlan:
+    """Validate the options against the model (titan_pipe.choices: the rules flow.yaml validation
+    uses too) and lay out the graphs (pure data, no I/O)."""
+    problems = export_problems(max_positions=args.max_seq_len, opset=opset, dtype=dtype, batch=batch,
+                               seq_len=seq_len, cache_len=cache_len, kv_cache=kv_cache, precision_mode=precision_mode)
+    if problems:
+        raise UserError(problems[0])
+    cache_len = default_cache_len(args.max_seq_len) if cache_len is None else cache_len
     graphs = []
     for decode in ((False, True) if kv_cache else (False,)):
         spec = GraphSpec(decode=decode, kv_cache=kv_cache, expose_hidden=expose_hidden,
@@ -138,6 +119,13 @@ def _rope_rows(plan: ExportPlan, args: ModelArgs) -> int:
     if plan.dynamic:
         return args.max_seq_len
     return plan.cache_len if plan.kv_cache else plan.seq_len
+
+
+def output_bytes(plan: ExportPlan, args: ModelArgs) -> int:
+    """What the export will take on disk: the weights in the graph dtype, the two RoPE tables, and
+    for each graph 64 kB plus 16 kB a layer (node protos without weights), ATC script, export.json."""
+    rope = 2 * _rope_rows(plan, args) * args.head_dim * BY_NAME[plan.dtype].itemsize
+    return plan.weight_bytes + rope + len(plan.graphs) * (65536 + 16384 * args.n_layers) + 65536
 
 
 def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_weights: bool) -> DataWriter:
@@ -194,10 +182,11 @@ def _record(*, model_dir: Path, args: ModelArgs, plan: ExportPlan, atc_status: s
         export_seconds=round(export_s, 3), timings_seconds=timings)
 
 
-def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str = "float32", batch: int = 1,
-                 seq_len: int = 32, cache_len: int | None = None, dynamic: bool = True, kv_cache: bool = True,
-                 soc_version: str = "Ascend910B3", run_atc: bool = True, precision_mode: str = "origin",
-                 overwrite: bool = False, expose_hidden: bool = False, hash_weights: bool = True) -> ExportResult:
+def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, dtype: str = EXPORT.dtype,
+                 batch: int = EXPORT.batch, seq_len: int = EXPORT.seq_len, cache_len: int | None = EXPORT.cache_len,
+                 dynamic: bool = EXPORT.dynamic, kv_cache: bool = EXPORT.kv_cache, soc_version: str = EXPORT.soc_version,
+                 run_atc: bool = EXPORT.run_atc, precision_mode: str = EXPORT.precision_mode, overwrite: bool = False,
+                 expose_hidden: bool = False, hash_weights: bool = EXPORT.hash_weights) -> ExportResult:
     """Export a unified model dir to ONNX for ATC (see docs/export.md for the graphs' I/O).
 
     Writes out_dir/{model.onnx, decode.onnx (kv_cache), model.onnx.data (the weights, shared),
@@ -216,6 +205,8 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                        dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
                        precision_mode=precision_mode, expose_hidden=expose_hidden)
     sources = plan_weights(model_dir, args)  # headers only: bad weights fail before any write
+    needs = output_bytes(plan, args)
+    check_free_space(out_dir, needs=needs, what=WHAT)  # refuse before a byte is written
     work = temp_dir(out_dir)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -262,8 +253,11 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = 14, dtype: str 
                          invocations=invocations, graphs=graphs, files=files, export_s=export_s, timings=timings)
         (work / RECORD_FILE).write_text(record.to_json())
         swap_dir(work, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(work, ignore_errors=True)
+        fault = as_fault(e, path=out_dir, what=WHAT, needs=needs) if isinstance(e, Exception) else None
+        if fault is not None:  # after the cleanup, so "N free now" counts the space it gave back
+            raise fault from None
         raise
     summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache, "cache_len": plan.cache_len,
                "params": count_params(args), "weight_bytes": plan.weight_bytes,

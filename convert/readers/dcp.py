@@ -18,7 +18,6 @@ dims, layer count, vocabulary and FFN size are read off the tensor shapes.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import pickle
@@ -31,13 +30,16 @@ from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers import torch_save
 from titan_pipe.convert.readers.store import SafetensorsStore, StoredTensor, pread_into, read_header
 from titan_pipe.convert.readers.torch_save import SavedTensor
-from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
+from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan, check_accounted
 from titan_pipe.dtypes import DTYPE_NAMES, TORCH_DTYPES
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import ModelArgs, RopeScaling
-from titan_pipe.model.names import TORCHTITAN_MODEL_PREFIX, from_hf_config
+from titan_pipe import limits
+from titan_pipe.model.args import ModelArgs, RopeScaling, check_fits, validate_args
+from titan_pipe.model.hf_config import from_hf_config
+from titan_pipe.model.names import TORCHTITAN_MODEL_PREFIX
 from titan_pipe.model.params import native_names, param_of
 from titan_pipe.paths import resolve_inside
+from titan_pipe.values import BOOL, DICT, FLOAT, INT, read, read_json
 
 FORMAT = "dcp"
 METADATA = ".metadata"
@@ -104,34 +106,48 @@ def _find_config(path: Path, model_config: Path | None) -> Path:
 
 def model_args(cfg_path: Path, shapes: dict[str, tuple[int, ...]]) -> ModelArgs:
     """Head counts etc. from the config file; dims from the tensor shapes (they cannot disagree)."""
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except ValueError as e:
-        raise UserError(f"{cfg_path}: not valid JSON ({e})") from None
+    cfg = read_json(cfg_path, what="a model config (params.json / config.json)")
     if "hidden_size" in cfg:
-        try:
-            return from_hf_config(cfg, source=str(cfg_path))
-        except ValueError as e:
-            raise UserError(str(e)) from None
+        return from_hf_config(cfg, source=str(cfg_path))
     try:
         n_layers = 1 + max(int(n.split(".")[1]) for n in shapes if n.startswith("layers."))
         vocab, dim = shapes["tok_embeddings.weight"]
         hidden = shapes["layers.0.feed_forward.w1.weight"][0]
-        n_heads = int(cfg["n_heads"])
-        scaling = None
-        if cfg.get("use_scaled_rope") or cfg.get("rope_scaling"):
-            s = cfg.get("rope_scaling") or {}
-            scaling = RopeScaling(float(s.get("factor", 8.0)), float(s.get("low_freq_factor", 1.0)),
-                                  float(s.get("high_freq_factor", 4.0)),
-                                  int(s.get("original_max_position_embeddings", 8192)))
-        return ModelArgs(dim=dim, n_layers=n_layers, n_heads=n_heads,
-                         n_kv_heads=int(cfg.get("n_kv_heads") or n_heads), vocab_size=vocab,
-                         ffn_hidden_dim=hidden, norm_eps=float(cfg.get("norm_eps", 1e-5)),
-                         rope_theta=float(cfg.get("rope_theta", 10000.0)), rope_scaling=scaling,
-                         max_seq_len=int(cfg.get("max_seq_len", 4096)),
-                         tie_embeddings="output.weight" not in shapes)
     except (KeyError, ValueError, IndexError) as e:
-        raise UserError(f"{cfg_path}: cannot build the model config ({e!r} missing or malformed)") from None
+        raise UserError(f"{cfg_path}: the checkpoint's tensors do not give the model's dims ({e!r} missing "
+                        "or malformed); is it a LLaMA model checkpoint?") from None
+    return validate_args(ModelArgs(
+        dim=dim, n_layers=n_layers, n_heads=(n_heads := _param(cfg, "n_heads", INT, cfg_path, bound=limits.HEADS)),
+        n_kv_heads=_param(cfg, "n_kv_heads", INT, cfg_path, default=n_heads, bound=limits.HEADS),
+        vocab_size=vocab, ffn_hidden_dim=hidden,
+        norm_eps=_param(cfg, "norm_eps", FLOAT, cfg_path, default=1e-5, bound=limits.NORM_EPS),
+        rope_theta=_param(cfg, "rope_theta", FLOAT, cfg_path, default=10000.0, bound=limits.ROPE_THETA),
+        rope_scaling=_meta_scaling(cfg, cfg_path),
+        max_seq_len=_param(cfg, "max_seq_len", INT, cfg_path, default=4096, bound=limits.POSITIONS),
+        tie_embeddings="output.weight" not in shapes), source=cfg_path)
+
+
+def _param(cfg: dict, key: str, kind: str, cfg_path: Path, **kw):
+    """One value of a params.json (Meta / torchtitan), typed strictly (titan_pipe.values)."""
+    return read(cfg, key, kind, source=cfg_path, fix="write the value the model was trained with", **kw)
+
+
+def _meta_scaling(cfg: dict, cfg_path: Path) -> RopeScaling | None:
+    """Llama-3.1 RoPE scaling of a params.json: use_scaled_rope (Meta) or a rope_scaling object."""
+    if not (_param(cfg, "use_scaled_rope", BOOL, cfg_path, default=False) or cfg.get("rope_scaling")):
+        return None
+    s = _param(cfg, "rope_scaling", DICT, cfg_path, default={})
+    p = {k: read(s, k, kind, source=cfg_path, default=d, bound=b, prefix="rope_scaling.")
+         for k, kind, d, b in (("factor", FLOAT, 8.0, limits.ROPE_FACTOR), ("low_freq_factor", FLOAT, 1.0, limits.ROPE_FACTOR),
+                               ("high_freq_factor", FLOAT, 4.0, limits.ROPE_FACTOR),
+                               ("original_max_position_embeddings", INT, 8192, limits.POSITIONS))}
+    return RopeScaling(**p)
+
+
+def stored_bytes(md) -> int:
+    """Bytes of every tensor .metadata lists (each chunk is later checked against its file)."""
+    return sum(math.prod(m.size) * m.properties.dtype.itemsize for m in md.state_dict_metadata.values()
+               if hasattr(m, "chunks"))
 
 
 def data_path(root: Path, relative: str) -> Path:
@@ -228,7 +244,10 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
         raise UserError(f"{path / METADATA}: holds no torchtitan model tensors (tok_embeddings, "
                         "layers.N...); is it a model checkpoint?")
     shapes = {n: tuple(m.size) for n, (_, m) in tensor_meta.items()}
-    args = model_args(_find_config(path, model_config), shapes)
+    cfg_path = _find_config(path, model_config)
+    args = model_args(cfg_path, shapes)
+    check_fits(args, stored_bytes(md), source=cfg_path, where=f"the tensors {path / METADATA} lists")
+    check_accounted(shapes, args, source=cfg_path, describe=lambda n: f"{tensor_meta[n][0]!r} of {path / METADATA}")
     if vocab_size is not None and vocab_size != args.vocab_size:
         raise UserError(f"--vocab-size {vocab_size} disagrees with the embedding of {path} "
                         f"({args.vocab_size} rows)")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers.store import SafetensorsStore, read_header
-from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
+from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan, check_accounted
 from titan_pipe.errors import UserError
 from titan_pipe.model.names import hf_to_native
 from titan_pipe.model.params import native_names
@@ -29,16 +29,10 @@ def weight_files(path: Path) -> list[str]:
     return [f.relative_to(path).as_posix() for f in locate_weights(path).files]
 
 
-def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
-                read_headers: bool = True) -> tuple[SourcePlan, SafetensorsStore]:
-    cfg_path = path / "config.json"
-    args = read_model_args(path)
-    if vocab_size is not None and vocab_size != args.vocab_size:
-        raise UserError(f"--vocab-size {vocab_size} disagrees with {cfg_path} (vocab_size "
-                        f"{args.vocab_size}); drop --vocab-size for Hugging Face models")
-    store = SafetensorsStore(path)
-    found: dict[str, tuple[str, str]] = {}  # native name -> (file, hf key)
-    for f in weight_files(path):
+def _stored(path: Path, files: list[str], store: SafetensorsStore) -> dict[str, tuple[str, str]]:
+    """Native name -> (file, stored key) of every tensor in the headers; a name stored twice is refused."""
+    found: dict[str, tuple[str, str]] = {}
+    for f in files:
         header = read_header(path / f)[0]
         store.headers[f] = header
         for key in header:
@@ -54,13 +48,27 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
                                 f"(as {found[name][1]!r}); which copy is meant is ambiguous. Keep it in one "
                                 "file (and in the index)")
             found[name] = (f, key)
+    return found
+
+
+def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
+                read_headers: bool = True) -> tuple[SourcePlan, SafetensorsStore]:
+    cfg_path = path / "config.json"
+    args = read_model_args(path)
+    if vocab_size is not None and vocab_size != args.vocab_size:
+        raise UserError(f"--vocab-size {vocab_size} disagrees with {cfg_path} (vocab_size "
+                        f"{args.vocab_size}); drop --vocab-size for Hugging Face models")
+    files = weight_files(path)
+    store = SafetensorsStore(path)
+    found = _stored(path, files, store)
+    check_accounted(found, args, source=cfg_path, describe=lambda n: f"{found[n][1]!r} in {found[n][0]}")
     tensors = {}
     for name in native_names(args):
         if name not in found:
-            raise UserError(f"{path}: no tensor for {name!r} in {', '.join(weight_files(path))}; "
+            raise UserError(f"{path}: no tensor for {name!r} in {', '.join(files)}; "
                             "the model is incomplete")
         f, key = found[name]
         st = store.headers[f][key]
         tensors[name] = TensorPlan(name, st.shape, st.dtype,
                                    (Read(f, key, Box.full(st.shape), Box.full(st.shape)),), "whole")
-    return SourcePlan(FORMAT, path, args, tensors, files=weight_files(path), layout={"tp": 1, "pp": 1}), store
+    return SourcePlan(FORMAT, path, args, tensors, files=files, layout={"tp": 1, "pp": 1}), store

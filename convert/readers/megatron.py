@@ -34,13 +34,16 @@ import torch
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers import megatron_dist
 from titan_pipe.convert.readers.store import Store
-from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
+from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan, check_accounted
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import ModelArgs, RopeScaling
+from titan_pipe import limits
+from titan_pipe.limits import Bound
+from titan_pipe.model.args import ModelArgs, RopeScaling, check_fits, validate_args
 from titan_pipe.model.names import megatron_to_native
 from titan_pipe.model.params import fused_parts, layer_name, native_names, native_shapes, param_of
 from titan_pipe.paths import resolve_inside
+from titan_pipe.values import BOOL, FLOAT, INT, REQUIRED, read
 
 FORMAT = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -151,8 +154,9 @@ def rank_files(it_dir: Path) -> dict[tuple[int, int], str]:
 def _true_vocab(a, root: Path, vocab_size: int | None) -> int:
     if vocab_size is not None:
         return vocab_size
-    if getattr(a, "vocab_size", None):
-        return int(a.vocab_size)
+    v = arg(a, "vocab_size", INT, root, default=None, bound=limits.VOCAB)
+    if v:
+        return v
     for d in (root, root.parent):
         tok = d / "tokenizer.json"
         if tok.is_file():
@@ -164,23 +168,30 @@ def _true_vocab(a, root: Path, vocab_size: int | None) -> int:
                     "size) or put its tokenizer.json beside the checkpoint")
 
 
-def _stage_layers(a, pp: int) -> list[int]:
+def _stage_layers(a, pp: int, root: Path) -> list[int]:
     """Number of layers per pp stage (even, or Megatron's first/last-stage overrides)."""
-    n = int(a.num_layers)
-    first = getattr(a, "decoder_first_pipeline_num_layers", None)
-    last = getattr(a, "decoder_last_pipeline_num_layers", None)
+    n = arg(a, "num_layers", INT, root, bound=limits.LAYERS)
+    first = arg(a, "decoder_first_pipeline_num_layers", INT, root, default=None, bound=limits.LAYERS)
+    last = arg(a, "decoder_last_pipeline_num_layers", INT, root, default=None, bound=limits.LAYERS)
     if pp == 1:
         return [n]
     counts: list[int | None] = [None] * pp
     if first:
-        counts[0] = int(first)
+        counts[0] = first
     if last:
-        counts[-1] = int(last)
+        counts[-1] = last
     rest = n - sum(c for c in counts if c)
     free = counts.count(None)
     if free and rest % free:
         raise UserError(f"Megatron args: {n} layers do not split evenly over {free} pipeline stages")
     return [c if c else rest // free for c in counts]
+
+
+def arg(a, name: str, kind: str, root: Path, *, default=REQUIRED, bound: Bound | None = None):
+    """Megatron argument ``name`` of the saved args, typed strictly (titan_pipe.values): a float
+    layer count or a string flag in a pickled Namespace is refused, never truncated or truthy."""
+    return read(vars(a) if hasattr(a, "__dict__") else {}, name, kind, source=f"{root}: Megatron args",
+                default=default, bound=bound, fix="re-save the checkpoint from Megatron-LM")
 
 
 def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelArgs:
@@ -190,27 +201,34 @@ def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelA
             raise UserError(f"{root}: Megatron args {what}; titan-pipe converts LLaMA-style models "
                             "(RoPE, RMSNorm, SwiGLU, no linear biases) only")
 
-    need(getattr(a, "swiglu", True), "have swiglu=False")
-    need(not getattr(a, "add_bias_linear", False), "have add_bias_linear=True")
+    need(arg(a, "swiglu", BOOL, root, default=True), "have swiglu=False")
+    need(not arg(a, "add_bias_linear", BOOL, root, default=False), "have add_bias_linear=True")
     need(getattr(a, "normalization", "RMSNorm") == "RMSNorm", f"use normalization={getattr(a, 'normalization', None)!r}")
     need(getattr(a, "position_embedding_type", "rope") == "rope",
          f"use position_embedding_type={getattr(a, 'position_embedding_type', None)!r}")
-    if getattr(a, "num_layers_per_virtual_pipeline_stage", None) and not virtual_ok:
+    if arg(a, "num_layers_per_virtual_pipeline_stage", INT, root, default=None, bound=limits.LAYERS) and not virtual_ok:
         raise UserError(f"{root}: virtual pipeline stages (model0, model1 ... per file) are not supported")
-    n_heads = int(a.num_attention_heads)
-    groups = int(a.num_query_groups) if getattr(a, "group_query_attention", False) else n_heads
-    kv_ch = getattr(a, "kv_channels", None)
-    if kv_ch and int(kv_ch) * n_heads != int(a.hidden_size):
-        raise UserError(f"{root}: kv_channels {kv_ch} x {n_heads} heads != hidden_size {a.hidden_size}")
+    n_heads = arg(a, "num_attention_heads", INT, root, bound=limits.HEADS)
+    groups = (arg(a, "num_query_groups", INT, root, bound=limits.HEADS)
+              if arg(a, "group_query_attention", BOOL, root, default=False) else n_heads)
+    dim = arg(a, "hidden_size", INT, root, bound=limits.DIM)
+    kv_ch = arg(a, "kv_channels", INT, root, default=None, bound=limits.HEAD_DIM)
+    if kv_ch and kv_ch * n_heads != dim:
+        raise UserError(f"{root}: kv_channels {kv_ch} x {n_heads} heads != hidden_size {dim}")
     scaling = None
-    if getattr(a, "use_rope_scaling", False):
-        scaling = RopeScaling(float(getattr(a, "rope_scaling_factor", 8.0)), 1.0, 4.0, 8192)
-    return ModelArgs(dim=int(a.hidden_size), n_layers=int(a.num_layers), n_heads=n_heads, n_kv_heads=groups,
-                     vocab_size=vocab, ffn_hidden_dim=int(a.ffn_hidden_size),
-                     norm_eps=float(getattr(a, "norm_epsilon", 1e-5)),
-                     rope_theta=float(getattr(a, "rotary_base", 10000)), rope_scaling=scaling,
-                     max_seq_len=int(getattr(a, "max_position_embeddings", None) or getattr(a, "seq_length", 4096)),
-                     tie_embeddings=not getattr(a, "untie_embeddings_and_output_weights", False))
+    if arg(a, "use_rope_scaling", BOOL, root, default=False):
+        scaling = RopeScaling(arg(a, "rope_scaling_factor", FLOAT, root, default=8.0, bound=limits.ROPE_FACTOR),
+                              1.0, 4.0, 8192)
+    positions = (arg(a, "max_position_embeddings", INT, root, default=None, bound=limits.POSITIONS)
+                 or arg(a, "seq_length", INT, root, default=4096, bound=limits.POSITIONS))
+    args = ModelArgs(dim=dim, n_layers=arg(a, "num_layers", INT, root, bound=limits.LAYERS), n_heads=n_heads,
+                     n_kv_heads=groups, vocab_size=vocab,
+                     ffn_hidden_dim=arg(a, "ffn_hidden_size", INT, root, bound=limits.FFN),
+                     norm_eps=arg(a, "norm_epsilon", FLOAT, root, default=1e-5, bound=limits.NORM_EPS),
+                     rope_theta=arg(a, "rotary_base", FLOAT, root, default=10000.0, bound=limits.ROPE_THETA),
+                     rope_scaling=scaling, max_seq_len=positions,
+                     tie_embeddings=not arg(a, "untie_embeddings_and_output_weights", BOOL, root, default=False))
+    return validate_args(args, source=f"{root}: Megatron args")
 
 
 class MegatronStore(Store):
@@ -306,7 +324,8 @@ def _rank_files(path: Path) -> tuple[Path, dict, dict]:
 
 def _layout(path: Path, it_dir: Path, files: dict, a, vocab_size: int | None) -> _Layout:
     """Check that every (tp, pp) rank file is there and the groups split over tp; the model args."""
-    tp, pp = int(a.tensor_model_parallel_size), int(a.pipeline_model_parallel_size)
+    tp = arg(a, "tensor_model_parallel_size", INT, path, bound=limits.PARALLEL)
+    pp = arg(a, "pipeline_model_parallel_size", INT, path, bound=limits.PARALLEL)
     want = {(t, p) for t in range(tp) for p in range(pp)}
     if set(files) != want:
         missing = sorted(want - set(files))
@@ -317,10 +336,13 @@ def _layout(path: Path, it_dir: Path, files: dict, a, vocab_size: int | None) ->
         if not (it_dir / f).is_file():
             raise UserError(f"{it_dir / f}: missing rank file; copy the complete checkpoint")
     args = model_args(a, _true_vocab(a, path, vocab_size), path)
+    check_fits(args, sum((it_dir / f).stat().st_size for f in files.values()), source=f"{path}: Megatron args",
+               where="its rank files")
     if args.kv_heads % tp:
         raise UserError(f"{it_dir}: {args.kv_heads} query groups do not split over tp={tp}")
-    counts = _stage_layers(a, pp)
-    return _Layout(it_dir, files, a, args, tp, pp, int(getattr(a, "padded_vocab_size", 0) or 0), counts,
+    counts = _stage_layers(a, pp, path)
+    return _Layout(it_dir, files, a, args, tp, pp, arg(a, "padded_vocab_size", INT, path, default=0,
+                                                         bound=limits.VOCAB), counts,
                    [sum(counts[:s]) for s in range(pp)])
 
 
@@ -435,11 +457,12 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
         sd = first if (t, p) == min(files) else load_rank_file(it_dir / f)
         _plan_rank(lay, acc, t, p, f, sd)
         del sd
+    check_accounted(acc.reads, lay.args, source=f"{it_dir}: Megatron args")
     tensors = _tensor_plans(lay, acc)
     # Reads name files relative to the iteration dir; the store and the hasher work from there.
     plan = SourcePlan(FORMAT, it_dir, lay.args, tensors,
                       files=[files[k] for k in sorted(files, key=lambda x: (x[1], x[0]))],
-                      step=int(first.get("iteration", 0) or 0),
+                      step=read(first, "iteration", INT, source=it_dir / files[min(files)], default=0),
                       layout={"tp": lay.tp, "pp": lay.pp, "layers_per_stage": lay.counts,
                               "checkpoint_version": first.get("checkpoint_version"),
                               "padded_vocab_size": lay.padded or None})

@@ -34,10 +34,12 @@ from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers import dcp
 from titan_pipe.convert.readers.store import StoredTensor
 from titan_pipe.convert.readers.torch_save import SavedTensor
-from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
+from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan, check_accounted
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import ModelArgs
+from titan_pipe.values import INT, read
+from titan_pipe import limits
+from titan_pipe.model.args import ModelArgs, check_fits
 from titan_pipe.model.names import megatron_to_native
 from titan_pipe.model.params import fused_parts, layer_name, native_names, native_shapes, param_of
 
@@ -232,11 +234,13 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
                 read_headers: bool = True) -> tuple[SourcePlan, dcp.DcpStore]:
     """Plan a torch_dist checkpoint: args from common.pt, then every model chunk of .metadata."""
     from titan_pipe.convert.readers.megatron import _true_vocab as true_vocab
-    from titan_pipe.convert.readers.megatron import model_args
+    from titan_pipe.convert.readers.megatron import arg, model_args
 
     d, common, a = _open_iteration(path)
     md = dcp.read_metadata(d)
     args = model_args(a, true_vocab(a, path, vocab_size), path, virtual_ok=True)
+    check_fits(args, dcp.stored_bytes(md), source=f"{d / COMMON}: Megatron args",
+               where=f"the tensors {d / dcp.METADATA} lists")
     rope = args.head_dim if getattr(a, "rotary_interleaved", False) else None
     acc = _Plan()
     with dcp.ChunkLocator(d) as loc:
@@ -249,14 +253,16 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
             if name is not None:
                 _plan_piece(acc, args, name, file, key, offs, lens, dtype, rope=rope, where=d / dcp.METADATA)
         files = loc.files
-    padded = int(getattr(a, "padded_vocab_size", 0) or 0)
-    vpp = getattr(a, "virtual_pipeline_model_parallel_size", None) or (
-        int(a.num_layers) // int(a.pipeline_model_parallel_size) // int(a.num_layers_per_virtual_pipeline_stage)
-        if getattr(a, "num_layers_per_virtual_pipeline_stage", None) else None)
+    check_accounted(acc.reads, args, source=f"{d / COMMON}: Megatron args")
+    padded = arg(a, "padded_vocab_size", INT, d, default=0, bound=limits.VOCAB)
+    tp = arg(a, "tensor_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL)
+    pp = arg(a, "pipeline_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL)
+    per_vstage = arg(a, "num_layers_per_virtual_pipeline_stage", INT, d, default=None, bound=limits.LAYERS)
+    vpp = arg(a, "virtual_pipeline_model_parallel_size", INT, d, default=None, bound=limits.LAYERS) or (
+        args.n_layers // pp // per_vstage if per_vstage else None)
     plan = SourcePlan("megatron", d, args, _tensor_plans(d, args, padded, acc), files=files,
-                      step=int(common.get("iteration", 0) or 0),
-                      layout={"backend": "torch_dist", "tp": int(getattr(a, "tensor_model_parallel_size", 1)),
-                              "pp": int(getattr(a, "pipeline_model_parallel_size", 1)), "vpp": vpp,
+                      step=read(common, "iteration", INT, source=d / COMMON, default=0),
+                      layout={"backend": "torch_dist", "tp": tp, "pp": pp, "vpp": vpp,
                               "checkpoint_version": common.get("checkpoint_version"),
                               "padded_vocab_size": padded or None})
     plan.layout["chunks"] = sum(len(t.reads) for t in plan.tensors.values())

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, LayoutError, Manifest, newest_complete
 from titan_pipe.convert.readers.store import SafetensorsStore, read_header
-from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
+from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan, check_accounted
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.args import ModelArgs, check_fits
 from titan_pipe.model.params import native_names
 from titan_pipe.paths import resolve_inside
 
@@ -37,6 +37,19 @@ def describe_split(tp_dim: int | None, n_chunks: int) -> str:
     return "replicated" if tp_dim is None or n_chunks <= 1 else f"dim {tp_dim} in {n_chunks}"
 
 
+def _accounted(mpath: Path, m: Manifest, args: ModelArgs) -> list[str]:
+    """The model's parameter names, once the manifest's files are known to hold that many
+    parameters, the manifest lists each of them, and it lists nothing else."""
+    check_fits(args, sum(info.size for info in m.files.values()), source=mpath, where="its shard files")
+    names = native_names(args)
+    missing = [n for n in names if n not in m.params]
+    if missing:
+        raise UserError(f"{mpath}: parameters {missing[:3]} ({len(missing)} in all) are missing; "
+                        "the manifest does not describe a whole model")
+    check_accounted(m.params, args, source=mpath)
+    return names
+
+
 def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
                 read_headers: bool = True) -> tuple[SourcePlan, SafetensorsStore]:
     root = resolve(path)
@@ -44,16 +57,12 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
     try:
         m = Manifest.load(root)
         m.validate()
-        args = ModelArgs.from_dict(m.model)
     except (LayoutError, ValueError, TypeError) as e:
         raise UserError(f"{mpath}: {e}") from None
+    args = ModelArgs.from_dict(m.model, source=mpath)
     if vocab_size is not None and vocab_size != args.vocab_size:
         raise UserError(f"--vocab-size {vocab_size} disagrees with {mpath} (vocab_size "
                         f"{args.vocab_size}); drop --vocab-size for titan-pipe checkpoints")
-    missing = [n for n in native_names(args) if n not in m.params]
-    if missing:
-        raise UserError(f"{mpath}: parameters {missing[:3]} ({len(missing)} in all) are missing; "
-                        "the manifest does not describe a whole model")
     store = SafetensorsStore(root)
     for name, info in sorted(m.files.items()):
         f = resolve_inside(root, name, source=mpath, what="shard")
@@ -65,8 +74,9 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
                             "or was replaced. Copy it again")
         if read_headers:
             store.headers[name] = read_header(f)[0]
+    names = _accounted(mpath, m, args)
     tensors = {}
-    for name in native_names(args):
+    for name in names:
         p = m.params[name]
         reads, seen = [], set()
         for c in p.chunks:

@@ -6,6 +6,8 @@ from typing import Optional
 
 import typer
 
+from titan_pipe import limits
+from titan_pipe.choices import NAMINGS
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
 
 
@@ -16,7 +18,7 @@ def register(app: typer.Typer) -> None:
         src: Path = typer.Argument(..., help="Checkpoint dir: titan-pipe, DCP/torchtitan, Megatron-LM or Hugging Face"),
         out: Path = typer.Option(..., "-o", "--out", help="Output directory (must be empty or absent)"),
         source_format: str = typer.Option("auto", "--from", help="auto | titan | dcp | megatron | hf"),
-        naming: str = typer.Option("hf", "--naming", help="hf (transformers loads it) | native"),
+        naming: str = typer.Option(NAMINGS[0], "--naming", help=" | ".join(NAMINGS) + " (hf: transformers loads it)"),
         dtype: str = typer.Option("keep", "--dtype", help="keep | float32 | float16 | bfloat16"),
         max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Split the output past this size"),
         tp: Optional[int] = typer.Option(None, "--tp", help="Write our sharded layout with this TP size"),
@@ -30,6 +32,10 @@ def register(app: typer.Typer) -> None:
         """Convert a sharded checkpoint into one Hugging Face safetensors model (or reshard it)."""
         from titan_pipe.convert.api import convert_checkpoint
         from titan_pipe.convert.finite import describe
+
+        for flag, value, bound in (("--tp", tp, limits.PARALLEL), ("--pp", pp, limits.PARALLEL),
+                                   ("--vocab-size", vocab_size, limits.VOCAB)):
+            limits.check_flag(flag, value, bound)
 
         r = call_stage("convert", convert_checkpoint, track=flow, src=src, out_dir=out, source_format=source_format, naming=naming,
                                dtype=dtype, max_shard_size=max_shard_size, tp=tp, pp=pp,
@@ -56,6 +62,8 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
 
         from titan_pipe.convert.inspect import inspect_checkpoint, render
+
+        limits.check_flag("--vocab-size", vocab_size, limits.VOCAB)
 
         render(inspect_checkpoint(src=src, source_format=source_format, vocab_size=vocab_size,
                                   model_config=model_config), Console(width=160))

@@ -7,17 +7,14 @@ from typing import Optional
 
 import typer
 
+from titan_pipe import limits
+from titan_pipe.choices import DEVICES
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
 from titan_pipe.dtypes import FLOAT_NAMES
 from titan_pipe.paths import resolve_inside
 
 
-class RefDevice(str, Enum):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-    npu = "npu"
-
+RefDevice = Enum("RefDevice", {n: n for n in DEVICES}, type=str)  # titan_pipe.choices
 
 # --dtype choices: auto, then the float types of the dtype table.
 ThresholdDtype = Enum("ThresholdDtype", {n: n for n in ("auto", *FLOAT_NAMES)}, type=str)
@@ -34,9 +31,9 @@ def register(app: typer.Typer) -> None:
         onnx: Optional[Path] = typer.Option(None, "--onnx", help="Exported prefill graph OUT_DIR/model.onnx "
                                             "(decode.onnx beside it is evaluated too)"),
         om: Optional[Path] = typer.Option(None, "--om", help="ATC .om model (needs an Ascend runtime)"),
-        data: Optional[Path] = typer.Option(None, "--data", help="Held-out .txt/.jsonl text, used whole "
-                                            "(default: the validation split of --config's data, else of the "
-                                            "shipped corpus)"),
+        data: Optional[Path] = typer.Option(None, "--data", help="Held-out text (.txt/.jsonl/.jsonl.gz/.parquet or "
+                                            "a .bin/.idx prefix, used whole; a prepared dir: its validation documents; "
+                                            "default: the validation split of --config's data, else of the shipped corpus)"),
         dtype: ThresholdDtype = typer.Option(ThresholdDtype.auto, "--dtype", help="Threshold set to judge by "
                                              "(auto: each candidate's own dtype)"),
         config: Optional[Path] = typer.Option(None, "--config", help="flow.yaml whose evaluate section (batches, "
@@ -44,7 +41,7 @@ def register(app: typer.Typer) -> None:
         device: Optional[RefDevice] = typer.Option(None, "--device", help="Where the PyTorch reference (and "
                                                    "the torchrun ranks) run; auto: npu, then cuda, then cpu "
                                                    "[default: evaluate.device, cpu]"),
-        batches: Optional[int] = typer.Option(None, "--batches", min=1, help="Number of held-out batches"),
+        batches: Optional[int] = typer.Option(None, "--batches", help="Number of held-out batches"),
         operators: Optional[bool] = typer.Option(None, "--operators/--no-operators",
                                                  help="Run the operator conformance table"),
         dump: Optional[bool] = typer.Option(None, "--dump/--no-dump", help="Also write every compared tensor "
@@ -60,13 +57,15 @@ def register(app: typer.Typer) -> None:
         from titan_pipe.evaluate.api import evaluate_model
         from titan_pipe.evaluate.batches import held_out_text
 
+        limits.check_flag("--batches", batches, limits.EVAL_BATCHES)
         flow_cfg = load_flow(config) if config is not None else None
         settings = flow_cfg.evaluate if flow_cfg is not None else EvaluateConfig()
         if data is None and flow_cfg is not None and flow_cfg.evaluate.data:
             # a path read from a file stays inside that file's dir; one on the command line is the user's
             resolve_inside(config.parent, flow_cfg.evaluate.data, source=config, what="evaluate.data", kind="any",
                            fix="put the file beside the flow.yaml, or pass it with --data FILE")
-        data, split = held_out_text(data=data, flow=flow_cfg, flow_dir=config.parent if config else None)
+        data, split = held_out_text(data=data, flow=flow_cfg, flow_dir=config.parent if config else None,
+                                    run_dir=flow_cfg.run_dir() if flow_cfg is not None else None)
         updates: dict = {"dtype": dtype.value}
         if batches is not None:
             updates["batches"] = batches

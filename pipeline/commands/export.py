@@ -6,17 +6,13 @@ from pathlib import Path
 
 import typer
 
+from titan_pipe import limits
+from titan_pipe.choices import EXPORT, PRECISION_MODES
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
 from titan_pipe.dtypes import EXPORT_NAMES
 
-
 Dtype = Enum("Dtype", {n: n for n in EXPORT_NAMES}, type=str)  # the dtype table's export types
-
-
-class Precision(str, Enum):
-    origin = "origin"
-    mixed_float16 = "mixed_float16"
-    fp16 = "fp16"
+Precision = Enum("Precision", {n: n for n in PRECISION_MODES}, type=str)  # titan_pipe.choices
 
 
 def register(app: typer.Typer) -> None:
@@ -25,27 +21,30 @@ def register(app: typer.Typer) -> None:
     def export(
         model_dir: Path = typer.Argument(..., help="Unified model dir (titan-pipe convert output or a Hugging Face LLaMA dir)"),
         out_dir: Path = typer.Option(..., "-o", "--out", help="Directory to write model.onnx, decode.onnx, atc/, export.json"),
-        opset: int = typer.Option(14, "--opset", help="ONNX opset (ATC takes 11-15; the exporter needs >= 14)"),
-        dtype: Dtype = typer.Option(Dtype.float32, "--dtype", help="Weights/activations dtype in the graph"),
-        batch: int = typer.Option(1, "--batch", help="Batch size (static shape, and the ATC gears)"),
-        seq_len: int = typer.Option(32, "--seq-len", help="Prompt length T of model.onnx (static shape, and the ATC gears)"),
-        cache_len: int = typer.Option(None, "--cache-len", help="KV-cache slots of decode.onnx (default: "
+        opset: int = typer.Option(EXPORT.opset, "--opset", help="ONNX opset (ATC takes 11-15; the exporter needs >= 14)"),
+        dtype: Dtype = typer.Option(Dtype(EXPORT.dtype), "--dtype", help="Weights/activations dtype in the graph"),
+        batch: int = typer.Option(EXPORT.batch, "--batch", help="Batch size (static shape, and the ATC gears)"),
+        seq_len: int = typer.Option(EXPORT.seq_len, "--seq-len", help="Prompt length T of model.onnx (static shape, and the ATC gears)"),
+        cache_len: int = typer.Option(EXPORT.cache_len, "--cache-len", help="KV-cache slots of decode.onnx (default: "
                                       "min(max_position_embeddings, 4096)); >= seq-len + 1"),
-        dynamic: bool = typer.Option(True, "--dynamic/--static", help="Dynamic batch/sequence dims, or fixed ones"),
-        kv_cache: bool = typer.Option(True, "--kv-cache/--no-kv-cache", help="Also export decode.onnx with past/present KV"),
-        soc_version: str = typer.Option("Ascend910B3", "--soc-version", help="ATC --soc_version"),
-        atc: bool = typer.Option(True, "--atc/--no-atc", help="Run atc when it is on PATH"),
-        precision_mode: Precision = typer.Option(Precision.origin, "--precision-mode",
+        dynamic: bool = typer.Option(EXPORT.dynamic, "--dynamic/--static", help="Dynamic batch/sequence dims, or fixed ones"),
+        kv_cache: bool = typer.Option(EXPORT.kv_cache, "--kv-cache/--no-kv-cache", help="Also export decode.onnx with past/present KV"),
+        soc_version: str = typer.Option(EXPORT.soc_version, "--soc-version", help="ATC --soc_version"),
+        atc: bool = typer.Option(EXPORT.run_atc, "--atc/--no-atc", help="Run atc when it is on PATH"),
+        precision_mode: Precision = typer.Option(Precision(EXPORT.precision_mode), "--precision-mode",
                                                  help="ATC precision: origin keeps the graph dtype"),
         expose_hidden: bool = typer.Option(False, "--expose-hidden", help="Add hidden.{i} outputs (for evaluation)"),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists"),
-        hash_weights: bool = typer.Option(True, "--hash-weights/--no-hash-weights",
+        hash_weights: bool = typer.Option(EXPORT.hash_weights, "--hash-weights/--no-hash-weights",
                                           help="sha256 of model.onnx.data in export.json (one CPU pass over the weights)"),
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Export MODEL_DIR to ONNX (prefill + KV-cache decode) for Ascend ATC, with an operator report."""
         from titan_pipe.convert.onnx.export import export_model
 
+        for flag, value, bound in (("--batch", batch, limits.BATCH), ("--seq-len", seq_len, limits.SEQ_LEN),
+                                   ("--cache-len", cache_len, limits.CACHE_LEN)):
+            limits.check_flag(flag, value, bound)  # before the model is read: one line naming the limit
         r = call_stage("export", export_model, track=flow, model_dir=model_dir, out_dir=out_dir, opset=opset, dtype=dtype.value, batch=batch,
                          seq_len=seq_len, cache_len=cache_len, dynamic=dynamic, kv_cache=kv_cache,
                          soc_version=soc_version,

@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 
+from titan_pipe import faults, limits
 from titan_pipe.commands.common import handle_errors
+from titan_pipe.run_lock import path_lock
 
 
 def _workload(model: str, seq_len: int, global_batch: int):
@@ -141,7 +143,7 @@ def register(app: typer.Typer) -> None:
         nodes: Optional[int] = typer.Option(None, "--nodes", help="Servers the devices are spread over (default: full servers)"),
         seq_len: int = typer.Option(4096, "--seq-len", help="Tokens per sequence"),
         global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Sequences per optimizer step (default 4 per device)"),
-        top: int = typer.Option(10, "--top", min=1, help="Rows of the ranked table"),
+        top: int = typer.Option(10, "--top", help="Rows of the ranked table"),
         dp: Optional[int] = typer.Option(None, "--dp", help="Only layouts with this dp"),
         tp: Optional[int] = typer.Option(None, "--tp", help="Only layouts with this tp"),
         pp: Optional[int] = typer.Option(None, "--pp", help="Only layouts with this pp"),
@@ -157,19 +159,22 @@ def register(app: typer.Typer) -> None:
 
         from titan_pipe.errors import UserError
         from titan_pipe.model.args import count_params, flops_per_token
-        from titan_pipe.training.planner.search import best_misfits_per_layout, build_cluster, make_plan
+        from titan_pipe.training.planner.search import (best_misfits_per_layout, bounded_candidates, build_cluster,
+                                                        make_plan)
         from titan_pipe.training.planner.workload import Assumptions
 
         out = Console()
         if not out.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
             out = Console(width=150)
-        cluster, notes = build_cluster(device, devices, nodes=nodes, device_memory=device_memory)
-        if seq_len < 1:
-            raise UserError(f"--seq-len {seq_len} must be >= 1")
         gb = global_batch if global_batch is not None else 4 * devices
-        if gb < 1:
-            raise UserError(f"--global-batch {gb} must be >= 1")
+        for flag, value, bound in (("--devices", devices, limits.DEVICES), ("--nodes", nodes, limits.DEVICES),
+                                   ("--seq-len", seq_len, limits.SEQ_LEN), ("--global-batch", gb, limits.BATCH),
+                                   ("--top", top, limits.TOP_ROWS), ("--dp", dp, limits.PARALLEL),
+                                   ("--tp", tp, limits.PARALLEL), ("--pp", pp, limits.PARALLEL)):
+            limits.check_flag(flag, value, bound)  # the search space and every table are sized by these
+        cluster, notes = build_cluster(device, devices, nodes=nodes, device_memory=device_memory)
         w = _workload(model, seq_len, gb)
+        bounded_candidates(w, cluster, dp=dp, tp=tp, pp=pp)  # a search too large: one line, before any output
         assume = Assumptions(compute_efficiency=efficiency, comm_efficiency=comm_efficiency)
         for note in notes:
             out.print(f"[yellow]note[/yellow] {note}", highlight=False)
@@ -193,7 +198,8 @@ def register(app: typer.Typer) -> None:
         if misfits:
             out.print(_misfit_table(misfits))
         if plot is not None:
-            _plot(result, plot, top)
+            with faults.writing(plot, what="the memory chart"), path_lock(plot, what="titan-pipe plan --plot"):
+                _plot(result, plot, top)
             out.print(f"wrote {plot}")
         if result.best is None:
             raise UserError(f"no layout fits in {cluster.memory_bytes / 1e9:.1f} GB per device; see the "
@@ -204,5 +210,6 @@ def register(app: typer.Typer) -> None:
                   f"layer(s), {b.layout.amp_dtype}: {b.tokens_per_s:,.0f} tokens/s, "
                   f"{b.memory.total / 1e9:.1f} GB/device", highlight=False)
         if write is not None:
-            _write_flow(result, write, force)
+            with faults.writing(write, what="the flow.yaml"), path_lock(write, what="titan-pipe plan --write"):
+                _write_flow(result, write, force)
             out.print(f"wrote {write}; check it with: titan-pipe validate {write}")

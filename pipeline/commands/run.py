@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from titan_pipe import faults
 from titan_pipe.commands.common import handle_errors
 from titan_pipe.run_lock import run_lock
 
@@ -32,7 +33,11 @@ def stage_figures(stage: str, summary: dict, passed: bool | None) -> str:
         v = summary.get(key)
         return None if v is None else format(v, fmt) if isinstance(v, (int, float)) else str(v)
 
-    if stage == "train":
+    if stage == "data":
+        parts = [f"{num('tokens', ',')} tokens" if "tokens" in summary else None,
+                 f"{num('documents', ',')} documents" if "documents" in summary else None,
+                 "already prepared" if summary.get("reused") else None]
+    elif stage == "train":
         mfu = summary.get("mfu")
         parts = [f"loss {num('final_loss', '.4f')}" if "final_loss" in summary else None,
                  f"{num('tokens_per_s', ',.0f')} tok/s" if "tokens_per_s" in summary else None,
@@ -99,16 +104,25 @@ def register(app: typer.Typer) -> None:
         except UserError as e:
             raise typer.BadParameter(str(e)) from None
         cache.check_reusable(actions, cfg.run_dir().resolve())
+        if actions["train"] != cache.REUSE and actions["train"] != cache.SKIP:
+            from titan_pipe.training.preflight import check_before_launch
+
+            check_before_launch(cfg, flow_path=flow)  # before Prefect starts: what training would meet
 
         prefect_env()
+        from titan_pipe.flows.prefect_api import check_api_reachable
+        from titan_pipe.flows.server import temporary_server
         from titan_pipe.flows.train_to_deploy import listening, train_to_deploy
+
+        check_api_reachable()  # one line with the fix, before any stage or Prefect run starts
 
         console = Console(stderr=True)
         live = LiveSummary(console)
         failed: BaseException | None = None
         result: dict = {}
         # held here, before Prefect starts, so a second writer fails at once (run_pipeline re-enters it)
-        with run_lock(cfg.run_dir().resolve(), what=f"titan-pipe run {flow}"), listening(live):
+        with faults.writing(cfg.run_dir(), what="the run dir"), \
+                run_lock(cfg.run_dir().resolve(), what=f"titan-pipe run {flow}"), listening(live), temporary_server():
             try:
                 result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force,
                                          cfg=cfg)
@@ -120,10 +134,11 @@ def register(app: typer.Typer) -> None:
             verdict = "PASS" if passed else "not evaluated (stage not selected)" if passed is None else "FAIL"
             console.print(f"verdict: [bold]{verdict}[/bold] — run dir {result.get('run_dir')}", highlight=False)
             return
-        if isinstance(failed, UserError):
+        if isinstance(failed, (UserError, KeyboardInterrupt, typer.Exit)):
             raise failed
-        if isinstance(failed, (KeyboardInterrupt, typer.Exit)):
-            raise failed
+        fault = faults.as_fault(failed, path=cfg.run_dir(), what="the run dir")
+        if fault is not None:
+            raise fault from None
         hint = ""
         if "ephemeral Prefect API server" in str(failed):
             hint = ("; start a server (`prefect server start`, then export PREFECT_API_URL=http://127.0.0.1:4200/api) "
@@ -141,7 +156,9 @@ def register(app: typer.Typer) -> None:
         """Serve the flow as a Prefect deployment on a cron schedule (shows in the Prefect UI); runs until stopped."""
         from titan_pipe.config import load_flow
         from titan_pipe.flows.schedule import serve_flow
+        from titan_pipe.flows.server import temporary_server
 
         cfg = load_flow(flow)
         prefect_env()
-        serve_flow(flow_path=flow.resolve(), cfg=cfg, cron=cron, name=name, timezone=timezone, stage=stage)
+        with temporary_server():
+            serve_flow(flow_path=flow.resolve(), cfg=cfg, cron=cron, name=name, timezone=timezone, stage=stage)

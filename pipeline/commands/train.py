@@ -28,15 +28,18 @@ def register(app: typer.Typer) -> None:
         """Train the model of FLOW on dp*tp*pp processes (torchrun); exits with torchrun's status."""
         from titan_pipe.config import load_flow
         from titan_pipe.training.launch import reports, run_training
+        from titan_pipe.training.preflight import check_before_launch
 
         cfg = load_flow(flow)  # ConfigError -> exit 2 before anything starts or any dir is made
         p = cfg.parallel
         if not reports():  # another rank of an existing torchrun/srun launch: rank 0 speaks
             run_training(flow_path=flow, cfg=cfg, resume=resume)
             return
+        check_before_launch(cfg, flow_path=flow, resume=resume)  # before the first line is printed
         console.print(f"training {cfg.name}: dp={p.dp} tp={p.tp} pp={p.pp}, {cfg.train.steps} steps, "
                       f"run dir {cfg.run_dir()}", highlight=False, soft_wrap=True)
-        result = call_stage("train", run_training, track=track, flow_path=flow, cfg=cfg, resume=resume)
+        result = call_stage("train", run_training, track=track, writes=cfg.run_dir(), flow_path=flow, cfg=cfg,
+                            resume=resume)
         console.print(f"done: {_format_summary(result.summary)}", highlight=False, soft_wrap=True)
         if result.summary.get("peak_flops_source"):
             console.print(f"peak FLOPs: {result.summary['peak_flops_source']}", highlight=False, soft_wrap=True)

@@ -6,6 +6,11 @@ exporter read it from manifests and config.json, the planner costs it); no torch
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from typing import get_type_hints
+
+from titan_pipe import limits
+from titan_pipe.errors import UserError
+from titan_pipe.values import BOOL, DICT, FLOAT, INT, check, refuse
 
 
 @dataclass(frozen=True)
@@ -58,15 +63,111 @@ class ModelArgs:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelArgs":
+    def from_dict(cls, d: dict, *, source: object = "model") -> "ModelArgs":
+        """ModelArgs from ``to_dict()``'s output (a manifest's ``model``), every value typed strictly
+        and bounded (``validate_args``); UserError naming ``source``, the key and the value."""
+        check(d, DICT, source=source, key="model")
         known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
+        unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown model field(s) {sorted(unknown)}; known: {sorted(known)}")
-        d = dict(d)
-        if d.get("rope_scaling") is not None and not isinstance(d["rope_scaling"], RopeScaling):
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        return cls(**d)
+            raise refuse(source, f"model.{unknown[0]}", d[unknown[0]], "is not a model field",
+                         f"known fields: {', '.join(sorted(known))}")
+        values = {}
+        for name, kind in _KINDS[cls].items():
+            v = d.get(name)
+            if name == "rope_scaling":
+                v = _read_scaling(v, source) if v is not None and not isinstance(v, RopeScaling) else v
+            elif v is not None:
+                v = check(v, kind, source=source, key=f"model.{name}")
+            if v is not None or name in d:
+                values[name] = v
+        return validate_args(cls(**values), source=source)
+
+
+def _kinds(cls) -> dict[str, str]:
+    """Field name -> value kind (titan_pipe.values) of a dataclass of ints, floats and bools."""
+    out = {}
+    for name, hint in get_type_hints(cls).items():
+        text = str(hint)
+        out[name] = (BOOL if "bool" in text else INT if "int" in text else FLOAT if "float" in text
+                     else DICT)
+    return out
+
+
+_KINDS = {RopeScaling: _kinds(RopeScaling), ModelArgs: _kinds(ModelArgs)}
+
+# The bound of every numeric field (titan_pipe.limits): flow.yaml's model section and every
+# reader of a model from a file (config.json, params.json, manifest, Megatron args) use these.
+FIELD_BOUNDS: dict[str, limits.Bound] = {
+    "dim": limits.DIM, "n_layers": limits.LAYERS, "n_heads": limits.HEADS, "n_kv_heads": limits.HEADS,
+    "vocab_size": limits.VOCAB, "multiple_of": limits.FFN, "ffn_dim_multiplier": limits.ROPE_FACTOR,
+    "ffn_hidden_dim": limits.FFN, "norm_eps": limits.NORM_EPS, "rope_theta": limits.ROPE_THETA,
+    "max_seq_len": limits.POSITIONS,
+}
+SCALING_BOUNDS: dict[str, limits.Bound] = {
+    "factor": limits.ROPE_FACTOR, "low_freq_factor": limits.ROPE_FACTOR, "high_freq_factor": limits.ROPE_FACTOR,
+    "original_max_position_embeddings": limits.POSITIONS,
+}
+
+
+def _read_scaling(d: object, source: object) -> RopeScaling:
+    check(d, DICT, source=source, key="model.rope_scaling")
+    unknown = sorted(set(d) - set(_KINDS[RopeScaling]))
+    if unknown:
+        raise refuse(source, f"model.rope_scaling.{unknown[0]}", d[unknown[0]], "is not a rope_scaling field",
+                     f"known fields: {', '.join(_KINDS[RopeScaling])}")
+    return RopeScaling(**{k: check(v, _KINDS[RopeScaling][k], source=source, key=f"model.rope_scaling.{k}")
+                          for k, v in d.items()})
+
+
+def _bound_problem(key: str, value: float, bound: limits.Bound) -> str | None:
+    why = bound.problem(value)
+    shown = value if isinstance(value, int) else f"{value:g}"
+    return None if why is None else f"{key}: {shown} {why}; use a value in {bound.range}"
+
+
+def args_problems(args: ModelArgs) -> list[str]:
+    """One line per rule ``args`` breaks (bounds, divisibility, RoPE), each '<field>: <value> ...; <fix>'.
+
+    The one list of what a model must satisfy: flow.yaml validation and every reader of a model
+    from a file check it, so a value either is refused everywhere or works everywhere.
+    """
+    out = [p for k, b in FIELD_BOUNDS.items() if getattr(args, k) is not None
+           and (p := _bound_problem(k, getattr(args, k), b))]
+    if out:  # the rules below divide by these
+        return out
+    s = args.rope_scaling
+    if s is not None:
+        out += [p for k, b in SCALING_BOUNDS.items() if (p := _bound_problem(f"rope_scaling.{k}", getattr(s, k), b))]
+        if s.high_freq_factor <= s.low_freq_factor:
+            out.append(f"rope_scaling.high_freq_factor: {s.high_freq_factor:g} must exceed low_freq_factor "
+                       f"{s.low_freq_factor:g}")
+    if args.dim % args.n_heads:
+        out.append(f"dim: {args.dim} is not divisible by n_heads={args.n_heads}; pick dim = n_heads x head_dim")
+    elif args.head_dim % 2 or args.head_dim > limits.HEAD_DIM.hi:
+        out.append(f"dim: head_dim = dim / n_heads = {args.head_dim} must be even (RoPE rotates pairs) and at "
+                   f"most {limits.HEAD_DIM.hi:g}; change dim or n_heads")
+    if args.n_heads % args.kv_heads:
+        out.append(f"n_kv_heads: {args.kv_heads} does not divide n_heads={args.n_heads}; pick a divisor")
+    rows = args.max_seq_len * args.head_dim
+    if not out and rows > limits.ROPE_TABLE.hi:
+        out.append(f"max_seq_len: {args.max_seq_len} positions x head_dim {args.head_dim} = {rows:,} RoPE table "
+                   f"entries {limits.ROPE_TABLE.problem(rows)}; lower max_seq_len")
+    p = _bound_problem("ffn hidden size", args.hidden_dim, limits.FFN)
+    if p:
+        out.append(p + " (set ffn_hidden_dim)")
+    n = count_params(args)
+    if not out and n > limits.PARAMS.hi:
+        out.append(f"dims: {n:.3g} parameters {limits.PARAMS.problem(n)}; check the dims")
+    return out
+
+
+def validate_args(args: ModelArgs, *, source: object) -> ModelArgs:
+    """``args`` if ``args_problems`` finds nothing; else UserError ``source: <first problem>``."""
+    problems = args_problems(args)
+    if problems:
+        raise UserError(f"{source}: {problems[0]}")
+    return args
 
 
 _LLAMA31_SCALING = RopeScaling(8.0, 1.0, 4.0, 8192)
@@ -125,6 +226,22 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     n_matmul = count_params(args) - norms - (0 if args.tie_embeddings else args.vocab_size * args.dim)
     attn = 2 * 2 * args.n_layers * seq_len * args.n_heads * args.head_dim  # QK^T and PV, per token
     return 3 * (2 * n_matmul + attn)
+
+
+# The narrowest element a model's weights are stored in (float16 / bfloat16), for check_fits.
+MIN_WEIGHT_ITEMSIZE = 2
+
+
+def check_fits(args: ModelArgs, have_bytes: int, *, source: object, where: object) -> None:
+    """Refuse a model whose declared parameters cannot be in the ``have_bytes`` bytes of weight
+    files at ``where`` (even at 2 bytes each), before anything is sized from the dims: a config
+    claiming 10 million layers is one line, not minutes of planning and gigabytes of memory."""
+    n = count_params(args)
+    need = n * MIN_WEIGHT_ITEMSIZE
+    if have_bytes < need:
+        raise UserError(f"{source}: declares {n:,} parameters ({args.n_layers} layers, dim {args.dim}, vocab "
+                        f"{args.vocab_size}), at least {need:,} bytes of weights, but {where} hold(s) "
+                        f"{have_bytes:,} bytes; the model config and the weights do not belong together")
 
 
 # Every dim that sizes a tensor: what weights must match to load into a model.

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-KERNEL_CHOICES = ("auto", "reference", "npu_fused")
+from titan_pipe.choices import KERNELS
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,8 +86,8 @@ def npu_fused_kernels() -> Kernels:
 
 def resolve_kernels(choice: str, device_type: str) -> Kernels:
     """auto -> npu_fused on NPU, reference elsewhere. npu_fused off NPU is a config error."""
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"model.kernels={choice!r} is not one of {KERNEL_CHOICES}")
+    if choice not in KERNELS:
+        raise ValueError(f"model.kernels={choice!r} is not one of {KERNELS}")
     if choice == "auto":
         choice = "npu_fused" if device_type == "npu" else "reference"
     if choice == "npu_fused":

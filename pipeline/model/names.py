@@ -1,4 +1,4 @@
-"""Name tables: native (torchtitan-style) <-> Hugging Face LLaMA <-> Megatron, and ModelArgs <-> LlamaConfig.
+"""Name tables: native (torchtitan-style) <-> Hugging Face LLaMA <-> Megatron (ModelArgs <-> LlamaConfig: hf_config).
 
 The tables are derived from the parameter list (titan_pipe.model.params), never spelled here.
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from titan_pipe.model.args import ModelArgs, RopeScaling
+from titan_pipe.model.hf_config import from_hf_config, to_hf_config  # noqa: F401 (their callers import them here too)
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS
 
 # (native pattern, Hugging Face pattern); {i} is the layer id. Derived from the parameter list.
@@ -48,71 +48,6 @@ def hf_to_native(name: str) -> str:
         return _translate(name, _H2N)
     except KeyError:
         raise KeyError(f"no native name for Hugging Face parameter {name!r} (titan_pipe.model.names)") from None
-
-
-def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
-    """A LlamaConfig dict (config.json) for ``args``."""
-    cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": torch_dtype,
-        "rope_scaling": None,
-    }
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        cfg["rope_scaling"] = {
-            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_position_embeddings,
-        }
-    return cfg
-
-
-def from_hf_config(cfg: dict, *, source: str = "config.json") -> ModelArgs:
-    """ModelArgs from a LlamaConfig dict; raises ValueError naming the field on anything unusable."""
-    try:
-        if cfg.get("model_type", "llama") not in ("llama", "mistral"):
-            raise ValueError(f"{source}: model_type {cfg.get('model_type')!r} is not a LLaMA model")
-        n_heads = int(cfg["num_attention_heads"])
-        dim = int(cfg["hidden_size"])
-        head_dim = cfg.get("head_dim") or dim // n_heads
-        if head_dim * n_heads != dim:
-            raise ValueError(f"{source}: head_dim {head_dim} x {n_heads} heads != hidden_size {dim}, "
-                             "which titan-pipe's model does not support")
-        scaling = cfg.get("rope_scaling")
-        rope_scaling = None
-        if scaling:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind != "llama3":
-                raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported (only llama3)")
-            rope_scaling = RopeScaling(float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                                       float(scaling["high_freq_factor"]),
-                                       int(scaling["original_max_position_embeddings"]))
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ValueError(f"{source}: attention_bias/mlp_bias are not supported")
-        return ModelArgs(
-            dim=dim, n_layers=int(cfg["num_hidden_layers"]), n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            vocab_size=int(cfg["vocab_size"]), ffn_hidden_dim=int(cfg["intermediate_size"]),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=rope_scaling, max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
-    except KeyError as e:
-        raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
 
 
 # ---------------------------------------------------------------------------------------------

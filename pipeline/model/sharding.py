@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from titan_pipe.choices import INTERLEAVED
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS, param_of, split_layer
 
 
@@ -70,6 +71,13 @@ def split_stages(n_layers: int, n_stages: int) -> list[list[int]]:
         out.append(list(range(start, start + n)))
         start += n
     return out
+
+
+def stages_per_rank(pp: int, schedule: str, virtual_stages: int) -> int:
+    """Virtual pipeline stages each pp rank runs: ``virtual_stages`` under interleaved 1F1B with
+    pp > 1; else 1 (with pp 1 every schedule is one stage holding every layer). The one rule the
+    config, the trainer, the planner and the sharded evaluation all use."""
+    return virtual_stages if schedule == INTERLEAVED and pp > 1 else 1
 
 
 def stage_of(param_name: str, stages: list[list[int]]) -> int:

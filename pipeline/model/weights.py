@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from titan_pipe.checkpoint_format import MANIFEST_NAME, LayoutError, Manifest, is_complete, newest_complete
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, model_differences
+from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, check_fits, model_differences
 from titan_pipe.paths import resolve_inside
 
 
@@ -36,7 +36,9 @@ class CheckpointWeights:
             self.manifest.validate()
         except LayoutError as e:
             raise UserError(str(e)) from None
-        self.args = ModelArgs.from_dict(self.manifest.model)
+        self.args = ModelArgs.from_dict(self.manifest.model, source=self.dir / MANIFEST_NAME)
+        check_fits(self.args, sum(f.size for f in self.manifest.files.values()), source=self.dir / MANIFEST_NAME,
+                   where="its shard files")
         # every chunk names a file listed here (validate), so checking these covers them all
         self._paths = {rel: resolve_inside(self.dir, rel, source=self.dir / MANIFEST_NAME, what="shard")
                        for rel in self.manifest.files}
@@ -74,13 +76,18 @@ class SafetensorsWeights:
     """
 
     def __init__(self, model_dir: Path):
+        from titan_pipe.model.params import native_shapes
         from titan_pipe.unified_dir import locate_weights, native_name, read_model_args
 
         self.dir = Path(model_dir)
         self.args = read_model_args(self.dir)
+        expected = set(native_shapes(self.args)) | {"output.weight"}  # a tied model may store it too
         self._where: dict[str, tuple[Path, str]] = {}
         for key, f in sorted(locate_weights(self.dir).key_to_file.items()):
             name = native_name(key, f)
+            if name is not None and name not in expected:  # every stored tensor is accounted for
+                raise UserError(f"{f}: tensor {key!r} has no place in the model of {self.dir / 'config.json'} "
+                                f"({self.args.n_layers} layers); the weights and config.json do not belong together")
             if name is not None:
                 self._where[name] = (f, key)
         if self.args.tie_embeddings and "output.weight" not in self._where and \

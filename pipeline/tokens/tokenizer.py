@@ -11,6 +11,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from titan_pipe.errors import UserError
+from titan_pipe.tokens.record import TokenizerInfo
 
 # Special tokens looked for in a tokenizer.json when no tokenizer_config.json names them; the
 # spellings of LLaMA-2 (<s>, </s>), LLaMA-3 (<|begin_of_text|>, <|end_of_text|>), GPT-2 and BERT-likes.
@@ -143,3 +144,33 @@ def tokenizer_files(tok: ByteTokenizer | HFTokenizer) -> dict[str, Path]:
         if (Path(tok.path).parent / name).is_file():
             out[name] = Path(tok.path).parent / name
     return out
+
+
+def tokenizer_info(tok: ByteTokenizer | HFTokenizer) -> TokenizerInfo:
+    """What identifies ``tok`` in a data record: kind, the tokenizer.json's sha256, vocab size, bos/eos."""
+    if isinstance(tok, HFTokenizer):
+        from titan_pipe.hashing import sha256_file
+
+        return TokenizerInfo("tokenizer.json", sha256_file(tok.path), tok.vocab_size, tok.bos_id, tok.eos_id)
+    return TokenizerInfo("byte", None, tok.vocab_size, tok.bos_id, tok.eos_id)
+
+
+def encode_documents(tok: ByteTokenizer | HFTokenizer, docs: list[str], dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Documents -> (ids back to back, each document followed by eos, in ``dtype``; lengths (n,) int32).
+
+    Empty documents (no ids) are dropped. The one encoding both data prepare and evaluate use, so
+    both give the same ids for the same text.
+    """
+    if isinstance(tok, ByteTokenizer):
+        encoded = [tok.encode_array(d) for d in docs]
+    else:
+        encoded = [np.asarray(ids) for ids in tok.encode_batch(docs)]
+    encoded = [e for e in encoded if len(e)]
+    lengths = np.array([len(e) + 1 for e in encoded], dtype=np.int32)
+    out = np.empty(int(lengths.sum()), dtype=dtype)
+    at = 0
+    for e in encoded:
+        out[at:at + len(e)] = e
+        out[at + len(e)] = tok.eos_id
+        at += len(e) + 1
+    return out, lengths

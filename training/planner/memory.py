@@ -19,7 +19,7 @@ from titan_pipe.training.data_parallel import DPPlan, plan_dp
 from titan_pipe.training.pipeline_parallel import plan_stages
 from titan_pipe.training.planner.workload import Assumptions, Layout, Workload
 from titan_pipe.model.params import native_shapes, param_of
-from titan_pipe.model.sharding import layer_id, tp_split_dim
+from titan_pipe.model.sharding import layer_id, stages_per_rank, tp_split_dim
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,7 +102,7 @@ def rank_params(args: ModelArgs, layout: Layout, *, pp_rank: int, tp_rank: int =
 def _rank_params(args: ModelArgs, layout: Layout, pp_rank: int, tp_rank: int, dp_rank: int,
                  assume: Assumptions) -> RankParams:
     stages = rank_stage_layers(args, layout, pp_rank)
-    n_stages = layout.pp * (layout.virtual_stages if layout.schedule == "interleaved_1f1b" and layout.pp > 1 else 1)
+    n_stages = layout.pp * stages_per_rank(layout.pp, layout.schedule, layout.virtual_stages)
     dpp = _dp_plan(layout, assume)
     names, local, alloc, full = [], [], [], []
     for name, shape in param_shapes(args):

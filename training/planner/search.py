@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from titan_pipe import limits
+from titan_pipe.choices import INTERLEAVED, PP_SCHEDULES
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import flops_per_token
@@ -167,7 +169,8 @@ def build_cluster(device: str, n_devices: int, *, nodes: int | None = None,
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def amp_dtype_for(cluster: Cluster) -> str:
@@ -198,7 +201,7 @@ def candidate_layouts(w: Workload, cluster: Cluster, *, dp: int | None = None, t
             if p == 1:
                 schedules, mbs = [("1f1b", 1)], [1]
             else:
-                schedules = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+                schedules = [(s, 2 if s == INTERLEAVED else 1) for s in PP_SCHEDULES]  # every schedule the trainer has
                 mbs = sorted({m for m in (p, 2 * p, 4 * p, 8 * p, local) if m and local % m == 0} or {p})
             dps = [(3, False), (3, True)] + ([] if d == 1 else [(2, False), (0, False)])
             for sched, v in schedules:
@@ -208,6 +211,17 @@ def candidate_layouts(w: Workload, cluster: Cluster, *, dp: int | None = None, t
                             for ac in ac_choices:
                                 out.append(Layout(d, t, p, sched, v, m, z, sp, ac, amp, off))
     return out
+
+
+def bounded_candidates(w: Workload, cluster: Cluster, *, dp: int | None = None, tp: int | None = None,
+                       pp: int | None = None) -> list[Layout]:
+    """``candidate_layouts``, refused in one line when there are more than the planner may estimate."""
+    candidates = candidate_layouts(w, cluster, dp=dp, tp=tp, pp=pp)
+    if len(candidates) > limits.LAYOUTS.hi:
+        raise UserError(f"{len(candidates):,} candidate layouts of {cluster.n_devices} devices exceed the planner's "
+                        f"limit of {limits.LAYOUTS.hi:,.0f} ({limits.LAYOUTS.why}); narrow the search with --tp, "
+                        "--pp or --dp")
+    return candidates
 
 
 def layout_flow(w: Workload, layout: Layout, cluster: Cluster, *, name: str = "planned",
@@ -224,7 +238,7 @@ def layout_flow(w: Workload, layout: Layout, cluster: Cluster, *, name: str = "p
         "model": {"flavour": w.flavour, **w.model_overrides},
         "train": {"batch_size": w.global_batch, "seq_len": w.seq_len},
         "parallel": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "pp_schedule": layout.schedule,
-                     "virtual_stages": max(layout.virtual_stages, 1) if layout.schedule == "interleaved_1f1b" else 2,
+                     "virtual_stages": max(layout.virtual_stages, 1) if layout.schedule == INTERLEAVED else 2,
                      "microbatches": layout.microbatches, "dp_mode": layout.dp_mode,
                      "sequence_parallel": layout.sequence_parallel},
         "zero_stage": {3: None, 2: 2, 0: None}[layout.zero],
@@ -269,7 +283,7 @@ def make_plan(w: Workload, cluster: Cluster, *, assume: Assumptions = Assumption
 
     ``progress(done, total)`` is called as candidates are estimated (the CLI draws a bar).
     """
-    candidates = candidate_layouts(w, cluster, dp=dp, tp=tp, pp=pp)
+    candidates = bounded_candidates(w, cluster, dp=dp, tp=tp, pp=pp)
     if not candidates:
         raise UserError(f"no dp x tp x pp layout of {cluster.n_devices} devices matches the given "
                         f"--dp/--tp/--pp (tp must divide the devices and stay within a node of "

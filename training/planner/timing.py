@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs, flops_per_token
+from titan_pipe.model.sharding import stages_per_rank
 from titan_pipe.training.activation_checkpoint import ac_layer_ids
 from titan_pipe.training.data_parallel import DPPlan
 from titan_pipe.training.planner.memory import _dp_plan, act_dtypes, rank_params, rank_stage_layers
@@ -23,7 +24,7 @@ def rank_layers(args: ModelArgs, layout: Layout, pp_rank: int) -> list[int]:
 
 
 def _n_stages(layout: Layout) -> int:
-    return layout.pp * (layout.virtual_stages if layout.schedule == "interleaved_1f1b" and layout.pp > 1 else 1)
+    return layout.pp * stages_per_rank(layout.pp, layout.schedule, layout.virtual_stages)
 
 
 def _has_last(args: ModelArgs, layout: Layout, pp_rank: int) -> bool:
@@ -66,7 +67,7 @@ def bubble_fraction(layout: Layout) -> float:
     p, m = layout.pp, layout.microbatches
     if p == 1:
         return 0.0
-    idle = (p - 1) / (layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1)
+    idle = (p - 1) / stages_per_rank(p, layout.schedule, layout.virtual_stages)
     return idle / (m + idle)
 
 
@@ -120,7 +121,7 @@ def pp_bytes(w: Workload, layout: Layout) -> float:
     """PP bytes a middle rank sends per step: (b, s, h) forward and its gradient back, per hop."""
     if layout.pp == 1:
         return 0.0
-    hops = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
+    hops = stages_per_rank(layout.pp, layout.schedule, layout.virtual_stages)
     a = act_dtypes(layout).resid
     shard = layout.tp if layout.sequence_parallel else 1
     return 2 * hops * layout.microbatches * _mb_tokens(w, layout) * w.args.dim * a / shard

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from titan_pipe.choices import INTERLEAVED
 from titan_pipe.model.args import ModelArgs
 
 
@@ -76,7 +77,7 @@ class Layout:
 
     def label(self) -> str:
         sched = "" if self.pp == 1 else (
-            f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.schedule == "interleaved_1f1b" else ""))
+            f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.schedule == INTERLEAVED else ""))
         return f"dp{self.dp} tp{self.tp} pp{self.pp}{sched}"
 
 

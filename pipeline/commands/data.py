@@ -1,0 +1,63 @@
+"""`titan-pipe data prepare` (raw text -> a prepared data dir) and `titan-pipe data inspect` (what one holds)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from titan_pipe import limits
+from titan_pipe.commands.common import call_stage, console, handle_errors
+
+data_app = typer.Typer(help="Prepare and inspect token data (Megatron indexed .bin/.idx + data.json).",
+                       no_args_is_help=True)
+
+
+@data_app.command()
+@handle_errors
+def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.gz/.parquet files or directories"),
+            out: Path = typer.Option(..., "-o", "--out", help="the prepared data dir to write"),
+            tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, or a Hugging Face tokenizer.json"),
+            workers: Optional[int] = typer.Option(None, "--workers",
+                                                  help="tokenizer processes (default: the usable CPUs, at most 8; "
+                                                       "1 for corpora under 8 MB)"),
+            val_fraction: float = typer.Option(0.05, "--val-fraction",
+                                               help="held out as whole documents from the end, for validation"),
+            text_key: str = typer.Option("text", "--text-key", help="the text field of .jsonl / column of .parquet")):
+    """Tokenize SOURCES once into OUT (tokens.bin + tokens.idx + data.json); a no-op when OUT is current."""
+    from titan_pipe.training.prepare import prepare as run_prepare
+
+    limits.check_flag("--workers", workers, limits.WORKERS)  # one line naming the limit, before any work
+
+    r = call_stage("prepare", run_prepare, track=False, sources=sources, out_dir=out, tokenizer=tokenizer,
+                   workers=workers, val_fraction=val_fraction, text_key=text_key, progress=True)
+    rec = r.record
+    if r.reused:
+        console.print(f"{r.out_dir}: already prepared from the same inputs (key {rec.key[:12]}); nothing to do",
+                      highlight=False, soft_wrap=True)
+        return
+    mb = sum(s.size for s in rec.sources) / 1e6
+    console.print(f"prepared {r.out_dir}: {rec.n_documents:,} documents, {rec.n_tokens:,} tokens ({rec.dtype}); "
+                  f"validation {rec.split.val_documents:,} documents / {rec.split.val_tokens:,} tokens; "
+                  f"{mb:,.1f} MB in {r.seconds:.1f}s ({mb / max(r.seconds, 1e-9):.2f} MB/s)",
+                  highlight=False, soft_wrap=True)
+
+
+@data_app.command()
+@handle_errors
+def inspect(path: Path = typer.Argument(..., help="a prepared data dir or a .bin/.idx prefix")):
+    """Show what token data holds: format, tokens, documents, split, tokenizer, sources."""
+    from rich.table import Table
+
+    from titan_pipe.tokens.dataset import summarize
+
+    table = Table(title=str(path), show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for k, v in summarize(path):
+        table.add_row(k, v)
+    console.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(data_app, name="data")

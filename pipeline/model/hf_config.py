@@ -1,0 +1,157 @@
+"""ModelArgs <-> a Hugging Face config.json (LlamaConfig), both layouts transformers writes.
+
+transformers 4.x writes ``rope_theta`` and ``rope_scaling`` at the top level; transformers >= 5
+writes ``rope_parameters: {rope_type, rope_theta, factor, ...}`` and may omit the top-level
+``rope_theta``. Both are read; a file carrying both with different values is refused rather than
+guessed at. Every value is typed strictly (titan_pipe.values): a string "false", 4.7 layers or a
+null dimension is one line naming the file, the key, the value and the fix.
+
+A field is one row of ``HF_FIELDS``: a new optional field of another family (a bias flag, a
+window size) is one more row plus its ModelArgs field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_pipe import limits
+from titan_pipe.errors import UserError
+from titan_pipe.model.args import ModelArgs, RopeScaling, validate_args
+from titan_pipe.values import BOOL, DICT, FLOAT, INT, REQUIRED, STR, read, refuse
+
+MODEL_TYPES = ("llama", "mistral")
+DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class HFField:
+    """config.json key -> ModelArgs field, its type, bound and default (REQUIRED: must be present)."""
+
+    key: str
+    field: str
+    kind: str
+    bound: limits.Bound | None = None
+    default: object = REQUIRED
+
+
+HF_FIELDS: tuple[HFField, ...] = (
+    HFField("hidden_size", "dim", INT, limits.DIM),
+    HFField("num_hidden_layers", "n_layers", INT, limits.LAYERS),
+    HFField("num_attention_heads", "n_heads", INT, limits.HEADS),
+    HFField("num_key_value_heads", "n_kv_heads", INT, limits.HEADS, None),
+    HFField("vocab_size", "vocab_size", INT, limits.VOCAB),
+    HFField("intermediate_size", "ffn_hidden_dim", INT, limits.FFN),
+    HFField("rms_norm_eps", "norm_eps", FLOAT, limits.NORM_EPS, 1e-5),
+    HFField("max_position_embeddings", "max_seq_len", INT, limits.POSITIONS, 4096),
+    HFField("tie_word_embeddings", "tie_embeddings", BOOL, None, False),
+)
+# Flags of the architecture titan-pipe's model does not have: each must be absent or false.
+UNSUPPORTED_FLAGS = ("attention_bias", "mlp_bias")
+SUPPORTED_ACTS = ("silu",)
+
+
+def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
+    """A LlamaConfig dict (config.json) for ``args``, in the 4.x layout both 4.x and 5.x load."""
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.hidden_dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": torch_dtype,
+        "rope_scaling": None,
+    }
+    if args.rope_scaling is not None:
+        s = args.rope_scaling
+        cfg["rope_scaling"] = {
+            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    return cfg
+
+
+def _architecture(cfg: dict, source: str) -> None:
+    """Refuse what the model cannot compute: another model type, biases, another activation."""
+    kind = read(cfg, "model_type", STR, source=source, default="llama")
+    if kind not in MODEL_TYPES:
+        raise refuse(source, "model_type", kind, "is not a LLaMA-family model",
+                     f"titan-pipe reads model_type {' or '.join(MODEL_TYPES)}")
+    for flag in UNSUPPORTED_FLAGS:
+        if read(cfg, flag, BOOL, source=source, default=False):
+            raise refuse(source, flag, True, "is not supported by titan-pipe's model",
+                         "convert a model without linear biases")
+    act = read(cfg, "hidden_act", STR, source=source, default="silu")
+    if act not in SUPPORTED_ACTS:
+        raise refuse(source, "hidden_act", act, "is not supported (LLaMA's SwiGLU uses silu)",
+                     "convert a model with hidden_act silu")
+
+
+def _scaling(spec: dict | None, where: str, source: str) -> RopeScaling | None:
+    """Llama-3.1 scaling from a rope_scaling / rope_parameters object; None for plain RoPE."""
+    if not spec:
+        return None
+    kind = spec.get("rope_type", spec.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise refuse(source, f"{where}.rope_type", kind, "is not supported",
+                     "titan-pipe computes plain RoPE (default) and Llama-3.1 scaling (llama3) only")
+    p = f"{where}."
+    low = read(spec, "low_freq_factor", FLOAT, source=source, bound=limits.ROPE_FACTOR, prefix=p)
+    high = read(spec, "high_freq_factor", FLOAT, source=source, bound=limits.ROPE_FACTOR, prefix=p)
+    if high <= low:
+        raise refuse(source, f"{where}.high_freq_factor", high, f"must exceed low_freq_factor {low:g}",
+                     "copy the values of the model's original config.json")
+    return RopeScaling(read(spec, "factor", FLOAT, source=source, bound=limits.ROPE_FACTOR, prefix=p), low, high,
+                       read(spec, "original_max_position_embeddings", INT, source=source,
+                            bound=limits.POSITIONS, prefix=p))
+
+
+def _rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either layout; a disagreement between the two is refused."""
+    top = read(cfg, "rope_theta", FLOAT, source=source, default=None, bound=limits.ROPE_THETA)
+    legacy = read(cfg, "rope_scaling", DICT, source=source, default=None)
+    params = read(cfg, "rope_parameters", DICT, source=source, default=None)
+    if params is None:
+        return (DEFAULT_ROPE_THETA if top is None else top), _scaling(legacy, "rope_scaling", source)
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise refuse(source, "rope_parameters", params, "holds per-layer-type RoPE settings",
+                     "titan-pipe's LLaMA model uses one RoPE for every layer")
+    theta = read(params, "rope_theta", FLOAT, source=source, default=None, bound=limits.ROPE_THETA,
+                 prefix="rope_parameters.")
+    if theta is not None and top is not None and theta != top:
+        raise refuse(source, "rope_parameters.rope_theta", theta, f"disagrees with the top-level rope_theta {top:g}",
+                     "keep one of them (transformers >= 5 reads rope_parameters)")
+    scaling = _scaling(params, "rope_parameters", source)
+    if legacy is not None and _scaling(legacy, "rope_scaling", source) != scaling:
+        raise refuse(source, "rope_scaling", legacy, "disagrees with rope_parameters",
+                     "keep one of them (transformers >= 5 reads rope_parameters)")
+    theta = theta if theta is not None else top
+    return (DEFAULT_ROPE_THETA if theta is None else theta), scaling
+
+
+def from_hf_config(cfg: dict, *, source: str = "config.json") -> ModelArgs:
+    """ModelArgs from a LlamaConfig dict (either layout); UserError naming the key on anything unusable."""
+    if not isinstance(cfg, dict):
+        raise UserError(f"{source}: holds {type(cfg).__name__}, not a JSON object (a LlamaConfig)")
+    _architecture(cfg, source)
+    values = {f.field: read(cfg, f.key, f.kind, source=source, default=f.default, bound=f.bound)
+              for f in HF_FIELDS}
+    head_dim = read(cfg, "head_dim", INT, source=source, default=None, bound=limits.HEAD_DIM)
+    if head_dim is not None and head_dim * values["n_heads"] != values["dim"]:
+        raise refuse(source, "head_dim", head_dim, f"x {values['n_heads']} heads != hidden_size {values['dim']}, "
+                     "which titan-pipe's model does not support", "convert a model with head_dim = hidden_size / heads")
+    values["rope_theta"], values["rope_scaling"] = _rope(cfg, source)
+    return validate_args(ModelArgs(**values), source=source)
+

@@ -1,0 +1,167 @@
+"""Child processes that die with their command: every launcher of a child process starts it here.
+
+``popen(cmd, ...)`` starts ``cmd`` under a guardian (titan_pipe's guard.py, standard library only)
+in its own session. The guardian holds the read end of a pipe only this process writes to: when
+this process ends in any way (exit, exception, SIGTERM, SIGKILL) the guardian sees end of file and
+stops the whole tree — ``cmd``, and the processes ``cmd`` started even in their own sessions
+(torchrun's ranks): SIGTERM, then SIGKILL after ``grace`` seconds. Locks this process holds
+(titan_pipe.run_lock) are passed to the guardian, which exits last, so a lock is never free while a
+writer it covers is alive. ``Tree.stop(sig)`` stops the tree on purpose (Ctrl-C, a timeout).
+
+``run`` is ``subprocess.run`` on top of it; ``watch(pid)`` guards a process someone else started
+(Prefect's temporary API server); ``die_with_parent()`` is for workers a library starts (the
+tokenizer pool of ``data prepare``).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+GUARD = Path(__file__).with_name("guard.py")
+GRACE_S = float(os.environ.get("TITAN_PIPE_STOP_GRACE_S", "10"))
+
+
+def _start_guard(args: list[str], *, grace: float | None, hold: Sequence[int],
+                 **kwargs) -> tuple[subprocess.Popen, int]:
+    """Start guard.py with ``args`` in its own session; returns it and the pipe end only we hold."""
+    r, w = os.pipe()
+    # -I -S: no site-packages, no PYTHON* variables: the guardian imports the standard library only
+    argv = [sys.executable, "-I", "-S", str(GUARD), "--parent-fd", str(r),
+            "--grace", str(GRACE_S if grace is None else grace), *args]
+    try:
+        proc = subprocess.Popen(argv, pass_fds=[r, *hold], start_new_session=True, **kwargs)
+    except BaseException:
+        os.close(w)
+        raise
+    finally:
+        os.close(r)
+    return proc, w
+
+
+def _held_locks() -> list[int]:
+    from titan_pipe.run_lock import held_fds
+
+    return held_fds()
+
+
+class Tree:
+    """A guarded child process tree; ``proc`` is the guardian (its stdio is the child's)."""
+
+    def __init__(self, proc: subprocess.Popen, parent_w: int):
+        self.proc, self._w = proc, parent_w
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def stdout(self):
+        return self.proc.stdout
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def poll(self) -> int | None:
+        rc = self.proc.poll()
+        if rc is not None:
+            self._release()
+        return rc
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The child's status (128+N when signal N ended it), once the whole tree is gone."""
+        rc = self.proc.wait(timeout)
+        self._release()
+        return rc
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float | None = None) -> int:
+        """Send ``sig`` to the child (the guardian forwards it), SIGKILL what is left after the grace
+        period, and wait until the whole tree is gone."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+        return self.wait(timeout)
+
+    def _release(self) -> None:
+        if self._w >= 0:
+            os.close(self._w)
+            self._w = -1
+
+    def __enter__(self) -> "Tree":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.stop(signal.SIGTERM)
+        self._release()
+        for stream in (self.proc.stdout, self.proc.stderr, self.proc.stdin):
+            if stream is not None:
+                stream.close()
+
+
+def popen(cmd: Sequence[str], *, grace: float | None = None, hold: Sequence[int] | None = None,
+          **kwargs) -> Tree:
+    """Start ``cmd`` under a guardian; ``kwargs`` as for subprocess.Popen (stdout, env, cwd, text...).
+
+    ``hold``: file descriptors the guardian keeps open until the tree is gone (default: the locks
+    this process holds, titan_pipe.run_lock).
+    """
+    return Tree(*_start_guard(["--", *map(str, cmd)], grace=grace,
+                              hold=_held_locks() if hold is None else hold, **kwargs))
+
+
+def run(cmd: Sequence[str], *, timeout: float | None = None, capture_output: bool = False,
+        **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run for a guarded tree: on a timeout or an interrupt the whole tree is stopped
+    (then TimeoutExpired / KeyboardInterrupt propagates)."""
+    if capture_output:
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    with popen(cmd, **kwargs) as tree:
+        try:
+            out, err = tree.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            tree.stop(signal.SIGTERM)
+            raise
+        except KeyboardInterrupt as e:
+            tree.stop(getattr(e, "signum", signal.SIGINT))
+            raise
+        rc = tree.wait()
+    return subprocess.CompletedProcess(list(cmd), rc, out, err)
+
+
+def die_with_parent(parent: int) -> None:
+    """For a worker process that a library starts (a multiprocessing pool): be killed when
+    ``parent`` (the PID that started it, passed in by that process) ends, however it ends, and exit
+    now if that already happened. Call it first thing in the worker (a pool's ``initializer``).
+    Linux; elsewhere nothing."""
+    from titan_pipe.guard import PR_SET_PDEATHSIG, prctl
+
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if sys.platform.startswith("linux") and os.getppid() != parent:
+        os._exit(1)  # re-parented before the death signal was armed: the parent is gone
+
+
+class Watcher:
+    """A guardian watching a process this one did not start; ``close()`` ends the watch."""
+
+    def __init__(self, proc: subprocess.Popen, parent_w: int):
+        self.proc, self._w = proc, parent_w
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)  # not a stop signal: the default action ends it
+        self.proc.wait()
+        if self._w >= 0:
+            os.close(self._w)
+            self._w = -1
+
+
+def watch(pid: int, *, grace: float | None = None) -> Watcher:
+    """Stop process ``pid`` and its descendants if this process ends before ``close()``."""
+    return Watcher(*_start_guard(["--watch", str(pid)], grace=grace, hold=(), stdin=subprocess.DEVNULL))

@@ -1,0 +1,114 @@
+"""The prepared-data sidecar ``data.json``: which tokenizer, which sources, how many tokens, the split.
+
+A prepared data dir is ``tokens.bin`` + ``tokens.idx`` (a Megatron indexed dataset, one sequence
+per document, each ending with the tokenizer's eos) and this record. The record is written last,
+so a dir with a readable ``data.json`` is complete. ``key`` is the sha256 of everything the
+output depends on (tokenizer, sources, text key, validation fraction): the same inputs give the
+same key, and ``titan-pipe data prepare`` with an unchanged key does nothing.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from titan_pipe.errors import UserError
+
+DATA_JSON = "data.json"
+PREFIX = "tokens"  # tokens.bin / tokens.idx inside a prepared dir
+SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """Enough of a tokenizer to tell whether two datasets (or a dataset and a model) share it."""
+
+    kind: str  # "byte" or "tokenizer.json"
+    sha256: str | None  # of the tokenizer.json; None for the byte tokenizer
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int
+
+    @property
+    def fingerprint(self) -> str:
+        return f"{self.kind}:{self.sha256 or '-'}:{self.vocab_size}:{self.eos_id}"
+
+    def describe(self) -> str:
+        return "byte" if self.kind == "byte" else f"tokenizer.json sha256 {self.sha256[:12]}"
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    path: str  # as given (absolute)
+    size: int
+    mtime_ns: int  # with size: lets a re-run trust sha256 without re-reading the file
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Split:
+    """Documents [0, train_documents) train, the rest validation; token counts of each."""
+
+    val_fraction: float
+    train_documents: int
+    val_documents: int
+    train_tokens: int
+    val_tokens: int
+
+
+@dataclass(frozen=True)
+class DataRecord:
+    key: str
+    tokenizer: TokenizerInfo
+    sources: list[SourceInfo]
+    text_key: str
+    dtype: str  # numpy name of the .bin ids: uint16 | int32
+    n_tokens: int
+    n_documents: int
+    max_token_id: int
+    split: Split
+    skipped_empty: int = 0  # documents with no text, left out
+    prefix: str = PREFIX
+    schema: int = SCHEMA
+    format: str = field(default="megatron-indexed-dataset")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def save(self, out_dir: Path) -> Path:
+        from titan_pipe.atomic import write_text
+
+        return write_text(Path(out_dir) / DATA_JSON, json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, data_dir: Path) -> "DataRecord":
+        path = Path(data_dir) / DATA_JSON
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            if raw.get("schema") != SCHEMA:
+                raise UserError(f"{path}: schema {raw.get('schema')!r}, this titan-pipe reads {SCHEMA}; prepare "
+                                "the data again with `titan-pipe data prepare`")
+            return cls(**{**raw, "tokenizer": TokenizerInfo(**raw["tokenizer"]),
+                          "sources": [SourceInfo(**s) for s in raw["sources"]], "split": Split(**raw["split"])})
+        except UserError:
+            raise
+        except OSError as e:
+            raise UserError(f"{path}: cannot be read ({e.strerror}); prepare the data with "
+                            "`titan-pipe data prepare`") from None
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise UserError(f"{path}: not a titan-pipe data record ({type(e).__name__}: {e}); prepare the data "
+                            "again with `titan-pipe data prepare`") from None
+
+
+def is_prepared(path: Path) -> bool:
+    return (Path(path) / DATA_JSON).is_file()
+
+
+def prepared_from(rec: DataRecord, files: list[Path], *, text_key: str, val_fraction: float,
+                  tokenizer: TokenizerInfo) -> bool:
+    """True when ``rec`` was prepared from exactly ``files`` as they are now (paths, sizes, mtimes),
+    with this text key, validation fraction and tokenizer: its tokens are what they would give."""
+    now = [(str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
+    then = [(s.path, s.size, s.mtime_ns) for s in rec.sources]
+    return (now == then and rec.text_key == text_key and rec.split.val_fraction == val_fraction
+            and rec.tokenizer.fingerprint == tokenizer.fingerprint)

@@ -1,0 +1,168 @@
+"""One source per choice: flow.yaml validation and the stage that acts on a choice agree on every
+value of every set (titan_pipe.choices), and the export defaults are the same in the config, the
+CLI and the stage. Plus the two bugs the copies caused: export.opset 12 passed validation but the
+export stage refused it; pp 1 + interleaved_1f1b on a one-layer model was refused by validation
+though the trainer builds one stage."""
+from __future__ import annotations
+
+import inspect
+import json
+
+import pytest
+import torch
+
+from titan_pipe import choices
+from titan_pipe.config import ConfigError, ExportConfig, parse_flow
+from titan_pipe.convert.onnx import atc
+from titan_pipe.convert.onnx.atc_ops import load_atc_ops
+from titan_pipe.convert.onnx.export import export_model, plan_export
+from titan_pipe.convert.source_plan import SourcePlan, TensorPlan, plan_unified
+from titan_pipe.errors import UserError
+from titan_pipe.model.args import FLAVOURS
+from titan_pipe.model.kernels import resolve_kernels
+from titan_pipe.model.sharding import stages_per_rank
+from titan_pipe.training.data_parallel import plan_dp
+from titan_pipe.training.optim import build_optimizer
+from titan_pipe.training.pipeline_parallel import plan_stages
+
+DEBUG = FLAVOURS["debug"]  # max_seq_len 256
+OUTSIDERS = ("", "other", "AUTO")  # values in no set
+
+
+def config_ok(data: dict, tmp_path) -> bool:
+    try:
+        parse_flow({"name": "c", "device": "cpu", **data}, base=tmp_path)
+    except ConfigError:
+        return False
+    return True
+
+
+def stage_ok(fn, *args, **kw) -> bool:
+    try:
+        fn(*args, **kw)
+    except (UserError, ValueError, KeyError):
+        return False
+    return True
+
+
+def test_kernels_agree(tmp_path):
+    for k in choices.KERNELS + OUTSIDERS:
+        cfg = config_ok({"model": {"flavour": "debug", "kernels": k}}, tmp_path)
+        stage = stage_ok(resolve_kernels, k, "cpu")  # the trainer on a CPU flow.yaml
+        assert cfg == stage, k
+
+
+def test_schedules_agree(tmp_path):
+    for s in choices.PP_SCHEDULES + OUTSIDERS:
+        cfg = config_ok({"parallel": {"pp": 2, "pp_schedule": s, "microbatches": 2},
+                         "launch": {"nproc_per_node": 2}}, tmp_path)
+        assert cfg == stage_ok(plan_stages, DEBUG.n_layers, 2, 0, s, 2), s
+
+
+@pytest.mark.parametrize("pp,schedule,v,layers", [(1, "interleaved_1f1b", 2, 1), (1, "interleaved_1f1b", 4, 3),
+                                                   (2, "interleaved_1f1b", 2, 3), (2, "interleaved_1f1b", 2, 4),
+                                                   (2, "1f1b", 2, 2), (4, "gpipe", 2, 3)])
+def test_stage_counts_agree(tmp_path, pp, schedule, v, layers):
+    """validate accepts a layout exactly when the trainer's stage plan can be built."""
+    cfg = config_ok({"model": {"flavour": "debug", "n_layers": layers},
+                     "parallel": {"pp": pp, "pp_schedule": schedule, "virtual_stages": v, "microbatches": 4},
+                     "train": {"batch_size": 8}, "launch": {"nproc_per_node": pp}}, tmp_path)
+    assert cfg == stage_ok(plan_stages, layers, pp, 0, schedule, v), (pp, schedule, v, layers)
+    assert len(plan_stages(1, 1, 0, "interleaved_1f1b", 2).stages) == 1  # the trainer's one stage
+    assert stages_per_rank(pp, schedule, v) == (v if schedule == choices.INTERLEAVED and pp > 1 else 1)
+
+
+def test_interleaved_on_one_layer_without_pp_validates(tmp_path):
+    assert config_ok({"model": {"flavour": "debug", "n_layers": 1},
+                      "parallel": {"pp": 1, "pp_schedule": "interleaved_1f1b"}}, tmp_path)
+
+
+def test_precision_modes_agree(tmp_path):
+    for m in choices.PRECISION_MODES + OUTSIDERS:
+        cfg = config_ok({"export": {"precision_mode": m}}, tmp_path)
+        assert cfg == stage_ok(plan_export, DEBUG, precision_mode=m), m
+        assert cfg == stage_ok(atc.atc_invocation, graph="model.onnx", inputs=[], soc_version="x",
+                               precision_mode=m, dynamic=False, batch=1, seq_len=8, max_len=16,
+                               weight_bytes=1, decode=False), m
+
+
+def test_export_opsets_and_lengths_agree(tmp_path):
+    """Every opset, and seq/cache lengths around the model's 256 positions: validate == export."""
+    for opset in range(0, 25):
+        assert config_ok({"export": {"opset": opset}}, tmp_path) == stage_ok(plan_export, DEBUG, opset=opset), opset
+    for seq, cache, kv in [(255, None, True), (256, None, True), (256, None, False), (32, 32, True),
+                           (32, 33, True), (32, 256, True), (32, 257, True), (10**9, None, True), (0, None, True)]:
+        cfg = config_ok({"export": {"seq_len": seq, "cache_len": cache, "kv_cache": kv}}, tmp_path)
+        assert cfg == stage_ok(plan_export, DEBUG, seq_len=seq, cache_len=cache, kv_cache=kv), (seq, cache, kv)
+    for dtype in ("float32", "float16", "bfloat16", "int8"):
+        assert config_ok({"export": {"dtype": dtype}}, tmp_path) == stage_ok(plan_export, DEBUG, dtype=dtype), dtype
+
+
+def test_export_opset_12_is_refused_by_validate(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        parse_flow({"name": "c", "export": {"opset": 12}}, base=tmp_path)
+    assert len(e.value.lines) == 1 and "export.opset" in e.value.lines[0] and "opset 12" in e.value.lines[0]
+
+
+def test_compile_backends_agree(tmp_path):
+    from titan_pipe.training.compile import resolve_backend
+
+    for b in choices.COMPILE_BACKENDS + OUTSIDERS:
+        cfg = config_ok({"train": {"compile": True, "compile_backend": b}}, tmp_path)
+        assert cfg == stage_ok(resolve_backend, b, "cuda"), b  # cuda: no host compiler or TorchAir asked for
+
+
+def test_namings_agree(tmp_path):
+    src = SourcePlan("hf", tmp_path, DEBUG, {"tok_embeddings.weight": TensorPlan("tok_embeddings.weight", (320, 64),
+                                                                                 "F32", ())}, files=[])
+    for n in choices.NAMINGS + OUTSIDERS:
+        assert config_ok({"convert": {"naming": n}}, tmp_path) == stage_ok(plan_unified, src, naming=n), n
+
+
+def test_dp_modes_optimizers_and_offload_agree(tmp_path):
+    for mode in choices.DP_MODES + OUTSIDERS:
+        assert config_ok({"parallel": {"dp_mode": mode}}, tmp_path) == (mode in choices.DP_MODES)
+        if mode in choices.DP_MODES:
+            plan_dp(dp=2, tp=1, dp_mode=mode, zero_stage=None)
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    for name in choices.OPTIMIZERS + OUTSIDERS:
+        cfg = config_ok({"train": {"optimizer": {"name": name}}}, tmp_path)
+        assert cfg == stage_ok(build_optimizer, p, name=name, lr=0.1), name
+    for off in choices.OFFLOADS + OUTSIDERS:
+        assert config_ok({"memory": {"optimizer_offload": off}}, tmp_path) == (off in choices.OFFLOADS)
+
+
+def test_export_defaults_are_one_set():
+    """flow.yaml's export section, `titan-pipe export` and export_model start from the same values."""
+    d = choices.EXPORT
+    cfg = ExportConfig()
+    assert (cfg.opset, cfg.dtype, cfg.batch, cfg.seq_len, cfg.cache_len, cfg.dynamic, cfg.kv_cache, cfg.soc_version,
+            cfg.atc, cfg.precision_mode, cfg.hash_weights) == (
+        d.opset, d.dtype, d.batch, d.seq_len, d.cache_len, d.dynamic, d.kv_cache, d.soc_version, d.run_atc,
+        d.precision_mode, d.hash_weights)
+    stage = inspect.signature(export_model).parameters
+    for key, value in (("opset", d.opset), ("dtype", d.dtype), ("batch", d.batch), ("seq_len", d.seq_len),
+                       ("cache_len", d.cache_len), ("soc_version", d.soc_version), ("run_atc", d.run_atc),
+                       ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights)):
+        assert stage[key].default == value, key
+    from titan_pipe.cli import app
+
+    command = next(c for c in app.registered_commands if c.name == "export").callback
+    cli = {k: p.default.default for k, p in inspect.signature(command).parameters.items()}
+    for key, value in (("opset", d.opset), ("dtype", d.dtype), ("batch", d.batch), ("seq_len", d.seq_len),
+                       ("cache_len", d.cache_len), ("soc_version", d.soc_version), ("atc", d.run_atc),
+                       ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights)):
+        assert cli[key] == value, key  # str-valued enums compare equal to their value
+
+
+def test_atc_window_matches_the_operator_list():
+    assert tuple(load_atc_ops()["atc_opset_window"]) == choices.ATC_OPSET_WINDOW
+    lo, hi = choices.ATC_OPSET_WINDOW
+    assert all(lo <= o <= hi for o in choices.EXPORT_OPSETS)
+    assert json.loads(json.dumps(choices.EXPORT_OPSETS)) == [14, 15]
+
+
+def test_devices_agree_with_the_cli():
+    from titan_pipe.commands.evaluate import RefDevice
+
+    assert tuple(d.value for d in RefDevice) == choices.DEVICES

@@ -1,0 +1,97 @@
+"""Why a launch failed, in one line: the rank that failed first, its own error line, and where its logs are.
+
+A rank that meets an error it can name prints one line (titan_pipe.training.trainer: ``error: ...``,
+or ``fault: ...`` for an operating-system fault such as a full disk); torchrun prefixes a rank's
+lines with ``[default<local rank>]:`` in train.log and keeps each rank's own stderr.log under
+run_dir/logs. ``launch_failure`` finds that line and says which rank and where to look.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from titan_pipe.config import FlowConfig
+from titan_pipe.errors import StageFailed
+from titan_pipe.faults import OutputFault
+from titan_pipe.run_dir import RunDir
+
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+) \(local_rank: (\d+)\).*?exitcode\s*:\s*(-?\d+)",
+                         re.S)
+_RANK_LINE = re.compile(r"^(?:\[\w+\]:)?(error|fault): (.+)$", re.M)
+
+
+def torchrun_report(line: str) -> bool:
+    """The first line of torchrun's own failure report (its traceback; rank lines carry a
+    ``[default<N>]:`` prefix): from here on the console is spared what train.log keeps."""
+    return line.rstrip("\n") == "Traceback (most recent call last):"
+
+
+def root_cause(output: str) -> tuple[int, int, int] | None:
+    """(rank, local_rank, exit code) of the first failure in torchrun's failure summary, if any."""
+    found = _ROOT_CAUSE.findall(output)
+    return tuple(int(x) for x in found[-1]) if found else None  # type: ignore[return-value]
+
+
+def rank_log_dir(log_root: Path, local_rank: int, since: float) -> Path | None:
+    """This launch's log dir of one local rank (torchrun --log_dir layout), newest attempt."""
+    dirs = [d for d in log_root.glob(f"*/attempt_*/{local_rank}") if d.is_dir() and d.stat().st_mtime >= since]
+    return max(dirs, key=lambda d: d.stat().st_mtime) if dirs else None
+
+
+def node_log(cfg: FlowConfig, run: RunDir) -> Path:
+    """train.log on node 0; train-node<k>.log on node k, so nodes sharing a run dir do not interleave."""
+    return run.train_log if cfg.launch.node_rank == 0 else run.root / f"train-node{cfg.launch.node_rank}.log"
+
+
+def _read_from(path: Path, offset: int = 0) -> str:
+    if not path.is_file():
+        return ""
+    with path.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode("utf-8", errors="replace")
+
+
+def rank_error(*texts: str) -> tuple[str, str] | None:
+    """("error" | "fault", the line) of the first rank error line in ``texts``, in order."""
+    for text in texts:
+        m = _RANK_LINE.search(text)
+        if m:
+            return m.group(1), m.group(2).strip()
+    return None
+
+
+def failure_message(rc: int, run: RunDir, started: float, log_offset: int = 0, log: Path | None = None) -> str:
+    """What failed and where its output is: torchrun's root cause rank and that rank's log files.
+
+    ``log_offset``: the size of train.log before this launch (only its own part is searched).
+    """
+    log = log or run.train_log
+    msg = f"training failed: torchrun exited with status {rc}; see {log}"
+    cause = root_cause(_read_from(log, log_offset))
+    if cause is not None:
+        rank, local_rank, code = cause
+        msg += f"; rank {rank} failed first (exit code {code})"
+        d = rank_log_dir(run.root / "logs", local_rank, started)
+        if d is not None:
+            msg += f", its output: {d / 'stdout.log'} and {d / 'stderr.log'}"
+    return msg
+
+
+def launch_failure(rc: int, run: RunDir, started: float, log_offset: int, log: Path) -> StageFailed | OutputFault:
+    """The error a failed launch raises: OutputFault (exit 1, never retried) when a rank met an OS
+    fault, else StageFailed with torchrun's status as exit code and the rank's own error line first."""
+    where = failure_message(rc, run, started, log_offset, log)
+    cause = root_cause(_read_from(log, log_offset))
+    texts = []
+    if cause is not None:
+        d = rank_log_dir(run.root / "logs", cause[1], started)
+        texts.append(_read_from(d / "stderr.log") if d is not None else "")
+    texts.append(_read_from(log, log_offset))
+    texts += [_read_from(p) for p in sorted((run.root / "logs").glob("*/attempt_*/*/stderr.log"))
+              if p.stat().st_mtime >= started]
+    found = rank_error(*texts)
+    if found is not None and found[0] == "fault":
+        return OutputFault(f"{found[1]} (training stopped: {where[len('training failed: '):]})")
+    err = StageFailed(f"{where}: {found[1]}" if found else where)
+    err.exit_code = rc
+    return err

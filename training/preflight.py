@@ -1,0 +1,148 @@
+"""Everything `titan-pipe train` can know before it launches a rank, checked in one pass.
+
+``titan-pipe validate`` and ``titan-pipe run`` call it before anything starts, and the launcher
+(training/launch.py) before it writes the run's record or spawns torchrun, so a run that would
+fail in its ranks fails here instead, one line per problem (ConfigError, exit 2) and nothing
+written: the run dir must be creatable and writable, ``init_from`` and the checkpoint a
+``--resume`` continues from must hold the model flow.yaml describes, the corpus must fill at
+least one global batch, and a compiled cpu flow needs a compiler for its backend. The rules on the config alone are titan_pipe.config's.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest, is_complete, newest_complete
+from titan_pipe.config import ConfigError, FlowConfig
+from titan_pipe.errors import UserError
+from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, model_differences
+from titan_pipe.unified_dir import read_model_args
+
+# Raw text whose token count its size cannot settle is tokenized here exactly as data prepare will,
+# up to this size; a larger corpus is left to the trainer's own check.
+EXACT_CORPUS_BYTES = 1 << 20
+
+
+def check_before_launch(cfg: FlowConfig, *, flow_path: Path, resume: bool = False) -> None:
+    """ConfigError naming ``flow_path`` with one line per problem the launch would meet; None if none."""
+    base = Path(flow_path).resolve().parent
+    lines = [p for p in (runs_dir_problem(cfg, base), init_from_problem(cfg, base),
+                         resume_problem(cfg, base) if resume else None, corpus_problem(cfg, base),
+                         compile_problem(cfg)) if p]
+    if lines:
+        raise ConfigError(str(flow_path), lines)
+
+
+def runs_dir_problem(cfg: FlowConfig, base: Path) -> str | None:
+    """The run dir must be a directory this user can create and write."""
+    run = cfg.run_dir(base)
+    probe = run
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return (f"runs_dir: {cfg.runs_dir!r} cannot hold the run dir {run}: {probe} is a file; choose a "
+                "directory for runs_dir")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"runs_dir: {probe} is not writable by this user; choose a writable runs_dir"
+    return None
+
+
+def compile_problem(cfg: FlowConfig) -> str | None:
+    """train.compile on a cpu flow: the backend must be able to compile on this host. (auto devices
+    are resolved by the ranks; npu's TorchAir is imported there too.)"""
+    if not cfg.train.compile or cfg.device != "cpu":
+        return None
+    from titan_pipe.training.compile import backend_problem  # imports torch: only for a compiled flow
+
+    return backend_problem(cfg.train.compile_backend, "cpu")
+
+
+def model_of(path: Path) -> ModelArgs:
+    """The model a checkpoint step dir (or a run dir: its newest complete step) or a unified /
+    Hugging Face model dir holds, from its manifest or config.json alone (no weights read)."""
+    step = path if is_complete(path) else newest_complete(path)
+    if step is not None:
+        m = Manifest.load(step)
+        return ModelArgs.from_dict(m.model, source=step / MANIFEST_NAME)
+    return read_model_args(path)
+
+
+def shape_problem(what: str, path: Path, cfg: FlowConfig, fix: str) -> str | None:
+    """Why the weights at ``path`` (named ``what`` in the message) cannot start flow.yaml's model."""
+    try:
+        diffs = model_differences(model_of(path), cfg.model.args(), keys=SHAPE_KEYS, labels=("there", "in flow.yaml"))
+    except (UserError, ValueError) as e:  # LayoutError is a ValueError
+        return f"{what}: {str(e).splitlines()[0]}"
+    return f"{what}: {path} holds another model shape ({'; '.join(diffs)}); {fix}" if diffs else None
+
+
+def init_from_problem(cfg: FlowConfig, base: Path) -> str | None:
+    if cfg.init_from is None:
+        return None
+    path = Path(cfg.init_from).expanduser()
+    return shape_problem("init_from", path if path.is_absolute() else base / path, cfg,
+                         "set model.* in flow.yaml to match it")
+
+
+def resume_problem(cfg: FlowConfig, base: Path) -> str | None:
+    """--resume continues the newest complete checkpoint of the run: it must be this model."""
+    latest = newest_complete(cfg.run_dir(base))
+    if latest is None:
+        return None  # nothing to resume: the trainer starts fresh and says so
+    return shape_problem("--resume", latest, cfg, "resume with the flow.yaml that trained it, or start a fresh "
+                         "run (another name, or without --resume)")
+
+
+def corpus_problem(cfg: FlowConfig, base: Path) -> str | None:
+    """The training data must fill one global batch: train.batch_size windows of train.seq_len + 1
+    tokens (a blend: one window from each dataset), as the trainer's loader requires. Without
+    data.path (the shipped demo corpus, which `titan-pipe plan` leaves for the user to replace) the
+    trainer's own check stands."""
+    d, t = cfg.data, cfg.train
+    if d.path is None and not d.blend:
+        return None
+    from titan_pipe.tokens.spec import data_spec
+
+    spec = data_spec(d, base=base)
+    blend = len(spec.paths) > 1
+    need = (t.seq_len + 1) if blend else t.batch_size * t.seq_len + 1  # windows overlap by one token
+    try:
+        if spec.text is None:  # token data: its training spans, from the .idx (and data.json) alone
+            from titan_pipe.tokens.dataset import open_source
+
+            spans = [open_source(p, val_fraction=spec.val_fraction, fraction_given=spec.fraction_given).train
+                     for p in spec.paths]
+            short = next((s for s in spans if len(s) < need), None)
+            return None if short is None else _too_small(cfg, short.name, f"{len(short):,}", need)
+        return _raw_text_problem(cfg, spec, need)
+    except UserError as e:
+        return str(e)
+
+
+def _raw_text_problem(cfg: FlowConfig, spec, need: int) -> str | None:
+    """Raw text: refused when even its size cannot hold ``need`` tokens (no tokenizer makes more
+    than a token and an end-of-document per byte), else tokenized and split exactly as prepare
+    will when it is small and uncompressed; a larger corpus is left to the trainer's check."""
+    from titan_pipe.tokens.sources import corpus_files, kind_of
+
+    files = corpus_files(spec.text)
+    plain = all(kind_of(f) in (".txt", ".jsonl") for f in files)
+    size = sum(f.stat().st_size for f in files)
+    if plain and 2 * size < need:
+        return _too_small(cfg, cfg.data.path, f"at most {2 * size:,}", need)
+    if not plain or size > EXACT_CORPUS_BYTES:
+        return None
+    from titan_pipe.tokens.corpus import load_corpus
+    from titan_pipe.tokens.tokenizer import build_tokenizer
+
+    train, _ = load_corpus(path=spec.text, tokenizer=build_tokenizer(spec.tokenizer),
+                           text_key=spec.text_key).split(spec.val_fraction)
+    return None if len(train) >= need else _too_small(cfg, cfg.data.path, f"{len(train):,}", need)
+
+
+def _too_small(cfg: FlowConfig, what: object, have: str, need: int) -> str:
+    t = cfg.train
+    key = "data.blend" if cfg.data.blend else "data.path"
+    batch = "one window" if cfg.data.blend else f"one global batch of train.batch_size {t.batch_size} x"
+    return (f"{key}: {what} gives {have} training tokens, fewer than {batch} train.seq_len {t.seq_len} (+1) = "
+            f"{need:,}; use more text or lower train.batch_size / train.seq_len (or data.val_fraction)")

@@ -1,0 +1,189 @@
+"""``titan-pipe data prepare``: raw text -> a prepared data dir, tokenized once in worker processes.
+
+The dir holds ``tokens.bin`` + ``tokens.idx`` (a Megatron-LM indexed dataset, one sequence per
+document, each ending with eos) and ``data.json`` (titan_pipe.tokens.record). Plan first (files,
+checks, the key of the inputs), then write into a temp dir beside the output and swap it in when
+complete: an interrupted prepare leaves nothing under the final name. Same key as the dir
+already there: nothing is done.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from titan_pipe.atomic import swap_dir, temp_dir
+from titan_pipe.errors import UserError
+from titan_pipe.hashing import sha256_file
+from titan_pipe.tokens.dataset import val_start
+from titan_pipe.tokens.indexed import IndexedTokens, IndexWriter, token_dtype
+from titan_pipe.tokens.record import PREFIX, DataRecord, SourceInfo, Split, TokenizerInfo, is_prepared
+from titan_pipe.tokens.sources import corpus_files, iter_blocks
+from titan_pipe.tokens.tokenizer import build_tokenizer, tokenizer_info
+from titan_pipe.training.tokenize_pool import chunk_blocks, encode_stream
+
+SMALL_CORPUS = 8 << 20  # bytes of sources below which worker processes cost more than they save
+MAX_WORKERS = 8
+
+
+@dataclass(frozen=True)
+class PreparePlan:
+    """Everything the output depends on, resolved and checked; ``key`` is its sha256."""
+
+    files: list[Path]
+    sources: list[SourceInfo]
+    tokenizer: str  # "byte" or an absolute tokenizer.json path
+    info: TokenizerInfo
+    text_key: str
+    val_fraction: float
+    out_dir: Path
+    key: str
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    out_dir: Path
+    record: DataRecord
+    reused: bool  # the dir was already prepared from the same inputs: nothing was written
+    seconds: float
+
+
+def default_workers() -> int:
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))
+
+
+def _check_out_dir(out_dir: Path, roots: list[Path]) -> None:
+    out = out_dir.resolve()
+    for root in roots:
+        r = root.resolve()
+        if out == r or r in out.parents:
+            raise UserError(f"-o {out_dir}: inside the source {root}; write the prepared data outside the "
+                            "sources (they are only read)")
+        if out in r.parents:
+            raise UserError(f"-o {out_dir}: contains the source {root}; it would be replaced, pick another "
+                            "output directory")
+    if out_dir.exists() and not (out_dir.is_dir() and (is_prepared(out_dir) or not any(out_dir.iterdir()))):
+        raise UserError(f"-o {out_dir}: exists and is not a prepared data dir (no data.json); give a new or "
+                        "empty directory")
+
+
+def _source_infos(files: list[Path], out_dir: Path) -> list[SourceInfo]:
+    """size, mtime and sha256 of each source; a sha256 in the existing record is reused when the
+    file's size and mtime still match it (a re-run then reads no source twice)."""
+    known = {}
+    if is_prepared(out_dir):
+        try:
+            known = {s.path: s for s in DataRecord.load(out_dir).sources}
+        except UserError:
+            known = {}
+    infos = []
+    for f in files:
+        st, path = f.stat(), str(f.resolve())
+        old = known.get(path)
+        digest = old.sha256 if old and (old.size, old.mtime_ns) == (st.st_size, st.st_mtime_ns) else sha256_file(f)
+        infos.append(SourceInfo(path, st.st_size, st.st_mtime_ns, digest))
+    return infos
+
+
+def plan_prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, val_fraction: float = 0.05,
+                 text_key: str = "text") -> PreparePlan:
+    """Resolve and check the inputs of a prepare; no output is touched."""
+    if not sources:
+        raise UserError("data prepare: no source given; name .txt/.jsonl/.jsonl.gz/.parquet files or directories")
+    if not 0 <= val_fraction < 1:
+        raise UserError(f"--val-fraction {val_fraction}: must be in [0, 1)")
+    out_dir = Path(out_dir)
+    roots = [Path(s) for s in sources]
+    files = [f for root in roots for f in corpus_files(root)]
+    _check_out_dir(out_dir, roots)
+    tok = build_tokenizer(tokenizer)
+    info = tokenizer_info(tok)
+    spec = str(Path(tok.path).resolve()) if info.kind != "byte" else "byte"
+    infos = _source_infos(files, out_dir)
+    key_doc = {"schema": 1, "tokenizer": info.fingerprint, "text_key": text_key, "val_fraction": val_fraction,
+               "sources": [[s.path, s.size, s.sha256] for s in infos]}
+    key = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()
+    return PreparePlan(files, infos, spec, info, text_key, val_fraction, out_dir, key)
+
+
+def is_current(plan: PreparePlan) -> DataRecord | None:
+    """The existing record when the out dir was prepared from exactly these inputs and is intact."""
+    if not is_prepared(plan.out_dir):
+        return None
+    try:
+        rec = DataRecord.load(plan.out_dir)
+        ds = IndexedTokens(plan.out_dir / rec.prefix)
+    except UserError:
+        return None
+    return rec if rec.key == plan.key and (ds.n_tokens, ds.n_documents) == (rec.n_tokens, rec.n_documents) else None
+
+
+def prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, workers: int | None = None,
+            val_fraction: float = 0.05, text_key: str = "text", progress: bool = True) -> PrepareResult:
+    """Tokenize ``sources`` into ``out_dir`` (see the module doc); a no-op when already current."""
+    t0 = time.perf_counter()
+    plan = plan_prepare(sources=sources, out_dir=out_dir, tokenizer=tokenizer, val_fraction=val_fraction,
+                        text_key=text_key)
+    existing = is_current(plan)
+    if existing is not None:
+        return PrepareResult(plan.out_dir, existing, True, time.perf_counter() - t0)
+    if workers is None:
+        workers = 1 if sum(s.size for s in plan.sources) < SMALL_CORPUS else default_workers()
+    tmp = temp_dir(plan.out_dir)
+    try:
+        record = _write(plan, tmp, workers=workers, progress=progress)
+        swap_dir(tmp, plan.out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return PrepareResult(plan.out_dir, record, False, time.perf_counter() - t0)
+
+
+def _write(plan: PreparePlan, tmp: Path, *, workers: int, progress: bool) -> DataRecord:
+    """tokens.bin/.idx, then data.json (last: a dir with data.json is complete)."""
+    from titan_pipe.training.prepare_progress import PrepareProgress
+
+    dtype = token_dtype(plan.info.vocab_size)
+    writer = IndexWriter(tmp / PREFIX, dtype)
+    blocks = (b for f in plan.files for b in iter_blocks(f, text_key=plan.text_key))
+    n_in, largest = 0, -1
+    with PrepareProgress(sum(s.size for s in plan.sources), enabled=progress) as bar:
+        try:
+            for ids, lengths, chars, docs_in in encode_stream(chunk_blocks(blocks), spec=plan.tokenizer, dtype=dtype,
+                                                              text_key=plan.text_key, workers=workers):
+                writer.add_chunk(ids, lengths)
+                largest = max(largest, int(ids.max()) if len(ids) else -1)
+                n_in += docs_in
+                bar.advance(chars, len(ids))
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        return _record(plan, IndexedTokens(tmp / PREFIX), largest, dtype.name, skipped=n_in - writer.n_documents)
+
+
+def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, skipped: int) -> DataRecord:
+    where = ", ".join(str(f) for f in plan.files[:3]) + (" ..." if len(plan.files) > 3 else "")
+    if ds.n_documents == 0:
+        raise UserError(f"{where}: holds no text (every document is empty); add text or fix the text key "
+                        f"(--text-key / data.text_key, now {plan.text_key!r})")
+    d = val_start(ds.doc_start, ds.n_documents, ds.n_tokens, plan.val_fraction, where=where)
+    cut = ds.doc_start(d)
+    split = Split(plan.val_fraction, d, ds.n_documents - d, cut, ds.n_tokens - cut)
+    record = DataRecord(key=plan.key, tokenizer=plan.info, sources=plan.sources, text_key=plan.text_key,
+                        dtype=dtype, n_tokens=ds.n_tokens, n_documents=ds.n_documents, max_token_id=largest,
+                        split=split, skipped_empty=skipped)
+    record.save(ds.prefix.parent)
+    return record
+
+
+def prepare_spec(spec, out_dir: Path, *, progress: bool = True) -> PrepareResult:
+    """The raw text of a flow's resolved data section (titan_pipe.tokens.spec.DataSpec) prepared into
+    ``out_dir`` (the run's data dir); a no-op when it is current."""
+    return prepare(sources=[spec.text], out_dir=out_dir, tokenizer=spec.tokenizer, val_fraction=spec.val_fraction,
+                   text_key=spec.text_key, progress=progress)
