@@ -53,9 +53,13 @@ def render(r: InspectResult, console: Console) -> None:
     m = r.model
     console.print(f"[bold]{r.root}[/bold]: format [bold]{r.format}[/bold], step {r.step}, "
                   f"layout {r.layout}")
+    variant = [k for k, on in (("q/k/v biases", m.get("qkv_bias")), ("q/k norms", m.get("qk_norm"))) if on]
+    if m.get("sliding_window"):
+        variant.append(f"sliding window {m['sliding_window']}")
     console.print(f"model: dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads "
-                  f"({m['n_kv_heads'] or m['n_heads']} kv), vocab {m['vocab_size']}, ffn "
-                  f"{m['ffn_hidden_dim']}, tied embeddings {m['tie_embeddings']}")
+                  f"({m['n_kv_heads'] or m['n_heads']} kv) of {m.get('head_dim') or m['dim'] // m['n_heads']}, "
+                  f"vocab {m['vocab_size']}, ffn {m['ffn_hidden_dim']}, tied embeddings {m['tie_embeddings']}"
+                  + "".join(f", {v}" for v in variant))
     table = Table(show_edge=False, pad_edge=False)
     for col in ("parameter", "global shape", "dtype", "split", "reads"):
         table.add_column(col)

@@ -21,7 +21,7 @@ from titan_pipe.errors import UserError
 from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.batches import ValidationSplit, load_eval_data
 from titan_pipe.evaluate.graph_files import check_external_data
-from titan_pipe.evaluate.operators import run_conformance
+from titan_pipe.evaluate.operators import model_operators, run_conformance
 from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, check_out_dir, write_report
 from titan_pipe.evaluate.runners import (DistributedRunner, OmRunner, OnnxDecodeRunner, OnnxRuntimeRunner, Outputs,
                                          TorchRunner, ascend_runtime, concat_outputs)
@@ -350,7 +350,7 @@ def _compare_operators(run: _Run) -> cmp.Comparison:
     if not run.s.operators:
         return cmp.skipped("operators", "operator conformance", "evaluate.operators is false")
     run.op_dtypes = tuple(run.judged_dtypes) or (run.tdtype("float32"),)
-    run.op_rows = run_conformance(thresholds=run.s.thresholds)
+    run.op_rows = run_conformance(thresholds=run.s.thresholds, ops=model_operators(run.args))
     return cmp.operator_comparison(run.op_rows, run.op_dtypes)
 
 

@@ -79,6 +79,7 @@ class OpSpec:
     large: float = 300.0
     tiny: float = 1e-4
     dtypes: tuple[str, ...] = FLOAT_NAMES
+    family: str | None = None  # the ModelArgs switch whose models use it (None: every model)
 
 
 def _scale(case: str, spec) -> float:
@@ -121,6 +122,15 @@ def _linear_graph(b, n, a):
     return nodes.linear(b, n["x"], n["w"])
 
 
+def _bias_inputs(case, rng, spec):
+    d = _linear_inputs(case, rng, spec)
+    return {**d, "bias": _randn(rng, (d["w"].shape[0],), 0.5)}
+
+
+def _bias_graph(b, n, a):
+    return nodes.linear(b, n["x"], n["w"], bias=n["bias"])
+
+
 # -- RMSNorm ---------------------------------------------------------------------------------
 
 EPS = 1e-5
@@ -134,6 +144,13 @@ def _norm_inputs(case, rng, spec):
 
 def _norm_graph(b, n, a):
     return nodes.rms_norm(b, n["x"], n["weight"], EPS, "norm")
+
+
+def _head_norm_inputs(case, rng, spec):
+    """(B, T, heads, head_dim), as Qwen3 normalises q and k before RoPE."""
+    t = 256 if case == "long" else 16
+    return {"x": _randn(rng, (2, t, 4, 128), _scale(case, spec)),
+            "weight": (1.0 + 0.1 * rng.standard_normal(128)).astype(np.float32)}
 
 
 # -- RoPE (rotate-half) ----------------------------------------------------------------------
@@ -177,6 +194,22 @@ def _attn_graph(b, n, a):
     return nodes.attention(b, n["q"], n["k"], n["v"], causal, n_heads=N_HEADS, n_kv_heads=N_KV, hd=hd, name="attn")
 
 
+WINDOW = 5  # shorter than every case's sequence, so the band cuts every row past the fifth
+
+
+def _window_torch(q, k, v):
+    return attention_ref(q, k, v, n_rep=N_HEADS // N_KV, causal=True, window=WINDOW)
+
+
+def _window_graph(b, n, a):
+    """The exported prefill's window term: position gaps (query - key) < WINDOW, And'ed in."""
+    _, _, t, hd = a["q"].shape
+    pos = np.arange(t)
+    causal = b.const(pos[None, :] <= pos[:, None], dtype=bool)
+    allowed = nodes.within_window(b, causal, b.const(pos[:, None] - pos[None, :]), WINDOW, "window")
+    return nodes.attention(b, n["q"], n["k"], n["v"], allowed, n_heads=N_HEADS, n_kv_heads=N_KV, hd=hd, name="attn")
+
+
 # -- softmax, SiLU/SwiGLU, residual add, cast ------------------------------------------------
 
 
@@ -212,11 +245,17 @@ OPERATORS: tuple[OpSpec, ...] = (
            lambda weight, ids: F.embedding(ids, weight), _emb_graph),
     OpSpec("linear", "linear x @ W^T (Gemm transB=1 on W as stored)", _linear_inputs,
            lambda x, w: F.linear(x, w), _linear_graph),
+    OpSpec("linear_bias", "linear with bias x @ W^T + b (Gemm's C input: Qwen2's q/k/v)", _bias_inputs,
+           lambda x, w, bias: F.linear(x, w, bias), _bias_graph, family="qkv_bias"),
     OpSpec("rms_norm", "RMSNorm, statistics in float32 (rms_norm_ref)", _norm_inputs,
            lambda x, weight: rms_norm_ref(x, weight, EPS), _norm_graph),
+    OpSpec("qk_norm", "per-head RMSNorm over head_dim of (B, T, heads, hd) (Qwen3's q/k norms)", _head_norm_inputs,
+           lambda x, weight: rms_norm_ref(x, weight, EPS), _norm_graph, family="qk_norm"),
     OpSpec("rope", "RoPE rotate-half (apply_rotary_ref)", _rope_inputs, _rope_torch, _rope_graph),
     OpSpec("attention", "causal GQA attention, 4 query / 2 kv heads (attention_ref)", _attn_inputs,
            _attn_torch, _attn_graph, large=8.0),
+    OpSpec("attention_window", f"sliding-window GQA attention, window {WINDOW} (Mistral; attention_ref)",
+           _attn_inputs, _window_torch, _window_graph, large=8.0, family="sliding_window"),
     OpSpec("softmax", "softmax over the last axis", _x_inputs, lambda x: torch.softmax(x, dim=-1),
            lambda b, n, a: b.op("Softmax", [n["x"]], axis=-1), large=30.0),
     OpSpec("silu", "SiLU x * sigmoid(x)", _x_inputs, lambda x: F.silu(x),
@@ -262,6 +301,12 @@ def _ort_session(model):
     opts.intra_op_num_threads = 1
     opts.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def model_operators(args) -> tuple[str, ...]:
+    """The operators a model of ``args`` (ModelArgs) runs, in model order: the family's own (a q/k/v
+    bias, q/k norms, a sliding window) only where its switch is on."""
+    return tuple(s.name for s in OPERATORS if s.family is None or getattr(args, s.family))
 
 
 def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,

@@ -3,7 +3,9 @@
 flow.yaml validation (titan_pipe.config), the CLI options and the stages that act on a choice all
 read it from here, so ``titan-pipe validate`` refuses exactly what a stage would refuse after
 training (tests/test_choices.py walks every set and checks config and stage agree). Pure data:
-no torch, no stage imports.
+no torch, no stage imports. The model's own choice sets live with the model, each once: flavours
+(titan_pipe.model.args.FLAVOURS) and the Hugging Face architectures read and written
+(titan_pipe.model.families.FAMILIES).
 """
 from __future__ import annotations
 

@@ -314,19 +314,16 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     errs = _export_and_positions(cfg, args)
     p = cfg.parallel
     if args.n_heads % p.tp:
-        errs.append(f"parallel.tp: {p.tp} does not divide model n_heads={args.n_heads}; "
-                    f"pick tp from the divisors of {args.n_heads}")
+        errs.append(f"parallel.tp: {p.tp} does not divide model n_heads={args.n_heads} (tp splits the "
+                    f"q heads of head_dim {args.head_dim}); pick tp from the divisors of {args.n_heads}")
     if args.kv_heads % p.tp:
-        errs.append(f"parallel.tp: {p.tp} does not divide model n_kv_heads={args.kv_heads}; "
-                    f"pick tp dividing {args.kv_heads}")
+        errs.append(f"parallel.tp: {p.tp} does not divide model n_kv_heads={args.kv_heads} (tp splits the "
+                    f"k/v heads of head_dim {args.head_dim}); pick tp dividing {args.kv_heads}")
     if args.hidden_dim % p.tp:
         errs.append(f"parallel.tp: {p.tp} does not divide the FFN hidden size {args.hidden_dim}")
     if args.vocab_size % p.tp:
         errs.append(f"parallel.tp: {p.tp} does not divide vocab_size={args.vocab_size}; pad the "
                     "vocabulary to a multiple of tp")
-    if args.tie_embeddings and p.pp > 1:
-        errs.append(f"parallel.pp: {p.pp} splits a model with tied embeddings (model.tie_embeddings) over "
-                    "stages, which the trainer cannot build (embedding and output must share a stage); set pp: 1")
     if args.n_layers < p.n_stages:
         errs.append(f"parallel.pp: {p.pp} x {p.n_stages // p.pp} stage(s) per rank needs at least "
                     f"{p.n_stages} layers, the model has n_layers={args.n_layers}; lower pp")
@@ -336,9 +333,6 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     if p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and p.n_microbatches % p.pp:
         errs.append(f"parallel.microbatches: {p.n_microbatches} must be a multiple of pp={p.pp} "
                     "for interleaved_1f1b")
-    if args.tie_embeddings and p.pp > 1:
-        errs.append(f"model.tie_embeddings: the embedding and the output projection sit on different pipeline "
-                    f"stages with parallel.pp={p.pp}, so they cannot share a weight; use pp: 1 or untie them")
     if cfg.train.batch_size % p.dp:
         errs.append(f"train.batch_size: {cfg.train.batch_size} is not divisible by dp={p.dp}")
     elif (cfg.train.batch_size // p.dp) % p.n_microbatches:

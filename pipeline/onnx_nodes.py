@@ -6,12 +6,16 @@ recipe alone against the PyTorch operator, so the check exercises exactly what i
 The math is titan_pipe.model.transformer's, op for op:
 
   embedding  Gather(table, ids, axis 0)
-  linear     Gemm(x2d, W, transB=1) on the weight as stored (out, in): no transposed copy
-  rms_norm   Cast(float32) -> Pow -> ReduceMean -> Add(eps) -> Sqrt -> Div [-> Cast back] -> Mul(weight)
+  linear     Gemm(x2d, W[, bias], transB=1) on the weight as stored (out, in): no transposed copy;
+             a q/k/v bias (Qwen2) is Gemm's C input
+  rms_norm   Cast(float32) -> Pow -> ReduceMean -> Add(eps) -> Sqrt -> Div [-> Cast back] -> Mul(weight),
+             over the last axis: the hidden size, or each head's head_dim (Qwen3's q/k norms)
   rotary     rotate-half, real-valued: x*cos + concat(-x[..., half:], x[..., :half])*sin (Slice/Neg/Concat)
   repeat_kv  each kv head repeated n_heads/n_kv_heads times (Unsqueeze -> Expand -> Reshape)
   attention  q*scale @ k^T -> Where(allowed, scores, finfo.min) -> Softmax -> @ v: a row with every
              key masked (a left padding query) gives a uniform row instead of NaN
+  window     Mistral's sliding window: query position - key position (Sub) < window (Less), And'ed
+             into the allowed keys
   silu       x * Sigmoid(x);  swiglu: silu(gate) * up
 """
 from __future__ import annotations
@@ -70,9 +74,9 @@ def embedding(g: NodeBuilder, table: str, ids: str, name: str | None = None) -> 
     return g.op("Gather", [table, ids], name, axis=0)
 
 
-def linear(g: NodeBuilder, x2d: str, weight: str, name: str | None = None) -> str:
-    """(N, in) @ W^T with W (out, in) as stored -> (N, out)."""
-    return g.op("Gemm", [x2d, weight], name, transB=1)
+def linear(g: NodeBuilder, x2d: str, weight: str, name: str | None = None, bias: str | None = None) -> str:
+    """(N, in) @ W^T (+ bias (out,), Gemm's C input) with W (out, in) as stored -> (N, out)."""
+    return g.op("Gemm", [x2d, weight] + ([bias] if bias else []), name, transB=1)
 
 
 def rms_norm(g: NodeBuilder, x: str, weight: str, eps: float, name: str) -> str:
@@ -120,6 +124,13 @@ def attention(g: NodeBuilder, q: str, k: str, v: str, allowed: str, *, n_heads: 
     masked = g.op("Where", [allowed, scores, g.fconst(g.lowest)], f"{name}.masked")
     probs = g.op("Softmax", [masked], f"{name}.probs", axis=-1)
     return g.op("MatMul", [probs, vr], f"{name}.context")
+
+
+def within_window(g: NodeBuilder, allowed: str, gap: str, window: int, name: str) -> str:
+    """``allowed`` And (``gap`` < ``window``): ``gap`` (int64) is query position - key position, so a
+    query keeps its ``window`` newest positions, itself included (Mistral's sliding window)."""
+    near = g.op("Less", [gap, g.const(window)], f"{name}.near")
+    return g.op("And", [allowed, near], f"{name}.allowed")
 
 
 def silu(g: NodeBuilder, x: str, name: str) -> str:

@@ -32,25 +32,36 @@ def model_args(**overrides) -> ModelArgs:
 
 
 def native_state(args: ModelArgs, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Our model's weights (norms randomised too, so a swapped norm cannot pass)."""
+    """Our model's weights (norms and biases randomised too, so a swapped one cannot pass)."""
     m = build_model(args, seed=seed)
     g = torch.Generator().manual_seed(seed + 7)
     sd = {}
     for k, v in m.state_dict().items():
         if args.tie_embeddings and k == "output.weight":
             continue
-        sd[k] = (torch.rand(v.shape, generator=g) + 0.5) if k.endswith("norm.weight") else v.clone()
+        if k.endswith("norm.weight"):
+            v = torch.rand(v.shape, generator=g) + 0.5
+        elif k.endswith(".bias"):
+            v = torch.randn(v.shape, generator=g) * 0.5
+        sd[k] = v.clone()
     return sd
 
 
-def write_hf(sd: dict, args: ModelArgs, out: Path, **save_kw) -> Path:
-    """save_pretrained of a tiny LlamaForCausalLM holding ``sd``."""
+def hf_model(args: ModelArgs):
+    """An (untrained) transformers model of ``args``' architecture: Llama, Mistral, Qwen2 or Qwen3."""
     import transformers
 
-    from titan_pipe.model.names import native_to_hf, to_hf_config
+    from titan_pipe.model.names import to_hf_config
 
     cfg = {k: v for k, v in to_hf_config(args).items() if k not in ("architectures", "torch_dtype")}
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+
+
+def write_hf(sd: dict, args: ModelArgs, out: Path, **save_kw) -> Path:
+    """save_pretrained of a tiny transformers model of ``args``' architecture holding ``sd``."""
+    from titan_pipe.model.names import native_to_hf
+
+    model = hf_model(args)
     missing, unexpected = model.load_state_dict({native_to_hf(k): v for k, v in sd.items()}, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     model.save_pretrained(out, safe_serialization=True, **save_kw)
@@ -58,10 +69,11 @@ def write_hf(sd: dict, args: ModelArgs, out: Path, **save_kw) -> Path:
 
 
 def to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rotate-half rows -> Meta interleaved pairs (the inverse of the HF conversion's permute)."""
-    rows, dim = w.shape
+    """Rotate-half rows -> Meta interleaved pairs (the inverse of the HF conversion's permute); a
+    1-D bias is a column."""
+    rows, *rest = w.shape
     hd = rows // n_heads
-    return w.view(n_heads, 2, hd // 2, dim).transpose(1, 2).reshape(rows, dim)
+    return w.reshape(n_heads, 2, hd // 2, -1).transpose(1, 2).reshape(rows, *rest)
 
 
 def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True, safetensors_items: bool = False) -> Path:
@@ -75,9 +87,11 @@ def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True, safete
 
     tt = {}
     for k, v in sd.items():
-        if k.endswith("attention.wq.weight"):
+        if args.qk_norm:  # torchtitan's qwen3: rotate-half rows, as Hugging Face's
+            pass
+        elif k.endswith(("attention.wq.weight", "attention.wq.bias")):
             v = to_interleaved(v, args.n_heads)
-        elif k.endswith("attention.wk.weight"):
+        elif k.endswith(("attention.wk.weight", "attention.wk.bias")):
             v = to_interleaved(v, args.kv_heads)
         tt[k] = v.clone()
     if full:
@@ -123,11 +137,22 @@ def _fake_megatron_enums():
     return sys.modules[name].AttnBackend
 
 
+def fused_qkv(sd: dict, args: ModelArgs, i: int, kind: str) -> torch.Tensor:
+    """Layer i's q/k/v weights (kind "weight": (groups, rows, dim)) or biases ("bias": (groups, rows))
+    fused as megatron-core's linear_qkv holds them: per query group, its q heads, its k head, its v head."""
+    hd, ng = args.head_dim, args.kv_heads
+    qpg = args.n_heads // ng
+    q = sd[f"layers.{i}.attention.wq.{kind}"].view(ng, qpg * hd, -1)
+    k = sd[f"layers.{i}.attention.wk.{kind}"].view(ng, hd, -1)
+    v = sd[f"layers.{i}.attention.wv.{kind}"].view(ng, hd, -1)
+    out = torch.cat([q, k, v], dim=1)
+    return out if kind == "weight" else out.squeeze(-1)
+
+
 def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *,
                   fused_norms: bool, padded: int) -> OrderedDict:
     """The 'model' dict of megatron-core's GPTModel on tp rank t, pp rank p."""
-    hd, ng = args.head_dim, args.kv_heads
-    qpg, ngl = args.n_heads // ng, ng // tp
+    ngl = args.kv_heads // tp
     per = args.n_layers // pp
     g = torch.Generator().manual_seed(99)
 
@@ -141,16 +166,17 @@ def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *
     for local in range(per):
         i = p * per + local
         L = f"decoder.layers.{local}."
-        q = sd[f"layers.{i}.attention.wq.weight"].view(ng, qpg * hd, -1)
-        k = sd[f"layers.{i}.attention.wk.weight"].view(ng, hd, -1)
-        v = sd[f"layers.{i}.attention.wv.weight"].view(ng, hd, -1)
-        qkv = torch.cat([q, k, v], dim=1)[t * ngl:(t + 1) * ngl].reshape(-1, args.dim).clone()
         if fused_norms:
             out[L + "self_attention.linear_qkv.layer_norm_weight"] = sd[f"layers.{i}.attention_norm.weight"].clone()
         else:
             out[L + "input_layernorm.weight"] = sd[f"layers.{i}.attention_norm.weight"].clone()
-        out[L + "self_attention.linear_qkv.weight"] = qkv
+        out[L + "self_attention.linear_qkv.weight"] = fused_qkv(sd, args, i, "weight")[t * ngl:(t + 1) * ngl].flatten(0, 1).clone()
+        if args.qkv_bias:
+            out[L + "self_attention.linear_qkv.bias"] = fused_qkv(sd, args, i, "bias")[t * ngl:(t + 1) * ngl].flatten().clone()
         out[L + "self_attention.linear_qkv._extra_state"] = None
+        if args.qk_norm:  # megatron-core's qk_layernorm: one per head, replicated over tp
+            out[L + "self_attention.q_layernorm.weight"] = sd[f"layers.{i}.attention.q_norm.weight"].clone()
+            out[L + "self_attention.k_layernorm.weight"] = sd[f"layers.{i}.attention.k_norm.weight"].clone()
         out[L + "self_attention.linear_proj.weight"] = sd[f"layers.{i}.attention.wo.weight"].chunk(tp, 1)[t].clone()
         out[L + "self_attention.linear_proj._extra_state"] = None
         if fused_norms:
@@ -207,7 +233,7 @@ def megatron_args(args: ModelArgs, *, tp: int, pp: int, padded: int, divisible_b
         seq_length=args.max_seq_len, untie_embeddings_and_output_weights=True, swiglu=True,
         add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
         params_dtype=torch.float32, bf16=False, attention_backend=_fake_megatron_enums().auto,
-        transformer_impl="transformer_engine",
+        transformer_impl="transformer_engine", add_qkv_bias=args.qkv_bias, qk_layernorm=args.qk_norm,
         num_layers_per_virtual_pipeline_stage=args.n_layers // pp // vpp if vpp else None)
     if ckpt_format is not None:
         ns.ckpt_format, ns.virtual_pipeline_model_parallel_size = ckpt_format, vpp
@@ -251,12 +277,18 @@ def write_megatron_dist(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp
     stack = {"self_attention.linear_qkv.layer_norm_weight": [], "self_attention.linear_qkv.weight": [],
              "self_attention.linear_proj.weight": [], "mlp.linear_fc1.layer_norm_weight": [],
              "mlp.linear_fc1.weight": [], "mlp.linear_fc2.weight": []}
+    if args.qkv_bias:
+        stack["self_attention.linear_qkv.bias"] = []
+    if args.qk_norm:
+        stack["self_attention.q_layernorm.weight"], stack["self_attention.k_layernorm.weight"] = [], []
     for i in range(L):
-        q = sd[f"layers.{i}.attention.wq.weight"].view(ng, qpg * hd, -1)
-        k = sd[f"layers.{i}.attention.wk.weight"].view(ng, hd, -1)
-        v = sd[f"layers.{i}.attention.wv.weight"].view(ng, hd, -1)
         stack["self_attention.linear_qkv.layer_norm_weight"].append(sd[f"layers.{i}.attention_norm.weight"])
-        stack["self_attention.linear_qkv.weight"].append(torch.cat([q, k, v], dim=1).reshape(-1, dim))
+        stack["self_attention.linear_qkv.weight"].append(fused_qkv(sd, args, i, "weight").reshape(-1, dim))
+        if args.qkv_bias:
+            stack["self_attention.linear_qkv.bias"].append(fused_qkv(sd, args, i, "bias").reshape(-1))
+        if args.qk_norm:
+            stack["self_attention.q_layernorm.weight"].append(sd[f"layers.{i}.attention.q_norm.weight"])
+            stack["self_attention.k_layernorm.weight"].append(sd[f"layers.{i}.attention.k_norm.weight"])
         stack["self_attention.linear_proj.weight"].append(sd[f"layers.{i}.attention.wo.weight"])
         stack["mlp.linear_fc1.layer_norm_weight"].append(sd[f"layers.{i}.ffn_norm.weight"])
         stack["mlp.linear_fc1.weight"].append(torch.cat([sd[f"layers.{i}.feed_forward.w1.weight"],
@@ -276,9 +308,15 @@ def write_megatron_dist(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp
             if t == 0:
                 yield "decoder.layers.self_attention.linear_qkv.layer_norm_weight", (i, 0), (1, dim)
                 yield "decoder.layers.mlp.linear_fc1.layer_norm_weight", (i, 0), (1, dim)
+                if args.qk_norm:
+                    yield "decoder.layers.self_attention.q_layernorm.weight", (i, 0), (1, hd)
+                    yield "decoder.layers.self_attention.k_layernorm.weight", (i, 0), (1, hd)
             rows = ng // tp * (qpg + 2) * hd
             yield "decoder.layers.self_attention.linear_qkv.weight", (i, t * rows, 0), (1, rows, dim)
-            yield "decoder.layers.self_attention.linear_proj.weight", (i, 0, t * dim // tp), (1, dim, dim // tp)
+            if args.qkv_bias:
+                yield "decoder.layers.self_attention.linear_qkv.bias", (i, t * rows), (1, rows)
+            q = args.q_dim
+            yield "decoder.layers.self_attention.linear_proj.weight", (i, 0, t * q // tp), (1, dim, q // tp)
             for half in (0, ffn):
                 yield "decoder.layers.mlp.linear_fc1.weight", (i, half + t * ffn // tp, 0), (1, ffn // tp, dim)
             yield "decoder.layers.mlp.linear_fc2.weight", (i, 0, t * ffn // tp), (1, dim, ffn // tp)

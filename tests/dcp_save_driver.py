@@ -14,6 +14,7 @@ Writes into OUT (argv[1]):
                               megatron.core.dist_checkpointing.save as Megatron-LM does (torch_dist:
                               args/iteration in common.pt, 'model0'/'model1' sharded); else
                               megatron_skipped.txt with the import error
+  megatron_qwen2/             the same for a Qwen2-style model (add_qkv_bias=True: linear_qkv.bias)
 """
 from __future__ import annotations
 
@@ -102,34 +103,45 @@ def main(out: Path) -> None:
 
 
 def save_megatron(out: Path, rank: int, tp: int = 2, pp: int = 2, vpp: int = 2) -> None:
-    """megatron-core's own torch_dist save of native_state's weights (CPU: two CUDA calls stubbed)."""
+    """megatron-core's own torch_dist saves of native_state's weights, a Llama and a Qwen2-style
+    model (CPU: two CUDA calls stubbed)."""
     try:
-        from megatron.core import dist_checkpointing, parallel_state
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.models.gpt.gpt_model import GPTModel
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: F401 (_save_gpt's, imported here to probe)
         from megatron.core.transformer.transformer_config import TransformerConfig
     except Exception as e:  # ImportError, or a megatron-core that does not import without CUDA
         if rank == 0:
             (out / "megatron_skipped.txt").write_text(f"{type(e).__name__}: {e}")
         return
-    from convert_writers import megatron_args, megatron_rank
 
     # megatron-core's checkpoint saver synchronises CUDA and puts a flag tensor on the current
     # CUDA device; neither exists on a CPU build of torch.
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
-    args = model_args()
-    sd = native_state(args)
-    padded = 512  # vocab 320 padded to a multiple of 128 x tp
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                              virtual_pipeline_model_parallel_size=vpp)
-    cfg = TransformerConfig(num_layers=args.n_layers, hidden_size=args.dim, ffn_hidden_size=args.hidden_dim,
-                            num_attention_heads=args.n_heads, num_query_groups=args.kv_heads,
-                            kv_channels=args.head_dim, use_cpu_initialization=True, gated_linear_unit=True,
-                            activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
-                            layernorm_epsilon=args.norm_eps, tensor_model_parallel_size=tp,
-                            pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
-                            pipeline_dtype=torch.float32)
+    for name, args in (("megatron", model_args()), ("megatron_qwen2", model_args(qkv_bias=True))):
+        cfg = TransformerConfig(num_layers=args.n_layers, hidden_size=args.dim, ffn_hidden_size=args.hidden_dim,
+                                num_attention_heads=args.n_heads, num_query_groups=args.kv_heads,
+                                kv_channels=args.head_dim, use_cpu_initialization=True, gated_linear_unit=True,
+                                activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+                                add_qkv_bias=args.qkv_bias, layernorm_epsilon=args.norm_eps,
+                                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32)
+        _save_gpt(out / name, rank, cfg, args, tp, pp, vpp)
+
+
+def _save_gpt(ckpt: Path, rank: int, cfg, args, tp: int, pp: int, vpp: int) -> None:
+    """Build megatron-core's GPTModel for each virtual stage of this rank, load native_state's
+    weights into it and dist_checkpointing.save it under ckpt/iter_0000050."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from convert_writers import megatron_args, megatron_rank
+
+    sd = native_state(args)
+    padded = 512  # vocab 320 padded to a multiple of 128 x tp
     t, p = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
     state = {"args": megatron_args(args, tp=tp, pp=pp, padded=padded, vpp=vpp), "iteration": 50,
              "checkpoint_version": 3.0}
@@ -144,7 +156,6 @@ def save_megatron(out: Path, rank: int, tp: int = 2, pp: int = 2, vpp: int = 2) 
         missing, unexpected = m.load_state_dict({k: x for k, x in local.items() if x is not None}, strict=False)
         assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
         state[f"model{v}"] = m.sharded_state_dict()
-    ckpt = out / "megatron"
     if rank == 0:
         (ckpt / "iter_0000050").mkdir(parents=True)
     torch.distributed.barrier()

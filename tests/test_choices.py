@@ -166,3 +166,21 @@ def test_devices_agree_with_the_cli():
     from titan_pipe.commands.evaluate import RefDevice
 
     assert tuple(d.value for d in RefDevice) == choices.DEVICES
+
+
+def test_flavours_and_families_agree(tmp_path):
+    """Every flavour validates and its config.json names a family the reader takes back as the same
+    model; a model_type outside FAMILIES is refused by the reader."""
+    from titan_pipe.model.args import model_differences
+    from titan_pipe.model.families import FAMILIES
+    from titan_pipe.model.hf_config import from_hf_config, to_hf_config
+
+    written = set()
+    for name, args in FLAVOURS.items():
+        assert config_ok({"model": {"flavour": name}}, tmp_path), name
+        cfg = to_hf_config(args)
+        written.add(cfg["model_type"])
+        assert not model_differences(from_hf_config(cfg), args), name
+    assert written == set(FAMILIES)  # every family has a flavour
+    for kind in OUTSIDERS:
+        assert not stage_ok(from_hf_config, {**to_hf_config(DEBUG), "model_type": kind}), kind

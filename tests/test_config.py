@@ -36,7 +36,6 @@ def test_example_and_template_are_valid():
     ({"model": {"flavour": "debug", "kernels": "fused"}}, "model.kernels"),
     ({"device": "cpu", "model": {"flavour": "debug", "kernels": "npu_fused"}}, "npu_fused needs device npu"),
     ({"export": {"opset": 18}}, "export.opset"),
-    ({"model": {"flavour": "debug", "tie_embeddings": True}}, "model.tie_embeddings: the embedding and the output"),
     ({"train": {"compile_backend": "aot_eager"}}, "train.compile_backend: 'aot_eager' has no effect"),
     ({"train": {"compile": True, "compile_backend": "tvm"}}, "train.compile_backend"),
 ])

@@ -16,7 +16,8 @@ def table():
 def test_every_operator_dtype_case_has_a_row(table):
     assert len(table) == len(OPERATORS) * 3 * len(CASES)
     assert {r.op for r in table} == {"embedding", "linear", "rms_norm", "rope", "attention", "softmax",
-                                     "silu", "swiglu", "residual_add", "cast"}
+                                     "silu", "swiglu", "residual_add", "cast",
+                                     "linear_bias", "qk_norm", "attention_window"}  # Qwen2, Qwen3, Mistral
 
 
 def test_float32_all_pass(table):

@@ -102,7 +102,13 @@ def test_unknown_tensor_name(tmp_path):
     d = write_unified(model, args, tmp_path / "m")
     from safetensors.torch import load_file
     sd = load_file(str(d / "model.safetensors"))
+    sd["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)  # no family has an o_proj bias
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(UserError, match=r"o_proj\.bias' is not a LLaMA parameter"):
+        load_unified_model(d)
+    # a Qwen2 bias beside a config without them: a known name with no place in this model
+    del sd["model.layers.0.self_attn.o_proj.bias"]
     sd["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
     save_file(sd, str(d / "model.safetensors"))
-    with pytest.raises(UserError, match=r"q_proj\.bias' is not a LLaMA parameter"):
+    with pytest.raises(UserError, match=r"q_proj\.bias' has no place in a model with config"):
         load_unified_model(d)

@@ -103,3 +103,26 @@ def test_values_are_typed_strictly(key, value, expect):
         from_hf_config(cfg, source="x/config.json")
     msg = str(e.value)
     assert msg.startswith("x/config.json: ") and expect in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("model_type,key,value,expect", [
+    ("mistral", "sliding_window", "8", "sliding_window = '8' is a string, not an integer"),
+    ("mistral", "sliding_window", 0, "sliding_window = 0 must be >= 1"),
+    ("qwen2", "use_sliding_window", "true", "use_sliding_window = 'true' is a string, not true or false"),
+    ("qwen2", "layer_types", "sliding_attention", "layer_types = 'sliding_attention' must list 4 entries"),
+    ("qwen3", "head_dim", 4.0, "head_dim = 4.0 has a decimal point"),
+    ("qwen3", "attention_bias", 1, "attention_bias = 1 is an integer, not true or false"),
+    ("qwen2_moe", "model_type", "qwen2_moe", "architecture Qwen2MoeForCausalLM (mixture of experts) is not supported"),
+    ("llama", "model_type", 2, "model_type = 2 is an integer, not a string"),
+])
+def test_family_keys_are_typed_strictly(model_type, key, value, expect):
+    """The keys that tell the families apart (titan_pipe.model.families) are read as strictly as the dims."""
+    cfg = {**_dims(model_args()), "model_type": model_type, "sliding_window": 8, "use_sliding_window": True,
+           "max_window_layers": 0, key: value}
+    with pytest.raises(UserError) as e:
+        from_hf_config(cfg, source="x/config.json")
+    msg = str(e.value)
+    assert msg.startswith("x/config.json: ") and expect in msg and "\n" not in msg, msg
+    if model_type != "qwen2_moe" and key != "model_type":  # the same file with the key as written by us loads
+        assert from_hf_config({**cfg, key: {"sliding_window": 8, "use_sliding_window": True, "head_dim": 16,
+                                            "attention_bias": False, "layer_types": ["sliding_attention"] * 4}[key]})

@@ -134,7 +134,7 @@ def test_dcp_config_naming_fewer_layers(good, tmp_path):
 
 
 def test_megatron_args_typed_strictly(tmp_path):
-    from titan_pipe.convert.readers.megatron import model_args as megatron_model_args
+    from titan_pipe.convert.readers.megatron.common import model_args as megatron_model_args
 
     a = argparse.Namespace(num_attention_heads=8, hidden_size=64, num_layers=4.0, ffn_hidden_size=192)
     with pytest.raises(UserError) as e:
@@ -143,6 +143,12 @@ def test_megatron_args_typed_strictly(tmp_path):
                             "needed; re-save the checkpoint from Megatron-LM")
     a.num_layers, a.add_bias_linear = 4, "False"
     with pytest.raises(UserError, match="add_bias_linear = 'False' is a string, not true or false"):
+        megatron_model_args(a, 320, tmp_path)
+    a.add_bias_linear, a.qk_layernorm = False, 1  # the family switches too: no int for a flag
+    with pytest.raises(UserError, match="qk_layernorm = 1 is an integer, not true or false"):
+        megatron_model_args(a, 320, tmp_path)
+    a.qk_layernorm, a.window_size = True, (7.5, 0)
+    with pytest.raises(UserError, match=r"window_size = \(7.5, 0\) is not a pair of integers"):
         megatron_model_args(a, 320, tmp_path)
 
 
@@ -178,8 +184,9 @@ def test_alias_bomb_is_refused_at_once_without_printing_it(tmp_path):
     ("export: {opset: 12}\n", "export: opset 12: the graphs need opset >= 14"),
     ("evaluate: {seq_len: 300}\n", "evaluate.seq_len: 300 exceeds model max_seq_len=256"),
     ("export: {seq_len: 256}\n", "export: seq_len 256 (+1 decode step) exceeds the model's max_position_embeddings"),
-    ("model: {flavour: debug, tie_embeddings: true}\nparallel: {pp: 2}\nlaunch: {nproc_per_node: 2}\n",
-     "parallel.pp: 2 splits a model with tied embeddings"),
+    ("model: {flavour: debug, qk_norm: true, qkv_bias: true}\n",
+     "model.qk_norm: true together with qkv_bias: no Hugging Face architecture has both"),
+    ("model: {flavour: debug, sliding_window: 0}\n", "model.sliding_window: Input should be greater than or equal to 1"),
 ])
 def test_flow_values_one_line_each(tmp_path, text, expect):
     flow = _flow(tmp_path, "name: v\ndevice: cpu\n" + text)

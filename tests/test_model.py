@@ -14,6 +14,14 @@ PUBLISHED = {  # parameter counts of the released checkpoints
     "llama2_70b": 68_976_648_192,
     "llama3_8b": 8_030_261_248,
     "llama3_70b": 70_553_706_496,
+    # Qwen2.5 / Qwen3 / Mistral: the tensors of the released safetensors, counted once (tied: no lm_head)
+    "qwen2.5_0.5b": 494_032_768,
+    "qwen2.5_7b": 7_615_616_512,
+    "qwen2.5_72b": 72_706_203_648,
+    "qwen3_0.6b": 596_049_920,
+    "qwen3_8b": 8_190_735_360,
+    "qwen3_32b": 32_762_123_264,
+    "mistral_7b": 7_241_732_096,
 }
 
 
@@ -23,8 +31,9 @@ def test_param_count_matches_published(flavour):
 
 
 def test_param_count_matches_module():
-    for tie in (False, True):
-        args = resolve_args("debug", tie_embeddings=tie)
+    for over in ({"tie_embeddings": False}, {"tie_embeddings": True}, {"qkv_bias": True},
+                 {"qk_norm": True, "head_dim": 32}):
+        args = resolve_args("debug", **over)
         model = build_model(args, seed=0)
         assert count_params(args) == sum(p.numel() for p in model.parameters())
 

@@ -47,9 +47,16 @@ def measured_forward_bytes(model, tokens, *, autocast_dtype=None) -> int:
     return held
 
 
-@pytest.mark.parametrize("case", ["fp32", "fp32_mha", "ac1", "ac2", "autocast_fp32_params", "bf16_params"])
+# The other families, fp32: q/k/v biases (nothing more is kept), Qwen3's q/k norms on q 256 wide
+# (head_dim 32 on a 128-wide model), Mistral's window shorter than T (its (T, T) mask per layer).
+FAMILY_CASES = {"qwen2_biases": {"qkv_bias": True}, "qwen3_qk_norm": {"qk_norm": True, "head_dim": 32},
+                "mistral_window": {"sliding_window": 16}}
+
+
+@pytest.mark.parametrize("case", ["fp32", "fp32_mha", "ac1", "ac2", "autocast_fp32_params", "bf16_params",
+                                  *FAMILY_CASES])
 def test_activation_estimate_matches_profiler(case):
-    args = replace(SMALL, n_kv_heads=8) if case == "fp32_mha" else SMALL
+    args = replace(SMALL, n_kv_heads=8) if case == "fp32_mha" else replace(SMALL, **FAMILY_CASES.get(case, {}))
     ac = {"ac1": 1, "ac2": 2}.get(case, 0)
     model = build_model(args, seed=0)
     if ac:
@@ -129,6 +136,19 @@ def test_rank_params_partition_the_model(dp, tp, pp, zero):
     replicated = args.dim * (2 * args.n_layers + 1) * (tp - 1)  # norms on every tp rank
     copies = 1 if zero == 3 or dp == 1 else dp
     assert total == copies * count_params(args) + replicated * copies
+
+
+@pytest.mark.parametrize("over", [{"qkv_bias": True}, {"qk_norm": True, "head_dim": 32},
+                                  {"qkv_bias": True, "tie_embeddings": True}])
+def test_rank_params_count_the_families_parameters(over):
+    """q/k/v biases split over tp with their rows; q/k norms (head_dim each) on every tp rank; tied
+    embeddings under tp x pp: the last stage's output copy of the embedding (training/tied.py)."""
+    args = resolve_args("debug", **over)
+    lay = Layout(1, 2, 2, "1f1b", microbatches=2)
+    total = sum(rank_params(args, lay, pp_rank=p, tp_rank=t).params for p in range(2) for t in range(2))
+    norms = args.dim * (2 * args.n_layers + 1) + (2 * args.head_dim * args.n_layers if args.qk_norm else 0)
+    copy = args.vocab_size * args.dim if args.tie_embeddings else 0
+    assert total == count_params(args) + norms + copy  # replicated ones twice (tp 2), the rest once
 
 
 def test_plain_dp_13b_needs_208_gb_of_state():

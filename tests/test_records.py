@@ -29,7 +29,8 @@ def test_every_table_derives_from_the_list():
     args = resolve_args("debug")
     for name, p in params(args):
         assert hf_to_native(native_to_hf(name)) == name
-        assert tp_split_dim(name) == {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None}[p.tp]
+        assert tp_split_dim(name) == {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None,
+                                      "replicate_heads": None}[p.tp]
         owner = 0 if p.scope == "first" else 1 if p.scope == "last" else int(name.split(".")[1]) // 2
         assert stage_of(name, [[0, 1], [2, 3]]) == owner
     modules = {r.module for r in TP_PLAN}
@@ -39,22 +40,23 @@ def test_every_table_derives_from_the_list():
     assert len(MEGATRON_TO_NATIVE) == len(dict(MEGATRON_TO_NATIVE))
     assert list(fused_parts("qkv")) == ["q", "k", "v"] and list(fused_parts("fc1")) == ["gate", "up"]
     with pytest.raises(KeyError, match="titan_pipe.model.params"):
-        param_of("layers.0.attention.wq.bias")
+        param_of("layers.0.attention.wo.bias")  # no family has an o_proj bias
 
 
 def test_an_optional_parameter_is_one_entry_with_its_condition(monkeypatch):
-    """What a q-bias entry would look like: present exactly when its ModelArgs condition holds, with
-    its shape, split and owner."""
+    """What a new bias entry looks like (an MLP gate bias, which no family has yet): present exactly
+    when its ModelArgs condition holds, with its shape, split and owner."""
     from titan_pipe.model import params as plist
 
-    bias = Param("attention.wq.bias", lambda a: (a.n_heads * a.head_dim,), "colwise", "layer",
-                 "self_attn.q_proj.bias", "bq", init="ones", matmul=False, when=lambda a: a.n_layers == 3)
+    bias = Param("feed_forward.w1.bias", lambda a: (a.hidden_dim,), "colwise", "layer",
+                 "mlp.gate_proj.bias", "w1.bias", init="ones", matmul=False, when=lambda a: a.n_layers == 3)
     monkeypatch.setattr(plist, "LAYER_PARAMS", LAYER_PARAMS + (bias,))
     monkeypatch.setitem(plist._LAYER, bias.name, bias)
     with_bias, without = resolve_args("debug", n_layers=3), resolve_args("debug")
-    assert native_shapes(with_bias)["layers.2.attention.wq.bias"] == (with_bias.dim,)
+    assert native_shapes(with_bias)["layers.2.feed_forward.w1.bias"] == (with_bias.hidden_dim,)
     assert not any(n.endswith(".bias") for n in native_shapes(without))
-    assert tp_split_dim("layers.2.attention.wq.bias") == 0 and stage_of("layers.2.attention.wq.bias", [[0, 1], [2]]) == 1
+    assert tp_split_dim("layers.2.feed_forward.w1.bias") == 0
+    assert stage_of("layers.2.feed_forward.w1.bias", [[0, 1], [2]]) == 1
     with pytest.raises(ValueError, match="not one of"):
         Param("x.weight", lambda a: (1,), "diagonal", "layer", "x", "x")
 

@@ -41,7 +41,6 @@ BASE = {
     "checkpoint": {"every": 4, "keep_last": 3},
 }
 SGD = {"name": "sgd", "lr": 0.05, "weight_decay": 0.0}
-TIED = {"flavour": "debug", "tie_embeddings": True}
 
 
 def flow(parallel: dict, **sections) -> dict:
@@ -81,9 +80,6 @@ WORLD2 = [
                                          memory={"activation_checkpointing": True,
                                                  "activation_checkpointing_layers": 1})},
     {"name": "tp2_sgd", "flow": flow({"tp": 2}, optimizer=SGD)},
-    # Tied embeddings stay tied through TP (both Shard(0) on the vocab) and through to_empty.
-    {"name": "tp2_tied", "flow": flow({"tp": 2}, model=TIED)},
-    {"name": "dp2_fsdp_tied", "flow": flow({"dp": 2}, model=TIED)},
     {"name": "dp2_fp16", "flow": flow({"dp": 2, "dp_mode": "ddp"},
                                       precision={"amp": True, "amp_dtype": "float16", "loss_scale": 2.0 ** 19,
                                                  "loss_scale_window": 2, "min_loss_scale": 2.0 ** 10})},
@@ -103,6 +99,30 @@ WORLD8 = [
      "flow": flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2,
                    "sequence_parallel": True})},
 ]
+
+
+# The other families in the 3-D layout, 4 steps each: Qwen2's q/k/v biases split with their rows
+# and its tied embeddings (the last stage's output a synced copy of the embedding, training/tied.py),
+# Qwen3's q/k norms replicated over the split heads (gradients summed over tp), Mistral's window
+# shorter than seq_len.
+FAMILIES = {"qwen2": {"qkv_bias": True, "tie_embeddings": True}, "qwen3": {"qk_norm": True, "head_dim": 32},
+            "mistral": {"sliding_window": 8}}
+# Tied embeddings resumed under other layouts: copy -> copy (pp2 -> tp2), copy -> one tensor (tp2 -> dp2).
+TIED = dict(flow({"pp": 2, "microbatches": 2}), model={"flavour": "debug", "qkv_bias": True, "tie_embeddings": True},
+            train=dict(BASE["train"], steps=4), checkpoint={"every": 2, "keep_last": 3})
+TIED_RUNS = [{"name": "tied_pp2", "flow": TIED},
+             {"name": "tied_tp2", "flow": dict(TIED, parallel={"tp": 2})},
+             # tp 1: the module's own tie, which to_empty would split into two parameters (training/parallelize.py)
+             {"name": "tied_dp2", "flow": dict(TIED, parallel={"dp": 2})},
+             {"name": "tied_pp2_to_tp2", "flow": dict(TIED, parallel={"tp": 2}), "resume": True,
+              "copy_from": {"run": "tied_pp2", "step": 2}},
+             {"name": "tied_tp2_to_dp2", "flow": dict(TIED, parallel={"dp": 2}), "resume": True,
+              "copy_from": {"run": "tied_tp2", "step": 2}}]
+FAMILY_RUNS = [{"name": f"{fam}_3d", "flow": dict(flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b",
+                                                       "microbatches": 2}),
+                                                 model={"flavour": "debug", **over},
+                                                 train=dict(BASE["train"], steps=4))}
+               for fam, over in FAMILIES.items()]
 
 
 def launch(nproc: int, runs: list[dict], workdir: Path) -> dict:
@@ -152,20 +172,27 @@ def world2(crashed):
     init = {"name": "init_from_tp2", "flow": dict(flow({"pp": 2, "microbatches": 2}),
                                                   init_from=str(work / "runs" / "tp2" / "checkpoints" / "step-000008"),
                                                   train=dict(BASE["train"], steps=2))}
-    return work, launch(2, WORLD2 + [resume, init], work)
+    return work, launch(2, WORLD2 + [resume, init] + TIED_RUNS, work)
 
 
 @pytest.fixture(scope="module")
 def world8(tmp_path_factory):
+    """One 8-rank launch: the Llama layouts, the other families' parity runs, and a Hugging Face
+    Qwen3 dir (written by transformers) as init_from, placed into dp2 x tp2 x pp2."""
+    from convert_writers import native_state, write_hf
+
     work = tmp_path_factory.mktemp("world8")
-    return work, launch(8, WORLD8, work)
+    qwen3 = parse_flow(FAMILY_RUNS[1]["flow"], base=work).model.args()
+    write_hf(native_state(qwen3, seed=5), qwen3, work / "hf_qwen3")
+    init = {"name": "init_from_hf_qwen3", "flow": dict(FAMILY_RUNS[1]["flow"], init_from=str(work / "hf_qwen3"),
+                                                      train=dict(BASE["train"], steps=1))}
+    return work, launch(8, WORLD8 + FAMILY_RUNS + [init], work)
 
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
     base = tmp_path_factory.mktemp("ref")
-    return {"adamw": reference_run(flow({}), base=base), "sgd": reference_run(flow({}, optimizer=SGD), base=base),
-            "tied": reference_run(flow({}, model=TIED), base=base)}
+    return {"adamw": reference_run(flow({}), base=base), "sgd": reference_run(flow({}, optimizer=SGD), base=base)}
 
 
 def losses(results, name):
@@ -194,12 +221,47 @@ def test_3d_layouts_match_single_process(world8, ref, name):
     assert_close([r["grad_norm"] for r in res[name]["metrics"]], ref["adamw"]["grad_norms"], what="grad norm")
 
 
-@pytest.mark.parametrize("name", ["tp2_tied", "dp2_fsdp_tied"])
-def test_tied_embeddings_match_single_process(world2, ref, name):
-    """A tied model trains tied: the single-process reference ties the output to the embedding."""
-    _, res = world2
-    assert_close(losses(res, name), ref["tied"]["losses"])
-    assert_close([r["grad_norm"] for r in res[name]["metrics"]], ref["tied"]["grad_norms"], what="grad norm")
+@pytest.mark.parametrize("run", FAMILY_RUNS, ids=lambda r: r["name"])
+def test_3d_families_match_single_process(world8, run, tmp_path):
+    _, res = world8
+    ref = reference_run(run["flow"], base=tmp_path)
+    assert_close(losses(res, run["name"]), ref["losses"])
+    assert_close([r["grad_norm"] for r in res[run["name"]]["metrics"]], ref["grad_norms"], what="grad norm")
+
+
+def test_tied_embeddings_under_tp_and_pp_resume_across_layouts(world2, world8, tmp_path):
+    """Tied embeddings trained as one matrix whatever the layout: the checkpoint holds the embedding
+    alone, and resuming pp2 -> tp2 (output copy to copy) or tp2 -> dp2 (copy to the module's own
+    tie) continues the single-process curve; dp2 from scratch keeps the module's tie through to_empty."""
+    work, res = world2
+    ref = reference_run(TIED, base=tmp_path)
+    for name in ("tied_pp2", "tied_tp2", "tied_dp2"):
+        assert_close(losses(res, name), ref["losses"])
+        assert_close([r["grad_norm"] for r in res[name]["metrics"]], ref["grad_norms"], what="grad norm")
+    for name in ("tied_pp2_to_tp2", "tied_tp2_to_dp2"):
+        assert [r["step"] for r in res[name]["metrics"]] == [3, 4]
+        assert_close(losses(res, name), ref["losses"][2:])
+    for run in ("tied_pp2", "tied_tp2"):
+        assert "output.weight" not in Manifest.load(work / "runs" / run / "checkpoints" / "step-000004").params
+    m = Manifest.load(world8[0] / "runs" / "qwen2_3d" / "checkpoints" / "step-000004")
+    assert "output.weight" not in m.params and m.params["layers.0.attention.wq.bias"].tp_dim == 0
+
+
+def test_init_from_a_hugging_face_qwen3_dir_under_dp_tp_pp(world8):
+    """transformers' save_pretrained of a Qwen3 model, read as init_from and placed into
+    dp2 x tp2 x pp2: the first loss is that of those weights in one process."""
+    from convert_writers import native_state
+
+    work, res = world8
+    args = parse_flow(FAMILY_RUNS[1]["flow"], base=work).model.args()
+    model = build_model(args, seed=None)
+    model.load_state_dict(native_state(args, seed=5))
+    cfg = parse_flow(FAMILY_RUNS[1]["flow"], base=work)
+    x, y = training_loader(cfg, base=work, prepared=work / "ref-data-qwen3").next_batch()
+    with torch.no_grad():
+        want = float(torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
+    got = res["init_from_hf_qwen3"]["metrics"][0]["loss"]
+    assert abs(got - want) <= 1e-5 * want
 
 
 def test_resume_continues_bit_for_bit(world2):

@@ -37,6 +37,7 @@ from titan_pipe.hashing import sha256_file
 from titan_pipe.training.parallelize import ParallelModel, copy_global_values
 from titan_pipe.model.sharding import tp_split_dim
 from titan_pipe.model.weights import CheckpointWeights
+from titan_pipe.training.tied import EMBEDDING, OUTPUT, alias_optimizer_keys, restore_copy_keys
 from titan_pipe.training.zero1 import load_zero1_state, zero1_state
 
 OPTIM_DIR = "optimizer"
@@ -86,10 +87,18 @@ def optimizer_state(model: ParallelModel, optimizers: list) -> dict:
             out.update(zero1_state(opt, {p: n for n, p in module.named_parameters()}))
         else:
             out.update(get_optimizer_state_dict(module, opt, options=_FLAT))
+    if model.tied is not None:  # the output copy's state is the embedding's (equal by construction)
+        out = alias_optimizer_keys(out, drop_copy=EMBEDDING in _local_names(model))
     return out
 
 
+def _local_names(model: ParallelModel) -> set[str]:
+    return {n for _, n, _ in model.named_parameters()}
+
+
 def _set_optimizer_state(model: ParallelModel, optimizers: list, flat: dict) -> None:
+    if model.tied is not None:
+        flat = restore_copy_keys(flat, _local_names(model))
     for module, opt in zip(model.modules, optimizers):
         if isinstance(opt, ZeroRedundancyOptimizer):
             load_zero1_state(opt, {p: n for n, p in module.named_parameters()}, flat)
@@ -126,6 +135,8 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
     files: dict[str, FileInfo] = {}
     per_stage: dict[int, dict[str, torch.Tensor]] = {}
     for stage, name, p in model.named_parameters():
+        if model.tied is not None and name == OUTPUT:
+            continue  # the tied output copy is the embedding (training/tied.py): stored once, as that
         local = tp_local(p)
         shape = tuple(p.shape)
         tp_dim = tp_split_dim(name)

@@ -63,9 +63,11 @@ def total_grad_norm(params: list[nn.Parameter], pp_mesh: DeviceMesh | None,
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float | None,
-                    pp_mesh: DeviceMesh | None) -> torch.Tensor:
-    """Scale gradients so the global norm is at most ``max_norm``; returns the norm before."""
-    norm = total_grad_norm(params, pp_mesh)
+                    pp_mesh: DeviceMesh | None, *, counted: list[nn.Parameter] | None = None) -> torch.Tensor:
+    """Scale gradients so the global norm is at most ``max_norm``; returns the norm before.
+    ``counted``: the parameters the norm is taken over (default all; a tied embedding's output
+    copy is left out: it is one matrix)."""
+    norm = total_grad_norm(params if counted is None else counted, pp_mesh)
     if max_norm is not None:
         # Takes the parameters (it scales their .grad), unlike get_total_norm, which takes grads.
         torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm)

@@ -11,7 +11,7 @@ For a forward-only runner (evaluation) under any layout::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
@@ -26,7 +26,9 @@ from titan_pipe.training.data_parallel import DPPlan, apply_dp, unwrap
 from titan_pipe.model.kernels import Kernels
 from titan_pipe.model.transformer import init_param
 from titan_pipe.training.pipeline_parallel import StagePlan, build_stage_module, plan_stages
+from titan_pipe.model.sharding import stage_ranks
 from titan_pipe.training.tensor_parallel import apply_tp
+from titan_pipe.training.tied import TiedGrads, needs_copy, source_name
 
 if TYPE_CHECKING:
     from titan_pipe.model.weights import WeightSource
@@ -45,6 +47,7 @@ class ParallelModel:
     stage_plan: StagePlan
     dp_plan: DPPlan
     parts: list[nn.Module] = field(default_factory=list)
+    tied: TiedGrads | None = None  # tied embeddings under tp/pp: the output is a synced copy (training/tied.py)
 
     @property
     def modules(self) -> list[nn.Module]:
@@ -73,9 +76,7 @@ def parallelize(part: nn.Module, mesh: DeviceMesh, dp_plan: DPPlan, *, sequence_
     local shards) runs before classic DDP, which broadcasts real weights when it is built, and
     after FSDP otherwise, so each rank only ever allocates its own shard.
     """
-    ties = shared_parameters(part)
     apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel)
-    retie(ties)  # tied embeddings: vocab-parallel embedding and column-parallel output are both Shard(0)
     if ac_every is not None:
         apply_ac(part, ac_every)
     if compile_backend is not None:
@@ -140,7 +141,8 @@ def copy_global_values(module: nn.Module, args: ModelArgs, *, seed: int,
     its placement; FSDP/DDP wrappers keep working since no parameter object is replaced."""
     for name, p in module.named_parameters():
         shape = tuple(p.shape)  # global shape, also for DTensors
-        full = weights.full(name) if weights is not None else init_param(name, shape, args, seed, dtype)
+        src = source_name(name, args)  # a tied output copy starts as the embedding
+        full = weights.full(src) if weights is not None else init_param(src, shape, args, seed, dtype)
         if tuple(full.shape) != shape:
             raise ValueError(f"weights for {name}: shape {tuple(full.shape)} but the model expects {shape}")
         local = local_shard(full.to(p.dtype), p)
@@ -167,13 +169,17 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
     pp = mesh["pp"].size()
     plan = plan_stages(args.n_layers, pp, mesh["pp"].get_local_rank(), schedule, virtual_stages)
     model = ParallelModel(args, mesh, plan, dp_plan)
+    stage_args = args
+    if needs_copy(args, mesh):  # the output projection as a synced copy of the embedding
+        stage_args = replace(args, tie_embeddings=False)
+        model.tied = TiedGrads(mesh, last_pp_rank=stage_ranks(plan.n_stages, pp)[-1])
 
     def materialize(part: nn.Module) -> None:
         fill_parameters(unwrap(part), args, device=device, seed=seed, weights=weights,
                         param_device="cpu" if dp_plan.cpu_offload else device)
 
     for s in plan.local:
-        part = build_stage_module(args, plan.stages[s], first=plan.is_first(s), last=plan.is_last(s),
+        part = build_stage_module(stage_args, plan.stages[s], first=plan.is_first(s), last=plan.is_last(s),
                                   kernels=kernels, device="meta")
         model.parts.append(parallelize(part, mesh, dp_plan, sequence_parallel=sequence_parallel,
                                        ac_every=ac_every, compile_backend=compile_backend,

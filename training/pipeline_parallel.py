@@ -59,11 +59,13 @@ def build_stage_module(args: ModelArgs, layer_ids: list[int], *, first: bool, la
     """The part of the model owning ``layer_ids`` (+ embedding if first, norm/output if last).
 
     Built on ``device`` without initialisation (meta by default: the caller parallelizes first and
-    materializes local shards afterwards). Tied embeddings need both ends on one stage.
+    materializes local shards afterwards). A tied model's stage without both ends is built from
+    untied args: build_parallel_model does that, making the output a synced copy (training/tied.py).
     """
     if args.tie_embeddings and not (first and last):
-        raise ValueError("model.tie_embeddings with pp > 1 is not supported: the embedding and the "
-                         "output projection would live on different stages; set pp: 1")
+        raise ValueError("model.tie_embeddings: the embedding and the output projection live on different "
+                         "stages here; build the stages through build_parallel_model, which keeps the "
+                         "output as a synced copy of the embedding")
     with torch.device(device):
         model = Transformer(args, kernels)
     keep = {str(i) for i in layer_ids}

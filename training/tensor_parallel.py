@@ -49,6 +49,10 @@ def _style(rule: TPRule, sequence_parallel: bool):
         return RowwiseParallel(output_layouts=seq)
     if rule.style == "replicate":
         return SequenceParallel() if sequence_parallel else None
+    if rule.style == "replicate_heads":
+        # The q/k norms see (B, T, local heads, hd): their input is Shard(2) on tp whatever the
+        # sequence layout, so the Replicate weight's gradient is a partial sum DTensor reduces.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
     raise ValueError(f"unknown TP style {rule.style!r} in titan_pipe.model.sharding")
 
 
@@ -59,8 +63,9 @@ def _matches(name: str, pattern: str) -> bool:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False) -> None:
     """Parallelize ``model`` (a Transformer or a pipeline stage of it) over ``tp_mesh`` in place.
 
-    Weights: colwise -> Shard(0), rowwise -> Shard(1), vocab embedding -> Shard(0), norms ->
-    Replicate; all on the 1-D tp mesh. Modules absent from a stage (None) are skipped.
+    Weights: colwise -> Shard(0) (their biases too), rowwise -> Shard(1), vocab embedding ->
+    Shard(0), norms -> Replicate (q/k norms: Replicate over the heads' Shard(2)); all on the 1-D
+    tp mesh. Modules absent from a stage (None) are skipped.
     """
     if tp_mesh.size() == 1:
         return

@@ -37,6 +37,7 @@ from titan_pipe.training.data_parallel import plan_dp
 from titan_pipe.model.kernels import resolve_kernels
 from titan_pipe.model.sharding import stage_ranks
 from titan_pipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from titan_pipe.training.tied import counted
 from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import build_parallel_model
 from titan_pipe.training.pipeline_parallel import build_schedule
@@ -203,6 +204,7 @@ class Trainer:
                                           kernels=resolve_kernels(cfg.model.kernels, self.device.type),
                                           seed=cfg.train.seed, weights=weights, compile_backend=backend)
         self.params = self.model.parameters()
+        self.counted = counted(((n, p) for _, n, p in self.model.named_parameters()), self.model.tied is not None)
 
     def _setup_optimizers(self) -> None:
         t, o = self.cfg.train, self.cfg.train.optimizer
@@ -267,10 +269,13 @@ class Trainer:
 
     def _optimizer_step(self) -> tuple[bool, float | None, float]:
         """Unscale, clip and step (skipped on an fp16 overflow); (found_inf, grad norm, lr)."""
+        if self.model.tied is not None:  # tied embeddings under tp/pp: both ends get the summed gradient
+            self.model.tied.sync((n, p) for _, n, p in self.model.named_parameters())
         found_inf = self.scaler.unscale_(self.params)
         grad_norm = None  # skipped step (fp16 overflow): no norm worth logging
         if not found_inf:
-            grad_norm = float(clip_grad_norm_(self.params, self.cfg.train.grad_clip, self.mesh["pp"]))
+            grad_norm = float(clip_grad_norm_(self.params, self.cfg.train.grad_clip, self.mesh["pp"],
+                                              counted=self.counted))
             for opt in self.optimizers:
                 opt.step()
         self.scaler.update(found_inf)

@@ -9,10 +9,15 @@ conformance checks); the inputs and outputs are titan_pipe.graph_io's. Besides t
             (the module's frequencies, Llama-3.1 scaling included)
   mask      causal from Range + LessOrEqual (prefill); the decode graph's attention_mask covers the
             cache slots, and a one-hot of write_index (Equal over Range) picks the slot it writes
+  window    (a sliding window shorter than the positions a graph can see) compares positions, not
+            slots: prefill subtracts position_ids pairwise; decode counts the real tokens after
+            each slot (CumSum, exclusive, reverse, over attention_mask, which marks the slot being
+            written), which is the query's position minus that key's
 
 Operators: Add, And, Cast, Concat, Equal, Expand, Gather, Gemm, Identity, LessOrEqual, MatMul,
 Mul, Neg, Pow, Range, ReduceMean, Reshape, Shape, Sigmoid, Slice, Softmax, Sqrt, Transpose,
-Unsqueeze, Where — all on ATC's list at opsets 14/15 (checked again by convert/onnx/atc_ops.py).
+Unsqueeze, Where; with a sliding window also CumSum, Less, Sub — all on ATC's list at opsets 14/15
+(checked again by convert/onnx/atc_ops.py).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from titan_pipe.graph_io import (ATTENTION_MASK, DECODE_FILE, HIDDEN, INPUT_IDS,
                                  POSITION_IDS, PREFILL_FILE, PRESENT, WRITE_INDEX, hidden_name, io_names)
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.params import LAYER_PARAMS, params, split_layer
-from titan_pipe.onnx_nodes import NodeBuilder, attention, embedding, linear, rms_norm, rotary, swiglu
+from titan_pipe.onnx_nodes import NodeBuilder, attention, embedding, linear, rms_norm, rotary, swiglu, within_window
 
 _LAYER_INIT = {p.name: p.onnx for p in LAYER_PARAMS}  # native name within a layer -> initializer name
 
@@ -102,7 +107,27 @@ def io_dims(args: ModelArgs, spec: GraphSpec) -> dict[str, list]:
     return dims
 
 
-def _positions(g: NodeBuilder, spec: GraphSpec, bt: str) -> tuple[str, str, str, str | None]:
+def window_applies(args: ModelArgs) -> bool:
+    """Whether the graphs need the sliding-window term: a window shorter than the positions."""
+    return args.sliding_window is not None and args.sliding_window < args.max_seq_len
+
+
+def _window(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, allowed: str) -> str:
+    """``allowed`` narrowed to each query's sliding window, by position distance (int64 gaps)."""
+    if not window_applies(args):
+        return allowed
+    # Named under "mask." with the other shared mask nodes every layer reads.
+    if spec.decode:  # real tokens after each slot = query position - key position; (B, 1, 1, C)
+        after = g.op("CumSum", [ATTENTION_MASK, g.const(1)], "mask.window.after", exclusive=1, reverse=1)
+        gap = g.op("Unsqueeze", [after, g.const([1, 2])], "mask.window.gap")
+    else:  # (B, 1, T, 1) - (B, 1, 1, T)
+        gap = g.op("Sub", [g.op("Unsqueeze", [POSITION_IDS, g.const([1, 3])], "mask.window.query_pos"),
+                           g.op("Unsqueeze", [POSITION_IDS, g.const([1, 2])], "mask.window.key_pos")],
+                   "mask.window.gap")
+    return within_window(g, allowed, gap, args.sliding_window, "mask.window")
+
+
+def _positions(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, bt: str) -> tuple[str, str, str, str | None]:
     """(cos, sin) rows for each token's position, (B, 1, T, hd); the keys each query may see, bool
     (B, 1, T, S) (decode: (B, 1, 1, C)); decode: the one-hot (B, 1, C, 1) of the slot it writes."""
     cos = g.op("Unsqueeze", [g.op("Gather", ["rope_cos", POSITION_IDS], "rope.cos_rows", axis=0), g.const([1])],
@@ -116,12 +141,12 @@ def _positions(g: NodeBuilder, spec: GraphSpec, bt: str) -> tuple[str, str, str,
         slots = g.op("Range", [g.const(0), n_slots, g.const(1)], "cache.slots")
         hit = g.op("Equal", [g.op("Unsqueeze", [slots, g.const([0])], "cache.slots_row"),
                              g.op("Unsqueeze", [WRITE_INDEX, g.const([1])], "cache.write_col")], "cache.hit")
-        return cos, sin, key_ok, g.op("Unsqueeze", [hit, g.const([1, 3])], "cache.write_at")
+        return cos, sin, _window(g, args, spec, key_ok), g.op("Unsqueeze", [hit, g.const([1, 3])], "cache.write_at")
     n_tok = g.op("Gather", [bt, g.const(1)], "mask.len", axis=0)
     pos = g.op("Range", [g.const(0), n_tok, g.const(1)], "mask.pos")
     causal = g.op("LessOrEqual", [g.op("Unsqueeze", [pos, g.const([0])], "mask.key_pos"),
                                   g.op("Unsqueeze", [pos, g.const([1])], "mask.query_pos")], "mask.causal")
-    return cos, sin, g.op("And", [key_ok, causal], "mask.allowed"), None
+    return cos, sin, _window(g, args, spec, g.op("And", [key_ok, causal], "mask.allowed")), None
 
 
 @dataclass(frozen=True)
@@ -152,15 +177,18 @@ def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh:
     x = g.op("Reshape", [rms_norm(g, h, _w(i, "attention_norm.weight"), args.norm_eps, f"{p}.attention_norm"),
                          sh.flat], f"{p}.attn.x2d")
 
-    def heads(native: str, shape: str) -> str:  # (B*T, dim) -> (B, heads, T, hd)
-        w = _LAYER_INIT[native]
-        y = linear(g, x, _w(i, native), f"{p}.attn.{w}")
-        return g.op("Transpose", [g.op("Reshape", [y, shape], f"{p}.attn.{w}.split")], f"{p}.attn.{w}.heads",
-                    perm=[0, 2, 1, 3])
+    def heads(part: str, shape: str, norm: bool = False) -> str:  # (B*T, dim) -> (B, heads, T, hd)
+        w = _LAYER_INIT[f"attention.w{part}.weight"]
+        bias = _w(i, f"attention.w{part}.bias") if args.qkv_bias else None
+        y = g.op("Reshape", [linear(g, x, _w(i, f"attention.w{part}.weight"), f"{p}.attn.{w}", bias), shape],
+                 f"{p}.attn.{w}.split")
+        if norm:  # Qwen3: RMSNorm over each head's hd values, (B, T, heads, hd), before RoPE
+            y = rms_norm(g, y, _w(i, f"attention.{part}_norm.weight"), args.norm_eps, f"{p}.attn.{part}_norm")
+        return g.op("Transpose", [y], f"{p}.attn.{w}.heads", perm=[0, 2, 1, 3])
 
-    q = rotary(g, heads("attention.wq.weight", sh.q), cos, sin, hd // 2, f"{p}.attn.rope_q")
-    k = rotary(g, heads("attention.wk.weight", sh.kv), cos, sin, hd // 2, f"{p}.attn.rope_k")
-    v = heads("attention.wv.weight", sh.kv)
+    q = rotary(g, heads("q", sh.q, args.qk_norm), cos, sin, hd // 2, f"{p}.attn.rope_q")
+    k = rotary(g, heads("k", sh.kv, args.qk_norm), cos, sin, hd // 2, f"{p}.attn.rope_k")
+    v = heads("v", sh.kv)
     if spec.decode:  # write this step's key/value into its slot of the fixed-capacity cache
         k = g.op("Where", [write_at, k, f"{PAST}{i}.key"], f"{PRESENT}{i}.key")
         v = g.op("Where", [write_at, v, f"{PAST}{i}.value"], f"{PRESENT}{i}.value")
@@ -171,7 +199,7 @@ def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh:
         outputs[f"{PRESENT}{i}.key"], outputs[f"{PRESENT}{i}.value"] = k, v
     ctx = attention(g, q, k, v, allowed, n_heads=args.n_heads, n_kv_heads=args.kv_heads, hd=hd, name=f"{p}.attn")
     ctx = g.op("Transpose", [ctx], f"{p}.attn.context_t", perm=[0, 2, 1, 3])
-    ctx = g.op("Reshape", [ctx, g.const([-1, args.n_heads * hd])], f"{p}.attn.context2d")
+    ctx = g.op("Reshape", [ctx, g.const([-1, args.q_dim])], f"{p}.attn.context2d")
     attn = g.op("Reshape", [linear(g, ctx, _w(i, "attention.wo.weight"), f"{p}.attn.wo"), sh.hidden],
                 f"{p}.attn.output")
     h = g.op("Add", [h, attn], f"{p}.attn.residual")
@@ -197,7 +225,7 @@ def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry],
     else:
         bt = g.op("Shape", [INPUT_IDS], "shape.input_ids")
     sh = _shapes(g, args, bt)
-    rope = _positions(g, spec, bt)
+    rope = _positions(g, args, spec, bt)
     h = embedding(g, "tok_embeddings.weight", INPUT_IDS, "embed")
     values = LayerValues()
     outputs: dict[str, str] = {}

@@ -9,12 +9,15 @@ chunk is then addressed exactly like a tensor of a safetensors shard and execute
 block reader (pread / preadv scatter / copy_file_range): no torch DCP load path, no chunk loaded
 whole. Model-only exports and torchtitan's own checkpoints have torchtitan names at the top level
 (beside ``optimizer.*``, ``lr_scheduler``, ``dataloader``, ``train_state``, which are skipped);
-some have them under ``model.``. torchtitan (like Meta) keeps q/k rows in interleaved RoPE order:
-those reads carry ``rope_head_dim`` so the rows land in rotate-half order.
+some have them under ``model.``. torchtitan's llama3 (like Meta) keeps q/k rows in interleaved RoPE
+order: those reads carry ``rope_head_dim`` so the rows land in rotate-half order. torchtitan's qwen3
+(``attention.q_norm`` / ``k_norm`` present) computes RoPE in rotate-half order as Hugging Face does,
+so its rows are read as they are.
 
 DCP holds no model config: head counts, eps and RoPE settings come from a ``params.json`` (Meta /
 torchtitan) or ``config.json`` (Hugging Face) beside or above the checkpoint, or ``--model-config``;
-dims, layer count, vocabulary and FFN size are read off the tensor shapes.
+dims, layer count, vocabulary, FFN size, head_dim, q/k norms and q/k/v biases are read off the
+tensor shapes.
 """
 from __future__ import annotations
 
@@ -113,13 +116,16 @@ def model_args(cfg_path: Path, shapes: dict[str, tuple[int, ...]]) -> ModelArgs:
         n_layers = 1 + max(int(n.split(".")[1]) for n in shapes if n.startswith("layers."))
         vocab, dim = shapes["tok_embeddings.weight"]
         hidden = shapes["layers.0.feed_forward.w1.weight"][0]
+        q_norm = shapes.get("layers.0.attention.q_norm.weight")  # torchtitan's qwen3: head_dim apart
+        head_dim = q_norm[0] if q_norm is not None else None
     except (KeyError, ValueError, IndexError) as e:
         raise UserError(f"{cfg_path}: the checkpoint's tensors do not give the model's dims ({e!r} missing "
                         "or malformed); is it a LLaMA model checkpoint?") from None
     return validate_args(ModelArgs(
         dim=dim, n_layers=n_layers, n_heads=(n_heads := _param(cfg, "n_heads", INT, cfg_path, bound=limits.HEADS)),
         n_kv_heads=_param(cfg, "n_kv_heads", INT, cfg_path, default=n_heads, bound=limits.HEADS),
-        vocab_size=vocab, ffn_hidden_dim=hidden,
+        vocab_size=vocab, ffn_hidden_dim=hidden, head_dim=head_dim,
+        qk_norm=q_norm is not None, qkv_bias="layers.0.attention.wq.bias" in shapes,
         norm_eps=_param(cfg, "norm_eps", FLOAT, cfg_path, default=1e-5, bound=limits.NORM_EPS),
         rope_theta=_param(cfg, "rope_theta", FLOAT, cfg_path, default=10000.0, bound=limits.ROPE_THETA),
         rope_scaling=_meta_scaling(cfg, cfg_path),
@@ -251,8 +257,9 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
     if vocab_size is not None and vocab_size != args.vocab_size:
         raise UserError(f"--vocab-size {vocab_size} disagrees with the embedding of {path} "
                         f"({args.vocab_size} rows)")
+    interleaved = not args.qk_norm  # torchtitan's qwen3 is rotate-half already
     tensors = plan_tensors(path, md, tensor_meta, native_names(args),
-                           rope_head_dim=lambda n: args.head_dim if param_of(n).rope else None)
+                           rope_head_dim=lambda n: args.head_dim if interleaved and param_of(n).rope else None)
     plan_files, headers, strided = locate_chunks(path, md, tensors)
     return (SourcePlan(FORMAT, path, args, tensors, files=plan_files,
                        layout={"chunks": sum(len(t.reads) for t in tensors.values()),

@@ -1,7 +1,13 @@
-"""Model arguments: the LLaMA family's dims (ModelArgs), its flavours debug..70B, parameter and FLOP counts.
+"""Model arguments: the LLaMA family's dims (ModelArgs), its flavours (Llama 2/3, Qwen2.5, Qwen3, Mistral),
+parameter and FLOP counts.
 
 Pure data shared by every stage (the trainer builds its nn.Module from it, the converter and the
 exporter read it from manifests and config.json, the planner costs it); no torch here.
+
+The family's variants are four switches on one decoder: ``qkv_bias`` (Qwen2/2.5: biases on the q,
+k and v projections), ``qk_norm`` (Qwen3: RMSNorm over each head of q and k, before RoPE),
+``head_dim`` apart from dim / n_heads (Qwen3: 128 whatever the width), ``sliding_window``
+(Mistral-7B v0.1: a query sees the ``sliding_window`` newest positions, itself included).
 """
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import get_type_hints
 
 from titan_pipe import limits
+from titan_pipe.limits import Bound
 from titan_pipe.errors import UserError
 from titan_pipe.values import BOOL, DICT, FLOAT, INT, check, refuse
 
@@ -38,14 +45,34 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 4096
     tie_embeddings: bool = False
+    # None: dim // n_heads. Stored once set, so two spellings of one model compare equal and every
+    # manifest records it; a flavour's derived value is dropped when its dims are overridden
+    # (resolve_args), an explicit one (Qwen3's 128) is kept.
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None  # None: full causal attention
+
+    def __post_init__(self):
+        # Derived only from dims that give a whole head; otherwise it stays None and args_problems
+        # (which every reader runs) names the dims, never a ZeroDivisionError or a truncated head.
+        d, h = self.dim, self.n_heads
+        if self.head_dim is None and _whole(d) and _whole(h) and h > 0 and d % h == 0:
+            object.__setattr__(self, "head_dim", d // h)
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def q_dim(self) -> int:
+        """Width of the queries (and of attention's output): n_heads x head_dim."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys and of the values: n_kv_heads x head_dim."""
+        return self.kv_heads * self.head_dim
 
     @property
     def hidden_dim(self) -> int:
@@ -84,6 +111,10 @@ class ModelArgs:
         return validate_args(cls(**values), source=source)
 
 
+def _whole(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _kinds(cls) -> dict[str, str]:
     """Field name -> value kind (titan_pipe.values) of a dataclass of ints, floats and bools."""
     out = {}
@@ -102,7 +133,8 @@ FIELD_BOUNDS: dict[str, limits.Bound] = {
     "dim": limits.DIM, "n_layers": limits.LAYERS, "n_heads": limits.HEADS, "n_kv_heads": limits.HEADS,
     "vocab_size": limits.VOCAB, "multiple_of": limits.FFN, "ffn_dim_multiplier": limits.ROPE_FACTOR,
     "ffn_hidden_dim": limits.FFN, "norm_eps": limits.NORM_EPS, "rope_theta": limits.ROPE_THETA,
-    "max_seq_len": limits.POSITIONS,
+    "max_seq_len": limits.POSITIONS, "head_dim": limits.HEAD_DIM,
+    "sliding_window": Bound(1, limits.POSITIONS.hi, "a window is at most a model's positions"),
 }
 SCALING_BOUNDS: dict[str, limits.Bound] = {
     "factor": limits.ROPE_FACTOR, "low_freq_factor": limits.ROPE_FACTOR, "high_freq_factor": limits.ROPE_FACTOR,
@@ -142,11 +174,14 @@ def args_problems(args: ModelArgs) -> list[str]:
         if s.high_freq_factor <= s.low_freq_factor:
             out.append(f"rope_scaling.high_freq_factor: {s.high_freq_factor:g} must exceed low_freq_factor "
                        f"{s.low_freq_factor:g}")
-    if args.dim % args.n_heads:
-        out.append(f"dim: {args.dim} is not divisible by n_heads={args.n_heads}; pick dim = n_heads x head_dim")
-    elif args.head_dim % 2 or args.head_dim > limits.HEAD_DIM.hi:
-        out.append(f"dim: head_dim = dim / n_heads = {args.head_dim} must be even (RoPE rotates pairs) and at "
-                   f"most {limits.HEAD_DIM.hi:g}; change dim or n_heads")
+    if args.head_dim is None:  # not given, and dim / n_heads is no whole head
+        return [f"dim: {args.dim} is not divisible by n_heads={args.n_heads}; pick dim = n_heads x head_dim, "
+                "or set head_dim"]
+    if args.head_dim % 2:
+        out.append(f"head_dim: {args.head_dim} must be even (RoPE rotates pairs); change head_dim (or dim / n_heads)")
+    if args.qk_norm and args.qkv_bias:  # to_hf_config could name no architecture (titan_pipe.model.families)
+        out.append("qk_norm: true together with qkv_bias: no Hugging Face architecture has both (Qwen2: q/k/v "
+                   "biases, Qwen3: q/k norms); drop one of qk_norm / qkv_bias")
     if args.n_heads % args.kv_heads:
         out.append(f"n_kv_heads: {args.kv_heads} does not divide n_heads={args.n_heads}; pick a divisor")
     rows = args.max_seq_len * args.head_dim
@@ -187,11 +222,37 @@ FLAVOURS: dict[str, ModelArgs] = {
     "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                             multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0,
                             rope_scaling=_LLAMA31_SCALING, max_seq_len=8192),
+    # Qwen2.5: biases on q/k/v, rope_theta 1e6, eps 1e-6; the small ones tie their embeddings.
+    "qwen2.5_0.5b": ModelArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, vocab_size=151936,
+                              ffn_hidden_dim=4864, norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768,
+                              tie_embeddings=True, qkv_bias=True),
+    "qwen2.5_7b": ModelArgs(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, vocab_size=152064,
+                            ffn_hidden_dim=18944, norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768,
+                            qkv_bias=True),
+    "qwen2.5_72b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=152064,
+                             ffn_hidden_dim=29568, norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768,
+                             qkv_bias=True),
+    # Qwen3 (dense): per-head q/k RMSNorm, head_dim 128 whatever the width.
+    "qwen3_0.6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, vocab_size=151936,
+                            ffn_hidden_dim=3072, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                            tie_embeddings=True, qk_norm=True),
+    "qwen3_8b": ModelArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, vocab_size=151936,
+                          ffn_hidden_dim=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960, qk_norm=True),
+    "qwen3_32b": ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128, vocab_size=151936,
+                           ffn_hidden_dim=25600, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960, qk_norm=True),
+    # Mistral-7B v0.1: a 4096-token sliding window (v0.2 and later: full attention, vocab 32768).
+    "mistral_7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                            ffn_hidden_dim=14336, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=32768,
+                            sliding_window=4096),
 }
 
 
 def resolve_args(flavour: str | None, **overrides) -> ModelArgs:
-    """Flavour defaults with any dims given in the config laid over them."""
+    """Flavour defaults with any dims given in the config laid over them.
+
+    A flavour's head_dim that is just dim // n_heads follows overridden dims; a decoupled one
+    (Qwen3) stays unless head_dim itself is given.
+    """
     if flavour is None:
         base = ModelArgs()
     elif flavour in FLAVOURS:
@@ -201,13 +262,20 @@ def resolve_args(flavour: str | None, **overrides) -> ModelArgs:
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(overrides.get("rope_scaling"), dict):
         overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
+    coupled = base.head_dim == base.dim // base.n_heads
+    if coupled and "head_dim" not in overrides and {"dim", "n_heads"} & set(overrides):
+        overrides["head_dim"] = None  # derived again from the new dims in __post_init__
     return replace(base, **overrides)
 
 
 def count_params(args: ModelArgs) -> int:
-    """Exact parameter count from the dims alone (matches the published LLaMA sizes)."""
-    d, hd, kv = args.dim, args.head_dim, args.kv_heads
-    attn = d * args.n_heads * hd + 2 * d * kv * hd + args.n_heads * hd * d
+    """Exact parameter count from the dims alone (matches the published sizes of every flavour)."""
+    d, q, kv = args.dim, args.q_dim, args.kv_dim
+    attn = d * q + 2 * d * kv + q * d
+    if args.qkv_bias:
+        attn += q + 2 * kv
+    if args.qk_norm:
+        attn += 2 * args.head_dim
     ffn = 3 * d * args.hidden_dim
     per_layer = attn + ffn + 2 * d
     emb = args.vocab_size * d
@@ -218,14 +286,17 @@ def count_params(args: ModelArgs) -> int:
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward = 3x forward): 6*N_matmul + causal attention.
 
-    Counts every matmul FLOP as 2 (multiply + add). The attention scores/values term uses the full
-    T x T product (as SDPA's math path computes it); embedding lookups are not matmuls.
+    Counts every matmul FLOP as 2 (multiply + add) and every bias element as 1 (its add). The
+    attention scores/values term uses the full T x T product of the q heads (n_heads x head_dim),
+    as SDPA's math path and the masked kernels compute it: a sliding window masks scores, it does
+    not skip computing them. Norms (q/k norms too) and embedding lookups are not matmuls.
     """
-    norms = args.dim * (2 * args.n_layers + 1)
+    norms = args.dim * (2 * args.n_layers + 1) + (2 * args.head_dim * args.n_layers if args.qk_norm else 0)
+    biases = (args.q_dim + 2 * args.kv_dim) * args.n_layers if args.qkv_bias else 0
     # The embedding is a gather, not a matmul; a tied matrix still runs once as the output matmul.
-    n_matmul = count_params(args) - norms - (0 if args.tie_embeddings else args.vocab_size * args.dim)
-    attn = 2 * 2 * args.n_layers * seq_len * args.n_heads * args.head_dim  # QK^T and PV, per token
-    return 3 * (2 * n_matmul + attn)
+    n_matmul = count_params(args) - norms - biases - (0 if args.tie_embeddings else args.vocab_size * args.dim)
+    attn = 2 * 2 * args.n_layers * seq_len * args.q_dim  # QK^T and PV, per token
+    return 3 * (2 * n_matmul + biases + attn)
 
 
 # The narrowest element a model's weights are stored in (float16 / bfloat16), for check_fits.
@@ -245,9 +316,10 @@ def check_fits(args: ModelArgs, have_bytes: int, *, source: object, where: objec
 
 
 # Every dim that sizes a tensor: what weights must match to load into a model.
-SHAPE_KEYS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "hidden_dim", "tie_embeddings")
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "kv_heads", "head_dim", "vocab_size", "hidden_dim", "qkv_bias",
+              "qk_norm", "tie_embeddings")
 # The shapes plus the numerics of the forward: what two artifacts must share to be compared.
-SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + ("norm_eps", "rope_theta", "tie_embeddings")
+SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + ("norm_eps", "rope_theta", "sliding_window", "tie_embeddings")
 
 
 def model_differences(a: ModelArgs, b: ModelArgs, *, keys: tuple[str, ...] = SAME_MODEL_KEYS,

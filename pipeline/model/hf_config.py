@@ -1,4 +1,4 @@
-"""ModelArgs <-> a Hugging Face config.json (LlamaConfig), both layouts transformers writes.
+"""ModelArgs <-> a Hugging Face config.json (Llama, Mistral, Qwen2, Qwen3), both layouts transformers writes.
 
 transformers 4.x writes ``rope_theta`` and ``rope_scaling`` at the top level; transformers >= 5
 writes ``rope_parameters: {rope_type, rope_theta, factor, ...}`` and may omit the top-level
@@ -6,8 +6,8 @@ writes ``rope_parameters: {rope_type, rope_theta, factor, ...}`` and may omit th
 guessed at. Every value is typed strictly (titan_pipe.values): a string "false", 4.7 layers or a
 null dimension is one line naming the file, the key, the value and the fix.
 
-A field is one row of ``HF_FIELDS``: a new optional field of another family (a bias flag, a
-window size) is one more row plus its ModelArgs field.
+A field is one row of ``HF_FIELDS``; what tells the families apart (model_type, biases, q/k norms,
+windows) is read and written by titan_pipe.model.families.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from titan_pipe import limits
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs, RopeScaling, validate_args
+from titan_pipe.model.families import config_family, family_keys, read_family
 from titan_pipe.values import BOOL, DICT, FLOAT, INT, REQUIRED, STR, read, refuse
 
-MODEL_TYPES = ("llama", "mistral")
 DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -43,17 +43,18 @@ HF_FIELDS: tuple[HFField, ...] = (
     HFField("rms_norm_eps", "norm_eps", FLOAT, limits.NORM_EPS, 1e-5),
     HFField("max_position_embeddings", "max_seq_len", INT, limits.POSITIONS, 4096),
     HFField("tie_word_embeddings", "tie_embeddings", BOOL, None, False),
+    HFField("head_dim", "head_dim", INT, limits.HEAD_DIM, None),  # Qwen3: 128 apart from hidden_size / heads
 )
-# Flags of the architecture titan-pipe's model does not have: each must be absent or false.
-UNSUPPORTED_FLAGS = ("attention_bias", "mlp_bias")
 SUPPORTED_ACTS = ("silu",)
 
 
 def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
-    """A LlamaConfig dict (config.json) for ``args``, in the 4.x layout both 4.x and 5.x load."""
+    """A config.json dict for ``args`` (Llama, Mistral, Qwen2 or Qwen3: titan_pipe.model.families),
+    in the 4.x layout both 4.x and 5.x load."""
+    fam = family_keys(args)
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": fam.pop("architectures"),
+        "model_type": fam.pop("model_type"),
         "hidden_size": args.dim,
         "intermediate_size": args.hidden_dim,
         "num_hidden_layers": args.n_layers,
@@ -66,8 +67,7 @@ def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        **fam,
         "torch_dtype": torch_dtype,
         "rope_scaling": None,
     }
@@ -81,16 +81,8 @@ def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
     return cfg
 
 
-def _architecture(cfg: dict, source: str) -> None:
-    """Refuse what the model cannot compute: another model type, biases, another activation."""
-    kind = read(cfg, "model_type", STR, source=source, default="llama")
-    if kind not in MODEL_TYPES:
-        raise refuse(source, "model_type", kind, "is not a LLaMA-family model",
-                     f"titan-pipe reads model_type {' or '.join(MODEL_TYPES)}")
-    for flag in UNSUPPORTED_FLAGS:
-        if read(cfg, flag, BOOL, source=source, default=False):
-            raise refuse(source, flag, True, "is not supported by titan-pipe's model",
-                         "convert a model without linear biases")
+def _activation(cfg: dict, source: str) -> None:
+    """Refuse an activation other than SwiGLU's silu."""
     act = read(cfg, "hidden_act", STR, source=source, default="silu")
     if act not in SUPPORTED_ACTS:
         raise refuse(source, "hidden_act", act, "is not supported (LLaMA's SwiGLU uses silu)",
@@ -142,16 +134,15 @@ def _rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
 
 
 def from_hf_config(cfg: dict, *, source: str = "config.json") -> ModelArgs:
-    """ModelArgs from a LlamaConfig dict (either layout); UserError naming the key on anything unusable."""
+    """ModelArgs from a config.json dict of a supported family (either layout); UserError naming the
+    key (or the architecture) on anything unusable."""
     if not isinstance(cfg, dict):
         raise UserError(f"{source}: holds {type(cfg).__name__}, not a JSON object (a LlamaConfig)")
-    _architecture(cfg, source)
+    config_family(cfg, source)  # another architecture is named before its keys are read
     values = {f.field: read(cfg, f.key, f.kind, source=source, default=f.default, bound=f.bound)
               for f in HF_FIELDS}
-    head_dim = read(cfg, "head_dim", INT, source=source, default=None, bound=limits.HEAD_DIM)
-    if head_dim is not None and head_dim * values["n_heads"] != values["dim"]:
-        raise refuse(source, "head_dim", head_dim, f"x {values['n_heads']} heads != hidden_size {values['dim']}, "
-                     "which titan-pipe's model does not support", "convert a model with head_dim = hidden_size / heads")
+    values.update(read_family(cfg, n_layers=values["n_layers"], source=source))
+    _activation(cfg, source)
     values["rope_theta"], values["rope_scaling"] = _rope(cfg, source)
     return validate_args(ModelArgs(**values), source=source)
 

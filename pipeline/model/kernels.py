@@ -3,7 +3,9 @@
 Both sides implement the same three functions, so the model and the evaluator can run either:
   rms_norm(x (..., dim), weight (dim,), eps) -> (..., dim)
   apply_rotary(q (B, H, T, hd), k (B, Hkv, T, hd), cos (T, hd), sin (T, hd)) -> q, k
-  attention(q (B, H, T, hd), k, v (B, Hkv, T, hd), n_rep, causal) -> (B, H, T, hd)
+  attention(q (B, H, T, hd), k, v (B, Hkv, T, hd), n_rep, causal, window) -> (B, H, T, hd)
+
+``window`` (Mistral's sliding window, None: none): query t sees keys s with t - window < s <= t.
 """
 from __future__ import annotations
 
@@ -41,9 +43,19 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, n_rep, t, d).reshape(b, h * n_rep, t, d)
 
 
-def attention_ref(q, k, v, *, n_rep: int, causal: bool = True):
+def allowed_keys(t: int, window: int | None, device=None) -> torch.Tensor:
+    """(T, T) bool: query t may see key s, s <= t and, with a window, t - s < window."""
+    pos = torch.arange(t, device=device)
+    gap = pos[:, None] - pos[None, :]
+    return (gap >= 0) & (gap < window) if window is not None else gap >= 0
+
+
+def attention_ref(q, k, v, *, n_rep: int, causal: bool = True, window: int | None = None):
     # Explicit repeat instead of SDPA's enable_gqa: older exporters and runtimes lack it.
-    return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=causal)
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    if window is None or window >= q.shape[-2]:  # a window as long as the sequence masks nothing
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(q.shape[-2], window, q.device))
 
 
 @dataclass(frozen=True)
@@ -70,11 +82,11 @@ def npu_fused_kernels() -> Kernels:
         c, s = cos[None, None], sin[None, None]
         return torch_npu.npu_rotary_mul(q, c, s), torch_npu.npu_rotary_mul(k, c, s)
 
-    def attention(q, k, v, *, n_rep, causal=True):
+    def attention(q, k, v, *, n_rep, causal=True, window=None):
         b, h, t, d = q.shape
         mask = None
         if causal:
-            mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=q.device), diagonal=1)
+            mask = ~allowed_keys(t, window, q.device)
         # BNSD layout; GQA handled natively (k/v carry the kv heads); sparse_mode=0 with an
         # explicit upper-triangular mask means "masked where True".
         return torch_npu.npu_fusion_attention(

@@ -18,11 +18,13 @@ from titan_pipe.model.args import ModelArgs
 
 # The TP style of the module that owns a parameter (training/tensor_parallel.py builds the DTensor
 # plan from it) and the dim of the parameter it splits (None: replicated).
-TP_STYLES = ("colwise", "rowwise", "vocab", "replicate")
-_WEIGHT_SPLIT = {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None}
-# Initial values (transformer.init_param): ones; N(0, 0.02); N(0, 0.02 / sqrt(2 n_layers)) for the
-# projections back into the residual stream; N(0, dim^-0.5) for the output projection.
-INITS = ("ones", "normal", "depth_scaled", "fan_in")
+# "replicate_heads": a replicated weight applied per attention head to the column-split heads (the
+# q/k norms), so its input is split over tp on the heads dim and its gradient sums over tp.
+TP_STYLES = ("colwise", "rowwise", "vocab", "replicate", "replicate_heads")
+_WEIGHT_SPLIT = {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None, "replicate_heads": None}
+# Initial values (transformer.init_param): ones; zeros (biases); N(0, 0.02); N(0, 0.02 / sqrt(2
+# n_layers)) for the projections back into the residual stream; N(0, dim^-0.5) for the output projection.
+INITS = ("ones", "zeros", "normal", "depth_scaled", "fan_in")
 # Pipeline owner: the first stage, the stage holding the layer, the last stage.
 SCOPES = ("first", "layer", "last")
 
@@ -78,6 +80,22 @@ def _norm(name: str, hf: str, megatron: tuple[str, ...], scope: str) -> Param:
                  megatron=megatron)
 
 
+def _qkv_bias(part: str, width: Callable[[ModelArgs], int]) -> Param:
+    """Qwen2's bias of the q, k or v projection: split with its weight's rows (their output dim);
+    Megatron fuses the three like the weights, per query group."""
+    hf = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}[part]
+    return Param(f"attention.w{part}.bias", lambda a: (width(a),), "colwise", "layer", f"self_attn.{hf}.bias",
+                 f"w{part}.bias", init="zeros", matmul=False, megatron=("self_attention.linear_qkv.bias",),
+                 fused=("qkv_bias", part), rope=part != "v", when=lambda a: a.qkv_bias)
+
+
+def _qk_norm(part: str) -> Param:
+    """Qwen3's RMSNorm over each head of q or k (weight: head_dim), applied before RoPE."""
+    return Param(f"attention.{part}_norm.weight", lambda a: (a.head_dim,), "replicate_heads", "layer",
+                 f"self_attn.{part}_norm.weight", f"attention.{part}_norm.weight", init="ones", matmul=False,
+                 megatron=(f"self_attention.{part}_layernorm.weight",), when=lambda a: a.qk_norm)
+
+
 MODEL_PARAMS: tuple[Param, ...] = (
     Param("tok_embeddings.weight", lambda a: (a.vocab_size, a.dim), "vocab", "first",
           "model.embed_tokens.weight", "tok_embeddings.weight", matmul=False,
@@ -92,18 +110,23 @@ MODEL_PARAMS: tuple[Param, ...] = (
 LAYER_PARAMS: tuple[Param, ...] = (
     _norm("attention_norm.weight", "input_layernorm.weight",
           ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"), "layer"),
-    Param("attention.wq.weight", lambda a: (a.n_heads * a.head_dim, a.dim), "colwise", "layer",
+    Param("attention.wq.weight", lambda a: (a.q_dim, a.dim), "colwise", "layer",
           "self_attn.q_proj.weight", "wq", megatron=("self_attention.linear_qkv.weight",),
           fused=("qkv", "q"), rope=True),
-    Param("attention.wk.weight", lambda a: (a.kv_heads * a.head_dim, a.dim), "colwise", "layer",
+    _qkv_bias("q", lambda a: a.q_dim),
+    Param("attention.wk.weight", lambda a: (a.kv_dim, a.dim), "colwise", "layer",
           "self_attn.k_proj.weight", "wk", megatron=("self_attention.linear_qkv.weight",),
           fused=("qkv", "k"), rope=True),
-    Param("attention.wv.weight", lambda a: (a.kv_heads * a.head_dim, a.dim), "colwise", "layer",
+    _qkv_bias("k", lambda a: a.kv_dim),
+    Param("attention.wv.weight", lambda a: (a.kv_dim, a.dim), "colwise", "layer",
           "self_attn.v_proj.weight", "wv", megatron=("self_attention.linear_qkv.weight",),
           fused=("qkv", "v")),
-    Param("attention.wo.weight", lambda a: (a.dim, a.n_heads * a.head_dim), "rowwise", "layer",
+    _qkv_bias("v", lambda a: a.kv_dim),
+    Param("attention.wo.weight", lambda a: (a.dim, a.q_dim), "rowwise", "layer",
           "self_attn.o_proj.weight", "wo", init="depth_scaled",
           megatron=("self_attention.linear_proj.weight",)),
+    _qk_norm("q"),
+    _qk_norm("k"),
     _norm("ffn_norm.weight", "post_attention_layernorm.weight",
           ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), "layer"),
     Param("feed_forward.w1.weight", lambda a: (a.hidden_dim, a.dim), "colwise", "layer",
@@ -164,8 +187,8 @@ def native_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def fused_parts(group: str) -> dict[str, Param]:
-    """{part: entry} of the per-layer parameters Megatron fuses into ``group`` ("qkv", "fc1"), in
-    the order of their rows in the fused tensor."""
+    """{part: entry} of the per-layer parameters Megatron fuses into ``group`` ("qkv", "qkv_bias",
+    "fc1"), in the order of their rows in the fused tensor."""
     parts = {p.fused[1]: p for p in LAYER_PARAMS if p.fused and p.fused[0] == group}
     if not parts:
         raise KeyError(f"no parameters fused as {group!r} (titan_pipe.model.params)")

@@ -1,4 +1,5 @@
-"""The LLaMA family: RMSNorm, real-valued RoPE, grouped-query attention, SwiGLU; flavours debug..70B.
+"""The LLaMA family: RMSNorm, real-valued RoPE, grouped-query attention, SwiGLU; with Qwen2's q/k/v
+biases, Qwen3's per-head q/k norms and decoupled head_dim, and Mistral's sliding window as switches.
 
 Parameter names follow torchtitan (``tok_embeddings``, ``layers.N.attention.wq``, ...) but the
 q/k rows are in Hugging Face's rotate-half RoPE layout, so a unified checkpoint maps to
@@ -53,34 +54,45 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA attention. Under TP, wq/wk/wv are column-split (local heads) and wo row-split."""
+    """GQA attention. Under TP, wq/wk/wv (and their biases) are column-split (local heads), wo
+    row-split, the q/k norms replicated over the local heads."""
 
     def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
         self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.kv_heads
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.window = args.sliding_window
+        self.wq = nn.Linear(args.dim, args.q_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.kv_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.kv_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
+        # Qwen3: RMSNorm over each head's head_dim values of q and k, before RoPE.
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, kernels) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, kernels) if args.qk_norm else None
         self.kernels = kernels
+
+    def _heads(self, proj: nn.Linear, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, dim) -> (B, heads, T, hd); the norm sees (B, T, heads, hd), heads last but one
+        (the dim tensor parallelism splits them on)."""
+        b, t, _ = x.shape
+        y = proj(x).view(b, t, -1, self.head_dim)
+        return (norm(y) if norm is not None else y).transpose(1, 2)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (B, T, dim) -> q (B, H, T, hd), k and v (B, Hkv, T, hd), RoPE applied to q and k.
 
         Head counts come from the (possibly TP-local) weight shapes, hence ``-1`` in the views.
         """
-        b, t, _ = x.shape
-        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        q = self._heads(self.wq, self.q_norm, x)
+        k = self._heads(self.wk, self.k_norm, x)
+        v = self._heads(self.wv, None, x)
         q, k = self.kernels.apply_rotary(q, k, cos, sin)
         return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True)
+        out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True, window=self.window)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -150,9 +162,9 @@ class Transformer(nn.Module):
 
 
 def _param_std(name: str, args: ModelArgs) -> float | None:
-    """Init std of a parameter by its declared init (titan_pipe.model.params); None: ones."""
+    """Init std of a parameter by its declared init (titan_pipe.model.params); None: ones or zeros."""
     init = param_of(name).init
-    if init == "ones":
+    if init in ("ones", "zeros"):
         return None
     if init == "depth_scaled":  # projections back into the residual stream, scaled by depth
         return 0.02 / math.sqrt(2 * args.n_layers)
@@ -170,7 +182,7 @@ def init_param(name: str, shape: tuple[int, ...], args: ModelArgs, seed: int,
     """
     std = _param_std(name, args)
     if std is None:
-        return torch.ones(shape, dtype=dtype)
+        return (torch.zeros if param_of(name).init == "zeros" else torch.ones)(shape, dtype=dtype)
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     t = torch.empty(shape, dtype=torch.float32)
     t.normal_(0.0, std, generator=g)

@@ -32,6 +32,15 @@ def param_shapes(args: ModelArgs) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple(native_shapes(args).items())
 
 
+def layout_params(args: ModelArgs, layout: Layout) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """What the trainer holds under ``layout``: the list, plus, for tied embeddings under tp or pp,
+    the output projection's copy of the embedding on the last stage (training/tied.py)."""
+    shapes = param_shapes(args)
+    if args.tie_embeddings and (layout.tp > 1 or layout.pp > 1):
+        shapes += (("output.weight", (args.vocab_size, args.dim)),)
+    return shapes
+
+
 def _chunk(n: int, parts: int, index: int) -> int:
     """Length of ``torch.chunk``'s piece ``index`` of a dim of length n (FSDP2 shards this way)."""
     size = -(-n // parts)
@@ -105,7 +114,7 @@ def _rank_params(args: ModelArgs, layout: Layout, pp_rank: int, tp_rank: int, dp
     n_stages = layout.pp * stages_per_rank(layout.pp, layout.schedule, layout.virtual_stages)
     dpp = _dp_plan(layout, assume)
     names, local, alloc, full = [], [], [], []
-    for name, shape in param_shapes(args):
+    for name, shape in layout_params(args, layout):
         if not _owned(name, stages, n_stages):
             continue
         shape = list(shape)
@@ -173,24 +182,36 @@ def layer_activation_terms(args: ModelArgs, *, tp: int = 1, sp: bool = False,
     all-gathered tensor, where Megatron re-gathers it in backward).
     """
     h, f, a, r = args.dim, args.hidden_dim, dt.matmul, dt.resid
-    kv = h if args.n_heads != args.kv_heads else args.kv_heads * args.head_dim
+    q = args.q_dim  # n_heads x head_dim: dim for Llama, not for Qwen3
+    kv = q  # k and v are repeated to n_heads before attention (GQA), so they are q wide too
     seq = tp if sp else 1
-    return {
+    terms = {
         "norm_input_fp32": 2 * 4 * h / seq,
         "norm_rstd_fp32": 2 * 4 / seq,
         "norm_normalised": 2 * r * h / seq,
         # Autocast casts the float32 norm output once per projection (wq, wk, wv; w1, w3) and
         # keeps each copy; with low-precision parameters the one norm output is shared.
         "projection_inputs": (2 if r == a else 5) * a * h,
-        "attention_qkv": a * (h + 2 * kv) / tp,
-        "attention_out": a * h / tp,
+        "attention_qkv": a * (q + 2 * kv) / tp,
+        "attention_out": a * q / tp,
         "attention_lse_fp32": 4 * args.n_heads / tp,
         "ffn_swiglu": 4 * a * f / tp,
     }
+    if args.qk_norm:  # per-head RMSNorm of q and k: float32 input, 1/rms per head, normalised output
+        heads = args.n_heads + args.kv_heads
+        terms["qk_norm"] = ((4 + r) * heads * args.head_dim + 4 * heads) / tp
+    return terms
 
 
 def layer_activation_bytes(args: ModelArgs, *, tp: int = 1, sp: bool = False, dt: ActDtypes = ActDtypes()) -> float:
     return sum(layer_activation_terms(args, tp=tp, sp=sp, dt=dt).values())
+
+
+def window_mask_bytes(args: ModelArgs, seq_len: int, dt: ActDtypes = ActDtypes()) -> float:
+    """A sliding window shorter than the sequence is an explicit (T, T) mask each masked attention
+    keeps for backward (an additive bias in the compute dtype), per layer and microbatch; 0 without."""
+    w = args.sliding_window
+    return dt.matmul * seq_len * seq_len if w is not None and w < seq_len else 0.0
 
 
 def checkpointed_layer_bytes(args: ModelArgs, *, tp: int = 1, sp: bool = False, dt: ActDtypes = ActDtypes()) -> float:
@@ -237,6 +258,7 @@ def activation_bytes(w: Workload, layout: Layout, pp_rank: int,
     mb_tokens = w.global_batch // layout.dp // layout.microbatches * w.seq_len
     kw = dict(tp=layout.tp, sp=layout.sequence_parallel, dt=act_dtypes(layout, assume))
     full, ckpt = layer_activation_bytes(args, **kw), checkpointed_layer_bytes(args, **kw)
+    full += window_mask_bytes(args, w.seq_len, kw["dt"]) / max(mb_tokens, 1)  # per token, like the rest
     stages = rank_stage_layers(args, layout, pp_rank)
     n_stages = layout.pp * len(stages)
     per_stage = []

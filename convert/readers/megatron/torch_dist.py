@@ -10,38 +10,38 @@ chunks of *global* tensors, so TP, PP and virtual-PP need no rank arithmetic her
   (so pipeline and virtual stages are already placed); a chunk's layer k is addressed as a 2-D
   tensor of its own (its bytes start k * rows * cols elements into the chunk). Models with
   ``non_homogeneous_layers`` use per-layer keys ``decoder.layers.N.*`` instead; both are read;
-- the fused QKV's rows are the query groups in global order (each: its q heads, k head, v head),
-  split into wq/wk/wv rows as for the legacy format;
+- the fused QKV's rows (weight and bias) are the query groups in global order (each: its q
+  heads, k head, v head), de-fused as for the legacy format (common.py);
 - ``mlp.linear_fc1.weight`` (SwiGLU) is stored as [gate; up] of the whole FFN: rows < ffn go to
   w1, the rest to w3;
 - the vocabulary is padded; rows past the true size (``args.vocab_size``, ``--vocab-size`` or a
   tokenizer.json) are not read.
-``common.pt`` is loaded with ``weights_only=True`` under the legacy reader's allow-list
+``common.pt`` is loaded with ``weights_only=True`` under common.py's allow-list
 (``argparse.Namespace``, RNG numpy types, stand-ins for Megatron enums); nothing else unpickles.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers import dcp
+from titan_pipe.convert.readers.megatron.common import (FORMAT, Reads, arg, defuse_fc1, defuse_qkv, fused_group,
+                                                        iter_dir, iteration, load_pickle, model_args, qkv_group_rows,
+                                                        rope_rows, tensor_plans, true_vocab, vocab_read)
 from titan_pipe.convert.readers.store import StoredTensor
 from titan_pipe.convert.readers.torch_save import SavedTensor
-from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan, check_accounted
+from titan_pipe.convert.source_plan import Read, SourcePlan
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
-from titan_pipe.values import INT, read
+from titan_pipe.values import INT
 from titan_pipe import limits
 from titan_pipe.model.args import ModelArgs, check_fits
 from titan_pipe.model.names import megatron_to_native
-from titan_pipe.model.params import fused_parts, layer_name, native_names, native_shapes, param_of
+from titan_pipe.model.params import param_of
 
 BACKEND_FILE = "metadata.json"
 COMMON = "common.pt"
@@ -63,8 +63,6 @@ def backend(d: Path) -> str | None:
 
 def resolve(path: Path) -> Path | None:
     """The iteration dir of a torch_dist checkpoint: ``path`` itself, or the one its tracker names."""
-    from titan_pipe.convert.readers.megatron import _iter_dir as iter_dir
-
     if backend(path):
         return path
     try:
@@ -76,29 +74,6 @@ def resolve(path: Path) -> Path | None:
 
 def looks_like(path: Path) -> bool:
     return resolve(path) is not None
-
-
-def load_common(f: Path) -> dict:
-    """common.pt through the allow-list only (torch.load weights_only=True + safe_globals)."""
-    from titan_pipe.convert.readers.megatron import ALLOWED
-
-    try:
-        with torch.serialization.safe_globals(ALLOWED):
-            obj = torch.load(f, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"{f}: missing; a torch_dist checkpoint keeps the model's args in it. "
-                        "Copy the complete iteration directory") from None
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0][:200]
-        raise UserError(f"{f}: refused to unpickle ({first}). titan-pipe loads Megatron files with "
-                        "weights_only=True and an allow-list (titan_pipe.convert.readers.megatron ALLOWED); "
-                        "the file holds a type outside it or is corrupted") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise UserError(f"{f}: not a readable torch file ({str(e).splitlines()[0][:160]}); it is "
-                        "truncated or corrupted") from None
-    if not isinstance(obj, dict):
-        raise UserError(f"{f}: holds a {type(obj).__name__}, expected Megatron's common state dict")
-    return obj
 
 
 def _layer_slices(file: str, key: str, s: SavedTensor, headers: dict, strided: dict) -> list[str]:
@@ -118,17 +93,11 @@ def _layer_slices(file: str, key: str, s: SavedTensor, headers: dict, strided: d
 
 
 @dataclass
-class _Plan:
-    """What the chunks contribute, global tensor by global tensor, and where each stored piece is."""
+class _Plan(Reads):
+    """The reads, and where each stored piece is (stacked chunks cut per layer)."""
 
-    reads: dict[str, list[Read]] = field(default_factory=dict)
-    dtypes: dict[str, str] = field(default_factory=dict)
     headers: dict[str, dict[str, StoredTensor]] = field(default_factory=dict)
     strided: dict[tuple[str, str], SavedTensor] = field(default_factory=dict)
-
-    def add(self, name: str, read: Read, dtype: str) -> None:
-        self.reads.setdefault(name, []).append(read)
-        self.dtypes[name] = dtype
 
 
 def _open_iteration(path: Path) -> tuple[Path, dict, argparse.Namespace]:
@@ -141,7 +110,8 @@ def _open_iteration(path: Path) -> tuple[Path, dict, argparse.Namespace]:
     if kind != "torch_dist":
         raise UserError(f"{d / BACKEND_FILE}: sharded_backend {kind!r}; titan-pipe reads Megatron's "
                         "'torch_dist' checkpoints (re-save zarr ones with --ckpt-format torch_dist)")
-    common = load_common(d / COMMON)
+    common = load_pickle(d / COMMON, missing="a torch_dist checkpoint keeps the model's args in it. Copy the "
+                         "complete iteration directory")
     a = common.get("args")
     if a is None:
         raise UserError(f"{d / COMMON}: has no 'args'; titan-pipe needs the model's Megatron "
@@ -186,83 +156,67 @@ def _stored_pieces(d: Path, md, n_layers: int, loc: dcp.ChunkLocator, acc: _Plan
 def _plan_piece(acc: _Plan, args: ModelArgs, name: str, file: str, key: str, offs: tuple, lens: tuple,
                 dtype: str, *, rope: int | None, where: Path) -> None:
     """The reads one stored piece contributes (its box is ``offs``/``lens`` of Megatron's tensor)."""
-    hd, qpg, dim, ffn = args.head_dim, args.n_heads // args.kv_heads, args.dim, args.hidden_dim
-    if name.startswith("<qkv>"):  # rows: query groups in global order, each q heads | k | v
-        gid, group_rows = int(name.split(":")[1]), (qpg + 2) * hd
-        if offs[0] % group_rows or lens[0] % group_rows or lens[1] != dim:
-            raise UserError(f"{where}: {key} rows {offs[0]}+{lens[0]} do not hold whole query groups "
-                            f"of {group_rows} rows")
-        parts = fused_parts("qkv")
-        for g in range(lens[0] // group_rows):
-            G, base = offs[0] // group_rows + g, g * group_rows
-            for part, so, do, n in (("q", base, G * qpg * hd, qpg * hd), ("k", base + qpg * hd, G * hd, hd),
-                                    ("v", base + (qpg + 1) * hd, G * hd, hd)):
-                p = parts[part]
-                acc.add(layer_name(gid, p), Read(file, key, Box((so, 0), (n, dim)), Box((do, 0), (n, dim)),
-                                                 rope if p.rope else None), dtype)
-    elif name.startswith("<fc1>"):  # rows: [gate; up] of the whole FFN
-        gid, parts = int(name.split(":")[1]), fused_parts("fc1")
-        for part, lo in (("gate", 0), ("up", ffn)):
-            hit = Box(offs, lens).intersect(Box((lo, 0), (ffn, dim)))
-            if hit is not None:
-                acc.add(layer_name(gid, parts[part]),
-                        Read(file, key, Box((hit.offsets[0] - offs[0], 0), hit.lengths),
-                             Box((hit.offsets[0] - lo, 0), hit.lengths)), dtype)
-    elif param_of(name).vocab_rows:
-        hit = Box(offs, lens).intersect(Box((0, 0), (args.vocab_size, dim)))
-        if hit is not None:  # rows past the true vocabulary are padding
-            acc.add(name, Read(file, key, Box((hit.offsets[0] - offs[0], 0), hit.lengths), hit), dtype)
-    else:
-        acc.add(name, Read(file, key, Box.full(lens), Box(offs, lens)), dtype)
+    fused = fused_group(name)
+    if fused is None:
+        spec = param_of(name)
+        read = (vocab_read(args, file, key, offs[0], lens[0]) if spec.vocab_rows
+                else Read(file, key, Box.full(lens), Box(offs, lens)))
+        acc.add(name, read, dtype)
+        return
+    group, gid = fused
+    if group == "fc1":  # rows: [gate; up] of the whole FFN
+        reads = defuse_fc1(args, gid, file, key, [(0, offs[0], lens[0])])
+    else:  # rows: query groups in global order, each q heads | k | v
+        rows = qkv_group_rows(args)
+        if offs[0] % rows or lens[0] % rows or tuple(lens[1:]) != ((args.dim,) if group == "qkv" else ()):
+            raise UserError(f"{where}: {key} rows {offs[0]}+{lens[0]} do not hold whole query groups of {rows} rows")
+        reads = defuse_qkv(args, group, gid, file, key, first=offs[0] // rows, n_groups=lens[0] // rows,
+                           tail=tuple(lens[1:]), rope=rope)
+    for n, read in reads:
+        acc.add(n, read, dtype)
 
 
-def _tensor_plans(d: Path, args: ModelArgs, padded: int, acc: _Plan) -> dict[str, TensorPlan]:
-    tensors, shapes = {}, native_shapes(args)
-    for name in native_names(args):
-        if name not in acc.reads:
-            raise UserError(f"{d}: no tensor for {name!r}; the checkpoint is incomplete")
-        spec, reads = param_of(name), acc.reads[name]
-        kind = (f"fused {spec.fused[0]}" if spec.fused else f"{len(reads)} chunks" if len(reads) > 1 else "whole")
-        if spec.vocab_rows:
-            kind = f"vocab padded to {padded or '?'}, {kind}"
-        tensors[name] = TensorPlan(name, shapes[name], acc.dtypes[name],
-                                   tuple(sorted(reads, key=lambda r: r.dst_box.offsets)), kind)
-    return tensors
+def _virtual_stages(a, args: ModelArgs, d: Path) -> int | None:
+    """Virtual pipeline stages per pp rank the checkpoint was saved with (informational), or None."""
+    vpp = arg(a, "virtual_pipeline_model_parallel_size", INT, d, default=None, bound=limits.LAYERS)
+    per = arg(a, "num_layers_per_virtual_pipeline_stage", INT, d, default=None, bound=limits.LAYERS)
+    pp = arg(a, "pipeline_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL)
+    return vpp or (args.n_layers // pp // per if per else None)
 
 
 def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
                 read_headers: bool = True) -> tuple[SourcePlan, dcp.DcpStore]:
     """Plan a torch_dist checkpoint: args from common.pt, then every model chunk of .metadata."""
-    from titan_pipe.convert.readers.megatron import _true_vocab as true_vocab
-    from titan_pipe.convert.readers.megatron import arg, model_args
-
     d, common, a = _open_iteration(path)
     md = dcp.read_metadata(d)
     args = model_args(a, true_vocab(a, path, vocab_size), path, virtual_ok=True)
     check_fits(args, dcp.stored_bytes(md), source=f"{d / COMMON}: Megatron args",
                where=f"the tensors {d / dcp.METADATA} lists")
-    rope = args.head_dim if getattr(a, "rotary_interleaved", False) else None
+    rope = rope_rows(a, args, d)
     acc = _Plan()
     with dcp.ChunkLocator(d) as loc:
         for mkey, file, key, offs, lens, dtype in _stored_pieces(d, md, args.n_layers, loc, acc):
             try:
                 name = megatron_to_native(mkey, 0)
             except KeyError as e:
-                raise UserError(f"{d / dcp.METADATA}: {e.args[0]}; only megatron-core LLaMA-style "
+                raise UserError(f"{d / dcp.METADATA}: {e.args[0]}; only megatron-core LLaMA-family "
                                 "layers are converted") from None
             if name is not None:
-                _plan_piece(acc, args, name, file, key, offs, lens, dtype, rope=rope, where=d / dcp.METADATA)
+                _plan_piece(acc, args, name, file, key, offs, lens, dtype, rope=rope,
+                            where=d / dcp.METADATA)
         files = loc.files
-    check_accounted(acc.reads, args, source=f"{d / COMMON}: Megatron args")
     padded = arg(a, "padded_vocab_size", INT, d, default=0, bound=limits.VOCAB)
-    tp = arg(a, "tensor_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL)
-    pp = arg(a, "pipeline_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL)
-    per_vstage = arg(a, "num_layers_per_virtual_pipeline_stage", INT, d, default=None, bound=limits.LAYERS)
-    vpp = arg(a, "virtual_pipeline_model_parallel_size", INT, d, default=None, bound=limits.LAYERS) or (
-        args.n_layers // pp // per_vstage if per_vstage else None)
-    plan = SourcePlan("megatron", d, args, _tensor_plans(d, args, padded, acc), files=files,
-                      step=read(common, "iteration", INT, source=d / COMMON, default=0),
-                      layout={"backend": "torch_dist", "tp": tp, "pp": pp, "vpp": vpp,
+
+    def split(spec, reads) -> str:
+        kind = f"{len(reads)} chunks" if len(reads) > 1 else "whole"
+        return f"vocab padded to {padded or '?'}, {kind}" if spec.vocab_rows else kind
+
+    plan = SourcePlan(FORMAT, d, args, tensor_plans(d, args, acc, split), files=files,
+                      step=iteration(common, d / COMMON),
+                      layout={"backend": "torch_dist",
+                              "tp": arg(a, "tensor_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL),
+                              "pp": arg(a, "pipeline_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL),
+                              "vpp": _virtual_stages(a, args, d),
                               "checkpoint_version": common.get("checkpoint_version"),
                               "padded_vocab_size": padded or None})
     plan.layout["chunks"] = sum(len(t.reads) for t in plan.tensors.values())

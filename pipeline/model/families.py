@@ -1,0 +1,135 @@
+"""The Hugging Face architectures of the LLaMA family titan-pipe computes, and how each spells its
+variant in config.json. Pure data, no torch.
+
+One decoder with four switches (titan_pipe.model.args) covers four architectures:
+
+  LlamaForCausalLM    (llama)    the plain decoder; head_dim may differ from hidden_size / heads
+  MistralForCausalLM  (mistral)  + ``sliding_window`` (null: full attention)
+  Qwen2ForCausalLM    (qwen2)    + biases on q/k/v (always); sliding window per layer
+                                   (``use_sliding_window``, ``max_window_layers`` or ``layer_types``)
+  Qwen3ForCausalLM    (qwen3)    + RMSNorm over each q/k head before RoPE (always); same windows as qwen2
+
+A config.json is read by its ``model_type`` (titan_pipe.model.hf_config reads the rest), every key
+typed strictly (titan_pipe.values); what the model cannot compute (mixture-of-experts families, a
+bias on o_proj, a window on some layers only) is refused in one line naming it.
+The config written for a model is the simplest of the four that computes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titan_pipe import limits
+from titan_pipe.errors import UserError
+from titan_pipe.limits import Bound, shown
+from titan_pipe.model.args import ModelArgs
+from titan_pipe.values import BOOL, INT, STR, read, refuse
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face architecture: its class name, model_type and switches it always has."""
+
+    architecture: str
+    model_type: str
+    qkv_bias: bool = False  # Qwen2 builds q/k/v with bias=True whatever the config says
+    qk_norm: bool = False  # Qwen3 always has q_norm / k_norm
+    window_keys: str = "none"  # none | mistral (sliding_window) | qwen (per-layer types)
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("LlamaForCausalLM", "llama"),
+    Family("MistralForCausalLM", "mistral", window_keys="mistral"),
+    Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window_keys="qwen"),
+    Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, window_keys="qwen"),
+)}
+SUPPORTED = ", ".join(f.architecture for f in FAMILIES.values())
+# Known relatives the model cannot compute, named so the refusal says what the file is.
+UNSUPPORTED = {
+    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+def family_of(args: ModelArgs) -> Family:
+    """The architecture a config.json for ``args`` names; ValueError for a combination none has."""
+    if args.qk_norm and args.qkv_bias:
+        raise ValueError("q/k norms together with q/k/v biases: no Hugging Face architecture has both "
+                         f"({SUPPORTED}); drop one of qk_norm / qkv_bias")
+    if args.qk_norm:
+        return FAMILIES["qwen3"]
+    if args.qkv_bias:
+        return FAMILIES["qwen2"]
+    return FAMILIES["mistral"] if args.sliding_window is not None else FAMILIES["llama"]
+
+
+def family_keys(args: ModelArgs) -> dict:
+    """The architecture keys of ``args``' config.json (architectures, model_type, biases, windows)."""
+    fam = family_of(args)
+    cfg: dict = {"architectures": [fam.architecture], "model_type": fam.model_type}
+    if fam.model_type in ("llama", "qwen3"):
+        cfg["attention_bias"] = False
+    if fam.model_type == "llama":
+        cfg["mlp_bias"] = False
+    w = args.sliding_window
+    if fam.window_keys == "mistral":
+        cfg["sliding_window"] = w
+    elif fam.window_keys == "qwen":
+        cfg.update(use_sliding_window=w is not None, sliding_window=w,
+                   max_window_layers=0 if w is not None else args.n_layers,
+                   layer_types=[SLIDING if w is not None else FULL] * args.n_layers)
+    return cfg
+
+
+def config_family(cfg: dict, source: str) -> Family:
+    """The supported family ``cfg``'s model_type names (a string; absent: llama); UserError naming
+    the architecture otherwise (a mixture-of-experts relative says so)."""
+    kind = read(cfg, "model_type", STR, source=source, default="llama",
+                fix=f"write the model_type of one of {SUPPORTED}")
+    if kind in FAMILIES:
+        return FAMILIES[kind]
+    names = cfg.get("architectures")
+    named = names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
+    what = UNSUPPORTED.get(kind) or (shown(named) if named else f"model_type {shown(kind)}")
+    why = " (mixture of experts)" if kind in UNSUPPORTED else ""
+    raise UserError(f"{source}: architecture {what}{why} is not supported; titan-pipe computes {SUPPORTED}")
+
+
+def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
+    """ModelArgs fields {qkv_bias, qk_norm, sliding_window} of a config.json, every key typed
+    strictly (titan_pipe.values); UserError naming the key for what the model cannot compute."""
+    fam = config_family(cfg, source)
+    if read(cfg, "attention_bias", BOOL, source=source, default=False) and fam.model_type in ("llama", "qwen3"):
+        raise refuse(source, "attention_bias", True, "puts a bias on o_proj too, which titan-pipe's model does not "
+                     "have", "convert a model without it (Qwen2's q/k/v biases are supported)")
+    if read(cfg, "mlp_bias", BOOL, source=source, default=False):
+        raise refuse(source, "mlp_bias", True, "is not supported", "convert a model without MLP biases")
+    return {"qkv_bias": fam.qkv_bias, "qk_norm": fam.qk_norm,
+            "sliding_window": _window(cfg, fam, n_layers, source)}
+
+
+def _window(cfg: dict, fam: Family, n_layers: int, source: str) -> int | None:
+    """The one sliding window every layer uses, or None; a window on some layers only is refused."""
+    if fam.window_keys == "none":
+        return None
+    size = read(cfg, "sliding_window", INT, source=source, default=None, bound=limits.POSITIONS,
+                fix="write a positive number of positions, or null for full attention")
+    if fam.window_keys == "mistral":
+        return size
+    types = cfg.get("layer_types")
+    if types is None:  # Qwen2Config's rule: layers from max_window_layers on slide, when enabled
+        if not read(cfg, "use_sliding_window", BOOL, source=source, default=False) or size is None:
+            return None
+        first = read(cfg, "max_window_layers", INT, source=source, default=28, bound=Bound(0, limits.LAYERS.hi))
+        types = [SLIDING if i >= first else FULL for i in range(n_layers)]
+    if not isinstance(types, list) or set(map(str, types)) - {FULL, SLIDING} or len(types) != n_layers:
+        raise refuse(source, "layer_types", types, f"must list {n_layers} entries of {FULL!r} / {SLIDING!r}",
+                     "write one entry per layer")
+    if set(types) == {FULL, SLIDING}:
+        raise UserError(f"{source}: a sliding window on {types.count(SLIDING)} of {n_layers} layers only "
+                        "(max_window_layers / layer_types) is not supported; titan-pipe's model uses one "
+                        "attention for every layer")
+    if types and types[0] == SLIDING and size is None:
+        raise refuse(source, "sliding_window", None, "is null but layer_types slide",
+                     "give sliding_window a number of positions")
+    return size if types and types[0] == SLIDING else None
