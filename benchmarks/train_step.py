@@ -1,6 +1,6 @@
 """Trainer overhead and activation-checkpointing trade-off, measured against baselines in the same run.
 
-    /work/venv/bin/python benchmarks/train_step.py [--steps 12] [--out DIR]
+    python benchmarks/train_step.py [--steps 20] [--repeats 3] [--compile-backend inductor] [--out DIR]
 
 1. tokens/s and peak RSS of the titan-pipe trainer at dp=tp=pp=1 (the real torchrun entry's
    ``train()`` on a one-rank gloo group) against a minimal hand-written PyTorch loop on the same
@@ -8,6 +8,9 @@
 2. The trainer with activation checkpointing (every layer) against itself without: peak-RSS
    growth over the post-build baseline (the activation memory saved) and the step-time cost of
    recomputation.
+3. The trainer with train.compile (each block through torch.compile, --compile-backend, default
+   inductor: C++ code generation on CPU) against itself without: steady-state tokens/s (steps that
+   compiled are left out) and the compile time, and the losses side by side.
 Each variant runs in its own subprocess so peak RSS is its own; each pair runs --repeats times in
 alternating order; a run's step time is its lower-quartile step, and each variant's fastest run
 is kept (on a shared 2-core machine the slow tail is other processes' load). Figures print as ratios;
@@ -46,10 +49,12 @@ def current_rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def flow_dict(kind: str, steps: int, ac: bool) -> dict:
+def flow_dict(kind: str, steps: int, ac: bool, compile_backend: str | None = None) -> dict:
     f = json.loads(json.dumps(FLOWS[kind]))
     f["train"].update(steps=steps, warmup_steps=2, grad_clip=1.0, seed=0,
                       optimizer={"name": "adamw", "lr": 1e-3})
+    if compile_backend:
+        f["train"].update(compile=True, compile_backend=compile_backend)
     f.update(device="cpu", name=f"bench-{kind}-{'ac' if ac else 'noac'}", checkpoint={"every": 10**6, "keep_last": 1},
              memory={"activation_checkpointing": ac, "activation_checkpointing_layers": 1})
     return f
@@ -96,7 +101,7 @@ def worker_loop(kind: str, steps: int) -> dict:
             "tokens_per_step": t.batch_size * t.seq_len}
 
 
-def worker_trainer(kind: str, steps: int, ac: bool) -> dict:
+def worker_trainer(kind: str, steps: int, ac: bool, compile_backend: str | None = None) -> dict:
     """The real trainer loop (titan_pipe.training.trainer.train) on a one-rank gloo group."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
@@ -107,7 +112,7 @@ def worker_trainer(kind: str, steps: int, ac: bool) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="titan-bench-"))
     os.chdir(work)
-    cfg = parse_flow(flow_dict(kind, steps, ac), base=work)
+    cfg = parse_flow(flow_dict(kind, steps, ac, compile_backend), base=work)
     # Baseline RSS after the model exists: wrap build_parallel_model to sample it.
     samples = {}
     orig = train_mod.build_parallel_model
@@ -122,6 +127,7 @@ def worker_trainer(kind: str, steps: int, ac: bool) -> dict:
     records = [json.loads(line) for line in (work / "runs" / cfg.name / "metrics.jsonl").read_text().splitlines()]
     dist.destroy_process_group()
     return {"step_times": [r["step_time_s"] for r in records], "losses": [r["loss"] for r in records],
+            "compile_s": [r["compile_s"] for r in records],
             "peak_rss_mb": rss_mb(), "base_rss_mb": samples["base"],
             "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len}
 
@@ -136,13 +142,15 @@ def run_worker(args: list[str]) -> dict:
 
 
 def summarize(r: dict, skip: int = 2) -> dict:
-    """Step time = the lower quartile of the steps after ``skip`` warm-up steps: on a shared
-    machine the slow tail is other people's load, not the code under test."""
-    times = sorted(r["step_times"][skip:] or r["step_times"])
+    """Step time = the lower quartile of the steps after ``skip`` warm-up steps that did not compile:
+    on a shared machine the slow tail is other people's load, not the code under test."""
+    compiled = r.get("compile_s") or [0.0] * len(r["step_times"])
+    steady = [t for i, (t, c) in enumerate(zip(r["step_times"], compiled)) if i >= skip and not c]
+    times = sorted(steady or r["step_times"])
     q1 = times[len(times) // 4]
     return {"step_s": q1, "median_step_s_all": statistics.median(times),
             "tokens_per_s": r["tokens_per_step"] / q1, "peak_rss_mb": r["peak_rss_mb"],
-            "activation_rss_mb": r["peak_rss_mb"] - r["base_rss_mb"]}
+            "activation_rss_mb": r["peak_rss_mb"] - r["base_rss_mb"], "compile_s": sum(compiled)}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -168,11 +176,43 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def report_overhead(res: dict, raw: dict) -> dict:
+    same = raw["loop"]["losses"] == raw["trainer"]["losses"]
+    speed = res["trainer"]["tokens_per_s"] / res["loop"]["tokens_per_s"]
+    rss = res["trainer"]["peak_rss_mb"] / res["loop"]["peak_rss_mb"]
+    print(f"trainer vs hand loop (debug, B=8, T=128): {speed:.3f}x tokens/s "
+          f"({res['trainer']['tokens_per_s']:.0f} vs {res['loop']['tokens_per_s']:.0f}; target >= 0.95x), "
+          f"{rss:.3f}x peak RSS ({res['trainer']['peak_rss_mb']:.0f} vs {res['loop']['peak_rss_mb']:.0f} MB), "
+          f"losses identical: {same}")
+    return {"trainer_tokens_per_s": speed, "trainer_peak_rss": rss, "losses_identical": same}
+
+
+def report_ac(res: dict) -> dict:
+    saving = 1 - res["trainer_ac"]["activation_rss_mb"] / res["trainer_noac"]["activation_rss_mb"]
+    cost = res["trainer_ac"]["step_s"] / res["trainer_noac"]["step_s"]
+    print(f"activation checkpointing (dim 192, 4 layers, B=8, T=256): activation RSS "
+          f"{res['trainer_ac']['activation_rss_mb']:.0f} vs {res['trainer_noac']['activation_rss_mb']:.0f} MB "
+          f"({saving:.0%} saved), step time {cost:.2f}x (recompute cost {cost - 1:+.0%})")
+    return {"ac_saving": saving, "ac_step_time": cost}
+
+
+def report_compile(res: dict, raw: dict, backend: str) -> dict:
+    compiled = res["trainer_compiled"]["tokens_per_s"] / res["trainer_eager"]["tokens_per_s"]
+    gap = max(abs(x - y) / abs(y) for x, y in zip(raw["trainer_compiled"]["losses"], raw["trainer_eager"]["losses"]))
+    print(f"train.compile ({backend}, debug, B=8, T=128): {compiled:.3f}x tokens/s "
+          f"({res['trainer_compiled']['tokens_per_s']:.0f} vs {res['trainer_eager']['tokens_per_s']:.0f}), "
+          f"compile {res['trainer_compiled']['compile_s']:.1f} s, losses within {gap:.1e} relative, "
+          f"peak RSS {res['trainer_compiled']['peak_rss_mb']:.0f} vs {res['trainer_eager']['peak_rss_mb']:.0f} MB")
+    return {"compiled_tokens_per_s": compiled, "compiled_loss_gap": gap}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    ap.add_argument("--compile-backend", default="inductor", help="train.compile_backend of the compiled runs")
+    ap.add_argument("--pairs", default="overhead,ac,compile", help="which comparisons to run")
     ap.add_argument("--worker", nargs="+")
     a = ap.parse_args()
     if a.worker:
@@ -180,38 +220,37 @@ def main() -> None:
         if mode == "loop":
             res = worker_loop(kind, a.steps)
         else:
-            res = worker_trainer(kind, a.steps, ac=mode == "trainer_ac")
+            res = worker_trainer(kind, a.steps, ac=mode == "trainer_ac",
+                                 compile_backend=a.compile_backend if mode == "trainer_compiled" else None)
         print(json.dumps(res))
         return
     # Each pair runs --repeats times in alternating order (A B A B ...) and keeps each variant's
     # fastest run: on a shared machine the load drifts, and the fastest is the least disturbed.
-    pairs = [("overhead", "loop", "trainer"), ("ac", "trainer_noac", "trainer_ac")]
+    pairs = {"overhead": ("overhead", "loop", "trainer"), "ac": ("ac", "trainer_noac", "trainer_ac"),
+             "compile": ("overhead", "trainer_eager", "trainer_compiled")}
+    chosen = a.pairs.split(",")
     raw, res = {}, {}
-    for kind, first, second in pairs:
+    for kind, first, second in (pairs[p] for p in chosen):
         for i in range(a.repeats):
             for mode in ((first, second) if i % 2 == 0 else (second, first)):
-                r = run_worker([kind, mode, "--steps", str(a.steps)])
+                r = run_worker([kind, mode, "--steps", str(a.steps), "--compile-backend", a.compile_backend])
                 s = summarize(r)
                 if mode not in res or s["step_s"] < res[mode]["step_s"]:
                     raw[mode], res[mode] = r, s
-    same = raw["loop"]["losses"] == raw["trainer"]["losses"]
-    speed = res["trainer"]["tokens_per_s"] / res["loop"]["tokens_per_s"]
-    rss = res["trainer"]["peak_rss_mb"] / res["loop"]["peak_rss_mb"]
-    saving = 1 - res["trainer_ac"]["activation_rss_mb"] / res["trainer_noac"]["activation_rss_mb"]
-    cost = res["trainer_ac"]["step_s"] / res["trainer_noac"]["step_s"]
-    print(f"trainer vs hand loop (debug, B=8, T=128): {speed:.3f}x tokens/s "
-          f"({res['trainer']['tokens_per_s']:.0f} vs {res['loop']['tokens_per_s']:.0f}; target >= 0.95x), "
-          f"{rss:.3f}x peak RSS ({res['trainer']['peak_rss_mb']:.0f} vs {res['loop']['peak_rss_mb']:.0f} MB), "
-          f"losses identical: {same}")
-    print(f"activation checkpointing (dim 192, 4 layers, B=8, T=256): activation RSS "
-          f"{res['trainer_ac']['activation_rss_mb']:.0f} vs {res['trainer_noac']['activation_rss_mb']:.0f} MB "
-          f"({saving:.0%} saved), step time {cost:.2f}x (recompute cost {cost - 1:+.0%})")
+    ratios = {}
+    if "overhead" in chosen:
+        ratios.update(report_overhead(res, raw))
+    if "ac" in chosen:
+        ratios.update(report_ac(res))
+    if "compile" in chosen:
+        ratios.update(report_compile(res, raw, a.compile_backend))
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "train_step.json").write_text(json.dumps(
-        {"results": res, "ratios": {"trainer_tokens_per_s": speed, "trainer_peak_rss": rss, "ac_saving": saving,
-                                    "ac_step_time": cost}, "losses_identical": same}, indent=1))
-    plot(res, a.out / "train_step.png")
-    print(f"wrote {a.out / 'train_step.json'} and {a.out / 'train_step.png'}")
+        {"results": res, "ratios": ratios}, indent=1))
+    print(f"wrote {a.out / 'train_step.json'}")
+    if {"overhead", "ac"} <= set(chosen):
+        plot(res, a.out / "train_step.png")
+        print(f"wrote {a.out / 'train_step.png'}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from titan_pipe import limits
-from titan_pipe.choices import (DEVICES, DP_MODES, EXPORT, KERNELS, OFFLOADS, OPTIMIZERS, PP_SCHEDULES,
+from titan_pipe.choices import (COMPILE_BACKENDS, DEVICES, DP_MODES, EXPORT, KERNELS, OFFLOADS, OPTIMIZERS, PP_SCHEDULES,
                                 PRECISION_MODES, export_problems)
 from titan_pipe.choices import NAMINGS
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
@@ -146,6 +146,8 @@ class TrainConfig(Section):
     grad_clip: float | None = Field(1.0, gt=0)
     seed: int = Field(0, ge=0, le=2**63 - 1)
     log_every: int = _bounded(1, limits.STEPS)
+    compile: bool = False  # torch.compile each transformer block (after TP and AC, before FSDP)
+    compile_backend: Literal[COMPILE_BACKENDS] = "auto"
 
 
 class ParallelConfig(Section):
@@ -352,6 +354,9 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     if p.sequence_parallel and p.tp > 1 and cfg.train.seq_len % p.tp:
         errs.append(f"train.seq_len: {cfg.train.seq_len} is not divisible by tp={p.tp} "
                     "(sequence_parallel splits the sequence)")
+    if cfg.train.compile_backend != "auto" and not cfg.train.compile:
+        errs.append(f"train.compile_backend: {cfg.train.compile_backend!r} has no effect while train.compile is "
+                    "false; set train.compile: true or remove train.compile_backend")
     pr = cfg.precision
     if pr.amp and pr.amp_dtype == "float16" and pr.loss_scale is None:
         errs.append("precision.loss_scale: float16 AMP needs loss scaling; set loss_scale: dynamic "

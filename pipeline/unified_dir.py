@@ -69,7 +69,7 @@ def locate_weights(model_dir: Path) -> WeightFiles:
     if single.is_file():
         single = resolve_inside(model_dir, SINGLE, source=model_dir, what="weights file")
         try:
-            with safe_open(str(single), framework="pt") as fh:
+            with safe_open(str(single), framework="numpy") as fh:  # keys only; "pt" would import torch
                 keys = list(fh.keys())
         except Exception as e:  # safetensors raises its own error types for bad headers
             raise UserError(f"{single}: not a readable safetensors file ({e})") from None

@@ -104,6 +104,14 @@ def test_export_opset_12_is_refused_by_validate(tmp_path):
     assert len(e.value.lines) == 1 and "export.opset" in e.value.lines[0] and "opset 12" in e.value.lines[0]
 
 
+def test_compile_backends_agree(tmp_path):
+    from titan_pipe.training.compile import resolve_backend
+
+    for b in choices.COMPILE_BACKENDS + OUTSIDERS:
+        cfg = config_ok({"train": {"compile": True, "compile_backend": b}}, tmp_path)
+        assert cfg == stage_ok(resolve_backend, b, "cuda"), b  # cuda: no host compiler or TorchAir asked for
+
+
 def test_namings_agree(tmp_path):
     src = SourcePlan("hf", tmp_path, DEBUG, {"tok_embeddings.weight": TensorPlan("tok_embeddings.weight", (320, 64),
                                                                                  "F32", ())}, files=[])

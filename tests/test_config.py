@@ -37,6 +37,8 @@ def test_example_and_template_are_valid():
     ({"device": "cpu", "model": {"flavour": "debug", "kernels": "npu_fused"}}, "npu_fused needs device npu"),
     ({"export": {"opset": 18}}, "export.opset"),
     ({"evaluate": {"max_memory": "lots"}}, "evaluate.max_memory"),
+    ({"train": {"compile_backend": "aot_eager"}}, "train.compile_backend: 'aot_eager' has no effect"),
+    ({"train": {"compile": True, "compile_backend": "tvm"}}, "train.compile_backend"),
 ])
 def test_bad_values_get_one_clear_line(patch, expect, tmp_path):
     data = _example()

@@ -46,6 +46,11 @@ def test_logger_appends_flushed_lines_and_disabled_writes_nothing(tmp_path):
     ("NVIDIA A100-SXM4-80GB", torch.float16, 312.0),
     ("Ascend910B3", torch.bfloat16, 294.9),
     ("Ascend910B1", torch.bfloat16, 373.9),
+    ("NVIDIA H200", torch.bfloat16, 989.5),  # the SXM part (what the device tool lends)
+    ("NVIDIA H200 NVL", torch.bfloat16, 835.5),  # not the SXM figure: the longer key wins
+    ("NVIDIA H20", torch.bfloat16, 148.0),  # not H200's
+    ("NVIDIA L40S", torch.float16, 362.05),
+    ("NVIDIA B200", torch.bfloat16, 2250.0),
 ])
 def test_profile_peak_known_devices(name, dtype, tflops):
     peak, source = profile_peak(name, dtype)

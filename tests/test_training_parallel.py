@@ -112,6 +112,8 @@ TIED = dict(flow({"pp": 2, "microbatches": 2}), model={"flavour": "debug", "qkv_
             train=dict(BASE["train"], steps=4), checkpoint={"every": 2, "keep_last": 3})
 TIED_RUNS = [{"name": "tied_pp2", "flow": TIED},
              {"name": "tied_tp2", "flow": dict(TIED, parallel={"tp": 2})},
+             # tp 1: the module's own tie, which to_empty would split into two parameters (training/parallelize.py)
+             {"name": "tied_dp2", "flow": dict(TIED, parallel={"dp": 2})},
              {"name": "tied_pp2_to_tp2", "flow": dict(TIED, parallel={"tp": 2}), "resume": True,
               "copy_from": {"run": "tied_pp2", "step": 2}},
              {"name": "tied_tp2_to_dp2", "flow": dict(TIED, parallel={"dp": 2}), "resume": True,
@@ -230,10 +232,10 @@ def test_3d_families_match_single_process(world8, run, tmp_path):
 def test_tied_embeddings_under_tp_and_pp_resume_across_layouts(world2, world8, tmp_path):
     """Tied embeddings trained as one matrix whatever the layout: the checkpoint holds the embedding
     alone, and resuming pp2 -> tp2 (output copy to copy) or tp2 -> dp2 (copy to the module's own
-    tie) continues the single-process curve."""
+    tie) continues the single-process curve; dp2 from scratch keeps the module's tie through to_empty."""
     work, res = world2
     ref = reference_run(TIED, base=tmp_path)
-    for name in ("tied_pp2", "tied_tp2"):
+    for name in ("tied_pp2", "tied_tp2", "tied_dp2"):
         assert_close(losses(res, name), ref["losses"])
         assert_close([r["grad_norm"] for r in res[name]["metrics"]], ref["grad_norms"], what="grad norm")
     for name in ("tied_pp2_to_tp2", "tied_tp2_to_dp2"):

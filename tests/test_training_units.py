@@ -230,3 +230,19 @@ def test_weight_source_errors_name_the_fix(tmp_path, hf_dir):
         check_compatible(open_weights(path).args, DEBUG, path)
     with pytest.raises(UserError, match="no tensor for parameter"):
         open_weights(path).full("layers.7.attention.wq.weight")
+
+
+def test_fill_parameters_keeps_tied_embeddings_tied():
+    """to_empty allocates every registration anew; the tie is restored, values as the single-process model."""
+    from titan_pipe.model.args import resolve_args
+    from titan_pipe.model.transformer import build_model
+    from titan_pipe.training.parallelize import fill_parameters
+
+    args = resolve_args("debug", tie_embeddings=True)
+    model = build_model(args, seed=None, device="meta")
+    fill_parameters(model, args, device=torch.device("cpu"), seed=0)
+    assert model.output.weight is model.tok_embeddings.weight
+    ref = build_model(args, seed=0)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    for (name, got), want in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(got, want), name

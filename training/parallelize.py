@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.training.activation_checkpoint import apply_ac
+from titan_pipe.training.compile import apply_compile
 from titan_pipe.training.data_parallel import DPPlan, apply_dp, unwrap
 from titan_pipe.model.kernels import Kernels
 from titan_pipe.model.transformer import init_param
@@ -63,17 +64,23 @@ class ParallelModel:
 
 
 def parallelize(part: nn.Module, mesh: DeviceMesh, dp_plan: DPPlan, *, sequence_parallel: bool = False,
-                ac_every: int | None = None, materialize: Callable[[nn.Module], None]) -> nn.Module:
-    """TP, then activation checkpointing, then data parallelism, always in this order.
+                ac_every: int | None = None, compile_backend=None,
+                materialize: Callable[[nn.Module], None]) -> nn.Module:
+    """TP, then activation checkpointing, then torch.compile per block, then data parallelism,
+    always in this order (torchtitan's).
 
     TP first because FSDP/replicate shard the TP-local DTensors further over dp; AC before DP so
-    the recomputed block's all-gathers are FSDP's own. ``materialize`` (allocate + fill the
+    the recomputed block's all-gathers are FSDP's own; compile (``compile_backend`` not None) after
+    TP and AC so it traces the TP-local block, and before DP so FSDP's gathers stay outside the
+    compiled graphs (titan_pipe.training.compile). ``materialize`` (allocate + fill the
     local shards) runs before classic DDP, which broadcasts real weights when it is built, and
     after FSDP otherwise, so each rank only ever allocates its own shard.
     """
     apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel)
     if ac_every is not None:
         apply_ac(part, ac_every)
+    if compile_backend is not None:
+        apply_compile(part, compile_backend, split_blocks=mesh["tp"].size() > 1)
     if dp_plan.kind == "ddp" or dp_plan.kind == "none":
         materialize(part)
         return apply_dp(part, mesh["dp"], dp_plan)
@@ -99,10 +106,32 @@ def fill_parameters(module: nn.Module, args: ModelArgs, *, device: torch.device,
     """Allocate ``module``'s parameters on ``param_device`` (default ``device``; the CPU under
     FSDP offload) and fill each with its global value (``weights.full(name)`` or the
     layout-independent ``init_param``) cut to this rank's shard. RoPE buffers go to ``device``."""
-    module.to_empty(device=param_device or device)
+    ties = shared_parameters(module)
+    module.to_empty(device=param_device or device)  # allocates each registration anew: ties break here
+    retie(ties)
     copy_global_values(module, args, seed=seed, weights=weights, dtype=dtype)
     module.init_rope()
     module.rope_cos, module.rope_sin = module.rope_cos.to(device), module.rope_sin.to(device)
+
+
+def shared_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """Parameters registered under more than one name (tied embeddings): (module, attr, module, attr
+    of the first registration), so the tie can be restored after ``to_empty``."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties = []
+    for mod in module.modules():
+        for attr, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+            if id(p) in first:
+                ties.append((mod, attr, *first[id(p)]))
+            else:
+                first[id(p)] = (mod, attr)
+    return ties
+
+
+def retie(ties: list[tuple[nn.Module, str, nn.Module, str]]) -> None:
+    """Point every later registration of a shared parameter back at the first (see shared_parameters)."""
+    for owner, attr, first, first_attr in ties:
+        setattr(owner, attr, getattr(first, first_attr))
 
 
 @torch.no_grad()
@@ -125,13 +154,15 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
                          schedule: str = "1f1b", virtual_stages: int = 2,
                          sequence_parallel: bool = False, ac_every: int | None = None,
                          dp_plan: DPPlan | None = None, kernels: Kernels | None = None,
-                         seed: int = 0, weights: WeightSource | None = None) -> ParallelModel:
+                         seed: int = 0, weights: WeightSource | None = None,
+                         compile_backend=None) -> ParallelModel:
     """This rank's stage modules of ``args`` on the (dp, pp, tp) ``mesh``, parallelized and filled.
 
     weights: None = layout-independent random init from ``seed`` (the same values a single-process
     ``build_model(args, seed=seed)`` holds); otherwise anything with ``full(name) -> Tensor``
     (titan_pipe.model.weights: our checkpoint, a unified safetensors dir, a Hugging Face dir).
     dp_plan: None = no data parallel wrapper (forward-only use; dp ranks then run independently).
+    compile_backend: None = eager; else a torch.compile backend for every block (training.compile).
     """
     device = device or torch.device("cpu")
     dp_plan = dp_plan or DPPlan("none")
@@ -151,5 +182,6 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
         part = build_stage_module(stage_args, plan.stages[s], first=plan.is_first(s), last=plan.is_last(s),
                                   kernels=kernels, device="meta")
         model.parts.append(parallelize(part, mesh, dp_plan, sequence_parallel=sequence_parallel,
-                                       ac_every=ac_every, materialize=materialize))
+                                       ac_every=ac_every, compile_backend=compile_backend,
+                                       materialize=materialize))
     return model

@@ -4,8 +4,8 @@
 (training/launch.py) before it writes the run's record or spawns torchrun, so a run that would
 fail in its ranks fails here instead, one line per problem (ConfigError, exit 2) and nothing
 written: the run dir must be creatable and writable, ``init_from`` and the checkpoint a
-``--resume`` continues from must hold the model flow.yaml describes, and the corpus must fill at
-least one global batch. The rules on the config alone are titan_pipe.config's.
+``--resume`` continues from must hold the model flow.yaml describes, the corpus must fill at
+least one global batch, and a compiled cpu flow needs a compiler for its backend. The rules on the config alone are titan_pipe.config's.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ def check_before_launch(cfg: FlowConfig, *, flow_path: Path, resume: bool = Fals
     """ConfigError naming ``flow_path`` with one line per problem the launch would meet; None if none."""
     base = Path(flow_path).resolve().parent
     lines = [p for p in (runs_dir_problem(cfg, base), init_from_problem(cfg, base),
-                         resume_problem(cfg, base) if resume else None, corpus_problem(cfg, base)) if p]
+                         resume_problem(cfg, base) if resume else None, corpus_problem(cfg, base),
+                         compile_problem(cfg)) if p]
     if lines:
         raise ConfigError(str(flow_path), lines)
 
@@ -44,6 +45,16 @@ def runs_dir_problem(cfg: FlowConfig, base: Path) -> str | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"runs_dir: {probe} is not writable by this user; choose a writable runs_dir"
     return None
+
+
+def compile_problem(cfg: FlowConfig) -> str | None:
+    """train.compile on a cpu flow: the backend must be able to compile on this host. (auto devices
+    are resolved by the ranks; npu's TorchAir is imported there too.)"""
+    if not cfg.train.compile or cfg.device != "cpu":
+        return None
+    from titan_pipe.training.compile import backend_problem  # imports torch: only for a compiled flow
+
+    return backend_problem(cfg.train.compile_backend, "cpu")
 
 
 def model_of(path: Path) -> ModelArgs:

@@ -29,6 +29,7 @@ from titan_pipe.run_dir import RunDir
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training import metrics
 from titan_pipe.training.amp import LossScaler, autocast
+from titan_pipe.training.compile import compile_seconds, resolve_backend
 from titan_pipe.tokens.loader import PackedLoader
 from titan_pipe.tokens.spec import data_spec, open_spec
 from titan_pipe.tokens.tokenizer import tokenizer_files
@@ -196,11 +197,12 @@ class Trainer:
                                gradient_sync_dtype=cfg.comm.gradient_sync_dtype,
                                fusion_buffer_mb=cfg.comm.fusion_buffer_mb, comm_overlap=cfg.comm.comm_overlap)
         ac_every = cfg.memory.activation_checkpointing_layers if cfg.memory.activation_checkpointing else None
+        backend = resolve_backend(cfg.train.compile_backend, self.device.type) if cfg.train.compile else None
         self.model = build_parallel_model(self.args, self.mesh, device=self.torch_device, schedule=p.pp_schedule,
                                           virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel,
                                           ac_every=ac_every, dp_plan=self.dp_plan,
                                           kernels=resolve_kernels(cfg.model.kernels, self.device.type),
-                                          seed=cfg.train.seed, weights=weights)
+                                          seed=cfg.train.seed, weights=weights, compile_backend=backend)
         self.params = self.model.parameters()
         self.counted = counted(((n, p) for _, n, p in self.model.named_parameters()), self.model.tied is not None)
 
@@ -286,7 +288,7 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         """One optimizer step; returns its metrics record (loss over all dp ranks, memory of every rank)."""
         p = self.cfg.parallel
-        t0 = time.perf_counter()
+        t0, compiled0 = time.perf_counter(), compile_seconds()
         inputs, labels = (x.to(self.torch_device) for x in self.loader.next_batch())
         local_loss = self._forward_backward(inputs, labels)
         if self.fault.due(step, self.rank, "step"):
@@ -308,7 +310,8 @@ class Trainer:
                 "peak_mem_mb": mem / 2**20,
                 "peak_mem_mb_per_rank": [round(float(m) / 2**20, 1) for m in per_rank],
                 "loss_scale": self.scaler.scale,
-                "skipped": bool(found_inf)}
+                "skipped": bool(found_inf),
+                "compile_s": compile_seconds() - compiled0}  # inside step_time_s (the first steps compile)
 
     # -- checkpoint ----------------------------------------------------------------------------
 
@@ -362,8 +365,10 @@ class Trainer:
         return summary
 
     def _summary(self, history: list[dict]) -> dict:
-        timed = history[1:] or history
+        # Throughput of the steady state: not the first step, nor any step that compiled.
+        timed = [r for r in history[1:] if not r["compile_s"]] or history[1:] or history
         return {"final_loss": history[-1]["loss"] if history else None,
+                "compile_s": sum(r["compile_s"] for r in history),
                 "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed) if timed else None,
                 "mfu": history[-1]["mfu"] if history else None, "steps": self.cfg.train.steps,
                 "start_step": self.start, "peak_flops_source": self.peak_source,

@@ -2,7 +2,7 @@
 
 The graphs are built directly (convert/onnx/graphs.py: a decoder layer's nodes emitted once per
 layer) and the weights streamed tensor by tensor from the safetensors files into one external-data
-file both graphs share (convert/onnx/weights.py), so the cost is the weights' I/O: the model is
+file both graphs share (convert/onnx/data_file.py), so the cost is the weights' I/O: the model is
 never loaded, traced or held in memory. Opset 14 is the default (15 accepted): inside ATC's 11..15
 and the window of every operator the graphs use (convert/onnx/data/atc_onnx_ops.json). Everything is
 written to a hidden sibling directory and renamed into place when complete, so a failure leaves
@@ -21,16 +21,17 @@ from titan_pipe.atomic import swap_dir, temp_dir
 from titan_pipe.convert.onnx import atc as atc_mod
 from titan_pipe.convert.onnx.atc_ops import find_problems, load_atc_ops, operator_report
 from titan_pipe.convert.onnx.files import check_and_infer, file_table
+from titan_pipe.convert.onnx.data_file import DataWriter
 from titan_pipe.convert.onnx.graphs import GraphSpec, LayerValues, build_graph, initializer_names, io_dims
-from titan_pipe.convert.onnx.weights import DataWriter, plan_weights
+from titan_pipe.convert.onnx.weights import plan_weights
 from titan_pipe.choices import EXPORT, default_cache_len, export_problems
 from titan_pipe.dtypes import BY_NAME
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.export_record import RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord, OperatorUse
 from titan_pipe.faults import as_fault, check_free_space
 from titan_pipe.graph_io import DATA_FILE, DECODE_FILE, PREFILL_FILE
+from titan_pipe.model import rope
 from titan_pipe.model.args import ModelArgs, count_params
-from titan_pipe.model.transformer import rope_cos_sin
 from titan_pipe.onnx_nodes import NP_DTYPES
 from titan_pipe.unified_dir import read_model_args
 
@@ -132,10 +133,10 @@ def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_
     with DataWriter(work / DATA_FILE, plan.dtype, hash=hash_weights) as data:
         for init_name, native in initializer_names(args).items():
             data.add_source(init_name, sources[native])
-        cos, sin = rope_cos_sin(args, _rope_rows(plan, args))
+        cos, sin = rope.cos_sin(args, _rope_rows(plan, args))
         np_dtype = NP_DTYPES[plan.dtype]
-        data.add_array("rope_cos", cos.numpy().astype(np_dtype))
-        data.add_array("rope_sin", sin.numpy().astype(np_dtype))
+        data.add_array("rope_cos", cos.astype(np_dtype))
+        data.add_array("rope_sin", sin.astype(np_dtype))
     return data
 
 

@@ -2,11 +2,11 @@
 
 No tracing: a decoder layer is the same dozen-odd nodes emitted once per layer under the names
 ``layers.{i}.…``, on initializers that point into the shared external-data file (see
-convert/onnx/weights.py). Each operator is a recipe of titan_pipe.onnx_nodes (the ones operator
+convert/onnx/data_file.py). Each operator is a recipe of titan_pipe.onnx_nodes (the ones operator
 conformance checks); the inputs and outputs are titan_pipe.graph_io's. Besides the recipes:
 
-  RoPE      cos/sin rows Gathered by position_ids from tables computed by
-            titan_pipe.model.transformer's rope_cos_sin (Llama-3.1 scaling included)
+  RoPE      cos/sin rows Gathered by position_ids from tables computed by titan_pipe.model.rope
+            (the module's frequencies, Llama-3.1 scaling included)
   mask      causal from Range + LessOrEqual (prefill); the decode graph's attention_mask covers the
             cache slots, and a one-hot of write_index (Equal over Range) picks the slot it writes
   window    (a sliding window shorter than the positions a graph can see) compares positions, not

@@ -17,12 +17,14 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from titan_pipe.checkpoint_format import Box
-from titan_pipe.dtypes import DTYPE_SIZES, TORCH_DTYPES
+from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_HEADER = 100 * 2**20  # the safetensors library's own limit
 
@@ -194,6 +196,10 @@ class SafetensorsStore(Store):
 
     def read_box(self, file: str, key: str, box: Box) -> torch.Tensor:
         """The box as a tensor of the stored dtype; reads only the rows (dim 0) the box spans."""
+        import torch  # here, not at the top: export reads headers and bytes through this module without torch
+
+        from titan_pipe.dtypes import TORCH_DTYPES
+
         t = self.stored(file, key)
         if not t.shape:
             rows, row_bytes, first = 1, DTYPE_SIZES[t.dtype], 0

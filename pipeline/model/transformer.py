@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_pipe.model import rope
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels, reference_kernels
 from titan_pipe.model.params import param_of
@@ -25,21 +26,8 @@ from titan_pipe.model.params import param_of
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """(head_dim/2,) inverse frequencies, with Llama-3.1 scaling when configured."""
-    hd = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    s = args.rope_scaling
-    if s is None:
-        return inv.float()
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
-    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
-    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    scaled = torch.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
-    return scaled.float()
+    """(head_dim/2,) inverse frequencies, with Llama-3.1 scaling when configured (titan_pipe.model.rope)."""
+    return torch.as_tensor(rope.inv_freq(args))  # on the default device (meta while building on meta)
 
 
 def rope_cos_sin(args: ModelArgs, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,276 @@
+"""One call on a lent accelerator: the trainer against a bare PyTorch loop, compiled and not, and evaluate there.
+
+On one CUDA GPU, with a ~1 B llama3-style model (Llama-3.2-1B's shape: dim 2048, 16 layers, 32/8
+heads, FFN 8192, vocab 128256, tied embeddings, Llama-3.1 RoPE scaling) in bf16 autocast over
+fp32 master weights, AdamW, clipping, batch 8 x 2048 tokens:
+  loop              a bare PyTorch loop: the same model, batch, sequence, loader, optimizer and
+                    schedule, nothing else (the baseline the ratio is taken against)
+  trainer           titan_pipe.training.trainer.train at dp=tp=pp=1 (one-rank process group)
+  trainer_compiled  the same with train.compile: true (inductor on cuda)
+each for --steps steps; tokens/s and MFU from the steady steps (after two warm-up steps and any
+step that compiled); then the trainer's last checkpoint goes through convert, export (float32
+graphs) and evaluate with the PyTorch reference on the device (--device cuda) against ONNX Runtime.
+Writes OUT/device_check.json with every figure (and each phase's seconds, or its error) and prints
+the ratios. A phase that fails is recorded and the next one still runs; the exit code is 1 then.
+
+--dry-run does the same on the CPU with the debug model (tied, GQA, scaled RoPE, so every path
+the real run takes is taken) in seconds, compiling with aot_eager; tests/test_device_check.py runs
+it so the script cannot rot. docs/training.md says how to run it with the device tool and what to
+carry there. Budget on an H200: well inside 8 minutes (model build, 3 x 12 steps, one inductor
+compile, ~15 GB of checkpoint, unified model and ONNX data written and read).
+
+    python benchmarks/device_check.py [--dry-run] [--out DIR] [--steps N]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+# Llama-3.2-1B's dims (the real run) and the debug flavour with the same features (the dry run).
+LLAMA3_1B = {"flavour": "llama3_8b", "dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8,
+             "ffn_hidden_dim": 8192, "tie_embeddings": True, "max_seq_len": 2048,
+             "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}}
+DEBUG_LIKE = {"flavour": "debug", "n_kv_heads": 2, "tie_embeddings": True, "max_seq_len": 64, "rope_theta": 500000.0,
+              "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 32}}
+SPECS = {
+    "device": {"device": "cuda", "model": LLAMA3_1B, "batch": 8, "seq": 2048, "steps": 12, "backend": "auto"},
+    "dry-run": {"device": "cpu", "model": DEBUG_LIKE, "batch": 2, "seq": 32, "steps": 3, "backend": "aot_eager"},
+}
+WARMUP = 2  # steps left out of the figures (allocator, kernel selection, the first compile)
+
+
+def flow_dict(spec: dict, name: str, work: Path, *, compile: bool) -> dict:
+    train = {"steps": spec["steps"], "batch_size": spec["batch"], "seq_len": spec["seq"], "warmup_steps": 2,
+             "grad_clip": 1.0, "seed": 0, "optimizer": {"name": "adamw", "lr": 3e-4}}
+    if compile:
+        train.update(compile=True, compile_backend=spec["backend"])
+    return {"name": name, "runs_dir": str(work / "runs"), "device": spec["device"], "model": spec["model"], "train": train,
+            "precision": {"amp": True, "amp_dtype": "bfloat16"},
+            "checkpoint": {"every": 10**6, "keep_last": 1, "save_optimizer": False}}
+
+
+def init_group(device: str) -> None:
+    """A one-rank process group, as torchrun would set it up (the trainer then finds it initialised)."""
+    import torch.distributed as dist
+
+    with socket.socket() as s:  # a free port: other jobs on the machine may hold the usual ones
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo" if device == "cpu" else f"cpu:gloo,{device}:nccl")
+
+
+def release(device: str) -> None:
+    """Free what the last phase held, so each phase's peak memory is its own."""
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def steady(records: list[dict], tokens_per_step: int) -> dict:
+    """Figures of the steady steps: not the warm-up ones, nor any step that compiled."""
+    timed = [r for r in records[WARMUP:] if not r.get("compile_s")] or records[-1:]
+    step_s = statistics.median(r["step_time_s"] for r in timed)
+    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    return {"steps_timed": len(timed), "step_s": step_s, "tokens_per_s": tokens_per_step / step_s,
+            "mfu": statistics.median(mfus) if mfus else None,
+            "peak_mem_gb": max(r["peak_mem_mb"] for r in records) * 2**20 / 1e9,
+            "compile_s": sum(r.get("compile_s") or 0.0 for r in records),
+            "losses": [r["loss"] for r in records]}
+
+
+def run_trainer(spec: dict, work: Path, *, compile: bool) -> dict:
+    from titan_pipe.config import parse_flow
+    from titan_pipe.training.metrics import step_records
+    from titan_pipe.training.trainer import train
+
+    name = "trainer_compiled" if compile else "trainer"
+    cfg = parse_flow(flow_dict(spec, name, work, compile=compile), base=work)
+    summary = train(cfg, base=work)
+    out = steady(step_records(cfg.run_dir() / "metrics.jsonl"), spec["batch"] * spec["seq"])
+    out.update(checkpoint=summary["checkpoint"], peak_flops_source=summary["peak_flops_source"])
+    return out
+
+
+def run_loop(spec: dict, work: Path) -> dict:
+    """The bare loop: model, AdamW, warmup + cosine, clipping, bf16 autocast, cross entropy. Nothing else."""
+    import torch
+    import torch.nn.functional as F
+
+    from titan_pipe.config import parse_flow
+    from titan_pipe.devices import resolve_device
+    from titan_pipe.model.args import flops_per_token
+    from titan_pipe.model.transformer import build_model
+    from titan_pipe.tokens.loader import PackedLoader
+    from titan_pipe.tokens.spec import data_spec, open_spec
+    from titan_pipe.training.metrics import mfu, peak_flops
+    from titan_pipe.training.optim import lr_factor
+    from titan_pipe.training.prepare import prepare_spec
+
+    cfg = parse_flow(flow_dict(spec, "loop", work, compile=False), base=work)
+    t, args = cfg.train, cfg.model.args()
+    device = resolve_device(spec["device"])
+    dev = device.torch_device(0)
+    spec_data = data_spec(cfg.data, base=work)  # the trainer's data: raw text prepared as it prepares it
+    if spec_data.text is not None:
+        prepare_spec(spec_data, work / "loop-data", progress=False)
+    _, data = open_spec(spec_data, prepared=work / "loop-data", vocab_size=args.vocab_size)
+    loader = PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed)
+    model = build_model(args, seed=t.seed, device=dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=t.optimizer.lr, betas=t.optimizer.betas, eps=t.optimizer.eps,
+                            weight_decay=t.optimizer.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, warmup=t.warmup_steps, total=t.steps, min_ratio=t.lr_min_ratio))
+    records = []
+    for step in range(1, t.steps + 1):
+        t0 = time.perf_counter()
+        x, y = (v.to(dev, non_blocking=True) for v in loader.next_batch())
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        value = float(loss.detach())  # a host sync each step, as the trainer's loss all-reduce makes one
+        records.append({"step": step, "loss": value, "step_time_s": time.perf_counter() - t0,
+                        "peak_mem_mb": _peak_bytes(device) / 2**20})
+    peak, source = peak_flops(device, torch.bfloat16)
+    out = steady(records, t.batch_size * t.seq_len)
+    out["mfu"] = mfu(out["tokens_per_s"], flops_per_token(args, t.seq_len), peak)
+    out["peak_flops_source"] = source
+    del model, opt
+    return out
+
+
+def _peak_bytes(device) -> float:
+    from titan_pipe.devices import peak_memory_bytes
+
+    return float(peak_memory_bytes(device))
+
+
+def run_deploy(spec: dict, work: Path, checkpoint: str) -> dict:
+    """convert -> export (float32 graphs) -> evaluate with the reference on the device."""
+    from titan_pipe.config import EvaluateConfig
+    from titan_pipe.convert.api import convert_checkpoint
+    from titan_pipe.convert.onnx.export import export_model
+    from titan_pipe.evaluate.api import evaluate_model
+
+    times = {}
+    t = time.perf_counter()
+    convert_checkpoint(src=Path(checkpoint), out_dir=work / "model", progress=False)
+    times["convert_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    exported = export_model(model_dir=work / "model", out_dir=work / "onnx", dtype="float32", run_atc=False,
+                            seq_len=32, cache_len=64)
+    times["export_s"] = time.perf_counter() - t
+    settings = EvaluateConfig(device=spec["device"], batches=1, batch_size=1, seq_len=32, prompts=1, prompt_len=8,
+                              new_tokens=4, operators=False)
+    t = time.perf_counter()
+    result = evaluate_model(out_dir=work / "report", model_dir=work / "model", onnx=exported.onnx, settings=settings)
+    times["evaluate_s"] = time.perf_counter() - t
+    return {**times, "weight_gb": exported.summary["weight_bytes"] / 1e9, "evaluate_passed": result.passed,
+            "evaluate_summary": result.summary}
+
+
+def phase(results: dict, name: str, fn, *args, **kwargs):
+    """Run one phase; record its seconds and result, or its error (the next phase still runs)."""
+    print(f"-- {name}", flush=True)
+    t = time.perf_counter()
+    try:
+        results[name] = fn(*args, **kwargs)
+    except Exception as e:  # a lease is minutes long: keep what the other phases measure
+        results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+        print(results[name]["traceback"], file=sys.stderr, flush=True)
+    results[name]["seconds"] = time.perf_counter() - t
+    return results[name]
+
+
+def ratios(r: dict) -> dict:
+    def ratio(a, b, key="tokens_per_s"):
+        if "error" in r.get(a, {"error": 1}) or "error" in r.get(b, {"error": 1}):
+            return None
+        return r[a][key] / r[b][key]
+
+    return {"trainer_vs_loop_tokens_per_s": ratio("trainer", "loop"),
+            "compiled_vs_eager_tokens_per_s": ratio("trainer_compiled", "trainer"),
+            "compiled_vs_loop_tokens_per_s": ratio("trainer_compiled", "loop")}
+
+
+def environment(spec: dict) -> dict:
+    import torch
+
+    env = {"torch": torch.__version__, "python": sys.version.split()[0], "device": spec["device"]}
+    if spec["device"] == "cuda" and torch.cuda.is_available():
+        env.update(gpu=torch.cuda.get_device_name(), gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9)
+    return env
+
+
+def print_summary(report: dict) -> None:
+    for name in ("loop", "trainer", "trainer_compiled"):
+        r = report["phases"].get(name, {})
+        if "error" in r:
+            print(f"{name:>17}: FAILED {r['error']}")
+        elif r:
+            mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+            print(f"{name:>17}: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, step {r['step_s'] * 1e3:.1f} ms, "
+                  f"peak {r['peak_mem_gb']:.1f} GB, compile {r['compile_s']:.1f} s")
+    print("ratios: " + ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} n/a" for k, v in report["ratios"].items()))
+    d = report["phases"].get("deploy", {"error": "not run: the trainer wrote no checkpoint"})
+    print("deploy: " + (f"FAILED {d['error']}" if "error" in d else
+                        f"convert {d['convert_s']:.1f} s, export {d['export_s']:.1f} s, evaluate {d['evaluate_s']:.1f} s, "
+                        f"passed {d['evaluate_passed']}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, debug model, aot_eager: checks the script")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/out")))
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--keep", action="store_true", help="keep the scratch dir (checkpoint, model, ONNX, report)")
+    a = ap.parse_args(argv)
+    spec = dict(SPECS["dry-run" if a.dry_run else "device"])
+    spec["steps"] = a.steps or spec["steps"]
+    t0 = time.perf_counter()
+    init_group(spec["device"])
+    report = {"spec": spec, "environment": environment(spec), "phases": {}}
+    work = Path(tempfile.mkdtemp(prefix="titan-device-check-"))
+    phases = report["phases"]
+    for name, fn, kwargs in (("loop", run_loop, {}), ("trainer", run_trainer, {"compile": False}),
+                             ("trainer_compiled", run_trainer, {"compile": True})):
+        phase(phases, name, fn, spec, work, **kwargs)
+        release(spec["device"])
+    if "checkpoint" in phases["trainer"]:
+        phase(phases, "deploy", run_deploy, spec, work, phases["trainer"]["checkpoint"])
+    report["ratios"] = ratios(phases)
+    report["total_s"] = time.perf_counter() - t0
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "device_check.json").write_text(json.dumps(report, indent=1, default=str))
+    print_summary(report)
+    print(f"wrote {a.out / 'device_check.json'} ({report['total_s']:.0f} s)")
+    if a.keep:
+        print(f"kept {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    failed = [n for n, r in phases.items() if "error" in r] + ([] if phases.get("deploy", {}).get("evaluate_passed")
+                                                              else ["evaluate verdict"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

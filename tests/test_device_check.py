@@ -1,0 +1,34 @@
+"""benchmarks/device_check.py --dry-run: the accelerator check runs end to end on the CPU, so it cannot rot.
+
+The same phases the device run takes (bare loop, trainer, compiled trainer, convert -> export ->
+evaluate) on the debug model with the real run's features (tied embeddings, GQA, scaled RoPE),
+compiled with aot_eager; the figures JSON holds every phase and its ratios.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "device_check.py"
+
+
+def test_device_check_dry_run(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    phases = report["phases"]
+    assert set(phases) == {"loop", "trainer", "trainer_compiled", "deploy"}
+    assert not any("error" in p for p in phases.values())
+    for name in ("loop", "trainer", "trainer_compiled"):
+        p = phases[name]
+        assert p["tokens_per_s"] > 0 and p["mfu"] > 0 and p["steps_timed"] >= 1 and len(p["losses"]) == 3
+    # The same model, data and seed: the loop and the trainer take the same first step (bf16 autocast).
+    assert abs(phases["loop"]["losses"][0] - phases["trainer"]["losses"][0]) <= 1e-3 * phases["loop"]["losses"][0]
+    assert phases["trainer_compiled"]["compile_s"] > 0 and phases["trainer"]["compile_s"] == 0
+    assert all(v > 0 for v in report["ratios"].values())
+    assert phases["deploy"]["evaluate_passed"] is True and phases["deploy"]["export_s"] > 0
+    assert report["spec"]["device"] == "cpu" and "torch" in report["environment"]
+    assert "kept" not in proc.stdout
