@@ -20,6 +20,17 @@ def _ephemeral() -> bool:
     return not PREFECT_API_URL.value() and bool(PREFECT_SERVER_EPHEMERAL_ENABLED.value())
 
 
+def _drain_to_api(timeout: float = 30.0) -> None:
+    """Send the logs and events Prefect still queues for the server while it is up: drained only at
+    interpreter exit, they would meet a stopped server ("Error logging to API", then retries)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):  # a failed send is Prefect's to report; it must not mask the run's result
+            worker.drain_all(timeout=timeout)
+
+
 @contextlib.contextmanager
 def temporary_server() -> Iterator[None]:
     """Start (and watch) Prefect's temporary server for the block when no API URL is set; else nothing."""
@@ -40,6 +51,7 @@ def temporary_server() -> Iterator[None]:
     try:
         yield
     finally:
+        _drain_to_api()
         server.stop()
         if watcher is not None:
             watcher.close()

@@ -47,3 +47,37 @@ def test_bad_input_under_flow_is_one_line_and_a_failed_run(tmp_path):
     assert f"error {tmp_path / 'nope'}: does not exist" in out
     assert "Finished in state Failed" in out and "Traceback" not in out
     assert not (tmp_path / "x").exists()
+
+
+
+_FLOW_WITH_A_TASK = """
+from prefect import flow, task, get_run_logger
+from titan_pipe.flows.server import temporary_server
+
+@task
+def step():
+    for i in range(50):
+        get_run_logger().info("step line %d", i)
+
+@flow
+def tracked():
+    step()
+
+with temporary_server():
+    tracked()
+print("server stopped", flush=True)
+"""
+
+
+def test_a_temporary_server_gets_every_log_before_it_stops(tmp_path):
+    """Without PREFECT_API_URL, --flow and `run` start Prefect's temporary server for the command; the
+    run's queued log lines are sent before it stops, not at exit to a stopped server (which printed
+    "Error logging to API" and retried for up to a minute after the run's summary)."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_LOGGING_TO_API_ENABLED": "true"}  # as users run it (the test session turns it off)
+    env.pop("PREFECT_API_URL", None)
+    p = subprocess.run([sys.executable, "-c", _FLOW_WITH_A_TASK], capture_output=True, text=True, env=env,
+                       timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and "server stopped" in out, out[-2000:]
+    assert "Error logging to API" not in out, out[-2000:]
