@@ -12,6 +12,7 @@ with the reason, never a pass. How much is loaded at once is evaluate.max_memory
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: 
     out_dir = Path(out_dir)
     check_out_dir(out_dir)  # fail before the work, not after
     steps = Steps(progress, total=len(COMPARISONS) + 3)
+    gc.freeze()  # what exists now lives on: the collections between layers (memory.release) skip it
     try:
         run = prepare(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om, data=data,
                       settings=settings, steps=steps, split=split)
@@ -90,4 +92,5 @@ def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: 
             run.close()
     finally:
         steps.close()
+        gc.unfreeze()
     return EvalResult(out_dir, verdict.passed, files["report.json"], summary(verdict, comparisons, run.memory.mode))

@@ -18,7 +18,7 @@ from titan_pipe.evaluate.memory import MemoryPlan, Need, ort_bytes, plan_memory
 from titan_pipe.evaluate.report import TensorDump
 from titan_pipe.evaluate.run import REF, REF_GEN, Ledger, Prompts, Request, Run, Sides, ragged_prompts
 from titan_pipe.evaluate.runners.ort import OnnxDecodeRunner, OnnxRuntimeRunner
-from titan_pipe.evaluate.runners.ort_layers import LayerChain
+from titan_pipe.evaluate.runners.ort_layers import LayerChain, Sessions
 from titan_pipe.evaluate.runners.pytorch import LayeredModel, layer_bytes, top_bytes
 from titan_pipe.evaluate.runners.sharded import DistributedRunner
 from titan_pipe.evaluate.store import StoreSink, ValueStore
@@ -59,9 +59,11 @@ def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, o
     memory = _plan(settings, args, request, (prefill, decode), chains)
     whole = memory.mode == "whole"
     reference.keep = whole
+    reference.keep_top = whole or _top_fits(memory, args, request)
+    sessions = Sessions(None if whole else memory.budget - _activations(args, request))
     for chain in chains:
         if chain is not None:
-            chain.resident = whole
+            chain.sessions = sessions
     sides = Sides(reference, ref_source, sharded, prefill, chains[0], decode, chains[1], decode_skip)
     run = Run(request, sides, Prompts(prompts, n_new, None), memory, ValueStore(spill=not whole), Ledger(), steps,
               TensorDump(out_dir) if settings.dump else None)
@@ -106,7 +108,13 @@ def _chain(runner) -> LayerChain | None:
     """The graph's layer chain, or None when its per-layer values (or the stream into layer 0) are unknown."""
     if runner is None or runner.graph.taps is None or runner.graph.taps.embed is None:
         return None
-    return LayerChain(runner.graph)
+    item = _itemsize(runner)
+    return LayerChain(runner.graph, need=lambda p: ort_bytes(p.weight_bytes, item))
+
+
+def _itemsize(runner) -> int:
+    """Bytes per weight of a graph (the decode graph's are the prefill graph's)."""
+    return DTYPE_BYTES_BY_NAME[runner.prefill.dtype if isinstance(runner, OnnxDecodeRunner) else runner.dtype]
 
 
 def _plan(settings: EvaluateConfig, args: ModelArgs, request: Request, graphs, chains) -> MemoryPlan:
@@ -119,21 +127,34 @@ def _plan(settings: EvaluateConfig, args: ModelArgs, request: Request, graphs, c
     for runner, chain in zip(graphs, chains):
         if runner is None:
             continue
-        item = DTYPE_BYTES_BY_NAME[runner.prefill.dtype if isinstance(runner, OnnxDecodeRunner) else runner.dtype]
+        item = _itemsize(runner)
         if chain is None:
             total = sum(tensor_bytes(t) for t in runner.graph.structure.graph.initializer)
             graphs_whole.append(Need(runner.path.name, ort_bytes(total, item)))
             can_stream = f"{runner.path.name}: {runner.graph.layers_note or 'no per-layer values'}"
             continue
         graphs_whole.append(Need(runner.path.name, sum(ort_bytes(p.weight_bytes, item) for p in chain.pieces)))
-        pieces += [Need(f"{runner.path.name} {p.name} (ONNX Runtime)", ort_bytes(p.weight_bytes, item))
-                   for p in chain.pieces]
-    b, t = request.batch_size, request.seq_len
-    activations = 4 * b * t * (len(request.data.batches) * 6 * args.dim + 2 * args.vocab_size)
+        pieces += [Need(f"{runner.path.name} {p.name} (ONNX Runtime)", chain.need(p)) for p in chain.pieces]
+    activations = _activations(args, request)
     if graphs_whole:  # held together once the reference is done: the graphs' pieces, resident
         whole.append(Need(" + ".join(n.name for n in graphs_whole), sum(n.bytes for n in graphs_whole)))
     return plan_memory(settings.max_memory, whole=whole, pieces=pieces, activations=activations,
                        can_stream=can_stream)
+
+
+def _activations(args: ModelArgs, request: Request) -> int:
+    """Bytes of one batch's values that grow with the model (the per-layer streams, the logits)."""
+    b, t = request.batch_size, request.seq_len
+    return 4 * b * t * (len(request.data.batches) * 6 * args.dim + 2 * args.vocab_size)
+
+
+def _top_fits(memory: MemoryPlan, args: ModelArgs, request: Request) -> bool:
+    """Streamed: whether the reference's float32 head (final norm, output projection; the embedding
+    is gathered in its stored dtype, never cast whole) fits in the budget beside its largest layer,
+    so greedy generation casts it once, not once a step."""
+    largest = max(layer_bytes(args, i) for i in range(args.n_layers))
+    head = 4 * args.dim * (args.vocab_size + 1)
+    return largest + head + _activations(args, request) <= memory.budget
 
 
 def _reference_values(run: Run) -> Run:

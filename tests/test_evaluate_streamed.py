@@ -123,3 +123,51 @@ def test_graph_that_cannot_stream_is_refused_when_it_does_not_fit(art, tmp_path)
                        settings=SETTINGS)
     rows = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")["rows"]
     assert r.passed and [row["tensor"] for row in rows] == ["logits"]
+
+
+def test_session_budget_keeps_what_fits_and_never_more(art, monkeypatch):
+    """The sessions kept between passes (ort_layers.Sessions): a session opens only where what is open
+    plus it fits in the budget (or nothing else is open), so a budget of one layer never holds two
+    layers' sessions; with room for every piece a second pass opens none; with room for two layers
+    it opens fewer than streaming does. The values are the same bit for bit whichever the budget."""
+    import titan_pipe.evaluate.runners.ort_layers as ol
+
+    ort = OnnxRuntimeRunner(art["onnx"]["float16"])
+    ort.find_layers(art["args"].n_layers)
+    tokens = torch.randint(0, art["args"].vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    feeds = [ort.feeds(tokens)]
+    need = lambda p: 3 * p.weight_bytes  # noqa: E731  (memory.ort_bytes of a float16 graph)
+    pieces = LayerChain(ort.graph).pieces
+    layer = max(need(p) for p in pieces[1:-1])
+    opened: list[tuple[int, int, int, int]] = []  # (sessions open, bytes held, layers open, its need) at each open
+
+    def run(budget):
+        sessions = ol.Sessions(budget)
+        chain = LayerChain(ort.graph, sessions=sessions, need=need)
+        piece_of = {id(p.model): p for p in chain.pieces}
+        real = ol.ort_session
+
+        def spy(model, **kw):
+            p = piece_of[id(model)]
+            layers = sum(1 for _, name in sessions.open if name.startswith("layer")) + (p.layer is not None)
+            opened.append((len(sessions.open), sessions.held, layers, need(p)))
+            return real(model, **kw)
+
+        monkeypatch.setattr(ol, "ort_session", spy)
+        first, second = chain.outputs(feeds)[0], chain.outputs(feeds)[0]
+        monkeypatch.setattr(ol, "ort_session", real)
+        return first, second
+
+    one, again = run(layer)
+    assert len(opened) > len(pieces) and all(n == 0 or held + p <= layer for n, held, _, p in opened)
+    assert max(layers for _, _, layers, _ in opened) == 1  # one layer's budget: one layer's session at a time
+    opened.clear()
+    every, kept = run(None)
+    assert len(opened) == len(pieces)  # the second pass opened nothing
+    opened.clear()
+    two, two_again = run(2 * layer)
+    assert len(pieces) < len(opened) < 2 * len(pieces)
+    assert all(n == 0 or held + p <= 2 * layer for n, held, _, p in opened)
+    for a in (again, every, kept, two, two_again):
+        assert np.array_equal(a.logits.numpy(), one.logits.numpy())
+        assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a.hidden, one.hidden))

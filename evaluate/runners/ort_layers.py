@@ -1,8 +1,12 @@
 """ONNX Runtime, streamed: a deployed graph run one piece at a time (evaluate/graph_pieces.py).
 
-The embedding piece, then decoder layer after decoder layer, then the head. Streamed, a piece's
-session opens when its turn comes and closes after, so ONNX Runtime holds one layer's weights at
-a time; resident (whole-graph mode, when everything fits), every piece's session stays open.
+The embedding piece, then decoder layer after decoder layer, then the head. A piece's session
+opens when its turn comes and stays open while the budget holds it (``Sessions``: whole-graph
+mode keeps every one; streamed mode keeps as many as fit in --max-memory, counted with the
+per-piece estimate the mode choice uses, so a budget of one layer holds one session at a time).
+Opening a 7B-width layer's session costs ~1.7 s (ONNX Runtime casts its float16 weights to
+float32 and prepacks them), and the KV row runs the prefill graph's pieces again after
+torch_vs_onnx ran them: what stays open is not paid for twice.
 Work is layer-major: every batch (or every decode step) goes through layer i before layer i+1
 opens, so each piece opens once. Each layer's piece runs on the chain's own previous output (what
 the whole graph computes) and, when asked, separately on the reference's input to that layer
@@ -35,10 +39,46 @@ def _own(a: np.ndarray) -> np.ndarray:
     return np.array(a, copy=True)
 
 
-class LayerChain:
-    """One deployed graph as pieces; ``graph.find_layers`` must have found its per-layer values."""
+class Sessions:
+    """Open sessions of pieces, shared by the graphs' chains, holding at most ``budget`` bytes by
+    ``need(piece)`` (None: no limit, whole mode). A piece that does not fit beside those open
+    closes them, newest first: the passes walk the layers in order, so the oldest kept ones are
+    the next to come again (evicting the oldest would evict each one just before its turn)."""
 
-    def __init__(self, graph: OnnxGraph, *, resident: bool = False):
+    def __init__(self, budget: int | None = None):
+        self.budget = budget
+        self.open: dict[tuple[int, str], tuple[object, int]] = {}  # (chain, piece) -> (session, bytes)
+
+    @property
+    def held(self) -> int:
+        return sum(b for _, b in self.open.values())
+
+    def get(self, chain: "LayerChain", piece: Piece):
+        key = (id(chain), piece.name)
+        if key in self.open:
+            return self.open[key][0]
+        need = chain.need(piece)
+        if self.budget is not None:
+            while self.open and self.held + need > self.budget:
+                self.open.popitem()  # newest first
+                release()
+        s = ort_session(piece.model, threads=chain.graph.threads, external_dir=chain.graph.path.parent,
+                        hint="re-export it with `titan-pipe export`")
+        if self.budget is None or self.held + need <= self.budget:
+            self.open[key] = (s, need)
+        return s
+
+    def close(self, chain: "LayerChain") -> None:
+        for key in [k for k in self.open if k[0] == id(chain)]:
+            del self.open[key]
+
+
+class LayerChain:
+    """One deployed graph as pieces; ``graph.find_layers`` must have found its per-layer values.
+    ``sessions``: where its pieces' sessions are kept (shared with the other graph's chain);
+    ``need(piece)``: the bytes a piece's session holds (memory.ort_bytes of its weights)."""
+
+    def __init__(self, graph: OnnxGraph, *, sessions: Sessions | None = None, need=None):
         t = graph.taps
         if t is None or t.embed is None:
             why = graph.layers_note or "no per-layer values found"
@@ -48,30 +88,24 @@ class LayerChain:
         self.graph, self.taps = graph, t
         self.pieces = layer_pieces(graph.structure, embed=t.embed, layers=t.layer, attn=t.attn, mlp=t.mlp)
         self.layers = self.pieces[1:-1]
-        self.resident = resident
-        self._open: dict[str, object] = {}
+        self.sessions = sessions if sessions is not None else Sessions(budget=0)  # alone: one piece at a time
+        self.need = need or (lambda p: p.weight_bytes)
 
     @property
     def largest_piece(self) -> Piece:
         return max(self.pieces, key=lambda p: p.weight_bytes)
 
     def session(self, piece: Piece):
-        """The piece's session: opened now, or kept from before when the chain is resident."""
-        if piece.name in self._open:
-            return self._open[piece.name]
-        s = ort_session(piece.model, threads=self.graph.threads, external_dir=self.graph.path.parent,
-                        hint="re-export it with `titan-pipe export`")
-        if self.resident:
-            self._open[piece.name] = s
-        return s
+        """The piece's session: kept from before, or opened now (and kept if the budget holds it)."""
+        return self.sessions.get(self, piece)
 
     def close(self) -> None:
-        self._open.clear()
+        self.sessions.close(self)
         release()
 
     def free(self) -> None:
-        """After a piece's turn (streamed): its session is gone; hand its memory back."""
-        if not self.resident:
+        """After a piece's turn: what was not kept is gone; hand its memory back (streamed)."""
+        if self.sessions.budget is not None:
             release()
 
     def _feeds(self, piece: Piece, graph_feeds: dict, stream) -> dict:
@@ -102,11 +136,14 @@ class LayerChain:
         self.free()
         return [o[:, -1] for o in out] if last else out
 
-    def run_layer(self, session, i: int, feeds: dict, stream, extra: dict | None = None) -> dict[str, np.ndarray]:
-        """Layer i's piece on ``stream`` -> {value name: array} of every output it returns."""
+    def run_layer(self, session, i: int, feeds: dict, stream, extra: dict | None = None,
+                  copy_cache: bool = True) -> dict[str, np.ndarray]:
+        """Layer i's piece on ``stream`` -> {value name: array} of every output it returns;
+        ``copy_cache`` False: its ``present.*`` outputs are the session's own arrays (for a caller
+        that drops them before the session closes: a static cache is MBs a step to copy)."""
         piece = self.layers[i]
         got = session.run(list(piece.outputs), self._feeds(piece, {**feeds, **(extra or {})}, stream))
-        return dict(zip(piece.outputs, map(_own, got)))
+        return {n: a if not copy_cache and n.startswith(PRESENT) else _own(a) for n, a in zip(piece.outputs, got)}
 
     def values(self, i: int, named: dict) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """(attention block, MLP block, layer output) of layer i from a piece's named outputs."""
@@ -181,12 +218,12 @@ def forced_steps(prefill: LayerChain, decode: LayerChain, plan: list[PaddedBatch
             continue
         s = decode.session(decode.layers[i])
         for j, (b, k, f) in enumerate(steps):  # batch by batch, step by step: each step's cache is the last one's
-            named = decode.run_layer(s, i, f, s_dec[j], caches[b])
+            named = decode.run_layer(s, i, f, s_dec[j], caches[b], copy_cache=False)
             s_dec[j] = named[decode.taps.layer[i]]
             caches[b] = {past_of(n): v for n, v in named.items() if n.startswith(PRESENT)}
             if sink is not None:
                 sink.step(b, k, i, *decode.values(i, named))
-        del s
+        del s, named, caches  # the last step's caches are the session's arrays: gone before it may close
         decode.free()
     first = prefill.head(pre, s_pre, last=True)
     later = decode.head([f for _, _, f in steps], s_dec, last=True) if steps else []
