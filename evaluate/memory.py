@@ -88,7 +88,9 @@ def plan_memory(setting: str, *, whole: list[Need], pieces: list[Need], activati
 
 def release() -> None:
     """Hand freed memory back to the system (between layers in streamed mode): Python's garbage,
-    then glibc's free lists, which otherwise keep a closed session's arenas in the process."""
+    then glibc's free lists, which otherwise keep a closed session's arenas in the process.
+    (evaluate_model freezes what existed before it starts, so each collection scans only its own
+    objects: ~80 ms a call otherwise, 4 s of a 7B-width run.)"""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

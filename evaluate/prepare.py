@@ -59,7 +59,6 @@ def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, o
     memory = _plan(settings, args, request, (prefill, decode), chains)
     whole = memory.mode == "whole"
     reference.keep = whole
-    reference.keep_top = whole or _top_fits(memory, args, request)
     sessions = Sessions(None if whole else memory.budget - _activations(args, request))
     for chain in chains:
         if chain is not None:
@@ -146,15 +145,6 @@ def _activations(args: ModelArgs, request: Request) -> int:
     """Bytes of one batch's values that grow with the model (the per-layer streams, the logits)."""
     b, t = request.batch_size, request.seq_len
     return 4 * b * t * (len(request.data.batches) * 6 * args.dim + 2 * args.vocab_size)
-
-
-def _top_fits(memory: MemoryPlan, args: ModelArgs, request: Request) -> bool:
-    """Streamed: whether the reference's float32 head (final norm, output projection; the embedding
-    is gathered in its stored dtype, never cast whole) fits in the budget beside its largest layer,
-    so greedy generation casts it once, not once a step."""
-    largest = max(layer_bytes(args, i) for i in range(args.n_layers))
-    head = 4 * args.dim * (args.vocab_size + 1)
-    return largest + head + _activations(args, request) <= memory.budget
 
 
 def _reference_values(run: Run) -> Run:

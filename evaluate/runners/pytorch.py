@@ -8,19 +8,17 @@ shards assembled by its manifest), one layer's at a time:
 
   resident (whole-graph mode)  every layer read once and kept
   streamed                     a layer read (memory-mapped, cast to float32) when its turn comes, into
-                               float32 buffers every layer reuses (the layers' shapes are the same), so
-                               at most one layer's float32 weights are held; the embedding/output's
-                               float32 copies are kept too when ``keep_top`` (the budget holds them
-                               beside one layer: greedy generation needs them every step)
+                               one float32 arena every layer reuses and the head's float32 weights
+                               use in turn (a block and the head are never live together), so at
+                               most one layer's (or the head's) float32 weights are held
 
-Reusing the buffers is what makes a streamed layer cheap to read again (greedy generation reads
-every layer once a step): a fresh float32 copy is memory the system must map and zero first, about
-half of each read (measured: 0.30-0.39 s fresh vs 0.15 s into a reused buffer, one Llama-2-7B-width
-layer). The cast is the same exact bfloat16/float16 -> float32 conversion either way.
+Reusing the arena is what makes a streamed layer cheap to read again (greedy generation reads
+every layer and the output projection once a step): a fresh float32 copy is memory the system must
+map and zero first, about half of each read (measured: 0.30-0.39 s fresh vs 0.15 s into a reused
+buffer, one Llama-2-7B-width layer). The cast is the same exact bfloat16/float16 -> float32
+conversion either way, and each weight starts on a 64-byte boundary as a fresh tensor's does (the
+matmul kernels see the same alignment).
 
-``forward`` runs token sequences layer-major (each layer loaded once for all of them) and hands
-each layer's values to a sink; ``greedy`` generates with a per-layer KV cache (one new token a
-step: the same blocks, the attention kernel prepending the cached keys and values).
 """
 from __future__ import annotations
 
@@ -36,6 +34,8 @@ from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels, reference_kernels
 from titan_pipe.model.params import native_shapes
 from titan_pipe.model.transformer import TransformerBlock, rope_cos_sin
+
+_ALIGN = 16  # float32 elements: 64 bytes, where the CPU allocator starts every tensor
 
 
 class LayerSink(Protocol):
@@ -90,8 +90,8 @@ class LayeredModel:
         self._cos, self._sin = cos.to(device), sin.to(device)
         self._blocks: dict[int, TransformerBlock] = {}
         self._top: dict[tuple[str, bool], torch.Tensor] = {}
-        self.keep_top = keep
-        self._slab: dict[str, torch.Tensor] = {}  # streamed: parameter name within a layer -> its float32 buffer
+        self._arena: torch.Tensor | None = None  # streamed: the float32 weights of one block, or of the head
+        self._used = 0  # float32 elements of the arena handed out for the block or head being read
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -99,21 +99,24 @@ class LayeredModel:
         t = self.source.full(name)
         return (t.to(torch.float32) if cast else t).to(self.device)
 
-    def _layer_weight(self, name: str) -> torch.Tensor:
-        """A layer's parameter in float32: its own tensor when resident; streamed, copied into the
-        buffer of that name (the previous layer's block must not be used after this)."""
-        if self.keep:
-            return self._weight(name)
+    def _in_arena(self, name: str) -> torch.Tensor:
+        """Streamed: parameter ``name`` cast into the arena after what this block (or head) took
+        already; the block or head read before must not be used after this."""
         stored = self.source.full(name)
-        within = name.split(".", 2)[2]
-        buf = self._slab.get(within)
-        if buf is None or buf.shape != stored.shape:
-            buf = self._slab[within] = torch.empty(stored.shape, dtype=torch.float32, device=self.device)
-        return buf.copy_(stored)
+        if self._arena is None:
+            most = max([layer_bytes(self.args, i) for i in range(self.args.n_layers)] + [_head_bytes(self.args)])
+            self._arena = torch.empty(most // 4 + _ALIGN * 64, dtype=torch.float32, device=self.device)
+        start = -(-self._used // _ALIGN) * _ALIGN
+        self._used = start + stored.numel()
+        return self._arena[start:self._used].view(stored.shape).copy_(stored)
+
+    def _layer_weight(self, name: str) -> torch.Tensor:
+        return self._weight(name) if self.keep else self._in_arena(name)
 
     def _load_block(self, i: int) -> TransformerBlock:
         with torch.device("meta"):
             block = TransformerBlock(self.args, self.kernels)
+        self._used = 0
         for name, _ in list(block.named_parameters()):
             *path, leaf = name.split(".")
             owner = block
@@ -136,8 +139,10 @@ class LayeredModel:
         key = (name, cast)  # tied embeddings: the stored table gathers, its float32 copy projects
         if key in self._top:
             return self._top[key]
+        if not self.keep and cast:
+            return self._in_arena(name)
         t = self._weight(name, cast=cast)
-        if self.keep or self.keep_top:
+        if self.keep:
             self._top[key] = t
         return t
 
@@ -154,7 +159,7 @@ class LayeredModel:
         """Forget every layer kept (whole mode, once the reference's values are all computed)."""
         self._blocks.clear()
         self._top.clear()
-        self._slab.clear()
+        self._arena = None
         release()
 
     def load_all(self) -> "LayeredModel":
@@ -173,6 +178,7 @@ class LayeredModel:
     def head(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
         """(B, T, dim) each -> logits (B, T, vocab) float32 on the CPU: final norm, output projection."""
         out = "tok_embeddings.weight" if self.args.tie_embeddings else "output.weight"
+        self._used = 0
         norm, w = self._top_weight("norm.weight", cast=True), self._top_weight(out, cast=True)
         logits = [F.linear(self.kernels.rms_norm(h, norm, self.args.norm_eps), w).to("cpu") for h in hs]
         self._release()
@@ -270,6 +276,11 @@ def layer_bytes(args: ModelArgs, i: int, itemsize: int = 4) -> int:
     """Bytes of decoder layer i's parameters at ``itemsize`` bytes each (4: the float32 reference)."""
     prefix = f"layers.{i}."
     return itemsize * sum(_numel(s) for n, s in native_shapes(args).items() if n.startswith(prefix))
+
+
+def _head_bytes(args: ModelArgs) -> int:
+    """float32 bytes of the head's weights (final norm, output projection) and their alignment."""
+    return 4 * (args.dim + args.vocab_size * args.dim) + 4 * _ALIGN
 
 
 def top_bytes(args: ModelArgs, itemsize: int = 4) -> int:
