@@ -5,9 +5,9 @@ with the tensor's place); the bytes move on three worker threads, each in file o
 
   load    cast a chunk of the source, read through a short-lived mmap window of it (numpy,
           titan_pipe.convert.casts), into a chunk buffer of the export dtype
-  write   pwrite that buffer at its offset; a tensor already in the export dtype skips load and is
-          copied file to file by the kernel here instead (copy_file_range, what `cp` does; pread/pwrite
-          where the file system refuses)
+  write   pwrite that buffer at its offset, WRITE_SLICE bytes a call; a tensor already in the export
+          dtype skips load and is copied file to file by the kernel here instead (copy_file_range,
+          what `cp` does; pread/pwrite where the file system refuses)
   hash    sha256 of the same bytes, in file order: the chunk buffer, or for a kernel copy a short-lived
           mmap window of the source (no second read of the data file)
 
