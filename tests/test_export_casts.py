@@ -161,8 +161,10 @@ def edge_model():
                                      ("bfloat16", "float32"), ("float16", "float32"), ("float32", "float32")])
 def test_exported_weights_are_the_torch_cast(edge_model, tmp_path, monkeypatch, src, dst):
     """Every weight's bytes in model.onnx.data equal torch's .to(dst) of the stored tensor (the old
-    path's bytes), through many small chunks so the pipeline's buffers turn over."""
+    path's bytes), through many small chunks so the pipeline's buffers turn over, each written in
+    pwrite slices that end mid-element."""
     monkeypatch.setattr(data_file, "CHUNK", 8192)
+    monkeypatch.setattr(data_file, "WRITE_SLICE", 1000)
     model, args = edge_model
     unified = write_unified(model, args, tmp_path / "model", dtype=getattr(torch, src), shards=2)
     out = export_model(model_dir=unified, out_dir=tmp_path / "onnx", dtype=dst, kv_cache=False, run_atc=False)
@@ -186,6 +188,7 @@ def test_kernel_copy_refused_falls_back_to_pread(edge_model, tmp_path, monkeypat
 
     monkeypatch.setattr(os, "copy_file_range", refuse)
     monkeypatch.setattr(data_file, "CHUNK", 8192)
+    monkeypatch.setattr(data_file, "WRITE_SLICE", 1000)
     model, args = edge_model
     unified = write_unified(model, args, tmp_path / "model")
     out = export_model(model_dir=unified, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False)
