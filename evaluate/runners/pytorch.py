@@ -19,6 +19,9 @@ buffer, one Llama-2-7B-width layer). The cast is the same exact bfloat16/float16
 conversion either way, and each weight starts on a 64-byte boundary as a fresh tensor's does (the
 matmul kernels see the same alignment).
 
+``forward`` runs token sequences layer-major (each layer loaded once for all of them) and hands
+each layer's values to a sink; ``greedy`` generates with a per-layer KV cache (one new token a
+step: the same blocks, the attention kernel prepending the cached keys and values).
 """
 from __future__ import annotations
 
@@ -177,9 +180,8 @@ class LayeredModel:
 
     def head(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
         """(B, T, dim) each -> logits (B, T, vocab) float32 on the CPU: final norm, output projection."""
-        out = "tok_embeddings.weight" if self.args.tie_embeddings else "output.weight"
         self._used = 0
-        norm, w = self._top_weight("norm.weight", cast=True), self._top_weight(out, cast=True)
+        norm, w = (self._top_weight(name, cast=True) for name in _head_names(self.args))
         logits = [F.linear(self.kernels.rms_norm(h, norm, self.args.norm_eps), w).to("cpu") for h in hs]
         self._release()
         return logits
@@ -278,9 +280,15 @@ def layer_bytes(args: ModelArgs, i: int, itemsize: int = 4) -> int:
     return itemsize * sum(_numel(s) for n, s in native_shapes(args).items() if n.startswith(prefix))
 
 
+def _head_names(args: ModelArgs) -> tuple[str, str]:
+    """The head's parameters: the final norm, and the output projection (the embedding when tied)."""
+    return "norm.weight", ("tok_embeddings.weight" if args.tie_embeddings else "output.weight")
+
+
 def _head_bytes(args: ModelArgs) -> int:
     """float32 bytes of the head's weights (final norm, output projection) and their alignment."""
-    return 4 * (args.dim + args.vocab_size * args.dim) + 4 * _ALIGN
+    shapes = native_shapes(args)
+    return 4 * sum(_numel(shapes[n]) for n in _head_names(args)) + 4 * _ALIGN
 
 
 def top_bytes(args: ModelArgs, itemsize: int = 4) -> int:
