@@ -26,7 +26,7 @@ from titan_pipe.checkpoint_format import MANIFEST_NAME, Chunk, FileInfo, LayoutE
 from titan_pipe.convert.detect import open_source
 from titan_pipe.convert.hashing import BackgroundHasher
 from titan_pipe.convert.reshard import write_file
-from titan_pipe.convert.source_plan import OutputPlan, SourcePlan, parse_size, plan_sharded, plan_unified
+from titan_pipe.convert.source_plan import OutputPlan, SourcePlan, plan_sharded, plan_unified
 from titan_pipe.convert.tokenizer_files import copy_tokenizer_files, plan_tokenizer_files
 from titan_pipe.dtypes import HF_DTYPE_NAMES, OUT_DTYPES
 from titan_pipe.errors import UserError
@@ -35,6 +35,7 @@ from titan_pipe.model.hf_config import to_hf_config
 from titan_pipe.model.params import native_shapes
 from titan_pipe.model.sharding import stage_ranks, tp_split_dim
 from titan_pipe.provenance import PROVENANCE_FILE, Provenance, SourceInfo
+from titan_pipe.sizes import parse_size
 
 CONVERTER_VERSION = "titan-pipe-convert 1"
 WHAT = "the converted model"

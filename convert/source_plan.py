@@ -13,7 +13,6 @@ of each global tensor. Nothing here touches a file.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,21 +168,6 @@ def check_accounted(found, args: ModelArgs, *, source: object, describe=repr) ->
         raise UserError(f"{source}: tensor {describe(extra[0])} ({len(extra)} in all) has no place in the model its "
                         f"config describes ({args.n_layers} layers, dim {args.dim}); fix the config (layer "
                         "count, dims) to describe the weights, or remove the tensor")
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str | int) -> int:
-    """'5GB' -> 5e9 bytes (decimal units as in Hugging Face; KiB/MiB/GiB binary)."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"max shard size {text!r} is not a size like 5GB, 500MB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
 
 
 def output_dtype(src_dtype: str, dtype: str) -> str:

@@ -213,6 +213,14 @@ class ConvertConfig(Section):
     dtype: Literal[("keep",) + FLOAT_NAMES] = "keep"
     max_shard_size: str = "5GB"
 
+    @field_validator("max_shard_size", mode="before")
+    @classmethod
+    def _check_max_shard_size(cls, v):
+        from titan_pipe.sizes import parse_size
+
+        parse_size(v)  # the size convert reads: refused here, not after training
+        return str(v).strip()
+
 
 class ExportConfig(Section):
     """The export stage's options; the stage's own rules (titan_pipe.choices.export_problems) are

@@ -37,6 +37,7 @@ def test_example_and_template_are_valid():
     ({"device": "cpu", "model": {"flavour": "debug", "kernels": "npu_fused"}}, "npu_fused needs device npu"),
     ({"export": {"opset": 18}}, "export.opset"),
     ({"evaluate": {"max_memory": "lots"}}, "evaluate.max_memory"),
+    ({"convert": {"max_shard_size": "lots"}}, "convert.max_shard_size"),  # convert would refuse it after training
     ({"train": {"compile_backend": "aot_eager"}}, "train.compile_backend: 'aot_eager' has no effect"),
     ({"train": {"compile": True, "compile_backend": "tvm"}}, "train.compile_backend"),
 ])
