@@ -24,7 +24,7 @@ from titan_pipe.evaluate.comparisons import COMPARISONS
 from titan_pipe.evaluate.inputs import check_inputs
 from titan_pipe.evaluate.prepare import prepare
 from titan_pipe.evaluate.report import check_out_dir, write_report
-from titan_pipe.evaluate.summary import report_dict, summary
+from titan_pipe.evaluate.summary import report_dict, sharded_memory, summary
 
 
 @dataclass(frozen=True)
@@ -93,4 +93,5 @@ def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: 
     finally:
         steps.close()
         gc.unfreeze()
-    return EvalResult(out_dir, verdict.passed, files["report.json"], summary(verdict, comparisons, run.memory.mode))
+    return EvalResult(out_dir, verdict.passed, files["report.json"],
+                      summary(verdict, comparisons, run.memory.mode, sharded_memory(run)))

@@ -59,6 +59,8 @@ def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, o
     memory = _plan(settings, args, request, (prefill, decode), chains)
     whole = memory.mode == "whole"
     reference.keep = whole
+    if sharded is not None:  # its ranks go one decoder layer at a time too
+        sharded.streamed = not whole
     sessions = Sessions(None if whole else memory.budget - _activations(args, request))
     for chain in chains:
         if chain is not None:

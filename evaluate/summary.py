@@ -26,11 +26,34 @@ def report_dict(run: Run, comparisons: list[cmp.Comparison], verdict: cmp.Verdic
                  "prompt_len": int(ev.prompts.shape[1]), "new_tokens": s.new_tokens},
         "model": args.to_dict() | {"rope_scaling": None if args.rope_scaling is None else vars(args.rope_scaling)},
         "settings": s.model_dump(), "thresholds": run.ledger.thresholds_used,
-        "memory": run.memory.to_dict(),
+        "memory": run.memory.to_dict() | {"sharded": sharded_memory(run)},
         "environment": environment(),
         "comparisons": [c.to_dict() for c in comparisons],
         "operators": [r.to_dict() for r in run.ledger.op_rows],
     }
+
+
+def sharded_memory(run: Run) -> dict | None:
+    """How the sharded forward's ranks held the model (``mode``: "streamed", one decoder layer at a
+    time, or "whole") and each rank's peak RSS in bytes; None without a sharded side or before it ran."""
+    ran = run.sides.sharded.ran if run.sides.sharded is not None else None
+    if ran is None:
+        return None
+    return {"mode": "streamed" if ran["streamed"] else "whole", "ranks": len(ran["peak_rss"]),
+            "peak_rss_per_rank": ran["peak_rss"]}
+
+
+def memory_line(mode: str, sharded: dict | None) -> str:
+    """One line for the console: the mode, and how the sharded forward's ranks held the model."""
+    from titan_pipe.sizes import format_size
+
+    what = "one decoder layer at a time" if mode == "streamed" else "whole graphs"
+    line = f"memory: {mode} ({what})"
+    if sharded is not None:
+        peaks = sharded["peak_rss_per_rank"]
+        rss = f", peak RSS {format_size(min(peaks))} to {format_size(max(peaks))} per rank" if peaks else ""
+        line += f"; sharded forward: {sharded['mode']}, {sharded['ranks']} ranks{rss}"
+    return line
 
 
 def _s(p) -> str | None:
@@ -44,8 +67,9 @@ def environment() -> dict:
             "ascend_runtime": ascend_runtime()}
 
 
-def summary(verdict: cmp.Verdict, comparisons: list[cmp.Comparison], mode: str) -> dict:
+def summary(verdict: cmp.Verdict, comparisons: list[cmp.Comparison], mode: str, sharded: dict | None = None) -> dict:
     out = {"passed": verdict.passed, "verdict": verdict.text, "memory_mode": mode,
+           "sharded_memory": sharded, "memory_line": memory_line(mode, sharded),
            "first_failing_layer": verdict.first_failing_layer,
            "first_failing_operator": verdict.first_failing_operator,
            "comparisons": {c.id: c.status for c in comparisons}}

@@ -8,7 +8,8 @@ file names. Files in the exchange directory:
   tokens.safetensors      (by the caller) ``batch.{i}`` (B, T) int64
   logits.safetensors      ``batch.{i}`` (B, T, vocab), by global rank 0
   hidden-pp{r}.safetensors ``batch.{i}.hidden.{layer}`` (B, T, dim) for pp rank r's layers, by its dp0/tp0 rank
-  done.json               ``{"hidden_files": [...]}``, by global rank 0 after every file above
+  done.json               ``{"hidden_files": [...], "streamed": bool, "peak_rss": [bytes per global rank]}``,
+                          by global rank 0 after every file above
 """
 from __future__ import annotations
 
@@ -34,16 +35,30 @@ def hidden_key(i: int, layer: int) -> str:
     return f"batch.{i}.hidden.{layer}"
 
 
-def command(*, world_size: int, checkpoint: Path, out_dir: Path, device: str) -> list[str]:
-    """The torchrun command line forwarding ``out_dir/tokens.safetensors`` through ``checkpoint``."""
+def command(*, world_size: int, checkpoint: Path, out_dir: Path, device: str, streamed: bool = False) -> list[str]:
+    """The torchrun command line forwarding ``out_dir/tokens.safetensors`` through ``checkpoint``
+    (``streamed``: each rank materialises one decoder layer at a time)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
             "-m", MODULE, "--checkpoint", str(checkpoint), "--tokens", str(Path(out_dir) / TOKENS_FILE),
-            "--out", str(out_dir), "--device", device]
+            "--out", str(out_dir), "--device", device, *(["--streamed"] if streamed else [])]
 
 
-def write_done(out_dir: Path, pp: int) -> None:
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def write_done(out_dir: Path, pp: int, *, streamed: bool = False, peak_rss: list[int] | None = None) -> None:
     """The completion marker, written last by global rank 0."""
-    (Path(out_dir) / DONE_FILE).write_text(json.dumps({"hidden_files": [hidden_file(r) for r in range(pp)]}))
+    (Path(out_dir) / DONE_FILE).write_text(json.dumps({"hidden_files": [hidden_file(r) for r in range(pp)],
+                                                       "streamed": streamed, "peak_rss": peak_rss or []}))
+
+
+def read_done(out_dir: Path) -> dict:
+    """done.json: the hidden-state files, whether the ranks streamed, their peak RSS (bytes)."""
+    return json.loads((Path(out_dir) / DONE_FILE).read_text())
 
 
 def read_outputs(out_dir: Path, *, n_batches: int, n_layers: int) -> list[tuple]:
@@ -51,7 +66,7 @@ def read_outputs(out_dir: Path, *, n_batches: int, n_layers: int) -> list[tuple]
     from safetensors.torch import load_file
 
     out_dir = Path(out_dir)
-    done = json.loads((out_dir / DONE_FILE).read_text())
+    done = read_done(out_dir)
     logits = load_file(str(out_dir / LOGITS_FILE))
     hidden: dict = {}
     for f in done["hidden_files"]:

@@ -7,6 +7,9 @@ For a forward-only runner (evaluation) under any layout::
     pm = build_parallel_model(args, mesh, weights=open_weights(step_dir))   # titan_pipe.model.weights
     logits = forward_logits(pm.modules, pm.stage_plan, tokens, pp_mesh=mesh["pp"], args=args)
 
+``stream_layers=True`` keeps the decoder layers on meta and materialises each one from ``weights``
+for its own forward only (training/layer_stream.py): a rank then holds one layer at a time.
+
 ``forward_logits`` is in training/pipeline_parallel.py; every rank gets the full (B, T, vocab).
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from titan_pipe.model.args import ModelArgs
 from titan_pipe.training.activation_checkpoint import apply_ac
 from titan_pipe.training.compile import apply_compile
 from titan_pipe.training.data_parallel import DPPlan, apply_dp, unwrap
+from titan_pipe.training.layer_stream import stream_layers as hook_layer_stream
 from titan_pipe.model.kernels import Kernels
 from titan_pipe.model.transformer import init_param
 from titan_pipe.training.pipeline_parallel import StagePlan, build_stage_module, plan_stages
@@ -102,14 +106,22 @@ def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def fill_parameters(module: nn.Module, args: ModelArgs, *, device: torch.device, seed: int,
                     weights: WeightSource | None = None, dtype: torch.dtype = torch.float32,
-                    param_device: torch.device | str | None = None) -> None:
+                    param_device: torch.device | str | None = None, layers: bool = True) -> None:
     """Allocate ``module``'s parameters on ``param_device`` (default ``device``; the CPU under
     FSDP offload) and fill each with its global value (``weights.full(name)`` or the
-    layout-independent ``init_param``) cut to this rank's shard. RoPE buffers go to ``device``."""
+    layout-independent ``init_param``) cut to this rank's shard. RoPE buffers go to ``device``.
+    ``layers=False``: the decoder layers stay on meta (materialised later, training/layer_stream.py)."""
     ties = shared_parameters(module)
-    module.to_empty(device=param_device or device)  # allocates each registration anew: ties break here
+    if layers:
+        module.to_empty(device=param_device or device)  # allocates each registration anew: ties break here
+    else:
+        module.to_empty(device=param_device or device, recurse=False)
+        for name, child in module.named_children():
+            if name != "layers":
+                child.to_empty(device=param_device or device)
     retie(ties)
-    copy_global_values(module, args, seed=seed, weights=weights, dtype=dtype)
+    copy_global_values(module, args, seed=seed, weights=weights, dtype=dtype,
+                       only=None if layers else lambda name: not name.startswith("layers."))
     module.init_rope()
     module.rope_cos, module.rope_sin = module.rope_cos.to(device), module.rope_sin.to(device)
 
@@ -136,10 +148,14 @@ def retie(ties: list[tuple[nn.Module, str, nn.Module, str]]) -> None:
 
 @torch.no_grad()
 def copy_global_values(module: nn.Module, args: ModelArgs, *, seed: int,
-                       weights: WeightSource | None = None, dtype: torch.dtype = torch.float32) -> None:
+                       weights: WeightSource | None = None, dtype: torch.dtype = torch.float32,
+                       only: Callable[[str], bool] | None = None) -> None:
     """Overwrite every (already allocated) parameter's local shard with its global value cut to
-    its placement; FSDP/DDP wrappers keep working since no parameter object is replaced."""
+    its placement; FSDP/DDP wrappers keep working since no parameter object is replaced.
+    ``only``: None = every parameter, else those whose global name it accepts."""
     for name, p in module.named_parameters():
+        if only is not None and not only(name):
+            continue
         shape = tuple(p.shape)  # global shape, also for DTensors
         src = source_name(name, args)  # a tied output copy starts as the embedding
         full = weights.full(src) if weights is not None else init_param(src, shape, args, seed, dtype)
@@ -155,7 +171,7 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
                          sequence_parallel: bool = False, ac_every: int | None = None,
                          dp_plan: DPPlan | None = None, kernels: Kernels | None = None,
                          seed: int = 0, weights: WeightSource | None = None,
-                         compile_backend=None) -> ParallelModel:
+                         compile_backend=None, stream_layers: bool = False) -> ParallelModel:
     """This rank's stage modules of ``args`` on the (dp, pp, tp) ``mesh``, parallelized and filled.
 
     weights: None = layout-independent random init from ``seed`` (the same values a single-process
@@ -163,9 +179,13 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
     (titan_pipe.model.weights: our checkpoint, a unified safetensors dir, a Hugging Face dir).
     dp_plan: None = no data parallel wrapper (forward-only use; dp ranks then run independently).
     compile_backend: None = eager; else a torch.compile backend for every block (training.compile).
+    stream_layers: forward only (no dp wrapper, no compile, ``weights`` given): each decoder layer
+    stays on meta and is read from ``weights`` for its own forward, then freed (training.layer_stream).
     """
     device = device or torch.device("cpu")
     dp_plan = dp_plan or DPPlan("none")
+    if stream_layers and (weights is None or dp_plan.kind != "none" or compile_backend is not None):
+        raise ValueError("stream_layers is for forward-only runs from stored weights: no dp wrapper, no compile")
     pp = mesh["pp"].size()
     plan = plan_stages(args.n_layers, pp, mesh["pp"].get_local_rank(), schedule, virtual_stages)
     model = ParallelModel(args, mesh, plan, dp_plan)
@@ -176,7 +196,9 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
 
     def materialize(part: nn.Module) -> None:
         fill_parameters(unwrap(part), args, device=device, seed=seed, weights=weights,
-                        param_device="cpu" if dp_plan.cpu_offload else device)
+                        param_device="cpu" if dp_plan.cpu_offload else device, layers=not stream_layers)
+        if stream_layers:
+            hook_layer_stream(unwrap(part), weights=weights, device=device)
 
     for s in plan.local:
         part = build_stage_module(stage_args, plan.stages[s], first=plan.is_first(s), last=plan.is_last(s),

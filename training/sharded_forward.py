@@ -1,11 +1,14 @@
 """torchrun entry: forward a training checkpoint under its own dp/tp/pp layout, save the outputs.
 
   python -m torch.distributed.run --nproc_per_node=N -m titan_pipe.training.sharded_forward \
-      --checkpoint STEP_DIR --tokens TOKENS.safetensors --out DIR [--device cpu]
+      --checkpoint STEP_DIR --tokens TOKENS.safetensors --out DIR [--device cpu] [--streamed]
 
 Evaluate starts this process (titan_pipe.sharded_outputs: the command line, the files written to
 DIR and how they are read back). The model is built by ``build_parallel_model`` with the training
-operators, and run by ``forward_logits``, the forward the training pipeline uses.
+operators, and run by ``forward_logits``, the forward the training pipeline uses. ``--streamed``:
+each rank keeps its decoder layers on meta and reads one at a time from its own shard files,
+through the manifest, freeing it after its forward (training/layer_stream.py); the outputs are
+bit-identical to the resident run. Every rank's peak RSS goes into done.json.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--streamed", action="store_true", help="one decoder layer materialised at a time")
     a = ap.parse_args(argv)
 
     from safetensors.torch import load_file, save_file
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         kernels = resolve_kernels(manifest.extra.get("kernels", "auto"), device.type)
         pm = build_parallel_model(args, mesh, device=device.torch_device(local_rank), schedule=p.pp_schedule,
                                   virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel,
-                                  kernels=kernels, weights=open_weights(a.checkpoint))
+                                  kernels=kernels, weights=open_weights(a.checkpoint),
+                                  stream_layers=a.streamed)
         captured = _capture(pm)
         batches = load_file(str(a.tokens))
         logits_out, hidden_out = {}, {}
@@ -83,9 +88,10 @@ def main(argv: list[str] | None = None) -> None:
             save_file(hidden_out, str(a.out / so.hidden_file(pp_rank)))
         if rank == 0:
             save_file(logits_out, str(a.out / so.LOGITS_FILE))
-        dist.barrier()
+        peaks: list | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(so.peak_rss_bytes(), peaks, dst=0)  # after every file above: a barrier too
         if rank == 0:
-            so.write_done(a.out, dims.pp)
+            so.write_done(a.out, dims.pp, streamed=a.streamed, peak_rss=peaks)
     finally:
         dist.destroy_process_group()
 

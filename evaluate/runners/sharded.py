@@ -21,7 +21,10 @@ class DistributedRunner:
     Starts training's sharded forward process (titan_pipe.sharded_outputs: ``python -m
     torch.distributed.run --nproc_per_node=dp*tp*pp -m titan_pipe.training.sharded_forward``) once
     for all batches (start-up dominates on CPU) and reads back logits and per-layer hidden states
-    from the safetensors files it writes.
+    from the safetensors files it writes. ``streamed`` (set from the memory plan: evaluate's
+    streamed mode) passes ``--streamed``: each rank then holds one of its decoder layers at a time,
+    read from its own shard files through the manifest. ``ran`` is what the process reported:
+    ``{"streamed": bool, "peak_rss": [bytes per rank]}``.
     """
 
     def __init__(self, checkpoint: Path, *, device: str = "cpu", timeout_s: float = 900):
@@ -38,9 +41,15 @@ class DistributedRunner:
         self.args = ModelArgs.from_dict(self.manifest.model, source=checkpoint / "manifest.json")
         self.layout = self.manifest.parallel
         self.checkpoint, self.device, self.timeout_s = checkpoint, device, timeout_s
-        where = "" if device == "cpu" else f", {device}"
-        self.label = f"torchrun tp{self.layout.tp} pp{self.layout.pp} ({checkpoint.name}{where})"
         self.dtype = "float32"
+        self.streamed = False
+        self.ran: dict | None = None
+
+    @property
+    def label(self) -> str:
+        where = "" if self.device == "cpu" else f", {self.device}"
+        how = ", one layer at a time" if self.streamed else ""
+        return f"torchrun tp{self.layout.tp} pp{self.layout.pp} ({self.checkpoint.name}{where}{how})"
 
     @property
     def world_size(self) -> int:
@@ -55,7 +64,7 @@ class DistributedRunner:
             save_file({sharded_outputs.batch_key(i): b.contiguous() for i, b in enumerate(batches)},
                       str(tmp / sharded_outputs.TOKENS_FILE))
             cmd = sharded_outputs.command(world_size=self.world_size, checkpoint=self.checkpoint, out_dir=tmp,
-                                          device=self.device)
+                                          device=self.device, streamed=self.streamed)
             env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
             try:
                 # guarded: the ranks die with this process, on a timeout or an interrupt too
@@ -66,6 +75,8 @@ class DistributedRunner:
                 tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
                 raise StageFailed(f"sharded forward of {self.checkpoint} failed (exit {proc.returncode}):\n{tail}")
             got = sharded_outputs.read_outputs(tmp, n_batches=len(batches), n_layers=self.args.n_layers)
+            done = sharded_outputs.read_done(tmp)
+        self.ran = {"streamed": bool(done.get("streamed")), "peak_rss": list(done.get("peak_rss", []))}
         return [Outputs(logits, hidden) for logits, hidden in got]
 
     def run(self, tokens: torch.Tensor) -> Outputs:

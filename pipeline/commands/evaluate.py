@@ -85,6 +85,7 @@ def register(app: typer.Typer) -> None:
                            data=data, settings=settings, progress=True, split=split)
         for cid, status in r.summary["comparisons"].items():
             console.print(f"  {cid:20s} {status}", highlight=False, soft_wrap=True)
+        console.print(r.summary["memory_line"], highlight=False, soft_wrap=True)
         colour = "green" if r.passed else "red"
         console.print(f"[{colour}]{r.summary['verdict']}[/{colour}]", highlight=False, soft_wrap=True)
         console.print(f"report: {r.report_json.parent / 'report.html'}", highlight=False, soft_wrap=True)

@@ -1,6 +1,7 @@
 """Weight sources for init_from / resume: whole (global) parameter tensors, one at a time, read
 from one of our checkpoints (assembled by its manifest), a unified safetensors directory or a
-Hugging Face LLaMA directory. Every source has ``.args`` (ModelArgs) and ``.full(name) -> Tensor``.
+Hugging Face LLaMA directory. Every source has ``.args`` (ModelArgs), ``.full(name) -> Tensor`` and
+``.box(name, box) -> Tensor`` (one rank's piece, reading only the stored chunks that overlap it).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME, LayoutError, Manifest, is_complete, newest_complete
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, LayoutError, Manifest, is_complete, newest_complete
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, check_fits, model_differences
 from titan_pipe.paths import resolve_inside
@@ -22,6 +23,8 @@ class WeightSource(Protocol):
     args: ModelArgs
 
     def full(self, name: str) -> torch.Tensor: ...
+
+    def box(self, name: str, box: Box) -> torch.Tensor: ...
 
     def names(self) -> list[str]: ...
 
@@ -59,18 +62,39 @@ class CheckpointWeights:
 
     def full(self, name: str) -> torch.Tensor:
         """(global shape) tensor of ``name``, chunks placed by their manifest boxes."""
+        return self.box(name, Box.full(self._spec(name).shape))
+
+    def box(self, name: str, box: Box) -> torch.Tensor:
+        """(box.lengths) piece of ``name`` at ``box`` of the global tensor: only the chunks that overlap
+        it are read, and of each only the overlap (a rank reading its own TP shard reads one chunk)."""
+        spec = self._spec(name)
+        out = None
+        for c in spec.chunks:
+            part = c.box.intersect(box)
+            if part is None:
+                continue
+            piece = self._file(c.file).get_slice(c.key)[_slices(part, c.box)]
+            if part == box:  # one chunk holds the whole box (replicas hold the same values)
+                return piece
+            if out is None:
+                out = torch.empty(box.lengths, dtype=piece.dtype)
+            out[_slices(part, box)] = piece
+        if out is None:
+            raise UserError(f"{self.dir / MANIFEST_NAME}: no chunk of {name!r} overlaps {box}; the manifest "
+                            "does not cover the parameter (copy the checkpoint again)")
+        return out
+
+    def _spec(self, name: str):
         spec = self.manifest.params.get(name)
         if spec is None:
             raise UserError(f"{self.dir / MANIFEST_NAME}: no parameter {name!r}; the checkpoint is of "
                             "another model (check model.* in flow.yaml)")
-        out = None
-        for c in spec.chunks:
-            piece = self._file(c.file).get_tensor(c.key)
-            if out is None:
-                out = torch.empty(spec.shape, dtype=piece.dtype)
-            idx = tuple(slice(o, o + n) for o, n in zip(c.box.offsets, c.box.lengths))
-            out[idx] = piece
-        return out
+        return spec
+
+
+def _slices(part: Box, within: Box) -> tuple[slice, ...]:
+    """Index of ``part`` inside a tensor holding ``within`` (both boxes of the same global tensor)."""
+    return tuple(slice(o - w, o - w + n) for o, w, n in zip(part.offsets, within.offsets, part.lengths))
 
 
 class SafetensorsWeights:
@@ -109,6 +133,14 @@ class SafetensorsWeights:
         f, key = self._where[name]
         with safe_open(str(f), framework="pt") as h:
             return h.get_tensor(key)
+
+    def box(self, name: str, box: Box) -> torch.Tensor:
+        """(box.lengths) piece of ``name``: only that part of the stored tensor is read."""
+        if name not in self._where:
+            return self.full(name)  # the one clear error
+        f, key = self._where[name]
+        with safe_open(str(f), framework="pt") as h:
+            return h.get_slice(key)[_slices(box, Box.full(box.lengths))]
 
 
 def open_weights(path: Path) -> WeightSource:

@@ -1,0 +1,71 @@
+"""Forward-only stage modules whose decoder layers stay unmaterialised (meta) until they run.
+
+``stream_layers(module, weights=..., device=...)`` hooks every decoder layer of a stage module built
+by build_parallel_model: a forward pre-hook allocates the layer's local shards and fills them from
+``weights.box`` (this rank's box of each parameter: a checkpoint read through its manifest reads
+only this rank's own chunk), a forward hook puts the layer back on meta, closes the shard files
+(their mapped pages) and hands the freed memory back to the system. The layer's modules, its
+DTensor TP placements and hooks are the ones the resident model runs; only where its parameters'
+storage lives changes, so its outputs are bit-identical to the resident model's.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from titan_pipe.checkpoint_format import Box, split_box
+from titan_pipe.model.weights import WeightSource
+
+
+def local_box(p: torch.Tensor) -> Box:
+    """The box of the global tensor (p.shape) this rank holds of parameter ``p``: its Shard
+    placements applied in mesh-dim order (a plain tensor or a Replicate placement: all of it)."""
+    box = Box.full(tuple(p.shape))
+    if not isinstance(p, DTensor):
+        return box
+    for mesh_dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            mesh = p.device_mesh
+            sub = split_box(box.lengths, placement.dim, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
+            box = Box(tuple(a + b for a, b in zip(box.offsets, sub.offsets)), sub.lengths)
+    return box
+
+
+@torch.no_grad()
+def materialize_layer(layer: nn.Module, *, prefix: str, weights: WeightSource, device: torch.device) -> None:
+    """Allocate ``layer``'s local shards on ``device`` and fill them from ``weights``
+    (``prefix`` + parameter name is the global name, e.g. ``layers.5``)."""
+    layer.to_empty(device=device)
+    for name, p in layer.named_parameters():
+        local = weights.box(f"{prefix}.{name}", local_box(p))
+        target = p.to_local() if isinstance(p, DTensor) else p
+        if tuple(local.shape) != tuple(target.shape):
+            raise ValueError(f"weights for {prefix}.{name}: local shard {tuple(local.shape)} but the model "
+                             f"holds {tuple(target.shape)}")
+        target.copy_(local.to(target.dtype))
+
+
+def release_layer(layer: nn.Module, weights: WeightSource) -> None:
+    """Back to meta: the layer's storage is freed, the shard files' maps closed, glibc's free
+    lists trimmed (large freed blocks otherwise stay in the process)."""
+    layer.to_empty(device="meta")
+    close = getattr(weights, "close", None)
+    if close is not None:
+        close()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def stream_layers(module: nn.Module, *, weights: WeightSource, device: torch.device) -> None:
+    """Hook every decoder layer of ``module`` (its ``layers`` ModuleDict, global ids as keys, on
+    meta) so it is materialised for its forward and released after it."""
+    for key, layer in module.layers.items():
+        layer.register_forward_pre_hook(
+            lambda m, _args, prefix=f"layers.{key}": materialize_layer(m, prefix=prefix, weights=weights,
+                                                                       device=device))
+        layer.register_forward_hook(lambda m, _args, _out: release_layer(m, weights))
