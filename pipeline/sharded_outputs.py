@@ -44,9 +44,16 @@ def command(*, world_size: int, checkpoint: Path, out_dir: Path, device: str, st
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set so far (Linux reports ru_maxrss in KiB)."""
+    """This process's own peak resident set so far: VmHWM (ru_maxrss would also count the pages of
+    the launcher it was forked from, before exec), else ru_maxrss (KiB on Linux)."""
     import resource
 
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

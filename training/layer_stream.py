@@ -11,6 +11,7 @@ storage lives changes, so its outputs are bit-identical to the resident model's.
 from __future__ import annotations
 
 import ctypes
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -35,23 +36,35 @@ def local_box(p: torch.Tensor) -> Box:
 
 
 @torch.no_grad()
-def materialize_layer(layer: nn.Module, *, prefix: str, weights: WeightSource, device: torch.device) -> None:
-    """Allocate ``layer``'s local shards on ``device`` and fill them from ``weights``
-    (``prefix`` + parameter name is the global name, e.g. ``layers.5``)."""
-    layer.to_empty(device=device)
-    for name, p in layer.named_parameters():
-        local = weights.box(f"{prefix}.{name}", local_box(p))
+def fill_local(params: Iterable[tuple[str, torch.Tensor]], *, weights: WeightSource,
+               source: Callable[[str], str] = lambda name: name) -> None:
+    """Fill each allocated (global name, parameter) with its local box read from ``weights``
+    (``source(name)``: the stored name, e.g. the embedding for a tied output copy)."""
+    for name, p in params:
+        local = weights.box(source(name), local_box(p))
         target = p.to_local() if isinstance(p, DTensor) else p
         if tuple(local.shape) != tuple(target.shape):
-            raise ValueError(f"weights for {prefix}.{name}: local shard {tuple(local.shape)} but the model "
+            raise ValueError(f"weights for {name}: local shard {tuple(local.shape)} but the model "
                              f"holds {tuple(target.shape)}")
         target.copy_(local.to(target.dtype))
 
 
+def materialize_layer(layer: nn.Module, *, prefix: str, weights: WeightSource, device: torch.device) -> None:
+    """Allocate ``layer``'s local shards on ``device`` and fill them from ``weights``
+    (``prefix`` + parameter name is the global name, e.g. ``layers.5``)."""
+    layer.to_empty(device=device)
+    fill_local(((f"{prefix}.{n}", p) for n, p in layer.named_parameters()), weights=weights)
+
+
 def release_layer(layer: nn.Module, weights: WeightSource) -> None:
-    """Back to meta: the layer's storage is freed, the shard files' maps closed, glibc's free
-    lists trimmed (large freed blocks otherwise stay in the process)."""
+    """Back to meta: the layer's storage is freed, then the reads' memory handed back."""
     layer.to_empty(device="meta")
+    hand_back(weights)
+
+
+def hand_back(weights: WeightSource) -> None:
+    """Close the shard files (their mapped pages count in the process while open) and trim
+    glibc's free lists (large freed blocks otherwise stay in the process)."""
     close = getattr(weights, "close", None)
     if close is not None:
         close()

@@ -26,6 +26,7 @@ from titan_pipe.model.args import ModelArgs
 from titan_pipe.training.activation_checkpoint import apply_ac
 from titan_pipe.training.compile import apply_compile
 from titan_pipe.training.data_parallel import DPPlan, apply_dp, unwrap
+from titan_pipe.training.layer_stream import fill_local, hand_back
 from titan_pipe.training.layer_stream import stream_layers as hook_layer_stream
 from titan_pipe.model.kernels import Kernels
 from titan_pipe.model.transformer import init_param
@@ -120,8 +121,12 @@ def fill_parameters(module: nn.Module, args: ModelArgs, *, device: torch.device,
             if name != "layers":
                 child.to_empty(device=param_device or device)
     retie(ties)
-    copy_global_values(module, args, seed=seed, weights=weights, dtype=dtype,
-                       only=None if layers else lambda name: not name.startswith("layers."))
+    if layers:
+        copy_global_values(module, args, seed=seed, weights=weights, dtype=dtype)
+    else:  # streamed (forward only, no dp wrapper): the ends read as the layers will be, this rank's box only
+        fill_local(((n, p) for n, p in module.named_parameters() if not n.startswith("layers.")),
+                   weights=weights, source=lambda name: source_name(name, args))
+        hand_back(weights)
     module.init_rope()
     module.rope_cos, module.rope_sin = module.rope_cos.to(device), module.rope_sin.to(device)
 
@@ -148,14 +153,10 @@ def retie(ties: list[tuple[nn.Module, str, nn.Module, str]]) -> None:
 
 @torch.no_grad()
 def copy_global_values(module: nn.Module, args: ModelArgs, *, seed: int,
-                       weights: WeightSource | None = None, dtype: torch.dtype = torch.float32,
-                       only: Callable[[str], bool] | None = None) -> None:
+                       weights: WeightSource | None = None, dtype: torch.dtype = torch.float32) -> None:
     """Overwrite every (already allocated) parameter's local shard with its global value cut to
-    its placement; FSDP/DDP wrappers keep working since no parameter object is replaced.
-    ``only``: None = every parameter, else those whose global name it accepts."""
+    its placement; FSDP/DDP wrappers keep working since no parameter object is replaced."""
     for name, p in module.named_parameters():
-        if only is not None and not only(name):
-            continue
         shape = tuple(p.shape)  # global shape, also for DTensors
         src = source_name(name, args)  # a tied output copy starts as the embedding
         full = weights.full(src) if weights is not None else init_param(src, shape, args, seed, dtype)
