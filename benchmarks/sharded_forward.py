@@ -5,7 +5,8 @@ Builds a float32 tp2 x pp2 checkpoint (4 ranks) of random weights per depth (``t
 --tp 2 --pp 2`` of a unified dir: the trainer's layout and manifest), then runs training's sharded
 forward (``python -m titan_pipe.training.sharded_forward``, as evaluate starts it) once resident and
 once ``--streamed`` over the same tokens, and prints each rank's peak RSS (VmHWM, from done.json),
-the weight bytes the rank's stage holds, and the ratios: streamed / resident per rank, and
+the float32 weight bytes it holds each way (evaluate's estimate: its stage's parameters, or its
+ends plus its largest layer), and the ratios: streamed / resident per rank, and
 8 layers / 2 layers for each mode. The outputs of the two runs are checked equal (torch.equal).
 Target: the streamed per-rank peak does not grow with depth (8 vs 2 layers within 15 %).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -69,24 +71,15 @@ def forward(ckpt: Path, tokens: Path, *, streamed: bool) -> dict:
     return {"seconds": seconds, "peak_rss": done["peak_rss"], "streamed": done["streamed"], "logits": logits}
 
 
-def stage_bytes(ckpt: Path) -> list[int]:
-    """Weight bytes each global rank's stage holds (dp1: rank = pp_rank * tp + tp_rank), and its
-    largest decoder layer's share."""
+def rank_bytes(ckpt: Path) -> list[tuple[int, int]]:
+    """(resident, streamed) weight bytes of each global rank (dp1: rank = pp_rank * tp + tp_rank), as
+    evaluate's memory estimate counts them (titan_pipe.evaluate.runners.sharded.pp_rank_bytes)."""
     from titan_pipe.checkpoint_format import Manifest
-    from titan_pipe.model.sharding import layer_id
+    from titan_pipe.evaluate.runners.sharded import pp_rank_bytes
+    from titan_pipe.model.args import ModelArgs
 
     m = Manifest.load(ckpt)
-    held, largest = {}, {}
-    for name, spec in m.params.items():
-        for c in spec.chunks:
-            n = c.box.numel * 4
-            held[c.file] = held.get(c.file, 0) + n
-            i = layer_id(name)
-            if i is not None:
-                largest.setdefault(c.file, {}).setdefault(i, 0)
-                largest[c.file][i] += n
-    files = sorted(held)  # model/pp{s}-tp{r}.safetensors: rank order for dp1 / one stage per rank
-    return [(held[f], max(largest.get(f, {0: 0}).values())) for f in files]
+    return [b for b in pp_rank_bytes(ModelArgs.from_dict(m.model), m.parallel) for _ in range(m.parallel.tp)]
 
 
 def main() -> None:
@@ -98,6 +91,8 @@ def main() -> None:
     a = ap.parse_args()
     from safetensors.torch import save_file
 
+    from titan_pipe.checkpoint_format import Manifest
+
     work = a.workdir or Path(tempfile.mkdtemp(prefix="titan-shfwd-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     tokens = work / "tokens.safetensors"
@@ -107,17 +102,17 @@ def main() -> None:
     try:
         for layers in (2, 8):
             ckpt = build(work, dim=a.dim, ffn=a.ffn, vocab=a.vocab, layers=layers)
-            held = stage_bytes(ckpt)
+            held = rank_bytes(ckpt)
             res, st = forward(ckpt, tokens, streamed=False), forward(ckpt, tokens, streamed=True)
             same = all(torch.equal(res["logits"][k], st["logits"][k]) for k in res["logits"])
-            total = sum(h for h, _ in held)
+            total = sum(4 * math.prod(spec.shape) for spec in Manifest.load(ckpt).params.values())
             print(f"\n== dim {a.dim}, ffn {a.ffn}, vocab {a.vocab}, {layers} layers, tp2 pp2: "
                   f"{total / 1e6:.0f} MB of float32 weights; outputs equal: {same}; "
                   f"{res['seconds']:.1f} s resident, {st['seconds']:.1f} s streamed")
-            print("rank  stage weights  largest layer  resident peak  streamed peak  streamed/resident")
+            print("rank  weights: resident  streamed   peak RSS: resident  streamed   streamed/resident")
             for r, ((h, big), p_res, p_st) in enumerate(zip(held, res["peak_rss"], st["peak_rss"])):
-                print(f"{r:4d}  {h / 1e6:10.0f} MB  {big / 1e6:10.0f} MB  {p_res / 1e6:10.0f} MB  "
-                      f"{p_st / 1e6:10.0f} MB  {p_st / p_res:14.2f}x")
+                print(f"{r:4d}  {h / 1e6:14.0f} MB  {big / 1e6:5.0f} MB  {p_res / 1e6:15.0f} MB  "
+                      f"{p_st / 1e6:5.0f} MB  {p_st / p_res:14.2f}x")
             peaks[layers] = (res["peak_rss"], st["peak_rss"])
             shutil.rmtree(ckpt)
         print("\nper-rank peak, 8 layers / 2 layers:")

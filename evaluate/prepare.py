@@ -56,7 +56,7 @@ def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, o
     request = Request(settings, checkpoint, model_dir, onnx, om, ev, batch_size, seq_len)
     prompts, n_new, decode, decode_skip = _fit_generation(ev.prompts, settings.new_tokens, decode)
     chains = [_chain(g) for g in (prefill, decode)]
-    memory = _plan(settings, args, request, (prefill, decode), chains)
+    memory = _plan(settings, args, request, (prefill, decode), chains, sharded)
     whole = memory.mode == "whole"
     reference.keep = whole
     if sharded is not None:  # its ranks go one decoder layer at a time too
@@ -118,7 +118,8 @@ def _itemsize(runner) -> int:
     return DTYPE_BYTES_BY_NAME[runner.prefill.dtype if isinstance(runner, OnnxDecodeRunner) else runner.dtype]
 
 
-def _plan(settings: EvaluateConfig, args: ModelArgs, request: Request, graphs, chains) -> MemoryPlan:
+def _plan(settings: EvaluateConfig, args: ModelArgs, request: Request, graphs, chains,
+          sharded: DistributedRunner | None) -> MemoryPlan:
     ref_layers = [Need(f"decoder layer {i} (PyTorch reference, float32)", layer_bytes(args, i))
                   for i in range(args.n_layers)]
     whole = [Need("PyTorch reference, float32", sum(n.bytes for n in ref_layers) + top_bytes(args))]
@@ -136,6 +137,11 @@ def _plan(settings: EvaluateConfig, args: ModelArgs, request: Request, graphs, c
             continue
         graphs_whole.append(Need(runner.path.name, sum(ort_bytes(p.weight_bytes, item) for p in chain.pieces)))
         pieces += [Need(f"{runner.path.name} {p.name} (ONNX Runtime)", chain.need(p)) for p in chain.pieces]
+    if sharded is not None:  # its ranks run while evaluate waits: a step of its own, every rank counted
+        resident, streamed = sharded.memory_needs(batches=len(request.data.batches), batch_size=request.batch_size,
+                                                  seq_len=request.seq_len)
+        whole.append(Need(f"sharded forward ({sharded.world_size} ranks, every layer)", resident))
+        pieces.append(Need(f"sharded forward ({sharded.world_size} ranks, one layer each)", streamed))
     activations = _activations(args, request)
     if graphs_whole:  # held together once the reference is done: the graphs' pieces, resident
         whole.append(Need(" + ".join(n.name for n in graphs_whole), sum(n.bytes for n in graphs_whole)))

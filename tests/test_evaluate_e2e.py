@@ -136,14 +136,33 @@ def test_layer_streamed_sharded_forward_equals_resident(trained):
 
 @pytest.mark.distributed
 def test_streamed_evaluation_streams_the_sharded_forward_too(trained, tmp_path):
-    # 800kB: the debug model's float32 reference (~0.95 MB + a batch's values) does not fit whole, one layer does
+    # 1.6MB: the 4 ranks holding every layer (~1.5 MB + a batch's values) do not fit, one layer each (~1.4 MB) does
     r = evaluate_model(out_dir=tmp_path / "rep", checkpoint=trained["checkpoint"], model_dir=trained["model_dir"],
-                       settings=EvaluateConfig(batches=1, operators=False, max_memory="800kB"))
+                       settings=EvaluateConfig(batches=1, operators=False, max_memory="1.6MB"))
     assert r.summary["memory_mode"] == "streamed"
     assert r.summary["comparisons"]["sharded_vs_unified"] == "pass", r.summary["verdict"]
     rep = json.loads(r.report_json.read_text())
+    assert rep["memory"]["largest"] == "sharded forward (4 ranks, one layer each)"  # the ranks are counted
     sharded = rep["memory"]["sharded"]
     assert sharded["mode"] == "streamed" and sharded["ranks"] == 4 and len(sharded["peak_rss_per_rank"]) == 4
     row = next(c for c in rep["comparisons"] if c["id"] == "sharded_vs_unified")
     assert row["reference"].startswith("torchrun tp2 pp2") and "one layer at a time" in row["reference"]
     assert "sharded forward: streamed, 4 ranks" in r.summary["memory_line"]
+
+
+def test_sharded_memory_estimate_counts_each_rank_from_the_sharding_table():
+    from titan_pipe.checkpoint_format import ParallelLayout
+    from titan_pipe.evaluate.runners.sharded import pp_rank_bytes
+    from titan_pipe.model.args import resolve_args
+    from titan_pipe.model.params import native_shapes
+    from titan_pipe.model.sharding import tp_split_dim
+
+    args = resolve_args("debug", n_layers=6)
+    sizes = {n: 4 * torch.Size(s).numel() for n, s in native_shapes(args).items()}
+    layer = sum(v for n, v in sizes.items() if n.startswith("layers.0."))
+    assert pp_rank_bytes(args, ParallelLayout()) == [(sum(sizes.values()), sum(sizes.values()) - 5 * layer)]
+    per = pp_rank_bytes(args, ParallelLayout(tp=2, pp=3))  # 2 layers per pp rank, the ends at each side
+    local = sum(v // (2 if tp_split_dim(n) is not None else 1) for n, v in sizes.items() if n.startswith("layers.0."))
+    assert [r - s for r, s in per] == [local] * 3  # streamed: one of its two layers, its TP half
+    ends = [sizes["tok_embeddings.weight"] // 2, 0, sizes["norm.weight"] + sizes["output.weight"] // 2]
+    assert [st for _, st in per] == [local + e for e in ends]  # the middle rank holds no end

@@ -1,6 +1,7 @@
 """The training checkpoint under its own dp/tp/pp layout: training's sharded forward process."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import tempfile
@@ -13,6 +14,26 @@ from titan_pipe.checkpoint_format import is_complete
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.evaluate.runners.outputs import Outputs
 from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.params import native_shapes
+from titan_pipe.model.sharding import layer_id, split_stages, stage_of, stage_ranks, stages_per_rank, tp_split_dim
+
+
+def pp_rank_bytes(args: ModelArgs, layout) -> list[tuple[int, int]]:
+    """(resident, streamed) float32 parameter bytes one rank of each pp rank holds under ``layout``
+    (a checkpoint's ParallelLayout), from the declared parameter list and sharding table: resident
+    every parameter of its stages, streamed its ends (embedding, norm, output) plus its largest
+    decoder layer. Every dp x tp rank of a pp rank holds as much (a TP-split parameter 1/tp of it)."""
+    n_stages = layout.pp * stages_per_rank(layout.pp, layout.pp_schedule, layout.virtual_stages)
+    stages, owner = split_stages(args.n_layers, n_stages), stage_ranks(n_stages, layout.pp)
+    ends, layers = [0] * layout.pp, [dict() for _ in range(layout.pp)]
+    for name, shape in native_shapes(args).items():
+        n = 4 * math.prod(shape) // (layout.tp if tp_split_dim(name) is not None else 1)
+        r, lid = owner[stage_of(name, stages)], layer_id(name)
+        if lid is None:
+            ends[r] += n
+        else:
+            layers[r][lid] = layers[r].get(lid, 0) + n
+    return [(e + sum(ls.values()), e + max(ls.values(), default=0)) for e, ls in zip(ends, layers)]
 
 
 class DistributedRunner:
@@ -54,6 +75,15 @@ class DistributedRunner:
     @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+    def memory_needs(self, *, batches: int, batch_size: int, seq_len: int) -> tuple[int, int]:
+        """(resident, streamed) bytes all ranks together hold for the model: each rank's parameters
+        (pp_rank_bytes) plus the logits and hidden states it keeps for every batch; not the ranks'
+        Python processes themselves (~0.3 GB each with torch imported)."""
+        kept = 4 * batches * batch_size * seq_len * (self.args.vocab_size + self.args.n_layers * self.args.dim)
+        per_pp = pp_rank_bytes(self.args, self.layout)
+        ranks = self.layout.dp * self.layout.tp
+        return tuple(ranks * sum(b[k] + kept for b in per_pp) for k in (0, 1))
 
     def run_all(self, batches: list[torch.Tensor]) -> list[Outputs]:
         """All batches in one torchrun launch; StageFailed with the ranks' last log lines on error."""
