@@ -167,12 +167,24 @@ def operator_matrix(rows: list[dict]) -> tuple[list[str], list[str], dict]:
     return ops, dtypes, {k: v[1] for k, v in cell.items()}
 
 
+def sharded_line(sharded: dict | None) -> str:
+    """How the sharded forward's ranks held the model (report.json ``memory.sharded``), or ""."""
+    if not sharded:
+        return ""
+    from titan_pipe.sizes import format_size
+
+    peaks = sharded["peak_rss_per_rank"]
+    rss = f", peak RSS {format_size(min(peaks))} to {format_size(max(peaks))} per rank" if peaks else ""
+    return f"sharded forward: {sharded['mode']}, {sharded['ranks']} ranks{rss}"
+
+
 def render_markdown(report: dict, plots: list[str]) -> str:
     v = report["verdict"]
     lines = ["# titan-pipe evaluation report", "", f"**{'PASS' if report['passed'] else 'FAIL'}** — {v['text']}", "",
              "Inputs: " + ", ".join(f"{k} `{val}`" for k, val in report["inputs"].items() if val), ""]
     if report.get("memory"):
-        lines += [f"Memory: **{report['memory']['mode']}** ({report['memory']['why']})", ""]
+        ranks = sharded_line(report["memory"].get("sharded"))
+        lines += [f"Memory: **{report['memory']['mode']}** ({report['memory']['why']}){'; ' + ranks if ranks else ''}", ""]
     for p in plots:
         lines.append(f"![{p}]({p})")
     lines += ["", "## Comparisons", ""]
@@ -217,7 +229,9 @@ def render_html(report: dict, plot_files: dict[str, Path]) -> str:
              "<p>" + "<br>".join(f"{e(k)}: <code>{e(str(val))}</code>" for k, val in report["inputs"].items() if val)
              + "</p>"]
     if report.get("memory"):
-        parts.append(f"<p>memory: <b>{e(report['memory']['mode'])}</b> ({e(report['memory']['why'])})</p>")
+        ranks = sharded_line(report["memory"].get("sharded"))
+        parts.append(f"<p>memory: <b>{e(report['memory']['mode'])}</b> ({e(report['memory']['why'])})"
+                     f"{'; ' + e(ranks) if ranks else ''}</p>")
     for name, path in plot_files.items():
         data = base64.b64encode(path.read_bytes()).decode()
         parts.append(f"<p><img alt='{e(name)}' src='data:image/png;base64,{data}'></p>")

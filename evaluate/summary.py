@@ -7,7 +7,7 @@ import datetime as _dt
 import torch
 
 from titan_pipe.evaluate import compare as cmp
-from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION
+from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, sharded_line
 from titan_pipe.evaluate.run import Run
 from titan_pipe.evaluate.runners.om import ascend_runtime
 
@@ -45,15 +45,9 @@ def sharded_memory(run: Run) -> dict | None:
 
 def memory_line(mode: str, sharded: dict | None) -> str:
     """One line for the console: the mode, and how the sharded forward's ranks held the model."""
-    from titan_pipe.sizes import format_size
-
     what = "one decoder layer at a time" if mode == "streamed" else "whole graphs"
-    line = f"memory: {mode} ({what})"
-    if sharded is not None:
-        peaks = sharded["peak_rss_per_rank"]
-        rss = f", peak RSS {format_size(min(peaks))} to {format_size(max(peaks))} per rank" if peaks else ""
-        line += f"; sharded forward: {sharded['mode']}, {sharded['ranks']} ranks{rss}"
-    return line
+    ranks = sharded_line(sharded)
+    return f"memory: {mode} ({what})" + (f"; {ranks}" if ranks else "")
 
 
 def _s(p) -> str | None:

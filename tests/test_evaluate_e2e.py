@@ -148,6 +148,7 @@ def test_streamed_evaluation_streams_the_sharded_forward_too(trained, tmp_path):
     row = next(c for c in rep["comparisons"] if c["id"] == "sharded_vs_unified")
     assert row["reference"].startswith("torchrun tp2 pp2") and "one layer at a time" in row["reference"]
     assert "sharded forward: streamed, 4 ranks" in r.summary["memory_line"]
+    assert "sharded forward: streamed, 4 ranks, peak RSS" in (tmp_path / "rep" / "report.md").read_text()
 
 
 def test_sharded_memory_estimate_counts_each_rank_from_the_sharding_table():

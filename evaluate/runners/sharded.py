@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from titan_pipe import procs, sharded_outputs
-from titan_pipe.checkpoint_format import is_complete
+from titan_pipe.checkpoint_format import ParallelLayout, is_complete
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.evaluate.runners.outputs import Outputs
 from titan_pipe.model.args import ModelArgs
@@ -18,7 +18,7 @@ from titan_pipe.model.params import native_shapes
 from titan_pipe.model.sharding import layer_id, split_stages, stage_of, stage_ranks, stages_per_rank, tp_split_dim
 
 
-def pp_rank_bytes(args: ModelArgs, layout) -> list[tuple[int, int]]:
+def pp_rank_bytes(args: ModelArgs, layout: ParallelLayout) -> list[tuple[int, int]]:
     """(resident, streamed) float32 parameter bytes one rank of each pp rank holds under ``layout``
     (a checkpoint's ParallelLayout), from the declared parameter list and sharding table: resident
     every parameter of its stages, streamed its ends (embedding, norm, output) plus its largest
