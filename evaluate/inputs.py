@@ -20,8 +20,10 @@ def check_inputs(*, checkpoint, model_dir, onnx, om, data) -> None:
         if p is not None:
             _check_path(flag, Path(p), kind)
     if onnx is not None:  # names only files inside the export dir, or is refused before any work
-        ExportRecord.find(Path(onnx).parent)
+        record = ExportRecord.find(Path(onnx).parent)
         check_external_data(Path(onnx))
+        if record is not None:  # a corrupted or swapped data file: refused here, not as odd numbers later
+            record.check_files(Path(onnx).parent)
 
 
 def _check_path(flag: str, p: Path, kind: str) -> None:

@@ -8,11 +8,11 @@ with the tensor's place); the bytes move on three worker threads, each in file o
   write   pwrite that buffer at its offset, WRITE_SLICE bytes a call; a tensor already in the export
           dtype skips load and is copied file to file by the kernel here instead (copy_file_range,
           what `cp` does; pread/pwrite where the file system refuses)
-  hash    sha256 of the same bytes, in file order: the chunk buffer, or for a kernel copy a short-lived
+  hash    the digest (titan_pipe.hashing: xxh3_128 or sha256) of the same bytes, in file order: the chunk buffer, or for a kernel copy a short-lived
           mmap window of the source (no second read of the data file)
 
 so reading, casting, writing and hashing of different chunks overlap; numpy, the file calls and
-hashlib release the GIL. Memory: DEPTH chunk buffers and two source windows of a chunk, whatever the
+the hashers release the GIL. Memory: DEPTH chunk buffers and two source windows of a chunk, whatever the
 model's size; the caller blocks when all chunk buffers are in flight. No torch is imported.
 
 Why not mmap whole files (see convert/readers/store.py): pages of a mapping count in the resident
@@ -22,7 +22,6 @@ says is refused before its window is mapped (touching a mapping past the end of 
 """
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 from collections import deque
@@ -36,6 +35,7 @@ from titan_pipe.convert.onnx.weights import DataEntry, SourceTensor
 from titan_pipe.convert.readers.store import pread_into
 from titan_pipe.dtypes import BY_NAME, DTYPE_SIZES
 from titan_pipe.errors import UserError
+from titan_pipe.hashing import new_hasher
 
 ALIGN = 4096  # page-aligned tensors, so a runtime can mmap them
 CHUNK = 16 * 2**20  # bytes of the larger side of a chunk (source or export dtype)
@@ -48,20 +48,21 @@ WRITE_SLICE = 128 * 1024
 
 
 class DataWriter:
-    """Appends tensors to one data file, page-aligned, hashing every byte written unless ``hash`` is
-    False; ``sha256`` after close (None when not hashed). Use as a context manager: leaving it waits
+    """Appends tensors to one data file, page-aligned, hashing every byte written with ``digest`` (an
+    algorithm of titan_pipe.hashing.DIGESTS; None: not hashed); ``digest`` after close is the hex digest
+    (None when not hashed). Use as a context manager: leaving it waits
     for every byte, and raises the first error a worker met (nothing is complete before that).
     """
 
-    def __init__(self, path: Path, dtype: str, *, hash: bool = True):
+    def __init__(self, path: Path, dtype: str, *, digest: str | None):
         self.path, self.code = Path(path), BY_NAME[dtype].code
         self.itemsize = BY_NAME[dtype].itemsize
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask applies
         self._pos = 0  # end of what is planned so far
-        self._hash = hashlib.sha256() if hash else None
+        self._hash = new_hasher(digest) if digest is not None else None
         self._load = ThreadPoolExecutor(1, thread_name_prefix="export-load")
         self._write = ThreadPoolExecutor(1, thread_name_prefix="export-write")
-        self._digest = ThreadPoolExecutor(1, thread_name_prefix="export-hash") if hash else None
+        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="export-hash") if digest is not None else None
         self._bufs = [np.empty(CHUNK, np.uint8) for _ in range(DEPTH)]
         self._buf_jobs: list[tuple[Future, ...]] = [() for _ in range(DEPTH)]  # last jobs reading each buffer
         self._turn = -1
@@ -70,7 +71,7 @@ class DataWriter:
         self._kernel_copy = hasattr(os, "copy_file_range")  # cleared by the write thread when refused
         self._fallback_buf: bytearray | None = None  # the write thread's, allocated on the first refusal
         self.entries: dict[str, DataEntry] = {}
-        self.sha256: str | None = None
+        self.digest: str | None = None
 
     def __enter__(self):
         return self
@@ -135,15 +136,15 @@ class DataWriter:
         """Queue the write and the digest of a chunk buffer once ``loaded`` has filled it."""
         written = self._write.submit(self._after, loaded, self._pwrite, memoryview(buf)[:nbytes], pos)
         jobs = [loaded, written]
-        if self._digest is not None:
-            jobs.append(self._digest.submit(self._after, loaded, self._hash_bytes, memoryview(buf)[:nbytes]))
+        if self._hashing is not None:
+            jobs.append(self._hashing.submit(self._after, loaded, self._hash_bytes, memoryview(buf)[:nbytes]))
         self._buf_jobs[slot] = tuple(jobs)
         for job in jobs:
             self._submit(job)
 
     def _queue_hash(self, fn, *args) -> None:
-        if self._digest is not None:
-            self._submit(self._digest.submit(fn, *args))
+        if self._hashing is not None:
+            self._submit(self._hashing.submit(fn, *args))
 
     def _submit(self, job: Future) -> None:
         """Track a job; finished ones are checked as we go, so a worker's error surfaces early."""
@@ -222,7 +223,7 @@ class DataWriter:
         if self._fd < 0:
             return
         try:
-            for pool in (self._load, self._write, self._digest):
+            for pool in (self._load, self._write, self._hashing):
                 if pool is not None:
                     pool.shutdown(wait=True, cancel_futures=failed)
             if not failed:
@@ -233,4 +234,4 @@ class DataWriter:
                 os.close(fd)
             self._fd = -1
             self._sources.clear()
-        self.sha256 = self._hash.hexdigest() if self._hash is not None else None
+        self.digest = self._hash.hexdigest() if self._hash is not None else None
