@@ -39,7 +39,8 @@ from titan_pipe.hashing import new_hasher
 
 ALIGN = 4096  # page-aligned tensors, so a runtime can mmap them
 CHUNK = 16 * 2**20  # bytes of the larger side of a chunk (source or export dtype)
-DEPTH = 3  # chunk buffers in flight: one being filled, one being written, one being hashed
+DEPTH = 4  # chunk buffers in flight: two being filled, one being written and hashed, one free to fill
+LOADERS = 2  # load threads: the cast is the largest cost (numpy releases the GIL), so two chunks cast at once
 # Bytes per pwrite call. The page cache sizes a new folio by the write that creates it: a 16 MB write
 # asks for 2 MB folios, which on a VM come from guest memory the host has not backed (or took back):
 # measured here 1.5-2.3 CPU-s to write 0.5 GB in 1-16 MB calls, 0.09-0.15 s in 64-256 kB calls,
@@ -60,7 +61,7 @@ class DataWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask applies
         self._pos = 0  # end of what is planned so far
         self._hash = new_hasher(digest) if digest is not None else None
-        self._load = ThreadPoolExecutor(1, thread_name_prefix="export-load")
+        self._load = ThreadPoolExecutor(LOADERS, thread_name_prefix="export-load")
         self._write = ThreadPoolExecutor(1, thread_name_prefix="export-write")
         self._hashing = ThreadPoolExecutor(1, thread_name_prefix="export-hash") if digest is not None else None
         self._bufs = [np.empty(CHUNK, np.uint8) for _ in range(DEPTH)]
