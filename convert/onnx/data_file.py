@@ -22,6 +22,7 @@ says is refused before its window is mapped (touching a mapping past the end of 
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from collections import deque
@@ -69,6 +70,7 @@ class DataWriter:
         self._turn = -1
         self._inflight: deque[Future] = deque()
         self._sources: dict[Path, int] = {}  # source file -> fd, closed at close()
+        self._fallocate = hasattr(os, "posix_fallocate")  # cleared where the file system refuses
         self._kernel_copy = hasattr(os, "copy_file_range")  # cleared by the write thread when refused
         self._fallback_buf: bytearray | None = None  # the write thread's, allocated on the first refusal
         self.entries: dict[str, DataEntry] = {}
@@ -88,6 +90,7 @@ class DataWriter:
         offset = self._align()
         src_item = DTYPE_SIZES[s.dtype]
         numel = s.nbytes // src_item
+        self._reserve(offset, numel * self.itemsize)
         fd = self._source_fd(src.file)
         per_chunk = CHUNK // max(src_item, self.itemsize)
         for done in range(0, numel, per_chunk):
@@ -107,6 +110,7 @@ class DataWriter:
         """A computed tensor (the RoPE tables), already in the export dtype; kept alive until written."""
         offset = self._align()
         raw = memoryview(np.ascontiguousarray(array)).cast("B")
+        self._reserve(offset, len(raw))
         self._submit(self._write.submit(self._pwrite, raw, offset))
         self._queue_hash(self._hash_bytes, raw)
         self._pos += len(raw)
@@ -120,6 +124,18 @@ class DataWriter:
             self._queue_hash(self._hash_bytes, zeros)
             self._pos += pad
         return self._pos
+
+    def _reserve(self, offset: int, length: int) -> None:
+        """Allocate the tensor's blocks before its bytes are written: ext4 then allocates at once instead of
+        at each write (writing 4.3 GB measured 0.76-0.79 s instead of 0.94-1.34 s here), and a full disk
+        fails here, before the tensor's work. Skipped from the first file system that cannot."""
+        if self._fallocate and length:
+            try:
+                os.posix_fallocate(self._fd, offset, length)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                self._fallocate = False
 
     def _source_fd(self, path: Path) -> int:
         if path not in self._sources:
