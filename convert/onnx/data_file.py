@@ -1,19 +1,20 @@
 """The external-data writer: tensors streamed into ONE page-aligned file, cast, written and hashed in one pass.
 
 Every offset is planned up front in the caller's thread (``add_source``/``add_array`` return at once
-with the tensor's place); the bytes move on three worker threads, each in file order:
+with the tensor's place); the bytes move on worker threads; write and hash take the chunks in file order:
 
-  load    cast a chunk of the source, read through a short-lived mmap window of it (numpy,
-          titan_pipe.convert.casts), into a chunk buffer of the export dtype
+  load    (LOADERS threads, a chunk each) cast a chunk of the source, read through a short-lived
+          mmap window of it (numpy, titan_pipe.convert.casts), into a chunk buffer of the export dtype
   write   pwrite that buffer at its offset, WRITE_SLICE bytes a call; a tensor already in the export
           dtype skips load and is copied file to file by the kernel here instead (copy_file_range,
           what `cp` does; pread/pwrite where the file system refuses)
-  hash    the digest (titan_pipe.hashing: xxh3_128 or sha256) of the same bytes, in file order: the chunk buffer, or for a kernel copy a short-lived
-          mmap window of the source (no second read of the data file)
+  hash    the digest (titan_pipe.hashing: xxh3_128 or sha256) of the same bytes: the chunk buffer,
+          or for a kernel copy a short-lived mmap window of the source, whose bytes the copy's are
+          (no second read of the data file)
 
 so reading, casting, writing and hashing of different chunks overlap; numpy, the file calls and
-the hashers release the GIL. Memory: DEPTH chunk buffers and two source windows of a chunk, whatever the
-model's size; the caller blocks when all chunk buffers are in flight. No torch is imported.
+the hashers release the GIL. Each tensor's blocks are reserved (fallocate) before its bytes are written.
+Memory: DEPTH chunk buffers and LOADERS source windows of a chunk, whatever the model's size; the caller blocks when all chunk buffers are in flight. No torch is imported.
 
 Why not mmap whole files (see convert/readers/store.py): pages of a mapping count in the resident
 set until unmapped, so a mapped 14 GB model reads as 14 GB RSS; a window unmapped right after use
@@ -39,6 +40,10 @@ from titan_pipe.errors import UserError
 from titan_pipe.hashing import new_hasher
 
 ALIGN = 4096  # page-aligned tensors, so a runtime can mmap them
+# A load window's pages mapped in one call (MAP_POPULATE) rather than a fault per few pages as the cast
+# touches them: the cast of a 2.14 GB bf16 model measured 0.80-0.82 CPU-s instead of 0.89-0.97 (-> fp32)
+# and 1.23-1.26 instead of 1.29-1.39 (-> fp16). The pages are the page cache's; nothing is read twice.
+_WINDOW_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 CHUNK = 16 * 2**20  # bytes of the larger side of a chunk (source or export dtype)
 DEPTH = 4  # chunk buffers in flight: two being filled, one being written and hashed, one free to fill
 LOADERS = 2  # load threads: the cast is the largest cost (numpy releases the GIL), so two chunks cast at once
@@ -185,7 +190,7 @@ class DataWriter:
         if os.fstat(fd).st_size < at + nbytes:  # a mapping past the end would fault, not raise
             raise UserError(f"{path}: ended early while reading byte {at}; the file was truncated during the export")
         base = at - at % mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(fd, at + nbytes - base, offset=base, access=mmap.ACCESS_READ) as window:
+        with mmap.mmap(fd, at + nbytes - base, flags=_WINDOW_FLAGS, prot=mmap.PROT_READ, offset=base) as window:
             src = np.frombuffer(window, np.uint8, nbytes, at - base).view(bits_dtype(src_code))
             cast_bits(src, src_code, buf[:n * self.itemsize].view(bits_dtype(self.code)), self.code)
             del src  # the mapping closes only once no array views it
