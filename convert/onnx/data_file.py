@@ -13,8 +13,9 @@ with the tensor's place); the bytes move on worker threads; write and hash take 
           (no second read of the data file)
 
 so reading, casting, writing and hashing of different chunks overlap; numpy, the file calls and
-the hashers release the GIL. Each tensor's blocks are reserved (fallocate) before its bytes are written.
-Memory: DEPTH chunk buffers and LOADERS source windows of a chunk, whatever the model's size; the caller blocks when all chunk buffers are in flight. No torch is imported.
+the hashers release the GIL. Each tensor's blocks are reserved (fallocate) before its bytes are
+written. Memory: DEPTH chunk buffers and LOADERS source windows of a chunk, whatever the model's size;
+the caller blocks when all chunk buffers are in flight. No torch is imported.
 
 Why not mmap whole files (see convert/readers/store.py): pages of a mapping count in the resident
 set until unmapped, so a mapped 14 GB model reads as 14 GB RSS; a window unmapped right after use
@@ -57,8 +58,8 @@ WRITE_SLICE = 128 * 1024
 class DataWriter:
     """Appends tensors to one data file, page-aligned, hashing every byte written with ``digest`` (an
     algorithm of titan_pipe.hashing.DIGESTS; None: not hashed); ``digest`` after close is the hex digest
-    (None when not hashed). Use as a context manager: leaving it waits
-    for every byte, and raises the first error a worker met (nothing is complete before that).
+    (None when not hashed). Use as a context manager: leaving it waits for every byte, and raises the
+    first error a worker met (nothing is complete before that).
     """
 
     def __init__(self, path: Path, dtype: str, *, digest: str | None):
