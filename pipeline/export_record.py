@@ -135,11 +135,14 @@ class ExportRecord:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"{path}: malformed field ({e!r}); re-export with `titan-pipe export`") from None
 
-    def check_files(self, export_dir: Path) -> None:
-        """Every recorded file of ``export_dir`` has its recorded size and (where one was recorded) digest,
-        re-computed with the recorded algorithm; UserError naming the first that does not."""
+    def check_files(self, export_dir: Path, *, only=None) -> None:
+        """Every recorded file of ``export_dir`` (or those of ``only`` the record lists) has its recorded
+        size and (where one was recorded) digest, re-computed with the recorded algorithm; UserError
+        naming the first that does not."""
         record = Path(export_dir) / RECORD_FILE
         for name, entry in self.files.items():
+            if only is not None and name not in only:
+                continue
             path = Path(export_dir) / name
             size = path.stat().st_size if path.is_file() else None
             if size != entry.bytes:
