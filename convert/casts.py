@@ -7,7 +7,7 @@ Export (and anything else that streams weights) casts chunk by chunk without imp
                  fp32 -> fp16 rule below from the exact widening; applied with ``np.take`` in blocks
                  that stay in cache.
   fp16 -> fp32   a 65536-entry table too (numpy's widening is exact; NaNs quieted as below).
-  fp32 -> fp16   numpy's cast: round to nearest, ties to even, subnormals kept, overflow to inf.
+  fp32 -> fp16   numpy's cast, in blocks: round to nearest, ties to even, subnormals kept, overflow to inf.
 
 NaNs follow torch's vectorised CPU conversion (the F16C instructions): the quiet bit is set and the
 top payload bits kept, sign included (fp32 0x7f800001 -> fp16 0x7e00, 0xff802000 -> 0xfe01;
@@ -23,6 +23,9 @@ from functools import lru_cache
 import numpy as np
 
 BLOCK = 1 << 16  # elements per np.take call: the block's indices and output stay in L2 with the table
+# elements per fp32 -> fp16 cast call: numpy casts a large array through its buffered loop at ~4.5 ns an
+# element here, a block of 8-32 k elements at ~2.2 ns (measured on 4 M elements, numpy 2.4)
+F16_BLOCK = 1 << 14
 
 # safetensors codes -> (numpy dtype of the raw bits, bytes per element)
 _BITS = {"F32": np.uint32, "F16": np.uint16, "BF16": np.uint16}
@@ -37,7 +40,9 @@ def bits_dtype(code: str):
 def f32_to_f16(src: np.ndarray, out: np.ndarray) -> None:
     """fp32 bits (uint32) -> fp16 bits (uint16), same length; what torch's ``.to(torch.float16)`` gives."""
     with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is the rule, not an accident
-        np.copyto(out.view(np.float16), src.view(np.float32), casting="unsafe")
+        wide, narrow = src.view(np.float32), out.view(np.float16)
+        for i in range(0, len(src), F16_BLOCK):
+            np.copyto(narrow[i:i + F16_BLOCK], wide[i:i + F16_BLOCK], casting="unsafe")
         has_nan = len(src) and np.isnan(np.max(src.view(np.float32)))  # max propagates NaN: one pass, no temporaries
     if has_nan:
         _quiet_f16_nans(src, out)
@@ -51,8 +56,7 @@ def _quiet_f16_nans(src: np.ndarray, out: np.ndarray) -> None:
 
 def bf16_to_f32(src: np.ndarray, out: np.ndarray) -> None:
     """bf16 bits (uint16) -> fp32 bits (uint32): exact, payloads included."""
-    np.copyto(out, src)
-    np.left_shift(out, 16, out=out)
+    np.left_shift(src, np.uint32(16), out=out, dtype=np.uint32)  # one pass: widened in numpy's buffered loop
 
 
 @lru_cache(maxsize=None)

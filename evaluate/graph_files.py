@@ -24,7 +24,6 @@ def check_external_data(onnx_path: Path) -> "onnx.ModelProto":
     """The graph's structure (``load_external_data=False``: no weights loaded), once every
     external-data file it names is checked to lie inside its directory; UserError otherwise."""
     import onnx
-    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors
 
     onnx_path = Path(onnx_path)
     try:
@@ -32,13 +31,19 @@ def check_external_data(onnx_path: Path) -> "onnx.ModelProto":
     except Exception as e:  # protobuf's DecodeError and friends
         raise UserError(f"{onnx_path}: not an ONNX model ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
                         "pass the model.onnx written by `titan-pipe export`") from None
-    checked = set()
-    for t in _get_all_tensors(model):
-        if t.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        location = ExternalDataInfo(t).location
-        if location not in checked:
-            resolve_inside(onnx_path.parent, location, source=onnx_path,
-                           what=f"external data location of tensor {t.name!r}", fix=_FIX)
-            checked.add(location)
+    for location, tensor in external_locations(model).items():
+        resolve_inside(onnx_path.parent, location, source=onnx_path,
+                       what=f"external data location of tensor {tensor!r}", fix=_FIX)
     return model
+
+
+def external_locations(model: "onnx.ModelProto") -> dict[str, str]:
+    """{external-data location (as the graph names it): the first tensor stored there}."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors
+
+    found: dict[str, str] = {}
+    for t in _get_all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            found.setdefault(ExternalDataInfo(t).location, t.name)
+    return found

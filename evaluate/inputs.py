@@ -5,7 +5,7 @@ from pathlib import Path
 
 from titan_pipe.checkpoint_format import is_complete
 from titan_pipe.errors import UserError
-from titan_pipe.evaluate.graph_files import check_external_data
+from titan_pipe.evaluate.graph_files import check_external_data, external_locations
 from titan_pipe.export_record import ExportRecord
 from titan_pipe.model.args import ModelArgs, model_differences
 
@@ -20,8 +20,12 @@ def check_inputs(*, checkpoint, model_dir, onnx, om, data) -> None:
         if p is not None:
             _check_path(flag, Path(p), kind)
     if onnx is not None:  # names only files inside the export dir, or is refused before any work
-        ExportRecord.find(Path(onnx).parent)
-        check_external_data(Path(onnx))
+        record = ExportRecord.find(Path(onnx).parent)
+        graph = check_external_data(Path(onnx))
+        if record is not None:  # the weights it reads are the exported ones: a corrupted or swapped data file
+            # is refused here, not reported as a numerical fault (a graph re-saved with its weights inline
+            # reads none of the record's files, and is compared as it is)
+            record.check_files(Path(onnx).parent, only=external_locations(graph))
 
 
 def _check_path(flag: str, p: Path, kind: str) -> None:

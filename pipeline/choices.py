@@ -14,6 +14,7 @@ from typing import Callable
 
 from titan_pipe import limits
 from titan_pipe.dtypes import EXPORT_NAMES
+from titan_pipe.hashing import DIGESTS
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
 KERNELS = ("auto", "reference", "npu_fused")
@@ -47,6 +48,7 @@ class ExportDefaults:
     run_atc: bool = True
     precision_mode: str = "origin"
     hash_weights: bool = True
+    digest: str = "xxh3_128"  # export.json's file digests: DIGESTS (titan_pipe.hashing); sha256 on request
 
 
 EXPORT = ExportDefaults()
@@ -58,7 +60,7 @@ def default_cache_len(max_positions: int) -> int:
 
 
 def export_problems(*, max_positions: int, opset: object, dtype: str, batch: int, seq_len: int,
-                    cache_len: int | None, kv_cache: bool, precision_mode: str,
+                    cache_len: int | None, kv_cache: bool, precision_mode: str, digest: str = EXPORT.digest,
                     spell: Callable[[str], str] = lambda k: "--" + k.replace("_", "-")) -> list[str]:
     """One line per export option the export stage refuses for a model of ``max_positions``.
 
@@ -76,6 +78,9 @@ def export_problems(*, max_positions: int, opset: object, dtype: str, batch: int
         out.append(f"dtype {dtype!r} is not one of {', '.join(EXPORT_NAMES)} (ATC graphs carry no bfloat16)")
     if precision_mode not in PRECISION_MODES:
         out.append(f"precision mode {precision_mode!r} is not one of {', '.join(PRECISION_MODES)}")
+    if digest not in DIGESTS:
+        out.append(f"digest {digest!r} is not one of {', '.join(DIGESTS)}; use {spell('digest')} xxh3_128 (default) "
+                   "or sha256")
     for key, value, bound in (("batch", batch, limits.BATCH), ("seq_len", seq_len, limits.SEQ_LEN),
                               ("cache_len", cache_len, limits.CACHE_LEN)):
         why = None if value is None else bound.problem(value)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from titan_pipe import limits
 from titan_pipe.choices import (COMPILE_BACKENDS, DEVICES, DP_MODES, EXPORT, KERNELS, OFFLOADS, OPTIMIZERS, PP_SCHEDULES,
                                 PRECISION_MODES, export_problems)
+from titan_pipe.hashing import DIGESTS
 from titan_pipe.choices import NAMINGS
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.errors import UserError
@@ -231,7 +232,8 @@ class ExportConfig(Section):
     batch: int = EXPORT.batch
     seq_len: int = EXPORT.seq_len
     cache_len: int | None = EXPORT.cache_len  # decode KV-cache slots; None: min(max_position_embeddings, 4096)
-    hash_weights: bool = EXPORT.hash_weights  # sha256 of model.onnx.data in export.json
+    hash_weights: bool = EXPORT.hash_weights  # the digest of model.onnx.data in export.json
+    digest: Literal[DIGESTS] = EXPORT.digest  # export.json's file digests: xxh3_128 (fast) or sha256
     dynamic: bool = EXPORT.dynamic
     kv_cache: bool = EXPORT.kv_cache
     soc_version: str = EXPORT.soc_version
@@ -414,7 +416,7 @@ def _export_and_positions(cfg: FlowConfig, args: ModelArgs) -> list[str]:
     e = cfg.export
     errs += [f"export: {line}" for line in export_problems(
         max_positions=args.max_seq_len, opset=e.opset, dtype=e.dtype, batch=e.batch, seq_len=e.seq_len,
-        cache_len=e.cache_len, kv_cache=e.kv_cache, precision_mode=e.precision_mode,
+        cache_len=e.cache_len, kv_cache=e.kv_cache, precision_mode=e.precision_mode, digest=e.digest,
         spell=lambda k: f"export.{k}:")]
     return errs
 

@@ -5,13 +5,17 @@ one door: it checks the format, then every graph and file name the record gives 
 titan_pipe.paths.resolve_inside (an export dir is someone else's data), then the fields. Names
 of the graphs' files, inputs and outputs are titan_pipe.graph_io's.
 
-Layout (format ``titan-pipe-export/2``; version 1 records load too, without per-layer values):
+Layout (format ``titan-pipe-export/3``; versions 1 and 2 load too: 1 without per-layer values, 1
+and 2 with ``{bytes, sha256}`` file entries, read as algorithm sha256):
   source   {model_dir, config (ModelArgs.to_dict())}     options  the export options as planned
   exporter {onnx, path}                                   atc      {status, soc_version, ...}
   decode   null | {cache_len, cache_update, write_index, note}: the decode contract
   graphs   {file: {opset, inputs {name: dims}, outputs {name: dims}, n_nodes, operators [...],
                    embed_output, layer_outputs [...], attn_outputs [...], mlp_outputs [...]}}
-  files    {relative path: {bytes, sha256 | null}}        export_seconds, timings_seconds
+  files    {relative path: {bytes, algorithm, digest | null}}   export_seconds, timings_seconds
+
+``algorithm`` names the digest (titan_pipe.hashing.DIGESTS: xxh3_128 by default, sha256 on request);
+``check_files`` re-computes each with it, so a corrupted or swapped data file is refused in one line.
 """
 from __future__ import annotations
 
@@ -23,13 +27,14 @@ from titan_pipe import limits
 from titan_pipe.checkpoint_format import FILE_BYTES
 from titan_pipe.errors import UserError
 from titan_pipe.graph_io import CACHE_UPDATE, PREFILL_FILE, WRITE_INDEX
+from titan_pipe.hashing import DIGESTS, file_digest
 from titan_pipe.limits import Bound
 from titan_pipe.paths import resolve_inside
 from titan_pipe.values import INT, read, read_json
 
 RECORD_FILE = "export.json"
 FORMAT_NAME = "titan-pipe-export"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _FIX = "re-export the graph with `titan-pipe export` (its external data stays beside the graph)"
 DECODE_NOTE = ("decode.onnx writes the step's key/value into slot write_index (Where over a one-hot of the "
                "slots) and returns the whole cache; feed present.* back as past_key_values.*")
@@ -82,7 +87,8 @@ class DecodeContract:
 @dataclass(frozen=True)
 class FileEntry:
     bytes: int
-    sha256: str | None  # None: not hashed (export --no-hash-weights)
+    digest: str | None  # hex; None: not hashed (export --no-hash-weights)
+    algorithm: str = "sha256"  # of ``digest`` (titan_pipe.hashing.DIGESTS); records before version 3: sha256
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,24 @@ class ExportRecord:
             return _parse(d, version, path)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"{path}: malformed field ({e!r}); re-export with `titan-pipe export`") from None
+
+    def check_files(self, export_dir: Path, *, only=None) -> None:
+        """Every recorded file of ``export_dir`` (or those of ``only`` the record lists) has its recorded
+        size and (where one was recorded) digest, re-computed with the recorded algorithm; UserError
+        naming the first that does not."""
+        record = Path(export_dir) / RECORD_FILE
+        for name, entry in self.files.items():
+            if only is not None and name not in only:
+                continue
+            path = Path(export_dir) / name
+            size = path.stat().st_size if path.is_file() else None
+            if size != entry.bytes:
+                got = "is missing" if size is None else f"has {size} bytes"
+                raise UserError(f"{path}: {got} but {record} records {entry.bytes}; the export is incomplete or "
+                                f"mixed with another one: {_FIX}")
+            if entry.digest is not None and file_digest(path, algorithm=entry.algorithm) != entry.digest:
+                raise UserError(f"{path}: its {entry.algorithm} digest does not match {record} "
+                                f"({entry.digest[:16]}...); the file is corrupted or from another export: {_FIX}")
 
     @classmethod
     def find(cls, export_dir: Path) -> "ExportRecord | None":
@@ -183,12 +207,22 @@ def _graph(g: dict, path: Path, file: str) -> GraphRecord:
         embed_output=_name(g.get("embed_output")))
 
 
+def _file(e: dict, path: Path, file: str, version: int) -> FileEntry:
+    """One file entry; before version 3 ``{bytes, sha256}``, from 3 ``{bytes, algorithm, digest}``."""
+    size = read(e, "bytes", INT, source=path, bound=FILE_BYTES, prefix=f"files.{file}.", fix=_MALFORMED)
+    algorithm, digest = ("sha256", e.get("sha256")) if version < 3 else (e["algorithm"], e.get("digest"))
+    if algorithm not in DIGESTS:
+        raise ValueError(f"files.{file}.algorithm {algorithm!r} is not one of {', '.join(DIGESTS)}")
+    if digest is not None and not isinstance(digest, str):
+        raise ValueError(f"files.{file}: a digest must be a hex string or null, got {digest!r:.40}")
+    return FileEntry(size, digest, algorithm)
+
+
 def _parse(d: dict, version: int, path: Path) -> ExportRecord:
     dec = d.get("decode")
     return ExportRecord(
         graphs={f: _graph(g, path, f) for f, g in (d.get("graphs") or {}).items()},
-        files={f: FileEntry(read(e, "bytes", INT, source=path, bound=FILE_BYTES, prefix=f"files.{f}.", fix=_MALFORMED), e.get("sha256"))
-               for f, e in (d.get("files") or {}).items()},
+        files={f: _file(e, path, f, version) for f, e in (d.get("files") or {}).items()},
         decode=None if not dec else DecodeContract(read(dec, "cache_len", INT, source=path, bound=limits.CACHE_LEN,
                                                         prefix="decode.", fix=_MALFORMED), dec.get("cache_update", CACHE_UPDATE),
                                                    dec.get("write_index", WRITE_INDEX), dec.get("note", DECODE_NOTE)),

@@ -86,6 +86,17 @@ def test_precision_modes_agree(tmp_path):
                                weight_bytes=1, decode=False), m
 
 
+def test_digests_agree(tmp_path):
+    """export.digest: validate refuses exactly what the export stage and the hashing core refuse."""
+    from titan_pipe.hashing import DIGESTS, new_hasher
+
+    assert choices.EXPORT.digest in DIGESTS
+    for d in DIGESTS + OUTSIDERS:
+        cfg = config_ok({"export": {"digest": d}}, tmp_path)
+        assert cfg == stage_ok(plan_export, DEBUG, digest=d), d
+        assert cfg == stage_ok(new_hasher, d), d
+
+
 def test_export_opsets_and_lengths_agree(tmp_path):
     """Every opset, and seq/cache lengths around the model's 256 positions: validate == export."""
     for opset in range(0, 25):
@@ -137,13 +148,13 @@ def test_export_defaults_are_one_set():
     d = choices.EXPORT
     cfg = ExportConfig()
     assert (cfg.opset, cfg.dtype, cfg.batch, cfg.seq_len, cfg.cache_len, cfg.dynamic, cfg.kv_cache, cfg.soc_version,
-            cfg.atc, cfg.precision_mode, cfg.hash_weights) == (
+            cfg.atc, cfg.precision_mode, cfg.hash_weights, cfg.digest) == (
         d.opset, d.dtype, d.batch, d.seq_len, d.cache_len, d.dynamic, d.kv_cache, d.soc_version, d.run_atc,
-        d.precision_mode, d.hash_weights)
+        d.precision_mode, d.hash_weights, d.digest)
     stage = inspect.signature(export_model).parameters
     for key, value in (("opset", d.opset), ("dtype", d.dtype), ("batch", d.batch), ("seq_len", d.seq_len),
                        ("cache_len", d.cache_len), ("soc_version", d.soc_version), ("run_atc", d.run_atc),
-                       ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights)):
+                       ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights), ("digest", d.digest)):
         assert stage[key].default == value, key
     from titan_pipe.cli import app
 
@@ -151,7 +162,7 @@ def test_export_defaults_are_one_set():
     cli = {k: p.default.default for k, p in inspect.signature(command).parameters.items()}
     for key, value in (("opset", d.opset), ("dtype", d.dtype), ("batch", d.batch), ("seq_len", d.seq_len),
                        ("cache_len", d.cache_len), ("soc_version", d.soc_version), ("atc", d.run_atc),
-                       ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights)):
+                       ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights), ("digest", d.digest)):
         assert cli[key] == value, key  # str-valued enums compare equal to their value
 
 

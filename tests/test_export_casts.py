@@ -11,6 +11,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
+import xxhash
 
 from export_support import debug_model, write_unified
 from titan_pipe.convert.casts import BLOCK, bits_dtype, cast_bits
@@ -157,17 +158,24 @@ def edge_model():
     return model, args
 
 
-@pytest.mark.parametrize("src,dst", [("bfloat16", "float16"), ("float32", "float16"), ("float16", "float16"),
-                                     ("bfloat16", "float32"), ("float16", "float32"), ("float32", "float32")])
-def test_exported_weights_are_the_torch_cast(edge_model, tmp_path, monkeypatch, src, dst):
+REFERENCE_DIGESTS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}  # the packages' own, not ours
+
+
+@pytest.mark.parametrize("src,dst,digest", [
+    ("bfloat16", "float16", "xxh3_128"), ("float32", "float16", "sha256"), ("float16", "float16", "xxh3_128"),
+    ("bfloat16", "float32", "sha256"), ("float16", "float32", "xxh3_128"), ("float32", "float32", "sha256"),
+    ("float16", "float16", "sha256"), ("bfloat16", "float16", "sha256")])
+def test_exported_weights_are_the_torch_cast(edge_model, tmp_path, monkeypatch, src, dst, digest):
     """Every weight's bytes in model.onnx.data equal torch's .to(dst) of the stored tensor (the old
     path's bytes), through many small chunks so the pipeline's buffers turn over, each written in
-    pwrite slices that end mid-element."""
+    pwrite slices that end mid-element; export.json's digest of every file is the hashing package's
+    own digest of its bytes, with the algorithm asked for."""
     monkeypatch.setattr(data_file, "CHUNK", 8192)
     monkeypatch.setattr(data_file, "WRITE_SLICE", 1000)
     model, args = edge_model
     unified = write_unified(model, args, tmp_path / "model", dtype=getattr(torch, src), shards=2)
-    out = export_model(model_dir=unified, out_dir=tmp_path / "onnx", dtype=dst, kv_cache=False, run_atc=False)
+    out = export_model(model_dir=unified, out_dir=tmp_path / "onnx", dtype=dst, kv_cache=False, run_atc=False,
+                       digest=digest)
     got = exported_bytes(out.out_dir)
     stored = {native_to_hf(k): v.to(getattr(torch, src)) for k, v in model.state_dict().items()
               if not k.startswith("rope_")}
@@ -176,9 +184,11 @@ def test_exported_weights_are_the_torch_cast(edge_model, tmp_path, monkeypatch, 
         assert got[init] == want.view(torch.uint8).numpy().tobytes(), init
     assert got["rope_cos"] == rope.cos_sin(args, args.max_seq_len)[0].astype(
         np.float16 if dst == "float16" else np.float32).tobytes()
-    data = out.out_dir / "model.onnx.data"
-    assert json.loads(out.export_json.read_text())["files"]["model.onnx.data"]["sha256"] == \
-        hashlib.sha256(data.read_bytes()).hexdigest()
+    files = json.loads(out.export_json.read_text())["files"]
+    assert {"model.onnx", "model.onnx.data"} <= set(files)
+    for name, entry in files.items():
+        assert entry["algorithm"] == digest, name
+        assert entry["digest"] == REFERENCE_DIGESTS[digest]((out.out_dir / name).read_bytes()).hexdigest(), name
 
 
 def test_kernel_copy_refused_falls_back_to_pread(edge_model, tmp_path, monkeypatch):

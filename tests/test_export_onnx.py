@@ -5,12 +5,12 @@ import numpy as np
 import onnx
 import pytest
 import torch
+import xxhash
 
 from export_support import debug_model, hidden_states, write_unified
 from titan_pipe.convert.onnx.export import export_model
 from titan_pipe.generation import generate_padded
 from titan_pipe.convert.readers.store import read_header
-from titan_pipe.hashing import sha256_file
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -89,8 +89,9 @@ def test_export_never_loads_the_model(tmp_path, monkeypatch):
     result = export_model(model_dir=src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False,
                           hash_weights=False)
     files = json.loads(result.export_json.read_text())["files"]
-    assert files["model.onnx.data"]["sha256"] is None  # --no-hash-weights: the one pass skipped
-    assert files["model.onnx"]["sha256"] == sha256_file(result.onnx)
+    assert files["model.onnx.data"]["digest"] is None  # --no-hash-weights: the one pass skipped
+    assert files["model.onnx"] == {"bytes": result.onnx.stat().st_size, "algorithm": "xxh3_128",
+                                   "digest": xxhash.xxh3_128(result.onnx.read_bytes()).hexdigest()}
     tokens = torch.randint(0, args.vocab_size, (1, 9))
     with torch.no_grad():
         assert np.abs(_session(result.onnx).run(["logits"], _feeds(tokens))[0] - model(tokens).numpy()).max() <= 1e-4
@@ -117,8 +118,9 @@ def test_graph_is_atc_shaped(exported):
     assert record["graphs"]["model.onnx"]["inputs"] == {"input_ids": ["batch", "seq"],
                                                         "attention_mask": ["batch", "seq"],
                                                         "position_ids": ["batch", "seq"]}
-    for name, info in record["files"].items():
-        assert sha256_file(result.out_dir / name) == info["sha256"]
+    for name, info in record["files"].items():  # the default digest, by the xxhash package itself
+        assert info["algorithm"] == "xxh3_128"
+        assert xxhash.xxh3_128((result.out_dir / name).read_bytes()).hexdigest() == info["digest"]
     assert record["atc"]["status"] == "skipped" and result.atc_status == "skipped"
     assert (result.out_dir / "atc" / "command.sh").is_file()
 

@@ -87,7 +87,7 @@ def _record() -> ExportRecord:
     g = GraphRecord(opset=14, inputs={"input_ids": ["batch", "seq"]}, outputs={"logits": ["batch", "seq", 320]},
                     n_nodes=7, operators=(OperatorUse("", "Gemm", 3, 13),), layer_outputs=("layers.0.output",),
                     attn_outputs=("layers.0.attn.output",), mlp_outputs=(None,))
-    return ExportRecord(graphs={"model.onnx": g}, files={"model.onnx": FileEntry(10, "ab" * 32)},
+    return ExportRecord(graphs={"model.onnx": g}, files={"model.onnx": FileEntry(10, "ab" * 16, "xxh3_128")},
                         decode=DecodeContract(64), options={"opset": 14}, export_seconds=1.5)
 
 
@@ -96,7 +96,8 @@ def test_export_record_round_trips(tmp_path):
     (tmp_path / RECORD_FILE).write_text(rec.to_json())
     assert ExportRecord.load(tmp_path) == rec
     d = json.loads(rec.to_json())
-    assert d["format"] == "titan-pipe-export/2" and d["decode"]["write_index"] == "write_index"
+    assert d["format"] == "titan-pipe-export/3" and d["decode"]["write_index"] == "write_index"
+    assert d["files"]["model.onnx"] == {"bytes": 10, "digest": "ab" * 16, "algorithm": "xxh3_128"}
     assert d["graphs"]["model.onnx"]["operators"][0]["op_type"] == "Gemm"
     assert ExportRecord.find(tmp_path / "elsewhere") is None
 
@@ -110,8 +111,51 @@ def test_export_record_of_an_older_version_loads(tmp_path):
     assert rec.format_version == 1 and rec.graph().layer_outputs == () and rec.decode is None
 
 
+def _exported_files(tmp_path, algorithm: str, *, version: int) -> bytes:
+    """An export dir with a data file and its record in format ``version`` (2: ``sha256`` entries)."""
+    import hashlib
+
+    import xxhash
+
+    data = bytes(range(256)) * 64
+    (tmp_path / "model.onnx.data").write_bytes(data)
+    digest = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}[algorithm](data).hexdigest()
+    entry = {"bytes": len(data), "sha256": digest} if version == 2 else \
+        {"bytes": len(data), "algorithm": algorithm, "digest": digest}
+    (tmp_path / RECORD_FILE).write_text(json.dumps({"format": f"titan-pipe-export/{version}", "graphs": {},
+                                                    "files": {"model.onnx.data": entry}}))
+    return data
+
+
+@pytest.mark.parametrize("algorithm, version", [("xxh3_128", 3), ("sha256", 3), ("sha256", 2)])
+def test_export_files_are_checked_with_the_recorded_algorithm(tmp_path, algorithm, version):
+    """The record's digest re-computed with its own algorithm (a version-2 record's sha256 too): the
+    written bytes pass; a flipped byte, a swapped file of the same size and a truncated one are refused
+    in one line naming the file."""
+    data = _exported_files(tmp_path, algorithm, version=version)
+    rec = ExportRecord.load(tmp_path)
+    assert rec.files["model.onnx.data"].algorithm == algorithm
+    rec.check_files(tmp_path)
+    path = tmp_path / "model.onnx.data"
+    for bad, message in ((data[:100] + bytes([data[100] ^ 1]) + data[101:], f"its {algorithm} digest does not match"),
+                         (data[::-1], f"its {algorithm} digest does not match"),
+                         (data[:-1], "has 16383 bytes but")):
+        path.write_bytes(bad)
+        with pytest.raises(UserError, match=message) as e:
+            rec.check_files(tmp_path)
+        assert "\n" not in str(e.value) and str(path) in str(e.value)
+    path.unlink()
+    with pytest.raises(UserError, match="is missing but"):
+        rec.check_files(tmp_path)
+
+
 @pytest.mark.parametrize("content, message", [
     ('{"format": "titan-pipe-export/9", "graphs": {}}', "newer than this titan-pipe reads"),
+    ('{"format": "titan-pipe-export/3", "files": {"a": {"bytes": 1, "algorithm": "md5", "digest": "0"}}}',
+     "malformed field"),
+    ('{"format": "titan-pipe-export/3", "files": {"a": {"bytes": 1, "sha256": "00"}}}', "malformed field"),
+    ('{"format": "titan-pipe-export/3", "files": {"a": {"bytes": 1, "algorithm": "sha256", "digest": 5}}}',
+     "malformed field"),
     ('{"format": "something-else/1"}', "is not 'titan-pipe-export'/N"),
     ('[1]', "expected a JSON object"),
     ("{not json", "not valid JSON"),

@@ -468,6 +468,21 @@ def test_export_record_naming_a_graph_outside(good, tmp_path):
             out=tmp_path / "rep", expect=(str(rec), "'../../model.onnx'", "graphs entry"))
 
 
+@pytest.mark.parametrize("digest", ["xxh3_128", "sha256"])
+def test_evaluate_refuses_a_data_file_that_is_not_the_exported_one(good, tmp_path, digest):
+    """export.json's digest of model.onnx.data, re-computed with its recorded algorithm before any work:
+    one flipped byte (same size) is refused in one line naming the file; the export itself is kept."""
+    cli_ok = cli("export", good["model"], "-o", tmp_path / "onnx", "--no-atc", "--no-kv-cache", "--digest", digest)
+    assert cli_ok[0] == 0, cli_ok[1]
+    data = tmp_path / "onnx" / "model.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    refused(tmp_path, "evaluate", "--model-dir", good["model"], "--onnx", tmp_path / "onnx" / "model.onnx",
+            "-o", tmp_path / "rep", out=tmp_path / "rep",
+            expect=(str(data), f"its {digest} digest does not match", "re-export"))
+
+
 def test_onnx_that_is_not_onnx(good, tmp_path):
     g = tmp_path / "model.onnx"
     g.write_bytes(b"\x08\x07PK\x03\x04 not a protobuf \xff" * 50)

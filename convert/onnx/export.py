@@ -65,6 +65,7 @@ class ExportPlan:
     run_atc: bool
     weight_bytes: int
     graphs: tuple[GraphPlan, ...]
+    digest: str = EXPORT.digest  # export.json's file digests (titan_pipe.hashing.DIGESTS)
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,13 @@ class ExportResult:
 def plan_export(args: ModelArgs, *, opset: int = EXPORT.opset, dtype: str = EXPORT.dtype, batch: int = EXPORT.batch,
                 seq_len: int = EXPORT.seq_len, cache_len: int | None = EXPORT.cache_len, dynamic: bool = EXPORT.dynamic,
                 kv_cache: bool = EXPORT.kv_cache, soc_version: str = EXPORT.soc_version, run_atc: bool = EXPORT.run_atc,
-                precision_mode: str = EXPORT.precision_mode, expose_hidden: bool = False) -> ExportPlan:
+                precision_mode: str = EXPORT.precision_mode, expose_hidden: bool = False,
+                digest: str = EXPORT.digest) -> ExportPlan:
     """Validate the options against the model (titan_pipe.choices: the rules flow.yaml validation
     uses too) and lay out the graphs (pure data, no I/O)."""
     problems = export_problems(max_positions=args.max_seq_len, opset=opset, dtype=dtype, batch=batch,
-                               seq_len=seq_len, cache_len=cache_len, kv_cache=kv_cache, precision_mode=precision_mode)
+                               seq_len=seq_len, cache_len=cache_len, kv_cache=kv_cache, precision_mode=precision_mode,
+                               digest=digest)
     if problems:
         raise UserError(problems[0])
     cache_len = default_cache_len(args.max_seq_len) if cache_len is None else cache_len
@@ -100,7 +103,7 @@ def plan_export(args: ModelArgs, *, opset: int = EXPORT.opset, dtype: str = EXPO
                                 {n: tuple(d if isinstance(d, int) else -1 for d in dims[n]) for n in ins}, spec))
     itemsize = BY_NAME[dtype].itemsize
     return ExportPlan(opset, dtype, batch, seq_len, cache_len, dynamic, kv_cache, expose_hidden, soc_version,
-                      precision_mode, run_atc, count_params(args) * itemsize, tuple(graphs))
+                      precision_mode, run_atc, count_params(args) * itemsize, tuple(graphs), digest)
 
 
 def _check_paths(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
@@ -130,7 +133,7 @@ def output_bytes(plan: ExportPlan, args: ModelArgs) -> int:
 
 def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_weights: bool) -> DataWriter:
     """Stream every weight (and the RoPE tables) into work/model.onnx.data, one tensor at a time."""
-    with DataWriter(work / DATA_FILE, plan.dtype, hash=hash_weights) as data:
+    with DataWriter(work / DATA_FILE, plan.dtype, digest=plan.digest if hash_weights else None) as data:
         for init_name, native in initializer_names(args).items():
             data.add_source(init_name, sources[native])
         cos, sin = rope.cos_sin(args, _rope_rows(plan, args))
@@ -178,7 +181,7 @@ def _record(*, model_dir: Path, args: ModelArgs, plan: ExportPlan, atc_status: s
              "commands": [list(i.argv) for i in invocations],
              "operator_list": {"file": "titan_pipe.convert.onnx data/atc_onnx_ops.json",
                                "cann_version": load_atc_ops()["cann_version"]}},
-        graphs=graphs, files={f: FileEntry(e["bytes"], e["sha256"]) for f, e in files.items()},
+        graphs=graphs, files={f: FileEntry(e["bytes"], e["digest"], e["algorithm"]) for f, e in files.items()},
         export_seconds=round(export_s, 3), timings_seconds=timings)
 
 
@@ -186,14 +189,16 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
                  batch: int = EXPORT.batch, seq_len: int = EXPORT.seq_len, cache_len: int | None = EXPORT.cache_len,
                  dynamic: bool = EXPORT.dynamic, kv_cache: bool = EXPORT.kv_cache, soc_version: str = EXPORT.soc_version,
                  run_atc: bool = EXPORT.run_atc, precision_mode: str = EXPORT.precision_mode, overwrite: bool = False,
-                 expose_hidden: bool = False, hash_weights: bool = EXPORT.hash_weights) -> ExportResult:
+                 expose_hidden: bool = False, hash_weights: bool = EXPORT.hash_weights,
+                 digest: str = EXPORT.digest) -> ExportResult:
     """Export a unified model dir to ONNX for ATC (see docs/export.md for the graphs' I/O).
 
     Writes out_dir/{model.onnx, decode.onnx (kv_cache), model.onnx.data (the weights, shared),
     atc/command.sh, om/ (if atc ran), export.json}; nothing is left behind on failure.
-    ``cache_len`` (decode slots C) defaults to min(max_position_embeddings, 4096). ``hash_weights``:
-    the sha256 of model.onnx.data in export.json (computed while streaming; False records null and
-    saves the one CPU-bound pass over the weights' bytes — a flow's stage cache hashes them anyway).
+    ``cache_len`` (decode slots C) defaults to min(max_position_embeddings, 4096). ``digest``: the
+    algorithm of export.json's file digests (titan_pipe.hashing.DIGESTS: xxh3_128, or sha256 for a
+    cryptographic one); ``hash_weights``: the digest of model.onnx.data (computed while streaming; False
+    records null and saves the pass over the weights' bytes — a flow's stage cache hashes them anyway).
     """
     from rich.console import Console
 
@@ -203,7 +208,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
     args = read_model_args(model_dir)
     plan = plan_export(args, opset=opset, dtype=dtype, batch=batch, seq_len=seq_len, cache_len=cache_len,
                        dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
-                       precision_mode=precision_mode, expose_hidden=expose_hidden)
+                       precision_mode=precision_mode, expose_hidden=expose_hidden, digest=digest)
     sources = plan_weights(model_dir, args)  # headers only: bad weights fail before any write
     needs = output_bytes(plan, args)
     check_free_space(out_dir, needs=needs, what=WHAT)  # refuse before a byte is written
@@ -246,7 +251,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
                 console.print(f"atc is not on PATH: no .om built; the command is in {out_dir / 'atc' / 'command.sh'}",
                               highlight=False, soft_wrap=True)
         t = lap("atc", t)
-        files = file_table(work, {DATA_FILE: data.sha256})
+        files = file_table(work, algorithm=plan.digest, known={DATA_FILE: data.digest})
         lap("hash", t)
         export_s = time.perf_counter() - t0
         record = _record(model_dir=model_dir, args=args, plan=plan, atc_status=atc_status,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import onnx
 
-from titan_pipe.hashing import sha256_file
+from titan_pipe.hashing import file_digest
 
 
 def check_and_infer(onnx_path: Path) -> onnx.ModelProto:
@@ -22,14 +22,15 @@ def check_and_infer(onnx_path: Path) -> onnx.ModelProto:
     return onnx.load(path, load_external_data=False)
 
 
-def file_table(root: Path, known_sha256: dict[str, str | None] | None = None) -> dict[str, dict]:
-    """{relative path: {bytes, sha256}} for every file under ``root``; ``known_sha256`` gives digests
-    already computed while the file was written (the weights), so those bytes are not read again;
-    a None there means "not hashed" and is recorded as null."""
-    known = known_sha256 or {}
+def file_table(root: Path, *, algorithm: str, known: dict[str, str | None] | None = None) -> dict[str, dict]:
+    """{relative path: {bytes, algorithm, digest}} for every file under ``root``, digests by ``algorithm``
+    (titan_pipe.hashing.DIGESTS); ``known`` gives digests already computed while the file was written
+    (the weights), so those bytes are not read again; a None there means "not hashed" (null)."""
+    known = known or {}
     table = {}
     for p in sorted(root.rglob("*")):
         if p.is_file():
             rel = str(p.relative_to(root))
-            table[rel] = {"bytes": p.stat().st_size, "sha256": known[rel] if rel in known else sha256_file(p)}
+            digest = known[rel] if rel in known else file_digest(p, algorithm=algorithm)
+            table[rel] = {"bytes": p.stat().st_size, "algorithm": algorithm, "digest": digest}
     return table

@@ -10,9 +10,11 @@ from titan_pipe import limits
 from titan_pipe.choices import EXPORT, PRECISION_MODES
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
 from titan_pipe.dtypes import EXPORT_NAMES
+from titan_pipe.hashing import DIGESTS
 
 Dtype = Enum("Dtype", {n: n for n in EXPORT_NAMES}, type=str)  # the dtype table's export types
 Precision = Enum("Precision", {n: n for n in PRECISION_MODES}, type=str)  # titan_pipe.choices
+Digest = Enum("Digest", {n: n for n in DIGESTS}, type=str)  # titan_pipe.hashing
 
 
 def register(app: typer.Typer) -> None:
@@ -36,7 +38,10 @@ def register(app: typer.Typer) -> None:
         expose_hidden: bool = typer.Option(False, "--expose-hidden", help="Add hidden.{i} outputs (for evaluation)"),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists"),
         hash_weights: bool = typer.Option(EXPORT.hash_weights, "--hash-weights/--no-hash-weights",
-                                          help="sha256 of model.onnx.data in export.json (one CPU pass over the weights)"),
+                                          help="The digest of model.onnx.data in export.json (one pass over the weights)"),
+        digest: Digest = typer.Option(Digest(EXPORT.digest), "--digest",
+                                      help="export.json's file digests: xxh3_128 (fast; detects corrupted or swapped "
+                                           "files) or sha256 (cryptographic, ~10x slower)"),
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Export MODEL_DIR to ONNX (prefill + KV-cache decode) for Ascend ATC, with an operator report."""
@@ -49,7 +54,7 @@ def register(app: typer.Typer) -> None:
                          seq_len=seq_len, cache_len=cache_len, dynamic=dynamic, kv_cache=kv_cache,
                          soc_version=soc_version,
                          run_atc=atc, precision_mode=precision_mode.value, overwrite=overwrite,
-                         expose_hidden=expose_hidden, hash_weights=hash_weights)
+                         expose_hidden=expose_hidden, hash_weights=hash_weights, digest=digest.value)
         s = r.summary
         graphs = ", ".join(f"{f} ({g['nodes']} nodes, {g['bytes'] / 1e6:.1f} MB)" for f, g in s["graphs"].items())
         console.print(f"exported {graphs} at opset {s['opset']}, {s['dtype']}, "
