@@ -17,9 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from titan_pipe import limits
-from titan_pipe.choices import (COMPILE_BACKENDS, DEVICES, DP_MODES, EXPORT, KERNELS, OFFLOADS, OPTIMIZERS, PP_SCHEDULES,
-                                PRECISION_MODES, export_problems)
-from titan_pipe.hashing import DIGESTS
+from titan_pipe.choices import (COMPILE_BACKENDS, DEVICES, DIGESTS, DP_MODES, EXPORT, KERNELS, OFFLOADS, OPTIMIZERS,
+                                PP_SCHEDULES, PRECISION_MODES, export_problems)
 from titan_pipe.choices import NAMINGS
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.errors import UserError

@@ -7,14 +7,13 @@ from pathlib import Path
 import typer
 
 from titan_pipe import limits
-from titan_pipe.choices import EXPORT, PRECISION_MODES
+from titan_pipe.choices import DIGESTS, EXPORT, PRECISION_MODES
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
 from titan_pipe.dtypes import EXPORT_NAMES
-from titan_pipe.hashing import DIGESTS
 
 Dtype = Enum("Dtype", {n: n for n in EXPORT_NAMES}, type=str)  # the dtype table's export types
 Precision = Enum("Precision", {n: n for n in PRECISION_MODES}, type=str)  # titan_pipe.choices
-Digest = Enum("Digest", {n: n for n in DIGESTS}, type=str)  # titan_pipe.hashing
+Digest = Enum("Digest", {n: n for n in DIGESTS}, type=str)  # titan_pipe.choices (from titan_pipe.hashing)
 
 
 def register(app: typer.Typer) -> None:
