@@ -12,11 +12,11 @@ while a session opens (measured: a float16 layer of 88.6 MB peaks at ~260 MB, ~2
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 from dataclasses import asdict, dataclass
 
 from titan_pipe.errors import UserError
+from titan_pipe.host_memory import trim_heap
 from titan_pipe.sizes import format_size, parse_size
 
 AUTO_FRACTION = 0.5  # of the RAM available at start, for `auto`
@@ -92,7 +92,4 @@ def release() -> None:
     (evaluate_model freezes what existed before it starts, so each collection scans only its own
     objects: ~80 ms a call otherwise, 4 s of a 7B-width run.)"""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+    trim_heap()

@@ -43,20 +43,6 @@ def command(*, world_size: int, checkpoint: Path, out_dir: Path, device: str, st
             "--out", str(out_dir), "--device", device, *(["--streamed"] if streamed else [])]
 
 
-def peak_rss_bytes() -> int:
-    """This process's own peak resident set so far: VmHWM (ru_maxrss would also count the pages of
-    the launcher it was forked from, before exec), else ru_maxrss (KiB on Linux)."""
-    import resource
-
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def write_done(out_dir: Path, pp: int, *, streamed: bool = False, peak_rss: list[int] | None = None) -> None:
     """The completion marker, written last by global rank 0."""
     (Path(out_dir) / DONE_FILE).write_text(json.dumps({"hidden_files": [hidden_file(r) for r in range(pp)],

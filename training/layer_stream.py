@@ -10,7 +10,6 @@ storage lives changes, so its outputs are bit-identical to the resident model's.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Callable, Iterable
 
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_pipe.checkpoint_format import Box, split_box
+from titan_pipe.host_memory import trim_heap
 from titan_pipe.model.weights import WeightSource
 
 
@@ -68,10 +68,7 @@ def hand_back(weights: WeightSource) -> None:
     close = getattr(weights, "close", None)
     if close is not None:
         close()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+    trim_heap()
 
 
 def stream_layers(module: nn.Module, *, weights: WeightSource, device: torch.device) -> None:

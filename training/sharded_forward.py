@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     from titan_pipe import sharded_outputs as so
     from titan_pipe.checkpoint_format import Manifest
     from titan_pipe.devices import resolve_device, set_local_device
+    from titan_pipe.host_memory import peak_rss_bytes
     from titan_pipe.model.args import ModelArgs
     from titan_pipe.model.kernels import resolve_kernels
     from titan_pipe.model.weights import open_weights
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         if rank == 0:
             save_file(logits_out, str(a.out / so.LOGITS_FILE))
         peaks: list | None = [None] * dist.get_world_size() if rank == 0 else None
-        dist.gather_object(so.peak_rss_bytes(), peaks, dst=0)  # after every file above: a barrier too
+        dist.gather_object(peak_rss_bytes(), peaks, dst=0)  # after every file above: a barrier too
         if rank == 0:
             so.write_done(a.out, dims.pp, streamed=a.streamed, peak_rss=peaks)
     finally:
