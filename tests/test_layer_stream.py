@@ -80,7 +80,7 @@ def test_box_reads_the_piece_full_would_cut(one_rank):
     box = Box((3, 8), (5, 16))
     assert torch.equal(w.box(name, box), full[3:8, 8:24])
     assert torch.equal(w.box(name, Box.full(tuple(full.shape))), full)
-    assert local_box(full) == Box.full(tuple(full.shape))  # a plain tensor: all of it
+    assert local_box(name, full) == Box.full(tuple(full.shape))  # a plain tensor: all of it
 
 
 def test_stream_layers_refuses_random_init(one_rank):

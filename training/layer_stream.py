@@ -14,25 +14,22 @@ from typing import Callable, Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from titan_pipe.checkpoint_format import Box, split_box
 from titan_pipe.host_memory import trim_heap
+from titan_pipe.model.sharding import tp_split_dim
 from titan_pipe.model.weights import WeightSource
 
 
-def local_box(p: torch.Tensor) -> Box:
-    """The box of the global tensor (p.shape) this rank holds of parameter ``p``: its Shard
-    placements applied in mesh-dim order (a plain tensor or a Replicate placement: all of it)."""
-    box = Box.full(tuple(p.shape))
+def local_box(name: str, p: torch.Tensor) -> Box:
+    """The box of the global tensor (p.shape) this rank holds of parameter ``name``: the declared
+    sharding table's TP split (titan_pipe.model.sharding, what the checkpoint writer stores each
+    rank's chunk by) over ``p``'s TP mesh; a plain tensor: all of it."""
     if not isinstance(p, DTensor):
-        return box
-    for mesh_dim, placement in enumerate(p.placements):
-        if isinstance(placement, Shard):
-            mesh = p.device_mesh
-            sub = split_box(box.lengths, placement.dim, mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim))
-            box = Box(tuple(a + b for a, b in zip(box.offsets, sub.offsets)), sub.lengths)
-    return box
+        return Box.full(tuple(p.shape))
+    mesh = p.device_mesh  # the 1-D TP mesh: streamed runs have no dp wrapper
+    return split_box(tuple(p.shape), tp_split_dim(name), mesh.size(), mesh.get_local_rank())
 
 
 @torch.no_grad()
@@ -41,7 +38,7 @@ def fill_local(params: Iterable[tuple[str, torch.Tensor]], *, weights: WeightSou
     """Fill each allocated (global name, parameter) with its local box read from ``weights``
     (``source(name)``: the stored name, e.g. the embedding for a tied output copy)."""
     for name, p in params:
-        local = weights.box(source(name), local_box(p))
+        local = weights.box(source(name), local_box(name, p))
         target = p.to_local() if isinstance(p, DTensor) else p
         if tuple(local.shape) != tuple(target.shape):
             raise ValueError(f"weights for {name}: local shard {tuple(local.shape)} but the model "
