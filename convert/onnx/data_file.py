@@ -48,11 +48,14 @@ _WINDOW_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 CHUNK = 16 * 2**20  # bytes of the larger side of a chunk (source or export dtype)
 DEPTH = 4  # chunk buffers in flight: two being filled, one being written and hashed, one free to fill
 LOADERS = 2  # load threads: the cast is the largest cost (numpy releases the GIL), so two chunks cast at once
-# Bytes per pwrite call. The page cache sizes a new folio by the write that creates it: a 16 MB write
-# asks for 2 MB folios, which on a VM come from guest memory the host has not backed (or took back):
-# measured here 1.5-2.3 CPU-s to write 0.5 GB in 1-16 MB calls, 0.09-0.15 s in 64-256 kB calls,
-# what `cp` (copy_file_range, splice in pipe-sized pieces) gets. 128 kB is 8 k calls a GB: noise.
-WRITE_SLICE = 128 * 1024
+# Bytes per pwrite call. The page cache sizes a new folio by the write that creates it, and on these VMs
+# (free page reporting: memory freed a few seconds ago goes back to the host) the cost of a folio
+# depends on where its pages come from. Measured here, bf16 -> fp32 (4.28 GB written), pages freed by
+# the previous export just before: 128 kB calls 1.24-1.45 s, 256 kB 1.25-1.6, 512 kB 0.99-1.09,
+# 1 MB 1.00-1.09 (best of 4 each); 3 GB into memory the host had taken back: 128 kB 5.3-9.6 s, 256 kB
+# 6.4, 512 kB 10.4-11.1, 1 MB 16-17. 512 kB is as fast as 1 MB where pages are at hand (any host that
+# does not hand its free memory back) and ~1.5x, not ~2.5x, 128 kB's cost where they are not.
+WRITE_SLICE = 512 * 1024
 
 
 class DataWriter:
