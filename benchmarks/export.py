@@ -9,7 +9,7 @@ pairs need, then, per source, each as a fresh child process whose own peak RSS i
             file's XXH3-128 digest) --repeat times, --digest sha256 and --no-hash-weights once
 and prints export time / cp time and peak RSS / weights (the smaller of the source and the export
 bytes; the largest peak of the repeats). Each export deletes the previous export's output after its
-imports, just before its clock starts; each cp's copy is deleted just before the next cp starts.
+imports, just before its clock starts; each cp's copy is deleted right after it.
 
 Why repeats, and the fastest of each: these VMs hand memory that has been free for a moment back to
 the host (free page reporting; /sys/module/page_reporting), and a page cache page that comes from
@@ -17,10 +17,11 @@ such memory costs ~1-8 s a GB of system time to write, against ~0.2 s for one wh
 just before. How many of a run's pages are of which kind depends on what ran before it and when,
 not on the program: the same `dd` of 4.3 GB took 1.2-27 s here, `cp` of a 4.5 GB file 2.2-17 s.
 Memory freed a second before (the time a child takes to start and import) is already being handed
-back. A run started right after its predecessor's output of the same size was deleted draws mostly
-recycled pages, as on any host that keeps its memory; the fastest of the repeats is that case for cp
-and export alike, and every run's time is printed. Before any timing, a file as large as the largest output is written
-and deleted once.
+back, so each export frees its predecessor's pages only just before its clock starts. Even so a run
+may draw reclaimed pages (seen here: every repeat of bf16 -> fp32 in one run); the fastest of the
+repeats is the run that drew the fewest, for cp and export alike, and every run's time is printed so
+the spread is visible. Before any timing, a file as large as the largest output is written and
+deleted once.
 Targets (the default digest's row): wall <= 2.5x cp and peak RSS <= 0.2x the weights, at >= 2 GB of
 weights; the sha256 and no-hash rows are figures.
 
@@ -50,8 +51,8 @@ from pathlib import Path
 CHILD_EXPORT = """
 import json, os, sys, time
 from pathlib import Path
-t = time.perf_counter()
 import shutil
+t = time.perf_counter()
 from titan_pipe.convert.onnx.export import export_model
 shutil.rmtree(sys.argv[3], ignore_errors=True)  # the previous run's output: its pages are free from here
 t1, c1 = time.perf_counter(), os.times()
@@ -248,13 +249,20 @@ def print_table(rows: list[dict]) -> None:
     print("CPU x cp: CPU seconds of export_model (every thread; not the interpreter's start and imports) over cp's")
 
 
+def positive_int(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1 run is needed")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="llama2w", choices=("llama2w", "tinyllama", "tiny"))
     ap.add_argument("--wide-layers", type=int, default=4, help="layers of the Llama-2-7B-width shape")
     ap.add_argument("--pairs", default=DEFAULT_PAIRS, help="SRC:DST,... from bf16, fp16, fp32 (DST fp16 or fp32)")
     ap.add_argument("--keep-under", type=Path, default=None, help="scratch parent dir (default: system temp)")
-    ap.add_argument("--repeat", type=int, default=3,
+    ap.add_argument("--repeat", type=positive_int, default=3,
                     help="timed cp runs and default exports per pair; the fastest of each is the figure")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--before", default=None, metavar="PYTHON",
