@@ -9,19 +9,18 @@ pairs need, then, per source, each as a fresh child process whose own peak RSS i
             file's XXH3-128 digest) --repeat times, --digest sha256 and --no-hash-weights once
 and prints export time / cp time and peak RSS / weights (the smaller of the source and the export
 bytes; the largest peak of the repeats). Each export deletes the previous export's output after its
-imports, just before its clock starts; each cp's copy is deleted right after it.
+imports; each cp's copy is deleted right after it.
 
-Why repeats, and the fastest of each: these VMs hand memory that has been free for a moment back to
-the host (free page reporting; /sys/module/page_reporting), and a page cache page that comes from
-such memory costs ~1-8 s a GB of system time to write, against ~0.2 s for one whose memory was freed
-just before. How many of a run's pages are of which kind depends on what ran before it and when,
-not on the program: the same `dd` of 4.3 GB took 1.2-27 s here, `cp` of a 4.5 GB file 2.2-17 s.
-Memory freed a second before (the time a child takes to start and import) is already being handed
-back, so each export frees its predecessor's pages only just before its clock starts. Even so a run
-may draw reclaimed pages (seen here: every repeat of bf16 -> fp32 in one run); the fastest of the
-repeats is the run that drew the fewest, for cp and export alike, and every run's time is printed so
-the spread is visible. Before any timing, a file as large as the largest output is written and
-deleted once.
+Pre-backed pages (the default; --as-drawn turns it off): these VMs hand memory that has been free for
+a moment back to the host (free page reporting, /sys/module/page_reporting), and the first write to
+a page the host took back costs ~1-10 s a GB of system time, against ~0.2 s for a page the host
+backed a moment ago: a `dd` of 2 GB took 21.9 s, the same `dd` right after it 0.49 s; the same
+bf16 -> fp32 export alternately as drawn and pre-backed: 27.3/2.6/3.0 s against 1.9/1.3/1.5 s. Which
+kind a run draws depends on what ran before it and when, not on the program, so right before each
+timed run's clock (cp and export alike, and untimed) a file of the bytes that run writes is written
+and deleted: the pages it frees are the ones the run's output takes. That is the page cache a
+bare-metal host gives every write; the cost of backing them is printed apart. Repeats (--repeat,
+default 3) still run, every run is printed and the fastest is held to the targets.
 Targets (the default digest's row): wall <= 2.5x cp and peak RSS <= 0.2x the weights, at >= 2 GB of
 weights; the sha256 and no-hash rows are figures.
 
@@ -34,7 +33,7 @@ ATC wants fp16). Shapes:
 Everything it wrote is deleted at the end. Needs ~3x the largest source's weights free on disk.
 
     python benchmarks/export.py [--shape llama2w] [--wide-layers 4] [--pairs bf16:fp16,...] [--repeat 3]
-                                [--before PYTHON] [--keep-under DIR] [--json FILE]
+                                [--as-drawn] [--before PYTHON] [--keep-under DIR] [--json FILE]
 """
 from __future__ import annotations
 
@@ -55,6 +54,13 @@ import shutil
 t = time.perf_counter()
 from titan_pipe.convert.onnx.export import export_model
 shutil.rmtree(sys.argv[3], ignore_errors=True)  # the previous run's output: its pages are free from here
+nbytes, scratch = int(sys.argv[5]), Path(sys.argv[6])
+if nbytes:  # pre-back the pages this run writes (--as-drawn: off); the same function as cp's, untimed
+    sys.path.insert(0, sys.argv[7])
+    import export as bench
+    prebacked = bench.preback_pages(scratch, nbytes)
+else:
+    prebacked = 0.0
 t1, c1 = time.perf_counter(), os.times()
 mode = sys.argv[4]
 import inspect  # a --before titan_pipe may predate --digest (its only digest was sha256)
@@ -62,7 +68,7 @@ digest = {"digest": mode} if mode == "sha256" and "digest" in inspect.signature(
 r = export_model(model_dir=Path(sys.argv[1]), out_dir=Path(sys.argv[3]), dtype=sys.argv[2], run_atc=False,
                  hash_weights=mode != "nohash", **digest)
 c2 = os.times()
-print(json.dumps({"import": t1 - t, "seconds": time.perf_counter() - t1, "timings": r.summary["timings_seconds"],
+print(json.dumps({"import": t1 - t - prebacked, "preback_s": prebacked, "seconds": time.perf_counter() - t1, "timings": r.summary["timings_seconds"],
                   "cpu_export": c2.user - c1.user + c2.system - c1.system, "torch": "torch" in sys.modules}))
 """
 
@@ -83,6 +89,7 @@ MODES = ("default", "sha256", "nohash")  # export.json's digest: XXH3-128 (the d
 # CPU seconds of each measured child, in order: on a shared machine the wall clock measures the
 # other jobs too, the CPU time what this work costs (cp's copy runs in the kernel, on one thread).
 CPU_SECONDS: list[float] = []
+PREBACK_SECONDS: list[float] = []  # untimed: writing and deleting the pages each run then writes into
 
 # The figures of the torch-cast exporter this replaced (docs/export.md), for the issue's case.
 BEFORE = ("before (cast through torch, 32 MB chunks, no overlap): Llama-2-7B width fp32 -> fp16 5.15x cp "
@@ -149,9 +156,11 @@ def run_measured(argv: list[str]) -> tuple[float, float, str]:
         return wall, usage.ru_maxrss * 1024 / 1e9, out.read()
 
 
-def warm_pages(root: Path, nbytes: int) -> float:
-    """Write and delete a file of ``nbytes``: the VM backs fresh pages slowly on their first write."""
-    path, block = root / "warm-up", b"\1" * 2**24
+def preback_pages(root: Path, nbytes: int) -> float:
+    """Write and delete a file of ``nbytes`` under ``root`` (seconds it took): the pages it frees are
+    the ones the next write takes, backed by the host a moment ago (these VMs back a fresh page
+    slowly on its first write; see the module docstring)."""
+    path, block = root / "preback", b"\1" * 2**20  # 1 MB: the child's peak RSS stays the export's
     t = time.perf_counter()
     with open(path, "wb") as f:
         for _ in range(-(-nbytes // len(block))):
@@ -160,14 +169,16 @@ def warm_pages(root: Path, nbytes: int) -> float:
     return time.perf_counter() - t
 
 
-def cp_floor(src: Path, dst: Path) -> tuple[float, float]:
-    """(wall, CPU seconds) of `cp -r`."""
+def cp_floor(src: Path, dst: Path, preback: int) -> tuple[float, float]:
+    """(wall, CPU seconds) of `cp -r`, right after ``preback`` bytes of pages are pre-backed (0: none)."""
+    if preback:
+        PREBACK_SECONDS.append(preback_pages(dst.parent, preback))
     wall, _, _ = run_measured(["cp", "-r", str(src), str(dst)])
     shutil.rmtree(dst)
     return wall, CPU_SECONDS[-1]
 
 
-def export_runs(src: Path, target: str, out: Path, python: str, repeat: int) -> dict:
+def export_runs(src: Path, target: str, out: Path, python: str, repeat: int, preback: int) -> dict:
     """Default (xxh3_128; ``repeat`` times, the fastest kept, every time listed), --digest sha256 and
     --no-hash-weights exports of ``src`` to ``target`` by the titan_pipe that ``python`` imports:
     {mode: (wall, rss, child's json)}."""
@@ -175,8 +186,11 @@ def export_runs(src: Path, target: str, out: Path, python: str, repeat: int) -> 
     for mode in MODES:
         tries = []
         for _ in range(repeat if mode == "default" else 1):
-            wall, rss, text = run_measured([python, "-c", CHILD_EXPORT, str(src), NAMES[target], str(out), mode])
-            tries.append((wall, rss, {**json.loads(text.strip().splitlines()[-1]), "cpu_s": CPU_SECONDS[-1]}))
+            wall, rss, text = run_measured([python, "-c", CHILD_EXPORT, str(src), NAMES[target], str(out), mode,
+                                            str(preback), str(out.parent), str(Path(__file__).parent)])
+            child = json.loads(text.strip().splitlines()[-1])
+            PREBACK_SECONDS.append(child.get("preback_s", 0.0))
+            tries.append((wall, rss, {**child, "cpu_s": CPU_SECONDS[-1]}))
         best = min(tries, key=lambda r: r[2]["seconds"])
         runs[mode] = (best[0], max(r[1] for r in tries), {**best[2], "runs_s": [r[2]["seconds"] for r in tries]})
     shutil.rmtree(out)  # each run deletes its predecessor's output after its imports, before its clock starts
@@ -204,12 +218,14 @@ def bench_source(src_key: str, targets: list[str], args, root: Path, opts) -> li
     os.sync()  # flushed, as a checkpoint is by the time it is exported: no writeback of it during the timings
     print(f"\n-- source {src_key}: wrote {json.loads(text) / 1e9:.2f} GB of random weights in {write_s:.1f} s, "
           f"flushed in {time.perf_counter() - t:.1f} s")
-    cp_floor(src, root / "copy")  # untimed: the copy's pages come from the page cache from here on
-    cp_runs = [cp_floor(src, root / "copy")]
-    runs = {t: export_runs(src, t, root / "onnx", sys.executable, opts.repeat) for t in targets}
-    before = ({t: export_runs(src, t, root / "onnx", opts.before, opts.repeat) for t in targets}
+    cp_back = 0 if opts.as_drawn else n * SIZES[src_key]
+    back = {t: 0 if opts.as_drawn else n * SIZES[t] for t in targets}  # the data file's bytes
+    cp_floor(src, root / "copy", 0)  # untimed: the source's pages are in the page cache from here on
+    cp_runs = [cp_floor(src, root / "copy", cp_back)]
+    runs = {t: export_runs(src, t, root / "onnx", sys.executable, opts.repeat, back[t]) for t in targets}
+    before = ({t: export_runs(src, t, root / "onnx", opts.before, opts.repeat, back[t]) for t in targets}
               if opts.before else {})
-    cp_runs += [cp_floor(src, root / "copy") for _ in range(opts.repeat - 1)]
+    cp_runs += [cp_floor(src, root / "copy", cp_back) for _ in range(opts.repeat - 1)]
     shutil.rmtree(src)
     cps = [w for w, _ in cp_runs]
     floor, floor_cpu = min(cps), min(c for _, c in cp_runs)
@@ -264,6 +280,8 @@ def main() -> None:
     ap.add_argument("--keep-under", type=Path, default=None, help="scratch parent dir (default: system temp)")
     ap.add_argument("--repeat", type=positive_int, default=3,
                     help="timed cp runs and default exports per pair; the fastest of each is the figure")
+    ap.add_argument("--as-drawn", action="store_true",
+                    help="do not pre-back each run's output pages: time them as the VM hands them out")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--before", default=None, metavar="PYTHON",
                     help="also export with this interpreter's titan_pipe (e.g. a checkout of the previous "
@@ -286,8 +304,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="titan-export-bench-", dir=opts.keep_under))
     rows = []
     try:
-        largest = n * 4 * 2  # a fp32 source or output, twice
-        print(f"warm-up: wrote and deleted {largest / 1e9:.1f} GB of fresh pages in {warm_pages(root, largest):.1f} s")
+        print("pages: as drawn from the VM (--as-drawn)" if opts.as_drawn else
+              "pages: each timed run's output bytes pre-backed just before its clock, cp and export alike")
         for s, targets in by_source.items():
             rows += bench_source(s, targets, args, root, opts)
     finally:
@@ -295,6 +313,9 @@ def main() -> None:
         print(f"\nremoved {root}")
         print(f"load average at end (1/5/15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print_table(rows)
+    if any(PREBACK_SECONDS):
+        print(f"pre-backing: {sum(PREBACK_SECONDS):.0f} s in all, untimed ({min(PREBACK_SECONDS):.1f}-"
+              f"{max(PREBACK_SECONDS):.1f} s a run)")
     if not opts.before:
         print(BEFORE)
     if opts.json:
