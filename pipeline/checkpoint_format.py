@@ -297,6 +297,24 @@ class Manifest:
                     raise LayoutError(f"{p.name}: chunk file {c.file!r} is not listed in 'files'")
 
 
+# fp32 copies of each parameter an optimizer's saved state holds (AdamW: two moments; SGD without
+# momentum: none); the weights themselves are one more (fp32 masters under AMP too)
+OPTIMIZER_STATE_COPIES = {"adamw": 2, "sgd": 0}
+
+
+def checkpoint_bytes(n_params: int, *, optimizer: str, save_optimizer: bool) -> int:
+    """About what one checkpoint of ``n_params`` parameters takes on disk: the fp32 weights, plus the
+    optimizer's fp32 state when it is saved (manifest, train state and tokenizer are kilobytes)."""
+    return 4 * n_params * (1 + (OPTIMIZER_STATE_COPIES[optimizer] if save_optimizer else 0))
+
+
+def checkpoints_written(steps: int, every: int, start: int = 0) -> int:
+    """How many checkpoints a run from step ``start`` to ``steps`` saves: every ``every`` steps and the last."""
+    if steps <= start:
+        return 0
+    return steps // every - start // every + (1 if steps % every else 0)
+
+
 def step_dir_name(step: int) -> str:
     """The directory name of the checkpoint of ``step``: step-000100."""
     return f"step-{step:06d}"

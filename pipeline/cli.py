@@ -60,7 +60,7 @@ def validate(flow: Path = typer.Argument(..., help="flow.yaml to check")):
     from titan_pipe.model.args import count_params
     from titan_pipe.training.preflight import check_before_launch
 
-    check_before_launch(cfg, flow_path=flow)  # what train would meet before its first step
+    check_before_launch(cfg, flow_path=flow, disk=False)  # what train would meet before its first step
 
     p = cfg.parallel
     typer.echo(f"{flow}: ok — model {cfg.model.flavour or 'custom'} ({count_params(args) / 1e6:.2f}M params), "

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from titan_pipe.cli import app
 from titan_pipe.config import parse_flow
+from titan_pipe.model.args import count_params
 from titan_pipe.run_dir import RunDir
 from titan_pipe.training.failure import failure_message, node_log, root_cause
 from titan_pipe.training.launch import resume_flag, run_training, summarize
@@ -250,6 +251,45 @@ def test_in_process_run_inside_an_existing_launch(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(Exception, match="WORLD_SIZE=2"):
         run_training(flow_path=flow, cfg=cfg)
+
+    # Disk room on --resume: step 3 is kept (keep_last 1), so 10 steps save 4 more (4, 6, 8, 10) but
+    # only one is new on disk at once; a fresh run of the same flow would hold two.
+    from titan_pipe.training import preflight
+
+    longer = load_flow(_write_flow(tmp_path, train={"steps": 10, "batch_size": 2, "seq_len": 16, "seed": 1},
+                                   checkpoint={"every": 2, "keep_last": 1}))
+    each = 12 * count_params(longer.model.args())
+    monkeypatch.setattr(preflight, "free_bytes", lambda path: int(1.5 * each))
+    assert preflight.disk_problem(longer, tmp_path, resume=True) is None
+    fresh = preflight.disk_problem(longer, tmp_path, resume=False)
+    assert fresh and "saves 5 checkpoint(s)" in fresh and "up to 2 new at once" in fresh, fresh
+
+
+def test_train_refuses_a_run_whose_checkpoints_cannot_fit(tmp_path, monkeypatch):
+    """Less free disk than the checkpoints on it at once: exit 2 before anything is made, the figures
+    and the fixes named; validate (which may run away from the cluster) is not held to this host."""
+    from titan_pipe.faults import human
+    from titan_pipe.training import preflight
+
+    flow = _write_flow(tmp_path, train={"steps": 20}, checkpoint={"every": 10, "keep_last": 2})
+    n = count_params(parse_flow(yaml.safe_load(flow.read_text()), base=tmp_path).model.args())
+    each = 4 * n * 3  # fp32 weights and AdamW's two fp32 moments
+    monkeypatch.setattr(preflight, "free_bytes", lambda path: each + each // 2)
+    r = CliRunner().invoke(app, ["train", str(flow)])
+    assert r.exit_code == 2, r.output
+    out = " ".join(r.output.split())
+    assert "checkpoint: the disk holding" in out and f"{human(each + each // 2)} free" in out, out
+    assert f"saves 2 checkpoint(s) of about {human(each)} ({n:,} parameters" in out, out
+    assert f"up to 2 new at once (checkpoint.keep_last 2 plus the one being written), {human(2 * each)}" in out
+    assert "lower checkpoint.keep_last, set checkpoint.save_optimizer: false" in out
+    assert not (tmp_path / "runs").exists()
+    assert CliRunner().invoke(app, ["validate", str(flow)]).exit_code == 0
+    # without the optimizer state two checkpoints fit; one save (10 steps) fits with it
+    for sections in ({"train": {"steps": 20}, "checkpoint": {"every": 10, "save_optimizer": False}},
+                     {"train": {"steps": 10}, "checkpoint": {"every": 10}},
+                     {"train": {"steps": 20, "optimizer": {"name": "sgd"}}, "checkpoint": {"every": 10}}):
+        cfg = parse_flow(yaml.safe_load(_write_flow(tmp_path, **sections).read_text()), base=tmp_path)
+        assert preflight.disk_problem(cfg, tmp_path) is None, sections
 
 
 @pytest.mark.distributed

@@ -5,17 +5,21 @@
 fail in its ranks fails here instead, one line per problem (ConfigError, exit 2) and nothing
 written: the run dir must be creatable and writable, ``init_from`` and the checkpoint a
 ``--resume`` continues from must hold the model flow.yaml describes, the corpus must fill at
-least one global batch, and a compiled cpu flow needs a compiler for its backend. The rules on the config alone are titan_pipe.config's.
+least one global batch, a compiled cpu flow needs a compiler for its backend, and (not for
+``validate``) the run dir's disk must hold the checkpoints the run keeps at once. The rules on the
+config alone are titan_pipe.config's.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest, is_complete, newest_complete
+from titan_pipe.checkpoint_format import (MANIFEST_NAME, OPTIMIZER_STATE_COPIES, Manifest, checkpoint_bytes,
+                                          checkpoints_written, is_complete, newest_complete, step_dirs)
 from titan_pipe.config import ConfigError, FlowConfig
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, model_differences
+from titan_pipe.faults import free_bytes, human
+from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, count_params, model_differences
 from titan_pipe.unified_dir import read_model_args
 
 # Raw text whose token count its size cannot settle is tokenized here exactly as data prepare will,
@@ -23,12 +27,14 @@ from titan_pipe.unified_dir import read_model_args
 EXACT_CORPUS_BYTES = 1 << 20
 
 
-def check_before_launch(cfg: FlowConfig, *, flow_path: Path, resume: bool = False) -> None:
-    """ConfigError naming ``flow_path`` with one line per problem the launch would meet; None if none."""
+def check_before_launch(cfg: FlowConfig, *, flow_path: Path, resume: bool = False, disk: bool = True) -> None:
+    """ConfigError naming ``flow_path`` with one line per problem the launch would meet; None if none.
+    ``disk``: also the room for the run's checkpoints on this host (off for ``validate``, which may
+    check a cluster's flow.yaml on a laptop)."""
     base = Path(flow_path).resolve().parent
     lines = [p for p in (runs_dir_problem(cfg, base), init_from_problem(cfg, base),
                          resume_problem(cfg, base) if resume else None, corpus_problem(cfg, base),
-                         compile_problem(cfg)) if p]
+                         compile_problem(cfg), disk_problem(cfg, base, resume=resume) if disk else None) if p]
     if lines:
         raise ConfigError(str(flow_path), lines)
 
@@ -45,6 +51,36 @@ def runs_dir_problem(cfg: FlowConfig, base: Path) -> str | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"runs_dir: {probe} is not writable by this user; choose a writable runs_dir"
     return None
+
+
+def disk_problem(cfg: FlowConfig, base: Path, *, resume: bool = False) -> str | None:
+    """The disk holding the run dir must take the checkpoints that are on it at once at the run's
+    peak: checkpoint.keep_last kept plus the one being written (pruning follows a save), less those a
+    resumed run already has there, and no more than the run saves. Short of that the run fails at a
+    save, maybe hours in; here it fails before a rank starts."""
+    run = cfg.run_dir(base)
+    ck, start, kept = cfg.checkpoint, 0, 0
+    latest = newest_complete(run) if resume else None
+    if latest is not None:
+        start = Manifest.load(latest).step
+        kept = min(ck.keep_last, sum(1 for _, d in step_dirs(run / "checkpoints") if is_complete(d)))
+    saves = checkpoints_written(cfg.train.steps, ck.every, start)
+    if saves == 0:
+        return None
+    at_once = min(saves, ck.keep_last + 1 - kept)
+    n = count_params(cfg.model.args())
+    each = checkpoint_bytes(n, optimizer=cfg.train.optimizer.name, save_optimizer=ck.save_optimizer)
+    free = free_bytes(run)
+    if free >= at_once * each:
+        return None
+    state = (f" and {cfg.train.optimizer.name}'s fp32 state" if ck.save_optimizer
+             and OPTIMIZER_STATE_COPIES[cfg.train.optimizer.name] else "")
+    held = f", {kept} already there" if kept else ""
+    return (f"checkpoint: the disk holding {run} has {human(free)} free; this run saves {saves} checkpoint(s) of "
+            f"about {human(each)} ({n:,} parameters: fp32 weights{state}), up to {at_once} new at once "
+            f"(checkpoint.keep_last {ck.keep_last} plus the one being written{held}), {human(at_once * each)}; "
+            f"free {human(at_once * each - free)} there, lower checkpoint.keep_last, set "
+            "checkpoint.save_optimizer: false, or choose a runs_dir on a larger disk")
 
 
 def compile_problem(cfg: FlowConfig) -> str | None:

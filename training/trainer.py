@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_pipe.atomic import write_text
-from titan_pipe.checkpoint_format import ParallelLayout, newest_complete
+from titan_pipe.checkpoint_format import ParallelLayout, checkpoint_bytes, newest_complete
 from titan_pipe.config import ConfigError, FlowConfig, load_flow
 from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
@@ -320,10 +320,9 @@ class Trainer:
                 or step == self.forced_save_step)  # the same on all ranks
 
     def checkpoint_bytes(self) -> int:
-        """About what one checkpoint takes: the fp32 weights, and AdamW's two fp32 moments when the
-        optimizer state is saved (for a full disk's "free N" advice)."""
-        n = count_params(self.cfg.model.args())
-        return 4 * n * (3 if self.cfg.checkpoint.save_optimizer else 1)
+        """About what one checkpoint takes (for a full disk's "free N" advice)."""
+        return checkpoint_bytes(count_params(self.cfg.model.args()), optimizer=self.cfg.train.optimizer.name,
+                                save_optimizer=self.cfg.checkpoint.save_optimizer)
 
     def save(self, step: int) -> None:
         """Checkpoint ``step`` (collective), then prune old ones on rank 0."""
