@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import gc
 import json
-import os
 import shutil
 import time
 from contextlib import nullcontext

@@ -22,7 +22,6 @@ import fcntl
 import hashlib
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
