@@ -290,6 +290,14 @@ def test_train_refuses_a_run_whose_checkpoints_cannot_fit(tmp_path, monkeypatch)
                      {"train": {"steps": 20, "optimizer": {"name": "sgd"}}, "checkpoint": {"every": 10}}):
         cfg = parse_flow(yaml.safe_load(_write_flow(tmp_path, **sections).read_text()), base=tmp_path)
         assert preflight.disk_problem(cfg, tmp_path) is None, sections
+    # --resume onto a damaged manifest: one line from the resume check, none from this one, no traceback
+    flow = _write_flow(tmp_path, train={"steps": 20}, checkpoint={"every": 10, "keep_last": 2})
+    bad = tmp_path / "runs" / "t" / "checkpoints" / "step-000010"
+    bad.mkdir(parents=True)
+    (bad / "manifest.json").write_text("{not json")
+    r = CliRunner().invoke(app, ["train", str(flow), "--resume"])
+    assert r.exit_code == 2 and "--resume:" in r.output and "checkpoint: the disk" not in r.output, r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
 
 
 @pytest.mark.distributed

@@ -62,7 +62,10 @@ def disk_problem(cfg: FlowConfig, base: Path, *, resume: bool = False) -> str | 
     ck, start, kept = cfg.checkpoint, 0, 0
     latest = newest_complete(run) if resume else None
     if latest is not None:
-        start = Manifest.load(latest).step
+        try:
+            start = Manifest.load(latest).step
+        except (UserError, ValueError):  # LayoutError is a ValueError; resume_problem names the manifest
+            return None
         kept = min(ck.keep_last, sum(1 for _, d in step_dirs(run / "checkpoints") if is_complete(d)))
     saves = checkpoints_written(cfg.train.steps, ck.every, start)
     if saves == 0:
