@@ -14,6 +14,12 @@ redistribution receives a plain-tensor gradient; inductor under FSDP: wrong grad
 second step), while each sub-layer compiled alone matches eager exactly (tests/test_training_compile.py).
 The TP hooks between sub-layers then run eagerly, which costs the fusions across a norm and its
 residual add, not those inside a sub-layer (RoPE, the SwiGLU product, the norm's own arithmetic).
+
+AOTAutograd's on-disk cache is turned off for a compiled run (inductor's own FX-graph cache stays
+on): with torch 2.13 on CPU, a dp2 x tp2 inductor run that read the graphs an earlier run had
+cached died with SIGSEGV in a rank, three tries of three, a run of the same flow whose first
+compile wrote the cache passing; with the AOTAutograd cache off the rerun passes (it re-traces the
+joint graph, a few seconds, and inductor still finds its compiled kernels).
 """
 from __future__ import annotations
 
@@ -67,9 +73,22 @@ def cpp_compiler() -> str | None:
 SUBLAYERS = ("attention_norm", "attention", "ffn_norm", "feed_forward")  # of a TransformerBlock
 
 
+def disable_autograd_cache() -> None:
+    """Turn off AOTAutograd's on-disk cache in this process (see the module doc: a rerun reading it
+    crashed); a torch without the switch is left as it is. TORCHINDUCTOR_AUTOGRAD_CACHE=1 in the
+    environment still forces it on."""
+    try:
+        import torch._functorch.config as functorch_config
+    except ImportError:
+        return
+    if hasattr(functorch_config, "enable_autograd_cache"):
+        functorch_config.enable_autograd_cache = False
+
+
 def apply_compile(part: nn.Module, backend, *, split_blocks: bool = False, fullgraph: bool = True) -> list[str]:
     """Compile the ``forward`` of every transformer block of a stage module in place (``split_blocks``:
     of each block's sub-layers, for TP); returns the compiled modules' names."""
+    disable_autograd_cache()
     done = []
     for layer_id, block in part.layers.items():
         names = SUBLAYERS if split_blocks else ("",)
