@@ -308,8 +308,14 @@ def checkpoint_bytes(n_params: int, *, optimizer: str, save_optimizer: bool) -> 
     return 4 * n_params * (1 + (OPTIMIZER_STATE_COPIES[optimizer] if save_optimizer else 0))
 
 
+def is_save_step(step: int, *, steps: int, every: int) -> bool:
+    """Whether a run of ``steps`` steps saves a checkpoint after ``step``: every ``every`` steps and the last."""
+    return step % every == 0 or step == steps
+
+
 def checkpoints_written(steps: int, every: int, start: int = 0) -> int:
-    """How many checkpoints a run from step ``start`` to ``steps`` saves: every ``every`` steps and the last."""
+    """How many of the steps after ``start`` up to ``steps`` are save steps (``is_save_step``), counted
+    without walking them."""
     if steps <= start:
         return 0
     return steps // every - start // every + (1 if steps % every else 0)

@@ -265,6 +265,16 @@ def test_in_process_run_inside_an_existing_launch(tmp_path, monkeypatch):
     assert fresh and "saves 5 checkpoint(s)" in fresh and "up to 2 new at once" in fresh, fresh
 
 
+def test_checkpoints_written_counts_the_trainers_save_steps():
+    from titan_pipe.checkpoint_format import checkpoints_written, is_save_step
+
+    for steps in range(1, 40):
+        for every in (1, 2, 3, 7, 10, 50):
+            for start in range(0, steps + 2):
+                want = sum(is_save_step(s, steps=steps, every=every) for s in range(start + 1, steps + 1))
+                assert checkpoints_written(steps, every, start) == want, (steps, every, start)
+
+
 def test_train_refuses_a_run_whose_checkpoints_cannot_fit(tmp_path, monkeypatch):
     """Less free disk than the checkpoints on it at once: exit 2 before anything is made, the figures
     and the fixes named; validate (which may run away from the cluster) is not held to this host."""

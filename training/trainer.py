@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from titan_pipe.atomic import write_text
-from titan_pipe.checkpoint_format import ParallelLayout, checkpoint_bytes, newest_complete
+from titan_pipe.checkpoint_format import ParallelLayout, checkpoint_bytes, is_save_step, newest_complete
 from titan_pipe.config import ConfigError, FlowConfig, load_flow
 from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
@@ -316,7 +316,7 @@ class Trainer:
     # -- checkpoint ----------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        return (step % self.cfg.checkpoint.every == 0 or step == self.cfg.train.steps
+        return (is_save_step(step, steps=self.cfg.train.steps, every=self.cfg.checkpoint.every)
                 or step == self.forced_save_step)  # the same on all ranks
 
     def checkpoint_bytes(self) -> int:
