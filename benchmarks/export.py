@@ -5,8 +5,8 @@ pairs need, then, per source, each as a fresh child process whose own peak RSS i
   cp        `cp -r` of the unified dir (the I/O floor): one untimed, then one before and --repeat - 1
             after that source's exports
   export    export_model to each target dtype (prefill + decode graphs, weights streamed, cast and
-            hashed into model.onnx.data, checks, export.json; atc skipped): the default (the data
-            file's XXH3-128 digest) --repeat times, --digest sha256 and --no-hash-weights once
+            hashed into the data files, two by default; checks, export.json; atc skipped): the default
+            (each data file's XXH3-128 digest) --repeat times, --digest sha256 and --no-hash-weights once
 and prints export time / cp time and peak RSS / weights (the smaller of the source and the export
 bytes; the largest peak of the repeats). Each export deletes the previous export's output after its
 imports; each cp's copy is deleted right after it.
@@ -219,7 +219,7 @@ def bench_source(src_key: str, targets: list[str], args, root: Path, opts) -> li
     print(f"\n-- source {src_key}: wrote {json.loads(text) / 1e9:.2f} GB of random weights in {write_s:.1f} s, "
           f"flushed in {time.perf_counter() - t:.1f} s")
     cp_back = 0 if opts.as_drawn else n * SIZES[src_key]
-    back = {t: 0 if opts.as_drawn else n * SIZES[t] for t in targets}  # the data file's bytes
+    back = {t: 0 if opts.as_drawn else n * SIZES[t] for t in targets}  # the data files' bytes
     cp_floor(src, root / "copy", 0)  # untimed: the source's pages are in the page cache from here on
     cp_runs = [cp_floor(src, root / "copy", cp_back)]
     runs = {t: export_runs(src, t, root / "onnx", sys.executable, opts.repeat, back[t]) for t in targets}
@@ -277,7 +277,7 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['pair']:>10}{label:>8}{r['weights_gb']:>11.2f}{r['cp_s']:>7.2f}{h['seconds']:>10.2f}"
                   f"{h['x_cp']:>7.2f}{out}{sha}{nh['seconds']:>11.2f}{nh['x_cp']:>7.2f}{h['x_cp_cpu']:>10.2f}{h['rss_gb']:>8.3f}"
                   f"{h['x_weights']:>11.3f}{h['process_s']:>11.2f}  {ok} (<= 2.5x cp, <= 0.2x weights)")
-    print("export s: the default (XXH3-128 digest of the data file), against the targets; sha256 s: --digest sha256; "
+    print("export s: the default (XXH3-128 digest of each data file), against the targets; sha256 s: --digest sha256; "
           "no-hash s: --no-hash-weights")
     print("x cp out: over the fastest cp of as many bytes as the export writes (a source of that size, where "
           "this run copied one); a figure, not a target")

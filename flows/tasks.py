@@ -114,7 +114,8 @@ def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> Stage
     with writing(out_dir, what=STAGE_OUTPUTS["export"]):
         r = export_model(model_dir=model_dir, out_dir=out_dir, opset=settings.opset, dtype=settings.dtype,
                          batch=settings.batch, seq_len=settings.seq_len, cache_len=settings.cache_len,
-                         hash_weights=settings.hash_weights, digest=settings.digest, dynamic=settings.dynamic,
+                         hash_weights=settings.hash_weights, digest=settings.digest,
+                         data_files=settings.data_files, dynamic=settings.dynamic,
                          kv_cache=settings.kv_cache, soc_version=settings.soc_version, run_atc=settings.atc,
                          precision_mode=settings.precision_mode, overwrite=True)
     run_logger().info(f"ONNX {r.onnx}; ATC: {r.atc_status}")

@@ -231,8 +231,9 @@ class ExportConfig(Section):
     batch: int = EXPORT.batch
     seq_len: int = EXPORT.seq_len
     cache_len: int | None = EXPORT.cache_len  # decode KV-cache slots; None: min(max_position_embeddings, 4096)
-    hash_weights: bool = EXPORT.hash_weights  # the digest of model.onnx.data in export.json
+    hash_weights: bool = EXPORT.hash_weights  # the digests of the weights' data files in export.json
     digest: Literal[DIGESTS] = EXPORT.digest  # export.json's file digests: xxh3_128 (fast) or sha256
+    data_files: int = _bounded(EXPORT.data_files, limits.DATA_FILES)  # the weights' external-data files
     dynamic: bool = EXPORT.dynamic
     kv_cache: bool = EXPORT.kv_cache
     soc_version: str = EXPORT.soc_version
@@ -416,7 +417,7 @@ def _export_and_positions(cfg: FlowConfig, args: ModelArgs) -> list[str]:
     errs += [f"export: {line}" for line in export_problems(
         max_positions=args.max_seq_len, opset=e.opset, dtype=e.dtype, batch=e.batch, seq_len=e.seq_len,
         cache_len=e.cache_len, kv_cache=e.kv_cache, precision_mode=e.precision_mode, digest=e.digest,
-        spell=lambda k: f"export.{k}:")]
+        data_files=e.data_files, spell=lambda k: f"export.{k}:")]
     return errs
 
 

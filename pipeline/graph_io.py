@@ -13,7 +13,7 @@ from __future__ import annotations
 
 PREFILL_FILE = "model.onnx"
 DECODE_FILE = "decode.onnx"
-DATA_FILE = "model.onnx.data"  # the weights both graphs share (external data)
+DATA_FILE = "model.onnx.data"  # the weights both graphs share (external data), when they are one file
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
@@ -30,6 +30,15 @@ INT_INPUTS = frozenset(DECODE_INPUTS)  # int64; every other input and output is 
 # How decode.onnx updates the cache: it writes the new key/value into slot write_index with Where
 # over a one-hot of the slots and returns the whole cache (docs/export.md, "Decode cache").
 CACHE_UPDATE = "whole_cache"
+
+
+def data_file_names(count: int) -> tuple[str, ...]:
+    """The external-data files the weights are split over (export.data_files = ``count``): DATA_FILE
+    alone, or DATA_FILE-00001-of-0000N .. (numbered as sharded Hugging Face weights are; every name
+    starts with DATA_FILE, so copying ``model.onnx*`` still takes the whole graph)."""
+    if count == 1:
+        return (DATA_FILE,)
+    return tuple(f"{DATA_FILE}-{i:05d}-of-{count:05d}" for i in range(1, count + 1))
 
 
 def kv_names(prefix: str, n_layers: int) -> list[str]:

@@ -69,6 +69,8 @@ EVAL_BATCHES = Bound(1, 1 << 16)
 WORKERS = Bound(1, 1024, "processes started on this machine")
 TOP_ROWS = Bound(1, 10_000)
 
+DATA_FILES = Bound(1, 64, "an export's weight files: each is written by a thread of its own")
+
 # --- files ------------------------------------------------------------------------------------------
 # One record of a data file (a .txt document or a .jsonl line): held in memory whole while parsed.
 RECORD_BYTES = Bound(0, 64 * 2**20, "one document or JSON line of a data file is held in memory whole")

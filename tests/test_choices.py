@@ -107,6 +107,9 @@ def test_export_opsets_and_lengths_agree(tmp_path):
         assert cfg == stage_ok(plan_export, DEBUG, seq_len=seq, cache_len=cache, kv_cache=kv), (seq, cache, kv)
     for dtype in ("float32", "float16", "bfloat16", "int8"):
         assert config_ok({"export": {"dtype": dtype}}, tmp_path) == stage_ok(plan_export, DEBUG, dtype=dtype), dtype
+    for n in (-1, 0, 1, 2, 64, 65):
+        ok = config_ok({"export": {"data_files": n}}, tmp_path)
+        assert ok == stage_ok(plan_export, DEBUG, data_files=n) == (1 <= n <= 64), n
 
 
 def test_export_opset_12_is_refused_by_validate(tmp_path):
@@ -148,13 +151,14 @@ def test_export_defaults_are_one_set():
     d = choices.EXPORT
     cfg = ExportConfig()
     assert (cfg.opset, cfg.dtype, cfg.batch, cfg.seq_len, cfg.cache_len, cfg.dynamic, cfg.kv_cache, cfg.soc_version,
-            cfg.atc, cfg.precision_mode, cfg.hash_weights, cfg.digest) == (
+            cfg.atc, cfg.precision_mode, cfg.hash_weights, cfg.digest, cfg.data_files) == (
         d.opset, d.dtype, d.batch, d.seq_len, d.cache_len, d.dynamic, d.kv_cache, d.soc_version, d.run_atc,
-        d.precision_mode, d.hash_weights, d.digest)
+        d.precision_mode, d.hash_weights, d.digest, d.data_files)
     stage = inspect.signature(export_model).parameters
     for key, value in (("opset", d.opset), ("dtype", d.dtype), ("batch", d.batch), ("seq_len", d.seq_len),
                        ("cache_len", d.cache_len), ("soc_version", d.soc_version), ("run_atc", d.run_atc),
-                       ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights), ("digest", d.digest)):
+                       ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights), ("digest", d.digest),
+                       ("data_files", d.data_files)):
         assert stage[key].default == value, key
     from titan_pipe.cli import app
 
@@ -162,7 +166,8 @@ def test_export_defaults_are_one_set():
     cli = {k: p.default.default for k, p in inspect.signature(command).parameters.items()}
     for key, value in (("opset", d.opset), ("dtype", d.dtype), ("batch", d.batch), ("seq_len", d.seq_len),
                        ("cache_len", d.cache_len), ("soc_version", d.soc_version), ("atc", d.run_atc),
-                       ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights), ("digest", d.digest)):
+                       ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights), ("digest", d.digest),
+                       ("data_files", d.data_files)):
         assert cli[key] == value, key  # str-valued enums compare equal to their value
 
 

@@ -14,10 +14,12 @@ import torch
 import xxhash
 
 from export_support import debug_model, write_unified
+from titan_pipe.choices import EXPORT
 from titan_pipe.convert.casts import BLOCK, bits_dtype, cast_bits
 from titan_pipe.convert.onnx import data_file
 from titan_pipe.convert.onnx.export import export_model
 from titan_pipe.convert.onnx.graphs import initializer_names
+from titan_pipe.graph_io import data_file_names
 from titan_pipe.model import rope
 from titan_pipe.model.args import FLAVOURS, resolve_args
 from titan_pipe.model.names import native_to_hf
@@ -140,14 +142,14 @@ def plant_edges(model) -> None:
 
 
 def exported_bytes(out_dir) -> dict[str, bytes]:
-    """Initializer name -> its bytes in model.onnx.data."""
-    data = (out_dir / "model.onnx.data").read_bytes()
+    """Initializer name -> its bytes in the data file the graph names for it."""
     graph = onnx.load(str(out_dir / "model.onnx"), load_external_data=False).graph
-    out = {}
+    data, out = {}, {}
     for t in graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL:
             info = {e.key: int(e.value) if e.key != "location" else e.value for e in t.external_data}
-            out[t.name] = data[info["offset"]:info["offset"] + info["length"]]
+            raw = data.setdefault(info["location"], (out_dir / info["location"]).read_bytes())
+            out[t.name] = raw[info["offset"]:info["offset"] + info["length"]]
     return out
 
 
@@ -161,21 +163,22 @@ def edge_model():
 REFERENCE_DIGESTS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}  # the packages' own, not ours
 
 
-@pytest.mark.parametrize("src,dst,digest", [
-    ("bfloat16", "float16", "xxh3_128"), ("float32", "float16", "sha256"), ("float16", "float16", "xxh3_128"),
-    ("bfloat16", "float32", "sha256"), ("float16", "float32", "xxh3_128"), ("float32", "float32", "sha256"),
-    ("float16", "float16", "sha256"), ("bfloat16", "float16", "sha256")])
-def test_exported_weights_are_the_torch_cast(edge_model, tmp_path, monkeypatch, src, dst, digest):
-    """Every weight's bytes in model.onnx.data equal torch's .to(dst) of the stored tensor (the old
+@pytest.mark.parametrize("src,dst,digest,n_files", [
+    ("bfloat16", "float16", "xxh3_128", 2), ("float32", "float16", "sha256", 1), ("float16", "float16", "xxh3_128", 3),
+    ("bfloat16", "float32", "sha256", 2), ("float16", "float32", "xxh3_128", 1), ("float32", "float32", "sha256", 3),
+    ("float16", "float16", "sha256", 2), ("bfloat16", "float16", "sha256", 5)])
+def test_exported_weights_are_the_torch_cast(edge_model, tmp_path, monkeypatch, src, dst, digest, n_files):
+    """Every weight's bytes in its data file equal torch's .to(dst) of the stored tensor (the old
     path's bytes), through many small chunks so the pipeline's buffers turn over, each written in
-    pwrite slices that end mid-element; export.json's digest of every file is the hashing package's
-    own digest of its bytes, with the algorithm asked for."""
-    monkeypatch.setattr(data_file, "CHUNK", 8192)
+    pwrite slices that end mid-element, over 1 to 5 data files; export.json's digest of every file is
+    the hashing package's own digest of its bytes, with the algorithm asked for."""
+    monkeypatch.setattr(data_file, "WINDOW", 8192)
+    monkeypatch.setattr(data_file, "PIECE", 2048)
     monkeypatch.setattr(data_file, "WRITE_SLICE", 1000)
     model, args = edge_model
     unified = write_unified(model, args, tmp_path / "model", dtype=getattr(torch, src), shards=2)
     out = export_model(model_dir=unified, out_dir=tmp_path / "onnx", dtype=dst, kv_cache=False, run_atc=False,
-                       digest=digest)
+                       digest=digest, data_files=n_files)
     got = exported_bytes(out.out_dir)
     stored = {native_to_hf(k): v.to(getattr(torch, src)) for k, v in model.state_dict().items()
               if not k.startswith("rope_")}
@@ -185,7 +188,8 @@ def test_exported_weights_are_the_torch_cast(edge_model, tmp_path, monkeypatch, 
     assert got["rope_cos"] == rope.cos_sin(args, args.max_seq_len)[0].astype(
         np.float16 if dst == "float16" else np.float32).tobytes()
     files = json.loads(out.export_json.read_text())["files"]
-    assert {"model.onnx", "model.onnx.data"} <= set(files)
+    assert {"model.onnx", *data_file_names(n_files)} <= set(files)
+    assert sorted(p.name for p in out.out_dir.glob("*.data*")) == sorted(data_file_names(n_files))
     for name, entry in files.items():
         assert entry["algorithm"] == digest, name
         assert entry["digest"] == REFERENCE_DIGESTS[digest]((out.out_dir / name).read_bytes()).hexdigest(), name
@@ -197,7 +201,8 @@ def test_kernel_copy_refused_falls_back_to_pread(edge_model, tmp_path, monkeypat
         raise OSError(errno.EXDEV, "cross-device")
 
     monkeypatch.setattr(os, "copy_file_range", refuse)
-    monkeypatch.setattr(data_file, "CHUNK", 8192)
+    monkeypatch.setattr(data_file, "WINDOW", 8192)
+    monkeypatch.setattr(data_file, "PIECE", 2048)
     monkeypatch.setattr(data_file, "WRITE_SLICE", 1000)
     model, args = edge_model
     unified = write_unified(model, args, tmp_path / "model")
@@ -242,4 +247,4 @@ def test_export_imports_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
-    assert (tmp_path / "onnx" / "model.onnx.data").stat().st_size > 0
+    assert all((tmp_path / "onnx" / f).stat().st_size > 0 for f in data_file_names(EXPORT.data_files))

@@ -31,13 +31,15 @@ def test_static_export_via_cli(model_dir, tmp_path):
     src, model, args = model_dir
     before = sorted(p.name for p in src.iterdir())
     res = _run(src, "-o", tmp_path / "out", "--static", "--batch", 2, "--seq-len", 12, "--cache-len", 20,
-               "--opset", 15, "--precision-mode", "mixed_float16")
+               "--opset", 15, "--precision-mode", "mixed_float16", "--data-files", 1)
     assert res.exit_code == 0, res.output
     assert "ATC: not_found" in res.output or "ATC: ok" in res.output
     out = tmp_path / "out"
     record = json.loads((out / "export.json").read_text())
     assert record["options"]["opset"] == 15 and record["options"]["dynamic"] is False
     assert record["options"]["cache_len"] == 20
+    assert record["options"]["data_files"] == ["model.onnx.data"]  # --data-files 1: the weights in one file
+    assert sorted(p.name for p in out.glob("*.data*")) == ["model.onnx.data"]
     assert record["graphs"]["model.onnx"]["inputs"]["input_ids"] == [2, 12]
     assert record["graphs"]["decode.onnx"]["inputs"]["past_key_values.0.key"] == [2, args.kv_heads, 20, args.head_dim]
     assert record["graphs"]["decode.onnx"]["outputs"]["present.0.key"] == [2, args.kv_heads, 20, args.head_dim]
@@ -83,6 +85,8 @@ def test_static_export_via_cli(model_dir, tmp_path):
     ("too_long", "exceeds the model's max_position_embeddings"),
     ("cache_small", "cache_len 32 is smaller than seq_len 32 + 1"),
     ("cache_large", "cache_len 300 exceeds the model's max_position_embeddings 256"),
+    ("no_data_files", "--data-files 0: "),
+    ("many_data_files", "--data-files 65: "),
 ])
 def test_bad_input_fails_cleanly(model_dir, tmp_path, case, message):
     src, model, args = model_dir
@@ -96,7 +100,8 @@ def test_bad_input_fails_cleanly(model_dir, tmp_path, case, message):
             cfg["hidden_size"], cfg["head_dim"] = 128, 32
             (src / "config.json").write_text(json.dumps(cfg))
     argv = {"opset16": ["--opset", 16], "opset12": ["--opset", 12], "too_long": ["--seq-len", 256],
-            "cache_small": ["--cache-len", 32], "cache_large": ["--cache-len", 300]}.get(case, [])
+            "cache_small": ["--cache-len", 32], "cache_large": ["--cache-len", 300],
+            "no_data_files": ["--data-files", 0], "many_data_files": ["--data-files", 65]}.get(case, [])
     out = tmp_path / "out"
     res = _run(src, "-o", out, *argv)
     assert res.exit_code == 1

@@ -8,7 +8,9 @@ import torch
 import xxhash
 
 from export_support import debug_model, hidden_states, write_unified
+from titan_pipe.choices import EXPORT
 from titan_pipe.convert.onnx.export import export_model
+from titan_pipe.graph_io import data_file_names
 from titan_pipe.generation import generate_padded
 from titan_pipe.convert.readers.store import read_header
 
@@ -89,7 +91,8 @@ def test_export_never_loads_the_model(tmp_path, monkeypatch):
     result = export_model(model_dir=src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False,
                           hash_weights=False)
     files = json.loads(result.export_json.read_text())["files"]
-    assert files["model.onnx.data"]["digest"] is None  # --no-hash-weights: the one pass skipped
+    for name in data_file_names(EXPORT.data_files):
+        assert files[name]["digest"] is None  # --no-hash-weights: the one pass skipped
     assert files["model.onnx"] == {"bytes": result.onnx.stat().st_size, "algorithm": "xxh3_128",
                                    "digest": xxhash.xxh3_128(result.onnx.read_bytes()).hexdigest()}
     tokens = torch.randint(0, args.vocab_size, (1, 9))
@@ -163,12 +166,15 @@ def test_transformers_checkpoint_matches_transformers(tmp_path):
     assert np.abs(got - ref).max() <= 1e-4
 
 
-def test_weights_streamed_into_one_shared_file(exported, tmp_path):
-    """Both graphs point every weight at the same page-aligned bytes of model.onnx.data, and those
-    bytes are the safetensors tensor's, bit for bit (fp32 -> fp32), or its cast (bf16 -> fp32)."""
+def test_weights_streamed_into_shared_data_files(exported, tmp_path):
+    """Both graphs point every weight at the same page-aligned bytes of one of the data files; the
+    tensors of a file do not overlap, the files' sizes are within one tensor of each other, and the
+    bytes are the safetensors tensor's, bit for bit (fp32 -> fp32)."""
     model, args, result = exported
     src = result.out_dir.parent / "model" / "model.safetensors"
     header, _ = read_header(src)
+    names = data_file_names(EXPORT.data_files)
+    assert len(names) == 2 and names[0].startswith("model.onnx.data")
     places = {}
     for path in (result.onnx, result.decode_onnx):
         m = onnx.load(str(path), load_external_data=False)
@@ -176,17 +182,29 @@ def test_weights_streamed_into_one_shared_file(exported, tmp_path):
             if t.data_location != onnx.TensorProto.EXTERNAL:
                 continue
             info = {e.key: e.value for e in t.external_data}
-            assert info["location"] == "model.onnx.data" and int(info["offset"]) % 4096 == 0
-            assert places.setdefault(t.name, (info["offset"], info["length"])) == (info["offset"], info["length"])
-    assert sorted(p.name for p in result.out_dir.iterdir() if "onnx" in p.name) == [
-        "decode.onnx", "model.onnx", "model.onnx.data"]
-    data = (result.out_dir / "model.onnx.data").read_bytes()
+            assert info["location"] in names and int(info["offset"]) % 4096 == 0
+            place = (info["location"], int(info["offset"]), int(info["length"]))
+            assert places.setdefault(t.name, place) == place
+    assert sorted(p.name for p in result.out_dir.iterdir() if "onnx" in p.name) == sorted(
+        ["decode.onnx", "model.onnx", *names])
+    sizes = {f: (result.out_dir / f).stat().st_size for f in names}
+    for f in names:
+        spans = sorted((off, off + n) for loc, off, n in places.values() if loc == f)
+        assert spans and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), f  # no overlap
+        assert spans[-1][1] == sizes[f]
+    assert abs(sizes[names[0]] - sizes[names[1]]) <= max(n for _, _, n in places.values()) + 4096
+    data = {f: (result.out_dir / f).read_bytes() for f in names}
     raw = src.read_bytes()
+    checked = set()
     for name, stored in (("layers.2.w2", "model.layers.2.mlp.down_proj.weight"),
-                         ("tok_embeddings.weight", "model.embed_tokens.weight")):
-        off, n = (int(x) for x in places[name])
+                         ("tok_embeddings.weight", "model.embed_tokens.weight"),
+                         ("layers.1.wq", "model.layers.1.self_attn.q_proj.weight"),
+                         ("layers.3.w1", "model.layers.3.mlp.gate_proj.weight")):
+        loc, off, n = places[name]
         s = header[stored]
-        assert data[off:off + n] == raw[s.start:s.start + s.nbytes]
+        assert data[loc][off:off + n] == raw[s.start:s.start + s.nbytes], name
+        checked.add(loc)
+    assert checked == set(names)  # the tensors compared lie in both files
 
     bf16 = write_unified(model, args, tmp_path / "bf16", dtype=torch.bfloat16)
     out = export_model(model_dir=bf16, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False)

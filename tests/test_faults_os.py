@@ -37,8 +37,10 @@ from convert_writers import model_args, native_state, write_hf
 from titan_pipe import faults, procs
 from titan_pipe.atomic import _HOST
 from titan_pipe.cli import app
+from titan_pipe.choices import EXPORT
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.onnx.export import export_model
+from titan_pipe.graph_io import data_file_names
 from titan_pipe.guard import descendants
 
 HERE = Path(__file__).resolve().parent
@@ -455,7 +457,8 @@ def test_outputs_follow_the_umask(built, tmp_path):
         os.umask(previous)
     for d in ("model", "onnx", "report"):
         assert (tmp_path / d).stat().st_mode & 0o777 == mode, d
-    for f in ("model/model.safetensors", "onnx/model.onnx.data", "onnx/model.onnx", "report/report.json"):
+    for f in ("model/model.safetensors", "onnx/model.onnx", "report/report.json",
+              *(f"onnx/{name}" for name in data_file_names(EXPORT.data_files))):
         assert (tmp_path / f).stat().st_mode & 0o777 == mode & 0o666, f
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "onnx", "report"]  # no lock or temp left
 

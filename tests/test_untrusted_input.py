@@ -27,9 +27,11 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from convert_writers import model_args, native_state, write_dcp, write_hf, write_megatron
+from titan_pipe.choices import EXPORT
 from titan_pipe.cli import app
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.errors import UserError
+from titan_pipe.graph_io import data_file_names
 from titan_pipe.run_lock import ENV, LOCK_NAME, RunDirBusy, run_lock
 
 pytest.importorskip("transformers")
@@ -470,11 +472,12 @@ def test_export_record_naming_a_graph_outside(good, tmp_path):
 
 @pytest.mark.parametrize("digest", ["xxh3_128", "sha256"])
 def test_evaluate_refuses_a_data_file_that_is_not_the_exported_one(good, tmp_path, digest):
-    """export.json's digest of model.onnx.data, re-computed with its recorded algorithm before any work:
-    one flipped byte (same size) is refused in one line naming the file; the export itself is kept."""
+    """export.json's digest of each data file, re-computed with its recorded algorithm before any work:
+    one flipped byte (same size) in the last of them is refused in one line naming the file; the
+    export itself is kept."""
     cli_ok = cli("export", good["model"], "-o", tmp_path / "onnx", "--no-atc", "--no-kv-cache", "--digest", digest)
     assert cli_ok[0] == 0, cli_ok[1]
-    data = tmp_path / "onnx" / "model.onnx.data"
+    data = tmp_path / "onnx" / data_file_names(EXPORT.data_files)[-1]
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     data.write_bytes(bytes(raw))

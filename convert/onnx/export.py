@@ -29,7 +29,7 @@ from titan_pipe.dtypes import BY_NAME
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.export_record import RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord, OperatorUse
 from titan_pipe.faults import as_fault, check_free_space
-from titan_pipe.graph_io import DATA_FILE, DECODE_FILE, PREFILL_FILE
+from titan_pipe.graph_io import DATA_FILE, DECODE_FILE, PREFILL_FILE, data_file_names
 from titan_pipe.model import rope
 from titan_pipe.model.args import ModelArgs, count_params
 from titan_pipe.onnx_nodes import NP_DTYPES
@@ -66,6 +66,7 @@ class ExportPlan:
     weight_bytes: int
     graphs: tuple[GraphPlan, ...]
     digest: str = EXPORT.digest  # export.json's file digests (titan_pipe.hashing.DIGESTS)
+    data_files: tuple[str, ...] = (DATA_FILE,)  # the weights' external-data files (titan_pipe.graph_io)
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,12 @@ def plan_export(args: ModelArgs, *, opset: int = EXPORT.opset, dtype: str = EXPO
                 seq_len: int = EXPORT.seq_len, cache_len: int | None = EXPORT.cache_len, dynamic: bool = EXPORT.dynamic,
                 kv_cache: bool = EXPORT.kv_cache, soc_version: str = EXPORT.soc_version, run_atc: bool = EXPORT.run_atc,
                 precision_mode: str = EXPORT.precision_mode, expose_hidden: bool = False,
-                digest: str = EXPORT.digest) -> ExportPlan:
+                digest: str = EXPORT.digest, data_files: int = EXPORT.data_files) -> ExportPlan:
     """Validate the options against the model (titan_pipe.choices: the rules flow.yaml validation
     uses too) and lay out the graphs (pure data, no I/O)."""
     problems = export_problems(max_positions=args.max_seq_len, opset=opset, dtype=dtype, batch=batch,
                                seq_len=seq_len, cache_len=cache_len, kv_cache=kv_cache, precision_mode=precision_mode,
-                               digest=digest)
+                               digest=digest, data_files=data_files)
     if problems:
         raise UserError(problems[0])
     cache_len = default_cache_len(args.max_seq_len) if cache_len is None else cache_len
@@ -103,7 +104,8 @@ def plan_export(args: ModelArgs, *, opset: int = EXPORT.opset, dtype: str = EXPO
                                 {n: tuple(d if isinstance(d, int) else -1 for d in dims[n]) for n in ins}, spec))
     itemsize = BY_NAME[dtype].itemsize
     return ExportPlan(opset, dtype, batch, seq_len, cache_len, dynamic, kv_cache, expose_hidden, soc_version,
-                      precision_mode, run_atc, count_params(args) * itemsize, tuple(graphs), digest)
+                      precision_mode, run_atc, count_params(args) * itemsize, tuple(graphs), digest,
+                      data_file_names(data_files))
 
 
 def _check_paths(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
@@ -132,14 +134,15 @@ def output_bytes(plan: ExportPlan, args: ModelArgs) -> int:
 
 
 def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_weights: bool) -> DataWriter:
-    """Stream every weight (and the RoPE tables) into work/model.onnx.data, one tensor at a time."""
-    with DataWriter(work / DATA_FILE, plan.dtype, digest=plan.digest if hash_weights else None) as data:
+    """Every weight (and the RoPE tables) planned into the data files, then streamed there."""
+    with DataWriter(work, plan.data_files, plan.dtype, digest=plan.digest if hash_weights else None) as data:
         for init_name, native in initializer_names(args).items():
             data.add_source(init_name, sources[native])
         cos, sin = rope.cos_sin(args, _rope_rows(plan, args))
         np_dtype = NP_DTYPES[plan.dtype]
         data.add_array("rope_cos", cos.astype(np_dtype))
         data.add_array("rope_sin", sin.astype(np_dtype))
+        data.write()
     return data
 
 
@@ -190,7 +193,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
                  dynamic: bool = EXPORT.dynamic, kv_cache: bool = EXPORT.kv_cache, soc_version: str = EXPORT.soc_version,
                  run_atc: bool = EXPORT.run_atc, precision_mode: str = EXPORT.precision_mode, overwrite: bool = False,
                  expose_hidden: bool = False, hash_weights: bool = EXPORT.hash_weights,
-                 digest: str = EXPORT.digest) -> ExportResult:
+                 digest: str = EXPORT.digest, data_files: int = EXPORT.data_files) -> ExportResult:
     """Export a unified model dir to ONNX for ATC (see docs/export.md for the graphs' I/O).
 
     Writes out_dir/{model.onnx, decode.onnx (kv_cache), model.onnx.data (the weights, shared),
@@ -208,7 +211,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
     args = read_model_args(model_dir)
     plan = plan_export(args, opset=opset, dtype=dtype, batch=batch, seq_len=seq_len, cache_len=cache_len,
                        dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
-                       precision_mode=precision_mode, expose_hidden=expose_hidden, digest=digest)
+                       precision_mode=precision_mode, expose_hidden=expose_hidden, digest=digest, data_files=data_files)
     sources = plan_weights(model_dir, args)  # headers only: bad weights fail before any write
     needs = output_bytes(plan, args)
     check_free_space(out_dir, needs=needs, what=WHAT)  # refuse before a byte is written
@@ -222,12 +225,13 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
         return now
 
     try:
-        with console.status(f"streaming {plan.weight_bytes / 1e9:.2f} GB of weights as {dtype} into {DATA_FILE}"):
+        with console.status(f"streaming {plan.weight_bytes / 1e9:.2f} GB of weights as {dtype} into "
+                            f"{', '.join(plan.data_files)}"):
             data = _write_weights(args, plan, work, sources, hash_weights)
         t = lap("weights", t0)
         graphs, layer_values = {}, {}
         for g in plan.graphs:
-            proto, layer_values[g.file] = build_graph(args, g.spec, data.entries, data_file=DATA_FILE)
+            proto, layer_values[g.file] = build_graph(args, g.spec, data.entries)
             onnx.save(proto, str(work / g.file))
         t = lap("build", t)
         for g in plan.graphs:
@@ -251,7 +255,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
                 console.print(f"atc is not on PATH: no .om built; the command is in {out_dir / 'atc' / 'command.sh'}",
                               highlight=False, soft_wrap=True)
         t = lap("atc", t)
-        files = file_table(work, algorithm=plan.digest, known={DATA_FILE: data.digest})
+        files = file_table(work, algorithm=plan.digest, known=data.digests)
         lap("hash", t)
         export_s = time.perf_counter() - t0
         record = _record(model_dir=model_dir, args=args, plan=plan, atc_status=atc_status,

@@ -214,10 +214,10 @@ def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh:
     return g.op("Add", [h, mlp], f"{p}.output"), attn, mlp
 
 
-def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry], *,
-                data_file: str) -> tuple[onnx.ModelProto, LayerValues]:
-    """The ModelProto of one graph (weights as external references into ``data_file``) and the
-    names of its per-layer values. ``weights``: initializer name -> its place in the data file,
+def build_graph(args: ModelArgs, spec: GraphSpec,
+                weights: dict[str, DataEntry]) -> tuple[onnx.ModelProto, LayerValues]:
+    """The ModelProto of one graph (weights as external references into their data files) and the
+    names of its per-layer values. ``weights``: initializer name -> its file and place there,
     including ``rope_cos`` / ``rope_sin``. See docs/export.md for the inputs and outputs."""
     g = NodeBuilder(spec.dtype)
     # Shapes used by the Reshapes: (B, T) from input_ids when dynamic, constants when static.
@@ -240,10 +240,10 @@ def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry],
     x = g.op("Reshape", [rms_norm(g, h, "norm.weight", args.norm_eps, "norm"), sh.flat], "norm.x2d")
     emb_out = "tok_embeddings.weight" if args.tie_embeddings else "output.weight"
     outputs[LOGITS] = g.op("Reshape", [linear(g, x, emb_out, "lm_head"), sh.logits], LOGITS)
-    return _model(g, args, spec, weights, data_file, outputs), values
+    return _model(g, args, spec, weights, outputs), values
 
 
-def _model(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry], data_file: str,
+def _model(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry],
            outputs: dict[str, str]) -> onnx.ModelProto:
     """The graph's nodes with its declared inputs/outputs and the initializers its nodes use."""
     dt = onnx_type(spec.dtype)
@@ -253,7 +253,7 @@ def _model(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, weights: dict[str, 
     graph_outputs = [helper.make_tensor_value_info(n, dt, dims[n]) for n in outs]
     assert [outputs[n] for n in outs] == outs  # every output is a node named after it
     used = {name for node in g.nodes for name in node.input}
-    inits = [_external(name, e, dt, data_file) for name, e in weights.items() if name in used]
+    inits = [_external(name, e, dt) for name, e in weights.items() if name in used]
     graph = helper.make_graph(g.nodes, f"titan_pipe_{'decode' if spec.decode else 'prefill'}", inputs,
                               graph_outputs, inits + g.consts)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", spec.opset)],
@@ -262,12 +262,12 @@ def _model(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, weights: dict[str, 
     return model
 
 
-def _external(name: str, entry: DataEntry, dtype: int, location: str) -> TensorProto:
+def _external(name: str, entry: DataEntry, dtype: int) -> TensorProto:
     t = TensorProto()
     t.name, t.data_type = name, dtype
     t.dims.extend(entry.dims)
     t.data_location = TensorProto.EXTERNAL
-    for k, v in (("location", location), ("offset", str(entry.offset)), ("length", str(entry.length))):
+    for k, v in (("location", entry.file), ("offset", str(entry.offset)), ("length", str(entry.length))):
         item = t.external_data.add()
         item.key, item.value = k, v
     return t

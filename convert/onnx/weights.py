@@ -2,7 +2,7 @@
 
 Planning reads only the headers (names, dtypes, shapes, byte offsets) of the unified directory and
 checks them against config.json, so a bad directory fails before a byte is written. The bytes are
-then streamed into ``model.onnx.data`` by titan_pipe.convert.onnx.data_file. No torch is imported.
+then streamed into the data files (``model.onnx.data``) by titan_pipe.convert.onnx.data_file. No torch is imported.
 """
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ class SourceTensor:
 
 @dataclass(frozen=True)
 class DataEntry:
-    """Where one initializer lives in the data file."""
+    """Where one initializer lives: its data file (a name beside the graphs) and byte range there."""
 
     name: str
+    file: str
     offset: int
     length: int
     dims: tuple[int, ...]

@@ -37,7 +37,10 @@ def register(app: typer.Typer) -> None:
         expose_hidden: bool = typer.Option(False, "--expose-hidden", help="Add hidden.{i} outputs (for evaluation)"),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists"),
         hash_weights: bool = typer.Option(EXPORT.hash_weights, "--hash-weights/--no-hash-weights",
-                                          help="The digest of model.onnx.data in export.json (one pass over the weights)"),
+                                          help="The digests of the weights' data files in export.json (one pass over the weights)"),
+        data_files: int = typer.Option(EXPORT.data_files, "--data-files",
+                                       help="Split the weights over this many external-data files, each written on a "
+                                            "thread of its own (1: one model.onnx.data)"),
         digest: Digest = typer.Option(Digest(EXPORT.digest), "--digest",
                                       help="export.json's file digests: xxh3_128 (fast; detects corrupted or swapped "
                                            "files) or sha256 (cryptographic, ~10x slower)"),
@@ -47,13 +50,15 @@ def register(app: typer.Typer) -> None:
         from titan_pipe.convert.onnx.export import export_model
 
         for flag, value, bound in (("--batch", batch, limits.BATCH), ("--seq-len", seq_len, limits.SEQ_LEN),
-                                   ("--cache-len", cache_len, limits.CACHE_LEN)):
+                                   ("--cache-len", cache_len, limits.CACHE_LEN),
+                                   ("--data-files", data_files, limits.DATA_FILES)):
             limits.check_flag(flag, value, bound)  # before the model is read: one line naming the limit
         r = call_stage("export", export_model, track=flow, model_dir=model_dir, out_dir=out_dir, opset=opset, dtype=dtype.value, batch=batch,
                          seq_len=seq_len, cache_len=cache_len, dynamic=dynamic, kv_cache=kv_cache,
                          soc_version=soc_version,
                          run_atc=atc, precision_mode=precision_mode.value, overwrite=overwrite,
-                         expose_hidden=expose_hidden, hash_weights=hash_weights, digest=digest.value)
+                         expose_hidden=expose_hidden, hash_weights=hash_weights, digest=digest.value,
+                         data_files=data_files)
         s = r.summary
         graphs = ", ".join(f"{f} ({g['nodes']} nodes, {g['bytes'] / 1e6:.1f} MB)" for f, g in s["graphs"].items())
         console.print(f"exported {graphs} at opset {s['opset']}, {s['dtype']}, "
