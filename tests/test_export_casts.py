@@ -212,6 +212,29 @@ def test_kernel_copy_refused_falls_back_to_pread(edge_model, tmp_path, monkeypat
     assert got["layers.1.wq"] == want.view(torch.uint8).numpy().tobytes()
 
 
+def test_more_data_files_than_cores_share_the_threads(edge_model, tmp_path, monkeypatch):
+    """Three data files on a one-core host: one thread writes them in turn, and the bytes are the same."""
+    import threading
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    threads, run_lane = set(), data_file.DataWriter._run_lane
+
+    def spy(self, lane):
+        threads.add(threading.current_thread().name)
+        return run_lane(self, lane)
+
+    monkeypatch.setattr(data_file.DataWriter, "_run_lane", spy)
+    model, args = edge_model
+    unified = write_unified(model, args, tmp_path / "model")
+    out = export_model(model_dir=unified, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False, data_files=3)
+    assert len(threads) == 1
+    assert all((out.out_dir / f).stat().st_size > 0 for f in data_file_names(3))
+    got = exported_bytes(out.out_dir)
+    stored = {native_to_hf(k): v for k, v in model.state_dict().items() if not k.startswith("rope_")}
+    for init, native in initializer_names(args).items():
+        assert got[init] == stored[native_to_hf(native)].contiguous().view(torch.uint8).numpy().tobytes(), init
+
+
 def test_source_truncated_during_export_fails_cleanly(tmp_path, monkeypatch):
     """A source that shrinks after planning: one clear error from the load thread, nothing left behind."""
     from titan_pipe.convert.onnx import weights

@@ -28,7 +28,8 @@ its single writer.
 
 Numpy, the file calls and the hashers release the GIL. Each lane file's blocks are reserved
 (fallocate) before a byte is written, so a full disk fails first. Memory: per lane one PIECE buffer
-and one source window of at most WINDOW bytes, whatever the model's size. No torch is imported.
+and one source window of at most WINDOW bytes, for at most as many lanes at once as there are
+cores, whatever the model's size. No torch is imported.
 
 Why not mmap whole files (see convert/readers/store.py): pages of a mapping count in the resident
 set until unmapped, so a mapped 14 GB model reads as 14 GB RSS; a window unmapped right after use
@@ -162,11 +163,12 @@ class DataWriter:
     # -- doing ----------------------------------------------------------------------------------
 
     def write(self) -> dict[str, str | None]:
-        """Write every planned byte, each file on a thread of its own; {file name: hex digest (None when
-        not hashed)}. Raises the first error a lane met (the other lanes stop at their next piece)."""
+        """Write every planned byte, each file on a thread of its own (at most one thread per core: the
+        files beyond wait for a free one); {file name: hex digest (None when not hashed)}. Raises the first error a lane met (the other lanes stop at their next piece)."""
         for lane in self._lanes:
             self._reserve(lane)
-        with ThreadPoolExecutor(len(self._lanes), thread_name_prefix="export-lane") as pool:
+        threads = min(len(self._lanes), os.cpu_count() or 1)  # more would only share the cores (and memory)
+        with ThreadPoolExecutor(threads, thread_name_prefix="export-lane") as pool:
             jobs = [pool.submit(self._run_lane, lane) for lane in self._lanes]
             try:
                 for job in jobs:
