@@ -167,3 +167,27 @@ def test_sharded_memory_estimate_counts_each_rank_from_the_sharding_table():
     assert [r - s for r, s in per] == [local] * 3  # streamed: one of its two layers, its TP half
     ends = [sizes["tok_embeddings.weight"] // 2, 0, sizes["norm.weight"] + sizes["output.weight"] // 2]
     assert [st for _, st in per] == [local + e for e in ends]  # the middle rank holds no end
+
+
+@pytest.mark.distributed
+def test_a_failing_rank_is_told_by_its_own_lines(trained, monkeypatch):
+    """When the ranks fail, the error carries what the failing rank wrote (its stderr, kept by torchrun
+    in the exchange dir), not only torchrun's summary of signals and exit codes. The ranks here run a
+    module that refuses the sharded forward's arguments."""
+    from titan_pipe import sharded_outputs
+    from titan_pipe.errors import StageFailed
+    from titan_pipe.evaluate.runners.sharded import DistributedRunner
+
+    monkeypatch.setattr(sharded_outputs, "MODULE", "json.tool")
+    runner = DistributedRunner(trained["checkpoint"], timeout_s=300)
+    with pytest.raises(StageFailed) as e:
+        runner.run_all([torch.zeros(1, 4, dtype=torch.long)])
+    text = str(e.value)
+    assert "failed (exit" in text and "\nrank 0:\n" in text
+    block = []
+    for line in text.split("\nrank 0:\n")[1].splitlines():
+        if not line.startswith("  "):
+            break
+        block.append(line)
+    assert any("json.tool: error:" in line for line in block), text  # the rank's own words
+    assert "Root Cause" in text  # and torchrun's summary after them

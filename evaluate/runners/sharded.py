@@ -102,8 +102,11 @@ class DistributedRunner:
             except subprocess.TimeoutExpired:
                 raise StageFailed(f"sharded forward of {self.checkpoint} timed out after {self.timeout_s:.0f}s") from None
             if proc.returncode != 0:
-                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-                raise StageFailed(f"sharded forward of {self.checkpoint} failed (exit {proc.returncode}):\n{tail}")
+                said = proc.stdout + proc.stderr
+                ranks = sharded_outputs.failing_ranks_lines(tmp, said)
+                tail = "\n".join(said.strip().splitlines()[-15:])
+                told = "\n".join(ranks) + "\n" if ranks else ""
+                raise StageFailed(f"sharded forward of {self.checkpoint} failed (exit {proc.returncode}):\n{told}{tail}")
             got = sharded_outputs.read_outputs(tmp, n_batches=len(batches), n_layers=self.args.n_layers)
             done = sharded_outputs.read_done(tmp)
         self.ran = {"streamed": bool(done.get("streamed")), "peak_rss": list(done.get("peak_rss", []))}
