@@ -570,6 +570,19 @@ def test_a_watched_process_dies_with_its_watcher(tmp_path):
     assert alive(os.getpid())
 
 
+def test_a_rank_exits_with_its_code_and_its_output_but_without_teardown():
+    """exit_rank: what was printed (block-buffered: stdout is a pipe) and logged arrives, the code is
+    the one given, and no interpreter teardown runs (an atexit hook stands for it: in a torchrun rank
+    the teardown is where gloo's worker threads abort the process)."""
+    code = ("import atexit, logging, sys; from titan_pipe.procs import exit_rank; "
+            "atexit.register(lambda: print('teardown ran', flush=True)); "
+            "logging.basicConfig(stream=sys.stderr, level=logging.INFO); "
+            "print('written', end=''); logging.getLogger('rank').info('logged'); exit_rank(5)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 5, done.stderr
+    assert done.stdout == "written" and "INFO:rank:logged" in done.stderr
+
+
 # --- interrupts are not failures to retry -----------------------------------------------------------
 
 def test_an_interrupted_task_is_not_retried_and_a_crash_is(prefect_harness, tmp_path):

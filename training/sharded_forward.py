@@ -98,4 +98,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from titan_pipe.procs import exit_rank
+
     main()
+    exit_rank(0)  # an exception above exits through Python as usual, with its traceback

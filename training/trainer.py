@@ -404,4 +404,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from titan_pipe.procs import exit_rank
+
+    exit_rank(main())
