@@ -15,6 +15,10 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def prefect_harness():
     """ONE temporary Prefect server + database for the whole session (~30 s); flow tests request it."""
+    # prefect.main sets Prefect's logging up once per process, binding its console handler to the
+    # sys.stderr of that moment: import it here, not first inside a CliRunner (whose stream closes
+    # after its invoke: later flow runs would then fail with "I/O operation on closed file").
+    import prefect.main  # noqa: F401
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=180):
