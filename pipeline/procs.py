@@ -148,18 +148,25 @@ def die_with_parent(parent: int) -> None:
 
 
 def exit_rank(code: int) -> None:
-    """The last call of a torchrun rank, after ``destroy_process_group``: flush stdio and logging,
-    then end the process without the interpreter's teardown.
+    """The last call of a torchrun rank, after ``destroy_process_group``: everything a normal exit
+    does while the interpreter is still whole (wait for non-daemon threads, run the ``atexit``
+    handlers: multiprocessing stops its workers, logging flushes), flush stdio, then end the process
+    without the interpreter's finalization.
 
     A gloo worker thread may drop a finished collective's work object (and the tensors it holds)
     only after the main thread has returned; releasing a tensor takes the GIL, and a thread that
     asks for the GIL of a finalizing interpreter is unwound through C++ code that cannot be, so
-    ``std::terminate`` ends a rank whose work was complete with SIGABRT (torch 2.13: seen in about
-    one run in ten of ``sharded_forward`` on a loaded 2-core host, in ``~AsyncGatherWork``). With
-    nothing left to run, skipping finalization loses nothing: files are closed by then."""
-    import logging
+    ``std::terminate`` ends a rank whose work was complete with SIGABRT (torch 2.13: 13 of 90
+    ``sharded_forward`` launches on a loaded 2-core host, in ``~AsyncGatherWork``). Finalization
+    only frees memory; what a program registered to run at exit still runs (CPython calls the same
+    two steps, in this order, before it finalizes)."""
+    import atexit
+    import threading
 
-    logging.shutdown()
+    shutdown = getattr(threading, "_shutdown", None)  # what CPython itself calls at exit
+    if shutdown is not None:
+        shutdown()
+    atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

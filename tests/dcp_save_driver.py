@@ -165,4 +165,7 @@ def _save_gpt(ckpt: Path, rank: int, cfg, args, tp: int, pp: int, vpp: int) -> N
 
 
 if __name__ == "__main__":
+    from titan_pipe.procs import exit_rank
+
     main(Path(sys.argv[1]))
+    exit_rank(0)  # no interpreter teardown for gloo's threads to abort (docs/training.md, Faults)

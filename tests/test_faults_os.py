@@ -570,17 +570,30 @@ def test_a_watched_process_dies_with_its_watcher(tmp_path):
     assert alive(os.getpid())
 
 
-def test_a_rank_exits_with_its_code_and_its_output_but_without_teardown():
-    """exit_rank: what was printed (block-buffered: stdout is a pipe) and logged arrives, the code is
-    the one given, and no interpreter teardown runs (an atexit hook stands for it: in a torchrun rank
-    the teardown is where gloo's worker threads abort the process)."""
-    code = ("import atexit, logging, sys; from titan_pipe.procs import exit_rank; "
-            "atexit.register(lambda: print('teardown ran', flush=True)); "
-            "logging.basicConfig(stream=sys.stderr, level=logging.INFO); "
-            "print('written', end=''); logging.getLogger('rank').info('logged'); exit_rank(5)")
+def test_a_rank_exits_with_its_code_its_output_and_its_exit_hooks_but_no_finalization():
+    """exit_rank: what was printed (block-buffered: stdout is a pipe) and logged arrives, a
+    non-daemon thread is waited for and the atexit hooks run (multiprocessing's stops a rank's
+    workers: megatron-core's saver leaves some), the code is the one given, and the interpreter is not
+    finalized (a module global's __del__ stands for it: in a torchrun rank finalization is where
+    gloo's worker threads abort the process)."""
+    code = textwrap.dedent("""
+        import atexit, logging, sys, threading, time
+        from titan_pipe.procs import exit_rank
+        class Finalized:
+            def __del__(self):
+                print(' finalized', flush=True)
+        keep = Finalized()
+        atexit.register(lambda: print(' atexit ran', end=''))
+        threading.Thread(target=lambda: (time.sleep(0.5), print(' thread done', end=''))).start()
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+        print('written', end='')
+        logging.getLogger('rank').info('logged')
+        exit_rank(5)
+    """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 5, done.stderr
-    assert done.stdout == "written" and "INFO:rank:logged" in done.stderr
+    assert done.stdout == "written thread done atexit ran", done.stdout
+    assert "INFO:rank:logged" in done.stderr
 
 
 # --- interrupts are not failures to retry -----------------------------------------------------------

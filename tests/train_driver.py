@@ -95,4 +95,7 @@ def main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
+    from titan_pipe.procs import exit_rank
+
     main(sys.argv[1])
+    exit_rank(0)  # no interpreter teardown for gloo's threads to abort (docs/training.md, Faults)
