@@ -263,11 +263,15 @@ def _enter(workdir: str | None) -> None:
         os.chdir(workdir)
 
 
+# The flows' parameters are plain JSON values (paths as str, flags, stage names): what Prefect
+# validates against the deployment's schema when a worker or a served runner starts a run, and
+# what the UI's "custom run" form shows. The config itself travels as the flow.yaml path: each run
+# reads it (and the ranks read it again), so a scheduled run uses the file as it is at that time.
 @flow(name="train-to-deploy", description="Train, convert, export and evaluate one flow.yaml.")
 def train_to_deploy(flow_path: str, from_stage: str | None = None, only: str | None = None,
-                    force: bool = False, workdir: str | None = None, cfg: FlowConfig | None = None) -> dict:
+                    force: bool = False, workdir: str | None = None) -> dict:
     _enter(workdir)
-    return run_pipeline(Path(flow_path), from_stage=from_stage, only=only, force=force, cfg=cfg).to_json()
+    return run_pipeline(Path(flow_path), from_stage=from_stage, only=only, force=force).to_json()
 
 
 @flow(name="titan-pipe-train", description="The training stage of a flow.yaml alone (node_rank > 0: a worker node).")

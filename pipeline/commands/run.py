@@ -124,8 +124,7 @@ def register(app: typer.Typer) -> None:
         with faults.writing(cfg.run_dir(), what="the run dir"), \
                 run_lock(cfg.run_dir().resolve(), what=f"titan-pipe run {flow}"), listening(live), temporary_server():
             try:
-                result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force,
-                                         cfg=cfg)
+                result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force)
             except BaseException as e:  # noqa: BLE001 - shown after the table; handle_errors maps it
                 failed = e
         console.print(live.table())
@@ -152,13 +151,30 @@ def register(app: typer.Typer) -> None:
                  cron: str = typer.Option(..., "--cron", help='cron expression, e.g. "0 2 * * *" (02:00 daily)'),
                  name: Optional[str] = typer.Option(None, "--name", help="deployment name (default: the flow's name)"),
                  timezone: Optional[str] = typer.Option(None, "--timezone", help="IANA zone of the cron, e.g. Asia/Shanghai"),
-                 stage: Optional[str] = typer.Option(None, "--stage", help=f"deploy one stage's flow alone ({STAGE_HELP})")):
-        """Serve the flow as a Prefect deployment on a cron schedule (shows in the Prefect UI); runs until stopped."""
+                 stage: Optional[str] = typer.Option(None, "--stage", help=f"deploy one stage's flow alone ({STAGE_HELP})"),
+                 pool: Optional[str] = typer.Option(None, "--pool", help="register on this Prefect work pool (created as "
+                                                    "a process pool if missing) and return; a worker polling it "
+                                                    "(`prefect worker start --pool NAME`) runs each scheduled run. "
+                                                    "Without it the schedule is served from this command until stopped")):
+        """A Prefect deployment of the flow on a cron schedule (in the Prefect UI), on a work pool or served here."""
         from titan_pipe.config import load_flow
-        from titan_pipe.flows.schedule import serve_flow
-        from titan_pipe.flows.server import temporary_server
+        from titan_pipe.errors import UserError
+        from titan_pipe.flows.schedule import deploy_to_pool, plan_deployment, serve_flow
 
         cfg = load_flow(flow)
         prefect_env()
-        with temporary_server():
-            serve_flow(flow_path=flow.resolve(), cfg=cfg, cron=cron, name=name, timezone=timezone, stage=stage)
+        try:  # a bad option: exit 2 with its one line, before any server is asked
+            plan = plan_deployment(flow_path=flow.resolve(), cfg=cfg, cron=cron, name=name, timezone=timezone,
+                                   stage=stage, pool=pool)
+        except UserError as e:
+            raise typer.BadParameter(str(e)) from None
+        console = Console(stderr=True)
+        if pool is None:
+            serve_flow(plan, flow_path=flow.resolve())
+            return
+        deployment_id = deploy_to_pool(plan, flow_path=flow.resolve())
+        console.print(f"deployment [bold]{plan.flow_name}/{plan.name}[/bold] ({deployment_id}) on work pool "
+                      f"[bold]{pool}[/bold], cron '{plan.cron}'" + (f" {plan.timezone}" if plan.timezone else ""),
+                      highlight=False)
+        console.print(f"runs start when a worker polls the pool: prefect worker start --pool {pool}   "
+                      f"(now: prefect deployment run '{plan.flow_name}/{plan.name}')", highlight=False, soft_wrap=True)
