@@ -11,6 +11,8 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 import pytest  # noqa: E402
 
+pytest_plugins = ["extras_guard"]  # a skip for want of an installed package fails (tests/extras_guard.py)
+
 
 @pytest.fixture(scope="session")
 def prefect_harness():

@@ -8,12 +8,9 @@ local layer ids, args Namespace, RNG state).
 from __future__ import annotations
 
 import argparse
-import enum
 import hashlib
 import json
 import random
-import sys
-import types
 from collections import OrderedDict
 from pathlib import Path
 
@@ -116,25 +113,34 @@ def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True, safete
     return out / "step-3"
 
 
-def _fake_megatron_enums():
-    """A stand-in megatron.core.transformer.enums so args pickle a real Megatron enum global."""
-    name = "megatron.core.transformer.enums"
-    if name not in sys.modules:
-        for part in ("megatron", "megatron.core", "megatron.core.transformer", name):
-            sys.modules.setdefault(part, types.ModuleType(part))
-        mod = sys.modules[name]
+def import_megatron(module: str):
+    """A megatron-core module, imported without leaving its torch.load allow-list behind (importing
+    megatron.core registers PosixPath, Namespace, ... as safe globals process-wide, which would let
+    later tests' refused pickles load); None when megatron-core is not installed."""
+    import importlib
 
-        class AttnBackend(enum.Enum):
-            flash = 1
-            fused = 2
-            unfused = 3
-            local = 4
-            auto = 5
+    import torch.serialization as ser
 
-        AttnBackend.__module__ = name
-        AttnBackend.__qualname__ = "AttnBackend"
-        mod.AttnBackend = AttnBackend
-    return sys.modules[name].AttnBackend
+    saved = list(ser.get_safe_globals())
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+    finally:
+        ser.clear_safe_globals()
+        ser.add_safe_globals(saved)
+
+
+def _megatron_attn_backend():
+    """megatron-core's own AttnBackend, so saved args pickle a real Megatron enum global (the
+    Megatron readers' allow list names it). No stand-in module is ever put into sys.modules under
+    megatron's name: one there hid the real package from every later test in the session."""
+    enums = import_megatron("megatron.core.transformer.enums")
+    if enums is None:
+        import pytest
+
+        pytest.skip("megatron-core is not installed (the [test] extra)")
+    return enums.AttnBackend
 
 
 def fused_qkv(sd: dict, args: ModelArgs, i: int, kind: str) -> torch.Tensor:
@@ -232,7 +238,7 @@ def megatron_args(args: ModelArgs, *, tp: int, pp: int, padded: int, divisible_b
         rotary_base=int(args.rope_theta), max_position_embeddings=args.max_seq_len,
         seq_length=args.max_seq_len, untie_embeddings_and_output_weights=True, swiglu=True,
         add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
-        params_dtype=torch.float32, bf16=False, attention_backend=_fake_megatron_enums().auto,
+        params_dtype=torch.float32, bf16=False, attention_backend=_megatron_attn_backend().auto,
         transformer_impl="transformer_engine", add_qkv_bias=args.qkv_bias, qk_layernorm=args.qk_norm,
         num_layers_per_virtual_pipeline_stage=args.n_layers // pp // vpp if vpp else None)
     if ckpt_format is not None:

@@ -31,21 +31,13 @@ from test_data import _train_bpe
 
 
 def import_megatron_indexed():
-    """megatron-core's indexed_dataset module, imported without leaving its torch.load allow-list behind:
-    importing megatron.core registers PosixPath, Namespace, ... as safe globals process-wide, which
-    would let later tests' refused pickles load."""
-    import importlib
+    """megatron-core's indexed_dataset module (convert_writers.import_megatron: no allow-list left behind)."""
+    from convert_writers import import_megatron
 
-    import torch.serialization as ser
-
-    saved = list(ser.get_safe_globals())
-    try:
-        return importlib.import_module("megatron.core.datasets.indexed_dataset")
-    except ImportError:
+    mod = import_megatron("megatron.core.datasets.indexed_dataset")
+    if mod is None:
         pytest.skip("megatron-core is not installed (the [test] extra)")
-    finally:
-        ser.clear_safe_globals()
-        ser.add_safe_globals(saved)
+    return mod
 
 
 @pytest.fixture(scope="module")

@@ -210,6 +210,37 @@ def test_plan_ranks_fitting_layouts_fastest_first():
 runner = CliRunner()
 
 
+def test_memory_chart_draws_one_bar_per_table_row_equal_to_its_gb_per_device():
+    """The variants of one layout (dp mode, SP, AC) once shared a label and were drawn over each
+    other: each bar now has its own row, named like the table's, and its stacked length is the
+    table's GB/dev."""
+    import matplotlib.pyplot as plt
+
+    from titan_pipe.commands.plan import memory_figure
+
+    c, _ = build_cluster("h100", 8)
+    w = Workload(FLAVOURS["llama2_13b"], 4096, 32, flavour="llama2_13b")
+    plan = make_plan(w, c)
+    top = 10
+    fig = memory_figure(plan, top)
+    try:
+        ax = fig.axes[0]
+        labels = [t.get_text() for t in ax.get_yticklabels()]
+        assert len(labels) == len(set(labels)), labels
+        widths: dict[float, float] = {}
+        for patch in ax.patches:
+            y = round(patch.get_y() + patch.get_height() / 2, 6)
+            widths[y] = widths.get(y, 0.0) + patch.get_width()
+        totals = [widths[y] for y in sorted(widths)]
+        ranked = plan.ranked[:top]
+        assert len(ranked) == top and len({e.layout.label() for e in ranked}) < top  # variants of one layout
+        for i, e in enumerate(ranked):
+            assert totals[i] == pytest.approx(e.memory.total / 1e9, rel=1e-9)
+            assert labels[i].startswith(f"#{i + 1} ")
+    finally:
+        plt.close(fig)
+
+
 def test_cli_plan_writes_a_flow_that_validates(tmp_path):
     out = tmp_path / "flow.yaml"
     r = runner.invoke(app, ["plan", "--model", "llama2_13b", "--devices", "8", "--device", "ascend910b",

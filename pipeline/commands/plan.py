@@ -42,6 +42,22 @@ def _zero(layout) -> str:
     return {3: "fsdp", 2: "fsdp z2", 0: "ddp"}[layout.zero]
 
 
+def _short(layout) -> str:
+    return layout.label().replace("interleaved_1f1b(v=2)", "int1f1b")
+
+
+def row_label(rank: int | None, e) -> str:
+    """One bar's or row's full name: the table's #, layout, microbatches, dp mode, SP and AC (the
+    variants of one layout differ only in these, so a layout alone names several rows)."""
+    lay = e.layout
+    parts = [f"#{rank}" if rank is not None else "misfit", _short(lay), f"mb{lay.microbatches}", _zero(lay)]
+    if lay.sequence_parallel:
+        parts.append("SP")
+    if lay.ac_every:
+        parts.append(f"AC{lay.ac_every}")
+    return " ".join(parts)
+
+
 def _table(plan, top: int):
     from rich.table import Table
 
@@ -54,7 +70,7 @@ def _table(plan, top: int):
     for i, e in enumerate(plan.ranked[:top], 1):
         lay, m, c = e.layout, e.memory, e.timing.comm
         comm = "/".join(f"{c[k].bytes / 1e9:.0f}" if k in c else "-" for k in ("tp", "pp", "dp"))
-        t.add_row(str(i), lay.label().replace("interleaved_1f1b(v=2)", "int1f1b"), str(lay.microbatches),
+        t.add_row(str(i), _short(lay), str(lay.microbatches),
                   _zero(lay), "y" if lay.sequence_parallel else "", str(lay.ac_every or ""),
                   _gb(m.total), _gb(m.activations + m.recompute), f"{e.timing.bubble:.0%}", comm,
                   f"{e.tokens_per_s:,.0f}", f"{e.mfu:.0%}")
@@ -72,8 +88,9 @@ def _misfit_table(rows):
     return t
 
 
-def _plot(plan, path: Path, top: int) -> None:
-    """Stacked memory per device of the top layouts and the smallest misfits, against capacity."""
+def memory_figure(plan, top: int):
+    """Stacked memory per device of the top layouts (bars in the table's order, each the table's
+    GB/dev) and the smallest misfits, against capacity; None when there is no row."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,22 +100,37 @@ def _plot(plan, path: Path, top: int) -> None:
 
     rows = plan.ranked[:top] + best_misfits_per_layout(plan)[:top]
     if not rows:
-        return
-    labels = [e.layout.label() + ("" if e.fits else " (x)") for e in rows]
+        return None
+    n_fit = min(top, len(plan.ranked))
+    labels = [row_label(i + 1 if i < n_fit else None, e) for i, e in enumerate(rows)]
     kinds = list(rows[0].memory.items())
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.5))
+    ys = list(range(len(rows)))  # one position per row: equal labels never stack onto one bar
     left = [0.0] * len(rows)
     for k in kinds:
         vals = [e.memory.items()[k] / 1e9 for e in rows]
-        ax.barh(labels, vals, left=left, label=k)
+        ax.barh(ys, vals, left=left, label=k)
         left = [a + b for a, b in zip(left, vals)]
+    for y, total in zip(ys, left):
+        ax.text(total, y, f" {total:.1f}", va="center", fontsize=7)
+    ax.set_yticks(ys, labels, fontsize=8)
     ax.axvline(plan.cluster.memory_bytes / 1e9, color="k", ls="--", label="device memory")
     ax.invert_yaxis()
     ax.set_xlabel("GB per device")
     ax.set_title(f"{plan.workload.flavour or 'model'} on {plan.cluster.n_devices} x {plan.cluster.device}")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
     fig.tight_layout()
+    return fig
+
+
+def _plot(plan, path: Path, top: int) -> None:
+    import matplotlib.pyplot as plt
+
     from titan_pipe.atomic import atomic_file
+
+    fig = memory_figure(plan, top)
+    if fig is None:
+        return
 
     try:
         with atomic_file(path) as tmp:
