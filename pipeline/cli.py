@@ -2,7 +2,6 @@
 titan_pipe.commands, one module per command group, each a thin shell over a stage's library function."""
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -22,33 +21,29 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-TEMPLATE = Path(__file__).parent / "templates" / "flow.yaml"
 
 
 @app.command()
 @handle_errors
 def init(directory: Path = typer.Argument(..., help="Directory to write flow.yaml into"),
          flavour: str = typer.Option("debug", "--flavour", help="Model flavour (debug, llama3_8b, qwen3_8b, ...)"),
+         devices: int = typer.Option(8, "--devices", help="with --flavour: accelerators the run will have"),
+         device: str = typer.Option("ascend910b", "--device", help="with --flavour: their profile (as `plan --device`)"),
          force: bool = typer.Option(False, "--force", help="Overwrite an existing flow.yaml")):
-    """Write a commented example flow.yaml (the debug model on CPU, or --flavour's) into DIRECTORY."""
+    """Write a commented example flow.yaml (the debug model on CPU, or a run of --flavour on --devices
+    x --device with the planner's layout) into DIRECTORY."""
+    from titan_pipe import limits
+    from titan_pipe.commands.example import example_flow
+
     target = directory / "flow.yaml"
-    text = example_flow(flavour)  # an unknown flavour is refused before anything is written
+    if not 1 <= devices <= limits.DEVICES.hi:
+        raise typer.BadParameter(f"--devices {devices} must be 1..{limits.DEVICES.hi}")
+    text = example_flow(flavour, devices=devices, device=device)  # refused before anything is written
     with faults.writing(target, what="the example flow.yaml"), path_lock(target, what="titan-pipe init"):
         if target.exists() and not force:
             raise UserError(f"{target} already exists; pass --force to overwrite it")
         write_text(target, text)
     console.print(f"wrote {target}; check it with: titan-pipe validate {target}")
-
-
-def example_flow(flavour: str) -> str:
-    """The template with ``flavour`` in place of debug (its comment kept in its column where the
-    name allows)."""
-    from titan_pipe.model.args import FLAVOURS
-
-    if flavour not in FLAVOURS:
-        raise UserError(f"--flavour {flavour!r} is unknown; use one of {', '.join(FLAVOURS)}")
-    return re.sub(r"(?m)^(  flavour: )debug( *)",
-                  lambda m: m.group(1) + flavour.ljust(len("debug") + len(m.group(2)) - 1) + " ", TEMPLATE.read_text())
 
 
 @app.command()

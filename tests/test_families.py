@@ -344,6 +344,34 @@ def test_init_writes_a_valid_example_of_every_flavour(tmp_path):
     assert r.exit_code == 1 and "qwen3_8b" in r.output and not (tmp_path / "x").exists()
 
 
+def test_init_flavour_writes_a_run_of_that_model_not_the_tiny_one(tmp_path):
+    """--flavour once changed the flavour line alone: the run was still named tiny (runs/tiny), on a
+    64-token window and the tiny example's dp2 x tp2 x pp2."""
+    import yaml
+
+    from titan_pipe.config import load_flow
+    from titan_pipe.training.planner.search import build_cluster, make_plan
+    from titan_pipe.training.planner.workload import Workload
+    from titan_pipe.model.args import FLAVOURS
+
+    r = runner.invoke(app, ["init", str(tmp_path / "q"), "--flavour", "qwen3_0.6b", "--devices", "16",
+                            "--device", "h100"])
+    assert r.exit_code == 0, r.output
+    path = tmp_path / "q" / "flow.yaml"
+    cfg = load_flow(path)
+    assert cfg.name == "qwen3_0.6b" and cfg.model.flavour == "qwen3_0.6b" and cfg.device == "cuda"
+    assert cfg.train.seq_len == 4096 and cfg.precision.amp and cfg.parallel.world_size == 16
+    best = make_plan(Workload(FLAVOURS["qwen3_0.6b"], 4096, 64, flavour="qwen3_0.6b"), build_cluster("h100", 16)[0]).best
+    lay = best.layout
+    assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (lay.dp, lay.tp, lay.pp)
+    text = path.read_text()
+    assert "FILL IN" in text and "tokenizer.json" in text  # the line to fill in
+    assert yaml.safe_load(text)["data"]["tokenizer"] == "byte"
+    assert runner.invoke(app, ["validate", str(path)]).exit_code == 0
+    r = runner.invoke(app, ["init", str(tmp_path / "z"), "--flavour", "qwen3_8b", "--devices", "0"])
+    assert r.exit_code == 2 and not (tmp_path / "z").exists()
+
+
 @pytest.mark.parametrize("model, parallel, expect", [
     ({"flavour": "qwen3_8b"}, {"tp": 16}, "parallel.tp: 16 does not divide model n_kv_heads=8"),
     ({"flavour": "qwen2.5_7b"}, {"tp": 8}, "parallel.tp: 8 does not divide model n_heads=28"),

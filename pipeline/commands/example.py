@@ -1,0 +1,97 @@
+"""`titan-pipe init`'s example flow.yaml: the commented template, and for a named flavour a coherent
+run of that model (its own name, sequence length, precision, the layout the planner picks for the
+devices named, a tokenizer line to fill in), the template's comments kept."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from titan_pipe.errors import UserError
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "templates" / "flow.yaml"
+EXAMPLE_SEQ_LEN = 4096  # the planner's default; shorter when the model's positions are fewer
+TOKENIZER_NOTE = "FILL IN: the model's tokenizer.json (its Hugging Face dir has one); byte only runs"
+
+
+def set_key(text: str, section: str | None, key: str, value, note: str | None = None) -> str:
+    """``text`` with ``section.key`` (a top-level key when section is None) set to ``value``, the
+    line's comment kept in its column (or replaced by ``note``). The key must be in the template."""
+    rendered = yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+    lines = text.split("\n")
+    start, indent = 0, ""
+    if section is not None:
+        start = next(i for i, line in enumerate(lines) if line.startswith(f"{section}:")) + 1
+        indent = "  "
+    for i in range(start, len(lines)):
+        line = lines[i]
+        if section is not None and line and not line.startswith((" ", "#")):
+            break  # the next section: the key is not in this one
+        m = re.match(rf"^{indent}{re.escape(key)}:( *)([^#]*?)( *)(#.*)?$", line)
+        if m is None:
+            continue
+        head = f"{indent}{key}: {rendered}"
+        comment = f"# {note}" if note else m.group(4)
+        column = len(f"{indent}{key}:{m.group(1)}{m.group(2)}{m.group(3)}") if m.group(4) else 0
+        lines[i] = head if not comment else head.ljust(max(column, len(head) + 1)) + comment
+        return "\n".join(lines)
+    raise KeyError(f"{section}.{key} is not in the template")
+
+
+def example_flow(flavour: str, *, devices: int = 8, device: str = "ascend910b") -> str:
+    """The template (flavour debug: the tiny example) or a run of ``flavour`` on ``devices`` x ``device``
+    with the planner's fastest layout that fits."""
+    from titan_pipe.model.args import FLAVOURS
+
+    if flavour not in FLAVOURS:
+        raise UserError(f"--flavour {flavour!r} is unknown; use one of {', '.join(FLAVOURS)}")
+    text = TEMPLATE.read_text()
+    if flavour == "debug":
+        return text
+    from titan_pipe.run_dir import run_name_problem, suggest_run_name
+    from titan_pipe.training.planner.search import build_cluster, layout_flow, make_plan
+    from titan_pipe.training.planner.workload import Workload
+
+    args = FLAVOURS[flavour]
+    seq_len = min(EXAMPLE_SEQ_LEN, args.max_seq_len)
+    cluster, _ = build_cluster(device, devices)
+    plan = make_plan(Workload(args, seq_len, 4 * devices, flavour=flavour), cluster)
+    if plan.best is None:
+        raise UserError(f"{flavour} fits on no layout of {devices} x {cluster.device} (run `titan-pipe plan --model "
+                        f"{flavour} --devices {devices} --device {device}` to see why); name more devices with --devices")
+    chosen = layout_flow(plan.workload, plan.best.layout, cluster, name=flavour)
+    name = flavour if run_name_problem(flavour) is None else suggest_run_name(flavour)
+    text = set_key(text, None, "name", name)
+    text = set_key(text, None, "device", chosen["device"])
+    text = set_key(text, "model", "flavour", flavour)
+    text = set_key(text, "data", "tokenizer", "byte", note=TOKENIZER_NOTE)
+    train = {"steps": 1000, "batch_size": chosen["train"]["batch_size"], "seq_len": seq_len, "warmup_steps": 100}
+    for key, value in train.items():
+        text = set_key(text, "train", key, value)
+    text = set_key(text, "train", "optimizer", {"name": "adamw", "lr": 3.0e-4, "betas": [0.9, 0.95], "eps": 1.0e-8,
+                                                "weight_decay": 0.1})
+    layout = chosen["parallel"]
+    for key in ("dp", "tp", "pp", "pp_schedule", "microbatches", "dp_mode", "sequence_parallel"):
+        text = set_key(text, "parallel", key, layout[key])
+    if layout["pp_schedule"] == "interleaved_1f1b":
+        text = set_key(text, "parallel", "pp_schedule", "interleaved_1f1b",
+                       note=f"virtual_stages: {layout['virtual_stages']} (the planner's pick)")
+        text = text.replace("  pp_schedule: interleaved_1f1b", "  virtual_stages: "
+                            f"{layout['virtual_stages']}\n  pp_schedule: interleaved_1f1b", 1)
+    for key, value in chosen["precision"].items():
+        text = set_key(text, "precision", key, value)
+    for key, value in chosen["memory"].items():
+        text = set_key(text, "memory", key, value)
+    text = set_key(text, None, "zero_stage", chosen["zero_stage"])
+    text = set_key(text, "launch", "nnodes", chosen["launch"]["nnodes"])
+    if chosen["launch"]["nnodes"] > 1:
+        text = set_key(text, "launch", "rdzv_endpoint", chosen["launch"]["rdzv_endpoint"])
+    text = set_key(text, "checkpoint", "every", 200)
+    for section in ("export", "evaluate"):
+        text = set_key(text, section, "seq_len", min(128, seq_len))
+    header = (f"# {flavour} on {devices} x {cluster.device}: the layout is `titan-pipe plan --model {flavour} "
+              f"--devices {devices} --device {device} --seq-len {seq_len}`'s pick\n"
+              f"# ({plan.best.tokens_per_s:,.0f} tokens/s, {plan.best.memory.total / 1e9:.1f} GB per device "
+              "predicted). Fill in data.path and data.tokenizer, or start from released weights with init_from.\n")
+    return header + text
