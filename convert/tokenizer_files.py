@@ -3,7 +3,9 @@
 A titan-pipe checkpoint names its tokenizer in manifest ``extra.tokenizer`` ("byte", or
 "tokenizer.json" beside the manifest, with every copied file's size and sha256 under
 ``extra.attached``). Any other source (a Hugging Face dir, Megatron, DCP) contributes the
-tokenizer.json / tokenizer_config.json / special_tokens_map.json found beside its weights.
+tokenizer.json / tokenizer_config.json / special_tokens_map.json found beside its weights. A model
+trained on the byte tokenizer gets its Hugging Face form (titan_pipe.tokens.byte_hf), so
+``AutoTokenizer.from_pretrained`` loads every converted model dir.
 """
 from __future__ import annotations
 
@@ -63,4 +65,13 @@ def copy_tokenizer_files(plan: SourcePlan, dest: Path) -> tuple[list[Path], Toke
                             f"records {expected[name][:12]}...; the file was replaced. Copy the checkpoint again")
         written.append(path)
     kind = "tokenizer.json" if "tokenizer.json" in todo else "byte" if plan.format == "titan" else None
+    if kind == "byte":  # the byte tokenizer in Hugging Face's form, so AutoTokenizer loads the model dir
+        from titan_pipe.atomic import write_text
+        from titan_pipe.tokens.byte_hf import byte_tokenizer_files
+
+        for name, text in byte_tokenizer_files().items():
+            path = dest / name
+            write_text(path, text)
+            digests[name] = sha256_file(path)
+            written.append(path)
     return written, TokenizerInfo(kind, digests)

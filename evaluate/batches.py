@@ -91,15 +91,16 @@ RANDOM_SEED = 0  # seed of the random token ids used when the model has no token
 def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> str | None:
     """The tokenizer the model was trained with: a tokenizer.json path, "byte", or None (unknown).
 
-    Model dir: its tokenizer.json, else its provenance.json's ``tokenizer`` ("byte" when convert
-    recorded that training used the byte tokenizer). Checkpoint: manifest ``extra.tokenizer``.
+    Model dir: "byte" when its provenance.json records that training used the byte tokenizer (the
+    tokenizer.json convert writes beside such a model is its Hugging Face form, for AutoTokenizer),
+    else its tokenizer.json. Checkpoint: manifest ``extra.tokenizer``.
     """
     if model_dir is not None:
-        if (Path(model_dir) / "tokenizer.json").is_file():
-            return str(Path(model_dir) / "tokenizer.json")
         prov = Provenance.find(model_dir)
         if prov is not None and prov.tokenizer is not None and prov.tokenizer.tokenizer == "byte":
             return "byte"
+        if (Path(model_dir) / "tokenizer.json").is_file():
+            return str(Path(model_dir) / "tokenizer.json")
     if checkpoint is not None and is_complete(Path(checkpoint)):
         from titan_pipe.checkpoint_format import Manifest
 

@@ -53,9 +53,10 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def plot_layer_errors(comparisons: list[dict], path: Path) -> bool:
+def plot_layer_errors(comparisons: list[dict], path: Path, thresholds: dict | None = None) -> bool:
     """Two log-scale panels per-layer (relative Euclidean distance, max abs error), one line per
-    candidate. False when no comparison has per-layer rows."""
+    candidate, the relative-distance threshold of each dtype drawn across the first (a point above
+    its line fails). False when no comparison has per-layer rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -75,6 +76,11 @@ def plot_layer_errors(comparisons: list[dict], path: Path) -> bool:
         for ax, key in zip(axes, ("rel_euclidean", "max_abs")):
             y = [max(r["metrics"][key], 1e-12) if isinstance(r["metrics"][key], float) else np.nan for r in rows]
             ax.plot(x, y, marker="o", label=label)
+    dtypes = sorted({c["dtype"] for c in comparisons if c.get("dtype")})
+    for dtype in dtypes:
+        limit = (thresholds or {}).get(dtype, {}).get("rel_euclidean_max")
+        if isinstance(limit, (int, float)) and limit > 0:
+            axes[0].axhline(limit, color="red", ls="--", lw=1, label=f"threshold {dtype} ({limit:g})")
     for ax, title in zip(axes, ("relative Euclidean distance", "max absolute error")):
         ax.set_yscale("log")
         ax.set_xlabel("decoder layer")
@@ -348,7 +354,7 @@ def write_report(out_dir: Path, report: dict, logits_errors: dict[str, np.ndarra
     tmp = temp_dir(out_dir)
     try:
         plots: dict[str, Path] = {}
-        if plot_layer_errors(report["comparisons"], tmp / "layer_error.png"):
+        if plot_layer_errors(report["comparisons"], tmp / "layer_error.png", report.get("thresholds")):
             plots["layer_error.png"] = tmp / "layer_error.png"
         if plot_logits_histogram(logits_errors, tmp / "logits_error.png"):
             plots["logits_error.png"] = tmp / "logits_error.png"

@@ -39,7 +39,13 @@ def temporary_server() -> Iterator[None]:
         return
     from prefect.server.api.server import SubprocessASGIServer
 
+    import sys
+    import time
+
     server = SubprocessASGIServer()
+    print("starting Prefect's temporary server (10-30 s; export PREFECT_API_URL to use a running one)",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     try:
         server.start()
     except RuntimeError as e:
@@ -47,6 +53,7 @@ def temporary_server() -> Iterator[None]:
         raise UserError(f"Prefect's temporary API server did not start ({str(e).splitlines()[0][:200]}); start a "
                         "server (`prefect server start`, then export PREFECT_API_URL=http://127.0.0.1:4200/api) or "
                         "raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") from None
+    print(f"Prefect's temporary server is up ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     watcher = procs.watch(server.server_process.pid) if server.server_process is not None else None
     try:
         yield

@@ -279,6 +279,10 @@ class EvaluateConfig(Section):
         return self
 
 
+class MetricsConfig(Section):
+    tensorboard: bool = False  # TensorBoard event files under <run dir>/tensorboard (the tensorboard extra)
+
+
 class OrchestrationConfig(Section):
     """How `titan-pipe run` drives the stages under Prefect (docs/flows.md)."""
     # Prefect retries of the training task, each resuming from the newest complete checkpoint.
@@ -312,6 +316,7 @@ class FlowConfig(Section):
     export: ExportConfig = ExportConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     orchestration: OrchestrationConfig = OrchestrationConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @field_validator("name")
     @classmethod
@@ -321,11 +326,10 @@ class FlowConfig(Section):
             raise ValueError(f"run name {why}; use a name like {suggest_run_name(name)!r}")
         return name
 
-    def run_dir(self, base: Path | None = None) -> Path:
-        root = Path(self.runs_dir)
-        if not root.is_absolute() and base is not None:
-            root = base / root
-        return root / self.name
+    def run_dir(self) -> Path:
+        """runs_dir/name; a relative runs_dir is taken from the current directory (every command,
+        check and record resolves it so: one rule, the one docs/launch.md states)."""
+        return Path(self.runs_dir) / self.name
 
 
 def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:

@@ -14,7 +14,7 @@ import pytest
 # distribution -> the module names a skip reason would mention
 WATCHED = {"megatron-core": ("megatron-core", "megatron"), "transformers": ("transformers",),
            "onnxruntime": ("onnxruntime",), "mindstudio-probe": ("mindstudio-probe", "msprobe"),
-           "pyarrow": ("pyarrow",)}
+           "pyarrow": ("pyarrow",), "tensorboard": ("tensorboard",)}
 
 
 def _installed(dist: str) -> bool:

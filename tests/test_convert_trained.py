@@ -57,6 +57,15 @@ def test_trained_3d_checkpoint_converts_to_transformers(trained, tmp_path):
     with torch.no_grad():
         diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
     assert diff <= 1e-5
+    # trained on the byte tokenizer: its Hugging Face form sits beside the weights, so AutoTokenizer
+    # loads the model dir and encodes as training did
+    from titan_pipe.tokens.tokenizer import ByteTokenizer
+
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "Four score — naïve café, 東京 🚀\n\ttabs and  spaces\x00\x7f"
+    assert tok(text, add_special_tokens=False)["input_ids"] == ByteTokenizer().encode(text)
+    assert tok.decode(ByteTokenizer().encode(text)) == text
+    assert (tok.bos_token_id, tok.eos_token_id) == (ByteTokenizer.bos_id, ByteTokenizer.eos_id)
     # and resharded to (tp1, pp2), then unified: the same bytes
     convert_checkpoint(src=step, out_dir=tmp_path / "pp2", tp=1, pp=2, progress=False)
     convert_checkpoint(src=tmp_path / "pp2", out_dir=tmp_path / "hf2", progress=False)

@@ -163,3 +163,22 @@ def test_csv_columns_are_msit_names():
     row = dict(zip(CSV_COLUMNS, cells))
     assert row["MaxAbsoluteError"] == 1.0 and row["StandardDeviation"] == "(1.333;0.471),(1.000;0.000)"
     assert csv_cells(None) == [""] * len(CSV_COLUMNS)
+
+
+def test_layer_plot_draws_each_dtypes_threshold(tmp_path, monkeypatch):
+    """The relative-distance threshold the verdict uses is drawn across the per-layer panel."""
+    import matplotlib.figure
+
+    from titan_pipe.evaluate.report import plot_layer_errors
+
+    drawn = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
+    rows = [{"layer": i, "tensor": f"hidden.{i}", "metrics": {"rel_euclidean": 1e-7 * (i + 1), "max_abs": 1e-8}}
+            for i in range(3)]
+    comps = [{"id": "a", "candidate": "x", "dtype": "float32", "rows": rows},
+             {"id": "b", "candidate": "y", "dtype": "float16", "rows": rows}]
+    assert plot_layer_errors(comps, tmp_path / "p.png", {"float32": {"rel_euclidean_max": 1e-4},
+                                                         "float16": {"rel_euclidean_max": 2e-3}})
+    lines = {ln.get_label(): ln.get_ydata()[0] for ln in drawn[0].axes[0].get_lines()}
+    assert lines["threshold float32 (0.0001)"] == 1e-4 and lines["threshold float16 (0.002)"] == 2e-3
+    assert not any(label.startswith("threshold") for label in (ln.get_label() for ln in drawn[0].axes[1].get_lines()))

@@ -40,6 +40,8 @@ def test_static_export_via_cli(model_dir, tmp_path):
     assert record["options"]["cache_len"] == 20
     assert record["options"]["data_files"] == ["model.onnx.data"]  # --data-files 1: the weights in one file
     assert sorted(p.name for p in out.glob("*.data*")) == ["model.onnx.data"]
+    data_mb = (out / "model.onnx.data").stat().st_size / 1e6
+    assert f"weights {data_mb:.1f} MB in 1 external-data file(s)" in " ".join(res.output.split())
     assert record["graphs"]["model.onnx"]["inputs"]["input_ids"] == [2, 12]
     assert record["graphs"]["decode.onnx"]["inputs"]["past_key_values.0.key"] == [2, args.kv_heads, 20, args.head_dim]
     assert record["graphs"]["decode.onnx"]["outputs"]["present.0.key"] == [2, args.kv_heads, 20, args.head_dim]

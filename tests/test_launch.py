@@ -260,8 +260,8 @@ def test_in_process_run_inside_an_existing_launch(tmp_path, monkeypatch):
                                    checkpoint={"every": 2, "keep_last": 1}))
     each = 12 * count_params(longer.model.args())
     monkeypatch.setattr(preflight, "free_bytes", lambda path: int(1.5 * each))
-    assert preflight.disk_problem(longer, tmp_path, resume=True) is None
-    fresh = preflight.disk_problem(longer, tmp_path, resume=False)
+    assert preflight.disk_problem(longer, resume=True) is None
+    fresh = preflight.disk_problem(longer, resume=False)
     assert fresh and "saves 5 checkpoint(s)" in fresh and "up to 2 new at once" in fresh, fresh
 
 
@@ -299,7 +299,7 @@ def test_train_refuses_a_run_whose_checkpoints_cannot_fit(tmp_path, monkeypatch)
                      {"train": {"steps": 10}, "checkpoint": {"every": 10}},
                      {"train": {"steps": 20, "optimizer": {"name": "sgd"}}, "checkpoint": {"every": 10}}):
         cfg = parse_flow(yaml.safe_load(_write_flow(tmp_path, **sections).read_text()), base=tmp_path)
-        assert preflight.disk_problem(cfg, tmp_path) is None, sections
+        assert preflight.disk_problem(cfg) is None, sections
     # --resume onto a damaged manifest: one line from the resume check, none from this one, no traceback
     flow = _write_flow(tmp_path, train={"steps": 20}, checkpoint={"every": 10, "keep_last": 2})
     bad = tmp_path / "runs" / "t" / "checkpoints" / "step-000010"
@@ -357,3 +357,43 @@ def test_stream_process_outlives_a_closed_console(tmp_path):
     code = "import sys\nfor i in range(3): print(i)\nsys.exit(4)"
     rc = stream_process([sys.executable, "-c", code], env=None, log_path=log, console=_ClosedPipe(), live=False)
     assert rc == 4 and log.read_text().splitlines()[-3:] == ["0", "1", "2"]
+
+
+def test_one_run_dir_rule_when_flow_yaml_is_elsewhere(tmp_path, monkeypatch):
+    """A relative runs_dir is taken from the cwd by training, validate and every pre-launch check (they
+    once took it from flow.yaml's dir): --resume with another model.dim is refused before launch with
+    the run's flow.yaml record untouched, and a flow.yaml on a read-only mount validates."""
+    import os
+
+    from titan_pipe.config import ConfigError, load_flow
+    from titan_pipe.training import preflight
+
+    conf, work = tmp_path / "conf", tmp_path / "work"
+    conf.mkdir()
+    work.mkdir()
+    monkeypatch.chdir(work)
+    data = {"name": "t", "runs_dir": "runs", "device": "cpu", "model": {"flavour": "debug"},
+            "train": {"steps": 2, "batch_size": 2, "seq_len": 16, "seed": 1}, "checkpoint": {"every": 2}}
+    flow = conf / "flow.yaml"
+    flow.write_text(yaml.safe_dump(data))
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    res = run_training(flow_path=flow, cfg=load_flow(flow))
+    assert res.run_dir == (work / "runs" / "t").resolve() and not (conf / "runs").exists()
+    record = (res.run_dir / "flow.yaml").read_text()
+    wider = conf / "wider.yaml"
+    wider.write_text(yaml.safe_dump({**data, "model": {"flavour": "debug", "dim": 128}}))
+    with pytest.raises(ConfigError) as e:
+        preflight.check_before_launch(load_flow(wider), flow_path=wider, resume=True)
+    assert any(line.startswith("--resume:") and "dim" in line for line in e.value.lines), e.value.lines
+    r = CliRunner().invoke(app, ["train", str(wider), "--resume"])
+    assert r.exit_code == 2 and "--resume:" in r.output, r.output
+    assert (res.run_dir / "flow.yaml").read_text() == record  # the rejected config replaced nothing
+    # flow.yaml on a read-only mount (a ConfigMap): the run goes to ./runs, which is writable
+    real_access = os.access
+    monkeypatch.setattr(preflight.os, "access",
+                        lambda p, mode, **kw: (False if mode & os.W_OK and Path(p).resolve().is_relative_to(conf)
+                                               else real_access(p, mode, **kw)))
+    r = CliRunner().invoke(app, ["validate", str(flow)])
+    assert r.exit_code == 0, r.output

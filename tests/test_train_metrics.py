@@ -137,3 +137,55 @@ def test_plot_metrics_writes_a_png(tmp_path):
     assert not (tmp_path / "metrics.png.tmp").exists()
     assert plot_metrics(tmp_path / "missing.jsonl", tmp_path / "x.png") is None
     assert not (tmp_path / "x.png").exists()
+
+
+def test_tensorboard_events_hold_every_logged_step(tmp_path, monkeypatch):
+    """metrics.tensorboard: true -> rank 0's scalars per step, read back with TensorBoard's own reader
+    and equal to metrics.jsonl's."""
+    import json
+    import socket
+
+    import yaml
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from titan_pipe.config import load_flow
+    from titan_pipe.training.launch import run_training
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(yaml.safe_dump({"name": "tb", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
+                                    "model": {"flavour": "debug"}, "metrics": {"tensorboard": True},
+                                    "train": {"steps": 3, "batch_size": 2, "seq_len": 16, "seed": 1}}))
+    res = run_training(flow_path=flow, cfg=load_flow(flow))
+    events = EventAccumulator(str(res.run_dir / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu",
+            "memory/peak_mem_mb"} <= tags, tags
+    jsonl = [json.loads(line) for line in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for tag, key in (("train/loss", "loss"), ("train/lr", "lr"), ("memory/peak_mem_mb", "peak_mem_mb")):
+        got = [(e.step, e.value) for e in events.Scalars(tag)]
+        assert got == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in jsonl], tag
+
+
+def test_tensorboard_without_the_package_is_refused_before_launch(tmp_path, monkeypatch):
+    import importlib.util
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from titan_pipe.cli import app
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(yaml.safe_dump({"name": "tb", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
+                                    "metrics": {"tensorboard": True}}))
+    r = CliRunner().invoke(app, ["validate", str(flow)])
+    assert r.exit_code == 2 and "metrics.tensorboard: the tensorboard package is not installed" in r.output
+    assert "pip install tensorboard" in r.output and not (tmp_path / "runs").exists()

@@ -107,6 +107,13 @@ def _launch(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool, device_
     started = time.time()
     log = node_log(cfg, run)
     log_offset = log.stat().st_size if log.is_file() else 0
+    if reports():
+        import sys
+
+        p = cfg.parallel
+        print(f"starting torchrun: {cfg.launch.nproc_per_node or p.world_size // cfg.launch.nnodes} rank(s) on this node "
+              f"(dp{p.dp} x tp{p.tp} x pp{p.pp}, {device_type}); rank start-up and the model build print "
+              f"'setup:' lines; log {log}", file=sys.stderr, flush=True)
     try:
         rc = stream_process(cmd, env=launch_env(cfg, device_type), log_path=log, hide_from=torchrun_report)
     except KeyboardInterrupt as e:  # the tree is stopped; an interrupt, not a failure to retry

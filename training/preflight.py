@@ -32,16 +32,27 @@ def check_before_launch(cfg: FlowConfig, *, flow_path: Path, resume: bool = Fals
     ``disk``: also the room for the run's checkpoints on this host (off for ``validate``, which may
     check a cluster's flow.yaml on a laptop)."""
     base = Path(flow_path).resolve().parent
-    lines = [p for p in (runs_dir_problem(cfg, base), init_from_problem(cfg, base),
-                         resume_problem(cfg, base) if resume else None, corpus_problem(cfg, base),
-                         compile_problem(cfg), disk_problem(cfg, base, resume=resume) if disk else None) if p]
+    lines = [p for p in (runs_dir_problem(cfg), init_from_problem(cfg, base),
+                         resume_problem(cfg) if resume else None, corpus_problem(cfg, base),
+                         compile_problem(cfg), tensorboard_problem(cfg),
+                         disk_problem(cfg, resume=resume) if disk else None) if p]
     if lines:
         raise ConfigError(str(flow_path), lines)
 
 
-def runs_dir_problem(cfg: FlowConfig, base: Path) -> str | None:
+def tensorboard_problem(cfg: FlowConfig) -> str | None:
+    """metrics.tensorboard needs the tensorboard package on this host (the ranks import it)."""
+    if not cfg.metrics.tensorboard:
+        return None
+    from titan_pipe.training.tensorboard import tensorboard_missing
+
+    why = tensorboard_missing()
+    return f"metrics.tensorboard: {why}" if why else None
+
+
+def runs_dir_problem(cfg: FlowConfig) -> str | None:
     """The run dir must be a directory this user can create and write."""
-    run = cfg.run_dir(base)
+    run = cfg.run_dir()  # relative runs_dir: against the cwd, as training resolves it (one rule)
     probe = run
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
@@ -53,12 +64,12 @@ def runs_dir_problem(cfg: FlowConfig, base: Path) -> str | None:
     return None
 
 
-def disk_problem(cfg: FlowConfig, base: Path, *, resume: bool = False) -> str | None:
+def disk_problem(cfg: FlowConfig, *, resume: bool = False) -> str | None:
     """The disk holding the run dir must take the checkpoints that are on it at once at the run's
     peak: checkpoint.keep_last kept plus the one being written (pruning follows a save), less those a
     resumed run already has there, and no more than the run saves. Short of that the run fails at a
     save, maybe hours in; here it fails before a rank starts."""
-    run = cfg.run_dir(base)
+    run = cfg.run_dir()  # relative runs_dir: against the cwd, as training resolves it (one rule)
     ck, start, kept = cfg.checkpoint, 0, 0
     latest = newest_complete(run) if resume else None
     if latest is not None:
@@ -123,9 +134,9 @@ def init_from_problem(cfg: FlowConfig, base: Path) -> str | None:
                          "set model.* in flow.yaml to match it")
 
 
-def resume_problem(cfg: FlowConfig, base: Path) -> str | None:
+def resume_problem(cfg: FlowConfig) -> str | None:
     """--resume continues the newest complete checkpoint of the run: it must be this model."""
-    latest = newest_complete(cfg.run_dir(base))
+    latest = newest_complete(cfg.run_dir())
     if latest is None:
         return None  # nothing to resume: the trainer starts fresh and says so
     return shape_problem("--resume", latest, cfg, "resume with the flow.yaml that trained it, or start a fresh "

@@ -15,7 +15,7 @@ from titan_pipe.training.metrics import bar_info, new_progress_bar, parse_progre
 def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: Path,
                    console: IO[str] | None = None, live: bool | None = None,
                    cwd: Path | None = None, hide_from: Callable[[str], bool] | None = None) -> int:
-    """Run ``cmd``, copying each output line (stdout and stderr merged) to ``console`` and
+    """Run ``cmd``, copying each output line (stdout and stderr merged) to ``console`` (stderr) and
     appending it to ``log_path`` as it arrives; returns the exit status (128+N for signal N).
 
     On a terminal (``live``), progress lines (metrics.format_progress_line) drive a rich bar and
@@ -26,7 +26,7 @@ def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: P
     interrupt propagates. ``hide_from``: from the first line it accepts on, lines go to the log
     only (torchrun's own failure report, which the launcher sums up in one line naming the log).
     """
-    console = console or sys.stdout
+    console = console or sys.stderr  # progress goes where every other stage's progress goes
     live = console.isatty() if live is None else live
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("a", encoding="utf-8") as log:

@@ -36,6 +36,8 @@ from titan_pipe.tokens.tokenizer import tokenizer_files
 from titan_pipe.training.data_parallel import plan_dp
 from titan_pipe.model.kernels import resolve_kernels
 from titan_pipe.model.sharding import stage_ranks
+from titan_pipe.training.known_warnings import silence_known_warnings
+from titan_pipe.training.tensorboard import TensorBoardWriter
 from titan_pipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from titan_pipe.training.tied import counted
 from titan_pipe.training.parallel_dims import ParallelDims
@@ -119,10 +121,19 @@ class Trainer:
 
     def __init__(self, cfg: FlowConfig, *, base: Path, resume: bool = False):
         self.cfg = cfg
+        t0 = time.perf_counter()
         self._setup_world()
+        p = cfg.parallel
+        self._say(f"{self.world} ranks joined ({dist.get_backend()}, dp{p.dp} x tp{p.tp} x pp{p.pp}) in "
+                  f"{time.perf_counter() - t0:.1f}s; building the model")
         self._setup_data(base)
         latest = self._find_resume_point(resume)
+        t1 = time.perf_counter()
         self._setup_model(self._weights(latest, base))
+        self._say(f"model built ({count_params(self.args) / 1e6:,.1f}M parameters, "
+                  f"{'from ' + latest.name if latest else 'init_from' if cfg.init_from else 'seeded init'}) in "
+                  f"{time.perf_counter() - t1:.1f}s" + ("; the first steps compile the blocks (tens of seconds)"
+                                                         if cfg.train.compile else "; first step next"))
         self._setup_optimizers()
         self.start = self._restore(latest)
         self._setup_schedule()
@@ -133,6 +144,11 @@ class Trainer:
         self._setup_metrics()
 
     # -- setup ---------------------------------------------------------------------------------
+
+    def _say(self, text: str) -> None:
+        """One start-up line from rank 0 (the launcher streams it): the seconds before step 1 are not silent."""
+        if self.rank == 0:
+            print(f"setup: {text}", flush=True)
 
     def _setup_world(self) -> None:
         cfg, p = self.cfg, self.cfg.parallel
@@ -347,6 +363,7 @@ class Trainer:
         t, rank = self.cfg.train, self.rank
         history: list[dict] = []
         with metrics.MetricsLogger(self.run.metrics, enabled=rank == 0) as logger, \
+                TensorBoardWriter(self.run.root, enabled=rank == 0 and self.cfg.metrics.tensorboard) as board, \
                 metrics.TrainProgress(t.steps, enabled=rank == 0, log_every=t.log_every,
                                       initial_step=self.start) as progress:
             for step in range(self.start + 1, t.steps + 1):
@@ -354,6 +371,7 @@ class Trainer:
                 history.append(record)
                 if step % t.log_every == 0 or step == t.steps:
                     logger.log(record)
+                    board.log(record)
                 progress.update(step, record)
                 if self.should_save(step):
                     self.save(step)
@@ -384,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flow", required=True, type=Path, help="flow.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     a = ap.parse_args(argv)
+    silence_known_warnings()
     try:
         cfg = load_flow(a.flow)
         with writing(cfg.run_dir(), what=STAGE_OUTPUTS["train"]):

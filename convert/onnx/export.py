@@ -271,6 +271,9 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
     summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache, "cache_len": plan.cache_len,
                "params": count_params(args), "weight_bytes": plan.weight_bytes,
                "graphs": {f: {"nodes": r.n_nodes, "bytes": record.files[f].bytes} for f, r in graphs.items()},
+               # the weights, in external-data files the graphs share (a graph file holds only its nodes)
+               "data_files": sorted(f for f in record.files if f.startswith(PREFILL_FILE + ".data")),
+               "data_bytes": sum(e.bytes for f, e in record.files.items() if f.startswith(PREFILL_FILE + ".data")),
                "atc_status": atc_status, "export_seconds": round(export_s, 3), "timings_seconds": timings}
     om = out_dir / f"{invocations[0].om}.om"  # invocations[0]: the prefill graph, model.onnx
     return ExportResult(out_dir=out_dir, onnx=out_dir / PREFILL_FILE,
