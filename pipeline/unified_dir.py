@@ -43,7 +43,40 @@ def read_model_args(model_dir: Path) -> ModelArgs:
     if not cfg_path.is_file():
         raise UserError(f"{cfg_path}: missing; a unified model directory needs a Hugging Face config.json "
                         "beside its weights (`titan-pipe convert` writes one)")
-    return from_hf_config(read_json(cfg_path, what="a LlamaConfig"), source=str(cfg_path))
+    args = from_hf_config(read_json(cfg_path, what="a LlamaConfig"), source=str(cfg_path))
+    return tie_as_stored(model_dir, args)
+
+
+def tie_as_stored(model_dir: Path, args: ModelArgs) -> ModelArgs:
+    """The tie of a dir's head, as transformers reads the dir: a config that says
+    ``tie_word_embeddings: true`` over weights holding an output matrix that differs from the
+    embedding is an untied model (transformers keeps both), so the args say untied and every reader
+    (convert, export, init_from, evaluate: they all come through here) keeps that head. A stored head
+    equal to the embedding, bit for bit, is the tie; so is none stored. Reads the two tensors only in
+    that one case."""
+    if not args.tie_embeddings:
+        return args
+    from dataclasses import replace
+
+    weights = locate_weights(model_dir)
+    where = {}
+    for key, f in weights.key_to_file.items():
+        name = native_name(key, f)
+        if name in ("output.weight", "tok_embeddings.weight"):
+            where[name] = (f, key)
+    if "output.weight" not in where or "tok_embeddings.weight" not in where:
+        return args
+    from safetensors import safe_open
+
+    tensors = []
+    for name in ("tok_embeddings.weight", "output.weight"):
+        f, key = where[name]
+        with safe_open(str(f), framework="pt") as h:
+            tensors.append(h.get_tensor(key))
+    emb, head = tensors
+    if emb.shape == head.shape and emb.dtype == head.dtype and bool((emb == head).all()):
+        return args
+    return replace(args, tie_embeddings=False)
 
 
 def locate_weights(model_dir: Path) -> WeightFiles:
