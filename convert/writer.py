@@ -75,7 +75,7 @@ class SafetensorsWriter:
 
     def __enter__(self) -> "SafetensorsWriter":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        self.fd = os.open(self.partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
         self._pwrite(memoryview(self.head), 0)
         return self
 

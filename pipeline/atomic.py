@@ -19,7 +19,7 @@ import secrets
 import shutil
 import socket
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Iterator
 
@@ -111,6 +111,7 @@ def atomic_file(path: Path, *, fsync: bool = False) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale(path)
     tmp = temp_file(path)
+    _create_own(tmp)
     try:
         yield tmp
         if fsync:
@@ -123,6 +124,37 @@ def atomic_file(path: Path, *, fsync: bool = False) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _create_own(tmp: Path) -> None:
+    """Create ``tmp`` as a new empty regular file of ours. Whatever sits at that (predictable) name
+    is removed first: a link someone placed there is unlinked, never followed, so the writes that
+    follow land in our own file, not in the link's target."""
+    for _ in range(3):
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666))
+            return
+        except FileExistsError:
+            if os.path.isdir(tmp) and not os.path.islink(tmp):
+                raise IsADirectoryError(errno.EISDIR, "a directory sits at a temp file's name", str(tmp)) from None
+            with suppress(FileNotFoundError):
+                os.unlink(tmp)
+    raise FileExistsError(errno.EEXIST, "a temp file's name is taken again and again", str(tmp))
+
+
+def open_append(path: Path, *, encoding: str = "utf-8"):
+    """``path`` opened for appending text (created per the umask), never through a symbolic link
+    and only when it is a regular file: a log or metrics file is ours, never someone else's file a
+    link leads to. A link or a non-file there raises the OSError (ELOOP, EISDIR, ESPIPE) that
+    titan_pipe.faults reports in one line."""
+    import stat
+
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.ESPIPE, "not a regular file", str(path))
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", encoding=encoding)
 
 
 def write_text(path: Path, text: str, *, fsync: bool = False) -> Path:
@@ -169,9 +201,9 @@ def swap_dir(tmp: Path, out_dir: Path) -> Path:
     """Rename the finished ``tmp`` dir to ``out_dir``, replacing an old one only at the very end."""
     out_dir = Path(out_dir)
     old = None
-    if out_dir.exists():
+    if out_dir.exists() or out_dir.is_symlink():
         old = out_dir.with_name(f".{out_dir.name}.old-{_HOST}-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
         os.replace(out_dir, old)
     try:
         os.replace(tmp, out_dir)
@@ -180,5 +212,15 @@ def swap_dir(tmp: Path, out_dir: Path) -> Path:
             os.replace(old, out_dir)  # the previous output stays where it was
         raise
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return out_dir
+
+
+def _remove(path: Path) -> None:
+    """Remove what the swap set aside: a link (an ``-o`` that was one) itself, never its target;
+    a directory with its contents."""
+    if path.is_symlink() or path.is_file():
+        with suppress(FileNotFoundError):
+            path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)

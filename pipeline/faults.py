@@ -41,7 +41,12 @@ _KNOWN: dict[int, tuple[str, str]] = {
     errno.EXDEV: ("the output and its temporary copy lie on different file systems",
                   "choose an output directory that is not a mount point"),
     errno.EIO: ("the device reported an I/O error", "check the disk (dmesg) or choose another output directory"),
-    errno.ELOOP: ("too many symbolic links in the path", "choose a path without a symlink loop"),
+    errno.ELOOP: ("a symbolic link stands where titan-pipe writes (it never writes through one), or the path "
+                  "loops", "remove the link or choose another path"),
+    errno.ESPIPE: ("a FIFO, socket or device stands where a file must be written",
+                   "remove it or choose another output path"),
+    errno.ENXIO: ("a FIFO, socket or device stands where a file must be written",  # a FIFO with no reader
+                  "remove it or choose another output path"),
 }
 FAULT_ERRNOS = frozenset(_KNOWN)
 # what each stage writes, for the line its faults become ("<path>: cannot write <what>: ...")

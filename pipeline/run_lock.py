@@ -44,11 +44,53 @@ class RunDirBusy(UserError):
     """Another process holds the run dir's lock."""
 
 
+HOLDER_BYTES = 512  # what a lock file's "PID command" line may show; a longer one is cut
+
+
 def _holder(lock_file: Path) -> str:
+    """The "PID command" line the holder wrote, bounded and on one line (it is foreign text: another
+    user's, or a file someone put there); never read through a link."""
     try:
-        return lock_file.read_text(errors="replace").strip() or "unknown"
+        fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return "unknown"
+    try:
+        raw = os.read(fd, HOLDER_BYTES + 1)
+    except OSError:
+        return "unknown"
+    finally:
+        os.close(fd)
+    text = " ".join(raw[:HOLDER_BYTES].decode("utf-8", errors="replace").split())
+    return (text + (" ..." if len(raw) > HOLDER_BYTES else "")) or "unknown"
+
+
+class LockPathInvalid(UserError):
+    """The lock path is a link, a directory or another non-regular file: never opened, never written."""
+
+
+def _open_lock(lock_file: Path) -> int:
+    """The lock file's descriptor, created per the umask when missing; never through a symbolic link
+    (someone else's file would be truncated and written) and never a directory, FIFO or device."""
+    what = None
+    try:
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            what = "a symbolic link"
+        elif e.errno == errno.EISDIR:
+            what = "a directory"
+        else:
+            raise
+    else:
+        import stat
+
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            return fd
+        os.close(fd)
+        what = "not a regular file"
+    raise LockPathInvalid(f"{lock_file}: the lock file is {what}; titan-pipe never opens a lock through one. "
+                          "Remove it (it is not titan-pipe's) and run again")
 
 
 def _inherited(key: str, lock_file: Path) -> bool:
@@ -58,7 +100,7 @@ def _inherited(key: str, lock_file: Path) -> bool:
     if not pid or _holder(lock_file).split(" ")[0] != pid:
         return False
     try:
-        fd = os.open(lock_file, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(lock_file, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:
@@ -80,7 +122,7 @@ def _set_env(entries: list[str]) -> None:
 def _try_lock(lock_file: Path) -> int | None:
     """The descriptor of ``lock_file`` (created per the umask) holding its exclusive flock; None
     when another process holds it."""
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    fd = _open_lock(lock_file)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:

@@ -69,3 +69,119 @@ def test_a_tied_config_over_its_own_head_converts_as_transformers_reads_it(tmp_p
     if untied:
         assert torch.equal(w.full("output.weight"), load_file(src / "model.safetensors")["lm_head.weight"])
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before  # the source is never modified
+
+
+# --- files we write never follow a link someone else placed -------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_src(tmp_path_factory):
+    from convert_writers import model_args, native_state, write_hf
+
+    base = tmp_path_factory.mktemp("src")
+    args = model_args()
+    return write_hf(native_state(args), args, base / "hf")
+
+
+def _one_line(code: int, text: str, want_code: int, *needles: str) -> None:
+    assert code == want_code, text
+    assert "Traceback" not in text
+    for n in needles:
+        assert n in text, (n, text)
+
+
+def test_a_lock_symlink_beside_the_output_is_refused_and_its_target_untouched(hf_src, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / ".out.lock").symlink_to(victim)
+    code, text = cli("convert", hf_src, "-o", tmp_path / "out")
+    _one_line(code, text, 1, str(tmp_path / ".out.lock"), "symbolic link", "Remove it")
+    assert victim.read_text() == "precious\n" and not (tmp_path / "out").exists()
+    assert (tmp_path / ".out.lock").is_symlink()  # not ours: not removed either
+
+
+def test_a_run_dir_lock_symlink_is_refused_and_its_target_keeps_its_bytes(tmp_path):
+    from titan_pipe.run_lock import LockPathInvalid, run_lock
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / ".lock").symlink_to(victim)
+    with pytest.raises(LockPathInvalid, match="symbolic link"):
+        with run_lock(run, what="test"):
+            pass
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_directory_named_like_the_lock_is_named_as_the_lock(hf_src, tmp_path):
+    (tmp_path / ".out.lock").mkdir()
+    code, text = cli("convert", hf_src, "-o", tmp_path / "out")
+    _one_line(code, text, 1, str(tmp_path / ".out.lock"), "is a directory")
+    assert not (tmp_path / "out").exists()
+
+
+def test_overwrite_onto_a_symlinked_output_leaves_no_old_link_and_the_target_intact(hf_src, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    (tmp_path / "out").symlink_to(target)
+    code, text = cli("convert", hf_src, "-o", tmp_path / "out", "--overwrite")
+    assert code == 0, text
+    assert (tmp_path / "out").is_dir() and not (tmp_path / "out").is_symlink()
+    assert (target / "keep.txt").read_text() == "mine"
+    assert not [p.name for p in tmp_path.iterdir() if ".old-" in p.name or ".tmp-" in p.name]
+
+
+def test_a_lock_holders_text_is_printed_bounded(hf_src, tmp_path):
+    """Foreign text in a held lock file (a 2 MB line) is cut to one short line."""
+    import subprocess
+    import sys
+
+    lock = tmp_path / ".out.lock"
+    lock.write_text("4242 " + "x" * 2_000_000 + "\n")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDWR)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code, text = cli("convert", hf_src, "-o", tmp_path / "out")
+        _one_line(code, text, 1, "being written by PID 4242", "...")
+        assert len(text) < 1500, len(text)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_temp_file_name_taken_by_a_link_is_not_followed(tmp_path):
+    import os
+
+    from titan_pipe.atomic import temp_file, write_text
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "record.json"
+    temp_file(out).symlink_to(victim)
+    write_text(out, "{}")
+    assert victim.read_text() == "precious\n" and out.read_text() == "{}"
+    assert not os.path.lexists(temp_file(out))
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "dir"])
+def test_logs_and_metrics_are_never_appended_through_a_link_or_to_a_non_file(tmp_path, kind):
+    import os
+
+    from titan_pipe.atomic import open_append
+    from titan_pipe.faults import as_fault
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    log = tmp_path / "train.log"
+    {"symlink": lambda: log.symlink_to(victim), "fifo": lambda: os.mkfifo(log), "dir": log.mkdir}[kind]()
+    with pytest.raises(OSError) as e:
+        open_append(log)
+    assert victim.read_text() == "precious\n"
+    fault = as_fault(e.value, path=log, what="the training log")
+    assert fault is not None and str(log) in str(fault)

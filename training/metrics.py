@@ -35,7 +35,9 @@ class MetricsLogger:
         self._fh: IO[str] | None = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("a", encoding="utf-8")
+            from titan_pipe.atomic import open_append
+
+            self._fh = open_append(self.path)
 
     def log(self, record: dict[str, Any]) -> None:
         if self._fh is None:

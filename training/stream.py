@@ -29,7 +29,9 @@ def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: P
     console = console or sys.stderr  # progress goes where every other stage's progress goes
     live = console.isatty() if live is None else live
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("a", encoding="utf-8") as log:
+    from titan_pipe.atomic import open_append
+
+    with open_append(log_path) as log:
         log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} $ {' '.join(cmd)}\n")
         log.flush()
         tree = procs.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
