@@ -147,6 +147,16 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)  # re-parented before the death signal was armed: the parent is gone
 
 
+def rank_dies_with_launcher() -> None:
+    """First thing in a torchrun rank: be killed when the process that started it (torchrun's agent)
+    ends, however it ends. torchrun itself dies with its guardian (guard.py arms the same signal for
+    it), so ``kill -9`` of the guardian, the launcher or torchrun leaves no rank training on with no
+    lock held. Only under torchrun (TORCHELASTIC_RUN_ID set); a rank re-parented before this ran is
+    an orphan already, and the guardian it was re-parented to stops it."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") is not None:
+        die_with_parent(os.getppid())
+
+
 def exit_rank(code: int) -> None:
     """The last call of a torchrun rank, after ``destroy_process_group``: everything a normal exit
     does while the interpreter is still whole (wait for non-daemon threads, run the ``atexit``

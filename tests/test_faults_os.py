@@ -672,6 +672,29 @@ def test_sigkill_of_train_ends_torchrun_and_its_ranks_and_the_lock_outlives_them
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("victim", ["guardian", "torchrun"])
+def test_sigkill_of_the_guardian_or_torchrun_leaves_no_rank_training(tmp_path, victim):
+    """Any OOM-killer or operator can kill -9 one process of the tree: killing the guardian or
+    torchrun once left both ranks training on (writing checkpoints with no lock held). Now each rank
+    dies with its parent, and torchrun with the guardian: within seconds no rank is left."""
+    p, run = _start_training(tmp_path, "train")
+    pids = descendants(p.pid)
+    ranks = _ranks(pids)
+    assert len(ranks) == 2
+    is_guard = [x for x in pids if any(a.endswith("guard.py") for a in _cmdline(x))]
+    is_torchrun = [x for x in pids if "torch.distributed.run" in _cmdline(x) and x not in is_guard]
+    target = (is_guard if victim == "guardian" else is_torchrun)[0]
+    os.kill(target, signal.SIGKILL)
+    end = time.monotonic() + 15
+    while [r for r in ranks if _cmdline(r)] and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not [r for r in ranks if _cmdline(r)], f"ranks still alive 15 s after kill -9 of the {victim}"
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode != 0 and "Traceback" not in out, out
+    wait_gone(pids, lock_file=run / ".lock", timeout=30)
+
+
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_sigterm_of_train_is_one_line_exit_143_and_no_rank_left(tmp_path):
     p, run = _start_training(tmp_path, "train")

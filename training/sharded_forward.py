@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--streamed", action="store_true", help="one decoder layer materialised at a time")
     a = ap.parse_args(argv)
+    from titan_pipe.procs import rank_dies_with_launcher
+
+    rank_dies_with_launcher()
 
     from safetensors.torch import load_file, save_file
 

@@ -402,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flow", required=True, type=Path, help="flow.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     a = ap.parse_args(argv)
+    from titan_pipe.procs import rank_dies_with_launcher
+
+    rank_dies_with_launcher()
     silence_known_warnings()
     try:
         cfg = load_flow(a.flow)
