@@ -20,7 +20,7 @@ from prefect import flow
 
 from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig, load_flow
-from titan_pipe.errors import StageFailed, UserError
+from titan_pipe.errors import Interrupted, StageFailed, UserError
 from titan_pipe.flows import cache
 from titan_pipe.flows.logs import quiet_user_error_tracebacks, run_logger
 from titan_pipe.flows.tasks import (StageOutput, convert_task, data_task, evaluate_task, export_task,
@@ -207,7 +207,8 @@ def _run_stages(cfg: FlowConfig, flow_path: Path, run_dir: Path, actions: dict[s
                                   run_dir=run_dir, upstream=upstream, resume=resume)
             except BaseException as e:
                 outcome.stages[stage] = "failed"
-                _emit(StageEvent(stage, "failed", time.perf_counter() - t0, message=str(e).splitlines()[0] if str(e) else type(e).__name__))
+                why = str(Interrupted.of(e)) if isinstance(e, KeyboardInterrupt) and not str(e) else str(e)
+                _emit(StageEvent(stage, "failed", time.perf_counter() - t0, message=why.splitlines()[0] if why else type(e).__name__))
                 hasher.save()
                 raise
             took, status = time.perf_counter() - t0, "done"

@@ -227,9 +227,18 @@ def test_a_served_schedule_fires_and_its_run_completes(pool_run, prefect_server,
         try:
             _, run, tails = _wait_for_run(url, "train-to-deploy/every-minute", [log_path], [serve],
                                           timeout=240, trigger=False)
+            t0 = time.monotonic()
+            os.killpg(serve.pid, signal.SIGINT)  # Ctrl-C in the terminal that serves it
+            serve.wait(timeout=60)
+            took = time.monotonic() - t0
         finally:
             _stop(serve)
     assert run.state.is_completed(), f"{run.state.type}: {run.state.message}\n{tails}"
+    out = log_path.read_text(errors="replace")
+    assert serve.returncode == 130 and took < 15, (serve.returncode, took, out[-2000:])
+    errors = [ln for ln in out.splitlines() if ln.startswith("error ")]
+    assert errors == ["error interrupted by SIGINT; the schedule is paused; `titan-pipe schedule` again resumes it"], out[-2000:]
+    assert "Traceback" not in out
     assert run.expected_start_time.second == 0  # the cron's minute, not an API-triggered run
     assert cache.read_record(run_dir, "evaluate").result["passed"] is True
 

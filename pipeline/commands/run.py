@@ -86,6 +86,29 @@ class LiveSummary:
         return t
 
 
+def _serve_until_stopped(plan, flow_path: Path) -> None:
+    """Serve until a signal: Prefect's runner stops on Ctrl-C or SIGTERM and returns; the command
+    then exits 128+signal with one line (the schedule is paused), as every interrupted command does."""
+    import signal
+
+    from titan_pipe.errors import Interrupted
+    from titan_pipe.flows.schedule import serve_flow
+
+    got: list[int] = []
+
+    def stop(signum, _frame):
+        got.append(signum)
+        raise Interrupted(signum, "the schedule is paused; `titan-pipe schedule` again resumes it")
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        serve_flow(plan, flow_path=flow_path)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    raise Interrupted(got[0] if got else signal.SIGINT, "the schedule is paused; `titan-pipe schedule` again resumes it")
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     @handle_errors
@@ -159,7 +182,7 @@ def register(app: typer.Typer) -> None:
         """A Prefect deployment of the flow on a cron schedule (in the Prefect UI), on a work pool or served here."""
         from titan_pipe.config import load_flow
         from titan_pipe.errors import UserError
-        from titan_pipe.flows.schedule import deploy_to_pool, plan_deployment, serve_flow
+        from titan_pipe.flows.schedule import deploy_to_pool, plan_deployment
 
         cfg = load_flow(flow)
         prefect_env()
@@ -170,8 +193,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(e)) from None
         console = Console(stderr=True)
         if pool is None:
-            serve_flow(plan, flow_path=flow.resolve())
-            return
+            _serve_until_stopped(plan, flow.resolve())
         deployment_id = deploy_to_pool(plan, flow_path=flow.resolve())
         console.print(f"deployment [bold]{plan.flow_name}/{plan.name}[/bold] ({deployment_id}) on work pool "
                       f"[bold]{pool}[/bold], cron '{plan.cron}'" + (f" {plan.timezone}" if plan.timezone else ""),
