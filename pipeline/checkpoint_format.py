@@ -272,7 +272,7 @@ class Manifest:
                      for k, v in check(d["files"], DICT, source=source, key="files").items()}
             return cls(step=check(d["step"], INT, source=source, key="step", bound=STEP), model=d["model"],
                        parallel=ParallelLayout.from_dict(d["parallel"], source=source), params=params,
-                       files=files, extra=d.get("extra", {}), format=d["format"],
+                       files=files, extra=_extra(d.get("extra", {}), source), format=d["format"],
                        format_version=d["format_version"])
         except (KeyError, TypeError) as e:
             raise LayoutError(f"{source}: missing or malformed field {e}") from None
@@ -353,3 +353,18 @@ def newest_complete(run_or_ckpt_dir: Path, *, warn: bool = False) -> Path | None
                 warnings.warn(f"{step_dir}: no {MANIFEST_NAME} (interrupted while saving); ignoring it",
                               stacklevel=2)
     return None
+
+
+def _extra(value: object, source: str) -> dict:
+    """The manifest's ``extra`` checked where it is read: an object whose known keys have their types
+    (kernels and tokenizer strings; attached: name -> {size, sha256}); the rest is kept as it is."""
+    extra = check(value, DICT, source=source, key="extra")
+    for key in ("kernels", "tokenizer"):
+        if key in extra:
+            check(extra[key], STR, source=source, key=f"extra.{key}")
+    if "attached" in extra:
+        for name, entry in check(extra["attached"], DICT, source=source, key="extra.attached").items():
+            entry = check(entry, DICT, source=source, key=f"extra.attached.{name}")
+            check(entry.get("size"), INT, source=source, key=f"extra.attached.{name}.size", bound=FILE_BYTES)
+            check(entry.get("sha256"), STR, source=source, key=f"extra.attached.{name}.sha256")
+    return extra

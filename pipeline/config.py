@@ -42,7 +42,8 @@ class ConfigError(UserError, ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+    # allow_inf_nan: a weight, rate or size of .inf or .nan is refused here, not deep inside a rank
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
 def _mirror(cls, *, optional: bool, bounds: dict[str, limits.Bound],
@@ -268,15 +269,18 @@ class EvaluateConfig(Section):
         parse_size(v)  # ValueError: one line naming the value and the fix
         return str(v).strip()
 
-    @model_validator(mode="after")
-    def _check_thresholds(self):
+    @field_validator("thresholds", mode="after")
+    @classmethod
+    def _check_thresholds(cls, thresholds):
+        # a field validator, not a model one: it runs (and names its unknown keys) even when another
+        # key of the section is wrong, so one pass lists every problem
         from titan_pipe.thresholds import validate_overrides
 
         try:
-            validate_overrides(self.thresholds)
+            validate_overrides(thresholds)
         except UserError as e:  # a known dtype and key each, so a typo cannot keep the default
             raise ValueError(str(e)) from None
-        return self
+        return thresholds
 
 
 class MetricsConfig(Section):
@@ -443,6 +447,18 @@ def _data_path_checks(data: DataConfig, base: Path) -> list[str]:
     return errs
 
 
+def _yaml_string_hint(value: Any, kind: str) -> str:
+    """YAML 1.1 (PyYAML) reads 1e-3 and 3e4 as strings (a float needs a dot: 1.0e-3): say so where a
+    number was expected and a string that Python would read as one came."""
+    if not isinstance(value, str) or not kind.startswith(("float", "int")):
+        return ""
+    try:
+        float(value)
+    except ValueError:
+        return ""
+    return f"; YAML read {limits.shown(value)} as a string: write a number with a dot, e.g. 1.0e-3"
+
+
 def _format_pydantic(e: ValidationError) -> list[str]:
     lines = []
     for err in e.errors():
@@ -453,7 +469,7 @@ def _format_pydantic(e: ValidationError) -> list[str]:
         value = err.get("input")
         shown = "" if isinstance(value, dict) else f" (got {limits.shown(value)})"  # never a whole input
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{loc}: {msg}{shown}")
+        lines.append(f"{loc}: {msg}{shown}{_yaml_string_hint(value, err['type'])}")
     return lines
 
 

@@ -185,3 +185,60 @@ def test_logs_and_metrics_are_never_appended_through_a_link_or_to_a_non_file(tmp
     assert victim.read_text() == "precious\n"
     fault = as_fault(e.value, path=log, what="the training log")
     assert fault is not None and str(log) in str(fault)
+
+
+# --- every value from a file or flag checked where it is read -----------------------------------
+
+def test_a_batch_the_demo_corpus_cannot_fill_is_refused_before_launch(tmp_path):
+    import yaml
+
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(yaml.safe_dump({"name": "x", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
+                                    "train": {"batch_size": 1048576}}))
+    code, text = cli("train", flow)
+    _one_line(code, text, 2, "data.path: null (the shipped demo corpus)", "train.batch_size 1048576")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("extra", ["oops", {"tokenizer": 7}, {"attached": {"tokenizer.json": {"size": "big"}}}],
+                         ids=["string", "tokenizer-int", "attached-size-str"])
+def test_a_manifest_extra_of_the_wrong_type_is_one_line(hf_src, tmp_path, extra):
+    """`"extra": "oops"` in a manifest was an AttributeError traceback (55 lines) in convert."""
+    from titan_pipe.convert.api import convert_checkpoint
+
+    ckpt = convert_checkpoint(src=hf_src, out_dir=tmp_path / "ckpt", tp=2, progress=False).out_dir
+    m = json.loads((ckpt / "manifest.json").read_text())
+    m["extra"] = extra
+    (ckpt / "manifest.json").write_text(json.dumps(m))
+    code, text = cli("convert", ckpt, "-o", tmp_path / "out")
+    _one_line(code, text, 1, str(ckpt / "manifest.json"), "extra")
+    assert not (tmp_path / "out").exists()
+
+
+def test_nan_and_inf_in_flow_yaml_and_numbers_yaml_reads_as_strings(tmp_path):
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("name: x\ndata:\n  blend:\n    - {path: a, weight: .inf}\ntrain:\n  optimizer: {lr: 1e-3}\n"
+                    "  grad_clip: .nan\n")
+    code, text = cli("validate", flow)
+    _one_line(code, text, 2, "data.blend.0.weight: Input should be a finite number",
+              "train.grad_clip: Input should be a finite number",
+              "train.optimizer.lr", "YAML read '1e-3' as a string: write a number with a dot")
+
+
+def test_every_unknown_key_is_listed_in_one_pass(tmp_path):
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("name: x\ndata: {zz1: 1}\nevaluate: {zz2: 1, thresholds: {float32: {zz3: 1}}}\n"
+                    "export: {zz4: 1}\nzz5: 1\n")
+    code, text = cli("validate", flow)
+    assert code == 2
+    for key in ("data.zz1", "evaluate.zz2", "float32.zz3", "export.zz4", "zz5: unknown key"):
+        assert key in text, (key, text)
+
+
+def test_a_jsonl_record_with_its_text_field_twice_is_refused(tmp_path):
+    src = tmp_path / "c.jsonl"
+    src.write_text('{"text": "fine"}\n{"meta": {"text": "nested is fine"}, "text": "ok"}\n'
+                   '{"text": "first", "text": "second"}\n')
+    code, text = cli("data", "prepare", src, "-o", tmp_path / "out")
+    _one_line(code, text, 1, f"{src}:3", "the field 'text' 2 times")
+    assert not (tmp_path / "out").exists()

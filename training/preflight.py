@@ -33,7 +33,7 @@ def check_before_launch(cfg: FlowConfig, *, flow_path: Path, resume: bool = Fals
     check a cluster's flow.yaml on a laptop)."""
     base = Path(flow_path).resolve().parent
     lines = [p for p in (runs_dir_problem(cfg), init_from_problem(cfg, base),
-                         resume_problem(cfg) if resume else None, corpus_problem(cfg, base),
+                         resume_problem(cfg) if resume else None, corpus_problem(cfg, base, demo=disk),
                          compile_problem(cfg), tensorboard_problem(cfg),
                          disk_problem(cfg, resume=resume) if disk else None) if p]
     if lines:
@@ -143,13 +143,14 @@ def resume_problem(cfg: FlowConfig) -> str | None:
                          "run (another name, or without --resume)")
 
 
-def corpus_problem(cfg: FlowConfig, base: Path) -> str | None:
+def corpus_problem(cfg: FlowConfig, base: Path, *, demo: bool = True) -> str | None:
     """The training data must fill one global batch: train.batch_size windows of train.seq_len + 1
     tokens (a blend: one window from each dataset), as the trainer's loader requires. Without
-    data.path (the shipped demo corpus, which `titan-pipe plan` leaves for the user to replace) the
-    trainer's own check stands."""
+    data.path the data is the shipped demo corpus: checked before a launch on this host (``demo``),
+    not by ``validate``, since `titan-pipe plan` and `init --flavour` write flows whose data.path is
+    left for the user to fill in."""
     d, t = cfg.data, cfg.train
-    if d.path is None and not d.blend:
+    if d.path is None and not d.blend and not demo:
         return None
     from titan_pipe.tokens.spec import data_spec
 
@@ -193,6 +194,8 @@ def _raw_text_problem(cfg: FlowConfig, spec, need: int) -> str | None:
 def _too_small(cfg: FlowConfig, what: object, have: str, need: int) -> str:
     t = cfg.train
     key = "data.blend" if cfg.data.blend else "data.path"
+    if what is None:
+        what = "null (the shipped demo corpus)"
     batch = "one window" if cfg.data.blend else f"one global batch of train.batch_size {t.batch_size} x"
     return (f"{key}: {what} gives {have} training tokens, fewer than {batch} train.seq_len {t.seq_len} (+1) = "
             f"{need:,}; use more text or lower train.batch_size / train.seq_len (or data.val_fraction)")

@@ -135,6 +135,8 @@ def documents(block: Block, *, text_key: str = "text") -> list[str]:
             record = json.loads(line)
         except ValueError as e:
             raise UserError(f"{block.path}:{lineno}: not valid JSON ({e}); each line must be one JSON object") from None
+        if line.count(f'"{text_key}"') > 1:  # rare: only then is the record parsed again, slowly
+            _refuse_duplicate_text(line, text_key, f"{block.path}:{lineno}")
         docs.append(_text_field(record, text_key, f"{block.path}:{lineno}"))
     return docs
 
@@ -178,6 +180,20 @@ def _read_txt(path: Path) -> str:
     except UnicodeDecodeError as e:
         line = path.read_bytes()[:e.start].count(b"\n") + 1
         raise UserError(f"{path}:{line}: not UTF-8 text (byte {e.start}); re-encode it as UTF-8") from None
+
+
+def _refuse_duplicate_text(line: str, text_key: str, where: str) -> None:
+    """A record naming its text field twice: JSON parsers keep the last silently, another reader may
+    keep the first; which document it is must not depend on that."""
+    def pairs(items):
+        keys = [k for k, _ in items]
+        if keys.count(text_key) > 1:
+            raise UserError(f"{where}: the record has the field {text_key!r} {keys.count(text_key)} times; keep one "
+                            "(which one a reader takes differs from reader to reader)")
+        return dict(items)
+
+    if line.lstrip().startswith("{"):  # an object: its top level's pairs, in order
+        pairs(json.loads(line, object_pairs_hook=lambda items: items))
 
 
 def _text_field(record, text_key: str, where: str) -> str:
