@@ -242,3 +242,44 @@ def test_a_jsonl_record_with_its_text_field_twice_is_refused(tmp_path):
     code, text = cli("data", "prepare", src, "-o", tmp_path / "out")
     _one_line(code, text, 1, f"{src}:3", "the field 'text' 2 times")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["negative-length", "overlapping-pointers", "permuted-documents"])
+def test_a_damaged_index_is_refused_before_a_rank_starts(tmp_path, damage):
+    """An .idx with a negative length, overlapping pointers or a permuted document index was accepted,
+    and training read the .bin as one stream: not what the index describes."""
+    import numpy as np
+    import yaml
+
+    from titan_pipe.tokens.indexed import HEADER, IndexWriter, read_header
+
+    prefix = tmp_path / "d"
+    w = IndexWriter(prefix, np.dtype(np.uint16))
+    rng = np.random.default_rng(0)
+    lengths = np.array([300, 200, 400, 250, 350], np.int64)
+    w.add_chunk(rng.integers(0, 250, int(lengths.sum())).astype(np.uint16), lengths)
+    w.finish()
+    idx = tmp_path / "d.idx"
+    raw = bytearray(idx.read_bytes())
+    h = read_header(idx)
+    s = h.n_sequences
+    at_len, at_ptr, at_doc = HEADER.size, HEADER.size + 4 * s, HEADER.size + 12 * s
+    if damage == "negative-length":
+        raw[at_len + 4:at_len + 8] = np.int32(-5).tobytes()
+    elif damage == "overlapping-pointers":
+        raw[at_ptr + 16:at_ptr + 24] = np.int64(100).tobytes()  # sequence 2 starts inside sequence 0
+    else:
+        doc = np.frombuffer(bytes(raw[at_doc:at_doc + 8 * h.n_doc_entries]), np.int64).copy()
+        doc[2], doc[3] = doc[3], doc[2]
+        raw[at_doc:at_doc + 8 * h.n_doc_entries] = doc.tobytes()
+    idx.write_bytes(bytes(raw))
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(yaml.safe_dump({"name": "x", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
+                                    "data": {"path": str(prefix)}, "train": {"batch_size": 2, "seq_len": 16}}))
+    before = idx.read_bytes()
+    for cmd in ("validate", "train"):
+        code, text = cli(cmd, flow)
+        assert code in (1, 2) and str(idx) in text and "Traceback" not in text, text
+        assert {"negative-length": "cannot be negative", "overlapping-pointers": "back to back",
+                "permuted-documents": "sequence order"}[damage] in text, text
+    assert idx.read_bytes() == before and not (tmp_path / "runs").exists()

@@ -161,8 +161,11 @@ def corpus_problem(cfg: FlowConfig, base: Path, *, demo: bool = True) -> str | N
         if spec.text is None:  # token data: its training spans, from the .idx (and data.json) alone
             from titan_pipe.tokens.dataset import open_source
 
-            spans = [open_source(p, val_fraction=spec.val_fraction, fraction_given=spec.fraction_given).train
-                     for p in spec.paths]
+            opened = [open_source(p, val_fraction=spec.val_fraction, fraction_given=spec.fraction_given)
+                      for p in spec.paths]
+            for o in opened:
+                o.indexed.verify()  # the whole index, in blocks: what the reader will rely on
+            spans = [o.train for o in opened]
             short = next((s for s in spans if len(s) < need), None)
             return None if short is None else _too_small(cfg, short.name, f"{len(short):,}", need)
         return _raw_text_problem(cfg, spec, need)

@@ -185,6 +185,45 @@ class IndexedTokens:
                             "not 0; only datasets with sequences back to back are read")
         return end // item
 
+    VERIFY_BLOCK = 1 << 20  # index entries read at once by verify()
+
+    def verify(self) -> None:
+        """Every index entry against the layout megatron-core's format implies and this reader relies
+        on: lengths non-negative, each sequence starting where the previous ends (back to back),
+        the document index non-decreasing. Read in blocks (memory bounded); run once before a
+        launch (the ranks only open the header), since the reader takes ``.bin`` as one stream and a
+        damaged index would otherwise train on other documents than it describes."""
+        h, item, idx = self.header, self.dtype.itemsize, idx_path(self.prefix)
+        expect, block = 0, self.VERIFY_BLOCK
+        for lo in range(0, h.n_sequences, block):
+            hi = min(h.n_sequences, lo + block)
+            lengths = np.asarray(self.lengths[lo:hi]).astype(np.int64)
+            pointers = np.asarray(self.pointers[lo:hi])
+            bad = np.flatnonzero(lengths < 0)
+            if bad.size:
+                i = lo + int(bad[0])
+                raise UserError(f"{idx}: sequence {i} has length {int(lengths[bad[0]])}; lengths cannot be negative, "
+                                "the index is damaged: copy or prepare it again")
+            starts = expect + np.concatenate(([0], np.cumsum(lengths[:-1] * item)))
+            off = np.flatnonzero(pointers != starts)
+            if off.size:
+                i = lo + int(off[0])
+                raise UserError(f"{idx}: sequence {i} starts at byte {int(pointers[off[0]])}, not {int(starts[off[0]])} "
+                                "where the one before it ends; only sequences back to back in the .bin are read "
+                                "(as every Megatron writer lays them out): copy or prepare the dataset again")
+            expect = int(starts[-1] + lengths[-1] * item)
+        previous = 0
+        for lo in range(0, h.n_doc_entries, block):
+            docs = np.asarray(self.doc_index[lo:lo + block])
+            steps = np.diff(np.concatenate(([previous], docs)))
+            back = np.flatnonzero(steps < 0)
+            if back.size:
+                i = lo + int(back[0])
+                raise UserError(f"{idx}: document index entry {i} ({int(docs[back[0]])}) comes before the one ahead "
+                                f"of it; documents must be in sequence order: the index is damaged, copy or prepare "
+                                "it again")
+            previous = int(docs[-1]) if docs.size else previous
+
     @property
     def n_documents(self) -> int:
         return self.header.n_documents
