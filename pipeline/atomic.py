@@ -75,6 +75,49 @@ def owner_gone(temp: Path) -> bool:
         return False
 
 
+def _pid_gone(pid: int, made: float) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return _started_after(pid, made)
+
+
+@contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A private temp dir ``$TMPDIR/<prefix>-<host>-<pid>-<random>`` for the block, removed after it.
+    A process killed with SIGKILL cannot remove its own: each new one first removes this user's
+    dirs of the same prefix whose owner is gone (the same owner rule as outputs' temps)."""
+    import tempfile
+
+    root = Path(tempfile.gettempdir())
+    pattern = re.compile(rf"^{re.escape(prefix)}-(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)-[0-9a-f]+$")
+    with suppress(OSError):
+        for entry in os.scandir(root):
+            m = pattern.match(entry.name)
+            if m is None or m.group("host") != _HOST or not entry.is_dir(follow_symlinks=False):
+                continue
+            with suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                if st.st_uid == os.getuid() and _pid_gone(int(m.group("pid")), st.st_mtime):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+    while True:
+        fixed = root / f"{prefix}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            os.mkdir(fixed, 0o700)  # private, as mkdtemp makes it
+            break
+        except FileExistsError:
+            continue
+    try:
+        yield fixed
+    finally:
+        shutil.rmtree(fixed, ignore_errors=True)
+
+
 def remove_stale(out: Path) -> list[Path]:
     """Remove ``out``'s temp siblings whose owner is gone; say so in one line on stderr."""
     out = Path(out)

@@ -283,3 +283,42 @@ def test_a_damaged_index_is_refused_before_a_rank_starts(tmp_path, damage):
         assert {"negative-length": "cannot be negative", "overlapping-pointers": "back to back",
                 "permuted-documents": "sequence order"}[damage] in text, text
     assert idx.read_bytes() == before and not (tmp_path / "runs").exists()
+
+
+def test_a_killed_evaluates_scratch_dir_is_removed_by_the_next_one(tmp_path, monkeypatch):
+    """kill -9 of `evaluate --checkpoint` left $TMPDIR/titan-eval-dist-* that no later run removed."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from titan_pipe.atomic import _HOST, scratch_dir
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    tempfile.tempdir = None  # re-read TMPDIR
+    try:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout.strip()
+        stale = tmp_path / f"titan-eval-dist-{_HOST}-{dead}-0badc0de"
+        stale.mkdir()
+        (stale / "tokens.safetensors").write_text("x")
+        alive = tmp_path / f"titan-eval-dist-{_HOST}-{os.getppid()}-0badc0de"  # a live owner: kept
+        alive.mkdir()
+        with scratch_dir("titan-eval-dist") as mine:
+            assert mine.is_dir() and mine.parent == tmp_path
+            assert not stale.exists() and alive.exists()
+        assert not mine.exists()
+    finally:
+        tempfile.tempdir = None
+
+
+def test_more_data_files_than_tensors_writes_no_empty_file(hf_src, tmp_path):
+    from titan_pipe.convert.onnx.export import export_model
+    from titan_pipe.model.params import native_shapes
+    from titan_pipe.unified_dir import read_model_args
+
+    n = len(native_shapes(read_model_args(hf_src)))
+    res = export_model(model_dir=hf_src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False, data_files=64)
+    files = sorted((tmp_path / "onnx").glob("model.onnx.data*"))
+    assert len(files) == min(64, n) and all(f.stat().st_size > 0 for f in files), [f.name for f in files]
+    assert res.summary["data_files"] == [f.name for f in files]

@@ -33,6 +33,7 @@ from titan_pipe.graph_io import DATA_FILE, DECODE_FILE, PREFILL_FILE, data_file_
 from titan_pipe.model import rope
 from titan_pipe.model.args import ModelArgs, count_params
 from titan_pipe.onnx_nodes import NP_DTYPES
+from titan_pipe.model.params import native_shapes
 from titan_pipe.unified_dir import read_model_args
 
 WHAT = "the ONNX export"
@@ -103,6 +104,8 @@ def plan_export(args: ModelArgs, *, opset: int = EXPORT.opset, dtype: str = EXPO
         graphs.append(GraphPlan(spec.file, decode, tuple(ins), tuple(outs),
                                 {n: tuple(d if isinstance(d, int) else -1 for d in dims[n]) for n in ins}, spec))
     itemsize = BY_NAME[dtype].itemsize
+    # never more files than tensors: each tensor goes whole into one file, so the rest would be empty
+    data_files = min(data_files, len(native_shapes(args)))
     return ExportPlan(opset, dtype, batch, seq_len, cache_len, dynamic, kv_cache, expose_hidden, soc_version,
                       precision_mode, run_atc, count_params(args) * itemsize, tuple(graphs), digest,
                       data_file_names(data_files))

@@ -4,11 +4,11 @@ from __future__ import annotations
 import math
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from titan_pipe.atomic import scratch_dir
 from titan_pipe import procs, sharded_outputs
 from titan_pipe.checkpoint_format import ParallelLayout, is_complete
 from titan_pipe.errors import StageFailed, UserError
@@ -89,8 +89,7 @@ class DistributedRunner:
         """All batches in one torchrun launch; StageFailed with the ranks' last log lines on error."""
         from safetensors.torch import save_file
 
-        with tempfile.TemporaryDirectory(prefix="titan-eval-dist-") as tmp:
-            tmp = Path(tmp)
+        with scratch_dir("titan-eval-dist") as tmp:  # a killed run's is removed by the next one
             save_file({sharded_outputs.batch_key(i): b.contiguous() for i, b in enumerate(batches)},
                       str(tmp / sharded_outputs.TOKENS_FILE))
             cmd = sharded_outputs.command(world_size=self.world_size, checkpoint=self.checkpoint, out_dir=tmp,
