@@ -270,11 +270,13 @@ def test_cli_multi_node_flow(tmp_path):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--device", "tpu9"], "unknown device 'tpu9'"),
-    (["--device-memory", "lots"], "--device-memory 'lots' is not a size"),
+    (["--device-memory", "lots"], "--device-memory: 'lots' is not a size"),
+    (["--device-memory", "64"], "--device-memory '64' is 64 bytes, outside 1 GiB..16 TiB"),  # bytes, as --max-memory
+    (["--device-memory", "99999TB"], "outside 1 GiB..16 TiB"),
     (["--nodes", "3"], "--nodes 3 does not divide --devices 8"),
     (["--seq-len", "999999"], "exceeds model max_seq_len"),
     (["--model", "llama9"], "--model 'llama9' is neither a flavour"),
-    (["--device-memory", "1GB"], "no layout fits in 1.0 GB per device"),
+    (["--device-memory", "2GB"], "no layout fits in 2.0 GB per device"),
 ])
 def test_cli_bad_input(argv, needle):
     base = {"--model": "llama2_7b", "--devices": "8", "--device": "ascend910b2"}

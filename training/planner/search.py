@@ -110,22 +110,23 @@ def misfit_reason(w: Workload, layout: Layout, cluster: Cluster, mem: Memory, as
 # The cluster from a device profile
 
 
-def parse_size(text: str) -> float:
-    """'64GB' / '64' / '80 GiB' / '32G' -> bytes (GB decimal, GiB binary)."""
-    t = str(text).strip().lower().replace(" ", "")
-    for suffix, unit in (("gib", 2**30), ("gb", GB), ("g", GB), ("mib", 2**20), ("mb", 1e6)):
-        if t.endswith(suffix):
-            t = t[: -len(suffix)]
-            break
-    else:
-        unit = GB
+# what one accelerator can hold: from 1 GiB (smaller is no training device) to 16 TiB
+DEVICE_MEMORY = limits.Bound(2**30, 2**44, "memory of one accelerator")
+
+
+def parse_device_memory(text: str) -> float:
+    """--device-memory in the one size grammar every size flag uses (titan_pipe.sizes: 64GB, 80GiB,
+    512MB; a bare number is bytes, as for --max-memory), bounded by DEVICE_MEMORY."""
+    from titan_pipe.sizes import parse_size
+
     try:
-        value = float(t)
-    except ValueError:
-        raise UserError(f"--device-memory {text!r} is not a size; write e.g. 32GB or 64GiB") from None
-    if value <= 0:
-        raise UserError(f"--device-memory {text!r} must be positive")
-    return value * unit
+        n = parse_size(text)
+    except ValueError as e:
+        raise UserError(f"--device-memory: {e}") from None
+    if not DEVICE_MEMORY.lo <= n <= DEVICE_MEMORY.hi:
+        raise UserError(f"--device-memory {limits.shown(text)} is {n:,} bytes, outside 1 GiB..16 TiB (the {DEVICE_MEMORY.why}); "
+                        "write the size with its unit, e.g. 64GB or 80GiB")
+    return float(n)
 
 
 def build_cluster(device: str, n_devices: int, *, nodes: int | None = None,
@@ -158,7 +159,7 @@ def build_cluster(device: str, n_devices: int, *, nodes: int | None = None,
             span = None
         links.append(Link(link["name"], span, float(link["gbps"])))
     host = prof.get("host_link") or {"name": "PCIe 4.0 x16", "gbps": 32.0}
-    memory = parse_size(device_memory) if device_memory else prof["memory_gb"] * GB
+    memory = parse_device_memory(device_memory) if device_memory else prof["memory_gb"] * GB
     peaks = {k: v for k, v in prof["peak_tflops"].items() if v}
     return Cluster(key, n_devices, per_node, memory, peaks, tuple(links),
                    Link(host["name"], None, float(host["gbps"]))), notes
