@@ -69,9 +69,10 @@ def find_layer_taps(graph_path: Path, model: onnx.ModelProto, n_layers: int) -> 
     says why (or where the names came from)."""
     graph_path = Path(graph_path)
     produced = {o for n in model.graph.node for o in n.output} | {o.name for o in model.graph.output}
+    order = {o: i for i, n in enumerate(model.graph.node) for o in n.output}  # producer's place in the graph
     entry, note = _graph_record(graph_path)
     if entry is not None:
-        taps, note = _from_record(entry, graph_path.name, produced, n_layers)
+        taps, note = _from_record(entry, graph_path.name, produced, n_layers, order)
         if taps is not None and taps.embed is None:
             taps = replace(taps, embed=_stream_into(model, taps.attn[0]))
         if taps is not None:
@@ -84,7 +85,8 @@ def find_layer_taps(graph_path: Path, model: onnx.ModelProto, n_layers: int) -> 
     return None, prefix + why
 
 
-def _from_record(entry: GraphRecord, file: str, produced: set[str], n_layers: int) -> tuple[LayerTaps | None, str]:
+def _from_record(entry: GraphRecord, file: str, produced: set[str], n_layers: int,
+                 order: dict[str, int] | None = None) -> tuple[LayerTaps | None, str]:
     lists = {}
     for short, key in TAP_KEYS:
         names = getattr(entry, key) or (None,) * n_layers
@@ -95,6 +97,13 @@ def _from_record(entry: GraphRecord, file: str, produced: set[str], n_layers: in
         if short == "layer" and missing:
             return None, (f"{RECORD_FILE} graphs[{file!r}].layer_outputs names {missing[0]!r}, which {file} does "
                           "not compute (the graph was changed after export)")
+        if short == "layer" and order:
+            places = [order.get(n, -1) for n in names]
+            wrong = next((i for i in range(1, len(places)) if places[i] <= places[i - 1]), None)
+            if wrong is not None:  # layer k's output computed before layer k-1's: not this graph's layers
+                return None, (f"{RECORD_FILE} graphs[{file!r}].layer_outputs lists {names[wrong]!r} as layer {wrong}, "
+                              f"but {file} computes it before layer {wrong - 1}'s {names[wrong - 1]!r} (the record "
+                              "was edited or belongs to another export)")
         lists[short] = tuple(n if n in produced else None for n in names)
     embed = entry.embed_output if entry.embed_output in produced else None
     return LayerTaps(lists["layer"], lists["attn"], lists["mlp"], RECORD_FILE, embed), ""

@@ -216,6 +216,25 @@ def test_checkpoint_without_manifest_is_refused(art, tmp_path):
                        settings=FAST)
 
 
+def test_layer_outputs_out_of_graph_order_fall_back_to_the_structure(art, tmp_path):
+    """An export.json whose layer_outputs name real values in another order was an IndexError (67
+    lines) in the piece-wise runner: now the record is set aside, in words, and the graph's own
+    residual chain gives the layers (the verdict as before)."""
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    for f in art["onnx32"].parent.glob("model.onnx*"):
+        (edited / f.name).write_bytes(f.read_bytes())
+    record = json.loads((art["onnx32"].parent / "export.json").read_text())
+    outs = record["graphs"]["model.onnx"]["layer_outputs"]
+    outs[0], outs[2] = outs[2], outs[0]
+    (edited / "export.json").write_text(json.dumps(record))
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=edited / "model.onnx", settings=FAST)
+    assert r.passed, r.summary["verdict"]
+    c = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")
+    assert [row["tensor"] for row in c["rows"]] == LAYER_ROWS + ["logits"]
+    assert "computes it before layer" in c["details"]["layers"] and "residual" in c["details"]["layers"]
+
+
 def test_graph_without_export_json_falls_back_to_its_structure(art, tmp_path):
     """A graph titan-pipe did not describe (no export.json beside it): the residual Add chain gives
     the per-layer values; a graph whose chain does not split into the model's layers says why."""
