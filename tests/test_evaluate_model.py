@@ -235,6 +235,19 @@ def test_layer_outputs_out_of_graph_order_fall_back_to_the_structure(art, tmp_pa
     assert "computes it before layer" in c["details"]["layers"] and "residual" in c["details"]["layers"]
 
 
+def test_a_graph_of_another_ffn_width_is_named_as_another_model(art, tmp_path):
+    """A graph exported from a model of another FFN width was reported as a layer-0 divergence."""
+    from titan_pipe.errors import UserError
+
+    wide, wide_args = debug_model(ffn_hidden_dim=256)
+    onnx_path = export(write_unified(wide, wide_args, tmp_path / "wide"), tmp_path / "wide_onnx")
+    with pytest.raises(UserError) as e:
+        evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=onnx_path, settings=FAST)
+    msg = str(e.value)
+    assert "does not match" in msg and "'layers.0.w1' is [256, 64] in the graph vs [192, 64]" in msg, msg
+    assert not (tmp_path / "rep").exists()
+
+
 def test_graph_without_export_json_falls_back_to_its_structure(art, tmp_path):
     """A graph titan-pipe did not describe (no export.json beside it): the residual Add chain gives
     the per-layer values; a graph whose chain does not split into the model's layers says why."""

@@ -31,19 +31,11 @@ from titan_pipe.dtypes import onnx_type
 from titan_pipe.graph_io import (ATTENTION_MASK, DECODE_FILE, HIDDEN, INPUT_IDS, INT_INPUTS, LOGITS, PAST,
                                  POSITION_IDS, PREFILL_FILE, PRESENT, WRITE_INDEX, hidden_name, io_names)
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.params import LAYER_PARAMS, params, split_layer
+from titan_pipe.model.params import LAYER_PARAMS
+from titan_pipe.model.params import initializer_names  # noqa: F401 - re-exported for the export
 from titan_pipe.onnx_nodes import NodeBuilder, attention, embedding, linear, rms_norm, rotary, swiglu, within_window
 
 _LAYER_INIT = {p.name: p.onnx for p in LAYER_PARAMS}  # native name within a layer -> initializer name
-
-
-def initializer_names(args: ModelArgs) -> dict[str, str]:
-    """Graph initializer name -> native parameter name, in the order they are written to the data file."""
-    out = {}
-    for native, p in params(args):
-        lid, _ = split_layer(native)
-        out[p.onnx if lid is None else f"layers.{lid}.{p.onnx}"] = native
-    return out
 
 
 def _w(i: int, native: str) -> str:

@@ -169,9 +169,26 @@ class OnnxRuntimeRunner:
         recorded = recorded_layer_count(self.path)
         if not info.n_hidden and recorded is not None and recorded != args.n_layers:
             problems.append(f"{RECORD_FILE} records {recorded} layer outputs vs n_layers {args.n_layers}")
+        problems += self._weight_shape_problems(args)
         if problems:
             raise UserError(f"{self.path} does not match {source}: {'; '.join(problems)}; export the graph "
                             "from this model directory (or pass the model directory it came from)")
+
+    def _weight_shape_problems(self, args: ModelArgs) -> list[str]:
+        """The graph's own weights against the model's: an initializer of another shape (another FFN
+        width, head count, ...) means another model, named as such rather than as a layer-0 divergence."""
+        from titan_pipe.model.params import initializer_names, native_shapes
+
+        want = native_shapes(args)
+        names = initializer_names(args)
+        for init in self.graph.structure.graph.initializer:
+            native = names.get(init.name)
+            if native is None or native not in want:
+                continue
+            if tuple(init.dims) != tuple(want[native]):
+                return [f"weight {init.name!r} is {list(init.dims)} in the graph vs {list(want[native])} for "
+                        f"{native} (dim {args.dim}, ffn {args.hidden_dim}, heads {args.n_heads}/{args.kv_heads})"]
+        return []
 
     def feeds(self, tokens: torch.Tensor) -> dict[str, np.ndarray]:
         """The graph's inputs for unpadded batches: every token real, positions 0..T-1."""

@@ -181,6 +181,16 @@ def native_names(args: ModelArgs) -> list[str]:
     return [n for n, _ in params(args)]
 
 
+def initializer_names(args: ModelArgs) -> dict[str, str]:
+    """ONNX graph initializer name -> native parameter name, in the order export writes them to the
+    data files (export builds the graphs with these names; evaluate checks a graph's shapes by them)."""
+    out = {}
+    for native, p in params(args):
+        lid, _ = split_layer(native)
+        out[p.onnx if lid is None else f"layers.{lid}.{p.onnx}"] = native
+    return out
+
+
 def native_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Global shape of every parameter in ``native_names(args)``, from the dims alone."""
     return {n: tuple(p.shape(args)) for n, p in params(args)}
