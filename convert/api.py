@@ -28,6 +28,7 @@ from titan_pipe.convert.reshard import write_file
 from titan_pipe.convert.source_plan import OutputPlan, SourcePlan, plan_sharded, plan_unified
 from titan_pipe.convert.tokenizer_files import copy_tokenizer_files, plan_tokenizer_files
 from titan_pipe.dtypes import HF_DTYPE_NAMES, OUT_DTYPES
+from titan_pipe.paths import overlaps
 from titan_pipe.errors import UserError
 from titan_pipe.faults import as_fault, check_free_space
 from titan_pipe.model.hf_config import to_hf_config
@@ -68,7 +69,7 @@ def output_bytes(plan: SourcePlan, out: OutputPlan, *, sharded: bool) -> int:
 
 def _check_out_dir(src: Path, out_dir: Path, overwrite: bool) -> None:
     s, o = src.resolve(), out_dir.resolve()
-    if o == s or s in o.parents or o in s.parents:
+    if o == s or s in o.parents or o in s.parents or overlaps(src, out_dir):  # overlaps: bind mounts too
         raise UserError(f"{out_dir}: the output directory must lie outside the source {src} (and "
                         "not contain it); choose another -o")
     if out_dir.exists():

@@ -128,3 +128,34 @@ def resolve_inside(root: str | os.PathLike, relative: object, *, source: object,
             raise _refuse(source, what, relative, f"is a symlinked directory leading outside {root} "
                           f"(to {path.resolve()})", fix)
     return path
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _chain(path: Path) -> list[tuple[int, int]]:
+    """The (device, inode) of ``path`` (or, when it does not exist yet, of its nearest existing
+    ancestor) and of every directory above it."""
+    out, p = [], Path(os.path.abspath(path))
+    while True:
+        ident = _identity(p)
+        if ident is not None:
+            out.append(ident)
+        if p.parent == p:
+            return out
+        p = p.parent
+
+
+def overlaps(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are the same directory, or one lies inside the other, by what they are
+    on disk (device and inode), not by their names: a bind mount or a link alias of a path is found as
+    such before anything is written, not after."""
+    ia, ib = _identity(a), _identity(b)
+    if ia is not None and ia in _chain(b):
+        return True
+    return ib is not None and ib in _chain(a)

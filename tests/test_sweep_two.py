@@ -322,3 +322,24 @@ def test_more_data_files_than_tensors_writes_no_empty_file(hf_src, tmp_path):
     files = sorted((tmp_path / "onnx").glob("model.onnx.data*"))
     assert len(files) == min(64, n) and all(f.stat().st_size > 0 for f in files), [f.name for f in files]
     assert res.summary["data_files"] == [f.name for f in files]
+
+
+def test_an_output_inside_a_bind_mount_alias_of_the_source_is_refused_first(hf_src, tmp_path):
+    """-o into the source through a bind mount (another name, the same directory) was found only after
+    the whole conversion; now before a byte is written, by device and inode."""
+    import shutil
+    import subprocess
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_src, src)
+    alias = tmp_path / "alias"
+    alias.mkdir()
+    if subprocess.run(["mount", "--bind", str(src), str(alias)], capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here")
+    try:
+        before = sorted(p.name for p in src.iterdir())
+        code, text = cli("convert", src, "-o", alias / "out")
+        _one_line(code, text, 1, "must lie outside the source")
+        assert sorted(p.name for p in src.iterdir()) == before
+    finally:
+        subprocess.run(["umount", str(alias)], check=False)
