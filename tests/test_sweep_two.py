@@ -343,3 +343,24 @@ def test_an_output_inside_a_bind_mount_alias_of_the_source_is_refused_first(hf_s
         assert sorted(p.name for p in src.iterdir()) == before
     finally:
         subprocess.run(["umount", str(alias)], check=False)
+
+
+@pytest.mark.distributed
+def test_too_few_file_descriptors_for_torchrun_is_named_with_its_fix(tmp_path):
+    """EMFILE in torchrun (ulimit -n 20) was reported as "torchrun exited with status 1"."""
+    import resource
+    import subprocess
+    import sys
+
+    import yaml
+
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(yaml.safe_dump({"name": "e", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
+                                    "parallel": {"dp": 1, "tp": 2, "pp": 1},
+                                    "train": {"steps": 2, "batch_size": 2, "seq_len": 16}}))
+    p = subprocess.run([sys.executable, "-m", "titan_pipe.cli", "train", str(flow)], capture_output=True, text=True,
+                       timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (20, 20)))
+    out = p.stdout + p.stderr
+    errors = [ln for ln in out.splitlines() if ln.startswith("error")]
+    assert p.returncode == 1 and len(errors) == 1, out[-3000:]
+    assert "EMFILE" in errors[0] and "ulimit -n" in errors[0] and "Traceback" not in out, errors

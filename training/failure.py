@@ -77,6 +77,21 @@ def failure_message(rc: int, run: RunDir, started: float, log_offset: int = 0, l
     return msg
 
 
+# torchrun's own error when the process runs out of descriptors (its store socket, a rank's pipes)
+_LIMITS = (("EMFILE", "too many open files in this process (EMFILE)", "raise the limit (ulimit -n 65536) and run again"),
+           ("ENFILE", "too many open files on this machine (ENFILE)", "close other programs or raise fs.file-max"),
+           ("[Errno 24]", "too many open files in this process (EMFILE)", "raise the limit (ulimit -n 65536) and run again"))
+
+
+def _process_limit(text: str) -> str | None:
+    """A descriptor limit torchrun's own traceback ends with, as one line with its fix."""
+    tail = text[-4000:]
+    for needle, what, fix in _LIMITS:
+        if needle in tail:
+            return f"training could not start: {what}; {fix}"
+    return None
+
+
 def launch_failure(rc: int, run: RunDir, started: float, log_offset: int, log: Path) -> StageFailed | OutputFault:
     """The error a failed launch raises: OutputFault (exit 1, never retried) when a rank met an OS
     fault, else StageFailed with torchrun's status as exit code and the rank's own error line first."""
@@ -90,6 +105,10 @@ def launch_failure(rc: int, run: RunDir, started: float, log_offset: int, log: P
     texts += [_read_from(p) for p in sorted((run.root / "logs").glob("*/attempt_*/*/stderr.log"))
               if p.stat().st_mtime >= started]
     found = rank_error(*texts)
+    if found is None:
+        limit = _process_limit(_read_from(log, log_offset))
+        if limit is not None:  # torchrun itself met it (no rank got as far as to say so)
+            return OutputFault(f"{limit} (torchrun stopped: {where[len('training failed: '):]})")
     if found is not None and found[0] == "fault":
         return OutputFault(f"{found[1]} (training stopped: {where[len('training failed: '):]})")
     err = StageFailed(f"{where}: {found[1]}" if found else where)
