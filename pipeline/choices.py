@@ -17,7 +17,13 @@ from titan_pipe.dtypes import EXPORT_NAMES
 from titan_pipe.hashing import DIGESTS
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
-KERNELS = ("auto", "reference", "npu_fused")
+# model.kernels: auto = npu_fused on NPU, torch_fused on CUDA, reference on CPU (titan_pipe.model.kernels)
+KERNELS = ("auto", "reference", "torch_fused", "npu_fused")
+# train.loss: the cross entropy from full float32 logits, or fused with the output projection in chunks
+# (titan_pipe.model.loss); auto = chunked where it applies (tp = pp = 1), else full
+LOSSES = ("auto", "full", "chunked")
+# train.optimizer.implementation: auto = fused on CUDA, foreach elsewhere (titan_pipe.training.optim)
+OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 INTERLEAVED = "interleaved_1f1b"  # the schedule that runs several virtual stages per pp rank
 DP_MODES = ("fsdp", "ddp")

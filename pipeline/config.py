@@ -17,8 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from titan_pipe import limits
-from titan_pipe.choices import (COMPILE_BACKENDS, DEVICES, DIGESTS, DP_MODES, EXPORT, KERNELS, OFFLOADS, OPTIMIZERS,
-                                PP_SCHEDULES, PRECISION_MODES, export_problems)
+from titan_pipe.choices import (COMPILE_BACKENDS, DEVICES, DIGESTS, DP_MODES, EXPORT, KERNELS, LOSSES, OFFLOADS,
+                                OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PRECISION_MODES, export_problems)
 from titan_pipe.choices import NAMINGS
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.errors import UserError
@@ -130,6 +130,7 @@ class OptimizerConfig(Section):
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0, le=1)
     weight_decay: float = Field(0.1, ge=0, le=1e3)
+    implementation: Literal[OPTIMIZER_IMPLS] = "auto"  # AdamW's: fused on CUDA, foreach elsewhere
 
     @field_validator("betas", mode="before")
     @classmethod
@@ -149,6 +150,7 @@ class TrainConfig(Section):
     log_every: int = _bounded(1, limits.STEPS)
     compile: bool = False  # torch.compile each transformer block (after TP and AC, before FSDP)
     compile_backend: Literal[COMPILE_BACKENDS] = "auto"
+    loss: Literal[LOSSES] = "auto"  # chunked: cross entropy fused with the output projection, no full logits
 
 
 class ParallelConfig(Section):
@@ -180,6 +182,8 @@ class PrecisionConfig(Section):
     loss_scale: float | Literal["dynamic"] | None = None  # initial scale; None: no scaling
     loss_scale_window: int = _bounded(2000, limits.STEPS)  # overflow-free steps before the scale doubles
     min_loss_scale: float = Field(1.0, gt=0)
+    # float8 matmuls through torchao on CUDA compute capability 9.0+ (training/float8.py); none: off
+    float8: Literal["none", "tensorwise", "rowwise"] = "none"
 
 
 class MemoryConfig(Section):
@@ -364,6 +368,13 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     if p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and p.n_microbatches % p.pp:
         errs.append(f"parallel.microbatches: {p.n_microbatches} must be a multiple of pp={p.pp} "
                     "for interleaved_1f1b")
+    if cfg.precision.float8 != "none" and p.tp > 1:
+        errs.append(f"precision.float8: {cfg.precision.float8} runs with tp = 1 (torchao's float8 tensor-parallel "
+                    f"layouts are not wired in); here tp={p.tp}: use tp 1 or precision.float8: none")
+    if cfg.train.loss == "chunked" and (p.tp > 1 or p.pp > 1):
+        errs.append(f"train.loss: chunked fuses the loss with the output projection inside the model's "
+                    f"forward, which needs tp = pp = 1 (here tp={p.tp}, pp={p.pp}); use loss: auto (chunked "
+                    "where it applies) or full")
     if cfg.train.batch_size % p.dp:
         errs.append(f"train.batch_size: {cfg.train.batch_size} is not divisible by dp={p.dp}")
     elif (cfg.train.batch_size // p.dp) % p.n_microbatches:

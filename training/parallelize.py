@@ -70,7 +70,7 @@ class ParallelModel:
 
 def parallelize(part: nn.Module, mesh: DeviceMesh, dp_plan: DPPlan, *, sequence_parallel: bool = False,
                 ac_every: int | None = None, compile_backend=None,
-                materialize: Callable[[nn.Module], None]) -> nn.Module:
+                materialize: Callable[[nn.Module], None], float8: str = "none") -> nn.Module:
     """TP, then activation checkpointing, then torch.compile per block, then data parallelism,
     always in this order (torchtitan's).
 
@@ -81,6 +81,10 @@ def parallelize(part: nn.Module, mesh: DeviceMesh, dp_plan: DPPlan, *, sequence_
     local shards) runs before classic DDP, which broadcasts real weights when it is built, and
     after FSDP otherwise, so each rank only ever allocates its own shard.
     """
+    if float8 != "none":  # torchao swaps the Linear layers first (training/float8.py)
+        from titan_pipe.training.float8 import apply_float8
+
+        part = apply_float8(part, float8)
     apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel)
     if ac_every is not None:
         apply_ac(part, ac_every)
@@ -172,7 +176,7 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
                          sequence_parallel: bool = False, ac_every: int | None = None,
                          dp_plan: DPPlan | None = None, kernels: Kernels | None = None,
                          seed: int = 0, weights: WeightSource | None = None,
-                         compile_backend=None, stream_layers: bool = False) -> ParallelModel:
+                         compile_backend=None, stream_layers: bool = False, float8: str = "none") -> ParallelModel:
     """This rank's stage modules of ``args`` on the (dp, pp, tp) ``mesh``, parallelized and filled.
 
     weights: None = layout-independent random init from ``seed`` (the same values a single-process
@@ -206,5 +210,5 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
                                   kernels=kernels, device="meta")
         model.parts.append(parallelize(part, mesh, dp_plan, sequence_parallel=sequence_parallel,
                                        ac_every=ac_every, compile_backend=compile_backend,
-                                       materialize=materialize))
+                                       materialize=materialize, float8=float8))
     return model

@@ -34,10 +34,25 @@ def check_before_launch(cfg: FlowConfig, *, flow_path: Path, resume: bool = Fals
     base = Path(flow_path).resolve().parent
     lines = [p for p in (runs_dir_problem(cfg), init_from_problem(cfg, base),
                          resume_problem(cfg) if resume else None, corpus_problem(cfg, base, demo=disk),
-                         compile_problem(cfg), tensorboard_problem(cfg),
+                         compile_problem(cfg), tensorboard_problem(cfg), float8_launch_problem(cfg) if disk else None,
                          disk_problem(cfg, resume=resume) if disk else None) if p]
     if lines:
         raise ConfigError(str(flow_path), lines)
+
+
+def float8_launch_problem(cfg: FlowConfig) -> str | None:
+    """precision.float8 on the device this host would launch on (validate, which may run away from
+    the cluster, leaves it to the launch)."""
+    if cfg.precision.float8 == "none":
+        return None
+    from titan_pipe.devices import resolve_device
+    from titan_pipe.training.float8 import float8_problem
+
+    try:
+        device = resolve_device(cfg.device).type
+    except (RuntimeError, ValueError):
+        return None  # the launcher names the device problem itself
+    return float8_problem(cfg.precision.float8, device)
 
 
 def tensorboard_problem(cfg: FlowConfig) -> str | None:

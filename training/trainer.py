@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from titan_pipe.atomic import write_text
 from titan_pipe.checkpoint_format import ParallelLayout, checkpoint_bytes, is_save_step, newest_complete
@@ -25,6 +24,7 @@ from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_devi
 from titan_pipe.errors import UserError
 from titan_pipe.faults import STAGE_OUTPUTS, OutputFault, writing
 from titan_pipe.model.args import count_params, flops_per_token
+from titan_pipe.model.loss import cross_entropy
 from titan_pipe.run_dir import RunDir
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training import metrics
@@ -60,7 +60,15 @@ def comm_env(cfg: FlowConfig, device_type: str) -> dict[str, str]:
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy; logits (B, T, vocab) in fp32 for a stable softmax."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    return cross_entropy(logits, labels)
+
+
+def resolve_loss(choice: str, *, tp: int, pp: int) -> bool:
+    """Whether the loss is fused with the output projection (titan_pipe.model.loss): auto where the
+    model's last part computes it in its own forward with a plain output weight (tp = pp = 1)."""
+    if choice == "auto":
+        return tp == 1 and pp == 1
+    return choice == "chunked"
 
 
 @dataclass(frozen=True)
@@ -135,6 +143,7 @@ class Trainer:
                   f"{time.perf_counter() - t1:.1f}s" + ("; the first steps compile the blocks (tens of seconds)"
                                                          if cfg.train.compile else "; first step next"))
         self._setup_optimizers()
+        self._setup_loss()
         self.start = self._restore(latest)
         self._setup_schedule()
         # The injected fault is one transient failure: a resumed run (a retry) does not die again.
@@ -207,6 +216,11 @@ class Trainer:
 
     def _setup_model(self, weights) -> None:
         cfg, p = self.cfg, self.cfg.parallel
+        from titan_pipe.training.float8 import float8_problem
+
+        why = float8_problem(cfg.precision.float8, self.device.type)
+        if why:
+            raise UserError(why)
         self.dp_plan = plan_dp(dp=p.dp, tp=p.tp, dp_mode=p.dp_mode, zero_stage=cfg.zero_stage,
                                offload=cfg.memory.optimizer_offload,
                                amp_dtype=cfg.precision.amp_dtype if cfg.precision.amp else None,
@@ -218,7 +232,8 @@ class Trainer:
                                           virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel,
                                           ac_every=ac_every, dp_plan=self.dp_plan,
                                           kernels=resolve_kernels(cfg.model.kernels, self.device.type),
-                                          seed=cfg.train.seed, weights=weights, compile_backend=backend)
+                                          seed=cfg.train.seed, weights=weights, compile_backend=backend,
+                                          float8=cfg.precision.float8)
         self.params = self.model.parameters()
         self.counted = counted(((n, p) for _, n, p in self.model.named_parameters()), self.model.tied is not None)
 
@@ -229,7 +244,9 @@ class Trainer:
             self.optimizers = [build_zero1(list(m.parameters()), self.mesh["dp"].get_group(), **hparams)
                                for m in self.model.modules]
         else:
-            self.optimizers = [build_optimizer(list(m.parameters()), **hparams) for m in self.model.modules]
+            self.optimizers = [build_optimizer(list(m.parameters()), implementation=o.implementation,
+                                               device_type=self.device.type, **hparams)
+                               for m in self.model.modules]
         self.schedulers = [build_scheduler(opt, warmup=t.warmup_steps, total=t.steps, min_ratio=t.lr_min_ratio)
                            for opt in self.optimizers]
         self.scaler = LossScaler.from_config(self.cfg.precision)
@@ -244,6 +261,10 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.scaler.load_state_dict(state["scaler"])
         return int(state["step"])
+
+    def _setup_loss(self) -> None:
+        p = self.cfg.parallel
+        self.chunked_loss = resolve_loss(self.cfg.train.loss, tp=p.tp, pp=p.pp)
 
     def _setup_schedule(self) -> None:
         p, plan = self.cfg.parallel, self.model.stage_plan
@@ -279,7 +300,10 @@ class Trainer:
                                    target=labels if self.has_last else None,
                                    losses=losses if self.has_last else None)
                 return torch.stack(losses).mean().detach() / self.scaler.scale if self.has_last else None
-            loss = loss_fn(self.model.parts[0](inputs), labels)
+            if self.chunked_loss:  # fused with the output projection: no full float32 logits
+                loss = self.model.parts[0](inputs, labels=labels)
+            else:
+                loss = loss_fn(self.model.parts[0](inputs), labels)
         self.scaler.scale_loss(loss).backward()  # outside autocast, as torch.amp recommends
         return loss.detach()
 

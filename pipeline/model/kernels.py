@@ -1,6 +1,7 @@
-"""Operator backends: the reference PyTorch ops, and the fused torch_npu kernels Ascend trains with.
+"""Operator backends: the reference PyTorch ops (written for ONNX), PyTorch's own fused ones for
+training on CUDA, and the fused torch_npu kernels Ascend trains with.
 
-Both sides implement the same three functions, so the model and the evaluator can run either:
+Every set implements the same three functions, so the model and the evaluator can run any:
   rms_norm(x (..., dim), weight (dim,), eps) -> (..., dim)
   apply_rotary(q (B, H, T, hd), k (B, Hkv, T, hd), cos (T, hd), sin (T, hd)) -> q, k
   attention(q (B, H, T, hd), k, v (B, Hkv, T, hd), n_rep, causal, window) -> (B, H, T, hd)
@@ -70,6 +71,39 @@ def reference_kernels() -> Kernels:
     return Kernels("reference", rms_norm_ref, apply_rotary_ref, attention_ref)
 
 
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # One fused kernel where the device has one (F.rms_norm), still in float32 as the reference
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def apply_rotary_halves(q, k, cos, sin):
+    """The reference's rotation on the two halves directly (cos and sin repeat over them): no
+    rotate_half copy, two fewer full-size multiplies."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+
+    def rot(x):
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    return rot(q), rot(k)
+
+
+def attention_gqa(q, k, v, *, n_rep: int, causal: bool = True, window: int | None = None):
+    # K/V keep their kv heads: SDPA's enable_gqa reads each for its query group without copies
+    gqa = n_rep > 1
+    if window is None or window >= q.shape[-2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(q.shape[-2], window, q.device),
+                                          enable_gqa=gqa)
+
+
+def torch_fused_kernels() -> Kernels:
+    """Training kernels for CUDA (they run anywhere torch runs, CPU included): the same math as the
+    reference, checked against it forward and backward (tests); export keeps the reference ops."""
+    return Kernels("torch_fused", rms_norm_fused, apply_rotary_halves, attention_gqa)
+
+
 def npu_fused_kernels() -> Kernels:
     """torch_npu's fused kernels; imported here only, so CPU/CUDA never need torch_npu."""
     import torch_npu  # noqa: F401  (lazy: only on Ascend hosts)
@@ -97,11 +131,14 @@ def npu_fused_kernels() -> Kernels:
 
 
 def resolve_kernels(choice: str, device_type: str) -> Kernels:
-    """auto -> npu_fused on NPU, reference elsewhere. npu_fused off NPU is a config error."""
+    """auto -> npu_fused on NPU, torch_fused on CUDA, reference on CPU. npu_fused off NPU is a
+    config error."""
     if choice not in KERNELS:
         raise ValueError(f"model.kernels={choice!r} is not one of {KERNELS}")
     if choice == "auto":
-        choice = "npu_fused" if device_type == "npu" else "reference"
+        choice = {"npu": "npu_fused", "cuda": "torch_fused"}.get(device_type, "reference")
+    if choice == "torch_fused":
+        return torch_fused_kernels()
     if choice == "npu_fused":
         if device_type != "npu":
             raise ValueError(f"model.kernels=npu_fused needs device npu, got {device_type!r}; "

@@ -146,14 +146,25 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (or, without ``output``, the hidden state); with ``labels``, the mean cross entropy
+        instead, fused with the output projection in chunks (titan_pipe.model.loss) so the float32
+        logits never exist, unless the output weight is tensor-parallel (then from full logits)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         t = h.shape[1] * self.seq_shards
         cos, sin = self.rope_cos[:t].to(h.dtype), self.rope_sin[:t].to(h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        if labels is None:
+            return self.output(h) if self.output is not None else h
+        from torch.distributed.tensor import DTensor
+
+        from titan_pipe.model.loss import cross_entropy, linear_cross_entropy
+
+        if isinstance(self.output.weight, DTensor) or isinstance(h, DTensor):
+            return cross_entropy(self.output(h), labels)
+        return linear_cross_entropy(h, self.output.weight, labels)
 
     def init_rope(self) -> None:
         """Recompute the RoPE buffers (after building on the meta device)."""
