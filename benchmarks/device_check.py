@@ -1,21 +1,26 @@
-"""One call on a lent accelerator: the trainer against a bare PyTorch loop, compiled and not, and evaluate there.
+"""One call on a lent accelerator: the trainer against a bare PyTorch loop and against torchtitan's own
+Trainer, eager, compiled and in float8, and evaluate there.
 
-On one CUDA GPU, with a ~1 B llama3-style model (Llama-3.2-1B's shape: dim 2048, 16 layers, 32/8
-heads, FFN 8192, vocab 128256, tied embeddings, Llama-3.1 RoPE scaling) in bf16 autocast over
-fp32 master weights, AdamW, clipping, batch 8 x 2048 tokens:
+On one CUDA GPU, with a ~1.5 B llama3-style model (Llama-3.2-1B's shape: dim 2048, 16 layers, 32/8
+heads, FFN 8192, vocab 128256, untied embeddings as torchtitan 0.2.2's llama3 has them, Llama-3.1
+RoPE scaling) in bf16 autocast over fp32 master weights, AdamW, clipping, batch 8 x 2048 tokens:
   loop              a bare PyTorch loop: the same model, batch, sequence, loader, optimizer and
-                    schedule, nothing else (the baseline the ratio is taken against)
+                    schedule, nothing else (the baseline the trainer's own cost is taken against)
   trainer           titan_pipe.training.trainer.train at dp=tp=pp=1 (one-rank process group)
   trainer_compiled  the same with train.compile: true (inductor on cuda)
+  trainer_float8    compiled, with precision.float8: tensorwise (torchao; compute capability 9.0+)
+  torchtitan        the peer: torchtitan 0.2.2's own Trainer on the same shape, eager and compiled
+                    (the harness in shared/peers/torchtitan, --peer DIR), in the same call
 each for --steps steps; tokens/s and MFU from the steady steps (after two warm-up steps and any
 step that compiled); then the trainer's last checkpoint goes through convert, export (float32
 graphs) and evaluate with the PyTorch reference on the device (--device cuda) against ONNX Runtime.
 Writes OUT/device_check.json with every figure (and each phase's seconds, or its error) and prints
 the ratios. A phase that fails is recorded and the next one still runs; the exit code is 1 then.
 
---dry-run does the same on the CPU with the debug model (tied, GQA, scaled RoPE, so every path
-the real run takes is taken) in seconds, compiling with aot_eager; tests/test_device_check.py runs
-it so the script cannot rot. docs/training.md says how to run it with the device tool and what to
+--dry-run does the same on the CPU with the debug model (GQA, scaled RoPE, so every path the real
+run takes is taken) in seconds, compiling with aot_eager; the float8 phase records the one line that
+refuses it off Hopper and the peer phase is skipped with a line saying so (its harness installs
+wheels for the GPU machine); tests/test_device_check.py runs it so the script cannot rot. docs/training.md says how to run it with the device tool and what to
 carry there. Budget on an H200: well inside 8 minutes (model build, 3 x 12 steps, one inductor
 compile, ~15 GB of checkpoint, unified model and ONNX data written and read).
 
@@ -38,10 +43,10 @@ from pathlib import Path
 
 # Llama-3.2-1B's dims (the real run) and the debug flavour with the same features (the dry run).
 LLAMA3_1B = {"flavour": "llama3_8b", "dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8,
-             "ffn_hidden_dim": 8192, "tie_embeddings": True, "max_seq_len": 2048,
+             "ffn_hidden_dim": 8192, "tie_embeddings": False, "max_seq_len": 2048,
              "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                               "original_max_position_embeddings": 8192}}
-DEBUG_LIKE = {"flavour": "debug", "n_kv_heads": 2, "tie_embeddings": True, "max_seq_len": 64, "rope_theta": 500000.0,
+DEBUG_LIKE = {"flavour": "debug", "n_kv_heads": 2, "tie_embeddings": False, "max_seq_len": 64, "rope_theta": 500000.0,
               "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 32}}
 SPECS = {
@@ -49,15 +54,16 @@ SPECS = {
     "dry-run": {"device": "cpu", "model": DEBUG_LIKE, "batch": 2, "seq": 32, "steps": 3, "backend": "aot_eager"},
 }
 WARMUP = 2  # steps left out of the figures (allocator, kernel selection, the first compile)
+FLOAT8_LOSS_BOUND = 0.05  # float8's loss at each step within 5 % of bf16's (same data, seed and steps)
 
 
-def flow_dict(spec: dict, name: str, work: Path, *, compile: bool) -> dict:
+def flow_dict(spec: dict, name: str, work: Path, *, compile: bool, float8: str = "none") -> dict:
     train = {"steps": spec["steps"], "batch_size": spec["batch"], "seq_len": spec["seq"], "warmup_steps": 2,
              "grad_clip": 1.0, "seed": 0, "optimizer": {"name": "adamw", "lr": 3e-4}}
     if compile:
         train.update(compile=True, compile_backend=spec["backend"])
     return {"name": name, "runs_dir": str(work / "runs"), "device": spec["device"], "model": spec["model"], "train": train,
-            "precision": {"amp": True, "amp_dtype": "bfloat16"},
+            "precision": {"amp": True, "amp_dtype": "bfloat16", "float8": float8},
             "checkpoint": {"every": 10**6, "keep_last": 1, "save_optimizer": False}}
 
 
@@ -94,13 +100,18 @@ def steady(records: list[dict], tokens_per_step: int) -> dict:
             "losses": [r["loss"] for r in records]}
 
 
-def run_trainer(spec: dict, work: Path, *, compile: bool) -> dict:
+def run_trainer(spec: dict, work: Path, *, compile: bool, float8: str = "none") -> dict:
     from titan_pipe.config import parse_flow
+    from titan_pipe.training.float8 import float8_problem
     from titan_pipe.training.metrics import step_records
     from titan_pipe.training.trainer import train
 
-    name = "trainer_compiled" if compile else "trainer"
-    cfg = parse_flow(flow_dict(spec, name, work, compile=compile), base=work)
+    if float8 != "none":
+        why = float8_problem(float8, spec["device"])
+        if why:
+            return {"skipped": why}
+    name = "trainer_float8" if float8 != "none" else "trainer_compiled" if compile else "trainer"
+    cfg = parse_flow(flow_dict(spec, name, work, compile=compile, float8=float8), base=work)
     summary = train(cfg, base=work)
     out = steady(step_records(cfg.run_dir() / "metrics.jsonl"), spec["batch"] * spec["seq"])
     out.update(checkpoint=summary["checkpoint"], peak_flops_source=summary["peak_flops_source"])
@@ -164,6 +175,39 @@ def _peak_bytes(device) -> float:
     return float(peak_memory_bytes(device))
 
 
+def find_peer(peer: Path | None) -> Path | None:
+    """The torchtitan harness: --peer, else carried into the checkout (.peers/torchtitan), else ../shared."""
+    here = Path(__file__).resolve().parents[1]
+    for p in ([peer] if peer else [here / ".peers" / "torchtitan", here.parent / "shared" / "peers" / "torchtitan"]):
+        if p is not None and (p / "run.sh").is_file():
+            return p
+    return None
+
+
+def run_peer(spec: dict, work: Path, peer: Path | None) -> dict:
+    """torchtitan's own Trainer, eager and compiled, on the same shape in this call (its run.sh);
+    skipped off CUDA: the harness installs wheels made for the GPU machine."""
+    import subprocess
+
+    if spec["device"] != "cuda":
+        return {"skipped": "the torchtitan peer runs on the accelerator only (its harness installs the GPU "
+                           "machine's wheels); the dry run leaves it out"}
+    kit = find_peer(peer)
+    if kit is None:
+        return {"error": "no torchtitan harness: pass --peer DIR or carry shared/peers/torchtitan as .peers/torchtitan"}
+    out = work / "peer"
+    out.mkdir()
+    proc = subprocess.run(["bash", str(kit / "run.sh")], env=dict(os.environ, OUT=str(out), PYTHON=sys.executable),
+                          capture_output=True, text=True, timeout=300)
+    modes = {}
+    for line in (out / "tt.jsonl").read_text().splitlines() if (out / "tt.jsonl").is_file() else []:
+        rec = json.loads(line)
+        modes[rec.get("mode", "?")] = rec
+    if not modes:
+        return {"error": f"run.sh exit {proc.returncode}, no tt.jsonl", "log_tail": (proc.stdout + proc.stderr)[-3000:]}
+    return {"modes": modes, "run_sh_exit": proc.returncode}
+
+
 def run_deploy(spec: dict, work: Path, checkpoint: str) -> dict:
     """convert -> export (float32 graphs) -> evaluate with the reference on the device."""
     from titan_pipe.config import EvaluateConfig
@@ -201,35 +245,64 @@ def phase(results: dict, name: str, fn, *args, **kwargs):
     return results[name]
 
 
+def _figures(r: dict, name: str) -> dict | None:
+    """A phase's figures (tokens_per_s, peak_mem_gb), torchtitan's modes as torchtitan_eager/_compile."""
+    if name.startswith("torchtitan_"):
+        mode = r.get("torchtitan", {}).get("modes", {}).get(name.removeprefix("torchtitan_"))
+        return mode if mode and "error" not in mode else None
+    p = r.get(name)
+    return p if p and "error" not in p and "skipped" not in p else None
+
+
 def ratios(r: dict) -> dict:
     def ratio(a, b, key="tokens_per_s"):
-        if "error" in r.get(a, {"error": 1}) or "error" in r.get(b, {"error": 1}):
+        fa, fb = _figures(r, a), _figures(r, b)
+        if fa is None or fb is None or fa.get(key) is None or not fb.get(key):
             return None
-        return r[a][key] / r[b][key]
+        return fa[key] / fb[key]
 
-    return {"trainer_vs_loop_tokens_per_s": ratio("trainer", "loop"),
-            "compiled_vs_eager_tokens_per_s": ratio("trainer_compiled", "trainer"),
-            "compiled_vs_loop_tokens_per_s": ratio("trainer_compiled", "loop")}
+    out = {"trainer_vs_loop_tokens_per_s": ratio("trainer", "loop"),
+           "compiled_vs_eager_tokens_per_s": ratio("trainer_compiled", "trainer"),
+           "compiled_vs_loop_tokens_per_s": ratio("trainer_compiled", "loop"),
+           "trainer_vs_torchtitan_eager_tokens_per_s": ratio("trainer", "torchtitan_eager"),
+           "compiled_vs_torchtitan_compiled_tokens_per_s": ratio("trainer_compiled", "torchtitan_compile"),
+           "float8_vs_torchtitan_compiled_tokens_per_s": ratio("trainer_float8", "torchtitan_compile"),
+           "float8_vs_compiled_tokens_per_s": ratio("trainer_float8", "trainer_compiled"),
+           "trainer_vs_torchtitan_eager_peak_mem": ratio("trainer", "torchtitan_eager", "peak_mem_gb"),
+           "compiled_vs_torchtitan_compiled_peak_mem": ratio("trainer_compiled", "torchtitan_compile", "peak_mem_gb")}
+    f8, bf = _figures(r, "trainer_float8"), _figures(r, "trainer_compiled")
+    if f8 is not None and bf is not None:
+        out["float8_loss_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(f8["losses"], bf["losses"]))
+    return out
 
 
 def environment(spec: dict) -> dict:
     import torch
 
-    env = {"torch": torch.__version__, "python": sys.version.split()[0], "device": spec["device"]}
+    env = {"torch": torch.__version__, "python": sys.version.split()[0], "device": spec["device"],
+           "date": time.strftime("%Y-%m-%d")}
     if spec["device"] == "cuda" and torch.cuda.is_available():
         env.update(gpu=torch.cuda.get_device_name(), gpu_memory_gb=torch.cuda.get_device_properties(0).total_memory / 1e9)
     return env
 
 
 def print_summary(report: dict) -> None:
-    for name in ("loop", "trainer", "trainer_compiled"):
+    for name in ("loop", "trainer", "trainer_compiled", "trainer_float8"):
         r = report["phases"].get(name, {})
         if "error" in r:
             print(f"{name:>17}: FAILED {r['error']}")
+        elif "skipped" in r:
+            print(f"{name:>17}: skipped: {r['skipped']}")
         elif r:
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
             print(f"{name:>17}: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, step {r['step_s'] * 1e3:.1f} ms, "
                   f"peak {r['peak_mem_gb']:.1f} GB, compile {r['compile_s']:.1f} s")
+    peer = report["phases"].get("torchtitan", {})
+    if "skipped" in peer or "error" in peer:
+        print(f"{'torchtitan':>17}: {'skipped: ' + peer['skipped'] if 'skipped' in peer else 'FAILED ' + peer['error']}")
+    for mode, rec in peer.get("modes", {}).items():
+        print(f"{'torchtitan ' + mode:>17}: " + (f"FAILED {rec['error']}" if "error" in rec else
+                                                 f"{rec['tokens_per_s']:,.0f} tokens/s, peak {rec['peak_mem_gb']:.1f} GB"))
     print("ratios: " + ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} n/a" for k, v in report["ratios"].items()))
     d = report["phases"].get("deploy", {"error": "not run: the trainer wrote no checkpoint"})
     print("deploy: " + (f"FAILED {d['error']}" if "error" in d else
@@ -243,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "benchmarks/out")))
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--keep", action="store_true", help="keep the scratch dir (checkpoint, model, ONNX, report)")
+    ap.add_argument("--peer", type=Path, default=None, help="the torchtitan harness dir (default: .peers/torchtitan, "
+                                                            "then ../shared/peers/torchtitan)")
     a = ap.parse_args(argv)
     spec = dict(SPECS["dry-run" if a.dry_run else "device"])
     spec["steps"] = a.steps or spec["steps"]
@@ -252,13 +327,21 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="titan-device-check-"))
     phases = report["phases"]
     for name, fn, kwargs in (("loop", run_loop, {}), ("trainer", run_trainer, {"compile": False}),
-                             ("trainer_compiled", run_trainer, {"compile": True})):
+                             ("trainer_compiled", run_trainer, {"compile": True}),
+                             ("trainer_float8", run_trainer, {"compile": True, "float8": "tensorwise"})):
         phase(phases, name, fn, spec, work, **kwargs)
         release(spec["device"])
+    phase(phases, "torchtitan", run_peer, spec, work, a.peer)  # after ours: its wheels go to a site dir of its own
     if "checkpoint" in phases["trainer"]:
         phase(phases, "deploy", run_deploy, spec, work, phases["trainer"]["checkpoint"])
     report["ratios"] = ratios(phases)
     report["total_s"] = time.perf_counter() - t0
+    failed = [n for n, r in phases.items() if "error" in r] + ([] if phases.get("deploy", {}).get("evaluate_passed")
+                                                              else ["evaluate verdict"])
+    f8 = report["ratios"].get("float8_loss_max_rel_diff")
+    if f8 is not None and f8 > FLOAT8_LOSS_BOUND:
+        failed.append(f"float8 loss {f8:.3f} off bf16's (bound {FLOAT8_LOSS_BOUND})")
+    report["failed"] = failed
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "device_check.json").write_text(json.dumps(report, indent=1, default=str))
     print_summary(report)
@@ -267,8 +350,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kept {work}")
     else:
         shutil.rmtree(work, ignore_errors=True)
-    failed = [n for n, r in phases.items() if "error" in r] + ([] if phases.get("deploy", {}).get("evaluate_passed")
-                                                              else ["evaluate verdict"])
     return 1 if failed else 0
 
 

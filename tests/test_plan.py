@@ -320,3 +320,37 @@ def test_cli_model_from_flow_yaml_and_filters(tmp_path):
     assert r.exit_code == 1 and "does not divide model n_kv_heads=2" in r.output  # the config rule, verbatim
     r = runner.invoke(app, ["plan", "--model", str(flow), "--devices", "4", "--device", "h100", "--tp", "3"])
     assert r.exit_code == 1 and "no dp x tp x pp layout of 4 devices" in r.output
+
+
+def test_calibrate_from_a_device_check_sets_the_efficiency_that_reproduces_it(tmp_path):
+    """The first H200 run (issue 31): the trainer measured 43,512 tokens/s at 81.5 GB on Llama-3.2-1B's
+    untied shape, where the planner predicted 60,190 tokens/s and 70.7 GB at efficiency 0.5."""
+    import json
+
+    from titan_pipe.training.planner.calibrate import calibrate, read_measurement
+    from titan_pipe.training.planner.workload import Assumptions
+
+    model = {"flavour": "llama3_8b", "dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8,
+             "ffn_hidden_dim": 8192, "tie_embeddings": False, "max_seq_len": 2048,
+             "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8192}}
+    report = tmp_path / "device_check.json"
+    report.write_text(json.dumps({"spec": {"model": model, "batch": 8, "seq": 2048},
+                                  "phases": {"trainer": {"tokens_per_s": 43512, "peak_mem_gb": 81.5},
+                                             "trainer_compiled": {"tokens_per_s": 56209, "peak_mem_gb": 68.7}}}))
+    cluster, _ = build_cluster("h200", 1)
+    cal = calibrate(read_measurement(report), cluster, Assumptions())
+    assert round(cal.predicted_tokens_per_s) == pytest.approx(60190, abs=2)
+    assert cal.predicted_mem_bytes / 1e9 == pytest.approx(70.7, abs=0.05)
+    assert cal.efficiency == pytest.approx(0.5 * 43512 / cal.predicted_tokens_per_s)
+    again = calibrate(read_measurement(report), cluster, Assumptions(compute_efficiency=cal.efficiency))
+    assert again.predicted_tokens_per_s == pytest.approx(43512, rel=0.01)  # the calibrated model reproduces it
+    compiled = calibrate(read_measurement(report, phase="trainer_compiled"), cluster, Assumptions())
+    assert compiled.efficiency == pytest.approx(0.467, abs=0.001)
+    r = runner.invoke(app, ["plan", "--model", "llama3_8b", "--devices", "8", "--device", "h200", "--top", "1",
+                            "--calibrate", str(report)])
+    assert r.exit_code == 0 and "efficiency set to 0.361" in r.output, r.output
+    (tmp_path / "bad.json").write_text("{}")
+    r = runner.invoke(app, ["plan", "--model", "llama3_8b", "--devices", "8", "--device", "h200",
+                            "--calibrate", str(tmp_path / "bad.json")])
+    assert r.exit_code == 1 and "not a device_check.json" in r.output

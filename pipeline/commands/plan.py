@@ -184,6 +184,11 @@ def register(app: typer.Typer) -> None:
         write: Optional[Path] = typer.Option(None, "--write", help="Write the best layout as this flow.yaml"),
         force: bool = typer.Option(False, "--force", help="Overwrite the --write file"),
         plot: Optional[Path] = typer.Option(None, "--plot", help="Save a memory-per-device chart (PNG)"),
+        calibrate: Optional[Path] = typer.Option(None, "--calibrate", help="device_check.json or a run's metrics.jsonl: "
+                                                 "set --efficiency to what reproduces its tokens/s, and show its "
+                                                 "peak memory against the model's"),
+        calibrate_phase: str = typer.Option("trainer", "--calibrate-phase",
+                                            help="device_check.json phase: trainer | trainer_compiled | trainer_float8"),
     ):
         """Find the fastest dp x tp x pp layout that fits: memory, bubble, communication, tokens/s."""
         from rich.console import Console
@@ -208,6 +213,13 @@ def register(app: typer.Typer) -> None:
         w = _workload(model, seq_len, gb)
         bounded_candidates(w, cluster, dp=dp, tp=tp, pp=pp)  # a search too large: one line, before any output
         assume = Assumptions(compute_efficiency=efficiency, comm_efficiency=comm_efficiency)
+        if calibrate is not None:
+            from titan_pipe.training.planner.calibrate import calibrate as fit, read_measurement
+
+            cal = fit(read_measurement(calibrate, phase=calibrate_phase), cluster, assume)
+            for line in cal.lines(efficiency):
+                out.print(line, highlight=False)
+            assume = Assumptions(compute_efficiency=cal.efficiency, comm_efficiency=comm_efficiency)
         for note in notes:
             out.print(f"[yellow]note[/yellow] {note}", highlight=False)
         links = ", ".join(f"{ln.name} {ln.gbps:g} GB/s" + (f" (groups of {ln.span})" if ln.span else "")
