@@ -31,6 +31,66 @@ MAX_WORKERS = 8
 
 
 @dataclass(frozen=True)
+class Shard:
+    """Part ``index`` (1-based) of ``count`` of a corpus (``--shard I/N``)."""
+
+    index: int
+    count: int
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Shard":
+        import re
+
+        m = re.fullmatch(r"\s*(\d{1,6})\s*/\s*(\d{1,6})\s*", str(text))
+        if m is None or not 1 <= int(m.group(1)) <= int(m.group(2)):
+            raise UserError(f"--shard {text!r}: give I/N with 1 <= I <= N, e.g. 2/8 for the second of 8 parts")
+        return cls(int(m.group(1)), int(m.group(2)))
+
+
+# one source file's part of a prepare: the whole file (None) or the lines starting in a byte range
+Piece = tuple[Path, "tuple[int, int] | None"]
+
+
+def shard_pieces(files: list[Path], sizes: list[int], shard: Shard | None) -> list[Piece]:
+    """What part ``shard`` of the sources reads, as pure data: the corpus's bytes (files in order) cut
+    into ``count`` equal ranges; a plain .jsonl is cut at line starts (a line goes with the range its
+    first byte lies in), any other file goes whole with the range its first byte lies in (an empty file
+    at the very end with the last part). The parts read every document exactly once, in order."""
+    from titan_pipe.tokens.sources import splittable
+
+    if shard is None:
+        return [(f, None) for f in files]
+    total = sum(sizes)
+    lo, hi = (shard.index - 1) * total // shard.count, shard.index * total // shard.count
+    last = shard.index == shard.count
+    out: list[Piece] = []
+    at = 0
+    for f, size in zip(files, sizes):
+        if splittable(f):
+            a, b = max(lo - at, 0), min(hi - at, size)
+            if a < b:
+                out.append((f, (a, b)))
+        elif lo <= at < hi or (last and at == total):
+            out.append((f, None))
+        at += size
+    return out
+
+
+def prepare_key(info: TokenizerInfo, text_key: str, val_fraction: float, sources: list[SourceInfo],
+                shard: Shard | None = None) -> str:
+    """The sha256 of everything a prepared dir depends on: the same inputs, the same key (a merge of
+    all N parts gets the key of the unsharded prepare)."""
+    key_doc = {"schema": 1, "tokenizer": info.fingerprint, "text_key": text_key, "val_fraction": val_fraction,
+               "sources": [[s.path, s.size, s.sha256] for s in sources]}
+    if shard is not None:
+        key_doc["shard"] = str(shard)
+    return hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
 class PreparePlan:
     """Everything the output depends on, resolved and checked; ``key`` is its sha256."""
 
@@ -42,6 +102,8 @@ class PreparePlan:
     val_fraction: float
     out_dir: Path
     key: str
+    pieces: list[Piece] = ()  # what this prepare reads (a shard: its part; else every file whole)
+    shard: Shard | None = None
 
 
 @dataclass(frozen=True)
@@ -72,9 +134,10 @@ def _check_out_dir(out_dir: Path, roots: list[Path]) -> None:
                         "empty directory")
 
 
-def _source_infos(files: list[Path], out_dir: Path) -> list[SourceInfo]:
+def _source_infos(files: list[Path], out_dir: Path, read: set[Path] | None = None) -> list[SourceInfo]:
     """size, mtime and sha256 of each source; a sha256 in the existing record is reused when the
-    file's size and mtime still match it (a re-run then reads no source twice)."""
+    file's size and mtime still match it (a re-run then reads no source twice). ``read``: a shard's
+    files; the others are listed with no sha256 (that host never reads them)."""
     known = {}
     if is_prepared(out_dir):
         try:
@@ -85,13 +148,18 @@ def _source_infos(files: list[Path], out_dir: Path) -> list[SourceInfo]:
     for f in files:
         st, path = f.stat(), str(f.resolve())
         old = known.get(path)
-        digest = old.sha256 if old and (old.size, old.mtime_ns) == (st.st_size, st.st_mtime_ns) else sha256_file(f)
+        if read is not None and f not in read:
+            digest = ""
+        elif old and old.sha256 and (old.size, old.mtime_ns) == (st.st_size, st.st_mtime_ns):
+            digest = old.sha256
+        else:
+            digest = sha256_file(f)
         infos.append(SourceInfo(path, st.st_size, st.st_mtime_ns, digest))
     return infos
 
 
 def plan_prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, val_fraction: float = 0.05,
-                 text_key: str = "text") -> PreparePlan:
+                 text_key: str = "text", shard: Shard | None = None) -> PreparePlan:
     """Resolve and check the inputs of a prepare; no output is touched."""
     if not sources:
         raise UserError("data prepare: no source given; name .txt/.jsonl/.jsonl.gz/.parquet files or directories")
@@ -104,11 +172,10 @@ def plan_prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, val_frac
     tok = build_tokenizer(tokenizer)
     info = tokenizer_info(tok)
     spec = str(Path(tok.path).resolve()) if info.kind != "byte" else "byte"
-    infos = _source_infos(files, out_dir)
-    key_doc = {"schema": 1, "tokenizer": info.fingerprint, "text_key": text_key, "val_fraction": val_fraction,
-               "sources": [[s.path, s.size, s.sha256] for s in infos]}
-    key = hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()
-    return PreparePlan(files, infos, spec, info, text_key, val_fraction, out_dir, key)
+    pieces = shard_pieces(files, [f.stat().st_size for f in files], shard)
+    infos = _source_infos(files, out_dir, read={f for f, _ in pieces} if shard is not None else None)
+    key = prepare_key(info, text_key, val_fraction, infos, shard)
+    return PreparePlan(files, infos, spec, info, text_key, val_fraction, out_dir, key, pieces, shard)
 
 
 def is_current(plan: PreparePlan) -> DataRecord | None:
@@ -124,11 +191,13 @@ def is_current(plan: PreparePlan) -> DataRecord | None:
 
 
 def prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, workers: int | None = None,
-            val_fraction: float = 0.05, text_key: str = "text", progress: bool = True) -> PrepareResult:
-    """Tokenize ``sources`` into ``out_dir`` (see the module doc); a no-op when already current."""
+            val_fraction: float = 0.05, text_key: str = "text", progress: bool = True,
+            shard: Shard | None = None) -> PrepareResult:
+    """Tokenize ``sources`` into ``out_dir`` (see the module doc); a no-op when already current.
+    ``shard``: only part I of N of the sources (``data merge`` joins the N parts)."""
     t0 = time.perf_counter()
     plan = plan_prepare(sources=sources, out_dir=out_dir, tokenizer=tokenizer, val_fraction=val_fraction,
-                        text_key=text_key)
+                        text_key=text_key, shard=shard)
     existing = is_current(plan)
     if existing is not None:
         return PrepareResult(plan.out_dir, existing, True, time.perf_counter() - t0)
@@ -150,9 +219,12 @@ def _write(plan: PreparePlan, tmp: Path, *, workers: int, progress: bool) -> Dat
 
     dtype = token_dtype(plan.info.vocab_size)
     writer = IndexWriter(tmp / PREFIX, dtype)
-    blocks = (b for f in plan.files for b in iter_blocks(f, text_key=plan.text_key))
+    pieces = plan.pieces or [(f, None) for f in plan.files]
+    blocks = (b for f, rng in pieces for b in iter_blocks(f, text_key=plan.text_key, byte_range=rng))
     n_in, largest = 0, -1
-    with PrepareProgress(sum(s.size for s in plan.sources), enabled=progress) as bar:
+    sizes = {Path(s.path): s.size for s in plan.sources}
+    work = sum(rng[1] - rng[0] if rng else sizes.get(f.resolve(), f.stat().st_size) for f, rng in pieces)
+    with PrepareProgress(work, enabled=progress) as bar:
         try:
             for ids, lengths, chars, docs_in in encode_stream(chunk_blocks(blocks), spec=plan.tokenizer, dtype=dtype,
                                                               text_key=plan.text_key, workers=workers):
@@ -169,15 +241,27 @@ def _write(plan: PreparePlan, tmp: Path, *, workers: int, progress: bool) -> Dat
 
 def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, skipped: int) -> DataRecord:
     where = ", ".join(str(f) for f in plan.files[:3]) + (" ..." if len(plan.files) > 3 else "")
+    if plan.shard is not None:
+        where = f"part {plan.shard} of {where}"
+    if ds.n_documents == 0 and plan.shard is not None:  # a part may hold no document (a tiny corpus, many parts)
+        split = Split(plan.val_fraction, 0, 0, 0, 0)
+        record = DataRecord(key=plan.key, tokenizer=plan.info, sources=plan.sources, text_key=plan.text_key,
+                            dtype=dtype, n_tokens=0, n_documents=0, max_token_id=largest, split=split,
+                            skipped_empty=skipped, shard=str(plan.shard))
+        record.save(ds.prefix.parent)
+        return record
     if ds.n_documents == 0:
         raise UserError(f"{where}: holds no text (every document is empty); add text or fix the text key "
                         f"(--text-key / data.text_key, now {plan.text_key!r})")
-    d = val_start(ds.doc_start, ds.n_documents, ds.n_tokens, plan.val_fraction, where=where)
-    cut = ds.doc_start(d)
-    split = Split(plan.val_fraction, d, ds.n_documents - d, cut, ds.n_tokens - cut)
+    if plan.shard is not None:  # a part's own split is of no use: the merge splits the whole
+        split = Split(plan.val_fraction, ds.n_documents, 0, ds.n_tokens, 0)
+    else:
+        d = val_start(ds.doc_start, ds.n_documents, ds.n_tokens, plan.val_fraction, where=where)
+        cut = ds.doc_start(d)
+        split = Split(plan.val_fraction, d, ds.n_documents - d, cut, ds.n_tokens - cut)
     record = DataRecord(key=plan.key, tokenizer=plan.info, sources=plan.sources, text_key=plan.text_key,
                         dtype=dtype, n_tokens=ds.n_tokens, n_documents=ds.n_documents, max_token_id=largest,
-                        split=split, skipped_empty=skipped)
+                        split=split, skipped_empty=skipped, shard=str(plan.shard) if plan.shard else None)
     record.save(ds.prefix.parent)
     return record
 

@@ -23,14 +23,18 @@ def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.g
                                                        "1 for corpora under 8 MB)"),
             val_fraction: float = typer.Option(0.05, "--val-fraction",
                                                help="held out as whole documents from the end, for validation"),
-            text_key: str = typer.Option("text", "--text-key", help="the text field of .jsonl / column of .parquet")):
+            text_key: str = typer.Option("text", "--text-key", help="the text field of .jsonl / column of .parquet"),
+            shard: Optional[str] = typer.Option(None, "--shard", help="I/N: prepare only part I of N of the sources "
+                                                "(one host each; `data merge` joins the parts)")):
     """Tokenize SOURCES once into OUT (tokens.bin + tokens.idx + data.json); a no-op when OUT is current."""
+    from titan_pipe.training.prepare import Shard
     from titan_pipe.training.prepare import prepare as run_prepare
 
     limits.check_flag("--workers", workers, limits.WORKERS)  # one line naming the limit, before any work
+    part = Shard.parse(shard) if shard is not None else None
 
     r = call_stage("prepare", run_prepare, track=False, sources=sources, out_dir=out, tokenizer=tokenizer,
-                   workers=workers, val_fraction=val_fraction, text_key=text_key, progress=True)
+                   workers=workers, val_fraction=val_fraction, text_key=text_key, progress=True, shard=part)
     rec = r.record
     if r.reused:
         console.print(f"{r.out_dir}: already prepared from the same inputs (key {rec.key[:12]}); nothing to do",
@@ -40,6 +44,22 @@ def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.g
     console.print(f"prepared {r.out_dir}: {rec.n_documents:,} documents, {rec.n_tokens:,} tokens ({rec.dtype}); "
                   f"validation {rec.split.val_documents:,} documents / {rec.split.val_tokens:,} tokens; "
                   f"{mb:,.1f} MB in {r.seconds:.1f}s ({mb / max(r.seconds, 1e-9):.2f} MB/s)",
+                  highlight=False, soft_wrap=True)
+
+
+@data_app.command()
+@handle_errors
+def merge(inputs: List[Path] = typer.Argument(..., help="prepared data dirs: the N parts of `data prepare --shard`, "
+                                                      "or any prepared dirs of one tokenizer"),
+          out: Path = typer.Option(..., "-o", "--out", help="the merged data dir to write")):
+    """Join prepared data dirs into one without tokenizing again (the N parts of a sharded prepare give
+    what one unsharded prepare writes, byte for byte)."""
+    from titan_pipe.training.merge import merge as run_merge
+
+    r = call_stage("prepare", run_merge, track=False, inputs=inputs, out_dir=out, progress=True)
+    rec = r.record
+    console.print(f"merged {len(inputs)} dirs into {r.out_dir}: {rec.n_documents:,} documents, {rec.n_tokens:,} "
+                  f"tokens ({rec.dtype}); validation {rec.split.val_documents:,} documents in {r.seconds:.1f}s",
                   highlight=False, soft_wrap=True)
 
 

@@ -42,7 +42,7 @@ class SourceInfo:
     path: str  # as given (absolute)
     size: int
     mtime_ns: int  # with size: lets a re-run trust sha256 without re-reading the file
-    sha256: str
+    sha256: str  # "" in a shard's record for a file that shard does not read (data merge fills it in)
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class DataRecord:
     max_token_id: int
     split: Split
     skipped_empty: int = 0  # documents with no text, left out
+    shard: str | None = None  # "I/N": part I of N of the sources (data prepare --shard); None: all of them
     prefix: str = PREFIX
     schema: int = SCHEMA
     format: str = field(default="megatron-indexed-dataset")

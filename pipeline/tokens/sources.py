@@ -78,10 +78,17 @@ class Block:
         return sum(map(len, self.payload)) if isinstance(self.payload, list) else len(self.payload)
 
 
-def iter_blocks(path: Path, *, text_key: str = "text", block_bytes: int | None = None) -> Iterator[Block]:
+def iter_blocks(path: Path, *, text_key: str = "text", block_bytes: int | None = None,
+                byte_range: tuple[int, int] | None = None) -> Iterator[Block]:
     """One source file cut into blocks of about ``block_bytes`` (default BLOCK_BYTES; whole lines;
-    parquet: batches of ``text_key`` values)."""
+    parquet: batches of ``text_key`` values). ``byte_range`` (lo, hi), plain .jsonl only: the lines
+    that start at a byte in [lo, hi), numbered as in the whole file (a sharded prepare's part)."""
     kind, block_bytes = kind_of(path), block_bytes or BLOCK_BYTES
+    if byte_range is not None:
+        if kind != ".jsonl":
+            raise ValueError(f"{path}: only plain .jsonl files are read by byte range")
+        yield from _range_blocks(path, byte_range, block_bytes)
+        return
     if kind == ".txt":
         yield Block(path, kind, 1, _read_txt(path))
     elif kind == ".parquet":
@@ -95,8 +102,8 @@ def iter_blocks(path: Path, *, text_key: str = "text", block_bytes: int | None =
             raise UserError(f"{path}: cannot be read ({e}); re-create or re-download the file") from None
 
 
-def _line_blocks(f, path: Path, kind: str, block_bytes: int) -> Iterator[Block]:
-    line, rest = 1, b""
+def _line_blocks(f, path: Path, kind: str, block_bytes: int, *, first_line: int = 1) -> Iterator[Block]:
+    line, rest = first_line, b""
     while chunk := f.read(block_bytes):
         data = rest + chunk
         cut = data.rfind(b"\n") + 1
@@ -110,6 +117,63 @@ def _line_blocks(f, path: Path, kind: str, block_bytes: int) -> Iterator[Block]:
         rest = data[cut:]
     if rest:
         yield Block(path, kind, line, rest)
+
+
+def splittable(path: Path) -> bool:
+    """Whether a sharded prepare may cut ``path`` by byte range (line boundaries found by seeking)."""
+    return kind_of(path) == ".jsonl"
+
+
+def _newlines_before(f, end: int) -> int:
+    f.seek(0)
+    n, left = 0, end
+    while left > 0:
+        chunk = f.read(min(left, 16 << 20))
+        if not chunk:
+            break
+        n += chunk.count(b"\n")
+        left -= len(chunk)
+    return n
+
+
+def _line_start_at_or_after(f, pos: int) -> int:
+    """The first line start >= ``pos`` (``pos`` itself when a line starts there)."""
+    if pos == 0:
+        return 0
+    f.seek(pos - 1)
+    if f.read(1) == b"\n":
+        return pos
+    while chunk := f.read(1 << 16):
+        i = chunk.find(b"\n")
+        if i >= 0:
+            return f.tell() - len(chunk) + i + 1
+    return f.tell()
+
+
+def _range_blocks(path: Path, byte_range: tuple[int, int], block_bytes: int) -> Iterator[Block]:
+    lo, hi = byte_range
+    try:
+        with open(path, "rb") as f:
+            start, end = _line_start_at_or_after(f, lo), _line_start_at_or_after(f, hi)
+            if end <= start:
+                return
+            line = 1 + _newlines_before(f, start)
+            f.seek(start)
+            yield from _line_blocks(_Bounded(f, end - start), path, ".jsonl", block_bytes, first_line=line)
+    except OSError as e:
+        raise UserError(f"{path}: cannot be read ({e}); check the file") from None
+
+
+class _Bounded:
+    """At most ``left`` more bytes of ``f``."""
+
+    def __init__(self, f, left: int):
+        self.f, self.left = f, left
+
+    def read(self, n: int) -> bytes:
+        data = self.f.read(min(n, self.left)) if self.left > 0 else b""
+        self.left -= len(data)
+        return data
 
 
 def documents(block: Block, *, text_key: str = "text") -> list[str]:
