@@ -27,10 +27,10 @@ import pickle
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers import torch_save
+from titan_pipe.convert.readers.dcp_metadata import STAND_INS, MetadataIndex
 from titan_pipe.convert.readers.store import SafetensorsStore, StoredTensor, pread_into, read_header
 from titan_pipe.convert.readers.torch_save import SavedTensor
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan, check_accounted
@@ -66,14 +66,17 @@ _METADATA_GLOBALS = {
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admit only what DCP metadata is made of; anything else is refused by name."""
+    """Admit only what DCP metadata is made of; anything else is refused by name. DCP's own classes
+    are built as their stand-ins (convert/readers/dcp_metadata.py): torch.distributed.checkpoint is
+    never imported to read one file."""
 
     def find_class(self, module: str, name: str):
         ok = (name in _METADATA_GLOBALS.get(module, ())
               or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))))
         if not ok:
             raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
-        return super().find_class(module, name)
+        stand_in = STAND_INS.get((module, name))
+        return stand_in if stand_in is not None else super().find_class(module, name)
 
 
 def read_metadata(path: Path):

@@ -1,0 +1,71 @@
+"""DCP .metadata read into stand-ins (convert/readers/dcp_metadata.py): the same content torch's own
+classes load, without importing torch.distributed.checkpoint at all."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from convert_writers import model_args, native_state, write_dcp
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def dcp_ckpt(tmp_path_factory):
+    base = tmp_path_factory.mktemp("dcp")
+    args = model_args()
+    return write_dcp(native_state(args), args, base / "tt", full=True)
+
+
+def test_the_stand_ins_hold_what_torchs_classes_hold(dcp_ckpt):
+    import pickle
+
+    from titan_pipe.convert.readers.dcp import read_metadata
+
+    ours = read_metadata(dcp_ckpt)
+    with open(dcp_ckpt / ".metadata", "rb") as f:
+        theirs = pickle.load(f)  # a file this test wrote: torch's own classes
+    assert set(ours.state_dict_metadata) == set(theirs.state_dict_metadata)
+    for fqn, t in theirs.state_dict_metadata.items():
+        o = ours.state_dict_metadata[fqn]
+        assert hasattr(o, "chunks") == hasattr(t, "chunks"), fqn
+        if hasattr(t, "chunks"):
+            assert o.properties.dtype == t.properties.dtype and tuple(o.size) == tuple(t.size)
+            assert [(tuple(c.offsets), tuple(c.sizes)) for c in o.chunks] == \
+                   [(tuple(c.offsets), tuple(c.sizes)) for c in t.chunks]
+    assert len(ours.storage_data) == len(theirs.storage_data)
+    for idx, info in theirs.storage_data.items():
+        from titan_pipe.convert.readers.dcp_metadata import MetadataIndex
+
+        mine = ours.storage_data[MetadataIndex(idx.fqn, idx.offset)]
+        assert (mine.relative_path, mine.offset, mine.length) == (info.relative_path, info.offset, info.length)
+
+
+def test_convert_of_a_dcp_checkpoint_never_imports_torch_distributed_checkpoint(dcp_ckpt, tmp_path):
+    code = ("import sys\n"
+            "from titan_pipe.convert.api import convert_checkpoint\n"
+            f"convert_checkpoint(src={str(dcp_ckpt)!r}, out_dir={str(tmp_path / 'out')!r}, progress=False)\n"
+            "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=TESTS)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_pickle_naming_anything_else_is_still_refused(tmp_path):
+    import pickle
+
+    from titan_pipe.convert.readers.dcp import read_metadata
+    from titan_pipe.errors import UserError
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(subprocess.Popen))
+    with pytest.raises(UserError, match="refusing to load subprocess.Popen"):
+        read_metadata(tmp_path)
+    torch.save({}, tmp_path / "x.pt")  # a torch pickle with its own globals: refused too
+    (tmp_path / ".metadata").write_bytes((tmp_path / "x.pt").read_bytes())
+    with pytest.raises(UserError):
+        read_metadata(tmp_path)
