@@ -55,27 +55,9 @@ def _started_after(pid: int, when: float) -> bool:
     return boot + ticks / os.sysconf("SC_CLK_TCK") > when + 1
 
 
-def owner_gone(temp: Path) -> bool:
-    """Whether the process that made ``temp`` (per its name) is gone; unknown owners count as alive."""
-    m = _DIR_TEMP.match(temp.name) or _FILE_TEMP.match(temp.name)
-    if m is None or m.groupdict().get("host", _HOST) != _HOST:
-        return False  # another host's temp: its owner cannot be asked from here
-    pid = int(m.group("pid"))
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        pass  # alive, another user's
-    try:
-        return _started_after(pid, temp.lstat().st_mtime)
-    except OSError:
-        return False
-
-
 def _pid_gone(pid: int, made: float) -> bool:
+    """Whether process ``pid``, which made something at ``made`` (epoch s), is gone: no such
+    process, or one that started later (a reused PID). Another user's live process is not gone."""
     if pid == os.getpid():
         return False
     try:
@@ -85,6 +67,17 @@ def _pid_gone(pid: int, made: float) -> bool:
     except PermissionError:
         return False
     return _started_after(pid, made)
+
+
+def owner_gone(temp: Path) -> bool:
+    """Whether the process that made ``temp`` (per its name) is gone; unknown owners count as alive."""
+    m = _DIR_TEMP.match(temp.name) or _FILE_TEMP.match(temp.name)
+    if m is None or m.groupdict().get("host", _HOST) != _HOST:
+        return False  # another host's temp: its owner cannot be asked from here
+    try:
+        return _pid_gone(int(m.group("pid")), temp.lstat().st_mtime)
+    except OSError:
+        return False
 
 
 @contextmanager

@@ -98,9 +98,11 @@ def locate_weights(model_dir: Path) -> WeightFiles:
         for f in sorted(set(key_to_file.values())):
             if not f.is_file():
                 raise UserError(f"{index}: lists shard {f.name}, which is missing from {model_dir}")
+            _check_readable(f)
         return WeightFiles(tuple(sorted(set(key_to_file.values()))), key_to_file)
     if single.is_file():
         single = resolve_inside(model_dir, SINGLE, source=model_dir, what="weights file")
+        _check_readable(single)
         try:
             with safe_open(str(single), framework="numpy") as fh:  # keys only; "pt" would import torch
                 keys = list(fh.keys())
@@ -111,6 +113,15 @@ def locate_weights(model_dir: Path) -> WeightFiles:
     hint = (f"found {', '.join(found)}" if found else "found no weight files")
     raise UserError(f"{model_dir}: no {SINGLE} or {INDEX} ({hint}); titan-pipe reads safetensors only — "
                     "convert the checkpoint with `titan-pipe convert` or save_pretrained(safe_serialization=True)")
+
+
+def _check_readable(f: Path) -> None:
+    """A weights file this user may not read is one line saying so (it once read as "No such file")."""
+    import os
+
+    if not os.access(f, os.R_OK):
+        raise UserError(f"{f}: cannot be read by this user (permission denied); give read access "
+                        "(chmod a+r) or run as a user who can read it")
 
 
 def native_name(stored: str, source: Path) -> str | None:

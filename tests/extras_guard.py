@@ -47,21 +47,18 @@ def _fail(report, dist: str) -> None:
                        "(a stub in sys.modules, a broken import?); fix the import rather than skipping")
 
 
+def _check(outcome) -> None:
+    report = outcome.get_result()
+    dist = hidden_package(_reason(report.longrepr)) if report.skipped else None
+    if dist is not None:
+        _fail(report, dist)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    outcome = yield
-    report = outcome.get_result()
-    if report.skipped:
-        dist = hidden_package(_reason(report.longrepr))
-        if dist is not None:
-            _fail(report, dist)
+    _check((yield))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
-    outcome = yield
-    report = outcome.get_result()
-    if report.skipped:
-        dist = hidden_package(_reason(report.longrepr))
-        if dist is not None:
-            _fail(report, dist)
+    _check((yield))

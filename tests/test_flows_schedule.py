@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from titan_pipe.cli import app
 from titan_pipe.flows import cache
+from titan_pipe.flows.server import _wait_healthy as wait_healthy
 
 from flow_helpers import small_flow
 
@@ -49,21 +50,6 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
-def _wait_health(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prefect server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"{url}/health did not answer in {timeout} s")
-
-
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("server")
@@ -80,7 +66,7 @@ def prefect_server(tmp_path_factory):
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     try:
-        _wait_health(url, proc, timeout=150)
+        wait_healthy(url, proc, 150)  # the library's own wait (flows/server.py)
         yield url, home
     finally:
         _stop(proc)
@@ -244,7 +230,9 @@ def test_a_served_schedule_fires_and_its_run_completes(pool_run, prefect_server,
 
 
 def test_schedule_without_a_server_says_how_to_start_one(tmp_path, monkeypatch):
+    # no API configured anywhere (a session's test harness may have set one in Prefect's settings)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setattr("titan_pipe.flows.prefect_api.configured_api_url", lambda: None)
     r = CliRunner().invoke(app, ["schedule", str(TINY), "--cron", "0 2 * * *"])
     assert r.exit_code == 1, r.output
     assert "a schedule needs a Prefect server" in r.output and "prefect server start" in r.output

@@ -364,3 +364,20 @@ def test_too_few_file_descriptors_for_torchrun_is_named_with_its_fix(tmp_path):
     errors = [ln for ln in out.splitlines() if ln.startswith("error")]
     assert p.returncode == 1 and len(errors) == 1, out[-3000:]
     assert "EMFILE" in errors[0] and "ulimit -n" in errors[0] and "Traceback" not in out, errors
+
+
+@pytest.mark.parametrize("command", ["convert", "export", "inspect"])
+def test_an_unreadable_weights_file_is_named_as_unreadable(hf_src, tmp_path, monkeypatch, command):
+    """An unreadable weights file read as "No such file". (CI runs as root, who reads anything: the
+    permission is taken away by the access check the readers make.)"""
+    import os
+
+    weights = hf_src / "model.safetensors"
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(weights) and mode & os.R_OK
+                        else real(p, mode, **kw))
+    argv = {"convert": ("convert", hf_src, "-o", tmp_path / "out"),
+            "export": ("export", hf_src, "-o", tmp_path / "out", "--no-atc"), "inspect": ("inspect", hf_src)}[command]
+    code, text = cli(*argv)
+    _one_line(code, text, 1, str(weights), "cannot be read by this user (permission denied)")
+    assert "No such file" not in text and not (tmp_path / "out").exists()
