@@ -154,6 +154,13 @@ def test_megatron_args_typed_strictly(tmp_path):
 
 # --- flow.yaml --------------------------------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def _run_in_tmp(tmp_path, monkeypatch):
+    """Each case runs where its flow.yaml lies: a relative runs_dir is taken from the cwd (one rule
+    for every command and check), so its runs land in tmp_path, never in the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _flow(tmp_path: Path, text: str) -> Path:
     flow = tmp_path / "flow.yaml"
     flow.write_text(text)
@@ -277,7 +284,7 @@ def test_an_enormous_data_record(good, tmp_path, monkeypatch):
 
 
 def test_cron_with_seven_fields_is_not_served(tmp_path):
-    refused(tmp_path, "schedule", REPO / "examples" / "tiny" / "flow.yaml", "--cron", "0 0 2 * * * *",
+    refused(tmp_path, "schedule", REPO / "examples" / "tiny" / "flow.yaml", "--cron", "0 0 2 * * * *", code=2,
             expect=("--cron '0 0 2 * * * *' is not a cron expression of five fields (it has 7)",))
 
 

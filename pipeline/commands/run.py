@@ -186,11 +186,12 @@ def register(app: typer.Typer) -> None:
 
         cfg = load_flow(flow)
         prefect_env()
-        try:  # a bad option: exit 2 with its one line, before any server is asked
+        try:  # a bad option: one line and exit 2 (as bad options exit), before any server is asked
             plan = plan_deployment(flow_path=flow.resolve(), cfg=cfg, cron=cron, name=name, timezone=timezone,
                                    stage=stage, pool=pool)
         except UserError as e:
-            raise typer.BadParameter(str(e)) from None
+            e.exit_code = 2
+            raise
         console = Console(stderr=True)
         if pool is None:
             _serve_until_stopped(plan, flow.resolve())
