@@ -89,6 +89,7 @@ class LiveSummary:
 def _serve_until_stopped(plan, flow_path: Path) -> None:
     """Serve until a signal: Prefect's runner stops on Ctrl-C or SIGTERM and returns; the command
     then exits 128+signal with one line (the schedule is paused), as every interrupted command does."""
+    import logging
     import signal
 
     from titan_pipe.errors import Interrupted
@@ -98,6 +99,8 @@ def _serve_until_stopped(plan, flow_path: Path) -> None:
 
     def stop(signum, _frame):
         got.append(signum)
+        # the runner's tasks are cancelled on the way out; asyncio would log each as a traceback
+        logging.getLogger("asyncio").setLevel(logging.CRITICAL)
         raise Interrupted(signum, "the schedule is paused; `titan-pipe schedule` again resumes it")
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
