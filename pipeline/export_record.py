@@ -56,7 +56,7 @@ class GraphRecord:
     names of each decoder layer i: output (residual stream, (B, T, dim)), attention and MLP block
     outputs before their residual Add (None where the graph has none); ``embed_output``: the
     residual stream entering layer 0 (None in records written before it was recorded). Evaluate
-    cuts a graph into per-layer pieces between these names (titan_pipe.evaluate.pieces)."""
+    cuts a graph into per-layer pieces between these names (titan_pipe.evaluate.graph_pieces)."""
 
     opset: int | None = None
     inputs: dict[str, list] = field(default_factory=dict)
