@@ -635,9 +635,9 @@ def test_an_interrupted_task_is_not_retried_and_a_crash_is(prefect_harness, tmp_
 # --- kills of the real launches (torchrun, 2 ranks of the debug model) -----------------------------
 
 def _start_training(tmp_path: Path, *argv, env: dict | None = None, name: str = "k",
-                    parallel: dict | None = None, **kw) -> tuple[subprocess.Popen, Path]:
-    flow = _flow(tmp_path, tmp_path / "runs", name=name, train={"steps": 100000, "batch_size": 2, "seq_len": 16,
-                                                                "log_every": 1},
+                    parallel: dict | None = None, batch_size: int = 2, **kw) -> tuple[subprocess.Popen, Path]:
+    flow = _flow(tmp_path, tmp_path / "runs", name=name, train={"steps": 100000, "batch_size": batch_size,
+                                                                "seq_len": 16, "log_every": 1},
                  parallel=parallel or {"dp": 1, "tp": 2, "pp": 1}, checkpoint={"every": 100000})
     p = titan_pipe(*argv, flow, env=env or dict(os.environ), **kw)
     log = tmp_path / "runs" / name / "train.log"
@@ -740,7 +740,7 @@ def test_run_stops_in_seconds_whatever_receives_the_signal(tmp_path, how, ranks)
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
     parallel = {"dp": 1, "tp": 2, "pp": 1} if ranks == 2 else {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}
-    p, run = _start_training(tmp_path, "run", env=env, parallel=parallel, start_new_session=True)
+    p, run = _start_training(tmp_path, "run", env=env, parallel=parallel, batch_size=4, start_new_session=True)
     pids = descendants(p.pid)
     assert len(_ranks(pids)) == ranks and any("server_process" in " ".join(_cmdline(x)) for x in pids)
     t0 = time.monotonic()
