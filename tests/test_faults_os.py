@@ -720,7 +720,7 @@ def test_killing_run_ends_the_prefect_server_the_task_and_its_ranks(tmp_path, si
     p, run = _start_training(tmp_path, "run", env=env)
     pids = descendants(p.pid)
     assert len(_ranks(pids)) == 2
-    assert any("uvicorn" in _cmdline(x) for x in pids)  # Prefect's temporary server
+    assert any("titan_pipe.flows.server_process" in _cmdline(x) for x in pids)  # our temporary Prefect server
     p.send_signal(sig)
     out, _ = p.communicate(timeout=300)
     wait_gone(pids, lock_file=run / ".lock", timeout=60)
