@@ -138,9 +138,8 @@ def prepare_data_once(cfg: FlowConfig, flow_path: Path, run: RunDir | None) -> N
         return  # token data is checked on the first call (run None), raw text on the second
     if spec.text is not None:
         prepare_spec(spec, run.data, progress=reports())
-    _, data = open_spec(spec, prepared=run.data if run else flow_path.parent, vocab_size=cfg.model.args().vocab_size)
-    for source in data.sources:  # once here, in blocks; the ranks open only the headers
-        source.indexed.verify()
+    # the whole index of token data is verified once, by the pre-launch checks (preflight.corpus_problem)
+    open_spec(spec, prepared=run.data if run else flow_path.parent, vocab_size=cfg.model.args().vocab_size)
 
 
 def resume_flag(cfg: FlowConfig, run: RunDir, resume: bool) -> bool:
