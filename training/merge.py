@@ -22,6 +22,7 @@ from titan_pipe.tokens.dataset import val_start
 from titan_pipe.tokens.indexed import IndexedTokens, IndexWriter
 from titan_pipe.tokens.record import PREFIX, DataRecord, SourceInfo, Split, is_prepared
 from titan_pipe.training.prepare import PrepareResult, Shard, prepare_key
+from titan_pipe.training.prepare import check_out_dir
 
 DOCS_PER_BLOCK = 1 << 16  # documents copied at once (their lengths and tokens)
 
@@ -104,13 +105,7 @@ def merge(*, inputs: list[Path], out_dir: Path, progress: bool = True) -> Prepar
     if len(dirs) < 2:
         raise UserError("data merge: give two prepared data dirs or more")
     out_dir = Path(out_dir)
-    for d in dirs:
-        r, o = d.resolve(), out_dir.resolve()
-        if o == r or r in o.parents or o in r.parents:
-            raise UserError(f"-o {out_dir}: overlaps the input {d}; write the merge elsewhere")
-    if out_dir.exists() and not (out_dir.is_dir() and (is_prepared(out_dir) or not any(out_dir.iterdir()))):
-        raise UserError(f"-o {out_dir}: exists and is not a prepared data dir (no data.json); give a new or empty "
-                        "directory")
+    check_out_dir(out_dir, dirs)  # prepare's rule: outside every input, new, empty or a prepared dir
     recs = [_load(d) for d in dirs]
     _refuse_mixed(dirs, recs)
     sharded = [r.shard is not None for r in recs]

@@ -119,7 +119,7 @@ def default_workers() -> int:
                       else os.cpu_count() or 1))
 
 
-def _check_out_dir(out_dir: Path, roots: list[Path]) -> None:
+def check_out_dir(out_dir: Path, roots: list[Path]) -> None:
     out = out_dir.resolve()
     for root in roots:
         r = root.resolve()
@@ -168,7 +168,7 @@ def plan_prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, val_frac
     out_dir = Path(out_dir)
     roots = [Path(s) for s in sources]
     files = [f for root in roots for f in corpus_files(root)]
-    _check_out_dir(out_dir, roots)
+    check_out_dir(out_dir, roots)
     tok = build_tokenizer(tokenizer)
     info = tokenizer_info(tok)
     spec = str(Path(tok.path).resolve()) if info.kind != "byte" else "byte"
