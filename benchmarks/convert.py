@@ -58,7 +58,8 @@ def build(work: Path, layers: int) -> dict:
 
     from titan_pipe.convert.api import convert_checkpoint
     from titan_pipe.checkpoint_format import Manifest
-    from titan_pipe.model.names import native_to_hf, to_hf_config
+    from titan_pipe.model.names import native_to_hf
+    from titan_pipe.model.hf_config import to_hf_config
     from titan_pipe.model.args import ModelArgs
     from titan_pipe.model.transformer import build_model
 

@@ -115,7 +115,8 @@ def write_random_model(out: Path, args, dtype: str = "float32", seed: int = 0, n
     import torch
     from safetensors.torch import save_file
 
-    from titan_pipe.model.names import native_to_hf, to_hf_config
+    from titan_pipe.model.names import native_to_hf
+    from titan_pipe.model.hf_config import to_hf_config
     from titan_pipe.model.transformer import build_model
 
     out.mkdir(parents=True)

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from titan_pipe.convert.hashing import scan_file
-from titan_pipe.convert.readers.store import read_header
+from titan_pipe.safetensors_header import read_header
 
 
 def build(path: Path, mib: int) -> int:

@@ -34,7 +34,8 @@ def build(work: Path, *, dim: int, ffn: int, vocab: int, layers: int) -> Path:
 
     from titan_pipe.convert.api import convert_checkpoint
     from titan_pipe.model.args import ModelArgs
-    from titan_pipe.model.names import native_to_hf, to_hf_config
+    from titan_pipe.model.names import native_to_hf
+    from titan_pipe.model.hf_config import to_hf_config
     from titan_pipe.model.transformer import build_model
 
     args = ModelArgs(dim=dim, n_layers=layers, n_heads=dim // 64, n_kv_heads=max(1, dim // 256),

@@ -48,7 +48,7 @@ def hf_model(args: ModelArgs):
     """An (untrained) transformers model of ``args``' architecture: Llama, Mistral, Qwen2 or Qwen3."""
     import transformers
 
-    from titan_pipe.model.names import to_hf_config
+    from titan_pipe.model.hf_config import to_hf_config
 
     cfg = {k: v for k, v in to_hf_config(args).items() if k not in ("architectures", "torch_dtype")}
     return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))

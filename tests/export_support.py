@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from titan_pipe.model.args import ModelArgs, resolve_args
-from titan_pipe.model.names import native_to_hf, to_hf_config
+from titan_pipe.model.names import native_to_hf
+from titan_pipe.model.hf_config import to_hf_config
 from titan_pipe.model.transformer import Transformer, build_model
 
 

@@ -175,6 +175,26 @@ def test_native_naming(tp4pp2, weights, tmp_path):
     _assert_same_weights(tmp_path / "n", weights[1], naming="native")
 
 
+def test_a_native_named_dir_converts_and_exports(tp4pp2, weights, tmp_path):
+    """What ``convert --naming native`` writes is a unified dir every stage reads (it once was
+    refused by convert: "no native name for Hugging Face parameter"): it converts back to HF names
+    and to shards bit for bit, and export plans the same initializers from it as from the HF dir."""
+    from titan_pipe.model.unified_dir import open_unified
+
+    args, sd = weights
+    native = tmp_path / "native"
+    convert_checkpoint(src=tp4pp2, out_dir=native, naming="native", progress=False)
+    convert_checkpoint(src=native, out_dir=tmp_path / "hf", progress=False)
+    _assert_same_weights(tmp_path / "hf", sd)
+    convert_checkpoint(src=native, out_dir=tmp_path / "shards", tp=2, pp=2, progress=False)
+    convert_checkpoint(src=tmp_path / "shards", out_dir=tmp_path / "back", naming="native", progress=False)
+    _assert_same_weights(tmp_path / "back", sd, naming="native")
+    a, b = open_unified(native), open_unified(tmp_path / "hf")
+    assert a.args == b.args and set(a.params) == set(b.params) == set(sd)
+    assert {n: (p.stored.shape, p.stored.dtype) for n, p in a.params.items()} == \
+        {n: (p.stored.shape, p.stored.dtype) for n, p in b.params.items()}
+
+
 def test_rope_deinterleave_matches_meta_convention(weights):
     """Interleaved RoPE on Meta rows == rotate-half RoPE on the de-interleaved rows."""
     args, _ = weights

@@ -89,7 +89,8 @@ def test_swapped_rows_in_unified_model_fail_at_that_layer(trained, tmp_path):
 def test_checkpoint_and_model_dir_of_different_models_are_refused(trained, tmp_path):
     from safetensors.torch import save_file as save
 
-    from titan_pipe.model.names import native_to_hf, to_hf_config
+    from titan_pipe.model.names import native_to_hf
+    from titan_pipe.model.hf_config import to_hf_config
     from titan_pipe.errors import UserError
     from titan_pipe.model.transformer import build_model
     from titan_pipe.model.args import resolve_args

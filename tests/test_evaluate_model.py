@@ -20,7 +20,8 @@ from titan_pipe.errors import UserError  # noqa: E402
 from titan_pipe.evaluate.api import evaluate_model  # noqa: E402
 from titan_pipe.evaluate.metrics import CSV_COLUMNS  # noqa: E402
 from titan_pipe.model.args import resolve_args
-from titan_pipe.model.names import native_to_hf, to_hf_config
+from titan_pipe.model.names import native_to_hf
+from titan_pipe.model.hf_config import to_hf_config
 from titan_pipe.model.transformer import build_model
 
 FAST = EvaluateConfig(operators=False, batches=1, batch_size=2, seq_len=32, prompts=1, new_tokens=4)

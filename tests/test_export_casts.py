@@ -18,7 +18,7 @@ from titan_pipe.choices import EXPORT
 from titan_pipe.convert.casts import BLOCK, bits_dtype, cast_bits
 from titan_pipe.convert.onnx import data_file
 from titan_pipe.convert.onnx.export import export_model
-from titan_pipe.convert.onnx.graphs import initializer_names
+from titan_pipe.model.params import initializer_names
 from titan_pipe.graph_io import data_file_names
 from titan_pipe.model import rope
 from titan_pipe.model.args import FLAVOURS, resolve_args
@@ -244,8 +244,8 @@ def test_source_truncated_during_export_fails_cleanly(tmp_path, monkeypatch):
     unified = write_unified(model, args, tmp_path / "model", dtype=torch.bfloat16)
     plan = weights.plan_weights
 
-    def plan_then_truncate(model_dir, a):
-        found = plan(model_dir, a)
+    def plan_then_truncate(opened):
+        found = plan(opened)
         path = unified / "model.safetensors"
         with open(path, "r+b") as f:
             f.truncate(path.stat().st_size // 2)

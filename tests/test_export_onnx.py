@@ -12,7 +12,7 @@ from titan_pipe.choices import EXPORT
 from titan_pipe.convert.onnx.export import export_model
 from titan_pipe.graph_io import data_file_names
 from titan_pipe.generation import generate_padded
-from titan_pipe.convert.readers.store import read_header
+from titan_pipe.safetensors_header import read_header
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -146,7 +146,7 @@ def test_fp16_graph_within_tolerance(tmp_path):
 
 def test_transformers_checkpoint_matches_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from titan_pipe.model.names import to_hf_config
+    from titan_pipe.model.hf_config import to_hf_config
 
     _, args = debug_model()
     cfg = transformers.LlamaConfig(**{k: v for k, v in to_hf_config(args).items()

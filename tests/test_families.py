@@ -29,10 +29,11 @@ from titan_pipe.evaluate.api import evaluate_model
 from titan_pipe.evaluate.operators import OPERATORS, model_operators, run_operator
 from titan_pipe.generation import generate, ort_session
 from titan_pipe.model.args import model_differences
-from titan_pipe.model.names import from_hf_config, hf_to_native, native_to_hf, to_hf_config
+from titan_pipe.model.names import hf_to_native, native_to_hf
+from titan_pipe.model.hf_config import from_hf_config, to_hf_config
 from titan_pipe.model.params import native_shapes
 from titan_pipe.model.transformer import build_model
-from titan_pipe.unified_dir import read_model_args
+from titan_pipe.model.unified_dir import read_model_args
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("onnxruntime")

@@ -18,7 +18,7 @@ from titan_pipe.errors import UserError
 from titan_pipe.model.args import RopeScaling
 from titan_pipe.model.hf_config import from_hf_config
 from titan_pipe.model.load import load_unified_model
-from titan_pipe.unified_dir import read_model_args
+from titan_pipe.model.unified_dir import read_model_args
 
 transformers = pytest.importorskip("transformers")
 

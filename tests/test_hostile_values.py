@@ -21,7 +21,7 @@ from test_untrusted_input import copy, edit_json, refused
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.errors import UserError
 from titan_pipe.limits import Bound
-from titan_pipe.model.names import to_hf_config
+from titan_pipe.model.hf_config import to_hf_config
 
 pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]

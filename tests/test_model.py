@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from titan_pipe.model.args import FLAVOURS, count_params, flops_per_token, resolve_args
-from titan_pipe.model.names import from_hf_config, hf_to_native, native_to_hf, to_hf_config
+from titan_pipe.model.names import hf_to_native, native_to_hf
+from titan_pipe.model.hf_config import from_hf_config, to_hf_config
 from titan_pipe.model.transformer import build_model
 
 transformers = pytest.importorskip("transformers")

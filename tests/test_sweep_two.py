@@ -49,7 +49,7 @@ def test_a_tied_config_over_its_own_head_converts_as_transformers_reads_it(tmp_p
     word (logits off by up to 1.13 against transformers' reading). Now: kept, and the written config
     says untied; a head equal to the embedding (or none) is the tie."""
     from titan_pipe.model.weights import SafetensorsWeights
-    from titan_pipe.unified_dir import read_model_args
+    from titan_pipe.model.unified_dir import read_model_args
 
     src = _tied_llama(tmp_path / "src", head_delta=head_delta)
     before = {p.name: p.read_bytes() for p in src.iterdir()}
@@ -315,7 +315,7 @@ def test_a_killed_evaluates_scratch_dir_is_removed_by_the_next_one(tmp_path, mon
 def test_more_data_files_than_tensors_writes_no_empty_file(hf_src, tmp_path):
     from titan_pipe.convert.onnx.export import export_model
     from titan_pipe.model.params import native_shapes
-    from titan_pipe.unified_dir import read_model_args
+    from titan_pipe.model.unified_dir import read_model_args
 
     n = len(native_shapes(read_model_args(hf_src)))
     res = export_model(model_dir=hf_src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False, data_files=64)

@@ -20,7 +20,7 @@ from titan_pipe.config import ConfigError, FlowConfig
 from titan_pipe.errors import UserError
 from titan_pipe.faults import free_bytes, human
 from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, count_params, model_differences
-from titan_pipe.unified_dir import read_model_args
+from titan_pipe.model.unified_dir import read_model_args
 
 # Raw text whose token count its size cannot settle is tokenized here exactly as data prepare will,
 # up to this size; a larger corpus is left to the trainer's own check.

@@ -50,11 +50,12 @@ from pathlib import Path
 import numpy as np
 
 from titan_pipe.convert.casts import bits_dtype, cast_bits
-from titan_pipe.convert.onnx.weights import DataEntry, SourceTensor
+from titan_pipe.convert.onnx.weights import DataEntry
 from titan_pipe.convert.readers.store import pread_into
 from titan_pipe.dtypes import BY_NAME, DTYPE_SIZES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import new_hasher
+from titan_pipe.model.unified_dir import StoredParam
 
 ALIGN = 4096  # page-aligned tensors, so a runtime can mmap them
 # A window's pages mapped in one call (MAP_POPULATE) rather than a fault per few pages as the cast
@@ -83,7 +84,7 @@ class _Lane:
     name: str
     fd: int
     hasher: object | None
-    steps: list[tuple] = field(default_factory=list)  # ("bytes", view, pos) | ("source", SourceTensor, pos)
+    steps: list[tuple] = field(default_factory=list)  # ("bytes", view, pos) | ("source", StoredParam, pos)
     end: int = 0  # bytes planned so far
 
 
@@ -121,7 +122,7 @@ class DataWriter:
 
     # -- planning (pure data) -------------------------------------------------------------------
 
-    def add_source(self, name: str, src: SourceTensor) -> DataEntry:
+    def add_source(self, name: str, src: StoredParam) -> DataEntry:
         """Plan one stored tensor, cast to the export dtype when written."""
         s = src.stored
         lane = self._lane_for()
@@ -225,7 +226,7 @@ class DataWriter:
         if lane.hasher is not None:
             lane.hasher.update(view)
 
-    def _cast(self, lane: _Lane, fd: int, src: SourceTensor, pos: int, buf: np.ndarray) -> None:
+    def _cast(self, lane: _Lane, fd: int, src: StoredParam, pos: int, buf: np.ndarray) -> None:
         """A tensor cast a PIECE at a time from WINDOW-sized windows of the page cache (one copy fewer than
         pread into a buffer) into ``buf``, each piece written and hashed while in cache."""
         s = src.stored
@@ -252,7 +253,7 @@ class DataWriter:
                     self._put(lane, out, pos + (first + i) * self.itemsize)
                 del whole, part  # the mapping closes only once no array views it
 
-    def _copy(self, lane: _Lane, fd: int, src: SourceTensor, pos: int, buf: np.ndarray) -> None:
+    def _copy(self, lane: _Lane, fd: int, src: StoredParam, pos: int, buf: np.ndarray) -> None:
         """A tensor already in the export dtype: copied by the kernel where it can, a WINDOW at a time,
         each hashed from a window of the source (the copy's bytes)."""
         s = src.stored

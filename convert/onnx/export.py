@@ -22,7 +22,8 @@ from titan_pipe.convert.onnx import atc as atc_mod
 from titan_pipe.convert.onnx.atc_ops import find_problems, load_atc_ops, operator_report
 from titan_pipe.convert.onnx.files import check_and_infer, file_table
 from titan_pipe.convert.onnx.data_file import DataWriter
-from titan_pipe.convert.onnx.graphs import GraphSpec, LayerValues, build_graph, initializer_names, io_dims
+from titan_pipe.convert.onnx.graphs import GraphSpec, LayerValues, build_graph, io_dims
+from titan_pipe.model.params import initializer_names
 from titan_pipe.convert.onnx.weights import plan_weights
 from titan_pipe.choices import EXPORT, default_cache_len, export_problems
 from titan_pipe.dtypes import BY_NAME
@@ -34,7 +35,7 @@ from titan_pipe.model import rope
 from titan_pipe.model.args import ModelArgs, count_params
 from titan_pipe.onnx_nodes import NP_DTYPES
 from titan_pipe.model.params import native_shapes
-from titan_pipe.unified_dir import read_model_args
+from titan_pipe.model.unified_dir import open_unified
 
 WHAT = "the ONNX export"
 
@@ -211,11 +212,12 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
     console = Console(stderr=True)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     _check_paths(model_dir, out_dir, overwrite)
-    args = read_model_args(model_dir)
+    unified = open_unified(model_dir)  # headers read and every tensor placed: bad weights fail before any write
+    args = unified.args
     plan = plan_export(args, opset=opset, dtype=dtype, batch=batch, seq_len=seq_len, cache_len=cache_len,
                        dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
                        precision_mode=precision_mode, expose_hidden=expose_hidden, digest=digest, data_files=data_files)
-    sources = plan_weights(model_dir, args)  # headers only: bad weights fail before any write
+    sources = plan_weights(unified)
     needs = output_bytes(plan, args)
     check_free_space(out_dir, needs=needs, what=WHAT)  # refuse before a byte is written
     work = temp_dir(out_dir)

@@ -32,7 +32,6 @@ from titan_pipe.graph_io import (ATTENTION_MASK, DECODE_FILE, HIDDEN, INPUT_IDS,
                                  POSITION_IDS, PREFILL_FILE, PRESENT, WRITE_INDEX, hidden_name, io_names)
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.params import LAYER_PARAMS
-from titan_pipe.model.params import initializer_names  # noqa: F401 - re-exported for the export
 from titan_pipe.onnx_nodes import NodeBuilder, attention, embedding, linear, rms_norm, rotary, swiglu, within_window
 
 _LAYER_INIT = {p.name: p.onnx for p in LAYER_PARAMS}  # native name within a layer -> initializer name

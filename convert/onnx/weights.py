@@ -7,25 +7,11 @@ then streamed into the data files (``model.onnx.data``) by titan_pipe.convert.on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from titan_pipe.convert.readers.store import StoredTensor, read_header
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.params import native_shapes
-from titan_pipe.unified_dir import check_all_placed, locate_weights, place_tensor
+from titan_pipe.model.unified_dir import StoredParam, UnifiedDir
 
 _CASTABLE = ("F32", "F16", "BF16")  # safetensors codes of the float types export reads
-
-
-@dataclass(frozen=True)
-class SourceTensor:
-    """One parameter as stored: file, stored key, dtype name (safetensors), shape, byte range."""
-
-    name: str  # native parameter name, e.g. layers.0.attention.wq.weight
-    file: Path
-    key: str
-    stored: StoredTensor
 
 
 @dataclass(frozen=True)
@@ -39,33 +25,12 @@ class DataEntry:
     dims: tuple[int, ...]
 
 
-def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Native parameter name -> shape, from the dims alone; a tied model may still store output.weight
-    (it is the embedding, and the graphs use the embedding)."""
-    shapes = native_shapes(args)
-    if args.tie_embeddings:
-        shapes["output.weight"] = (args.vocab_size, args.dim)
-    return shapes
-
-
-def plan_weights(model_dir: Path, args: ModelArgs) -> dict[str, SourceTensor]:
-    """Every parameter of the model -> where it is stored; UserError naming the tensor and file
-    for a missing, extra, duplicated, mis-shaped or non-float tensor. Reads headers only."""
-    model_dir = Path(model_dir)
-    weights = locate_weights(model_dir)
-    expected = expected_shapes(args)
-    found: dict[str, SourceTensor] = {}
-    for path in weights.files:
-        header, _ = read_header(path)
-        for stored in sorted(k for k, f in weights.key_to_file.items() if f == path):
-            info = header.get(stored)
-            name = place_tensor(model_dir, args, expected, path=path, stored=stored, present=header,
-                                shape=info.shape if info is not None else None, placed=found)
-            if name is None:
-                continue
-            if info.dtype not in _CASTABLE:
-                raise UserError(f"{path}: tensor {stored!r} has dtype {info.dtype}; export reads float32, "
-                                "float16 or bfloat16 weights — convert the checkpoint with `titan-pipe convert`")
-            found[name] = SourceTensor(name, path, stored, info)
-    check_all_placed(model_dir, args, expected, found)
-    return found
+def plan_weights(unified: UnifiedDir) -> dict[str, StoredParam]:
+    """Every stored parameter of an opened unified dir (titan_pipe.model.unified_dir has placed and
+    shape-checked each from the headers) -> where it is stored; UserError naming the tensor and file
+    for one export cannot cast. Reads headers only."""
+    for p in unified.params.values():
+        if p.stored.dtype not in _CASTABLE:
+            raise UserError(f"{p.file}: tensor {p.key!r} has dtype {p.stored.dtype}; export reads float32, "
+                            "float16 or bfloat16 weights — convert the checkpoint with `titan-pipe convert`")
+    return dict(unified.params)

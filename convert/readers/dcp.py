@@ -31,7 +31,8 @@ import torch
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers import torch_save
 from titan_pipe.convert.readers.dcp_metadata import STAND_INS, MetadataIndex
-from titan_pipe.convert.readers.store import SafetensorsStore, StoredTensor, pread_into, read_header
+from titan_pipe.convert.readers.store import SafetensorsStore, pread_into
+from titan_pipe.safetensors_header import StoredTensor, read_header
 from titan_pipe.convert.readers.torch_save import SavedTensor
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan, check_accounted
 from titan_pipe.dtypes import DTYPE_NAMES, TORCH_DTYPES

@@ -1,10 +1,7 @@
-"""Read a unified model directory (ours, or any Hugging Face LLaMA dir) into our Transformer.
+"""Read a unified model directory (ours, or a Hugging Face dir of a supported family) into our Transformer.
 
-A unified directory holds ``config.json`` (a Hugging Face LlamaConfig) and the weights as one
-``model.safetensors`` or as shards listed by ``model.safetensors.index.json``. Tensor names may
-be Hugging Face (``model.layers.0.self_attn.q_proj.weight``) or native (``layers.0.attention.wq.weight``).
-The model is built on the meta device and each tensor is assigned as it is read, so loading holds
-one copy of the weights (plus one tensor in flight for a dtype cast).
+The directory is opened and checked by titan_pipe.model.unified_dir (the one reader of unified
+dirs). The model is built on the meta device and each tensor is assigned as it is read, so loading holds one copy of the weights (plus one tensor in flight for a dtype cast).
 """
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels
 from titan_pipe.model.transformer import Transformer, build_model, rope_cos_sin
-from titan_pipe.unified_dir import check_all_placed, locate_weights, place_tensor, read_model_args
+from titan_pipe.model.unified_dir import open_unified
 
 
 def load_unified_model(model_dir: Path, *, dtype: str | torch.dtype | None = None, device: str = "cpu",
@@ -28,31 +25,16 @@ def load_unified_model(model_dir: Path, *, dtype: str | torch.dtype | None = Non
     read. Each stored tensor's shape must match config.json; missing, extra or mis-shaped
     tensors raise UserError naming the tensor and the file.
     """
-    from safetensors import safe_open
-
-    model_dir = Path(model_dir)
-    args = read_model_args(model_dir)
-    target = parse_dtype(dtype)
-    weights = locate_weights(model_dir)
+    unified = open_unified(model_dir)
+    args, target = unified.args, parse_dtype(dtype)
     model = build_model(args, kernels=kernels, seed=None, device="meta")
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    loaded: set[str] = set()
-    for path in weights.files:
-        wanted = sorted(k for k, f in weights.key_to_file.items() if f == path)
-        with safe_open(str(path), framework="pt", device="cpu") as fh:
-            present = set(fh.keys())
-            for stored in wanted:
-                shape = tuple(fh.get_slice(stored).get_shape()) if stored in present else None
-                name = place_tensor(model_dir, args, expected, path=path, stored=stored, present=present,
-                                    shape=shape, placed=loaded)
-                if name is None:
-                    continue
-                t = fh.get_tensor(stored)
-                if target is not None and t.dtype != target:
-                    t = t.to(target)
-                _assign_param(model, name, t.to(device))
-                loaded.add(name)
-    check_all_placed(model_dir, args, expected, loaded)
+    for name in dict(model.named_parameters()):
+        if name == "output.weight" and args.tie_embeddings:
+            continue  # tied below
+        t = unified.read(name)
+        if target is not None and t.dtype != target:
+            t = t.to(target)
+        _assign_param(model, name, t.to(device))
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     dtypes = {p.dtype for p in model.parameters()}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 
-from titan_pipe.model.hf_config import from_hf_config, to_hf_config  # noqa: F401 (their callers import them here too)
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS
 
 # (native pattern, Hugging Face pattern); {i} is the layer id. Derived from the parameter list.

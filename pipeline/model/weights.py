@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import safe_open
+from safetensors import safe_open  # our checkpoint's shards (a unified dir: titan_pipe.model.unified_dir)
 
 from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, LayoutError, Manifest, is_complete, newest_complete
 from titan_pipe.errors import UserError
@@ -98,49 +98,26 @@ def _slices(part: Box, within: Box) -> tuple[slice, ...]:
 
 
 class SafetensorsWeights:
-    """A unified model dir (ours or Hugging Face): config.json + model*.safetensors (+ index).
-
-    Found and named by titan_pipe.unified_dir, as titan_pipe.model.load's loader finds them, so a directory that
-    ``titan-pipe export`` accepts is one ``init_from`` accepts, with the same errors.
-    """
+    """A unified model dir (ours or Hugging Face): config.json + model*.safetensors (+ index), opened
+    and checked by titan_pipe.model.unified_dir, the reader export and convert use too, so a directory
+    that ``titan-pipe export`` accepts is one ``init_from`` accepts, with the same errors."""
 
     def __init__(self, model_dir: Path):
-        from titan_pipe.model.params import native_shapes
-        from titan_pipe.unified_dir import locate_weights, native_name, read_model_args
+        from titan_pipe.model.unified_dir import open_unified
 
         self.dir = Path(model_dir)
-        self.args = read_model_args(self.dir)
-        expected = set(native_shapes(self.args)) | {"output.weight"}  # a tied model may store it too
-        self._where: dict[str, tuple[Path, str]] = {}
-        for key, f in sorted(locate_weights(self.dir).key_to_file.items()):
-            name = native_name(key, f)
-            if name is not None and name not in expected:  # every stored tensor is accounted for
-                raise UserError(f"{f}: tensor {key!r} has no place in the model of {self.dir / 'config.json'} "
-                                f"({self.args.n_layers} layers); the weights and config.json do not belong together")
-            if name is not None:
-                self._where[name] = (f, key)
-        if self.args.tie_embeddings and "output.weight" not in self._where and \
-                "tok_embeddings.weight" in self._where:
-            self._where["output.weight"] = self._where["tok_embeddings.weight"]
+        self._unified = open_unified(self.dir)
+        self.args = self._unified.args
 
     def names(self) -> list[str]:
-        return list(self._where)
+        return list(self._unified.params)
 
     def full(self, name: str) -> torch.Tensor:
-        if name not in self._where:
-            raise UserError(f"{self.dir}: no tensor for parameter {name!r}; the directory is "
-                            "incomplete or of another model")
-        f, key = self._where[name]
-        with safe_open(str(f), framework="pt") as h:
-            return h.get_tensor(key)
+        return self._unified.read(name)
 
     def box(self, name: str, box: Box) -> torch.Tensor:
         """(box.lengths) piece of ``name``: only that part of the stored tensor is read."""
-        if name not in self._where:
-            return self.full(name)  # the one clear error
-        f, key = self._where[name]
-        with safe_open(str(f), framework="pt") as h:
-            return h.get_slice(key)[_slices(box, Box.full(box.lengths))]
+        return self._unified.read_box(name, box)
 
 
 def open_weights(path: Path) -> WeightSource:

@@ -32,7 +32,7 @@ from titan_pipe.convert.readers import dcp
 from titan_pipe.convert.readers.megatron.common import (FORMAT, Reads, arg, defuse_fc1, defuse_qkv, fused_group,
                                                         iter_dir, iteration, load_pickle, model_args, qkv_group_rows,
                                                         rope_rows, tensor_plans, true_vocab, vocab_read)
-from titan_pipe.convert.readers.store import StoredTensor
+from titan_pipe.safetensors_header import StoredTensor
 from titan_pipe.convert.readers.torch_save import SavedTensor
 from titan_pipe.convert.source_plan import Read, SourcePlan
 from titan_pipe.dtypes import DTYPE_NAMES
