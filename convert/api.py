@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from titan_pipe.atomic import swap_dir, temp_dir, write_text
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Chunk, FileInfo, LayoutError, Manifest, ParallelLayout, ParamSpec
+from titan_pipe.checkpoint_format import MANIFEST_NAME, CheckpointExtra, Chunk, FileInfo, LayoutError, Manifest, ParallelLayout, ParamSpec
 from titan_pipe.convert.detect import open_source
 from titan_pipe.convert.hashing import BackgroundHasher
 from titan_pipe.convert.reshard import write_file
@@ -105,10 +105,9 @@ def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan) -> Path:
     """manifest.json for a sharded output, written last (it marks the checkpoint complete)."""
     params: dict[str, ParamSpec] = {}
     for f in out.files:
-        stage = int(f.name.split("/")[-1].split("-")[0][2:])
         for t in f.tensors:
             p = params.setdefault(t.key, ParamSpec(t.key, t.source.shape, t.dtype,
-                                                   tp_split_dim(t.key) if out.tp > 1 else None, stage))
+                                                   tp_split_dim(t.key) if out.tp > 1 else None, f.stage))
             p.chunks.append(Chunk(f.name, t.key, t.region))
     names = [f.name for f in out.files]
     digests = BackgroundHasher(tmp, names).start().result()  # one file per core at once
@@ -118,8 +117,7 @@ def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan) -> Path:
                                          pp_schedule=src.layout.get("pp_schedule") or ("1f1b" if out.pp > 1 else "gpipe"),
                                          stages=tuple(map(tuple, out.stages)), stage_ranks=tuple(stage_ranks(out.pp, out.pp))),
                  params=params, files=files,
-                 extra={"converted_from": {"format": src.format, "path": str(src.root)},
-                        "optimizer": None})
+                 extra=CheckpointExtra(converted_from={"format": src.format, "path": str(src.root)}))
     m.validate()
     return write_text(tmp / MANIFEST_NAME, m.to_json())
 
@@ -162,7 +160,7 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
 
     Default: ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` + index past
     ``max_shard_size``), ``config.json`` (LlamaConfig) and ``provenance.json``. With ``tp``/``pp``:
-    our sharded layout (``manifest.json`` + ``model/pp{s}-tp{r}.safetensors``, native names,
+    our sharded layout (``manifest.json`` + shard files named by checkpoint_format.shard_file, native names,
     no optimizer state). ``model_config``: a params.json/config.json for sources without one (DCP).
     ``verify=False`` skips hashing the source (sizes, headers and shapes are still checked); the
     provenance then records the manifest's sha256s as unverified.

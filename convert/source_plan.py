@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import Box, LayoutError, split_box
+from titan_pipe.checkpoint_format import Box, LayoutError, shard_file, split_box
 from titan_pipe.choices import NAMINGS
 from titan_pipe.dtypes import DTYPE_SIZES, OUT_DTYPES
 from titan_pipe.model.args import ModelArgs
@@ -143,6 +143,7 @@ class OutTensor:
 class OutFile:
     name: str  # relative to the output directory
     tensors: tuple[OutTensor, ...]
+    stage: int | None = None  # the pipeline stage a sharded output's file holds (None: unified)
 
     @property
     def nbytes(self) -> int:
@@ -210,7 +211,7 @@ def plan_unified(src: SourcePlan, *, naming: str = "hf", dtype: str = "keep",
 
 
 def plan_sharded(src: SourcePlan, *, tp: int, pp: int, dtype: str = "keep") -> OutputPlan:
-    """Our own checkpoint layout: model/pp{stage}-tp{rank}.safetensors, native keys, local tensors.
+    """Our own checkpoint layout: titan_pipe.checkpoint_format.shard_file names, native keys, local tensors.
 
     Split dims come from the sharding table (titan_pipe.model.sharding), stages from split_stages, as
     the trainer does; replicated tensors (norms) sit in every tp rank's file of their stage, so
@@ -233,5 +234,5 @@ def plan_sharded(src: SourcePlan, *, tp: int, pp: int, dtype: str = "keep") -> O
                     continue
                 region = split_box(t.shape, tp_split_dim(t.name), tp, r)
                 outs.append(OutTensor(t.name, t, region, output_dtype(t.dtype, dtype)))
-            files.append(OutFile(f"model/pp{s}-tp{r}.safetensors", tuple(outs)))
+            files.append(OutFile(shard_file(s, r), tuple(outs), stage=s))
     return OutputPlan("sharded", tuple(files), tp=tp, pp=pp, stages=tuple(tuple(x) for x in stages))

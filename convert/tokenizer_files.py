@@ -29,18 +29,18 @@ def plan_tokenizer_files(plan: SourcePlan) -> dict[str, Path]:
         found = {n: resolve_inside(root, n, source=root, what="tokenizer file") for n in TOKENIZER_NAMES}
         return {n: f for n, f in found.items() if f.is_file()}
     extra = Manifest.load(root).extra
-    if extra.get("tokenizer", "byte") == "byte":
+    if (extra.tokenizer or "byte") == "byte":
         return {}
-    attached = extra.get("attached") or {}
+    attached = extra.attached
     names = [n for n in TOKENIZER_NAMES if n in attached]
-    if extra["tokenizer"] != "tokenizer.json" or "tokenizer.json" not in attached:
+    if extra.tokenizer != "tokenizer.json" or "tokenizer.json" not in attached:
         return {}  # an older checkpoint that recorded the flow's tokenizer path, not a copy of it
     out = {}
     for n in names:
         f = resolve_inside(root, n, source=root / MANIFEST_NAME, what="attached file")
-        if not f.is_file() or f.stat().st_size != attached[n]["size"]:
+        if not f.is_file() or f.stat().st_size != attached[n].size:
             raise UserError(f"{f}: missing or not the size {root / MANIFEST_NAME} records "
-                            f"({attached[n]['size']} bytes); copy the complete checkpoint")
+                            f"({attached[n].size} bytes); copy the complete checkpoint")
         out[n] = f
     return out
 
@@ -54,7 +54,7 @@ def copy_tokenizer_files(plan: SourcePlan, dest: Path) -> tuple[list[Path], Toke
     todo = plan_tokenizer_files(plan)
     expected = {}
     if plan.format == "titan" and todo:
-        expected = {n: v["sha256"] for n, v in Manifest.load(plan.root).extra["attached"].items()}
+        expected = {n: v.sha256 for n, v in Manifest.load(plan.root).extra.attached.items()}
     written, digests = [], {}
     for name, src in todo.items():
         path = dest / name

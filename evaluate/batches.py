@@ -104,7 +104,7 @@ def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> st
     if checkpoint is not None and is_complete(Path(checkpoint)):
         from titan_pipe.checkpoint_format import Manifest
 
-        kind = Manifest.load(checkpoint).extra.get("tokenizer")
+        kind = Manifest.load(checkpoint).extra.tokenizer
         if kind == "tokenizer.json":
             return str(Path(checkpoint) / "tokenizer.json")
         if kind == "byte":

@@ -91,9 +91,9 @@ def checkpoint_files(ckpt: Path) -> list[Path]:
     """
     try:
         m = Manifest.load(ckpt)
-    except (ValueError, OSError):  # LayoutError is a ValueError
+    except (UserError, OSError):  # a LayoutError (a UserError): not our format
         return files_under(ckpt)  # not our format: everything in it
-    attached = m.extra.get("attached") or {}
+    attached = m.extra.attached
     return [ckpt / MANIFEST_NAME] + [ckpt / name for name in sorted({*m.files, *attached})]
 
 

@@ -28,8 +28,16 @@ FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
-class LayoutError(ValueError):
-    """A checkpoint whose layout is inconsistent (overlap, gap, shape mismatch...)."""
+class LayoutError(UserError, ValueError):
+    """A checkpoint whose layout is inconsistent (overlap, gap, shape mismatch...): bad input, so a
+    UserError (one line, exit 1); a ValueError too, for the planners that raise it on bad numbers."""
+
+
+def shard_file(stage: int, tp_rank: int) -> str:
+    """The shard file of pipeline stage ``stage`` and tensor-parallel rank ``tp_rank``, relative to the
+    step dir; the trainer and convert's sharded output both name files with it. Readers never parse
+    a name back: the manifest's chunks say which file holds what, its params which stage owns it."""
+    return f"model/pp{stage}-tp{tp_rank}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -216,7 +224,7 @@ class Manifest:
     parallel: ParallelLayout
     params: dict[str, ParamSpec]
     files: dict[str, FileInfo]
-    extra: dict = field(default_factory=dict)  # optimizer dir, data state, tokenizer...
+    extra: "CheckpointExtra" = field(default_factory=lambda: CheckpointExtra())
     format: str = FORMAT_NAME
     format_version: int = FORMAT_VERSION
 
@@ -236,7 +244,7 @@ class Manifest:
                 }
                 for name, p in self.params.items()
             },
-            "extra": self.extra,
+            "extra": self.extra.to_dict(),
         }
         return json.dumps(d, indent=1)
 
@@ -272,7 +280,7 @@ class Manifest:
                      for k, v in check(d["files"], DICT, source=source, key="files").items()}
             return cls(step=check(d["step"], INT, source=source, key="step", bound=STEP), model=d["model"],
                        parallel=ParallelLayout.from_dict(d["parallel"], source=source), params=params,
-                       files=files, extra=_extra(d.get("extra", {}), source), format=d["format"],
+                       files=files, extra=CheckpointExtra.from_dict(d.get("extra", {}), source=source), format=d["format"],
                        format_version=d["format_version"])
         except (KeyError, TypeError) as e:
             raise LayoutError(f"{source}: missing or malformed field {e}") from None
@@ -355,16 +363,67 @@ def newest_complete(run_or_ckpt_dir: Path, *, warn: bool = False) -> Path | None
     return None
 
 
-def _extra(value: object, source: str) -> dict:
-    """The manifest's ``extra`` checked where it is read: an object whose known keys have their types
-    (kernels and tokenizer strings; attached: name -> {size, sha256}); the rest is kept as it is."""
-    extra = check(value, DICT, source=source, key="extra")
-    for key in ("kernels", "tokenizer"):
-        if key in extra:
-            check(extra[key], STR, source=source, key=f"extra.{key}")
-    if "attached" in extra:
-        for name, entry in check(extra["attached"], DICT, source=source, key="extra.attached").items():
-            entry = check(entry, DICT, source=source, key=f"extra.attached.{name}")
-            check(entry.get("size"), INT, source=source, key=f"extra.attached.{name}.size", bound=FILE_BYTES)
-            check(entry.get("sha256"), STR, source=source, key=f"extra.attached.{name}.sha256")
-    return extra
+@dataclass(frozen=True)
+class CheckpointExtra:
+    """The manifest's ``extra``: what a checkpoint holds besides the weights, typed where it is read.
+
+    ``optimizer``/``train_state``: names of the optimizer DCP dir and train state file in the step
+    dir (None: not saved); ``kernels``: the model.kernels set it was trained with; ``tokenizer``:
+    "byte" or the name of an attached tokenizer file; ``attached``: files copied into the step dir
+    (name -> size, sha256); ``converted_from``: {format, path} of a converted source. Keys this
+    version does not know are kept in ``other`` and written back as they were."""
+
+    optimizer: str | None = None
+    train_state: str | None = None
+    kernels: str | None = None
+    tokenizer: str | None = None
+    attached: dict[str, FileInfo] = field(default_factory=dict)
+    converted_from: dict[str, str] | None = None
+    other: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in (("optimizer", self.optimizer), ("train_state", self.train_state),
+                               ("kernels", self.kernels), ("tokenizer", self.tokenizer),
+                               ("converted_from", self.converted_from)) if v is not None or k == "optimizer"}
+        if self.attached:
+            d["attached"] = {k: asdict(v) for k, v in sorted(self.attached.items())}
+        return {**self.other, **d}
+
+    @classmethod
+    def from_dict(cls, value: object, *, source: str = MANIFEST_NAME) -> "CheckpointExtra":
+        """The typed record of a manifest's ``extra``; LayoutError naming the key otherwise."""
+        extra = dict(check(value, DICT, source=source, key="extra", exc=LayoutError, fix=_MALFORMED))
+        kw = dict(source=source, prefix="extra.", exc=LayoutError, fix=_MALFORMED)
+        strings = {k: read(extra, k, STR, default=None, **kw)
+                   for k in ("optimizer", "train_state", "kernels", "tokenizer")}
+        attached = {}
+        for name, entry in check(extra.get("attached") or {}, DICT, source=source, key="extra.attached",
+                                 exc=LayoutError, fix=_MALFORMED).items():
+            entry = check(entry, DICT, source=source, key=f"extra.attached.{name}", exc=LayoutError, fix=_MALFORMED)
+            attached[name] = FileInfo(
+                size=check(entry.get("size"), INT, source=source, key=f"extra.attached.{name}.size",
+                           bound=FILE_BYTES, exc=LayoutError, fix=_MALFORMED),
+                sha256=check(entry.get("sha256"), STR, source=source, key=f"extra.attached.{name}.sha256",
+                             exc=LayoutError, fix=_MALFORMED))
+        origin = extra.get("converted_from")
+        if origin is not None:
+            origin = {k: check(v, STR, source=source, key=f"extra.converted_from.{k}", exc=LayoutError,
+                               fix=_MALFORMED)
+                      for k, v in check(origin, DICT, source=source, key="extra.converted_from",
+                                        exc=LayoutError, fix=_MALFORMED).items()}
+        known = ("optimizer", "train_state", "kernels", "tokenizer", "attached", "converted_from")
+        return cls(**strings, attached=attached, converted_from=origin,
+                   other={k: v for k, v in extra.items() if k not in known})
+
+
+def open_checkpoint(step_dir: str | Path) -> Manifest:
+    """The manifest of a complete step dir, loaded and validated (every chunk inside its tensor,
+    covered once, in a listed file): what every reader of a checkpoint's tensors starts from
+    (init_from/resume, convert's titan reader, evaluate's sharded side). LayoutError (a UserError)
+    naming the manifest otherwise."""
+    m = Manifest.load(step_dir)
+    try:
+        m.validate()
+    except LayoutError as e:
+        raise LayoutError(f"{Path(step_dir) / MANIFEST_NAME}: {e}") from None
+    return m

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -29,8 +30,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_pipe.atomic import atomic_file, copy_file, write_text
-from titan_pipe.checkpoint_format import (MANIFEST_NAME, STEP_DIR, Chunk, FileInfo, Manifest, ParallelLayout, ParamSpec,
-                                          is_complete, split_box, step_dirs)
+from titan_pipe.checkpoint_format import (MANIFEST_NAME, STEP_DIR, CheckpointExtra, Chunk, FileInfo, Manifest, ParallelLayout,
+                                          ParamSpec, is_complete, shard_file, split_box, step_dirs)
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
@@ -43,10 +44,6 @@ from titan_pipe.training.zero1 import load_zero1_state, zero1_state
 OPTIM_DIR = "optimizer"
 TRAIN_STATE = "train_state.json"
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def shard_file(stage: int, tp_rank: int) -> str:
-    return f"model/pp{stage}-tp{tp_rank}.safetensors"
 
 
 def tp_local(p: torch.Tensor) -> torch.Tensor:
@@ -112,13 +109,14 @@ def rng_state() -> dict:
 
 def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | None, train_state: dict,
                     parallel: ParallelLayout, fail_hook: Callable[[], None] | None = None,
-                    extra: dict | None = None, attach: dict[str, Path] | None = None) -> Path:
+                    extra: CheckpointExtra = CheckpointExtra(), attach: dict[str, Path] | None = None) -> Path:
     """Save a checkpoint of the whole model into ``step_dir``; collective, call on every rank.
 
     Order: shard files (dp-rank-0 of each (stage, tp rank)), optimizer DCP, train_state.json,
     then manifest.json by global rank 0 once everything else is on disk. ``fail_hook`` runs
     after the shard files are written and before the manifest (fault-injection tests).
-    ``extra`` adds keys to the manifest's ``extra`` (the trainer records kernels and tokenizer).
+    ``extra``: the manifest's extra record (the trainer gives kernels and tokenizer; the optimizer,
+    train state and attached files are filled in here).
     ``attach`` ({name in the step dir: source file}, e.g. the tokenizer) is copied in by rank 0
     before the manifest and listed with size and sha256 under ``extra.attached``; not in
     ``files``, which is the table of weight shards readers open as safetensors.
@@ -175,9 +173,8 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
                     params[spec.name] = spec
         manifest = Manifest(step=int(train_state["step"]), model=model.args.to_dict(), parallel=parallel,
                             params=dict(sorted(params.items())), files=all_files,
-                            extra={"optimizer": OPTIM_DIR if optimizers is not None else None,
-                                   "train_state": TRAIN_STATE, **(extra or {}),
-                                   **({"attached": {k: vars(v) for k, v in attached.items()}} if attached else {})})
+                            extra=replace(extra, optimizer=OPTIM_DIR if optimizers is not None else None,
+                                          train_state=TRAIN_STATE, attached=attached))
         manifest.validate()
         write_text(step_dir / MANIFEST_NAME, manifest.to_json(), fsync=True)
     dist.barrier()

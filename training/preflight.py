@@ -90,7 +90,7 @@ def disk_problem(cfg: FlowConfig, *, resume: bool = False) -> str | None:
     if latest is not None:
         try:
             start = Manifest.load(latest).step
-        except (UserError, ValueError):  # LayoutError is a ValueError; resume_problem names the manifest
+        except UserError:  # a LayoutError; resume_problem names the manifest
             return None
         kept = min(ck.keep_last, sum(1 for _, d in step_dirs(run / "checkpoints") if is_complete(d)))
     saves = checkpoints_written(cfg.train.steps, ck.every, start)
@@ -136,7 +136,7 @@ def shape_problem(what: str, path: Path, cfg: FlowConfig, fix: str) -> str | Non
     """Why the weights at ``path`` (named ``what`` in the message) cannot start flow.yaml's model."""
     try:
         diffs = model_differences(model_of(path), cfg.model.args(), keys=SHAPE_KEYS, labels=("there", "in flow.yaml"))
-    except (UserError, ValueError) as e:  # LayoutError is a ValueError
+    except (UserError, ValueError) as e:  # LayoutError is a UserError; model_of's ModelArgs a ValueError
         return f"{what}: {str(e).splitlines()[0]}"
     return f"{what}: {path} holds another model shape ({'; '.join(diffs)}); {fix}" if diffs else None
 

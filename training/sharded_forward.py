@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         mesh = dims.build_mesh(device.type)
         # the training operators of this device: npu_fused on Ascend, the reference ops elsewhere
-        kernels = resolve_kernels(manifest.extra.get("kernels", "auto"), device.type)
+        kernels = resolve_kernels(manifest.extra.kernels or "auto", device.type)
         pm = build_parallel_model(args, mesh, device=device.torch_device(local_rank), schedule=p.pp_schedule,
                                   virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel,
                                   kernels=kernels, weights=open_weights(a.checkpoint),

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from titan_pipe.atomic import write_text
-from titan_pipe.checkpoint_format import ParallelLayout, checkpoint_bytes, is_save_step, newest_complete
+from titan_pipe.checkpoint_format import CheckpointExtra, ParallelLayout, checkpoint_bytes, is_save_step, newest_complete
 from titan_pipe.config import ConfigError, FlowConfig, load_flow
 from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
@@ -374,8 +374,8 @@ class Trainer:
             ckpt.save_checkpoint(self.run.checkpoint(step), model=self.model,
                                  optimizers=self.optimizers if cfg.checkpoint.save_optimizer else None,
                                  train_state=state, parallel=self.parallel_meta, fail_hook=hook,
-                                 extra={"kernels": cfg.model.kernels,
-                                        "tokenizer": "tokenizer.json" if self.tok_files else "byte"},
+                                 extra=CheckpointExtra(kernels=cfg.model.kernels,
+                                                       tokenizer="tokenizer.json" if self.tok_files else "byte"),
                                  attach=self.tok_files)
         if self.rank == 0:
             ckpt.prune(self.run.checkpoints, cfg.checkpoint.keep_last)

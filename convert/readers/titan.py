@@ -1,4 +1,4 @@
-"""Reader for titan-pipe's own checkpoints: manifest.json + model/pp{stage}-tp{rank}.safetensors.
+"""Reader for titan-pipe's own checkpoints: manifest.json + the shard files its chunks name.
 
 Everything comes from the manifest (docs/checkpoint-format.md): global shapes, dtypes and the box
 each chunk fills. The reader checks the manifest against the files (present, sizes, keys, shapes)
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, LayoutError, Manifest, newest_complete
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, Manifest, newest_complete, open_checkpoint
 from titan_pipe.convert.readers.store import SafetensorsStore
 from titan_pipe.safetensors_header import read_header
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan, check_accounted
@@ -55,11 +55,7 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
                 read_headers: bool = True) -> tuple[SourcePlan, SafetensorsStore]:
     root = resolve(path)
     mpath = root / MANIFEST_NAME
-    try:
-        m = Manifest.load(root)
-        m.validate()
-    except (LayoutError, ValueError, TypeError) as e:
-        raise UserError(f"{mpath}: {e}") from None
+    m = open_checkpoint(root)
     args = ModelArgs.from_dict(m.model, source=mpath)
     if vocab_size is not None and vocab_size != args.vocab_size:
         raise UserError(f"--vocab-size {vocab_size} disagrees with {mpath} (vocab_size "

@@ -49,16 +49,13 @@ class DistributedRunner:
     """
 
     def __init__(self, checkpoint: Path, *, device: str = "cpu", timeout_s: float = 900):
-        from titan_pipe.checkpoint_format import Manifest
+        from titan_pipe.checkpoint_format import open_checkpoint
 
         checkpoint = Path(checkpoint)
         if not is_complete(checkpoint):
             raise UserError(f"{checkpoint}: no manifest.json, so not a complete titan-pipe checkpoint; pass "
                             "runs/<name>/checkpoints/step-XXXXXX (the manifest is written last)")
-        try:
-            self.manifest = Manifest.load(checkpoint)
-        except Exception as e:
-            raise UserError(f"{checkpoint / 'manifest.json'}: unreadable ({e})") from None
+        self.manifest = open_checkpoint(checkpoint)  # the reader init_from and convert start from
         self.args = ModelArgs.from_dict(self.manifest.model, source=checkpoint / "manifest.json")
         self.layout = self.manifest.parallel
         self.checkpoint, self.device, self.timeout_s = checkpoint, device, timeout_s

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 from safetensors import safe_open  # our checkpoint's shards (a unified dir: titan_pipe.model.unified_dir)
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, LayoutError, Manifest, is_complete, newest_complete
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, is_complete, newest_complete, open_checkpoint
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, check_fits, model_differences
 from titan_pipe.paths import resolve_inside
@@ -34,11 +34,7 @@ class CheckpointWeights:
 
     def __init__(self, step_dir: Path):
         self.dir = Path(step_dir)
-        try:
-            self.manifest = Manifest.load(self.dir)
-            self.manifest.validate()
-        except LayoutError as e:
-            raise UserError(str(e)) from None
+        self.manifest = open_checkpoint(self.dir)
         self.args = ModelArgs.from_dict(self.manifest.model, source=self.dir / MANIFEST_NAME)
         check_fits(self.args, sum(f.size for f in self.manifest.files.values()), source=self.dir / MANIFEST_NAME,
                    where="its shard files")
