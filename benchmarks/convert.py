@@ -20,6 +20,7 @@ DONTNEED on just these files, after a sync), so every method reads them from the
 from __future__ import annotations
 
 import argparse
+from titan_pipe.config import ConvertConfig
 import json
 import os
 import resource
@@ -74,7 +75,7 @@ def build(work: Path, layers: int) -> dict:
         sd[native_to_hf(name)] = torch.randn(p.shape, generator=g, dtype=torch.float32).to(torch.bfloat16)
     save_file(sd, unified / "model.safetensors", metadata={"format": "pt"})
     (unified / "config.json").write_text(json.dumps(to_hf_config(args, torch_dtype="bfloat16")))
-    convert_checkpoint(src=unified, out_dir=work / "titan", tp=2, pp=2, progress=False)
+    convert_checkpoint(unified, work / "titan", ConvertConfig(tp=2, pp=2))
 
     import torch.distributed.checkpoint as dcp
 
@@ -134,7 +135,7 @@ def run_method(method: str, work: Path, out: Path) -> dict:
         src, verify = _OURS[method]
         base = _rss_mb()
         t0 = time.perf_counter()
-        convert_checkpoint(src=work / src, out_dir=out, progress=False, verify=verify)
+        convert_checkpoint(work / src, out, ConvertConfig(verify=verify))
     elif method == "load+cat":
         import torch
         from safetensors.torch import load_file, save_file

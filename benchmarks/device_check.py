@@ -29,6 +29,7 @@ compile, ~15 GB of checkpoint, unified model and ONNX data written and read).
 from __future__ import annotations
 
 import argparse
+from titan_pipe.config import ExportConfig
 import gc
 import json
 import os
@@ -217,11 +218,10 @@ def run_deploy(spec: dict, work: Path, checkpoint: str) -> dict:
 
     times = {}
     t = time.perf_counter()
-    convert_checkpoint(src=Path(checkpoint), out_dir=work / "model", progress=False)
+    convert_checkpoint(Path(checkpoint), work / "model")
     times["convert_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    exported = export_model(model_dir=work / "model", out_dir=work / "onnx", dtype="float32", run_atc=False,
-                            seq_len=32, cache_len=64)
+    exported = export_model(work / "model", work / "onnx", ExportConfig(dtype="float32", atc=False, seq_len=32, cache_len=64))
     times["export_s"] = time.perf_counter() - t
     settings = EvaluateConfig(device=spec["device"], batches=1, batch_size=1, seq_len=32, prompts=1, prompt_len=8,
                               new_tokens=4, operators=False)

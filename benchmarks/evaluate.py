@@ -41,9 +41,10 @@ WHOLE_X = 6.0  # whole mode runs only where this many times the bf16 weight byte
 CHILD_EXPORT = """
 import sys
 from pathlib import Path
+from titan_pipe.config import ExportConfig
 from titan_pipe.convert.onnx.export import export_model
-export_model(model_dir=Path(sys.argv[1]), out_dir=Path(sys.argv[2]), dtype="float16", dynamic=False, batch=1,
-             seq_len=64, run_atc=False, hash_weights=False)
+export_model(Path(sys.argv[1]), Path(sys.argv[2]), ExportConfig(dtype="float16", dynamic=False, batch=1, seq_len=64,
+                                                                atc=False, hash_weights=False))
 """
 
 CHILD_WRITE = """

@@ -64,9 +64,16 @@ else:
 t1, c1 = time.perf_counter(), os.times()
 mode = sys.argv[4]
 import inspect  # a --before titan_pipe may predate --digest (its only digest was sha256)
-digest = {"digest": mode} if mode == "sha256" and "digest" in inspect.signature(export_model).parameters else {}
-r = export_model(model_dir=Path(sys.argv[1]), out_dir=Path(sys.argv[3]), dtype=sys.argv[2], run_atc=False,
-                 hash_weights=mode != "nohash", **digest)
+params = inspect.signature(export_model).parameters
+if "settings" in params:  # export_model(model_dir, out_dir, ExportConfig)
+    from titan_pipe.config import ExportConfig
+    settings = ExportConfig(dtype=sys.argv[2], atc=False, hash_weights=mode != "nohash",
+                            **({"digest": mode} if mode == "sha256" else {}))
+    r = export_model(Path(sys.argv[1]), Path(sys.argv[3]), settings)
+else:  # a --before titan_pipe: keyword options
+    digest = {"digest": mode} if mode == "sha256" and "digest" in params else {}
+    r = export_model(model_dir=Path(sys.argv[1]), out_dir=Path(sys.argv[3]), dtype=sys.argv[2], run_atc=False,
+                     hash_weights=mode != "nohash", **digest)
 c2 = os.times()
 print(json.dumps({"import": t1 - t - prebacked, "preback_s": prebacked, "seconds": time.perf_counter() - t1, "timings": r.summary["timings_seconds"],
                   "cpu_export": c2.user - c1.user + c2.system - c1.system, "torch": "torch" in sys.modules}))

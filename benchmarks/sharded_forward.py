@@ -15,6 +15,7 @@ Target: the streamed per-rank peak does not grow with depth (8 vs 2 layers withi
 from __future__ import annotations
 
 import argparse
+from titan_pipe.config import ConvertConfig
 import json
 import math
 import os
@@ -49,7 +50,7 @@ def build(work: Path, *, dim: int, ffn: int, vocab: int, layers: int) -> Path:
     (unified / "config.json").write_text(json.dumps(to_hf_config(args, torch_dtype="float32")))
     del sd
     out = work / f"ckpt-{layers}"
-    convert_checkpoint(src=unified, out_dir=out, tp=2, pp=2, progress=False)
+    convert_checkpoint(unified, out, ConvertConfig(tp=2, pp=2))
     shutil.rmtree(unified)
     return out
 

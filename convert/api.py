@@ -27,7 +27,8 @@ from titan_pipe.convert.hashing import BackgroundHasher
 from titan_pipe.convert.reshard import write_file
 from titan_pipe.convert.source_plan import OutputPlan, SourcePlan, plan_sharded, plan_unified
 from titan_pipe.convert.tokenizer_files import copy_tokenizer_files, plan_tokenizer_files
-from titan_pipe.dtypes import HF_DTYPE_NAMES, OUT_DTYPES
+from titan_pipe.config import ConvertConfig
+from titan_pipe.dtypes import HF_DTYPE_NAMES
 from titan_pipe.paths import overlaps
 from titan_pipe.errors import UserError
 from titan_pipe.faults import as_fault, check_free_space
@@ -114,7 +115,7 @@ def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan) -> Path:
     files = {n: FileInfo((tmp / n).stat().st_size, digests[n]) for n in names}
     m = Manifest(step=src.step or 0, model=src.args.to_dict(),
                  parallel=ParallelLayout(tp=out.tp, pp=out.pp,
-                                         pp_schedule=src.layout.get("pp_schedule") or ("1f1b" if out.pp > 1 else "gpipe"),
+                                         pp_schedule=src.pp_schedule or ("1f1b" if out.pp > 1 else "gpipe"),
                                          stages=tuple(map(tuple, out.stages)), stage_ranks=tuple(stage_ranks(out.pp, out.pp))),
                  params=params, files=files,
                  extra=CheckpointExtra(converted_from={"format": src.format, "path": str(src.root)}))
@@ -122,9 +123,9 @@ def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan) -> Path:
     return write_text(tmp / MANIFEST_NAME, m.to_json())
 
 
-def _progress(enabled: bool):
+def _progress():
     console = Console(stderr=True)
-    if not enabled or not console.is_terminal:
+    if not console.is_terminal:
         return nullcontext(None)
     return Progress(TextColumn("[bold]convert[/bold] {task.description}"), BarColumn(), DownloadColumn(),
                     TransferSpeedColumn(), TimeRemainingColumn(), console=console,
@@ -151,33 +152,25 @@ def _without_cyclic_gc(fn):
 
 
 @_without_cyclic_gc
-def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto", naming: str = "hf",
-                       dtype: str = "keep", max_shard_size: str | int = "5GB", tp: int | None = None,
-                       pp: int | None = None, overwrite: bool = False, vocab_size: int | None = None,
-                       model_config: Path | None = None, verify: bool = True,
-                       progress: bool = True) -> ConvertResult:
-    """Convert ``src`` into ``out_dir``.
+def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = ConvertConfig(), *,
+                       overwrite: bool = False) -> ConvertResult:
+    """Convert ``src`` into ``out_dir`` as ``settings`` (the convert section) says.
 
     Default: ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` + index past
-    ``max_shard_size``), ``config.json`` (LlamaConfig) and ``provenance.json``. With ``tp``/``pp``:
-    our sharded layout (``manifest.json`` + shard files named by checkpoint_format.shard_file, native names,
-    no optimizer state). ``model_config``: a params.json/config.json for sources without one (DCP).
+    ``max_shard_size``), ``config.json`` and ``provenance.json``. With ``tp``/``pp``: our sharded
+    layout (``manifest.json`` + shard files named by checkpoint_format.shard_file, native names, no
+    optimizer state). ``source_config``: a params.json/config.json for sources without one (DCP).
     ``verify=False`` skips hashing the source (sizes, headers and shapes are still checked); the
-    provenance then records the manifest's sha256s as unverified.
+    provenance then records the manifest's sha256s as unverified. A progress bar shows on a terminal.
     """
     t0 = time.perf_counter()
     src, out_dir = Path(src), Path(out_dir)
-    if dtype != "keep" and dtype not in OUT_DTYPES:
-        raise UserError(f"--dtype {dtype!r} is not one of keep, {', '.join(OUT_DTYPES)}")
-    if naming not in ("hf", "native"):
-        raise UserError(f"--naming {naming!r} is not one of hf, native")
-    try:
-        limit = parse_size(max_shard_size)
-    except ValueError as e:
-        raise UserError(f"--max-shard-size: {e}") from None
-    sharded = tp is not None or pp is not None
+    naming, dtype, verify, tp, pp = settings.naming, settings.dtype, settings.verify, settings.tp, settings.pp
+    limit = parse_size(settings.max_shard_size)  # checked when the section was built
+    model_config = Path(settings.source_config) if settings.source_config is not None else None
+    sharded = settings.sharded
     _check_out_dir(src, out_dir, overwrite)
-    plan, store = open_source(src, source_format, vocab_size=vocab_size, model_config=model_config)
+    plan, store = open_source(src, settings.source_format, vocab_size=settings.vocab_size, model_config=model_config)
     with store:
         check_shapes(plan)
         try:
@@ -196,7 +189,7 @@ def convert_checkpoint(*, src: Path, out_dir: Path, source_format: str = "auto",
                                   tensors=spans).start()
         nonfinite: set[str] = set()
         try:
-            with _progress(progress) as bar:
+            with _progress() as bar:
                 task = bar.add_task(str(src), total=total) if bar else None
                 advance = (lambda n: bar.advance(task, n)) if bar else (lambda n: None)
                 written = [write_file(tmp, f, store, metadata={"format": "pt"}, advance=advance,

@@ -4,12 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan_pipe.convert.readers import dcp, hf, megatron, titan
+from titan_pipe.choices import SOURCE_FORMATS
 from titan_pipe.errors import UserError
 
 # Order matters only for directories that match several: a titan run dir with a config.json, a
 # Megatron torch_dist iteration dir (which is also a DCP checkpoint: megatron before dcp).
 READERS = {"titan": titan, "megatron": megatron, "dcp": dcp, "hf": hf}
-FORMATS = ("auto", *READERS)
+FORMATS = SOURCE_FORMATS  # the core's list (flow.yaml and the CLI check against it); one reader each past "auto"
 
 
 def detect_format(src: Path) -> str:

@@ -23,7 +23,7 @@ from titan_pipe.model.args import ModelArgs
 from titan_pipe.errors import UserError
 from titan_pipe.model.names import native_to_hf
 from titan_pipe.model.params import native_names
-from titan_pipe.model.sharding import split_stages, stage_of, tp_split_dim
+from titan_pipe.model.sharding import split_stages, stage_of, tp_problems, tp_split_dim
 
 
 
@@ -97,7 +97,8 @@ class SourcePlan:
     tensors: dict[str, TensorPlan]  # native name -> plan, in model order
     files: list[str]  # every data file the plan reads, relative to root
     step: int | None = None
-    layout: dict = field(default_factory=dict)  # tp, pp, ... as found (for inspect/provenance)
+    layout: dict = field(default_factory=dict)  # a description of the source's layout for inspect and provenance only; no code reads it
+    pp_schedule: str | None = None  # the pipeline schedule a titan source was trained with (a sharded output keeps it)
     expected_sha256: dict[str, str] = field(default_factory=dict)  # file -> sha256 (titan manifest)
 
     @property
@@ -220,10 +221,9 @@ def plan_sharded(src: SourcePlan, *, tp: int, pp: int, dtype: str = "keep") -> O
     args = src.args
     if tp < 1 or pp < 1:
         raise ValueError(f"--tp {tp} --pp {pp}: both must be >= 1")
-    for what, n in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
-                    ("vocab_size", args.vocab_size), ("ffn hidden size", args.hidden_dim)):
-        if n % tp:
-            raise ValueError(f"--tp {tp} does not divide the model's {what} ({n})")
+    problems = tp_problems(args, tp)
+    if problems:
+        raise ValueError(f"--tp {tp} {problems[0]}")
     stages = split_stages(args.n_layers, pp)  # raises ValueError naming the numbers
     files = []
     for s in range(pp):

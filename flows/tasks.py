@@ -96,8 +96,7 @@ def convert_task(checkpoint: Path, out_dir: Path, settings: ConvertConfig) -> St
 
     run_logger().info(f"converting {checkpoint} -> {out_dir} ({settings.naming} names, dtype {settings.dtype})")
     with writing(out_dir, what=STAGE_OUTPUTS["convert"]):
-        r = convert_checkpoint(src=checkpoint, out_dir=out_dir, naming=settings.naming, dtype=settings.dtype,
-                               max_shard_size=settings.max_shard_size, overwrite=True)
+        r = convert_checkpoint(checkpoint, out_dir, settings, overwrite=True)
     run_logger().info(f"wrote {len(r.files)} file(s): {', '.join(p.name for p in r.files)}")
     if r.summary.get("nonfinite"):
         run_logger().warning(f"NaN/Inf values in {len(r.summary['nonfinite'])} tensor(s): "
@@ -112,12 +111,7 @@ def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> Stage
 
     run_logger().info(f"exporting {model_dir} -> {out_dir} (opset {settings.opset}, {settings.dtype})")
     with writing(out_dir, what=STAGE_OUTPUTS["export"]):
-        r = export_model(model_dir=model_dir, out_dir=out_dir, opset=settings.opset, dtype=settings.dtype,
-                         batch=settings.batch, seq_len=settings.seq_len, cache_len=settings.cache_len,
-                         hash_weights=settings.hash_weights, digest=settings.digest,
-                         data_files=settings.data_files, dynamic=settings.dynamic,
-                         kv_cache=settings.kv_cache, soc_version=settings.soc_version, run_atc=settings.atc,
-                         precision_mode=settings.precision_mode, overwrite=True)
+        r = export_model(model_dir, out_dir, settings, overwrite=True)
     run_logger().info(f"ONNX {r.onnx}; ATC: {r.atc_status}")
     paths = {"onnx_dir": str(r.out_dir), "onnx": str(r.onnx), "export_json": str(r.export_json)}
     if r.decode_onnx is not None:

@@ -20,6 +20,7 @@ from titan_pipe import limits
 from titan_pipe.choices import PP_SCHEDULES
 from titan_pipe.errors import UserError
 from titan_pipe.limits import Bound, shown
+from titan_pipe.mesh_math import world_size
 from titan_pipe.values import BOOL, DICT, INT, STR, check, read, refuse
 
 MANIFEST_NAME = "manifest.json"
@@ -175,7 +176,7 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return world_size(self.dp, self.tp, self.pp)
 
     @property
     def n_stages(self) -> int:

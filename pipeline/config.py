@@ -19,12 +19,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from titan_pipe import limits
 from titan_pipe.choices import (COMPILE_BACKENDS, DEVICES, DIGESTS, DP_MODES, EXPORT, KERNELS, LOSSES, OFFLOADS,
                                 OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PRECISION_MODES, export_problems)
-from titan_pipe.choices import NAMINGS
+from titan_pipe.choices import NAMINGS, SOURCE_FORMATS
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.flow_yaml import FlowYamlError, load_flow_text
 from titan_pipe.model.args import FIELD_BOUNDS, FLAVOURS, SCALING_BOUNDS, ModelArgs, RopeScaling, args_problems, resolve_args
-from titan_pipe.model.sharding import stages_per_rank
+from titan_pipe.model.sharding import stages_per_rank, tp_problems
+from titan_pipe.mesh_math import n_microbatches, world_size
 from titan_pipe.run_dir import run_name_problem, suggest_run_name
 
 MAX_FLOW_BYTES = 2**20  # 1 MiB
@@ -165,11 +166,11 @@ class ParallelConfig(Section):
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return world_size(self.dp, self.tp, self.pp)
 
     @property
     def n_microbatches(self) -> int:
-        return self.microbatches or (self.pp if self.pp > 1 else 1)
+        return n_microbatches(self.pp, self.microbatches)
 
     @property
     def n_stages(self) -> int:
@@ -214,9 +215,29 @@ class CheckpointConfig(Section):
 
 
 class ConvertConfig(Section):
+    """The convert stage's options: what `titan-pipe convert` builds from its flags and a flow passes
+    from its ``convert`` section. The source-only ones (source_format, tp, pp, vocab_size,
+    source_config) are for converting other checkpoints; a flow converts its own to the unified model
+    its export reads, so it refuses them (_cross_checks)."""
+
     naming: Literal[NAMINGS] = "hf"
     dtype: Literal[("keep",) + FLOAT_NAMES] = "keep"
     max_shard_size: str = "5GB"
+    verify: bool = True  # hash the source against its manifest (sizes, headers, shapes are always checked)
+    source_format: Literal[SOURCE_FORMATS] = "auto"
+    tp: int | None = _bounded(None, limits.PARALLEL)  # write our sharded layout with this TP size ...
+    pp: int | None = _bounded(None, limits.PARALLEL)  # ... and this many pipeline stages
+    vocab_size: int | None = _bounded(None, limits.VOCAB)  # the true vocab of a Megatron padded one
+    source_config: str | None = None  # params.json / config.json for a source without one (DCP): --model-config
+
+    @field_validator("source_config", mode="before")
+    @classmethod
+    def _path_as_text(cls, v):
+        return str(v) if isinstance(v, Path) else v
+
+    @property
+    def sharded(self) -> bool:
+        return self.tp is not None or self.pp is not None
 
     @field_validator("max_shard_size", mode="before")
     @classmethod
@@ -244,6 +265,7 @@ class ExportConfig(Section):
     soc_version: str = EXPORT.soc_version
     atc: bool = EXPORT.run_atc  # run atc when it is on PATH
     precision_mode: Literal[PRECISION_MODES] = EXPORT.precision_mode
+    expose_hidden: bool = False  # the graphs also output each layer's hidden state (hidden.{i})
 
 
 class EvaluateConfig(Section):
@@ -347,18 +369,12 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     if problems:  # the rules below divide by these dims
         return [f"model.{line}" for line in problems]
     errs = _export_and_positions(cfg, args)
+    errs += [f"convert.{key}: {getattr(cfg.convert, key)!r} is for converting other checkpoints with "
+             "`titan-pipe convert`; a flow converts its own checkpoint to the unified model its export "
+             "reads. Remove it" for key in ("source_format", "tp", "pp", "vocab_size", "source_config")
+             if getattr(cfg.convert, key) != ConvertConfig.model_fields[key].default]
     p = cfg.parallel
-    if args.n_heads % p.tp:
-        errs.append(f"parallel.tp: {p.tp} does not divide model n_heads={args.n_heads} (tp splits the "
-                    f"q heads of head_dim {args.head_dim}); pick tp from the divisors of {args.n_heads}")
-    if args.kv_heads % p.tp:
-        errs.append(f"parallel.tp: {p.tp} does not divide model n_kv_heads={args.kv_heads} (tp splits the "
-                    f"k/v heads of head_dim {args.head_dim}); pick tp dividing {args.kv_heads}")
-    if args.hidden_dim % p.tp:
-        errs.append(f"parallel.tp: {p.tp} does not divide the FFN hidden size {args.hidden_dim}")
-    if args.vocab_size % p.tp:
-        errs.append(f"parallel.tp: {p.tp} does not divide vocab_size={args.vocab_size}; pad the "
-                    "vocabulary to a multiple of tp")
+    errs += [f"parallel.tp: {p.tp} {why}" for why in tp_problems(args, p.tp)]
     if args.n_layers < p.n_stages:
         errs.append(f"parallel.pp: {p.pp} x {p.n_stages // p.pp} stage(s) per rank needs at least "
                     f"{p.n_stages} layers, the model has n_layers={args.n_layers}; lower pp")
@@ -482,6 +498,18 @@ def _format_pydantic(e: ValidationError) -> list[str]:
         msg = err["msg"].removeprefix("Value error, ")
         lines.append(f"{loc}: {msg}{shown}{_yaml_string_hint(value, err['type'])}")
     return lines
+
+
+def section_from_flags(cls: type[Section], flags: dict[str, str], **values) -> Section:
+    """A stage's config section from a command's flags (``flags``: field -> the flag that sets it),
+    validated as flow.yaml's is: a bad value is one line naming the flag, the value and the fix."""
+    try:
+        return cls.model_validate(values)
+    except ValidationError as e:
+        lines = _format_pydantic(e)
+        for field_name, flag in flags.items():
+            lines = [flag + line[len(field_name):] if line.startswith(field_name + ":") else line for line in lines]
+        raise UserError("; ".join(lines)) from None
 
 
 def parse_flow(data: dict[str, Any], *, source: str = "flow.yaml", base: Path | None = None) -> FlowConfig:

@@ -77,10 +77,17 @@ def test_interleaved_on_one_layer_without_pp_validates(tmp_path):
                       "parallel": {"pp": 1, "pp_schedule": "interleaved_1f1b"}}, tmp_path)
 
 
+def _plan_export(**options):
+    """The export stage's own rules on raw values: a section built without pydantic's checks."""
+    from titan_pipe.config import ExportConfig
+
+    return plan_export(DEBUG, ExportConfig.model_construct(**options))
+
+
 def test_precision_modes_agree(tmp_path):
     for m in choices.PRECISION_MODES + OUTSIDERS:
         cfg = config_ok({"export": {"precision_mode": m}}, tmp_path)
-        assert cfg == stage_ok(plan_export, DEBUG, precision_mode=m), m
+        assert cfg == stage_ok(_plan_export, precision_mode=m), m
         assert cfg == stage_ok(atc.atc_invocation, graph="model.onnx", inputs=[], soc_version="x",
                                precision_mode=m, dynamic=False, batch=1, seq_len=8, max_len=16,
                                weight_bytes=1, decode=False), m
@@ -93,23 +100,23 @@ def test_digests_agree(tmp_path):
     assert choices.EXPORT.digest in DIGESTS
     for d in DIGESTS + OUTSIDERS:
         cfg = config_ok({"export": {"digest": d}}, tmp_path)
-        assert cfg == stage_ok(plan_export, DEBUG, digest=d), d
+        assert cfg == stage_ok(_plan_export, digest=d), d
         assert cfg == stage_ok(new_hasher, d), d
 
 
 def test_export_opsets_and_lengths_agree(tmp_path):
     """Every opset, and seq/cache lengths around the model's 256 positions: validate == export."""
     for opset in range(0, 25):
-        assert config_ok({"export": {"opset": opset}}, tmp_path) == stage_ok(plan_export, DEBUG, opset=opset), opset
+        assert config_ok({"export": {"opset": opset}}, tmp_path) == stage_ok(_plan_export, opset=opset), opset
     for seq, cache, kv in [(255, None, True), (256, None, True), (256, None, False), (32, 32, True),
                            (32, 33, True), (32, 256, True), (32, 257, True), (10**9, None, True), (0, None, True)]:
         cfg = config_ok({"export": {"seq_len": seq, "cache_len": cache, "kv_cache": kv}}, tmp_path)
-        assert cfg == stage_ok(plan_export, DEBUG, seq_len=seq, cache_len=cache, kv_cache=kv), (seq, cache, kv)
+        assert cfg == stage_ok(_plan_export, seq_len=seq, cache_len=cache, kv_cache=kv), (seq, cache, kv)
     for dtype in ("float32", "float16", "bfloat16", "int8"):
-        assert config_ok({"export": {"dtype": dtype}}, tmp_path) == stage_ok(plan_export, DEBUG, dtype=dtype), dtype
+        assert config_ok({"export": {"dtype": dtype}}, tmp_path) == stage_ok(_plan_export, dtype=dtype), dtype
     for n in (-1, 0, 1, 2, 64, 65):
         ok = config_ok({"export": {"data_files": n}}, tmp_path)
-        assert ok == stage_ok(plan_export, DEBUG, data_files=n) == (1 <= n <= 64), n
+        assert ok == stage_ok(_plan_export, data_files=n) == (1 <= n <= 64), n
 
 
 def test_export_opset_12_is_refused_by_validate(tmp_path):
@@ -154,12 +161,8 @@ def test_export_defaults_are_one_set():
             cfg.atc, cfg.precision_mode, cfg.hash_weights, cfg.digest, cfg.data_files) == (
         d.opset, d.dtype, d.batch, d.seq_len, d.cache_len, d.dynamic, d.kv_cache, d.soc_version, d.run_atc,
         d.precision_mode, d.hash_weights, d.digest, d.data_files)
-    stage = inspect.signature(export_model).parameters
-    for key, value in (("opset", d.opset), ("dtype", d.dtype), ("batch", d.batch), ("seq_len", d.seq_len),
-                       ("cache_len", d.cache_len), ("soc_version", d.soc_version), ("run_atc", d.run_atc),
-                       ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights), ("digest", d.digest),
-                       ("data_files", d.data_files)):
-        assert stage[key].default == value, key
+    assert inspect.signature(export_model).parameters["settings"].default == cfg  # the stage takes the section
+    assert len(inspect.signature(export_model).parameters) <= 4
     from titan_pipe.cli import app
 
     command = next(c for c in app.registered_commands if c.name == "export").callback
@@ -169,6 +172,32 @@ def test_export_defaults_are_one_set():
                        ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights), ("digest", d.digest),
                        ("data_files", d.data_files)):
         assert cli[key] == value, key  # str-valued enums compare equal to their value
+
+
+def test_convert_defaults_are_one_set():
+    """`titan-pipe convert`'s flags start from the convert section's defaults; the stage takes the section."""
+    from titan_pipe.cli import app
+    from titan_pipe.config import ConvertConfig
+    from titan_pipe.convert.api import convert_checkpoint
+
+    stage = inspect.signature(convert_checkpoint).parameters
+    assert stage["settings"].default == ConvertConfig() and len(stage) <= 4
+    command = next(c for c in app.registered_commands if c.name == "convert").callback
+    cli = {k: p.default.default for k, p in inspect.signature(command).parameters.items()}
+    d = ConvertConfig()
+    assert (cli["source_format"], cli["naming"], cli["dtype"], cli["max_shard_size"], cli["tp"], cli["pp"]) == (
+        d.source_format, d.naming, d.dtype, d.max_shard_size, d.tp, d.pp)
+
+
+def test_a_bad_flag_is_one_line_naming_the_flag(tmp_path):
+    """A value the section refuses, given as a flag, names the flag (not the field)."""
+    from typer.testing import CliRunner
+
+    from titan_pipe.cli import app
+
+    r = CliRunner().invoke(app, ["convert", str(tmp_path), "-o", str(tmp_path / "o"), "--from", "pickle"])
+    assert r.exit_code == 1 and "--from: " in r.output and "'pickle'" in r.output, r.output
+    assert not (tmp_path / "o").exists()
 
 
 def test_atc_window_matches_the_operator_list():

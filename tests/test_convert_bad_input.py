@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from convert_writers import (hash_tree, model_args, native_state, write_dcp, write_hf, write_megatron,
                              write_megatron_dist)
+from titan_pipe.config import ConvertConfig
 from titan_pipe.cli import app
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.hashing import sha256_file
@@ -30,7 +31,7 @@ def good(tmp_path_factory):
     args = model_args()
     sd = native_state(args)
     hf = write_hf(sd, args, base / "hf")
-    convert_checkpoint(src=hf, out_dir=base / "titan", tp=2, pp=2, progress=False)
+    convert_checkpoint(hf, base / "titan", ConvertConfig(tp=2, pp=2))
     return {"args": args, "sd": sd, "hf": hf, "titan": base / "titan"}
 
 

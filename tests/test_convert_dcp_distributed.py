@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from convert_writers import hash_tree, model_args, native_state, to_interleaved
+from titan_pipe.config import ConvertConfig
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
 from titan_pipe.model.names import native_to_hf
@@ -51,7 +52,7 @@ def test_fsdp_tp_model_save_converts_bit_exactly(saved, tmp_path):
     wq = next(p for p in r.params if p["name"] == "layers.0.attention.wq.weight")
     assert wq["reads"] == 4 and "4 chunks" in wq["split"]
     before = hash_tree(src)
-    convert_checkpoint(src=src, out_dir=tmp_path / "u", progress=False)
+    convert_checkpoint(src, tmp_path / "u")
     assert hash_tree(src) == before
     got = load_file(tmp_path / "u/model.safetensors")
     want = native_state(model_args())  # the single-process model, rotate-half q/k rows
@@ -63,7 +64,7 @@ def test_fsdp_tp_model_save_converts_bit_exactly(saved, tmp_path):
 def test_torchtitan_full_save_takes_only_the_model(saved, tmp_path):
     args = model_args()
     src = saved / "full/step-1"
-    convert_checkpoint(src=src, out_dir=tmp_path / "u", naming="native", progress=False)
+    convert_checkpoint(src, tmp_path / "u", ConvertConfig(naming="native"))
     got = load_file(tmp_path / "u/model.safetensors")
     ref = load_file(saved / "full_reference.safetensors")  # rank 0's full_tensor()s, interleaved q/k
     assert set(got) == set(ref)
@@ -101,7 +102,7 @@ def test_megatron_core_torch_dist_save_converts_bit_exactly(saved, tmp_path):
     assert r.format == "megatron" and r.layout["backend"] == "torch_dist" and r.step == 50
     assert (r.layout["tp"], r.layout["pp"], r.layout["vpp"]) == (2, 2, 2)
     before = hash_tree(src)
-    convert_checkpoint(src=src, out_dir=tmp_path / "u", progress=False)
+    convert_checkpoint(src, tmp_path / "u")
     assert hash_tree(src) == before
     got = load_file(tmp_path / "u/model.safetensors")
     want = native_state(model_args())
@@ -122,7 +123,7 @@ def test_megatron_core_qwen2_style_save_converts_bit_exactly(saved, tmp_path):
         pytest.skip(f"megatron-core not usable here: {skipped.read_text()}")
     src, args = saved / "megatron_qwen2", model_args(qkv_bias=True)
     before = hash_tree(src)
-    convert_checkpoint(src=src, out_dir=tmp_path / "u", progress=False)
+    convert_checkpoint(src, tmp_path / "u")
     assert hash_tree(src) == before
     got = load_file(tmp_path / "u/model.safetensors")
     want = native_state(args)

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 
 from convert_writers import (hash_tree, model_args, native_state, write_dcp, write_hf,
                              write_megatron, write_megatron_dist)
+from titan_pipe.config import ConvertConfig
 from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
@@ -48,7 +49,7 @@ def hf_dir(tmp_path_factory, weights):
 @pytest.fixture(scope="module")
 def tp4pp2(tmp_path_factory, hf_dir):
     out = tmp_path_factory.mktemp("t42") / "ckpt"
-    convert_checkpoint(src=hf_dir, out_dir=out, tp=4, pp=2, progress=False)
+    convert_checkpoint(hf_dir, out, ConvertConfig(tp=4, pp=2))
     return out
 
 
@@ -67,7 +68,7 @@ def test_split_merge_bit_exact_every_kind(tp4pp2, weights, tmp_path):
         assert torch.equal(f.get_tensor("tok_embeddings.weight"), sd["tok_embeddings.weight"][80:160])
         assert "output.weight" not in f.keys()
     out = tmp_path / "u"
-    res = convert_checkpoint(src=tp4pp2, out_dir=out, progress=False)
+    res = convert_checkpoint(tp4pp2, out)
     _assert_same_weights(out, sd)
     prov = json.loads((out / "provenance.json").read_text())
     assert prov["source"]["format"] == "titan" and len(prov["source"]["sha256"]) == 8
@@ -87,11 +88,11 @@ def test_sharded_output_reads_back_through_the_trainer(tp4pp2, weights):
 
 
 def test_reshard_then_unify_equals_direct(tp4pp2, tmp_path):
-    convert_checkpoint(src=tp4pp2, out_dir=tmp_path / "direct", progress=False)
-    convert_checkpoint(src=tp4pp2, out_dir=tmp_path / "t2", tp=2, pp=1, progress=False)
+    convert_checkpoint(tp4pp2, tmp_path / "direct")
+    convert_checkpoint(tp4pp2, tmp_path / "t2", ConvertConfig(tp=2, pp=1))
     assert sorted(p.name for p in (tmp_path / "t2/model").iterdir()) == ["pp0-tp0.safetensors",
                                                                          "pp0-tp1.safetensors"]
-    convert_checkpoint(src=tmp_path / "t2", out_dir=tmp_path / "via", progress=False)
+    convert_checkpoint(tmp_path / "t2", tmp_path / "via")
     assert (tmp_path / "direct/model.safetensors").read_bytes() == (tmp_path / "via/model.safetensors").read_bytes()
     assert (tmp_path / "direct/config.json").read_bytes() == (tmp_path / "via/config.json").read_bytes()
 
@@ -100,9 +101,9 @@ def test_tied_embeddings_round_trip(tmp_path):
     args = model_args(tie_embeddings=True)
     sd = native_state(args, seed=3)
     hf = write_hf(sd, args, tmp_path / "hf")
-    convert_checkpoint(src=hf, out_dir=tmp_path / "s", tp=2, pp=2, progress=False)
+    convert_checkpoint(hf, tmp_path / "s", ConvertConfig(tp=2, pp=2))
     assert "output.weight" not in Manifest.load(tmp_path / "s").params
-    convert_checkpoint(src=tmp_path / "s", out_dir=tmp_path / "u", progress=False)
+    convert_checkpoint(tmp_path / "s", tmp_path / "u")
     _assert_same_weights(tmp_path / "u", sd)
     cfg = json.loads((tmp_path / "u/config.json").read_text())
     assert cfg["tie_word_embeddings"] is True
@@ -127,7 +128,7 @@ def test_every_source_format_gives_identical_bytes(tmp_path, weights, hf_dir, tp
     outputs = {}
     for name, src in sources.items():
         before = hash_tree(src)
-        res = convert_checkpoint(src=src, out_dir=tmp_path / f"out_{name}", progress=False)
+        res = convert_checkpoint(src, tmp_path / f"out_{name}")
         assert hash_tree(src) == before, f"{name}: source modified"
         outputs[name] = ((res.out_dir / "model.safetensors").read_bytes(),
                          (res.out_dir / "config.json").read_bytes())
@@ -142,7 +143,7 @@ def test_every_source_format_gives_identical_bytes(tmp_path, weights, hf_dir, tp
 
 def test_transformers_logits_equal_ours(tp4pp2, weights, tmp_path):
     args, sd = weights
-    convert_checkpoint(src=tp4pp2, out_dir=tmp_path / "u", progress=False)
+    convert_checkpoint(tp4pp2, tmp_path / "u")
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "u", attn_implementation="eager").eval()
     ours = build_model(args, seed=None)
     ours.load_state_dict(sd)
@@ -154,8 +155,7 @@ def test_transformers_logits_equal_ours(tp4pp2, weights, tmp_path):
 
 def test_dtype_cast_and_sharded_output(hf_dir, weights, tmp_path):
     args, sd = weights
-    res = convert_checkpoint(src=hf_dir, out_dir=tmp_path / "bf", dtype="bfloat16",
-                             max_shard_size="200KB", naming="hf", progress=False)
+    res = convert_checkpoint(hf_dir, tmp_path / "bf", ConvertConfig(dtype="bfloat16", max_shard_size="200KB", naming="hf"))
     index = json.loads((tmp_path / "bf/model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -171,7 +171,7 @@ def test_dtype_cast_and_sharded_output(hf_dir, weights, tmp_path):
 
 
 def test_native_naming(tp4pp2, weights, tmp_path):
-    convert_checkpoint(src=tp4pp2, out_dir=tmp_path / "n", naming="native", progress=False)
+    convert_checkpoint(tp4pp2, tmp_path / "n", ConvertConfig(naming="native"))
     _assert_same_weights(tmp_path / "n", weights[1], naming="native")
 
 
@@ -183,11 +183,11 @@ def test_a_native_named_dir_converts_and_exports(tp4pp2, weights, tmp_path):
 
     args, sd = weights
     native = tmp_path / "native"
-    convert_checkpoint(src=tp4pp2, out_dir=native, naming="native", progress=False)
-    convert_checkpoint(src=native, out_dir=tmp_path / "hf", progress=False)
+    convert_checkpoint(tp4pp2, native, ConvertConfig(naming="native"))
+    convert_checkpoint(native, tmp_path / "hf")
     _assert_same_weights(tmp_path / "hf", sd)
-    convert_checkpoint(src=native, out_dir=tmp_path / "shards", tp=2, pp=2, progress=False)
-    convert_checkpoint(src=tmp_path / "shards", out_dir=tmp_path / "back", naming="native", progress=False)
+    convert_checkpoint(native, tmp_path / "shards", ConvertConfig(tp=2, pp=2))
+    convert_checkpoint(tmp_path / "shards", tmp_path / "back", ConvertConfig(naming="native"))
     _assert_same_weights(tmp_path / "back", sd, naming="native")
     a, b = open_unified(native), open_unified(tmp_path / "hf")
     assert a.args == b.args and set(a.params) == set(b.params) == set(sd)
@@ -249,7 +249,7 @@ def test_row_split_scatter_in_small_blocks_and_short_reads(tp4pp2, weights, tmp_
     monkeypatch.setattr(reshard, "IOV_MAX", 3)
     monkeypatch.setattr(reshard.os, "preadv", short_preadv)
     out = tmp_path / "u"
-    convert_checkpoint(src=tp4pp2, out_dir=out, progress=False, verify=False)
+    convert_checkpoint(tp4pp2, out, ConvertConfig(verify=False))
     monkeypatch.undo()
     assert calls["n"] > 0
     _assert_same_weights(out, sd)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from titan_pipe.config import ConvertConfig
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.model.transformer import build_model
 from titan_pipe.model.weights import CheckpointWeights
@@ -46,7 +47,7 @@ def test_trained_3d_checkpoint_converts_to_transformers(trained, tmp_path):
     step = trained / "checkpoints" / "step-000002"
     assert (step / "manifest.json").is_file()
     # the run dir itself is accepted: its newest complete checkpoint is converted
-    res = convert_checkpoint(src=trained, out_dir=tmp_path / "hf", progress=False)
+    res = convert_checkpoint(trained, tmp_path / "hf")
     assert res.summary["step"] == 2 and res.summary["layout"]["dp"] == 2
     weights = CheckpointWeights(step)
     ours = build_model(weights.args, seed=None)
@@ -67,6 +68,6 @@ def test_trained_3d_checkpoint_converts_to_transformers(trained, tmp_path):
     assert tok.decode(ByteTokenizer().encode(text)) == text
     assert (tok.bos_token_id, tok.eos_token_id) == (ByteTokenizer.bos_id, ByteTokenizer.eos_id)
     # and resharded to (tp1, pp2), then unified: the same bytes
-    convert_checkpoint(src=step, out_dir=tmp_path / "pp2", tp=1, pp=2, progress=False)
-    convert_checkpoint(src=tmp_path / "pp2", out_dir=tmp_path / "hf2", progress=False)
+    convert_checkpoint(step, tmp_path / "pp2", ConvertConfig(tp=1, pp=2))
+    convert_checkpoint(tmp_path / "pp2", tmp_path / "hf2")
     assert (tmp_path / "hf/model.safetensors").read_bytes() == (tmp_path / "hf2/model.safetensors").read_bytes()

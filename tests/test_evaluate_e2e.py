@@ -9,6 +9,7 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("onnxruntime")
 
+from titan_pipe.config import ExportConfig
 from titan_pipe.config import EvaluateConfig, load_flow  # noqa: E402
 from titan_pipe.convert.api import convert_checkpoint  # noqa: E402
 from titan_pipe.convert.onnx.export import export_model
@@ -33,9 +34,8 @@ def trained(tmp_path_factory):
     flow.write_text(FLOW.format(runs=root / "runs"))
     result = run_training(flow_path=flow, cfg=load_flow(flow))
     model_dir = root / "model"
-    convert_checkpoint(src=result.checkpoint, out_dir=model_dir)
-    onnx = export_model(model_dir=model_dir, out_dir=root / "onnx", kv_cache=True, expose_hidden=True,
-                        run_atc=False).onnx
+    convert_checkpoint(result.checkpoint, model_dir)
+    onnx = export_model(model_dir, root / "onnx", ExportConfig(kv_cache=True, expose_hidden=True, atc=False)).onnx
     return {"root": root, "checkpoint": result.checkpoint, "model_dir": model_dir, "onnx": onnx}
 
 

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 pytest.importorskip("onnxruntime")
 
+from titan_pipe.config import ExportConfig
 from titan_pipe.cli import app  # noqa: E402
 from titan_pipe.config import EvaluateConfig  # noqa: E402
 from titan_pipe.convert.onnx.export import export_model
@@ -48,7 +49,7 @@ def debug_model(seed=0, **overrides):
 
 def export(model_dir: Path, out: Path, dtype="float32") -> Path:
     """A deployment export: no extra outputs; per-layer values are named in export.json."""
-    return export_model(model_dir=model_dir, out_dir=out, dtype=dtype, kv_cache=False, run_atc=False).onnx
+    return export_model(model_dir, out, ExportConfig(dtype=dtype, kv_cache=False, atc=False)).onnx
 
 
 LAYER_ROWS = [f"{k}.{i}" for i in range(4) for k in ("attn_out", "mlp_out", "hidden")]
@@ -300,7 +301,7 @@ def _scaled_copy(src: Path, dst: Path, graph: str, layer: int, factor: float = 1
 @pytest.fixture(scope="module")
 def kv_export(art):
     out = art["root"] / "kv"
-    export_model(model_dir=art["model_dir"], out_dir=out, kv_cache=True, run_atc=False)
+    export_model(art["model_dir"], out, ExportConfig(kv_cache=True, atc=False))
     return out
 
 
@@ -449,7 +450,7 @@ def test_kv_decode_row_runs_the_generation_loop(art, tmp_path, static):
     """onnx_kv_decode: a left-padded batch of prompts of 12 down to 6 tokens through the reference loop,
     on dynamic graphs and on static ones (batch 2), against PyTorch on each prompt alone."""
     kw = dict(dynamic=False, batch=2, seq_len=32, cache_len=40) if static else {}
-    res = export_model(model_dir=art["model_dir"], out_dir=tmp_path / "onnx", run_atc=False, **kw)
+    res = export_model(art["model_dir"], tmp_path / "onnx", ExportConfig(atc=False, **kw))
     settings = EvaluateConfig(operators=False, batches=2, batch_size=2, seq_len=32, prompts=3, prompt_len=12,
                               new_tokens=6)
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=res.onnx, settings=settings)

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 
+from titan_pipe.config import ExportConfig
 from titan_pipe.config import EvaluateConfig  # noqa: E402
 from titan_pipe.convert.onnx.export import export_model  # noqa: E402
 from titan_pipe.evaluate.api import evaluate_model  # noqa: E402
@@ -71,7 +72,7 @@ def dumped(tmp_path_factory):
     settings = EvaluateConfig(operators=False, batches=1, batch_size=2, seq_len=16, prompts=0, dump=True)
     out = {}
     for dt in ("float32", "float16"):
-        onnx = export_model(model_dir=md, out_dir=root / f"onnx-{dt}", dtype=dt, kv_cache=False, run_atc=False).onnx
+        onnx = export_model(md, root / f"onnx-{dt}", ExportConfig(dtype=dt, kv_cache=False, atc=False)).onnx
         r = evaluate_model(out_dir=root / f"rep-{dt}", model_dir=md, onnx=onnx, settings=settings)
         out[dt] = r.report_json.parent
     return out

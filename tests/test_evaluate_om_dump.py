@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("onnxruntime")
 
+from titan_pipe.config import ExportConfig
 from titan_pipe.convert.onnx.export import export_model  # noqa: E402
 from titan_pipe.evaluate.compare import compare_outputs  # noqa: E402
 from titan_pipe.evaluate.om_dump import (acl_dump_config, load_layer, map_values_to_dump, read_fusion_json,  # noqa: E402
@@ -29,7 +30,7 @@ def graph(tmp_path_factory):
     root = tmp_path_factory.mktemp("omdump")
     model, args = debug_model()
     md = write_unified(model, args, root / "model")
-    onnx_path = export_model(model_dir=md, out_dir=root / "onnx", kv_cache=False, run_atc=False).onnx
+    onnx_path = export_model(md, root / "onnx", ExportConfig(kv_cache=False, atc=False)).onnx
     ort = OnnxRuntimeRunner(onnx_path)
     ort.find_layers(args.n_layers)
     return {"root": root, "model_dir": md, "ort": ort, "args": args}

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 pytest.importorskip("onnxruntime")
 
 from test_evaluate_model import LAYER_ROWS, debug_model, write_unified  # noqa: E402
+from titan_pipe.config import ExportConfig
 from titan_pipe.cli import app  # noqa: E402
 from titan_pipe.config import EvaluateConfig  # noqa: E402
 from titan_pipe.convert.onnx.export import export_model  # noqa: E402
@@ -29,7 +30,7 @@ def art(tmp_path_factory):
     root = tmp_path_factory.mktemp("streamed")
     model, args = debug_model()
     md = write_unified(model, args, root / "model")
-    onnx = {dt: export_model(model_dir=md, out_dir=root / dt, dtype=dt, kv_cache=True, run_atc=False).onnx
+    onnx = {dt: export_model(md, root / dt, ExportConfig(dtype=dt, kv_cache=True, atc=False)).onnx
             for dt in ("float32", "float16")}
     return {"model_dir": md, "args": args, "onnx": onnx}
 

@@ -14,6 +14,7 @@ import torch
 import xxhash
 
 from export_support import debug_model, write_unified
+from titan_pipe.config import ExportConfig
 from titan_pipe.choices import EXPORT
 from titan_pipe.convert.casts import BLOCK, bits_dtype, cast_bits
 from titan_pipe.convert.onnx import data_file
@@ -177,8 +178,7 @@ def test_exported_weights_are_the_torch_cast(edge_model, tmp_path, monkeypatch, 
     monkeypatch.setattr(data_file, "WRITE_SLICE", 1000)
     model, args = edge_model
     unified = write_unified(model, args, tmp_path / "model", dtype=getattr(torch, src), shards=2)
-    out = export_model(model_dir=unified, out_dir=tmp_path / "onnx", dtype=dst, kv_cache=False, run_atc=False,
-                       digest=digest, data_files=n_files)
+    out = export_model(unified, tmp_path / "onnx", ExportConfig(dtype=dst, kv_cache=False, atc=False, digest=digest, data_files=n_files))
     got = exported_bytes(out.out_dir)
     stored = {native_to_hf(k): v.to(getattr(torch, src)) for k, v in model.state_dict().items()
               if not k.startswith("rope_")}
@@ -206,7 +206,7 @@ def test_kernel_copy_refused_falls_back_to_pread(edge_model, tmp_path, monkeypat
     monkeypatch.setattr(data_file, "WRITE_SLICE", 1000)
     model, args = edge_model
     unified = write_unified(model, args, tmp_path / "model")
-    out = export_model(model_dir=unified, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False)
+    out = export_model(unified, tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False))
     got = exported_bytes(out.out_dir)
     want = model.layers["1"].attention.wq.weight.detach().contiguous()
     assert got["layers.1.wq"] == want.view(torch.uint8).numpy().tobytes()
@@ -226,7 +226,7 @@ def test_more_data_files_than_cores_share_the_threads(edge_model, tmp_path, monk
     monkeypatch.setattr(data_file.DataWriter, "_run_lane", spy)
     model, args = edge_model
     unified = write_unified(model, args, tmp_path / "model")
-    out = export_model(model_dir=unified, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False, data_files=3)
+    out = export_model(unified, tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False, data_files=3))
     assert len(threads) == 1
     assert all((out.out_dir / f).stat().st_size > 0 for f in data_file_names(3))
     got = exported_bytes(out.out_dir)
@@ -255,7 +255,7 @@ def test_source_truncated_during_export_fails_cleanly(tmp_path, monkeypatch):
 
     monkeypatch.setattr(export_mod, "plan_weights", plan_then_truncate)
     with pytest.raises(UserError, match="ended early"):
-        export_model(model_dir=unified, out_dir=tmp_path / "onnx", dtype="float16", kv_cache=False, run_atc=False)
+        export_model(unified, tmp_path / "onnx", ExportConfig(dtype="float16", kv_cache=False, atc=False))
     assert not (tmp_path / "onnx").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from export_support import debug_model, write_unified
+from titan_pipe.config import ExportConfig
 from titan_pipe.convert.onnx.export import export_model
 from titan_pipe.generation import generate, generate_padded, ort_session
 from titan_pipe.errors import UserError
@@ -24,9 +25,8 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("decode")
     model, args = debug_model()
     src = write_unified(model, args, root / "model")
-    static = export_model(model_dir=src, out_dir=root / "static", dynamic=False, batch=2, seq_len=T,
-                          cache_len=CACHE, run_atc=False)
-    dynamic = export_model(model_dir=src, out_dir=root / "dynamic", run_atc=False)
+    static = export_model(src, root / "static", ExportConfig(dynamic=False, batch=2, seq_len=T, cache_len=CACHE, atc=False))
+    dynamic = export_model(src, root / "dynamic", ExportConfig(atc=False))
     return model, args, src, static, dynamic
 
 
@@ -165,5 +165,5 @@ def test_bad_generation_input(pair):
 def test_bad_cache_len_writes_nothing(pair, tmp_path, cache_len, message):
     _, _, src, _, _ = pair
     with pytest.raises(UserError, match=message):
-        export_model(model_dir=src, out_dir=tmp_path / "out", seq_len=T, cache_len=cache_len, run_atc=False)
+        export_model(src, tmp_path / "out", ExportConfig(seq_len=T, cache_len=cache_len, atc=False))
     assert list(tmp_path.iterdir()) == []

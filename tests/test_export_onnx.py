@@ -8,6 +8,7 @@ import torch
 import xxhash
 
 from export_support import debug_model, hidden_states, write_unified
+from titan_pipe.config import ExportConfig
 from titan_pipe.choices import EXPORT
 from titan_pipe.convert.onnx.export import export_model
 from titan_pipe.graph_io import data_file_names
@@ -39,7 +40,7 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
     model, args = debug_model()
     src = write_unified(model, args, root / "model")
-    result = export_model(model_dir=src, out_dir=root / "onnx", expose_hidden=True, run_atc=False)
+    result = export_model(src, root / "onnx", ExportConfig(expose_hidden=True, atc=False))
     return model, args, result
 
 
@@ -88,8 +89,7 @@ def test_export_never_loads_the_model(tmp_path, monkeypatch):
     monkeypatch.setattr(unified, "load_unified_model", refuse)
     model, args = debug_model()
     src = write_unified(model, args, tmp_path / "model")
-    result = export_model(model_dir=src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False,
-                          hash_weights=False)
+    result = export_model(src, tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False, hash_weights=False))
     files = json.loads(result.export_json.read_text())["files"]
     for name in data_file_names(EXPORT.data_files):
         assert files[name]["digest"] is None  # --no-hash-weights: the one pass skipped
@@ -131,8 +131,7 @@ def test_graph_is_atc_shaped(exported):
 def test_fp16_graph_within_tolerance(tmp_path):
     model, args = debug_model()
     src = write_unified(model, args, tmp_path / "model")
-    result = export_model(model_dir=src, out_dir=tmp_path / "onnx", dtype="float16", kv_cache=False,
-                          run_atc=False)
+    result = export_model(src, tmp_path / "onnx", ExportConfig(dtype="float16", kv_cache=False, atc=False))
     assert result.decode_onnx is None and not (tmp_path / "onnx" / "decode.onnx").exists()
     m = onnx.load(str(result.onnx))
     assert {t.data_type for t in m.graph.initializer if t.name.startswith("layers.")} == {onnx.TensorProto.FLOAT16}
@@ -158,7 +157,7 @@ def test_transformers_checkpoint_matches_transformers(tmp_path):
             if n.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    result = export_model(model_dir=tmp_path / "hf", out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False)
+    result = export_model(tmp_path / "hf", tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False))
     tokens = torch.randint(0, args.vocab_size, (2, 19), generator=torch.Generator().manual_seed(4))
     got = _session(result.onnx).run(["logits"], _feeds(tokens))[0]
     with torch.no_grad():
@@ -207,7 +206,7 @@ def test_weights_streamed_into_shared_data_files(exported, tmp_path):
     assert checked == set(names)  # the tensors compared lie in both files
 
     bf16 = write_unified(model, args, tmp_path / "bf16", dtype=torch.bfloat16)
-    out = export_model(model_dir=bf16, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False)
+    out = export_model(bf16, tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False))
     init = next(t for t in onnx.load(str(out.onnx)).graph.initializer if t.name == "layers.1.wq")
     want = model.layers["1"].attention.wq.weight.detach().to(torch.bfloat16).float().numpy()
     assert np.array_equal(onnx.numpy_helper.to_array(init), want)
@@ -218,7 +217,7 @@ def test_tied_embeddings_and_llama3_rope(tmp_path):
                               rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                             "original_max_position_embeddings": 32})
     src = write_unified(model, args, tmp_path / "model")
-    result = export_model(model_dir=src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False)
+    result = export_model(src, tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False))
     tokens = torch.randint(0, args.vocab_size, (2, 100), generator=torch.Generator().manual_seed(7))
     got = _session(result.onnx).run(["logits"], _feeds(tokens))[0]
     with torch.no_grad():

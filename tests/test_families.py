@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from convert_writers import (hash_tree, model_args, native_state, write_dcp, write_hf, write_megatron,
                              write_megatron_dist)
+from titan_pipe.config import ConvertConfig, ExportConfig
 from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.cli import app
 from titan_pipe.config import EvaluateConfig
@@ -117,13 +118,13 @@ def test_flops_count_the_new_terms():
 
 def test_hf_round_trip_through_tp2_pp2_is_bit_exact(family, tmp_path):
     name, args, sd, _, src = family
-    convert_checkpoint(src=src, out_dir=tmp_path / "s", tp=2, pp=2, progress=False)
+    convert_checkpoint(src, tmp_path / "s", ConvertConfig(tp=2, pp=2))
     m = Manifest.load(tmp_path / "s")
     if args.qkv_bias:  # biases split with their weight's rows
         assert m.params["layers.0.attention.wk.bias"].tp_dim == 0 and len(m.params["layers.0.attention.wk.bias"].chunks) == 2
     if args.qk_norm:  # q/k norms replicated
         assert m.params["layers.3.attention.q_norm.weight"].tp_dim is None and m.params["layers.3.attention.q_norm.weight"].stage == 1
-    convert_checkpoint(src=tmp_path / "s", out_dir=tmp_path / "u", progress=False)
+    convert_checkpoint(tmp_path / "s", tmp_path / "u")
     got = load_file(tmp_path / "u/model.safetensors")
     assert set(got) == {native_to_hf(k) for k in sd}
     for k, v in sd.items():
@@ -144,12 +145,12 @@ def test_megatron_legacy_and_torch_dist_convert_bit_exactly(fam, tmp_path):
     Hugging Face model of the same weights."""
     args = model_args(**{k: v for k, v in FAMILIES[fam].items() if k != "tie_embeddings"})
     sd = native_state(args)
-    ref = convert_checkpoint(src=write_hf(sd, args, tmp_path / "hf"), out_dir=tmp_path / "ref", progress=False)
+    ref = convert_checkpoint(write_hf(sd, args, tmp_path / "hf"), tmp_path / "ref")
     want = (ref.out_dir / "model.safetensors").read_bytes()
     for kind, src in (("legacy", write_megatron(sd, args, tmp_path / "meg", tp=2, pp=2)),
                       ("torch_dist", write_megatron_dist(sd, args, tmp_path / "megd", tp=2, pp=2, vpp=None))):
         before = hash_tree(src)
-        res = convert_checkpoint(src=src, out_dir=tmp_path / f"out_{kind}", progress=False)
+        res = convert_checkpoint(src, tmp_path / f"out_{kind}")
         assert hash_tree(src) == before
         assert (res.out_dir / "model.safetensors").read_bytes() == want, kind
         assert read_model_args(res.out_dir) == read_model_args(ref.out_dir), kind
@@ -160,8 +161,7 @@ def test_torchtitan_qwen3_dcp_is_read_rotate_half(tmp_path):
     and the q/k norms come off the tensor shapes when the config is a Meta-style params.json."""
     args = model_args(**FAMILIES["qwen3"])
     sd = native_state(args)
-    res = convert_checkpoint(src=write_dcp(sd, args, tmp_path / "dcp"), out_dir=tmp_path / "u", naming="native",
-                             progress=False)
+    res = convert_checkpoint(write_dcp(sd, args, tmp_path / "dcp"), tmp_path / "u", ConvertConfig(naming="native"))
     got = load_file(res.out_dir / "model.safetensors")
     assert set(got) == set(sd)
     for k, v in sd.items():
@@ -176,8 +176,7 @@ def test_export_generates_like_transformers(family, tmp_path):
     """Static prefill + fixed-capacity decode: a left-padded batch of two prompts gives transformers'
     greedy tokens of each prompt alone, logits within 1e-4; the new operators pass the ATC list."""
     name, args, sd, hf, src = family
-    res = export_model(model_dir=src, out_dir=tmp_path / "onnx", dynamic=False, batch=2, seq_len=T,
-                       cache_len=CACHE, run_atc=False)
+    res = export_model(src, tmp_path / "onnx", ExportConfig(dynamic=False, batch=2, seq_len=T, cache_len=CACHE, atc=False))
     record = json.loads(res.export_json.read_text())
     ops = {o["op_type"] for o in record["graphs"]["decode.onnx"]["operators"]}
     assert {"qwen2": {"Gemm"}, "qwen3": {"Pow", "ReduceMean"}, "mistral": {"CumSum", "Less"}}[name] <= ops
@@ -228,7 +227,7 @@ def test_evaluate_reference_generates_like_transformers(family, tmp_path):
 def test_evaluate_passes_and_names_the_perturbed_layer(family, tmp_path):
     name, args, _, _, src = family
     fast = EvaluateConfig(batches=1, batch_size=2, seq_len=32, prompts=1, new_tokens=4, operators=False)
-    res = export_model(model_dir=src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False)
+    res = export_model(src, tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False))
     r = evaluate_model(out_dir=tmp_path / "ok", model_dir=src, onnx=res.onnx, settings=fast)
     assert r.passed, r.summary["verdict"]
     m = onnx.load(str(res.onnx))
@@ -252,7 +251,7 @@ def test_evaluate_streams_the_kv_decode_layer_by_layer(family, tmp_path):
     Gemms, Qwen3's q/k norms, Mistral's window band inside them), each layer's cache slice filled by
     the prefill piece, then every decode step, against the layered reference past the window."""
     name, args, _, _, src = family
-    res = export_model(model_dir=src, out_dir=tmp_path / "onnx", kv_cache=True, run_atc=False)
+    res = export_model(src, tmp_path / "onnx", ExportConfig(kv_cache=True, atc=False))
     fast = EvaluateConfig(batches=1, batch_size=1, seq_len=32, prompts=2, new_tokens=8, operators=False,
                           max_memory="1.5MB")
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=src, onnx=res.onnx, settings=fast)

@@ -34,6 +34,7 @@ import yaml
 from typer.testing import CliRunner
 
 from convert_writers import model_args, native_state, write_hf
+from titan_pipe.config import ConvertConfig, ExportConfig
 from titan_pipe import faults, procs
 from titan_pipe.atomic import _HOST
 from titan_pipe.cli import app
@@ -175,8 +176,8 @@ def built(tmp_path_factory):
     base = tmp_path_factory.mktemp("faults")
     args = model_args()
     hf = write_hf(native_state(args), args, base / "hf")
-    model = convert_checkpoint(src=hf, out_dir=base / "model", progress=False).out_dir
-    onnx = export_model(model_dir=model, out_dir=base / "onnx", run_atc=False).onnx
+    model = convert_checkpoint(hf, base / "model").out_dir
+    onnx = export_model(model, base / "onnx", ExportConfig(atc=False)).onnx
     return {"hf": hf, "model": model, "onnx": onnx}
 
 
@@ -765,7 +766,7 @@ def test_run_stops_in_seconds_whatever_receives_the_signal(tmp_path, how, ranks)
 def test_sigkill_of_evaluate_ends_its_sharded_ranks(built, tmp_path):
     """evaluate --checkpoint runs the checkpoint under its own layout (torchrun, tp=2): killed with
     SIGKILL during that step, it leaves no rank behind."""
-    ckpt = convert_checkpoint(src=built["hf"], out_dir=tmp_path / "ckpt", tp=2, progress=False).out_dir
+    ckpt = convert_checkpoint(built["hf"], tmp_path / "ckpt", ConvertConfig(tp=2)).out_dir
     p = titan_pipe("evaluate", "--checkpoint", ckpt, "--model-dir", built["model"], "-o", tmp_path / "report",
                    env=dict(os.environ))
     end = time.monotonic() + 300

@@ -81,7 +81,7 @@ def trained(tmp_path_factory):
         res = run_training(flow_path=flow, cfg=cfg)
     finally:
         mp.undo()
-    model = convert_checkpoint(src=res.checkpoint, out_dir=root / "model", progress=False)
+    model = convert_checkpoint(res.checkpoint, root / "model")
     return {"root": root, "flow": flow, "cfg": cfg, "tok": tok, "ckpt": res.checkpoint, "model": model}
 
 
@@ -90,9 +90,9 @@ def test_checkpoint_carries_the_tokenizer(trained):
     assert (ckpt / "tokenizer.json").read_bytes() == tok.read_bytes()
     assert (ckpt / "tokenizer_config.json").read_bytes() == (tok.parent / "tokenizer_config.json").read_bytes()
     m = Manifest.load(ckpt)
-    assert m.extra["tokenizer"] == "tokenizer.json"  # relative to the step dir, not the flow's path
-    assert m.extra["attached"]["tokenizer.json"] == {"size": tok.stat().st_size, "sha256": sha256_file(tok)}
-    assert set(m.extra["attached"]) == {"tokenizer.json", "tokenizer_config.json"}
+    assert m.extra.tokenizer == "tokenizer.json"  # relative to the step dir, not the flow's path
+    assert vars(m.extra.attached["tokenizer.json"]) == {"size": tok.stat().st_size, "sha256": sha256_file(tok)}
+    assert set(m.extra.attached) == {"tokenizer.json", "tokenizer_config.json"}
     assert all(f.endswith(".safetensors") for f in m.files)  # 'files' stays the weight-shard table
     assert pick_tokenizer(None, ckpt) == str(ckpt / "tokenizer.json")
 
@@ -108,7 +108,7 @@ def test_convert_copies_the_tokenizer_byte_identical(trained):
                                            "tokenizer_config.json": sha256_file(tok.parent / "tokenizer_config.json")}}
     assert "tokenizer.json" in prov["output"]["files"]
     # an HF dir as source: its tokenizer files come along too
-    again = convert_checkpoint(src=r.out_dir, out_dir=trained["root"] / "model2", progress=False)
+    again = convert_checkpoint(r.out_dir, trained["root"] / "model2")
     assert (again.out_dir / "tokenizer.json").read_bytes() == tok.read_bytes()
     assert json.loads((again.out_dir / "provenance.json").read_text())["tokenizer"]["tokenizer"] == "tokenizer.json"
 
@@ -120,7 +120,7 @@ def test_convert_refuses_a_replaced_tokenizer(trained, tmp_path):
     data[-2:-1] = b" " if data[-2:-1] != b" " else b"\n"  # same size, other bytes
     (bad / "tokenizer.json").write_bytes(bytes(data))
     with pytest.raises(UserError, match="tokenizer.json: sha256 .* records"):
-        convert_checkpoint(src=bad, out_dir=tmp_path / "out", progress=False)
+        convert_checkpoint(bad, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

@@ -66,7 +66,7 @@ def test_both_layouts_load_as_transformers_reads_them(tmp_path, layout, scaled):
     tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (ours(tokens) - ref(tokens).logits).abs().max().item() <= 1e-5
-    out = convert_checkpoint(src=src, out_dir=tmp_path / "out", progress=False).out_dir
+    out = convert_checkpoint(src, tmp_path / "out").out_dir
     assert read_model_args(out) == args  # convert keeps theta and scaling, whatever the layout read
 
 

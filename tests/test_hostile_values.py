@@ -18,6 +18,7 @@ import pytest
 
 from convert_writers import model_args, native_state, write_dcp, write_hf
 from test_untrusted_input import copy, edit_json, refused
+from titan_pipe.config import ConvertConfig
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.errors import UserError
 from titan_pipe.limits import Bound
@@ -33,8 +34,8 @@ def good(tmp_path_factory):
     args = model_args()  # dim 64, 8 heads, 4 layers: another shape than the debug flavour
     sd = native_state(args)
     hf = write_hf(sd, args, base / "hf")
-    convert_checkpoint(src=hf, out_dir=base / "titan", tp=2, pp=2, progress=False)
-    convert_checkpoint(src=hf, out_dir=base / "model", progress=False)
+    convert_checkpoint(hf, base / "titan", ConvertConfig(tp=2, pp=2))
+    convert_checkpoint(hf, base / "model")
     return {"args": args, "sd": sd, "hf": hf, "titan": base / "titan", "model": base / "model"}
 
 

@@ -75,6 +75,26 @@ def test_parallel_layout_round_trips_and_reads_old_manifests():
             ParallelLayout.from_dict(bad, source="m.json")
 
 
+def test_manifest_extra_is_typed_and_keeps_what_it_does_not_know():
+    """What the trainer and convert write round-trips; keys of a later version are written back as
+    they were; a wrong type is one line naming the key (a LayoutError, so a UserError)."""
+    from titan_pipe.checkpoint_format import CheckpointExtra, FileInfo
+
+    written = {"optimizer": "optimizer", "train_state": "train_state.json", "kernels": "auto",
+               "tokenizer": "tokenizer.json", "attached": {"tokenizer.json": {"size": 3, "sha256": "ab"}},
+               "later_key": [1, 2]}
+    extra = CheckpointExtra.from_dict(written)
+    assert extra.attached == {"tokenizer.json": FileInfo(3, "ab")} and extra.other == {"later_key": [1, 2]}
+    assert extra.to_dict() == written
+    assert CheckpointExtra(converted_from={"format": "hf", "path": "/x"}).to_dict() == \
+        {"optimizer": None, "converted_from": {"format": "hf", "path": "/x"}}  # what convert wrote before
+    for bad, key in (({"kernels": 3}, "extra.kernels"), ({"attached": {"t": {"size": "3", "sha256": "a"}}},
+                                                          "extra.attached.t.size"), ([], "extra")):
+        with pytest.raises(LayoutError, match=key):
+            CheckpointExtra.from_dict(bad, source="m.json")
+    assert issubclass(LayoutError, UserError)
+
+
 def test_manifest_parallel_is_typed():
     m = Manifest(step=1, model={}, parallel=ParallelLayout(tp=2), params={}, files={})
     back = Manifest.from_json(m.to_json())

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from titan_pipe.config import ConvertConfig, ExportConfig
 from titan_pipe.cli import app
 
 transformers = pytest.importorskip("transformers")
@@ -206,7 +207,7 @@ def test_a_manifest_extra_of_the_wrong_type_is_one_line(hf_src, tmp_path, extra)
     """`"extra": "oops"` in a manifest was an AttributeError traceback (55 lines) in convert."""
     from titan_pipe.convert.api import convert_checkpoint
 
-    ckpt = convert_checkpoint(src=hf_src, out_dir=tmp_path / "ckpt", tp=2, progress=False).out_dir
+    ckpt = convert_checkpoint(hf_src, tmp_path / "ckpt", ConvertConfig(tp=2)).out_dir
     m = json.loads((ckpt / "manifest.json").read_text())
     m["extra"] = extra
     (ckpt / "manifest.json").write_text(json.dumps(m))
@@ -318,7 +319,7 @@ def test_more_data_files_than_tensors_writes_no_empty_file(hf_src, tmp_path):
     from titan_pipe.model.unified_dir import read_model_args
 
     n = len(native_shapes(read_model_args(hf_src)))
-    res = export_model(model_dir=hf_src, out_dir=tmp_path / "onnx", kv_cache=False, run_atc=False, data_files=64)
+    res = export_model(hf_src, tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False, data_files=64))
     files = sorted((tmp_path / "onnx").glob("model.onnx.data*"))
     assert len(files) == min(64, n) and all(f.stat().st_size > 0 for f in files), [f.name for f in files]
     assert res.summary["data_files"] == [f.name for f in files]

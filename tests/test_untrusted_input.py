@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from convert_writers import model_args, native_state, write_dcp, write_hf, write_megatron
+from titan_pipe.config import ConvertConfig
 from titan_pipe.choices import EXPORT
 from titan_pipe.cli import app
 from titan_pipe.convert.api import convert_checkpoint
@@ -116,8 +117,8 @@ def good(tmp_path_factory):
     args = model_args()
     sd = native_state(args)
     hf = write_hf(sd, args, base / "hf")
-    convert_checkpoint(src=hf, out_dir=base / "titan", tp=2, pp=2, progress=False)
-    convert_checkpoint(src=hf, out_dir=base / "model", progress=False)
+    convert_checkpoint(hf, base / "titan", ConvertConfig(tp=2, pp=2))
+    convert_checkpoint(hf, base / "model")
     sharded = write_hf(sd, args, base / "hf_sharded", max_shard_size="200KB")
     assert (sharded / "model.safetensors.index.json").is_file()
     return {"args": args, "sd": sd, "hf": hf, "titan": base / "titan", "model": base / "model",

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titan_pipe.mesh_math import world_size
+
 MESH_DIMS = ("dp", "pp", "tp")
 
 
@@ -26,7 +28,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return world_size(self.dp, self.tp, self.pp)
 
     def check_world(self, world_size: int) -> None:
         """Fail fast when the launch does not match dp*tp*pp."""

@@ -25,7 +25,8 @@ from titan_pipe.convert.onnx.data_file import DataWriter
 from titan_pipe.convert.onnx.graphs import GraphSpec, LayerValues, build_graph, io_dims
 from titan_pipe.model.params import initializer_names
 from titan_pipe.convert.onnx.weights import plan_weights
-from titan_pipe.choices import EXPORT, default_cache_len, export_problems
+from titan_pipe.choices import default_cache_len, export_problems
+from titan_pipe.config import ExportConfig
 from titan_pipe.dtypes import BY_NAME
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.export_record import RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord, OperatorUse
@@ -67,7 +68,8 @@ class ExportPlan:
     run_atc: bool
     weight_bytes: int
     graphs: tuple[GraphPlan, ...]
-    digest: str = EXPORT.digest  # export.json's file digests (titan_pipe.hashing.DIGESTS)
+    hash_weights: bool  # the digests of the weights' data files in export.json (False: null)
+    digest: str  # export.json's file digests (titan_pipe.hashing.DIGESTS)
     data_files: tuple[str, ...] = (DATA_FILE,)  # the weights' external-data files (titan_pipe.graph_io)
 
 
@@ -82,22 +84,20 @@ class ExportResult:
     om: Path | None = None  # the prefill graph's .om, when ATC ran and built it
 
 
-def plan_export(args: ModelArgs, *, opset: int = EXPORT.opset, dtype: str = EXPORT.dtype, batch: int = EXPORT.batch,
-                seq_len: int = EXPORT.seq_len, cache_len: int | None = EXPORT.cache_len, dynamic: bool = EXPORT.dynamic,
-                kv_cache: bool = EXPORT.kv_cache, soc_version: str = EXPORT.soc_version, run_atc: bool = EXPORT.run_atc,
-                precision_mode: str = EXPORT.precision_mode, expose_hidden: bool = False,
-                digest: str = EXPORT.digest, data_files: int = EXPORT.data_files) -> ExportPlan:
+def plan_export(args: ModelArgs, settings: ExportConfig) -> ExportPlan:
     """Validate the options against the model (titan_pipe.choices: the rules flow.yaml validation
     uses too) and lay out the graphs (pure data, no I/O)."""
-    problems = export_problems(max_positions=args.max_seq_len, opset=opset, dtype=dtype, batch=batch,
-                               seq_len=seq_len, cache_len=cache_len, kv_cache=kv_cache, precision_mode=precision_mode,
-                               digest=digest, data_files=data_files)
+    e = settings
+    problems = export_problems(max_positions=args.max_seq_len, opset=e.opset, dtype=e.dtype, batch=e.batch,
+                               seq_len=e.seq_len, cache_len=e.cache_len, kv_cache=e.kv_cache,
+                               precision_mode=e.precision_mode, digest=e.digest, data_files=e.data_files)
     if problems:
         raise UserError(problems[0])
-    cache_len = default_cache_len(args.max_seq_len) if cache_len is None else cache_len
+    opset, dtype, batch, seq_len, dynamic, kv_cache = e.opset, e.dtype, e.batch, e.seq_len, e.dynamic, e.kv_cache
+    cache_len = default_cache_len(args.max_seq_len) if e.cache_len is None else e.cache_len
     graphs = []
     for decode in ((False, True) if kv_cache else (False,)):
-        spec = GraphSpec(decode=decode, kv_cache=kv_cache, expose_hidden=expose_hidden,
+        spec = GraphSpec(decode=decode, kv_cache=kv_cache, expose_hidden=e.expose_hidden,
                          batch=None if dynamic else batch, seq=None if dynamic else seq_len,
                          cache=None if dynamic else cache_len, dtype=dtype, opset=opset)
         ins, outs = spec.io_names(args.n_layers)
@@ -106,10 +106,10 @@ def plan_export(args: ModelArgs, *, opset: int = EXPORT.opset, dtype: str = EXPO
                                 {n: tuple(d if isinstance(d, int) else -1 for d in dims[n]) for n in ins}, spec))
     itemsize = BY_NAME[dtype].itemsize
     # never more files than tensors: each tensor goes whole into one file, so the rest would be empty
-    data_files = min(data_files, len(native_shapes(args)))
-    return ExportPlan(opset, dtype, batch, seq_len, cache_len, dynamic, kv_cache, expose_hidden, soc_version,
-                      precision_mode, run_atc, count_params(args) * itemsize, tuple(graphs), digest,
-                      data_file_names(data_files))
+    data_files = min(e.data_files, len(native_shapes(args)))
+    return ExportPlan(opset, dtype, batch, seq_len, cache_len, dynamic, kv_cache, e.expose_hidden, e.soc_version,
+                      e.precision_mode, e.atc, count_params(args) * itemsize, tuple(graphs), e.hash_weights,
+                      e.digest, data_file_names(data_files))
 
 
 def _check_paths(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
@@ -192,12 +192,8 @@ def _record(*, model_dir: Path, args: ModelArgs, plan: ExportPlan, atc_status: s
         export_seconds=round(export_s, 3), timings_seconds=timings)
 
 
-def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, dtype: str = EXPORT.dtype,
-                 batch: int = EXPORT.batch, seq_len: int = EXPORT.seq_len, cache_len: int | None = EXPORT.cache_len,
-                 dynamic: bool = EXPORT.dynamic, kv_cache: bool = EXPORT.kv_cache, soc_version: str = EXPORT.soc_version,
-                 run_atc: bool = EXPORT.run_atc, precision_mode: str = EXPORT.precision_mode, overwrite: bool = False,
-                 expose_hidden: bool = False, hash_weights: bool = EXPORT.hash_weights,
-                 digest: str = EXPORT.digest, data_files: int = EXPORT.data_files) -> ExportResult:
+def export_model(model_dir: Path, out_dir: Path, settings: ExportConfig = ExportConfig(), *,
+                 overwrite: bool = False) -> ExportResult:
     """Export a unified model dir to ONNX for ATC (see docs/export.md for the graphs' I/O).
 
     Writes out_dir/{model.onnx, decode.onnx (kv_cache), model.onnx.data (the weights, shared),
@@ -214,9 +210,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
     _check_paths(model_dir, out_dir, overwrite)
     unified = open_unified(model_dir)  # headers read and every tensor placed: bad weights fail before any write
     args = unified.args
-    plan = plan_export(args, opset=opset, dtype=dtype, batch=batch, seq_len=seq_len, cache_len=cache_len,
-                       dynamic=dynamic, kv_cache=kv_cache, soc_version=soc_version, run_atc=run_atc,
-                       precision_mode=precision_mode, expose_hidden=expose_hidden, digest=digest, data_files=data_files)
+    plan = plan_export(args, settings)
     sources = plan_weights(unified)
     needs = output_bytes(plan, args)
     check_free_space(out_dir, needs=needs, what=WHAT)  # refuse before a byte is written
@@ -230,9 +224,9 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
         return now
 
     try:
-        with console.status(f"streaming {plan.weight_bytes / 1e9:.2f} GB of weights as {dtype} into "
+        with console.status(f"streaming {plan.weight_bytes / 1e9:.2f} GB of weights as {plan.dtype} into "
                             f"{', '.join(plan.data_files)}"):
-            data = _write_weights(args, plan, work, sources, hash_weights)
+            data = _write_weights(args, plan, work, sources, plan.hash_weights)
         t = lap("weights", t0)
         graphs, layer_values = {}, {}
         for g in plan.graphs:
@@ -245,15 +239,15 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
             t = lap(f"check {g.file}", t)
         invocations = [atc_mod.atc_invocation(
             graph=g.file, inputs=[atc_mod.GraphInput(n, g.input_dims[n]) for n in g.inputs],
-            soc_version=soc_version, precision_mode=precision_mode, dynamic=dynamic, batch=batch,
-            seq_len=seq_len, cache_len=plan.cache_len, max_len=args.max_seq_len,
+            soc_version=plan.soc_version, precision_mode=plan.precision_mode, dynamic=plan.dynamic, batch=plan.batch,
+            seq_len=plan.seq_len, cache_len=plan.cache_len, max_len=args.max_seq_len,
             weight_bytes=plan.weight_bytes, decode=g.decode) for g in plan.graphs]
         (work / "atc").mkdir()
         script = work / "atc" / "command.sh"
-        script.write_text(atc_mod.command_script(invocations, precision_mode))
+        script.write_text(atc_mod.command_script(invocations, plan.precision_mode))
         script.chmod(0o755)
         atc_status = "skipped"
-        if run_atc:
+        if plan.run_atc:
             atc_status = atc_mod.run_atc(invocations, work, lambda line: console.print(line, highlight=False,
                                                                                        markup=False))
             if atc_status == "not_found":
@@ -273,7 +267,7 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
         if fault is not None:  # after the cleanup, so "N free now" counts the space it gave back
             raise fault from None
         raise
-    summary = {"opset": opset, "dtype": dtype, "dynamic": dynamic, "kv_cache": kv_cache, "cache_len": plan.cache_len,
+    summary = {"opset": plan.opset, "dtype": plan.dtype, "dynamic": plan.dynamic, "kv_cache": plan.kv_cache, "cache_len": plan.cache_len,
                "params": count_params(args), "weight_bytes": plan.weight_bytes,
                "graphs": {f: {"nodes": r.n_nodes, "bytes": record.files[f].bytes} for f, r in graphs.items()},
                # the weights, in external-data files the graphs share (a graph file holds only its nodes)
@@ -282,6 +276,6 @@ def export_model(*, model_dir: Path, out_dir: Path, opset: int = EXPORT.opset, d
                "atc_status": atc_status, "export_seconds": round(export_s, 3), "timings_seconds": timings}
     om = out_dir / f"{invocations[0].om}.om"  # invocations[0]: the prefill graph, model.onnx
     return ExportResult(out_dir=out_dir, onnx=out_dir / PREFILL_FILE,
-                        decode_onnx=out_dir / DECODE_FILE if kv_cache else None,
+                        decode_onnx=out_dir / DECODE_FILE if plan.kv_cache else None,
                         export_json=out_dir / RECORD_FILE, atc_status=atc_status, summary=summary,
                         om=om if om.is_file() else None)

@@ -92,5 +92,6 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
     par = m.parallel
     plan = SourcePlan(FORMAT, root, args, tensors, files=sorted(m.files), step=m.step,
                       layout={"dp": par.dp, "tp": par.tp, "pp": par.pp, "pp_schedule": par.pp_schedule},
+                      pp_schedule=par.pp_schedule,
                       expected_sha256={k: v.sha256 for k, v in m.files.items()})
     return plan, store

@@ -7,8 +7,11 @@ from typing import Optional
 import typer
 
 from titan_pipe import limits
-from titan_pipe.choices import NAMINGS
+from titan_pipe.choices import NAMINGS, SOURCE_FORMATS
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+from titan_pipe.config import ConvertConfig, section_from_flags
+
+CONVERT = {k: f.default for k, f in ConvertConfig.model_fields.items()}  # each default spelled once, in the section
 
 
 def register(app: typer.Typer) -> None:
@@ -17,10 +20,10 @@ def register(app: typer.Typer) -> None:
     def convert(
         src: Path = typer.Argument(..., help="Checkpoint dir: titan-pipe, DCP/torchtitan, Megatron-LM or Hugging Face"),
         out: Path = typer.Option(..., "-o", "--out", help="Output directory (must be empty or absent)"),
-        source_format: str = typer.Option("auto", "--from", help="auto | titan | dcp | megatron | hf"),
-        naming: str = typer.Option(NAMINGS[0], "--naming", help=" | ".join(NAMINGS) + " (hf: transformers loads it)"),
-        dtype: str = typer.Option("keep", "--dtype", help="keep | float32 | float16 | bfloat16"),
-        max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Split the output past this size"),
+        source_format: str = typer.Option(CONVERT["source_format"], "--from", help=" | ".join(SOURCE_FORMATS)),
+        naming: str = typer.Option(CONVERT["naming"], "--naming", help=" | ".join(NAMINGS) + " (hf: transformers loads it)"),
+        dtype: str = typer.Option(CONVERT["dtype"], "--dtype", help="keep | float32 | float16 | bfloat16"),
+        max_shard_size: str = typer.Option(CONVERT["max_shard_size"], "--max-shard-size", help="Split the output past this size"),
         tp: Optional[int] = typer.Option(None, "--tp", help="Write our sharded layout with this TP size"),
         pp: Optional[int] = typer.Option(None, "--pp", help="... and this number of pipeline stages"),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory"),
@@ -37,10 +40,15 @@ def register(app: typer.Typer) -> None:
                                    ("--vocab-size", vocab_size, limits.VOCAB)):
             limits.check_flag(flag, value, bound)
 
-        r = call_stage("convert", convert_checkpoint, track=flow, src=src, out_dir=out, source_format=source_format, naming=naming,
-                               dtype=dtype, max_shard_size=max_shard_size, tp=tp, pp=pp,
-                               overwrite=overwrite, vocab_size=vocab_size, model_config=model_config,
-                               verify=not no_verify)
+        settings = section_from_flags(
+            ConvertConfig, {"source_format": "--from", "naming": "--naming", "dtype": "--dtype",
+                            "max_shard_size": "--max-shard-size", "tp": "--tp", "pp": "--pp",
+                            "vocab_size": "--vocab-size", "source_config": "--model-config"},
+            source_format=source_format, naming=naming, dtype=dtype, max_shard_size=max_shard_size, tp=tp, pp=pp,
+            vocab_size=vocab_size, source_config=str(model_config) if model_config is not None else None,
+            verify=not no_verify)
+        r = call_stage("convert", convert_checkpoint, track=flow, src=src, out_dir=out, settings=settings,
+                       overwrite=overwrite)
         s = r.summary
         if s.get("nonfinite"):
             console.print(f"[yellow]warning[/yellow] {r.out_dir}: NaN/Inf values in {len(s['nonfinite'])} "

@@ -47,18 +47,20 @@ def register(app: typer.Typer) -> None:
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Export MODEL_DIR to ONNX (prefill + KV-cache decode) for Ascend ATC, with an operator report."""
+        from titan_pipe.config import ExportConfig, section_from_flags
         from titan_pipe.convert.onnx.export import export_model
 
         for flag, value, bound in (("--batch", batch, limits.BATCH), ("--seq-len", seq_len, limits.SEQ_LEN),
                                    ("--cache-len", cache_len, limits.CACHE_LEN),
                                    ("--data-files", data_files, limits.DATA_FILES)):
             limits.check_flag(flag, value, bound)  # before the model is read: one line naming the limit
-        r = call_stage("export", export_model, track=flow, model_dir=model_dir, out_dir=out_dir, opset=opset, dtype=dtype.value, batch=batch,
-                         seq_len=seq_len, cache_len=cache_len, dynamic=dynamic, kv_cache=kv_cache,
-                         soc_version=soc_version,
-                         run_atc=atc, precision_mode=precision_mode.value, overwrite=overwrite,
-                         expose_hidden=expose_hidden, hash_weights=hash_weights, digest=digest.value,
-                         data_files=data_files)
+        settings = section_from_flags(
+            ExportConfig, {k: "--" + k.replace("_", "-") for k in ExportConfig.model_fields},
+            opset=opset, dtype=dtype.value, batch=batch, seq_len=seq_len, cache_len=cache_len, dynamic=dynamic,
+            kv_cache=kv_cache, soc_version=soc_version, atc=atc, precision_mode=precision_mode.value,
+            expose_hidden=expose_hidden, hash_weights=hash_weights, digest=digest.value, data_files=data_files)
+        r = call_stage("export", export_model, track=flow, model_dir=model_dir, out_dir=out_dir, settings=settings,
+                       overwrite=overwrite)
         s = r.summary
         graphs = ", ".join(f"{f} ({g['nodes']} nodes, {g['bytes'] / 1e6:.1f} MB)" for f, g in s["graphs"].items())
         console.print(f"exported {graphs}; weights {s['data_bytes'] / 1e6:.1f} MB in {len(s['data_files'])} external-data "

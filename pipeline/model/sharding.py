@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_pipe.choices import INTERLEAVED
+from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS, param_of, split_layer
 
 
@@ -47,6 +48,24 @@ def _param(param_name: str):
     except KeyError:
         raise KeyError(f"parameter {param_name!r} has no entry in the sharding table "
                        "(titan_pipe.model.params)") from None
+
+
+def tp_problems(args: ModelArgs, tp: int) -> list[str]:
+    """Why ``tp`` ranks cannot split a model of ``args`` (the sharding table splits q heads, k/v heads,
+    the FFN hidden size and the vocabulary): what follows "tp N" in each message. The one rule the
+    flow's validation and convert's sharded output both apply."""
+    out = []
+    if args.n_heads % tp:
+        out.append(f"does not divide model n_heads={args.n_heads} (tp splits the q heads of head_dim "
+                   f"{args.head_dim}); pick tp from the divisors of {args.n_heads}")
+    if args.kv_heads % tp:
+        out.append(f"does not divide model n_kv_heads={args.kv_heads} (tp splits the k/v heads of head_dim "
+                   f"{args.head_dim}); pick tp dividing {args.kv_heads}")
+    if args.hidden_dim % tp:
+        out.append(f"does not divide the FFN hidden size {args.hidden_dim}")
+    if args.vocab_size % tp:
+        out.append(f"does not divide vocab_size={args.vocab_size}; pad the vocabulary to a multiple of tp")
+    return out
 
 
 def layer_id(param_name: str) -> int | None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from titan_pipe.choices import INTERLEAVED
 from titan_pipe.model.args import ModelArgs
+from titan_pipe.mesh_math import world_size
 
 
 GB = 1e9  # decimal gigabytes, as device datasheets count them
@@ -69,7 +70,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return world_size(self.dp, self.tp, self.pp)
 
     @property
     def dp_mode(self) -> str:
