@@ -69,13 +69,13 @@ def evaluate_markdown(output: StageOutput, report_md: str | None) -> str:
     for k, v in output.summary.items():
         if not isinstance(v, (dict, list)):
             head.append(f"- {k}: {_fmt(v)}")
-    head += ["", f"Report: `{output.paths.get('report_json', '')}`", ""]
+    head += ["", f"Report: `{output.paths.report_json}`", ""]
     return "\n".join(head) + ("\n---\n\n" + report_md if report_md else "")
 
 
 def links(output: StageOutput) -> list[tuple[str, str]]:
     """(file URI, text) for every named path the stage produced."""
-    return [(Path(p).resolve().as_uri(), f"{output.stage}: {name}") for name, p in output.paths.items()
+    return [(Path(p).resolve().as_uri(), f"{output.stage}: {name}") for name, p in output.paths.named().items()
             if Path(p).exists()]
 
 
@@ -101,11 +101,11 @@ def publish(output: StageOutput, *, run_name: str, cached: bool) -> list[str]:
     elif output.stage == "convert":
         table("summary", key_value_table(output.summary), "Conversion summary")
     elif output.stage == "export":
-        table("operators", operator_table(_export_record(output.paths.get("export_json"))),
+        table("operators", operator_table(_export_record(output.paths.export_json)),
               "ONNX operators of the exported graphs (all on the ATC list: export checks it)")
         table("summary", key_value_table(output.summary), f"Export; ATC status: {output.summary.get('atc_status')}")
     elif output.stage == "evaluate":
-        md_path = output.paths.get("report_md")
+        md_path = output.paths.report_md
         report_md = Path(md_path).read_text() if md_path and Path(md_path).is_file() else None
         key = artifact_key(run_name, output.stage, "report")
         create_markdown_artifact(evaluate_markdown(output, report_md), key=key,

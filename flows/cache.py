@@ -132,8 +132,9 @@ class StageInputs:
     files: tuple[Path, ...]
 
 
-def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict[str, Path]) -> StageInputs:
-    """The inputs of one stage. upstream: "checkpoint", "model_dir", "onnx_dir" from earlier stages."""
+def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict) -> StageInputs:
+    """The inputs of one stage. upstream: the earlier stages' outputs by stage (flows.tasks.StageOutput,
+    whose typed paths name the checkpoint, model dir and ONNX dir)."""
     if stage == DATA:
         section = cfg.data.model_dump(mode="json", include={"path", "tokenizer", "text_key", "val_fraction"})
         return StageInputs(stage, section, tuple(data_files(cfg, flow_dir)))
@@ -144,9 +145,9 @@ def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict[
             files += files_under(_resolve(cfg.init_from, flow_dir))
         return StageInputs(stage, section, tuple(files))
     if stage == "convert":
-        return StageInputs(stage, cfg.convert.model_dump(mode="json"), tuple(checkpoint_files(upstream["checkpoint"])))
+        return StageInputs(stage, cfg.convert.model_dump(mode="json"), tuple(checkpoint_files(Path(upstream["train"].paths.checkpoint))))
     if stage == "export":
-        return StageInputs(stage, cfg.export.model_dump(mode="json"), tuple(files_under(upstream["model_dir"])))
+        return StageInputs(stage, cfg.export.model_dump(mode="json"), tuple(files_under(Path(upstream["convert"].paths.model_dir))))
     if stage == "evaluate":
         section = {"evaluate": cfg.evaluate.model_dump(mode="json")}
         if cfg.evaluate.data is None:  # evaluate then reads the validation split of the training data
@@ -155,9 +156,9 @@ def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict[
                                                    exclude_none=True)
         else:
             files = [_resolve(cfg.evaluate.data, flow_dir)]
-        files += checkpoint_files(upstream["checkpoint"])
-        for name in ("model_dir", "onnx_dir"):
-            files += files_under(upstream[name])
+        files += checkpoint_files(Path(upstream["train"].paths.checkpoint))
+        files += files_under(Path(upstream["convert"].paths.model_dir))
+        files += files_under(Path(upstream["export"].paths.onnx_dir))
         return StageInputs(stage, section, tuple(files))
     raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
 

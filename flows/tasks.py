@@ -7,7 +7,7 @@ flows/cache.py and docs/flows.md for why); retries are set per run by the flow (
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prefect import task
@@ -21,24 +21,75 @@ from titan_pipe.flows.logs import follow_log, run_logger
 from titan_pipe.run_dir import RunDir
 
 
+class _Paths:
+    """A stage's output paths (absolute, as str): one typed record per stage below."""
+
+    def named(self) -> dict[str, str]:
+        """{field: path} of the paths this run produced (for links and the stage record)."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class DataPaths(_Paths):
+    data_dir: str
+
+
+@dataclass(frozen=True)
+class TrainPaths(_Paths):
+    run_dir: str
+    metrics: str
+    checkpoint: str | None = None  # None on a worker node of a multi-node run: node 0 holds the files
+
+
+@dataclass(frozen=True)
+class ConvertPaths(_Paths):
+    model_dir: str
+
+
+@dataclass(frozen=True)
+class ExportPaths(_Paths):
+    onnx_dir: str
+    onnx: str
+    export_json: str
+    decode_onnx: str | None = None
+    om: str | None = None  # when ATC ran and built it
+
+
+@dataclass(frozen=True)
+class EvaluatePaths(_Paths):
+    report_dir: str
+    report_json: str
+    report_md: str | None = None
+    report_html: str | None = None
+
+
+STAGE_PATHS: dict[str, type[_Paths]] = {"data": DataPaths, "train": TrainPaths, "convert": ConvertPaths,
+                                        "export": ExportPaths, "evaluate": EvaluatePaths}
+
+
 @dataclass(frozen=True)
 class StageOutput:
-    """What a stage hands to the next: named paths (absolute, as str), output roots, a small summary."""
+    """What a stage hands to the next: its typed paths, output roots, a small summary."""
 
     stage: str
-    paths: dict[str, str]
+    paths: _Paths
     outputs: list[str]  # files/dirs whose sha256 go into the stage record
     summary: dict = field(default_factory=dict)
     passed: bool | None = None  # the evaluation verdict; None for the other stages
 
+    def __post_init__(self):
+        if not isinstance(self.paths, STAGE_PATHS[self.stage]):
+            raise TypeError(f"{self.stage}: paths must be a {STAGE_PATHS[self.stage].__name__}, not {self.paths!r}")
+
     def to_json(self) -> dict:
-        return {"stage": self.stage, "paths": self.paths, "outputs": self.outputs,
+        return {"stage": self.stage, "paths": self.paths.named(), "outputs": self.outputs,
                 "summary": self.summary, "passed": self.passed}
 
     @classmethod
     def from_json(cls, data: dict) -> "StageOutput":
-        return cls(stage=data["stage"], paths=dict(data["paths"]), outputs=list(data["outputs"]),
-                   summary=dict(data.get("summary") or {}), passed=data.get("passed"))
+        return cls(stage=data["stage"], paths=STAGE_PATHS[data["stage"]](**data["paths"]),
+                   outputs=list(data["outputs"]), summary=dict(data.get("summary") or {}),
+                   passed=data.get("passed"))
 
 
 def resume_decision(*, requested: bool, attempt: int, run_dir: Path, torchrun_restarts: int = 0) -> bool:
@@ -65,7 +116,7 @@ def data_task(flow_dir: Path, cfg: FlowConfig, out_dir: Path) -> StageOutput:
     rec = r.record
     run_logger().info(("already prepared from the same inputs: " if r.reused else "prepared: ")
                       + f"{rec.n_documents:,} documents, {rec.n_tokens:,} tokens in {r.seconds:.1f}s")
-    return StageOutput("data", {"data_dir": str(r.out_dir)}, outputs=[str(r.out_dir)],
+    return StageOutput("data", DataPaths(str(r.out_dir)), outputs=[str(r.out_dir)],
                        summary={"tokens": rec.n_tokens, "documents": rec.n_documents,
                                 "val_documents": rec.split.val_documents, "reused": r.reused})
 
@@ -83,9 +134,7 @@ def train_task(flow_path: Path, cfg: FlowConfig, resume: bool = False) -> StageO
     with writing(run_dir, what=STAGE_OUTPUTS["train"]), follow_log(RunDir(run_dir).train_log):
         r = run_training(flow_path=flow_path, cfg=cfg, resume=resume)
     log.info(f"training done: checkpoint {r.checkpoint}, summary {r.summary}")
-    paths = {"run_dir": str(r.run_dir), "metrics": str(r.metrics)}
-    if r.checkpoint is not None:  # None on a worker node of a multi-node run: node 0 holds the files
-        paths["checkpoint"] = str(r.checkpoint)
+    paths = TrainPaths(str(r.run_dir), str(r.metrics), str(r.checkpoint) if r.checkpoint is not None else None)
     return StageOutput("train", paths, outputs=[str(r.checkpoint)] if r.checkpoint else [],
                        summary=dict(r.summary))
 
@@ -101,7 +150,7 @@ def convert_task(checkpoint: Path, out_dir: Path, settings: ConvertConfig) -> St
     if r.summary.get("nonfinite"):
         run_logger().warning(f"NaN/Inf values in {len(r.summary['nonfinite'])} tensor(s): "
                              f"{', '.join(r.summary['nonfinite'][:8])}; evaluate fails on such a model")
-    return StageOutput("convert", {"model_dir": str(r.out_dir)}, outputs=[str(r.out_dir)],
+    return StageOutput("convert", ConvertPaths(str(r.out_dir)), outputs=[str(r.out_dir)],
                        summary=dict(r.summary))
 
 
@@ -113,11 +162,9 @@ def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> Stage
     with writing(out_dir, what=STAGE_OUTPUTS["export"]):
         r = export_model(model_dir, out_dir, settings, overwrite=True)
     run_logger().info(f"ONNX {r.onnx}; ATC: {r.atc_status}")
-    paths = {"onnx_dir": str(r.out_dir), "onnx": str(r.onnx), "export_json": str(r.export_json)}
-    if r.decode_onnx is not None:
-        paths["decode_onnx"] = str(r.decode_onnx)
-    if r.om is not None:
-        paths["om"] = str(r.om)
+    paths = ExportPaths(str(r.out_dir), str(r.onnx), str(r.export_json),
+                        str(r.decode_onnx) if r.decode_onnx is not None else None,
+                        str(r.om) if r.om is not None else None)
     return StageOutput("export", paths, outputs=[str(r.out_dir)],
                        summary={**dict(r.summary), "atc_status": r.atc_status})
 
@@ -132,9 +179,8 @@ def evaluate_task(out_dir: Path, checkpoint: Path, model_dir: Path, onnx: Path, 
         r = evaluate_model(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
                            data=data, settings=settings, progress=True, split=split)
     run_logger().info(f"verdict: {'PASS' if r.passed else 'FAIL'} ({r.report_json})")
-    paths = {"report_dir": str(r.out_dir), "report_json": str(r.report_json)}
-    for name in ("report.md", "report.html"):
-        if (r.out_dir / name).is_file():
-            paths[name.replace(".", "_")] = str(r.out_dir / name)
+    md, html = (r.out_dir / "report.md", r.out_dir / "report.html")
+    paths = EvaluatePaths(str(r.out_dir), str(r.report_json), str(md) if md.is_file() else None,
+                          str(html) if html.is_file() else None)
     return StageOutput("evaluate", paths, outputs=[str(r.report_json)], summary=dict(r.summary),
                        passed=bool(r.passed))

@@ -124,7 +124,7 @@ def _prepare_training(run_dir: Path, key: str, action: str) -> bool:
 
 
 def _call_stage(stage: str, fn: Callable, *, cfg: FlowConfig, flow_path: Path, flow_dir: Path,
-                run_dir: Path, upstream: dict[str, str], resume: bool) -> StageOutput:
+                run_dir: Path, upstream: dict[str, StageOutput], resume: bool) -> StageOutput:
     rd = RunDir(run_dir)
     if stage == cache.DATA:
         return fn(flow_dir=flow_dir, cfg=cfg, out_dir=rd.data)
@@ -135,16 +135,16 @@ def _call_stage(stage: str, fn: Callable, *, cfg: FlowConfig, flow_path: Path, f
                                  retry_condition_fn=_retryable)
         return fn(flow_path=flow_path, cfg=cfg, resume=resume)
     if stage == "convert":
-        return fn(checkpoint=Path(upstream["checkpoint"]), out_dir=rd.model, settings=cfg.convert)
+        return fn(checkpoint=Path(upstream["train"].paths.checkpoint), out_dir=rd.model, settings=cfg.convert)
     if stage == "export":
-        return fn(model_dir=Path(upstream["model_dir"]), out_dir=rd.onnx, settings=cfg.export)
+        return fn(model_dir=Path(upstream["convert"].paths.model_dir), out_dir=rd.onnx, settings=cfg.export)
     from titan_pipe.evaluate.batches import held_out_text
 
     data, split = held_out_text(data=None, flow=cfg, flow_dir=flow_dir, run_dir=run_dir)
-    om = upstream.get("om")
-    return fn(out_dir=rd.report, checkpoint=Path(upstream["checkpoint"]), model_dir=Path(upstream["model_dir"]),
-              onnx=Path(upstream["onnx"]), om=Path(om) if om else None, data=data, settings=cfg.evaluate,
-              split=split)
+    exported = upstream["export"].paths
+    return fn(out_dir=rd.report, checkpoint=Path(upstream["train"].paths.checkpoint),
+              model_dir=Path(upstream["convert"].paths.model_dir), onnx=Path(exported.onnx),
+              om=Path(exported.om) if exported.om else None, data=data, settings=cfg.evaluate, split=split)
 
 
 def run_pipeline(flow_path: Path, *, from_stage: str | None = None, only: str | None = None,
@@ -172,7 +172,7 @@ def _run_stages(cfg: FlowConfig, flow_path: Path, run_dir: Path, actions: dict[s
     log.info(f"run dir {run_dir}; stages: " + ", ".join(f"{s}={a}" for s, a in actions.items()))
     hasher = cache.FileHasher(run_dir / ".stages" / "hashes.json")
     outcome = PipelineOutcome(run_dir)
-    upstream: dict[str, str] = {}
+    upstream: dict[str, StageOutput] = {}  # each earlier stage's output, by stage
     actions = cache.with_data_stage(actions, cache.needs_data_stage(cfg, flow_path.parent))
     for stage, action in actions.items():
         if action == cache.SKIP:
@@ -182,11 +182,11 @@ def _run_stages(cfg: FlowConfig, flow_path: Path, run_dir: Path, actions: dict[s
         if action == cache.REUSE:
             out = StageOutput.from_json(reused[stage].result)
             outcome.stages[stage], outcome.outputs[stage] = "reused", out
-            upstream.update(out.paths)
+            upstream[stage] = out
             _emit(StageEvent(stage, "reused", output=out, message="outputs of its last run"))
             continue
         doc = cache.stage_doc(cache.stage_inputs(stage, cfg, flow_dir=flow_path.parent,
-                                                 upstream={k: Path(v) for k, v in upstream.items()}),
+                                                 upstream=upstream),
                               hasher, run_dir)
         key = cache.doc_key(doc)
         record = cache.read_record(run_dir, stage)
@@ -216,13 +216,13 @@ def _run_stages(cfg: FlowConfig, flow_path: Path, run_dir: Path, actions: dict[s
             cache.write_record(run_dir, cache.StageRecord(stage=stage, key=key, outputs=outputs,
                                                           result=out.to_json(), duration_s=took, inputs=doc))
         outcome.stages[stage], outcome.outputs[stage] = status, out
-        upstream.update(out.paths)
+        upstream[stage] = out
         if publish:
             publish_artifacts(out, run_name=cfg.name, cached=status == "cached")
         _emit(StageEvent(stage, status, took, output=out))
     hasher.save()
     if outcome.passed is False:
-        raise StageFailed(f"evaluation failed its thresholds; see {outcome.outputs['evaluate'].paths['report_json']}")
+        raise StageFailed(f"evaluation failed its thresholds; see {outcome.outputs['evaluate'].paths.report_json}")
     return outcome
 
 

@@ -16,7 +16,8 @@ from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig, load_flow
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.flows import cache
-from titan_pipe.flows.tasks import StageOutput, resume_decision
+from titan_pipe.flows.tasks import (ConvertPaths, DataPaths, EvaluatePaths, ExportPaths, StageOutput, TrainPaths,
+                                    resume_decision)
 from titan_pipe.flows.train_to_deploy import _retryable, listening, run_pipeline
 
 
@@ -74,7 +75,8 @@ def test_downstream_keys_follow_upstream_files_and_own_section(tmp_path):
 
     def key(cfg):
         return cache.stage_key(cache.stage_inputs("export", cfg, flow_dir=tmp_path,
-                                                  upstream={"model_dir": model}), h, run)
+                                                  upstream={"convert": StageOutput("convert", ConvertPaths(str(model)), [])}),
+                               h, run)
 
     base = key(_cfg(tmp_path))
     (model / "provenance.json").write_text('{"time": 2}')  # export does not read it
@@ -117,7 +119,7 @@ class StandIns:
         self.data_calls += 1
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "data.json").write_text(json.dumps({"tokenizer": cfg.data.tokenizer}))
-        return StageOutput("data", {"data_dir": str(out_dir)}, outputs=[str(out_dir)], summary={"tokens": 1})
+        return StageOutput("data", DataPaths(str(out_dir)), outputs=[str(out_dir)], summary={"tokens": 1})
 
     def train(self, *, flow_path, cfg, resume):
         self.calls.append("train")
@@ -131,7 +133,7 @@ class StandIns:
         (step / "model" / "pp0-tp0.safetensors").write_bytes(f"weights lr={cfg.train.optimizer.lr}".encode())
         (step / "manifest.json").write_text("{}")
         (run / "metrics.jsonl").write_text(json.dumps({"step": cfg.train.steps, "loss": 2.0}) + "\n")
-        return StageOutput("train", {"checkpoint": str(step), "metrics": str(run / "metrics.jsonl")},
+        return StageOutput("train", TrainPaths(str(run), str(run / "metrics.jsonl"), str(step)),
                            outputs=[str(step)], summary={"final_loss": 2.0, "tokens_per_s": 1e3, "mfu": None,
                                                          "steps": cfg.train.steps})
 
@@ -141,14 +143,14 @@ class StandIns:
         data = (checkpoint / "model" / "pp0-tp0.safetensors").read_bytes()
         (out_dir / "model.safetensors").write_bytes(data + settings.dtype.encode())
         (out_dir / "config.json").write_text("{}")
-        return StageOutput("convert", {"model_dir": str(out_dir)}, outputs=[str(out_dir)], summary={"files": 2})
+        return StageOutput("convert", ConvertPaths(str(out_dir)), outputs=[str(out_dir)], summary={"files": 2})
 
     def export(self, *, model_dir, out_dir, settings):
         self.calls.append("export")
         out_dir.mkdir(parents=True, exist_ok=True)
         onnx = out_dir / "model.onnx"
         onnx.write_bytes((model_dir / "model.safetensors").read_bytes() + f"opset{settings.opset}".encode())
-        return StageOutput("export", {"onnx_dir": str(out_dir), "onnx": str(onnx)}, outputs=[str(out_dir)],
+        return StageOutput("export", ExportPaths(str(out_dir), str(onnx), str(out_dir / "export.json")), outputs=[str(out_dir)],
                            summary={"atc_status": "skipped: atc not on PATH"})
 
     def evaluate(self, *, out_dir, checkpoint, model_dir, onnx, om, data, settings, split=None):
@@ -156,7 +158,7 @@ class StandIns:
         out_dir.mkdir(parents=True, exist_ok=True)
         report = out_dir / "report.json"
         report.write_text(json.dumps({"passed": self.passed, "onnx": onnx.read_bytes().decode()}))
-        return StageOutput("evaluate", {"report_json": str(report)}, outputs=[str(report)],
+        return StageOutput("evaluate", EvaluatePaths(str(out_dir), str(report)), outputs=[str(report)],
                            summary={"passed": self.passed}, passed=self.passed)
 
     def tasks(self):
@@ -329,7 +331,7 @@ def test_worker_node_joins_training_without_writing_records(tmp_path):
 
     def train(*, flow_path, cfg, resume):
         seen.append(cfg.launch.node_rank)
-        return StageOutput("train", {"metrics": "m"}, outputs=[], summary={})
+        return StageOutput("train", TrainPaths("r", "m"), outputs=[], summary={})
 
     with pytest.raises(UserError, match="node_rank 0 must be 1..1"):
         join_training(path, node_rank=0, tasks={"train": train})
