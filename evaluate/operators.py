@@ -31,7 +31,7 @@ from titan_pipe.generation import ort_session
 from titan_pipe.model.kernels import apply_rotary_ref, attention_ref, rms_norm_ref
 from titan_pipe.thresholds import check_metrics, resolve_thresholds
 
-OPSET = 14
+PROBE_OPSET = 14  # the opset of the one-operator probe graphs built here (the export's is export.opset)
 CASES = ("normal", "large", "tiny", "long")
 
 
@@ -60,7 +60,7 @@ class OpGraph(nodes.NodeBuilder):
         graph = helper.make_graph(self.nodes, "op", self.inputs,
                                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                                   initializer=self.consts)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", PROBE_OPSET)],
                                  producer_name="titan-pipe-evaluate")
 
 
@@ -327,7 +327,7 @@ def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,
         m = _UNTYPED.search(str(e))
         if m:
             return OperatorRow(spec.name, dtype, case, f"skipped: ORT has no {dtype} {m.group(2)} kernel (opset "
-                                                       f"{OPSET}: the operator's schema takes no tensor({m.group(1)}))")
+                                                       f"{PROBE_OPSET}: the operator's schema takes no tensor({m.group(1)}))")
         return OperatorRow(spec.name, dtype, case, f"skipped: ORT could not load the graph: "
                                                    f"{str(e).splitlines()[0][:160]}")
     try:

@@ -59,10 +59,9 @@ def launch_env(cfg: FlowConfig, device_type: str, *, base: Mapping[str, str] | N
       sharing cores do not oversubscribe them (torchrun's own default is 1 with a warning).
     - TORCH_DEVICE_BACKEND_AUTOLOAD=0 on CPU: a torch_npu installed without CANN would otherwise
       break ``import torch`` in every rank.
-    - the collective library's settings from the comm section (training/trainer.py comm_env): on
+    - the collective library's settings from the comm section (comm_env below): on
       NPU, HCCL_BUFFSIZE = comm.fusion_buffer_mb.
     """
-    from titan_pipe.training.trainer import comm_env
 
     env = dict(os.environ if base is None else base)
     extra = {"PYTHONUNBUFFERED": "1"}
@@ -74,4 +73,15 @@ def launch_env(cfg: FlowConfig, device_type: str, *, base: Mapping[str, str] | N
     extra.update(comm_env(cfg, device_type))
     for k, v in extra.items():
         env.setdefault(k, v)
+    return env
+
+
+def comm_env(cfg: FlowConfig, device_type: str) -> dict[str, str]:
+    """Environment the collective library reads at init (set only where not already set).
+
+    On Ascend, comm.fusion_buffer_mb sizes HCCL's shared buffer (HCCL_BUFFSIZE, MB).
+    """
+    env = {}
+    if device_type == "npu":
+        env["HCCL_BUFFSIZE"] = str(cfg.comm.fusion_buffer_mb)
     return env

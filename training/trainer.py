@@ -26,6 +26,7 @@ from titan_pipe.faults import STAGE_OUTPUTS, OutputFault, writing
 from titan_pipe.model.args import count_params, flops_per_token
 from titan_pipe.model.loss import cross_entropy
 from titan_pipe.run_dir import RunDir
+from titan_pipe.training.launch_command import comm_env
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training import metrics
 from titan_pipe.training.amp import LossScaler, autocast
@@ -45,17 +46,6 @@ from titan_pipe.training.parallelize import build_parallel_model
 from titan_pipe.training.pipeline_parallel import build_schedule
 from titan_pipe.model.weights import check_compatible, open_weights
 from titan_pipe.training.zero1 import build_zero1
-
-
-def comm_env(cfg: FlowConfig, device_type: str) -> dict[str, str]:
-    """Environment the collective library reads at init (set only where not already set).
-
-    On Ascend, comm.fusion_buffer_mb sizes HCCL's shared buffer (HCCL_BUFFSIZE, MB).
-    """
-    env = {}
-    if device_type == "npu":
-        env["HCCL_BUFFSIZE"] = str(cfg.comm.fusion_buffer_mb)
-    return env
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import shlex
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,7 +159,3 @@ def run_atc(invocations: list[AtcInvocation], export_dir: Path, log, atc: str | 
             raise StageFailed(f"atc for {inv.graph} {why}; the command is in atc/command.sh. Last lines:\n"
                               + "\n".join(tail))
     return "ok"
-
-
-def default_log(line: str) -> None:
-    print(line, file=sys.stderr)
