@@ -35,12 +35,12 @@ from titan_pipe.faults import as_fault, check_free_space
 from titan_pipe.model.hf_config import to_hf_config
 from titan_pipe.model.params import native_shapes
 from titan_pipe.model.sharding import stage_ranks, tp_split_dim
+from titan_pipe.model.unified_dir import CONFIG, INDEX
 from titan_pipe.provenance import PROVENANCE_FILE, Provenance, SourceInfo
 from titan_pipe.sizes import parse_size
 
 CONVERTER_VERSION = "titan-pipe-convert 1"
 WHAT = "the converted model"
-INDEX_NAME = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -95,10 +95,10 @@ def _write_unified_meta(tmp: Path, src: SourcePlan, out: OutputPlan) -> list[Pat
     if len(out.files) > 1:
         index = {"metadata": {"total_size": sum(f.nbytes for f in out.files)},
                  "weight_map": {t.key: f.name for f in out.files for t in f.tensors}}
-        _write_json(tmp / INDEX_NAME, index)
-        written.append(tmp / INDEX_NAME)
-    _write_json(tmp / "config.json", to_hf_config(src.args, torch_dtype=_config_dtype(out)))
-    written.append(tmp / "config.json")
+        _write_json(tmp / INDEX, index)
+        written.append(tmp / INDEX)
+    _write_json(tmp / CONFIG, to_hf_config(src.args, torch_dtype=_config_dtype(out)))
+    written.append(tmp / CONFIG)
     return written
 
 

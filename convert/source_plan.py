@@ -24,6 +24,7 @@ from titan_pipe.errors import UserError
 from titan_pipe.model.names import native_to_hf
 from titan_pipe.model.params import native_names
 from titan_pipe.model.sharding import split_stages, stage_of, tp_problems, tp_split_dim
+from titan_pipe.model.unified_dir import weight_file_name
 
 
 
@@ -205,9 +206,9 @@ def plan_unified(src: SourcePlan, *, naming: str = "hf", dtype: str = "keep",
         groups[-1].append(o)
         size += o.nbytes
     if len(groups) == 1:
-        return OutputPlan("unified", (OutFile("model.safetensors", tuple(groups[0])),))
+        return OutputPlan("unified", (OutFile(weight_file_name(0, 1), tuple(groups[0])),))
     n = len(groups)
-    return OutputPlan("unified", tuple(OutFile(f"model-{k + 1:05d}-of-{n:05d}.safetensors", tuple(g))
+    return OutputPlan("unified", tuple(OutFile(weight_file_name(k, n), tuple(g))
                                        for k, g in enumerate(groups)))
 
 

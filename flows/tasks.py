@@ -63,6 +63,10 @@ class EvaluatePaths(_Paths):
     report_html: str | None = None
 
 
+def _text(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
 STAGE_PATHS: dict[str, type[_Paths]] = {"data": DataPaths, "train": TrainPaths, "convert": ConvertPaths,
                                         "export": ExportPaths, "evaluate": EvaluatePaths}
 
@@ -134,7 +138,7 @@ def train_task(flow_path: Path, cfg: FlowConfig, resume: bool = False) -> StageO
     with writing(run_dir, what=STAGE_OUTPUTS["train"]), follow_log(RunDir(run_dir).train_log):
         r = run_training(flow_path=flow_path, cfg=cfg, resume=resume)
     log.info(f"training done: checkpoint {r.checkpoint}, summary {r.summary}")
-    paths = TrainPaths(str(r.run_dir), str(r.metrics), str(r.checkpoint) if r.checkpoint is not None else None)
+    paths = TrainPaths(str(r.run_dir), str(r.metrics), _text(r.checkpoint))
     return StageOutput("train", paths, outputs=[str(r.checkpoint)] if r.checkpoint else [],
                        summary=dict(r.summary))
 
@@ -162,9 +166,7 @@ def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> Stage
     with writing(out_dir, what=STAGE_OUTPUTS["export"]):
         r = export_model(model_dir, out_dir, settings, overwrite=True)
     run_logger().info(f"ONNX {r.onnx}; ATC: {r.atc_status}")
-    paths = ExportPaths(str(r.out_dir), str(r.onnx), str(r.export_json),
-                        str(r.decode_onnx) if r.decode_onnx is not None else None,
-                        str(r.om) if r.om is not None else None)
+    paths = ExportPaths(str(r.out_dir), str(r.onnx), str(r.export_json), _text(r.decode_onnx), _text(r.om))
     return StageOutput("export", paths, outputs=[str(r.out_dir)],
                        summary={**dict(r.summary), "atc_status": r.atc_status})
 
@@ -180,7 +182,7 @@ def evaluate_task(out_dir: Path, checkpoint: Path, model_dir: Path, onnx: Path, 
                            data=data, settings=settings, progress=True, split=split)
     run_logger().info(f"verdict: {'PASS' if r.passed else 'FAIL'} ({r.report_json})")
     md, html = (r.out_dir / "report.md", r.out_dir / "report.html")
-    paths = EvaluatePaths(str(r.out_dir), str(r.report_json), str(md) if md.is_file() else None,
-                          str(html) if html.is_file() else None)
+    paths = EvaluatePaths(str(r.out_dir), str(r.report_json), _text(md if md.is_file() else None),
+                          _text(html if html.is_file() else None))
     return StageOutput("evaluate", paths, outputs=[str(r.report_json)], summary=dict(r.summary),
                        passed=bool(r.passed))

@@ -11,7 +11,6 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from titan_pipe.faults import STAGE_OUTPUTS, OutputFault, writing
 from titan_pipe.model.args import count_params, flops_per_token
 from titan_pipe.model.loss import cross_entropy
 from titan_pipe.run_dir import RunDir
+from titan_pipe.training.fault_injection import InjectedFault
 from titan_pipe.training.launch_command import comm_env
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training import metrics
@@ -59,44 +59,6 @@ def resolve_loss(choice: str, *, tp: int, pp: int) -> bool:
     if choice == "auto":
         return tp == 1 and pp == 1
     return choice == "chunked"
-
-
-@dataclass(frozen=True)
-class Fault:
-    """Test-only fault injection, read from the environment (never from flow.yaml):
-    ``TITAN_PIPE_FAULT=STEP:RANK:PHASE`` makes rank RANK exit 1 at step STEP, after backward
-    (PHASE ``step``) or while writing that step's checkpoint, after its shard files and before the
-    manifest (PHASE ``checkpoint``, which forces a save at STEP). Used by the restart/resume tests.
-    """
-
-    step: int | None = None
-    rank: int = 0
-    during: str = "step"
-
-    ENV = "TITAN_PIPE_FAULT"
-
-    @classmethod
-    def from_env(cls, environ=None) -> "Fault":
-        spec = (os.environ if environ is None else environ).get(cls.ENV, "")
-        if not spec:
-            return cls()
-        try:
-            step, rank, during = spec.split(":")
-            fault = cls(int(step), int(rank), during)
-        except ValueError:
-            raise UserError(f"{cls.ENV}={spec!r}: expected STEP:RANK:PHASE, e.g. 4:1:checkpoint") from None
-        if during not in ("step", "checkpoint"):
-            raise UserError(f"{cls.ENV}={spec!r}: PHASE must be step or checkpoint")
-        return fault
-
-    def due(self, step: int, rank: int, during: str) -> bool:
-        return self.step == step and self.rank == rank and self.during == during
-
-    @staticmethod
-    def die() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
 
 
 def _init_distributed(device) -> None:
@@ -137,8 +99,8 @@ class Trainer:
         self.start = self._restore(latest)
         self._setup_schedule()
         # The injected fault is one transient failure: a resumed run (a retry) does not die again.
-        fault = Fault.from_env()
-        self.fault = fault if self.start == 0 else Fault(None, fault.rank, fault.during)
+        fault = InjectedFault.from_env()
+        self.fault = fault if self.start == 0 else InjectedFault(None, fault.rank, fault.during)
         self.forced_save_step = fault.step if fault.during == "checkpoint" else None
         self._setup_metrics()
 

@@ -36,6 +36,12 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 HEAD, EMBEDDING = "output.weight", "tok_embeddings.weight"
 
+
+def weight_file_name(k: int, n: int) -> str:
+    """The name of weight file ``k`` (0-based) of ``n``: model.safetensors alone, else the shards
+    save_pretrained names (model-00001-of-00003.safetensors), listed by the index (INDEX)."""
+    return SINGLE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
 # Non-parameter tensors some Hugging Face versions saved; they carry nothing we need.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
