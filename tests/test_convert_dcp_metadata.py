@@ -48,7 +48,7 @@ def test_the_stand_ins_hold_what_torchs_classes_hold(dcp_ckpt):
 def test_convert_of_a_dcp_checkpoint_never_imports_torch_distributed_checkpoint(dcp_ckpt, tmp_path):
     code = ("import sys\n"
             "from titan_pipe.convert.api import convert_checkpoint\n"
-            f"convert_checkpoint(src={str(dcp_ckpt)!r}, out_dir={str(tmp_path / 'out')!r}, progress=False)\n"
+            f"convert_checkpoint({str(dcp_ckpt)!r}, {str(tmp_path / 'out')!r})\n"
             "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=TESTS)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -264,9 +264,10 @@ def test_export_imports_no_torch(tmp_path):
     """A pure cast export (bf16 -> fp16) never imports torch: the process that runs it checks."""
     model, args = debug_model()
     unified = write_unified(model, args, tmp_path / "model", dtype=torch.bfloat16)
-    code = ("import sys; from pathlib import Path; from titan_pipe.convert.onnx.export import export_model; "
-            f"export_model(model_dir=Path({str(unified)!r}), out_dir=Path({str(tmp_path / 'onnx')!r}), "
-            "dtype='float16', run_atc=False); print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    code = ("import sys; from pathlib import Path; from titan_pipe.config import ExportConfig; "
+            "from titan_pipe.convert.onnx.export import export_model; "
+            f"export_model(Path({str(unified)!r}), Path({str(tmp_path / 'onnx')!r}), "
+            "ExportConfig(dtype='float16', atc=False)); print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"

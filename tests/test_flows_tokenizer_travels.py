@@ -133,8 +133,14 @@ def test_flow_evaluates_on_its_own_validation_split_with_the_trained_tokenizer(t
         return evaluate_model(out_dir=kw["out_dir"], model_dir=kw["model_dir"], data=kw["data"],
                               split=kw["split"], settings=FAST)
 
-    upstream = {"checkpoint": str(trained["ckpt"]), "model_dir": str(trained["model"].out_dir),
-                "onnx": str(trained["root"] / "model.onnx")}
+    from titan_pipe.flows.tasks import ConvertPaths, ExportPaths, StageOutput, TrainPaths
+
+    root = trained["root"]
+    upstream = {"train": StageOutput("train", TrainPaths(str(root / "runs" / "t"), str(root / "m.jsonl"),
+                                                         str(trained["ckpt"])), []),
+                "convert": StageOutput("convert", ConvertPaths(str(trained["model"].out_dir)), []),
+                "export": StageOutput("export", ExportPaths(str(root), str(root / "model.onnx"),
+                                                            str(root / "export.json")), [])}
     r = _call_stage("evaluate", evaluate, cfg=cfg.model_copy(update={"evaluate": FAST}), flow_path=flow,
                     flow_dir=flow.parent, run_dir=trained["root"] / "runs" / "t", upstream=upstream, resume=False)
     assert seen["data"] is None

@@ -32,7 +32,7 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
         raise UserError(f"--vocab-size {vocab_size} disagrees with {path / 'config.json'} (vocab_size "
                         f"{args.vocab_size}); drop --vocab-size for Hugging Face models")
     files = [f.relative_to(path).as_posix() for f in unified.files]
-    store = SafetensorsStore(path)
+    store = SafetensorsStore(path, {f.relative_to(path).as_posix(): h for f, h in unified.headers.items()})
     tensors = {}
     for name in native_names(args):
         p = unified.get(name)

@@ -65,6 +65,7 @@ class UnifiedDir:
     args: ModelArgs
     files: tuple[Path, ...]
     params: dict[str, StoredParam]
+    headers: dict[Path, dict[str, StoredTensor]]  # every weight file's checked header
 
     def get(self, name: str) -> StoredParam:
         if name in self.params:
@@ -119,11 +120,13 @@ def open_unified(model_dir: Path) -> UnifiedDir:
     if args.tie_embeddings:  # a tied model may store its head too (the embedding, or an untied one)
         expected[HEAD] = (args.vocab_size, args.dim)
     placed: dict[str, StoredParam] = {}
-    for path in files:
-        header, _ = read_header(path)
+    headers = {path: read_header(path)[0] for path in files}
+    for path, header in headers.items():
         for key in sorted(k for k, f in key_to_file.items() if f == path):
             if key not in header:
                 raise UserError(f"{path}: the index says it holds {key!r}, but it does not; re-run the conversion")
+    for path, header in headers.items():  # every stored tensor, listed by the index or not: none goes unseen
+        for key in sorted(header):
             name = _place(model_dir, args, expected, path, key, header[key].shape, placed)
             if name is not None:
                 placed[name] = StoredParam(name, path, key, header[key])
@@ -132,7 +135,7 @@ def open_unified(model_dir: Path) -> UnifiedDir:
         raise UserError(f"{model_dir}: {len(missing)} parameter(s) missing from the weights, e.g. "
                         f"{missing[0]!r} (config.json: {args.n_layers} layers, dim {args.dim}); "
                         "the weights and config.json do not belong together")
-    unified = UnifiedDir(model_dir, args, files, placed)
+    unified = UnifiedDir(model_dir, args, files, placed, headers)
     return _tie_as_stored(unified)
 
 
@@ -206,8 +209,8 @@ def _place(model_dir: Path, args: ModelArgs, expected: dict[str, tuple[int, ...]
                         f"({args.n_layers} layers, dim {args.dim}); the weights and config.json do not belong "
                         "together: fix the config (layer count, dims) to describe the weights, or remove the tensor")
     if name in placed:
-        raise UserError(f"{path}: tensor {stored!r} is stored twice (also as {placed[name].key!r} in "
-                        f"{placed[name].file.name}); which copy is meant is ambiguous. Keep one")
+        raise UserError(f"{path}: tensor {stored!r} is also stored in {placed[name].file.name} (as "
+                        f"{placed[name].key!r}); which copy is meant is ambiguous. Keep it in one file (and in the index)")
     if tuple(shape) != tuple(expected[name]):
         raise UserError(f"{path}: tensor {stored!r} has shape {list(shape)}, but "
                         f"{model_dir / CONFIG} implies {list(expected[name])}; the weights and "
