@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     from safetensors.torch import load_file, save_file
 
     from titan_pipe import sharded_outputs as so
-    from titan_pipe.checkpoint_format import Manifest
+    from titan_pipe.checkpoint_format import open_checkpoint
     from titan_pipe.devices import resolve_device, set_local_device
     from titan_pipe.host_memory import peak_rss_bytes
     from titan_pipe.model.args import ModelArgs
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     from titan_pipe.training.parallelize import build_parallel_model
     from titan_pipe.training.pipeline_parallel import forward_logits
 
-    manifest = Manifest.load(a.checkpoint)
+    manifest = open_checkpoint(a.checkpoint)
     args, p = ModelArgs.from_dict(manifest.model, source=Path(a.checkpoint) / "manifest.json"), manifest.parallel
     dims = ParallelDims(p.dp, p.tp, p.pp)
     device = resolve_device(a.device)
