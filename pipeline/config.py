@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Literal, get_args, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
@@ -61,6 +61,8 @@ def _mirror(cls, *, optional: bool, bounds: dict[str, limits.Bound],
             continue
         t = hints[f.name]
         base = next(a for a in get_args(t) if a is not type(None)) if type(None) in get_args(t) else t
+        if get_origin(base) is tuple:  # a YAML list of ints (dense_layers); strict pydantic takes no list as a tuple
+            base = t = list[int]
         b = bounds.get(f.name)
         limit = {} if b is None else {"ge": b.lo, "le": b.hi}
         if not optional:
@@ -375,6 +377,7 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
              if getattr(cfg.convert, key) != ConvertConfig.model_fields[key].default]
     p = cfg.parallel
     errs += [f"parallel.tp: {p.tp} {why}" for why in tp_problems(args, p.tp)]
+    errs += _moe_training_problems(cfg, args)
     if args.n_layers < p.n_stages:
         errs.append(f"parallel.pp: {p.pp} x {p.n_stages // p.pp} stage(s) per rank needs at least "
                     f"{p.n_stages} layers, the model has n_layers={args.n_layers}; lower pp")
@@ -441,6 +444,27 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
         if not ip.exists():
             errs.append(f"init_from: {cfg.init_from!r} does not exist (resolved to {ip})")
     return errs
+
+
+def _moe_training_problems(cfg: FlowConfig, args: ModelArgs) -> list[str]:
+    """A mixture-of-experts model trains data-parallel (dp, FSDP); what it does not combine with yet
+    (tensor and pipeline parallelism, compile, float8) is one line each."""
+    if not args.moe:
+        return []
+    why = (f"a mixture-of-experts model ({args.n_experts} experts) trains with data parallelism only so far "
+           "(dp, FSDP)")
+    p, out = cfg.parallel, []
+    if p.tp > 1:
+        out.append(f"parallel.tp: {p.tp}: {why}; use tp: 1")
+    if p.pp > 1:
+        out.append(f"parallel.pp: {p.pp}: {why} (the load-balancing loss spans every stage's routers); use pp: 1")
+    if cfg.train.compile:
+        out.append("train.compile: true: the routing has data-dependent shapes (tokens per expert), which "
+                   "the block-wise compile does not take; set train.compile: false")
+    if cfg.precision.float8 != "none":
+        out.append(f"precision.float8: {cfg.precision.float8}: float8 training converts the dense linears; "
+                   "the router and the stacked experts are not; use float8: none")
+    return out
 
 
 def _export_and_positions(cfg: FlowConfig, args: ModelArgs) -> list[str]:

@@ -49,6 +49,7 @@ VOCAB = Bound(1, 1 << 23, "the largest tokenizers have about 256k ids")
 # RoPE tables are (positions, head_dim) and both training and export allocate them whole.
 POSITIONS = Bound(1, 1 << 20, "RoPE tables hold one row per position; 1M-context LLaMA models have 1048576")
 HEAD_DIM = Bound(2, 1024, "LLaMA models use 64-256")
+EXPERTS = Bound(1, 4096, "Qwen3-MoE and DeepSeek-V3 route over 128-256 experts")
 ROPE_TABLE = Bound(1, 1 << 27, "cos and sin tables of positions x head_dim float32 values, 512 MiB each at the limit")
 ROPE_THETA = Bound(1e-3, 1e12, "LLaMA models use 1e4-5e6")
 NORM_EPS = Bound(0.0, 1.0, "RMSNorm epsilons are 1e-6-1e-5")

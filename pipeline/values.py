@@ -19,14 +19,15 @@ from typing import Any, Mapping
 from titan_pipe.errors import UserError
 from titan_pipe.limits import JSON_BYTES, Bound, shown
 
-INT, FLOAT, BOOL, STR, DICT = "int", "float", "bool", "str", "dict"
+INT, FLOAT, BOOL, STR, DICT, LIST = "int", "float", "bool", "str", "dict", "list"
 REQUIRED = object()  # the ``default`` of a key that must be present
 
-_NAMES = {INT: "an integer", FLOAT: "a number", BOOL: "true or false", STR: "a string", DICT: "an object"}
+_NAMES = {INT: "an integer", FLOAT: "a number", BOOL: "true or false", STR: "a string", DICT: "an object",
+          LIST: "a list"}
 _FIXES = {INT: "write a whole number without quotes or a decimal point",
           FLOAT: "write a number without quotes",
           BOOL: "write true or false without quotes",
-          STR: "write a quoted string", DICT: "write an object {...}"}
+          STR: "write a quoted string", DICT: "write an object {...}", LIST: "write a list [...]"}
 
 
 def _type_name(value: object) -> str:
@@ -50,6 +51,8 @@ def type_problem(value: object, kind: str) -> str | None:
         ok = isinstance(value, str)
     elif kind == DICT:
         ok = isinstance(value, dict)
+    elif kind == LIST:
+        ok = isinstance(value, (list, tuple))
     else:
         raise ValueError(f"unknown kind {kind!r}")
     return None if ok else f"is {_type_name(value)}, not {_NAMES[kind]}"

@@ -118,6 +118,15 @@ TIED_RUNS = [{"name": "tied_pp2", "flow": TIED},
               "copy_from": {"run": "tied_pp2", "step": 2}},
              {"name": "tied_tp2_to_dp2", "flow": dict(TIED, parallel={"dp": 2}), "resume": True,
               "copy_from": {"run": "tied_tp2", "step": 2}}]
+# A mixture of experts (Mixtral-shaped, 4 experts top-2, load-balancing loss 0.01) data-parallel:
+# FSDP through the fused loss, DDP through the full logits, and the FSDP run resumed under DDP.
+MOE = dict(flow({"dp": 2}), model={"flavour": "debug_moe"}, train=dict(BASE["train"], steps=6),
+           checkpoint={"every": 3, "keep_last": 2})
+MOE_RUNS = [{"name": "moe_dp2_fsdp", "flow": MOE},
+            {"name": "moe_dp2_ddp_full", "flow": dict(MOE, parallel={"dp": 2, "dp_mode": "ddp"},
+                                                      train=dict(MOE["train"], loss="full"))},
+            {"name": "moe_fsdp_to_ddp", "flow": dict(MOE, parallel={"dp": 2, "dp_mode": "ddp"}), "resume": True,
+             "copy_from": {"run": "moe_dp2_fsdp", "step": 3}}]
 FAMILY_RUNS = [{"name": f"{fam}_3d", "flow": dict(flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b",
                                                        "microbatches": 2}),
                                                  model={"flavour": "debug", **over},
@@ -172,7 +181,7 @@ def world2(crashed):
     init = {"name": "init_from_tp2", "flow": dict(flow({"pp": 2, "microbatches": 2}),
                                                   init_from=str(work / "runs" / "tp2" / "checkpoints" / "step-000008"),
                                                   train=dict(BASE["train"], steps=2))}
-    return work, launch(2, WORLD2 + [resume, init] + TIED_RUNS, work)
+    return work, launch(2, WORLD2 + [resume, init] + TIED_RUNS + MOE_RUNS, work)
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +271,22 @@ def test_init_from_a_hugging_face_qwen3_dir_under_dp_tp_pp(world8):
         want = float(torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
     got = res["init_from_hf_qwen3"]["metrics"][0]["loss"]
     assert abs(got - want) <= 1e-5 * want
+
+
+@pytest.mark.parametrize("name", ["moe_dp2_fsdp", "moe_dp2_ddp_full"])
+def test_moe_data_parallel_matches_single_process(world2, name, tmp_path):
+    """The load-balancing loss of the whole batch (the ranks' routing statistics summed), so dp2
+    follows the single-process curve with the same loss (cross entropy + 0.01 x balance)."""
+    _, res = world2
+    ref = reference_run(MOE, base=tmp_path)
+    assert_close(losses(res, name), ref["losses"])
+    assert_close([r["grad_norm"] for r in res[name]["metrics"]], ref["grad_norms"], what="grad norm")
+
+
+def test_moe_checkpoint_resumes_under_another_dp_mode(world2, tmp_path):
+    _, res = world2
+    assert [r["step"] for r in res["moe_fsdp_to_ddp"]["metrics"]] == [4, 5, 6]
+    assert_close(losses(res, "moe_fsdp_to_ddp"), reference_run(MOE, base=tmp_path)["losses"][3:])
 
 
 def test_resume_continues_bit_for_bit(world2):

@@ -50,6 +50,8 @@ def reference_run(flow: dict, *, base) -> dict:
         x, y = loader.next_batch()
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        aux = model.aux_loss()  # a mixture of experts' load-balancing term (None for a dense model)
+        loss = loss if aux is None else loss + aux
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))))
         opt.step()

@@ -217,6 +217,12 @@ class Trainer:
     def _setup_loss(self) -> None:
         p = self.cfg.parallel
         self.chunked_loss = resolve_loss(self.cfg.train.loss, tp=p.tp, pp=p.pp)
+        if self.args.moe and p.dp > 1:  # the load-balancing loss of the whole batch, not of each rank's part
+            from titan_pipe.training.moe_balance import batch_balance
+
+            reduce = batch_balance(self.mesh["dp"].get_group(), p.dp)
+            for part in self.model.parts:
+                getattr(part, "module", part).balance_reduce = reduce
 
     def _setup_schedule(self) -> None:
         p, plan = self.cfg.parallel, self.model.stage_plan
@@ -252,10 +258,13 @@ class Trainer:
                                    target=labels if self.has_last else None,
                                    losses=losses if self.has_last else None)
                 return torch.stack(losses).mean().detach() / self.scaler.scale if self.has_last else None
-            if self.chunked_loss:  # fused with the output projection: no full float32 logits
-                loss = self.model.parts[0](inputs, labels=labels)
+            part = self.model.parts[0]
+            if self.chunked_loss:  # fused with the output projection: no full float32 logits (+ the MoE's aux loss)
+                loss = part(inputs, labels=labels)
             else:
-                loss = loss_fn(self.model.parts[0](inputs), labels)
+                loss = loss_fn(part(inputs), labels)
+                aux = getattr(part, "module", part).aux_loss()  # a mixture of experts' load-balancing term
+                loss = loss if aux is None else loss + aux
         self.scaler.scale_loss(loss).backward()  # outside autocast, as torch.amp recommends
         return loss.detach()
 

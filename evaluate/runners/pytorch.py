@@ -118,7 +118,7 @@ class LayeredModel:
 
     def _load_block(self, i: int) -> TransformerBlock:
         with torch.device("meta"):
-            block = TransformerBlock(self.args, self.kernels)
+            block = TransformerBlock(self.args, self.kernels, i)
         self._used = 0
         for name, _ in list(block.named_parameters()):
             *path, leaf = name.split(".")

@@ -4,10 +4,14 @@ parameter and FLOP counts.
 Pure data shared by every stage (the trainer builds its nn.Module from it, the converter and the
 exporter read it from manifests and config.json, the planner costs it); no torch here.
 
-The family's variants are four switches on one decoder: ``qkv_bias`` (Qwen2/2.5: biases on the q,
+The family's variants are switches on one decoder: ``qkv_bias`` (Qwen2/2.5: biases on the q,
 k and v projections), ``qk_norm`` (Qwen3: RMSNorm over each head of q and k, before RoPE),
 ``head_dim`` apart from dim / n_heads (Qwen3: 128 whatever the width), ``sliding_window``
-(Mistral-7B v0.1: a query sees the ``sliding_window`` newest positions, itself included).
+(Mistral-7B v0.1: a query sees the ``sliding_window`` newest positions, itself included), and a
+mixture of experts in place of the feed-forward (``n_experts`` > 0: Mixtral, Qwen3-MoE): a router
+sends each token to ``experts_per_token`` of ``n_experts`` SwiGLU experts of width
+``moe_hidden_dim``, in every ``moe_step``-th layer but ``dense_layers`` (Qwen3's
+decoder_sparse_step / mlp_only_layers), with a load-balancing loss of weight ``router_aux_loss_coef``.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from typing import get_type_hints
 from titan_pipe import limits
 from titan_pipe.limits import Bound
 from titan_pipe.errors import UserError
-from titan_pipe.values import BOOL, DICT, FLOAT, INT, check, refuse
+from titan_pipe.values import BOOL, DICT, FLOAT, INT, LIST, check, refuse
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,16 @@ class ModelArgs:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None  # None: full causal attention
+    n_experts: int = 0  # 0: a dense SwiGLU feed-forward in every layer
+    experts_per_token: int = 0  # top-k of the router (k >= 1 when n_experts > 0)
+    moe_hidden_dim: int | None = None  # each expert's SwiGLU width (None: hidden_dim)
+    moe_step: int = 1  # layer i routes when (i + 1) % moe_step == 0 ...
+    dense_layers: tuple[int, ...] = ()  # ... and i is not one of these (they keep the dense FFN)
+    router_norm_topk: bool = True  # the k chosen probabilities renormalized to sum to 1 (Mixtral; Qwen3 norm_topk_prob)
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the training loss
 
     def __post_init__(self):
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers or ()))
         # Derived only from dims that give a whole head; otherwise it stays None and args_problems
         # (which every reader runs) names the dims, never a ZeroDivisionError or a truncated head.
         d, h = self.dim, self.n_heads
@@ -73,6 +85,23 @@ class ModelArgs:
     def kv_dim(self) -> int:
         """Width of the keys and of the values: n_kv_heads x head_dim."""
         return self.kv_heads * self.head_dim
+
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` routes through experts (else it has the dense feed-forward)."""
+        return self.moe and (i + 1) % self.moe_step == 0 and i not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
+
+    @property
+    def expert_dim(self) -> int:
+        """Each expert's SwiGLU intermediate size."""
+        return self.moe_hidden_dim if self.moe_hidden_dim is not None else self.hidden_dim
 
     @property
     def hidden_dim(self) -> int:
@@ -102,7 +131,10 @@ class ModelArgs:
         values = {}
         for name, kind in _KINDS[cls].items():
             v = d.get(name)
-            if name == "rope_scaling":
+            if name == "dense_layers":
+                v = tuple(check(x, INT, source=source, key=f"model.{name}")
+                          for x in check(v if v is not None else [], LIST, source=source, key=f"model.{name}"))
+            elif name == "rope_scaling":
                 v = _read_scaling(v, source) if v is not None and not isinstance(v, RopeScaling) else v
             elif v is not None:
                 v = check(v, kind, source=source, key=f"model.{name}")
@@ -120,8 +152,8 @@ def _kinds(cls) -> dict[str, str]:
     out = {}
     for name, hint in get_type_hints(cls).items():
         text = str(hint)
-        out[name] = (BOOL if "bool" in text else INT if "int" in text else FLOAT if "float" in text
-                     else DICT)
+        out[name] = (LIST if "tuple" in text else BOOL if "bool" in text else INT if "int" in text
+                     else FLOAT if "float" in text else DICT)
     return out
 
 
@@ -135,6 +167,8 @@ FIELD_BOUNDS: dict[str, limits.Bound] = {
     "ffn_hidden_dim": limits.FFN, "norm_eps": limits.NORM_EPS, "rope_theta": limits.ROPE_THETA,
     "max_seq_len": limits.POSITIONS, "head_dim": limits.HEAD_DIM,
     "sliding_window": Bound(1, limits.POSITIONS.hi, "a window is at most a model's positions"),
+    "n_experts": Bound(0, limits.EXPERTS.hi, limits.EXPERTS.why), "experts_per_token": Bound(0, limits.EXPERTS.hi),
+    "moe_hidden_dim": limits.FFN, "moe_step": limits.LAYERS, "router_aux_loss_coef": Bound(0.0, 1e3),
 }
 SCALING_BOUNDS: dict[str, limits.Bound] = {
     "factor": limits.ROPE_FACTOR, "low_freq_factor": limits.ROPE_FACTOR, "high_freq_factor": limits.ROPE_FACTOR,
@@ -179,11 +213,19 @@ def args_problems(args: ModelArgs) -> list[str]:
                 "or set head_dim"]
     if args.head_dim % 2:
         out.append(f"head_dim: {args.head_dim} must be even (RoPE rotates pairs); change head_dim (or dim / n_heads)")
+    if args.moe:  # the architectures of a mixture of experts (titan_pipe.model.families): Mixtral, Qwen3-MoE
+        from titan_pipe.model.families import family_of
+
+        try:
+            family_of(args)
+        except ValueError as e:
+            out.append(f"n_experts: {args.n_experts}: {e}")
     if args.qk_norm and args.qkv_bias:  # to_hf_config could name no architecture (titan_pipe.model.families)
         out.append("qk_norm: true together with qkv_bias: no Hugging Face architecture has both (Qwen2: q/k/v "
                    "biases, Qwen3: q/k norms); drop one of qk_norm / qkv_bias")
     if args.n_heads % args.kv_heads:
         out.append(f"n_kv_heads: {args.kv_heads} does not divide n_heads={args.n_heads}; pick a divisor")
+    out += _moe_problems(args)
     rows = args.max_seq_len * args.head_dim
     if not out and rows > limits.ROPE_TABLE.hi:
         out.append(f"max_seq_len: {args.max_seq_len} positions x head_dim {args.head_dim} = {rows:,} RoPE table "
@@ -194,6 +236,27 @@ def args_problems(args: ModelArgs) -> list[str]:
     n = count_params(args)
     if not out and n > limits.PARAMS.hi:
         out.append(f"dims: {n:.3g} parameters {limits.PARAMS.problem(n)}; check the dims")
+    return out
+
+
+def _moe_problems(args: ModelArgs) -> list[str]:
+    """The mixture-of-experts rules: k of n experts with 1 <= k <= n, dense layers inside the model."""
+    out = []
+    if args.n_experts == 0:
+        if args.experts_per_token:
+            out.append(f"experts_per_token: {args.experts_per_token} without experts (n_experts: 0); set "
+                       "n_experts, or drop experts_per_token")
+        return out
+    if not 1 <= args.experts_per_token <= args.n_experts:
+        out.append(f"experts_per_token: {args.experts_per_token} must be 1..n_experts={args.n_experts} (each token "
+                   f"goes to that many of the {args.n_experts} experts); pick a top-k in 1..{args.n_experts}")
+    outside = [i for i in args.dense_layers if not 0 <= i < args.n_layers]
+    if outside:
+        out.append(f"dense_layers: {outside[0]} is not a layer of the model's {args.n_layers}; list layers in "
+                   f"0..{args.n_layers - 1}")
+    elif not args.moe_layers:
+        out.append(f"n_experts: {args.n_experts} but no layer routes (moe_step {args.moe_step}, dense_layers "
+                   f"{list(args.dense_layers)}); set n_experts: 0 for a dense model")
     return out
 
 
@@ -244,6 +307,21 @@ FLAVOURS: dict[str, ModelArgs] = {
     "mistral_7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
                             ffn_hidden_dim=14336, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=32768,
                             sliding_window=4096),
+    # Mixtral 8x7B: 8 experts of Mistral-7B's width in every layer, top-2 (46.7B total, 12.9B active).
+    "mixtral_8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                              ffn_hidden_dim=14336, norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,
+                              n_experts=8, experts_per_token=2, router_aux_loss_coef=0.02),
+    # Qwen3-MoE: 128 narrow experts, top-8 renormalized, in every layer (30.5B / 3.3B and 235B / 22B).
+    "qwen3_30b_a3b": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, vocab_size=151936,
+                               ffn_hidden_dim=6144, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960, qk_norm=True,
+                               n_experts=128, experts_per_token=8, moe_hidden_dim=768, router_aux_loss_coef=0.001),
+    "qwen3_235b_a22b": ModelArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, vocab_size=151936,
+                                 ffn_hidden_dim=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
+                                 qk_norm=True, n_experts=128, experts_per_token=8, moe_hidden_dim=1536,
+                                 router_aux_loss_coef=0.001),
+    # A tiny Mixtral-shaped mixture for CPU tests and examples.
+    "debug_moe": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_hidden_dim=64,
+                           max_seq_len=256, n_experts=4, experts_per_token=2, router_aux_loss_coef=0.01),
 }
 
 
@@ -268,19 +346,23 @@ def resolve_args(flavour: str | None, **overrides) -> ModelArgs:
     return replace(base, **overrides)
 
 
-def count_params(args: ModelArgs) -> int:
-    """Exact parameter count from the dims alone (matches the published sizes of every flavour)."""
+def count_params(args: ModelArgs, *, active: bool = False) -> int:
+    """Exact parameter count from the dims alone (matches the published sizes of every flavour).
+    ``active``: the parameters one token passes through (a mixture of experts: its top-k experts of
+    each routing layer, and the router)."""
     d, q, kv = args.dim, args.q_dim, args.kv_dim
     attn = d * q + 2 * d * kv + q * d
     if args.qkv_bias:
         attn += q + 2 * kv
     if args.qk_norm:
         attn += 2 * args.head_dim
-    ffn = 3 * d * args.hidden_dim
-    per_layer = attn + ffn + 2 * d
+    n_moe = len(args.moe_layers)
+    dense = (args.n_layers - n_moe) * 3 * d * args.hidden_dim
+    experts = args.experts_per_token if active else args.n_experts
+    routed = n_moe * (experts * 3 * d * args.expert_dim + args.n_experts * d)  # experts + router
     emb = args.vocab_size * d
     out = 0 if args.tie_embeddings else args.vocab_size * d
-    return args.n_layers * per_layer + emb + out + d
+    return args.n_layers * (attn + 2 * d) + dense + routed + emb + out + d
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
@@ -294,7 +376,8 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     norms = args.dim * (2 * args.n_layers + 1) + (2 * args.head_dim * args.n_layers if args.qk_norm else 0)
     biases = (args.q_dim + 2 * args.kv_dim) * args.n_layers if args.qkv_bias else 0
     # The embedding is a gather, not a matmul; a tied matrix still runs once as the output matmul.
-    n_matmul = count_params(args) - norms - biases - (0 if args.tie_embeddings else args.vocab_size * args.dim)
+    # A mixture of experts: the top-k experts a token is routed to, and the router.
+    n_matmul = count_params(args, active=True) - norms - biases - (0 if args.tie_embeddings else args.vocab_size * args.dim)
     attn = 2 * 2 * args.n_layers * seq_len * args.q_dim  # QK^T and PV, per token
     return 3 * (2 * n_matmul + biases + attn)
 
@@ -317,9 +400,10 @@ def check_fits(args: ModelArgs, have_bytes: int, *, source: object, where: objec
 
 # Every dim that sizes a tensor: what weights must match to load into a model.
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "kv_heads", "head_dim", "vocab_size", "hidden_dim", "qkv_bias",
-              "qk_norm", "tie_embeddings")
+              "qk_norm", "n_experts", "expert_dim", "moe_layers", "tie_embeddings")
 # The shapes plus the numerics of the forward: what two artifacts must share to be compared.
-SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + ("norm_eps", "rope_theta", "sliding_window", "tie_embeddings")
+SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + ("norm_eps", "rope_theta", "sliding_window", "experts_per_token",
+                                     "router_norm_topk", "tie_embeddings")
 
 
 def model_differences(a: ModelArgs, b: ModelArgs, *, keys: tuple[str, ...] = SAME_MODEL_KEYS,

@@ -1,13 +1,18 @@
 """The Hugging Face architectures of the LLaMA family titan-pipe computes, and how each spells its
 variant in config.json. Pure data, no torch.
 
-One decoder with four switches (titan_pipe.model.args) covers four architectures:
+One decoder with its switches (titan_pipe.model.args) covers six architectures:
 
   LlamaForCausalLM    (llama)    the plain decoder; head_dim may differ from hidden_size / heads
   MistralForCausalLM  (mistral)  + ``sliding_window`` (null: full attention)
   Qwen2ForCausalLM    (qwen2)    + biases on q/k/v (always); sliding window per layer
                                    (``use_sliding_window``, ``max_window_layers`` or ``layer_types``)
   Qwen3ForCausalLM    (qwen3)    + RMSNorm over each q/k head before RoPE (always); same windows as qwen2
+  MixtralForCausalLM  (mixtral)  Mistral with a mixture of experts in every layer (num_local_experts
+                                   of width intermediate_size, top num_experts_per_tok renormalized)
+  Qwen3MoeForCausalLM (qwen3_moe) Qwen3 with a mixture of experts (num_experts of width
+                                   moe_intermediate_size, norm_topk_prob) in the layers decoder_sparse_step
+                                   and mlp_only_layers say; the other layers keep intermediate_size
 
 A config.json is read by its ``model_type`` (titan_pipe.model.hf_config reads the rest), every key
 typed strictly (titan_pipe.values); what the model cannot compute (mixture-of-experts families, a
@@ -22,7 +27,7 @@ from titan_pipe import limits
 from titan_pipe.errors import UserError
 from titan_pipe.limits import Bound, shown
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.values import BOOL, INT, STR, read, refuse
+from titan_pipe.values import BOOL, FLOAT, INT, STR, read, refuse
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class Family:
     qkv_bias: bool = False  # Qwen2 builds q/k/v with bias=True whatever the config says
     qk_norm: bool = False  # Qwen3 always has q_norm / k_norm
     window_keys: str = "none"  # none | mistral (sliding_window) | qwen (per-layer types)
+    moe: bool = False  # a mixture of experts (the keys: _read_moe)
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -41,12 +47,14 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("MistralForCausalLM", "mistral", window_keys="mistral"),
     Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window_keys="qwen"),
     Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, window_keys="qwen"),
+    Family("MixtralForCausalLM", "mixtral", window_keys="mistral", moe=True),
+    Family("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, window_keys="qwen", moe=True),
 )}
 SUPPORTED = ", ".join(f.architecture for f in FAMILIES.values())
 # Known relatives the model cannot compute, named so the refusal says what the file is.
 UNSUPPORTED = {
-    "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -56,11 +64,27 @@ def family_of(args: ModelArgs) -> Family:
     if args.qk_norm and args.qkv_bias:
         raise ValueError("q/k norms together with q/k/v biases: no Hugging Face architecture has both "
                          f"({SUPPORTED}); drop one of qk_norm / qkv_bias")
+    if args.moe:
+        return _moe_family(args)
     if args.qk_norm:
         return FAMILIES["qwen3"]
     if args.qkv_bias:
         return FAMILIES["qwen2"]
     return FAMILIES["mistral"] if args.sliding_window is not None else FAMILIES["llama"]
+
+
+def _moe_family(args: ModelArgs) -> Family:
+    """Qwen3-MoE with q/k norms, Mixtral without; ValueError naming what neither config can say."""
+    if args.qkv_bias:
+        raise ValueError("a mixture of experts with q/k/v biases: no supported architecture has both (Mixtral, "
+                         "Qwen3-MoE); drop qkv_bias")
+    if args.qk_norm:
+        return FAMILIES["qwen3_moe"]
+    if args.dense_layers or args.moe_step != 1 or args.expert_dim != args.hidden_dim or not args.router_norm_topk:
+        raise ValueError("a mixture of experts without q/k norms is Mixtral's, which routes in every layer "
+                         "(no dense_layers, moe_step 1) over experts of the dense width (moe_hidden_dim = the "
+                         "FFN hidden size) with the top-k renormalized; or set qk_norm: true (Qwen3-MoE)")
+    return FAMILIES["mixtral"]
 
 
 def family_keys(args: ModelArgs) -> dict:
@@ -71,6 +95,15 @@ def family_keys(args: ModelArgs) -> dict:
         cfg["attention_bias"] = False
     if fam.model_type == "llama":
         cfg["mlp_bias"] = False
+    if fam.model_type == "mixtral":
+        cfg.update(num_local_experts=args.n_experts, num_experts_per_tok=args.experts_per_token,
+                   router_aux_loss_coef=args.router_aux_loss_coef, router_jitter_noise=0.0,
+                   output_router_logits=False)
+    elif fam.model_type == "qwen3_moe":
+        cfg.update(attention_bias=False, num_experts=args.n_experts, num_experts_per_tok=args.experts_per_token,
+                   moe_intermediate_size=args.expert_dim, decoder_sparse_step=args.moe_step,
+                   mlp_only_layers=list(args.dense_layers), norm_topk_prob=args.router_norm_topk,
+                   router_aux_loss_coef=args.router_aux_loss_coef, output_router_logits=False)
     w = args.sliding_window
     if fam.window_keys == "mistral":
         cfg["sliding_window"] = w
@@ -104,8 +137,43 @@ def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
                      "have", "convert a model without it (Qwen2's q/k/v biases are supported)")
     if read(cfg, "mlp_bias", BOOL, source=source, default=False):
         raise refuse(source, "mlp_bias", True, "is not supported", "convert a model without MLP biases")
-    return {"qkv_bias": fam.qkv_bias, "qk_norm": fam.qk_norm,
-            "sliding_window": _window(cfg, fam, n_layers, source)}
+    out = {"qkv_bias": fam.qkv_bias, "qk_norm": fam.qk_norm, "sliding_window": _window(cfg, fam, n_layers, source)}
+    if fam.moe:
+        out.update(_read_moe(cfg, fam, source))
+    return out
+
+
+def _read_moe(cfg: dict, fam: Family, source: str) -> dict:
+    """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config.json (transformers 5 writes
+    num_local_experts, the released Qwen3-MoE configs num_experts: either is read, both must agree)."""
+    experts = [read(cfg, k, INT, source=source, default=None, bound=limits.EXPERTS)
+               for k in ("num_local_experts", "num_experts")]
+    given = [n for n in experts if n is not None]
+    if not given:
+        raise refuse(source, "num_local_experts", None, "is missing (a mixture of experts needs its expert count)",
+                     "write num_local_experts (or num_experts) as in the model's original config.json")
+    if len(set(given)) > 1:
+        raise refuse(source, "num_experts", experts[1], f"disagrees with num_local_experts {experts[0]}",
+                     "keep one of them")
+    out = {"n_experts": given[0],
+           "experts_per_token": read(cfg, "num_experts_per_tok", INT, source=source, bound=limits.EXPERTS,
+                                     fix="write the router's top-k as in the model's original config.json"),
+           "router_aux_loss_coef": read(cfg, "router_aux_loss_coef", FLOAT, source=source, default=0.001,
+                                        bound=Bound(0.0, 1e3))}
+    if fam.model_type == "mixtral":
+        jitter = read(cfg, "router_jitter_noise", FLOAT, source=source, default=0.0, bound=Bound(0.0, 1.0))
+        if jitter:
+            raise refuse(source, "router_jitter_noise", jitter, "is not supported (titan-pipe's router is "
+                         "deterministic)", "set router_jitter_noise to 0.0")
+        return out
+    out.update(moe_hidden_dim=read(cfg, "moe_intermediate_size", INT, source=source, bound=limits.FFN),
+               moe_step=read(cfg, "decoder_sparse_step", INT, source=source, default=1, bound=limits.LAYERS),
+               router_norm_topk=read(cfg, "norm_topk_prob", BOOL, source=source, default=False))
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(type(i) is not int for i in dense):
+        raise refuse(source, "mlp_only_layers", dense, "is not a list of layer numbers", "write e.g. [] or [0, 1]")
+    out["dense_layers"] = tuple(dense)
+    return out
 
 
 def _window(cfg: dict, fam: Family, n_layers: int, source: str) -> int | None:

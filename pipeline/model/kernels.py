@@ -59,12 +59,39 @@ def attention_ref(q, k, v, *, n_rep: int, causal: bool = True, window: int | Non
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(q.shape[-2], window, q.device))
 
 
+def experts_loop(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                 w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts over tokens sorted by expert: rows [c_0 .. c_0 + counts[e]) of ``x`` (N, dim)
+    go through expert e (weights stacked (E, out, in)); one matmul pair per expert that has tokens."""
+    out, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            xe = x[start:start + n]
+            out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
+            start += n
+    return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
+
+
+def experts_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                    w2: torch.Tensor) -> torch.Tensor:
+    """The same experts as one grouped matrix multiply per projection (torch._grouped_mm: CUDA with
+    compute capability 9.0+, bfloat16); elsewhere the per-expert loop."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)):
+        return experts_loop(x, counts, w1, w3, w2)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+
+
 @dataclass(frozen=True)
 class Kernels:
     name: str
     rms_norm: Callable
     apply_rotary: Callable
     attention: Callable
+    experts: Callable = experts_loop  # a mixture of experts' SwiGLU experts (titan_pipe.model.transformer.MoE)
 
 
 def reference_kernels() -> Kernels:
@@ -101,7 +128,7 @@ def attention_gqa(q, k, v, *, n_rep: int, causal: bool = True, window: int | Non
 def torch_fused_kernels() -> Kernels:
     """Training kernels for CUDA (they run anywhere torch runs, CPU included): the same math as the
     reference, checked against it forward and backward (tests); export keeps the reference ops."""
-    return Kernels("torch_fused", rms_norm_fused, apply_rotary_halves, attention_gqa)
+    return Kernels("torch_fused", rms_norm_fused, apply_rotary_halves, attention_gqa, experts_grouped)
 
 
 def npu_fused_kernels() -> Kernels:

@@ -9,22 +9,33 @@ from __future__ import annotations
 
 import re
 
-from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS
+from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS, param_of, split_layer
 
 # (native pattern, Hugging Face pattern); {i} is the layer id. Derived from the parameter list.
+# Stacked expert weights have no one Hugging Face name (one tensor per expert): hf_expert_key.
 NATIVE_TO_HF: tuple[tuple[str, str], ...] = (
     *((p.name, p.hf) for p in MODEL_PARAMS if p.scope == "first"),
-    *((f"{LAYER_PREFIX}{{i}}.{p.name}", f"model.layers.{{i}}.{p.hf}") for p in LAYER_PARAMS),
+    *((f"{LAYER_PREFIX}{{i}}.{p.name}", f"model.layers.{{i}}.{p.hf}") for p in LAYER_PARAMS if not p.expert),
     *((p.name, p.hf) for p in MODEL_PARAMS if p.scope == "last"),
 )
+# Mixtral spells the mixture-of-experts names of the list (Qwen3-MoE's) its own way.
+MIXTRAL_SPELLING = {"mlp.gate.weight": "block_sparse_moe.gate.weight",
+                    "mlp.experts.{e}.gate_proj.weight": "block_sparse_moe.experts.{e}.w1.weight",
+                    "mlp.experts.{e}.up_proj.weight": "block_sparse_moe.experts.{e}.w3.weight",
+                    "mlp.experts.{e}.down_proj.weight": "block_sparse_moe.experts.{e}.w2.weight"}
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def _compile(pattern: str) -> re.Pattern:
-    return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+    return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)") + "$")
 
 
 _N2H = [(_compile(n), h) for n, h in NATIVE_TO_HF]
 _H2N = [(_compile(h), n) for n, h in NATIVE_TO_HF]
+_EXPERT_HF = [(_compile(f"model.layers.{{i}}.{spelling}"), f"{LAYER_PREFIX}{{i}}.{p.name}")
+              for p in LAYER_PARAMS if p.expert for spelling in (p.hf, MIXTRAL_SPELLING[p.hf])]
+_H2N += [(_compile(f"model.layers.{{i}}.{MIXTRAL_SPELLING[p.hf]}"), f"{LAYER_PREFIX}{{i}}.{p.name}")
+         for p in LAYER_PARAMS if p.hf in MIXTRAL_SPELLING and not p.expert]
 
 
 def _translate(name: str, table) -> str:
@@ -47,6 +58,32 @@ def hf_to_native(name: str) -> str:
         return _translate(name, _H2N)
     except KeyError:
         raise KeyError(f"no native name for Hugging Face parameter {name!r} (titan_pipe.model.names)") from None
+
+
+def spell_hf(hf: str, family: str) -> str:
+    """A layer-relative Hugging Face name of the list in ``family``'s spelling (Mixtral renames the
+    mixture-of-experts tensors; every other name is the list's)."""
+    return MIXTRAL_SPELLING.get(hf, hf) if family == "mixtral" else hf
+
+
+def hf_expert_key(native: str, expert: int, family: str) -> str:
+    """The Hugging Face name of expert ``expert``'s slice (dim 0) of a stacked expert parameter
+    (``layers.3.moe.experts.w1`` -> ``model.layers.3.mlp.experts.5.gate_proj.weight``)."""
+    lid, rest = split_layer(native)
+    p = param_of(native)
+    if lid is None or not p.expert:
+        raise KeyError(f"{native!r} is not a stacked expert parameter (titan_pipe.model.params)")
+    return f"model.layers.{lid}." + spell_hf(p.hf, family).format(e=expert)
+
+
+def parse_hf_expert(name: str) -> tuple[str, int] | None:
+    """(native stacked parameter, expert index) of a Hugging Face per-expert tensor name in either
+    family's spelling; None for a name that is not one."""
+    for rx, target in _EXPERT_HF:
+        m = rx.match(name)
+        if m:
+            return target.format(i=m["i"]), int(m["e"])
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

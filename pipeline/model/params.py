@@ -7,7 +7,11 @@ planner's memory model, the converters' readers and the exported graphs' initial
 from ``MODEL_PARAMS`` + ``LAYER_PARAMS``; tests check the nn.Module holds exactly this list.
 
 A new optional parameter (a q/k/v bias, a q/k norm) is one ``Param`` entry with its ``when``
-condition on ModelArgs (and the module attribute that holds it); every table follows.
+condition on ModelArgs (and the module attribute that holds it); every table follows. A per-layer
+entry may also hold in some layers only (``in_layer``: a mixture of experts routes in some layers
+and keeps the dense feed-forward in the others). Expert weights are stacked: dim 0 of an
+``expert`` parameter indexes the experts (Hugging Face stores one tensor per expert: ``hf`` holds
+``{e}``, titan_pipe.model.names spells it per family).
 """
 from __future__ import annotations
 
@@ -31,6 +35,18 @@ SCOPES = ("first", "layer", "last")
 
 def _always(_args: ModelArgs) -> bool:
     return True
+
+
+def _every_layer(_args: ModelArgs, _i: int) -> bool:
+    return True
+
+
+def _dense_ffn(args: ModelArgs, i: int) -> bool:
+    return not args.is_moe_layer(i)
+
+
+def _routed(args: ModelArgs, i: int) -> bool:
+    return args.is_moe_layer(i)
 
 
 @dataclass(frozen=True)
@@ -61,6 +77,8 @@ class Param:
     vocab_rows: bool = False
     when: Callable[[ModelArgs], bool] = _always
     tp_dim: int | None | str = "style"
+    in_layer: Callable[[ModelArgs, int], bool] = _every_layer  # per-layer entries: does layer i hold it
+    expert: bool = False  # dim 0 indexes the experts (one Hugging Face tensor per expert)
 
     def __post_init__(self):
         if self.tp not in TP_STYLES or self.init not in INITS or self.scope not in SCOPES:
@@ -130,11 +148,25 @@ LAYER_PARAMS: tuple[Param, ...] = (
     _norm("ffn_norm.weight", "post_attention_layernorm.weight",
           ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), "layer"),
     Param("feed_forward.w1.weight", lambda a: (a.hidden_dim, a.dim), "colwise", "layer",
-          "mlp.gate_proj.weight", "w1", megatron=("mlp.linear_fc1.weight",), fused=("fc1", "gate")),
+          "mlp.gate_proj.weight", "w1", megatron=("mlp.linear_fc1.weight",), fused=("fc1", "gate"),
+          in_layer=_dense_ffn),
     Param("feed_forward.w3.weight", lambda a: (a.hidden_dim, a.dim), "colwise", "layer",
-          "mlp.up_proj.weight", "w3", megatron=("mlp.linear_fc1.weight",), fused=("fc1", "up")),
+          "mlp.up_proj.weight", "w3", megatron=("mlp.linear_fc1.weight",), fused=("fc1", "up"),
+          in_layer=_dense_ffn),
     Param("feed_forward.w2.weight", lambda a: (a.dim, a.hidden_dim), "rowwise", "layer",
-          "mlp.down_proj.weight", "w2", init="depth_scaled", megatron=("mlp.linear_fc2.weight",)),
+          "mlp.down_proj.weight", "w2", init="depth_scaled", megatron=("mlp.linear_fc2.weight",),
+          in_layer=_dense_ffn),
+    # A mixture of experts in place of the feed-forward (ModelArgs.is_moe_layer); Qwen3-MoE's
+    # Hugging Face names (Mixtral's: titan_pipe.model.names). Replicated under TP: expert parallelism
+    # is what splits experts.
+    Param("moe.router.weight", lambda a: (a.n_experts, a.dim), "replicate", "layer", "mlp.gate.weight",
+          "moe.router", in_layer=_routed),
+    Param("moe.experts.w1", lambda a: (a.n_experts, a.expert_dim, a.dim), "replicate", "layer",
+          "mlp.experts.{e}.gate_proj.weight", "moe.w1", in_layer=_routed, expert=True),
+    Param("moe.experts.w3", lambda a: (a.n_experts, a.expert_dim, a.dim), "replicate", "layer",
+          "mlp.experts.{e}.up_proj.weight", "moe.w3", in_layer=_routed, expert=True),
+    Param("moe.experts.w2", lambda a: (a.n_experts, a.dim, a.expert_dim), "replicate", "layer",
+          "mlp.experts.{e}.down_proj.weight", "moe.w2", init="depth_scaled", in_layer=_routed, expert=True),
 )
 
 LAYER_PREFIX = "layers."
@@ -172,7 +204,7 @@ def params(args: ModelArgs) -> list[tuple[str, Param]]:
     layer = [p for p in LAYER_PARAMS if p.when(args)]
     out = [(p.name, p) for p in model if p.scope == "first"]
     for i in range(args.n_layers):
-        out += [(layer_name(i, p), p) for p in layer]
+        out += [(layer_name(i, p), p) for p in layer if p.in_layer(args, i)]
     return out + [(p.name, p) for p in model if p.scope == "last"]
 
 

@@ -109,17 +109,99 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class TransformerBlock(nn.Module):
+class Experts(nn.Module):
+    """``n`` SwiGLU experts, their weights stacked: w1, w3 (n, hidden, dim), w2 (n, dim, hidden)."""
+
+    def __init__(self, n: int, dim: int, hidden: int, kernels: Kernels):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (N, dim): tokens sorted by expert, counts[e] of them for expert e -> (N, dim)."""
+        return self.kernels.experts(x, counts, self.w1, self.w3, self.w2)
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of the feed-forward (Mixtral, Qwen3-MoE): the router's softmax
+    over the experts, the top k of them per token (their probabilities renormalized to sum to 1 with
+    ``router_norm_topk``), each token's output the so-weighted sum of its experts' outputs.
+
+    Each forward keeps the router statistics of its tokens (``balance``: assignments per expert, the
+    sum of the probabilities per expert, the token count) for the load-balancing loss
+    (``load_balancing_loss``)."""
+
     def __init__(self, args: ModelArgs, kernels: Kernels):
+        super().__init__()
+        self.n_experts, self.top_k, self.norm_topk = args.n_experts, args.experts_per_token, args.router_norm_topk
+        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.experts = Experts(args.n_experts, args.dim, args.expert_dim, kernels)
+        self.balance: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, dim) -> (probabilities (N, E) float32, chosen experts (N, k), their weights (N, k) float32)."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return probs, chosen, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs, chosen, weights = self.route(flat)
+        assigned = chosen.reshape(-1)
+        counts = torch.bincount(assigned, minlength=self.n_experts)
+        self.balance = (counts.float(), probs.sum(dim=0), flat.shape[0])
+        order = assigned.argsort(stable=True)  # the (token, slot) pairs grouped by expert
+        token = order // self.top_k
+        y = self.experts(flat[token], counts)
+        y = (y.float() * weights.reshape(-1)[order, None]).to(flat.dtype)
+        return torch.zeros_like(flat).index_add_(0, token, y).view(shape)
+
+
+class TransformerBlock(nn.Module):
+    """Attention and a feed-forward: the dense SwiGLU, or in a routing layer of a mixture-of-experts
+    model (ModelArgs.is_moe_layer) the MoE (``moe``; ``feed_forward`` is then None)."""
+
+    def __init__(self, args: ModelArgs, kernels: Kernels, layer_id: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, kernels)
         self.attention = Attention(args, kernels)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, kernels)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        routed = args.is_moe_layer(layer_id)
+        self.feed_forward = None if routed else FeedForward(args.dim, args.hidden_dim)
+        self.moe = MoE(args, kernels) if routed else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+def load_balancing_loss(moes: list[MoE], reduce=None) -> torch.Tensor | None:
+    """The load-balancing loss of the last forward through ``moes`` (Switch Transformer's, as
+    transformers computes it for Mixtral and Qwen3-MoE): n_experts x sum over experts of (the share
+    of top-k assignments it got) x (its mean router probability), both over every routing layer's
+    tokens. None without routing layers or before a forward.
+
+    ``reduce(assigned, prob_sum, rows) -> (assigned, prob_sum, rows, scale)``: the statistics of
+    the whole data-parallel batch (the trainer's all-reduce; another rank's part of ``prob_sum``
+    enters as a constant), and the factor that makes the gradient of this rank's share exact once
+    data parallelism averages the ranks' gradients. The loss is then the one a single process
+    computes over the whole batch, not a mean of per-rank losses."""
+    stats = [m.balance for m in moes if m.balance is not None]
+    if not stats:
+        return None
+    assigned = sum(c for c, _, _ in stats)
+    prob = sum(p for _, p, _ in stats)
+    rows, scale = sum(n for _, _, n in stats), 1
+    if reduce is not None:
+        assigned, prob, rows, scale = reduce(assigned, prob, rows)
+    loss = ((assigned / rows) * (prob / rows)).sum() * moes[0].n_experts
+    return loss if scale == 1 else loss.detach() + scale * (loss - loss.detach())
 
 
 class Transformer(nn.Module):
@@ -134,7 +216,7 @@ class Transformer(nn.Module):
         self.args = args
         kernels = kernels or reference_kernels()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, kernels) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, kernels, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps, kernels)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -142,6 +224,9 @@ class Transformer(nn.Module):
         # Under sequence parallel (training/tensor_parallel.py) the residual stream holds T/tp
         # positions per rank while attention sees all T: RoPE tables are cut to T = local * this.
         self.seq_shards = 1
+        # Set by the trainer under data parallelism: the batch-wide statistics of the load-balancing
+        # loss (load_balancing_loss's ``reduce``).
+        self.balance_reduce = None
         cos, sin = rope_cos_sin(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -163,8 +248,20 @@ class Transformer(nn.Module):
         from titan_pipe.model.loss import cross_entropy, linear_cross_entropy
 
         if isinstance(self.output.weight, DTensor) or isinstance(h, DTensor):
-            return cross_entropy(self.output(h), labels)
-        return linear_cross_entropy(h, self.output.weight, labels)
+            loss = cross_entropy(self.output(h), labels)
+        else:
+            loss = linear_cross_entropy(h, self.output.weight, labels)
+        aux = self.aux_loss()
+        return loss if aux is None else loss + aux
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The weighted load-balancing loss of the last forward (router_aux_loss_coef x
+        load_balancing_loss), added to the training loss; None for a dense model or a zero weight."""
+        moes = [layer.moe for layer in self.layers.values() if layer.moe is not None]
+        if not moes or not self.args.router_aux_loss_coef:
+            return None
+        balance = load_balancing_loss(moes, self.balance_reduce)
+        return None if balance is None else self.args.router_aux_loss_coef * balance
 
     def init_rope(self) -> None:
         """Recompute the RoPE buffers (after building on the meta device)."""

@@ -114,6 +114,10 @@ def open_unified(model_dir: Path) -> UnifiedDir:
     """Open a unified dir: config, weight files, headers, every stored tensor placed (module doc)."""
     model_dir = Path(model_dir)
     args = read_config(model_dir)
+    if args.moe:
+        raise UserError(f"{model_dir / CONFIG}: a mixture-of-experts model ({args.n_experts} experts); titan-pipe "
+                        "trains such models from flow.yaml, but reading their Hugging Face weights (convert, "
+                        "export, evaluate, init_from) is not built yet")
     key_to_file = _locate(model_dir)
     files = tuple(sorted(set(key_to_file.values())))
     expected = dict(native_shapes(args))

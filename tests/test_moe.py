@@ -1,0 +1,228 @@
+"""Mixture of experts in the one model: Mixtral and Qwen3-MoE against transformers (logits, the
+load-balancing loss, gradients), the flavours' sizes against transformers' own count, the expert
+kernels against each other and against a dense reference, config.json both ways, bad configs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titan_pipe.config import ConfigError, parse_flow
+from titan_pipe.errors import UserError
+from titan_pipe.model.args import FLAVOURS, ModelArgs, count_params, resolve_args
+from titan_pipe.model.hf_config import from_hf_config, to_hf_config
+from titan_pipe.model.kernels import experts_loop
+from titan_pipe.model.names import hf_expert_key, hf_to_native, parse_hf_expert
+from titan_pipe.model.params import native_shapes, param_of
+from titan_pipe.model.transformer import build_model
+
+transformers = pytest.importorskip("transformers")
+
+MIXTRAL = resolve_args("debug_moe", router_aux_loss_coef=0.02)
+# Qwen3-MoE: q/k norms, narrower experts than the dense layers, layer 1 dense (mlp_only_layers),
+# the top-k not renormalized (norm_topk_prob false).
+QWEN3_MOE = resolve_args("debug_moe", qk_norm=True, head_dim=32, moe_hidden_dim=48, ffn_hidden_dim=96,
+                         dense_layers=(1,), router_norm_topk=False, n_experts=6, experts_per_token=3,
+                         router_aux_loss_coef=0.001)
+
+
+def _hf_model(args: ModelArgs, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.for_model(**to_hf_config(args))
+    cfg.output_router_logits = True
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    return model
+
+
+def _native_state(hf_model, args: ModelArgs, family: str) -> dict[str, torch.Tensor]:
+    """Our state dict from the transformers model's checkpoint names (one tensor per expert, stacked
+    into dim 0 of ours by the name table)."""
+    state, experts = {}, {}
+    sd = hf_model.state_dict()
+    if any(".experts.gate_up_proj" in k for k in sd):  # transformers 5 holds experts fused in memory
+        sd = _per_expert(sd, args, family)
+    for key, value in sd.items():
+        found = parse_hf_expert(key)
+        if found is not None:
+            experts.setdefault(found[0], {})[found[1]] = value
+        else:
+            state[hf_to_native(key)] = value
+    for name, by_expert in experts.items():
+        state[name] = torch.stack([by_expert[e] for e in range(args.n_experts)])
+    if args.tie_embeddings:
+        state.pop("output.weight", None)
+    return state
+
+
+def _per_expert(sd: dict, args: ModelArgs, family: str) -> dict:
+    """transformers 5's in-memory experts (gate_up_proj (E, 2h, d), down_proj (E, d, h)) as the
+    per-expert checkpoint names it saves (save_pretrained converts back to those)."""
+    out = {}
+    for key, value in sd.items():
+        if key.endswith(".experts.gate_up_proj") or key.endswith(".experts.down_proj"):
+            lid = int(key.split(".layers.")[1].split(".")[0])
+            for e in range(args.n_experts):
+                if key.endswith("gate_up_proj"):
+                    gate, up = value[e].chunk(2, dim=0)
+                    out[hf_expert_key(f"layers.{lid}.moe.experts.w1", e, family)] = gate
+                    out[hf_expert_key(f"layers.{lid}.moe.experts.w3", e, family)] = up
+                else:
+                    out[hf_expert_key(f"layers.{lid}.moe.experts.w2", e, family)] = value[e]
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("args,family", [(MIXTRAL, "mixtral"), (QWEN3_MOE, "qwen3_moe")], ids=["mixtral", "qwen3_moe"])
+def test_logits_aux_loss_and_gradients_match_transformers(args, family):
+    hf = _hf_model(args)
+    assert type(hf).__name__ == {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[family]
+    ours = build_model(args, seed=None)
+    ours.load_state_dict(_native_state(hf, args, family), strict=True)
+    assert sorted(native_shapes(args)) == sorted(n for n, _ in ours.named_parameters())
+    assert [layer.moe is not None for layer in ours.layers.values()] == [args.is_moe_layer(i) for i in range(4)]
+
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    labels = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(4))
+    out = hf(tokens, labels=labels)  # transformers: CE of logits[:, :-1] against labels[:, 1:], + coef x aux
+    logits = ours(tokens)
+    assert (logits - out.logits).abs().max().item() <= 1e-5
+    aux = ours.aux_loss()
+    assert abs(aux.item() / args.router_aux_loss_coef - out.aux_loss.item()) <= 1e-6
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, args.vocab_size), labels[:, 1:].reshape(-1)) + aux
+    assert abs(loss.item() - out.loss.item()) <= 1e-5
+    loss.backward()
+    out.loss.backward()
+    # the training path: forward with labels is the fused cross entropy plus the same aux term
+    with torch.no_grad():
+        fused = ours(tokens, labels=labels)
+        assert abs(fused.item() - (F.cross_entropy(ours(tokens).reshape(-1, args.vocab_size), labels.reshape(-1))
+                                   + ours.aux_loss()).item()) <= 1e-5
+    named = dict(hf.named_parameters())  # transformers 5 names Mixtral's block "mlp" in memory
+    want = next(named[f"model.layers.0.{r}.weight"] for r in ("block_sparse_moe.gate", "mlp.gate")
+                if f"model.layers.0.{r}.weight" in named).grad
+    assert torch.allclose(ours.layers["0"].moe.router.weight.grad, want, atol=1e-6, rtol=1e-4)
+    got_q = ours.layers["2"].attention.wq.weight.grad
+    assert torch.allclose(got_q, hf.model.layers[2].self_attn.q_proj.weight.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_the_flavours_have_the_released_sizes():
+    """Total parameters equal transformers' count of the released configs (built on the meta
+    device); active ones are the published 12.9B, 3.3B and 22.2B (to their rounding)."""
+    for name, active in (("mixtral_8x7b", 12.9), ("qwen3_30b_a3b", 3.3), ("qwen3_235b_a22b", 22.2)):
+        args = FLAVOURS[name]
+        cfg = transformers.AutoConfig.for_model(**to_hf_config(args))
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        assert count_params(args) == sum(p.numel() for p in model.parameters()), name
+        assert abs(count_params(args, active=True) / 1e9 - active) <= 0.06, name  # as published, to its rounding
+        assert from_hf_config(to_hf_config(args)) == args
+
+
+def _dense_reference(x, probs_topk, chosen, w1, w3, w2):
+    """Every expert on every token, kept where the router chose it: no sorting, no grouping."""
+    every = torch.stack([F.linear(F.silu(F.linear(x, w1[e])) * F.linear(x, w3[e]), w2[e]) for e in range(len(w1))])
+    mask = torch.zeros(x.shape[0], len(w1)).scatter_(1, chosen, probs_topk)
+    return torch.einsum("etd,te->td", every, mask)
+
+
+def test_expert_kernels_agree_with_a_dense_reference():
+    """The per-expert loop, torch._grouped_mm (its CPU forward) and a dense computation of every
+    expert give the same MoE output; an expert no token chose is skipped, not a failure."""
+    from titan_pipe.model.transformer import MoE
+    from titan_pipe.model.kernels import reference_kernels
+
+    args = resolve_args("debug_moe", n_experts=8, experts_per_token=2, ffn_hidden_dim=32)
+    torch.manual_seed(0)
+    moe = MoE(args, reference_kernels())
+    for p in moe.parameters():
+        p.data.normal_(0, 0.1)
+    x = torch.randn(40, args.dim)
+    y = moe(x[None])[0]
+    _, chosen, weights = moe.route(x)
+    e = moe.experts
+    assert torch.allclose(y, _dense_reference(x, weights, chosen, e.w1, e.w3, e.w2), atol=1e-5)
+    assigned = chosen.reshape(-1)
+    order = assigned.argsort(stable=True)
+    counts = torch.bincount(assigned, minlength=8)
+    xs = x[order // 2]
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    gate = torch._grouped_mm(xs, e.w1.transpose(-2, -1).contiguous().detach(), offs=offs)
+    up = torch._grouped_mm(xs, e.w3.transpose(-2, -1).contiguous().detach(), offs=offs)
+    grouped = torch._grouped_mm(F.silu(gate) * up, e.w2.transpose(-2, -1).contiguous().detach(), offs=offs)
+    assert torch.allclose(grouped, experts_loop(xs, counts, e.w1, e.w3, e.w2), atol=1e-5)
+    few = torch.zeros(8, dtype=torch.long)
+    few[3] = 4  # one expert with every row, seven with none
+    assert torch.allclose(experts_loop(xs[:4], few, e.w1, e.w3, e.w2),
+                          F.linear(F.silu(F.linear(xs[:4], e.w1[3])) * F.linear(xs[:4], e.w3[3]), e.w2[3]))
+
+
+def test_qwen3_moe_config_json_both_ways():
+    cfg = to_hf_config(QWEN3_MOE)
+    assert (cfg["model_type"], cfg["num_experts"], cfg["moe_intermediate_size"], cfg["mlp_only_layers"],
+            cfg["norm_topk_prob"]) == ("qwen3_moe", 6, 48, [1], False)
+    hf_cfg = transformers.AutoConfig.for_model(**cfg).to_dict()  # transformers 5 writes num_local_experts
+    assert from_hf_config(hf_cfg) == QWEN3_MOE
+    assert hf_expert_key("layers.2.moe.experts.w2", 5, "qwen3_moe") == "model.layers.2.mlp.experts.5.down_proj.weight"
+    assert param_of("layers.2.moe.experts.w2").expert and not param_of("layers.2.moe.router.weight").expert
+
+
+@pytest.mark.parametrize("change,expect", [
+    ({"num_experts_per_tok": None}, "num_experts_per_tok"),
+    ({"num_experts_per_tok": 9}, "experts_per_token: 9 must be 1..n_experts=6"),
+    ({"num_local_experts": None, "num_experts": None}, "num_local_experts"),
+    ({"num_local_experts": 6, "num_experts": 8}, "disagrees with num_local_experts 6"),
+    ({"mlp_only_layers": [7]}, "dense_layers: 7 is not a layer"),
+    ({"mlp_only_layers": "1"}, "mlp_only_layers"),
+])
+def test_a_bad_moe_config_json_is_one_line(change, expect):
+    cfg = to_hf_config(QWEN3_MOE)
+    for k, v in change.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    with pytest.raises(UserError) as e:
+        from_hf_config(cfg, source="x/config.json")
+    assert "x/config.json" in str(e.value) and expect in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_mixtral_jitter_noise_is_refused():
+    cfg = dict(to_hf_config(MIXTRAL), router_jitter_noise=0.1)
+    with pytest.raises(UserError, match="router_jitter_noise"):
+        from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("section,expect", [
+    ({"parallel": {"tp": 2}, "launch": {"nproc_per_node": 2}}, "parallel.tp: 2: a mixture-of-experts model"),
+    ({"parallel": {"pp": 2}, "launch": {"nproc_per_node": 2}}, "parallel.pp: 2: a mixture-of-experts model"),
+    ({"train": {"compile": True}}, "train.compile: true: the routing has data-dependent shapes"),
+    ({"model": {"flavour": "debug_moe", "experts_per_token": 5}}, "model.experts_per_token: 5 must be 1..n_experts=4"),
+    ({"model": {"flavour": "debug_moe", "moe_hidden_dim": 48}}, "Mixtral's"),
+])
+def test_flow_yaml_refuses_what_moe_training_does_not_do(tmp_path, section, expect):
+    flow = {"name": "m", "model": {"flavour": "debug_moe"}, **section}
+    with pytest.raises(ConfigError) as e:
+        parse_flow(flow, base=tmp_path)
+    assert any(expect in line for line in e.value.lines), e.value.lines
+
+
+def test_stages_refuse_moe_weights_in_one_line(tmp_path):
+    """Reading a Hugging Face MoE dir (convert, export, evaluate, init_from) is not built: one line."""
+    from typer.testing import CliRunner
+
+    from titan_pipe.cli import app
+
+    hf = _hf_model(MIXTRAL)
+    hf.save_pretrained(tmp_path / "hf")
+    for args in (["convert", str(tmp_path / "hf"), "-o", str(tmp_path / "o")],
+                 ["export", str(tmp_path / "hf"), "-o", str(tmp_path / "o")]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 1 and "mixture-of-experts model (4 experts)" in r.output, r.output
+        assert not (tmp_path / "o").exists()
