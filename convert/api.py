@@ -171,10 +171,6 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
     sharded = settings.sharded
     _check_out_dir(src, out_dir, overwrite)
     plan, store = open_source(src, settings.source_format, vocab_size=settings.vocab_size, model_config=model_config)
-    if plan.args.moe:
-        store.close()
-        raise UserError(f"{src}: a mixture-of-experts checkpoint ({plan.args.n_experts} experts); converting "
-                        "mixture-of-experts models is not built yet (titan-pipe trains them)")
     with store:
         check_shapes(plan)
         try:

@@ -202,7 +202,7 @@ def write_file(out_dir: Path, f: OutFile, store: Store, *, metadata: dict[str, s
     of them are filled at once: the copies are kernel calls that release the GIL, and two of
     them keep a disk and a memory bus busier than one. Memory: ``threads`` blocks at most.
     """
-    entries = [Entry(t.key, t.dtype, t.shape) for t in f.tensors]
+    entries = [Entry(t.key, t.dtype, t.stored_shape or t.shape) for t in f.tensors]
     with SafetensorsWriter(out_dir / f.name, entries, metadata) as w:
         if threads > 1 and store.threadsafe and len(f.tensors) > 1:
             with ThreadPoolExecutor(threads, thread_name_prefix="titan-pipe-fill") as pool:

@@ -21,8 +21,9 @@ from titan_pipe.choices import NAMINGS
 from titan_pipe.dtypes import DTYPE_SIZES, OUT_DTYPES
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.errors import UserError
-from titan_pipe.model.names import native_to_hf
-from titan_pipe.model.params import native_names
+from titan_pipe.model.families import family_of
+from titan_pipe.model.names import hf_expert_key, native_to_hf
+from titan_pipe.model.params import native_names, param_of
 from titan_pipe.model.sharding import split_stages, stage_of, tp_problems, tp_split_dim
 from titan_pipe.model.unified_dir import weight_file_name
 
@@ -119,6 +120,9 @@ class OutTensor:
     source: TensorPlan
     region: Box
     dtype: str
+    # The shape the file records, when it drops the region's leading 1: one expert's (h, d) slice
+    # of a stacked (E, h, d) tensor is stored as a tensor of its own (the same bytes).
+    stored_shape: tuple[int, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -195,8 +199,16 @@ def plan_unified(src: SourcePlan, *, naming: str = "hf", dtype: str = "keep",
     """
     if naming not in NAMINGS:
         raise ValueError(f"naming {naming!r} is not one of {', '.join(NAMINGS)}")
-    outs = [OutTensor(native_to_hf(t.name) if naming == "hf" else t.name, t, Box.full(t.shape),
-                      output_dtype(t.dtype, dtype)) for t in _unified_tensors(src)]
+    family = family_of(src.args).model_type if naming == "hf" else None
+    outs = []
+    for t in _unified_tensors(src):
+        if naming == "hf" and param_of(t.name).expert:  # one tensor per expert, as transformers stores them
+            outs += [OutTensor(hf_expert_key(t.name, e, family), t, Box((e, *[0] * (len(t.shape) - 1)), (1, *t.shape[1:])),
+                               output_dtype(t.dtype, dtype), stored_shape=tuple(t.shape[1:]))
+                     for e in range(t.shape[0])]
+        else:
+            outs.append(OutTensor(native_to_hf(t.name, family) if naming == "hf" else t.name, t, Box.full(t.shape),
+                                  output_dtype(t.dtype, dtype)))
     groups: list[list[OutTensor]] = [[]]
     size = 0
     for o in outs:

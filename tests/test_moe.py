@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titan_pipe.checkpoint_format import Box
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import FLAVOURS, ModelArgs, count_params, resolve_args
@@ -213,16 +214,67 @@ def test_flow_yaml_refuses_what_moe_training_does_not_do(tmp_path, section, expe
     assert any(expect in line for line in e.value.lines), e.value.lines
 
 
-def test_stages_refuse_moe_weights_in_one_line(tmp_path):
-    """Reading a Hugging Face MoE dir (convert, export, evaluate, init_from) is not built: one line."""
+@pytest.mark.parametrize("args,family", [(MIXTRAL, "mixtral"), (QWEN3_MOE, "qwen3_moe")], ids=["mixtral", "qwen3_moe"])
+def test_hugging_face_moe_dirs_convert_both_ways(tmp_path, args, family):
+    """A dir transformers saved (one tensor per expert) -> our pp2 shards (experts stacked) -> a
+    Hugging Face dir again: every tensor bit for bit, transformers loads it with the same logits;
+    the native-named dir stores the stacks, and init_from reads either as the same stacks."""
+    from safetensors.torch import load_file
+
+    from titan_pipe.config import ConvertConfig
+    from titan_pipe.convert.api import convert_checkpoint
+    from titan_pipe.model.weights import open_weights
+
+    hf = _hf_model(args)
+    hf.save_pretrained(tmp_path / "hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "shards", ConvertConfig(pp=2))
+    convert_checkpoint(tmp_path / "shards", tmp_path / "back")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "native", ConvertConfig(naming="native"))
+    original, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
+    assert any(parse_hf_expert(k) for k in back)  # per expert, in this family's spelling
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").float().eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(again(tokens).logits, hf(tokens).logits)
+    stacked = load_file(tmp_path / "native" / "model.safetensors")
+    name = f"layers.{args.moe_layers[-1]}.moe.experts.w2"
+    assert stacked[name].shape == (args.n_experts, args.dim, args.expert_dim)
+    for src in ("hf", "native", "shards"):
+        w = open_weights(tmp_path / src)
+        assert torch.equal(w.full(name), stacked[name]), src
+        box = Box((1, 0, 8), (2, args.dim, 16))
+        assert torch.equal(w.box(name, box), stacked[name][1:3, :, 8:24]), src
+
+
+def test_moe_dir_faults_are_one_line(tmp_path):
+    """A missing expert, an expert past the config's count, an expert of the wrong shape: one line
+    naming the file and the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_model(MIXTRAL)
+    hf.save_pretrained(tmp_path / "hf")
+    f = tmp_path / "hf" / "model.safetensors"
+    good = load_file(f)
+    key = "model.layers.2.block_sparse_moe.experts.3.w1.weight"
+    cases = {"missing": ({k: v for k, v in good.items() if k != key}, "expert 3 of 'layers.2.moe.experts.w1' is missing"),
+             "extra": ({**good, key.replace(".3.", ".4."): good[key].clone()}, "has no place"),
+             "shape": ({**good, key: good[key][:8].clone()}, "per expert")}
+    from titan_pipe.model.unified_dir import open_unified
+
+    for name, (sd, expect) in cases.items():
+        save_file(sd, f, metadata={"format": "pt"})
+        with pytest.raises(UserError) as e:
+            open_unified(tmp_path / "hf")
+        assert expect in str(e.value) and len(str(e.value).splitlines()) == 1, (name, str(e.value))
+
+
+def test_export_refuses_a_moe_model_in_one_line(tmp_path):
     from typer.testing import CliRunner
 
     from titan_pipe.cli import app
 
-    hf = _hf_model(MIXTRAL)
-    hf.save_pretrained(tmp_path / "hf")
-    for args in (["convert", str(tmp_path / "hf"), "-o", str(tmp_path / "o")],
-                 ["export", str(tmp_path / "hf"), "-o", str(tmp_path / "o")]):
-        r = CliRunner().invoke(app, args)
-        assert r.exit_code == 1 and "mixture-of-experts model (4 experts)" in r.output, r.output
-        assert not (tmp_path / "o").exists()
+    _hf_model(MIXTRAL).save_pretrained(tmp_path / "hf")
+    r = CliRunner().invoke(app, ["export", str(tmp_path / "hf"), "-o", str(tmp_path / "o")])
+    assert r.exit_code == 1 and "mixture-of-experts model (4 experts)" in r.output, r.output
+    assert not (tmp_path / "o").exists()

@@ -210,6 +210,9 @@ def export_model(model_dir: Path, out_dir: Path, settings: ExportConfig = Export
     _check_paths(model_dir, out_dir, overwrite)
     unified = open_unified(model_dir)  # headers read and every tensor placed: bad weights fail before any write
     args = unified.args
+    if args.moe:
+        raise UserError(f"{model_dir}: a mixture-of-experts model ({args.n_experts} experts); exporting its "
+                        "routing to ONNX is not built yet (train, convert and init_from take it)")
     plan = plan_export(args, settings)
     sources = plan_weights(unified)
     needs = output_bytes(plan, args)

@@ -7,6 +7,7 @@ under its native name. Only safetensors weights are read (pytorch_model.bin is a
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from titan_pipe.checkpoint_format import Box
@@ -32,11 +33,22 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
         raise UserError(f"--vocab-size {vocab_size} disagrees with {path / 'config.json'} (vocab_size "
                         f"{args.vocab_size}); drop --vocab-size for Hugging Face models")
     files = [f.relative_to(path).as_posix() for f in unified.files]
-    store = SafetensorsStore(path, {f.relative_to(path).as_posix(): h for f, h in unified.headers.items()})
+    headers = {f.relative_to(path).as_posix(): dict(h) for f, h in unified.headers.items()}
     tensors = {}
     for name in native_names(args):
-        p = unified.get(name)
-        f, st = p.file.relative_to(path).as_posix(), p.stored
-        tensors[name] = TensorPlan(name, st.shape, st.dtype,
-                                   (Read(f, p.key, Box.full(st.shape), Box.full(st.shape)),), "whole")
+        parts = unified.parts(name)
+        st = parts[0].stored
+        if parts[0].expert is None:
+            f = parts[0].file.relative_to(path).as_posix()
+            tensors[name] = TensorPlan(name, st.shape, st.dtype,
+                                       (Read(f, parts[0].key, Box.full(st.shape), Box.full(st.shape)),), "whole")
+            continue
+        # one tensor per expert: each read as the (1, ...) slice of the stack it is (the same bytes)
+        reads = []
+        for p in parts:
+            f, one = p.file.relative_to(path).as_posix(), (1, *p.stored.shape)
+            headers[f][p.key] = replace(p.stored, shape=one)
+            reads.append(Read(f, p.key, Box.full(one), Box((p.expert, *[0] * len(p.stored.shape)), one)))
+        tensors[name] = TensorPlan(name, (len(parts), *st.shape), st.dtype, tuple(reads), f"{len(parts)} experts")
+    store = SafetensorsStore(path, headers)
     return SourcePlan(FORMAT, path, args, tensors, files=files, layout={"tp": 1, "pp": 1}), store

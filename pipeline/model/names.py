@@ -46,11 +46,16 @@ def _translate(name: str, table) -> str:
     raise KeyError(name)
 
 
-def native_to_hf(name: str) -> str:
+def native_to_hf(name: str, family: str | None = None) -> str:
+    """The Hugging Face name of a native parameter, in ``family``'s spelling (Mixtral's MoE router)."""
     try:
-        return _translate(name, _N2H)
+        hf = _translate(name, _N2H)
     except KeyError:
         raise KeyError(f"no Hugging Face name for native parameter {name!r} (titan_pipe.model.names)") from None
+    lid, rest = split_layer(name)
+    if family == "mixtral" and lid is not None and param_of(name).hf in MIXTRAL_SPELLING:
+        return f"model.layers.{lid}." + spell_hf(param_of(name).hf, family)
+    return hf
 
 
 def hf_to_native(name: str) -> str:

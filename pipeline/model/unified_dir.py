@@ -13,14 +13,14 @@ implies, nothing the model needs is missing. Then ``UnifiedDir.read`` / ``read_b
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.hf_config import from_hf_config
-from titan_pipe.model.names import hf_to_native
+from titan_pipe.model.names import hf_to_native, parse_hf_expert
 from titan_pipe.model.params import native_shapes
 from titan_pipe.paths import resolve_inside
 from titan_pipe.safetensors_header import StoredTensor, read_header
@@ -54,6 +54,7 @@ class StoredParam:
     file: Path
     key: str
     stored: StoredTensor
+    expert: int | None = None  # one expert's slice (dim 0) of a stacked expert parameter
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,12 @@ class UnifiedDir:
     files: tuple[Path, ...]
     params: dict[str, StoredParam]
     headers: dict[Path, dict[str, StoredTensor]]  # every weight file's checked header
+    # stacked expert parameters stored one tensor per expert (Hugging Face): native name -> its experts in order
+    experts: dict[str, tuple[StoredParam, ...]] = field(default_factory=dict)
+
+    def parts(self, name: str) -> tuple[StoredParam, ...]:
+        """Where parameter ``name`` is stored: one tensor, or one per expert (dim 0) in expert order."""
+        return self.experts[name] if name in self.experts else (self.get(name),)
 
     def get(self, name: str) -> StoredParam:
         if name in self.params:
@@ -77,19 +84,27 @@ class UnifiedDir:
 
     def read(self, name: str) -> "torch.Tensor":
         """The whole tensor of parameter ``name`` in its stored dtype."""
+        if name in self.experts:
+            import torch
+
+            return torch.stack([self._read(p) for p in self.experts[name]])
+        return self._read(self.get(name))
+
+    @staticmethod
+    def _read(p: StoredParam, index: tuple[slice, ...] | None = None) -> "torch.Tensor":
         from safetensors import safe_open
 
-        p = self.get(name)
         with safe_open(str(p.file), framework="pt") as h:
-            return h.get_tensor(p.key)
+            return h.get_tensor(p.key) if index is None else h.get_slice(p.key)[index]
 
     def read_box(self, name: str, box: "Box") -> "torch.Tensor":
-        """(box.lengths) piece of parameter ``name``: only that part of the stored tensor is read."""
-        from safetensors import safe_open
+        """(box.lengths) piece of parameter ``name``: only that part of the stored tensor(s) is read."""
+        index = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))
+        if name in self.experts:
+            import torch
 
-        p = self.get(name)
-        with safe_open(str(p.file), framework="pt") as h:
-            return h.get_slice(p.key)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))]
+            return torch.stack([self._read(p, index[1:]) for p in self.experts[name][index[0]]])
+        return self._read(self.get(name), index)
 
 
 def read_model_args(model_dir: Path) -> ModelArgs:
@@ -114,10 +129,6 @@ def open_unified(model_dir: Path) -> UnifiedDir:
     """Open a unified dir: config, weight files, headers, every stored tensor placed (module doc)."""
     model_dir = Path(model_dir)
     args = read_config(model_dir)
-    if args.moe:
-        raise UserError(f"{model_dir / CONFIG}: a mixture-of-experts model ({args.n_experts} experts); titan-pipe "
-                        "trains such models from flow.yaml, but reading their Hugging Face weights (convert, "
-                        "export, evaluate, init_from) is not built yet")
     key_to_file = _locate(model_dir)
     files = tuple(sorted(set(key_to_file.values())))
     expected = dict(native_shapes(args))
@@ -129,17 +140,33 @@ def open_unified(model_dir: Path) -> UnifiedDir:
         for key in sorted(k for k, f in key_to_file.items() if f == path):
             if key not in header:
                 raise UserError(f"{path}: the index says it holds {key!r}, but it does not; re-run the conversion")
+    experts: dict[str, dict[int, StoredParam]] = {}
     for path, header in headers.items():  # every stored tensor, listed by the index or not: none goes unseen
         for key in sorted(header):
+            one = parse_hf_expert(key)
+            if one is not None:
+                _place_expert(model_dir, args, expected, path, key, header[key], one, experts, placed)
+                continue
             name = _place(model_dir, args, expected, path, key, header[key].shape, placed)
             if name is not None:
+                if name in experts:
+                    raise UserError(f"{path}: tensor {key!r} stacks the experts that are also stored one by one; "
+                                    "which copy is meant is ambiguous. Keep one")
                 placed[name] = StoredParam(name, path, key, header[key])
-    missing = sorted(set(expected) - set(placed) - ({HEAD} if args.tie_embeddings else set()))
+    stacked = {}
+    for name, by_expert in experts.items():
+        gap = next((e for e in range(args.n_experts) if e not in by_expert), None)
+        if gap is not None:
+            raise UserError(f"{model_dir}: expert {gap} of {name!r} is missing ({len(by_expert)} of "
+                            f"{args.n_experts} stored; config.json: {args.n_experts} experts); the weights and "
+                            "config.json do not belong together")
+        stacked[name] = tuple(by_expert[e] for e in range(args.n_experts))
+    missing = sorted(set(expected) - set(placed) - set(stacked) - ({HEAD} if args.tie_embeddings else set()))
     if missing:
         raise UserError(f"{model_dir}: {len(missing)} parameter(s) missing from the weights, e.g. "
                         f"{missing[0]!r} (config.json: {args.n_layers} layers, dim {args.dim}); "
                         "the weights and config.json do not belong together")
-    unified = UnifiedDir(model_dir, args, files, placed, headers)
+    unified = UnifiedDir(model_dir, args, files, placed, headers, stacked)
     return _tie_as_stored(unified)
 
 
@@ -200,6 +227,23 @@ def native_name(stored: str, source: Path) -> str | None:
                             "knows (see titan_pipe.model.names); remove it or convert the checkpoint "
                             "first") from None
     return stored
+
+
+def _place_expert(model_dir: Path, args: ModelArgs, expected: dict[str, tuple[int, ...]], path: Path, key: str,
+                  stored: StoredTensor, found: tuple[str, int], experts: dict, placed: dict) -> None:
+    """Place one expert's tensor (Hugging Face: one per expert) into its stacked parameter's slot."""
+    name, e = found
+    if name not in expected or e >= args.n_experts:
+        raise UserError(f"{path}: tensor {key!r} has no place in the model of {model_dir / CONFIG} "
+                        f"({args.n_layers} layers, {args.n_experts} experts in layers {list(args.moe_layers)}); "
+                        "the weights and config.json do not belong together")
+    if name in placed or e in experts.get(name, {}):
+        raise UserError(f"{path}: tensor {key!r} is also stored elsewhere (expert {e} of {name!r}); which copy "
+                        "is meant is ambiguous. Keep one")
+    if tuple(stored.shape) != tuple(expected[name][1:]):
+        raise UserError(f"{path}: tensor {key!r} has shape {list(stored.shape)}, but {model_dir / CONFIG} implies "
+                        f"{list(expected[name][1:])} per expert; the weights and config.json do not belong together")
+    experts.setdefault(name, {})[e] = StoredParam(name, path, key, stored, e)
 
 
 def _place(model_dir: Path, args: ModelArgs, expected: dict[str, tuple[int, ...]], path: Path, stored: str,
