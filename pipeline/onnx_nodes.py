@@ -47,6 +47,11 @@ class NodeBuilder:
         self.nodes.append(helper.make_node(op_type, inputs, [name], name=name, **attrs))
         return name
 
+    def ops(self, op_type: str, inputs: list[str], names: list[str], **attrs) -> list[str]:
+        """A node with several outputs (TopK), named ``names``."""
+        self.nodes.append(helper.make_node(op_type, inputs, names, name=names[0], **attrs))
+        return names
+
     def const(self, value, dtype=np.int64) -> str:
         """A small constant initializer (shapes, axes, scalars, masks), shared by value."""
         arr = np.asarray(value, dtype=dtype)
@@ -140,3 +145,43 @@ def silu(g: NodeBuilder, x: str, name: str) -> str:
 def swiglu(g: NodeBuilder, gate: str, up: str, name: str) -> str:
     """silu(gate) * up: the SwiGLU product before the down projection."""
     return g.op("Mul", [silu(g, gate, name), up], f"{name}.gated")
+
+
+def route(g: NodeBuilder, x2d: str, router: str, *, n_experts: int, top_k: int, norm_topk: bool,
+          name: str) -> tuple[str, str]:
+    """A mixture of experts' router (as titan_pipe.model.transformer.MoE.route): softmax over the
+    experts in float32, the top k, renormalized to sum to 1 with ``norm_topk``. Returns (the
+    experts' gates (N, E) in the graph dtype: the top-k weights where chosen, 0 elsewhere; the
+    chosen experts (N, k) int64, which evaluate's router row compares). TopK, then a one-hot of the
+    chosen experts from Equal against Range (ScatterElements and OneHot are not on ATC's list)."""
+    logits = linear(g, x2d, router, f"{name}.router")
+    if g.dtype != "float32":
+        logits = g.op("Cast", [logits], f"{name}.router.cast", to=TensorProto.FLOAT)
+    probs = g.op("Softmax", [logits], f"{name}.probs", axis=-1)
+    top, chosen = g.ops("TopK", [probs, g.const([top_k])], [f"{name}.topk.values", f"{name}.topk"], axis=-1,
+                        largest=1, sorted=1)
+    if norm_topk:
+        top = g.op("Div", [top, g.op("ReduceSum", [top, g.const([-1])], f"{name}.topk.sum", keepdims=1)],
+                   f"{name}.topk.norm")
+    hot = g.op("Equal", [g.op("Unsqueeze", [chosen, g.const([-1])], f"{name}.topk.col"),
+                         g.const(np.arange(n_experts))], f"{name}.onehot")
+    weighted = g.op("Mul", [g.op("Cast", [hot], f"{name}.onehot.f", to=TensorProto.FLOAT),
+                            g.op("Unsqueeze", [top, g.const([-1])], f"{name}.topk.values.col")], f"{name}.onehot.w")
+    gates = g.op("ReduceSum", [weighted, g.const([1])], f"{name}.gates", keepdims=0)
+    if g.dtype != "float32":
+        gates = g.op("Cast", [gates], f"{name}.gates.cast", to=g.elem)
+    return gates, chosen
+
+
+def experts(g: NodeBuilder, x2d: str, gates: str, w1: str, w3: str, w2: str, name: str) -> str:
+    """Every expert on every token, weighted by its gate (0 where not chosen) and summed: the
+    dense-weighted form, static shapes throughout (docs/export.md, "Mixture of experts").
+    Weights stacked (E, out, in): x (N, d) @ W1^T (E, d, h) -> (E, N, h) ... -> (N, d)."""
+    def t(w):  # (E, out, in) -> (E, in, out); a transpose of an initializer, folded by the runtimes
+        return g.op("Transpose", [w], f"{w}.t", perm=[0, 2, 1])
+
+    act = swiglu(g, g.op("MatMul", [x2d, t(w1)], f"{name}.w1"), g.op("MatMul", [x2d, t(w3)], f"{name}.w3"), name)
+    y = g.op("MatMul", [act, t(w2)], f"{name}.w2")
+    weight = g.op("Unsqueeze", [g.op("Transpose", [gates], f"{name}.gates.t", perm=[1, 0]), g.const([-1])],
+                  f"{name}.gates.col")
+    return g.op("ReduceSum", [g.op("Mul", [y, weight], f"{name}.weighted"), g.const([0])], f"{name}.sum", keepdims=0)

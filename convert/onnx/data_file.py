@@ -132,6 +132,17 @@ class DataWriter:
         lane.end += length
         return self._record(name, lane, offset, length, s.shape)
 
+    def add_stacked(self, name: str, parts: Sequence[StoredParam]) -> DataEntry:
+        """Plan tensors stored one per expert as one stacked tensor (E, ...): their bytes back to back
+        (the row-major stack), each cast when written."""
+        lane = self._lane_for()
+        offset = pos = self._align(lane)
+        for src in parts:
+            lane.steps.append(("source", src, pos))
+            pos += src.stored.nbytes // DTYPE_SIZES[src.stored.dtype] * self.itemsize
+        lane.end = pos
+        return self._record(name, lane, offset, pos - offset, (len(parts), *parts[0].stored.shape))
+
     def add_array(self, name: str, array: np.ndarray) -> DataEntry:
         """Plan a computed tensor (the RoPE tables), already in the export dtype; kept alive until written."""
         lane = self._lane_for()

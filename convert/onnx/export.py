@@ -141,7 +141,11 @@ def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_
     """Every weight (and the RoPE tables) planned into the data files, then streamed there."""
     with DataWriter(work, plan.data_files, plan.dtype, digest=plan.digest if hash_weights else None) as data:
         for init_name, native in initializer_names(args).items():
-            data.add_source(init_name, sources[native])
+            parts = sources[native]
+            if parts[0].expert is None:
+                data.add_source(init_name, parts[0])
+            else:  # stored one tensor per expert (Hugging Face): one stacked initializer
+                data.add_stacked(init_name, parts)
         cos, sin = rope.cos_sin(args, _rope_rows(plan, args))
         np_dtype = NP_DTYPES[plan.dtype]
         data.add_array("rope_cos", cos.astype(np_dtype))
@@ -210,9 +214,6 @@ def export_model(model_dir: Path, out_dir: Path, settings: ExportConfig = Export
     _check_paths(model_dir, out_dir, overwrite)
     unified = open_unified(model_dir)  # headers read and every tensor placed: bad weights fail before any write
     args = unified.args
-    if args.moe:
-        raise UserError(f"{model_dir}: a mixture-of-experts model ({args.n_experts} experts); exporting its "
-                        "routing to ONNX is not built yet (train, convert and init_from take it)")
     plan = plan_export(args, settings)
     sources = plan_weights(unified)
     needs = output_bytes(plan, args)

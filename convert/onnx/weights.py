@@ -25,12 +25,15 @@ class DataEntry:
     dims: tuple[int, ...]
 
 
-def plan_weights(unified: UnifiedDir) -> dict[str, StoredParam]:
+def plan_weights(unified: UnifiedDir) -> dict[str, tuple[StoredParam, ...]]:
     """Every stored parameter of an opened unified dir (titan_pipe.model.unified_dir has placed and
-    shape-checked each from the headers) -> where it is stored; UserError naming the tensor and file
-    for one export cannot cast. Reads headers only."""
-    for p in unified.params.values():
-        if p.stored.dtype not in _CASTABLE:
-            raise UserError(f"{p.file}: tensor {p.key!r} has dtype {p.stored.dtype}; export reads float32, "
-                            "float16 or bfloat16 weights — convert the checkpoint with `titan-pipe convert`")
-    return dict(unified.params)
+    shape-checked each from the headers) -> where it is stored (one tensor, or one per expert of a
+    stacked expert parameter); UserError naming the tensor and file for one export cannot cast.
+    Reads headers only."""
+    found = {name: unified.parts(name) for name in (*unified.params, *unified.experts)}
+    for parts in found.values():
+        for p in parts:
+            if p.stored.dtype not in _CASTABLE:
+                raise UserError(f"{p.file}: tensor {p.key!r} has dtype {p.stored.dtype}; export reads float32, "
+                                "float16 or bfloat16 weights — convert the checkpoint with `titan-pipe convert`")
+    return found

@@ -196,7 +196,7 @@ class LayeredModel:
         start..start+T-1 (a cached step: ``self._attn.past`` set by the caller)."""
         got = {}
         hooks = [block.attention.register_forward_hook(lambda _m, _i, o: got.__setitem__("attn", o)),
-                 block.feed_forward.register_forward_hook(lambda _m, _i, o: got.__setitem__("mlp", o))]
+                 (block.moe or block.feed_forward).register_forward_hook(lambda _m, _i, o: got.__setitem__("mlp", o))]
         try:
             out = block(h, *self._rope(start, h.shape[1]))
         finally:
