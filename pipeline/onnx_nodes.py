@@ -147,13 +147,10 @@ def swiglu(g: NodeBuilder, gate: str, up: str, name: str) -> str:
     return g.op("Mul", [silu(g, gate, name), up], f"{name}.gated")
 
 
-def route(g: NodeBuilder, x2d: str, router: str, *, n_experts: int, top_k: int, norm_topk: bool,
-          name: str) -> tuple[str, str]:
+def route(g: NodeBuilder, x2d: str, router: str, *, top_k: int, norm_topk: bool, name: str) -> tuple[str, str]:
     """A mixture of experts' router (as titan_pipe.model.transformer.MoE.route): softmax over the
-    experts in float32, the top k, renormalized to sum to 1 with ``norm_topk``. Returns (the
-    experts' gates (N, E) in the graph dtype: the top-k weights where chosen, 0 elsewhere; the
-    chosen experts (N, k) int64, which evaluate's router row compares). TopK, then a one-hot of the
-    chosen experts from Equal against Range (ScatterElements and OneHot are not on ATC's list)."""
+    experts in float32, the top k, renormalized to sum to 1 with ``norm_topk``. Returns (their
+    weights (N, k) float32, the chosen experts (N, k) int64: ``{name}.topk``)."""
     logits = linear(g, x2d, router, f"{name}.router")
     if g.dtype != "float32":
         logits = g.op("Cast", [logits], f"{name}.router.cast", to=TensorProto.FLOAT)
@@ -163,20 +160,27 @@ def route(g: NodeBuilder, x2d: str, router: str, *, n_experts: int, top_k: int, 
     if norm_topk:
         top = g.op("Div", [top, g.op("ReduceSum", [top, g.const([-1])], f"{name}.topk.sum", keepdims=1)],
                    f"{name}.topk.norm")
+    return top, chosen
+
+
+def gates(g: NodeBuilder, top: str, chosen: str, *, n_experts: int, name: str) -> str:
+    """The experts' gates (N, E) in the graph dtype: the top-k weights where chosen, 0 elsewhere; a
+    one-hot of the chosen experts from Equal against Range (ScatterElements and OneHot are not on
+    ATC's list)."""
     hot = g.op("Equal", [g.op("Unsqueeze", [chosen, g.const([-1])], f"{name}.topk.col"),
                          g.const(np.arange(n_experts))], f"{name}.onehot")
     weighted = g.op("Mul", [g.op("Cast", [hot], f"{name}.onehot.f", to=TensorProto.FLOAT),
                             g.op("Unsqueeze", [top, g.const([-1])], f"{name}.topk.values.col")], f"{name}.onehot.w")
-    gates = g.op("ReduceSum", [weighted, g.const([1])], f"{name}.gates", keepdims=0)
+    out = g.op("ReduceSum", [weighted, g.const([1])], f"{name}.gates", keepdims=0)
     if g.dtype != "float32":
-        gates = g.op("Cast", [gates], f"{name}.gates.cast", to=g.elem)
-    return gates, chosen
+        out = g.op("Cast", [out], f"{name}.gates.cast", to=g.elem)
+    return out
 
 
 def experts(g: NodeBuilder, x2d: str, gates: str, w1: str, w3: str, w2: str, name: str) -> str:
     """Every expert on every token, weighted by its gate (0 where not chosen) and summed: the
-    dense-weighted form, static shapes throughout (docs/export.md, "Mixture of experts").
-    Weights stacked (E, out, in): x (N, d) @ W1^T (E, d, h) -> (E, N, h) ... -> (N, d)."""
+    dense-weighted form, for many tokens (prefill; docs/export.md, "Mixture of experts"). Weights
+    stacked (E, out, in): x (N, d) @ W1^T (E, d, h) -> (E, N, h) ... -> (N, d)."""
     def t(w):  # (E, out, in) -> (E, in, out); a transpose of an initializer, folded by the runtimes
         return g.op("Transpose", [w], f"{w}.t", perm=[0, 2, 1])
 
@@ -185,3 +189,23 @@ def experts(g: NodeBuilder, x2d: str, gates: str, w1: str, w3: str, w2: str, nam
     weight = g.op("Unsqueeze", [g.op("Transpose", [gates], f"{name}.gates.t", perm=[1, 0]), g.const([-1])],
                   f"{name}.gates.col")
     return g.op("ReduceSum", [g.op("Mul", [y, weight], f"{name}.weighted"), g.const([0])], f"{name}.sum", keepdims=0)
+
+
+def experts_gathered(g: NodeBuilder, x2d: str, top: str, chosen: str, w1: str, w3: str, w2: str, *, top_k: int,
+                     dim: int, name: str) -> str:
+    """Each token's k chosen experts only: their weights gathered from the stacks (Gather on dim 0 by
+    the chosen ids: (N, k, out, in)), one small matmul per (token, slot), weighted by ``top`` (N, k)
+    and summed: the form for few tokens (decode), whose work grows with k, not with E."""
+    def picked(w):  # (E, out, in) -> (N, k, in, out)
+        return g.op("Transpose", [g.op("Gather", [w, chosen], f"{name}.{w.rsplit('.', 1)[-1]}.picked", axis=0)],
+                    f"{name}.{w.rsplit('.', 1)[-1]}.picked.t", perm=[0, 1, 3, 2])
+
+    x = g.op("Unsqueeze", [x2d, g.const([1, 2])], f"{name}.x")  # (N, 1, 1, d)
+    act = swiglu(g, g.op("MatMul", [x, picked(w1)], f"{name}.w1"), g.op("MatMul", [x, picked(w3)], f"{name}.w3"),
+                 name)  # (N, k, 1, h)
+    y = g.op("Reshape", [g.op("MatMul", [act, picked(w2)], f"{name}.w2"), g.const([-1, top_k, dim])],
+             f"{name}.y")  # (N, k, d)
+    weight = top if g.dtype == "float32" else g.op("Cast", [top], f"{name}.top.cast", to=g.elem)
+    weight = g.op("Unsqueeze", [weight, g.const([-1])], f"{name}.top.col")
+    return g.op("ReduceSum", [g.op("Mul", [y, weight], f"{name}.weighted"), g.const([1])], f"{name}.sum",
+                keepdims=0)

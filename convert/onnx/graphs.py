@@ -32,8 +32,8 @@ from titan_pipe.graph_io import (ATTENTION_MASK, DECODE_FILE, HIDDEN, INPUT_IDS,
                                  POSITION_IDS, PREFILL_FILE, PRESENT, WRITE_INDEX, hidden_name, io_names)
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.params import LAYER_PARAMS
-from titan_pipe.onnx_nodes import (NodeBuilder, attention, embedding, experts, linear, rms_norm, rotary, route, swiglu,
-                                   within_window)
+from titan_pipe.onnx_nodes import (NodeBuilder, attention, embedding, experts, experts_gathered, gates, linear, rms_norm,
+                                   rotary, route, swiglu, within_window)
 
 _LAYER_INIT = {p.name: p.onnx for p in LAYER_PARAMS}  # native name within a layer -> initializer name
 
@@ -200,10 +200,15 @@ def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh:
     x = g.op("Reshape", [rms_norm(g, h, _w(i, "ffn_norm.weight"), args.norm_eps, f"{p}.ffn_norm"), sh.flat],
              f"{p}.mlp.x2d")
     if args.is_moe_layer(i):
-        gates, _ = route(g, x, _w(i, "moe.router.weight"), n_experts=args.n_experts, top_k=args.experts_per_token,
-                         norm_topk=args.router_norm_topk, name=f"{p}.route")
-        out = experts(g, x, gates, _w(i, "moe.experts.w1"), _w(i, "moe.experts.w3"), _w(i, "moe.experts.w2"),
-                      f"{p}.moe.experts")
+        top, chosen = route(g, x, _w(i, "moe.router.weight"), top_k=args.experts_per_token,
+                            norm_topk=args.router_norm_topk, name=f"{p}.route")
+        w = [_w(i, f"moe.experts.{n}") for n in ("w1", "w3", "w2")]
+        if spec.decode:  # a token a row: gather the k chosen experts (docs/export.md, "Mixture of experts")
+            out = experts_gathered(g, x, top, chosen, *w, top_k=args.experts_per_token, dim=args.dim,
+                                   name=f"{p}.moe.experts")
+        else:  # many tokens: every expert, weighted by its gate
+            out = experts(g, x, gates(g, top, chosen, n_experts=args.n_experts, name=f"{p}.route"), *w,
+                          f"{p}.moe.experts")
     else:
         gated = swiglu(g, linear(g, x, _w(i, "feed_forward.w1.weight"), f"{p}.mlp.w1"),
                        linear(g, x, _w(i, "feed_forward.w3.weight"), f"{p}.mlp.w3"), f"{p}.mlp")
