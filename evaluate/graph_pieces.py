@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from titan_pipe.graph_io import LOGITS
+from titan_pipe.graph_io import LOGITS, router_name
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,8 @@ def layer_pieces(structure: onnx.ModelProto, *, embed: str, layers: tuple[str, .
     stream = embed
     for i, out in enumerate(layers):
         wanted = tuple(n for n in (attn[i], mlp[i]) if n) + (out,)
+        if router_name(i) in cutter.producer:  # a mixture of experts' choices, for the router row
+            wanted += (router_name(i),)
         pieces.append(cutter.cut(f"layer {i}", i, (stream,), wanted, extra_outputs=True))
         stream = out
     pieces.append(cutter.cut("head", None, (stream,), (LOGITS,)))

@@ -110,6 +110,11 @@ class StoreSink:
         for kind, v in zip(KINDS, (attn, mlp, hidden)):
             self.store.put((side, kind, i, part), v)
 
+    def router(self, seq: int, i: int, chosen) -> None:
+        """Layer i's experts per token (N, k) of a mixture of experts, under kind "router"."""
+        side, part = self.parts[seq]
+        self.store.put((side, "router", i, part), chosen)
+
     def own(self, seq: int, i: int, hidden) -> None:
         side, part = self.parts[seq]
         self.store.put((side, "own", i, part), hidden)

@@ -59,6 +59,12 @@ def present_of(past: str) -> str:
     return PRESENT + past.removeprefix(PAST)
 
 
+def router_name(i: int) -> str:
+    """The experts layer ``i`` of a mixture of experts chose per token ((N, k) int64): a value of the
+    exported graphs (titan_pipe.onnx_nodes.route names it), which evaluate's router row compares."""
+    return f"layers.{i}.route.topk"
+
+
 def io_names(n_layers: int, *, decode: bool, kv_cache: bool, expose_hidden: bool) -> tuple[list[str], list[str]]:
     """(input names, output names) of a graph, in graph order."""
     inputs = list(DECODE_INPUTS) + kv_names(PAST, n_layers) if decode else list(PREFILL_INPUTS)

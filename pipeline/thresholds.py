@@ -42,6 +42,7 @@ _COMMON = {
     "ppl_rel_max": 0.01,  # |ppl_cand - ppl_ref| / ppl_ref
     "generation_agree_min": 0.5,  # fraction of greedy tokens equal, position by position
     "sharded_max_abs_max": math.inf,
+    "router_agree_min": 0.9,  # a mixture of experts: tokens whose k experts are the same set
 }
 
 DEFAULTS: dict[str, dict[str, float]] = {
@@ -51,10 +52,10 @@ DEFAULTS: dict[str, dict[str, float]] = {
     "float32": {**MSIT_NORMAL, **MSPROBE, **_COMMON,
                 "cosine_min": 0.99999, "rel_euclidean_max": 1e-4, "logits_kl_max": 1e-6,
                 "logits_top1_min": 0.99, "ppl_rel_max": 1e-4, "generation_agree_min": 0.9,
-                "sharded_max_abs_max": 1e-5},
+                "sharded_max_abs_max": 1e-5, "router_agree_min": 0.99},
     "float16": {**MSIT_NORMAL, **MSPROBE, **_COMMON},
     "bfloat16": {**MSIT_NORMAL, **MSPROBE, **_COMMON,
-                 "logits_top1_min": 0.8, "ppl_rel_max": 0.05, "generation_agree_min": 0.3},
+                 "logits_top1_min": 0.8, "ppl_rel_max": 0.05, "generation_agree_min": 0.3, "router_agree_min": 0.8},
 }
 
 SOURCES = {
@@ -72,6 +73,7 @@ SOURCES = {
     "ppl_rel_max": "titan-pipe: relative perplexity difference on held-out text",
     "generation_agree_min": "titan-pipe: greedy tokens equal position by position",
     "sharded_max_abs_max": "titan-pipe: sharded vs unified logits within the TP reduction-order tolerance, fp32 <= 1e-5",
+    "router_agree_min": "titan-pipe: a routing layer's top-k expert sets equal token by token, on the same input",
 }
 
 # Which keys apply to which kind of row. Operators see large magnitudes on purpose, so absolute

@@ -304,3 +304,57 @@ def test_export_generates_like_transformers(tmp_path, args, family):
             ref = hf(seq[None, :-1]).logits[0, len(p) - 1:].numpy()
         assert np.array_equal(gen.new_tokens[r], seq[len(p):].numpy()), (family, r)
         assert np.abs(gen.logits[r] - ref).max() <= 1e-4, (family, r)
+
+
+def test_evaluate_routes_and_names_the_perturbed_router_or_expert(tmp_path):
+    """A Qwen3-MoE export (layer 1 dense) passes evaluate with a router row per routing layer; a
+    router weight perturbed in layer 2 fails that row at layer 2 (and no other); an expert weight
+    perturbed in layer 2 leaves the routing alone and fails the layer comparison at layer 2."""
+    import json
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    from titan_pipe.config import EvaluateConfig, ExportConfig
+    from titan_pipe.convert.onnx.export import export_model
+    from titan_pipe.evaluate.api import evaluate_model
+
+    _hf_model(QWEN3_MOE).save_pretrained(tmp_path / "hf")
+    src = tmp_path / "hf"
+    res = export_model(src, tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False))
+    fast = EvaluateConfig(batches=1, batch_size=2, seq_len=32, prompts=1, new_tokens=4, operators=False)
+    r = evaluate_model(out_dir=tmp_path / "ok", model_dir=src, onnx=res.onnx, settings=fast)
+    rows = {c["id"]: c for c in json.loads(r.report_json.read_text())["comparisons"]}
+    assert r.passed, r.summary["verdict"]
+    assert rows["moe_router"]["status"] == "pass"
+    assert set(rows["moe_router"]["details"]["agreement"]) == {"0", "2", "3"}  # layer 1 is dense
+
+    def perturbed(name: str, how):
+        m = onnx.load(str(res.onnx))
+        init = next(i for i in m.graph.initializer if i.name == name)
+        w = numpy_helper.to_array(init).copy()
+        how(w)
+        init.CopyFrom(numpy_helper.from_array(w, init.name))
+        bad = tmp_path / name / "model.onnx"
+        bad.parent.mkdir()
+        onnx.save(m, str(bad))
+        shutil.copy(res.export_json, bad.parent / "export.json")
+        return bad
+
+    def reverse_router(w):
+        w[:] = w[::-1]  # each expert gets another expert's routing row: other choices
+
+    def scale_expert(w):
+        w[:] = w * 3.0  # every expert's down projection, three times too large: the same choices
+
+    bad = perturbed("layers.2.moe.router", reverse_router)
+    r = evaluate_model(out_dir=tmp_path / "rep-router", model_dir=src, onnx=bad, settings=fast)
+    router = {c["id"]: c for c in json.loads(r.report_json.read_text())["comparisons"]}["moe_router"]
+    assert not r.passed and router["status"] == "fail"
+    assert [f.split(":")[0] for f in router["failures"]] == ["layer 2 router"], router["failures"]
+    bad = perturbed("layers.2.moe.w2", scale_expert)
+    r = evaluate_model(out_dir=tmp_path / "rep-expert", model_dir=src, onnx=bad, settings=fast)
+    rows = {c["id"]: c for c in json.loads(r.report_json.read_text())["comparisons"]}
+    assert not r.passed and r.summary["first_failing_layer"]["layer"] == 2, r.summary["verdict"]
+    assert rows["moe_router"]["status"] == "pass"

@@ -29,7 +29,7 @@ from onnx import TensorProto, helper
 from titan_pipe.convert.onnx.weights import DataEntry
 from titan_pipe.dtypes import onnx_type
 from titan_pipe.graph_io import (ATTENTION_MASK, DECODE_FILE, HIDDEN, INPUT_IDS, INT_INPUTS, LOGITS, PAST,
-                                 POSITION_IDS, PREFILL_FILE, PRESENT, WRITE_INDEX, hidden_name, io_names)
+                                 POSITION_IDS, PREFILL_FILE, PRESENT, WRITE_INDEX, hidden_name, io_names, router_name)
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.params import LAYER_PARAMS
 from titan_pipe.onnx_nodes import (NodeBuilder, attention, embedding, experts, experts_gathered, gates, linear, rms_norm,
@@ -202,6 +202,7 @@ def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh:
     if args.is_moe_layer(i):
         top, chosen = route(g, x, _w(i, "moe.router.weight"), top_k=args.experts_per_token,
                             norm_topk=args.router_norm_topk, name=f"{p}.route")
+        assert chosen == router_name(i)  # the value evaluate's router row reads
         w = [_w(i, f"moe.experts.{n}") for n in ("w1", "w3", "w2")]
         if spec.decode:  # a token a row: gather the k chosen experts (docs/export.md, "Mixture of experts")
             out = experts_gathered(g, x, top, chosen, *w, top_k=args.experts_per_token, dim=args.dim,

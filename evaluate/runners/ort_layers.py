@@ -30,7 +30,7 @@ from titan_pipe.evaluate.memory import release
 from titan_pipe.evaluate.runners.ort import OnnxGraph
 from titan_pipe.evaluate.runners.outputs import Outputs, OutputsSink
 from titan_pipe.generation import PaddedBatch, cache_of, decode_feeds, ort_session, past_of, prefill_feeds
-from titan_pipe.graph_io import LOGITS, PRESENT
+from titan_pipe.graph_io import LOGITS, PRESENT, router_name
 
 
 def _own(a: np.ndarray) -> np.ndarray:
@@ -164,9 +164,13 @@ class LayerChain:
                 named = self.run_layer(s, i, f, streams[b])
                 streams[b] = named[self.taps.layer[i]]
                 sink.layer(b, i, *self.values(i, named))
+                routed = named
                 if inherited is not None:
                     ref_in = inherited(i, b).numpy().astype(dtype)
-                    sink.own(b, i, torch.from_numpy(self.run_layer(s, i, f, ref_in)[self.taps.layer[i]]))
+                    routed = self.run_layer(s, i, f, ref_in)
+                    sink.own(b, i, torch.from_numpy(routed[self.taps.layer[i]]))
+                if router_name(i) in routed and hasattr(sink, "router"):  # on the reference's input when given
+                    sink.router(b, i, torch.from_numpy(routed[router_name(i)]))
             del s
             self.free()
         for b, logits in enumerate(self.head(feeds, streams)):

@@ -218,6 +218,8 @@ class LayeredModel:
             for j, x in enumerate(h):
                 h[j], attn, mlp = self.run_block(block, x)
                 sink.layer(j, i, attn.to("cpu"), mlp.to("cpu"), h[j].to("cpu"))
+                if block.moe is not None and hasattr(sink, "router"):  # the experts it chose per token
+                    sink.router(j, i, block.moe.chosen.to("cpu"))
             del block
             self._free()
         for j, logits in enumerate(self.head(h)):

@@ -139,6 +139,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(args.dim, args.n_experts, bias=False)
         self.experts = Experts(args.n_experts, args.dim, args.expert_dim, kernels)
         self.balance: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.chosen: torch.Tensor | None = None  # the last forward's experts per token (N, k), for evaluate
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, dim) -> (probabilities (N, E) float32, chosen experts (N, k), their weights (N, k) float32)."""
@@ -152,6 +153,7 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         probs, chosen, weights = self.route(flat)
+        self.chosen = chosen.detach()
         assigned = chosen.reshape(-1)
         counts = torch.bincount(assigned, minlength=self.n_experts)
         self.balance = (counts.float(), probs.sum(dim=0), flat.shape[0])
