@@ -109,7 +109,7 @@ def test_logits_aux_loss_and_gradients_match_transformers(args, family):
     named = dict(hf.named_parameters())  # transformers 5 names Mixtral's block "mlp" in memory
     want = next(named[f"model.layers.0.{r}.weight"] for r in ("block_sparse_moe.gate", "mlp.gate")
                 if f"model.layers.0.{r}.weight" in named).grad
-    assert torch.allclose(ours.layers["0"].moe.router.weight.grad, want, atol=1e-6, rtol=1e-4)
+    assert torch.allclose(ours.layers["0"].moe.router.gate.weight.grad, want, atol=1e-6, rtol=1e-4)
     got_q = ours.layers["2"].attention.wq.weight.grad
     assert torch.allclose(got_q, hf.model.layers[2].self_attn.q_proj.weight.grad, atol=1e-6, rtol=1e-4)
 
@@ -172,7 +172,7 @@ def test_qwen3_moe_config_json_both_ways():
     hf_cfg = transformers.AutoConfig.for_model(**cfg).to_dict()  # transformers 5 writes num_local_experts
     assert from_hf_config(hf_cfg) == QWEN3_MOE
     assert hf_expert_key("layers.2.moe.experts.w2", 5, "qwen3_moe") == "model.layers.2.mlp.experts.5.down_proj.weight"
-    assert param_of("layers.2.moe.experts.w2").expert and not param_of("layers.2.moe.router.weight").expert
+    assert param_of("layers.2.moe.experts.w2").expert and not param_of("layers.2.moe.router.gate.weight").expert
 
 
 @pytest.mark.parametrize("change,expect", [
@@ -358,3 +358,23 @@ def test_evaluate_routes_and_names_the_perturbed_router_or_expert(tmp_path):
     rows = {c["id"]: c for c in json.loads(r.report_json.read_text())["comparisons"]}
     assert not r.passed and r.summary["first_failing_layer"]["layer"] == 2, r.summary["verdict"]
     assert rows["moe_router"]["status"] == "pass"
+
+
+def test_a_torchtitan_moe_dcp_checkpoint_converts(tmp_path):
+    """torchtitan's Qwen3-MoE saves experts stacked per layer under the names ours have
+    (layers.{i}.moe.experts.w1, moe.router.gate.weight): its DCP checkpoint, with the Hugging Face
+    config.json given, converts to a dir equal to what transformers saved, bit for bit."""
+    from convert_writers import write_dcp
+    from safetensors.torch import load_file
+
+    from titan_pipe.config import ConvertConfig
+    from titan_pipe.convert.api import convert_checkpoint
+
+    hf = _hf_model(QWEN3_MOE)
+    hf.save_pretrained(tmp_path / "hf")
+    dcp_dir = write_dcp(_native_state(hf, QWEN3_MOE, "qwen3_moe"), QWEN3_MOE, tmp_path / "dcp")
+    with pytest.raises(UserError, match="pass the model's Hugging Face config.json with --model-config"):
+        convert_checkpoint(dcp_dir, tmp_path / "no")
+    convert_checkpoint(dcp_dir, tmp_path / "out", ConvertConfig(source_config=tmp_path / "hf" / "config.json"))
+    want, got = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)

@@ -200,7 +200,7 @@ def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh:
     x = g.op("Reshape", [rms_norm(g, h, _w(i, "ffn_norm.weight"), args.norm_eps, f"{p}.ffn_norm"), sh.flat],
              f"{p}.mlp.x2d")
     if args.is_moe_layer(i):
-        top, chosen = route(g, x, _w(i, "moe.router.weight"), top_k=args.experts_per_token,
+        top, chosen = route(g, x, _w(i, "moe.router.gate.weight"), top_k=args.experts_per_token,
                             norm_topk=args.router_norm_topk, name=f"{p}.route")
         assert chosen == router_name(i)  # the value evaluate's router row reads
         w = [_w(i, f"moe.experts.{n}") for n in ("w1", "w3", "w2")]

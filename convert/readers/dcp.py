@@ -116,6 +116,10 @@ def model_args(cfg_path: Path, shapes: dict[str, tuple[int, ...]]) -> ModelArgs:
     cfg = read_json(cfg_path, what="a model config (params.json / config.json)")
     if "hidden_size" in cfg:
         return from_hf_config(cfg, source=str(cfg_path))
+    if any(".moe." in n for n in shapes):
+        raise UserError(f"{cfg_path}: a mixture-of-experts checkpoint (torchtitan's moe.experts / moe.router), "
+                        "whose routing a params.json does not describe; pass the model's Hugging Face config.json "
+                        "with --model-config FILE")
     try:
         n_layers = 1 + max(int(n.split(".")[1]) for n in shapes if n.startswith("layers."))
         vocab, dim = shapes["tok_embeddings.weight"]

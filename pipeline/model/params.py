@@ -156,10 +156,10 @@ LAYER_PARAMS: tuple[Param, ...] = (
     Param("feed_forward.w2.weight", lambda a: (a.dim, a.hidden_dim), "rowwise", "layer",
           "mlp.down_proj.weight", "w2", init="depth_scaled", megatron=("mlp.linear_fc2.weight",),
           in_layer=_dense_ffn),
-    # A mixture of experts in place of the feed-forward (ModelArgs.is_moe_layer); Qwen3-MoE's
-    # Hugging Face names (Mixtral's: titan_pipe.model.names). Replicated under TP: expert parallelism
-    # is what splits experts.
-    Param("moe.router.weight", lambda a: (a.n_experts, a.dim), "replicate", "layer", "mlp.gate.weight",
+    # A mixture of experts in place of the feed-forward (ModelArgs.is_moe_layer): torchtitan's names
+    # (its MoE DCP checkpoints read one to one), Qwen3-MoE's Hugging Face names (Mixtral's:
+    # titan_pipe.model.names). Replicated under TP: expert parallelism is what splits experts.
+    Param("moe.router.gate.weight", lambda a: (a.n_experts, a.dim), "replicate", "layer", "mlp.gate.weight",
           "moe.router", in_layer=_routed),
     Param("moe.experts.w1", lambda a: (a.n_experts, a.expert_dim, a.dim), "replicate", "layer",
           "mlp.experts.{e}.gate_proj.weight", "moe.w1", in_layer=_routed, expert=True),

@@ -124,6 +124,17 @@ class Experts(nn.Module):
         return self.kernels.experts(x, counts, self.w1, self.w3, self.w2)
 
 
+class Router(nn.Module):
+    """The router of a mixture of experts: one linear map to the experts' logits (``gate``)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)
+
+
 class MoE(nn.Module):
     """A mixture of experts in place of the feed-forward (Mixtral, Qwen3-MoE): the router's softmax
     over the experts, the top k of them per token (their probabilities renormalized to sum to 1 with
@@ -136,7 +147,7 @@ class MoE(nn.Module):
     def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
         self.n_experts, self.top_k, self.norm_topk = args.n_experts, args.experts_per_token, args.router_norm_topk
-        self.router = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.router = Router(args)
         self.experts = Experts(args.n_experts, args.dim, args.expert_dim, kernels)
         self.balance: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self.chosen: torch.Tensor | None = None  # the last forward's experts per token (N, k), for evaluate
