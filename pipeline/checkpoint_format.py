@@ -34,11 +34,12 @@ class LayoutError(UserError, ValueError):
     UserError (one line, exit 1); a ValueError too, for the planners that raise it on bad numbers."""
 
 
-def shard_file(stage: int, tp_rank: int) -> str:
-    """The shard file of pipeline stage ``stage`` and tensor-parallel rank ``tp_rank``, relative to the
-    step dir; the trainer and convert's sharded output both name files with it. Readers never parse
-    a name back: the manifest's chunks say which file holds what, its params which stage owns it."""
-    return f"model/pp{stage}-tp{tp_rank}.safetensors"
+def shard_file(stage: int, tp_rank: int, ep_rank: int | None = None) -> str:
+    """The shard file of pipeline stage ``stage`` and tensor-parallel rank ``tp_rank`` (with
+    ``ep_rank``: the experts that expert-parallel rank holds), relative to the step dir; the trainer
+    and convert's sharded output both name files with it. Readers never parse a name back: the
+    manifest's chunks say which file holds what, its params which stage owns it."""
+    return f"model/pp{stage}-tp{tp_rank}" + ("" if ep_rank is None else f"-ep{ep_rank}") + ".safetensors"
 
 
 @dataclass(frozen=True)
@@ -173,6 +174,7 @@ class ParallelLayout:
     sequence_parallel: bool = False
     dp_mode: str | None = None
     dp_kind: str | None = None
+    ep: int = 1  # expert parallelism (a mixture of experts' experts over ep of the dp ranks)
 
     @property
     def world_size(self) -> int:
@@ -192,6 +194,8 @@ class ParallelLayout:
              "n_stages": self.n_stages, "stages": [list(s) for s in self.stages],
              "stage_ranks": list(self.stage_ranks), "sequence_parallel": self.sequence_parallel}
         d.update({k: v for k, v in (("dp_mode", self.dp_mode), ("dp_kind", self.dp_kind)) if v is not None})
+        if self.ep != 1:
+            d["ep"] = self.ep
         return d
 
     @classmethod
@@ -213,7 +217,8 @@ class ParallelLayout:
                    stage_ranks=_dims(d.get("stage_ranks") or [], source, "parallel.stage_ranks", most=2**16),
                    sequence_parallel=read(d, "sequence_parallel", BOOL, default=False, **kw),
                    dp_mode=read(d, "dp_mode", STR, default=None, **kw),
-                   dp_kind=read(d, "dp_kind", STR, default=None, **kw))
+                   dp_kind=read(d, "dp_kind", STR, default=None, **kw),
+                   ep=read(d, "ep", INT, default=1, bound=limits.PARALLEL, **kw))
 
 
 @dataclass

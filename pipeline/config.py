@@ -165,6 +165,7 @@ class ParallelConfig(Section):
     microbatches: int | None = _bounded(None, limits.BATCH)  # default: pp (or 1 without pp)
     dp_mode: Literal[DP_MODES] = "fsdp"
     sequence_parallel: bool = False
+    ep: int = _bounded(1, limits.PARALLEL)  # expert parallelism: a mixture of experts' experts over ep of the dp ranks
 
     @property
     def world_size(self) -> int:
@@ -449,11 +450,23 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
 def _moe_training_problems(cfg: FlowConfig, args: ModelArgs) -> list[str]:
     """A mixture-of-experts model trains data-parallel (dp, FSDP); what it does not combine with yet
     (tensor and pipeline parallelism, compile, float8) is one line each."""
+    p = cfg.parallel
     if not args.moe:
-        return []
-    why = (f"a mixture-of-experts model ({args.n_experts} experts) trains with data parallelism only so far "
-           "(dp, FSDP)")
-    p, out = cfg.parallel, []
+        return [f"parallel.ep: {p.ep} splits a mixture of experts' experts; the model has none (n_experts: 0); "
+                "use ep: 1"] if p.ep > 1 else []
+    why = (f"a mixture-of-experts model ({args.n_experts} experts) trains with data and expert parallelism only "
+           "so far (dp, ep)")
+    out = []
+    if p.ep > 1:
+        if p.dp % p.ep:
+            out.append(f"parallel.ep: {p.ep} does not divide dp={p.dp} (the experts are split over ep of the dp "
+                       f"ranks); pick ep from the divisors of {p.dp}")
+        if args.n_experts % p.ep:
+            out.append(f"parallel.ep: {p.ep} does not divide the model's n_experts={args.n_experts} (each ep rank "
+                       f"holds as many experts); pick ep from the divisors of {args.n_experts}")
+        if p.dp_mode != "fsdp":
+            out.append(f"parallel.dp_mode: {p.dp_mode} with ep={p.ep}: expert parallelism runs under FSDP (the "
+                       "experts are sharded over the dp ranks that share them); use dp_mode: fsdp")
     if p.tp > 1:
         out.append(f"parallel.tp: {p.tp}: {why}; use tp: 1")
     if p.pp > 1:

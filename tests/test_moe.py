@@ -207,6 +207,13 @@ def test_mixtral_jitter_noise_is_refused():
     ({"train": {"compile": True}}, "train.compile: true: the routing has data-dependent shapes"),
     ({"model": {"flavour": "debug_moe", "experts_per_token": 5}}, "model.experts_per_token: 5 must be 1..n_experts=4"),
     ({"model": {"flavour": "debug_moe", "moe_hidden_dim": 48}}, "Mixtral's"),
+    ({"parallel": {"dp": 4, "ep": 3}, "launch": {"nproc_per_node": 4}}, "parallel.ep: 3 does not divide dp=4"),
+    ({"parallel": {"dp": 6, "ep": 3}, "launch": {"nproc_per_node": 6}, "train": {"batch_size": 6}},
+     "parallel.ep: 3 does not divide the model's n_experts=4"),
+    ({"parallel": {"dp": 2, "ep": 2, "dp_mode": "ddp"}, "launch": {"nproc_per_node": 2}},
+     "parallel.dp_mode: ddp with ep=2"),
+    ({"model": {"flavour": "debug"}, "parallel": {"dp": 2, "ep": 2}, "launch": {"nproc_per_node": 2}},
+     "parallel.ep: 2 splits a mixture of experts' experts; the model has none"),
 ])
 def test_flow_yaml_refuses_what_moe_training_does_not_do(tmp_path, section, expect):
     flow = {"name": "m", "model": {"flavour": "debug_moe"}, **section}

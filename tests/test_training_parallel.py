@@ -126,7 +126,17 @@ MOE_RUNS = [{"name": "moe_dp2_fsdp", "flow": MOE},
             {"name": "moe_dp2_ddp_full", "flow": dict(MOE, parallel={"dp": 2, "dp_mode": "ddp"},
                                                       train=dict(MOE["train"], loss="full"))},
             {"name": "moe_fsdp_to_ddp", "flow": dict(MOE, parallel={"dp": 2, "dp_mode": "ddp"}), "resume": True,
-             "copy_from": {"run": "moe_dp2_fsdp", "step": 3}}]
+             "copy_from": {"run": "moe_dp2_fsdp", "step": 3}},
+            # expert parallelism: the 4 experts split over ep2 (2 a rank), tokens sent by all-to-all;
+            # the dp2 run's checkpoint resumed with the experts split, and the ep2 one's without
+            {"name": "moe_dp2_ep2", "flow": dict(MOE, parallel={"dp": 2, "ep": 2})},
+            {"name": "moe_ep1_to_ep2", "flow": dict(MOE, parallel={"dp": 2, "ep": 2}), "resume": True,
+             "copy_from": {"run": "moe_dp2_fsdp", "step": 3}},
+            {"name": "moe_ep2_to_ddp", "flow": dict(MOE, parallel={"dp": 2, "dp_mode": "ddp"}), "resume": True,
+             "copy_from": {"run": "moe_dp2_ep2", "step": 3}}]
+# 8 ranks: dp8 with the experts over ep4 (one each, every dp_mod_ep pair sharing them) and over ep2.
+MOE_RUNS8 = [{"name": "moe_dp8_ep4", "flow": dict(MOE, parallel={"dp": 8, "ep": 4})},
+             {"name": "moe_dp8_ep2", "flow": dict(MOE, parallel={"dp": 8, "ep": 2})}]
 FAMILY_RUNS = [{"name": f"{fam}_3d", "flow": dict(flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b",
                                                        "microbatches": 2}),
                                                  model={"flavour": "debug", **over},
@@ -195,7 +205,7 @@ def world8(tmp_path_factory):
     write_hf(native_state(qwen3, seed=5), qwen3, work / "hf_qwen3")
     init = {"name": "init_from_hf_qwen3", "flow": dict(FAMILY_RUNS[1]["flow"], init_from=str(work / "hf_qwen3"),
                                                       train=dict(BASE["train"], steps=1))}
-    return work, launch(8, WORLD8 + FAMILY_RUNS + [init], work)
+    return work, launch(8, WORLD8 + FAMILY_RUNS + [init] + MOE_RUNS8, work)
 
 
 @pytest.fixture(scope="module")
@@ -273,20 +283,45 @@ def test_init_from_a_hugging_face_qwen3_dir_under_dp_tp_pp(world8):
     assert abs(got - want) <= 1e-5 * want
 
 
-@pytest.mark.parametrize("name", ["moe_dp2_fsdp", "moe_dp2_ddp_full"])
-def test_moe_data_parallel_matches_single_process(world2, name, tmp_path):
+@pytest.fixture(scope="module")
+def moe_ref(tmp_path_factory):
+    return reference_run(MOE, base=tmp_path_factory.mktemp("moe_ref"))
+
+
+@pytest.mark.parametrize("name", ["moe_dp2_fsdp", "moe_dp2_ddp_full", "moe_dp2_ep2"])
+def test_moe_data_and_expert_parallel_match_single_process(world2, moe_ref, name):
     """The load-balancing loss of the whole batch (the ranks' routing statistics summed), so dp2
-    follows the single-process curve with the same loss (cross entropy + 0.01 x balance)."""
+    follows the single-process curve with the same loss (cross entropy + 0.01 x balance); with the
+    experts split over ep2 too (tokens to their experts' ranks and back, the experts' gradient over
+    the ep group's tokens)."""
     _, res = world2
-    ref = reference_run(MOE, base=tmp_path)
-    assert_close(losses(res, name), ref["losses"])
-    assert_close([r["grad_norm"] for r in res[name]["metrics"]], ref["grad_norms"], what="grad norm")
+    assert_close(losses(res, name), moe_ref["losses"])
+    assert_close([r["grad_norm"] for r in res[name]["metrics"]], moe_ref["grad_norms"], what="grad norm")
 
 
-def test_moe_checkpoint_resumes_under_another_dp_mode(world2, tmp_path):
+@pytest.mark.parametrize("name", ["moe_dp8_ep4", "moe_dp8_ep2"])
+def test_moe_expert_parallel_on_8_ranks_matches_single_process(world8, moe_ref, name):
+    _, res = world8
+    assert_close(losses(res, name), moe_ref["losses"])
+    assert_close([r["grad_norm"] for r in res[name]["metrics"]], moe_ref["grad_norms"], what="grad norm")
+
+
+@pytest.mark.parametrize("name", ["moe_fsdp_to_ddp", "moe_ep1_to_ep2", "moe_ep2_to_ddp"])
+def test_moe_checkpoint_resumes_under_another_layout(world2, moe_ref, name):
+    """Checkpoints hold the experts as boxes of their stacks whatever the layout: a dp2 run resumes
+    with them split over ep2, an ep2 run's (two files of experts) under DDP, on the same curve."""
     _, res = world2
-    assert [r["step"] for r in res["moe_fsdp_to_ddp"]["metrics"]] == [4, 5, 6]
-    assert_close(losses(res, "moe_fsdp_to_ddp"), reference_run(MOE, base=tmp_path)["losses"][3:])
+    assert [r["step"] for r in res[name]["metrics"]] == [4, 5, 6]
+    assert_close(losses(res, name), moe_ref["losses"][3:])
+
+
+def test_moe_expert_parallel_checkpoint_records_the_experts_placement(world2):
+    work, _ = world2
+    m = Manifest.load(work / "runs" / "moe_dp2_ep2" / "checkpoints" / "step-000006")
+    assert m.parallel.ep == 2
+    chunks = m.params["layers.0.moe.experts.w1"].chunks
+    assert sorted((c.file, c.box.offsets[0], c.box.lengths[0]) for c in chunks) == [
+        ("model/pp0-tp0-ep0.safetensors", 0, 2), ("model/pp0-tp0-ep1.safetensors", 2, 2)]
 
 
 def test_resume_continues_bit_for_bit(world2):

@@ -36,6 +36,7 @@ from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
 from titan_pipe.training.parallelize import ParallelModel, copy_global_values
+from titan_pipe.model.params import param_of
 from titan_pipe.model.sharding import tp_split_dim
 from titan_pipe.model.weights import CheckpointWeights
 from titan_pipe.training.tied import EMBEDDING, OUTPUT, alias_optimizer_keys, restore_copy_keys
@@ -55,7 +56,7 @@ def tp_local(p: torch.Tensor) -> torch.Tensor:
     if not isinstance(p, DTensor):
         return p.detach()
     names = p.device_mesh.mesh_dim_names or ()
-    placements = [Replicate() if n == "dp" else pl for n, pl in zip(names, p.placements)]
+    placements = [Replicate() if n in ("dp", "dp_mod_ep") else pl for n, pl in zip(names, p.placements)]
     if list(placements) != list(p.placements):
         p = p.redistribute(p.device_mesh, placements)
     return p.to_local().detach()
@@ -125,30 +126,35 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
     rank = dist.get_rank()
     mesh = model.mesh
     dp_rank, tp_rank, tp = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank(), mesh["tp"].size()
+    names = mesh.mesh_dim_names or ()
+    ep, ep_rank = (mesh["ep"].size(), mesh["ep"].get_local_rank()) if "ep" in names else (1, 0)
+    expert_writer = "ep" not in names or mesh["dp_mod_ep"].get_local_rank() == 0
     if rank == 0 and step_dir.exists():
         shutil.rmtree(step_dir)  # an incomplete earlier attempt at this step (no manifest)
     dist.barrier()
 
     specs: list[ParamSpec] = []
     files: dict[str, FileInfo] = {}
-    per_stage: dict[int, dict[str, torch.Tensor]] = {}
+    per_file: dict[str, dict[str, torch.Tensor]] = {}
     for stage, name, p in model.named_parameters():
         if model.tied is not None and name == OUTPUT:
             continue  # the tied output copy is the embedding (training/tied.py): stored once, as that
         local = tp_local(p)
         shape = tuple(p.shape)
+        split = ep > 1 and param_of(name).expert  # experts over ep: this ep rank's slice of dim 0
         tp_dim = tp_split_dim(name)
-        box = split_box(shape, tp_dim, tp, tp_rank)
+        box = split_box(shape, 0, ep, ep_rank) if split else split_box(shape, tp_dim, tp, tp_rank)
         if tuple(local.shape) != box.lengths:
             raise RuntimeError(f"{name}: local shard {tuple(local.shape)} != box {box.lengths} from "
                                "titan_pipe.model.sharding; the TP plan and the sharding table disagree")
-        per_stage.setdefault(stage, {})[name] = local
+        if not (expert_writer if split else dp_rank == 0):
+            continue
+        rel = shard_file(stage, tp_rank, ep_rank if split else None)
+        per_file.setdefault(rel, {})[name] = local
         specs.append(ParamSpec(name=name, shape=shape, dtype=DTYPE_NAMES[local.dtype], tp_dim=tp_dim,
-                               stage=stage, chunks=[Chunk(shard_file(stage, tp_rank), name, box)]))
-    if dp_rank == 0:
-        for stage, tensors in per_stage.items():
-            rel = shard_file(stage, tp_rank)
-            files[rel] = _write_safetensors(tensors, step_dir / rel)
+                               stage=stage, chunks=[Chunk(rel, name, box)]))
+    for rel, tensors in per_file.items():
+        files[rel] = _write_safetensors(tensors, step_dir / rel)
     if fail_hook is not None:
         fail_hook()
 
@@ -160,7 +166,7 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
         attached = {name: _copy_file(src, step_dir / name) for name, src in sorted((attach or {}).items())}
 
     gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object((specs if dp_rank == 0 else [], files), gathered, dst=0)
+    dist.gather_object((specs, files), gathered, dst=0)
     if rank == 0:
         params: dict[str, ParamSpec] = {}
         all_files: dict[str, FileInfo] = {}

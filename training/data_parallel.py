@@ -76,6 +76,12 @@ def apply_fsdp(part: nn.Module, dp_mesh: DeviceMesh, plan: DPPlan) -> nn.Module:
     all-gather before forward and one reduce-scatter after the whole backward.
     """
     kw = _fsdp_kwargs(plan, dp_mesh)
+    for layer in part.layers.values():  # experts split over ep: their own FSDP, over the dp ranks sharing them
+        experts = getattr(getattr(layer, "moe", None), "experts", None)
+        if experts is not None and experts.dispatch is not None:
+            root = experts.w1.device_mesh._get_root_mesh()
+            fully_shard(experts, reshard_after_forward=plan.reshard_after_forward,
+                        **_fsdp_kwargs(plan, root["dp_mod_ep"]))
     if plan.overlap:
         for layer in part.layers.values():
             fully_shard(layer, reshard_after_forward=plan.reshard_after_forward, **kw)

@@ -61,9 +61,12 @@ def total_grad_norm(params: list[nn.Parameter], pp_mesh: DeviceMesh | None,
     """
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        # one norm per mesh (a mixture of experts' experts over ep sit on another mesh than the rest)
+        norms = []
+        for group in _by_mesh(grads).values():
+            n = torch.nn.utils.get_total_norm(group, norm_type)
+            norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+        norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
     else:
         norm = torch.zeros((), device=params[0].device if params else "cpu")
     if pp_mesh is not None and pp_mesh.size() > 1:
@@ -80,6 +83,17 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float | None,
     copy is left out: it is one matrix)."""
     norm = total_grad_norm(params if counted is None else counted, pp_mesh)
     if max_norm is not None:
-        # Takes the parameters (it scales their .grad), unlike get_total_norm, which takes grads.
-        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, norm)
+        # Takes the parameters (it scales their .grad), unlike get_total_norm, which takes grads;
+        # one call per mesh, as for the norm.
+        for group in _by_mesh([p for p in params if p.grad is not None], lambda p: p.grad).values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     return norm
+
+
+def _by_mesh(items: list, tensor=lambda x: x) -> dict:
+    """``items`` grouped by the device mesh of ``tensor(item)`` (None: plain tensors), in order."""
+    out: dict = {}
+    for it in items:
+        t = tensor(it)
+        out.setdefault(id(t.device_mesh) if isinstance(t, DTensor) else None, []).append(it)
+    return out

@@ -19,8 +19,11 @@ class ParallelDims:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism: the dp ranks as dp_mod_ep x ep (ep divides dp)
 
     def __post_init__(self):
+        if not isinstance(self.ep, int) or self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"parallel.ep must be an integer >= 1 dividing dp={self.dp}, got {self.ep!r}")
         for name in ("dp", "tp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -46,4 +49,10 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The (dp, pp, tp) DeviceMesh over the whole world; call after init_process_group."""
         self.check_world(dist.get_world_size())
-        return init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIMS)
+        if self.ep == 1:
+            return init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIMS)
+        # dp split as dp_mod_ep x ep (ep fastest: an ep group is neighbouring dp ranks), "dp" their flattening
+        mesh = init_device_mesh(device_type, (self.dp // self.ep, self.ep, self.pp, self.tp),
+                                mesh_dim_names=("dp_mod_ep", "ep", "pp", "tp"))
+        mesh["dp_mod_ep", "ep"]._flatten("dp")
+        return mesh

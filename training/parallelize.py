@@ -86,6 +86,10 @@ def parallelize(part: nn.Module, mesh: DeviceMesh, dp_plan: DPPlan, *, sequence_
 
         part = apply_float8(part, float8)
     apply_tp(part, mesh["tp"], sequence_parallel=sequence_parallel)
+    if "ep" in (mesh.mesh_dim_names or ()):
+        from titan_pipe.training.expert_parallel import shard_experts
+
+        shard_experts(part, mesh["ep"])
     if ac_every is not None:
         apply_ac(part, ac_every)
     if compile_backend is not None:

@@ -118,7 +118,7 @@ class Trainer:
             os.environ.setdefault(k, v)
         _init_distributed(self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp).build_mesh(self.device.type)
+        self.mesh = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp, ep=p.ep).build_mesh(self.device.type)
         self.torch_device = self.device.torch_device(int(os.environ.get("LOCAL_RANK", 0)))
         torch.manual_seed(cfg.train.seed)
         self.run = RunDir(cfg.run_dir())
@@ -235,7 +235,7 @@ class Trainer:
         self.parallel_meta = ParallelLayout(
             dp=p.dp, tp=p.tp, pp=p.pp, pp_schedule=p.pp_schedule, stages=tuple(map(tuple, plan.stages)),
             stage_ranks=tuple(stage_ranks(plan.n_stages, p.pp)), sequence_parallel=p.sequence_parallel,
-            dp_mode=p.dp_mode, dp_kind=self.dp_plan.kind)
+            dp_mode=p.dp_mode, dp_kind=self.dp_plan.kind, ep=p.ep)
 
     def _setup_metrics(self) -> None:
         cfg, t = self.cfg, self.cfg.train

@@ -62,14 +62,15 @@ def attention_ref(q, k, v, *, n_rep: int, causal: bool = True, window: int | Non
 def experts_loop(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                  w2: torch.Tensor) -> torch.Tensor:
     """SwiGLU experts over tokens sorted by expert: rows [c_0 .. c_0 + counts[e]) of ``x`` (N, dim)
-    go through expert e (weights stacked (E, out, in)); one matmul pair per expert that has tokens."""
+    go through expert e (weights stacked (E, out, in)). An expert without tokens still runs (on no
+    rows): the autograd graph is then the same whatever the routing, so collectives its backward
+    meets (expert parallelism, FSDP) come in the same order on every rank."""
     out, start = [], 0
     for e, n in enumerate(counts.tolist()):
-        if n:
-            xe = x[start:start + n]
-            out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
-            start += n
-    return torch.cat(out) if out else x.new_zeros(0, w2.shape[1])
+        xe = x[start:start + n]
+        out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
+        start += n
+    return torch.cat(out)
 
 
 def experts_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,

@@ -118,9 +118,14 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
         self.kernels = kernels
+        # Set by the trainer under expert parallelism (training/expert_parallel.py): runs the
+        # experts on the ranks that hold them; None: all experts are here.
+        self.dispatch = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (N, dim): tokens sorted by expert, counts[e] of them for expert e -> (N, dim)."""
+        if self.dispatch is not None:
+            return self.dispatch(x, counts, self.w1, self.w3, self.w2, self.kernels.experts)
         return self.kernels.experts(x, counts, self.w1, self.w3, self.w2)
 
 
