@@ -96,6 +96,16 @@ class StageOutput:
                    passed=data.get("passed"))
 
 
+def _written(stage: str, out_dir: Path, before: str, call, after):
+    """A stage's library ``call`` writing ``out_dir``: a log line before and ``after(result)`` once
+    done, an OS fault while writing as titan_pipe.faults' one line. Returns the call's result."""
+    run_logger().info(before)
+    with writing(out_dir, what=STAGE_OUTPUTS[stage]):
+        r = call()
+    run_logger().info(after(r))
+    return r
+
+
 def resume_decision(*, requested: bool, attempt: int, run_dir: Path, torchrun_restarts: int = 0) -> bool:
     """Resume on a retry (attempt > 1) or when asked, and only if a complete checkpoint exists.
 
@@ -147,10 +157,9 @@ def train_task(flow_path: Path, cfg: FlowConfig, resume: bool = False) -> StageO
 def convert_task(checkpoint: Path, out_dir: Path, settings: ConvertConfig) -> StageOutput:
     from titan_pipe.convert.api import convert_checkpoint
 
-    run_logger().info(f"converting {checkpoint} -> {out_dir} ({settings.naming} names, dtype {settings.dtype})")
-    with writing(out_dir, what=STAGE_OUTPUTS["convert"]):
-        r = convert_checkpoint(checkpoint, out_dir, settings, overwrite=True)
-    run_logger().info(f"wrote {len(r.files)} file(s): {', '.join(p.name for p in r.files)}")
+    r = _written("convert", out_dir, f"converting {checkpoint} -> {out_dir} ({settings.naming} names, dtype "
+                 f"{settings.dtype})", lambda: convert_checkpoint(checkpoint, out_dir, settings, overwrite=True),
+                 lambda r: f"wrote {len(r.files)} file(s): {', '.join(p.name for p in r.files)}")
     if r.summary.get("nonfinite"):
         run_logger().warning(f"NaN/Inf values in {len(r.summary['nonfinite'])} tensor(s): "
                              f"{', '.join(r.summary['nonfinite'][:8])}; evaluate fails on such a model")
@@ -162,10 +171,9 @@ def convert_task(checkpoint: Path, out_dir: Path, settings: ConvertConfig) -> St
 def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> StageOutput:
     from titan_pipe.convert.onnx.export import export_model
 
-    run_logger().info(f"exporting {model_dir} -> {out_dir} (opset {settings.opset}, {settings.dtype})")
-    with writing(out_dir, what=STAGE_OUTPUTS["export"]):
-        r = export_model(model_dir, out_dir, settings, overwrite=True)
-    run_logger().info(f"ONNX {r.onnx}; ATC: {r.atc_status}")
+    r = _written("export", out_dir, f"exporting {model_dir} -> {out_dir} (opset {settings.opset}, {settings.dtype})",
+                 lambda: export_model(model_dir, out_dir, settings, overwrite=True),
+                 lambda r: f"ONNX {r.onnx}; ATC: {r.atc_status}")
     paths = ExportPaths(str(r.out_dir), str(r.onnx), str(r.export_json), _text(r.decode_onnx), _text(r.om))
     return StageOutput("export", paths, outputs=[str(r.out_dir)],
                        summary={**dict(r.summary), "atc_status": r.atc_status})
@@ -176,11 +184,10 @@ def evaluate_task(out_dir: Path, checkpoint: Path, model_dir: Path, onnx: Path, 
                   data: Path | None, settings: EvaluateConfig, split=None) -> StageOutput:
     from titan_pipe.evaluate.api import evaluate_model
 
-    run_logger().info(f"evaluating {checkpoint.name} / {model_dir.name} / {onnx.name} -> {out_dir}")
-    with writing(out_dir, what=STAGE_OUTPUTS["evaluate"]):
-        r = evaluate_model(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
-                           data=data, settings=settings, progress=True, split=split)
-    run_logger().info(f"verdict: {'PASS' if r.passed else 'FAIL'} ({r.report_json})")
+    r = _written("evaluate", out_dir, f"evaluating {checkpoint.name} / {model_dir.name} / {onnx.name} -> {out_dir}",
+                 lambda: evaluate_model(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
+                                        data=data, settings=settings, progress=True, split=split),
+                 lambda r: f"verdict: {'PASS' if r.passed else 'FAIL'} ({r.report_json})")
     md, html = (r.out_dir / "report.md", r.out_dir / "report.html")
     paths = EvaluatePaths(str(r.out_dir), str(r.report_json), _text(md if md.is_file() else None),
                           _text(html if html.is_file() else None))
