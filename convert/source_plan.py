@@ -203,7 +203,7 @@ def plan_unified(src: SourcePlan, *, naming: str = "hf", dtype: str = "keep",
     outs = []
     for t in _unified_tensors(src):
         if naming == "hf" and param_of(t.name).expert:  # one tensor per expert, as transformers stores them
-            outs += [OutTensor(hf_expert_key(t.name, e, family), t, Box((e, *[0] * (len(t.shape) - 1)), (1, *t.shape[1:])),
+            outs += [OutTensor(hf_expert_key(t.name, e, family), t, split_box(t.shape, 0, t.shape[0], e),
                                output_dtype(t.dtype, dtype), stored_shape=tuple(t.shape[1:]))
                      for e in range(t.shape[0])]
         else:

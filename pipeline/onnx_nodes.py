@@ -177,16 +177,16 @@ def gates(g: NodeBuilder, top: str, chosen: str, *, n_experts: int, name: str) -
     return out
 
 
-def experts(g: NodeBuilder, x2d: str, gates: str, w1: str, w3: str, w2: str, name: str) -> str:
-    """Every expert on every token, weighted by its gate (0 where not chosen) and summed: the
-    dense-weighted form, for many tokens (prefill; docs/export.md, "Mixture of experts"). Weights
+def experts(g: NodeBuilder, x2d: str, gated: str, w1: str, w3: str, w2: str, name: str) -> str:
+    """Every expert on every token, weighted by its gate in ``gated`` (N, E; 0 where not chosen) and summed: the
+    dense-weighted form, for many tokens (prefill; docs/moe.md, "Export"). Weights
     stacked (E, out, in): x (N, d) @ W1^T (E, d, h) -> (E, N, h) ... -> (N, d)."""
     def t(w):  # (E, out, in) -> (E, in, out); a transpose of an initializer, folded by the runtimes
         return g.op("Transpose", [w], f"{w}.t", perm=[0, 2, 1])
 
     act = swiglu(g, g.op("MatMul", [x2d, t(w1)], f"{name}.w1"), g.op("MatMul", [x2d, t(w3)], f"{name}.w3"), name)
     y = g.op("MatMul", [act, t(w2)], f"{name}.w2")
-    weight = g.op("Unsqueeze", [g.op("Transpose", [gates], f"{name}.gates.t", perm=[1, 0]), g.const([-1])],
+    weight = g.op("Unsqueeze", [g.op("Transpose", [gated], f"{name}.gates.t", perm=[1, 0]), g.const([-1])],
                   f"{name}.gates.col")
     return g.op("ReduceSum", [g.op("Mul", [y, weight], f"{name}.weighted"), g.const([0])], f"{name}.sum", keepdims=0)
 

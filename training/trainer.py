@@ -34,7 +34,7 @@ from titan_pipe.training.compile import compile_seconds, resolve_backend
 from titan_pipe.tokens.loader import PackedLoader
 from titan_pipe.tokens.spec import data_spec, open_spec
 from titan_pipe.tokens.tokenizer import tokenizer_files
-from titan_pipe.training.data_parallel import plan_dp
+from titan_pipe.training.data_parallel import plan_dp, unwrap
 from titan_pipe.model.kernels import resolve_kernels
 from titan_pipe.model.sharding import stage_ranks
 from titan_pipe.training.known_warnings import silence_known_warnings
@@ -221,8 +221,8 @@ class Trainer:
             from titan_pipe.training.moe_balance import batch_balance
 
             reduce = batch_balance(self.mesh["dp"].get_group(), p.dp)
-            for part in self.model.parts:
-                getattr(part, "module", part).balance_reduce = reduce
+            for module in self.model.modules:  # the stage modules under any dp wrapper
+                module.balance_reduce = reduce
 
     def _setup_schedule(self) -> None:
         p, plan = self.cfg.parallel, self.model.stage_plan
@@ -263,7 +263,7 @@ class Trainer:
                 loss = part(inputs, labels=labels)
             else:
                 loss = loss_fn(part(inputs), labels)
-                aux = getattr(part, "module", part).aux_loss()  # a mixture of experts' load-balancing term
+                aux = unwrap(part).aux_loss()  # a mixture of experts' load-balancing term
                 loss = loss if aux is None else loss + aux
         self.scaler.scale_loss(loss).backward()  # outside autocast, as torch.amp recommends
         return loss.detach()

@@ -204,7 +204,7 @@ def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh:
                             norm_topk=args.router_norm_topk, name=f"{p}.route")
         assert chosen == router_name(i)  # the value evaluate's router row reads
         w = [_w(i, f"moe.experts.{n}") for n in ("w1", "w3", "w2")]
-        if spec.decode:  # a token a row: gather the k chosen experts (docs/export.md, "Mixture of experts")
+        if spec.decode:  # a token a row: gather the k chosen experts (docs/moe.md, "Export")
             out = experts_gathered(g, x, top, chosen, *w, top_k=args.experts_per_token, dim=args.dim,
                                    name=f"{p}.moe.experts")
         else:  # many tokens: every expert, weighted by its gate

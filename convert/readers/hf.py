@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import Box
+from titan_pipe.checkpoint_format import Box, split_box
 from titan_pipe.convert.readers.store import SafetensorsStore
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.errors import UserError
@@ -44,11 +44,11 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
                                        (Read(f, parts[0].key, Box.full(st.shape), Box.full(st.shape)),), "whole")
             continue
         # one tensor per expert: each read as the (1, ...) slice of the stack it is (the same bytes)
-        reads = []
+        shape, reads = (len(parts), *st.shape), []
         for p in parts:
             f, one = p.file.relative_to(path).as_posix(), (1, *p.stored.shape)
             headers[f][p.key] = replace(p.stored, shape=one)
-            reads.append(Read(f, p.key, Box.full(one), Box((p.expert, *[0] * len(p.stored.shape)), one)))
-        tensors[name] = TensorPlan(name, (len(parts), *st.shape), st.dtype, tuple(reads), f"{len(parts)} experts")
+            reads.append(Read(f, p.key, Box.full(one), split_box(shape, 0, len(parts), p.expert)))
+        tensors[name] = TensorPlan(name, shape, st.dtype, tuple(reads), f"{len(parts)} experts")
     store = SafetensorsStore(path, headers)
     return SourcePlan(FORMAT, path, args, tensors, files=files, layout={"tp": 1, "pp": 1}), store
