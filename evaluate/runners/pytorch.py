@@ -119,6 +119,8 @@ class LayeredModel:
     def _load_block(self, i: int) -> TransformerBlock:
         with torch.device("meta"):
             block = TransformerBlock(self.args, self.kernels, i)
+        if block.moe is not None:
+            block.moe.keep_choices = True  # the router row compares them (evaluate/comparisons/router.py)
         self._used = 0
         for name, _ in list(block.named_parameters()):
             *path, leaf = name.split(".")

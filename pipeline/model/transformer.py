@@ -155,7 +155,10 @@ class MoE(nn.Module):
         self.router = Router(args)
         self.experts = Experts(args.n_experts, args.dim, args.expert_dim, kernels)
         self.balance: tuple[torch.Tensor, torch.Tensor, int] | None = None
-        self.chosen: torch.Tensor | None = None  # the last forward's experts per token (N, k), for evaluate
+        # evaluate's reference sets keep_choices: the last forward's experts per token (N, k) are then
+        # kept in ``chosen`` (training does not keep them: one (N, k) tensor a layer for nothing)
+        self.keep_choices = False
+        self.chosen: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, dim) -> (probabilities (N, E) float32, chosen experts (N, k), their weights (N, k) float32)."""
@@ -169,7 +172,8 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         probs, chosen, weights = self.route(flat)
-        self.chosen = chosen.detach()
+        if self.keep_choices:
+            self.chosen = chosen.detach()
         assigned = chosen.reshape(-1)
         counts = torch.bincount(assigned, minlength=self.n_experts)
         self.balance = (counts.float(), probs.sum(dim=0), flat.shape[0])

@@ -84,27 +84,37 @@ class UnifiedDir:
 
     def read(self, name: str) -> "torch.Tensor":
         """The whole tensor of parameter ``name`` in its stored dtype."""
-        if name in self.experts:
-            import torch
-
-            return torch.stack([self._read(p) for p in self.experts[name]])
-        return self._read(self.get(name))
+        return self._read(self.parts(name))
 
     @staticmethod
-    def _read(p: StoredParam, index: tuple[slice, ...] | None = None) -> "torch.Tensor":
+    def _read(parts: tuple[StoredParam, ...], index: tuple[slice, ...] | None = None) -> "torch.Tensor":
+        """The tensor of ``parts`` (``index`` of it): one stored tensor, or the stack of one per
+        expert (``index[0]`` picks the experts), each file opened once."""
+        from contextlib import ExitStack
+
         from safetensors import safe_open
 
-        with safe_open(str(p.file), framework="pt") as h:
-            return h.get_tensor(p.key) if index is None else h.get_slice(p.key)[index]
+        with ExitStack() as files:
+            opened: dict[Path, object] = {}
+
+            def handle(p: StoredParam):
+                if p.file not in opened:
+                    opened[p.file] = files.enter_context(safe_open(str(p.file), framework="pt"))
+                return opened[p.file]
+
+            if parts[0].expert is None:
+                h = handle(parts[0])
+                return h.get_tensor(parts[0].key) if index is None else h.get_slice(parts[0].key)[index]
+            import torch
+
+            chosen = parts if index is None else parts[index[0]]
+            rest = None if index is None else index[1:]
+            return torch.stack([handle(p).get_tensor(p.key) if rest is None else handle(p).get_slice(p.key)[rest]
+                                for p in chosen])
 
     def read_box(self, name: str, box: "Box") -> "torch.Tensor":
         """(box.lengths) piece of parameter ``name``: only that part of the stored tensor(s) is read."""
-        index = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))
-        if name in self.experts:
-            import torch
-
-            return torch.stack([self._read(p, index[1:]) for p in self.experts[name][index[0]]])
-        return self._read(self.get(name), index)
+        return self._read(self.parts(name), tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths)))
 
 
 def read_model_args(model_dir: Path) -> ModelArgs:
