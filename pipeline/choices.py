@@ -22,6 +22,8 @@ KERNELS = ("auto", "reference", "torch_fused", "npu_fused")
 # train.loss: the cross entropy from full float32 logits, or fused with the output projection in chunks
 # (titan_pipe.model.loss); auto = chunked where it applies (tp = pp = 1), else full
 LOSSES = ("auto", "full", "chunked")
+TRAIN_MODES = ("pretrain", "sft")  # train.mode
+RECORD_FORMATS = ("text", "chat", "instruction")  # data.format / data prepare --format
 # train.optimizer.implementation: auto = fused on CUDA, foreach elsewhere (titan_pipe.training.optim)
 OPTIMIZER_IMPLS = ("auto", "foreach", "fused")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")

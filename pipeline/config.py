@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from titan_pipe import limits
 from titan_pipe.choices import (COMPILE_BACKENDS, DEVICES, DIGESTS, DP_MODES, EXPORT, KERNELS, LOSSES, OFFLOADS,
                                 OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PRECISION_MODES, export_problems)
-from titan_pipe.choices import NAMINGS, SOURCE_FORMATS
+from titan_pipe.choices import NAMINGS, RECORD_FORMATS, SOURCE_FORMATS, TRAIN_MODES
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.flow_yaml import FlowYamlError, load_flow_text
@@ -112,6 +112,10 @@ class DataConfig(Section):
     tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
     text_key: str = "text"  # field of a jsonl record (column of a parquet file) holding the text
     val_fraction: float = Field(0.05, ge=0, lt=1)  # held out as whole documents (a prepared dir: its own)
+    # raw .jsonl of chat ("messages") or instruction (prompt/response) records: rendered with the chat
+    # template and masked to the answers when prepared (titan_pipe.tokens.chat); trained with train.mode sft
+    format: Literal[RECORD_FORMATS] = "text"
+    chat_template: str = "model"  # model (the tokenizer's own) | chatml | llama3 | a .jinja file
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -120,6 +124,9 @@ class DataConfig(Section):
         if self.blend is not None and not self.blend:
             raise ValueError("blend is empty; list {path, weight} entries or remove it")
         return self
+
+
+SFT_LR = 2e-5  # train.mode sft's default learning rate
 
 
 def _bounded(default, bound: limits.Bound, **kw):
@@ -154,6 +161,23 @@ class TrainConfig(Section):
     compile: bool = False  # torch.compile each transformer block (after TP and AC, before FSDP)
     compile_backend: Literal[COMPILE_BACKENDS] = "auto"
     loss: Literal[LOSSES] = "auto"  # chunked: cross entropy fused with the output projection, no full logits
+    # sft: supervised fine-tuning on chat / instruction data: whole conversations packed per window,
+    # attention and positions per conversation, the loss on the answers only (docs/finetune.md)
+    mode: Literal[TRAIN_MODES] = "pretrain"
+
+    @model_validator(mode="after")
+    def _finetune_defaults(self):
+        """Fine-tuning's defaults where flow.yaml leaves them out: a released model is adjusted, not
+        trained from scratch (lr 2e-5 without weight decay, warmup ~3% of the steps)."""
+        if self.mode == "sft":
+            o = self.optimizer
+            if "lr" not in o.model_fields_set:
+                object.__setattr__(o, "lr", SFT_LR)
+            if "weight_decay" not in o.model_fields_set:
+                object.__setattr__(o, "weight_decay", 0.0)
+            if "warmup_steps" not in self.model_fields_set:
+                object.__setattr__(self, "warmup_steps", max(1, round(0.03 * self.steps)))
+        return self
 
 
 class ParallelConfig(Section):
@@ -434,9 +458,13 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     if cfg.data.tokenizer != "byte":
         tp_ = Path(cfg.data.tokenizer)
         tp_ = tp_ if tp_.is_absolute() else base / tp_
-        if not tp_.is_file():
-            errs.append(f"data.tokenizer: {cfg.data.tokenizer!r} is not a file; give a tokenizer.json "
-                        "or 'byte'")
+        if not (tp_.is_file() or (tp_ / "tokenizer.json").is_file()):
+            errs.append(f"data.tokenizer: {cfg.data.tokenizer!r} is not a file (nor a dir holding a tokenizer.json); "
+                        "give a tokenizer.json, the model dir holding it, or 'byte'")
+    if cfg.data.format != "text" and cfg.train.mode != "sft":
+        errs.append(f"data.format: {cfg.data.format} data is fine-tuning data (its answers marked); set train.mode: sft")
+    if cfg.train.mode == "sft" and cfg.data.blend is not None:
+        errs.append("train.mode: sft fine-tunes on one chat dataset; give data.path instead of data.blend")
     elif args.vocab_size < 258:
         errs.append(f"model.vocab_size: {args.vocab_size} is smaller than the byte tokenizer's 258")
     if cfg.init_from is not None:

@@ -194,18 +194,43 @@ def world2(crashed):
     return work, launch(2, WORLD2 + [resume, init] + TIED_RUNS + MOE_RUNS, work)
 
 
+def sft_flow(work: Path, parallel: dict) -> dict:
+    """Fine-tuning a Qwen3-shaped model saved by transformers (with its tokenizer and chat template)
+    on chat records: whole conversations packed into windows of 192, the loss on the answers."""
+    return {"device": "cpu", "model": FAMILY_RUNS[1]["flow"]["model"], "init_from": str(work / "hf_qwen3_chat"),
+            "data": {"path": str(work / "chat" / "chat.jsonl"), "tokenizer": str(work / "hf_qwen3_chat"),
+                     "format": "chat", "val_fraction": 0.1},
+            "train": {"mode": "sft", "steps": 4, "batch_size": 8, "seq_len": 192, "seed": 0, "grad_clip": 1.0,
+                      "optimizer": {"lr": 0.001}},
+            "parallel": parallel, "checkpoint": {"every": 4, "keep_last": 1}}
+
+
+SFT_LAYOUTS = {"sft_dp2_tp2_pp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2},
+               "sft_dp2_tp2_sp_pp2_interleaved": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2,
+                                                  "sequence_parallel": True, "pp_schedule": "interleaved_1f1b"},
+               "sft_dp8": {"dp": 8}}  # the fused loss (no tp, no pp) with its denominator
+
+
 @pytest.fixture(scope="module")
 def world8(tmp_path_factory):
-    """One 8-rank launch: the Llama layouts, the other families' parity runs, and a Hugging Face
-    Qwen3 dir (written by transformers) as init_from, placed into dp2 x tp2 x pp2."""
+    """One 8-rank launch: the Llama layouts, the other families' parity runs, a Hugging Face Qwen3
+    dir (written by transformers) as init_from placed into dp2 x tp2 x pp2, and that dir with a chat
+    tokenizer fine-tuned on chat records in three layouts."""
+    import shutil
+
+    from chat_fixtures import chat_records, train_tokenizer, write_jsonl
     from convert_writers import native_state, write_hf
 
     work = tmp_path_factory.mktemp("world8")
     qwen3 = parse_flow(FAMILY_RUNS[1]["flow"], base=work).model.args()
     write_hf(native_state(qwen3, seed=5), qwen3, work / "hf_qwen3")
+    shutil.copytree(work / "hf_qwen3", work / "hf_qwen3_chat")
+    train_tokenizer(work / "hf_qwen3_chat")
+    write_jsonl(work / "chat" / "chat.jsonl", chat_records(80))
     init = {"name": "init_from_hf_qwen3", "flow": dict(FAMILY_RUNS[1]["flow"], init_from=str(work / "hf_qwen3"),
                                                       train=dict(BASE["train"], steps=1))}
-    return work, launch(8, WORLD8 + FAMILY_RUNS + [init] + MOE_RUNS8, work)
+    sft = [{"name": name, "flow": sft_flow(work, par)} for name, par in SFT_LAYOUTS.items()]
+    return work, launch(8, WORLD8 + FAMILY_RUNS + [init] + MOE_RUNS8 + sft, work)
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +306,26 @@ def test_init_from_a_hugging_face_qwen3_dir_under_dp_tp_pp(world8):
         want = float(torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
     got = res["init_from_hf_qwen3"]["metrics"][0]["loss"]
     assert abs(got - want) <= 1e-5 * want
+
+
+def test_fine_tuning_matches_each_conversation_run_alone(world8, tmp_path):
+    """train.mode sft in dp2 x tp2 x pp2 (1f1b; interleaved with sequence parallel) and dp8: the loss
+    at every step is the single-process loss of every conversation run on its own, no packing (so no
+    document can see another), summed over the answer tokens and divided by their count in the global
+    batch. Training on every token instead gives other losses: the mask matters."""
+    from convert_writers import native_state
+    from training_reference import sft_reference_run
+
+    work, res = world8
+    flow = sft_flow(work, {})
+    args = parse_flow(flow, base=work).model.args()
+    want = sft_reference_run(flow, base=tmp_path, state=native_state(args, seed=5))["losses"]
+    unmasked = sft_reference_run(flow, base=tmp_path, state=native_state(args, seed=5), masked=False)["losses"]
+    for name in SFT_LAYOUTS:
+        got = [r["loss"] for r in res[name]["metrics"]]
+        assert_close(got, want, what=name)
+        for g, u in zip(got, unmasked):
+            assert abs(g - u) > 10 * REL * abs(u), f"{name}: {g} is the unmasked loss {u}"
 
 
 @pytest.fixture(scope="module")

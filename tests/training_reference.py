@@ -60,3 +60,70 @@ def reference_run(flow: dict, *, base) -> dict:
         losses.append(float(loss.detach()))
     return {"losses": losses, "grad_norms": norms,
             "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def sft_loader(cfg, *, base, prepared):
+    """The fine-tuning loader of ``cfg`` at dp=1 (chat data prepared into ``prepared``, as the trainer does)."""
+    from titan_pipe.tokens.packing import DocumentLoader
+
+    spec = data_spec(cfg.data, base=base)
+    if spec.text is not None:
+        prepare_spec(spec, prepared, progress=False)
+    _, data = open_spec(spec, prepared=prepared, vocab_size=cfg.model.args().vocab_size)
+    t = cfg.train
+    return DocumentLoader(data.sources[0], seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed)
+
+
+def documents_of(batch):
+    """(row, start, end) of each packed document of a fine-tuning batch (the padding included: its
+    labels are all -100)."""
+    out = []
+    for r, pos in enumerate(batch.positions):
+        starts = (pos == 0).nonzero().flatten().tolist() + [len(pos)]
+        out += [(r, a, b) for a, b in zip(starts, starts[1:])]
+    return out
+
+
+def sft_reference_run(flow: dict, *, base, state: dict, masked: bool = True) -> dict:
+    """Fine-tuning without packing: every conversation of every global batch run through the model on
+    its own (no positions, no document mask: nothing else is in its sequence), the cross entropy
+    summed over its answer tokens (``masked=False``: over all its tokens) and divided by the batch's
+    count of them. Starts from ``state``; per-step losses and pre-clip grad norms."""
+    cfg = parse_flow(dict(flow, parallel={}), base=base)
+    t, o = cfg.train, cfg.train.optimizer
+    loader = sft_loader(cfg, base=base, prepared=base / "sft-data")
+    model = build_model(cfg.model.args(), seed=None)
+    model.load_state_dict(state)
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                            foreach=False)
+
+    def factor(s):
+        if s < t.warmup_steps:
+            return (s + 1) / t.warmup_steps
+        frac = min(1.0, (s - t.warmup_steps) / max(1, t.steps - t.warmup_steps - 1))
+        return t.lr_min_ratio + (1 - t.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    losses, norms = [], []
+    for _ in range(t.steps):
+        b = loader.next_batch()
+        parts, count = [], 0
+        for r, lo, hi in documents_of(b):
+            x, y = b.inputs[r, lo:hi], b.labels[r, lo:hi].clone()
+            if not masked:  # every next token of the conversation
+                y[:-1] = x[1:]
+                if (b.labels[r, lo:hi] == -100).all():
+                    continue  # the padding
+            if (y == -100).all():
+                continue
+            logits = model(x[None])[0]
+            parts.append(F.cross_entropy(logits, y, ignore_index=-100, reduction="sum"))
+            count += int((y != -100).sum())
+        loss = sum(parts) / count
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "grad_norms": norms}

@@ -24,10 +24,12 @@ from titan_pipe.tokens.indexed import IndexedTokens, IndexWriter, token_dtype
 from titan_pipe.tokens.record import PREFIX, DataRecord, SourceInfo, Split, TokenizerInfo, is_prepared
 from titan_pipe.tokens.sources import corpus_files, iter_blocks
 from titan_pipe.tokens.tokenizer import build_tokenizer, tokenizer_info
-from titan_pipe.training.tokenize_pool import chunk_blocks, encode_stream
+from titan_pipe.training.tokenize_pool import ChatSpec, chunk_blocks, encode_stream
 
 SMALL_CORPUS = 8 << 20  # bytes of sources below which worker processes cost more than they save
 MAX_WORKERS = 8
+MAX_BAD_FRACTION = 0.01  # chat / instruction records that may be left out (counted and named) before prepare fails
+BAD_EXAMPLES = 10  # of them named in data.json
 
 
 @dataclass(frozen=True)
@@ -80,13 +82,15 @@ def shard_pieces(files: list[Path], sizes: list[int], shard: Shard | None) -> li
 
 
 def prepare_key(info: TokenizerInfo, text_key: str, val_fraction: float, sources: list[SourceInfo],
-                shard: Shard | None = None) -> str:
+                shard: Shard | None = None, chat: ChatSpec | None = None) -> str:
     """The sha256 of everything a prepared dir depends on: the same inputs, the same key (a merge of
     all N parts gets the key of the unsharded prepare)."""
     key_doc = {"schema": 1, "tokenizer": info.fingerprint, "text_key": text_key, "val_fraction": val_fraction,
                "sources": [[s.path, s.size, s.sha256] for s in sources]}
     if shard is not None:
         key_doc["shard"] = str(shard)
+    if chat is not None:  # plain text keeps the key it always had
+        key_doc["chat"] = [chat.fmt, chat.template, sorted(chat.special), chat.max_tokens]
     return hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -104,6 +108,8 @@ class PreparePlan:
     key: str
     pieces: list[Piece] = ()  # what this prepare reads (a shard: its part; else every file whole)
     shard: Shard | None = None
+    chat: ChatSpec | None = None  # chat / instruction records (None: plain text)
+    max_bad: float = MAX_BAD_FRACTION
 
 
 @dataclass(frozen=True)
@@ -158,8 +164,29 @@ def _source_infos(files: list[Path], out_dir: Path, read: set[Path] | None = Non
     return infos
 
 
+def chat_spec(records: str, *, tok, chat_template: str, max_tokens: int | None) -> ChatSpec | None:
+    """How chat / instruction records are rendered (None for plain text); checked before any work."""
+    from titan_pipe.choices import RECORD_FORMATS
+    from titan_pipe.tokens.chat import load_chat_template
+    from titan_pipe.tokens.tokenizer import HFTokenizer
+
+    if records not in RECORD_FORMATS:
+        raise UserError(f"--format {records!r}: not one of {', '.join(RECORD_FORMATS)}")
+    if records == "text":
+        return None
+    if not isinstance(tok, HFTokenizer):
+        raise UserError(f"--format {records}: needs the model's tokenizer (--tokenizer MODEL_DIR or its "
+                        "tokenizer.json); the byte tokenizer has no chat markers")
+    if max_tokens is not None and max_tokens < 2:
+        raise UserError(f"--max-tokens {max_tokens}: give the training window (train.seq_len + 1) or leave it out")
+    template = load_chat_template(chat_template, tokenizer_dir=Path(tok.path).parent)
+    return ChatSpec(records, template.source, template.origin, tuple(sorted(template.special.items())), max_tokens)
+
+
 def plan_prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, val_fraction: float = 0.05,
-                 text_key: str = "text", shard: Shard | None = None) -> PreparePlan:
+                 text_key: str = "text", shard: Shard | None = None, records: str = "text",
+                 chat_template: str = "model", max_tokens: int | None = None,
+                 max_bad: float = MAX_BAD_FRACTION) -> PreparePlan:
     """Resolve and check the inputs of a prepare; no output is touched."""
     if not sources:
         raise UserError("data prepare: no source given; name .txt/.jsonl/.jsonl.gz/.parquet files or directories")
@@ -171,11 +198,21 @@ def plan_prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, val_frac
     check_out_dir(out_dir, roots)
     tok = build_tokenizer(tokenizer)
     info = tokenizer_info(tok)
+    chat = chat_spec(records, tok=tok, chat_template=chat_template, max_tokens=max_tokens)
+    if not 0 <= max_bad < 1:
+        raise UserError(f"--max-bad-fraction {max_bad}: must be in [0, 1)")
+    if chat is not None:
+        from titan_pipe.tokens.sources import kind_of
+
+        other = [f for f in files if kind_of(f) not in (".jsonl", ".jsonl.gz")]
+        if other:
+            raise UserError(f"{other[0]}: --format {records} reads .jsonl / .jsonl.gz records (one JSON object a "
+                            "line); convert it or leave it out")
     spec = str(Path(tok.path).resolve()) if info.kind != "byte" else "byte"
     pieces = shard_pieces(files, [f.stat().st_size for f in files], shard)
     infos = _source_infos(files, out_dir, read={f for f, _ in pieces} if shard is not None else None)
-    key = prepare_key(info, text_key, val_fraction, infos, shard)
-    return PreparePlan(files, infos, spec, info, text_key, val_fraction, out_dir, key, pieces, shard)
+    key = prepare_key(info, text_key, val_fraction, infos, shard, chat)
+    return PreparePlan(files, infos, spec, info, text_key, val_fraction, out_dir, key, pieces, shard, chat, max_bad)
 
 
 def is_current(plan: PreparePlan) -> DataRecord | None:
@@ -192,12 +229,17 @@ def is_current(plan: PreparePlan) -> DataRecord | None:
 
 def prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, workers: int | None = None,
             val_fraction: float = 0.05, text_key: str = "text", progress: bool = True,
-            shard: Shard | None = None) -> PrepareResult:
+            shard: Shard | None = None, records: str = "text", chat_template: str = "model",
+            max_tokens: int | None = None, max_bad: float = MAX_BAD_FRACTION) -> PrepareResult:
     """Tokenize ``sources`` into ``out_dir`` (see the module doc); a no-op when already current.
-    ``shard``: only part I of N of the sources (``data merge`` joins the N parts)."""
+    ``shard``: only part I of N of the sources (``data merge`` joins the N parts). ``records``:
+    text, or chat / instruction records rendered with ``chat_template`` and masked to their answers
+    (titan_pipe.tokens.chat), conversations over ``max_tokens`` and other bad records left out up to
+    ``max_bad`` of them."""
     t0 = time.perf_counter()
     plan = plan_prepare(sources=sources, out_dir=out_dir, tokenizer=tokenizer, val_fraction=val_fraction,
-                        text_key=text_key, shard=shard)
+                        text_key=text_key, shard=shard, records=records, chat_template=chat_template,
+                        max_tokens=max_tokens, max_bad=max_bad)
     existing = is_current(plan)
     if existing is not None:
         return PrepareResult(plan.out_dir, existing, True, time.perf_counter() - t0)
@@ -217,8 +259,13 @@ def _write(plan: PreparePlan, tmp: Path, *, workers: int, progress: bool) -> Dat
     """tokens.bin/.idx, then data.json (last: a dir with data.json is complete)."""
     from titan_pipe.training.prepare_progress import PrepareProgress
 
+    from titan_pipe.tokens.loss_mask import MaskWriter
+
     dtype = token_dtype(plan.info.vocab_size)
     writer = IndexWriter(tmp / PREFIX, dtype)
+    masks = MaskWriter(tmp / PREFIX) if plan.chat is not None else None
+    bad: list[str] = []
+    n_bad = 0
     pieces = plan.pieces or [(f, None) for f in plan.files]
     blocks = (b for f, rng in pieces for b in iter_blocks(f, text_key=plan.text_key, byte_range=rng))
     n_in, largest = 0, -1
@@ -226,20 +273,34 @@ def _write(plan: PreparePlan, tmp: Path, *, workers: int, progress: bool) -> Dat
     work = sum(rng[1] - rng[0] if rng else sizes.get(f.resolve(), f.stat().st_size) for f, rng in pieces)
     with PrepareProgress(work, enabled=progress) as bar:
         try:
-            for ids, lengths, chars, docs_in in encode_stream(chunk_blocks(blocks), spec=plan.tokenizer, dtype=dtype,
-                                                              text_key=plan.text_key, workers=workers):
-                writer.add_chunk(ids, lengths)
-                largest = max(largest, int(ids.max()) if len(ids) else -1)
-                n_in += docs_in
-                bar.advance(chars, len(ids))
+            for enc in encode_stream(chunk_blocks(blocks), spec=plan.tokenizer, dtype=dtype, text_key=plan.text_key,
+                                     workers=workers, chat=plan.chat):
+                writer.add_chunk(enc.ids, enc.lengths)
+                if masks is not None:
+                    masks.add(enc.mask)
+                    n_bad += len(enc.bad)
+                    bad.extend(enc.bad[:BAD_EXAMPLES - len(bad)])
+                largest = max(largest, int(enc.ids.max()) if len(enc.ids) else -1)
+                n_in += enc.docs_in
+                bar.advance(enc.chars, len(enc.ids))
             writer.finish()
         except BaseException:
             writer.abort()
             raise
-        return _record(plan, IndexedTokens(tmp / PREFIX), largest, dtype.name, skipped=n_in - writer.n_documents)
+        finally:
+            if masks is not None:
+                masks.close()
+        if n_bad > plan.max_bad * n_in:
+            raise UserError(f"{plan.files[0]}{' ...' if len(plan.files) > 1 else ''}: {n_bad} of {n_in} records cannot be "
+                            f"trained on, over the bound of {plan.max_bad:g} (--max-bad-fraction); the first: "
+                            f"{bad[0]}; fix them or raise the bound")
+        record = _record(plan, IndexedTokens(tmp / PREFIX), largest, dtype.name,
+                         skipped=0 if masks is not None else n_in - writer.n_documents, bad=(n_bad, bad))
+        return record
 
 
-def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, skipped: int) -> DataRecord:
+def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, skipped: int,
+            bad: tuple[int, list[str]] = (0, [])) -> DataRecord:
     where = ", ".join(str(f) for f in plan.files[:3]) + (" ..." if len(plan.files) > 3 else "")
     if plan.shard is not None:
         where = f"part {plan.shard} of {where}"
@@ -259,9 +320,17 @@ def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, s
         d = val_start(ds.doc_start, ds.n_documents, ds.n_tokens, plan.val_fraction, where=where)
         cut = ds.doc_start(d)
         split = Split(plan.val_fraction, d, ds.n_documents - d, cut, ds.n_tokens - cut)
+    chat = {}
+    if plan.chat is not None:
+        from titan_pipe.tokens.chat import ChatTemplate
+        from titan_pipe.tokens.loss_mask import SUFFIX
+
+        sha = ChatTemplate(plan.chat.template, plan.chat.origin).sha256
+        chat = dict(records=plan.chat.fmt, loss_mask=f"{PREFIX}{SUFFIX}",
+                    chat_template=f"{plan.chat.origin} sha256:{sha}", bad_records=bad[0], bad_examples=list(bad[1]))
     record = DataRecord(key=plan.key, tokenizer=plan.info, sources=plan.sources, text_key=plan.text_key,
                         dtype=dtype, n_tokens=ds.n_tokens, n_documents=ds.n_documents, max_token_id=largest,
-                        split=split, skipped_empty=skipped, shard=str(plan.shard) if plan.shard else None)
+                        split=split, skipped_empty=skipped, shard=str(plan.shard) if plan.shard else None, **chat)
     record.save(ds.prefix.parent)
     return record
 
@@ -270,4 +339,4 @@ def prepare_spec(spec, out_dir: Path, *, progress: bool = True) -> PrepareResult
     """The raw text of a flow's resolved data section (titan_pipe.tokens.spec.DataSpec) prepared into
     ``out_dir`` (the run's data dir); a no-op when it is current."""
     return prepare(sources=[spec.text], out_dir=out_dir, tokenizer=spec.tokenizer, val_fraction=spec.val_fraction,
-                   text_key=spec.text_key, progress=progress)
+                   text_key=spec.text_key, progress=progress, records=spec.records, chat_template=spec.chat_template)

@@ -81,11 +81,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
                 plan[name] = style
     if sequence_parallel:
         # Attention and FFN consume the full sequence: all-gather the Shard(1) input on entry.
-        # Attention.forward(x, cos, sin): only x is sharded; cos/sin stay plain tensors.
+        # Attention.forward(x, cos, sin, positions): only x is sharded; cos/sin (and the packed
+        # documents' positions, or None) stay plain tensors.
         for name in present:
             if _matches(name, "layers.*.attention"):
-                plan[name] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                desired_input_layouts=(Replicate(), None, None))
+                plan[name] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                desired_input_layouts=(Replicate(), None, None, None))
             elif _matches(name, "layers.*.feed_forward"):
                 plan[name] = PrepareModuleInput(input_layouts=(Shard(1),),
                                                 desired_input_layouts=(Replicate(),))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections import deque
+from dataclasses import dataclass
 from concurrent.futures import ProcessPoolExecutor
 from typing import Iterable, Iterator
 
@@ -25,6 +26,31 @@ IN_FLIGHT_PER_WORKER = 2
 _tok = None
 _dtype = None
 _text_key = "text"
+_chat = None  # ChatSpec of chat / instruction data, None for plain text
+
+
+@dataclass(frozen=True)
+class ChatSpec:
+    """How chat / instruction records become tokens (picklable: sent to each worker once)."""
+
+    fmt: str  # chat | instruction
+    template: str  # the Jinja source
+    origin: str
+    special: tuple  # ((name, token), ...) the template may name
+    max_tokens: int | None  # a longer conversation is a bad record (None: no limit)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One chunk's result: ids back to back, tokens per document, characters and documents read;
+    for chat data the loss mask of the ids and the records left out ("file:line: why")."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    chars: int
+    docs_in: int
+    mask: np.ndarray | None = None
+    bad: tuple = ()
 
 
 def chunk_blocks(blocks: Iterable[Block], chars: int | None = None) -> Iterator[list[Block]]:
@@ -41,37 +67,78 @@ def chunk_blocks(blocks: Iterable[Block], chars: int | None = None) -> Iterator[
         yield batch
 
 
-def _init(spec: str, dtype: str, text_key: str, single_thread: bool = True, parent: int | None = None) -> None:
+def _init(spec: str, dtype: str, text_key: str, single_thread: bool = True, parent: int | None = None,
+          chat: ChatSpec | None = None) -> None:
     if parent is not None:  # a worker of the pool: no orphan tokenizing on when `data prepare` is killed
         procs.die_with_parent(parent)
     if single_thread:  # a worker of the pool: the pool is the parallelism, not the tokenizer's threads
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    global _tok, _dtype, _text_key
+    global _tok, _dtype, _text_key, _chat
     from titan_pipe.tokens.tokenizer import build_tokenizer
 
-    _tok, _dtype, _text_key = build_tokenizer(spec), np.dtype(dtype), text_key
+    _tok, _dtype, _text_key, _chat = build_tokenizer(spec), np.dtype(dtype), text_key, chat
 
 
-def _encode(blocks: list[Block]) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """(ids, lengths, characters, documents in) of one chunk."""
+def _encode(blocks: list[Block]) -> Encoded:
+    """One chunk's documents encoded."""
     from titan_pipe.tokens.tokenizer import encode_documents
 
+    if _chat is not None:
+        return _encode_chat(blocks)
     docs = [d for b in blocks for d in documents(b, text_key=_text_key)]
-    return (*encode_documents(_tok, docs, _dtype), sum(map(len, docs)), len(docs))
+    return Encoded(*encode_documents(_tok, docs, _dtype), sum(map(len, docs)), len(docs))
 
 
-def encode_stream(chunks: Iterable[list[Block]], *, spec: str, dtype: np.dtype, text_key: str, workers: int
-                  ) -> Iterator[tuple[np.ndarray, np.ndarray, int, int]]:
-    """(ids, lengths, characters, documents in) per chunk, in order (empty documents have no length);
-    ``workers`` <= 1 encodes in this process."""
+def _encode_chat(blocks: list[Block]) -> Encoded:
+    """Chat / instruction records rendered by the template, encoded in one batch, masked to their
+    answers (titan_pipe.tokens.chat); records that cannot be trained on are named in ``bad``."""
+    from titan_pipe.tokens.chat import BadRecord, ChatTemplate, conversation, token_mask
+    from titan_pipe.tokens.sources import records
+
+    template = ChatTemplate(_chat.template, _chat.origin, dict(_chat.special))
+    texts, spans, wheres, bad, n_in = [], [], [], [], 0
+    for b in blocks:
+        for where, record in records(b):
+            n_in += 1
+            try:
+                text, answer = template.answer_spans(conversation(record, fmt=_chat.fmt))
+            except BadRecord as e:
+                bad.append(f"{where}: {e}")
+                continue
+            texts.append(text)
+            spans.append(answer)
+            wheres.append(where)
+    ids, masks, lengths = [], [], []
+    for where, answer, enc in zip(wheres, spans, _tok.encode_batch_offsets(texts)):
+        ids_, offsets = enc
+        if _chat.max_tokens is not None and len(ids_) > _chat.max_tokens:
+            bad.append(f"{where}: {len(ids_)} tokens, longer than the window of {_chat.max_tokens}")
+            continue
+        mask = token_mask(offsets, answer)
+        if not mask.any():
+            bad.append(f"{where}: no answer token after tokenizing")
+            continue
+        ids.append(np.asarray(ids_, dtype=_dtype))
+        masks.append(mask)
+        lengths.append(len(ids_))
+    cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dtype=dt))
+    return Encoded(cat(ids, _dtype), np.asarray(lengths, dtype=np.int32), sum(map(len, texts)), n_in,
+                   cat(masks, np.uint8), tuple(bad))
+
+
+def encode_stream(chunks: Iterable[list[Block]], *, spec: str, dtype: np.dtype, text_key: str, workers: int,
+                  chat: ChatSpec | None = None) -> Iterator[Encoded]:
+    """Each chunk encoded, in order (empty documents have no length); ``workers`` <= 1 encodes in
+    this process; ``chat``: the chunks hold chat / instruction records."""
     args = (spec, np.dtype(dtype).name, text_key)
     if workers <= 1:
-        _init(*args, single_thread=False)
+        _init(*args, single_thread=False, chat=chat)
         for chunk in chunks:
             yield _encode(chunk)
         return
     ctx = multiprocessing.get_context("spawn")  # no fork of a parent that may hold threads (torch, rayon)
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init, initargs=(*args, True, os.getpid())) as pool:
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
+                             initargs=(*args, True, os.getpid(), chat)) as pool:
         pending: deque = deque()
         try:
             for chunk in chunks:

@@ -48,9 +48,10 @@ from titan_pipe.model.weights import check_compatible, open_weights
 from titan_pipe.training.zero1 import build_zero1
 
 
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy; logits (B, T, vocab) in fp32 for a stable softmax."""
-    return cross_entropy(logits, labels)
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor, denom: float | None = None) -> torch.Tensor:
+    """Next-token cross entropy; logits (B, T, vocab) in fp32 for a stable softmax. The mean over the
+    labels, or (fine-tuning) the sum over those that are not -100 divided by ``denom``."""
+    return cross_entropy(logits, labels, denom=denom)
 
 
 def resolve_loss(choice: str, *, tp: int, pp: int) -> bool:
@@ -68,6 +69,34 @@ def _init_distributed(device) -> None:
         # memory stats, checkpoint bookkeeping); the model's collectives go over nccl/hccl.
         backend = device.backend if device.type == "cpu" else f"cpu:gloo,{device.type}:{device.backend}"
         dist.init_process_group(backend)
+
+
+def loss_denominator(targets: int, *, dp: int, microbatches: int) -> float:
+    """What each part's summed cross entropy is divided by so that, once data parallelism averages the
+    dp ranks' gradients and the pipeline schedule averages its microbatches', the gradient is the one
+    of the mean over the ``targets`` target tokens of the whole global batch (and each rank's reported
+    loss, averaged the same way, that mean)."""
+    return max(targets, 1) / (dp * microbatches)
+
+
+def training_loader(data, train, *, dp_rank: int, dp_size: int, vocab_size: int):
+    """PackedLoader over the training spans, or for ``train.mode: sft`` the DocumentLoader over the
+    one chat / instruction dataset (titan_pipe.tokens.packing); data of the other kind is refused."""
+    from titan_pipe.tokens.packing import DocumentLoader
+
+    common = dict(seq_len=train.seq_len, global_batch=train.batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                  seed=train.seed, vocab_size=vocab_size)
+    masked = [s for s in data.sources if s.record is not None and s.record.loss_mask]
+    if train.mode == "sft":
+        if len(data.sources) != 1:
+            raise UserError("train.mode sft: data.blend mixes several datasets; fine-tune on one chat dataset "
+                            "(join the files into one prepare)")
+        return DocumentLoader(data.sources[0], **common)
+    if masked:
+        raise UserError(f"{masked[0].path}: chat / instruction data (its answers marked), but train.mode is "
+                        "pretrain, which would learn the prompts too and let packed conversations see each "
+                        "other; set train.mode: sft")
+    return PackedLoader(data.train, **common)
 
 
 class Trainer:
@@ -143,9 +172,9 @@ class Trainer:
         tok, data = open_spec(spec, prepared=self.run.data, vocab_size=self.args.vocab_size)
         # Copied into every checkpoint so it names its tokenizer itself, not a path relative to flow.yaml.
         self.tok_files = tokenizer_files(tok)
-        self.loader = PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size,
-                                   dp_rank=self.mesh["dp"].get_local_rank(), dp_size=cfg.parallel.dp, seed=t.seed,
-                                   vocab_size=self.args.vocab_size)
+        self.sft = t.mode == "sft"
+        self.loader = training_loader(data, t, dp_rank=self.mesh["dp"].get_local_rank(), dp_size=cfg.parallel.dp,
+                                      vocab_size=self.args.vocab_size)
 
     def _find_resume_point(self, resume: bool) -> Path | None:
         latest = newest_complete(self.run.checkpoints, warn=True) if resume else None
@@ -228,10 +257,11 @@ class Trainer:
         p, plan = self.cfg.parallel, self.model.stage_plan
         self.has_first, self.has_last = 0 in plan.local, plan.n_stages - 1 in plan.local
         self.schedule = None
+        self.denom = None  # fine-tuning: this step's loss denominator (loss_denominator)
         if p.pp > 1:
             self.schedule = build_schedule(self.model.parts, plan, schedule=p.pp_schedule, pp_mesh=self.mesh["pp"],
                                            n_microbatches=p.n_microbatches, device=self.torch_device,
-                                           loss_fn=lambda out, y: self.scaler.scale_loss(loss_fn(out, y)))
+                                           loss_fn=lambda out, y: self.scaler.scale_loss(loss_fn(out, y, self.denom)))
         self.parallel_meta = ParallelLayout(
             dp=p.dp, tp=p.tp, pp=p.pp, pp_schedule=p.pp_schedule, stages=tuple(map(tuple, plan.stages)),
             stage_ranks=tuple(stage_ranks(plan.n_stages, p.pp)), sequence_parallel=p.sequence_parallel,
@@ -248,21 +278,24 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward of one global batch slice; this rank's loss (None off the last stage)."""
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
+                          positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward and backward of one global batch slice; this rank's loss (None off the last stage).
+        ``positions``: packed documents (fine-tuning), with ``self.denom`` set for the step."""
         amp = self.cfg.precision
+        extra = {} if positions is None else {"positions": positions}
         with autocast(self.device.type, enabled=amp.amp, dtype=amp.amp_dtype):
             if self.schedule is not None:
                 losses: list = []
                 self.schedule.step(*([inputs] if self.has_first else []),
                                    target=labels if self.has_last else None,
-                                   losses=losses if self.has_last else None)
+                                   losses=losses if self.has_last else None, **extra)
                 return torch.stack(losses).mean().detach() / self.scaler.scale if self.has_last else None
             part = self.model.parts[0]
             if self.chunked_loss:  # fused with the output projection: no full float32 logits (+ the MoE's aux loss)
-                loss = part(inputs, labels=labels)
+                loss = part(inputs, labels=labels, loss_denom=self.denom, **extra)
             else:
-                loss = loss_fn(part(inputs), labels)
+                loss = loss_fn(part(inputs, **extra), labels, self.denom)
                 aux = unwrap(part).aux_loss()  # a mixture of experts' load-balancing term
                 loss = loss if aux is None else loss + aux
         self.scaler.scale_loss(loss).backward()  # outside autocast, as torch.amp recommends
@@ -290,8 +323,15 @@ class Trainer:
         """One optimizer step; returns its metrics record (loss over all dp ranks, memory of every rank)."""
         p = self.cfg.parallel
         t0, compiled0 = time.perf_counter(), compile_seconds()
-        inputs, labels = (x.to(self.torch_device) for x in self.loader.next_batch())
-        local_loss = self._forward_backward(inputs, labels)
+        if self.sft:
+            batch = self.loader.next_batch()
+            self.denom = loss_denominator(batch.targets, dp=p.dp, microbatches=p.n_microbatches if p.pp > 1 else 1)
+            inputs, labels, positions = (x.to(self.torch_device) for x in (batch.inputs, batch.labels,
+                                                                             batch.positions))
+        else:
+            inputs, labels = (x.to(self.torch_device) for x in self.loader.next_batch())
+            positions = None
+        local_loss = self._forward_backward(inputs, labels, positions)
         if self.fault.due(step, self.rank, "step"):
             self.fault.die()
         found_inf, grad_norm, lr = self._optimizer_step()

@@ -25,8 +25,18 @@ def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.g
                                                help="held out as whole documents from the end, for validation"),
             text_key: str = typer.Option("text", "--text-key", help="the text field of .jsonl / column of .parquet"),
             shard: Optional[str] = typer.Option(None, "--shard", help="I/N: prepare only part I of N of the sources "
-                                                "(one host each; `data merge` joins the parts)")):
-    """Tokenize SOURCES once into OUT (tokens.bin + tokens.idx + data.json); a no-op when OUT is current."""
+                                                "(one host each; `data merge` joins the parts)"),
+            records: str = typer.Option("text", "--format", help="text; chat (jsonl 'messages') or instruction "
+                                        "(jsonl prompt/response): rendered with the chat template, loss on answers"),
+            chat_template: str = typer.Option("model", "--chat-template",
+                                              help="chat/instruction: model (the tokenizer's own), chatml, llama3, "
+                                                   "or a .jinja file"),
+            max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="chat/instruction: a conversation "
+                                                     "longer than this (train.seq_len + 1) is left out as bad"),
+            max_bad: float = typer.Option(0.01, "--max-bad-fraction", help="chat/instruction: records that may be "
+                                          "left out (counted, the first named in data.json) before prepare fails")):
+    """Tokenize SOURCES once into OUT (tokens.bin + tokens.idx + data.json; chat data also
+    tokens.lossmask); a no-op when OUT is current."""
     from titan_pipe.training.prepare import Shard
     from titan_pipe.training.prepare import prepare as run_prepare
 
@@ -34,7 +44,8 @@ def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.g
     part = Shard.parse(shard) if shard is not None else None
 
     r = call_stage("prepare", run_prepare, track=False, sources=sources, out_dir=out, tokenizer=tokenizer,
-                   workers=workers, val_fraction=val_fraction, text_key=text_key, progress=True, shard=part)
+                   workers=workers, val_fraction=val_fraction, text_key=text_key, progress=True, shard=part,
+                   records=records, chat_template=chat_template, max_tokens=max_tokens, max_bad=max_bad)
     rec = r.record
     if r.reused:
         console.print(f"{r.out_dir}: already prepared from the same inputs (key {rec.key[:12]}); nothing to do",
@@ -45,6 +56,9 @@ def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.g
                   f"validation {rec.split.val_documents:,} documents / {rec.split.val_tokens:,} tokens; "
                   f"{mb:,.1f} MB in {r.seconds:.1f}s ({mb / max(r.seconds, 1e-9):.2f} MB/s)",
                   highlight=False, soft_wrap=True)
+    if rec.bad_records:
+        console.print(f"left out {rec.bad_records} record(s) that cannot be trained on (data.json bad_examples), "
+                      f"e.g. {rec.bad_examples[0]}", highlight=False, soft_wrap=True)
 
 
 @data_app.command()

@@ -4,9 +4,12 @@ training on CUDA, and the fused torch_npu kernels Ascend trains with.
 Every set implements the same three functions, so the model and the evaluator can run any:
   rms_norm(x (..., dim), weight (dim,), eps) -> (..., dim)
   apply_rotary(q (B, H, T, hd), k (B, Hkv, T, hd), cos (T, hd), sin (T, hd)) -> q, k
-  attention(q (B, H, T, hd), k, v (B, Hkv, T, hd), n_rep, causal, window) -> (B, H, T, hd)
+  attention(q (B, H, T, hd), k, v (B, Hkv, T, hd), n_rep, causal, window, positions) -> (B, H, T, hd)
 
 ``window`` (Mistral's sliding window, None: none): query t sees keys s with t - window < s <= t.
+``positions`` (B, T) of packed documents (fine-tuning; None: one document a row): a document starts
+where the position is 0, and a query sees only keys of its own document (``document_mask``).
+RoPE's cos/sin are then per row, (B, 1, T, hd), which every apply_rotary broadcasts.
 """
 from __future__ import annotations
 
@@ -51,9 +54,24 @@ def allowed_keys(t: int, window: int | None, device=None) -> torch.Tensor:
     return (gap >= 0) & (gap < window) if window is not None else gap >= 0
 
 
-def attention_ref(q, k, v, *, n_rep: int, causal: bool = True, window: int | None = None):
+def document_mask(positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(B, 1, T, T) bool of packed documents: query t sees key s when both lie in one document
+    (no position 0 in (s, t]) and s <= t (within ``window`` when given)."""
+    doc = torch.cumsum(positions == 0, dim=-1)
+    t = positions.shape[-1]
+    idx = torch.arange(t, device=positions.device)
+    allowed = (doc[:, :, None] == doc[:, None, :]) & (idx[:, None] >= idx[None, :])
+    if window is not None:
+        allowed &= (idx[:, None] - idx[None, :]) < window
+    return allowed[:, None]
+
+
+def attention_ref(q, k, v, *, n_rep: int, causal: bool = True, window: int | None = None,
+                  positions: torch.Tensor | None = None):
     # Explicit repeat instead of SDPA's enable_gqa: older exporters and runtimes lack it.
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    if positions is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions, window))
     if window is None or window >= q.shape[-2]:  # a window as long as the sequence masks nothing
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(q.shape[-2], window, q.device))
@@ -117,9 +135,42 @@ def apply_rotary_halves(q, k, cos, sin):
     return rot(q), rot(k)
 
 
-def attention_gqa(q, k, v, *, n_rep: int, causal: bool = True, window: int | None = None):
+def attention_documents_flex(q, k, v, positions: torch.Tensor, window: int | None):
+    """Packed documents through flex attention's block-sparse kernel (CUDA): blocks no query of its
+    document reaches are skipped, not masked. Same result as SDPA with document_mask (tests)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = torch.cumsum(positions == 0, dim=-1)
+
+    def keep(b, h, qi, ki):
+        ok = (doc[b, qi] == doc[b, ki]) & (qi >= ki)
+        return ok & (qi - ki < window) if window is not None else ok
+
+    b, _, t, _ = q.shape
+    block = create_block_mask(keep, b, None, t, t, device=q.device)
+    run = _compiled_flex() if q.is_cuda else flex_attention  # eager flex is a reference, not a kernel
+    return run(q, k, v, block_mask=block, enable_gqa=k.shape[1] != q.shape[1])
+
+
+_FLEX = []
+
+
+def _compiled_flex():
+    if not _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _FLEX[0]
+
+
+def attention_gqa(q, k, v, *, n_rep: int, causal: bool = True, window: int | None = None,
+                  positions: torch.Tensor | None = None):
     # K/V keep their kv heads: SDPA's enable_gqa reads each for its query group without copies
     gqa = n_rep > 1
+    if positions is not None:
+        if q.is_cuda:
+            return attention_documents_flex(q, k, v, positions, window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions, window), enable_gqa=gqa)
     if window is None or window >= q.shape[-2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(q.shape[-2], window, q.device),
@@ -141,13 +192,15 @@ def npu_fused_kernels() -> Kernels:
 
     def apply_rotary(q, k, cos, sin):
         # npu_rotary_mul takes 4-D cos/sin broadcastable to (B, H, T, hd), rotate-half layout.
-        c, s = cos[None, None], sin[None, None]
+        c, s = (cos, sin) if cos.dim() == 4 else (cos[None, None], sin[None, None])
         return torch_npu.npu_rotary_mul(q, c, s), torch_npu.npu_rotary_mul(k, c, s)
 
-    def attention(q, k, v, *, n_rep, causal=True, window=None):
+    def attention(q, k, v, *, n_rep, causal=True, window=None, positions=None):
         b, h, t, d = q.shape
         mask = None
-        if causal:
+        if positions is not None:  # packed documents: the explicit mask (True: masked)
+            mask = ~document_mask(positions, window)
+        elif causal:
             mask = ~allowed_keys(t, window, q.device)
         # BNSD layout; GQA handled natively (k/v carry the kv heads); sparse_mode=0 with an
         # explicit upper-triangular mask means "masked where True".

@@ -89,10 +89,15 @@ class Attention(nn.Module):
         q, k = self.kernels.apply_rotary(q, k, cos, sin)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
-        out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True, window=self.window)
+        if positions is None:
+            out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True, window=self.window)
+        else:  # packed documents: each query sees its own document only
+            out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True, window=self.window,
+                                         positions=positions)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -197,8 +202,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = None if routed else FeedForward(args.dim, args.hidden_dim)
         self.moe = MoE(args, kernels) if routed else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, positions)  # 4 inputs always (TP's input plan)
         ffn = self.moe if self.moe is not None else self.feed_forward
         return h + ffn(self.ffn_norm(h))
 
@@ -253,15 +259,23 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, loss_denom: float | None = None) -> torch.Tensor:
         """Logits (or, without ``output``, the hidden state); with ``labels``, the mean cross entropy
         instead, fused with the output projection in chunks (titan_pipe.model.loss) so the float32
-        logits never exist, unless the output weight is tensor-parallel (then from full logits)."""
+        logits never exist, unless the output weight is tensor-parallel (then from full logits).
+
+        ``positions`` (B, T): packed documents (fine-tuning): RoPE positions restart at each, and
+        attention stays inside each. Labels -100 are not learned; ``loss_denom``: the loss is the
+        sum over the other labels divided by it (the global batch's target count), not their mean."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        t = h.shape[1] * self.seq_shards
-        cos, sin = self.rope_cos[:t].to(h.dtype), self.rope_sin[:t].to(h.dtype)
+        if positions is None:
+            t = h.shape[1] * self.seq_shards
+            cos, sin = self.rope_cos[:t].to(h.dtype), self.rope_sin[:t].to(h.dtype)
+        else:  # per row: (B, 1, T, hd), broadcast over the heads
+            cos, sin = self.rope_cos[positions][:, None].to(h.dtype), self.rope_sin[positions][:, None].to(h.dtype)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if positions is None else layer(h, cos, sin, positions)
         h = self.norm(h) if self.norm is not None else h
         if labels is None:
             return self.output(h) if self.output is not None else h
@@ -270,9 +284,9 @@ class Transformer(nn.Module):
         from titan_pipe.model.loss import cross_entropy, linear_cross_entropy
 
         if isinstance(self.output.weight, DTensor) or isinstance(h, DTensor):
-            loss = cross_entropy(self.output(h), labels)
+            loss = cross_entropy(self.output(h), labels, denom=loss_denom)
         else:
-            loss = linear_cross_entropy(h, self.output.weight, labels)
+            loss = linear_cross_entropy(h, self.output.weight, labels, denom=loss_denom)
         aux = self.aux_loss()
         return loss if aux is None else loss + aux
 

@@ -32,10 +32,16 @@ STATE_KEYS = ("seed", "seq_len", "global_batch", "shuffle", "n_tokens", "tokens_
 
 @dataclass(frozen=True)
 class Batch:
-    """inputs, labels: (B_local, T) int64 on the CPU; labels are inputs shifted left by one."""
+    """inputs, labels: (B_local, T) int64 on the CPU; labels are inputs shifted left by one.
+
+    Fine-tuning batches (titan_pipe.tokens.packing) add ``positions`` (B_local, T) restarting at
+    each packed document, labels -100 where nothing is learned, and ``targets``, the labels that
+    count in the whole global batch (the loss's denominator)."""
 
     inputs: torch.Tensor
     labels: torch.Tensor
+    positions: torch.Tensor | None = None
+    targets: int | None = None
 
 
 def as_parts(data) -> list[tuple[TokenSpan, float]]:

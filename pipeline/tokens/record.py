@@ -69,6 +69,11 @@ class DataRecord:
     split: Split
     skipped_empty: int = 0  # documents with no text, left out
     shard: str | None = None  # "I/N": part I of N of the sources (data prepare --shard); None: all of them
+    records: str = "text"  # text | chat | instruction (titan_pipe.tokens.chat)
+    loss_mask: str | None = None  # chat/instruction: the mask file beside the tokens (titan_pipe.tokens.loss_mask)
+    chat_template: str | None = None  # "ORIGIN sha256:HEX" of the template the records were rendered with
+    bad_records: int = 0  # records left out (chat/instruction), at most the bound prepare was given
+    bad_examples: list = field(default_factory=list)  # the first of them: "file:line: why"
     prefix: str = PREFIX
     schema: int = SCHEMA
     format: str = field(default="megatron-indexed-dataset")

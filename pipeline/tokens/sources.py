@@ -183,6 +183,23 @@ def documents(block: Block, *, text_key: str = "text") -> list[str]:
     if block.kind == ".parquet":
         return [_parquet_value(v, block.path, block.first_line + i, text_key) for i, v in enumerate(block.payload)]
     docs = []
+    for lineno, line, record in _json_lines(block):
+        if line.count(f'"{text_key}"') > 1:  # rare: only then is the record parsed again, slowly
+            _refuse_duplicate_text(line, text_key, f"{block.path}:{lineno}")
+        docs.append(_text_field(record, text_key, f"{block.path}:{lineno}"))
+    return docs
+
+
+def records(block: Block) -> list[tuple[str, object]]:
+    """("file:line", parsed JSON value) of each non-blank line of a .jsonl block (chat and
+    instruction data); a line that is not UTF-8 JSON is an error naming it."""
+    if block.kind not in (".jsonl", ".jsonl.gz"):
+        raise UserError(f"{block.path}: chat and instruction records are read from .jsonl / .jsonl.gz files, one "
+                        "JSON object per line; convert it")
+    return [(f"{block.path}:{lineno}", record) for lineno, _, record in _json_lines(block)]
+
+
+def _json_lines(block: Block) -> Iterator[tuple[int, str, object]]:
     for lineno, raw in enumerate(block.payload.split(b"\n"), start=block.first_line):
         if len(raw) > RECORD_BYTES.hi:
             raise too_large(block.path, lineno, len(raw))
@@ -199,10 +216,7 @@ def documents(block: Block, *, text_key: str = "text") -> list[str]:
             record = json.loads(line)
         except ValueError as e:
             raise UserError(f"{block.path}:{lineno}: not valid JSON ({e}); each line must be one JSON object") from None
-        if line.count(f'"{text_key}"') > 1:  # rare: only then is the record parsed again, slowly
-            _refuse_duplicate_text(line, text_key, f"{block.path}:{lineno}")
-        docs.append(_text_field(record, text_key, f"{block.path}:{lineno}"))
-    return docs
+        yield lineno, line, record
 
 
 def iter_documents(path: Path, *, text_key: str = "text") -> Iterator[str]:

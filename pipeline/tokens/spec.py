@@ -47,6 +47,8 @@ class DataSpec:
     text_key: str
     val_fraction: float
     fraction_given: bool  # flow.yaml set data.val_fraction itself (a prepared dir's record must agree)
+    records: str = "text"  # text | chat | instruction (how raw .jsonl records are read)
+    chat_template: str = "model"
 
     def open_paths(self, prepared: Path) -> list[Path]:
         """What to open: the token data named, or ``prepared`` (the run's data dir) for raw text."""
@@ -61,8 +63,14 @@ class DataSpec:
 def data_spec(data, *, base: Path | None) -> DataSpec:
     """The DataConfig ``data`` of a flow whose relative paths are read from ``base``."""
     tokenizer = data.tokenizer if data.tokenizer == "byte" else str(resolve(data.tokenizer, base))
+    template = getattr(data, "chat_template", "model")
+    from titan_pipe.tokens.chat import BUILTIN_TEMPLATES
+
+    if template != "model" and template not in BUILTIN_TEMPLATES:  # a .jinja file, relative to the flow's dir
+        template = str(resolve(template, base))
     common = dict(tokenizer=tokenizer, text_key=data.text_key, val_fraction=data.val_fraction,
-                  fraction_given="val_fraction" in data.model_fields_set)
+                  fraction_given="val_fraction" in data.model_fields_set,
+                  records=getattr(data, "format", "text"), chat_template=template)
     blend = getattr(data, "blend", None)
     if blend:
         return DataSpec(None, tuple(resolve(b.path, base) for b in blend), tuple(b.weight for b in blend), **common)
