@@ -3,7 +3,8 @@
 A titan-pipe checkpoint names its tokenizer in manifest ``extra.tokenizer`` ("byte", or
 "tokenizer.json" beside the manifest, with every copied file's size and sha256 under
 ``extra.attached``). Any other source (a Hugging Face dir, Megatron, DCP) contributes the
-tokenizer.json / tokenizer_config.json / special_tokens_map.json found beside its weights. A model
+tokenizer.json / tokenizer_config.json / special_tokens_map.json / chat_template.jinja found beside
+its weights. A model
 trained on the byte tokenizer gets its Hugging Face form (titan_pipe.tokens.byte_hf), so
 ``AutoTokenizer.from_pretrained`` loads every converted model dir.
 """
@@ -18,8 +19,9 @@ from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
 from titan_pipe.paths import resolve_inside
 from titan_pipe.provenance import TokenizerInfo
+from titan_pipe.tokens.tokenizer import TOKENIZER_SIDE_FILES
 
-TOKENIZER_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_NAMES = ("tokenizer.json", *TOKENIZER_SIDE_FILES)
 
 
 def plan_tokenizer_files(plan: SourcePlan) -> dict[str, Path]:

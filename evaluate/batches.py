@@ -30,6 +30,9 @@ class EvalData:
     prompts: torch.Tensor  # (N, P) int64, the first P tokens of N held-out rows
     source: str  # what the text was, for the report
     tokenizer: str
+    # chat / instruction data: per batch (B, T) bool, token t is an answer token (perplexity is then
+    # over the answers only, as fine-tuning's loss); None: every token counts
+    answers: list[torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class ValidationSplit:
     text_key: str = "text"
     blend: tuple[Path, ...] = ()
     prepared: Path | None = field(default=None, compare=False)  # a cache of corpus, not another split
+    records: str = "text"  # chat / instruction data is read from its prepared copy only (rendered, masked)
 
     @classmethod
     def of_flow(cls, data, flow_dir: Path, run_dir: Path | None = None) -> "ValidationSplit":
@@ -59,7 +63,7 @@ class ValidationSplit:
         blend = spec.paths if data.blend else ()
         prepared = RunDir(Path(run_dir)).data if run_dir is not None and spec.text is not None else None
         return cls(corpus=corpus, val_fraction=data.val_fraction, text_key=data.text_key, blend=blend,
-                   prepared=prepared)
+                   prepared=prepared, records=getattr(data, "format", "text"))
 
 
 def held_out_text(*, data: Path | None, flow: FlowConfig | None, flow_dir: Path | None,
@@ -122,7 +126,16 @@ def random_eval_data(*, vocab_size: int, n_batches: int, batch_size: int, seq_le
     return EvalData(list(rows.split(batch_size)), prompts, source, "none (random token ids)")
 
 
-def _given_stream(data: Path, tok, vocab_size: int) -> tuple[np.ndarray, str]:
+def _answers(src, lo: int, n: int) -> np.ndarray | None:
+    """The loss mask of tokens [lo, lo + n) of a chat / instruction dataset (None for plain text)."""
+    if src.record is None or not src.record.loss_mask:
+        return None
+    from titan_pipe.tokens.loss_mask import open_mask
+
+    return np.asarray(open_mask(src.indexed.prefix, src.indexed.n_tokens)[lo:lo + n]).astype(bool)
+
+
+def _given_stream(data: Path, tok, vocab_size: int) -> tuple[np.ndarray, str, np.ndarray | None]:
     """--data: a text file (whole), a prepared dir (its validation documents) or a prefix (whole)."""
     from titan_pipe.tokens.corpus import load_corpus
     from titan_pipe.tokens.dataset import check_tokenizer, open_source
@@ -133,18 +146,20 @@ def _given_stream(data: Path, tok, vocab_size: int) -> tuple[np.ndarray, str]:
         raise UserError(f"--data {data}: file not found; give held-out text (.txt/.jsonl/...), a prepared data "
                         "dir or a .bin/.idx prefix, or leave it out to use the validation split of the shipped corpus")
     if not is_token_data(data):
-        return load_corpus(path=data, tokenizer=tok).tokens, str(data)
+        return load_corpus(path=data, tokenizer=tok).tokens, str(data), None
     src = open_source(data, val_fraction=0.0, fraction_given=False)
     check_tokenizer(src, tokenizer_info(tok), vocab_size=vocab_size)
     if src.record is None:
-        return src.train.read(0, len(src.train)), f"{src.path} (whole)"
+        return src.train.read(0, len(src.train)), f"{src.path} (whole)", None
     if not len(src.val):
         raise UserError(f"--data {data}: prepared with --val-fraction 0, so it holds no held-out documents; "
                         "prepare held-out text with a validation fraction, or pass a text file")
-    return src.val.read(0, len(src.val)), f"{src.path}, validation documents"
+    return (src.val.read(0, len(src.val)), f"{src.path}, validation documents",
+            _answers(src, src.val.start, len(src.val)))
 
 
-def _split_stream(split: ValidationSplit, tok, vocab_size: int, need: int) -> tuple[np.ndarray, str]:
+def _split_stream(split: ValidationSplit, tok, vocab_size: int, need: int
+                  ) -> tuple[np.ndarray, str, np.ndarray | None]:
     """The first ``need`` tokens of the validation documents of ``split``."""
     from titan_pipe.tokens.corpus import load_corpus
     from titan_pipe.tokens.dataset import open_data
@@ -159,19 +174,26 @@ def _split_stream(split: ValidationSplit, tok, vocab_size: int, need: int) -> tu
     source = f"{where}, validation split (the held-out documents, last {split.val_fraction:.0%} or more)"
     if not paths and split.prepared is not None and is_prepared(split.prepared):
         files = corpus_files(split.corpus or default_corpus())
-        if prepared_from(DataRecord.load(split.prepared), files, text_key=split.text_key,
-                         val_fraction=split.val_fraction, tokenizer=info):
+        rec = DataRecord.load(split.prepared)
+        if rec.records == split.records and prepared_from(rec, files, text_key=split.text_key,
+                                                          val_fraction=split.val_fraction, tokenizer=info):
             paths = [split.prepared]
     if paths:
         data = open_data(paths, val_fraction=split.val_fraction, fraction_given=False, tokenizer=info,
                          vocab_size=vocab_size)
-        return data.val_head(need), source
+        head = data.val_head(need)
+        only = data.sources[0] if len(data.sources) == 1 else None
+        return head, source, _answers(only, only.val.start, len(head)) if only is not None else None
     if split.corpus is not None and not Path(split.corpus).exists():
         raise UserError(f"data.path {split.corpus}: does not exist; its validation split is the held-out "
                         "text. Fix data.path or give evaluate.data / --data")
+    if split.records != "text":
+        raise UserError(f"data.path {split.corpus}: {split.records} records are read from their prepared copy "
+                        f"({split.prepared}), which is missing or older than the records; run the flow's data "
+                        "stage (or train) first, or give --data a dir made by `data prepare --format`")
     corpus = load_corpus(path=split.corpus, tokenizer=tok, text_key=split.text_key)
     val = corpus.split(split.val_fraction)[1]
-    return val.read(0, min(need, len(val))), source
+    return val.read(0, min(need, len(val))), source, None
 
 
 def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int, n_batches: int,
@@ -197,9 +219,9 @@ def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int
     tok = build_tokenizer(spec)
     need = n_batches * batch_size * seq_len
     if data is not None:
-        stream, source = _given_stream(Path(data), tok, vocab_size)
+        stream, source, answers = _given_stream(Path(data), tok, vocab_size)
     else:
-        stream, source = _split_stream(split or ValidationSplit(), tok, vocab_size, need)
+        stream, source, answers = _split_stream(split or ValidationSplit(), tok, vocab_size, need)
     if len(stream) < need:
         raise UserError(f"{source}: {len(stream)} held-out tokens, but {n_batches} batches x {batch_size} x "
                         f"{seq_len} need {need}; give more text (--data) or lower evaluate.batches/"
@@ -211,4 +233,8 @@ def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int
     batches = list(rows.split(batch_size))
     p = min(prompt_len, seq_len)
     prompts = rows[:n_prompts, :p].clone()
-    return EvalData(batches, prompts, source, spec)
+    marked = None
+    if answers is not None:  # chat data: perplexity over the answer tokens
+        marked = list(torch.from_numpy(np.ascontiguousarray(answers[:need])).view(-1, seq_len).split(batch_size))
+        source += " (answer tokens scored)"
+    return EvalData(batches, prompts, source, spec, marked)

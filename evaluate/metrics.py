@@ -300,11 +300,15 @@ def compare_tensors(ref, cand) -> TensorMetrics:
     return _compare_pairs(lambda: [pair])
 
 
-def nll_sum(logits, targets) -> tuple[float, int]:
+def nll_sum(logits, targets, keep=None) -> tuple[float, int]:
     """(sum of token NLLs, token count): logits (B, T, V) predicting targets (B, T) int, in float64;
-    parts add up, so perplexity is reduced batch by batch."""
+    parts add up, so perplexity is reduced batch by batch. ``keep`` (B, T) bool: only those targets
+    (the answers of chat data)."""
     lg = as_float64(logits).reshape(-1, np.shape(logits)[-1])
     tg = np.asarray(targets.cpu() if isinstance(targets, torch.Tensor) else targets).reshape(-1)
+    if keep is not None:
+        rows = np.asarray(keep.cpu() if isinstance(keep, torch.Tensor) else keep).reshape(-1).astype(bool)
+        lg, tg = lg[rows], tg[rows]
     m = lg.max(axis=-1, keepdims=True)
     logz = (m + np.log(np.exp(lg - m).sum(axis=-1, keepdims=True)))[:, 0]
     return float((logz - lg[np.arange(lg.shape[0]), tg]).sum()), int(tg.size)

@@ -29,21 +29,26 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
          flavour: str = typer.Option("debug", "--flavour", help="Model flavour (debug, llama3_8b, qwen3_8b, ...)"),
          devices: int = typer.Option(8, "--devices", help="with --flavour: accelerators the run will have"),
          device: str = typer.Option("ascend910b", "--device", help="with --flavour: their profile (as `plan --device`)"),
-         force: bool = typer.Option(False, "--force", help="Overwrite an existing flow.yaml")):
+         force: bool = typer.Option(False, "--force", help="Overwrite an existing flow.yaml"),
+         sft: bool = typer.Option(False, "--sft", help="a fine-tune of the released --flavour on chat data "
+                                  "(and a sample chat.jsonl beside it)")):
     """Write a commented example flow.yaml (the debug model on CPU, or a run of --flavour on --devices
-    x --device with the planner's layout) into DIRECTORY."""
+    x --device with the planner's layout; --sft: a fine-tune of it) into DIRECTORY."""
     from titan_pipe import limits
-    from titan_pipe.commands.example import example_flow
+    from titan_pipe.commands.example import SAMPLE_CHAT, example_flow, sample_chat
 
     target = directory / "flow.yaml"
     if not 1 <= devices <= limits.DEVICES.hi:
         raise typer.BadParameter(f"--devices {devices} must be 1..{limits.DEVICES.hi}")
-    text = example_flow(flavour, devices=devices, device=device)  # refused before anything is written
+    text = example_flow(flavour, devices=devices, device=device, sft=sft)  # refused before anything is written
     with faults.writing(target, what="the example flow.yaml"), path_lock(target, what="titan-pipe init"):
         if target.exists() and not force:
             raise UserError(f"{target} already exists; pass --force to overwrite it")
+        if sft and not (directory / SAMPLE_CHAT).exists():
+            write_text(directory / SAMPLE_CHAT, sample_chat())
         write_text(target, text)
-    console.print(f"wrote {target}; check it with: titan-pipe validate {target}")
+    extra = f" and {directory / SAMPLE_CHAT}" if sft else ""
+    console.print(f"wrote {target}{extra}; check it with: titan-pipe validate {target}")
 
 
 @app.command()

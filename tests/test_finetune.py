@@ -269,3 +269,25 @@ def test_fine_tuning_defaults_and_data_of_the_wrong_kind(prepared, tmp_path):
     with pytest.raises(UserError, match=r"conversations are longer than train.seq_len 16 .* --max-tokens 16"):
         training_loader(chat, sft.model_copy(update={"seq_len": 16}), dp_rank=0, dp_size=1, vocab_size=320)
     assert json.loads((out / "data.json").read_text())["records"] == "chat"
+
+
+def test_chat_data_prepared_in_parts_and_merged_equals_one_prepare(tok_dir, tmp_path):
+    """--shard I/3 of chat records, merged: tokens, index, loss mask and data.json byte for byte."""
+    from titan_pipe.training.merge import merge
+    from titan_pipe.training.prepare import Shard
+
+    write_jsonl(tmp_path / "src" / "a.jsonl", chat_records(25))
+    write_jsonl(tmp_path / "src" / "b.jsonl", chat_records(20, seed=1))
+    common = dict(tokenizer=str(tok_dir), records="chat", progress=False, val_fraction=0.1)
+    prepare(sources=[tmp_path / "src"], out_dir=tmp_path / "whole", **common)
+    parts = [prepare(sources=[tmp_path / "src"], out_dir=tmp_path / f"p{i}", shard=Shard(i, 3), **common).out_dir
+             for i in (1, 2, 3)]
+    merge(inputs=parts[::-1], out_dir=tmp_path / "merged", progress=False)
+    for name in ("tokens.bin", "tokens.idx", "tokens.lossmask", "data.json"):
+        assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    text = tmp_path / "t.jsonl"
+    text.write_text('{"text": "plain"}\n' * 3)
+    prepare(sources=[text], out_dir=tmp_path / "text", tokenizer=str(tok_dir), progress=False, val_fraction=0)
+    with pytest.raises(UserError, match="different record formats .chat vs text."):
+        merge(inputs=[tmp_path / "whole", tmp_path / "text"], out_dir=tmp_path / "bad", progress=False)
+    assert not (tmp_path / "bad").exists()

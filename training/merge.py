@@ -21,7 +21,7 @@ from titan_pipe.errors import UserError
 from titan_pipe.tokens.dataset import val_start
 from titan_pipe.tokens.indexed import IndexedTokens, IndexWriter
 from titan_pipe.tokens.record import PREFIX, DataRecord, SourceInfo, Split, is_prepared
-from titan_pipe.training.prepare import PrepareResult, Shard, prepare_key
+from titan_pipe.training.prepare import BAD_EXAMPLES, PrepareResult, Shard, prepare_key
 from titan_pipe.training.prepare import check_out_dir
 
 DOCS_PER_BLOCK = 1 << 16  # documents copied at once (their lengths and tokens)
@@ -40,6 +40,9 @@ def _refuse_mixed(dirs: list[Path], recs: list[DataRecord]) -> None:
         for what, x, y in (("tokenizers", first.tokenizer.describe() + f" ({first.tokenizer.vocab_size} ids)",
                             rec.tokenizer.describe() + f" ({rec.tokenizer.vocab_size} ids)"),
                            ("token dtypes", first.dtype, rec.dtype), ("text keys", first.text_key, rec.text_key),
+                           ("record formats", first.records, rec.records),
+                           ("chat renderings (template, special tokens or --max-tokens; keys)", first.chat_key,
+                            rec.chat_key),
                            ("validation fractions", first.split.val_fraction, rec.split.val_fraction)):
             if x != y:
                 raise UserError(f"{a} and {b} have different {what} ({x} vs {y}); merge data prepared alike")
@@ -118,7 +121,7 @@ def merge(*, inputs: list[Path], out_dir: Path, progress: bool = True) -> Prepar
     else:
         order, sources = list(range(len(dirs))), _concat_sources(dirs, recs)
     first = recs[0]
-    key = prepare_key(first.tokenizer, first.text_key, first.split.val_fraction, sources)
+    key = prepare_key(first.tokenizer, first.text_key, first.split.val_fraction, sources, chat=first.chat_key)
     tmp = temp_dir(out_dir)
     try:
         record = _write(tmp, [dirs[i] for i in order], [recs[i] for i in order], sources, key, progress=progress)
@@ -146,24 +149,33 @@ def _write(tmp: Path, dirs: list[Path], recs: list[DataRecord], sources: list[So
            progress: bool) -> DataRecord:
     from titan_pipe.training.prepare_progress import PrepareProgress
 
+    from titan_pipe.tokens.loss_mask import MaskWriter, open_mask
+
     first = recs[0]
     dtype = np.dtype(first.dtype)
     writer = IndexWriter(tmp / PREFIX, dtype)
+    masks = MaskWriter(tmp / PREFIX) if first.loss_mask else None  # chat data: the answers' mask follows
     with PrepareProgress(sum(r.n_tokens for r in recs), enabled=progress) as bar:
         try:
             for d, rec in zip(dirs, recs):
                 ds = IndexedTokens(d / rec.prefix)
                 ds.verify()
+                mask = open_mask(ds.prefix, ds.n_tokens) if masks is not None else None
                 for lo in range(0, ds.n_documents, DOCS_PER_BLOCK):
                     hi = min(ds.n_documents, lo + DOCS_PER_BLOCK)
                     starts = _doc_starts(ds, lo, hi)
                     writer.add_chunk(np.asarray(ds.tokens[int(starts[0]):int(starts[-1])]).astype(dtype, copy=False),
                                      np.diff(starts))
+                    if mask is not None:
+                        masks.add(np.asarray(mask[int(starts[0]):int(starts[-1])]))
                     bar.advance(0, int(starts[-1] - starts[0]))
             writer.finish()
         except BaseException:
             writer.abort()
             raise
+        finally:
+            if masks is not None:
+                masks.close()
     ds = IndexedTokens(tmp / PREFIX)
     where = f"the merge of {dirs[0]} ... {dirs[-1]}"
     d = val_start(ds.doc_start, ds.n_documents, ds.n_tokens, first.split.val_fraction, where=where)
@@ -172,6 +184,10 @@ def _write(tmp: Path, dirs: list[Path], recs: list[DataRecord], sources: list[So
                         dtype=first.dtype, n_tokens=ds.n_tokens, n_documents=ds.n_documents,
                         max_token_id=max(r.max_token_id for r in recs),
                         split=Split(first.split.val_fraction, d, ds.n_documents - d, cut, ds.n_tokens - cut),
-                        skipped_empty=sum(r.skipped_empty for r in recs))
+                        skipped_empty=sum(r.skipped_empty for r in recs),
+                        **({} if not first.loss_mask else dict(
+                            records=first.records, loss_mask=first.loss_mask, chat_template=first.chat_template,
+                            chat_key=first.chat_key, bad_records=sum(r.bad_records for r in recs),
+                            bad_examples=[e for r in recs for e in r.bad_examples][:BAD_EXAMPLES])))
     record.save(tmp)
     return record

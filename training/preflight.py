@@ -180,6 +180,13 @@ def corpus_problem(cfg: FlowConfig, base: Path, *, demo: bool = True) -> str | N
                       for p in spec.paths]
             for o in opened:
                 o.indexed.verify()  # the whole index, in blocks: what the reader will rely on
+            if t.mode == "sft":  # whole conversations packed into windows: the loader's own plan says
+                from titan_pipe.training.trainer import training_loader
+                from titan_pipe.tokens.dataset import TokenData
+
+                training_loader(TokenData([(o.train, 1.0) for o in opened], [o.val for o in opened], opened), t,
+                                dp_rank=0, dp_size=cfg.parallel.dp, vocab_size=None)
+                return None
             spans = [o.train for o in opened]
             short = next((s for s in spans if len(s) < need), None)
             return None if short is None else _too_small(cfg, short.name, f"{len(short):,}", need)
@@ -194,6 +201,8 @@ def _raw_text_problem(cfg: FlowConfig, spec, need: int) -> str | None:
     will when it is small and uncompressed; a larger corpus is left to the trainer's check."""
     from titan_pipe.tokens.sources import corpus_files, kind_of
 
+    if spec.records != "text":  # chat records: rendered and packed when prepared; the trainer's loader checks
+        return None
     files = corpus_files(spec.text)
     plain = all(kind_of(f) in (".txt", ".jsonl") for f in files)
     size = sum(f.stat().st_size for f in files)

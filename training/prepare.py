@@ -82,15 +82,15 @@ def shard_pieces(files: list[Path], sizes: list[int], shard: Shard | None) -> li
 
 
 def prepare_key(info: TokenizerInfo, text_key: str, val_fraction: float, sources: list[SourceInfo],
-                shard: Shard | None = None, chat: ChatSpec | None = None) -> str:
+                shard: Shard | None = None, chat: str | None = None) -> str:
     """The sha256 of everything a prepared dir depends on: the same inputs, the same key (a merge of
     all N parts gets the key of the unsharded prepare)."""
     key_doc = {"schema": 1, "tokenizer": info.fingerprint, "text_key": text_key, "val_fraction": val_fraction,
                "sources": [[s.path, s.size, s.sha256] for s in sources]}
     if shard is not None:
         key_doc["shard"] = str(shard)
-    if chat is not None:  # plain text keeps the key it always had
-        key_doc["chat"] = [chat.fmt, chat.template, sorted(chat.special), chat.max_tokens]
+    if chat is not None:  # ChatSpec.key of chat / instruction data; plain text keeps the key it always had
+        key_doc["chat"] = chat
     return hashlib.sha256(json.dumps(key_doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -211,7 +211,7 @@ def plan_prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, val_frac
     spec = str(Path(tok.path).resolve()) if info.kind != "byte" else "byte"
     pieces = shard_pieces(files, [f.stat().st_size for f in files], shard)
     infos = _source_infos(files, out_dir, read={f for f, _ in pieces} if shard is not None else None)
-    key = prepare_key(info, text_key, val_fraction, infos, shard, chat)
+    key = prepare_key(info, text_key, val_fraction, infos, shard, chat.key if chat is not None else None)
     return PreparePlan(files, infos, spec, info, text_key, val_fraction, out_dir, key, pieces, shard, chat, max_bad)
 
 
@@ -299,6 +299,18 @@ def _write(plan: PreparePlan, tmp: Path, *, workers: int, progress: bool) -> Dat
         return record
 
 
+def chat_fields(plan: PreparePlan, bad: tuple[int, list[str]]) -> dict:
+    """The record fields of chat / instruction data ({} for plain text)."""
+    if plan.chat is None:
+        return {}
+    from titan_pipe.tokens.chat import ChatTemplate
+    from titan_pipe.tokens.loss_mask import SUFFIX
+
+    sha = ChatTemplate(plan.chat.template, plan.chat.origin).sha256
+    return dict(records=plan.chat.fmt, loss_mask=f"{PREFIX}{SUFFIX}", chat_template=f"{plan.chat.origin} sha256:{sha}",
+                chat_key=plan.chat.key, bad_records=bad[0], bad_examples=list(bad[1]))
+
+
 def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, skipped: int,
             bad: tuple[int, list[str]] = (0, [])) -> DataRecord:
     where = ", ".join(str(f) for f in plan.files[:3]) + (" ..." if len(plan.files) > 3 else "")
@@ -308,7 +320,7 @@ def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, s
         split = Split(plan.val_fraction, 0, 0, 0, 0)
         record = DataRecord(key=plan.key, tokenizer=plan.info, sources=plan.sources, text_key=plan.text_key,
                             dtype=dtype, n_tokens=0, n_documents=0, max_token_id=largest, split=split,
-                            skipped_empty=skipped, shard=str(plan.shard))
+                            skipped_empty=skipped, shard=str(plan.shard), **chat_fields(plan, bad))
         record.save(ds.prefix.parent)
         return record
     if ds.n_documents == 0:
@@ -320,14 +332,7 @@ def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, s
         d = val_start(ds.doc_start, ds.n_documents, ds.n_tokens, plan.val_fraction, where=where)
         cut = ds.doc_start(d)
         split = Split(plan.val_fraction, d, ds.n_documents - d, cut, ds.n_tokens - cut)
-    chat = {}
-    if plan.chat is not None:
-        from titan_pipe.tokens.chat import ChatTemplate
-        from titan_pipe.tokens.loss_mask import SUFFIX
-
-        sha = ChatTemplate(plan.chat.template, plan.chat.origin).sha256
-        chat = dict(records=plan.chat.fmt, loss_mask=f"{PREFIX}{SUFFIX}",
-                    chat_template=f"{plan.chat.origin} sha256:{sha}", bad_records=bad[0], bad_examples=list(bad[1]))
+    chat = chat_fields(plan, bad)
     record = DataRecord(key=plan.key, tokenizer=plan.info, sources=plan.sources, text_key=plan.text_key,
                         dtype=dtype, n_tokens=ds.n_tokens, n_documents=ds.n_documents, max_token_id=largest,
                         split=split, skipped_empty=skipped, shard=str(plan.shard) if plan.shard else None, **chat)

@@ -39,6 +39,16 @@ class ChatSpec:
     special: tuple  # ((name, token), ...) the template may name
     max_tokens: int | None  # a longer conversation is a bad record (None: no limit)
 
+    @property
+    def key(self) -> str:
+        """sha256 of what the rendering depends on (a prepared dir's key includes it; data merge reads
+        it back from the parts' records)."""
+        import hashlib
+        import json
+
+        doc = [self.fmt, self.template, [list(x) for x in self.special], self.max_tokens]
+        return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
+
 
 @dataclass(frozen=True)
 class Encoded:

@@ -33,11 +33,14 @@ def compare(run: Run) -> cmp.Comparison:
 
 
 def _perplexity(run: Run, side: str) -> float:
+    """Over every next token, or for chat data over the answer tokens only."""
     total = count = 0
+    answers = run.request.data.answers
     for b, tokens in enumerate(run.request.data.batches):
-        s, n = nll_sum(run.store.get((side, "logits", None, b))[:, :-1], tokens[:, 1:])
+        keep = answers[b][:, 1:] if answers is not None else None
+        s, n = nll_sum(run.store.get((side, "logits", None, b))[:, :-1], tokens[:, 1:], keep)
         total, count = total + s, count + n
-    return math.exp(total / count)
+    return math.exp(total / count) if count else float("nan")
 
 
 def _prefill_generation(run: Run) -> torch.Tensor:

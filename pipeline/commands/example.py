@@ -39,9 +39,58 @@ def set_key(text: str, section: str | None, key: str, value, note: str | None = 
     raise KeyError(f"{section}.{key} is not in the template")
 
 
-def example_flow(flavour: str, *, devices: int = 8, device: str = "ascend910b") -> str:
+SFT_STEPS = 1000
+SAMPLE_CHAT = "chat.jsonl"  # written beside an --sft example: the record format, three conversations
+SAMPLE_RECORDS = [
+    {"messages": [{"role": "system", "content": "You answer in one sentence."},
+                  {"role": "user", "content": "What does titan-pipe do?"},
+                  {"role": "assistant", "content": "It trains a model, converts it, exports it for ATC and checks "
+                                                   "the deployed graphs against the training operators."}]},
+    {"messages": [{"role": "user", "content": "Which parallelisms does it combine?"},
+                  {"role": "assistant", "content": "Data, tensor, pipeline and expert parallelism."},
+                  {"role": "user", "content": "And for fine-tuning?"},
+                  {"role": "assistant", "content": "The same, with the loss on the answers only."}]},
+    {"messages": [{"role": "user", "content": "Where is the loss mask kept?"},
+                  {"role": "assistant", "content": "In tokens.lossmask, one byte a token beside the indexed "
+                                                   "dataset."}]},
+]
+
+
+def sample_chat() -> str:
+    """The --sft example's chat.jsonl: the record format to replace with your own data."""
+    import json
+
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in SAMPLE_RECORDS)
+
+
+def finetune_flow(text: str, flavour: str) -> str:
+    """``text`` (an example flow) turned into a fine-tune of the released ``flavour``: init_from its
+    Hugging Face dir (weights, tokenizer and chat template), chat data, train.mode sft with the
+    fine-tuning hyperparameters."""
+    model_dir = f"{flavour}-hf"
+    text = set_key(text, None, "name", f"{flavour}-sft".replace("_", "-"))
+    text = set_key(text, None, "init_from", model_dir,
+                   note=f"FILL IN: the released {flavour} Hugging Face dir (config.json, *.safetensors, tokenizer)")
+    text = set_key(text, "data", "path", SAMPLE_CHAT, note="your chat jsonl (one {\"messages\": [...]} a line)")
+    text = set_key(text, "data", "tokenizer", model_dir, note="the model's own tokenizer and chat template")
+    text = set_key(text, "data", "format", "chat")
+    text = set_key(text, "train", "mode", "sft")
+    text = set_key(text, "train", "steps", SFT_STEPS)
+    text = set_key(text, "train", "warmup_steps", round(0.03 * SFT_STEPS))
+    text = set_key(text, "train", "optimizer", {"name": "adamw", "lr": 2.0e-5, "betas": [0.9, 0.95], "eps": 1.0e-8,
+                                                "weight_decay": 0.0})
+    return ("# Fine-tuning (docs/finetune.md): put the released model's Hugging Face dir at init_from and your "
+            "chat\n# records in data.path; chat.jsonl beside this file shows the format.\n" + text)
+
+
+def example_flow(flavour: str, *, devices: int = 8, device: str = "ascend910b", sft: bool = False) -> str:
     """The template (flavour debug: the tiny example) or a run of ``flavour`` on ``devices`` x ``device``
-    with the planner's fastest layout that fits."""
+    with the planner's fastest layout that fits; ``sft``: a fine-tune of the released ``flavour``."""
+    text = _example_flow(flavour, devices=devices, device=device)
+    return finetune_flow(text, flavour) if sft else text
+
+
+def _example_flow(flavour: str, *, devices: int, device: str) -> str:
     from titan_pipe.model.args import FLAVOURS
 
     if flavour not in FLAVOURS:

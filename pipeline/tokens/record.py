@@ -72,6 +72,7 @@ class DataRecord:
     records: str = "text"  # text | chat | instruction (titan_pipe.tokens.chat)
     loss_mask: str | None = None  # chat/instruction: the mask file beside the tokens (titan_pipe.tokens.loss_mask)
     chat_template: str | None = None  # "ORIGIN sha256:HEX" of the template the records were rendered with
+    chat_key: str | None = None  # sha256 of the rendering settings (format, template, special tokens, max tokens)
     bad_records: int = 0  # records left out (chat/instruction), at most the bound prepare was given
     bad_examples: list = field(default_factory=list)  # the first of them: "file:line: why"
     prefix: str = PREFIX

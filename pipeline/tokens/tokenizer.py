@@ -136,8 +136,10 @@ def build_tokenizer(spec: str, *, base: Path | None = None) -> ByteTokenizer | H
 
 
 # What a checkpoint / converted model carries of an HF tokenizer: the tokenizer.json (always under
-# this name, so evaluate and transformers find it) and, when beside it, the files naming bos/eos.
-TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# this name, so evaluate and transformers find it) and, when beside it, the files naming bos/eos and
+# the chat template (transformers >= 4.43 saves it as chat_template.jinja, older ones inside
+# tokenizer_config.json): a fine-tuned model converts back with the template it was trained on.
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def tokenizer_files(tok: ByteTokenizer | HFTokenizer) -> dict[str, Path]:
