@@ -16,8 +16,18 @@
    and, for 10 MB, the path before this change (every rank tokenizing the text into one int64
    tensor: titan_pipe.tokens.corpus.load_corpus, which evaluation still uses for raw text).
    Target: 20 GB within 1.2x of 10 MB in start-up time and peak RSS.
+3. Chat prepare. Conversations made of the shipped corpus's paragraphs (1-3 exchanges, a system
+   message in a third), a ChatML tokenizer (the BPE above plus <|im_start|>/<|im_end|>) whose
+   tokenizer_config.json carries a chat template without {% generation %} marks (answers found by
+   rendering each turn's prefix, the slower of the two ways):
+     apply_chat_template  transformers' own: AutoTokenizer.apply_chat_template(conversations,
+                          tokenize=True) over all of them at once, N tokenizer threads: the floor
+     data prepare         --format chat, N worker processes: render, tokenize, find the answers'
+                          tokens, write tokens + loss mask
+   Target: prepare >= 0.8x apply_chat_template (conversations per second), same token count.
 
     python benchmarks/data.py [--workdir /tmp/titan-pipe-data-bench] [--mb 50] [--workers 2] [--keep]
+                              [--only throughput|startup|chat] [--chat-mb 20]
 """
 from __future__ import annotations
 
@@ -159,6 +169,81 @@ def child_startup(path: str, tokenizer: str, vocab: int, old: bool) -> dict:
             "rss_after_imports_mb": base_mb}
 
 
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def make_chat(work: Path, tokenizer: Path, mb: float, seed: int = 0) -> tuple[Path, Path]:
+    """(a chat .jsonl of about ``mb`` MB, a tokenizer dir: the BPE + ChatML specials + the template)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok_dir = work / "chat_tok"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer.from_file(str(tokenizer))
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    tok.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    from titan_pipe.tokens.sources import default_corpus
+
+    paras = [p.strip() for f in sorted(default_corpus().glob("*.txt")) for p in f.read_text().split("\n\n")
+             if len(p.strip()) > 40]
+    rng = random.Random(seed)
+    path = work / "chat" / "chat.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    size, i = 0, 0
+    with open(path, "w") as f:
+        while size < mb * 1e6:
+            msgs = [{"role": "system", "content": "Answer from the founding documents."}] if i % 3 == 0 else []
+            for _ in range(1 + i % 3):
+                msgs += [{"role": "user", "content": rng.choice(paras)[:300]},
+                         {"role": "assistant", "content": rng.choice(paras)}]
+            line = json.dumps({"messages": msgs}) + "\n"
+            f.write(line)
+            size += len(line)
+            i += 1
+    return path, tok_dir
+
+
+def child_chat_floor(jsonl: str, tok_dir: str) -> dict:
+    from transformers import AutoTokenizer
+
+    convs = [json.loads(line)["messages"] for line in open(jsonl)]
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    t0 = time.perf_counter()
+    out = tok.apply_chat_template(convs, tokenize=True)
+    ids = out["input_ids"] if not isinstance(out, list) else out
+    return {"seconds": time.perf_counter() - t0, "tokens": sum(map(len, ids)), "records": len(convs),
+            "peak_mb": _peak_self_mb()}
+
+
+def child_chat_prepare(jsonl: str, tok_dir: str, out: str, workers: int) -> dict:
+    from titan_pipe.training.prepare import prepare
+
+    t0 = time.perf_counter()
+    r = prepare(sources=[Path(jsonl)], out_dir=Path(out), tokenizer=tok_dir, workers=workers, progress=False,
+                records="chat", val_fraction=0)
+    return {"seconds": time.perf_counter() - t0, "tokens": r.record.n_tokens, "records": r.record.n_documents,
+            "peak_mb": _peak_self_mb()}
+
+
+def chat(work: Path, tokenizer: Path, mb: float, workers: int) -> None:
+    jsonl, tok_dir = make_chat(work, tokenizer, mb)
+    env = {"RAYON_NUM_THREADS": str(workers)}
+    run_child("chat_floor", jsonl, tok_dir, env=env)  # warm the page cache and the imports
+    base = run_child("chat_floor", jsonl, tok_dir, env=env)
+    shutil.rmtree(work / "chat_prepared", ignore_errors=True)
+    ours = run_child("chat_prepare", jsonl, tok_dir, work / "chat_prepared", workers)
+    assert ours["tokens"] == base["tokens"] and ours["records"] == base["records"], (ours, base)
+    print(f"\n3. chat prepare on {jsonl.stat().st_size / 1e6:.1f} MB ({base['records']:,} conversations, "
+          f"{base['tokens']:,} tokens, the same in both), {workers} worker(s), load {os.getloadavg()[0]:.2f}")
+    print(f"   {'method':<20} {'seconds':>8} {'conv/s':>8} {'tok/s':>11} {'peak MB':>8} {'ratio':>6}")
+    for name, r in (("apply_chat_template", base), ("data prepare --chat", ours)):
+        print(f"   {name:<20} {r['seconds']:8.2f} {r['records'] / r['seconds']:8,.0f} "
+              f"{r['tokens'] / r['seconds']:11,.0f} {r['peak_mb']:8.0f} {base['seconds'] / r['seconds']:6.2f}x")
+
+
 def run_child(name: str, *args, env: dict | None = None) -> dict:
     cmd = [sys.executable, __file__, "--child", name, *map(str, args)]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=3600)
@@ -213,6 +298,8 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         name, args = sys.argv[2], sys.argv[3:]
         fn = {"encode": child_encode, "prepare": lambda j, t, o, w: child_prepare(j, t, o, int(w)),
+              "chat_floor": child_chat_floor,
+              "chat_prepare": lambda j, t, o, w: child_chat_prepare(j, t, o, int(w)),
               "startup": lambda p, t, v, o: child_startup(p, t, int(v), bool(int(o)))}[name]
         print(json.dumps(fn(*args)))
         return
@@ -222,14 +309,20 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--keep", action="store_true", help="keep the work dir (40+ GB of sparse files)")
+    ap.add_argument("--only", choices=("throughput", "startup", "chat"), default=None)
+    ap.add_argument("--chat-mb", type=float, default=20.0, help="MB of chat records for the chat case")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     try:
         tokenizer = make_tokenizer(a.workdir, a.vocab)
         print(f"tokenizer: byte-level BPE, {a.vocab} ids, trained on the shipped corpus; load at start "
               f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
-        throughput(a.workdir, tokenizer, a.mb, a.workers)
-        startup(a.workdir, tokenizer, a.vocab)
+        if a.only in (None, "throughput"):
+            throughput(a.workdir, tokenizer, a.mb, a.workers)
+        if a.only in (None, "startup"):
+            startup(a.workdir, tokenizer, a.vocab)
+        if a.only in (None, "chat"):
+            chat(a.workdir, tokenizer, a.chat_mb, a.workers)
     finally:
         if not a.keep:
             shutil.rmtree(a.workdir, ignore_errors=True)

@@ -18,7 +18,7 @@ from titan_pipe.errors import UserError
 from titan_pipe.model.kernels import attention_documents_flex, attention_ref, document_mask
 from titan_pipe.model.loss import cross_entropy, linear_cross_entropy
 from titan_pipe.model.transformer import build_model
-from titan_pipe.tokens.chat import BadRecord, builtin_template, conversation, load_chat_template, token_mask
+from titan_pipe.tokens.chat import BadRecord, answer_mask, builtin_template, conversation, load_chat_template, token_mask
 from titan_pipe.tokens.dataset import open_source
 from titan_pipe.tokens.packing import DocumentLoader, pack_documents, window_row
 from titan_pipe.training.prepare import prepare
@@ -72,6 +72,7 @@ def test_the_models_template_renders_token_for_token_as_transformers(tok_dir, hf
             assert "<|im_start|>" not in text[a:b] and "user" not in text[a:b].replace(want, "")
         mask = token_mask(enc.offsets, spans)
         assert 0 < mask.sum() < len(mask)
+        assert answer_mask(enc, spans).tolist() == mask.tolist()  # prepare's O(spans) form, the same
 
 
 def test_generation_blocks_give_transformers_assistant_mask(tok_dir, hf_tok):
@@ -87,6 +88,7 @@ def test_generation_blocks_give_transformers_assistant_mask(tok_dir, hf_tok):
                                          return_assistant_tokens_mask=True)
         assert enc.ids == list(out["input_ids"])
         assert token_mask(enc.offsets, spans).tolist() == list(out["assistant_masks"])
+        assert answer_mask(enc, spans).tolist() == list(out["assistant_masks"])
 
 
 def test_instruction_records_become_a_conversation():
@@ -291,3 +293,23 @@ def test_chat_data_prepared_in_parts_and_merged_equals_one_prepare(tok_dir, tmp_
     with pytest.raises(UserError, match="different record formats .chat vs text."):
         merge(inputs=[tmp_path / "whole", tmp_path / "text"], out_dir=tmp_path / "bad", progress=False)
     assert not (tmp_path / "bad").exists()
+
+
+def test_init_sft_writes_a_fine_tune_of_the_released_flavour(tok_dir, tmp_path):
+    import yaml
+
+    r = CliRunner().invoke(app, ["init", str(tmp_path / "ex"), "--flavour", "qwen3_0.6b", "--sft"])
+    assert r.exit_code == 0, r.output
+    import shutil
+
+    raw = yaml.safe_load((tmp_path / "ex" / "flow.yaml").read_text())
+    shutil.copytree(tok_dir, tmp_path / "ex" / "qwen3_0.6b-hf")  # where the user puts the released dir
+    cfg = parse_flow(raw, base=tmp_path / "ex")
+    assert (cfg.train.mode, cfg.data.format, cfg.init_from, cfg.data.tokenizer) == ("sft", "chat", "qwen3_0.6b-hf",
+                                                                                    "qwen3_0.6b-hf")
+    assert (cfg.train.optimizer.lr, cfg.train.optimizer.weight_decay, cfg.train.warmup_steps) == (2e-5, 0.0, 30)
+    assert cfg.model.flavour == "qwen3_0.6b" and cfg.parallel.world_size == 8
+    # the sample records are chat records the model's tokenizer renders
+    out = prepare(sources=[tmp_path / "ex" / "chat.jsonl"], out_dir=tmp_path / "d", tokenizer=str(tok_dir),
+                  records="chat", progress=False, val_fraction=0)
+    assert out.record.n_documents == 3 and out.record.bad_records == 0

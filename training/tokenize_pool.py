@@ -102,7 +102,7 @@ def _encode(blocks: list[Block]) -> Encoded:
 def _encode_chat(blocks: list[Block]) -> Encoded:
     """Chat / instruction records rendered by the template, encoded in one batch, masked to their
     answers (titan_pipe.tokens.chat); records that cannot be trained on are named in ``bad``."""
-    from titan_pipe.tokens.chat import BadRecord, ChatTemplate, conversation, token_mask
+    from titan_pipe.tokens.chat import BadRecord, ChatTemplate, answer_mask, conversation
     from titan_pipe.tokens.sources import records
 
     template = ChatTemplate(_chat.template, _chat.origin, dict(_chat.special))
@@ -119,12 +119,12 @@ def _encode_chat(blocks: list[Block]) -> Encoded:
             spans.append(answer)
             wheres.append(where)
     ids, masks, lengths = [], [], []
-    for where, answer, enc in zip(wheres, spans, _tok.encode_batch_offsets(texts)):
-        ids_, offsets = enc
+    for where, answer, enc in zip(wheres, spans, _tok.encode_batch_encodings(texts)):
+        ids_ = enc.ids
         if _chat.max_tokens is not None and len(ids_) > _chat.max_tokens:
             bad.append(f"{where}: {len(ids_)} tokens, longer than the window of {_chat.max_tokens}")
             continue
-        mask = token_mask(offsets, answer)
+        mask = answer_mask(enc, answer)
         if not mask.any():
             bad.append(f"{where}: no answer token after tokenizing")
             continue

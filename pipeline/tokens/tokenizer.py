@@ -90,10 +90,10 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
-    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        """(ids, character offsets of each id) per text: special tokens in the text are matched
-        (a chat template's markers), as transformers' apply_chat_template tokenizes."""
-        return [(e.ids, e.offsets) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch_encodings(self, texts: list[str]) -> list:
+        """``tokenizers`` Encodings (ids, offsets, char_to_token) per text: special tokens in the text
+        are matched (a chat template's markers), as transformers' apply_chat_template tokenizes."""
+        return self._tok.encode_batch(texts, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
