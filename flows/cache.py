@@ -135,8 +135,9 @@ class StageInputs:
 def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict) -> StageInputs:
     """The inputs of one stage. upstream: the earlier stages' outputs by stage (flows.tasks.StageOutput,
     whose typed paths name the checkpoint, model dir and ONNX dir)."""
+    chat = {"format", "chat_template"} if cfg.data.format != "text" else set()  # text flows keep their keys
     if stage == DATA:
-        section = cfg.data.model_dump(mode="json", include={"path", "tokenizer", "text_key", "val_fraction"})
+        section = cfg.data.model_dump(mode="json", include={"path", "tokenizer", "text_key", "val_fraction", *chat})
         return StageInputs(stage, section, tuple(data_files(cfg, flow_dir)))
     if stage == "train":
         section = cfg.model_dump(mode="json", include=set(_TRAIN_SECTIONS), exclude=_TRAIN_IGNORED)
@@ -152,8 +153,8 @@ def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict)
         section = {"evaluate": cfg.evaluate.model_dump(mode="json")}
         if cfg.evaluate.data is None:  # evaluate then reads the validation split of the training data
             files = data_files(cfg, flow_dir)
-            section["split"] = cfg.data.model_dump(mode="json", include={"path", "blend", "val_fraction", "text_key"},
-                                                   exclude_none=True)
+            section["split"] = cfg.data.model_dump(mode="json", include={"path", "blend", "val_fraction", "text_key",
+                                                                         *chat}, exclude_none=True)
         else:
             files = [_resolve(cfg.evaluate.data, flow_dir)]
         files += checkpoint_files(Path(upstream["train"].paths.checkpoint))

@@ -313,3 +313,23 @@ def test_init_sft_writes_a_fine_tune_of_the_released_flavour(tok_dir, tmp_path):
     out = prepare(sources=[tmp_path / "ex" / "chat.jsonl"], out_dir=tmp_path / "d", tokenizer=str(tok_dir),
                   records="chat", progress=False, val_fraction=0)
     assert out.record.n_documents == 3 and out.record.bad_records == 0
+
+
+def test_the_flow_cache_keys_follow_the_chat_settings(tok_dir, tmp_path):
+    """A changed chat template re-runs the data stage (and evaluate's split); the tokenizer's model dir
+    is keyed by its files, the template among them; a text flow's keys are unchanged."""
+    import shutil
+
+    from titan_pipe.flows.cache import stage_inputs
+
+    shutil.copytree(tok_dir, tmp_path / "m")
+    write_jsonl(tmp_path / "c.jsonl", chat_records(4))
+    base = {"data": {"path": "c.jsonl", "tokenizer": "m", "format": "chat"}, "train": {"mode": "sft"}}
+    a = stage_inputs("data", parse_flow(base, base=tmp_path), flow_dir=tmp_path, upstream={})
+    other = dict(base, data=dict(base["data"], chat_template="chatml"))
+    b = stage_inputs("data", parse_flow(other, base=tmp_path), flow_dir=tmp_path, upstream={})
+    assert a.section != b.section and b.section["chat_template"] == "chatml"
+    assert {p.name for p in a.files} == {"c.jsonl", "tokenizer.json", "tokenizer_config.json"}
+    text = stage_inputs("data", parse_flow({"data": {"path": "c.jsonl"}}, base=tmp_path), flow_dir=tmp_path,
+                        upstream={})
+    assert set(text.section) == {"path", "tokenizer", "text_key", "val_fraction"}

@@ -57,7 +57,17 @@ class DataSpec:
     def input_files(self) -> list[Path]:
         """Every file the data depends on (raw text files or token files, and the tokenizer.json)."""
         files = corpus_files(self.text) if self.text is not None else [f for p in self.paths for f in token_files(p)]
-        return files + ([Path(self.tokenizer)] if self.tokenizer != "byte" else [])
+        if self.tokenizer != "byte":
+            tok = Path(self.tokenizer)
+            if tok.is_dir():  # a model dir: its tokenizer and the files naming its specials and chat template
+                from titan_pipe.tokens.tokenizer import TOKENIZER_SIDE_FILES
+
+                files += [f for f in (tok / n for n in ("tokenizer.json", *TOKENIZER_SIDE_FILES)) if f.is_file()]
+            else:
+                files.append(tok)
+        if self.records != "text" and Path(self.chat_template).is_file():
+            files.append(Path(self.chat_template))
+        return files
 
 
 def data_spec(data, *, base: Path | None) -> DataSpec:
