@@ -476,14 +476,14 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
 
 
 def _moe_training_problems(cfg: FlowConfig, args: ModelArgs) -> list[str]:
-    """A mixture-of-experts model trains data-parallel (dp, FSDP); what it does not combine with yet
-    (tensor and pipeline parallelism, compile, float8) is one line each."""
+    """A mixture-of-experts model trains data-, expert- and pipeline-parallel; what it does not combine
+    with yet (tensor parallelism, compile, float8) is one line each."""
     p = cfg.parallel
     if not args.moe:
         return [f"parallel.ep: {p.ep} splits a mixture of experts' experts; the model has none (n_experts: 0); "
                 "use ep: 1"] if p.ep > 1 else []
-    why = (f"a mixture-of-experts model ({args.n_experts} experts) trains with data and expert parallelism only "
-           "so far (dp, ep)")
+    why = (f"a mixture-of-experts model ({args.n_experts} experts) trains with data, expert and pipeline "
+           "parallelism so far (dp, ep, pp)")
     out = []
     if p.ep > 1:
         if p.dp % p.ep:
@@ -497,8 +497,6 @@ def _moe_training_problems(cfg: FlowConfig, args: ModelArgs) -> list[str]:
                        "experts are sharded over the dp ranks that share them); use dp_mode: fsdp")
     if p.tp > 1:
         out.append(f"parallel.tp: {p.tp}: {why}; use tp: 1")
-    if p.pp > 1:
-        out.append(f"parallel.pp: {p.pp}: {why} (the load-balancing loss spans every stage's routers); use pp: 1")
     if cfg.train.compile:
         out.append("train.compile: true: the routing has data-dependent shapes (tokens per expert), which "
                    "the block-wise compile does not take; set train.compile: false")

@@ -203,7 +203,6 @@ def test_mixtral_jitter_noise_is_refused():
 
 @pytest.mark.parametrize("section,expect", [
     ({"parallel": {"tp": 2}, "launch": {"nproc_per_node": 2}}, "parallel.tp: 2: a mixture-of-experts model"),
-    ({"parallel": {"pp": 2}, "launch": {"nproc_per_node": 2}}, "parallel.pp: 2: a mixture-of-experts model"),
     ({"train": {"compile": True}}, "train.compile: true: the routing has data-dependent shapes"),
     ({"model": {"flavour": "debug_moe", "experts_per_token": 5}}, "model.experts_per_token: 5 must be 1..n_experts=4"),
     ({"model": {"flavour": "debug_moe", "moe_hidden_dim": 48}}, "Mixtral's"),
@@ -220,6 +219,42 @@ def test_flow_yaml_refuses_what_moe_training_does_not_do(tmp_path, section, expe
     with pytest.raises(ConfigError) as e:
         parse_flow(flow, base=tmp_path)
     assert any(expect in line for line in e.value.lines), e.value.lines
+
+
+@pytest.mark.parametrize("flavour", ["debug_moe", "qwen3_dense_first"])
+def test_pipeline_stages_carry_the_routing_statistics(flavour):
+    """The model cut into two pipeline stages with carry_balance: stage 0 hands (h, assignments,
+    probability sums) to stage 1, whose load-balancing loss from them equals the whole model's, and
+    whose gradient reaches the routers of both stages as in the whole model (a dense first layer,
+    as Qwen3-MoE's mlp_only_layers makes one, included)."""
+    from titan_pipe.model.transformer import balance_loss
+    from titan_pipe.training.pipeline_parallel import build_stage_module
+
+    over = {"dense_layers": (0,)} if flavour != "debug_moe" else {}
+    args = resolve_args("debug_moe", router_aux_loss_coef=0.5, **over)
+    whole = build_model(args, seed=3)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    whole(tokens)
+    want = whole.aux_loss()
+    want.backward()
+    stages = [build_stage_module(args, ids, first=i == 0, last=i == 1, device="cpu")
+              for i, ids in enumerate([[0, 1], [2, 3]])]
+    for st in stages:
+        st.init_rope()
+        st.load_state_dict({k: v for k, v in whole.state_dict().items() if k in st.state_dict()})
+        st.carry_balance = True
+    h, assigned, prob = stages[0](tokens)
+    logits, assigned, prob = stages[1](h, assigned, prob)
+    rows = tokens.numel() * len(args.moe_layers)
+    got = args.router_aux_loss_coef * balance_loss(assigned.detach(), prob, rows, args.n_experts)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    grads = {n: p.grad for st in stages for n, p in st.named_parameters() if "router" in n}
+    assert set(grads) == {n for n, _ in whole.named_parameters() if "router" in n} and len(grads) >= 3
+    for n, p in whole.named_parameters():
+        if "router" in n:
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-8)
+            assert grads[n].abs().sum() > 0, n
 
 
 @pytest.mark.parametrize("args,family", [(MIXTRAL, "mixtral"), (QWEN3_MOE, "qwen3_moe")], ids=["mixtral", "qwen3_moe"])

@@ -137,6 +137,18 @@ MOE_RUNS = [{"name": "moe_dp2_fsdp", "flow": MOE},
 # 8 ranks: dp8 with the experts over ep4 (one each, every dp_mod_ep pair sharing them) and over ep2.
 MOE_RUNS8 = [{"name": "moe_dp8_ep4", "flow": dict(MOE, parallel={"dp": 8, "ep": 4})},
              {"name": "moe_dp8_ep2", "flow": dict(MOE, parallel={"dp": 8, "ep": 2})}]
+# A mixture of experts in a pipeline: each stage passes its routers' statistics on, the last stage
+# adds the load-balancing loss of all of them (per microbatch, over every dp rank's rows of it). A
+# large coefficient (0.5) so that a router the loss missed would show.
+MOE_PP = dict(MOE, model={"flavour": "debug_moe", "router_aux_loss_coef": 0.5})
+MOE_PP_LAYOUTS = {"moe_dp4_ep2_pp2": {"dp": 4, "ep": 2, "pp": 2, "microbatches": 2},
+                  "moe_dp4_ep4_pp2_gpipe": {"dp": 4, "ep": 4, "pp": 2, "microbatches": 2, "pp_schedule": "gpipe"},
+                  "moe_dp4_pp2_interleaved": {"dp": 4, "pp": 2, "microbatches": 2,
+                                              "pp_schedule": "interleaved_1f1b"}}
+MOE_PP_RUNS = [{"name": n, "flow": dict(MOE_PP, parallel=par)} for n, par in MOE_PP_LAYOUTS.items()] + [
+    # the ep2 pipeline's step-3 checkpoint resumed with the experts over ep4 and another schedule
+    {"name": "moe_pp_ep2_to_ep4", "flow": dict(MOE_PP, parallel=MOE_PP_LAYOUTS["moe_dp4_ep4_pp2_gpipe"]),
+     "resume": True, "copy_from": {"run": "moe_dp4_ep2_pp2", "step": 3}}]
 FAMILY_RUNS = [{"name": f"{fam}_3d", "flow": dict(flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b",
                                                        "microbatches": 2}),
                                                  model={"flavour": "debug", **over},
@@ -230,7 +242,7 @@ def world8(tmp_path_factory):
     init = {"name": "init_from_hf_qwen3", "flow": dict(FAMILY_RUNS[1]["flow"], init_from=str(work / "hf_qwen3"),
                                                       train=dict(BASE["train"], steps=1))}
     sft = [{"name": name, "flow": sft_flow(work, par)} for name, par in SFT_LAYOUTS.items()]
-    return work, launch(8, WORLD8 + FAMILY_RUNS + [init] + MOE_RUNS8 + sft, work)
+    return work, launch(8, WORLD8 + FAMILY_RUNS + [init] + MOE_RUNS8 + MOE_PP_RUNS + sft, work)
 
 
 @pytest.fixture(scope="module")
@@ -349,6 +361,23 @@ def test_moe_expert_parallel_on_8_ranks_matches_single_process(world8, moe_ref, 
     _, res = world8
     assert_close(losses(res, name), moe_ref["losses"])
     assert_close([r["grad_norm"] for r in res[name]["metrics"]], moe_ref["grad_norms"], what="grad norm")
+
+
+def test_moe_pipeline_matches_single_process(world8, tmp_path):
+    """dp4 x pp2 with the experts over ep2 (1f1b) and ep4 (gpipe), and interleaved 1F1B without ep:
+    every step's loss and grad norm equal one process whose load-balancing loss is per microbatch
+    over the dp ranks' rows of it, as the pipeline computes it; the ep2 run's checkpoint resumes with
+    the experts over ep4 on the same curve. (That every stage's routers get the loss's gradient is
+    test_moe's stage-by-stage test.)"""
+    from training_reference import reference_run
+
+    _, res = world8
+    ref = reference_run(dict(MOE_PP, parallel={"dp": 4}), base=tmp_path, microbatches=2)
+    for name in MOE_PP_LAYOUTS:
+        assert_close(losses(res, name), ref["losses"], what=name)
+        assert_close([r["grad_norm"] for r in res[name]["metrics"]], ref["grad_norms"], what=f"{name} grad norm")
+    assert [r["step"] for r in res["moe_pp_ep2_to_ep4"]["metrics"]] == [4, 5, 6]
+    assert_close(losses(res, "moe_pp_ep2_to_ep4"), ref["losses"][3:])
 
 
 @pytest.mark.parametrize("name", ["moe_fsdp_to_ddp", "moe_ep1_to_ep2", "moe_ep2_to_ddp"])

@@ -25,8 +25,19 @@ def training_loader(cfg, *, base, prepared) -> PackedLoader:
     return PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed)
 
 
-def reference_run(flow: dict, *, base) -> dict:
-    """Per-step losses and pre-clip grad norms, and the final state dict, of ``flow`` at dp=tp=pp=1."""
+def microbatch_groups(batch: int, *, dp: int, microbatches: int) -> list[list[int]]:
+    """Rows of the global batch in each pipeline microbatch: microbatch m is rows [m*b, (m+1)*b) of
+    every dp rank's slice (b = batch / dp / microbatches). A mixture of experts' load-balancing loss
+    is computed per microbatch over all dp ranks' rows of it, and averaged over the microbatches."""
+    local = batch // dp
+    b = local // microbatches
+    return [[r * local + m * b + i for r in range(dp) for i in range(b)] for m in range(microbatches)]
+
+
+def reference_run(flow: dict, *, base, microbatches: int = 1) -> dict:
+    """Per-step losses and pre-clip grad norms, and the final state dict, of ``flow`` at dp=tp=pp=1.
+    ``microbatches``: the pipeline's, when a mixture of experts' load-balancing loss is per microbatch
+    (flow's parallel.dp says how the rows are split)."""
     cfg = parse_flow(dict(flow, parallel={}), base=base)
     t, o = cfg.train, cfg.train.optimizer
     args = cfg.model.args()
@@ -46,12 +57,17 @@ def reference_run(flow: dict, *, base) -> dict:
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     losses, norms = [], []
+    groups = microbatch_groups(t.batch_size, dp=flow.get("parallel", {}).get("dp", 1),
+                               microbatches=microbatches)
     for _ in range(t.steps):
         x, y = loader.next_batch()
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        aux = model.aux_loss()  # a mixture of experts' load-balancing term (None for a dense model)
-        loss = loss if aux is None else loss + aux
+        ce, aux = 0.0, 0.0
+        for rows in groups:  # one forward per pipeline microbatch (its rows on every dp rank)
+            logits = model(x[rows])
+            ce = ce + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[rows].reshape(-1), reduction="sum")
+            term = model.aux_loss()  # a mixture of experts' load-balancing term (None for a dense model)
+            aux = aux if term is None else aux + term / len(groups)
+        loss = ce / y.numel() + aux
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))))
         opt.step()

@@ -246,12 +246,32 @@ class Trainer:
     def _setup_loss(self) -> None:
         p = self.cfg.parallel
         self.chunked_loss = resolve_loss(self.cfg.train.loss, tp=p.tp, pp=p.pp)
+        self.balance_reduce = None
         if self.args.moe and p.dp > 1:  # the load-balancing loss of the whole batch, not of each rank's part
             from titan_pipe.training.moe_balance import batch_balance
 
-            reduce = batch_balance(self.mesh["dp"].get_group(), p.dp)
+            self.balance_reduce = batch_balance(self.mesh["dp"].get_group(), p.dp)
             for module in self.model.modules:  # the stage modules under any dp wrapper
-                module.balance_reduce = reduce
+                module.balance_reduce = self.balance_reduce
+        if self.args.moe and p.pp > 1:  # each stage passes its routers' statistics on (Transformer.carry_balance)
+            for module in self.model.modules:
+                unwrap(module).carry_balance = True
+
+    def _pipeline_loss(self, out, labels: torch.Tensor) -> torch.Tensor:
+        """The loss of one microbatch on the last stage: cross entropy, plus for a mixture of experts
+        the load-balancing loss of every stage's routers from the statistics the stages carried."""
+        if not isinstance(out, tuple):
+            return loss_fn(out, labels, self.denom)
+        logits, assigned, prob = out
+        loss = loss_fn(logits, labels, self.denom)
+        a = self.args
+        if not a.router_aux_loss_coef:
+            return loss
+        from titan_pipe.model.transformer import balance_loss
+
+        rows = logits.shape[0] * logits.shape[1] * len(a.moe_layers)
+        return loss + a.router_aux_loss_coef * balance_loss(assigned.detach(), prob, rows, a.n_experts,
+                                                            self.balance_reduce)
 
     def _setup_schedule(self) -> None:
         p, plan = self.cfg.parallel, self.model.stage_plan
@@ -261,7 +281,7 @@ class Trainer:
         if p.pp > 1:
             self.schedule = build_schedule(self.model.parts, plan, schedule=p.pp_schedule, pp_mesh=self.mesh["pp"],
                                            n_microbatches=p.n_microbatches, device=self.torch_device,
-                                           loss_fn=lambda out, y: self.scaler.scale_loss(loss_fn(out, y, self.denom)))
+                                           loss_fn=lambda out, y: self.scaler.scale_loss(self._pipeline_loss(out, y)))
         self.parallel_meta = ParallelLayout(
             dp=p.dp, tp=p.tp, pp=p.pp, pp_schedule=p.pp_schedule, stages=tuple(map(tuple, plan.stages)),
             stage_ranks=tuple(stage_ranks(plan.n_stages, p.pp)), sequence_parallel=p.sequence_parallel,

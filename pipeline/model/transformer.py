@@ -225,10 +225,17 @@ def load_balancing_loss(moes: list[MoE], reduce=None) -> torch.Tensor | None:
         return None
     assigned = sum(c for c, _, _ in stats)
     prob = sum(p for _, p, _ in stats)
-    rows, scale = sum(n for _, _, n in stats), 1
+    return balance_loss(assigned, prob, sum(n for _, _, n in stats), moes[0].n_experts, reduce)
+
+
+def balance_loss(assigned: torch.Tensor, prob: torch.Tensor, rows, n_experts: int, reduce=None) -> torch.Tensor:
+    """load_balancing_loss from its statistics summed over the routing layers: top-k assignments per
+    expert, router probability summed per expert, (token, layer) rows. A pipeline carries the first
+    two from stage to stage (Transformer.carry_balance) and its last stage calls this."""
+    scale = 1
     if reduce is not None:
         assigned, prob, rows, scale = reduce(assigned, prob, rows)
-    loss = ((assigned / rows) * (prob / rows)).sum() * moes[0].n_experts
+    loss = ((assigned / rows) * (prob / rows)).sum() * n_experts
     return loss if scale == 1 else loss.detach() + scale * (loss - loss.detach())
 
 
@@ -255,19 +262,28 @@ class Transformer(nn.Module):
         # Set by the trainer under data parallelism: the batch-wide statistics of the load-balancing
         # loss (load_balancing_loss's ``reduce``).
         self.balance_reduce = None
+        # Set by the trainer on the stages of a pipeline of a mixture of experts: forward takes and
+        # returns the routing statistics so far (assignments, probability sums per expert) beside the
+        # hidden state, so the last stage computes the load-balancing loss of every stage's routers
+        # and its gradient flows back to each (balance_loss).
+        self.carry_balance = False
         cos, sin = rope_cos_sin(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, loss_denom: float | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *carry: torch.Tensor, labels: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, loss_denom: float | None = None):
         """Logits (or, without ``output``, the hidden state); with ``labels``, the mean cross entropy
         instead, fused with the output projection in chunks (titan_pipe.model.loss) so the float32
         logits never exist, unless the output weight is tensor-parallel (then from full logits).
 
         ``positions`` (B, T): packed documents (fine-tuning): RoPE positions restart at each, and
         attention stays inside each. Labels -100 are not learned; ``loss_denom``: the loss is the
-        sum over the other labels divided by it (the global batch's target count), not their mean."""
+        sum over the other labels divided by it (the global batch's target count), not their mean.
+
+        With ``carry_balance`` (a pipeline stage of a mixture of experts): ``carry`` is the routing
+        statistics of the stages before (none on the first) and the result is (logits or hidden
+        state, assignments, probability sums) with this stage's routers' added."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             t = h.shape[1] * self.seq_shards
@@ -277,6 +293,8 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, cos, sin) if positions is None else layer(h, cos, sin, positions)
         h = self.norm(h) if self.norm is not None else h
+        if self.carry_balance:
+            return (self.output(h) if self.output is not None else h, *self._carried(carry, h))
         if labels is None:
             return self.output(h) if self.output is not None else h
         from torch.distributed.tensor import DTensor
@@ -289,6 +307,16 @@ class Transformer(nn.Module):
             loss = linear_cross_entropy(h, self.output.weight, labels, denom=loss_denom)
         aux = self.aux_loss()
         return loss if aux is None else loss + aux
+
+    def _carried(self, carry: tuple, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing statistics so far (``carry``, zeros on the first stage) plus this stage's."""
+        assigned, prob = carry if carry else (torch.zeros(self.args.n_experts, device=h.device),
+                                              torch.zeros(self.args.n_experts, device=h.device))
+        for layer in self.layers.values():
+            if layer.moe is not None and layer.moe.balance is not None:
+                assigned = assigned + layer.moe.balance[0]
+                prob = prob + layer.moe.balance[1]
+        return assigned, prob
 
     def aux_loss(self) -> torch.Tensor | None:
         """The weighted load-balancing loss of the last forward (router_aux_loss_coef x
