@@ -156,8 +156,10 @@ def fused_qkv(sd: dict, args: ModelArgs, i: int, kind: str) -> torch.Tensor:
 
 
 def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *,
-                  fused_norms: bool, padded: int) -> OrderedDict:
-    """The 'model' dict of megatron-core's GPTModel on tp rank t, pp rank p."""
+                  fused_norms: bool, padded: int, e: int = 0, ep: int = 1) -> OrderedDict:
+    """The 'model' dict of megatron-core's GPTModel on tp rank t, pp rank p (and, for a mixture of
+    experts, ep rank e of ep: its E/ep local experts, each SequentialMLP expert's fc1 [gate; up] and
+    fc2 split over tp as the dense MLP's)."""
     ngl = args.kv_heads // tp
     per = args.n_layers // pp
     g = torch.Generator().manual_seed(99)
@@ -189,6 +191,16 @@ def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *
             out[L + "mlp.linear_fc1.layer_norm_weight"] = sd[f"layers.{i}.ffn_norm.weight"].clone()
         else:
             out[L + "pre_mlp_layernorm.weight"] = sd[f"layers.{i}.ffn_norm.weight"].clone()
+        if args.is_moe_layer(i):
+            out[L + "mlp.router.weight"] = sd[f"layers.{i}.moe.router.gate.weight"].clone()
+            per_rank = args.n_experts // ep
+            for j in range(per_rank):
+                x = e * per_rank + j
+                E = f"{L}mlp.experts.local_experts.{j}."
+                out[E + "linear_fc1.weight"] = torch.cat([sd[f"layers.{i}.moe.experts.w1"][x].chunk(tp)[t],
+                                                          sd[f"layers.{i}.moe.experts.w3"][x].chunk(tp)[t]]).clone()
+                out[E + "linear_fc2.weight"] = sd[f"layers.{i}.moe.experts.w2"][x].chunk(tp, 1)[t].clone()
+            continue
         out[L + "mlp.linear_fc1.weight"] = torch.cat([sd[f"layers.{i}.feed_forward.w1.weight"].chunk(tp)[t],
                                                       sd[f"layers.{i}.feed_forward.w3.weight"].chunk(tp)[t]]).clone()
         out[L + "mlp.linear_fc2.weight"] = sd[f"layers.{i}.feed_forward.w2.weight"].chunk(tp, 1)[t].clone()
@@ -227,7 +239,7 @@ def write_megatron(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp: int
 
 def megatron_args(args: ModelArgs, *, tp: int, pp: int, padded: int, divisible_by: int = 128,
                   vpp: int | None = None, with_vocab: bool = True,
-                  ckpt_format: str | None = "torch_dist") -> argparse.Namespace:
+                  ckpt_format: str | None = "torch_dist", ep: int = 1) -> argparse.Namespace:
     """The model part of Megatron-LM's saved ``args`` (``ckpt_format=None``: the legacy layout's, which
     predates that field and virtual pipeline stages)."""
     ns = argparse.Namespace(
@@ -241,6 +253,12 @@ def megatron_args(args: ModelArgs, *, tp: int, pp: int, padded: int, divisible_b
         params_dtype=torch.float32, bf16=False, attention_backend=_megatron_attn_backend().auto,
         transformer_impl="transformer_engine", add_qkv_bias=args.qkv_bias, qk_layernorm=args.qk_norm,
         num_layers_per_virtual_pipeline_stage=args.n_layers // pp // vpp if vpp else None)
+    if args.moe:  # Megatron-LM's MoE arguments (moe_layer_freq as the list --moe-layer-freq parses into)
+        ns.num_experts, ns.moe_router_topk, ns.moe_ffn_hidden_size = args.n_experts, args.experts_per_token, args.expert_dim
+        ns.moe_layer_freq = [int(args.is_moe_layer(i)) for i in range(args.n_layers)]
+        ns.moe_router_pre_softmax, ns.moe_aux_loss_coeff = not args.router_norm_topk, args.router_aux_loss_coef
+        ns.moe_grouped_gemm, ns.moe_token_dispatcher_type, ns.moe_router_score_function = False, "allgather", "softmax"
+        ns.expert_model_parallel_size = ep
     if ckpt_format is not None:
         ns.ckpt_format, ns.virtual_pipeline_model_parallel_size = ckpt_format, vpp
     if with_vocab:

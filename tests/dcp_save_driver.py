@@ -15,6 +15,8 @@ Writes into OUT (argv[1]):
                               args/iteration in common.pt, 'model0'/'model1' sharded); else
                               megatron_skipped.txt with the import error
   megatron_qwen2/             the same for a Qwen2-style model (add_qkv_bias=True: linear_qkv.bias)
+  megatron_moe/               a Qwen3-MoE-shaped megatron-core GPTModel (a dense layer, then MoE layers of
+                              SequentialMLP experts) at tp 2 x ep 2, saved the same way
 """
 from __future__ import annotations
 
@@ -95,6 +97,7 @@ def main(out: Path) -> None:
     dist.barrier()
     try:
         save_megatron(out, rank)
+        save_megatron_moe(out, rank)
     except Exception as e:  # a megatron-core that cannot save on CPU: the test skips, saying why
         (out / "megatron_skipped.txt").write_text(f"megatron-core save failed on rank {rank}: "
                                                    f"{type(e).__name__}: {e}")
@@ -129,6 +132,52 @@ def save_megatron(out: Path, rank: int, tp: int = 2, pp: int = 2, vpp: int = 2) 
                                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32)
         _save_gpt(out / name, rank, cfg, args, tp, pp, vpp)
+
+
+MOE_ARGS = dict(n_experts=4, experts_per_token=2, moe_hidden_dim=48, dense_layers=(0,), qk_norm=True, head_dim=16,
+                router_aux_loss_coef=0.01)  # Qwen3-MoE-shaped: q/k norms, narrower experts, a dense first layer
+
+
+def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2) -> None:
+    """megatron-core's own MoE GPTModel (its decoder block spec: a dense layer, then MoELayers of
+    SequentialMLP experts) at tp 2 x ep 2, native_state's weights loaded, saved by dist_checkpointing."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from convert_writers import megatron_args, megatron_rank
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    args = model_args(**MOE_ARGS)
+    cfg = TransformerConfig(num_layers=args.n_layers, hidden_size=args.dim, ffn_hidden_size=args.hidden_dim,
+                            num_attention_heads=args.n_heads, num_query_groups=args.kv_heads, kv_channels=args.head_dim,
+                            use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu,
+                            normalization="RMSNorm", add_bias_linear=False, layernorm_epsilon=args.norm_eps,
+                            qk_layernorm=True, num_moe_experts=args.n_experts, moe_router_topk=args.experts_per_token,
+                            moe_ffn_hidden_size=args.expert_dim, moe_token_dispatcher_type="allgather",
+                            moe_layer_freq=[int(args.is_moe_layer(i)) for i in range(args.n_layers)],
+                            moe_grouped_gemm=False, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                            pipeline_dtype=torch.float32)
+    padded = 512
+    m = GPTModel(config=cfg, transformer_layer_spec=get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
+                 vocab_size=padded, max_sequence_length=args.max_seq_len, pre_process=True, post_process=True,
+                 share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                 rotary_base=int(args.rope_theta))
+    t, e = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
+    local = megatron_rank(native_state(args), args, t, 0, tp, 1, fused_norms=False, padded=padded, e=e, ep=ep)
+    missing, unexpected = m.load_state_dict({k: x for k, x in local.items() if x is not None}, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    ckpt = out / "megatron_moe"
+    state = {"args": megatron_args(args, tp=tp, pp=1, padded=padded, ep=ep), "iteration": 50,
+             "checkpoint_version": 3.0, "model": m.sharded_state_dict()}
+    if rank == 0:
+        (ckpt / "iter_0000050").mkdir(parents=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(state, str(ckpt / "iter_0000050"))
+    if rank == 0:
+        (ckpt / "latest_checkpointed_iteration.txt").write_text("50")
 
 
 def _save_gpt(ckpt: Path, rank: int, cfg, args, tp: int, pp: int, vpp: int) -> None:

@@ -213,6 +213,7 @@ def test_a_document_never_sees_another():
     torch.testing.assert_close(a[:, 10:18], alone, rtol=0, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("window", [None, 5])
 def test_flex_attention_equals_the_masked_reference(window):
     """The CUDA path (flex attention's block mask) against SDPA with the document mask, forward on

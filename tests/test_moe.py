@@ -420,3 +420,29 @@ def test_a_torchtitan_moe_dcp_checkpoint_converts(tmp_path):
     convert_checkpoint(dcp_dir, tmp_path / "out", ConvertConfig(source_config=tmp_path / "hf" / "config.json"))
     want, got = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_megatron_moe_arguments_read_strictly(tmp_path):
+    """Megatron-LM's MoE arguments as ModelArgs (moe_layer_freq as a step or a 0/1 list, the top-k
+    renormalized unless moe_router_pre_softmax), and what the model cannot compute one line each."""
+    from convert_writers import megatron_args, model_args
+    from titan_pipe.convert.readers.megatron.common import model_args as from_megatron
+
+    args = model_args(n_experts=4, experts_per_token=2, moe_hidden_dim=48, dense_layers=(0,), qk_norm=True,
+                      head_dim=16, router_aux_loss_coef=0.01)
+    ns = megatron_args(args, tp=2, pp=1, padded=512)
+    got = from_megatron(ns, 320, tmp_path)
+    assert (got.n_experts, got.experts_per_token, got.expert_dim, got.moe_layers, got.router_norm_topk,
+            got.router_aux_loss_coef) == (4, 2, 48, (1, 2, 3), True, 0.01)
+    ns.moe_layer_freq, ns.moe_router_pre_softmax = 2, True
+    got = from_megatron(ns, 320, tmp_path)
+    assert got.moe_layers == (0, 2) and got.dense_layers == (1, 3) and not got.router_norm_topk
+    for key, value, expect in [("moe_shared_expert_intermediate_size", 64, "shared experts"),
+                               ("moe_router_score_function", "sigmoid", "moe_router_score_function='sigmoid'"),
+                               ("moe_router_enable_expert_bias", True, "router expert biases"),
+                               ("moe_layer_freq", [1, 1], "lists 2 layers, num_layers is 4"),
+                               ("moe_layer_freq", "every", "neither a layer step nor a list")]:
+        bad = megatron_args(args, tp=2, pp=1, padded=512)
+        setattr(bad, key, value)
+        with pytest.raises(UserError, match=expect):
+            from_megatron(bad, 320, tmp_path)

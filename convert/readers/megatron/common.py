@@ -184,8 +184,16 @@ def _refuse_architecture(a, root: Path) -> None:
     need(getattr(a, "normalization", "RMSNorm") == "RMSNorm", f"use normalization={getattr(a, 'normalization', None)!r}")
     need(getattr(a, "position_embedding_type", "rope") == "rope",
          f"use position_embedding_type={getattr(a, 'position_embedding_type', None)!r}")
-    need(not arg(a, "num_experts", INT, root, default=None, bound=Bound(0, 1 << 20)),
-         f"have num_experts={getattr(a, 'num_experts', None)} (mixture of experts)")
+    if arg(a, "num_experts", INT, root, default=None, bound=limits.EXPERTS):  # a mixture of experts: Mixtral's
+        # or Qwen3-MoE's router and experts (titan_pipe.model.families), nothing else
+        need(getattr(a, "moe_router_score_function", "softmax") == "softmax",
+             f"route with moe_router_score_function={getattr(a, 'moe_router_score_function', None)!r} (only softmax)")
+        need(getattr(a, "moe_router_topk_scaling_factor", None) in (None, 1.0),
+             f"scale the top-k weights (moe_router_topk_scaling_factor={getattr(a, 'moe_router_topk_scaling_factor', None)})")
+        need(not getattr(a, "moe_shared_expert_intermediate_size", None),
+             "have shared experts (moe_shared_expert_intermediate_size)")
+        need(not getattr(a, "moe_router_enable_expert_bias", False), "have router expert biases (DeepSeek-V3 style)")
+        need(not getattr(a, "moe_router_num_groups", None), "route by groups (moe_router_num_groups)")
 
 
 def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelArgs:
@@ -212,8 +220,39 @@ def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelA
                      rope_scaling=scaling, max_seq_len=positions,
                      tie_embeddings=not arg(a, "untie_embeddings_and_output_weights", BOOL, root, default=False),
                      qkv_bias=arg(a, "add_qkv_bias", BOOL, root, default=False),
-                     qk_norm=arg(a, "qk_layernorm", BOOL, root, default=False), sliding_window=_window(a, root))
+                     qk_norm=arg(a, "qk_layernorm", BOOL, root, default=False), sliding_window=_window(a, root),
+                     **_moe_fields(a, root))
     return validate_args(args, source=f"{root}: Megatron args")
+
+
+def _moe_fields(a, root: Path) -> dict:
+    """ModelArgs' mixture-of-experts fields from Megatron's MoE args ({} for a dense model).
+
+    ``moe_layer_freq`` k routes layers 0, k, 2k, ... (a list: 1 routes, 0 keeps the dense MLP): the
+    others are ``dense_layers``. ``moe_router_pre_softmax`` false (the default: softmax over the
+    top-k logits) is the top-k renormalized; true is the softmax over all experts, not renormalized."""
+    n = arg(a, "num_experts", INT, root, default=None, bound=limits.EXPERTS)
+    if not n:
+        return {}
+    layers = arg(a, "num_layers", INT, root, bound=limits.LAYERS)
+    freq = getattr(a, "moe_layer_freq", 1)
+    if isinstance(freq, bool) or not (isinstance(freq, int) or (isinstance(freq, (list, tuple))
+                                                                and all(x in (0, 1) for x in freq))):
+        raise UserError(f"{root}: Megatron args moe_layer_freq {freq!r} is neither a layer step nor a list of 0/1 "
+                        "per layer; re-save the checkpoint from Megatron-LM")
+    if isinstance(freq, int):
+        routed = [i % freq == 0 for i in range(layers)] if freq >= 1 else [False] * layers
+    else:
+        routed = [bool(x) for x in freq]
+        if len(routed) != layers:
+            raise UserError(f"{root}: Megatron args moe_layer_freq lists {len(routed)} layers, num_layers is {layers}")
+    return {"n_experts": n,
+            "experts_per_token": arg(a, "moe_router_topk", INT, root, default=2, bound=limits.EXPERTS),
+            "moe_hidden_dim": arg(a, "moe_ffn_hidden_size", INT, root, default=None, bound=limits.FFN),
+            "dense_layers": tuple(i for i, r in enumerate(routed) if not r),
+            "router_norm_topk": not arg(a, "moe_router_pre_softmax", BOOL, root, default=False),
+            "router_aux_loss_coef": arg(a, "moe_aux_loss_coeff", FLOAT, root, default=0.0,
+                                        bound=Bound(0.0, 1e3))}
 
 
 def rope_rows(a, args: ModelArgs, root: Path) -> int | None:
@@ -268,6 +307,20 @@ def defuse_fc1(args: ModelArgs, gid: int, file: str, key: str,
             if b > a:
                 yield layer_name(gid, parts[part]), Read(file, key, _rows(src + a - dst, b - a, (dim,)),
                                                          _rows(a - lo, b - a, (dim,)))
+
+
+def defuse_expert_fc1(args: ModelArgs, gid: int, file: str, key: str, offs: tuple[int, ...],
+                      lens: tuple[int, ...]) -> Iterator[tuple[str, Read]]:
+    """Reads of a stored piece (box ``offs``/``lens``) of a routing layer's experts' linear_fc1,
+    (n_experts, [gate; up] rows, dim): the gate rows go to moe.experts.w1, the up rows to w3."""
+    ffn, parts = args.expert_dim, fused_parts("expert_fc1")
+    e0, r0, c0 = offs
+    ne, nr, nc = lens
+    for part, lo in (("gate", 0), ("up", ffn)):
+        a, b = max(r0, lo), min(r0 + nr, lo + ffn)
+        if b > a:
+            yield layer_name(gid, parts[part]), Read(file, key, Box((0, a - r0, 0), (ne, b - a, nc)),
+                                                     Box((e0, a - lo, c0), (ne, b - a, nc)))
 
 
 def vocab_read(args: ModelArgs, file: str, key: str, row: int, n: int) -> Read | None:

@@ -14,6 +14,11 @@ chunks of *global* tensors, so TP, PP and virtual-PP need no rank arithmetic her
   heads, k head, v head), de-fused as for the legacy format (common.py);
 - ``mlp.linear_fc1.weight`` (SwiGLU) is stored as [gate; up] of the whole FFN: rows < ffn go to
   w1, the rest to w3;
+- a mixture of experts' routing layer (megatron-core's MoELayer, sequential or grouped experts:
+  both save the same keys) holds ``mlp.router.weight`` (experts, dim) and its experts as
+  ``mlp.experts.experts.linear_fc1.weight`` (experts, [gate; up], dim) and ``...linear_fc2.weight``
+  (experts, dim, ffn), the expert index an axis of its own (chunks per expert, per tp split, per
+  ep rank): they read into the stacked moe.experts.w1/w3/w2;
 - the vocabulary is padded; rows past the true size (``args.vocab_size``, ``--vocab-size`` or a
   tokenizer.json) are not read.
 ``common.pt`` is loaded with ``weights_only=True`` under common.py's allow-list
@@ -29,7 +34,8 @@ from pathlib import Path
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers import dcp
-from titan_pipe.convert.readers.megatron.common import (FORMAT, Reads, arg, defuse_fc1, defuse_qkv, fused_group,
+from titan_pipe.convert.readers.megatron.common import (FORMAT, Reads, arg, defuse_expert_fc1, defuse_fc1,
+                                                        defuse_qkv, fused_group,
                                                         iter_dir, iteration, load_pickle, model_args, qkv_group_rows,
                                                         rope_rows, tensor_plans, true_vocab, vocab_read)
 from titan_pipe.safetensors_header import StoredTensor
@@ -164,7 +170,9 @@ def _plan_piece(acc: _Plan, args: ModelArgs, name: str, file: str, key: str, off
         acc.add(name, read, dtype)
         return
     group, gid = fused
-    if group == "fc1":  # rows: [gate; up] of the whole FFN
+    if group == "expert_fc1":  # (experts, [gate; up] rows, dim)
+        reads = defuse_expert_fc1(args, gid, file, key, offs, lens)
+    elif group == "fc1":  # rows: [gate; up] of the whole FFN
         reads = defuse_fc1(args, gid, file, key, [(0, offs[0], lens[0])])
     else:  # rows: query groups in global order, each q heads | k | v
         rows = qkv_group_rows(args)
