@@ -212,27 +212,27 @@ def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *
 
 def write_megatron(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp: int = 2,
                    fused_norms: bool = True, iteration: int = 50, with_vocab: bool = True,
-                   divisible_by: int = 128) -> Path:
-    """iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt + latest_checkpointed_iteration.txt."""
+                   divisible_by: int = 128, ep: int = 1) -> Path:
+    """iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt + latest_checkpointed_iteration.txt, as
+    Megatron-LM's get_checkpoint_name names them (the pp rank when pp > 1, the ep rank when ep > 1)."""
     multiple = divisible_by * tp
     padded = -(-args.vocab_size // multiple) * multiple
     ns = megatron_args(args, tp=tp, pp=pp, padded=padded, divisible_by=divisible_by, with_vocab=with_vocab,
-                       ckpt_format=None)
+                       ckpt_format=None, ep=ep)
     it = out / f"iter_{iteration:07d}"
-    for t in range(tp):
-        for p in range(pp):
-            d = it / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else ""))
-            d.mkdir(parents=True)
-            model = megatron_rank(sd, args, t, p, tp, pp, fused_norms=fused_norms, padded=padded)
-            ckpt = {"args": ns, "checkpoint_version": 3.0, "iteration": iteration, "model": model,
-                    "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]}},
-                    "opt_param_scheduler": {"num_steps": iteration},
-                    "rng_state": [{"random_rng_state": random.getstate(),
-                                   "np_rng_state": np.random.get_state(),
-                                   "torch_rng_state": torch.get_rng_state(),
-                                   "rng_tracker_states": {}}],
-                    "num_floating_point_operations_so_far": 0}
-            torch.save(ckpt, d / "model_optim_rng.pt")
+    for t, p, e in ((t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)):
+        d = it / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else ""))
+        d.mkdir(parents=True)
+        model = megatron_rank(sd, args, t, p, tp, pp, fused_norms=fused_norms, padded=padded, e=e, ep=ep)
+        ckpt = {"args": ns, "checkpoint_version": 3.0, "iteration": iteration, "model": model,
+                "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]}},
+                "opt_param_scheduler": {"num_steps": iteration},
+                "rng_state": [{"random_rng_state": random.getstate(),
+                               "np_rng_state": np.random.get_state(),
+                               "torch_rng_state": torch.get_rng_state(),
+                               "rng_tracker_states": {}}],
+                "num_floating_point_operations_so_far": 0}
+        torch.save(ckpt, d / "model_optim_rng.pt")
     (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return out
 

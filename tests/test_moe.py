@@ -446,3 +446,42 @@ def test_megatron_moe_arguments_read_strictly(tmp_path):
         setattr(bad, key, value)
         with pytest.raises(UserError, match=expect):
             from_megatron(bad, 320, tmp_path)
+
+
+@pytest.mark.parametrize("tp,pp,ep", [(2, 2, 2), (1, 1, 2), (2, 1, 1)])
+def test_legacy_megatron_moe_rank_files_convert_bit_exactly(tmp_path, tp, pp, ep):
+    """Megatron-LM's legacy per-rank files of a mixture of experts (mp_rank_TT[_PPP][_EEE]: with pp 1
+    the single suffix is the ep rank), each ep rank holding its SequentialMLP experts as
+    local_experts.N: the stacked experts, the router and the rest read back bit for bit."""
+    from convert_writers import model_args, native_state, write_megatron
+    from safetensors.torch import load_file
+
+    from titan_pipe.config import ConvertConfig
+    from titan_pipe.convert.api import convert_checkpoint
+
+    args = model_args(n_experts=4, experts_per_token=2, moe_hidden_dim=48, dense_layers=(0,), qk_norm=True,
+                      head_dim=16, router_aux_loss_coef=0.01)
+    sd = native_state(args)
+    src = write_megatron(sd, args, tmp_path / "src", tp=tp, pp=pp, ep=ep, fused_norms=False)
+    dirs = sorted(p.name for p in (src / "iter_0000050").iterdir())
+    assert len(dirs) == tp * pp * ep and (ep == 1 or dirs[1].endswith("_001"))
+    convert_checkpoint(src, tmp_path / "out", ConvertConfig(naming="native"))
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(got) == set(sd)
+    for k, v in sd.items():
+        assert torch.equal(got[k].view(torch.uint8), v.contiguous().view(torch.uint8)), k
+
+
+def test_legacy_megatron_moe_missing_ep_rank_is_one_line(tmp_path):
+    import shutil
+
+    from convert_writers import model_args, native_state, write_megatron
+
+    from titan_pipe.convert.api import convert_checkpoint
+
+    args = model_args(n_experts=4, experts_per_token=2, qk_norm=True, moe_hidden_dim=48, head_dim=16)
+    src = write_megatron(native_state(args), args, tmp_path / "src", tp=1, pp=1, ep=2, fused_norms=False)
+    shutil.rmtree(src / "iter_0000050" / "mp_rank_00_001")
+    with pytest.raises(UserError, match=r"args say tp=1 pp=1 ep=2 but rank dirs \['mp_rank_00_001'\] are missing"):
+        convert_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

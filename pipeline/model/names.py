@@ -109,6 +109,25 @@ MEGATRON_TO_NATIVE: tuple[tuple[str, str], ...] = tuple(dict.fromkeys((
 _M2N = [(_compile(m), n) for m, n in MEGATRON_TO_NATIVE]
 
 
+# Megatron-LM's legacy rank files keep each SequentialMLP expert of the rank as a module of its own
+# (``local_experts.{e}``, e local to the ep rank) where dist checkpoints stack them ("experts.experts.").
+_M2N_LOCAL_EXPERT = [(_compile("decoder.layers.{i}." + m.replace("experts.experts.", "experts.local_experts.{e}.")),
+                      f"<{p.fused[0]}>" if p.fused else f"{LAYER_PREFIX}{{i}}.{p.name}")
+                     for p in LAYER_PARAMS if p.expert for m in p.megatron]
+
+
+def megatron_local_expert(name: str, layer_offset: int) -> tuple[str, int] | None:
+    """(native stacked name, or '<expert_fc1>:gid', and the expert's index local to its ep rank) of a
+    legacy Megatron expert key (``decoder.layers.3.mlp.experts.local_experts.1.linear_fc2.weight``);
+    None for any other key."""
+    for rx, target in _M2N_LOCAL_EXPERT:
+        m = rx.match(name)
+        if m:
+            gid = int(m["i"]) + layer_offset
+            return (f"{target}:{gid}" if target.startswith("<") else target.format(i=gid)), int(m["e"])
+    return None
+
+
 def megatron_to_native(name: str, layer_offset: int) -> str | None:
     """Native name (or '<qkv>'/'<fc1>' with the global layer id: '<qkv>:5') of a Megatron key.
 

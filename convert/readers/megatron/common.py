@@ -35,7 +35,9 @@ from titan_pipe.values import BOOL, FLOAT, INT, REQUIRED, read
 
 FORMAT = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"
-RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+# mp_rank_TT, then _PPP when pp > 1, then _EEE when ep > 1 (which of the two a single suffix is, the
+# args say: legacy.rank_coords)
+RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 
 class MegatronEnum:

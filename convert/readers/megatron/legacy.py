@@ -1,7 +1,7 @@
 """Reader for Megatron-LM legacy checkpoints of megatron-core GPT/LLaMA models (one pickle per rank).
 
-Tree: ``latest_checkpointed_iteration.txt`` + ``iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt``
-(TT: tp rank, PPP: pp rank when pp > 1). Each file is opened with
+Tree: ``latest_checkpointed_iteration.txt`` + ``iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``
+(TT: tp rank, PPP: pp rank when pp > 1, EEE: expert-parallel rank when ep > 1). Each file is opened with
 ``torch.load(weights_only=True, mmap=True)`` and the allow-list of common.py -- never a plain
 unpickle -- one rank file at a time as the plan reaches it.
 
@@ -12,7 +12,11 @@ Per rank file (the de-fusion itself: common.py):
 - ``linear_proj`` / ``linear_fc2`` (row-parallel) hold the rank's columns;
 - layer norms (fused into the linear layers as ``layer_norm_weight``, or standalone) and q/k
   layernorms are replicated over tp: read from tp rank 0;
-- layer indices are local to each pipeline stage: global id = stage's first layer + local id.
+- layer indices are local to each pipeline stage: global id = stage's first layer + local id;
+- a mixture of experts: each ep rank's file holds its E/ep SequentialMLP experts as
+  ``mlp.experts.local_experts.{j}.linear_fc1/fc2`` (global expert = ep rank x E/ep + j; fc1 its
+  gate slice then its up slice, fc2 its columns, as the dense MLP's), and a copy of everything
+  else (read from ep rank 0; the router, replicated, from tp rank 0 too).
 """
 from __future__ import annotations
 
@@ -35,8 +39,8 @@ from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.values import INT
 from titan_pipe.model.args import ModelArgs, check_fits
-from titan_pipe.model.names import megatron_to_native
-from titan_pipe.model.params import param_of
+from titan_pipe.model.names import megatron_local_expert, megatron_to_native
+from titan_pipe.model.params import fused_parts, layer_name, param_of
 from titan_pipe.paths import resolve_inside
 
 FILE = "model_optim_rng.pt"
@@ -47,15 +51,32 @@ def load_rank_file(path: Path) -> dict:
     return load_pickle(path, missing="copy the complete checkpoint", mmap=True)
 
 
-def rank_files(it_dir: Path) -> dict[tuple[int, int], str]:
-    """(tp rank, pp rank) -> file relative to the iteration dir."""
+def rank_files(it_dir: Path) -> dict[tuple[int, ...], str]:
+    """The numbers of each rank dir's name (tp rank[, pp rank][, ep rank]) -> file relative to the
+    iteration dir (rank_coords reads them as (tp, pp, ep) once the args are known)."""
     out = {}
     for p in it_dir.iterdir():
         m = RANK_DIR.match(p.name)
         if m and p.is_dir():
             resolve_inside(it_dir, f"{p.name}/{FILE}", source=it_dir, what="rank file")
-            out[(int(m.group(1)), int(m.group(2) or 0))] = f"{p.name}/{FILE}"
+            out[tuple(int(g) for g in m.groups() if g is not None)] = f"{p.name}/{FILE}"
     return out
+
+
+def rank_coords(numbers: tuple[int, ...], pp: int, ep: int) -> tuple[int, int, int] | None:
+    """(tp, pp, ep) ranks of a rank dir's numbers as Megatron names them for this pp and ep (None:
+    not a name it writes for them)."""
+    want = 1 + (pp > 1) + (ep > 1)
+    if len(numbers) != want:
+        return None
+    t, rest = numbers[0], list(numbers[1:])
+    p = rest.pop(0) if pp > 1 else 0
+    e = rest.pop(0) if ep > 1 else 0
+    return t, p, e
+
+
+def rank_dir_name(t: int, p: int, e: int, pp: int, ep: int) -> str:
+    return f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
 
 
 def _stage_layers(a, pp: int, root: Path) -> list[int]:
@@ -99,6 +120,8 @@ class MegatronStore(Store):
 
     def read_box(self, file: str, key: str, box: Box) -> torch.Tensor:
         x = self.model(file)[key]
+        if len(box.offsets) == x.dim() + 1:  # one expert's tensor read as its (1, ...) slice of the stack
+            x = x.unsqueeze(0)
         for d, (o, n) in enumerate(zip(box.offsets, box.lengths)):
             x = x.narrow(d, o, n)
         return x
@@ -112,11 +135,12 @@ class _Layout:
     """The model and its tp/pp split, as a rank file's Megatron args describe them."""
 
     it_dir: Path
-    files: dict  # (tp rank, pp rank) -> file relative to it_dir
+    files: dict  # (tp rank, pp rank, ep rank) -> file relative to it_dir
     a: argparse.Namespace
     args: ModelArgs
     tp: int
     pp: int
+    ep: int
     padded: int  # padded_vocab_size (0: none)
     counts: list[int]  # layers per pp stage
     offsets: list[int]  # first global layer id of each pp stage
@@ -142,17 +166,19 @@ def _rank_files(path: Path) -> tuple[Path, dict, dict]:
     return it_dir, files, first
 
 
-def _layout(path: Path, it_dir: Path, files: dict, a, vocab_size: int | None) -> _Layout:
-    """Check that every (tp, pp) rank file is there and the groups split over tp; the model args."""
+def _layout(path: Path, it_dir: Path, found: dict, a, vocab_size: int | None) -> _Layout:
+    """Check that every (tp, pp, ep) rank file is there and the groups split over tp; the model args."""
     tp = arg(a, "tensor_model_parallel_size", INT, path, bound=limits.PARALLEL)
     pp = arg(a, "pipeline_model_parallel_size", INT, path, bound=limits.PARALLEL)
-    want = {(t, p) for t in range(tp) for p in range(pp)}
-    if set(files) != want:
+    ep = arg(a, "expert_model_parallel_size", INT, path, default=1, bound=limits.PARALLEL)
+    files = {c: f for n, f in found.items() if (c := rank_coords(n, pp, ep)) is not None}
+    want = {(t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)}
+    if set(files) != want or len(files) != len(found):
         missing = sorted(want - set(files))
-        raise UserError(f"{it_dir}: args say tp={tp} pp={pp} but rank dirs "
-                        f"{['mp_rank_%02d' % t + ('_%03d' % p if pp > 1 else '') for t, p in missing] or sorted(files)} "
-                        "are missing or extra; copy the complete checkpoint")
-    for (t, p), f in files.items():
+        names = [rank_dir_name(*c, pp, ep) for c in missing] or sorted(f.split("/")[0] for f in found.values())
+        raise UserError(f"{it_dir}: args say tp={tp} pp={pp}" + (f" ep={ep}" if ep > 1 else "") +
+                        f" but rank dirs {names} are missing or extra; copy the complete checkpoint")
+    for (t, p, e), f in files.items():
         if not (it_dir / f).is_file():
             raise UserError(f"{it_dir / f}: missing rank file; copy the complete checkpoint")
     args = model_args(a, true_vocab(a, path, vocab_size), path)
@@ -160,9 +186,36 @@ def _layout(path: Path, it_dir: Path, files: dict, a, vocab_size: int | None) ->
                where="its rank files")
     if args.kv_heads % tp:
         raise UserError(f"{it_dir}: {args.kv_heads} query groups do not split over tp={tp}")
+    if ep > 1 and args.n_experts % ep:
+        raise UserError(f"{it_dir}: {args.n_experts} experts do not split over ep={ep}")
     counts = _stage_layers(a, pp, path)
     padded = arg(a, "padded_vocab_size", INT, path, default=0, bound=limits.VOCAB)
-    return _Layout(it_dir, files, a, args, tp, pp, padded, counts, [sum(counts[:s]) for s in range(pp)])
+    return _Layout(it_dir, files, a, args, tp, pp, ep, padded, counts, [sum(counts[:s]) for s in range(pp)])
+
+
+def _expert_reads(lay: _Layout, acc: Reads, f: str, key: str, name: str, j: int, t: int, e: int, shape: tuple,
+                  dtype: str) -> None:
+    """One SequentialMLP expert of ep rank ``e`` (local index ``j``): fc1's gate and up slices (its tp
+    rank's rows of each) into w1/w3, fc2's tp columns into w2, each as a (1, ...) slice of the stack."""
+    args = lay.args
+    per, fl, dim = args.n_experts // lay.ep, args.expert_dim // lay.tp, args.dim
+    if j >= per:
+        raise UserError(f"{lay.it_dir / f}: {key}: local expert {j}, but ep={lay.ep} leaves {per} experts a rank")
+    x = e * per + j
+    fused = fused_group(name)
+    if fused:
+        if shape != (2 * fl, dim):
+            raise UserError(f"{lay.it_dir / f}: {key} is {list(shape)}, expected {[2 * fl, dim]}")
+        parts = fused_parts("expert_fc1")
+        reads = [(layer_name(fused[1], parts[part]), Read(f, key, Box((0, row, 0), (1, fl, dim)),
+                                                          Box((x, t * fl, 0), (1, fl, dim))))
+                 for part, row in (("gate", 0), ("up", fl))]
+    else:
+        if shape != (dim, fl):
+            raise UserError(f"{lay.it_dir / f}: {key} is {list(shape)}, expected {[dim, fl]}")
+        reads = [(name, Read(f, key, Box((0, 0, 0), (1, dim, fl)), Box((x, 0, t * fl), (1, dim, fl))))]
+    for n, read in reads:
+        acc.add(n, read, dtype)
 
 
 def _fused_reads(lay: _Layout, acc: Reads, f: str, key: str, group: str, gid: int, t: int, shape: tuple,
@@ -198,14 +251,23 @@ def _plain_reads(lay: _Layout, acc: Reads, f: str, key: str, name: str, t: int, 
         acc.add(name, Read(f, key, Box.full(shape), Box.full(shape)), dtype)
 
 
-def _plan_rank(lay: _Layout, acc: Reads, t: int, p: int, f: str, sd: dict) -> None:
-    """The reads one (tp, pp) rank file contributes; its layer count must match its pp stage."""
+def _plan_rank(lay: _Layout, acc: Reads, t: int, p: int, e: int, f: str, sd: dict) -> None:
+    """The reads one (tp, pp, ep) rank file contributes; its layer count must match its pp stage."""
     model = sd.get("model")
     if model is None:
         raise UserError(f"{lay.it_dir / f}: no 'model' entry (keys {sorted(sd)[:6]}); virtual "
                         "pipeline checkpoints (model0, model1 ...) are not supported")
     n_local = 0
     for key, x in model.items():
+        if ".layers." in key and isinstance(x, torch.Tensor):
+            n_local = max(n_local, int(key.split(".")[2]) + 1)
+        expert = megatron_local_expert(key, lay.offsets[p])
+        if expert is not None:
+            if isinstance(x, torch.Tensor):
+                _expert_reads(lay, acc, f, key, expert[0], expert[1], t, e, tuple(x.shape), DTYPE_NAMES[x.dtype])
+            continue
+        if e:  # every ep rank keeps a copy of the rest: read ep rank 0's
+            continue
         try:
             name = megatron_to_native(key, lay.offsets[p])
         except KeyError as e:
@@ -213,8 +275,6 @@ def _plan_rank(lay: _Layout, acc: Reads, t: int, p: int, f: str, sd: dict) -> No
                             "layers are converted") from None
         if name is None or not isinstance(x, torch.Tensor):
             continue
-        if ".layers." in key:
-            n_local = max(n_local, int(key.split(".")[2]) + 1)
         dtype, shape, fused = DTYPE_NAMES[x.dtype], tuple(x.shape), fused_group(name)
         if fused:
             _fused_reads(lay, acc, f, key, fused[0], fused[1], t, shape, dtype)
@@ -229,12 +289,13 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
                 read_headers: bool = True) -> tuple[SourcePlan, MegatronStore]:
     """Plan a legacy checkpoint: find the rank files, read the layout from their args, plan each
     rank file's reads (one rank file in memory at a time), then every global tensor."""
-    it_dir, files, first = _rank_files(path)
-    lay = _layout(path, it_dir, files, first["args"], vocab_size)
+    it_dir, found, first = _rank_files(path)
+    lay = _layout(path, it_dir, found, first["args"], vocab_size)
+    files, first_file = lay.files, found[min(found)]
     acc = Reads()
-    for (t, p), f in sorted(files.items(), key=lambda x: (x[0][1], x[0][0])):
-        sd = first if (t, p) == min(files) else load_rank_file(it_dir / f)
-        _plan_rank(lay, acc, t, p, f, sd)
+    for (t, p, e), f in sorted(files.items(), key=lambda x: (x[0][1], x[0][2], x[0][0])):
+        sd = first if f == first_file else load_rank_file(it_dir / f)
+        _plan_rank(lay, acc, t, p, e, f, sd)
         del sd
 
     def split(spec, reads) -> str:
@@ -244,10 +305,10 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
 
     # Reads name files relative to the iteration dir; the store and the hasher work from there.
     plan = SourcePlan(FORMAT, it_dir, lay.args, tensor_plans(it_dir, lay.args, acc, split),
-                      files=[files[k] for k in sorted(files, key=lambda x: (x[1], x[0]))],
-                      step=iteration(first, it_dir / files[min(files)]),
-                      layout={"tp": lay.tp, "pp": lay.pp, "layers_per_stage": lay.counts,
-                              "checkpoint_version": first.get("checkpoint_version"),
+                      files=[files[k] for k in sorted(files, key=lambda x: (x[1], x[2], x[0]))],
+                      step=iteration(first, it_dir / first_file),
+                      layout={"tp": lay.tp, "pp": lay.pp, **({"ep": lay.ep} if lay.ep > 1 else {}),
+                              "layers_per_stage": lay.counts, "checkpoint_version": first.get("checkpoint_version"),
                               "padded_vocab_size": lay.padded or None})
     del first
-    return plan, MegatronStore(it_dir, keep=lay.tp)
+    return plan, MegatronStore(it_dir, keep=lay.tp * lay.ep)
