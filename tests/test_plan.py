@@ -354,3 +354,44 @@ def test_calibrate_from_a_device_check_sets_the_efficiency_that_reproduces_it(tm
     r = runner.invoke(app, ["plan", "--model", "llama3_8b", "--devices", "8", "--device", "h200",
                             "--calibrate", str(tmp_path / "bad.json")])
     assert r.exit_code == 1 and "not a device_check.json" in r.output
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_expert_parallel_shards_the_experts_and_costs_the_all_to_all(ep):
+    """A mixture of experts under ep: summed over the 8 dp ranks every parameter is held once (the
+    experts as E/ep per ep rank, FSDP over the dp/ep sharing them); a rank gathers E/ep experts, so
+    FSDP's traffic for them shrinks by ep while each routing layer's tokens cross the ep group in
+    4 all-to-alls (dispatch and combine, forward and backward) of tokens x top-k x dim."""
+    from titan_pipe.training.planner.timing import ep_bytes
+
+    args = FLAVOURS["debug_moe"]
+    lay = Layout(8, 1, 1, zero=3, ep=ep)
+    ranks = [rank_params(args, lay, pp_rank=0, dp_rank=d) for d in range(8)]
+    assert sum(r.params for r in ranks) == count_params(args)
+    experts = 3 * args.n_experts * args.expert_dim * args.dim * len(args.moe_layers)
+    assert all(r.expert_full_params == experts // ep for r in ranks)
+    w = Workload(args, 64, 16)
+    want = 0.0 if ep == 1 else 4 * (ep - 1) / ep * len(args.moe_layers) * (16 // 8 * 64) * args.experts_per_token \
+        * args.dim * 2
+    assert ep_bytes(w, lay, 0) == pytest.approx(want)
+    n, e = ranks[0].full_params - ranks[0].expert_full_params, ranks[0].expert_full_params
+    de = 8 // ep
+    fsdp = 7 / 8 * (2 * 2 + 4) * n + ((de - 1) / de * (2 * 2 + 4) * e if de > 1 else 0)
+    assert dp_bytes(w, lay, Assumptions()) == pytest.approx(fsdp if ep > 1 else 7 / 8 * (2 * 2 + 4) * (n + e))
+
+
+def test_a_moe_plan_ranks_expert_parallel_layouts_that_validate():
+    c, _ = build_cluster("ascend910b", 64)
+    w = Workload(FLAVOURS["mixtral_8x7b"], 4096, 256, flavour="mixtral_8x7b")
+    plan = make_plan(w, c, dp=64)
+    eps = {e.layout.ep for e in plan.ranked}
+    assert eps >= {1, 2, 4, 8} and plan.best.layout.ep > 1
+    assert "ep" in plan.best.timing.comm and plan.best.layout.label().startswith("dp64 ep")
+    flow = layout_flow(w, plan.best.layout, c)
+    assert flow["parallel"]["ep"] == plan.best.layout.ep
+    from titan_pipe.config import parse_flow
+
+    parse_flow(flow, source="plan")  # titan-pipe validate's rules pass
+    # expert memory: a rank gathers 1/ep of each routing layer's experts
+    mems = {e.layout.ep: e.memory.param_copies for e in plan.ranked if e.layout.offload and e.layout.ac_every == 1}
+    assert mems[8] < mems[4] < mems[2] < mems[1]

@@ -65,11 +65,12 @@ def _table(plan, top: int):
                     f"({len(plan.misfits)} do not, {len(plan.invalid)} break a config rule)")
     t.add_column("#", justify="right")
     t.add_column("layout", no_wrap=True)
-    for col in ("mb", "dp", "SP", "AC", "GB/dev", "act", "bubble", "comm GB tp/pp/dp", "tok/s", "MFU"):
+    kinds = ("tp", "pp", "dp") + (("ep",) if any(e.layout.ep > 1 for e in plan.ranked[:top]) else ())
+    for col in ("mb", "dp", "SP", "AC", "GB/dev", "act", "bubble", f"comm GB {'/'.join(kinds)}", "tok/s", "MFU"):
         t.add_column(col, justify="right")
     for i, e in enumerate(plan.ranked[:top], 1):
         lay, m, c = e.layout, e.memory, e.timing.comm
-        comm = "/".join(f"{c[k].bytes / 1e9:.0f}" if k in c else "-" for k in ("tp", "pp", "dp"))
+        comm = "/".join(f"{c[k].bytes / 1e9:.0f}" if k in c else "-" for k in kinds)
         t.add_row(str(i), _short(lay), str(lay.microbatches),
                   _zero(lay), "y" if lay.sequence_parallel else "", str(lay.ac_every or ""),
                   _gb(m.total), _gb(m.activations + m.recompute), f"{e.timing.bubble:.0%}", comm,

@@ -68,6 +68,7 @@ class RankParams:
     full_params: int  # the TP-local, unsharded elements of this rank's stages (before FSDP)
     matmul_params: int  # of which weights of Linear layers (what autocast casts)
     grads: int  # gradient elements after backward (see _rank_params for the one exception)
+    expert_full_params: int = 0  # of full_params, a mixture of experts' experts (this rank's E/ep of them)
 
 
 def rank_stage_layers(args: ModelArgs, layout: Layout, pp_rank: int) -> list[tuple[int, list[int]]]:
@@ -113,7 +114,7 @@ def _rank_params(args: ModelArgs, layout: Layout, pp_rank: int, tp_rank: int, dp
     stages = rank_stage_layers(args, layout, pp_rank)
     n_stages = layout.pp * stages_per_rank(layout.pp, layout.schedule, layout.virtual_stages)
     dpp = _dp_plan(layout, assume)
-    names, local, alloc, full = [], [], [], []
+    names, local, alloc, full, experts = [], [], [], [], 0
     for name, shape in layout_params(args, layout):
         if not _owned(name, stages, n_stages):
             continue
@@ -121,12 +122,17 @@ def _rank_params(args: ModelArgs, layout: Layout, pp_rank: int, tp_rank: int, dp
         dim = tp_split_dim(name)
         if dim is not None and layout.tp > 1:
             shape[dim] = _chunk(shape[dim], layout.tp, tp_rank)
+        shards = layout.dp
+        if param_of(name).expert and layout.ep > 1:  # E/ep experts here, FSDP over the dp/ep sharing them
+            shape[0] = _chunk(shape[0], layout.ep, dp_rank % layout.ep)
+            shards = layout.dp // layout.ep
         names.append(name)
         full.append(_numel(shape))
+        experts += _numel(shape) if param_of(name).expert else 0
         if dpp.kind == "fsdp":
             rest = _numel(shape[1:])
-            local.append(_chunk(shape[0], layout.dp, dp_rank) * rest)
-            alloc.append(-(-shape[0] // layout.dp) * rest)
+            local.append(_chunk(shape[0], shards, dp_rank // (layout.dp // shards)) * rest)
+            alloc.append(-(-shape[0] // shards) * rest)
         else:
             local.append(_numel(shape))
             alloc.append(_numel(shape))
@@ -137,7 +143,7 @@ def _rank_params(args: ModelArgs, layout: Layout, pp_rank: int, tp_rank: int, dp
         i = names.index("tok_embeddings.weight")
         grads += args.vocab_size * args.dim - local[i]
     return RankParams(tuple(names), sum(local), sum(alloc), sum(local), len(local), sum(full),
-                      sum(n for name, n in zip(names, full) if _is_matmul(name)), grads)
+                      sum(n for name, n in zip(names, full) if _is_matmul(name)), grads, experts)
 
 
 def optimizer_bytes(rp: RankParams, optimizer: str = "adamw") -> int:
@@ -305,14 +311,17 @@ class Memory:
 
 
 @lru_cache(maxsize=64)
-def _layer_param_elems(args: ModelArgs, tp: int) -> int:
-    """TP-local elements of one decoder layer (the unit FSDP2 gathers)."""
-    total = 0
+def _layer_param_elems(args: ModelArgs, tp: int, ep: int = 1) -> tuple[int, ...]:
+    """TP-local elements of each decoder layer (the unit FSDP2 gathers); a routing layer's experts
+    count E/ep (what one rank holds under expert parallelism)."""
+    totals = [0] * args.n_layers
     for name, shape in param_shapes(args):
-        if layer_id(name) == 0:
+        i = layer_id(name)
+        if i is not None:
             dim = tp_split_dim(name)
-            total += _numel(shape) // (tp if dim is not None else 1)
-    return total
+            n = _numel(shape) // (tp if dim is not None else 1)
+            totals[i] += n // ep if param_of(name).expert else n
+    return tuple(totals)
 
 
 def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumptions = Assumptions(),
@@ -323,7 +332,9 @@ def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumption
     params = master * rp.params_alloc
     # Gradients land in the parameters' dtype (FSDP2: the padded shard).
     grads = master * (rp.params_alloc + rp.grads - rp.params)
-    layer = _layer_param_elems(w.args, layout.tp)
+    per_layer = _layer_param_elems(w.args, layout.tp, layout.ep)
+    mine = [i for _, ids in rank_stage_layers(w.args, layout, pp_rank) for i in ids]
+    layer = max((per_layer[i] for i in mine), default=0)  # the largest layer this rank gathers
     copies = buffers = accum = 0.0
     if dpp.kind == "fsdp" and layout.pp > 1:
         # torch.distributed.pipelining turns off FSDP's reshard-after-backward and gradient sync
@@ -332,7 +343,7 @@ def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumption
         copies = a * rp.full_params
         accum = 4 * rp.full_params
     elif dpp.kind == "fsdp":
-        root = rp.full_params - layer * sum(len(l) for _, l in rank_stage_layers(w.args, layout, pp_rank))
+        root = rp.full_params - sum(per_layer[i] for i in mine)
         if dpp.reshard_after_forward:
             # Current and prefetched layer gathered, plus the root (kept unsharded after forward).
             copies = a * (2 * layer + root)

@@ -187,7 +187,8 @@ def candidate_layouts(w: Workload, cluster: Cluster, *, dp: int | None = None, t
     """Every combination the planner tries: tp inside a node, dp*tp*pp = devices, each pp schedule
     (interleaved with 2 virtual stages), microbatches pp, 2pp, 4pp, 8pp or all of the local
     batch, every ZeRO stage the trainer maps (and FSDP2 with CPU offload), sequence parallel
-    on/off, checkpointing 0/1/2/4."""
+    on/off, checkpointing 0/1/2/4; for a mixture of experts under FSDP, every ep dividing dp and
+    the experts."""
     amp = amp_dtype_for(cluster)
     amp = None if amp == "float32" else amp
     out = []
@@ -205,12 +206,15 @@ def candidate_layouts(w: Workload, cluster: Cluster, *, dp: int | None = None, t
                 schedules = [(s, 2 if s == INTERLEAVED else 1) for s in PP_SCHEDULES]  # every schedule the trainer has
                 mbs = sorted({m for m in (p, 2 * p, 4 * p, 8 * p, local) if m and local % m == 0} or {p})
             dps = [(3, False), (3, True)] + ([] if d == 1 else [(2, False), (0, False)])
+            # a mixture of experts: experts split over ep of the dp ranks (FSDP only), ep dividing both
+            eps = [e for e in _divisors(d) if w.args.moe and e > 1 and w.args.n_experts % e == 0]
             for sched, v in schedules:
                 for m in mbs:
                     for z, off in dps:
-                        for sp in ([False, True] if t > 1 else [False]):
-                            for ac in ac_choices:
-                                out.append(Layout(d, t, p, sched, v, m, z, sp, ac, amp, off))
+                        for e in [1] + (eps if z == 3 else []):
+                            for sp in ([False, True] if t > 1 else [False]):
+                                for ac in ac_choices:
+                                    out.append(Layout(d, t, p, sched, v, m, z, sp, ac, amp, off, ep=e))
     return out
 
 
@@ -241,7 +245,7 @@ def layout_flow(w: Workload, layout: Layout, cluster: Cluster, *, name: str = "p
         "parallel": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "pp_schedule": layout.schedule,
                      "virtual_stages": max(layout.virtual_stages, 1) if layout.schedule == INTERLEAVED else 2,
                      "microbatches": layout.microbatches, "dp_mode": layout.dp_mode,
-                     "sequence_parallel": layout.sequence_parallel},
+                     "sequence_parallel": layout.sequence_parallel, "ep": layout.ep},
         "zero_stage": {3: None, 2: 2, 0: None}[layout.zero],
         "precision": {"amp": layout.amp_dtype is not None, "amp_dtype": layout.amp_dtype or "bfloat16",
                       "loss_scale": "dynamic" if fp16 else None},

@@ -82,11 +82,14 @@ class Comm:
 
 
 def group_ranks(layout: Layout, dim: str) -> list[int]:
-    """Ranks of the group through rank 0 along ``dim`` of the (dp, pp, tp) mesh (tp fastest)."""
+    """Ranks of the group through rank 0 along ``dim`` of the (dp, pp, tp) mesh (tp fastest; ep: the
+    ep fastest-varying of the dp ranks, as ParallelDims lays dp out as dp_mod_ep x ep)."""
     if dim == "tp":
         return list(range(layout.tp))
     if dim == "pp":
         return [i * layout.tp for i in range(layout.pp)]
+    if dim == "ep":
+        return [i * layout.tp * layout.pp for i in range(layout.ep)]
     return [i * layout.tp * layout.pp for i in range(layout.dp)]
 
 
@@ -138,17 +141,37 @@ def fsdp_gathers(layout: Layout, dpp: DPPlan) -> int:
 
 def dp_bytes(w: Workload, layout: Layout, assume: Assumptions, pp_rank: int = 0) -> float:
     """DP bytes one device sends per step: DDP all-reduces gradients; FSDP2 all-gathers parameters
-    (in amp dtype; ``fsdp_gathers`` times) and reduce-scatters gradients once."""
+    (in amp dtype; ``fsdp_gathers`` times) and reduce-scatters gradients once. Under ep a rank's
+    experts (E/ep of them) go through the same over the dp/ep ranks that share them."""
     d = layout.dp
     if d == 1:
         return 0.0
     rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume)
     dpp = _dp_plan(layout, assume)
     a = DTYPE_BYTES_BY_NAME[layout.amp_dtype or "float32"]
-    grads = DTYPE_BYTES_BY_NAME[assume.gradient_sync_dtype] * rp.full_params
+    g = DTYPE_BYTES_BY_NAME[assume.gradient_sync_dtype]
     if dpp.kind == "fsdp":
-        return (d - 1) / d * (fsdp_gathers(layout, dpp) * a * rp.full_params + grads)
-    return 2 * (d - 1) / d * grads
+        groups = [(d, rp.full_params - rp.expert_full_params), (d // layout.ep, rp.expert_full_params)] \
+            if layout.ep > 1 else [(d, rp.full_params)]
+        return sum((n - 1) / n * (fsdp_gathers(layout, dpp) * a + g) * elems for n, elems in groups if n > 1)
+    return 2 * (d - 1) / d * g * rp.full_params
+
+
+def ep_bytes(w: Workload, layout: Layout, pp_rank: int) -> float:
+    """Expert-parallel bytes one device sends per step: each routing layer's forward sends each
+    (token, slot) row to the rank holding its expert and back (two all-to-alls of tokens x top-k x
+    dim), backward the same again, a checkpointed layer's recompute once more; (ep-1)/ep of the rows
+    leave the rank when routing spreads them evenly."""
+    e = layout.ep
+    if e == 1:
+        return 0.0
+    args = w.args
+    layers = rank_layers(args, layout, pp_rank)
+    routed = [i for i in layers if args.is_moe_layer(i)]
+    ckpt = set(ac_layer_ids(layers, layout.ac_every)) if layout.ac_every else set()
+    exchanges = sum(6 if i in ckpt else 4 for i in routed)
+    a = DTYPE_BYTES_BY_NAME[layout.amp_dtype or "float32"]
+    return exchanges * (e - 1) / e * _mb_tokens(w, layout) * layout.microbatches * args.experts_per_token * args.dim * a
 
 
 def _comm(kind: str, b: float, link: Link, assume: Assumptions) -> Comm:
@@ -184,15 +207,19 @@ def step_time(w: Workload, layout: Layout, cluster: Cluster, assume: Assumptions
     rank_tokens = w.tokens / layout.dp
     tp_link = cluster.link_for(group_ranks(layout, "tp"))
     worst = None
+    ep_link = cluster.link_for(group_ranks(layout, "ep"))
     for r in range(layout.pp):
         compute = rank_tokens * rank_flops_per_token(w.args, w.seq_len, layout, r) / layout.tp / peak
         tp = _comm("tp", tp_bytes(w, layout, r), tp_link, assume)
-        if worst is None or compute + tp.seconds > worst[0] + worst[1].seconds:
-            worst = (compute, tp, r)
-    compute, tp, r = worst
+        ep = _comm("ep", ep_bytes(w, layout, r), ep_link, assume)  # on the critical path, like tp
+        if worst is None or compute + tp.seconds + ep.seconds > worst[0] + worst[1].seconds + worst[3].seconds:
+            worst = (compute, tp, r, ep)
+    compute, tp, r, ep = worst
     comm = {}
     if layout.tp > 1:
         comm["tp"] = tp
+    if layout.ep > 1:
+        comm["ep"] = ep
     if layout.pp > 1:
         comm["pp"] = _comm("pp", pp_bytes(w, layout), cluster.link_for(group_ranks(layout, "pp")), assume)
     if layout.dp > 1:
@@ -204,7 +231,7 @@ def step_time(w: Workload, layout: Layout, cluster: Cluster, assume: Assumptions
         # AdamW on the host reads parameter, gradient, m, v (16 B) and writes parameter, m, v (12 B).
         optimizer_s = 28 * rp.params / (assume.host_memory_gbps * GB)
     bubble = bubble_fraction(layout)
-    critical = (compute + tp.seconds + (comm["pp"].seconds if "pp" in comm else 0.0)) / (1 - bubble)
+    critical = (compute + tp.seconds + ep.seconds + (comm["pp"].seconds if "pp" in comm else 0.0)) / (1 - bubble)
     window = compute * (1.0 if layout.zero >= 2 else 2 / 3) if assume.comm_overlap else 0.0
     background = sum(comm[k].seconds for k in ("dp", "host") if k in comm)
     exposed = max(0.0, background - window)

@@ -49,6 +49,8 @@ class Cluster:
 class Layout:
     """One candidate: the parallel degrees and every knob the planner varies.
 
+    ep > 1 (a mixture of experts, FSDP only): each routing layer's experts split over ep of the dp
+    ranks, FSDP sharding them further over the dp / ep ranks that share them.
     zero: 3 = FSDP2 (dp_mode fsdp), 2 = FSDP2 without resharding after forward, 0 = DDP (FSDP2
     replicate when tp > 1); data_parallel.plan_dp makes the same mapping. (ZeRO-1 is left out: the
     trainer's optimizer does not shard states yet.) ac_every 0: no activation checkpointing.
@@ -67,6 +69,7 @@ class Layout:
     ac_every: int = 0
     amp_dtype: str | None = "bfloat16"
     offload: bool = False
+    ep: int = 1  # a mixture of experts' experts split over ep of the dp ranks (parallel.ep)
 
     @property
     def world(self) -> int:
@@ -79,7 +82,7 @@ class Layout:
     def label(self) -> str:
         sched = "" if self.pp == 1 else (
             f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.schedule == INTERLEAVED else ""))
-        return f"dp{self.dp} tp{self.tp} pp{self.pp}{sched}"
+        return f"dp{self.dp}{f' ep{self.ep}' if self.ep > 1 else ''} tp{self.tp} pp{self.pp}{sched}"
 
 
 @dataclass(frozen=True)
