@@ -482,8 +482,6 @@ def _moe_training_problems(cfg: FlowConfig, args: ModelArgs) -> list[str]:
     if not args.moe:
         return [f"parallel.ep: {p.ep} splits a mixture of experts' experts; the model has none (n_experts: 0); "
                 "use ep: 1"] if p.ep > 1 else []
-    why = (f"a mixture-of-experts model ({args.n_experts} experts) trains with data, expert and pipeline "
-           "parallelism so far (dp, ep, pp)")
     out = []
     if p.ep > 1:
         if p.dp % p.ep:
@@ -495,8 +493,12 @@ def _moe_training_problems(cfg: FlowConfig, args: ModelArgs) -> list[str]:
         if p.dp_mode != "fsdp":
             out.append(f"parallel.dp_mode: {p.dp_mode} with ep={p.ep}: expert parallelism runs under FSDP (the "
                        "experts are sharded over the dp ranks that share them); use dp_mode: fsdp")
-    if p.tp > 1:
-        out.append(f"parallel.tp: {p.tp}: {why}; use tp: 1")
+    if p.tp > 1 and p.ep > 1:
+        out.append(f"parallel.tp: {p.tp} with ep={p.ep}: tensor parallelism splits the attention and runs "
+                   "every expert on each tp rank; expert parallelism with it is not built: use tp: 1 or ep: 1")
+    if p.tp > 1 and p.sequence_parallel:
+        out.append("parallel.sequence_parallel: true with a mixture of experts: the routing layers take the "
+                   "whole sequence on each tp rank; set sequence_parallel: false")
     if cfg.train.compile:
         out.append("train.compile: true: the routing has data-dependent shapes (tokens per expert), which "
                    "the block-wise compile does not take; set train.compile: false")

@@ -202,7 +202,9 @@ def test_mixtral_jitter_noise_is_refused():
 
 
 @pytest.mark.parametrize("section,expect", [
-    ({"parallel": {"tp": 2}, "launch": {"nproc_per_node": 2}}, "parallel.tp: 2: a mixture-of-experts model"),
+    ({"parallel": {"dp": 2, "tp": 2, "ep": 2}, "launch": {"nproc_per_node": 4}}, "parallel.tp: 2 with ep=2"),
+    ({"parallel": {"tp": 2, "sequence_parallel": True}, "launch": {"nproc_per_node": 2}},
+     "parallel.sequence_parallel: true with a mixture of experts"),
     ({"train": {"compile": True}}, "train.compile: true: the routing has data-dependent shapes"),
     ({"model": {"flavour": "debug_moe", "experts_per_token": 5}}, "model.experts_per_token: 5 must be 1..n_experts=4"),
     ({"model": {"flavour": "debug_moe", "moe_hidden_dim": 48}}, "Mixtral's"),

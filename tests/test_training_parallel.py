@@ -133,7 +133,9 @@ MOE_RUNS = [{"name": "moe_dp2_fsdp", "flow": MOE},
             {"name": "moe_ep1_to_ep2", "flow": dict(MOE, parallel={"dp": 2, "ep": 2}), "resume": True,
              "copy_from": {"run": "moe_dp2_fsdp", "step": 3}},
             {"name": "moe_ep2_to_ddp", "flow": dict(MOE, parallel={"dp": 2, "dp_mode": "ddp"}), "resume": True,
-             "copy_from": {"run": "moe_dp2_ep2", "step": 3}}]
+             "copy_from": {"run": "moe_dp2_ep2", "step": 3}},
+            # tensor parallelism on the attention, the experts and router whole on each tp rank
+            {"name": "moe_tp2", "flow": dict(MOE, parallel={"tp": 2})}]
 # 8 ranks: dp8 with the experts over ep4 (one each, every dp_mod_ep pair sharing them) and over ep2.
 MOE_RUNS8 = [{"name": "moe_dp8_ep4", "flow": dict(MOE, parallel={"dp": 8, "ep": 4})},
              {"name": "moe_dp8_ep2", "flow": dict(MOE, parallel={"dp": 8, "ep": 2})}]
@@ -145,7 +147,10 @@ MOE_PP_LAYOUTS = {"moe_dp4_ep2_pp2": {"dp": 4, "ep": 2, "pp": 2, "microbatches":
                   "moe_dp4_ep4_pp2_gpipe": {"dp": 4, "ep": 4, "pp": 2, "microbatches": 2, "pp_schedule": "gpipe"},
                   "moe_dp4_pp2_interleaved": {"dp": 4, "pp": 2, "microbatches": 2,
                                               "pp_schedule": "interleaved_1f1b"}}
+# dp2 x tp2 x pp2: the attention split over tp, the stages carrying the routing statistics
+MOE_3D = {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}
 MOE_PP_RUNS = [{"name": n, "flow": dict(MOE_PP, parallel=par)} for n, par in MOE_PP_LAYOUTS.items()] + [
+    {"name": "moe_dp2_tp2_pp2", "flow": dict(MOE_PP, parallel=MOE_3D)},
     # the ep2 pipeline's step-3 checkpoint resumed with the experts over ep4 and another schedule
     {"name": "moe_pp_ep2_to_ep4", "flow": dict(MOE_PP, parallel=MOE_PP_LAYOUTS["moe_dp4_ep4_pp2_gpipe"]),
      "resume": True, "copy_from": {"run": "moe_dp4_ep2_pp2", "step": 3}}]
@@ -345,12 +350,12 @@ def moe_ref(tmp_path_factory):
     return reference_run(MOE, base=tmp_path_factory.mktemp("moe_ref"))
 
 
-@pytest.mark.parametrize("name", ["moe_dp2_fsdp", "moe_dp2_ddp_full", "moe_dp2_ep2"])
+@pytest.mark.parametrize("name", ["moe_dp2_fsdp", "moe_dp2_ddp_full", "moe_dp2_ep2", "moe_tp2"])
 def test_moe_data_and_expert_parallel_match_single_process(world2, moe_ref, name):
     """The load-balancing loss of the whole batch (the ranks' routing statistics summed), so dp2
     follows the single-process curve with the same loss (cross entropy + 0.01 x balance); with the
     experts split over ep2 too (tokens to their experts' ranks and back, the experts' gradient over
-    the ep group's tokens)."""
+    the ep group's tokens); and under tp2 (the attention split, every expert run on each tp rank)."""
     _, res = world2
     assert_close(losses(res, name), moe_ref["losses"])
     assert_close([r["grad_norm"] for r in res[name]["metrics"]], moe_ref["grad_norms"], what="grad norm")
@@ -378,6 +383,10 @@ def test_moe_pipeline_matches_single_process(world8, tmp_path):
         assert_close([r["grad_norm"] for r in res[name]["metrics"]], ref["grad_norms"], what=f"{name} grad norm")
     assert [r["step"] for r in res["moe_pp_ep2_to_ep4"]["metrics"]] == [4, 5, 6]
     assert_close(losses(res, "moe_pp_ep2_to_ep4"), ref["losses"][3:])
+    ref3d = reference_run(dict(MOE_PP, parallel=MOE_3D), base=tmp_path / "3d", microbatches=2)
+    assert_close(losses(res, "moe_dp2_tp2_pp2"), ref3d["losses"], what="moe_dp2_tp2_pp2")
+    assert_close([r["grad_norm"] for r in res["moe_dp2_tp2_pp2"]["metrics"]], ref3d["grad_norms"],
+                 what="moe_dp2_tp2_pp2 grad norm")
 
 
 @pytest.mark.parametrize("name", ["moe_fsdp_to_ddp", "moe_ep1_to_ep2", "moe_ep2_to_ddp"])

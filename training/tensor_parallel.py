@@ -35,6 +35,12 @@ def _replicate_norm(module: nn.Module, mesh: DeviceMesh) -> None:
     distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
+    """A mixture of experts' stacked experts: Replicate DTensors, used as local tensors in forward
+    (titan_pipe.model.transformer.Experts): every tp rank runs every expert on the same tokens."""
+    distribute_module(module, mesh)
+
+
 def _style(rule: TPRule, sequence_parallel: bool):
     """The DTensor ParallelStyle for one rule of the table, or None for a replicated norm."""
     seq = Shard(1) if sequence_parallel else Replicate()
@@ -75,7 +81,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
         names = sorted(n for n in present if _matches(n, rule.module))
         style = _style(rule, sequence_parallel)
         for name in names:
-            if style is None:
+            if style is None and name.endswith("moe.experts"):
+                _replicate_params(model.get_submodule(name), tp_mesh)
+            elif style is None:
                 _replicate_norm(model.get_submodule(name), tp_mesh)
             else:
                 plan[name] = style

@@ -131,7 +131,15 @@ class Experts(nn.Module):
         """x (N, dim): tokens sorted by expert, counts[e] of them for expert e -> (N, dim)."""
         if self.dispatch is not None:
             return self.dispatch(x, counts, self.w1, self.w3, self.w2, self.kernels.experts)
-        return self.kernels.experts(x, counts, self.w1, self.w3, self.w2)
+        return self.kernels.experts(x, counts, *(_local(w) for w in (self.w1, self.w3, self.w2)))
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    """A weight as a plain tensor: under tensor parallelism the experts are Replicate DTensors (every
+    tp rank runs all of them on the same tokens, so their gradients agree and need no reduction)."""
+    from torch.distributed.tensor import DTensor
+
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class Router(nn.Module):
