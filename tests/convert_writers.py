@@ -156,7 +156,7 @@ def fused_qkv(sd: dict, args: ModelArgs, i: int, kind: str) -> torch.Tensor:
 
 
 def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *,
-                  fused_norms: bool, padded: int, e: int = 0, ep: int = 1) -> OrderedDict:
+                  fused_norms: bool, padded: int, e: int = 0, ep: int = 1, grouped: bool = False) -> OrderedDict:
     """The 'model' dict of megatron-core's GPTModel on tp rank t, pp rank p (and, for a mixture of
     experts, ep rank e of ep: its E/ep local experts, each SequentialMLP expert's fc1 [gate; up] and
     fc2 split over tp as the dense MLP's)."""
@@ -194,6 +194,14 @@ def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *
         if args.is_moe_layer(i):
             out[L + "mlp.router.weight"] = sd[f"layers.{i}.moe.router.gate.weight"].clone()
             per_rank = args.n_experts // ep
+            mine = range(e * per_rank, (e + 1) * per_rank)
+            if grouped:  # megatron-core's GroupedMLP: weight1/weight2 hold the rank's experts transposed
+                fc1 = torch.stack([torch.cat([sd[f"layers.{i}.moe.experts.w1"][x].chunk(tp)[t],
+                                              sd[f"layers.{i}.moe.experts.w3"][x].chunk(tp)[t]]).T for x in mine])
+                fc2 = torch.stack([sd[f"layers.{i}.moe.experts.w2"][x].chunk(tp, 1)[t].T for x in mine])
+                out[L + "mlp.experts.weight1"] = fc1.contiguous().reshape(args.dim, -1).clone()
+                out[L + "mlp.experts.weight2"] = fc2.contiguous().reshape(-1, args.dim).clone()
+                continue
             for j in range(per_rank):
                 x = e * per_rank + j
                 E = f"{L}mlp.experts.local_experts.{j}."
@@ -212,18 +220,20 @@ def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *
 
 def write_megatron(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp: int = 2,
                    fused_norms: bool = True, iteration: int = 50, with_vocab: bool = True,
-                   divisible_by: int = 128, ep: int = 1) -> Path:
+                   divisible_by: int = 128, ep: int = 1, grouped: bool = False) -> Path:
     """iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt + latest_checkpointed_iteration.txt, as
     Megatron-LM's get_checkpoint_name names them (the pp rank when pp > 1, the ep rank when ep > 1)."""
     multiple = divisible_by * tp
     padded = -(-args.vocab_size // multiple) * multiple
     ns = megatron_args(args, tp=tp, pp=pp, padded=padded, divisible_by=divisible_by, with_vocab=with_vocab,
                        ckpt_format=None, ep=ep)
+    ns.moe_grouped_gemm = grouped
     it = out / f"iter_{iteration:07d}"
     for t, p, e in ((t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)):
         d = it / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else ""))
         d.mkdir(parents=True)
-        model = megatron_rank(sd, args, t, p, tp, pp, fused_norms=fused_norms, padded=padded, e=e, ep=ep)
+        model = megatron_rank(sd, args, t, p, tp, pp, fused_norms=fused_norms, padded=padded, e=e, ep=ep,
+                              grouped=grouped)
         ckpt = {"args": ns, "checkpoint_version": 3.0, "iteration": iteration, "model": model,
                 "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]}},
                 "opt_param_scheduler": {"num_steps": iteration},

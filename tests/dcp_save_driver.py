@@ -17,6 +17,7 @@ Writes into OUT (argv[1]):
   megatron_qwen2/             the same for a Qwen2-style model (add_qkv_bias=True: linear_qkv.bias)
   megatron_moe/               a Qwen3-MoE-shaped megatron-core GPTModel (a dense layer, then MoE layers of
                               SequentialMLP experts) at tp 2 x ep 2, saved the same way
+  megatron_moe_grouped/       the same with GroupedMLP experts (weight1/weight2 as legacy files hold them)
 """
 from __future__ import annotations
 
@@ -98,6 +99,7 @@ def main(out: Path) -> None:
     try:
         save_megatron(out, rank)
         save_megatron_moe(out, rank)
+        save_megatron_moe(out, rank, grouped=True)
     except Exception as e:  # a megatron-core that cannot save on CPU: the test skips, saying why
         (out / "megatron_skipped.txt").write_text(f"megatron-core save failed on rank {rank}: "
                                                    f"{type(e).__name__}: {e}")
@@ -138,9 +140,11 @@ MOE_ARGS = dict(n_experts=4, experts_per_token=2, moe_hidden_dim=48, dense_layer
                 router_aux_loss_coef=0.01)  # Qwen3-MoE-shaped: q/k norms, narrower experts, a dense first layer
 
 
-def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2) -> None:
+def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2, grouped: bool = False) -> None:
     """megatron-core's own MoE GPTModel (its decoder block spec: a dense layer, then MoELayers of
-    SequentialMLP experts) at tp 2 x ep 2, native_state's weights loaded, saved by dist_checkpointing."""
+    SequentialMLP experts, or with ``grouped`` its GroupedMLP: weight1/weight2 as the legacy writer lays
+    them out, so megatron-core's own view of them decides what is saved) at tp 2 x ep 2, native_state's
+    weights loaded, saved by dist_checkpointing."""
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -150,6 +154,10 @@ def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2) -> None:
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    if grouped:  # GroupedMLP's forward needs the grouped_gemm package; building and saving it do not
+        from megatron.core.transformer.moe import grouped_gemm_util
+
+        grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
     args = model_args(**MOE_ARGS)
     cfg = TransformerConfig(num_layers=args.n_layers, hidden_size=args.dim, ffn_hidden_size=args.hidden_dim,
                             num_attention_heads=args.n_heads, num_query_groups=args.kv_heads, kv_channels=args.head_dim,
@@ -158,7 +166,7 @@ def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2) -> None:
                             qk_layernorm=True, num_moe_experts=args.n_experts, moe_router_topk=args.experts_per_token,
                             moe_ffn_hidden_size=args.expert_dim, moe_token_dispatcher_type="allgather",
                             moe_layer_freq=[int(args.is_moe_layer(i)) for i in range(args.n_layers)],
-                            moe_grouped_gemm=False, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                            moe_grouped_gemm=grouped, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                             pipeline_dtype=torch.float32)
     padded = 512
     m = GPTModel(config=cfg, transformer_layer_spec=get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
@@ -166,10 +174,11 @@ def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2) -> None:
                  share_embeddings_and_output_weights=False, position_embedding_type="rope",
                  rotary_base=int(args.rope_theta))
     t, e = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
-    local = megatron_rank(native_state(args), args, t, 0, tp, 1, fused_norms=False, padded=padded, e=e, ep=ep)
+    local = megatron_rank(native_state(args), args, t, 0, tp, 1, fused_norms=False, padded=padded, e=e, ep=ep,
+                          grouped=grouped)
     missing, unexpected = m.load_state_dict({k: x for k, x in local.items() if x is not None}, strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
-    ckpt = out / "megatron_moe"
+    ckpt = out / ("megatron_moe_grouped" if grouped else "megatron_moe")
     state = {"args": megatron_args(args, tp=tp, pp=1, padded=padded, ep=ep), "iteration": 50,
              "checkpoint_version": 3.0, "model": m.sharded_state_dict()}
     if rank == 0:

@@ -135,12 +135,15 @@ def test_megatron_core_qwen2_style_save_converts_bit_exactly(saved, tmp_path):
     assert _chunk_boxes(ours / "iter_0000050") == _chunk_boxes(src / "iter_0000050")
 
 
-def test_megatron_core_moe_save_converts_bit_exactly(saved, tmp_path):
+@pytest.mark.parametrize("name", ["megatron_moe", "megatron_moe_grouped"])
+def test_megatron_core_moe_save_converts_bit_exactly(saved, tmp_path, name):
     """megatron-core's own mixture-of-experts GPTModel (a dense layer, then MoELayers of SequentialMLP
-    experts; tp 2 x ep 2; q/k norms, experts narrower than the dense MLP), saved by dist_checkpointing:
-    router, experts (the expert index an axis of its own, fc1 [gate; up] split over tp, experts over
-    ep) and the rest read back bit for bit; the Hugging Face output is a Qwen3MoeForCausalLM whose
-    logits in transformers equal the original weights' in our model."""
+    experts, or of GroupedMLP ones holding weight1/weight2 as Megatron's legacy files do; tp 2 x ep 2;
+    q/k norms, experts narrower than the dense MLP), saved by dist_checkpointing: router, experts (the
+    expert index an axis of its own, fc1 [gate; up] split over tp, experts over ep) and the rest read
+    back bit for bit; the Hugging Face output is a Qwen3MoeForCausalLM whose logits in transformers
+    equal the original weights' in our model. (The grouped case checks the legacy GroupedMLP layout
+    the legacy reader assumes against megatron-core's own view of it.)"""
     from dcp_save_driver import MOE_ARGS
     from titan_pipe.model.transformer import build_model
     from transformers import AutoModelForCausalLM
@@ -148,7 +151,7 @@ def test_megatron_core_moe_save_converts_bit_exactly(saved, tmp_path):
     skipped = saved / "megatron_skipped.txt"
     if skipped.exists():
         pytest.skip(f"megatron-core not usable here: {skipped.read_text()}")
-    src, args = saved / "megatron_moe", model_args(**MOE_ARGS)
+    src, args = saved / name, model_args(**MOE_ARGS)
     r = inspect_checkpoint(src=src)
     assert (r.format, r.layout["backend"], r.layout["tp"]) == ("megatron", "torch_dist", 2)
     before = hash_tree(src)

@@ -450,11 +450,13 @@ def test_megatron_moe_arguments_read_strictly(tmp_path):
             from_megatron(bad, 320, tmp_path)
 
 
-@pytest.mark.parametrize("tp,pp,ep", [(2, 2, 2), (1, 1, 2), (2, 1, 1)])
-def test_legacy_megatron_moe_rank_files_convert_bit_exactly(tmp_path, tp, pp, ep):
+@pytest.mark.parametrize("tp,pp,ep,grouped", [(2, 2, 2, False), (1, 1, 2, False), (2, 1, 1, False),
+                                               (2, 2, 2, True), (1, 1, 2, True)])
+def test_legacy_megatron_moe_rank_files_convert_bit_exactly(tmp_path, tp, pp, ep, grouped):
     """Megatron-LM's legacy per-rank files of a mixture of experts (mp_rank_TT[_PPP][_EEE]: with pp 1
     the single suffix is the ep rank), each ep rank holding its SequentialMLP experts as
-    local_experts.N: the stacked experts, the router and the rest read back bit for bit."""
+    local_experts.N, or its GroupedMLP weight1/weight2 (the experts transposed, back to back): the
+    stacked experts, the router and the rest read back bit for bit."""
     from convert_writers import model_args, native_state, write_megatron
     from safetensors.torch import load_file
 
@@ -464,7 +466,7 @@ def test_legacy_megatron_moe_rank_files_convert_bit_exactly(tmp_path, tp, pp, ep
     args = model_args(n_experts=4, experts_per_token=2, moe_hidden_dim=48, dense_layers=(0,), qk_norm=True,
                       head_dim=16, router_aux_loss_coef=0.01)
     sd = native_state(args)
-    src = write_megatron(sd, args, tmp_path / "src", tp=tp, pp=pp, ep=ep, fused_norms=False)
+    src = write_megatron(sd, args, tmp_path / "src", tp=tp, pp=pp, ep=ep, fused_norms=False, grouped=grouped)
     dirs = sorted(p.name for p in (src / "iter_0000050").iterdir())
     assert len(dirs) == tp * pp * ep and (ep == 1 or dirs[1].endswith("_001"))
     convert_checkpoint(src, tmp_path / "out", ConvertConfig(naming="native"))

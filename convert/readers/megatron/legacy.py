@@ -15,12 +15,17 @@ Per rank file (the de-fusion itself: common.py):
 - layer indices are local to each pipeline stage: global id = stage's first layer + local id;
 - a mixture of experts: each ep rank's file holds its E/ep SequentialMLP experts as
   ``mlp.experts.local_experts.{j}.linear_fc1/fc2`` (global expert = ep rank x E/ep + j; fc1 its
-  gate slice then its up slice, fc2 its columns, as the dense MLP's), and a copy of everything
-  else (read from ep rank 0; the router, replicated, from tp rank 0 too).
+  gate slice then its up slice, fc2 its columns, as the dense MLP's), or, with
+  ``--moe-grouped-gemm`` (megatron-core's GroupedMLP), all of them in ``mlp.experts.weight1``
+  (dim, E/ep x 2 ffn/tp), whose memory is (E/ep, dim, [gate; up]) -- fc1 transposed -- and
+  ``weight2`` (E/ep x ffn/tp, dim), memory (E/ep, ffn/tp, dim) -- fc2 transposed -- as GroupedMLP
+  views them; and a copy of everything else (read from ep rank 0; the router, replicated, from tp
+  rank 0 too).
 """
 from __future__ import annotations
 
 import argparse
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +49,8 @@ from titan_pipe.model.params import fused_parts, layer_name, param_of
 from titan_pipe.paths import resolve_inside
 
 FILE = "model_optim_rng.pt"
+_GROUPED = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.weight([12])$")
+GROUPED_VIEW = "#experts"  # a grouped weight read as (E/ep, rows, cols) per expert (MegatronStore.read_box)
 
 
 def load_rank_file(path: Path) -> dict:
@@ -98,12 +105,21 @@ def _stage_layers(a, pp: int, root: Path) -> list[int]:
     return [c if c else rest // free for c in counts]
 
 
-class MegatronStore(Store):
-    """Rank files loaded (memory-mapped) on demand; at most ``keep`` stay open (one pp stage)."""
+def grouped_experts(w: torch.Tensor, memory: tuple[int, int, int]) -> torch.Tensor:
+    """GroupedMLP's weight1 (dim, E x rows) or weight2 (E x rows, dim) as (E, cols, rows): its memory
+    read as ``memory`` (E, rows_in_memory, cols_in_memory), transposed per expert -- fc1 (E, 2 ffn, dim)
+    or fc2 (E, dim, ffn) -- as megatron-core's GroupedMLP views it for its dist checkpoints."""
+    return w.reshape(memory).transpose(-1, -2)
 
-    def __init__(self, root: Path, keep: int):
+
+class MegatronStore(Store):
+    """Rank files loaded (memory-mapped) on demand; at most ``keep`` stay open (one pp stage).
+    ``grouped``: (file, GroupedMLP view key) -> the (E, rows, cols) its memory is read as."""
+
+    def __init__(self, root: Path, keep: int, grouped: dict | None = None):
         super().__init__(root)
         self.keep = keep
+        self.grouped = grouped or {}
         self._open: OrderedDict[str, dict] = OrderedDict()
 
     def model(self, file: str) -> dict:
@@ -119,7 +135,10 @@ class MegatronStore(Store):
         return sd["model"]
 
     def read_box(self, file: str, key: str, box: Box) -> torch.Tensor:
-        x = self.model(file)[key]
+        if key.endswith(GROUPED_VIEW):  # GroupedMLP's weight1/weight2 as per-expert fc1 / fc2
+            x = grouped_experts(self.model(file)[key[:-len(GROUPED_VIEW)]], self.grouped[(file, key)])
+        else:
+            x = self.model(file)[key]
         if len(box.offsets) == x.dim() + 1:  # one expert's tensor read as its (1, ...) slice of the stack
             x = x.unsqueeze(0)
         for d, (o, n) in enumerate(zip(box.offsets, box.lengths)):
@@ -193,6 +212,30 @@ def _layout(path: Path, it_dir: Path, found: dict, a, vocab_size: int | None) ->
     return _Layout(it_dir, files, a, args, tp, pp, ep, padded, counts, [sum(counts[:s]) for s in range(pp)])
 
 
+def _grouped_reads(lay: _Layout, acc: Reads, grouped: dict, f: str, key: str, gid: int, which: str, t: int,
+                   e: int, shape: tuple, dtype: str) -> None:
+    """GroupedMLP's weight1 (which "1") or weight2 ("2") of ep rank ``e``, tp rank ``t``: every local
+    expert's fc1 / fc2 through the per-expert view (grouped_experts), as SequentialMLP's would be."""
+    args = lay.args
+    per, fl, dim = args.n_experts // lay.ep, args.expert_dim // lay.tp, args.dim
+    want = (dim, per * 2 * fl) if which == "1" else (per * fl, dim)
+    if shape != want:
+        raise UserError(f"{lay.it_dir / f}: {key} is {list(shape)}, expected {list(want)} ({per} experts of "
+                        f"{'2 x ' if which == '1' else ''}{fl} rows on this tp rank, dim {dim})")
+    view = key + GROUPED_VIEW
+    grouped[(f, view)] = (per, dim, 2 * fl) if which == "1" else (per, fl, dim)
+    fc1 = fused_parts("expert_fc1")
+    for j in range(per):
+        x = e * per + j
+        if which == "1":
+            for part, row in (("gate", 0), ("up", fl)):
+                acc.add(layer_name(gid, fc1[part]), Read(f, view, Box((j, row, 0), (1, fl, dim)),
+                                                         Box((x, t * fl, 0), (1, fl, dim))), dtype)
+        else:
+            acc.add(f"layers.{gid}.moe.experts.w2", Read(f, view, Box((j, 0, 0), (1, dim, fl)),
+                                                           Box((x, 0, t * fl), (1, dim, fl))), dtype)
+
+
 def _expert_reads(lay: _Layout, acc: Reads, f: str, key: str, name: str, j: int, t: int, e: int, shape: tuple,
                   dtype: str) -> None:
     """One SequentialMLP expert of ep rank ``e`` (local index ``j``): fc1's gate and up slices (its tp
@@ -251,7 +294,7 @@ def _plain_reads(lay: _Layout, acc: Reads, f: str, key: str, name: str, t: int, 
         acc.add(name, Read(f, key, Box.full(shape), Box.full(shape)), dtype)
 
 
-def _plan_rank(lay: _Layout, acc: Reads, t: int, p: int, e: int, f: str, sd: dict) -> None:
+def _plan_rank(lay: _Layout, acc: Reads, t: int, p: int, e: int, f: str, sd: dict, grouped: dict) -> None:
     """The reads one (tp, pp, ep) rank file contributes; its layer count must match its pp stage."""
     model = sd.get("model")
     if model is None:
@@ -261,6 +304,11 @@ def _plan_rank(lay: _Layout, acc: Reads, t: int, p: int, e: int, f: str, sd: dic
     for key, x in model.items():
         if ".layers." in key and isinstance(x, torch.Tensor):
             n_local = max(n_local, int(key.split(".")[2]) + 1)
+        g = _GROUPED.match(key)
+        if g is not None and isinstance(x, torch.Tensor):
+            _grouped_reads(lay, acc, grouped, f, key, int(g.group(1)) + lay.offsets[p], g.group(2), t, e,
+                           tuple(x.shape), DTYPE_NAMES[x.dtype])
+            continue
         expert = megatron_local_expert(key, lay.offsets[p])
         if expert is not None:
             if isinstance(x, torch.Tensor):
@@ -292,10 +340,10 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
     it_dir, found, first = _rank_files(path)
     lay = _layout(path, it_dir, found, first["args"], vocab_size)
     files, first_file = lay.files, found[min(found)]
-    acc = Reads()
+    acc, grouped = Reads(), {}
     for (t, p, e), f in sorted(files.items(), key=lambda x: (x[0][1], x[0][2], x[0][0])):
         sd = first if f == first_file else load_rank_file(it_dir / f)
-        _plan_rank(lay, acc, t, p, e, f, sd)
+        _plan_rank(lay, acc, t, p, e, f, sd, grouped)
         del sd
 
     def split(spec, reads) -> str:
@@ -311,4 +359,4 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
                               "layers_per_stage": lay.counts, "checkpoint_version": first.get("checkpoint_version"),
                               "padded_vocab_size": lay.padded or None})
     del first
-    return plan, MegatronStore(it_dir, keep=lay.tp * lay.ep)
+    return plan, MegatronStore(it_dir, keep=lay.tp * lay.ep, grouped=grouped)
