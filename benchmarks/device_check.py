@@ -9,6 +9,9 @@ RoPE scaling) in bf16 autocast over fp32 master weights, AdamW, clipping, batch 
   trainer           titan_pipe.training.trainer.train at dp=tp=pp=1 (one-rank process group)
   trainer_compiled  the same with train.compile: true (inductor on cuda)
   trainer_float8    compiled, with precision.float8: tensorwise (torchao; compute capability 9.0+)
+  kernels           first: the training kernels against the reference ones on the device, forward
+                    and gradient (RMSNorm, RoPE, GQA attention with and without a window, packed
+                    documents through flex attention, the experts' grouped GEMM against the loop)
   torchtitan        the peer: torchtitan 0.2.2's own Trainer on the same shape, eager and compiled
                     (the harness in shared/peers/torchtitan, --peer DIR), in the same call
 each for --steps steps; tokens/s and MFU from the steady steps (after two warm-up steps and any
@@ -232,6 +235,76 @@ def run_deploy(spec: dict, work: Path, checkpoint: str) -> dict:
             "evaluate_summary": result.summary}
 
 
+KERNEL_TOL = {"float32": 2e-5, "bfloat16": 3e-2}  # max |device kernel - reference| / max |reference|
+
+
+def run_kernels(spec: dict, work: Path) -> dict:
+    """The training kernels against the reference ones on the device, forward and gradient: RMSNorm,
+    RoPE, causal and windowed GQA attention, packed documents (flex attention's block mask on CUDA
+    against SDPA with the document mask), and the experts (grouped matrix multiply in bfloat16
+    on SM 9.0+, else the loop) against the per-expert loop. Each row: the largest difference
+    relative to the reference's largest value, and whether it is inside KERNEL_TOL."""
+    import torch
+
+    from titan_pipe.model.kernels import (attention_documents_flex, attention_ref, experts_grouped,
+                                          experts_loop, reference_kernels, torch_fused_kernels)
+
+    dev = torch.device(spec["device"])
+    ref, fused = reference_kernels(), torch_fused_kernels()
+    g = torch.Generator().manual_seed(0)
+    rows = {}
+
+    def rel(a, b):
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+    def check(name, f_ref, f_dev, inputs, dtype, backward=True, tables=0):
+        """``tables``: the last inputs are constant tables (RoPE's cos/sin), not differentiated."""
+        grads = [backward and i < len(inputs) - tables for i in range(len(inputs))]
+        xs = [x.detach().to(dev, dtype).clone().requires_grad_(r) for x, r in zip(inputs, grads)]
+        ys = [x.detach().clone().requires_grad_(r) for x, r in zip(xs, grads)]
+        a, b = f_ref(*xs), f_dev(*ys)
+        row = {"forward": rel(b, a)}
+        if backward:
+            a.float().square().sum().backward()
+            b.float().square().sum().backward()
+            row["grad"] = max(rel(y.grad, x.grad) for x, y in zip(xs, ys) if x.grad is not None)
+        row["dtype"] = str(dtype).removeprefix("torch.")
+        row["ok"] = all(v <= KERNEL_TOL[row["dtype"]] for k, v in row.items() if k in ("forward", "grad"))
+        rows[name] = row
+
+    B, H, KV, T, D = 2, 8, 2, 128, 64
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, KV, KV))
+    w, x = torch.randn(D, generator=g), torch.randn(B, T, D, generator=g)
+    angles = torch.outer(torch.arange(T, dtype=torch.float32), 1.0 / 10000.0 ** (torch.arange(0, D, 2) / D))
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()  # halves repeat
+    pos = torch.cat([torch.arange(40), torch.arange(56), torch.arange(32)]).expand(B, T).contiguous()
+    # flex attention has no CPU backward: the dry run checks its forward there
+    flex_backward = dev.type == "cuda"
+    for dtype in (torch.float32, torch.bfloat16):
+        check(f"rms_norm {dtype}", lambda a, b: ref.rms_norm(a, b, 1e-5), lambda a, b: fused.rms_norm(a, b, 1e-5),
+              [x, w], dtype)
+        check(f"rope {dtype}", lambda a, b, c, d: torch.cat(ref.apply_rotary(a, b, c, d), 1),
+              lambda a, b, c, d: torch.cat(fused.apply_rotary(a, b, c, d), 1), [q, k, cos, sin], dtype, tables=2)
+        for window in (None, 48):
+            check(f"attention window={window} {dtype}",
+                  lambda a, b, c: attention_ref(a, b, c, n_rep=H // KV, window=window),
+                  lambda a, b, c: fused.attention(a, b, c, n_rep=H // KV, window=window), [q, k, v], dtype)
+            check(f"packed documents window={window} {dtype}",
+                  lambda a, b, c: attention_ref(a, b, c, n_rep=H // KV, window=window, positions=pos.to(dev)),
+                  lambda a, b, c: attention_documents_flex(a, b, c, pos.to(dev), window), [q, k, v], dtype,
+                  backward=flex_backward)
+    E, N, dim, hidden = 8, 512, 256, 384
+    counts = torch.tensor([64, 0, 96, 32, 128, 64, 0, 128]).to(dev)
+    tokens = torch.randn(N, dim, generator=g)
+    w1, w3 = (torch.randn(E, hidden, dim, generator=g) / dim ** 0.5 for _ in range(2))
+    w2 = torch.randn(E, dim, hidden, generator=g) / hidden ** 0.5
+    check("experts bfloat16", lambda a, b, c, d: experts_loop(a, counts, b, c, d),
+          lambda a, b, c, d: experts_grouped(a, counts, b, c, d), [tokens, w1, w3, w2], torch.bfloat16)
+    grouped = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
+    return {"rows": rows, "all_ok": all(r["ok"] for r in rows.values()),
+            "experts_path": "torch._grouped_mm" if grouped else "the per-expert loop (no SM 9.0 GPU)"}
+
+
 def phase(results: dict, name: str, fn, *args, **kwargs):
     """Run one phase; record its seconds and result, or its error (the next phase still runs)."""
     print(f"-- {name}", flush=True)
@@ -287,6 +360,12 @@ def environment(spec: dict) -> dict:
 
 
 def print_summary(report: dict) -> None:
+    kern = report["phases"].get("kernels", {})
+    if "error" in kern:
+        print(f"{'kernels':>17}: FAILED {kern['error']}")
+    for name, r in kern.get("rows", {}).items():
+        grad = f", grad {r['grad']:.1e}" if "grad" in r else ""
+        print(f"{'kernel':>17}: {name}: forward {r['forward']:.1e}{grad} {'ok' if r['ok'] else 'OUT OF BOUND'}")
     for name in ("loop", "trainer", "trainer_compiled", "trainer_float8"):
         r = report["phases"].get(name, {})
         if "error" in r:
@@ -326,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"spec": spec, "environment": environment(spec), "phases": {}}
     work = Path(tempfile.mkdtemp(prefix="titan-device-check-"))
     phases = report["phases"]
+    phase(phases, "kernels", run_kernels, spec, work)
     for name, fn, kwargs in (("loop", run_loop, {}), ("trainer", run_trainer, {"compile": False}),
                              ("trainer_compiled", run_trainer, {"compile": True}),
                              ("trainer_float8", run_trainer, {"compile": True, "float8": "tensorwise"})):
@@ -338,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     report["total_s"] = time.perf_counter() - t0
     failed = [n for n, r in phases.items() if "error" in r] + ([] if phases.get("deploy", {}).get("evaluate_passed")
                                                               else ["evaluate verdict"])
+    failed += [f"kernel {k}" for k, r in phases["kernels"].get("rows", {}).items() if not r["ok"]]
     f8 = report["ratios"].get("float8_loss_max_rel_diff")
     if f8 is not None and f8 > FLOAT8_LOSS_BOUND:
         failed.append(f"float8 loss {f8:.3f} off bf16's (bound {FLOAT8_LOSS_BOUND})")

@@ -20,8 +20,10 @@ def test_device_check_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads((tmp_path / "device_check.json").read_text())
     phases = report["phases"]
-    assert set(phases) == {"loop", "trainer", "trainer_compiled", "trainer_float8", "torchtitan", "deploy"}
+    assert set(phases) == {"kernels", "loop", "trainer", "trainer_compiled", "trainer_float8", "torchtitan", "deploy"}
     assert not any("error" in p for p in phases.values())
+    kern = phases["kernels"]
+    assert kern["all_ok"] and len(kern["rows"]) == 13 and "grad" not in kern["rows"]["packed documents window=None torch.float32"]
     # off Hopper: float8 is the one line that refuses it; the peer is skipped with a line saying so
     assert "compute capability 9.0 or later" in phases["trainer_float8"]["skipped"]
     assert "torchtitan peer runs on the accelerator only" in phases["torchtitan"]["skipped"]
