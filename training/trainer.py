@@ -365,7 +365,8 @@ class Trainer:
         mem = max(float(m) for m in per_rank)
         dt = time.perf_counter() - t0
         tps = self.tokens_per_step / dt
-        return {"step": step, "loss": float(loss_sum) / (p.dp * p.tp), "lr": lr, "grad_norm": grad_norm,
+        extra = {"target_tokens": batch.targets} if self.sft else {}  # what the loss averaged over
+        return {"step": step, "loss": float(loss_sum) / (p.dp * p.tp), "lr": lr, "grad_norm": grad_norm, **extra,
                 "tokens_per_s": tps, "step_time_s": dt,
                 "mfu": metrics.mfu(tps, self.fpt, self.peak * self.world if self.peak else None),
                 "peak_mem_mb": mem / 2**20,
