@@ -10,8 +10,10 @@ layer; N(0, 0.02), norms 1), exports them as `titan-pipe export --dtype float16 
   evaluate  evaluate_model with the default comparison set (2 batches, 2 prompts x 16 new tokens,
             operators on) in each mode asked for: --max-memory BUDGET (streamed: one layer at a
             time) and, where it fits in the RAM free now, auto (whole)
-and prints evaluate time / floor time (each timed inside its process, after imports) and evaluate
-peak RSS / the safetensors weight bytes. Shapes (default all three):
+and prints evaluate time / floor time (each timed inside its process, after imports), evaluate time /
+the hand check's (transformers float32 + one ONNX Runtime session over the same tokens, logits
+compared, loading included: what a person checking an export by hand runs) and evaluate peak RSS /
+the safetensors weight bytes. Shapes (default all three):
   tinyllama  dim 2048, 22 layers, 32/4 heads, ffn 5632, vocab 32000 (1.10 B params, 2.20 GB bf16)
   llama2w2   Llama-2-7B width: dim 4096, 32 heads, ffn 11008, vocab 32000, 2 layers (0.67 B, 1.33 GB)
   llama2w8   the same with 8 layers (1.88 B, 3.76 GB): the same streamed peak as llama2w2 is what
@@ -104,6 +106,27 @@ for _ in range(int(sys.argv[2])):
 print(json.dumps({{"seconds": time.perf_counter() - t}}))
 """
 
+# The hand-written check evaluate is held against (issue 36): transformers in float32 and one ONNX
+# Runtime session over the same held-out tokens, their logits compared; loading both included.
+CHILD_HAND = """
+import json, sys, time, numpy as np, torch
+from titan_pipe.generation import ort_session
+{batches}
+t = time.perf_counter()
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+s = ort_session(sys.argv[2])
+worst = 0.0
+with torch.no_grad():
+    for b in ev.batches:
+        ref = model(b).logits.numpy()
+        ids = b.numpy()
+        got = s.run(["logits"], {{"input_ids": ids, "attention_mask": np.ones_like(ids),
+                                 "position_ids": np.arange(ids.shape[1])[None].repeat(ids.shape[0], 0)}})[0]
+        worst = max(worst, float(np.abs(got.astype(np.float64) - ref).max()))
+print(json.dumps({{"seconds": time.perf_counter() - t, "max_abs": worst}}))
+"""
+
 CHILD_EVALUATE = """
 import json, sys, time
 from pathlib import Path
@@ -126,6 +149,8 @@ def shapes() -> dict:
                                ffn_hidden_dim=5632, max_seq_len=2048),
         "llama2w2": ModelArgs(n_layers=2, **wide),
         "llama2w8": ModelArgs(n_layers=8, **wide),
+        "tinyllama8": ModelArgs(dim=2048, n_layers=8, n_heads=32, n_kv_heads=4, vocab_size=32000,
+                                ffn_hidden_dim=5632, max_seq_len=2048),  # 0.48 B, 0.96 GB: issue 36's size
         "tiny": ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_hidden_dim=512,
                           max_seq_len=512),  # a seconds-long check that the script runs
     }
@@ -168,6 +193,11 @@ def bench_shape(name: str, root: Path, budget: str, modes: list[str]) -> dict:
     f = floor(md, out / "model.onnx", args.vocab_size)
     print(f"floor {f['seconds']:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in f["parts"].items())
           + f"), its largest child peak RSS {f['peak_rss']:.2f} GB")
+    hand, hand_rss = _child(CHILD_HAND.format(batches=_BATCHES.format(settings=SETTINGS, vocab=args.vocab_size)),
+                            md, out / "model.onnx")
+    print(f"hand check (transformers float32 + one ORT session, logits over {SETTINGS['batches']} x "
+          f"{SETTINGS['seq_len']} tokens, loading included) {hand['seconds']:.1f} s, peak RSS {hand_rss:.2f} GB, "
+          f"max |logits diff| {hand['max_abs']:.2e}")
     results = {}
     for mode in modes:
         if mode == "whole" and not _fits_whole(wrote):
@@ -176,9 +206,10 @@ def bench_shape(name: str, root: Path, budget: str, modes: list[str]) -> dict:
         setting = budget if mode == "streamed" else "auto"
         r, rss = _child(CHILD_EVALUATE, md, out / "model.onnx", root / name / f"rep-{mode}", setting)
         results[mode] = {"seconds": r["seconds"], "time_ratio": r["seconds"] / f["seconds"], "peak_rss": rss,
-                         "rss_ratio": rss * 1e9 / wrote, "ran": r["mode"]}
+                         "rss_ratio": rss * 1e9 / wrote, "ran": r["mode"], "hand_ratio": r["seconds"] / hand["seconds"]}
         print(f"evaluate --max-memory {setting}: ran {r['mode']}, {r['seconds']:.1f} s = "
-              f"{r['seconds'] / f['seconds']:.2f}x the floor; peak RSS {rss:.2f} GB = {rss * 1e9 / wrote:.3f}x the "
+              f"{r['seconds'] / f['seconds']:.2f}x the floor, {r['seconds'] / hand['seconds']:.2f}x the hand check; "
+              f"peak RSS {rss:.2f} GB = {rss * 1e9 / wrote:.3f}x the "
               f"weights; {'PASS' if r['passed'] else 'FAIL'}: {r['verdict'][:100]}")
     shutil.rmtree(root / name, ignore_errors=True)
     return results
