@@ -180,7 +180,7 @@ def chat_spec(records: str, *, tok, chat_template: str, max_tokens: int | None) 
     if max_tokens is not None and max_tokens < 2:
         raise UserError(f"--max-tokens {max_tokens}: give the training window (train.seq_len + 1) or leave it out")
     template = load_chat_template(chat_template, tokenizer_dir=Path(tok.path).parent)
-    return ChatSpec(records, template.source, template.origin, tuple(sorted(template.special.items())), max_tokens)
+    return ChatSpec(records, template, max_tokens)
 
 
 def plan_prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, val_fraction: float = 0.05,
@@ -303,11 +303,10 @@ def chat_fields(plan: PreparePlan, bad: tuple[int, list[str]]) -> dict:
     """The record fields of chat / instruction data ({} for plain text)."""
     if plan.chat is None:
         return {}
-    from titan_pipe.tokens.chat import ChatTemplate
     from titan_pipe.tokens.loss_mask import SUFFIX
 
-    sha = ChatTemplate(plan.chat.template, plan.chat.origin).sha256
-    return dict(records=plan.chat.fmt, loss_mask=f"{PREFIX}{SUFFIX}", chat_template=f"{plan.chat.origin} sha256:{sha}",
+    t = plan.chat.template
+    return dict(records=plan.chat.fmt, loss_mask=f"{PREFIX}{SUFFIX}", chat_template=f"{t.origin} sha256:{t.sha256}",
                 chat_key=plan.chat.key, bad_records=bad[0], bad_examples=list(bad[1]))
 
 

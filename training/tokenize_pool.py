@@ -13,12 +13,15 @@ import os
 from collections import deque
 from dataclasses import dataclass
 from concurrent.futures import ProcessPoolExecutor
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 
 from titan_pipe import procs
 from titan_pipe.tokens.sources import Block, documents
+
+if TYPE_CHECKING:
+    from titan_pipe.tokens.chat import ChatTemplate
 
 CHUNK_CHARS = 1 << 22  # ~4 MB of text per task: enough to amortise pickling, small enough to bound memory
 IN_FLIGHT_PER_WORKER = 2
@@ -34,9 +37,7 @@ class ChatSpec:
     """How chat / instruction records become tokens (picklable: sent to each worker once)."""
 
     fmt: str  # chat | instruction
-    template: str  # the Jinja source
-    origin: str
-    special: tuple  # ((name, token), ...) the template may name
+    template: "ChatTemplate"  # titan_pipe.tokens.chat: the Jinja source, its origin, the special tokens
     max_tokens: int | None  # a longer conversation is a bad record (None: no limit)
 
     @property
@@ -46,7 +47,8 @@ class ChatSpec:
         import hashlib
         import json
 
-        doc = [self.fmt, self.template, [list(x) for x in self.special], self.max_tokens]
+        doc = [self.fmt, self.template.source, [list(x) for x in sorted(self.template.special.items())],
+               self.max_tokens]
         return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
@@ -102,10 +104,10 @@ def _encode(blocks: list[Block]) -> Encoded:
 def _encode_chat(blocks: list[Block]) -> Encoded:
     """Chat / instruction records rendered by the template, encoded in one batch, masked to their
     answers (titan_pipe.tokens.chat); records that cannot be trained on are named in ``bad``."""
-    from titan_pipe.tokens.chat import BadRecord, ChatTemplate, answer_mask, conversation
+    from titan_pipe.tokens.chat import BadRecord, answer_mask, conversation
     from titan_pipe.tokens.sources import records
 
-    template = ChatTemplate(_chat.template, _chat.origin, dict(_chat.special))
+    template = _chat.template
     texts, spans, wheres, bad, n_in = [], [], [], [], 0
     for b in blocks:
         for where, record in records(b):

@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from titan_pipe.errors import UserError
+from titan_pipe.tokens.tokenizer import special_tokens
 
 ROLES = ("system", "user", "assistant", "tool")
-SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 # Built-in templates for tokenizers without one of their own; both mark the answers with
 # {% generation %} blocks, the end-of-turn marker included (the model learns to stop).
@@ -148,11 +148,11 @@ class ChatTemplate:
                 text = self.render(messages)
                 spans = [self._turn_span(text, messages, i) for i, m in enumerate(messages)
                          if m["role"] == "assistant"]
+        except BadRecord:
+            raise
         except jinja2.exceptions.TemplateError as e:
             raise BadRecord(f"the chat template failed: {e}") from None
         except (TypeError, ValueError, KeyError, AttributeError) as e:
-            if isinstance(e, BadRecord):
-                raise
             raise BadRecord(f"the chat template failed: {type(e).__name__}: {e}") from None
         spans = [(a, b) for a, b in spans if b > a]
         if not spans:
@@ -188,18 +188,6 @@ def builtin_template(name: str, special: dict | None = None) -> ChatTemplate:
     return ChatTemplate(BUILTIN_TEMPLATES[name], f"builtin:{name}", dict(special or {}))
 
 
-def special_tokens(config: dict) -> dict[str, str]:
-    """{bos_token: "<s>", ...} from a tokenizer_config.json (strings or AddedToken dicts)."""
-    out = {}
-    for key in SPECIAL_KEYS:
-        v = config.get(key)
-        if isinstance(v, dict):
-            v = v.get("content")
-        if isinstance(v, str):
-            out[key] = v
-    return out
-
-
 def load_chat_template(spec: str, *, tokenizer_dir: Path | None) -> ChatTemplate:
     """``spec``: "model" (the tokenizer's own: ``chat_template`` of tokenizer_config.json, or a
     chat_template.jinja beside it), a built-in name (chatml, llama3), or a .jinja file."""
@@ -210,6 +198,9 @@ def load_chat_template(spec: str, *, tokenizer_dir: Path | None) -> ChatTemplate
             config = json.loads(cfg_path.read_text(encoding="utf-8"))
         except ValueError as e:
             raise UserError(f"{cfg_path}: not valid JSON ({e}); fix the file or pass --chat-template chatml") from None
+        if not isinstance(config, dict):
+            raise UserError(f"{cfg_path}: a JSON {type(config).__name__}, not an object; fix the file or pass "
+                            "--chat-template chatml")
     special = special_tokens(config)
     if spec in BUILTIN_TEMPLATES:
         return builtin_template(spec, special)

@@ -102,6 +102,22 @@ class HFTokenizer:
         return f"HFTokenizer({self.path}, vocab_size={self.vocab_size})"
 
 
+# The special tokens transformers passes a chat template (and bos/eos, which name the ids here)
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def special_tokens(config: dict, keys: tuple[str, ...] = SPECIAL_KEYS) -> dict[str, str]:
+    """{bos_token: "<s>", ...} of a tokenizer_config.json's contents: strings or AddedToken dicts."""
+    found = {}
+    for key in keys:
+        v = config.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str):
+            found[key] = v
+    return found
+
+
 def _special_tokens_from_config(path: Path) -> dict[str, str]:
     """bos_token / eos_token as transformers' tokenizer_config.json names them (str or AddedToken dict)."""
     if not path.is_file():
@@ -110,14 +126,7 @@ def _special_tokens_from_config(path: Path) -> dict[str, str]:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    found = {}
-    for key in ("bos_token", "eos_token"):
-        v = cfg.get(key)
-        if isinstance(v, dict):
-            v = v.get("content")
-        if isinstance(v, str):
-            found[key] = v
-    return found
+    return special_tokens(cfg, ("bos_token", "eos_token")) if isinstance(cfg, dict) else {}
 
 
 def build_tokenizer(spec: str, *, base: Path | None = None) -> ByteTokenizer | HFTokenizer:
