@@ -169,13 +169,18 @@ class PackedLoader:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position; any dp_size/dp_rank may load any saved state."""
-        mine = self.state_dict()
-        for key in STATE_KEYS:
-            if state.get(key) != mine.get(key) and (key in state or key == "blend"):
-                raise UserError(f"data loader state: {key} was {state.get(key)!r} when saved but is "
-                                f"{mine.get(key)!r} now; resume with the same data and train settings, "
-                                "or start a fresh run without --resume")
-        step = state.get("step")
-        if not isinstance(step, int) or step < 0:
-            raise UserError(f"data loader state: step {step!r} is not a non-negative integer")
-        self.step = step
+        self.step = saved_step(state, self.state_dict(), STATE_KEYS, required=("blend",))
+
+
+def saved_step(state: dict, mine: dict, keys, *, required) -> int:
+    """The step of a saved loader ``state`` once each of ``keys`` is checked to equal ``mine``'s (a key
+    the state lacks is not checked unless it is ``required``): one line naming the first that differs."""
+    for key in keys:
+        if state.get(key) != mine.get(key) and (key in state or key in required):
+            raise UserError(f"data loader state: {key} was {state.get(key)!r} when saved but is "
+                            f"{mine.get(key)!r} now; resume with the same data and train settings, "
+                            "or start a fresh run without --resume")
+    step = state.get("step")
+    if not isinstance(step, int) or step < 0:
+        raise UserError(f"data loader state: step {step!r} is not a non-negative integer")
+    return step

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from titan_pipe.errors import UserError
-from titan_pipe.tokens.loader import STATE_KEYS, Batch
+from titan_pipe.tokens.loader import STATE_KEYS, Batch, saved_step
 from titan_pipe.tokens.shuffle import Permutation, splitmix64
 
 IGNORE = -100  # labels the loss skips (torch's cross-entropy ignore_index)
@@ -165,7 +165,9 @@ class DocumentLoader:
         if self.vocab_size is not None and int(inputs.max()) >= self.vocab_size:
             raise UserError(f"{self.source.path}: token id {int(inputs.max())} is >= model.vocab_size "
                             f"{self.vocab_size}; train with the tokenizer the data was made with")
-        targets = sum(self._targets(int(w)) for w in windows)
+        # this rank's rows count their own labels; the other ranks' rows are counted from their masks
+        others = np.concatenate([windows[:lo], windows[lo + self.local_batch:]])
+        targets = int((labels != IGNORE).sum()) + sum(self._targets(int(w)) for w in others)
         return Batch(inputs=inputs, labels=labels, positions=positions, targets=targets)
 
     def next_batch(self) -> Batch:
@@ -179,13 +181,5 @@ class DocumentLoader:
                 "packing": "documents"}
 
     def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        for key in (*STATE_KEYS, "packing"):
-            if state.get(key) != mine.get(key):
-                raise UserError(f"data loader state: {key} was {state.get(key)!r} when saved but is "
-                                f"{mine.get(key)!r} now; resume with the same data and train settings, "
-                                "or start a fresh run without --resume")
-        step = state.get("step")
-        if not isinstance(step, int) or step < 0:
-            raise UserError(f"data loader state: step {step!r} is not a non-negative integer")
-        self.step = step
+        keys = (*STATE_KEYS, "packing")
+        self.step = saved_step(state, self.state_dict(), keys, required=keys)
