@@ -14,6 +14,7 @@ RoPE's cos/sin are then per row, (B, 1, T, hd), which every apply_rotary broadca
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -152,15 +153,11 @@ def attention_documents_flex(q, k, v, positions: torch.Tensor, window: int | Non
     return run(q, k, v, block_mask=block, enable_gqa=k.shape[1] != q.shape[1])
 
 
-_FLEX = []
-
-
+@lru_cache(maxsize=1)
 def _compiled_flex():
-    if not _FLEX:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX.append(torch.compile(flex_attention, dynamic=False))
-    return _FLEX[0]
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def attention_gqa(q, k, v, *, n_rep: int, causal: bool = True, window: int | None = None,

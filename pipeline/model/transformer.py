@@ -299,7 +299,7 @@ class Transformer(nn.Module):
         else:  # per row: (B, 1, T, hd), broadcast over the heads
             cos, sin = self.rope_cos[positions][:, None].to(h.dtype), self.rope_sin[positions][:, None].to(h.dtype)
         for layer in self.layers.values():
-            h = layer(h, cos, sin) if positions is None else layer(h, cos, sin, positions)
+            h = layer(h, cos, sin, positions)
         h = self.norm(h) if self.norm is not None else h
         if self.carry_balance:
             return (self.output(h) if self.output is not None else h, *self._carried(carry, h))
