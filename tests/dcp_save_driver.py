@@ -145,7 +145,7 @@ def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2, grouped: b
     SequentialMLP experts, or with ``grouped`` its GroupedMLP: weight1/weight2 as the legacy writer lays
     them out, so megatron-core's own view of them decides what is saved) at tp 2 x ep 2, native_state's
     weights loaded, saved by dist_checkpointing."""
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -176,23 +176,17 @@ def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2, grouped: b
     t, e = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
     local = megatron_rank(native_state(args), args, t, 0, tp, 1, fused_norms=False, padded=padded, e=e, ep=ep,
                           grouped=grouped)
-    missing, unexpected = m.load_state_dict({k: x for k, x in local.items() if x is not None}, strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+    _load_into(m, local)
     ckpt = out / ("megatron_moe_grouped" if grouped else "megatron_moe")
     state = {"args": megatron_args(args, tp=tp, pp=1, padded=padded, ep=ep), "iteration": 50,
              "checkpoint_version": 3.0, "model": m.sharded_state_dict()}
-    if rank == 0:
-        (ckpt / "iter_0000050").mkdir(parents=True)
-    torch.distributed.barrier()
-    dist_checkpointing.save(state, str(ckpt / "iter_0000050"))
-    if rank == 0:
-        (ckpt / "latest_checkpointed_iteration.txt").write_text("50")
+    _save_dist(ckpt, rank, state)
 
 
 def _save_gpt(ckpt: Path, rank: int, cfg, args, tp: int, pp: int, vpp: int) -> None:
     """Build megatron-core's GPTModel for each virtual stage of this rank, load native_state's
     weights into it and dist_checkpointing.save it under ckpt/iter_0000050."""
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -211,9 +205,21 @@ def _save_gpt(ckpt: Path, rank: int, cfg, args, tp: int, pp: int, vpp: int) -> N
                      share_embeddings_and_output_weights=False, position_embedding_type="rope",
                      rotary_base=int(args.rope_theta), vp_stage=v)
         local = megatron_rank(sd, args, t, v * pp + p, tp, pp * vpp, fused_norms=False, padded=padded)
-        missing, unexpected = m.load_state_dict({k: x for k, x in local.items() if x is not None}, strict=False)
-        assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+        _load_into(m, local)
         state[f"model{v}"] = m.sharded_state_dict()
+    _save_dist(ckpt, rank, state)
+
+
+def _load_into(m, local: dict) -> None:
+    """A megatron-core module's state from convert_writers.megatron_rank (every weight, none extra)."""
+    missing, unexpected = m.load_state_dict({k: x for k, x in local.items() if x is not None}, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+
+
+def _save_dist(ckpt: Path, rank: int, state: dict) -> None:
+    """dist_checkpointing.save into ckpt/iter_0000050 with its tracker file, as Megatron-LM saves."""
+    from megatron.core import dist_checkpointing
+
     if rank == 0:
         (ckpt / "iter_0000050").mkdir(parents=True)
     torch.distributed.barrier()

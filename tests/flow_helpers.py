@@ -24,3 +24,30 @@ def small_flow(tmp: Path, name: str, **over) -> Path:
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_in_process(flow: Path):
+    """(its FlowConfig, run_training's result) of ``flow`` trained in this process as a one-rank
+    torchrun world (the environment torchrun would set, undone afterwards)."""
+    import pytest
+
+    from titan_pipe.config import load_flow
+    from titan_pipe.training.launch import run_training
+
+    mp = pytest.MonkeyPatch()
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}.items():
+        mp.setenv(k, v)
+    try:
+        cfg = load_flow(flow)
+        return cfg, run_training(flow_path=flow, cfg=cfg)
+    finally:
+        mp.undo()

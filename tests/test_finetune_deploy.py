@@ -6,39 +6,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 
 import pytest
 import torch
 import yaml
 
 from chat_fixtures import chat_records, train_tokenizer, write_jsonl
-from titan_pipe.config import EvaluateConfig, ExportConfig, load_flow
+from flow_helpers import train_in_process
+from titan_pipe.config import EvaluateConfig, ExportConfig
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.evaluate.api import evaluate_model
 from titan_pipe.evaluate.batches import ValidationSplit, load_eval_data
 from titan_pipe.convert.onnx.export import export_model
-from titan_pipe.training.launch import run_training
 
 QWEN3 = {"flavour": "debug", "qk_norm": True, "head_dim": 32}
-
-
-def _train(flow):
-    mp = pytest.MonkeyPatch()
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
-        mp.setenv(k, v)
-    try:
-        cfg = load_flow(flow)
-        return cfg, run_training(flow_path=flow, cfg=cfg)
-    finally:
-        mp.undo()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +38,7 @@ def tuned(tmp_path_factory):
         "data": {"path": "chat.jsonl", "tokenizer": "released", "format": "chat", "val_fraction": 0.2},
         "train": {"mode": "sft", "steps": 3, "batch_size": 2, "seq_len": 192, "optimizer": {"lr": 1e-3}},
         "checkpoint": {"every": 3, "keep_last": 1}}))
-    cfg, res = _train(flow)
+    cfg, res = train_in_process(flow)
     model = convert_checkpoint(res.checkpoint, root / "model")
     return {"root": root, "flow": flow, "cfg": cfg, "ckpt": res.checkpoint, "model": model.out_dir}
 
@@ -106,7 +87,7 @@ def test_compiled_fine_tuning_follows_the_eager_curve(tuned):
     flow.update(name="sft_compiled")
     flow["train"].update(compile=True, compile_backend="aot_eager")
     (root / "compiled.yaml").write_text(yaml.safe_dump(flow))
-    _train(root / "compiled.yaml")
+    train_in_process(root / "compiled.yaml")
     eager = [json.loads(line) for line in (root / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()]
     compiled = [json.loads(line) for line in (root / "runs" / "sft_compiled" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-5)

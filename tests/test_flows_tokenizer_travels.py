@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from flow_helpers import train_in_process
 from titan_pipe.checkpoint_format import Manifest
-from titan_pipe.config import EvaluateConfig, load_flow
+from titan_pipe.config import EvaluateConfig
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.api import evaluate_model
@@ -24,15 +24,8 @@ from titan_pipe.evaluate.batches import ValidationSplit, load_eval_data, pick_to
 from titan_pipe.flows.train_to_deploy import _call_stage
 from titan_pipe.hashing import sha256_file
 from titan_pipe.tokens.tokenizer import build_tokenizer
-from titan_pipe.training.launch import run_training
 
 FAST = EvaluateConfig(operators=False, batches=1, batch_size=2, seq_len=32, prompts=1, new_tokens=4)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _corpus(root: Path) -> Path:
@@ -72,15 +65,7 @@ def trained(tmp_path_factory):
         "data": {"path": "corpus", "tokenizer": "tok/tokenizer.json", "val_fraction": 0.2},
         "train": {"steps": 2, "batch_size": 2, "seq_len": 16, "seed": 1},
         "checkpoint": {"every": 2, "keep_last": 1}}))
-    mp = pytest.MonkeyPatch()
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
-        mp.setenv(k, v)
-    try:
-        cfg = load_flow(flow)
-        res = run_training(flow_path=flow, cfg=cfg)
-    finally:
-        mp.undo()
+    cfg, res = train_in_process(flow)
     model = convert_checkpoint(res.checkpoint, root / "model")
     return {"root": root, "flow": flow, "cfg": cfg, "tok": tok, "ckpt": res.checkpoint, "model": model}
 

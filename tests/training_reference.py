@@ -25,6 +25,18 @@ def training_loader(cfg, *, base, prepared) -> PackedLoader:
     return PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed)
 
 
+def warmup_cosine(opt, t):
+    """The trainer's schedule written out: linear warmup over train.warmup_steps, then cosine down to
+    lr x lr_min_ratio at the last step."""
+    def factor(s):
+        if s < t.warmup_steps:
+            return (s + 1) / t.warmup_steps
+        frac = min(1.0, (s - t.warmup_steps) / max(1, t.steps - t.warmup_steps - 1))
+        return t.lr_min_ratio + (1 - t.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
 def microbatch_groups(batch: int, *, dp: int, microbatches: int) -> list[list[int]]:
     """Rows of the global batch in each pipeline microbatch: microbatch m is rows [m*b, (m+1)*b) of
     every dp rank's slice (b = batch / dp / microbatches). A mixture of experts' load-balancing loss
@@ -49,13 +61,7 @@ def reference_run(flow: dict, *, base, microbatches: int = 1) -> dict:
     else:
         opt = torch.optim.SGD(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
-    def factor(s):
-        if s < t.warmup_steps:
-            return (s + 1) / t.warmup_steps
-        frac = min(1.0, (s - t.warmup_steps) / max(1, t.steps - t.warmup_steps - 1))
-        return t.lr_min_ratio + (1 - t.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    sched = warmup_cosine(opt, t)
     losses, norms = [], []
     groups = microbatch_groups(t.batch_size, dp=flow.get("parallel", {}).get("dp", 1),
                                microbatches=microbatches)
@@ -113,13 +119,7 @@ def sft_reference_run(flow: dict, *, base, state: dict, masked: bool = True) -> 
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                             foreach=False)
 
-    def factor(s):
-        if s < t.warmup_steps:
-            return (s + 1) / t.warmup_steps
-        frac = min(1.0, (s - t.warmup_steps) / max(1, t.steps - t.warmup_steps - 1))
-        return t.lr_min_ratio + (1 - t.lr_min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    sched = warmup_cosine(opt, t)
     losses, norms = [], []
     for _ in range(t.steps):
         b = loader.next_batch()
