@@ -114,7 +114,7 @@ from titan_pipe.generation import ort_session
 {batches}
 t = time.perf_counter()
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 s = ort_session(sys.argv[2])
 worst = 0.0
 with torch.no_grad():
@@ -125,6 +125,36 @@ with torch.no_grad():
                                  "position_ids": np.arange(ids.shape[1])[None].repeat(ids.shape[0], 0)}})[0]
         worst = max(worst, float(np.abs(got.astype(np.float64) - ref).max()))
 print(json.dumps({{"seconds": time.perf_counter() - t, "max_abs": worst}}))
+"""
+
+# The same, plus what a person checking the deployed generation loop by hand adds: transformers'
+# greedy generate and the ONNX prefill + decode loop (titan_pipe.generation) on the same prompts
+# and new tokens as evaluate's KV row, their tokens compared.
+CHILD_HAND_GEN = """
+import json, sys, time, numpy as np, torch
+from titan_pipe.evaluate.run import ragged_prompts
+from titan_pipe.generation import generate, ort_session
+{batches}
+t = time.perf_counter()
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+s = ort_session(sys.argv[2])
+worst = 0.0
+with torch.no_grad():
+    for b in ev.batches:
+        ref = model(b).logits.numpy()
+        ids = b.numpy()
+        got = s.run(["logits"], {{"input_ids": ids, "attention_mask": np.ones_like(ids),
+                                 "position_ids": np.arange(ids.shape[1])[None].repeat(ids.shape[0], 0)}})[0]
+        worst = max(worst, float(np.abs(got.astype(np.float64) - ref).max()))
+    prompts = ragged_prompts(ev.prompts)
+    n_new = {new_tokens}
+    ref_tokens = [model.generate(torch.tensor([q]), max_new_tokens=n_new, do_sample=False,
+                                 pad_token_id=0)[0, len(q):].tolist() for q in prompts]
+dec = ort_session(sys.argv[3])
+got = generate(prefill=s, decode=dec, prompts=prompts, max_new_tokens=n_new).new_tokens.tolist()
+agree = float(np.mean([a == b for r, g in zip(ref_tokens, got) for a, b in zip(r, g)]))
+print(json.dumps({{"seconds": time.perf_counter() - t, "max_abs": worst, "agreement": agree}}))
 """
 
 CHILD_EVALUATE = """
@@ -198,6 +228,12 @@ def bench_shape(name: str, root: Path, budget: str, modes: list[str]) -> dict:
     print(f"hand check (transformers float32 + one ORT session, logits over {SETTINGS['batches']} x "
           f"{SETTINGS['seq_len']} tokens, loading included) {hand['seconds']:.1f} s, peak RSS {hand_rss:.2f} GB, "
           f"max |logits diff| {hand['max_abs']:.2e}")
+    gen, gen_rss = _child(CHILD_HAND_GEN.format(batches=_BATCHES.format(settings=SETTINGS, vocab=args.vocab_size),
+                                                new_tokens=SETTINGS["new_tokens"]),
+                          md, out / "model.onnx", out / "decode.onnx")
+    print(f"hand check + generation (the same, then transformers generate and the ONNX prefill + decode loop, "
+          f"{SETTINGS['prompts']} prompts x {SETTINGS['new_tokens']} new tokens, tokens compared) {gen['seconds']:.1f} s, "
+          f"peak RSS {gen_rss:.2f} GB, token agreement {gen['agreement']:.2f}")
     results = {}
     for mode in modes:
         if mode == "whole" and not _fits_whole(wrote):
@@ -206,9 +242,11 @@ def bench_shape(name: str, root: Path, budget: str, modes: list[str]) -> dict:
         setting = budget if mode == "streamed" else "auto"
         r, rss = _child(CHILD_EVALUATE, md, out / "model.onnx", root / name / f"rep-{mode}", setting)
         results[mode] = {"seconds": r["seconds"], "time_ratio": r["seconds"] / f["seconds"], "peak_rss": rss,
-                         "rss_ratio": rss * 1e9 / wrote, "ran": r["mode"], "hand_ratio": r["seconds"] / hand["seconds"]}
+                         "rss_ratio": rss * 1e9 / wrote, "ran": r["mode"], "hand_ratio": r["seconds"] / hand["seconds"],
+                         "hand_gen_ratio": r["seconds"] / gen["seconds"]}
         print(f"evaluate --max-memory {setting}: ran {r['mode']}, {r['seconds']:.1f} s = "
-              f"{r['seconds'] / f['seconds']:.2f}x the floor, {r['seconds'] / hand['seconds']:.2f}x the hand check; "
+              f"{r['seconds'] / f['seconds']:.2f}x the floor, {r['seconds'] / hand['seconds']:.2f}x the hand check, "
+              f"{r['seconds'] / gen['seconds']:.2f}x the hand check + generation; "
               f"peak RSS {rss:.2f} GB = {rss * 1e9 / wrote:.3f}x the "
               f"weights; {'PASS' if r['passed'] else 'FAIL'}: {r['verdict'][:100]}")
     shutil.rmtree(root / name, ignore_errors=True)

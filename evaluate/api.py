@@ -13,6 +13,7 @@ with the reason, never a pass. How much is loaded at once is evaluate.max_memory
 from __future__ import annotations
 
 import gc
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,10 +82,13 @@ def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: 
     steps = Steps(progress, total=len(COMPARISONS) + 3)
     gc.freeze()  # what exists now lives on: the collections between layers (memory.release) skip it
     try:
+        start = time.perf_counter()
         run = prepare(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om, data=data,
                       settings=settings, steps=steps, split=split)
+        took = run.ledger.seconds
+        took["set-up"] = time.perf_counter() - start - sum(took.values())  # inputs, data, plan, opening
         try:
-            comparisons = [c for c in (compare(run) for compare in COMPARISONS) if c is not None]
+            comparisons = [c for c in (_timed(compare, run) for compare in COMPARISONS) if c is not None]
             verdict = cmp.decide(comparisons, run.ledger.op_rows, run.ledger.op_dtypes)
             steps.step("writing the report")
             files = write_report(out_dir, report_dict(run, comparisons, verdict), run.ledger.hist, dump=run.dump)
@@ -95,3 +99,12 @@ def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: 
         gc.unfreeze()
     return EvalResult(out_dir, verdict.passed, files["report.json"],
                       summary(verdict, comparisons, run.memory.mode, sharded_memory(run)))
+
+
+def _timed(compare, run):
+    """One comparison, its seconds recorded under its id (the report's timing)."""
+    start = time.perf_counter()
+    c = compare(run)
+    if c is not None and not c.status.startswith("skipped"):
+        run.ledger.seconds[c.id] = time.perf_counter() - start
+    return c

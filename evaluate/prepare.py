@@ -2,10 +2,10 @@
 mode, and the reference's values over every sequence the comparisons need (computed once)."""
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 
 from titan_pipe.checkpoint_format import MANIFEST_NAME
 from titan_pipe.config import EvaluateConfig
@@ -156,20 +156,26 @@ def _activations(args: ModelArgs, request: Request) -> int:
 
 
 def _reference_values(run: Run) -> Run:
-    """The reference's greedy tokens (when a candidate generates), then one layer-major forward over
-    the held-out batches and, for the KV-cache loop, each prompt + its greedy tokens."""
+    """The reference's greedy tokens (when a candidate generates) with, for the KV-cache loop, what
+    its steps computed on the way (the loop's reference side: the logits choosing each new token,
+    each layer's values at the positions the decode steps feed); then one layer-major forward over
+    the held-out batches."""
     s, p = run.sides, run.prompts
     generates = s.decode is not None or (s.prefill is not None and not s.prefill.info.fixed_shape)
     tokens = None
     if p.prompts and generates:
         run.steps.step("reference generation")
-        tokens = s.reference.greedy(p.prompts, p.n_new)
+        room = run.memory.streamed - _activations(run.args, run.request) if run.memory.mode == "streamed" else None
+        values = {} if s.decode is not None else None
+        start = time.perf_counter()
+        tokens = s.reference.greedy(p.prompts, p.n_new, room=room, values=values)
+        run.ledger.seconds["reference generation"] = time.perf_counter() - start
+        for key, v in (values or {}).items():
+            run.store.put((REF_GEN, "logits", None, 0) if key == "logits" else (REF_GEN, key[0], key[1], 0), v)
     run.steps.step("reference forward")
+    start = time.perf_counter()
     seqs = list(run.request.data.batches)
-    parts = [(REF, b) for b in range(len(seqs))]
-    if tokens is not None and s.decode is not None:  # teacher forcing: the loop feeds new tokens 0..n-2
-        seqs += [torch.tensor([q + tokens[j, :-1].tolist()]) for j, q in enumerate(p.prompts)]
-        parts += [(REF_GEN, j) for j in range(len(p.prompts))]
-    s.reference.forward(seqs, StoreSink(run.store, parts))
+    s.reference.forward(seqs, StoreSink(run.store, [(REF, b) for b in range(len(seqs))]))
     s.reference.drop()  # every comparison reads the reference's values from the store from here on
+    run.ledger.seconds["reference forward"] = time.perf_counter() - start
     return run if tokens is None else replace(run, prompts=Prompts(p.prompts, p.n_new, tokens))

@@ -184,6 +184,12 @@ def sharded_line(sharded: dict | None) -> str:
     return f"sharded forward: {sharded['mode']}, {sharded['ranks']} ranks{rss}"
 
 
+def timing_line(seconds: dict[str, float]) -> str:
+    """What each step took, the longest first: "12.3 s in all: reference generation 5.4 s, ..."."""
+    steps = sorted(seconds.items(), key=lambda kv: -kv[1])
+    return f"{sum(seconds.values()):.1f} s before the report: " + ", ".join(f"{k} {v:.1f} s" for k, v in steps)
+
+
 def render_markdown(report: dict, plots: list[str]) -> str:
     v = report["verdict"]
     lines = ["# titan-pipe evaluation report", "", f"**{'PASS' if report['passed'] else 'FAIL'}** — {v['text']}", "",
@@ -191,6 +197,8 @@ def render_markdown(report: dict, plots: list[str]) -> str:
     if report.get("memory"):
         ranks = sharded_line(report["memory"].get("sharded"))
         lines += [f"Memory: **{report['memory']['mode']}** ({report['memory']['why']}){'; ' + ranks if ranks else ''}", ""]
+    if report.get("seconds"):
+        lines += [f"Time: {timing_line(report['seconds'])}", ""]
     for p in plots:
         lines.append(f"![{p}]({p})")
     lines += ["", "## Comparisons", ""]
@@ -238,6 +246,8 @@ def render_html(report: dict, plot_files: dict[str, Path]) -> str:
         ranks = sharded_line(report["memory"].get("sharded"))
         parts.append(f"<p>memory: <b>{e(report['memory']['mode'])}</b> ({e(report['memory']['why'])})"
                      f"{'; ' + e(ranks) if ranks else ''}</p>")
+    if report.get("seconds"):
+        parts.append(f"<p>time: {e(timing_line(report['seconds']))}</p>")
     for name, path in plot_files.items():
         data = base64.b64encode(path.read_bytes()).decode()
         parts.append(f"<p><img alt='{e(name)}' src='data:image/png;base64,{data}'></p>")

@@ -27,11 +27,12 @@ from titan_pipe.evaluate.runners.ort_layers import LayerChain
 from titan_pipe.evaluate.runners.pytorch import LayeredModel
 from titan_pipe.evaluate.runners.sharded import DistributedRunner
 from titan_pipe.evaluate.store import Values, ValueStore
+from titan_pipe.generation import PaddedBatch, plan_batches
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.thresholds import resolve_thresholds
 
 REF = "ref"  # the reference's values over the held-out batches, in the store
-REF_GEN = "ref_gen"  # its values over each prompt + its greedy tokens (teacher forcing the KV loop)
+REF_GEN = "ref_gen"  # its greedy steps over the prompts: the logits and layer values the KV loop is held to
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class Ledger:
     hist: dict[str, np.ndarray] = field(default_factory=dict)  # label -> |cand - ref| logits sample
     op_rows: list = field(default_factory=list)
     op_dtypes: tuple[str, ...] = ()
+    prefilled: object = None  # ort_layers.Prefilled: the prefill pieces over the loop's prompts (torch_vs_onnx)
+    forced_logits: list | None = None  # the prefill pieces' logits over forced_sequences(reference) (torch_vs_onnx)
+    seconds: dict[str, float] = field(default_factory=dict)  # what each step took (the report's timing)
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,20 @@ class Run:
         """Whether the prefill graph generates on its own in the task row (it takes any length)."""
         pre = self.sides.prefill
         return pre is not None and not pre.info.fixed_shape and self.prompts.reference is not None
+
+    @property
+    def kv_chained(self) -> bool:
+        """Whether the KV row runs the graphs piece by piece: then the torch_vs_onnx row's pass over
+        the prefill pieces also prefills the loop's prompts, and those pieces open once for both."""
+        s = self.sides
+        return (s.decode is not None and bool(self.settings.prompts) and bool(self.prompts.prompts)
+                and s.prefill_chain is not None and s.decode_chain is not None)
+
+    def loop_plan(self, forced: np.ndarray | None = None) -> list[PaddedBatch]:
+        """The generation loop's left-padded batches of the prompts (``forced``: the tokens fed after them)."""
+        s, p = self.sides, self.prompts
+        return plan_batches(prefill=s.prefill.graph.io, decode=s.decode.graph.io, prompts=p.prompts,
+                            max_new_tokens=p.n_new, forced=forced)
 
     def tdtype(self, cand_dtype: str) -> str:
         """The threshold set: the candidate's dtype, unless evaluate.dtype names one."""
@@ -146,3 +164,9 @@ def ragged_prompts(prompts: torch.Tensor) -> list[list[int]]:
     n, p = prompts.shape
     lengths = [p - (j * (p // 2)) // max(1, n - 1) for j in range(n)]
     return [row[p - k:].tolist() for row, k in zip(prompts, lengths)]
+
+
+def forced_sequences(prompts: list[list[int]], tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Each prompt + new tokens 0..n-2 as a (1, len) sequence: its logits at positions len(q)-1 onwards
+    are the ones choosing each new token when the model is fed ``tokens`` (teacher forcing)."""
+    return [torch.tensor([q + tokens[j, :-1].tolist()]) for j, q in enumerate(prompts)]

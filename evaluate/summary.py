@@ -28,6 +28,7 @@ def report_dict(run: Run, comparisons: list[cmp.Comparison], verdict: cmp.Verdic
         "settings": s.model_dump(), "thresholds": run.ledger.thresholds_used,
         "memory": run.memory.to_dict() | {"sharded": sharded_memory(run)},
         "environment": environment(),
+        "seconds": {k: round(v, 3) for k, v in run.ledger.seconds.items()},
         "comparisons": [c.to_dict() for c in comparisons],
         "operators": [r.to_dict() for r in run.ledger.op_rows],
     }

@@ -172,3 +172,32 @@ def test_session_budget_keeps_what_fits_and_never_more(art, monkeypatch):
     for a in (again, every, kept, two, two_again):
         assert np.array_equal(a.logits.numpy(), one.logits.numpy())
         assert all(np.array_equal(x.numpy(), y.numpy()) for x, y in zip(a.hidden, one.hidden))
+
+
+@pytest.mark.parametrize("memory", ["auto", "2MB"])
+def test_each_piece_opens_once_and_the_report_times_each_step(art, tmp_path, monkeypatch, memory):
+    """The torch_vs_onnx row's pass over the prefill graph's pieces also prefills the KV row's
+    prompts, so each piece of each graph opens one session in the whole evaluation, whole or
+    streamed (before, the KV row opened every prefill piece again); report.json and report.md
+    give the seconds of each step that ran."""
+    import titan_pipe.evaluate.runners.ort_layers as ol
+
+    opened: dict[int, int] = {}
+    real = ol.ort_session
+
+    def spy(model, **kw):
+        opened[id(model)] = opened.get(id(model), 0) + 1
+        return real(model, **kw)
+
+    monkeypatch.setattr(ol, "ort_session", spy)
+    out = tmp_path / memory
+    r = evaluate_model(out_dir=out, model_dir=art["model_dir"], onnx=art["onnx"]["float32"],
+                       settings=SETTINGS.model_copy(update={"max_memory": memory}))
+    n_pieces = art["args"].n_layers + 2  # embedding, each layer, head
+    assert r.passed and len(opened) == 2 * n_pieces and set(opened.values()) == {1}  # prefill and decode pieces
+    report = json.loads(r.report_json.read_text())
+    took = report["seconds"]
+    assert {"set-up", "reference generation", "reference forward", "torch_vs_onnx", "onnx_kv_decode"} <= set(took)
+    assert all(v >= 0 for v in took.values()) and took["onnx_kv_decode"] > 0
+    assert not any(k.startswith(("om", "npu_fused", "sharded")) for k in took)  # skipped rows take no time
+    assert "\nTime: " in (out / "report.md").read_text()

@@ -15,12 +15,11 @@ import torch
 
 from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.run import REF_GEN, Run
-from titan_pipe.evaluate.runners.ort_layers import forced_steps
+from titan_pipe.evaluate.runners.ort_layers import forced_steps, prefill
 from titan_pipe.evaluate.store import KINDS
-from titan_pipe.generation import plan_batches
 from titan_pipe.thresholds import check_task
 
-SIDE, REF_SIDE = "kv", "kv_ref"
+SIDE = "kv"  # its reference side is REF_GEN: the reference's own greedy steps (evaluate/prepare.py)
 TITLE = "KV-cache decode loop (left-padded batch, prefill + decode.onnx against the fixed cache) vs PyTorch on each prompt alone"
 
 
@@ -41,10 +40,9 @@ def _row(run: Run) -> cmp.Comparison:
     layered = run.sides.prefill_chain is not None and run.sides.decode_chain is not None
     logits = _forced(run, p.reference, record=layered)
     run.store.put((SIDE, "logits", None, 0), logits)
-    _reference_side(run)
     dt = run.tdtype(dec.prefill.dtype)
     lim = run.limits(dt)
-    c = cmp.compare_values("onnx_kv_decode", TITLE, run.values(REF_SIDE, parts=1), run.values(SIDE, parts=1),
+    c = cmp.compare_values("onnx_kv_decode", TITLE, run.values(REF_GEN, parts=1), run.values(SIDE, parts=1),
                            ref_label=run.sides.reference.label, cand_label=dec.label, dtype=dt, limits=lim,
                            dump=run.dump)
     free = free_tokens(lambda tokens: _forced(run, tokens, record=False), p.reference, logits)
@@ -66,10 +64,11 @@ def _forced(run: Run, tokens: torch.Tensor, *, record: bool) -> torch.Tensor:
     forced = tokens.numpy()
     if s.prefill_chain is None or s.decode_chain is None:
         return torch.from_numpy(s.decode.generate(p.prompts, p.n_new, forced=forced).logits)
-    plan = plan_batches(prefill=s.prefill.graph.io, decode=s.decode.graph.io, prompts=p.prompts,
-                        max_new_tokens=p.n_new, forced=forced)
+    plan = run.loop_plan(forced)
     sink = _StepSink(len(plan), p.n_new - 1) if record else None
-    per_batch = forced_steps(s.prefill_chain, s.decode_chain, plan, p.n_new, sink)
+    if run.ledger.prefilled is None:  # torch_vs_onnx's pass did not run the prompts: prefill them here, once
+        run.ledger.prefilled = prefill(s.prefill_chain, plan)
+    per_batch = forced_steps(s.prefill_chain, s.decode_chain, plan, p.n_new, sink, prefilled=run.ledger.prefilled)
     if sink is not None:
         sink.store(run, [pb.n_real for pb in plan])
     return torch.from_numpy(np.concatenate([lg[:pb.n_real] for lg, pb in zip(per_batch, plan)]))
@@ -98,18 +97,6 @@ class _StepSink:
                         for b in range(self.n_batches)]
                 run.store.put((SIDE, kind, i, 0), torch.cat(rows))
         self.got.clear()
-
-
-def _reference_side(run: Run) -> None:
-    """The reference on each prompt + its greedy tokens: logits predicting each new token (N, n_new,
-    vocab); per layer the positions decode steps feed, (N, n_new - 1, dim)."""
-    prompts, store = run.prompts.prompts, run.store
-    logits = [store.get((REF_GEN, "logits", None, j))[0, len(q) - 1:] for j, q in enumerate(prompts)]
-    store.put((REF_SIDE, "logits", None, 0), torch.stack(logits))
-    for i in range(run.args.n_layers):
-        for kind in KINDS:
-            store.put((REF_SIDE, kind, i, 0), torch.cat([store.get((REF_GEN, kind, i, j))[:, len(q):]
-                                                         for j, q in enumerate(prompts)]))
 
 
 def free_tokens(score, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.comparisons.kv_decode import free_tokens
 from titan_pipe.evaluate.metrics import nll_sum
-from titan_pipe.evaluate.run import REF, Run
+from titan_pipe.evaluate.run import REF, Run, forced_sequences
 
 
 def compare(run: Run) -> cmp.Comparison:
@@ -48,13 +48,14 @@ def _prefill_generation(run: Run) -> torch.Tensor:
     forwards of prompt + tokens (kv_decode.free_tokens): whole, or piece by piece."""
     prompts, n_new = run.prompts.prompts, run.prompts.n_new
 
-    def score(tokens: torch.Tensor) -> torch.Tensor:
-        seqs = [torch.tensor([q + tokens[j, :-1].tolist()]) for j, q in enumerate(prompts)]
-        logits = _logits(run, seqs)
+    def cut(logits: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([lg[0, len(q) - 1:len(q) - 1 + n_new].float() for lg, q in zip(logits, prompts)])
 
-    ref = run.prompts.reference
-    return free_tokens(score, ref, score(ref))
+    def score(tokens: torch.Tensor) -> torch.Tensor:
+        return cut(_logits(run, forced_sequences(prompts, tokens)))
+
+    ref, done = run.prompts.reference, run.ledger.forced_logits  # torch_vs_onnx's pass ran the first one
+    return free_tokens(score, ref, cut(done) if done is not None else score(ref))
 
 
 def _logits(run: Run, seqs: list[torch.Tensor]) -> list[torch.Tensor]:

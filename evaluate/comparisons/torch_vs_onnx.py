@@ -2,13 +2,14 @@
 Runtime, per decoder layer (the graph's own values, its pieces chained) and on the logits."""
 from __future__ import annotations
 
-import numpy as np
 
 from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.comparisons.common import abs_errors
 from titan_pipe.evaluate.metrics import compare_tensors
-from titan_pipe.evaluate.run import REF, Run
+from titan_pipe.evaluate.run import REF, Run, forced_sequences
+from titan_pipe.evaluate.runners.ort_layers import JoinedSink, LogitsSink, PrefillSink
 from titan_pipe.evaluate.store import StoreSink
+from titan_pipe.generation import prefill_feeds
 
 SIDE = "onnx"
 TITLE = "PyTorch (training operators) vs ONNX Runtime, per decoder layer and logits"
@@ -34,43 +35,50 @@ def compare(run: Run) -> cmp.Comparison:
         c.details["own_error"] = own_errors(run)
     run.judged(ort.label, dt, SIDE)
     run.ledger.hist[ort.label] = abs_errors(run.values(REF), run.values(SIDE))
-    if run.sides.decode is None and not run.prefill_generates:  # no later row runs this graph
-        run.close_graphs()
+    if not run.prefill_generates and (run.sides.decode is None or run.kv_chained):  # no later row runs it
+        run.close_graphs(decode=False)  # (the KV row's prefill ran above): its memory is free for decode.onnx
     return c
 
 
 def _run_chain(run: Run) -> str:
-    """The graph's pieces over every batch (each layer also on the reference's input to it); in
-    whole mode first the whole graph on the first batch, to check the chain returns its logits."""
+    """The graph's pieces over every batch (each layer also on the reference's input to it) and,
+    when the KV row runs piece by piece, over the loop's prompts (its prefill) in the same pass."""
     ort, chain = run.sides.prefill, run.sides.prefill_chain
     batches = run.request.data.batches
-    whole = None
-    if run.memory.mode == "whole":  # before the pieces load: the two are never held together
-        whole = ort.run(batches[0]).logits
-        ort.close()
     store = run.store
 
     def inherited(i: int, b: int):
+        if b >= len(batches):  # the loop's prompts: no reference input
+            return None
         return store.get((REF, "embed", None, b) if i == 0 else (REF, "hidden", i - 1, b))
 
-    chain.forward([ort.feeds(x) for x in batches], StoreSink(store, [(SIDE, b) for b in range(len(batches))]),
-                  inherited=inherited)
-    return f"{ort.graph.layers_note}; {chain_note(chain, whole, store.get((SIDE, 'logits', None, 0)))}"
+    # one pass of the pieces for every row's sequences through this graph: each piece opens once
+    feeds = [ort.feeds(x) for x in batches]
+    groups = [(StoreSink(store, [(SIDE, b) for b in range(len(batches))]), len(batches))]
+    if run.kv_chained:  # the KV row's prefill of its prompts
+        plan = run.loop_plan()
+        loop = PrefillSink(plan, run.args.n_layers)
+        feeds += [prefill_feeds(pb) for pb in plan]
+        groups.append((loop, len(plan)))
+    if run.prefill_generates:  # the task row's first teacher-forced pass of this graph's own generation
+        seqs = forced_sequences(run.prompts.prompts, run.prompts.reference)
+        forced = LogitsSink()
+        feeds += [ort.feeds(x) for x in seqs]
+        groups.append((forced, len(seqs)))
+    chain.forward(feeds, JoinedSink(groups), inherited=inherited)
+    if run.kv_chained:
+        run.ledger.prefilled = loop.result()
+    if run.prefill_generates:
+        run.ledger.forced_logits = [forced.got[j] for j in range(len(seqs))]
+    return f"{ort.graph.layers_note}; {chain_note(chain)}"
 
 
-def chain_note(chain, whole, chained) -> str:
-    """How the per-layer values were computed, and whether the chain returns the graph's own logits."""
-    note = (f"the graph run as {len(chain.pieces)} pieces cut between those values (embedding, each layer, head; "
-            "its own nodes and weights), layer by layer")
-    if whole is None:
-        return note + ("; the whole graph did not fit in --max-memory, so the chain was not checked against it "
-                       "here (tests check chain == whole graph)")
-    gap = float(np.abs(whole.double().numpy() - chained.double().numpy()).max())
-    if gap == 0.0:
-        return note + "; the chain returns the graph's own logits bit for bit (first batch, graph run whole)"
-    return note + (f"; the chain's logits differ from the graph run whole by max abs {gap:.3g} on the first batch "
-                   "(ONNX Runtime's CPU provider elides the float16 rounding of values between the pieces when "
-                   "it runs the graph whole; the chain keeps every value in the graph's dtype)")
+def chain_note(chain) -> str:
+    """How the per-layer values were computed."""
+    return (f"the graph run as {len(chain.pieces)} pieces cut between those values (embedding, each layer, head; "
+            "its own nodes and weights), layer by layer, each value rounded to the graph's dtype between pieces "
+            "(ONNX Runtime running the graph whole may keep some of them in float32 on the CPU; tests check that "
+            "the chain returns the whole graph's logits, bit for bit in float32)")
 
 
 def own_errors(run: Run) -> list[dict]:

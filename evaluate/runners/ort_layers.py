@@ -18,6 +18,7 @@ it (titan_pipe.generation's feeds: the deployed loop's host state, step by step)
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -29,7 +30,8 @@ from titan_pipe.evaluate.graph_pieces import Piece, layer_pieces
 from titan_pipe.evaluate.memory import release
 from titan_pipe.evaluate.runners.ort import OnnxGraph
 from titan_pipe.evaluate.runners.outputs import Outputs, OutputsSink
-from titan_pipe.generation import PaddedBatch, cache_of, decode_feeds, ort_session, past_of, prefill_feeds
+from titan_pipe.generation import (PaddedBatch, cache_of, decode_feeds, ort_session, past_of,
+                                   prefill_feeds)
 from titan_pipe.graph_io import LOGITS, PRESENT, router_name
 
 
@@ -153,9 +155,10 @@ class LayerChain:
 
     def forward(self, feeds: list[dict], sink, inherited: Callable | None = None) -> None:
         """Each part's graph feeds through the chain, layer-major: ``sink.layer(part, i, attn, mlp,
-        hidden)`` per layer, ``sink.logits(part, logits)`` at the end. ``inherited(i, part)``: the
-        reference's input to layer i (a tensor) to also run the piece on, reported through
-        ``sink.own(part, i, hidden)``."""
+        hidden)`` per layer, ``sink.logits(part, logits)`` at the end; a sink with ``present(part, i,
+        named)`` also gets every output of the piece (its KV cache). ``inherited(i, part)``: the
+        reference's input to layer i (a tensor, or None for a part without one) to also run the
+        piece on, reported through ``sink.own(part, i, hidden)``."""
         streams = self.embed(feeds)
         for i, piece in enumerate(self.layers):
             s = self.session(piece)
@@ -164,10 +167,12 @@ class LayerChain:
                 named = self.run_layer(s, i, f, streams[b])
                 streams[b] = named[self.taps.layer[i]]
                 sink.layer(b, i, *self.values(i, named))
+                if hasattr(sink, "present"):
+                    sink.present(b, i, named)
                 routed = named
-                if inherited is not None:
-                    ref_in = inherited(i, b).numpy().astype(dtype)
-                    routed = self.run_layer(s, i, f, ref_in)
+                ref_in = inherited(i, b) if inherited is not None else None
+                if ref_in is not None:
+                    routed = self.run_layer(s, i, f, ref_in.numpy().astype(dtype))
                     sink.own(b, i, torch.from_numpy(routed[self.taps.layer[i]]))
                 if router_name(i) in routed and hasattr(sink, "router"):  # on the reference's input when given
                     sink.router(b, i, torch.from_numpy(routed[router_name(i)]))
@@ -184,12 +189,12 @@ class LayerChain:
 
     def logits(self, feeds: list[dict]) -> list[torch.Tensor]:
         """Each part's logits (B, T, vocab) through the chain (no per-layer values kept)."""
-        sink = _LogitsSink()
+        sink = LogitsSink()
         self.forward(feeds, sink)
         return [sink.got[b] for b in range(len(feeds))]
 
 
-class _LogitsSink:
+class LogitsSink:
     def __init__(self):
         self.got = {}
 
@@ -200,39 +205,89 @@ class _LogitsSink:
         self.got[part] = logits
 
 
-def forced_steps(prefill: LayerChain, decode: LayerChain, plan: list[PaddedBatch], n_new: int,
-                 sink=None) -> list[np.ndarray]:
+class JoinedSink:
+    """Several sinks over one forward: ``groups`` [(sink, number of parts), ...] take the parts in
+    that order, each renumbered from 0, so one pass of the pieces serves several rows' sequences."""
+
+    def __init__(self, groups: list[tuple[object, int]]):
+        self.route: list[tuple[object, int]] = [(sink, p) for sink, n in groups for p in range(n)]
+
+    def __getattr__(self, hook: str):
+        if hook.startswith("_") or hook == "route" or not any(hasattr(sink, hook) for sink, _ in self.route):
+            raise AttributeError(hook)
+
+        def call(part: int, *args):
+            sink, p = self.route[part]
+            if hasattr(sink, hook):
+                getattr(sink, hook)(p, *args)
+        return call
+
+
+@dataclass
+class Prefilled:
+    """The prefill graph's run over the loop's padded batches: per layer, per batch, its cache as
+    the decode graph takes it ({past.* name: (B, Hkv, C, hd)}); per batch, the logits of the last
+    prompt position (B, vocab), which choose new token 0. It depends on the prompts only, never on
+    the tokens forced after them, so every teacher-forced run of the same prompts shares it."""
+
+    caches: list[list[dict]]
+    first: list[np.ndarray]
+
+
+class PrefillSink:
+    """Collects a Prefilled from a prefill chain's forward over the padded batches of ``plan``."""
+
+    def __init__(self, plan: list[PaddedBatch], n_layers: int):
+        self.plan = plan
+        self.caches: list[list[dict]] = [[{} for _ in plan] for _ in range(n_layers)]
+        self.first: list[np.ndarray | None] = [None] * len(plan)
+
+    def layer(self, *_):
+        pass
+
+    def present(self, b: int, i: int, named: dict) -> None:
+        self.caches[i][b] = {past_of(n): cache_of(v, self.plan[b].cache_len)
+                             for n, v in named.items() if n.startswith(PRESENT)}
+
+    def logits(self, b: int, logits: torch.Tensor) -> None:
+        self.first[b] = logits[:, -1].numpy().copy()  # not a view keeping every position's logits
+
+    def result(self) -> Prefilled:
+        return Prefilled(self.caches, list(self.first))
+
+
+def prefill(chain: LayerChain, plan: list[PaddedBatch]) -> Prefilled:
+    """The prefill graph's pieces over the loop's padded batches, layer-major."""
+    sink = PrefillSink(plan, len(chain.layers))
+    chain.forward([prefill_feeds(pb) for pb in plan], sink)
+    return sink.result()
+
+
+def forced_steps(prefill_chain: LayerChain, decode: LayerChain, plan: list[PaddedBatch], n_new: int,
+                 sink=None, prefilled: Prefilled | None = None) -> list[np.ndarray]:
     """The generation loop teacher-forced onto each batch's ``forced`` tokens, layer-major: per
     batch, logits (B, n_new, vocab) float32, row k predicting new token k. ``sink.step(batch, k, i,
-    attn, mlp, hidden)`` gets decode.onnx's layer-i values of decode step k (feeding new token k+1)."""
-    pre = [prefill_feeds(pb) for pb in plan]
+    attn, mlp, hidden)`` gets decode.onnx's layer-i values of decode step k (feeding new token k+1).
+    ``prefilled``: the prefill graph's run over these prompts, when a pass before made it (the
+    torch_vs_onnx row runs them beside its batches, so its pieces open once for both)."""
+    pre = prefilled or prefill(prefill_chain, plan)
     steps = [(b, k, decode_feeds(pb, k, pb.forced[:, k])) for b, pb in enumerate(plan) for k in range(n_new - 1)]
-    s_pre = prefill.embed(pre)
-    s_dec = decode.embed([f for _, _, f in steps]) if steps else []
-    for i in range(len(prefill.layers)):
-        s = prefill.session(prefill.layers[i])
-        caches = []
-        for b, pb in enumerate(plan):
-            named = prefill.run_layer(s, i, pre[b], s_pre[b])
-            s_pre[b] = named[prefill.taps.layer[i]]
-            caches.append({past_of(n): cache_of(v, pb.cache_len) for n, v in named.items() if n.startswith(PRESENT)})
-        del s
-        prefill.free()
-        if not steps:
-            continue
-        s = decode.session(decode.layers[i])
-        for j, (b, k, f) in enumerate(steps):  # batch by batch, step by step: each step's cache is the last one's
-            named = decode.run_layer(s, i, f, s_dec[j], caches[b], copy_cache=False)
-            s_dec[j] = named[decode.taps.layer[i]]
-            caches[b] = {past_of(n): v for n, v in named.items() if n.startswith(PRESENT)}
-            if sink is not None:
-                sink.step(b, k, i, *decode.values(i, named))
-        del s, named, caches  # the last step's caches are the session's arrays: gone before it may close
-        decode.free()
-    first = prefill.head(pre, s_pre, last=True)
+    if steps:
+        s_dec = decode.embed([f for _, _, f in steps])
+        for i in range(len(decode.layers)):
+            caches = list(pre.caches[i])
+            s = decode.session(decode.layers[i])
+            for j, (b, k, f) in enumerate(steps):  # batch by batch, step by step: each step's cache is the last one's
+                named = decode.run_layer(s, i, f, s_dec[j], caches[b], copy_cache=False)
+                s_dec[j] = named[decode.taps.layer[i]]
+                caches[b] = {past_of(n): v for n, v in named.items() if n.startswith(PRESENT)}
+                if sink is not None:
+                    sink.step(b, k, i, *decode.values(i, named))
+            del s, named, caches  # the last step's caches are the session's arrays: gone before it may close
+            decode.free()
     later = decode.head([f for _, _, f in steps], s_dec, last=True) if steps else []
     out = []
     for b in range(len(plan)):
         mine = [later[j] for j, (bb, _, _) in enumerate(steps) if bb == b]
-        out.append(np.stack([first[b], *mine], axis=1).astype(np.float32))
+        out.append(np.stack([pre.first[b], *mine], axis=1).astype(np.float32))
     return out

@@ -25,6 +25,7 @@ step: the same blocks, the attention kernel prepending the cached keys and value
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Callable, Protocol
 
@@ -106,12 +107,25 @@ class LayeredModel:
         """Streamed: parameter ``name`` cast into the arena after what this block (or head) took
         already; the block or head read before must not be used after this."""
         stored = self.source.full(name)
-        if self._arena is None:
-            most = max([layer_bytes(self.args, i) for i in range(self.args.n_layers)] + [_head_bytes(self.args)])
-            self._arena = torch.empty(most // 4 + _ALIGN * 64, dtype=torch.float32, device=self.device)
         start = -(-self._used // _ALIGN) * _ALIGN
         self._used = start + stored.numel()
         return self._arena[start:self._used].view(stored.shape).copy_(stored)
+
+    @functools.cached_property
+    def _largest_layer(self) -> int:
+        """float32 bytes of the largest decoder layer."""
+        return max(layer_bytes(self.args, i) for i in range(self.args.n_layers))
+
+    def _reserve(self, nbytes: int) -> None:
+        """Streamed: an arena of at least ``nbytes`` for the block or head about to be read (the
+        largest layer's size, grown once if the head is larger; nothing read before is used after)."""
+        self._used = 0
+        if self.keep:
+            return
+        most = max(nbytes, self._largest_layer) + 4 * _ALIGN * 64
+        if self._arena is None or 4 * self._arena.numel() < most:
+            self._arena = None
+            self._arena = torch.empty(most // 4, dtype=torch.float32, device=self.device)
 
     def _layer_weight(self, name: str) -> torch.Tensor:
         return self._weight(name) if self.keep else self._in_arena(name)
@@ -121,7 +135,7 @@ class LayeredModel:
             block = TransformerBlock(self.args, self.kernels, i)
         if block.moe is not None:
             block.moe.keep_choices = True  # the router row compares them (evaluate/comparisons/router.py)
-        self._used = 0
+        self._reserve(layer_bytes(self.args, i))
         for name, _ in list(block.named_parameters()):
             *path, leaf = name.split(".")
             owner = block
@@ -182,8 +196,10 @@ class LayeredModel:
 
     def head(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
         """(B, T, dim) each -> logits (B, T, vocab) float32 on the CPU: final norm, output projection."""
-        self._used = 0
-        norm, w = (self._top_weight(name, cast=True) for name in _head_names(self.args))
+        names = _head_names(self.args)
+        if (names[1], True) not in self._top:  # not held (greedy generation holds it, where it fits)
+            self._reserve(_head_bytes(self.args))
+        norm, w = (self._top_weight(name, cast=True) for name in names)
         logits = [F.linear(self.kernels.rms_norm(h, norm, self.args.norm_eps), w).to("cpu") for h in hs]
         self._release()
         return logits
@@ -192,15 +208,16 @@ class LayeredModel:
         return self._cos[start:start + n], self._sin[start:start + n]
 
     @torch.no_grad()
-    def run_block(self, block: TransformerBlock, h: torch.Tensor, start: int = 0
+    def run_block(self, block: TransformerBlock, h: torch.Tensor, start: int = 0, rope=None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer output, attention block output, MLP block output for ``h`` (B, T, dim) at positions
-        start..start+T-1 (a cached step: ``self._attn.past`` set by the caller)."""
+        start..start+T-1, or at each row's own positions given as ``rope`` (cos, sin) (a cached step:
+        ``self._attn.past`` set by the caller)."""
         got = {}
         hooks = [block.attention.register_forward_hook(lambda _m, _i, o: got.__setitem__("attn", o)),
                  (block.moe or block.feed_forward).register_forward_hook(lambda _m, _i, o: got.__setitem__("mlp", o))]
         try:
-            out = block(h, *self._rope(start, h.shape[1]))
+            out = block(h, *(rope if rope is not None else self._rope(start, h.shape[1])))
         finally:
             for hk in hooks:
                 hk.remove()
@@ -244,11 +261,40 @@ class LayeredModel:
         self.forward([tokens], sink)
         return sink.outputs[0]
 
+    def _hold_head(self, room: int | None) -> bool:
+        """Streamed, for greedy generation: read the head's float32 weights once, beside the layers'
+        arena, where the largest layer and the head together fit in ``room`` bytes (what the memory
+        plan allows one piece); each step then reuses them instead of casting the output projection
+        again (16 steps of a 32000-token vocabulary at width 2048: 16 casts of 262 MB)."""
+        if self.keep or room is None:
+            return False
+        if self._largest_layer + _head_bytes(self.args) > room:
+            return False
+        for name in _head_names(self.args):
+            self._top[(name, True)] = self._weight(name)
+        self._release()
+        return True
+
     @torch.no_grad()
-    def greedy(self, prompts: list[list[int]], n_new: int) -> torch.Tensor:
+    def greedy(self, prompts: list[list[int]], n_new: int, *, room: int | None = None,
+               values: dict | None = None) -> torch.Tensor:
         """Greedy continuation of each prompt, unpadded -> (N, n_new) int64: each prompt alone in one
         step, then one token a step for all prompts at once, each row against its own KV cache
-        (per row: its own positions, its own cached keys; only the matmuls are shared)."""
+        (per row: its own positions, its own cached keys; only the matmuls are shared). ``room``:
+        the bytes one streamed piece may hold (the head is kept across steps where it fits).
+        ``values``: a dict filled with what the steps computed on the way, the reference side of
+        the KV-cache loop: "logits" (N, n_new, vocab), row k the logits that chose new token k, and
+        per (kind, layer) ("attn", "mlp", "hidden") the layer's values at the positions of new tokens
+        0..n_new-2 (N, n_new - 1, dim), which the decode steps feed."""
+        held = self._hold_head(room)
+        try:
+            return self._greedy(prompts, n_new, values)
+        finally:
+            if held:
+                for name in _head_names(self.args):
+                    self._top.pop((name, True), None)
+
+    def _greedy(self, prompts: list[list[int]], n_new: int, values: dict | None) -> torch.Tensor:
         n, layers = len(prompts), range(self.args.n_layers)
         new = torch.zeros(n, n_new, dtype=torch.int64)
         h = self.embed([torch.tensor([p], dtype=torch.int64) for p in prompts])
@@ -260,21 +306,30 @@ class LayeredModel:
                 cache[i] += self._attn.seen
             del block
             self._free()
-        new[:, 0] = torch.cat([lg[:, -1] for lg in self.head([x[:, -1:] for x in h])]).argmax(-1)
+        logits = [torch.cat([lg[:, -1] for lg in self.head([x[:, -1:] for x in h])])]  # each (N, vocab)
+        new[:, 0] = logits[0].argmax(-1)
+        steps: dict[tuple[str, int], list[torch.Tensor]] = {}
         pos = torch.tensor([len(p) for p in prompts], device=self.device)
         for step in range(1, n_new):
             x = self.embed([new[:, step - 1:step]])[0]  # (N, 1, dim)
-            cos, sin = self._cos[pos][:, None, None], self._sin[pos][:, None, None]  # (N, 1, 1, hd)
+            rope = self._cos[pos][:, None, None], self._sin[pos][:, None, None]  # (N, 1, 1, hd)
             for i in layers:
                 block = self.block(i)
                 self._attn.past = cache[i]
-                x = block(x, cos, sin)
+                x, attn, mlp = self.run_block(block, x, rope=rope)
                 cache[i] = self._attn.seen
+                if values is not None:
+                    for kind, v in zip(("attn", "mlp", "hidden"), (attn, mlp, x)):
+                        steps.setdefault((kind, i), []).append(v.to("cpu"))
                 del block
                 self._free()
             self._attn.past = None
-            new[:, step] = self.head([x])[0][:, -1].argmax(-1)
+            logits.append(self.head([x])[0][:, -1])
+            new[:, step] = logits[-1].argmax(-1)
             pos += 1
+        if values is not None:
+            values["logits"] = torch.stack(logits, dim=1)
+            values.update({key: torch.cat(vs, dim=1) for key, vs in steps.items()})
         return new
 
 
