@@ -6,7 +6,9 @@
 
 ``auto`` is a fraction of the RAM available when evaluate starts. The estimates count what grows
 with the model (weights as each side holds them, plus one batch's activations), not the Python
-process itself: the float32 reference holds 4 bytes a parameter; ONNX Runtime's CPU provider holds
+process itself: the reference holds its linear layers' weights as stored (2 bytes a parameter
+for bfloat16; it computes in float32 a band at a time, runners/pytorch.StoredLinear) and the rest
+in float32; ONNX Runtime's CPU provider holds
 a graph's weights in float32 (a float16 graph's matmuls run in float32) plus the stored weights
 while a session opens (measured: a float16 layer of 88.6 MB peaks at ~260 MB, ~2.9x).
 """

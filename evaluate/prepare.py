@@ -56,7 +56,7 @@ def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, o
     request = Request(settings, checkpoint, model_dir, onnx, om, ev, batch_size, seq_len)
     prompts, n_new, decode, decode_skip = _fit_generation(ev.prompts, settings.new_tokens, decode)
     chains = [_chain(g) for g in (prefill, decode)]
-    memory = _plan(settings, args, request, (prefill, decode), chains, sharded)
+    memory = _plan(settings, args, request, (prefill, decode), chains, sharded, reference.stored_itemsize)
     whole = memory.mode == "whole"
     reference.keep = whole
     if sharded is not None:  # its ranks go one decoder layer at a time too
@@ -119,12 +119,14 @@ def _itemsize(runner) -> int:
 
 
 def _plan(settings: EvaluateConfig, args: ModelArgs, request: Request, graphs, chains,
-          sharded: DistributedRunner | None) -> MemoryPlan:
-    ref_layers = [Need(f"decoder layer {i} (PyTorch reference, float32)", layer_bytes(args, i))
+          sharded: DistributedRunner | None, ref_item: int) -> MemoryPlan:
+    """``ref_item``: bytes per weight of the reference's linear layers as stored (it holds them so)."""
+    ref_layers = [Need(f"decoder layer {i} (PyTorch reference)", layer_bytes(args, i, ref_item))
                   for i in range(args.n_layers)]
-    whole = [Need("PyTorch reference, float32", sum(n.bytes for n in ref_layers) + top_bytes(args))]
+    top = top_bytes(args, ref_item)
+    whole = [Need("PyTorch reference", sum(n.bytes for n in ref_layers) + top)]
     graphs_whole = []
-    pieces = ref_layers + [Need("embedding and output (PyTorch reference, float32)", top_bytes(args))]
+    pieces = ref_layers + [Need("embedding and output (PyTorch reference)", top)]
     can_stream = None
     for runner, chain in zip(graphs, chains):
         if runner is None:
@@ -165,10 +167,9 @@ def _reference_values(run: Run) -> Run:
     tokens = None
     if p.prompts and generates:
         run.steps.step("reference generation")
-        room = run.memory.streamed - _activations(run.args, run.request) if run.memory.mode == "streamed" else None
         values = {} if s.decode is not None else None
         start = time.perf_counter()
-        tokens = s.reference.greedy(p.prompts, p.n_new, room=room, values=values)
+        tokens = s.reference.greedy(p.prompts, p.n_new, values=values)
         run.ledger.seconds["reference generation"] = time.perf_counter() - start
         for key, v in (values or {}).items():
             run.store.put((REF_GEN, "logits", None, 0) if key == "logits" else (REF_GEN, key[0], key[1], 0), v)

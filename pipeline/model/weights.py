@@ -24,6 +24,10 @@ class WeightSource(Protocol):
 
     def full(self, name: str) -> torch.Tensor: ...
 
+    def stored_dtype(self, name: str) -> torch.dtype: ...
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor: ...
+
     def box(self, name: str, box: Box) -> torch.Tensor: ...
 
     def names(self) -> list[str]: ...
@@ -55,6 +59,16 @@ class CheckpointWeights:
         """Drop the open shard files (their memory maps): a reader going layer by layer calls it
         between layers, so mapped pages of layers already read do not stay in its memory."""
         self._open.clear()
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype of ``name`` as stored."""
+        from titan_pipe.dtypes import TORCH_DTYPES
+
+        return TORCH_DTYPES[self._spec(name).dtype]
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """``name`` as stored, copied into ``out`` (of its shape and stored dtype)."""
+        return out.copy_(self.full(name))
 
     def full(self, name: str) -> torch.Tensor:
         """(global shape) tensor of ``name``, chunks placed by their manifest boxes."""
@@ -110,6 +124,30 @@ class SafetensorsWeights:
 
     def full(self, name: str) -> torch.Tensor:
         return self._unified.read(name)
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        """The dtype of ``name`` as stored."""
+        from titan_pipe.dtypes import TORCH_DTYPES
+
+        return TORCH_DTYPES[self._unified.parts(name)[0].stored.dtype]
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """``name`` as stored, read into ``out`` (contiguous, of its shape and stored dtype) by plain
+        file reads: no memory map, so a reader that refills one buffer layer after layer touches
+        no fresh pages (mapping a file again per read faults on each of its pages)."""
+        view = memoryview(out.view(-1).view(torch.uint8).numpy())
+        pos = 0
+        for part in self._unified.parts(name):  # one stored tensor, or one per expert in order
+            with open(part.file, "rb", buffering=0) as f:
+                f.seek(part.stored.start)
+                end = pos + part.stored.nbytes
+                while pos < end:
+                    got = f.readinto(view[pos:end])
+                    if not got:
+                        raise UserError(f"{part.file}: ends before tensor {part.key!r} does; the file is "
+                                        "truncated (copy it again)")
+                    pos += got
+        return out
 
     def box(self, name: str, box: Box) -> torch.Tensor:
         """(box.lengths) piece of ``name``: only that part of the stored tensor is read."""
