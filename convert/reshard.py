@@ -18,10 +18,9 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.finite import has_nonfinite
@@ -29,8 +28,10 @@ from titan_pipe.convert.readers.store import Store, contiguous_span
 from titan_pipe.convert.source_plan import OutFile, OutTensor, Read
 from titan_pipe.convert.writer import Entry, SafetensorsWriter
 from titan_pipe.dtypes import DTYPE_SIZES
-from titan_pipe.dtypes import TORCH_DTYPES
 from titan_pipe.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 BLOCK_BYTES = 32 * 2**20
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -162,7 +163,6 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set
         for _, (fd, src_off, n), (dst_off, _) in direct:
             w.copy(t.key, dst_off, fd, src_off, n)
         return
-    out_dtype = TORCH_DTYPES[t.dtype]
     itemsize = DTYPE_SIZES[t.dtype]
     for block in _row_blocks(t, reads):
         raw = _block_buffer(block.numel * itemsize)
@@ -181,6 +181,11 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set
                     _scatter_read(fd, src_off, raw, offs, run, store.root / c.file)
                     continue
             if buf is None:
+                import torch  # only here: byte copies and scatters need none
+
+                from titan_pipe.dtypes import TORCH_DTYPES
+
+                out_dtype = TORCH_DTYPES[t.dtype]
                 buf = torch.frombuffer(raw, dtype=torch.uint8).view(out_dtype).view(block.lengths) \
                     if raw.nbytes else torch.empty(block.lengths, dtype=out_dtype)
             piece = store.read_box(c.file, c.key, c.src_box)

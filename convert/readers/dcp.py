@@ -25,17 +25,16 @@ import math
 import os
 import pickle
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers import torch_save
-from titan_pipe.convert.readers.dcp_metadata import STAND_INS, MetadataIndex
+from titan_pipe.convert.readers.dcp_metadata import STAND_INS, MetadataIndex, torch_global
 from titan_pipe.convert.readers.store import SafetensorsStore, pread_into
 from titan_pipe.safetensors_header import StoredTensor, read_header
 from titan_pipe.convert.readers.torch_save import SavedTensor
 from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan, check_accounted
-from titan_pipe.dtypes import DTYPE_NAMES, TORCH_DTYPES
+from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
 from titan_pipe import limits
 from titan_pipe.model.args import ModelArgs, RopeScaling, check_fits, validate_args
@@ -44,6 +43,9 @@ from titan_pipe.model.names import TORCHTITAN_MODEL_PREFIX
 from titan_pipe.model.params import native_names, param_of
 from titan_pipe.paths import resolve_inside
 from titan_pipe.values import BOOL, DICT, FLOAT, INT, read, read_json
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "dcp"
 METADATA = ".metadata"
@@ -72,9 +74,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     never imported to read one file."""
 
     def find_class(self, module: str, name: str):
-        ok = (name in _METADATA_GLOBALS.get(module, ())
-              or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype))))
-        if not ok:
+        if module == "torch" and torch_global(name) is not None:
+            return torch_global(name)
+        if name not in _METADATA_GLOBALS.get(module, ()):
             raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
         stand_in = STAND_INS.get((module, name))
         return stand_in if stand_in is not None else super().find_class(module, name)
@@ -160,7 +162,7 @@ def _meta_scaling(cfg: dict, cfg_path: Path) -> RopeScaling | None:
 
 def stored_bytes(md) -> int:
     """Bytes of every tensor .metadata lists (each chunk is later checked against its file)."""
-    return sum(math.prod(m.size) * m.properties.dtype.itemsize for m in md.state_dict_metadata.values()
+    return sum(math.prod(m.size) * DTYPE_SIZES.get(m.properties.dtype, 8) for m in md.state_dict_metadata.values()
                if hasattr(m, "chunks"))
 
 
@@ -192,19 +194,23 @@ class DcpStore(SafetensorsStore):
     def byte_span(self, file: str, key: str, box: Box) -> tuple[int, int, int] | None:
         return None if (file, key) in self.strided else super().byte_span(file, key, box)
 
-    def read_box(self, file: str, key: str, box: Box) -> torch.Tensor:
+    def read_box(self, file: str, key: str, box: Box) -> "torch.Tensor":
         s = self.strided.get((file, key))
         if s is None:
             return super().read_box(file, key, box)
+        import torch  # here: only a strided chunk needs it
+
+        from titan_pipe.dtypes import TORCH_DTYPES
+
         buf = torch.empty(s.storage_nbytes, dtype=torch.uint8)
         pread_into(self.fd(file), memoryview(buf.numpy()), s.storage_start, self.root / file)
-        x = buf.view(s.dtype).as_strided(s.shape, s.stride, (s.start - s.storage_start) // s.dtype.itemsize)
+        x = buf.view(TORCH_DTYPES[s.dtype]).as_strided(s.shape, s.stride, (s.start - s.storage_start) // s.itemsize)
         for d, (o, n) in enumerate(zip(box.offsets, box.lengths)):
             x = x.narrow(d, o, n)
         return x
 
 
-def _locate_chunk(path: Path, fd: int, size: int, fqn: str, info, dtype: torch.dtype,
+def _locate_chunk(path: Path, fd: int, size: int, fqn: str, info, dtype: str,
                   lengths: tuple[int, ...], st_headers: dict) -> SavedTensor:
     """Where the bytes of one storage item lie; every way it can disagree with .metadata refused."""
     where = f"{path}: chunk of {fqn} at bytes {info.offset}..{info.offset + info.length}"
@@ -225,7 +231,7 @@ def _locate_chunk(path: Path, fd: int, size: int, fqn: str, info, dtype: torch.d
         if t is None:
             raise UserError(f"{where}: {e}; expected a torch.save payload (titan-pipe reads DCP "
                             "FileSystemWriter checkpoints)") from None
-        s = SavedTensor(TORCH_DTYPES[t.dtype], t.shape, tuple(math.prod(t.shape[d + 1:]) for d in range(len(t.shape))),
+        s = SavedTensor(t.dtype, t.shape, tuple(math.prod(t.shape[d + 1:]) for d in range(len(t.shape))),
                         t.start, t.start, t.nbytes)
     if s.dtype != dtype or s.shape != tuple(lengths):
         raise UserError(f"{where} holds {s.dtype} {list(s.shape)}, but {METADATA} says {dtype} "
@@ -289,7 +295,7 @@ def plan_tensors(path: Path, md, wanted: dict[str, tuple[str, object]], order, *
             raise UserError(f"{path / METADATA}: no tensor {name!r}; the checkpoint is incomplete "
                             "or its config disagrees")
         fqn, meta = wanted[name]
-        dtype = DTYPE_NAMES.get(meta.properties.dtype)
+        dtype = meta.properties.dtype if meta.properties.dtype in DTYPE_SIZES else None
         if dtype is None:
             raise UserError(f"{path}: {fqn} has dtype {meta.properties.dtype}, not convertible")
         hd = rope_head_dim(name)
@@ -328,7 +334,7 @@ class ChunkLocator:
         self._fds: dict[str, tuple[int, int]] = {}
         self._st_headers: dict[Path, dict] = {}
 
-    def locate(self, fqn: str, info, dtype: torch.dtype, lengths: tuple[int, ...]) -> tuple[str, SavedTensor]:
+    def locate(self, fqn: str, info, dtype: str, lengths: tuple[int, ...]) -> tuple[str, SavedTensor]:
         f = data_path(self.root, info.relative_path)
         rel = str(f.relative_to(self.root))
         if rel not in self._fds:
@@ -374,7 +380,7 @@ def locate_chunks(path: Path, md, tensors: dict[str, TensorPlan]):
         for t in tensors.values():
             for r in t.reads:
                 fqn, info = by_key[r.key]
-                file, s = loc.locate(fqn, info, TORCH_DTYPES[t.dtype], r.dst_box.lengths)
+                file, s = loc.locate(fqn, info, t.dtype, r.dst_box.lengths)
                 headers.setdefault(file, {})[r.key] = StoredTensor(t.dtype, s.shape, s.start, s.nbytes)
                 if not s.row_major:
                     strided[(file, r.key)] = s

@@ -4,7 +4,9 @@ Importing it (its planners, DTensor, the distributed C10d bindings) cost seconds
 moved its first byte (issue 36: 3.6 of a 5-7 s conversion). The pickle names a handful of plain
 dataclasses; the restricted unpickler of the DCP reader maps each allowed name to the stand-in of
 the same shape here, so loading builds only these (same field names, the same state protocol) and
-never imports or calls torch's. Anything not on the allow list is still refused by name.
+never imports or calls torch's. Nor torch itself (another 1.2 s): ``torch.Size`` is loaded as a
+tuple and a ``torch.<dtype>`` as its safetensors code ("BF16"), by the reader's unpickler. Anything
+not on the allow list is still refused by name.
 """
 from __future__ import annotations
 
@@ -12,13 +14,31 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+from titan_pipe.dtypes import TABLE
+
+# torch.<name> as pickled (a dtype pickles as its attribute name) -> safetensors code; the other
+# torch dtypes as "torch.<name>", which no reader converts (they say so, naming it)
+DTYPE_CODES = {d.name: d.code for d in TABLE}
+OTHER_DTYPES = ("complex32", "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn",
+                "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+                "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8", "bits16", "bits1x8", "bits2x4",
+                "bits4x2")
+
+
+def torch_global(name: str):
+    """What ``torch.<name>`` in DCP metadata loads as: Size -> tuple, a dtype -> its code; None
+    for anything else (refused)."""
+    if name == "Size":
+        return tuple
+    if name in DTYPE_CODES:
+        return DTYPE_CODES[name]
+    return f"torch.{name}" if name in OTHER_DTYPES else None
 
 
 @dataclass
 class ChunkStorageMetadata:
-    offsets: torch.Size
-    sizes: torch.Size
+    offsets: tuple
+    sizes: tuple
 
 
 class MemFormatEncoding(enum.Enum):  # torch's _MEM_FORMAT_ENCODING: pickled by value
@@ -29,7 +49,7 @@ class MemFormatEncoding(enum.Enum):  # torch's _MEM_FORMAT_ENCODING: pickled by 
 
 @dataclass
 class TensorProperties:
-    dtype: torch.dtype = torch.float32
+    dtype: str = "F32"  # safetensors code (torch's dtype as pickled, mapped by torch_global)
     layout: Any = None
     requires_grad: bool = False
     memory_format: Any = None
@@ -46,7 +66,7 @@ class TensorProperties:
 @dataclass
 class TensorStorageMetadata:
     properties: TensorProperties
-    size: torch.Size
+    size: tuple
     chunks: list
 
 
@@ -79,7 +99,7 @@ class MetadataIndex:
 
     def __init__(self, fqn: str = "", offset=None, index: int | None = None):
         self.fqn, self.index = fqn, index
-        self.offset = torch.Size(offset) if offset is not None else None
+        self.offset = tuple(offset) if offset is not None else None
 
     def __setstate__(self, state) -> None:  # a frozen dataclass's pickled state: (None, slots) or a dict
         if isinstance(state, tuple):
@@ -114,6 +134,11 @@ class Opaque:
         self.state = state
 
 
+def layout_name(name: str) -> str:
+    """torch's _get_layout (a layout's name -> torch.strided ...): the name kept, nothing of torch's."""
+    return name
+
+
 # allowed (module, name) -> the stand-in
 STAND_INS: dict[tuple[str, str], Any] = {
     **{("torch.distributed.checkpoint.metadata", c.__name__): c
@@ -122,6 +147,8 @@ STAND_INS: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): MemFormatEncoding,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): Opaque,
+    ("torch.serialization", "_get_layout"): layout_name,
+    ("torch._utils", "_get_layout"): layout_name,
     **{("torch.distributed.checkpoint.planner", n): Opaque
        for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")},
 }

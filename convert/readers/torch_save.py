@@ -21,10 +21,14 @@ import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
+from titan_pipe.dtypes import DTYPE_SIZES
 
-# 'BFloat16Storage' -> torch.bfloat16 ..., from torch's own table (dtype -> legacy storage name).
-STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+# torch's legacy storage names (its dtype -> storage table, torch.storage._dtype_to_storage_type_map)
+# -> safetensors dtype codes; tests/test_convert_dcp_metadata.py holds it against torch's own table.
+# Written out, so reading a DCP checkpoint imports no torch.
+STORAGE_DTYPES = {"DoubleStorage": "F64", "FloatStorage": "F32", "HalfStorage": "F16", "BFloat16Storage": "BF16",
+                  "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8",
+                  "ByteStorage": "U8", "BoolStorage": "BOOL"}
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
 _MAX_PICKLE = 1 << 20  # a one-tensor data.pkl is ~200 bytes
 
@@ -37,7 +41,7 @@ class PayloadError(ValueError):
 class SavedTensor:
     """A tensor inside a file: element (i0, i1, ...) is at ``start + sum(i_k * stride_k) * itemsize``."""
 
-    dtype: torch.dtype
+    dtype: str  # safetensors code (BF16, F32, ...)
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     start: int  # absolute byte offset of element 0 (storage offset applied)
@@ -54,7 +58,11 @@ class SavedTensor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
 
 
 class _View(io.RawIOBase):
@@ -151,6 +159,7 @@ def locate(fd: int, offset: int, length: int) -> SavedTensor:
         raise PayloadError(f"the archive holds a {type(obj).__name__}, not one tensor")
     _, stype, key, _, numel = obj.storage
     dtype = STORAGE_DTYPES[stype.name]
+    itemsize = DTYPE_SIZES[dtype]
     rec = names.get(f"{prefix}data/{key}")
     if rec is None:
         raise PayloadError(f"storage record data/{key} is missing from the archive")
@@ -159,7 +168,7 @@ def locate(fd: int, offset: int, length: int) -> SavedTensor:
         raise PayloadError(f"bad local header for data/{key}")
     name_len, extra_len = _LOCAL_HEADER.unpack(head)[-2:]
     data_at = rec.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-    nbytes = int(numel) * dtype.itemsize
+    nbytes = int(numel) * itemsize
     if rec.file_size != nbytes or data_at + nbytes > length:
         raise PayloadError(f"storage record data/{key} holds {rec.file_size} bytes at {data_at}, "
                            f"expected {nbytes} within the {length}-byte item")
@@ -168,5 +177,5 @@ def locate(fd: int, offset: int, length: int) -> SavedTensor:
     if len(size) != len(stride) or soff < 0 or any(s < 0 for s in stride) or last >= int(numel):
         raise PayloadError(f"tensor view {list(size)} stride {list(stride)} offset {soff} lies "
                            f"outside its storage of {numel} elements")
-    return SavedTensor(dtype, size, stride, offset + data_at + soff * dtype.itemsize,
+    return SavedTensor(dtype, size, stride, offset + data_at + soff * itemsize,
                        offset + data_at, nbytes)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-import torch
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe import limits
@@ -86,6 +85,8 @@ def refusal_reason(e: Exception) -> str:
 def load_pickle(path: Path, *, missing: str, mmap: bool = False) -> dict:
     """A torch.save file of Megatron's (a rank file, common.pt) through the allow-list only, as a
     dict; UserError naming the file (``missing``: what to do when it is absent)."""
+    import torch  # here: detecting and planning other formats needs none
+
     try:
         with torch.serialization.safe_globals(ALLOWED):
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)

@@ -29,8 +29,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe import limits
@@ -40,13 +39,15 @@ from titan_pipe.convert.readers.megatron.common import (FORMAT, RANK_DIR, TRACKE
                                                         true_vocab, vocab_read)
 from titan_pipe.convert.readers.store import Store
 from titan_pipe.convert.source_plan import Read, SourcePlan
-from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.values import INT
 from titan_pipe.model.args import ModelArgs, check_fits
 from titan_pipe.model.names import megatron_local_expert, megatron_to_native
 from titan_pipe.model.params import fused_parts, layer_name, param_of
 from titan_pipe.paths import resolve_inside
+
+if TYPE_CHECKING:
+    import torch
 
 FILE = "model_optim_rng.pt"
 _GROUPED = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.weight([12])$")
@@ -296,6 +297,10 @@ def _plain_reads(lay: _Layout, acc: Reads, f: str, key: str, name: str, t: int, 
 
 def _plan_rank(lay: _Layout, acc: Reads, t: int, p: int, e: int, f: str, sd: dict, grouped: dict) -> None:
     """The reads one (tp, pp, ep) rank file contributes; its layer count must match its pp stage."""
+    import torch  # a rank file was loaded (common.load_pickle): torch is in already
+
+    from titan_pipe.dtypes import DTYPE_NAMES
+
     model = sd.get("model")
     if model is None:
         raise UserError(f"{lay.it_dir / f}: no 'model' entry (keys {sorted(sd)[:6]}); virtual "

@@ -41,7 +41,7 @@ from titan_pipe.convert.readers.megatron.common import (FORMAT, Reads, arg, defu
 from titan_pipe.safetensors_header import StoredTensor
 from titan_pipe.convert.readers.torch_save import SavedTensor
 from titan_pipe.convert.source_plan import Read, SourcePlan
-from titan_pipe.dtypes import DTYPE_NAMES
+from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
 from titan_pipe.values import INT
 from titan_pipe import limits
@@ -85,12 +85,12 @@ def looks_like(path: Path) -> bool:
 def _layer_slices(file: str, key: str, s: SavedTensor, headers: dict, strided: dict) -> list[str]:
     """Register layer k of a stacked chunk as its own stored tensor ``key#k``; return the keys."""
     keys = []
-    step = s.stride[0] * s.dtype.itemsize
+    step = s.stride[0] * s.itemsize
     for k in range(s.shape[0]):
         sub = f"{key}#{k}"
         layer = SavedTensor(s.dtype, s.shape[1:], s.stride[1:], s.start + k * step, s.storage_start,
                             s.storage_nbytes)
-        headers.setdefault(file, {})[sub] = StoredTensor(DTYPE_NAMES[s.dtype], layer.shape, layer.start,
+        headers.setdefault(file, {})[sub] = StoredTensor(s.dtype, layer.shape, layer.start,
                                                          layer.nbytes)
         if not layer.row_major:
             strided[(file, sub)] = layer
@@ -131,7 +131,7 @@ def _stored_pieces(d: Path, md, n_layers: int, loc: dcp.ChunkLocator, acc: _Plan
     for fqn, meta in md.state_dict_metadata.items():
         if not hasattr(meta, "chunks") or not _MODEL_KEY.match(fqn):
             continue  # _extra_state objects, optimizer, rng state ...
-        dtype = DTYPE_NAMES.get(meta.properties.dtype)
+        dtype = meta.properties.dtype if meta.properties.dtype in DTYPE_SIZES else None
         if dtype is None:
             raise UserError(f"{d / dcp.METADATA}: {fqn} has dtype {meta.properties.dtype}, not convertible")
         stacked = _STACKED.match(fqn)
