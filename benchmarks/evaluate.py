@@ -12,8 +12,10 @@ layer; N(0, 0.02), norms 1), exports them as `titan-pipe export --dtype float16 
             time) and, where it fits in the RAM free now, auto (whole)
 and prints evaluate time / floor time (each timed inside its process, after imports), evaluate time /
 the hand check's (transformers float32 + one ONNX Runtime session over the same tokens, logits
-compared, loading included: what a person checking an export by hand runs) and evaluate peak RSS /
-the safetensors weight bytes. Shapes (default all three):
+compared, loading included: what a person checking an export by hand runs), evaluate time / the
+hand check + generation's (the same, then transformers' greedy generate and the ONNX prefill +
+decode loop on evaluate's prompts and new tokens, tokens compared) and evaluate peak RSS / the
+safetensors weight bytes. Shapes (default all three):
   tinyllama  dim 2048, 22 layers, 32/4 heads, ffn 5632, vocab 32000 (1.10 B params, 2.20 GB bf16)
   llama2w2   Llama-2-7B width: dim 4096, 32 heads, ffn 11008, vocab 32000, 2 layers (0.67 B, 1.33 GB)
   llama2w8   the same with 8 layers (1.88 B, 3.76 GB): the same streamed peak as llama2w2 is what
