@@ -110,29 +110,7 @@ print(json.dumps({{"seconds": time.perf_counter() - t}}))
 
 # The hand-written check evaluate is held against (issue 36): transformers in float32 and one ONNX
 # Runtime session over the same held-out tokens, their logits compared; loading both included.
-CHILD_HAND = """
-import json, sys, time, numpy as np, torch
-from titan_pipe.generation import ort_session
-{batches}
-t = time.perf_counter()
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
-s = ort_session(sys.argv[2])
-worst = 0.0
-with torch.no_grad():
-    for b in ev.batches:
-        ref = model(b).logits.numpy()
-        ids = b.numpy()
-        got = s.run(["logits"], {{"input_ids": ids, "attention_mask": np.ones_like(ids),
-                                 "position_ids": np.arange(ids.shape[1])[None].repeat(ids.shape[0], 0)}})[0]
-        worst = max(worst, float(np.abs(got.astype(np.float64) - ref).max()))
-print(json.dumps({{"seconds": time.perf_counter() - t, "max_abs": worst}}))
-"""
-
-# The same, plus what a person checking the deployed generation loop by hand adds: transformers'
-# greedy generate and the ONNX prefill + decode loop (titan_pipe.generation) on the same prompts
-# and new tokens as evaluate's KV row, their tokens compared.
-CHILD_HAND_GEN = """
+_HAND_LOGITS = """
 import json, sys, time, numpy as np, torch
 from titan_pipe.evaluate.run import ragged_prompts
 from titan_pipe.generation import generate, ort_session
@@ -149,12 +127,19 @@ with torch.no_grad():
         got = s.run(["logits"], {{"input_ids": ids, "attention_mask": np.ones_like(ids),
                                  "position_ids": np.arange(ids.shape[1])[None].repeat(ids.shape[0], 0)}})[0]
         worst = max(worst, float(np.abs(got.astype(np.float64) - ref).max()))
-    prompts = ragged_prompts(ev.prompts)
-    n_new = {new_tokens}
+"""
+CHILD_HAND = _HAND_LOGITS + """
+print(json.dumps({{"seconds": time.perf_counter() - t, "max_abs": worst}}))
+"""
+# The same, plus what a person checking the deployed generation loop by hand adds: transformers'
+# greedy generate and the ONNX prefill + decode loop (titan_pipe.generation) on the same prompts
+# and new tokens as evaluate's KV row, their tokens compared.
+CHILD_HAND_GEN = _HAND_LOGITS + """
+prompts, n_new = ragged_prompts(ev.prompts), {new_tokens}
+with torch.no_grad():
     ref_tokens = [model.generate(torch.tensor([q]), max_new_tokens=n_new, do_sample=False,
                                  pad_token_id=0)[0, len(q):].tolist() for q in prompts]
-dec = ort_session(sys.argv[3])
-got = generate(prefill=s, decode=dec, prompts=prompts, max_new_tokens=n_new).new_tokens.tolist()
+got = generate(prefill=s, decode=ort_session(sys.argv[3]), prompts=prompts, max_new_tokens=n_new).new_tokens.tolist()
 agree = float(np.mean([a == b for r, g in zip(ref_tokens, got) for a, b in zip(r, g)]))
 print(json.dumps({{"seconds": time.perf_counter() - t, "max_abs": worst, "agreement": agree}}))
 """
