@@ -13,7 +13,8 @@ Linear layers (every 2-D weight: attention and feed-forward projections, a route
 projection) keep their weights as stored: ``StoredLinear`` casts them to float32 a cache-sized band
 at a time while multiplying, with the float32 result of the whole cast weight (checked on the first
 call of each shape). So the reference holds a bfloat16 model at its stored size, not twice it, and
-a streamed layer is the file's memory-mapped pages, never a float32 copy. Everything else (norms,
+a streamed layer's linear weights are read as stored (plain file reads into one buffer every layer
+and the head reuse: a fresh memory map per read faults on each page), never cast whole. Everything else (norms,
 biases, a mixture of experts' stacked experts) is float32: streamed, cast into one arena every
 layer reuses (a fresh float32 copy is memory the system must map and zero first, about half of
 each read; the cast is the same exact conversion either way, and each weight starts on a 64-byte
@@ -314,9 +315,6 @@ class LayeredModel:
         the KV-cache loop: "logits" (N, n_new, vocab), row k the logits that chose new token k, and
         per (kind, layer) ("attn", "mlp", "hidden") the layer's values at the positions of new tokens
         0..n_new-2 (N, n_new - 1, dim), which the decode steps feed."""
-        return self._greedy(prompts, n_new, values)
-
-    def _greedy(self, prompts: list[list[int]], n_new: int, values: dict | None) -> torch.Tensor:
         n, layers = len(prompts), range(self.args.n_layers)
         new = torch.zeros(n, n_new, dtype=torch.int64)
         h = self.embed([torch.tensor([p], dtype=torch.int64) for p in prompts])
