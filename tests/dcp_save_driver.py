@@ -18,6 +18,7 @@ Writes into OUT (argv[1]):
   megatron_moe/               a Qwen3-MoE-shaped megatron-core GPTModel (a dense layer, then MoE layers of
                               SequentialMLP experts) at tp 2 x ep 2, saved the same way
   megatron_moe_grouped/       the same with GroupedMLP experts (weight1/weight2 as legacy files hold them)
+  megatron_moe_singleton/     megatron_moe saved with singleton_local_shards (a key per expert, fc1 as _w/_v)
 """
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ def main(out: Path) -> None:
         save_megatron(out, rank)
         save_megatron_moe(out, rank)
         save_megatron_moe(out, rank, grouped=True)
+        save_megatron_moe(out, rank, singleton=True)
     except Exception as e:  # a megatron-core that cannot save on CPU: the test skips, saying why
         (out / "megatron_skipped.txt").write_text(f"megatron-core save failed on rank {rank}: "
                                                    f"{type(e).__name__}: {e}")
@@ -140,11 +142,14 @@ MOE_ARGS = dict(n_experts=4, experts_per_token=2, moe_hidden_dim=48, dense_layer
                 router_aux_loss_coef=0.01)  # Qwen3-MoE-shaped: q/k norms, narrower experts, a dense first layer
 
 
-def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2, grouped: bool = False) -> None:
+def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2, grouped: bool = False,
+                      singleton: bool = False) -> None:
     """megatron-core's own MoE GPTModel (its decoder block spec: a dense layer, then MoELayers of
     SequentialMLP experts, or with ``grouped`` its GroupedMLP: weight1/weight2 as the legacy writer lays
     them out, so megatron-core's own view of them decides what is saved) at tp 2 x ep 2, native_state's
-    weights loaded, saved by dist_checkpointing."""
+    weights loaded, saved by dist_checkpointing. ``singleton``: saved with megatron-core's
+    ``singleton_local_shards`` (each expert under a key of its own, SwiGLU fc1 as separate gate (_w)
+    and up (_v) tensors), as Megatron-LM does with --dist-ckpt-optim-fully-reshardable off."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -177,9 +182,10 @@ def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2, grouped: b
     local = megatron_rank(native_state(args), args, t, 0, tp, 1, fused_norms=False, padded=padded, e=e, ep=ep,
                           grouped=grouped)
     _load_into(m, local)
-    ckpt = out / ("megatron_moe_grouped" if grouped else "megatron_moe")
+    ckpt = out / ("megatron_moe_grouped" if grouped else "megatron_moe_singleton" if singleton else "megatron_moe")
+    metadata = {"singleton_local_shards": True} if singleton else None
     state = {"args": megatron_args(args, tp=tp, pp=1, padded=padded, ep=ep), "iteration": 50,
-             "checkpoint_version": 3.0, "model": m.sharded_state_dict()}
+             "checkpoint_version": 3.0, "model": m.sharded_state_dict(metadata=metadata)}
     _save_dist(ckpt, rank, state)
 
 

@@ -135,7 +135,7 @@ def test_megatron_core_qwen2_style_save_converts_bit_exactly(saved, tmp_path):
     assert _chunk_boxes(ours / "iter_0000050") == _chunk_boxes(src / "iter_0000050")
 
 
-@pytest.mark.parametrize("name", ["megatron_moe", "megatron_moe_grouped"])
+@pytest.mark.parametrize("name", ["megatron_moe", "megatron_moe_grouped", "megatron_moe_singleton"])
 def test_megatron_core_moe_save_converts_bit_exactly(saved, tmp_path, name):
     """megatron-core's own mixture-of-experts GPTModel (a dense layer, then MoELayers of SequentialMLP
     experts, or of GroupedMLP ones holding weight1/weight2 as Megatron's legacy files do; tp 2 x ep 2;
@@ -143,7 +143,9 @@ def test_megatron_core_moe_save_converts_bit_exactly(saved, tmp_path, name):
     expert index an axis of its own, fc1 [gate; up] split over tp, experts over ep) and the rest read
     back bit for bit; the Hugging Face output is a Qwen3MoeForCausalLM whose logits in transformers
     equal the original weights' in our model. (The grouped case checks the legacy GroupedMLP layout
-    the legacy reader assumes against megatron-core's own view of it.)"""
+    the legacy reader assumes against megatron-core's own view of it. The singleton case is the
+    same model saved with ``singleton_local_shards``: each expert under a key of its own, SwiGLU fc1
+    as gate ``_w`` and up ``_v`` tensors, the dense layer's too.)"""
     from dcp_save_driver import MOE_ARGS
     from titan_pipe.model.transformer import build_model
     from transformers import AutoModelForCausalLM

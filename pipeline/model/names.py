@@ -128,6 +128,29 @@ def megatron_local_expert(name: str, layer_offset: int) -> tuple[str, int] | Non
     return None
 
 
+# megatron-core's dist checkpoints saved with ``singleton_local_shards``: each SequentialMLP expert
+# under a key of its own (``experts.experts.{e}.``, e global, no expert axis) and a SwiGLU fc1 as two
+# tensors, gate ``weight_w`` and up ``weight_v`` (megatron/core/transformer/mlp.py, moe/experts.py).
+_SINGLETON_PART = {"gate": "_w", "up": "_v"}
+_M2N_SINGLETON = [(_compile("decoder.layers.{i}." + m.replace("experts.experts.", "experts.experts.{e}.")
+                            + (_SINGLETON_PART[p.fused[1]] if p.fused else "")), f"{LAYER_PREFIX}{{i}}.{p.name}")
+                  for p in LAYER_PARAMS for m in p.megatron
+                  if (p.expert or (p.fused and p.fused[0] == "fc1")) and (not p.fused or p.fused[1] in _SINGLETON_PART)]
+
+
+def megatron_singleton(name: str) -> tuple[str, int | None] | None:
+    """(native name, global expert index or None) of a key of a ``singleton_local_shards`` save
+    (``decoder.layers.3.mlp.experts.experts.5.linear_fc1.weight_v`` -> ('layers.3.moe.experts.w3', 5);
+    ``decoder.layers.0.mlp.linear_fc1.weight_w`` -> ('layers.0.feed_forward.w1.weight', None)); None
+    for any other key."""
+    for rx, target in _M2N_SINGLETON:
+        m = rx.match(name)
+        if m:
+            e = m.groupdict().get("e")
+            return target.format(i=int(m["i"])), None if e is None else int(e)
+    return None
+
+
 def megatron_to_native(name: str, layer_offset: int) -> str | None:
     """Native name (or '<qkv>'/'<fc1>' with the global layer id: '<qkv>:5') of a Megatron key.
 

@@ -19,6 +19,10 @@ chunks of *global* tensors, so TP, PP and virtual-PP need no rank arithmetic her
   ``mlp.experts.experts.linear_fc1.weight`` (experts, [gate; up], dim) and ``...linear_fc2.weight``
   (experts, dim, ffn), the expert index an axis of its own (chunks per expert, per tp split, per
   ep rank): they read into the stacked moe.experts.w1/w3/w2;
+- saves made with ``singleton_local_shards`` keep each expert under a key of its own,
+  ``mlp.experts.experts.{e}.linear_fc1.weight_w`` (gate) / ``_v`` (up) and ``...linear_fc2.weight``
+  (e global, no expert axis: read as the stacked tensor's slice e), and a dense SwiGLU fc1 as
+  ``mlp.linear_fc1.weight_w`` / ``_v`` (w1 / w3 whole);
 - the vocabulary is padded; rows past the true size (``args.vocab_size``, ``--vocab-size`` or a
   tokenizer.json) are not read.
 ``common.pt`` is loaded with ``weights_only=True`` under common.py's allow-list
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,7 +51,7 @@ from titan_pipe.errors import UserError
 from titan_pipe.values import INT
 from titan_pipe import limits
 from titan_pipe.model.args import ModelArgs, check_fits
-from titan_pipe.model.names import megatron_to_native
+from titan_pipe.model.names import megatron_singleton, megatron_to_native
 from titan_pipe.model.params import param_of
 
 BACKEND_FILE = "metadata.json"
@@ -153,16 +158,23 @@ def _stored_pieces(d: Path, md, n_layers: int, loc: dcp.ChunkLocator, acc: _Plan
                 for k, sub in enumerate(_layer_slices(file, key, s, acc.headers, acc.strided)):
                     yield f"decoder.layers.{chunk.offsets[0] + k}.{stacked.group(1)}", file, sub, offs, lens, dtype
             else:
+                offs, lens = tuple(chunk.offsets), tuple(chunk.sizes)
+                single = megatron_singleton(fqn)
+                if single is not None and single[1] is not None:  # one expert: its index is the stacked axis
+                    s = SavedTensor(s.dtype, (1, *s.shape), (math.prod(s.shape), *s.stride), s.start,
+                                    s.storage_start, s.storage_nbytes)
+                    offs, lens = (single[1], *offs), (1, *lens)
                 acc.headers.setdefault(file, {})[key] = StoredTensor(dtype, s.shape, s.start, s.nbytes)
                 if not s.row_major:
                     acc.strided[(file, key)] = s
-                yield fqn, file, key, tuple(chunk.offsets), tuple(chunk.sizes), dtype
+                yield fqn, file, key, offs, lens, dtype
 
 
 def _plan_piece(acc: _Plan, args: ModelArgs, name: str, file: str, key: str, offs: tuple, lens: tuple,
-                dtype: str, *, rope: int | None, where: Path) -> None:
-    """The reads one stored piece contributes (its box is ``offs``/``lens`` of Megatron's tensor)."""
-    fused = fused_group(name)
+                dtype: str, *, rope: int | None, where: Path, whole: bool = False) -> None:
+    """The reads one stored piece contributes (its box is ``offs``/``lens`` of Megatron's tensor);
+    ``whole``: the piece is already of the native tensor (a singleton save's fc1 half or expert)."""
+    fused = None if whole else fused_group(name)
     if fused is None:
         spec = param_of(name)
         read = (vocab_read(args, file, key, offs[0], lens[0]) if spec.vocab_rows
@@ -204,14 +216,15 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
     acc = _Plan()
     with dcp.ChunkLocator(d) as loc:
         for mkey, file, key, offs, lens, dtype in _stored_pieces(d, md, args.n_layers, loc, acc):
+            single = megatron_singleton(mkey)
             try:
-                name = megatron_to_native(mkey, 0)
+                name = single[0] if single is not None else megatron_to_native(mkey, 0)
             except KeyError as e:
                 raise UserError(f"{d / dcp.METADATA}: {e.args[0]}; only megatron-core LLaMA-family "
                                 "layers are converted") from None
             if name is not None:
                 _plan_piece(acc, args, name, file, key, offs, lens, dtype, rope=rope,
-                            where=d / dcp.METADATA)
+                            where=d / dcp.METADATA, whole=single is not None)
         files = loc.files
     padded = arg(a, "padded_vocab_size", INT, d, default=0, bound=limits.VOCAB)
 
