@@ -6,7 +6,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-
 from titan_pipe.checkpoint_format import MANIFEST_NAME
 from titan_pipe.config import EvaluateConfig
 from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
@@ -171,8 +170,8 @@ def _reference_values(run: Run) -> Run:
         start = time.perf_counter()
         tokens = s.reference.greedy(p.prompts, p.n_new, values=values)
         run.ledger.seconds["reference generation"] = time.perf_counter() - start
-        for key, v in (values or {}).items():
-            run.store.put((REF_GEN, "logits", None, 0) if key == "logits" else (REF_GEN, key[0], key[1], 0), v)
+        for (kind, layer), v in (values or {}).items():
+            run.store.put((REF_GEN, kind, layer, 0), v)
     run.steps.step("reference forward")
     start = time.perf_counter()
     seqs = list(run.request.data.batches)

@@ -185,7 +185,7 @@ def sharded_line(sharded: dict | None) -> str:
 
 
 def timing_line(seconds: dict[str, float]) -> str:
-    """What each step took, the longest first: "12.3 s in all: reference generation 5.4 s, ..."."""
+    """What each step took, the longest first: "12.3 s before the report: reference generation 5.4 s, ..."."""
     steps = sorted(seconds.items(), key=lambda kv: -kv[1])
     return f"{sum(seconds.values()):.1f} s before the report: " + ", ".join(f"{k} {v:.1f} s" for k, v in steps)
 

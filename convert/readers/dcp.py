@@ -162,6 +162,8 @@ def _meta_scaling(cfg: dict, cfg_path: Path) -> RopeScaling | None:
 
 def stored_bytes(md) -> int:
     """Bytes of every tensor .metadata lists (each chunk is later checked against its file)."""
+    # a dtype no reader converts ("torch.complex64"...) counts at 8 bytes an element: an estimate for
+    # check_fits only (a model tensor of such a dtype is refused by name when it is planned)
     return sum(math.prod(m.size) * DTYPE_SIZES.get(m.properties.dtype, 8) for m in md.state_dict_metadata.values()
                if hasattr(m, "chunks"))
 

@@ -68,7 +68,7 @@ def _forced(run: Run, tokens: torch.Tensor, *, record: bool) -> torch.Tensor:
     sink = _StepSink(len(plan), p.n_new - 1) if record else None
     if run.ledger.prefilled is None:  # torch_vs_onnx's pass did not run the prompts: prefill them here, once
         run.ledger.prefilled = prefill(s.prefill_chain, plan)
-    per_batch = forced_steps(s.prefill_chain, s.decode_chain, plan, p.n_new, sink, prefilled=run.ledger.prefilled)
+    per_batch = forced_steps(run.ledger.prefilled, s.decode_chain, plan, p.n_new, sink)
     if sink is not None:
         sink.store(run, [pb.n_real for pb in plan])
     return torch.from_numpy(np.concatenate([lg[:pb.n_real] for lg, pb in zip(per_batch, plan)]))

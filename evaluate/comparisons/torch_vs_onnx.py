@@ -2,7 +2,6 @@
 Runtime, per decoder layer (the graph's own values, its pieces chained) and on the logits."""
 from __future__ import annotations
 
-
 from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.comparisons.common import abs_errors
 from titan_pipe.evaluate.metrics import compare_tensors

@@ -263,14 +263,13 @@ def prefill(chain: LayerChain, plan: list[PaddedBatch]) -> Prefilled:
     return sink.result()
 
 
-def forced_steps(prefill_chain: LayerChain, decode: LayerChain, plan: list[PaddedBatch], n_new: int,
-                 sink=None, prefilled: Prefilled | None = None) -> list[np.ndarray]:
+def forced_steps(pre: Prefilled, decode: LayerChain, plan: list[PaddedBatch], n_new: int,
+                 sink=None) -> list[np.ndarray]:
     """The generation loop teacher-forced onto each batch's ``forced`` tokens, layer-major: per
     batch, logits (B, n_new, vocab) float32, row k predicting new token k. ``sink.step(batch, k, i,
     attn, mlp, hidden)`` gets decode.onnx's layer-i values of decode step k (feeding new token k+1).
-    ``prefilled``: the prefill graph's run over these prompts, when a pass before made it (the
-    torch_vs_onnx row runs them beside its batches, so its pieces open once for both)."""
-    pre = prefilled or prefill(prefill_chain, plan)
+    ``pre``: the prefill graph's run over these prompts (``prefill``, or the torch_vs_onnx row's
+    pass, which runs them beside its batches so the prefill pieces open once for both)."""
     steps = [(b, k, decode_feeds(pb, k, pb.forced[:, k])) for b, pb in enumerate(plan) for k in range(n_new - 1)]
     if steps:
         s_dec = decode.embed([f for _, _, f in steps])

@@ -20,9 +20,9 @@ layer reuses (a fresh float32 copy is memory the system must map and zero first,
 each read; the cast is the same exact conversion either way, and each weight starts on a 64-byte
 boundary as a fresh tensor's does).
 
-Measured (2 cores, a bfloat16 32000 x 2048 projection, 2 input rows): cast whole then multiply
-105 ms, float32 copy held 31 ms, banded from bfloat16 14 ms. Greedy generation reads every layer
-and the output projection once a step, so this is most of its time.
+Measured (benchmarks/evaluate.py --linear: 2 cores, a bfloat16 32000 x 2048 projection, 2 input
+rows): cast whole then multiply 105 ms, float32 copy held 31 ms, banded from bfloat16 14 ms. Greedy
+generation reads every layer and the output projection once a step, so this is most of its time.
 
 ``forward`` runs token sequences layer-major (each layer loaded once for all of them) and hands
 each layer's values to a sink; ``greedy`` generates with a per-layer KV cache (one new token a
@@ -312,9 +312,9 @@ class LayeredModel:
         step, then one token a step for all prompts at once, each row against its own KV cache
         (per row: its own positions, its own cached keys; only the matmuls are shared).
         ``values``: a dict filled with what the steps computed on the way, the reference side of
-        the KV-cache loop: "logits" (N, n_new, vocab), row k the logits that chose new token k, and
-        per (kind, layer) ("attn", "mlp", "hidden") the layer's values at the positions of new tokens
-        0..n_new-2 (N, n_new - 1, dim), which the decode steps feed."""
+        the KV-cache loop, keyed (kind, layer): ("logits", None) (N, n_new, vocab), row k the logits
+        that chose new token k, and ("attn" | "mlp" | "hidden", i) layer i's values at the positions
+        of new tokens 0..n_new-2 (N, n_new - 1, dim), which the decode steps feed."""
         n, layers = len(prompts), range(self.args.n_layers)
         new = torch.zeros(n, n_new, dtype=torch.int64)
         h = self.embed([torch.tensor([p], dtype=torch.int64) for p in prompts])
@@ -348,7 +348,7 @@ class LayeredModel:
             new[:, step] = logits[-1].argmax(-1)
             pos += 1
         if values is not None:
-            values["logits"] = torch.stack(logits, dim=1)
+            values["logits", None] = torch.stack(logits, dim=1)
             values.update({key: torch.cat(vs, dim=1) for key, vs in steps.items()})
         return new
 

@@ -132,7 +132,9 @@ def _open_iteration(path: Path) -> tuple[Path, dict, argparse.Namespace]:
 
 def _stored_pieces(d: Path, md, n_layers: int, loc: dcp.ChunkLocator, acc: _Plan):
     """Every model chunk as 2-D (or 1-D) pieces: (megatron key with its global layer id, file,
-    store key, offsets, lengths in the layer's tensor, dtype). Stacked chunks are cut per layer."""
+    store key, offsets, lengths in the layer's tensor, dtype, megatron_singleton of the key or None).
+    Stacked chunks are cut per layer; a singleton save's expert gets its expert index as a leading
+    axis (3-D)."""
     for fqn, meta in md.state_dict_metadata.items():
         if not hasattr(meta, "chunks") or not _MODEL_KEY.match(fqn):
             continue  # _extra_state objects, optimizer, rng state ...
@@ -156,7 +158,7 @@ def _stored_pieces(d: Path, md, n_layers: int, loc: dcp.ChunkLocator, acc: _Plan
             if stacked:
                 offs, lens = tuple(chunk.offsets[1:]), tuple(chunk.sizes[1:])
                 for k, sub in enumerate(_layer_slices(file, key, s, acc.headers, acc.strided)):
-                    yield f"decoder.layers.{chunk.offsets[0] + k}.{stacked.group(1)}", file, sub, offs, lens, dtype
+                    yield f"decoder.layers.{chunk.offsets[0] + k}.{stacked.group(1)}", file, sub, offs, lens, dtype, None
             else:
                 offs, lens = tuple(chunk.offsets), tuple(chunk.sizes)
                 single = megatron_singleton(fqn)
@@ -167,7 +169,7 @@ def _stored_pieces(d: Path, md, n_layers: int, loc: dcp.ChunkLocator, acc: _Plan
                 acc.headers.setdefault(file, {})[key] = StoredTensor(dtype, s.shape, s.start, s.nbytes)
                 if not s.row_major:
                     acc.strided[(file, key)] = s
-                yield fqn, file, key, offs, lens, dtype
+                yield fqn, file, key, offs, lens, dtype, single
 
 
 def _plan_piece(acc: _Plan, args: ModelArgs, name: str, file: str, key: str, offs: tuple, lens: tuple,
@@ -215,8 +217,7 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
     rope = rope_rows(a, args, d)
     acc = _Plan()
     with dcp.ChunkLocator(d) as loc:
-        for mkey, file, key, offs, lens, dtype in _stored_pieces(d, md, args.n_layers, loc, acc):
-            single = megatron_singleton(mkey)
+        for mkey, file, key, offs, lens, dtype, single in _stored_pieces(d, md, args.n_layers, loc, acc):
             try:
                 name = single[0] if single is not None else megatron_to_native(mkey, 0)
             except KeyError as e:
