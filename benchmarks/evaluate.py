@@ -23,7 +23,7 @@ safetensors weight bytes. Shapes (default all three):
 Everything it wrote is deleted at the end. Needs ~2.2x the largest shape's bf16 weights on disk.
 
     python benchmarks/evaluate.py [--shapes tinyllama,llama2w2,llama2w8] [--budget 1.6GB]
-                                  [--modes streamed,whole] [--keep-under DIR] [--metrics]
+                                  [--modes streamed,whole] [--keep-under DIR] [--metrics] [--linear]
 """
 from __future__ import annotations
 
@@ -263,6 +263,38 @@ def bench_metrics(tokens: int, vocab: int) -> None:
           f"one float64 |c-r|.max() pass ({t_floor:.2f} s)")
 
 
+def bench_linear(rows: int = 2, out_f: int = 32000, in_f: int = 2048, repeat: int = 5) -> None:
+    """The reference's linear layer over a bfloat16 weight (evaluate/runners/pytorch.StoredLinear,
+    cast a band at a time) vs a float32 copy held and vs casting the whole weight each call, on the
+    same input; StoredLinear's result is checked equal to the whole cast's bit for bit."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from titan_pipe.evaluate.runners.pytorch import StoredLinear
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(out_f, in_f, generator=g) * 0.02).to(torch.bfloat16)
+    x = torch.randn(rows, in_f, generator=g)
+    held, lin = w.float(), StoredLinear(w, None, exact={})
+    assert torch.equal(lin(x), F.linear(x, held)) and all(lin.exact.values())
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    whole, copy, banded = (best(lambda: F.linear(x, w.float())), best(lambda: F.linear(x, held)), best(lambda: lin(x)))
+    print(f"linear {out_f} x {in_f} bfloat16, {rows} input rows (best of {repeat}): StoredLinear {banded * 1e3:.1f} ms "
+          f"= {banded / copy:.2f}x a float32 copy held ({copy * 1e3:.1f} ms, 2x the memory), "
+          f"{banded / whole:.2f}x casting the whole weight per call ({whole * 1e3:.1f} ms)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="tinyllama,llama2w2,llama2w8")
@@ -270,11 +302,14 @@ def main() -> None:
     ap.add_argument("--modes", default="streamed,whole")
     ap.add_argument("--keep-under", type=Path, default=None, help="scratch parent dir (default: system temp)")
     ap.add_argument("--metrics", action="store_true", help="also time compare_tensors on 1024 x 32000 logits")
+    ap.add_argument("--linear", action="store_true", help="also time the reference's banded linear layer")
     opts = ap.parse_args()
     print(f"load average at start (1/5/15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"{os.cpu_count()} CPUs")
     if opts.metrics:
         bench_metrics(1024, 32000)
+    if opts.linear:
+        bench_linear()
     root = Path(tempfile.mkdtemp(prefix="titan-evaluate-bench-", dir=opts.keep_under))
     results = {}
     try:
