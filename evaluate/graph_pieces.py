@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from titan_pipe.graph_io import LOGITS, router_name
+from titan_pipe.graph_io import LOGITS, PAST, router_name
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,20 @@ def tensor_bytes(t: onnx.TensorProto) -> int:
     for d in t.dims:
         n *= d
     return n * _itemsize(t)
+
+
+def past_bytes(piece: Piece, *, rows: int, slots: int) -> int:
+    """Bytes of the KV caches (``past_key_values.*`` inputs, (B, Hkv, C, hd)) a decode piece takes
+    for one batch; a dimension the graph leaves open is ``rows`` (B), ``slots`` (C) or 1."""
+    total = 0
+    for v in piece.model.graph.input:
+        if not v.name.startswith(PAST):
+            continue
+        n = 1
+        for k, d in enumerate(v.type.tensor_type.shape.dim):
+            n *= d.dim_value if d.HasField("dim_value") else rows if k == 0 else slots if k == 2 else 1
+        total += n * helper.tensor_dtype_to_np_dtype(v.type.tensor_type.elem_type).itemsize
+    return total
 
 
 class GraphCutter:

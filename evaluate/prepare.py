@@ -11,9 +11,9 @@ from titan_pipe.config import EvaluateConfig
 from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.batches import ValidationSplit, load_eval_data
-from titan_pipe.evaluate.graph_pieces import tensor_bytes
+from titan_pipe.evaluate.graph_pieces import past_bytes, tensor_bytes
 from titan_pipe.evaluate.inputs import reference_device, same_model
-from titan_pipe.evaluate.memory import MemoryPlan, Need, ort_bytes, plan_memory
+from titan_pipe.evaluate.memory import MemoryPlan, Need, decode_step_bytes, ort_bytes, plan_memory
 from titan_pipe.evaluate.report import TensorDump
 from titan_pipe.evaluate.run import REF, REF_GEN, Ledger, Prompts, Request, Run, Sides, ragged_prompts
 from titan_pipe.evaluate.runners.ort import OnnxDecodeRunner, OnnxRuntimeRunner
@@ -21,6 +21,7 @@ from titan_pipe.evaluate.runners.ort_layers import LayerChain, Sessions
 from titan_pipe.evaluate.runners.pytorch import LayeredModel, layer_bytes, top_bytes
 from titan_pipe.evaluate.runners.sharded import DistributedRunner
 from titan_pipe.evaluate.store import StoreSink, ValueStore
+from titan_pipe.generation import plan_batches
 from titan_pipe.model.args import ModelArgs
 
 
@@ -54,7 +55,7 @@ def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, o
                         checkpoint=Path(checkpoint) if checkpoint else None)
     request = Request(settings, checkpoint, model_dir, onnx, om, ev, batch_size, seq_len)
     prompts, n_new, decode, decode_skip = _fit_generation(ev.prompts, settings.new_tokens, decode)
-    chains = [_chain(g) for g in (prefill, decode)]
+    chains = [_chain(prefill), _chain(decode, _loop_shape(prefill, decode, prompts, n_new, settings.prompts))]
     memory = _plan(settings, args, request, (prefill, decode), chains, sharded, reference.stored_itemsize)
     whole = memory.mode == "whole"
     reference.keep = whole
@@ -104,12 +105,26 @@ def _fit_generation(prompts, n_new: int, dec: OnnxDecodeRunner | None):
     return ragged_prompts(prompts) if prompts.shape[0] else [], n_new, dec, skip
 
 
-def _chain(runner) -> LayerChain | None:
-    """The graph's layer chain, or None when its per-layer values (or the stream into layer 0) are unknown."""
+def _loop_shape(prefill, decode, prompts, n_new: int, wanted: int) -> tuple[int, int] | None:
+    """(rows, cache slots) of the generation loop's largest batch, or None when no loop runs."""
+    if decode is None or not wanted or not len(prompts) or n_new < 1:
+        return None
+    plan = plan_batches(prefill=prefill.graph.io, decode=decode.graph.io, prompts=prompts, max_new_tokens=n_new)
+    return max(pb.ids.shape[0] for pb in plan), max(pb.cache_len for pb in plan)
+
+
+def _chain(runner, loop: tuple[int, int] | None = None) -> LayerChain | None:
+    """The graph's layer chain, or None when its per-layer values (or the stream into layer 0) are unknown.
+    ``loop``: (rows, cache slots) of the decode steps a decode graph's layers run (their caches count)."""
     if runner is None or runner.graph.taps is None or runner.graph.taps.embed is None:
         return None
     item = _itemsize(runner)
-    return LayerChain(runner.graph, need=lambda p: ort_bytes(p.weight_bytes, item))
+    rows, slots = loop or (0, 0)
+
+    def need(p) -> int:
+        step = decode_step_bytes(past_bytes(p, rows=rows, slots=slots)) if loop and p.layer is not None else 0
+        return ort_bytes(p.weight_bytes, item) + step
+    return LayerChain(runner.graph, need=need)
 
 
 def _itemsize(runner) -> int:

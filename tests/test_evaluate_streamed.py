@@ -201,3 +201,44 @@ def test_each_piece_opens_once_and_the_report_times_each_step(art, tmp_path, mon
     assert all(v >= 0 for v in took.values()) and took["onnx_kv_decode"] > 0
     assert not any(k.startswith(("om", "npu_fused", "sharded")) for k in took)  # skipped rows take no time
     assert "\nTime: " in (out / "report.md").read_text()
+
+
+def test_decode_caches_count_in_the_budget_and_prompts_are_held_at_their_length(art, tmp_path):
+    """A decode layer's need counts the caches its steps run on: a static cache of 256 slots needs more
+    than one of 48 by at least three times the extra cache bytes (the caches in, out, and the last
+    step's kept), so a budget that holds the layer's weights but not its caches is refused before any
+    work. And the prefill run kept for every layer at once (ort_layers.Prefilled) holds the prompt
+    positions only: its size does not grow with the cache's slots (it did: every layer's caches
+    padded to C slots, which for a 7B-width static 4096-slot export went 1 GB over --max-memory)."""
+    from titan_pipe.evaluate.graph_pieces import past_bytes
+    from titan_pipe.evaluate.runners.ort import OnnxDecodeRunner
+    from titan_pipe.evaluate.runners.ort_layers import prefill
+    from titan_pipe.generation import plan_batches
+    from titan_pipe.sizes import parse_size
+
+    def needs(cache_len: int):
+        onnx = export_model(art["model_dir"], tmp_path / f"c{cache_len}", ExportConfig(
+            dtype="float32", kv_cache=True, dynamic=False, batch=1, seq_len=32, cache_len=cache_len, atc=False)).onnx
+        with pytest.raises(UserError, match=r"too small for one layer: decode\.onnx layer \d") as e:
+            evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=onnx,
+                           settings=SETTINGS.model_copy(update={"max_memory": "1kB"}))
+        need = parse_size(e.value.args[0].split("needs ~")[1].split(";")[0].replace(" ", ""))  # 3 digits
+        ort = OnnxRuntimeRunner(onnx)
+        ort.find_layers(art["args"].n_layers)
+        dec = OnnxDecodeRunner.beside(ort)
+        dec.find_layers(art["args"].n_layers)
+        return need, ort, dec
+
+    small, _, dec_small = needs(48)
+    large, ort, dec = needs(256)
+    extra = (past_bytes(LayerChain(dec.graph).layers[0], rows=1, slots=0)
+             - past_bytes(LayerChain(dec_small.graph).layers[0], rows=1, slots=0))
+    assert extra == 2 * 2 * (256 - 48) * 16 * 4  # key and value, 2 KV heads of 16, float32
+    assert large - small >= 3 * extra
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
+    plan = plan_batches(prefill=ort.graph.io, decode=dec.graph.io, prompts=prompts, max_new_tokens=4)
+    pre = prefill(LayerChain(ort.graph), plan)
+    held = [v for layer in pre.caches for batch in layer for v in batch.values()]
+    assert len(held) == 2 * len(plan) * art["args"].n_layers
+    assert all(v.shape[2] == pb.ids.shape[1] < pb.cache_len == 256 for layer in pre.caches
+               for pb, batch in zip(plan, layer) for v in batch.values())

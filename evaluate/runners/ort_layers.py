@@ -225,13 +225,20 @@ class JoinedSink:
 
 @dataclass
 class Prefilled:
-    """The prefill graph's run over the loop's padded batches: per layer, per batch, its cache as
-    the decode graph takes it ({past.* name: (B, Hkv, C, hd)}); per batch, the logits of the last
-    prompt position (B, vocab), which choose new token 0. It depends on the prompts only, never on
-    the tokens forced after them, so every teacher-forced run of the same prompts shares it."""
+    """The prefill graph's run over the loop's padded batches: per layer, per batch, its present.*
+    values under the decode graph's past.* names ({name: (B, Hkv, T, hd)}: the prompt positions
+    only; ``cache`` places them in the decode graph's cache of C slots when that layer's turn
+    comes, so what is held for every layer at once grows with the prompts, not with C); per batch,
+    the logits of the last prompt position (B, vocab), which choose new token 0. It depends on the
+    prompts only, never on the tokens forced after them, so every teacher-forced run of the same
+    prompts shares it."""
 
     caches: list[list[dict]]
     first: list[np.ndarray]
+
+    def cache(self, i: int, batch: PaddedBatch, b: int) -> dict:
+        """Layer i's cache of batch ``b`` as the decode graph takes it ({past.*: (B, Hkv, C, hd)})."""
+        return {n: cache_of(v, batch.cache_len) for n, v in self.caches[i][b].items()}
 
 
 class PrefillSink:
@@ -246,8 +253,7 @@ class PrefillSink:
         pass
 
     def present(self, b: int, i: int, named: dict) -> None:
-        self.caches[i][b] = {past_of(n): cache_of(v, self.plan[b].cache_len)
-                             for n, v in named.items() if n.startswith(PRESENT)}
+        self.caches[i][b] = {past_of(n): _own(v) for n, v in named.items() if n.startswith(PRESENT)}
 
     def logits(self, b: int, logits: torch.Tensor) -> None:
         self.first[b] = logits[:, -1].numpy().copy()  # not a view keeping every position's logits
@@ -274,15 +280,18 @@ def forced_steps(pre: Prefilled, decode: LayerChain, plan: list[PaddedBatch], n_
     if steps:
         s_dec = decode.embed([f for _, _, f in steps])
         for i in range(len(decode.layers)):
-            caches = list(pre.caches[i])
             s = decode.session(decode.layers[i])
+            cache, named = None, None
             for j, (b, k, f) in enumerate(steps):  # batch by batch, step by step: each step's cache is the last one's
-                named = decode.run_layer(s, i, f, s_dec[j], caches[b], copy_cache=False)
+                if k == 0:  # one batch's cache at a time: a static cache is C slots a layer, whatever the prompt
+                    cache = named = None
+                    cache = pre.cache(i, plan[b], b)
+                named = decode.run_layer(s, i, f, s_dec[j], cache, copy_cache=False)
                 s_dec[j] = named[decode.taps.layer[i]]
-                caches[b] = {past_of(n): v for n, v in named.items() if n.startswith(PRESENT)}
+                cache = {past_of(n): v for n, v in named.items() if n.startswith(PRESENT)}
                 if sink is not None:
                     sink.step(b, k, i, *decode.values(i, named))
-            del s, named, caches  # the last step's caches are the session's arrays: gone before it may close
+            del s, named, cache  # the last step's cache is the session's arrays: gone before it may close
             decode.free()
     later = decode.head([f for _, _, f in steps], s_dec, last=True) if steps else []
     out = []
