@@ -1,6 +1,7 @@
 """The reference's linear layers over their stored weights (evaluate/runners/pytorch.StoredLinear):
 the float32 values of the whole weight cast at once, bit for bit, without a float32 copy held; and
 the plain-read path streamed mode refills its buffer with."""
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -53,3 +54,47 @@ def test_streamed_buffer_reads_are_the_stored_bytes(tmp_path):
     whole, streamed = LayeredModel.from_path(md, keep=True).run(tokens), LayeredModel.from_path(md, keep=False).run(tokens)
     assert torch.equal(whole.logits, streamed.logits)
     assert all(torch.equal(a, b) for a, b in zip(whole.hidden, streamed.hidden))
+
+
+def _resident_kb(path) -> int:
+    """This process's resident kB of its mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[:1] in "0123456789abcdef" and "-" in line.split()[0]:
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+def test_streamed_reference_uses_the_files_pages_and_gives_them_back(tmp_path):
+    """Streamed from a unified dir, the reference multiplies its linear weights where the file's pages
+    are (SafetensorsWeights.mapped: one madvise faults a tensor's pages in) and takes them out of the
+    process after each layer: its greedy tokens and every value equal the plain-read path's and the
+    resident model's bit for bit, and once it is done none of the file's pages is resident in it."""
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("madvise(MADV_POPULATE_READ) and /proc/self/smaps: Linux only")
+    model, args = debug_model()
+    md = write_unified(model.to(torch.bfloat16), args, tmp_path / "m")
+    prompts = [list(range(5, 21)), list(range(30, 42))]
+    runs = {}
+    for mode in ("mapped", "read", "resident"):
+        src = open_weights(md)
+        if mode == "read":
+            src._maps = None  # what a kernel without MADV_POPULATE_READ gets
+        ref = LayeredModel(src, keep=mode == "resident")
+        values: dict = {}
+        runs[mode] = (ref.greedy(prompts, 5, values=values), values, src)
+        if mode == "mapped":
+            left = {f: _resident_kb(f) for f in src._maps or {}}
+    tokens, values, src = runs["mapped"]
+    if src._maps is None:
+        pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14): the plain-read path ran")
+    assert src._maps and len(values) == 3 * args.n_layers + 1
+    for mode in ("read", "resident"):
+        assert torch.equal(runs[mode][0], tokens)
+        assert all(torch.equal(runs[mode][1][k], v) for k, v in values.items())
+    assert set(left) == set(src._maps) and not any(left.values()), left

@@ -5,6 +5,7 @@ Hugging Face LLaMA directory. Every source has ``.args`` (ModelArgs), ``.full(na
 """
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Protocol
 
@@ -15,6 +16,8 @@ from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, is_complete, newest
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, check_fits, model_differences
 from titan_pipe.paths import resolve_inside
+
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python names it from 3.13 on
 
 
 class WeightSource(Protocol):
@@ -118,6 +121,7 @@ class SafetensorsWeights:
         self.dir = Path(model_dir)
         self._unified = open_unified(self.dir)
         self.args = self._unified.args
+        self._maps: dict[Path, mmap.mmap] | None = {}  # None: mapping given up (see mapped)
 
     def names(self) -> list[str]:
         return list(self._unified.params)
@@ -148,6 +152,46 @@ class SafetensorsWeights:
                                         "truncated (copy it again)")
                     pos += got
         return out
+
+    def mapped(self, name: str) -> torch.Tensor | None:
+        """``name`` as stored, a view of its file's own pages (each file mapped once, private and
+        never written; the tensor's pages faulted in by one madvise(MADV_POPULATE_READ) call, not
+        one fault per page), or None where it cannot be (a tensor stored in parts, a kernel before
+        5.14): then ``read_into``. ``evict`` takes the pages out of this process again; the view
+        stays valid (a later read faults them back in from the file)."""
+        parts = self._unified.parts(name)
+        if len(parts) != 1 or self._maps is None:
+            return None
+        part = parts[0]
+        span = self._span(part)
+        try:
+            self._map(part.file).madvise(_POPULATE_READ, *span)
+        except (OSError, ValueError):  # no MADV_POPULATE_READ here: plain reads from now on
+            self._maps = None
+            return None
+        numel = part.stored.nbytes // self.stored_dtype(name).itemsize
+        flat = torch.frombuffer(self._map(part.file), dtype=self.stored_dtype(name), count=numel,
+                                offset=part.stored.start)
+        return flat.view(part.stored.shape)
+
+    def evict(self) -> None:
+        """Take every mapped page out of this process (they stay in the page cache): the whole of each
+        mapping, since faulting a tensor in also maps the pages around it (the kernel's fault-around)."""
+        for m in (self._maps or {}).values():
+            m.madvise(mmap.MADV_DONTNEED)
+
+    def _map(self, file: Path) -> mmap.mmap:
+        if file not in self._maps:
+            with open(file, "rb") as f:
+                self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._maps[file]
+
+    @staticmethod
+    def _span(part) -> tuple[int, int]:
+        """(start, length) of the whole pages holding the stored tensor (madvise takes pages)."""
+        lo = part.stored.start // mmap.PAGESIZE * mmap.PAGESIZE
+        hi = -(-(part.stored.start + part.stored.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+        return lo, hi - lo
 
     def box(self, name: str, box: Box) -> torch.Tensor:
         """(box.lengths) piece of ``name``: only that part of the stored tensor is read."""
