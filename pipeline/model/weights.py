@@ -166,7 +166,7 @@ class SafetensorsWeights:
         span = self._span(part)
         try:
             self._map(part.file).madvise(_POPULATE_READ, *span)
-        except (OSError, ValueError):  # no MADV_POPULATE_READ here: plain reads from now on
+        except (OSError, ValueError, AttributeError):  # no MADV_POPULATE_READ (or no madvise): plain reads
             self._maps = None
             return None
         numel = part.stored.nbytes // self.stored_dtype(name).itemsize
