@@ -74,8 +74,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     never imported to read one file."""
 
     def find_class(self, module: str, name: str):
-        if module == "torch" and torch_global(name) is not None:
-            return torch_global(name)
+        found = torch_global(name) if module == "torch" else None
+        if found is not None:
+            return found
         if name not in _METADATA_GLOBALS.get(module, ()):
             raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
         stand_in = STAND_INS.get((module, name))
@@ -158,6 +159,13 @@ def _meta_scaling(cfg: dict, cfg_path: Path) -> RopeScaling | None:
                                ("high_freq_factor", FLOAT, 4.0, limits.ROPE_FACTOR),
                                ("original_max_position_embeddings", INT, 8192, limits.POSITIONS))}
     return RopeScaling(**p)
+
+
+def convertible_dtype(meta, fqn: str, where: Path) -> str:
+    """The safetensors code of a .metadata tensor entry's dtype; UserError naming it if no reader converts it."""
+    if meta.properties.dtype not in DTYPE_SIZES:
+        raise UserError(f"{where}: {fqn} has dtype {meta.properties.dtype}, not convertible")
+    return meta.properties.dtype
 
 
 def stored_bytes(md) -> int:
@@ -297,9 +305,7 @@ def plan_tensors(path: Path, md, wanted: dict[str, tuple[str, object]], order, *
             raise UserError(f"{path / METADATA}: no tensor {name!r}; the checkpoint is incomplete "
                             "or its config disagrees")
         fqn, meta = wanted[name]
-        dtype = meta.properties.dtype if meta.properties.dtype in DTYPE_SIZES else None
-        if dtype is None:
-            raise UserError(f"{path}: {fqn} has dtype {meta.properties.dtype}, not convertible")
+        dtype = convertible_dtype(meta, fqn, path)
         hd = rope_head_dim(name)
         reads = []
         for chunk in meta.chunks:

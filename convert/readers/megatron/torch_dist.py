@@ -46,7 +46,6 @@ from titan_pipe.convert.readers.megatron.common import (FORMAT, Reads, arg, defu
 from titan_pipe.safetensors_header import StoredTensor
 from titan_pipe.convert.readers.torch_save import SavedTensor
 from titan_pipe.convert.source_plan import Read, SourcePlan
-from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
 from titan_pipe.values import INT
 from titan_pipe import limits
@@ -138,9 +137,7 @@ def _stored_pieces(d: Path, md, n_layers: int, loc: dcp.ChunkLocator, acc: _Plan
     for fqn, meta in md.state_dict_metadata.items():
         if not hasattr(meta, "chunks") or not _MODEL_KEY.match(fqn):
             continue  # _extra_state objects, optimizer, rng state ...
-        dtype = meta.properties.dtype if meta.properties.dtype in DTYPE_SIZES else None
-        if dtype is None:
-            raise UserError(f"{d / dcp.METADATA}: {fqn} has dtype {meta.properties.dtype}, not convertible")
+        dtype = dcp.convertible_dtype(meta, fqn, d / dcp.METADATA)
         stacked = _STACKED.match(fqn)
         if stacked and meta.size[0] != n_layers:
             raise UserError(f"{d / dcp.METADATA}: {fqn} stacks {meta.size[0]} layers but args say "
