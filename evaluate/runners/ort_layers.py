@@ -281,10 +281,9 @@ def forced_steps(pre: Prefilled, decode: LayerChain, plan: list[PaddedBatch], n_
         s_dec = decode.embed([f for _, _, f in steps])
         for i in range(len(decode.layers)):
             s = decode.session(decode.layers[i])
-            cache, named = None, None
             for j, (b, k, f) in enumerate(steps):  # batch by batch, step by step: each step's cache is the last one's
-                if k == 0:  # one batch's cache at a time: a static cache is C slots a layer, whatever the prompt
-                    cache = named = None
+                if k == 0:  # one batch's cache at a time (a static cache is C slots a layer, whatever the
+                    cache = named = None  # prompt): the last batch's is gone before this one is made
                     cache = pre.cache(i, plan[b], b)
                 named = decode.run_layer(s, i, f, s_dec[j], cache, copy_cache=False)
                 s_dec[j] = named[decode.taps.layer[i]]
