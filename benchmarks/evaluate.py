@@ -27,6 +27,7 @@ Everything it wrote is deleted at the end. Needs ~2.2x the largest shape's bf16 
 
     python benchmarks/evaluate.py [--shapes tinyllama,llama2w2,llama2w8] [--budget 2GB]
                                   [--modes streamed,whole] [--rounds N] [--keep-under DIR] [--metrics] [--linear]
+                                  [--reads]
 """
 from __future__ import annotations
 
@@ -314,6 +315,39 @@ def bench_linear(rows: int = 2, out_f: int = 32000, in_f: int = 2048, repeat: in
           f"{banded / whole:.2f}x casting the whole weight per call ({whole * 1e3:.1f} ms)")
 
 
+def bench_reads(root: Path, name: str = "tinyllama8", rounds: int = 4, n_new: int = 16) -> None:
+    """The streamed reference's greedy generation (evaluate's "reference generation", 2 prompts) with
+    its linear weights used from the files' pages (SafetensorsWeights.mapped) vs read into its buffer
+    (the plain-read path), alternating in one process, the same tokens checked."""
+    import gc
+    import time
+
+    import torch
+
+    from titan_pipe.evaluate.runners.pytorch import LayeredModel
+    from titan_pipe.model.weights import open_weights
+
+    md = root / name / "reads"
+    export_bench.write_random_model(md, shapes()[name], dtype="bfloat16", norms_one=True)
+    gc.freeze()  # as evaluate_model does: the collections between layers skip what exists now
+    prompts, times, tokens = [list(range(5, 21)), list(range(30, 42))], {"mapped": [], "read": []}, {}
+    for k in range(rounds):
+        for how in ("mapped", "read") if k % 2 == 0 else ("read", "mapped"):
+            src = open_weights(md)
+            if how == "read":
+                src._maps = None  # the path a kernel without MADV_POPULATE_READ takes
+            start = time.perf_counter()
+            tokens[how] = LayeredModel(src, keep=False).greedy(prompts, n_new)
+            times[how].append(time.perf_counter() - start)
+    gc.unfreeze()
+    shutil.rmtree(root / name, ignore_errors=True)
+    assert torch.equal(tokens["mapped"], tokens["read"])
+    print(f"streamed reference, {n_new} greedy steps of {name} ({rounds} runs each, alternating): weights from the "
+          f"files' pages {min(times['mapped']):.2f} s at best (" + ", ".join(f"{t:.2f}" for t in times["mapped"])
+          + f") = {min(times['mapped']) / min(times['read']):.2f}x reading them into the buffer "
+          f"{min(times['read']):.2f} s (" + ", ".join(f"{t:.2f}" for t in times["read"]) + ")")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="tinyllama,llama2w2,llama2w8")
@@ -323,6 +357,8 @@ def main() -> None:
     ap.add_argument("--keep-under", type=Path, default=None, help="scratch parent dir (default: system temp)")
     ap.add_argument("--metrics", action="store_true", help="also time compare_tensors on 1024 x 32000 logits")
     ap.add_argument("--linear", action="store_true", help="also time the reference's banded linear layer")
+    ap.add_argument("--reads", action="store_true", help="also time the streamed reference's greedy steps "
+                    "with its weights from the files' pages vs read into its buffer")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of hand checks + evaluate per shape "
                     "(ratios within a round; the median printed)")
     opts = ap.parse_args()
@@ -335,6 +371,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="titan-evaluate-bench-", dir=opts.keep_under))
     results = {}
     try:
+        if opts.reads:
+            bench_reads(root)
         for name in opts.shapes.split(","):
             results[name] = bench_shape(name, root, opts.budget, opts.modes.split(","), opts.rounds)
     finally:
