@@ -59,6 +59,12 @@ def check_shapes(plan: SourcePlan) -> None:
                             f"implies {list(want[name])}; the checkpoint and its config disagree")
 
 
+def source_digest(plan: SourcePlan, chosen: str) -> str:
+    """The algorithm of the source digests provenance.json records: sha256 for a source whose
+    manifest records sha256s (ours: they are what the files are checked against), else ``chosen``."""
+    return "sha256" if plan.expected_sha256 else chosen
+
+
 def output_bytes(plan: SourcePlan, out: OutputPlan, *, sharded: bool) -> int:
     """What the output will take on disk: every tensor's bytes, 512 bytes a tensor for its entries in
     safetensors headers and the index or manifest, the tokenizer files it carries, and 64 kB for
@@ -161,7 +167,8 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
     layout (``manifest.json`` + shard files named by checkpoint_format.shard_file, native names, no
     optimizer state). ``source_config``: a params.json/config.json for sources without one (DCP).
     ``verify=False`` skips hashing the source (sizes, headers and shapes are still checked); the
-    provenance then records the manifest's sha256s as unverified. A progress bar shows on a terminal.
+    provenance then records the manifest's sha256s as unverified. ``digest``: the algorithm of the
+    source digests recorded (source_digest). A progress bar shows on a terminal.
     """
     t0 = time.perf_counter()
     src, out_dir = Path(src), Path(out_dir)
@@ -185,8 +192,9 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
         tmp = temp_dir(out_dir)
         headers = getattr(store, "headers", {})  # safetensors sources: check NaN/Inf while hashing
         spans = {f: [(t.start, t.nbytes, t.dtype, k) for k, t in h.items()] for f, h in headers.items()}
+        algorithm = source_digest(plan, settings.digest)
         hasher = BackgroundHasher(plan.root, plan.files if verify else [], plan.expected_sha256,
-                                  tensors=spans).start()
+                                  tensors=spans, algorithm=algorithm).start()
         nonfinite: set[str] = set()
         try:
             with _progress() as bar:
@@ -205,7 +213,8 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
             written += tok_files
             provenance = Provenance(
                 source=SourceInfo(plan.format, str(plan.root.resolve()), plan.step, plan.layout,
-                                  digests if verify else dict(sorted(plan.expected_sha256.items())), verify),
+                                  digests if verify else dict(sorted(plan.expected_sha256.items())),
+                                  algorithm, verify),
                 converter=CONVERTER_VERSION, tokenizer=tok_record,
                 output={"kind": out.kind, "naming": "native" if sharded else naming, "dtype": dtype,
                         "tp": out.tp, "pp": out.pp, "files": [str(p.relative_to(tmp)) for p in written]},

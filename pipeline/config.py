@@ -251,6 +251,7 @@ class ConvertConfig(Section):
     dtype: Literal[("keep",) + FLOAT_NAMES] = "keep"
     max_shard_size: str = "5GB"
     verify: bool = True  # hash the source against its manifest (sizes, headers, shapes are always checked)
+    digest: Literal[DIGESTS] = "xxh3_128"  # provenance.json's source digests (a manifest's sha256s: sha256)
     source_format: Literal[SOURCE_FORMATS] = "auto"
     tp: int | None = _bounded(None, limits.PARALLEL)  # write our sharded layout with this TP size ...
     pp: int | None = _bounded(None, limits.PARALLEL)  # ... and this many pipeline stages
@@ -398,7 +399,7 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     errs = _export_and_positions(cfg, args)
     errs += [f"convert.{key}: {getattr(cfg.convert, key)!r} is for converting other checkpoints with "
              "`titan-pipe convert`; a flow converts its own checkpoint to the unified model its export "
-             "reads. Remove it" for key in ("source_format", "tp", "pp", "vocab_size", "source_config")
+             "reads. Remove it" for key in ("source_format", "tp", "pp", "vocab_size", "source_config", "digest")
              if getattr(cfg.convert, key) != ConvertConfig.model_fields[key].default]
     p = cfg.parallel
     errs += [f"parallel.tp: {p.tp} {why}" for why in tp_problems(args, p.tp)]

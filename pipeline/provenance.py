@@ -1,13 +1,15 @@
 """The provenance record of a unified model dir: ``provenance.json``, written by `titan-pipe convert`.
 
-It says where the weights came from (source format, path, step, layout and the sha256 of every
+It says where the weights came from (source format, path, step, layout and a digest of every
 source file), which tokenizer the model dir carries, and what was written. Evaluate reads the
 tokenizer from it; flows do not key their cache on it (it holds a timestamp).
 
-Layout (``format: titan-pipe-provenance/1``; records written before the field existed load as
-version 1): source {format, path, step, layout, sha256 {file: digest}, sha256_verified},
+Layout (``format: titan-pipe-provenance/2``): source {format, path, step, layout, algorithm
+("sha256" | "xxh3_128", titan_pipe.hashing.DIGESTS), digests {file: hex digest}, verified},
 converter, tokenizer null | {tokenizer: "byte" | "tokenizer.json" | null, files {name: sha256}},
-output {kind, naming, dtype, tp, pp, files [...]}, created (UTC, ISO 8601).
+output {kind, naming, dtype, tp, pp, files [...]}, created (UTC, ISO 8601). Version 1 (and records
+from before the format field) named the source digests ``sha256`` and ``sha256_verified``; they load
+as algorithm "sha256".
 """
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from titan_pipe.errors import UserError
+from titan_pipe.hashing import DIGESTS
 
 PROVENANCE_FILE = "provenance.json"
 FORMAT_NAME = "titan-pipe-provenance"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _FIX = "re-run `titan-pipe convert` to write it again"
 
 
@@ -29,8 +32,17 @@ class SourceInfo:
     path: str
     step: int | None = None
     layout: dict = field(default_factory=dict)
-    sha256: dict[str, str] = field(default_factory=dict)
-    sha256_verified: bool = True  # False: the source's own recorded digests, not re-computed
+    digests: dict[str, str] = field(default_factory=dict)  # source file -> hex digest
+    algorithm: str = "sha256"  # of ``digests``: one of titan_pipe.hashing.DIGESTS
+    verified: bool = True  # False: the source's own recorded digests, not re-computed
+
+    @classmethod
+    def from_dict(cls, d: dict, version: int) -> "SourceInfo":
+        """The record's ``source`` object; version 1 named the digests ``sha256``/``sha256_verified``."""
+        if version < 2:
+            d = dict(d)
+            d["digests"], d["verified"] = d.pop("sha256", {}), d.pop("sha256_verified", True)
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -76,12 +88,16 @@ class Provenance:
                             "upgrade titan-pipe or re-run `titan-pipe convert`")
         try:
             tok, src = d.get("tokenizer"), d.get("source")
-            return cls(source=None if src is None else SourceInfo(**src), converter=str(d.get("converter", "")),
+            got = cls(source=None if src is None else SourceInfo.from_dict(src, int(version)), converter=str(d.get("converter", "")),
                        output=dict(d.get("output") or {}), created=str(d.get("created", "")),
                        tokenizer=None if tok is None else TokenizerInfo(tok.get("tokenizer"), dict(tok.get("files") or {})),
                        format_version=int(version))
         except (KeyError, TypeError, AttributeError) as e:
             raise UserError(f"{path}: missing or malformed field ({e!r}); {_FIX}") from None
+        if got.source is not None and got.source.algorithm not in DIGESTS:
+            raise UserError(f"{path}: source.algorithm {got.source.algorithm!r} is not one of "
+                            f"{', '.join(DIGESTS)}; {_FIX}")
+        return got
 
     @classmethod
     def find(cls, model_dir: Path) -> "Provenance | None":

@@ -185,8 +185,8 @@ def test_convert_defaults_are_one_set():
     command = next(c for c in app.registered_commands if c.name == "convert").callback
     cli = {k: p.default.default for k, p in inspect.signature(command).parameters.items()}
     d = ConvertConfig()
-    assert (cli["source_format"], cli["naming"], cli["dtype"], cli["max_shard_size"], cli["tp"], cli["pp"]) == (
-        d.source_format, d.naming, d.dtype, d.max_shard_size, d.tp, d.pp)
+    assert (cli["source_format"], cli["naming"], cli["dtype"], cli["max_shard_size"], cli["tp"], cli["pp"], cli["digest"]) == (
+        d.source_format, d.naming, d.dtype, d.max_shard_size, d.tp, d.pp, d.digest)
 
 
 def test_a_bad_flag_is_one_line_naming_the_flag(tmp_path):

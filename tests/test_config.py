@@ -38,6 +38,9 @@ def test_example_and_template_are_valid():
     ({"export": {"opset": 18}}, "export.opset"),
     ({"evaluate": {"max_memory": "lots"}}, "evaluate.max_memory"),
     ({"convert": {"max_shard_size": "lots"}}, "convert.max_shard_size"),  # convert would refuse it after training
+    ({"convert": {"tp": 2}}, "convert.tp: 2 is for converting other checkpoints"),
+    ({"convert": {"digest": "sha256"}}, "convert.digest: 'sha256' is for converting other checkpoints"),
+    ({"convert": {"digest": "md5"}}, "convert.digest"),
     ({"train": {"compile_backend": "aot_eager"}}, "train.compile_backend: 'aot_eager' has no effect"),
     ({"train": {"compile": True, "compile_backend": "tvm"}}, "train.compile_backend"),
 ])

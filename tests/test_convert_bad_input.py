@@ -324,6 +324,7 @@ def test_torch_dist_wrong_backend(good, tmp_path):
 def test_bad_options(good, tmp_path):
     _fails(good["hf"], tmp_path / "o1", "--dtype", "int4", expect="--dtype", names="int4")
     _fails(good["hf"], tmp_path / "o2", "--max-shard-size", "lots", expect="--max-shard-size", names="lots")
+    _fails(good["hf"], tmp_path / "o5", "--digest", "md5", expect="--digest", names="md5")
     _fails(good["hf"], tmp_path / "o3", "--tp", "3", expect="--tp 3 does not divide", names=good["hf"])
     _fails(good["hf"], good["hf"] / "inside", expect="outside the source", names=good["hf"])
 

@@ -21,6 +21,7 @@ from convert_writers import hash_tree, model_args, native_state, to_interleaved
 from titan_pipe.config import ConvertConfig
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
+from titan_pipe.hashing import file_digest
 from titan_pipe.model.names import native_to_hf
 
 pytestmark = pytest.mark.distributed
@@ -76,7 +77,8 @@ def test_torchtitan_full_save_takes_only_the_model(saved, tmp_path):
             g = to_interleaved(g, args.kv_heads)
         assert torch.equal(_bits(g), _bits(v)), k
     prov = json.loads((tmp_path / "u/provenance.json").read_text())
-    assert prov["source"]["format"] == "dcp" and len(prov["source"]["sha256"]) == 4
+    assert prov["source"]["format"] == "dcp" and prov["source"]["algorithm"] == "xxh3_128"
+    assert prov["source"]["digests"] == {f.name: file_digest(f, algorithm="xxh3_128") for f in src.glob("*.distcp")}
 
 
 def _chunk_boxes(d: Path) -> set:

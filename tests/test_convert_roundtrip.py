@@ -17,6 +17,7 @@ from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
 from titan_pipe.convert.reshard import deinterleave_rope
 from titan_pipe.model.names import native_to_hf
+from titan_pipe.provenance import Provenance
 from titan_pipe.model.transformer import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -71,7 +72,9 @@ def test_split_merge_bit_exact_every_kind(tp4pp2, weights, tmp_path):
     res = convert_checkpoint(tp4pp2, out)
     _assert_same_weights(out, sd)
     prov = json.loads((out / "provenance.json").read_text())
-    assert prov["source"]["format"] == "titan" and len(prov["source"]["sha256"]) == 8
+    # checked against the manifest's sha256s, so those are what it records, whatever convert.digest says
+    assert prov["source"]["format"] == "titan" and prov["source"]["algorithm"] == "sha256"
+    assert prov["source"]["digests"] == {f: e.sha256 for f, e in m.files.items()} and len(m.files) == 8
     assert res.summary["tensors"] == len(sd)
 
 
@@ -95,6 +98,33 @@ def test_reshard_then_unify_equals_direct(tp4pp2, tmp_path):
     convert_checkpoint(tmp_path / "t2", tmp_path / "via")
     assert (tmp_path / "direct/model.safetensors").read_bytes() == (tmp_path / "via/model.safetensors").read_bytes()
     assert (tmp_path / "direct/config.json").read_bytes() == (tmp_path / "via/config.json").read_bytes()
+
+
+def test_source_digests_are_the_chosen_algorithms(hf_dir, tmp_path):
+    """A Hugging Face dir's files are recorded with convert.digest: xxh3_128 by default, sha256 (what
+    sha256sum prints) on request; a bit flip changes the record; the output is the same either way."""
+    import hashlib
+    import shutil
+
+    import xxhash
+
+    refs = {"xxh3_128": lambda b: xxhash.xxh3_128(b).hexdigest(), "sha256": lambda b: hashlib.sha256(b).hexdigest()}
+    files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+    for digest, ref in refs.items():
+        out = tmp_path / digest
+        convert_checkpoint(hf_dir, out, ConvertConfig(digest=digest) if digest == "sha256" else ConvertConfig())
+        src = Provenance.load(out).source
+        assert (src.algorithm, src.verified) == (digest, True)
+        assert {f: src.digests[f] for f in files} == {f: ref((hf_dir / f).read_bytes()) for f in files}
+    assert (tmp_path / "xxh3_128/model.safetensors").read_bytes() == (tmp_path / "sha256/model.safetensors").read_bytes()
+    flipped = shutil.copytree(hf_dir, tmp_path / "flipped")
+    with open(flipped / files[0], "r+b") as f:  # the last byte of the data: a value, not the header
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 1]))
+    convert_checkpoint(flipped, tmp_path / "f")
+    assert Provenance.load(tmp_path / "f").source.digests[files[0]] != Provenance.load(tmp_path / "xxh3_128").source.digests[files[0]]
 
 
 def test_tied_embeddings_round_trip(tmp_path):

@@ -1,5 +1,6 @@
 """The typed stage records of the core: the parameter list, the manifest's parallel layout, the export
 record and the provenance record — round trips, records written by the previous version, bad input."""
+import dataclasses
 import json
 
 import pytest
@@ -193,15 +194,26 @@ def test_bad_export_records_fail_with_one_line(tmp_path, content, message):
 # --- the provenance record ------------------------------------------------------------------------
 
 def test_provenance_round_trips_and_reads_records_without_a_format(tmp_path):
-    p = Provenance(source=SourceInfo("titan", "/runs/x/step-000002", 2, {"tp": 2}, {"a": "0" * 64}, True),
+    p = Provenance(source=SourceInfo("titan", "/runs/x/step-000002", 2, {"tp": 2}, {"a": "0" * 64}, "sha256", True),
                    converter="titan-pipe-convert 1", output={"kind": "unified"}, created="2025-01-01T00:00:00Z",
                    tokenizer=TokenizerInfo("tokenizer.json", {"tokenizer.json": "1" * 64}))
     (tmp_path / PROVENANCE_FILE).write_text(p.to_json())
     assert Provenance.load(tmp_path) == p
+    assert json.loads(p.to_json())["source"]["algorithm"] == "sha256"
     d = json.loads(p.to_json())
-    d.pop("format")  # as every provenance.json before the field existed
+    d.pop("format")  # as every provenance.json before the field existed: version 1, sha256 digests
+    d["source"]["sha256"], d["source"]["sha256_verified"] = d["source"].pop("digests"), d["source"].pop("verified")
+    del d["source"]["algorithm"]
     (tmp_path / PROVENANCE_FILE).write_text(json.dumps(d))
-    assert Provenance.load(tmp_path) == p
+    assert Provenance.load(tmp_path) == dataclasses.replace(p, format_version=1)
+    d["format"] = "titan-pipe-provenance/1"
+    d["source"]["sha256_verified"] = False
+    (tmp_path / PROVENANCE_FILE).write_text(json.dumps(d))
+    old = Provenance.load(tmp_path).source
+    assert (old.digests, old.algorithm, old.verified) == ({"a": "0" * 64}, "sha256", False)
+    x = dataclasses.replace(p, source=dataclasses.replace(p.source, algorithm="xxh3_128", digests={"a": "1" * 32}))
+    (tmp_path / PROVENANCE_FILE).write_text(x.to_json())
+    assert Provenance.load(tmp_path) == x
     (tmp_path / PROVENANCE_FILE).write_text('{"format": "titan-pipe-provenance/7"}')
     with pytest.raises(UserError, match="upgrade titan-pipe"):
         Provenance.load(tmp_path)

@@ -300,6 +300,7 @@ def plan_tensors(path: Path, md, wanted: dict[str, tuple[str, object]], order, *
     """
     storage = md.storage_data
     tensors = {}
+    files: dict[str, str] = {}  # storage path -> the checked file relative to the root (a few files, many chunks)
     for name in order:
         if name not in wanted:
             raise UserError(f"{path / METADATA}: no tensor {name!r}; the checkpoint is incomplete "
@@ -320,7 +321,9 @@ def plan_tensors(path: Path, md, wanted: dict[str, tuple[str, object]], order, *
             dst = Box(tuple(chunk.offsets), tuple(chunk.sizes))
             if hd and dst.offsets[0] % hd:
                 raise UserError(f"{path}: {fqn} chunk at row {dst.offsets[0]} splits an attention head")
-            file = str(data_path(path, info.relative_path).relative_to(path))
+            file = files.get(info.relative_path)
+            if file is None:
+                file = files[info.relative_path] = str(data_path(path, info.relative_path).relative_to(path))
             reads.append(Read(file, f"{fqn}@{','.join(map(str, dst.offsets))}", Box.full(dst.lengths), dst, hd))
         reads.sort(key=lambda r: r.dst_box.offsets)
         split = "whole" if len(reads) == 1 else f"{len(reads)} chunks"
@@ -341,10 +344,13 @@ class ChunkLocator:
         self.root = root
         self._fds: dict[str, tuple[int, int]] = {}
         self._st_headers: dict[Path, dict] = {}
+        self._paths: dict[str, tuple[Path, str]] = {}  # storage path -> (checked path, relative to the root)
 
     def locate(self, fqn: str, info, dtype: str, lengths: tuple[int, ...]) -> tuple[str, SavedTensor]:
-        f = data_path(self.root, info.relative_path)
-        rel = str(f.relative_to(self.root))
+        if info.relative_path not in self._paths:
+            f = data_path(self.root, info.relative_path)
+            self._paths[info.relative_path] = f, str(f.relative_to(self.root))
+        f, rel = self._paths[info.relative_path]
         if rel not in self._fds:
             try:
                 fd = os.open(f, os.O_RDONLY)

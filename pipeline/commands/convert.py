@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from titan_pipe import limits
-from titan_pipe.choices import NAMINGS, SOURCE_FORMATS
+from titan_pipe.choices import DIGESTS, NAMINGS, SOURCE_FORMATS
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
 from titan_pipe.config import ConvertConfig, section_from_flags
 
@@ -29,7 +29,11 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory"),
         vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="True vocab size (Megatron padded vocab)"),
         model_config: Optional[Path] = typer.Option(None, "--model-config", help="params.json / config.json for DCP sources"),
-        no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 of the source (sizes/headers still checked)"),
+        no_verify: bool = typer.Option(False, "--no-verify", help="Skip hashing the source (sizes/headers still checked)"),
+        digest: str = typer.Option(CONVERT["digest"], "--digest",
+                                   help=" | ".join(DIGESTS) + ": the source files' digests in provenance.json (xxh3_128: "
+                                   "fast, detects corrupted or swapped files; sha256: cryptographic, what `sha256sum` "
+                                   "and the Hub show). A titan-pipe checkpoint is checked against its manifest's sha256s"),
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Convert a sharded checkpoint into one Hugging Face safetensors model (or reshard it)."""
@@ -43,10 +47,10 @@ def register(app: typer.Typer) -> None:
         settings = section_from_flags(
             ConvertConfig, {"source_format": "--from", "naming": "--naming", "dtype": "--dtype",
                             "max_shard_size": "--max-shard-size", "tp": "--tp", "pp": "--pp",
-                            "vocab_size": "--vocab-size", "source_config": "--model-config"},
+                            "vocab_size": "--vocab-size", "source_config": "--model-config", "digest": "--digest"},
             source_format=source_format, naming=naming, dtype=dtype, max_shard_size=max_shard_size, tp=tp, pp=pp,
             vocab_size=vocab_size, source_config=str(model_config) if model_config is not None else None,
-            verify=not no_verify)
+            verify=not no_verify, digest=digest)
         r = call_stage("convert", convert_checkpoint, track=flow, src=src, out_dir=out, settings=settings,
                        overwrite=overwrite)
         s = r.summary
