@@ -38,13 +38,17 @@ class Generation:
         return [list(p) + row.tolist() for p, row in zip(prompts, self.new_tokens)]
 
 
-def ort_session(source, *, threads: int = 0, external_dir: Path | None = None, hint: str = ""):
+def ort_session(source, *, threads: int = 0, external_dir: Path | None = None, hint: str = "",
+                prepack: bool = True):
     """An ONNX Runtime CPU session: the one way titan-pipe opens a graph (the generation loop,
     evaluate's runners, its per-layer pieces and its operator graphs).
 
     ``source``: a graph file, or a ModelProto / its bytes (a copy or a piece of a graph), whose
     external data is then read from ``external_dir``. UserError if ONNX Runtime cannot load it;
-    ``hint`` says what to do then (default: re-export).
+    ``hint`` says what to do then (default: re-export). ``prepack`` False: ONNX Runtime leaves the
+    MatMul weights as they are at session start instead of copying them into its packed layout
+    (``session.disable_prepacking``): for a session run a few dozen times, as evaluate's are, the
+    packing costs more time and memory than it saves (docs/evaluate.md); results differ by rounding.
     """
     import onnxruntime as ort
 
@@ -52,6 +56,8 @@ def ort_session(source, *, threads: int = 0, external_dir: Path | None = None, h
     opts.log_severity_level = 3
     if threads:
         opts.intra_op_num_threads = threads
+    if not prepack:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
     if isinstance(source, (str, Path)):
         where = Path(source)
         if not where.is_file():

@@ -90,6 +90,28 @@ def test_pieces_compute_what_the_whole_graph_computes(art):
         assert np.array_equal(value[t.attn[i]], got.attn[i].numpy())
 
 
+def test_evaluate_sessions_leave_the_weights_unpacked(art):
+    """evaluate's sessions, whole graph and pieces, skip ONNX Runtime's weight pre-packing (each runs a
+    few dozen times: packing cost more time and memory than it saved, docs/evaluate.md); their logits
+    are a default session's to rounding."""
+    path = art["onnx"]["float32"]
+    ort = OnnxRuntimeRunner(path)
+    ort.find_layers(art["args"].n_layers)
+    chain = LayerChain(ort.graph)
+
+    def unpacked(session) -> bool:
+        try:
+            return session.get_session_options().get_session_config_entry("session.disable_prepacking") == "1"
+        except RuntimeError:  # ONNX Runtime's answer for an entry never set
+            return False
+
+    default = ort_session(path)
+    assert unpacked(ort.session) and unpacked(chain.session(chain.pieces[1])) and not unpacked(default)
+    tokens = torch.randint(0, art["args"].vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    got, packed = (s.run(["logits"], ort.feeds(tokens))[0] for s in (ort.session, default))
+    np.testing.assert_allclose(got, packed, rtol=1e-4, atol=1e-5)
+
+
 def test_budget_too_small_for_one_layer_is_one_line(art, tmp_path):
     with pytest.raises(UserError, match=r"^--max-memory 100kB \(100 kB\): too small for one layer: .*layer \d.* "
                                         r"needs ~[0-9.]+ kB; give at least"):

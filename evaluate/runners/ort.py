@@ -86,7 +86,7 @@ class OnnxGraph:
     @property
     def session(self):
         if self._session is None:
-            self._session = ort_session(self.path, threads=self.threads, hint=_HINT)
+            self._session = ort_session(self.path, threads=self.threads, hint=_HINT, prepack=False)
         return self._session
 
     def run(self, names: list[str], feeds: dict) -> list[np.ndarray]:

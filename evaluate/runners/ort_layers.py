@@ -65,7 +65,7 @@ class Sessions:
                 self.open.popitem()  # newest first
                 release()
         s = ort_session(piece.model, threads=chain.graph.threads, external_dir=chain.graph.path.parent,
-                        hint="re-export it with `titan-pipe export`")
+                        hint="re-export it with `titan-pipe export`", prepack=False)
         if self.budget is None or self.held + need <= self.budget:
             self.open[key] = (s, need)
         return s
