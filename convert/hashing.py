@@ -101,8 +101,7 @@ class BackgroundHasher:
     def _run(self) -> None:
         try:
             while not self._stop.is_set() and self.error is None and (f := self._next()) is not None:
-                self.digests[f], bad = scan_file(self.root / f, self._stop, self.tensors.get(f, []),
-                                                     self.algorithm)
+                self.digests[f], bad = scan_file(self.root / f, self._stop, self.tensors.get(f, []), self.algorithm)
                 if bad:
                     self.nonfinite[f] = bad
         except BaseException as e:  # reported by result() in the main thread

@@ -39,6 +39,8 @@ class SourceInfo:
     @classmethod
     def from_dict(cls, d: dict, version: int) -> "SourceInfo":
         """The record's ``source`` object; version 1 named the digests ``sha256``/``sha256_verified``."""
+        if not isinstance(d, dict):
+            raise TypeError(f"source is {type(d).__name__}, not an object")
         if version < 2:
             d = dict(d)
             d["digests"], d["verified"] = d.pop("sha256", {}), d.pop("sha256_verified", True)
@@ -88,10 +90,11 @@ class Provenance:
                             "upgrade titan-pipe or re-run `titan-pipe convert`")
         try:
             tok, src = d.get("tokenizer"), d.get("source")
-            got = cls(source=None if src is None else SourceInfo.from_dict(src, int(version)), converter=str(d.get("converter", "")),
-                       output=dict(d.get("output") or {}), created=str(d.get("created", "")),
-                       tokenizer=None if tok is None else TokenizerInfo(tok.get("tokenizer"), dict(tok.get("files") or {})),
-                       format_version=int(version))
+            got = cls(source=None if src is None else SourceInfo.from_dict(src, int(version)),
+                      converter=str(d.get("converter", "")),
+                      output=dict(d.get("output") or {}), created=str(d.get("created", "")),
+                      tokenizer=None if tok is None else TokenizerInfo(tok.get("tokenizer"), dict(tok.get("files") or {})),
+                      format_version=int(version))
         except (KeyError, TypeError, AttributeError) as e:
             raise UserError(f"{path}: missing or malformed field ({e!r}); {_FIX}") from None
         if got.source is not None and got.source.algorithm not in DIGESTS:

@@ -217,7 +217,13 @@ def test_provenance_round_trips_and_reads_records_without_a_format(tmp_path):
     (tmp_path / PROVENANCE_FILE).write_text('{"format": "titan-pipe-provenance/7"}')
     with pytest.raises(UserError, match="upgrade titan-pipe"):
         Provenance.load(tmp_path)
-    (tmp_path / PROVENANCE_FILE).write_text('{"source": {"path": "x"}}')
-    with pytest.raises(UserError, match="malformed field"):
+    for bad in ('{"source": {"path": "x"}}', '{"format": "titan-pipe-provenance/1", "source": "ab"}'):
+        (tmp_path / PROVENANCE_FILE).write_text(bad)
+        with pytest.raises(UserError, match="malformed field"):
+            Provenance.load(tmp_path)
+    d = json.loads(x.to_json())
+    d["source"]["algorithm"] = "md5"
+    (tmp_path / PROVENANCE_FILE).write_text(json.dumps(d))
+    with pytest.raises(UserError, match=r"source.algorithm 'md5' is not one of xxh3_128, sha256"):
         Provenance.load(tmp_path)
     assert Provenance.find(tmp_path / "none") is None
