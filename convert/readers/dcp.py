@@ -185,6 +185,22 @@ def data_path(root: Path, relative: str) -> Path:
                           fix="the metadata is corrupted or hostile; re-save the checkpoint")
 
 
+class StorageFiles:
+    """The storage files ``.metadata`` names, each checked by data_path once (a few files hold many
+    chunks): relative path as written -> (the checked path, its path relative to the root)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._seen: dict[str, tuple[Path, str]] = {}
+
+    def __call__(self, relative: str) -> tuple[Path, str]:
+        got = self._seen.get(relative)
+        if got is None:
+            f = data_path(self.root, relative)
+            got = self._seen[relative] = (f, str(f.relative_to(self.root)))
+        return got
+
+
 class DcpStore(SafetensorsStore):
     """Chunks of a DCP checkpoint, addressed like safetensors tensors: (file, byte offset) of each.
 
@@ -300,7 +316,7 @@ def plan_tensors(path: Path, md, wanted: dict[str, tuple[str, object]], order, *
     """
     storage = md.storage_data
     tensors = {}
-    files: dict[str, str] = {}  # storage path -> the checked file relative to the root (a few files, many chunks)
+    files = StorageFiles(path)
     for name in order:
         if name not in wanted:
             raise UserError(f"{path / METADATA}: no tensor {name!r}; the checkpoint is incomplete "
@@ -321,9 +337,7 @@ def plan_tensors(path: Path, md, wanted: dict[str, tuple[str, object]], order, *
             dst = Box(tuple(chunk.offsets), tuple(chunk.sizes))
             if hd and dst.offsets[0] % hd:
                 raise UserError(f"{path}: {fqn} chunk at row {dst.offsets[0]} splits an attention head")
-            file = files.get(info.relative_path)
-            if file is None:
-                file = files[info.relative_path] = str(data_path(path, info.relative_path).relative_to(path))
+            file = files(info.relative_path)[1]
             reads.append(Read(file, f"{fqn}@{','.join(map(str, dst.offsets))}", Box.full(dst.lengths), dst, hd))
         reads.sort(key=lambda r: r.dst_box.offsets)
         split = "whole" if len(reads) == 1 else f"{len(reads)} chunks"
@@ -344,13 +358,10 @@ class ChunkLocator:
         self.root = root
         self._fds: dict[str, tuple[int, int]] = {}
         self._st_headers: dict[Path, dict] = {}
-        self._paths: dict[str, tuple[Path, str]] = {}  # storage path -> (checked path, relative to the root)
+        self._files = StorageFiles(root)
 
     def locate(self, fqn: str, info, dtype: str, lengths: tuple[int, ...]) -> tuple[str, SavedTensor]:
-        if info.relative_path not in self._paths:
-            f = data_path(self.root, info.relative_path)
-            self._paths[info.relative_path] = f, str(f.relative_to(self.root))
-        f, rel = self._paths[info.relative_path]
+        f, rel = self._files(info.relative_path)
         if rel not in self._fds:
             try:
                 fd = os.open(f, os.O_RDONLY)

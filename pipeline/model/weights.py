@@ -163,14 +163,14 @@ class SafetensorsWeights:
         if len(parts) != 1 or self._maps is None:
             return None
         part = parts[0]
-        span = self._span(part)
+        pages = self._map(part.file)
         try:
-            self._map(part.file).madvise(_POPULATE_READ, *span)
+            pages.madvise(_POPULATE_READ, *self._span(part))
         except (OSError, ValueError, AttributeError):  # no MADV_POPULATE_READ (or no madvise): plain reads
             self._maps = None
             return None
-        numel = part.stored.nbytes // self.stored_dtype(name).itemsize
-        flat = torch.frombuffer(self._map(part.file), dtype=self.stored_dtype(name), count=numel,
+        dtype = self.stored_dtype(name)
+        flat = torch.frombuffer(pages, dtype=dtype, count=part.stored.nbytes // dtype.itemsize,
                                 offset=part.stored.start)
         return flat.view(part.stored.shape)
 
