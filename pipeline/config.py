@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from titan_pipe import limits
 from titan_pipe.choices import (COMPILE_BACKENDS, DEVICES, DIGESTS, DP_MODES, EXPORT, KERNELS, LOSSES, OFFLOADS,
@@ -76,22 +77,47 @@ RopeScalingConfig = create_model("RopeScalingConfig", __base__=Section,
                                  **_mirror(RopeScaling, optional=False, bounds=SCALING_BOUNDS))
 
 
+# ModelArgs fields where null is a value (no scaling, no window, derived from the dims): an explicit
+# ``null`` in flow.yaml is kept and laid over the flavour, never dropped.
+NULLABLE = tuple(f.name for f in fields(ModelArgs) if type(None) in get_args(get_type_hints(ModelArgs)[f.name]))
+
+
 class _ModelChoice(Section):
-    """A flavour and any dims laid over it (every field of ModelArgs, each optional)."""
+    """A flavour and any dims laid over it (every field of ModelArgs, each optional). With init_from
+    the checkpoint's model is the model (``held``, set by parse_flow after comparing it with what
+    this section states: titan_pipe.model.stated)."""
 
     flavour: str | None = "debug"
     kernels: Literal[KERNELS] = "auto"
+    _held: ModelArgs | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check(self):
         if self.flavour is not None and self.flavour not in FLAVOURS:
             raise ValueError(f"flavour {limits.shown(self.flavour)} is unknown; use one of {', '.join(FLAVOURS)} "
                              "or give the dims (dim, n_layers, n_heads, ...)")
+        nulls = [k for k in self.given() if getattr(self, k) is None and k not in NULLABLE and k != "flavour"]
+        if nulls:
+            raise ValueError(f"{nulls[0]}: null is no value of {nulls[0]}; give a number or remove the key "
+                             f"(null is a value only of {', '.join(NULLABLE)})")
         return self  # the dims' rules: _cross_checks, one line each (titan_pipe.model.args.args_problems)
 
-    def args(self) -> ModelArgs:
-        dims = self.model_dump(exclude={"flavour", "kernels"}, exclude_none=True)
+    def given(self) -> set[str]:
+        """The model keys flow.yaml writes (an explicit null included), ``flavour`` among them."""
+        return set(self.model_fields_set) - {"kernels"}
+
+    def stated(self) -> ModelArgs:
+        """What this section states on its own: the flavour with the keys written laid over it."""
+        dims = {k: getattr(self, k) for k in self.given() - {"flavour"}}
+        if isinstance(dims.get("rope_scaling"), BaseModel):
+            dims["rope_scaling"] = dims["rope_scaling"].model_dump()
+        if isinstance(dims.get("dense_layers"), list):
+            dims["dense_layers"] = tuple(dims["dense_layers"])
         return resolve_args(self.flavour, **dims)
+
+    def args(self) -> ModelArgs:
+        """The model: the checkpoint's where init_from gives one, else the flavour and the keys."""
+        return self._held if self._held is not None else self.stated()
 
 
 ModelConfig = create_model("ModelConfig", __base__=_ModelChoice,
@@ -468,12 +494,39 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
         errs.append("train.mode: sft fine-tunes on one chat dataset; give data.path instead of data.blend")
     elif args.vocab_size < 258:
         errs.append(f"model.vocab_size: {args.vocab_size} is smaller than the byte tokenizer's 258")
-    if cfg.init_from is not None:
-        ip = Path(cfg.init_from)
-        ip = ip if ip.is_absolute() else base / ip
-        if not ip.exists():
-            errs.append(f"init_from: {cfg.init_from!r} does not exist (resolved to {ip})")
+    ip = init_from_path(cfg, base)
+    if ip is not None and not ip.exists():
+        errs.append(f"init_from: {cfg.init_from!r} does not exist (resolved to {ip})")
     return errs
+
+
+def init_from_path(cfg: FlowConfig, base: Path) -> Path | None:
+    """init_from resolved against the flow file's dir (None without one)."""
+    if cfg.init_from is None:
+        return None
+    p = Path(cfg.init_from).expanduser()
+    return p if p.is_absolute() else base / p
+
+
+def _hold_checkpoint_model(cfg: FlowConfig, base: Path) -> list[str]:
+    """With init_from, the model is the checkpoint's: read it (config.json or the manifest, no tensor
+    data), refuse every value flow.yaml states that differs (titan_pipe.model.stated), and hold it
+    as ``cfg.model.args()``. A missing init_from is _cross_checks' line."""
+    from titan_pipe.model.stated import checkpoint_args, stated_conflicts, with_training_fields
+
+    path = init_from_path(cfg, base)
+    if path is None or not path.exists():
+        return []
+    m = cfg.model
+    try:
+        held = checkpoint_args(path)
+        stated = m.stated()
+    except (UserError, ValueError, TypeError) as e:  # an unreadable checkpoint, or dims no model has
+        return [f"init_from: {str(e).splitlines()[0]}" if isinstance(e, UserError) else f"model: {e}"]
+    lines = stated_conflicts(stated, m.given(), held, flavour=m.flavour, where=str(path))
+    if not lines:
+        m._held = with_training_fields(held, stated, m.given())
+    return lines
 
 
 def _moe_training_problems(cfg: FlowConfig, args: ModelArgs) -> list[str]:
@@ -585,7 +638,9 @@ def parse_flow(data: dict[str, Any], *, source: str = "flow.yaml", base: Path | 
         cfg = FlowConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(source, _format_pydantic(e)) from None
-    errs = _cross_checks(cfg, base or Path.cwd())
+    base = base or Path.cwd()
+    errs = _hold_checkpoint_model(cfg, base)
+    errs = errs or _cross_checks(cfg, base)
     if errs:
         raise ConfigError(source, errs)
     return cfg

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from chat_fixtures import THINKING_TEMPLATE, chat_records, train_tokenizer, write_jsonl
 from titan_pipe.cli import app
-from titan_pipe.config import parse_flow
+from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
 from titan_pipe.model.kernels import attention_documents_flex, attention_ref, document_mask
 from titan_pipe.model.loss import cross_entropy, linear_cross_entropy
@@ -305,9 +305,12 @@ def test_init_sft_writes_a_fine_tune_of_the_released_flavour(tok_dir, tmp_path):
 
     raw = yaml.safe_load((tmp_path / "ex" / "flow.yaml").read_text())
     shutil.copytree(tok_dir, tmp_path / "ex" / "qwen3_0.6b-hf")  # where the user puts the released dir
+    # a dir without the released config.json is refused by name: the checkpoint states the model
+    with pytest.raises(ConfigError, match=r"init_from: .*qwen3_0.6b-hf/config.json: missing"):
+        parse_flow(raw, base=tmp_path / "ex")
+    assert raw.pop("init_from") == "qwen3_0.6b-hf"
     cfg = parse_flow(raw, base=tmp_path / "ex")
-    assert (cfg.train.mode, cfg.data.format, cfg.init_from, cfg.data.tokenizer) == ("sft", "chat", "qwen3_0.6b-hf",
-                                                                                    "qwen3_0.6b-hf")
+    assert (cfg.train.mode, cfg.data.format, cfg.data.tokenizer) == ("sft", "chat", "qwen3_0.6b-hf")
     assert (cfg.train.optimizer.lr, cfg.train.optimizer.weight_decay, cfg.train.warmup_steps) == (2e-5, 0.0, 30)
     assert cfg.model.flavour == "qwen3_0.6b" and cfg.parallel.world_size == 8
     # the sample records are chat records the model's tokenizer renders

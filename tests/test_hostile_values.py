@@ -202,9 +202,11 @@ def test_flow_values_one_line_each(tmp_path, text, expect):
 
 
 def test_init_from_of_another_shape_is_refused_before_launch(good, tmp_path):
-    flow = _flow(tmp_path, f"name: v\ndevice: cpu\ntrain: {{steps: 1}}\ninit_from: {good['hf']}\n")
-    refused(tmp_path, "train", flow, code=2, expect=("init_from:", "holds another model shape",
-                                                      "n_heads=8 there vs 4 in flow.yaml"))
+    # the flavour, written, states n_heads 4; the checkpoint holds 8 (without model keys it is the model)
+    flow = _flow(tmp_path, f"name: v\ndevice: cpu\nmodel: {{flavour: debug}}\ntrain: {{steps: 1}}\n"
+                           f"init_from: {good['hf']}\n")
+    refused(tmp_path, "train", flow, code=2, expect=("model.flavour: debug brings n_heads 4 vs 8, kv_heads 2 vs 4",
+                                                      "remove model.flavour"))
     assert not (tmp_path / "runs").exists()
 
 

@@ -15,13 +15,13 @@ decoder_sparse_step / mlp_only_layers), with a load-balancing loss of weight ``r
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import get_type_hints
 
 from titan_pipe import limits
 from titan_pipe.limits import Bound
 from titan_pipe.errors import UserError
-from titan_pipe.values import BOOL, DICT, FLOAT, INT, LIST, check, refuse
+from titan_pipe.values import BOOL, DICT, FLOAT, INT, LIST, STR, check, refuse
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,10 @@ class ModelArgs:
     dense_layers: tuple[int, ...] = ()  # ... and i is not one of these (they keep the dense FFN)
     router_norm_topk: bool = True  # the k chosen probabilities renormalized to sum to 1 (Mixtral; Qwen3 norm_topk_prob)
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the training loss
+    # The Hugging Face model_type a checkpoint names (titan_pipe.model.families), kept so a Mistral with
+    # full attention converts back as MistralForCausalLM; None: the simplest family that computes it.
+    # A name, not a computation: two args that compute the same model compare equal whatever it is.
+    family: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(self.dense_layers or ()))
@@ -153,7 +157,7 @@ def _kinds(cls) -> dict[str, str]:
     for name, hint in get_type_hints(cls).items():
         text = str(hint)
         out[name] = (LIST if "tuple" in text else BOOL if "bool" in text else INT if "int" in text
-                     else FLOAT if "float" in text else DICT)
+                     else FLOAT if "float" in text else STR if "str" in text else DICT)
     return out
 
 
@@ -213,13 +217,13 @@ def args_problems(args: ModelArgs) -> list[str]:
                 "or set head_dim"]
     if args.head_dim % 2:
         out.append(f"head_dim: {args.head_dim} must be even (RoPE rotates pairs); change head_dim (or dim / n_heads)")
-    if args.moe:  # the architectures of a mixture of experts (titan_pipe.model.families): Mixtral, Qwen3-MoE
+    if args.moe or args.family is not None:  # the architecture that says it (titan_pipe.model.families)
         from titan_pipe.model.families import family_of
 
         try:
             family_of(args)
         except ValueError as e:
-            out.append(f"n_experts: {args.n_experts}: {e}")
+            out.append(f"family: {args.family}: {e}" if args.family is not None else f"n_experts: {args.n_experts}: {e}")
     if args.qk_norm and args.qkv_bias:  # to_hf_config could name no architecture (titan_pipe.model.families)
         out.append("qk_norm: true together with qkv_bias: no Hugging Face architecture has both (Qwen2: q/k/v "
                    "biases, Qwen3: q/k norms); drop one of qk_norm / qkv_bias")
@@ -326,7 +330,8 @@ FLAVOURS: dict[str, ModelArgs] = {
 
 
 def resolve_args(flavour: str | None, **overrides) -> ModelArgs:
-    """Flavour defaults with any dims given in the config laid over them.
+    """Flavour defaults with any dims given in the config laid over them; a None given is a value
+    (``rope_scaling=None``: no scaling, ``sliding_window=None``: full attention), never dropped.
 
     A flavour's head_dim that is just dim // n_heads follows overridden dims; a decoupled one
     (Qwen3) stays unless head_dim itself is given.
@@ -337,7 +342,6 @@ def resolve_args(flavour: str | None, **overrides) -> ModelArgs:
         base = FLAVOURS[flavour]
     else:
         raise ValueError(f"unknown model flavour {flavour!r}; known: {', '.join(FLAVOURS)}")
-    overrides = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(overrides.get("rope_scaling"), dict):
         overrides["rope_scaling"] = RopeScaling(**overrides["rope_scaling"])
     coupled = base.head_dim == base.dim // base.n_heads

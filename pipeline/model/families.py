@@ -21,7 +21,7 @@ The config written for a model is the simplest of the four that computes it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from titan_pipe import limits
 from titan_pipe.errors import UserError
@@ -60,7 +60,10 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 def family_of(args: ModelArgs) -> Family:
-    """The architecture a config.json for ``args`` names; ValueError for a combination none has."""
+    """The architecture a config.json for ``args`` names (its ``family`` where it keeps the one its
+    checkpoint named); ValueError for a combination none has."""
+    if args.family is not None:
+        return _named_family(args)
     if args.qk_norm and args.qkv_bias:
         raise ValueError("q/k norms together with q/k/v biases: no Hugging Face architecture has both "
                          f"({SUPPORTED}); drop one of qk_norm / qkv_bias")
@@ -71,6 +74,21 @@ def family_of(args: ModelArgs) -> Family:
     if args.qkv_bias:
         return FAMILIES["qwen2"]
     return FAMILIES["mistral"] if args.sliding_window is not None else FAMILIES["llama"]
+
+
+def _named_family(args: ModelArgs) -> Family:
+    """The family ``args.family`` names, if it computes ``args``; ValueError naming what it lacks."""
+    fam = FAMILIES.get(args.family)
+    if fam is None:
+        raise ValueError(f"is not one of {', '.join(FAMILIES)} (Hugging Face model_type)")
+    plain = replace(args, family=None)
+    if fam.moe != args.moe or fam.qkv_bias != args.qkv_bias or fam.qk_norm != args.qk_norm or (
+            fam.window_keys == "none" and args.sliding_window is not None):
+        raise ValueError(f"{fam.architecture} cannot hold this model ({family_of(plain).architecture} does); "
+                         "drop model.family or the feature it lacks")
+    if fam.moe:
+        _moe_family(args)  # what the mixture's own config cannot say
+    return fam
 
 
 def _moe_family(args: ModelArgs) -> Family:
@@ -137,7 +155,8 @@ def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
                      "have", "convert a model without it (Qwen2's q/k/v biases are supported)")
     if read(cfg, "mlp_bias", BOOL, source=source, default=False):
         raise refuse(source, "mlp_bias", True, "is not supported", "convert a model without MLP biases")
-    out = {"qkv_bias": fam.qkv_bias, "qk_norm": fam.qk_norm, "sliding_window": _window(cfg, fam, n_layers, source)}
+    out = {"qkv_bias": fam.qkv_bias, "qk_norm": fam.qk_norm, "sliding_window": _window(cfg, fam, n_layers, source),
+           "family": fam.model_type}
     if fam.moe:
         out.update(_read_moe(cfg, fam, source))
     return out
