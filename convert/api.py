@@ -26,7 +26,7 @@ from titan_pipe.convert.detect import open_source
 from titan_pipe.convert.hashing import BackgroundHasher
 from titan_pipe.convert.reshard import write_file
 from titan_pipe.convert.source_plan import OutputPlan, SourcePlan, plan_sharded, plan_unified
-from titan_pipe.convert.tokenizer_files import copy_tokenizer_files, plan_tokenizer_files
+from titan_pipe.convert.tokenizer_files import copy_tokenizer_files, plan_tokenizer_files, source_token_ids
 from titan_pipe.config import ConvertConfig
 from titan_pipe.dtypes import HF_DTYPE_NAMES
 from titan_pipe.paths import overlaps
@@ -69,7 +69,7 @@ def output_bytes(plan: SourcePlan, out: OutputPlan, *, sharded: bool) -> int:
     """What the output will take on disk: every tensor's bytes, 512 bytes a tensor for its entries in
     safetensors headers and the index or manifest, the tokenizer files it carries, and 64 kB for
     config.json and provenance.json."""
-    tokenizer = 0 if sharded else sum(f.stat().st_size for f in plan_tokenizer_files(plan).values())
+    tokenizer = sum(f.stat().st_size for f in plan_tokenizer_files(plan).values())
     tensors = sum(len(f.tensors) for f in out.files)
     return sum(f.nbytes for f in out.files) + 512 * tensors + tokenizer + 65536
 
@@ -97,19 +97,23 @@ def _write_json(path: Path, obj) -> None:
 
 
 def _write_unified_meta(tmp: Path, src: SourcePlan, out: OutputPlan) -> list[Path]:
+    """The index (several files) and config.json: the model's architecture and the source's token ids."""
     written = []
     if len(out.files) > 1:
         index = {"metadata": {"total_size": sum(f.nbytes for f in out.files)},
                  "weight_map": {t.key: f.name for f in out.files for t in f.tensors}}
         _write_json(tmp / INDEX, index)
         written.append(tmp / INDEX)
-    _write_json(tmp / CONFIG, to_hf_config(src.args, torch_dtype=_config_dtype(out)))
+    _write_json(tmp / CONFIG, {**to_hf_config(src.args, torch_dtype=_config_dtype(out)), **source_token_ids(src)})
     written.append(tmp / CONFIG)
     return written
 
 
-def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan) -> Path:
-    """manifest.json for a sharded output, written last (it marks the checkpoint complete)."""
+def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan, *, tokenizer: str | None,
+                    attached: dict[str, FileInfo]) -> Path:
+    """manifest.json for a sharded output, written last (it marks the checkpoint complete); it names
+    the side files copied beside it (``attached``: tokenizer, template, generation config) and the
+    source's token ids, so a conversion back to Hugging Face carries them."""
     params: dict[str, ParamSpec] = {}
     for f in out.files:
         for t in f.tensors:
@@ -124,7 +128,8 @@ def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan) -> Path:
                                          pp_schedule=src.pp_schedule or ("1f1b" if out.pp > 1 else "gpipe"),
                                          stages=tuple(map(tuple, out.stages)), stage_ranks=tuple(stage_ranks(out.pp, out.pp))),
                  params=params, files=files,
-                 extra=CheckpointExtra(converted_from={"format": src.format, "path": str(src.root)}))
+                 extra=CheckpointExtra(converted_from={"format": src.format, "path": str(src.root)},
+                                       tokenizer=tokenizer, attached=attached, token_ids=source_token_ids(src) or None))
     m.validate()
     return write_text(tmp / MANIFEST_NAME, m.to_json())
 
@@ -205,12 +210,12 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
             digests = hasher.result()
             out_name = {(r.file, r.key): t.key for f in out.files for t in f.tensors for r in t.reads()}
             nonfinite.update(out_name.get((f, k), k) for f, keys in hasher.nonfinite.items() for k in keys)
+            tok_files, tok_record, tok_infos = copy_tokenizer_files(plan, tmp, byte_files=not sharded)
             if sharded:
-                written.append(_write_manifest(tmp, plan, out))
+                written += tok_files
+                written.append(_write_manifest(tmp, plan, out, tokenizer=tok_record.tokenizer, attached=tok_infos))
             else:
-                written += _write_unified_meta(tmp, plan, out)
-            tok_files, tok_record = ([], None) if sharded else copy_tokenizer_files(plan, tmp)
-            written += tok_files
+                written += _write_unified_meta(tmp, plan, out) + tok_files
             provenance = Provenance(
                 source=SourceInfo(plan.format, str(plan.root.resolve()), plan.step, plan.layout,
                                   digests if verify else dict(sorted(plan.expected_sha256.items())),
@@ -234,5 +239,6 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
                "output": out.kind, "tp": out.tp, "pp": out.pp, "tensors": len(plan.tensors),
                "bytes": total, "files": len(out.files), "wall_s": round(wall, 3),
                "gb_per_s": round(total / wall / 1e9, 3) if wall > 0 else None,
+               "tokenizer": tok_record.tokenizer, "stop_ids": source_token_ids(plan).get("eos_token_id"),
                "nonfinite": sorted(nonfinite), "nonfinite_checked": "all" if verify or not headers else "assembled tensors only"}
     return ConvertResult(out_dir=out_dir, files=files, summary=summary)

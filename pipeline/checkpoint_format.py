@@ -19,6 +19,7 @@ from pathlib import Path
 from titan_pipe import limits
 from titan_pipe.choices import PP_SCHEDULES
 from titan_pipe.errors import UserError
+from titan_pipe.tokens.model_files import token_ids
 from titan_pipe.limits import Bound, shown
 from titan_pipe.mesh_math import world_size
 from titan_pipe.values import BOOL, DICT, INT, STR, check, read, refuse
@@ -385,12 +386,14 @@ class CheckpointExtra:
     tokenizer: str | None = None
     attached: dict[str, FileInfo] = field(default_factory=dict)
     converted_from: dict[str, str] | None = None
+    token_ids: dict | None = None  # config.json's bos/eos/pad ids of the model (titan_pipe.tokens.model_files)
     other: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in (("optimizer", self.optimizer), ("train_state", self.train_state),
                                ("kernels", self.kernels), ("tokenizer", self.tokenizer),
-                               ("converted_from", self.converted_from)) if v is not None or k == "optimizer"}
+                               ("converted_from", self.converted_from), ("token_ids", self.token_ids))
+             if v is not None or k == "optimizer"}
         if self.attached:
             d["attached"] = {k: asdict(v) for k, v in sorted(self.attached.items())}
         return {**self.other, **d}
@@ -417,8 +420,15 @@ class CheckpointExtra:
                                fix=_MALFORMED)
                       for k, v in check(origin, DICT, source=source, key="extra.converted_from",
                                         exc=LayoutError, fix=_MALFORMED).items()}
-        known = ("optimizer", "train_state", "kernels", "tokenizer", "attached", "converted_from")
-        return cls(**strings, attached=attached, converted_from=origin,
+        ids = extra.get("token_ids")
+        if ids is not None:
+            try:
+                ids = token_ids(check(ids, DICT, source=source, key="extra.token_ids", exc=LayoutError,
+                                      fix=_MALFORMED), source=f"{source}: extra.token_ids")
+            except UserError as e:
+                raise LayoutError(str(e)) from None
+        known = ("optimizer", "train_state", "kernels", "tokenizer", "attached", "converted_from", "token_ids")
+        return cls(**strings, attached=attached, converted_from=origin, token_ids=ids,
                    other={k: v for k, v in extra.items() if k not in known})
 
 

@@ -16,6 +16,7 @@ from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
 from titan_pipe.convert.reshard import deinterleave_rope
+from titan_pipe.tokens.model_files import TOKEN_ID_KEYS
 from titan_pipe.model.names import native_to_hf
 from titan_pipe.provenance import Provenance
 from titan_pipe.model.transformer import build_model
@@ -160,8 +161,12 @@ def test_every_source_format_gives_identical_bytes(tmp_path, weights, hf_dir, tp
         before = hash_tree(src)
         res = convert_checkpoint(src, tmp_path / f"out_{name}")
         assert hash_tree(src) == before, f"{name}: source modified"
-        outputs[name] = ((res.out_dir / "model.safetensors").read_bytes(),
-                         (res.out_dir / "config.json").read_bytes())
+        config = json.loads((res.out_dir / "config.json").read_text())
+        ids = {k: config.pop(k) for k in TOKEN_ID_KEYS if k in config}  # what the source's config.json names
+        outputs[name] = ((res.out_dir / "model.safetensors").read_bytes(), config)
+        # the ids travel where the format records them (a Hugging Face config.json, our manifest)
+        assert ids == ({k: v for k, v in json.loads((sources["hf"] / "config.json").read_text()).items()
+                        if k in TOKEN_ID_KEYS and v is not None} if name in ("hf", "titan") else {}), name
     ref = outputs.pop("hf")
     _assert_same_weights(tmp_path / "out_hf", sd)
     for name, got in outputs.items():

@@ -62,7 +62,8 @@ def snapshot(root: Path) -> dict[str, str]:
 
 def cli(*argv) -> tuple[int, str]:
     r = runner.invoke(app, [str(a) for a in argv])
-    text = r.output + (r.stderr if r.stderr_bytes is not None and r.stderr not in r.output else "")
+    extra = [ln for ln in (r.stderr.splitlines() if r.stderr_bytes is not None else []) if ln not in r.output]
+    text = r.output + "".join(ln + "\n" for ln in extra)
     return r.exit_code, text
 
 

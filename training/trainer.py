@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from titan_pipe.atomic import write_text
 from titan_pipe.checkpoint_format import CheckpointExtra, ParallelLayout, checkpoint_bytes, is_save_step, newest_complete
-from titan_pipe.config import ConfigError, FlowConfig, load_flow
+from titan_pipe.config import ConfigError, FlowConfig, init_from_path, load_flow
 from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
 from titan_pipe.faults import STAGE_OUTPUTS, OutputFault, writing
@@ -37,6 +37,7 @@ from titan_pipe.tokens.tokenizer import tokenizer_files
 from titan_pipe.training.data_parallel import plan_dp, unwrap
 from titan_pipe.model.kernels import resolve_kernels
 from titan_pipe.model.sharding import stage_ranks
+from titan_pipe.model.stated import checkpoint_side
 from titan_pipe.training.known_warnings import silence_known_warnings
 from titan_pipe.training.tensorboard import TensorBoardWriter
 from titan_pipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -170,8 +171,15 @@ class Trainer:
                 prepare_spec(spec, self.run.data, progress=False)
             dist.barrier()
         tok, data = open_spec(spec, prepared=self.run.data, vocab_size=self.args.vocab_size)
-        # Copied into every checkpoint so it names its tokenizer itself, not a path relative to flow.yaml.
+        # Copied into every checkpoint so it names its tokenizer itself, not a path relative to flow.yaml;
+        # with the stop ids and generation settings of the model it starts from (the tokenizer's own
+        # ids where that names none), so the converted model stops where the released one does.
         self.tok_files = tokenizer_files(tok)
+        self.token_ids, side = ({}, {}) if (src := init_from_path(cfg, base)) is None else checkpoint_side(src)
+        self.tok_files.update(side)
+        if not self.token_ids:
+            self.token_ids = {"eos_token_id": tok.eos_id, **({"bos_token_id": tok.bos_id} if tok.bos_id is not None
+                                                              else {})}
         self.sft = t.mode == "sft"
         self.loader = training_loader(data, t, dp_rank=self.mesh["dp"].get_local_rank(), dp_size=cfg.parallel.dp,
                                       vocab_size=self.args.vocab_size)
@@ -397,7 +405,8 @@ class Trainer:
                                  optimizers=self.optimizers if cfg.checkpoint.save_optimizer else None,
                                  train_state=state, parallel=self.parallel_meta, fail_hook=hook,
                                  extra=CheckpointExtra(kernels=cfg.model.kernels,
-                                                       tokenizer="tokenizer.json" if self.tok_files else "byte"),
+                                                       tokenizer="tokenizer.json" if "tokenizer.json" in self.tok_files
+                                                       else "byte", token_ids=self.token_ids),
                                  attach=self.tok_files)
         if self.rank == 0:
             ckpt.prune(self.run.checkpoints, cfg.checkpoint.keep_last)

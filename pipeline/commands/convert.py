@@ -61,6 +61,14 @@ def register(app: typer.Typer) -> None:
         typer.echo(f"converted {s['format']} {s['src']} (step {s['step']}, {s['layout']}) -> {r.out_dir}: "
                    f"{s['tensors']} tensors, {s['bytes'] / 1e6:.1f} MB in {s['files']} file(s), "
                    f"{s['wall_s']:.2f} s")
+        if s.get("tokenizer") is None:
+            console.print(f"[yellow]warning[/yellow] {r.out_dir}: no tokenizer: {s['src']} carries none (no "
+                          "tokenizer.json beside its weights); copy the model's tokenizer files into it before "
+                          "evaluating or serving it", highlight=False, soft_wrap=True)
+        if s.get("stop_ids") is None:
+            console.print(f"[yellow]warning[/yellow] {r.out_dir}: no eos_token_id: the source names no stop "
+                          "token, so generation runs to its token limit; add eos_token_id to config.json",
+                          highlight=False, soft_wrap=True)
 
     @app.command("inspect")
     @handle_errors
