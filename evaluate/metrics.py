@@ -22,6 +22,7 @@ the tools' own functions. msit ``debug compare`` runs CANN's msaccucmp (shipped 
   MaxRelativeErr            max e, e = |(c' - r') / r'| in the tensors' result dtype (>= float32),
                             c', r' = c, r with eps of that dtype added where r == 0     (msprobe)
   One Thousandth / Five Thousandths Err Ratio   fraction of e < 0.001 / 0.005         (msprobe)
+  ScaledMaxError            max |d_i| / max(|r_i|, median |r| of its row, 1e-6)       (titan-pipe)
   SoftmaxKL                 mean over rows of KL(softmax(r_row) || softmax(c_row)), rows along the
                             last axis (for logits: per token, over the vocabulary)   (titan-pipe)
   Top1Agreement             fraction of rows (last axis) with argmax(r_row) == argmax(c_row)
@@ -41,12 +42,12 @@ CSV_COLUMNS: tuple[str, ...] = (
     "MeanRelativeError", "AccumulatedRelativeError", "RelativeEuclideanDistance", "RootMeanSquareError",
     "KullbackLeiblerDivergence", "StandardDeviation",
     "EucDist", "MaxRelativeErr", "One Thousandth Err Ratio", "Five Thousandths Err Ratio",
-    "SoftmaxKL", "Top1Agreement", "CandidateNaN", "CandidateInf",
+    "SoftmaxKL", "Top1Agreement", "ScaledMaxError", "CandidateNaN", "CandidateInf",
 )
 # TensorMetrics field under each CSV column ("StandardDeviation" is formatted from four fields).
 CSV_FIELDS: tuple[str, ...] = (
     "cosine", "max_abs", "mean_abs", "max_rel", "mean_rel", "acc_rel", "rel_euclidean", "rmse", "msit_kl",
-    "std", "euc_dist", "msprobe_max_rel", "err_ratio_1e3", "err_ratio_5e3", "kl", "top1", "nan", "inf",
+    "std", "euc_dist", "msprobe_max_rel", "err_ratio_1e3", "err_ratio_5e3", "kl", "top1", "max_scaled", "nan", "inf",
 )
 _EPS64 = float(np.finfo(np.float64).eps)
 _EPS32 = float(np.finfo(np.float32).eps)
@@ -80,6 +81,11 @@ class TensorMetrics:
     msprobe_max_rel: float = math.nan  # msprobe MaxRelativeErr
     err_ratio_1e3: float = math.nan  # msprobe One Thousandth Err Ratio
     err_ratio_5e3: float = math.nan  # msprobe Five Thousandths Err Ratio
+    # max |d_i| / max(|r_i|, median |r| of its row): the error against the element's own size, or its
+    # row's typical size where the element is smaller; a massive activation (one channel at 2e4, where
+    # fp16 rounds in steps of 16) is judged by its own size, the other channels by theirs (ScaledMaxError)
+    max_scaled: float = math.nan
+    ref_rms: float = math.nan  # sqrt(mean(r^2)): the scale an RMSE is judged against
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,6 +140,20 @@ def msprobe_relative_errors(r: np.ndarray, c: np.ndarray, dtype: np.dtype) -> np
     b[zero] += eps
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.abs(np.divide(n - b, b))
+
+
+SCALE_FLOOR = 1e-6  # a row of zeros (or near it) is judged against this size, not divided by zero
+
+
+def scaled_errors(rows_r: np.ndarray, rows_c: np.ndarray, chunk: int = 256) -> np.ndarray:
+    """Per row (last axis) the max of |c_i - r_i| / max(|r_i|, median_row |r|, SCALE_FLOOR): (rows,)."""
+    out = np.empty(rows_r.shape[0])
+    for i in range(0, rows_r.shape[0], chunk):
+        r, c = rows_r[i:i + chunk], rows_c[i:i + chunk]
+        a = np.abs(r)
+        scale = np.maximum(np.maximum(a, np.median(a, axis=-1, keepdims=True)), SCALE_FLOOR)
+        out[i:i + chunk] = (np.abs(c - r) / scale).max(axis=-1)
+    return out
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -191,7 +211,7 @@ class _Sums:
         self.n = 0
         self.v = dict.fromkeys(("dot", "rr", "cc", "dd", "sum_abs", "sum_rel", "sum_r", "sum_c", "kl", "top1",
                                 "rows", "n1e3", "n5e3"), 0.0)
-        self.hi = dict.fromkeys(("max_abs", "max_rel", "msprobe_max_rel"), -math.inf)
+        self.hi = dict.fromkeys(("max_abs", "max_rel", "msprobe_max_rel", "max_scaled"), -math.inf)
         self.lo_r = self.lo_c = math.inf
         self.hi_r = self.hi_c = -math.inf
 
@@ -221,6 +241,7 @@ class _Sums:
             self.lo_c, self.hi_c = min(self.lo_c, float(c.min())), max(self.hi_c, float(c.max()))
             self.n += r.size
         if p.rows_r.shape[0]:
+            self._max("max_scaled", scaled_errors(p.rows_r, p.rows_c).max())
             self.v["kl"] += _softmax_kl_sum(p.rows_r, p.rows_c)
             self.v["top1"] += int((p.rows_r.argmax(axis=-1) == p.rows_c.argmax(axis=-1)).sum())
             self.v["rows"] += p.rows_r.shape[0]
@@ -286,7 +307,8 @@ def _metrics(s: _Sums, msit_kl: float, mean_r: float, mean_c: float, var_r: floa
         nan=nan, inf=inf, ref_nan=ref_nan, ref_inf=ref_inf, numel=numel, acc_rel=v["sum_rel"],
         msit_kl=0.0 if abs(msit_kl) < _EPS64 else msit_kl, cand_mean=mean_c, cand_std=math.sqrt(var_c / n),
         ref_mean=mean_r, ref_std=math.sqrt(var_r / n), euc_dist=nd, msprobe_max_rel=s.hi["msprobe_max_rel"],
-        err_ratio_1e3=v["n1e3"] / n, err_ratio_5e3=v["n5e3"] / n)
+        err_ratio_1e3=v["n1e3"] / n, err_ratio_5e3=v["n5e3"] / n,
+        max_scaled=s.hi["max_scaled"] if s.hi["max_scaled"] > -math.inf else math.nan, ref_rms=nr / math.sqrt(n))
 
 
 def compare_tensors(ref, cand) -> TensorMetrics:

@@ -466,3 +466,38 @@ def test_kv_decode_row_runs_the_generation_loop(art, tmp_path, static):
     assert row["rows"][0]["shape"] == [3, 5, 64]
     gen = next(c for c in rep["comparisons"] if c["id"] == "task")["details"]["generation"]
     assert all(g["identical"] for g in gen.values())
+
+
+def test_fp16_passes_a_massive_activation_and_still_names_a_perturbed_layer(tmp_path):
+    """One channel of the residual stream at 22,000 for every token (the "massive activation" released
+    models carry, where fp16 rounds in steps of 16): the fp16 export passes with identical greedy
+    tokens, though its max abs error is past the absolute msprobe bound of 1; the same graph with one
+    channel of layer 2's down projection scaled fails, named at layer 2."""
+    model, args = debug_model(seed=3)
+    with torch.no_grad():
+        # 22,000-22,016 by token: between fp16's steps of 16, as a released model's values fall
+        model.tok_embeddings.weight[:, 11] = 2.2e4 + torch.rand(args.vocab_size, generator=torch.Generator().manual_seed(0)) * 16
+    md = write_unified(model, args, tmp_path / "model")
+    onnx16 = export(md, tmp_path / "onnx16", "float16")
+    settings = FAST.model_copy(update={"prompts": 2, "new_tokens": 6})
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=md, onnx=onnx16, settings=settings)
+    rep = json.loads(r.report_json.read_text())
+    rows = next(c for c in rep["comparisons"] if c["id"] == "torch_vs_onnx")["rows"]
+    hidden = [row["metrics"] for row in rows if row["tensor"].startswith("hidden.")]
+    assert max(m["max_abs"] for m in hidden) > 1.0  # the absolute rule would have cried FAIL here
+    assert max(m["max_scaled"] for m in hidden) < 1e-2
+    assert r.passed, r.summary["verdict"]
+    task = next(c for c in rep["comparisons"] if c["id"] == "task")
+    assert all(g["identical"] for g in task["details"]["generation"].values())
+
+    m = onnx.load(str(onnx16))
+    init = next(i for i in m.graph.initializer if i.name == "layers.2.w2")
+    w = numpy_helper.to_array(init).copy()
+    w[5, :] *= 3  # one output channel of layer 2's MLP (rows: out, cols: in) three times too large
+    init.CopyFrom(numpy_helper.from_array(w, init.name))
+    bad = tmp_path / "bad" / "model.onnx"
+    bad.parent.mkdir()
+    onnx.save(m, str(bad))
+    (bad.parent / "export.json").write_bytes((onnx16.parent / "export.json").read_bytes())
+    r = evaluate_model(out_dir=tmp_path / "rep2", model_dir=md, onnx=bad, settings=settings)
+    assert not r.passed and r.summary["first_failing_layer"]["layer"] == 2, r.summary["verdict"]
