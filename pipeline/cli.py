@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -31,16 +32,24 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
          device: str = typer.Option("ascend910b", "--device", help="with --flavour: their profile (as `plan --device`)"),
          force: bool = typer.Option(False, "--force", help="Overwrite an existing flow.yaml"),
          sft: bool = typer.Option(False, "--sft", help="a fine-tune of the released --flavour on chat data "
-                                  "(and a sample chat.jsonl beside it)")):
-    """Write a commented example flow.yaml (the debug model on CPU, or a run of --flavour on --devices
-    x --device with the planner's layout; --sft: a fine-tune of it) into DIRECTORY."""
+                                  "(and a sample chat.jsonl beside it)"),
+         released: Optional[Path] = typer.Option(None, "--from", help="a released model's Hugging Face dir: a flow "
+                                                 "for that model (its config.json is the architecture; --device cpu "
+                                                 "for one CPU process)")):
+    """Write a commented example flow.yaml (the debug model on CPU, a run of --flavour on --devices
+    x --device with the planner's layout, or a run of the released model --from HF_DIR; --sft: a
+    fine-tune of it) into DIRECTORY."""
     from titan_pipe import limits
-    from titan_pipe.commands.example import SAMPLE_CHAT, example_flow, sample_chat
+    from titan_pipe.commands.example import SAMPLE_CHAT, example_flow, released_flow, sample_chat
 
     target = directory / "flow.yaml"
     if not 1 <= devices <= limits.DEVICES.hi:
         raise typer.BadParameter(f"--devices {devices} must be 1..{limits.DEVICES.hi}")
-    text = example_flow(flavour, devices=devices, device=device, sft=sft)  # refused before anything is written
+    if released is not None and flavour != "debug":
+        raise UserError("--from and --flavour both given; the released dir states the model: drop --flavour")
+    # refused before anything is written
+    text = (released_flow(released.resolve(), sft=sft, devices=devices, device=device) if released is not None
+            else example_flow(flavour, devices=devices, device=device, sft=sft))
     with faults.writing(target, what="the example flow.yaml"), path_lock(target, what="titan-pipe init"):
         if target.exists() and not force:
             raise UserError(f"{target} already exists; pass --force to overwrite it")

@@ -261,3 +261,33 @@ def test_a_flow_with_only_init_from_fine_tunes_and_converts_with_the_released_fi
     for key in ("eos_token_id", "bos_token_id", "pad_token_id", "rope_theta", "rope_scaling", "hidden_size",
                 "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "model_type", "rms_norm_eps"):
         assert got[key] == src_cfg[key], key
+
+
+@pytest.mark.parametrize("sft", [False, True])
+def test_init_from_a_released_dir_writes_a_flow_for_that_model(released, tmp_path, sft):
+    """No flavour needed, --device cpu accepted: the flow names init_from and the model's tokenizer,
+    holds no model key, and validates with the released architecture; --sft says first what it needs."""
+    src = released["SmolLM2-135M-Instruct"]
+    r = CliRunner().invoke(app, ["init", str(tmp_path / "ex"), "--from", str(src), "--device", "cpu"]
+                           + (["--sft"] if sft else []))
+    assert r.exit_code == 0, r.output
+    text = (tmp_path / "ex" / "flow.yaml").read_text()
+    raw = yaml.safe_load(text)
+    assert raw["init_from"] == str(src) and raw["data"]["tokenizer"] == str(src) and "flavour" not in raw["model"]
+    assert raw["device"] == "cpu" and raw["parallel"]["dp"] * raw["parallel"]["tp"] * raw["parallel"]["pp"] == 1
+    if sft:
+        assert text.splitlines()[0].startswith("# Fine-tuning") and "Hugging Face dir" in text.splitlines()[0]
+        assert raw["train"]["mode"] == "sft" and (tmp_path / "ex" / "chat.jsonl").is_file()
+    cfg = parse_flow(raw, base=tmp_path / "ex")
+    assert cfg.model.args() == from_hf_config(json.loads((src / "config.json").read_text()))
+    v = CliRunner().invoke(app, ["validate", str(tmp_path / "ex" / "flow.yaml")])
+    assert v.exit_code == 0, v.output
+
+
+def test_a_tp_that_does_not_divide_the_heads_names_the_sizes_that_do(released, tmp_path):
+    from titan_pipe.config import ConvertConfig
+    from titan_pipe.convert.api import convert_checkpoint
+    from titan_pipe.errors import UserError
+
+    with pytest.raises(UserError, match="does not divide model n_heads=9 .*the tp sizes this model takes: 1, 3$"):
+        convert_checkpoint(released["SmolLM2-135M-Instruct"], tmp_path / "o", ConvertConfig(tp=2))

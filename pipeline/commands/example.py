@@ -63,14 +63,16 @@ def sample_chat() -> str:
     return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in SAMPLE_RECORDS)
 
 
-def finetune_flow(text: str, flavour: str) -> str:
+def finetune_flow(text: str, flavour: str, *, model_dir: str | None = None) -> str:
     """``text`` (an example flow) turned into a fine-tune of the released ``flavour``: init_from its
-    Hugging Face dir (weights, tokenizer and chat template), chat data, train.mode sft with the
-    fine-tuning hyperparameters."""
-    model_dir = f"{flavour}-hf"
+    Hugging Face dir (weights, tokenizer and chat template; ``model_dir`` where it is known), chat
+    data, train.mode sft with the fine-tuning hyperparameters."""
+    known = model_dir is not None
+    model_dir = model_dir if known else f"{flavour}-hf"
     text = set_key(text, None, "name", f"{flavour}-sft".replace("_", "-"))
-    text = set_key(text, None, "init_from", model_dir,
-                   note=f"FILL IN: the released {flavour} Hugging Face dir (config.json, *.safetensors, tokenizer)")
+    text = set_key(text, None, "init_from", model_dir, note="the released model: its config.json is the architecture"
+                   if known else f"FILL IN: the released {flavour} Hugging Face dir (config.json, *.safetensors, "
+                   "tokenizer)")
     text = set_key(text, "data", "path", SAMPLE_CHAT, note="your chat jsonl (one {\"messages\": [...]} a line)")
     text = set_key(text, "data", "tokenizer", model_dir, note="the model's own tokenizer and chat template")
     text = set_key(text, "data", "format", "chat")
@@ -79,8 +81,44 @@ def finetune_flow(text: str, flavour: str) -> str:
     text = set_key(text, "train", "warmup_steps", round(0.03 * SFT_STEPS))
     text = set_key(text, "train", "optimizer", {"name": "adamw", "lr": 2.0e-5, "betas": [0.9, 0.95], "eps": 1.0e-8,
                                                 "weight_decay": 0.0})
-    return ("# Fine-tuning (docs/finetune.md): put the released model's Hugging Face dir at init_from and your "
-            "chat\n# records in data.path; chat.jsonl beside this file shows the format.\n" + text)
+    first = ("# Fine-tuning (docs/finetune.md) needs the released model's Hugging Face dir (config.json,\n"
+             f"# *.safetensors, tokenizer files) at init_from: {model_dir}{'' if known else ' (FILL IN)'}. Your "
+             "chat records go in data.path;\n# chat.jsonl beside this file shows the format.\n")
+    return first + text
+
+
+def released_flow(model_dir: Path, *, sft: bool, devices: int, device: str) -> str:
+    """A flow for the released model at ``model_dir``: init_from it, no model keys (its config.json is the
+    architecture), its tokenizer, a layout over ``devices`` whose tp divides its heads (cpu: one process),
+    the held-out lengths of the example; ``sft``: a fine-tune of it on chat data."""
+    from titan_pipe.model.sharding import tp_choices
+    from titan_pipe.model.stated import checkpoint_args
+    from titan_pipe.run_dir import suggest_run_name
+
+    args = checkpoint_args(model_dir)  # UserError naming the file when it is no model dir
+    text = TEMPLATE.read_text()
+    text = re.sub(r"^  flavour: .*\n(?:^ {10,}#.*\n)*", "  # no flavour: the architecture is init_from's config.json "
+                  "(a key written here must equal it)\n", text, count=1, flags=re.M)
+    cpu = device == "cpu"
+    tp = 1 if cpu else max(d for d in tp_choices(args) if devices % d == 0 and d <= 8)
+    dp = 1 if cpu else devices // tp
+    text = set_key(text, None, "device", "cpu" if cpu else "auto")
+    for key, value in (("dp", dp), ("tp", tp), ("pp", 1), ("microbatches", None)):
+        text = set_key(text, "parallel", key, value)
+    text = set_key(text, "train", "batch_size", 2 * dp)
+    tok = "tokenizer.json" if (Path(model_dir) / "tokenizer.json").is_file() else None
+    name = suggest_run_name(Path(model_dir).resolve().name)
+    if sft:
+        text = finetune_flow(text, name, model_dir=str(model_dir))
+        text = set_key(text, "train", "seq_len", min(1024, args.max_seq_len))
+        if tok is None:
+            text = set_key(text, "data", "tokenizer", "byte", note=TOKENIZER_NOTE)
+        return text
+    text = set_key(text, None, "name", name)
+    text = set_key(text, None, "init_from", str(model_dir), note="the released model: its config.json is the "
+                   "architecture")
+    text = set_key(text, "data", "tokenizer", str(model_dir) if tok else "byte", note=None if tok else TOKENIZER_NOTE)
+    return text
 
 
 def example_flow(flavour: str, *, devices: int = 8, device: str = "ascend910b", sft: bool = False) -> str:

@@ -9,6 +9,8 @@ Module names are native names; ``*`` stands for a layer id.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from titan_pipe.choices import INTERLEAVED
@@ -55,17 +57,24 @@ def tp_problems(args: ModelArgs, tp: int) -> list[str]:
     the FFN hidden size and the vocabulary): what follows "tp N" in each message. The one rule the
     flow's validation and convert's sharded output both apply."""
     out = []
+    fits = ", ".join(map(str, tp_choices(args)))
     if args.n_heads % tp:
         out.append(f"does not divide model n_heads={args.n_heads} (tp splits the q heads of head_dim "
-                   f"{args.head_dim}); pick tp from the divisors of {args.n_heads}")
+                   f"{args.head_dim}); the tp sizes this model takes: {fits}")
     if args.kv_heads % tp:
         out.append(f"does not divide model n_kv_heads={args.kv_heads} (tp splits the k/v heads of head_dim "
-                   f"{args.head_dim}); pick tp dividing {args.kv_heads}")
+                   f"{args.head_dim}); the tp sizes this model takes: {fits}")
     if args.hidden_dim % tp:
-        out.append(f"does not divide the FFN hidden size {args.hidden_dim}")
+        out.append(f"does not divide the FFN hidden size {args.hidden_dim}; the tp sizes this model takes: {fits}")
     if args.vocab_size % tp:
         out.append(f"does not divide vocab_size={args.vocab_size}; pad the vocabulary to a multiple of tp")
     return out
+
+
+def tp_choices(args: ModelArgs) -> list[int]:
+    """Every tp that divides the q heads, the k/v heads and the FFN width (the vocabulary can be padded)."""
+    g = math.gcd(math.gcd(args.n_heads, args.kv_heads), args.hidden_dim)
+    return [d for d in range(1, g + 1) if g % d == 0]
 
 
 def layer_id(param_name: str) -> int | None:
