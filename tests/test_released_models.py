@@ -291,3 +291,27 @@ def test_a_tp_that_does_not_divide_the_heads_names_the_sizes_that_do(released, t
 
     with pytest.raises(UserError, match="does not divide model n_heads=9 .*the tp sizes this model takes: 1, 3$"):
         convert_checkpoint(released["SmolLM2-135M-Instruct"], tmp_path / "o", ConvertConfig(tp=2))
+
+
+def test_validate_refuses_an_sft_flow_whose_held_out_split_cannot_fill_evaluate(smol, tmp_path):
+    """Knowable before training: the chat records rendered as the data stage will, the validation
+    split counted against evaluate's batches."""
+    import shutil
+
+    from chat_fixtures import chat_records, write_jsonl
+
+    shutil.copytree(smol / "hf", tmp_path / "hf")
+    write_jsonl(tmp_path / "chat.jsonl", chat_records(40))
+    raw = _flow(tmp_path, data={"path": "chat.jsonl", "tokenizer": "hf", "format": "chat", "val_fraction": 0.2},
+                train={"mode": "sft", "steps": 2, "batch_size": 2, "seq_len": 256},
+                evaluate={"batches": 2, "batch_size": 2, "seq_len": 256})
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(yaml.safe_dump(raw))
+    r = CliRunner().invoke(app, ["validate", str(flow)])
+    assert r.exit_code == 2, r.output
+    line = [x for x in r.output.splitlines() if "data.val_fraction" in x]
+    assert len(line) == 1 and "= 1,024" in line[0] and "give evaluate.data" in line[0], r.output
+    raw["evaluate"] = {"batches": 1, "batch_size": 2, "seq_len": 64}
+    flow.write_text(yaml.safe_dump(raw))
+    r = CliRunner().invoke(app, ["validate", str(flow)])
+    assert r.exit_code == 0, r.output

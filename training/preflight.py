@@ -180,19 +180,62 @@ def corpus_problem(cfg: FlowConfig, base: Path, *, demo: bool = True) -> str | N
                       for p in spec.paths]
             for o in opened:
                 o.indexed.verify()  # the whole index, in blocks: what the reader will rely on
-            if t.mode == "sft":  # whole conversations packed into windows: the loader's own plan says
-                from titan_pipe.training.trainer import training_loader
-                from titan_pipe.tokens.dataset import TokenData
-
-                training_loader(TokenData([(o.train, 1.0) for o in opened], [o.val for o in opened], opened), t,
-                                dp_rank=0, dp_size=cfg.parallel.dp, vocab_size=None)
-                return None
-            spans = [o.train for o in opened]
-            short = next((s for s in spans if len(s) < need), None)
-            return None if short is None else _too_small(cfg, short.name, f"{len(short):,}", need)
+            return _token_data_problem(cfg, opened, need)
+        if spec.records != "text" and cfg.evaluate.data is None:  # chat records: rendered as prepare will
+            return _small_records_problem(cfg, spec, need)
         return _raw_text_problem(cfg, spec, need)
     except UserError as e:
         return str(e)
+
+
+def _token_data_problem(cfg: FlowConfig, opened: list, need: int) -> str | None:
+    """Prepared data: the training spans fill a global batch (sft: the loader's own plan says), the
+    held-out spans evaluate's batches."""
+    t = cfg.train
+    if t.mode == "sft":  # whole conversations packed into windows
+        from titan_pipe.training.trainer import training_loader
+        from titan_pipe.tokens.dataset import TokenData
+
+        training_loader(TokenData([(o.train, 1.0) for o in opened], [o.val for o in opened], opened), t,
+                        dp_rank=0, dp_size=cfg.parallel.dp, vocab_size=None)
+    else:
+        short = next((o.train for o in opened if len(o.train) < need), None)
+        if short is not None:
+            return _too_small(cfg, short.name, f"{len(short):,}", need)
+    return held_out_problem(cfg, sum(len(o.val) for o in opened))
+
+
+def held_out_problem(cfg: FlowConfig, tokens: int) -> str | None:
+    """Evaluate reads evaluate.batches x batch_size x seq_len tokens of the validation split (without
+    evaluate.data): a split of fewer is refused before training, not after it."""
+    e = cfg.evaluate
+    need = e.batches * e.batch_size * e.seq_len
+    if e.data is not None or tokens >= need:
+        return None
+    return (f"data.val_fraction: {cfg.data.val_fraction:g} holds out {tokens:,} tokens of data.path "
+            f"{cfg.data.path or '(the shipped corpus)'}, fewer than evaluate reads after training (evaluate.batches "
+            f"{e.batches} x batch_size {e.batch_size} x seq_len {e.seq_len} = {need:,}); raise data.val_fraction, "
+            "give evaluate.data, or lower evaluate.batches / batch_size / seq_len")
+
+
+def _small_records_problem(cfg: FlowConfig, spec, need: int) -> str | None:
+    """Chat / instruction records up to EXACT_CORPUS_BYTES: prepared into a temporary dir exactly as the
+    data stage will (rendered, masked, split), then checked as prepared data; larger ones are left to
+    the trainer's and evaluate's own checks."""
+    import tempfile
+
+    from titan_pipe.tokens.dataset import open_source
+    from titan_pipe.tokens.sources import corpus_files
+    from titan_pipe.training.prepare import prepare
+
+    if sum(f.stat().st_size for f in corpus_files(spec.text)) > EXACT_CORPUS_BYTES:
+        return None
+    d = cfg.data
+    with tempfile.TemporaryDirectory(prefix="titan-pipe-preflight-") as tmp:
+        prepare(sources=[spec.text], out_dir=Path(tmp) / "data", tokenizer=spec.tokenizer, records=spec.records,
+                chat_template=d.chat_template, val_fraction=d.val_fraction, text_key=d.text_key, progress=False)
+        opened = open_source(Path(tmp) / "data", val_fraction=spec.val_fraction, fraction_given=spec.fraction_given)
+        return _token_data_problem(cfg, [opened], need)
 
 
 def _raw_text_problem(cfg: FlowConfig, spec, need: int) -> str | None:
@@ -213,9 +256,11 @@ def _raw_text_problem(cfg: FlowConfig, spec, need: int) -> str | None:
     from titan_pipe.tokens.corpus import load_corpus
     from titan_pipe.tokens.tokenizer import build_tokenizer
 
-    train, _ = load_corpus(path=spec.text, tokenizer=build_tokenizer(spec.tokenizer),
-                           text_key=spec.text_key).split(spec.val_fraction)
-    return None if len(train) >= need else _too_small(cfg, cfg.data.path, f"{len(train):,}", need)
+    train, val = load_corpus(path=spec.text, tokenizer=build_tokenizer(spec.tokenizer),
+                             text_key=spec.text_key).split(spec.val_fraction)
+    if len(train) < need:
+        return _too_small(cfg, cfg.data.path, f"{len(train):,}", need)
+    return held_out_problem(cfg, len(val))
 
 
 def _too_small(cfg: FlowConfig, what: object, have: str, need: int) -> str:
