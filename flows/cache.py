@@ -148,7 +148,7 @@ def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict)
     if stage == "convert":
         return StageInputs(stage, cfg.convert.model_dump(mode="json"), tuple(checkpoint_files(Path(upstream["train"].paths.checkpoint))))
     if stage == "export":
-        return StageInputs(stage, cfg.export.model_dump(mode="json"), tuple(files_under(Path(upstream["convert"].paths.model_dir))))
+        return StageInputs(stage, cfg.export_settings().model_dump(mode="json"), tuple(files_under(Path(upstream["convert"].paths.model_dir))))
     if stage == "evaluate":
         section = {"evaluate": cfg.evaluate.model_dump(mode="json")}
         if cfg.evaluate.data is None:  # evaluate then reads the validation split of the training data

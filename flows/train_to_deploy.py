@@ -137,7 +137,7 @@ def _call_stage(stage: str, fn: Callable, *, cfg: FlowConfig, flow_path: Path, f
     if stage == "convert":
         return fn(checkpoint=Path(upstream["train"].paths.checkpoint), out_dir=rd.model, settings=cfg.convert)
     if stage == "export":
-        return fn(model_dir=Path(upstream["convert"].paths.model_dir), out_dir=rd.onnx, settings=cfg.export)
+        return fn(model_dir=Path(upstream["convert"].paths.model_dir), out_dir=rd.onnx, settings=cfg.export_settings())
     from titan_pipe.evaluate.batches import held_out_text
 
     data, split = held_out_text(data=None, flow=cfg, flow_dir=flow_dir, run_dir=run_dir)

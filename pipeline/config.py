@@ -19,7 +19,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from titan_pipe import limits
 from titan_pipe.choices import (COMPILE_BACKENDS, DEVICES, DIGESTS, DP_MODES, EXPORT, KERNELS, LOSSES, OFFLOADS,
-                                OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PRECISION_MODES, export_problems)
+                                OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PRECISION_MODES, default_cache_len,
+                                export_problems)
 from titan_pipe.choices import NAMINGS, RECORD_FORMATS, SOURCE_FORMATS, TRAIN_MODES
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.errors import UserError
@@ -410,6 +411,17 @@ class FlowConfig(Section):
             raise ValueError(f"run name {why}; use a name like {suggest_run_name(name)!r}")
         return name
 
+    def export_settings(self) -> ExportConfig:
+        """The export section as the flow runs it: a decode cache left unset is sized to what the run
+        uses (train.seq_len, export.seq_len + 1, evaluate's prompt + new tokens), within the model's
+        positions and choices.EXPORT's default cap, not always that cap (4,096 slots made each decoded
+        token ~5x slower than a cache sized to the run)."""
+        e = self.export
+        if e.cache_len is not None or not e.kv_cache:
+            return e
+        want = max(self.train.seq_len, e.seq_len + 1, self.evaluate.prompt_len + self.evaluate.new_tokens)
+        return e.model_copy(update={"cache_len": min(want, default_cache_len(self.model.args().max_seq_len))})
+
     def run_dir(self) -> Path:
         """runs_dir/name; a relative runs_dir is taken from the current directory (every command,
         check and record resolves it so: one rule, the one docs/launch.md states)."""
@@ -567,7 +579,7 @@ def _export_and_positions(cfg: FlowConfig, args: ModelArgs) -> list[str]:
     errs = [f"{key}: {value} exceeds model max_seq_len={args.max_seq_len}; lower it or raise model.max_seq_len"
             for key, value in (("train.seq_len", cfg.train.seq_len), ("evaluate.seq_len", cfg.evaluate.seq_len))
             if value > args.max_seq_len]
-    e = cfg.export
+    e = cfg.export_settings()
     errs += [f"export: {line}" for line in export_problems(
         max_positions=args.max_seq_len, opset=e.opset, dtype=e.dtype, batch=e.batch, seq_len=e.seq_len,
         cache_len=e.cache_len, kv_cache=e.kv_cache, precision_mode=e.precision_mode, digest=e.digest,

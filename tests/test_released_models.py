@@ -315,3 +315,14 @@ def test_validate_refuses_an_sft_flow_whose_held_out_split_cannot_fill_evaluate(
     flow.write_text(yaml.safe_dump(raw))
     r = CliRunner().invoke(app, ["validate", str(flow)])
     assert r.exit_code == 0, r.output
+
+
+def test_a_flows_decode_cache_is_sized_to_the_run():
+    """Not 4,096 slots for a run of 64-token windows: train.seq_len (or what export / evaluate need),
+    within the model's positions; a cache_len written is kept."""
+    cfg = parse_flow({"train": {"seq_len": 64}, "export": {"seq_len": 16},
+                      "evaluate": {"prompt_len": 16, "new_tokens": 16}})
+    assert cfg.export.cache_len is None and cfg.export_settings().cache_len == 64
+    long = parse_flow({"model": {"flavour": "qwen3_0.6b"}, "train": {"seq_len": 8192}})
+    assert long.export_settings().cache_len == 4096  # the default cap still holds
+    assert parse_flow({"export": {"cache_len": 200}}).export_settings().cache_len == 200
