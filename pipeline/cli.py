@@ -72,7 +72,8 @@ def validate(flow: Path = typer.Argument(..., help="flow.yaml to check")):
     check_before_launch(cfg, flow_path=flow, disk=False)  # what train would meet before its first step
 
     p = cfg.parallel
-    typer.echo(f"{flow}: ok — model {cfg.model.flavour or 'custom'} ({count_params(args) / 1e6:.2f}M params), "
+    model = f"init_from {cfg.init_from}" if cfg.init_from is not None else cfg.model.flavour or "custom"
+    typer.echo(f"{flow}: ok — model {model} ({count_params(args) / 1e6:.2f}M params), "
                f"dp={p.dp} tp={p.tp} pp={p.pp} ({p.pp_schedule}, {p.n_microbatches} microbatches), "
                f"world size {p.world_size}, {cfg.train.steps} steps")
 

@@ -538,6 +538,8 @@ def _hold_checkpoint_model(cfg: FlowConfig, base: Path) -> list[str]:
     lines = stated_conflicts(stated, m.given(), held, flavour=m.flavour, where=str(path))
     if not lines:
         m._held = with_training_fields(held, stated, m.given())
+        if "flavour" not in m.given():  # the default flavour names no part of this model
+            object.__setattr__(m, "flavour", None)
     return lines
 
 

@@ -281,7 +281,10 @@ def test_init_from_a_released_dir_writes_a_flow_for_that_model(released, tmp_pat
     cfg = parse_flow(raw, base=tmp_path / "ex")
     assert cfg.model.args() == from_hf_config(json.loads((src / "config.json").read_text()))
     v = CliRunner().invoke(app, ["validate", str(tmp_path / "ex" / "flow.yaml")])
-    assert v.exit_code == 0, v.output
+    if sft:  # three sample conversations show the format; too few to train on, and validate says so
+        assert v.exit_code == 2 and "data.path chat.jsonl (as prepared): 2 conversations" in v.output, v.output
+    else:
+        assert v.exit_code == 0 and f"model init_from {src}" in v.output, v.output
 
 
 def test_a_tp_that_does_not_divide_the_heads_names_the_sizes_that_do(released, tmp_path):

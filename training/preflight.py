@@ -235,7 +235,10 @@ def _small_records_problem(cfg: FlowConfig, spec, need: int) -> str | None:
         prepare(sources=[spec.text], out_dir=Path(tmp) / "data", tokenizer=spec.tokenizer, records=spec.records,
                 chat_template=d.chat_template, val_fraction=d.val_fraction, text_key=d.text_key, progress=False)
         opened = open_source(Path(tmp) / "data", val_fraction=spec.val_fraction, fraction_given=spec.fraction_given)
-        return _token_data_problem(cfg, [opened], need)
+        try:
+            return _token_data_problem(cfg, [opened], need)
+        except UserError as e:  # named by the records the user gave, not the temporary dir
+            raise UserError(str(e).replace(str(Path(tmp) / "data"), f"data.path {d.path} (as prepared)")) from None
 
 
 def _raw_text_problem(cfg: FlowConfig, spec, need: int) -> str | None:
