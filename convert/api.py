@@ -96,7 +96,7 @@ def _write_json(path: Path, obj) -> None:
     write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
-def _write_unified_meta(tmp: Path, src: SourcePlan, out: OutputPlan) -> list[Path]:
+def _write_unified_meta(tmp: Path, src: SourcePlan, out: OutputPlan, *, token_ids: dict) -> list[Path]:
     """The index (several files) and config.json: the model's architecture and the source's token ids."""
     written = []
     if len(out.files) > 1:
@@ -104,13 +104,13 @@ def _write_unified_meta(tmp: Path, src: SourcePlan, out: OutputPlan) -> list[Pat
                  "weight_map": {t.key: f.name for f in out.files for t in f.tensors}}
         _write_json(tmp / INDEX, index)
         written.append(tmp / INDEX)
-    _write_json(tmp / CONFIG, {**to_hf_config(src.args, torch_dtype=_config_dtype(out)), **source_token_ids(src)})
+    _write_json(tmp / CONFIG, {**to_hf_config(src.args, torch_dtype=_config_dtype(out)), **token_ids})
     written.append(tmp / CONFIG)
     return written
 
 
 def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan, *, tokenizer: str | None,
-                    attached: dict[str, FileInfo]) -> Path:
+                    attached: dict[str, FileInfo], token_ids: dict) -> Path:
     """manifest.json for a sharded output, written last (it marks the checkpoint complete); it names
     the side files copied beside it (``attached``: tokenizer, template, generation config) and the
     source's token ids, so a conversion back to Hugging Face carries them."""
@@ -129,7 +129,7 @@ def _write_manifest(tmp: Path, src: SourcePlan, out: OutputPlan, *, tokenizer: s
                                          stages=tuple(map(tuple, out.stages)), stage_ranks=tuple(stage_ranks(out.pp, out.pp))),
                  params=params, files=files,
                  extra=CheckpointExtra(converted_from={"format": src.format, "path": str(src.root)},
-                                       tokenizer=tokenizer, attached=attached, token_ids=source_token_ids(src) or None))
+                                       tokenizer=tokenizer, attached=attached, token_ids=token_ids or None))
     m.validate()
     return write_text(tmp / MANIFEST_NAME, m.to_json())
 
@@ -183,6 +183,7 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
     sharded = settings.sharded
     _check_out_dir(src, out_dir, overwrite)
     plan, store = open_source(src, settings.source_format, vocab_size=settings.vocab_size, model_config=model_config)
+    token_ids = source_token_ids(plan)
     with store:
         check_shapes(plan)
         try:
@@ -213,9 +214,10 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
             tok_files, tok_record, tok_infos = copy_tokenizer_files(plan, tmp, byte_files=not sharded)
             if sharded:
                 written += tok_files
-                written.append(_write_manifest(tmp, plan, out, tokenizer=tok_record.tokenizer, attached=tok_infos))
+                written.append(_write_manifest(tmp, plan, out, tokenizer=tok_record.tokenizer, attached=tok_infos,
+                                               token_ids=token_ids))
             else:
-                written += _write_unified_meta(tmp, plan, out) + tok_files
+                written += _write_unified_meta(tmp, plan, out, token_ids=token_ids) + tok_files
             provenance = Provenance(
                 source=SourceInfo(plan.format, str(plan.root.resolve()), plan.step, plan.layout,
                                   digests if verify else dict(sorted(plan.expected_sha256.items())),
@@ -239,6 +241,6 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
                "output": out.kind, "tp": out.tp, "pp": out.pp, "tensors": len(plan.tensors),
                "bytes": total, "files": len(out.files), "wall_s": round(wall, 3),
                "gb_per_s": round(total / wall / 1e9, 3) if wall > 0 else None,
-               "tokenizer": tok_record.tokenizer, "stop_ids": source_token_ids(plan).get("eos_token_id"),
+               "tokenizer": tok_record.tokenizer, "stop_ids": token_ids.get("eos_token_id"),
                "nonfinite": sorted(nonfinite), "nonfinite_checked": "all" if verify or not headers else "assembled tensors only"}
     return ConvertResult(out_dir=out_dir, files=files, summary=summary)

@@ -70,9 +70,8 @@ def copy_tokenizer_files(plan: SourcePlan, dest: Path, *, byte_files: bool = Tru
     as attached); a titan source's sha256s are checked against its manifest.
     """
     todo = plan_tokenizer_files(plan)
-    expected = {}
-    if plan.format == "titan" and todo:
-        expected = {n: v.sha256 for n, v in Manifest.load(plan.root).extra.attached.items()}
+    extra = Manifest.load(plan.root).extra if plan.format == "titan" else None
+    expected = {n: v.sha256 for n, v in extra.attached.items()} if extra is not None else {}
     written, digests = [], {}
     for name, src in todo.items():
         path = dest / name
@@ -82,7 +81,7 @@ def copy_tokenizer_files(plan: SourcePlan, dest: Path, *, byte_files: bool = Tru
             raise UserError(f"{src}: sha256 {digests[name][:12]}... but {Path(plan.root) / MANIFEST_NAME} "
                             f"records {expected[name][:12]}...; the file was replaced. Copy the checkpoint again")
         written.append(path)
-    byte = plan.format == "titan" and Manifest.load(plan.root).extra.tokenizer == "byte"
+    byte = extra is not None and extra.tokenizer == "byte"
     kind = "tokenizer.json" if "tokenizer.json" in todo else "byte" if byte else None
     if kind == "byte" and byte_files:  # the byte tokenizer in Hugging Face's form, so AutoTokenizer loads the model dir
         from titan_pipe.atomic import write_text

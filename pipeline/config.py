@@ -27,6 +27,7 @@ from titan_pipe.errors import UserError
 from titan_pipe.flow_yaml import FlowYamlError, load_flow_text
 from titan_pipe.model.args import FIELD_BOUNDS, FLAVOURS, SCALING_BOUNDS, ModelArgs, RopeScaling, args_problems, resolve_args
 from titan_pipe.model.sharding import stages_per_rank, tp_problems
+from titan_pipe.model.stated import checkpoint_args, stated_conflicts, with_training_fields
 from titan_pipe.mesh_math import n_microbatches, world_size
 from titan_pipe.run_dir import run_name_problem, suggest_run_name
 
@@ -524,8 +525,6 @@ def _hold_checkpoint_model(cfg: FlowConfig, base: Path) -> list[str]:
     """With init_from, the model is the checkpoint's: read it (config.json or the manifest, no tensor
     data), refuse every value flow.yaml states that differs (titan_pipe.model.stated), and hold it
     as ``cfg.model.args()``. A missing init_from is _cross_checks' line."""
-    from titan_pipe.model.stated import checkpoint_args, stated_conflicts, with_training_fields
-
     path = init_from_path(cfg, base)
     if path is None or not path.exists():
         return []

@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import (MANIFEST_NAME, OPTIMIZER_STATE_COPIES, Manifest, checkpoint_bytes,
+from titan_pipe.checkpoint_format import (OPTIMIZER_STATE_COPIES, Manifest, checkpoint_bytes,
                                           checkpoints_written, is_complete, newest_complete, step_dirs)
-from titan_pipe.config import ConfigError, FlowConfig
+from titan_pipe.config import ConfigError, FlowConfig, init_from_path
 from titan_pipe.errors import UserError
 from titan_pipe.faults import free_bytes, human
-from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, count_params, model_differences
-from titan_pipe.model.unified_dir import read_model_args
+from titan_pipe.model.args import SHAPE_KEYS, count_params, model_differences
+from titan_pipe.model.stated import checkpoint_args
 
 # Raw text whose token count its size cannot settle is tokenized here exactly as data prepare will,
 # up to this size; a larger corpus is left to the trainer's own check.
@@ -122,31 +122,18 @@ def compile_problem(cfg: FlowConfig) -> str | None:
     return backend_problem(cfg.train.compile_backend, "cpu")
 
 
-def model_of(path: Path) -> ModelArgs:
-    """The model a checkpoint step dir (or a run dir: its newest complete step) or a unified /
-    Hugging Face model dir holds, from its manifest or config.json alone (no weights read)."""
-    step = path if is_complete(path) else newest_complete(path)
-    if step is not None:
-        m = Manifest.load(step)
-        return ModelArgs.from_dict(m.model, source=step / MANIFEST_NAME)
-    return read_model_args(path)
-
-
 def shape_problem(what: str, path: Path, cfg: FlowConfig, fix: str) -> str | None:
     """Why the weights at ``path`` (named ``what`` in the message) cannot start flow.yaml's model."""
     try:
-        diffs = model_differences(model_of(path), cfg.model.args(), keys=SHAPE_KEYS, labels=("there", "in flow.yaml"))
-    except (UserError, ValueError) as e:  # LayoutError is a UserError; model_of's ModelArgs a ValueError
+        diffs = model_differences(checkpoint_args(path), cfg.model.args(), keys=SHAPE_KEYS, labels=("there", "in flow.yaml"))
+    except (UserError, ValueError) as e:  # LayoutError is a UserError; checkpoint_args' ModelArgs a ValueError
         return f"{what}: {str(e).splitlines()[0]}"
     return f"{what}: {path} holds another model shape ({'; '.join(diffs)}); {fix}" if diffs else None
 
 
 def init_from_problem(cfg: FlowConfig, base: Path) -> str | None:
-    if cfg.init_from is None:
-        return None
-    path = Path(cfg.init_from).expanduser()
-    return shape_problem("init_from", path if path.is_absolute() else base / path, cfg,
-                         "set model.* in flow.yaml to match it")
+    path = init_from_path(cfg, base)
+    return None if path is None else shape_problem("init_from", path, cfg, "set model.* in flow.yaml to match it")
 
 
 def resume_problem(cfg: FlowConfig) -> str | None:

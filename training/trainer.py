@@ -193,10 +193,7 @@ class Trainer:
 
     def _weights(self, latest: Path | None, base: Path):
         """The weights to start from: the resumed checkpoint, else init_from, else none (seeded init)."""
-        source = latest
-        if source is None and self.cfg.init_from is not None:
-            init_from = Path(self.cfg.init_from)
-            source = init_from if init_from.is_absolute() else base / init_from
+        source = latest if latest is not None else init_from_path(self.cfg, base)
         if source is None:
             return None
         weights = open_weights(source)
