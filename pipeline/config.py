@@ -415,8 +415,8 @@ class FlowConfig(Section):
     def export_settings(self) -> ExportConfig:
         """The export section as the flow runs it: a decode cache left unset is sized to what the run
         uses (train.seq_len, export.seq_len + 1, evaluate's prompt + new tokens), within the model's
-        positions and choices.EXPORT's default cap, not always that cap (4,096 slots made each decoded
-        token ~5x slower than a cache sized to the run)."""
+        positions and choices.EXPORT's default cap, not always that cap (every decode step attends
+        over all the cache's slots)."""
         e = self.export
         if e.cache_len is not None or not e.kv_cache:
             return e
