@@ -9,6 +9,10 @@ RoPE scaling) in bf16 autocast over fp32 master weights, AdamW, clipping, batch 
   trainer           titan_pipe.training.trainer.train at dp=tp=pp=1 (one-rank process group)
   trainer_compiled  the same with train.compile: true (inductor on cuda)
   trainer_float8    compiled, with precision.float8: tensorwise (torchao; compute capability 9.0+)
+  trainer_compiled_other_loss
+                    compiled, with the loss form train.loss: auto did not pick (chunked vs full): the
+                    ratios then say which is faster at equal losses (``faster_loss``, what the
+                    device's profile records for auto to follow)
   kernels           first: the training kernels against the reference ones on the device, forward
                     and gradient (RMSNorm, RoPE, GQA attention with and without a window, packed
                     documents through flex attention, the experts' grouped GEMM against the loop)
@@ -17,8 +21,12 @@ RoPE scaling) in bf16 autocast over fp32 master weights, AdamW, clipping, batch 
 each for --steps steps; tokens/s and MFU from the steady steps (after two warm-up steps and any
 step that compiled); then the trainer's last checkpoint goes through convert, export (float32
 graphs) and evaluate with the PyTorch reference on the device (--device cuda) against ONNX Runtime.
-Writes OUT/device_check.json with every figure (and each phase's seconds, or its error) and prints
-the ratios. A phase that fails is recorded and the next one still runs; the exit code is 1 then.
+Writes OUT/device_check.json after every phase (each phase's figures and seconds, or its error), so
+a call cut short keeps what finished; ``complete`` turns true at the end, with the ratios. A phase
+that fails is recorded and the next one still runs. The exit code is 1 when a phase failed, a
+kernel is out of bound, evaluate did not PASS, or a requested phase could not run (on the device
+torchtitan and float8 are requested: a missing harness or torchao fails the call, its reason in
+the JSON; --require/--only choose others). PHASE_BUDGET_S is the plan for an H200: 450 s in all.
 
 --dry-run does the same on the CPU with the debug model (GQA, scaled RoPE, so every path the real
 run takes is taken) in seconds, compiling with aot_eager; the float8 phase records the one line that
@@ -27,7 +35,7 @@ wheels for the GPU machine); tests/test_device_check.py runs it so the script ca
 carry there. Budget on an H200: well inside 8 minutes (model build, 3 x 12 steps, one inductor
 compile, ~15 GB of checkpoint, unified model and ONNX data written and read).
 
-    python benchmarks/device_check.py [--dry-run] [--out DIR] [--steps N]
+    python benchmarks/device_check.py [--dry-run] [--out DIR] [--steps N] [--peer DIR] [--only P,..] [--require P,..]
 """
 from __future__ import annotations
 
@@ -58,12 +66,18 @@ SPECS = {
     "dry-run": {"device": "cpu", "model": DEBUG_LIKE, "batch": 2, "seq": 32, "steps": 3, "backend": "aot_eager"},
 }
 WARMUP = 2  # steps left out of the figures (allocator, kernel selection, the first compile)
+# The phase budget on an H200 (seconds; a plan, not yet a measurement): 450 in all, inside the
+# 8-minute call. A phase over its budget is marked in the JSON; a phase that would start with less
+# than its budget left before --deadline is skipped with that reason (a requested one fails the call).
+PHASE_BUDGET_S = {"kernels": 15, "loop": 25, "trainer": 30, "trainer_compiled": 70, "trainer_float8": 70,
+                  "torchtitan": 120, "trainer_compiled_other_loss": 60, "deploy": 60}
+LOSS_FORM_BOUND = 0.01  # chunked vs full loss: each step's loss within 1 % (bf16 autocast, same data and seed)
 FLOAT8_LOSS_BOUND = 0.05  # float8's loss at each step within 5 % of bf16's (same data, seed and steps)
 
 
-def flow_dict(spec: dict, name: str, work: Path, *, compile: bool, float8: str = "none") -> dict:
+def flow_dict(spec: dict, name: str, work: Path, *, compile: bool, float8: str = "none", loss: str = "auto") -> dict:
     train = {"steps": spec["steps"], "batch_size": spec["batch"], "seq_len": spec["seq"], "warmup_steps": 2,
-             "grad_clip": 1.0, "seed": 0, "optimizer": {"name": "adamw", "lr": 3e-4}}
+             "grad_clip": 1.0, "seed": 0, "optimizer": {"name": "adamw", "lr": 3e-4}, "loss": loss}
     if compile:
         train.update(compile=True, compile_backend=spec["backend"])
     return {"name": name, "runs_dir": str(work / "runs"), "device": spec["device"], "model": spec["model"], "train": train,
@@ -104,7 +118,7 @@ def steady(records: list[dict], tokens_per_step: int) -> dict:
             "losses": [r["loss"] for r in records]}
 
 
-def run_trainer(spec: dict, work: Path, *, compile: bool, float8: str = "none") -> dict:
+def run_trainer(spec: dict, work: Path, *, compile: bool, float8: str = "none", loss: str = "auto") -> dict:
     from titan_pipe.config import parse_flow
     from titan_pipe.training.float8 import float8_problem
     from titan_pipe.training.metrics import step_records
@@ -114,12 +128,32 @@ def run_trainer(spec: dict, work: Path, *, compile: bool, float8: str = "none") 
         why = float8_problem(float8, spec["device"])
         if why:
             return {"skipped": why}
-    name = "trainer_float8" if float8 != "none" else "trainer_compiled" if compile else "trainer"
-    cfg = parse_flow(flow_dict(spec, name, work, compile=compile, float8=float8), base=work)
+    name = ("trainer_float8" if float8 != "none" else "trainer_compiled" if compile else "trainer") + \
+        ("_full_loss" if loss == "full" else "")
+    cfg = parse_flow(flow_dict(spec, name, work, compile=compile, float8=float8, loss=loss), base=work)
     summary = train(cfg, base=work)
     out = steady(step_records(cfg.run_dir() / "metrics.jsonl"), spec["batch"] * spec["seq"])
-    out.update(checkpoint=summary["checkpoint"], peak_flops_source=summary["peak_flops_source"])
+    out.update(checkpoint=summary["checkpoint"], peak_flops_source=summary["peak_flops_source"],
+               loss_form=loss_form(loss, spec))
     return out
+
+
+def loss_form(choice: str, spec: dict) -> str:
+    """The loss the trainer computes for ``choice`` at dp = tp = pp = 1 on this device: "chunked"
+    (fused with the output projection) or "full" (auto follows the profile's measured faster_loss)."""
+    from titan_pipe.devices import resolve_device
+    from titan_pipe.training.metrics import measured_loss
+    from titan_pipe.training.trainer import resolve_loss
+
+    measured = measured_loss(resolve_device(spec["device"])) if choice == "auto" else None
+    return "chunked" if resolve_loss(choice, tp=1, pp=1, measured=measured) else "full"
+
+
+def run_other_loss(spec: dict, work: Path, compiled: dict) -> dict:
+    """The compiled trainer with the loss form auto did not pick (the chunked-vs-full comparison)."""
+    if "loss_form" not in compiled:
+        return {"skipped": "the compiled trainer phase did not finish, so there is nothing to compare with"}
+    return run_trainer(spec, work, compile=True, loss="full" if compiled["loss_form"] == "chunked" else "chunked")
 
 
 def run_loop(spec: dict, work: Path) -> dict:
@@ -247,7 +281,8 @@ def run_kernels(spec: dict, work: Path) -> dict:
     import torch
 
     from titan_pipe.model.kernels import (attention_documents_flex, attention_ref, experts_grouped,
-                                          experts_loop, reference_kernels, torch_fused_kernels)
+                                          experts_grouped_padded, experts_loop, reference_kernels,
+                                          torch_fused_kernels)
 
     dev = torch.device(spec["device"])
     ref, fused = reference_kernels(), torch_fused_kernels()
@@ -300,22 +335,72 @@ def run_kernels(spec: dict, work: Path) -> dict:
     w2 = torch.randn(E, dim, hidden, generator=g) / hidden ** 0.5
     check("experts bfloat16", lambda a, b, c, d: experts_loop(a, counts, b, c, d),
           lambda a, b, c, d: experts_grouped(a, counts, b, c, d), [tokens, w1, w3, w2], torch.bfloat16)
+    if hasattr(torch, "_grouped_mm"):  # real routing: one expert takes most tokens, two none, no count a multiple of 8
+        skewed = torch.tensor([1, 0, 3, 497, 0, 5, 3, 3]).to(dev)
+        check("experts grouped, skewed routing, bfloat16", lambda a, b, c, d: experts_loop(a, skewed, b, c, d),
+              lambda a, b, c, d: experts_grouped_padded(a, skewed, b, c, d), [tokens, w1, w3, w2], torch.bfloat16)
     grouped = dev.type == "cuda" and torch.cuda.get_device_capability(dev) >= (9, 0)
     return {"rows": rows, "all_ok": all(r["ok"] for r in rows.values()),
             "experts_path": "torch._grouped_mm" if grouped else "the per-expert loop (no SM 9.0 GPU)"}
 
 
-def phase(results: dict, name: str, fn, *args, **kwargs):
-    """Run one phase; record its seconds and result, or its error (the next phase still runs)."""
-    print(f"-- {name}", flush=True)
-    t = time.perf_counter()
-    try:
-        results[name] = fn(*args, **kwargs)
-    except Exception as e:  # a lease is minutes long: keep what the other phases measure
-        results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
-        print(results[name]["traceback"], file=sys.stderr, flush=True)
-    results[name]["seconds"] = time.perf_counter() - t
-    return results[name]
+class Report:
+    """device_check.json, rewritten (to a temporary name, then renamed) after every phase: a call cut
+    short by its time limit still leaves each finished phase's figures behind."""
+
+    def __init__(self, path: Path, spec: dict, required: set[str]) -> None:
+        self.path, self.t0 = path, time.perf_counter()
+        self.data = {"spec": spec, "environment": environment(spec), "required": sorted(required),
+                     "phases": {}, "complete": False}
+        self.required = required
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.write()
+
+    @property
+    def phases(self) -> dict:
+        return self.data["phases"]
+
+    def write(self) -> None:
+        self.data["total_s"] = time.perf_counter() - self.t0
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.path)
+
+    def phase(self, name: str, fn, *args, **kwargs) -> dict:
+        """Run one phase; record its seconds and result, or its error (the next phase still runs);
+        mark a requested phase that could not run, and one over its budget; write the file."""
+        print(f"-- {name}", flush=True)
+        t = time.perf_counter()
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as e:  # a lease is minutes long: keep what the other phases measure
+            result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+            print(result["traceback"], file=sys.stderr, flush=True)
+        result["seconds"] = time.perf_counter() - t
+        if name in self.required:
+            result["required"] = True
+        budget = PHASE_BUDGET_S.get(name)
+        if self.data["spec"]["device"] != "cpu" and budget and result["seconds"] > budget:
+            result["over_budget_s"] = budget
+        self.phases[name] = result
+        self.write()
+        return result
+
+    def failures(self) -> list[str]:
+        """What makes the call exit 1: a phase that raised, a requested phase skipped (with its reason),
+        a kernel out of bound, an evaluate verdict that is not PASS, float8's loss off bf16's."""
+        phases = self.phases
+        failed = [f"{n}: {r['error']}" for n, r in phases.items() if "error" in r]
+        failed += [f"{n} was requested but could not run: {r['skipped']}" for n, r in phases.items()
+                   if "skipped" in r and n in self.required]
+        failed += [f"{n} not run" for n in sorted(self.required - set(phases))]
+        if "deploy" in phases and not phases["deploy"].get("evaluate_passed") and "error" not in phases["deploy"]:
+            failed.append("deploy: evaluate verdict not PASS")
+        failed += [f"kernel {k} out of bound" for k, r in phases.get("kernels", {}).get("rows", {}).items() if not r["ok"]]
+        f8 = self.data.get("ratios", {}).get("float8_loss_max_rel_diff")
+        if f8 is not None and f8 > FLOAT8_LOSS_BOUND:
+            failed.append(f"float8 loss {f8:.3f} off bf16's (bound {FLOAT8_LOSS_BOUND})")
+        return failed
 
 
 def _figures(r: dict, name: str) -> dict | None:
@@ -346,6 +431,17 @@ def ratios(r: dict) -> dict:
     f8, bf = _figures(r, "trainer_float8"), _figures(r, "trainer_compiled")
     if f8 is not None and bf is not None:
         out["float8_loss_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(f8["losses"], bf["losses"]))
+    other = _figures(r, "trainer_compiled_other_loss")
+    if other is not None and bf is not None:
+        forms = {bf["loss_form"]: bf, other["loss_form"]: other}
+        if set(forms) == {"chunked", "full"}:
+            full, chunked = forms["full"], forms["chunked"]
+            diff = max(abs(a - b) / abs(b) for a, b in zip(full["losses"], chunked["losses"]))
+            out.update(full_vs_chunked_loss_tokens_per_s=full["tokens_per_s"] / chunked["tokens_per_s"],
+                       full_vs_chunked_loss_peak_mem=full["peak_mem_gb"] / chunked["peak_mem_gb"],
+                       loss_form_max_rel_diff=diff)
+            if diff <= LOSS_FORM_BOUND:  # what train.loss: auto should follow here (the profile's faster_loss)
+                out["faster_loss"] = "full" if full["tokens_per_s"] > chunked["tokens_per_s"] else "chunked"
     return out
 
 
@@ -366,7 +462,7 @@ def print_summary(report: dict) -> None:
     for name, r in kern.get("rows", {}).items():
         grad = f", grad {r['grad']:.1e}" if "grad" in r else ""
         print(f"{'kernel':>17}: {name}: forward {r['forward']:.1e}{grad} {'ok' if r['ok'] else 'OUT OF BOUND'}")
-    for name in ("loop", "trainer", "trainer_compiled", "trainer_float8"):
+    for name in ("loop", "trainer", "trainer_compiled", "trainer_compiled_other_loss", "trainer_float8"):
         r = report["phases"].get(name, {})
         if "error" in r:
             print(f"{name:>17}: FAILED {r['error']}")
@@ -374,19 +470,26 @@ def print_summary(report: dict) -> None:
             print(f"{name:>17}: skipped: {r['skipped']}")
         elif r:
             mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+            form = f", {r['loss_form']} loss" if "loss_form" in r else ""
             print(f"{name:>17}: {r['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, step {r['step_s'] * 1e3:.1f} ms, "
-                  f"peak {r['peak_mem_gb']:.1f} GB, compile {r['compile_s']:.1f} s")
+                  f"peak {r['peak_mem_gb']:.1f} GB, compile {r['compile_s']:.1f} s{form}")
     peer = report["phases"].get("torchtitan", {})
     if "skipped" in peer or "error" in peer:
         print(f"{'torchtitan':>17}: {'skipped: ' + peer['skipped'] if 'skipped' in peer else 'FAILED ' + peer['error']}")
     for mode, rec in peer.get("modes", {}).items():
         print(f"{'torchtitan ' + mode:>17}: " + (f"FAILED {rec['error']}" if "error" in rec else
                                                  f"{rec['tokens_per_s']:,.0f} tokens/s, peak {rec['peak_mem_gb']:.1f} GB"))
-    print("ratios: " + ", ".join(f"{k} {v:.3f}" if v is not None else f"{k} n/a" for k, v in report["ratios"].items()))
-    d = report["phases"].get("deploy", {"error": "not run: the trainer wrote no checkpoint"})
-    print("deploy: " + (f"FAILED {d['error']}" if "error" in d else
+    print("ratios: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v if v is not None else 'n/a'}"
+                                 for k, v in report["ratios"].items()))
+    d = report["phases"].get("deploy", {"skipped": "not run"})
+    print("deploy: " + (f"FAILED {d['error']}" if "error" in d else f"skipped: {d['skipped']}" if "skipped" in d else
                         f"convert {d['convert_s']:.1f} s, export {d['export_s']:.1f} s, evaluate {d['evaluate_s']:.1f} s, "
                         f"passed {d['evaluate_passed']}"))
+
+
+PHASES = ("kernels", "loop", "trainer", "trainer_compiled", "trainer_float8", "torchtitan",
+          "trainer_compiled_other_loss", "deploy")
+REQUIRED_ON_DEVICE = {"torchtitan", "trainer_float8"}  # the figures the call is for: their absence fails it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,41 +500,56 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the scratch dir (checkpoint, model, ONNX, report)")
     ap.add_argument("--peer", type=Path, default=None, help="the torchtitan harness dir (default: .peers/torchtitan, "
                                                             "then ../shared/peers/torchtitan)")
+    ap.add_argument("--only", default=None, help=f"comma-separated phases to run (default all: {', '.join(PHASES)})")
+    ap.add_argument("--require", default=None, help="comma-separated phases whose absence fails the call (default "
+                                                    f"on the device: {', '.join(sorted(REQUIRED_ON_DEVICE))}; dry run: none)")
+    ap.add_argument("--deadline", type=float, default=470.0, help="seconds: a phase whose budget no longer fits is "
+                                                                   "skipped with that reason (device runs only)")
     a = ap.parse_args(argv)
     spec = dict(SPECS["dry-run" if a.dry_run else "device"])
     spec["steps"] = a.steps or spec["steps"]
-    t0 = time.perf_counter()
+    only = set(a.only.split(",")) if a.only else set(PHASES)
+    required = set(a.require.split(",")) if a.require else (set() if a.dry_run else set(REQUIRED_ON_DEVICE))
+    unknown = (only | required) - set(PHASES)
+    if unknown:
+        ap.error(f"unknown phase(s) {', '.join(sorted(unknown))}; the phases: {', '.join(PHASES)}")
     init_group(spec["device"])
-    report = {"spec": spec, "environment": environment(spec), "phases": {}}
+    report = Report(a.out / "device_check.json", spec, required & only)
     work = Path(tempfile.mkdtemp(prefix="titan-device-check-"))
-    phases = report["phases"]
-    phase(phases, "kernels", run_kernels, spec, work)
-    for name, fn, kwargs in (("loop", run_loop, {}), ("trainer", run_trainer, {"compile": False}),
-                             ("trainer_compiled", run_trainer, {"compile": True}),
-                             ("trainer_float8", run_trainer, {"compile": True, "float8": "tensorwise"})):
-        phase(phases, name, fn, spec, work, **kwargs)
+    phases = report.phases
+    steps = {"kernels": (run_kernels, (spec, work), {}), "loop": (run_loop, (spec, work), {}),
+             "trainer": (run_trainer, (spec, work), {"compile": False}),
+             "trainer_compiled": (run_trainer, (spec, work), {"compile": True}),
+             "trainer_float8": (run_trainer, (spec, work), {"compile": True, "float8": "tensorwise"}),
+             # after ours: its wheels go to a site dir of its own
+             "torchtitan": (run_peer, (spec, work, a.peer), {}),
+             "trainer_compiled_other_loss": (lambda: run_other_loss(spec, work, phases.get("trainer_compiled", {})), (), {}),
+             "deploy": (lambda: run_deploy(spec, work, phases["trainer"]["checkpoint"]) if "checkpoint" in
+                        phases.get("trainer", {}) else {"skipped": "the trainer phase wrote no checkpoint"}, (), {})}
+    for name in PHASES:
+        if name not in only:
+            continue
+        left = a.deadline - (time.perf_counter() - report.t0)
+        if spec["device"] != "cpu" and left < PHASE_BUDGET_S[name]:
+            report.phase(name, lambda: {"skipped": f"{left:.0f} s left before the {a.deadline:.0f} s deadline, "
+                                                   f"under the phase's {PHASE_BUDGET_S[name]} s budget"})
+            continue
+        fn, args, kwargs = steps[name]
+        report.phase(name, fn, *args, **kwargs)
         release(spec["device"])
-    phase(phases, "torchtitan", run_peer, spec, work, a.peer)  # after ours: its wheels go to a site dir of its own
-    if "checkpoint" in phases["trainer"]:
-        phase(phases, "deploy", run_deploy, spec, work, phases["trainer"]["checkpoint"])
-    report["ratios"] = ratios(phases)
-    report["total_s"] = time.perf_counter() - t0
-    failed = [n for n, r in phases.items() if "error" in r] + ([] if phases.get("deploy", {}).get("evaluate_passed")
-                                                              else ["evaluate verdict"])
-    failed += [f"kernel {k}" for k, r in phases["kernels"].get("rows", {}).items() if not r["ok"]]
-    f8 = report["ratios"].get("float8_loss_max_rel_diff")
-    if f8 is not None and f8 > FLOAT8_LOSS_BOUND:
-        failed.append(f"float8 loss {f8:.3f} off bf16's (bound {FLOAT8_LOSS_BOUND})")
-    report["failed"] = failed
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "device_check.json").write_text(json.dumps(report, indent=1, default=str))
-    print_summary(report)
-    print(f"wrote {a.out / 'device_check.json'} ({report['total_s']:.0f} s)")
+    report.data["ratios"] = ratios(phases)
+    report.data["failed"] = report.failures()
+    report.data["complete"] = True
+    report.write()
+    print_summary(report.data)
+    for line in report.data["failed"]:
+        print(f"FAILED: {line}")
+    print(f"wrote {report.path} ({report.data['total_s']:.0f} s)")
     if a.keep:
         print(f"kept {work}")
     else:
         shutil.rmtree(work, ignore_errors=True)
-    return 1 if failed else 0
+    return 1 if report.data["failed"] else 0
 
 
 if __name__ == "__main__":

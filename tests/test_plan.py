@@ -354,6 +354,13 @@ def test_calibrate_from_a_device_check_sets_the_efficiency_that_reproduces_it(tm
     r = runner.invoke(app, ["plan", "--model", "llama3_8b", "--devices", "8", "--device", "h200",
                             "--calibrate", str(tmp_path / "bad.json")])
     assert r.exit_code == 1 and "not a device_check.json" in r.output
+    # the dry run's figures (measured on this CPU) are refused for a GPU, in one line
+    report.write_text(json.dumps({"spec": {"model": model, "batch": 8, "seq": 2048, "device": "cpu"},
+                                  "phases": {"trainer": {"tokens_per_s": 900, "peak_mem_gb": 1.5}}}))
+    r = runner.invoke(app, ["plan", "--model", "llama3_8b", "--devices", "8", "--device", "h200",
+                            "--calibrate", str(report)])
+    assert r.exit_code == 1 and "measured on cpu, and h200 is an accelerator" in r.output
+    assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
 
 
 @pytest.mark.parametrize("ep", [1, 2, 4])

@@ -162,6 +162,19 @@ def peak_flops(device: Device, dtype: torch.dtype) -> tuple[float | None, str]:
     return profile_peak(name, dtype)
 
 
+def measured_loss(device: Device) -> str | None:
+    """The loss form the device check measured faster on this accelerator (``faster_loss`` in its
+    profile: "full" or "chunked"), or None where none was measured (CPU, an unknown device, a
+    profile without the figure): what ``train.loss: auto`` follows."""
+    if device.type == "cpu":
+        return None
+    try:
+        key = match_device_name(accelerator_name(device))
+    except Exception:  # a runtime that cannot name its device: nothing measured for it
+        return None
+    return get_profile(key).get("faster_loss") if key else None
+
+
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None) -> float | None:
     """Model FLOPs utilisation: achieved FLOP/s over peak (a fraction, not a percentage).
 

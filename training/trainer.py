@@ -55,11 +55,13 @@ def loss_fn(logits: torch.Tensor, labels: torch.Tensor, denom: float | None = No
     return cross_entropy(logits, labels, denom=denom)
 
 
-def resolve_loss(choice: str, *, tp: int, pp: int) -> bool:
-    """Whether the loss is fused with the output projection (titan_pipe.model.loss): auto where the
-    model's last part computes it in its own forward with a plain output weight (tp = pp = 1)."""
+def resolve_loss(choice: str, *, tp: int, pp: int, measured: str | None = None) -> bool:
+    """Whether the loss is fused with the output projection (titan_pipe.model.loss). ``auto``: fused
+    where the model's last part computes it in its own forward with a plain output weight (tp = pp
+    = 1), unless ``measured`` (the device profile's ``faster_loss``, from the device check's loss
+    phase) says the full loss was faster there at equal results."""
     if choice == "auto":
-        return tp == 1 and pp == 1
+        return tp == 1 and pp == 1 and measured != "full"
     return choice == "chunked"
 
 
@@ -250,7 +252,16 @@ class Trainer:
 
     def _setup_loss(self) -> None:
         p = self.cfg.parallel
-        self.chunked_loss = resolve_loss(self.cfg.train.loss, tp=p.tp, pp=p.pp)
+        self.chunked_loss = resolve_loss(self.cfg.train.loss, tp=p.tp, pp=p.pp, measured=metrics.measured_loss(self.device))
+        self.loss_of = loss_fn
+        if self.cfg.train.compile:  # the loss compiled with the blocks' backend (not over tp's DTensor logits)
+            from titan_pipe.model.loss import CompiledLoss
+
+            compiled = CompiledLoss(resolve_backend(self.cfg.train.compile_backend, self.device.type))
+            for module in self.model.modules:
+                unwrap(module).loss_chunk = compiled.chunk
+            if p.tp == 1:
+                self.loss_of = lambda logits, labels, denom=None: compiled.full(logits, labels, denom=denom)
         self.balance_reduce = None
         if self.args.moe and p.dp > 1:  # the load-balancing loss of the whole batch, not of each rank's part
             from titan_pipe.training.moe_balance import batch_balance
@@ -266,9 +277,9 @@ class Trainer:
         """The loss of one microbatch on the last stage: cross entropy, plus for a mixture of experts
         the load-balancing loss of every stage's routers from the statistics the stages carried."""
         if not isinstance(out, tuple):
-            return loss_fn(out, labels, self.denom)
+            return self.loss_of(out, labels, self.denom)
         logits, assigned, prob = out
-        loss = loss_fn(logits, labels, self.denom)
+        loss = self.loss_of(logits, labels, self.denom)
         a = self.args
         if not a.router_aux_loss_coef:
             return loss
@@ -320,7 +331,7 @@ class Trainer:
             if self.chunked_loss:  # fused with the output projection: no full float32 logits (+ the MoE's aux loss)
                 loss = part(inputs, labels=labels, loss_denom=self.denom, **extra)
             else:
-                loss = loss_fn(part(inputs, **extra), labels, self.denom)
+                loss = self.loss_of(part(inputs, **extra), labels, self.denom)
                 aux = unwrap(part).aux_loss()  # a mixture of experts' load-balancing term
                 loss = loss if aux is None else loss + aux
         self.scaler.scale_loss(loss).backward()  # outside autocast, as torch.amp recommends

@@ -92,17 +92,47 @@ def experts_loop(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: to
     return torch.cat(out)
 
 
+GROUP_ALIGN = 16  # rows: each expert's group starts on a multiple of 16 (bf16 and float8 grouped GEMMs on Hopper)
+
+
+def grouped_rows(counts: torch.Tensor, n: int, align: int = GROUP_ALIGN) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each of ``n`` tokens sorted by expert sits once every expert's group is padded to a
+    multiple of ``align`` rows (an empty expert gets ``align`` zero rows, never an empty group):
+    (destination row of each token (n,), the padded groups' end offsets (E,) int32, the padded
+    buffer's rows). The buffer's size is the bound n + E * align, not the routing's: the same
+    shapes every step, no host sync. torch._grouped_mm's CUDA kernels want group starts aligned
+    (torchtitan pads the same way); unpadded counts from real routing can trip a device assert."""
+    e = counts.shape[0]
+    counts = counts.to(torch.int64)
+    padded = torch.clamp_min((counts + align - 1) // align * align, align)
+    pad_end = torch.cumsum(padded, 0)
+    pad_start, start = pad_end - padded, torch.cumsum(counts, 0) - counts
+    expert = torch.repeat_interleave(torch.arange(e, device=counts.device), counts, output_size=n)
+    dest = torch.arange(n, device=counts.device) - start[expert] + pad_start[expert]
+    return dest, pad_end.to(torch.int32), n + e * align
+
+
+def experts_grouped_padded(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                           w2: torch.Tensor, align: int = GROUP_ALIGN) -> torch.Tensor:
+    """The experts through torch._grouped_mm on groups padded to ``align`` rows (grouped_rows): the
+    tokens are scattered into a zero buffer, the three grouped GEMMs run on it, the tokens' rows
+    are gathered back. Padding rows are zeros (their SwiGLU output is 0), take no part in the
+    weights' gradients and are never read; rows past the last group are outside every group."""
+    dest, offs, rows = grouped_rows(counts, x.shape[0], align)
+    xp = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x)
+    gate = torch._grouped_mm(xp, w1.transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(xp, w3.transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs).index_select(0, dest)
+
+
 def experts_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                     w2: torch.Tensor) -> torch.Tensor:
-    """The same experts as one grouped matrix multiply per projection (torch._grouped_mm: CUDA with
-    compute capability 9.0+, bfloat16); elsewhere the per-expert loop."""
+    """The same experts as one grouped matrix multiply per projection (torch._grouped_mm on padded
+    groups: CUDA with compute capability 9.0+, bfloat16); elsewhere the per-expert loop."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(x.device) >= (9, 0)):
         return experts_loop(x, counts, w1, w3, w2)
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs)
-    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+    return experts_grouped_padded(x, counts, w1, w3, w2)
 
 
 @dataclass(frozen=True)

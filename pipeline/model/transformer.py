@@ -275,6 +275,7 @@ class Transformer(nn.Module):
         # hidden state, so the last stage computes the load-balancing loss of every stage's routers
         # and its gradient flows back to each (balance_loss).
         self.carry_balance = False
+        self.loss_chunk = None  # the fused loss's chunk step when compiled (model.loss.CompiledLoss); None: eager
         cos, sin = rope_cos_sin(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -312,7 +313,7 @@ class Transformer(nn.Module):
         if isinstance(self.output.weight, DTensor) or isinstance(h, DTensor):
             loss = cross_entropy(self.output(h), labels, denom=loss_denom)
         else:
-            loss = linear_cross_entropy(h, self.output.weight, labels, denom=loss_denom)
+            loss = linear_cross_entropy(h, self.output.weight, labels, denom=loss_denom, chunk=self.loss_chunk)
         aux = self.aux_loss()
         return loss if aux is None else loss + aux
 

@@ -24,6 +24,7 @@ class Measurement:
     layout: Layout
     tokens_per_s: float
     peak_mem_bytes: float
+    device: str | None = None  # where it was measured: cpu, cuda, npu (None: not recorded)
 
 
 @dataclass(frozen=True)
@@ -75,12 +76,15 @@ def read_measurement(path: Path, *, phase: str = "trainer") -> Measurement:
                             "run dir's metrics.jsonl")
         import yaml
 
-        w, layout = _flow_workload(yaml.safe_load(flow.read_text()), str(flow))
+        data = yaml.safe_load(flow.read_text())
+        w, layout = _flow_workload(data, str(flow))
         recs = step_records(path)
         tps = summarize(path)["tokens_per_s"]
         if not recs or not tps:
             raise UserError(f"--calibrate {path}: no timed steps in it")
-        return Measurement(str(path), w, layout, tps, max(r["peak_mem_mb"] for r in recs) * 2**20)
+        device = data.get("device") if isinstance(data, dict) else None
+        return Measurement(str(path), w, layout, tps, max(r["peak_mem_mb"] for r in recs) * 2**20,
+                           device if isinstance(device, str) else None)
     try:
         report = json.loads(path.read_text())
         spec, figures = report["spec"], report["phases"][phase]
@@ -92,12 +96,16 @@ def read_measurement(path: Path, *, phase: str = "trainer") -> Measurement:
             "train": {"batch_size": spec["batch"], "seq_len": spec["seq"]},
             "precision": {"amp": True, "amp_dtype": "bfloat16"}}
     w, layout = _flow_workload(flow, f"{path} (spec)")
-    return Measurement(f"{path} ({phase})", w, layout, tps, mem)
+    device = spec.get("device")
+    return Measurement(f"{path} ({phase})", w, layout, tps, mem, device if isinstance(device, str) else None)
 
 
 def calibrate(m: Measurement, cluster: Cluster, assume: Assumptions) -> Calibration:
     from titan_pipe.training.planner.search import estimate
 
+    if m.device == "cpu":
+        raise UserError(f"--calibrate {m.source}: measured on cpu, and {cluster.device} is an accelerator; "
+                        "calibrate from a device_check.json or metrics.jsonl measured on that device")
     est = estimate(m.workload, m.layout, replace(cluster, n_devices=m.layout.world), assume, explain=False)
     eff = min(1.0, max(0.01, assume.compute_efficiency * m.tokens_per_s / est.tokens_per_s))
     return Calibration(m, est.tokens_per_s, est.memory.total, eff)
