@@ -235,6 +235,10 @@ def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int
     prompts = rows[:n_prompts, :p].clone()
     marked = None
     if answers is not None:  # chat data: perplexity over the answer tokens
-        marked = list(torch.from_numpy(np.ascontiguousarray(answers[:need])).view(-1, seq_len).split(batch_size))
+        scored = np.ascontiguousarray(answers[:need]).reshape(-1, seq_len)
+        if not scored[:, 1:].any():  # perplexity would be 0/0: refused, not reported as a NaN that fails
+            raise UserError(f"{source}: the {n_batches} x {batch_size} held-out rows of {seq_len} tokens hold no "
+                            "answer token to score; raise evaluate.batches / seq_len or give more held-out data")
+        marked = list(torch.from_numpy(scored).split(batch_size))
         source += " (answer tokens scored)"
     return EvalData(batches, prompts, source, spec, marked)

@@ -76,6 +76,8 @@ DATA_FILES = Bound(1, 64, "an export's weight files: each is written by a thread
 # One record of a data file (a .txt document or a .jsonl line): held in memory whole while parsed.
 RECORD_BYTES = Bound(0, 64 * 2**20, "one document or JSON line of a data file is held in memory whole")
 # A JSON record (config.json, params.json, an index, a manifest, export.json) is read whole.
+TOKENIZER_BYTES = Bound(0, 512 * 2**20, "tokenizer.json files are 2-35 MB (Gemma 3's is 33 MB)")
+TEMPLATE_BYTES = Bound(0, 2**20, "chat templates are 1-30 KB; Qwen3's is 4 KB")
 JSON_BYTES = Bound(0, 256 * 2**20, "a model's JSON records are kilobytes to a few megabytes")
 # Nodes of a flow.yaml once its aliases are expanded: a flow file has a few hundred.
 YAML_NODES = Bound(0, 100_000, "a flow.yaml has a few hundred keys; anchors and aliases are expanded")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import (OPTIMIZER_STATE_COPIES, Manifest, checkpoint_bytes,
+from titan_pipe.checkpoint_format import (MANIFEST_NAME, OPTIMIZER_STATE_COPIES, Manifest, checkpoint_bytes,
                                           checkpoints_written, is_complete, newest_complete, step_dirs)
 from titan_pipe.config import ConfigError, FlowConfig, init_from_path
 from titan_pipe.errors import UserError
@@ -33,7 +33,7 @@ def check_before_launch(cfg: FlowConfig, *, flow_path: Path, resume: bool = Fals
     check a cluster's flow.yaml on a laptop)."""
     base = Path(flow_path).resolve().parent
     lines = [p for p in (runs_dir_problem(cfg), init_from_problem(cfg, base),
-                         resume_problem(cfg) if resume else None, corpus_problem(cfg, base, demo=disk),
+                         resume_problem(cfg, base) if resume else None, corpus_problem(cfg, base, demo=disk),
                          compile_problem(cfg), tensorboard_problem(cfg), float8_launch_problem(cfg) if disk else None,
                          disk_problem(cfg, resume=resume) if disk else None) if p]
     if lines:
@@ -128,7 +128,29 @@ def shape_problem(what: str, path: Path, cfg: FlowConfig, fix: str) -> str | Non
         diffs = model_differences(checkpoint_args(path), cfg.model.args(), keys=SHAPE_KEYS, labels=("there", "in flow.yaml"))
     except (UserError, ValueError) as e:  # LayoutError is a UserError; checkpoint_args' ModelArgs a ValueError
         return f"{what}: {str(e).splitlines()[0]}"
-    return f"{what}: {path} holds another model shape ({'; '.join(diffs)}); {fix}" if diffs else None
+    if diffs:
+        return f"{what}: {path} holds another model shape ({'; '.join(diffs)}); {fix}"
+    return files_problem(what, path)
+
+
+def files_problem(what: str, path: Path) -> str | None:
+    """Every file the weights at ``path`` list is there, of its listed size (what a rank would
+    otherwise find missing mid-load); the sha256s are checked as each rank reads a file."""
+    from titan_pipe.model.weights import CheckpointWeights, open_weights
+
+    try:
+        weights = open_weights(path)
+        if isinstance(weights, CheckpointWeights):
+            for rel, info in weights.manifest.files.items():
+                f = weights._paths[rel]
+                if not f.is_file():
+                    return f"{what}: {f} is listed in {weights.dir / MANIFEST_NAME} but missing; copy the checkpoint again"
+                if f.stat().st_size != info.size:
+                    return (f"{what}: {f} has {f.stat().st_size:,} bytes, but {weights.dir / MANIFEST_NAME} lists "
+                            f"{info.size:,}; copy the checkpoint again")
+    except UserError as e:
+        return f"{what}: {str(e).splitlines()[0]}"
+    return None
 
 
 def init_from_problem(cfg: FlowConfig, base: Path) -> str | None:
@@ -136,13 +158,45 @@ def init_from_problem(cfg: FlowConfig, base: Path) -> str | None:
     return None if path is None else shape_problem("init_from", path, cfg, "set model.* in flow.yaml to match it")
 
 
-def resume_problem(cfg: FlowConfig) -> str | None:
+def resume_problem(cfg: FlowConfig, base: Path | None = None) -> str | None:
     """--resume continues the newest complete checkpoint of the run: it must be this model."""
     latest = newest_complete(cfg.run_dir())
     if latest is None:
         return None  # nothing to resume: the trainer starts fresh and says so
+    changed = data_changed(cfg, base or Path.cwd())
+    if changed:
+        return changed
     return shape_problem("--resume", latest, cfg, "resume with the flow.yaml that trained it, or start a fresh "
                          "run (another name, or without --resume)")
+
+
+def data_changed(cfg: FlowConfig, base: Path) -> str | None:
+    """--resume continues the same data: the run's recorded flow.yaml (the one that trained it) must
+    name the data this one does (data.path, blend, format, text_key); checked before the launch
+    rewrites that record."""
+    import yaml
+
+    recorded = cfg.run_dir() / "flow.yaml"
+    try:
+        before = yaml.safe_load(recorded.read_text(encoding="utf-8"))
+        before = before.get("data") or {} if isinstance(before, dict) else {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return None  # no readable record: the checkpoint's loader state is checked by the trainer
+    from titan_pipe.config import DataConfig
+
+    now, default = cfg.data.model_dump(mode="json"), DataConfig().model_dump(mode="json")
+
+    def same(a, b) -> bool:
+        if isinstance(a, str) and isinstance(b, str):
+            return (base / a).expanduser().resolve() == (base / b).expanduser().resolve()
+        return a == b
+
+    for key in ("path", "blend", "format", "text_key"):
+        was = before.get(key, default[key])
+        if not (same(was, now[key]) if key == "path" else was == now[key]):
+            return (f"--resume: data.{key} is {now[key]!r}, but the run trained on {was!r} "
+                    f"({recorded}); resume with the same data, or start a new run (another name, or without --resume)")
+    return None
 
 
 def corpus_problem(cfg: FlowConfig, base: Path, *, demo: bool = True) -> str | None:

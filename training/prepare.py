@@ -224,6 +224,12 @@ def is_current(plan: PreparePlan) -> DataRecord | None:
         ds = IndexedTokens(plan.out_dir / rec.prefix)
     except UserError:
         return None
+    if rec.loss_mask:  # a mask that is missing or of another length is not current: prepared again
+        from titan_pipe.tokens.loss_mask import mask_path
+
+        mask = mask_path(plan.out_dir / rec.prefix)
+        if not mask.is_file() or mask.stat().st_size != rec.n_tokens:
+            return None
     return rec if rec.key == plan.key and (ds.n_tokens, ds.n_documents) == (rec.n_tokens, rec.n_documents) else None
 
 

@@ -55,6 +55,7 @@ class CheckpointWeights:
 
     def _file(self, rel: str):
         if rel not in self._open:
+            verify_file(self._paths[rel], self.manifest.files[rel], manifest=self.dir / MANIFEST_NAME)
             self._open[rel] = safe_open(str(self._paths[rel]), framework="pt")
         return self._open[rel]
 
@@ -103,6 +104,31 @@ class CheckpointWeights:
             raise UserError(f"{self.dir / MANIFEST_NAME}: no parameter {name!r}; the checkpoint is of "
                             "another model (check model.* in flow.yaml)")
         return spec
+
+
+_VERIFIED: set[tuple[str, int, int, str]] = set()  # (path, size, mtime_ns, sha256) checked in this process
+
+
+def verify_file(path: Path, info, *, manifest: Path) -> None:
+    """A shard as its manifest lists it, before a tensor of it is read: present, of its size, of its
+    sha256 (as convert checks them); each file once a process. A one-line UserError otherwise."""
+    from titan_pipe.hashing import sha256_file
+
+    try:
+        st = path.stat()
+    except OSError:
+        raise UserError(f"{path}: listed in {manifest} but missing; copy the checkpoint again (whole)") from None
+    key = (str(path), st.st_size, st.st_mtime_ns, info.sha256)
+    if key in _VERIFIED:
+        return
+    if st.st_size != info.size:
+        raise UserError(f"{path}: {st.st_size:,} bytes, but {manifest} lists {info.size:,}; the file is truncated or "
+                        "replaced: copy the checkpoint again")
+    digest = sha256_file(path)
+    if digest != info.sha256:
+        raise UserError(f"{path}: sha256 {digest[:12]}... but {manifest} lists {info.sha256[:12]}...; the file was "
+                        "changed after it was saved: copy the checkpoint again")
+    _VERIFIED.add(key)
 
 
 def _slices(part: Box, within: Box) -> tuple[slice, ...]:

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from titan_pipe.errors import UserError
+from titan_pipe.limits import TEMPLATE_BYTES
 from titan_pipe.tokens.tokenizer import special_tokens
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -413,17 +414,18 @@ def builtin_template(name: str, special: dict | None = None) -> ChatTemplate:
 
 def load_chat_template(spec: str, *, tokenizer_dir: Path | None) -> ChatTemplate:
     """``spec``: "model" (the tokenizer's own: ``chat_template`` of tokenizer_config.json, or a
-    chat_template.jinja beside it), a built-in name (chatml, llama3), or a .jinja file."""
+    chat_template.jinja beside it), a built-in name (chatml, llama3), or a .jinja file. Files beside
+    the tokenizer are read only inside its dir (a link leading out is refused), every file bounded
+    in size before it is read."""
+    from titan_pipe.paths import resolve_inside
+    from titan_pipe.values import read_json
+
     config: dict = {}
-    cfg_path = tokenizer_dir / "tokenizer_config.json" if tokenizer_dir is not None else None
+    fix = "fix the file or pass --chat-template chatml"
+    cfg_path = (resolve_inside(tokenizer_dir, "tokenizer_config.json", source=tokenizer_dir, what="tokenizer file")
+                if tokenizer_dir is not None else None)
     if cfg_path is not None and cfg_path.is_file():
-        try:
-            config = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except ValueError as e:
-            raise UserError(f"{cfg_path}: not valid JSON ({e}); fix the file or pass --chat-template chatml") from None
-        if not isinstance(config, dict):
-            raise UserError(f"{cfg_path}: a JSON {type(config).__name__}, not an object; fix the file or pass "
-                            "--chat-template chatml")
+        config = read_json(cfg_path, what="a tokenizer config", fix=fix)
     special = special_tokens(config)
     if spec in BUILTIN_TEMPLATES:
         return builtin_template(spec, special)
@@ -432,10 +434,11 @@ def load_chat_template(spec: str, *, tokenizer_dir: Path | None) -> ChatTemplate
         if not path.is_file():
             raise UserError(f"--chat-template {spec!r}: not a file, nor one of model, "
                             f"{', '.join(BUILTIN_TEMPLATES)}; give a .jinja file or a built-in name")
-        return ChatTemplate(path.read_text(encoding="utf-8"), str(path.resolve()), special)
-    jinja = tokenizer_dir / "chat_template.jinja" if tokenizer_dir is not None else None
+        return ChatTemplate(_template_text(path, f"--chat-template {spec!r}"), str(path.resolve()), special)
+    jinja = (resolve_inside(tokenizer_dir, "chat_template.jinja", source=tokenizer_dir, what="tokenizer file")
+             if tokenizer_dir is not None else None)
     if jinja is not None and jinja.is_file():
-        return ChatTemplate(jinja.read_text(encoding="utf-8"), str(jinja.resolve()), special)
+        return ChatTemplate(_template_text(jinja, str(jinja)), str(jinja.resolve()), special)
     source = config.get("chat_template")
     if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
@@ -443,7 +446,28 @@ def load_chat_template(spec: str, *, tokenizer_dir: Path | None) -> ChatTemplate
     if not isinstance(source, str) or not source:
         where = cfg_path or "the byte tokenizer"
         raise UserError(f"{where}: no chat_template; pass --chat-template chatml (or llama3, or a .jinja file)")
+    if len(source) > TEMPLATE_BYTES.hi:
+        raise UserError(f"{cfg_path}: its chat_template has {len(source):,} characters, over the bound of "
+                        f"{int(TEMPLATE_BYTES.hi):,} ({TEMPLATE_BYTES.why}); {fix}")
     return ChatTemplate(source, str(cfg_path.resolve()), special)
+
+
+def _template_text(path: Path, label: str) -> str:
+    """A template file's text: bounded in size before it is read, UTF-8, parsed by Jinja once."""
+    size = path.stat().st_size
+    if size > TEMPLATE_BYTES.hi:
+        raise UserError(f"{label}: {size:,} bytes, over the bound of {int(TEMPLATE_BYTES.hi):,} for a chat template "
+                        f"({TEMPLATE_BYTES.why}); give the template itself")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{label}: not UTF-8 text (byte {e.start}); give a .jinja template") from None
+    try:
+        _compile(text)
+    except Exception as e:  # jinja2.TemplateSyntaxError and what the instrumenting parse raises
+        raise UserError(f"{label}: not a Jinja template ({type(e).__name__}: {_line(e)}); fix it or pass "
+                        "--chat-template chatml") from None
+    return text
 
 
 def conversation(record, *, fmt: str) -> list[dict]:

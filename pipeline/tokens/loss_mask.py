@@ -47,3 +47,12 @@ class MaskWriter:
 
     def close(self) -> None:
         self._f.close()
+
+
+def has_target(mask, lo: int, hi: int, *, chunk: int = 8 * 2**20) -> bool:
+    """Whether tokens [lo, hi) hold a loss target: read in 8 MiB pieces up to the first one (so a
+    normal mask costs one piece; an all-zero one, refused by the caller, a full read)."""
+    for a in range(lo, hi, chunk):
+        if np.asarray(mask[a:min(hi, a + chunk)]).any():
+            return True
+    return False

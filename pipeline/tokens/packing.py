@@ -89,7 +89,7 @@ class DocumentLoader:
 
     def __init__(self, source, *, seq_len: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
                  seed: int = 0, shuffle: bool = True, vocab_size: int | None = None):
-        from titan_pipe.tokens.loss_mask import open_mask
+        from titan_pipe.tokens.loss_mask import has_target, open_mask
 
         rec = source.record
         if rec is None or not rec.loss_mask:
@@ -105,6 +105,10 @@ class DocumentLoader:
         n_docs = rec.split.train_documents
         self.lengths = np.asarray(self.ds.lengths[0:n_docs], dtype=np.int64)
         self.starts = np.concatenate(([0], np.cumsum(self.lengths)))
+        if not has_target(self.mask, 0, int(self.starts[-1])):
+            raise UserError(f"{source.path}: its loss mask marks no target token in the {n_docs} training "
+                            "conversations, so there is nothing to learn (the loss would be 0); prepare the data "
+                            "again, with a chat template whose answers are found")
         self.packing = pack_documents(self.lengths, seq_len)
         bad = self.packing.too_long
         if len(bad) > MAX_TOO_LONG * max(1, n_docs):

@@ -5,6 +5,7 @@ Shared by training (the corpus is encoded with it) and evaluate (held-out text, 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -61,7 +62,13 @@ class HFTokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer as _Tok
 
+        from titan_pipe.limits import TOKENIZER_BYTES
+
         self.path = path
+        size = path.stat().st_size
+        if size > TOKENIZER_BYTES.hi:
+            raise UserError(f"{path}: {size / 2**20:,.0f} MiB, over the bound of {TOKENIZER_BYTES.hi / 2**20:.0f} MiB "
+                            f"for a tokenizer.json ({TOKENIZER_BYTES.why}); give the model's own tokenizer.json")
         try:
             self._tok = _Tok.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
@@ -69,6 +76,10 @@ class HFTokenizer:
                             "give a tokenizer.json saved by `tokenizers` or transformers, or 'byte'") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         named = _special_tokens_from_config(path.parent / "tokenizer_config.json")
+        for key in ("bos_token", "eos_token"):  # a token the config names must be in the vocab: no silent stand-in
+            if named.get(key) and self._tok.token_to_id(named[key]) is None:
+                raise UserError(f"{path.parent / 'tokenizer_config.json'}: {key} {named[key]!r} is not in {path}'s "
+                                f"vocabulary; fix {key} (or the tokenizer) so the two files belong together")
         self.bos_id = self._find_id(named.get("bos_token"), BOS_CANDIDATES)
         eos = self._find_id(named.get("eos_token"), EOS_CANDIDATES)
         if eos is None:
@@ -122,9 +133,11 @@ def _special_tokens_from_config(path: Path) -> dict[str, str]:
     """bos_token / eos_token as transformers' tokenizer_config.json names them (str or AddedToken dict)."""
     if not path.is_file():
         return {}
+    from titan_pipe.values import read_json
+
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        cfg = read_json(path, what="a tokenizer config")
+    except UserError:
         return {}
     return special_tokens(cfg, ("bos_token", "eos_token")) if isinstance(cfg, dict) else {}
 
@@ -155,10 +168,13 @@ def tokenizer_files(tok: ByteTokenizer | HFTokenizer) -> dict[str, Path]:
     """{name in a model dir: source path} of the files that reproduce ``tok``; {} for the byte tokenizer."""
     if not isinstance(tok, HFTokenizer):
         return {}
+    from titan_pipe.paths import resolve_inside
+
+    root = Path(tok.path).parent
     out = {"tokenizer.json": Path(tok.path)}
-    for name in TOKENIZER_SIDE_FILES:
-        if (Path(tok.path).parent / name).is_file():
-            out[name] = Path(tok.path).parent / name
+    for name in TOKENIZER_SIDE_FILES:  # a side file linked out of the tokenizer's dir is refused, never copied
+        if os.path.lexists(root / name):
+            out[name] = resolve_inside(root, name, source=root, what="tokenizer file")
     return out
 
 
