@@ -78,6 +78,7 @@ TURN_CALL = "__titan_pipe_turn"  # the function the instrumented loops call (not
 CONCAT_CALL = "__titan_pipe_concat"  # what the ``~`` operator becomes: a concatenation with its size checked
 RENDER_SECONDS = 10.0  # one render of one conversation
 RENDER_CHARS = 4 * 2**20  # its output
+MAX_MESSAGES = 65536  # turns in one conversation
 
 
 def _instrument(tree) -> None:
@@ -487,7 +488,9 @@ def conversation(record, *, fmt: str) -> list[dict]:
         messages = record.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRecord(f"no 'messages' list (found keys {sorted(record)})")
-    out = []
+    if len(messages) > MAX_MESSAGES:
+        raise BadRecord(f"{len(messages):,} messages, over the bound of {MAX_MESSAGES:,} for one conversation")
+    out, chars = [], 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             role = m.get("role") if isinstance(m, dict) else type(m).__name__
@@ -495,6 +498,10 @@ def conversation(record, *, fmt: str) -> list[dict]:
         content = m.get("content")
         if not isinstance(content, str) or not content.strip():
             raise BadRecord(f"message {i} ({m['role']}) has {'empty' if isinstance(content, str) else 'no'} content")
+        chars += len(content)
+        if chars > RENDER_CHARS:
+            raise BadRecord(f"over {RENDER_CHARS:,} characters of content by message {i} (the bound of one "
+                            "conversation's render); split the conversation")
         out.append({k: v for k, v in m.items() if v is not None})
     if not any(m["role"] == "assistant" for m in out):
         raise BadRecord("no assistant message: nothing to learn from")
