@@ -148,6 +148,7 @@ def _given_stream(data: Path, tok, vocab_size: int) -> tuple[np.ndarray, str, np
     if not is_token_data(data):
         return load_corpus(path=data, tokenizer=tok).tokens, str(data), None
     src = open_source(data, val_fraction=0.0, fraction_given=False)
+    src.indexed.verify()  # the rows scored are the documents the index describes
     check_tokenizer(src, tokenizer_info(tok), vocab_size=vocab_size)
     if src.record is None:
         return src.train.read(0, len(src.train)), f"{src.path} (whole)", None

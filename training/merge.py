@@ -41,6 +41,7 @@ def _refuse_mixed(dirs: list[Path], recs: list[DataRecord]) -> None:
                             rec.tokenizer.describe() + f" ({rec.tokenizer.vocab_size} ids)"),
                            ("token dtypes", first.dtype, rec.dtype), ("text keys", first.text_key, rec.text_key),
                            ("record formats", first.records, rec.records),
+                           ("loss masks (one has answers marked, the other not)", first.loss_mask, rec.loss_mask),
                            ("chat renderings (template, special tokens or --max-tokens; keys)", first.chat_key,
                             rec.chat_key),
                            ("validation fractions", first.split.val_fraction, rec.split.val_fraction)):

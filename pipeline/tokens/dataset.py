@@ -203,6 +203,7 @@ def summarize(path: Path) -> list[tuple[str, str]]:
     """(field, value) rows describing a prepared dir or a .bin/.idx prefix, for ``titan-pipe data inspect``."""
     src = open_source(Path(path), val_fraction=0.0, fraction_given=False)
     ds, rec = src.indexed, src.record
+    ds.verify()  # what inspect reports is what a reader would read: a damaged index is named, not summarized
     files = [f"{p.name} {p.stat().st_size:,} B" for p in (Path(f"{ds.prefix}.bin"), Path(f"{ds.prefix}.idx"))]
     rows = [("path", str(src.path)), ("format", "Megatron indexed dataset (MMIDIDX v1)"
                                       + (" + data.json" if rec else ", no data.json")),

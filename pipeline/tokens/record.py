@@ -9,6 +9,7 @@ same key, and ``titan-pipe data prepare`` with an unchanged key does nothing.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -95,8 +96,15 @@ class DataRecord:
             if raw.get("schema") != SCHEMA:
                 raise UserError(f"{path}: schema {raw.get('schema')!r}, this titan-pipe reads {SCHEMA}; prepare "
                                 "the data again with `titan-pipe data prepare`")
-            return cls(**{**raw, "tokenizer": TokenizerInfo(**raw["tokenizer"]),
-                          "sources": [SourceInfo(**s) for s in raw["sources"]], "split": Split(**raw["split"])})
+            rec = cls(**{**raw, "tokenizer": _typed(TokenizerInfo, raw["tokenizer"]),
+                         "sources": [_typed(SourceInfo, s) for s in raw["sources"]],
+                         "split": _typed(Split, raw["split"])})
+            _typed(cls, {k: v for k, v in raw.items() if k not in ("tokenizer", "sources", "split")})
+            if not isinstance(rec.prefix, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*", rec.prefix):
+                raise ValueError(f"prefix {rec.prefix!r} is not a file name inside the data dir")
+            if rec.loss_mask not in (None, rec.prefix + ".lossmask"):
+                raise ValueError(f"loss_mask {rec.loss_mask!r} is not {rec.prefix + '.lossmask'!r}")
+            return rec
         except UserError:
             raise
         except OSError as e:
@@ -105,6 +113,29 @@ class DataRecord:
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise UserError(f"{path}: not a titan-pipe data record ({type(e).__name__}: {e}); prepare the data "
                             "again with `titan-pipe data prepare`") from None
+
+
+_KINDS = {"int": (int,), "str": (str,), "float": (int, float), "str | None": (str, type(None)),
+          "int | None": (int, type(None)), "list": (list,)}
+
+
+def _typed(cls, values):
+    """``cls(**values)`` with each plain field's JSON type checked (a bool is not an int): a
+    tampered value is refused here, in the record's one-line error, not deep in a reader."""
+    import dataclasses
+
+    if not isinstance(values, dict):
+        raise TypeError(f"{cls.__name__} is a JSON {type(values).__name__}, not an object")
+    for f in dataclasses.fields(cls):
+        kinds = _KINDS.get(str(f.type))
+        if kinds is None or f.name not in values:
+            continue
+        v = values[f.name]
+        if isinstance(v, bool) or not isinstance(v, kinds):
+            raise TypeError(f"{f.name} is {v!r}, not {f.type}")
+        if isinstance(v, int) and not isinstance(v, bool) and v < 0 and f.name not in ("mtime_ns",):
+            raise ValueError(f"{f.name} is {v}, below 0")
+    return cls(**values) if cls is not DataRecord else None
 
 
 def is_prepared(path: Path) -> bool:
