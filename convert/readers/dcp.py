@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.readers import torch_save
-from titan_pipe.convert.readers.dcp_metadata import STAND_INS, MetadataIndex, torch_global
+from titan_pipe.convert.readers.dcp_metadata import (STAND_INS, BytesStorageMetadata, Metadata, MetadataIndex,
+                                                    StorageInfo, TensorProperties, TensorStorageMetadata,
+                                                    torch_global)
 from titan_pipe.convert.readers.store import SafetensorsStore, pread_into
 from titan_pipe.safetensors_header import StoredTensor, read_header
 from titan_pipe.convert.readers.torch_save import SavedTensor
@@ -87,12 +89,56 @@ def read_metadata(path: Path):
     f = path / METADATA
     try:
         with open(f, "rb") as fh:
-            return _MetadataUnpickler(fh).load()
+            md = _MetadataUnpickler(fh).load()
     except FileNotFoundError:
         raise UserError(f"{f}: missing; a DCP checkpoint needs its .metadata file") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError) as e:
-        raise UserError(f"{f}: not a readable DCP metadata file ({e}); it is corrupted or not "
-                        "written by torch.distributed.checkpoint") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError, KeyError,
+            IndexError, RecursionError, MemoryError) as e:
+        raise UserError(f"{f}: not a readable DCP metadata file ({type(e).__name__}: {str(e)[:200]}); it is "
+                        "corrupted or not written by torch.distributed.checkpoint") from None
+    problem = metadata_problem(md)
+    if problem:
+        raise UserError(f"{f}: {problem}; the metadata is corrupted or not written by torch.distributed.checkpoint")
+    return md
+
+
+def _ints(v, n: int | None = None) -> bool:
+    return (isinstance(v, (tuple, list)) and (n is None or len(v) == n)
+            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
+
+
+def metadata_problem(md) -> str | None:
+    """What in an unpickled .metadata is not the shape torch writes (one phrase), or None: every
+    tensor entry's size, chunks (offsets and sizes of its rank, inside it) and dtype, and every
+    storage entry's path, offset and length, checked before any of them is used."""
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        return f"its top object is a {type(md).__name__}, not a DCP Metadata with a state_dict_metadata dict"
+    for fqn, meta in md.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            return f"a state_dict key {fqn!r} is not a string"
+        if isinstance(meta, BytesStorageMetadata):
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            return f"{fqn}: a {type(meta).__name__}, not a tensor or bytes entry"
+        if not _ints(meta.size) or not isinstance(meta.chunks, list) or not meta.chunks:
+            return f"{fqn}: size {meta.size!r} or chunks {type(meta.chunks).__name__} malformed"
+        if not isinstance(meta.properties, TensorProperties) or not isinstance(meta.properties.dtype, str):
+            return f"{fqn}: no tensor properties with a dtype"
+        for c in meta.chunks:
+            offsets, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
+            if not (_ints(offsets, len(meta.size)) and _ints(sizes, len(meta.size))) or any(
+                    o + n > d for o, n, d in zip(offsets, sizes, meta.size)):
+                return f"{fqn}: a chunk at {offsets!r} of {sizes!r} is not inside its size {tuple(meta.size)}"
+    storage = md.storage_data
+    if not isinstance(storage, dict):
+        return f"storage_data is a {type(storage).__name__}, not a dict"
+    for key, info in storage.items():
+        if not isinstance(key, MetadataIndex) or not isinstance(info, StorageInfo):
+            return f"a storage entry of {type(key).__name__} -> {type(info).__name__}, not index -> storage info"
+        if not isinstance(info.relative_path, str) or not _ints([info.offset, info.length]):
+            return f"the storage entry of {key.fqn!r} has path {info.relative_path!r}, offset {info.offset!r}, " \
+                   f"length {info.length!r}"
+    return None
 
 
 def looks_like(path: Path) -> bool:

@@ -110,7 +110,7 @@ class DataRecord:
         except OSError as e:
             raise UserError(f"{path}: cannot be read ({e.strerror}); prepare the data with "
                             "`titan-pipe data prepare`") from None
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise UserError(f"{path}: not a titan-pipe data record ({type(e).__name__}: {e}); prepare the data "
                             "again with `titan-pipe data prepare`") from None
 

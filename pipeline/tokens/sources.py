@@ -216,7 +216,32 @@ def _json_lines(block: Block) -> Iterator[tuple[int, str, object]]:
             record = json.loads(line)
         except ValueError as e:
             raise UserError(f"{block.path}:{lineno}: not valid JSON ({e}); each line must be one JSON object") from None
+        except RecursionError:
+            raise UserError(f"{block.path}:{lineno}: JSON nested deeper than Python reads (a hostile or broken "
+                            "line); each line must be one flat JSON object") from None
+        if "\\ud" in line.lower() and _has_lone_surrogate(record):
+            raise UserError(f"{block.path}:{lineno}: a \\ud800-\\udfff escape that is not half of a surrogate pair "
+                            "(not a character: no text can hold it); fix the line's escapes")
         yield lineno, line, record
+
+
+def _has_lone_surrogate(value) -> bool:
+    """Whether a parsed JSON value holds a string with a lone UTF-16 surrogate (JSON allows the
+    escape; UTF-8 and every tokenizer refuse the character). Iterative: no recursion limit."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def iter_documents(path: Path, *, text_key: str = "text") -> Iterator[str]:
