@@ -102,6 +102,7 @@ def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> st
     if model_dir is not None:
         prov = Provenance.find(model_dir)
         if prov is not None and prov.tokenizer is not None and prov.tokenizer.tokenizer == "byte":
+            _check_byte_form(Path(model_dir))
             return "byte"
         if (Path(model_dir) / "tokenizer.json").is_file():
             return str(Path(model_dir) / "tokenizer.json")
@@ -114,6 +115,20 @@ def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> st
         if kind == "byte":
             return "byte"
     return None
+
+
+def _check_byte_form(model_dir: Path) -> None:
+    """provenance.json says the model trained on bytes: the tokenizer.json beside it must be the byte
+    tokenizer's form convert writes (258 ids), not another tokenizer a record edit would hide."""
+    from titan_pipe.tokens.tokenizer import ByteTokenizer, HFTokenizer
+
+    path = model_dir / "tokenizer.json"
+    if path.is_file():
+        n = HFTokenizer(path).vocab_size
+        if n != ByteTokenizer.vocab_size:
+            raise UserError(f"{model_dir / 'provenance.json'}: tokenizer is 'byte', but {path} has {n:,} ids, not the "
+                            f"byte tokenizer's {ByteTokenizer.vocab_size}; the two files disagree: convert the "
+                            "checkpoint again")
 
 
 def random_eval_data(*, vocab_size: int, n_batches: int, batch_size: int, seq_len: int, n_prompts: int,

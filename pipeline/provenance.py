@@ -95,8 +95,11 @@ class Provenance:
                       output=dict(d.get("output") or {}), created=str(d.get("created", "")),
                       tokenizer=None if tok is None else TokenizerInfo(tok.get("tokenizer"), dict(tok.get("files") or {})),
                       format_version=int(version))
-        except (KeyError, TypeError, AttributeError) as e:
-            raise UserError(f"{path}: missing or malformed field ({e!r}); {_FIX}") from None
+            problem = _field_problem(got)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise UserError(f"{path}: missing or malformed field ({type(e).__name__}: {str(e)[:200]}); {_FIX}") from None
+        if problem:
+            raise UserError(f"{path}: {problem}; {_FIX}")
         if got.source is not None and got.source.algorithm not in DIGESTS:
             raise UserError(f"{path}: source.algorithm {got.source.algorithm!r} is not one of "
                             f"{', '.join(DIGESTS)}; {_FIX}")
@@ -106,3 +109,40 @@ class Provenance:
     def find(cls, model_dir: Path) -> "Provenance | None":
         """``load`` when ``model_dir`` has a provenance record, else None (a model dir from elsewhere)."""
         return cls.load(model_dir) if (Path(model_dir) / PROVENANCE_FILE).is_file() else None
+
+
+def _strings(d: object) -> bool:
+    return isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+
+
+def _field_problem(p: Provenance) -> str | None:
+    """A field whose JSON type is not the one written (a tampered or hand-edited record), or None:
+    checked here so every reader of the record meets only the types it expects."""
+    s, t = p.source, p.tokenizer
+    if s is not None:
+        for name, value, ok in (("source.format", s.format, isinstance(s.format, str)),
+                                ("source.path", s.path, isinstance(s.path, str)),
+                                ("source.step", s.step, s.step is None or (isinstance(s.step, int)
+                                                                           and not isinstance(s.step, bool))),
+                                ("source.layout", s.layout, isinstance(s.layout, dict)),
+                                ("source.digests", s.digests, _strings(s.digests)),
+                                ("source.algorithm", s.algorithm, isinstance(s.algorithm, str)),
+                                ("source.verified", s.verified, isinstance(s.verified, bool))):
+            if not ok:
+                return f"{name} is {str(value)[:80]!r}, not of the type convert writes"
+    if t is not None:
+        if t.tokenizer not in ("tokenizer.json", "byte", None):
+            return f"tokenizer.tokenizer is {str(t.tokenizer)[:80]!r}, not tokenizer.json, byte or null"
+        if not _strings(t.files):
+            return "tokenizer.files is not an object of file name -> sha256"
+    files = p.output.get("files", [])
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return "output.files is not a list of file names"
+    for key in ("tp", "pp"):
+        v = p.output.get(key, 1)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            return f"output.{key} is {v!r}, not a positive integer"
+    for key in ("dtype", "kind", "naming"):
+        if not isinstance(p.output.get(key, ""), (str, type(None))):
+            return f"output.{key} is {p.output.get(key)!r}, not a string"
+    return None

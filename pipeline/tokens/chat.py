@@ -476,6 +476,9 @@ def conversation(record, *, fmt: str) -> list[dict]:
     if not isinstance(record, dict):
         raise BadRecord(f"a {type(record).__name__}, not a JSON object")
     if fmt == "instruction":
+        for key in ("system", "input"):  # given, they are part of the prompt: never dropped for their type
+            if record.get(key) is not None and not isinstance(record[key], str):
+                raise BadRecord(f"'{key}' is a {type(record[key]).__name__}, not a string")
         prompt = record.get("prompt", record.get("instruction"))
         if isinstance(prompt, str) and isinstance(record.get("input"), str) and record["input"].strip():
             prompt = f"{prompt}\n\n{record['input']}"
