@@ -47,7 +47,7 @@ def reference_device(choice: str) -> str:
 
     try:
         return resolve_device(choice).type
-    except (RuntimeError, ValueError) as e:
+    except (UserError, ValueError) as e:
         raise UserError(f"--device {choice}: {e}") from None
 
 

@@ -29,7 +29,8 @@ app = typer.Typer(
 def init(directory: Path = typer.Argument(..., help="Directory to write flow.yaml into"),
          flavour: str = typer.Option("debug", "--flavour", help="Model flavour (debug, llama3_8b, qwen3_8b, ...)"),
          devices: int = typer.Option(8, "--devices", help="with --flavour: accelerators the run will have"),
-         device: str = typer.Option("ascend910b", "--device", help="with --flavour: their profile (as `plan --device`)"),
+         device: str = typer.Option("ascend910b", "--device", help="with --flavour: their profile (as `plan --device`); "
+                                    "cpu: the debug model (or --from's) in one CPU process"),
          force: bool = typer.Option(False, "--force", help="Overwrite an existing flow.yaml"),
          sft: bool = typer.Option(False, "--sft", help="a fine-tune of the released --flavour on chat data "
                                   "(and a sample chat.jsonl beside it)"),
@@ -40,7 +41,7 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
     x --device with the planner's layout, or a run of the released model --from HF_DIR; --sft: a
     fine-tune of it) into DIRECTORY."""
     from titan_pipe import limits
-    from titan_pipe.commands.example import SAMPLE_CHAT, example_flow, released_flow, sample_chat
+    from titan_pipe.commands.example import SAMPLE_CHAT, example_flow, name_run, released_flow, sample_chat
 
     target = directory / "flow.yaml"
     if not 1 <= devices <= limits.DEVICES.hi:
@@ -50,6 +51,7 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
     # refused before anything is written
     text = (released_flow(released.resolve(), sft=sft, devices=devices, device=device) if released is not None
             else example_flow(flavour, devices=devices, device=device, sft=sft))
+    text = name_run(text, directory)
     with faults.writing(target, what="the example flow.yaml"), path_lock(target, what="titan-pipe init"):
         if target.exists() and not force:
             raise UserError(f"{target} already exists; pass --force to overwrite it")

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from titan_pipe.errors import UserError
+
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
@@ -44,10 +46,10 @@ def resolve_device(choice: str = "auto") -> Device:
         else:
             choice = "cpu"
     if choice == "npu" and not npu_available():
-        raise RuntimeError("device npu requested but torch_npu/CANN is not available; install the "
-                           "[npu] extra on an Ascend host or set device: cpu")
+        raise UserError("device: npu, but torch_npu/CANN is not available on this host; install the "
+                        "[npu] extra (pip install 'titan-pipe[npu]') on an Ascend host, or set device: cpu")
     if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device cuda requested but CUDA is not available; set device: cpu")
+        raise UserError("device: cuda, but CUDA is not available on this host; run on a GPU host, or set device: cpu")
     if choice not in BACKENDS:
         raise ValueError(f"unknown device {choice!r}; use auto, cpu, cuda or npu")
     return Device(choice, BACKENDS[choice])

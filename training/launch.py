@@ -77,8 +77,8 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
     run = RunDir(cfg.run_dir().resolve())
     try:
         device = resolve_device(cfg.device)
-    except (RuntimeError, ValueError) as e:
-        raise UserError(f"{flow_path}: device: {e}") from None
+    except (UserError, ValueError) as e:
+        raise UserError(f"{flow_path}: {e}") from None
 
     prepare_data_once(cfg, flow_path, None)  # token data: checked before anything is written
     with lock_run_dir(cfg, run):

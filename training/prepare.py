@@ -178,7 +178,7 @@ def chat_spec(records: str, *, tok, chat_template: str, max_tokens: int | None) 
         raise UserError(f"--format {records}: needs the model's tokenizer (--tokenizer MODEL_DIR or its "
                         "tokenizer.json); the byte tokenizer has no chat markers")
     if max_tokens is not None and max_tokens < 2:
-        raise UserError(f"--max-tokens {max_tokens}: give the training window (train.seq_len + 1) or leave it out")
+        raise UserError(f"--max-tokens {max_tokens}: give the training window (train.seq_len) or leave it out")
     template = load_chat_template(chat_template, tokenizer_dir=Path(tok.path).parent)
     return ChatSpec(records, template, max_tokens)
 

@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from titan_pipe import faults
 from titan_pipe.config import ConfigError
@@ -23,7 +24,7 @@ FLOW_HELP = "Track this run as a Prefect flow run (UI, logs); without it no Pref
 
 
 def _error(text: str) -> None:
-    console.print(f"[red]error[/red] {text}", highlight=False, soft_wrap=True)
+    console.print(f"[red]error[/red] {escape(text)}", highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -56,7 +57,7 @@ def handle_errors(fn: Callable) -> Callable:
                 return fn(*args, **kwargs)
         except ConfigError as e:
             for line in e.lines:
-                console.print(f"[red]error[/red] {e.source}: {line}", highlight=False, soft_wrap=True)
+                console.print(f"[red]error[/red] {escape(f'{e.source}: {line}')}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)
         except UserError as e:
             _error(str(e))

@@ -32,7 +32,7 @@ def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.g
                                               help="chat/instruction: model (the tokenizer's own), chatml, llama3, "
                                                    "or a .jinja file"),
             max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="chat/instruction: a conversation "
-                                                     "longer than this (train.seq_len + 1) is left out as bad"),
+                                                     "longer than this (train.seq_len: a packed window holds a whole conversation) is left out as bad"),
             max_bad: float = typer.Option(0.01, "--max-bad-fraction", help="chat/instruction: records that may be "
                                           "left out (counted, the first named in data.json) before prepare fails")):
     """Tokenize SOURCES once into OUT (tokens.bin + tokens.idx + data.json; chat data also

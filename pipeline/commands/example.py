@@ -122,10 +122,24 @@ def released_flow(model_dir: Path, *, sft: bool, devices: int, device: str) -> s
 
 
 def example_flow(flavour: str, *, devices: int = 8, device: str = "ascend910b", sft: bool = False) -> str:
-    """The template (flavour debug: the tiny example) or a run of ``flavour`` on ``devices`` x ``device``
-    with the planner's fastest layout that fits; ``sft``: a fine-tune of the released ``flavour``."""
-    text = _example_flow(flavour, devices=devices, device=device)
+    """The template (flavour debug: the tiny example; ``device`` cpu: in one CPU process) or a run of
+    ``flavour`` on ``devices`` x ``device`` with the planner's fastest layout that fits; ``sft``: a
+    fine-tune of the released ``flavour``."""
+    if flavour == "debug" and device == "cpu":
+        text = set_key(TEMPLATE.read_text(), None, "device", "cpu")
+        for key, value in (("dp", 1), ("tp", 1), ("pp", 1), ("microbatches", None)):
+            text = set_key(text, "parallel", key, value)
+    else:
+        text = _example_flow(flavour, devices=devices, device=device)
     return finetune_flow(text, flavour) if sft else text
+
+
+def name_run(text: str, directory: Path) -> str:
+    """``text`` with its run named after the project ``directory`` (a valid run name made of it): two
+    projects written by init never share a run dir, nor take the shipped example's ``tiny``."""
+    from titan_pipe.run_dir import suggest_run_name
+
+    return set_key(text, None, "name", suggest_run_name(Path(directory).resolve().name))
 
 
 def _example_flow(flavour: str, *, devices: int, device: str) -> str:

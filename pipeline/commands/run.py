@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from titan_pipe import faults
@@ -168,7 +169,8 @@ def register(app: typer.Typer) -> None:
         if "ephemeral Prefect API server" in str(failed):
             hint = ("; start a server (`prefect server start`, then export PREFECT_API_URL=http://127.0.0.1:4200/api) "
                     "or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
-        console.print(f"[red]error[/red] {type(failed).__name__}: {failed}{hint}", highlight=False, soft_wrap=True)
+        console.print(f"[red]error[/red] {escape(f'{type(failed).__name__}: {failed}{hint}')}", highlight=False,
+                      soft_wrap=True)
         raise typer.Exit(1)
 
     @app.command()
