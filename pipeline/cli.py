@@ -11,6 +11,7 @@ import typer
 from titan_pipe import faults
 from titan_pipe.atomic import write_text
 from titan_pipe.commands.common import console, handle_errors
+from titan_pipe.config import ConfigError
 from titan_pipe.config import load_flow
 from titan_pipe.errors import UserError
 from titan_pipe.run_lock import path_lock
@@ -64,13 +65,19 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
 
 @app.command()
 @handle_errors
-def validate(flow: Path = typer.Argument(..., help="flow.yaml to check")):
-    """Check a flow.yaml without running anything (exit 2 and one line per problem if invalid)."""
+def validate(flow: Path = typer.Argument(..., help="flow.yaml to check"),
+             elsewhere: bool = typer.Option(False, "--elsewhere", help="the flow runs on another host (a cluster's "
+                                            "flow checked on a laptop): leave out this host's device")):
+    """Check a flow.yaml without running anything (exit 2 and one line per problem if invalid): its
+    rules, and what train would meet before its first step on this host (its device, data, init_from)."""
     cfg = load_flow(flow)
     args = cfg.model.args()
     from titan_pipe.model.args import count_params
-    from titan_pipe.training.preflight import check_before_launch
+    from titan_pipe.training.preflight import check_before_launch, device_problem
 
+    device = None if elsewhere else device_problem(cfg)
+    if device:
+        raise ConfigError(str(flow), [device + "; or pass --elsewhere to check it for another host"])
     check_before_launch(cfg, flow_path=flow, disk=False)  # what train would meet before its first step
 
     p = cfg.parallel

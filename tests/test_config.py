@@ -73,7 +73,7 @@ def test_init_writes_a_valid_flow_and_refuses_to_overwrite(tmp_path):
     runner = CliRunner()
     res = runner.invoke(app, ["init", str(tmp_path / "proj")])
     assert res.exit_code == 0, res.output
-    assert load_flow(tmp_path / "proj" / "flow.yaml").name == "tiny"
+    assert load_flow(tmp_path / "proj" / "flow.yaml").name == "proj"  # the project's own run dir, not the example's
     again = runner.invoke(app, ["init", str(tmp_path / "proj")])
     assert again.exit_code == 1 and "already exists" in again.output
 

@@ -19,7 +19,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 ])
 def test_example_validates(name, world, layout):
     path = EXAMPLES / name / "flow.yaml"
-    r = CliRunner().invoke(app, ["validate", str(path)])
+    r = CliRunner().invoke(app, ["validate", str(path), "--elsewhere"])
     assert r.exit_code == 0, r.output
     assert f"world size {world}" in r.output
     cfg = load_flow(path)

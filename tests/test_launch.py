@@ -219,7 +219,7 @@ def test_cli_refuses_a_bad_flow_before_starting(tmp_path):
     if not torch.cuda.is_available():  # a valid flow for a device this machine lacks: exit 1, nothing made
         path = _write_flow(tmp_path, device="cuda")
         r = CliRunner().invoke(app, ["train", str(path)])
-        assert r.exit_code == 1 and "device cuda requested but CUDA is not available" in r.output
+        assert r.exit_code == 1 and "device: cuda, but CUDA is not available" in r.output
         assert not (tmp_path / "runs").exists()
 
 

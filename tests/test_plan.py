@@ -250,7 +250,7 @@ def test_cli_plan_writes_a_flow_that_validates(tmp_path):
     cfg = load_flow(out)
     p = cfg.parallel
     assert p.dp * p.tp * p.pp == 8 and cfg.model.flavour == "llama2_13b" and cfg.train.seq_len == 4096
-    assert runner.invoke(app, ["validate", str(out)]).exit_code == 0
+    assert runner.invoke(app, ["validate", str(out), "--elsewhere"]).exit_code == 0
     # never overwritten without --force
     r = runner.invoke(app, ["plan", "--model", "llama2_13b", "--devices", "8", "--device", "ascend910b",
                             "--write", str(out)])

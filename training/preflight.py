@@ -32,7 +32,7 @@ def check_before_launch(cfg: FlowConfig, *, flow_path: Path, resume: bool = Fals
     ``disk``: also the room for the run's checkpoints on this host (off for ``validate``, which may
     check a cluster's flow.yaml on a laptop)."""
     base = Path(flow_path).resolve().parent
-    lines = [p for p in (device_problem(cfg), runs_dir_problem(cfg), init_from_problem(cfg, base),
+    lines = [p for p in (runs_dir_problem(cfg), init_from_problem(cfg, base),
                          resume_problem(cfg, base) if resume else None, corpus_problem(cfg, base, demo=disk),
                          compile_problem(cfg), tensorboard_problem(cfg), float8_launch_problem(cfg) if disk else None,
                          disk_problem(cfg, resume=resume) if disk else None) if p]
@@ -56,8 +56,8 @@ def float8_launch_problem(cfg: FlowConfig) -> str | None:
 
 
 def device_problem(cfg: FlowConfig) -> str | None:
-    """The flow's device must be on this host: what train and run would refuse after Prefect's
-    start-up, refused by validate (run it on the host the flow runs on) and before a launch."""
+    """The flow's device must be on this host: what train and run would refuse (run: after Prefect's
+    start-up), refused by validate unless it checks a flow for another host (--elsewhere)."""
     from titan_pipe.devices import resolve_device
 
     try:

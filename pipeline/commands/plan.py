@@ -58,23 +58,35 @@ def row_label(rank: int | None, e) -> str:
     return " ".join(parts)
 
 
-def _table(plan, top: int):
+def _table(plan, top: int, *, width: int = 150):
+    """The ranked layouts. Under 110 columns (an 80-column terminal) the table drops its borders and
+    the columns a layout's label or the caption already says (SP/AC are in the label; activations and
+    the bubble in the memory figure), so no number is cut to an ellipsis."""
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=f"Top {min(top, len(plan.ranked))} of {len(plan.ranked)} layouts that fit "
-                    f"({len(plan.misfits)} do not, {len(plan.invalid)} break a config rule)")
-    t.add_column("#", justify="right")
-    t.add_column("layout", no_wrap=True)
+    narrow = width < 110
     kinds = ("tp", "pp", "dp") + (("ep",) if any(e.layout.ep > 1 for e in plan.ranked[:top]) else ())
-    for col in ("mb", "dp", "SP", "AC", "GB/dev", "act", "bubble", f"comm GB {'/'.join(kinds)}", "tok/s", "MFU"):
-        t.add_column(col, justify="right")
+    t = Table(title=f"Top {min(top, len(plan.ranked))} of {len(plan.ranked)} layouts that fit "
+                    f"({len(plan.misfits)} do not, {len(plan.invalid)} break a config rule)",
+              box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD, padding=(0, 1), pad_edge=not narrow,
+              caption=f"comm: GB a step over {'/'.join(kinds)}" if narrow else None)
+    t.add_column("#", justify="right", no_wrap=True)
+    t.add_column("layout", no_wrap=True)
+    cols = (("mb", "dp", "GB/dev", "comm", "tok/s", "MFU") if narrow else
+            ("mb", "dp", "SP", "AC", "GB/dev", "act", "bubble", f"comm GB {'/'.join(kinds)}", "tok/s", "MFU"))
+    for col in cols:
+        t.add_column(col, justify="right", no_wrap=True)
     for i, e in enumerate(plan.ranked[:top], 1):
         lay, m, c = e.layout, e.memory, e.timing.comm
         comm = "/".join(f"{c[k].bytes / 1e9:.0f}" if k in c else "-" for k in kinds)
-        t.add_row(str(i), _short(lay), str(lay.microbatches),
-                  _zero(lay), "y" if lay.sequence_parallel else "", str(lay.ac_every or ""),
-                  _gb(m.total), _gb(m.activations + m.recompute), f"{e.timing.bubble:.0%}", comm,
-                  f"{e.tokens_per_s:,.0f}", f"{e.mfu:.0%}")
+        label = row_label(None, e).split(" ", 1)[1].replace(f" mb{lay.microbatches}", "").replace(
+            f" {_zero(lay)}", "") if narrow else _short(lay)
+        cells = {"mb": str(lay.microbatches), "dp": _zero(lay), "SP": "y" if lay.sequence_parallel else "",
+                 "AC": str(lay.ac_every or ""), "GB/dev": _gb(m.total), "act": _gb(m.activations + m.recompute),
+                 "bubble": f"{e.timing.bubble:.0%}", "comm": comm, "tok/s": f"{e.tokens_per_s:,.0f}",
+                 "MFU": f"{e.mfu:.0%}"}
+        t.add_row(str(i), label, *(cells[col if not col.startswith("comm") else "comm"] for col in cols))
     return t
 
 
@@ -238,7 +250,7 @@ def register(app: typer.Typer) -> None:
             result = make_plan(w, cluster, assume=assume, dp=dp, tp=tp, pp=pp, notes=notes,
                                progress=lambda i, n: bar.update(task, completed=i, total=n))
         if result.ranked:
-            out.print(_table(result, top))
+            out.print(_table(result, top, width=out.width))
         misfits = best_misfits_per_layout(result)
         if misfits:
             out.print(_misfit_table(misfits))
