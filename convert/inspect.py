@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from titan_pipe.convert.detect import open_source
@@ -51,8 +52,8 @@ def _size(n: int) -> str:
 def render(r: InspectResult, console: Console) -> None:
     """Print the summary and one table row per parameter."""
     m = r.model
-    console.print(f"[bold]{r.root}[/bold]: format [bold]{r.format}[/bold], step {r.step}, "
-                  f"layout {r.layout}")
+    step = f"step {r.step}, " if r.step is not None else ""  # a released model or unified dir has none
+    console.print(f"[bold]{escape(str(r.root))}[/bold]: format [bold]{r.format}[/bold], {step}layout {escape(str(r.layout))}")
     variant = [k for k, on in (("q/k/v biases", m.get("qkv_bias")), ("q/k norms", m.get("qk_norm"))) if on]
     if m.get("sliding_window"):
         variant.append(f"sliding window {m['sliding_window']}")

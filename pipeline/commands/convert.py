@@ -58,7 +58,8 @@ def register(app: typer.Typer) -> None:
             console.print(f"[yellow]warning[/yellow] {r.out_dir}: NaN/Inf values in {len(s['nonfinite'])} "
                           f"tensor(s): {describe(s['nonfinite'])}; the source holds them (or a --dtype cast "
                           "overflowed): evaluate fails on such a model", highlight=False, soft_wrap=True)
-        typer.echo(f"converted {s['format']} {s['src']} (step {s['step']}, {s['layout']}) -> {r.out_dir}: "
+        step = f"step {s['step']}, " if s.get("step") is not None else ""
+        typer.echo(f"converted {s['format']} {s['src']} ({step}{s['layout']}) -> {r.out_dir}: "
                    f"{s['tensors']} tensors, {s['bytes'] / 1e6:.1f} MB in {s['files']} file(s), "
                    f"{s['wall_s']:.2f} s")
         if s.get("tokenizer") is None:
