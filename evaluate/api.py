@@ -37,25 +37,60 @@ class EvalResult:
 
 
 class Steps:
-    """A rich progress bar over the evaluation's steps (quiet when ``enabled`` is False)."""
+    """The evaluation's steps shown as they go (quiet when ``enabled`` is False): a rich bar on a
+    terminal; off one (a Prefect worker's log, a pipe) one line per step and, while a step runs, a
+    line every HEARTBEAT_S seconds, so a long step never looks like a hang."""
+
+    HEARTBEAT_S = 5.0
 
     def __init__(self, enabled: bool, total: int):
+        import sys
+        import threading
+
+        from rich.console import Console
+
         self.progress = None
-        if enabled:
+        self.plain = None
+        if not enabled:
+            return
+        console = Console(stderr=True)
+        if console.is_terminal:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
             self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                                     transient=False)
+                                     transient=False, console=console)
             self.progress.start()
             self.task = self.progress.add_task("evaluate", total=total)
+            return
+        self.plain, self.total, self.done, self.what = sys.stderr, total, 0, "starting"
+        self.start = self.since = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="titan-pipe-evaluate-steps", daemon=True)
+        self._thread.start()
+
+    def _say(self, text: str) -> None:
+        try:
+            self.plain.write(f"evaluate [{self.done}/{self.total}] {time.monotonic() - self.start:.0f} s: {text}\n")
+            self.plain.flush()
+        except (ValueError, OSError):
+            pass
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.HEARTBEAT_S):
+            self._say(f"{self.what} ({time.monotonic() - self.since:.0f} s so far)")
 
     def step(self, what: str, advance: float = 1) -> None:
         if self.progress:
             self.progress.update(self.task, description=f"evaluate: {what}", advance=advance)
+        elif self.plain is not None:
+            self.done, self.what, self.since = self.done + advance, what, time.monotonic()
+            self._say(what)
 
     def close(self) -> None:
         if self.progress:
             self.progress.stop()
+        elif self.plain is not None:
+            self._stop.set()
 
 
 def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: Path | None = None,

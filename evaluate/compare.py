@@ -218,6 +218,9 @@ def task_comparison(perplexity: dict[str, float], reference: str, generations: d
                       ", ".join(k for k in perplexity if k != reference), details=details, failures=failures)
 
 
+JUMP_FLOOR = 1e-4  # relative Euclidean distance below which a layer's error is float rounding, not a headline
+
+
 def biggest_jump(rows: list[TensorRow]) -> dict | None:
     """The layer whose output's relative Euclidean distance grew most over the previous layer's."""
     layers = [r for r in rows if r.layer is not None and r.tensor.startswith("hidden.")]
@@ -279,8 +282,8 @@ def decide(comparisons: list[Comparison], operator_rows: list[OperatorRow],
         parts.append(f"first divergence at {where} ({layer['comparison']}, {layer['candidate']}): {layer['failure']}")
     else:
         jumps = [(c, biggest_jump(c.rows)) for c in comparisons if c.rows]
-        jumps = [(c, j) for c, j in jumps if j]
-        if jumps:
+        jumps = [(c, j) for c, j in jumps if j and j["rel_euclidean"] >= JUMP_FLOOR]
+        if jumps:  # a jump among errors at float rounding (1e-8 -> 1e-7) is noise, not news
             c, j = max(jumps, key=lambda cj: cj[1]["ratio"])
             parts.append(f"largest error jump: layer {j['layer']} in {c.id} "
                          f"(relative Euclidean {j['previous']:.3g} -> {j['rel_euclidean']:.3g})")

@@ -45,6 +45,33 @@ def clean_json(x):
     return x
 
 
+def headline(report: dict) -> tuple[str, str]:
+    """("PASS" or "FAIL", the verdict's text without its own leading "PASS: "/"FAIL: ")."""
+    status = "PASS" if report["passed"] else "FAIL"
+    text = report["verdict"]["text"]
+    for word in ("PASS: ", "FAIL: "):
+        if text.startswith(word):
+            text = text[len(word):]
+    return status, text
+
+
+def rounded(x):
+    """A detail value for a person: floats to 6 significant digits (report.json keeps them whole)."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}") if math.isfinite(x) else str(x)
+    if isinstance(x, dict):
+        return {str(k): rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [rounded(v) for v in x]
+    if isinstance(x, (np.floating, np.integer)):
+        return rounded(x.item())
+    return x
+
+
+def _detail(value) -> str:
+    return json.dumps(rounded(value))[:600]
+
+
 def _fmt(v) -> str:
     if isinstance(v, float):
         if not math.isfinite(v):
@@ -153,7 +180,7 @@ def _comparison_md(c: dict) -> list[str]:
         lines.append("")
     for k, v in c["details"].items():
         if k not in ("generated_tokens",):
-            lines.append(f"- {k}: `{json.dumps(clean_json(v))[:600]}`")
+            lines.append(f"- {k}: `{_detail(v)}`")
     for f in c["failures"][:10]:
         lines.append(f"- failure: {f}")
     return lines + [""]
@@ -191,8 +218,8 @@ def timing_line(seconds: dict[str, float]) -> str:
 
 
 def render_markdown(report: dict, plots: list[str]) -> str:
-    v = report["verdict"]
-    lines = ["# titan-pipe evaluation report", "", f"**{'PASS' if report['passed'] else 'FAIL'}** — {v['text']}", "",
+    status, text = headline(report)
+    lines = ["# titan-pipe evaluation report", "", f"**{status}** — {text}", "",
              "Inputs: " + ", ".join(f"{k} `{val}`" for k, val in report["inputs"].items() if val), ""]
     if report.get("memory"):
         ranks = sharded_line(report["memory"].get("sharded"))
@@ -231,7 +258,7 @@ def _thresholds_md(used: dict) -> list[str]:
 
 def render_html(report: dict, plot_files: dict[str, Path]) -> str:
     e = html.escape
-    v = report["verdict"]
+    status, text = headline(report)
     color = "#1a7f37" if report["passed"] else "#cf222e"
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>titan-pipe evaluation</title>",
              "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;"
@@ -239,7 +266,7 @@ def render_html(report: dict, plot_files: dict[str, Path]) -> str:
              "th{background:#f3f3f3}td.l{text-align:left}.fail{background:#ffebe9}.pass{background:#dafbe1}"
              ".skip{background:#fff8c5}</style></head><body>",
              f"<h1>titan-pipe evaluation report</h1><p style='font-size:18px;color:{color}'><b>"
-             f"{'PASS' if report['passed'] else 'FAIL'}</b></p><p>{e(v['text'])}</p>",
+             f"{status}</b></p><p>{e(text)}</p>",
              "<p>" + "<br>".join(f"{e(k)}: <code>{e(str(val))}</code>" for k, val in report["inputs"].items() if val)
              + "</p>"]
     if report.get("memory"):
@@ -266,7 +293,7 @@ def render_html(report: dict, plot_files: dict[str, Path]) -> str:
                              + "".join(f"<td>{e(_fmt(r['metrics'][k]))}</td>" for k in _SHORT)
                              + f"<td class='l'>{e(r['status'] + (': ' + r['failures'][0] if r['failures'] else ''))}</td></tr>")
             parts.append("</table>")
-        items = [f"{k}: {json.dumps(clean_json(val))[:600]}" for k, val in c["details"].items()
+        items = [f"{k}: {_detail(val)}" for k, val in c["details"].items()
                  if k != "generated_tokens"] + [f"failure: {f}" for f in c["failures"][:10]]
         if items:
             parts.append("<ul>" + "".join(f"<li><code>{e(i)}</code></li>" for i in items) + "</ul>")

@@ -436,7 +436,7 @@ def test_reference_device_absent_is_one_line_error_and_cpu_is_named(art, tmp_pat
     before any work (this machine has neither CUDA nor an NPU)."""
     if torch.cuda.is_available():
         pytest.skip("CUDA is present here")
-    with pytest.raises(UserError, match=r"^--device cuda: device cuda requested but CUDA is not available"):
+    with pytest.raises(UserError, match=r"^--device cuda: device: cuda, but CUDA is not available"):
         evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx32"],
                        settings=FAST.model_copy(update={"device": "cuda"}))
     assert not (tmp_path / "rep").exists()

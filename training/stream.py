@@ -37,9 +37,10 @@ def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: P
         tree = procs.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            env=dict(env) if env else None, cwd=cwd, text=True, errors="replace", bufsize=1)
         bar = _LiveBar(console) if live else None
+        beat = _Heartbeat(console, bar)
         with tree:
             try:
-                _tee(tree, log, console, bar, hide_from)
+                _tee(tree, log, console, bar, hide_from, beat)
                 return tree.wait()
             except KeyboardInterrupt as e:
                 tree.proc.send_signal(getattr(e, "signum", signal.SIGINT))  # the guardian passes it on
@@ -47,15 +48,18 @@ def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: P
                 tree.wait()
                 raise
             finally:
+                beat.stop()
                 if bar is not None:
                     bar.close()
 
 
 def _tee(tree: procs.Tree, log: IO[str], console: IO[str] | None, bar: "_LiveBar | None",
-         hide_from: Callable[[str], bool] | None) -> None:
+         hide_from: Callable[[str], bool] | None, beat: "_Heartbeat | None" = None) -> None:
     assert tree.stdout is not None
     echo = console is not None
     for line in tree.stdout:
+        if beat is not None:
+            beat.seen()
         log.write(line)
         log.flush()
         if echo and hide_from is not None and hide_from(line):
@@ -70,6 +74,48 @@ def _tee(tree: procs.Tree, log: IO[str], console: IO[str] | None, bar: "_LiveBar
                 console.flush()
         except BrokenPipeError:  # `titan-pipe train | head`: keep training, keep logging
             echo = False
+
+
+HEARTBEAT_S = 5.0  # a silent child (ranks importing torch, building the model) is reported this often
+
+
+class _Heartbeat:
+    """While the child prints nothing for HEARTBEAT_S seconds, one line says how long it has been
+    quiet and what it is likely doing, so a start-up never looks like a hang."""
+
+    def __init__(self, console: IO[str], bar: "_LiveBar | None"):
+        import threading
+
+        self.console, self.bar = console, bar
+        self.start = self.last = time.monotonic()
+        self.lines = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="titan-pipe-heartbeat", daemon=True)
+        self._thread.start()
+
+    def seen(self) -> None:
+        self.last = time.monotonic()
+        self.lines += 1
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            quiet = time.monotonic() - self.last
+            if quiet < HEARTBEAT_S or (self.bar is not None and self.bar.task is not None):
+                continue  # the bar itself shows the steps going by
+            doing = "the ranks start (import torch, join the process group)" if self.lines == 0 else \
+                "the ranks work (model build, data, the first step or a checkpoint)"
+            text = f"... {time.monotonic() - self.start:.0f} s: {quiet:.0f} s without a line while {doing}\n"
+            try:
+                if self.bar is not None:
+                    self.bar.progress.console.print(text.rstrip(), markup=False, highlight=False)
+                else:
+                    self.console.write(text)
+                    self.console.flush()
+            except (BrokenPipeError, ValueError):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 class _LiveBar:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from titan_pipe import limits
 from titan_pipe.choices import DEVICES
@@ -87,7 +88,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"  {cid:20s} {status}", highlight=False, soft_wrap=True)
         console.print(r.summary["memory_line"], highlight=False, soft_wrap=True)
         colour = "green" if r.passed else "red"
-        console.print(f"[{colour}]{r.summary['verdict']}[/{colour}]", highlight=False, soft_wrap=True)
+        console.print(f"[{colour}]{escape(r.summary['verdict'])}[/{colour}]", highlight=False, soft_wrap=True)
         console.print(f"report: {r.report_json.parent / 'report.html'}", highlight=False, soft_wrap=True)
         if not r.passed:
             raise typer.Exit(1)
