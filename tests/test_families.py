@@ -339,7 +339,7 @@ def test_init_writes_a_valid_example_of_every_flavour(tmp_path):
     for flavour in FLAVOURS:
         r = runner.invoke(app, ["init", str(tmp_path / flavour), "--flavour", flavour])
         assert r.exit_code == 0, r.output
-        r = runner.invoke(app, ["validate", str(tmp_path / flavour / "flow.yaml")])
+        r = runner.invoke(app, ["validate", str(tmp_path / flavour / "flow.yaml"), "--elsewhere"])
         assert r.exit_code == 0 and f"model {flavour} " in r.output, r.output
     r = runner.invoke(app, ["init", str(tmp_path / "x"), "--flavour", "qwen3_moe_30b"])
     assert r.exit_code == 1 and "qwen3_8b" in r.output and not (tmp_path / "x").exists()
@@ -360,7 +360,8 @@ def test_init_flavour_writes_a_run_of_that_model_not_the_tiny_one(tmp_path):
     assert r.exit_code == 0, r.output
     path = tmp_path / "q" / "flow.yaml"
     cfg = load_flow(path)
-    assert cfg.name == "qwen3_0.6b" and cfg.model.flavour == "qwen3_0.6b" and cfg.device == "cuda"
+    # the run is named after the project directory, never the shipped example's (or another init's)
+    assert cfg.name == "q" and cfg.model.flavour == "qwen3_0.6b" and cfg.device == "cuda"
     assert cfg.train.seq_len == 4096 and cfg.precision.amp and cfg.parallel.world_size == 16
     best = make_plan(Workload(FLAVOURS["qwen3_0.6b"], 4096, 64, flavour="qwen3_0.6b"), build_cluster("h100", 16)[0]).best
     lay = best.layout
@@ -368,7 +369,7 @@ def test_init_flavour_writes_a_run_of_that_model_not_the_tiny_one(tmp_path):
     text = path.read_text()
     assert "FILL IN" in text and "tokenizer.json" in text  # the line to fill in
     assert yaml.safe_load(text)["data"]["tokenizer"] == "byte"
-    assert runner.invoke(app, ["validate", str(path)]).exit_code == 0
+    assert runner.invoke(app, ["validate", str(path), "--elsewhere"]).exit_code == 0
     r = runner.invoke(app, ["init", str(tmp_path / "z"), "--flavour", "qwen3_8b", "--devices", "0"])
     assert r.exit_code == 2 and not (tmp_path / "z").exists()
 
