@@ -459,7 +459,10 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
         errs.append(f"train.loss: chunked fuses the loss with the output projection inside the model's "
                     f"forward, which needs tp = pp = 1 (here tp={p.tp}, pp={p.pp}); use loss: auto (chunked "
                     "where it applies) or full")
-    if cfg.data.format != "text" and cfg.data.tokenizer == "byte" and cfg.data.path is not None:
+    if cfg.data.format != "text" and cfg.data.path is None and cfg.data.blend is None:
+        errs.append(f"data.path: null trains on the shipped corpus, plain text, but data.format: {cfg.data.format} "
+                    "reads chat/instruction records; give data.path (a .jsonl of them) or set data.format: text")
+    if cfg.data.format != "text" and cfg.data.tokenizer == "byte":
         errs.append(f"data.tokenizer: byte, but data.format: {cfg.data.format} renders records with a chat template "
                     "whose markers the byte tokenizer does not have; set data.tokenizer to the model's dir (its "
                     "tokenizer.json and template)")

@@ -2,6 +2,7 @@
 and write the winner as a flow.yaml (a thin shell over training/planner/search.py)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -214,7 +215,7 @@ def register(app: typer.Typer) -> None:
         from titan_pipe.training.planner.workload import Assumptions
 
         out = Console()
-        if not out.is_terminal:  # piped or captured: do not squeeze the table into 80 columns
+        if not out.is_terminal and not os.environ.get("COLUMNS"):  # piped, no width given: do not squeeze the table
             out = Console(width=150)
         gb = global_batch if global_batch is not None else 4 * devices
         for flag, value, bound in (("--devices", devices, limits.DEVICES), ("--nodes", nodes, limits.DEVICES),

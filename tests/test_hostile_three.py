@@ -1,0 +1,454 @@
+"""Hostile input, round three: what the fine-tuning data path, resumes and a new user meet.
+
+By class (issue 46): wrong training targets (chat records and templates that would mark the wrong
+tokens, or none), files that point elsewhere (data.json names, tokenizer side files), unbounded work
+(templates that loop or grow, files and records past their bounds), parses of untrusted input that
+must end in one line (JSON records, DCP .metadata, provenance), resumes that must check what they
+load (sha256, size, presence), the weak cases made exact, and the new user's path. Every case runs
+in one process on tiny real data; each asserts the exact refusal (or the exact right result), so a
+case that regresses fails.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from chat_fixtures import THINKING_TEMPLATE, chat_records, train_tokenizer, write_jsonl
+from convert_writers import model_args, native_state, write_dcp, write_hf
+from test_untrusted_input import cli, copy, edit_json, refused, snapshot
+from titan_pipe.cli import app
+from titan_pipe.config import ConvertConfig
+from titan_pipe.convert.api import convert_checkpoint
+from titan_pipe.errors import UserError
+from titan_pipe.tokens import chat
+from titan_pipe.tokens.chat import BadRecord, ChatTemplate, conversation, load_chat_template
+
+runner = CliRunner()
+CONV = [{"role": "user", "content": "one plus two"}, {"role": "assistant", "content": "three"}]
+
+
+# --- fixtures (once per module) -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Path:
+    return train_tokenizer(tmp_path_factory.mktemp("tok") / "tok")
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory, tok) -> Path:
+    from titan_pipe.training.prepare import prepare
+
+    base = tmp_path_factory.mktemp("chatdata")
+    src = write_jsonl(base / "chat.jsonl", chat_records(60))
+    prepare(sources=[src], out_dir=base / "prepared", tokenizer=str(tok), records="chat", progress=False,
+            val_fraction=0.1)
+    return base / "prepared"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("ckpt")
+    args = model_args()
+    hf = write_hf(native_state(args), args, base / "hf")
+    convert_checkpoint(hf, base / "titan", ConvertConfig(tp=2, pp=2))
+    return base
+
+
+# --- wrong training targets: records ------------------------------------------------------------
+
+BIG = "x " * (chat.RENDER_CHARS // 2 + 8)
+
+
+@pytest.mark.parametrize("record,fmt,expect", [
+    ([1, 2], "chat", "a list, not a JSON object"),
+    ({"text": "hi"}, "chat", "no 'messages' list"),
+    ({"messages": []}, "chat", "no 'messages' list"),
+    ({"messages": [{"role": "hacker", "content": "x"}, *CONV]}, "chat", "has role 'hacker'"),
+    ({"messages": [{"role": "user", "content": "  "}, CONV[1]]}, "chat", "message 0 (user) has empty content"),
+    ({"messages": [CONV[0], {"role": "assistant", "content": None}]}, "chat", "message 1 (assistant) has no content"),
+    ({"messages": [CONV[0], {"role": "assistant", "content": ["x"]}]}, "chat", "has no content"),
+    ({"messages": [CONV[0], CONV[0]]}, "chat", "no assistant message"),
+    ({"messages": [CONV[0], {"role": "assistant", "content": BIG}]}, "chat", "characters of content by message 1"),
+    ({"prompt": "p", "response": "r", "system": 7}, "instruction", "'system' is a int, not a string"),
+    ({"instruction": "p", "output": "r", "input": ["x"]}, "instruction", "'input' is a list, not a string"),
+    ({"instruction": "p"}, "instruction", "no prompt/response strings"),
+], ids=["list", "no-messages", "empty-messages", "bad-role", "blank-content", "null-content", "list-content",
+        "no-answer", "huge-content", "int-system", "list-input", "no-response"])
+def test_bad_records_are_refused_by_name(record, fmt, expect):
+    with pytest.raises(BadRecord) as e:
+        conversation(record, fmt=fmt)
+    assert expect in str(e.value)
+
+
+def test_too_many_messages_are_refused_before_any_is_read():
+    msgs = [CONV[0], CONV[1]] * (chat.MAX_MESSAGES // 2 + 1)
+    with pytest.raises(BadRecord, match="over the bound of 65,536"):
+        conversation({"messages": msgs}, fmt="chat")
+
+
+# --- wrong training targets / unbounded work: templates -----------------------------------------
+
+TURNS = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+@pytest.mark.parametrize("source,expect", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + TURNS, "took over"),
+    ("{% for i in range(999) %}{{ 'y' * 9999 }}{% endfor %}" + TURNS, "output passed"),
+    ("{{ 'x' * 10**9 }}" + TURNS, "builds a value of"),
+    ("{{ 'ab' ~ ('c' * 3000000) ~ ('d' * 3000000) }}" + TURNS, "builds a value of"),
+    ("{{ 'x' | center(10**8) }}" + TURNS, "builds a value of"),
+    ("{{ 'x'.ljust(10**8) }}" + TURNS, "builds a value of"),
+    ("{{ 2 ** 99999999 }}" + TURNS, "to the power 99999999"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}" + TURNS, "recurses without end"),
+    ("{{ raise_exception('system role not supported') }}" + TURNS, "system role not supported"),
+    ("{{ 1 / 0 }}" + TURNS, "ZeroDivisionError"),
+    ("{{ messages[9]['content'].upper() }}" + TURNS, "the chat template failed"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}" + TURNS, "the chat template failed"),
+    ("{{ cycler.__init__.__globals__.os.system('touch /tmp/pwned-titan') }}" + TURNS, "the chat template failed"),
+], ids=["loop", "long-output", "repeat", "concat", "center", "ljust", "power", "recursion", "raise", "div0",
+        "undefined", "mro-escape", "globals-escape"])
+def test_templates_that_loop_grow_fail_or_escape_end_in_one_bad_record(source, expect, monkeypatch):
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 1.0)
+    with pytest.raises(BadRecord) as e:
+        ChatTemplate(source, "test").answer_spans(CONV)
+    assert expect in str(e.value) and "\n" not in str(e.value)
+    assert not Path("/tmp/pwned-titan").exists()
+
+
+@pytest.mark.parametrize("source,expect", [
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "writes no generation prompt"),
+    ("{{ messages[0]['content'] }}{{ messages[1]['content'] }}"
+     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "not rendered by a loop"),
+], ids=["no-generation-prompt", "no-loop"])
+def test_templates_whose_answers_cannot_be_found_are_refused_not_guessed(source, expect):
+    with pytest.raises(BadRecord, match=expect):
+        ChatTemplate(source, "test").answer_spans(CONV)
+
+
+def test_reasoning_content_in_every_answer_marks_no_user_token(tok):
+    """Multi-turn, every answer with its reasoning: the answer spans hold each assistant text after
+    its header and never a character of a user or system turn."""
+    msgs = [{"role": "system", "content": "be brief"}]
+    for i in range(4):
+        msgs += [{"role": "user", "content": f"what is {i} plus {i}"},
+                 {"role": "assistant", "content": f"<think>\nadd {i}\n</think>\n\nthe answer is {2 * i}"}]
+    text, spans = ChatTemplate(THINKING_TEMPLATE, "test").answer_spans(msgs)
+    marked = "".join(text[a:b] for a, b in spans)
+    assert len(spans) == 4 and all(f"the answer is {2 * i}" in marked for i in range(4))
+    assert "what is" not in marked and "be brief" not in marked and "<|im_start|>user" not in marked
+
+
+# --- template files: bounded, UTF-8, Jinja, inside the tokenizer dir ------------------------------
+
+def test_a_template_file_past_the_bound_is_not_read(tmp_path):
+    big = tmp_path / "big.jinja"
+    with open(big, "wb") as f:
+        f.truncate(3 * 2**30)  # sparse: 3 GB on paper, nothing on disk
+    with pytest.raises(UserError, match=r"3,221,225,472 bytes, over the bound"):
+        load_chat_template(str(big), tokenizer_dir=None)
+
+
+@pytest.mark.parametrize("data,expect", [
+    (b"{{ messages }}\xff\xfe", "not UTF-8 text"),
+    (b"{% for m in messages %}", "not a Jinja template"),
+], ids=["not-utf8", "not-jinja"])
+def test_template_files_that_are_not_templates(tmp_path, data, expect):
+    (tmp_path / "t.jinja").write_bytes(data)
+    with pytest.raises(UserError, match=expect):
+        load_chat_template(str(tmp_path / "t.jinja"), tokenizer_dir=None)
+
+
+def test_an_inline_template_past_the_bound(tmp_path, tok):
+    d = copy(tok, tmp_path / "tok")
+    edit_json(d / "tokenizer_config.json", lambda c: c.update(chat_template="x" * (2**20 + 1)))
+    with pytest.raises(UserError, match="its chat_template has 1,048,577 characters, over the bound"):
+        load_chat_template("model", tokenizer_dir=d)
+
+
+@pytest.mark.parametrize("name", ["chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json"])
+def test_tokenizer_side_files_linked_out_of_the_dir_are_refused(tmp_path, tok, name):
+    from titan_pipe.tokens.tokenizer import HFTokenizer, tokenizer_files
+
+    d = copy(tok, tmp_path / "tok")
+    secret = tmp_path / "secret.txt"
+    secret.write_text('{"eos_token": "<|im_end|>"}')
+    if (d / name).exists():
+        (d / name).unlink()
+    (d / name).symlink_to(secret)
+    with pytest.raises(UserError, match="outside"):
+        if name == "special_tokens_map.json":
+            tokenizer_files(HFTokenizer(d / "tokenizer.json"))
+        else:
+            load_chat_template("model", tokenizer_dir=d)
+
+
+def test_a_tokenizer_json_past_its_bound_is_not_read(tmp_path, tok):
+    from titan_pipe.tokens.tokenizer import HFTokenizer
+
+    d = copy(tok, tmp_path / "tok")
+    with open(d / "tokenizer.json", "r+b") as f:
+        f.truncate(600 * 2**20)
+    with pytest.raises(UserError, match="600 MiB, over the bound of 512 MiB"):
+        HFTokenizer(d / "tokenizer.json")
+
+
+def test_an_eos_token_missing_from_the_vocab_is_refused_not_replaced(tmp_path, tok):
+    from titan_pipe.tokens.tokenizer import HFTokenizer
+
+    d = copy(tok, tmp_path / "tok")
+    edit_json(d / "tokenizer_config.json", lambda c: c.update(eos_token="<|eot|>"))
+    with pytest.raises(UserError, match=r"eos_token '<\|eot\|>' is not in .*vocabulary"):
+        HFTokenizer(d / "tokenizer.json")
+
+
+# --- data.json: names confined to the data dir, fields typed ------------------------------------
+
+@pytest.mark.parametrize("field,value,expect", [
+    ("prefix", "../other/tokens", "is not a file name inside the data dir"),
+    ("prefix", "/etc/tokens", "is not a file name inside the data dir"),
+    ("prefix", ".hidden", "is not a file name inside the data dir"),
+    ("loss_mask", "../other/tokens.lossmask", "is not 'tokens.lossmask'"),
+    ("n_tokens", "12", "not a titan-pipe data record"),
+    ("n_tokens", True, "not a titan-pipe data record"),
+    ("tokenizer", ["byte"], "not a titan-pipe data record"),
+    ("split", {"n_train": -4}, "not a titan-pipe data record"),
+], ids=["dotdot-prefix", "absolute-prefix", "hidden-prefix", "dotdot-mask", "string-count", "bool-count",
+        "list-tokenizer", "negative-split"])
+def test_data_json_values_that_point_out_or_lie_about_their_type(tmp_path, chat_data, field, value, expect):
+    from titan_pipe.tokens.record import DataRecord
+
+    d = copy(chat_data, tmp_path / "data")
+    edit_json(d / "data.json", lambda r: r.update({field: value}))
+    with pytest.raises(UserError, match=expect):
+        DataRecord.load(d)
+    line = refused(tmp_path, "data", "inspect", d, expect=("data.json", "prepare"))
+    assert expect.split()[0] in line or "data record" in line
+
+
+def test_an_index_whose_pointers_disagree_with_its_lengths(tmp_path, chat_data):
+    from titan_pipe.tokens.indexed import IndexedTokens
+
+    d = copy(chat_data, tmp_path / "data")
+    idx = d / "tokens.idx"
+    raw = bytearray(idx.read_bytes())
+    # after the 34-byte header: n int32 lengths, then n int64 pointers; move the second pointer only
+    # (the .bin's size still matches the last one)
+    n = int(np.frombuffer(raw[18:26], dtype=np.int64)[0])
+    at = 34 + 4 * n + 8
+    ptr = int(np.frombuffer(raw[at:at + 8], dtype=np.int64)[0])
+    raw[at:at + 8] = np.int64(ptr + 2).tobytes()
+    idx.write_bytes(bytes(raw))
+    with pytest.raises(UserError, match="starts at byte"):
+        IndexedTokens(d / "tokens").verify()
+
+
+# --- the loss mask: counted before training, kept whole ------------------------------------------
+
+def test_an_all_zero_loss_mask_trains_nothing_and_is_refused(tmp_path, chat_data):
+    from titan_pipe.tokens.dataset import open_source
+    from titan_pipe.tokens.packing import DocumentLoader
+
+    d = copy(chat_data, tmp_path / "data")
+    mask = d / "tokens.lossmask"
+    mask.write_bytes(bytes(mask.stat().st_size))
+    with pytest.raises(UserError, match="marks no"):
+        DocumentLoader(open_source(d, val_fraction=0.1), seq_len=32, global_batch=2)
+
+
+def test_a_broken_loss_mask_is_prepared_again_not_reused(tmp_path, tok):
+    from titan_pipe.training.prepare import prepare
+
+    src = write_jsonl(tmp_path / "chat.jsonl", chat_records(20))
+    first = prepare(sources=[src], out_dir=tmp_path / "d", tokenizer=str(tok), records="chat", progress=False)
+    good = (tmp_path / "d" / "tokens.lossmask").read_bytes()
+    (tmp_path / "d" / "tokens.lossmask").write_bytes(good[:-3])
+    again = prepare(sources=[src], out_dir=tmp_path / "d", tokenizer=str(tok), records="chat", progress=False)
+    assert not first.reused and not again.reused
+    assert (tmp_path / "d" / "tokens.lossmask").read_bytes() == good
+    assert prepare(sources=[src], out_dir=tmp_path / "d", tokenizer=str(tok), records="chat", progress=False).reused
+
+
+def test_merging_a_part_without_a_mask_with_one_that_has_it(tmp_path, chat_data):
+    """Either order: the mask is never dropped for all parts because the first lacked one."""
+    bare = copy(chat_data, tmp_path / "bare")
+    (bare / "tokens.lossmask").unlink()
+    edit_json(bare / "data.json", lambda r: r.update(loss_mask=None))
+    for order in ([bare, chat_data], [chat_data, bare]):
+        refused(tmp_path, "data", "merge", *order, "-o", tmp_path / "m", expect="loss masks", out=tmp_path / "m")
+
+
+# --- records past their bounds, and JSON that would raise -------------------------------------
+
+@pytest.mark.parametrize("line,expect", [
+    ('{"text": "a \\ud800 b"}', "escape"),
+    ("[" * 200_000 + "]" * 200_000, "nested deeper"),
+    ('{"messages": ' + "[" * 5000 + "]" * 5000 + "}", "nested deeper"),
+], ids=["lone-surrogate", "deep-array", "deep-messages"])
+def test_json_lines_that_would_raise_are_one_line(tmp_path, tok, line, expect):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "bad.jsonl").write_text(line + "\n")
+    fmt = "chat" if "messages" in line else "text"
+    refused(src, "data", "prepare", src / "bad.jsonl", "-o", tmp_path / "out", "--tokenizer", tok / "tokenizer.json",
+            "--format", fmt, expect=(expect, "bad.jsonl"), out=tmp_path / "out")
+
+
+def test_one_record_past_the_bound_is_refused_before_it_is_tokenized(tmp_path, tok, monkeypatch):
+    from titan_pipe.tokens import sources
+
+    bound = 64 * 2**10
+    monkeypatch.setattr(sources, "RECORD_BYTES", dataclasses.replace(sources.RECORD_BYTES, hi=bound))
+    src = tmp_path / "src"
+    src.mkdir()
+    write_jsonl(src / "big.jsonl", [{"text": "one two " * (bound // 4)}])
+    got, text = cli("data", "prepare", src / "big.jsonl", "-o", tmp_path / "out", "--tokenizer", "byte")
+    assert got == 1 and "over the limit of 65536 bytes" in text and "Traceback" not in text, text
+    assert not (tmp_path / "out").exists()
+
+
+# --- untrusted .metadata and provenance --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dcp(tmp_path_factory) -> Path:
+    args = model_args()
+    return write_dcp(native_state(args), args, tmp_path_factory.mktemp("dcp") / "tt", full=True)
+
+
+def _mutate_first(md, kind: str):
+    tensors = [v for v in md.state_dict_metadata.values() if hasattr(v, "chunks")]
+    if kind == "chunk-outside":
+        c = tensors[0].chunks[0]
+        tensors[0].chunks[0] = type(c)(offsets=type(c.offsets)([10**6] * len(c.offsets)), sizes=c.sizes)
+    elif kind == "not-a-dict":
+        md.state_dict_metadata = list(md.state_dict_metadata.items())
+    elif kind == "path-int":
+        key = next(iter(md.storage_data))
+        info = md.storage_data[key]
+        md.storage_data[key] = type(info)(relative_path=7, offset=info.offset, length=info.length)
+    elif kind == "negative-length":
+        key = next(iter(md.storage_data))
+        info = md.storage_data[key]
+        md.storage_data[key] = type(info)(relative_path=info.relative_path, offset=info.offset, length=-5)
+
+
+@pytest.mark.parametrize("kind", ["chunk-outside", "not-a-dict", "path-int", "negative-length"])
+def test_malformed_dcp_metadata_is_one_line(tmp_path, dcp, kind):
+    src = copy(dcp, tmp_path / "tt")
+    with open(src / ".metadata", "rb") as f:
+        md = pickle.load(f)  # this test's own file: torch's classes
+    _mutate_first(md, kind)
+    with open(src / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    refused(tmp_path, "convert", src, "-o", tmp_path / "out", expect=(".metadata",), out=tmp_path / "out")
+
+
+@pytest.mark.parametrize("path,value", [
+    (("source", "step"), "x"),
+    (("tokenizer", "tokenizer"), 5),
+    (("output", "files"), 5),
+], ids=["step-string", "tokenizer-int", "files-int"])
+def test_tampered_provenance_is_one_line(tmp_path, ckpt, path, value):
+    from titan_pipe.provenance import Provenance
+
+    model = tmp_path / "model"
+    if not (ckpt / "model").exists():
+        convert_checkpoint(ckpt / "titan", ckpt / "model")
+    copy(ckpt / "model", model)
+    prov = model / "provenance.json"
+    doc = json.loads(prov.read_text())
+    node = doc
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+    prov.write_text(json.dumps(doc))
+    with pytest.raises(UserError) as e:
+        Provenance.load(model)
+    assert prov.name in str(e.value) and path[-1] in str(e.value)
+
+
+# --- resume / init_from check what they load ----------------------------------------------------
+
+@pytest.mark.parametrize("damage,expect", [
+    ("flip", "sha256"),
+    ("truncate", "bytes, but"),
+    ("remove", "missing"),
+], ids=["flipped-byte", "truncated", "missing"])
+def test_init_from_and_resume_check_every_shard_against_its_manifest(tmp_path, ckpt, damage, expect):
+    from titan_pipe.model.weights import open_weights
+    from titan_pipe.training.preflight import files_problem
+
+    src = copy(ckpt / "titan", tmp_path / "titan")
+    shard = src / "model" / "pp0-tp1.safetensors"
+    raw = bytearray(shard.read_bytes())
+    if damage == "flip":
+        raw[-1] ^= 0xFF
+        shard.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        shard.write_bytes(bytes(raw[:-16]))
+    else:
+        shard.unlink()
+    before = snapshot(tmp_path)
+    w = open_weights(src)
+    with pytest.raises(UserError) as e:
+        for name in w.names():
+            w.full(name)
+    assert expect in str(e.value) and "pp0-tp1.safetensors" in str(e.value)
+    pre = files_problem("init_from", src)
+    assert (pre is None) == (damage == "flip")  # presence and size before the launch; sha256 as each rank reads
+    assert snapshot(tmp_path) == before
+
+
+# --- the new user's path ------------------------------------------------------------------------
+
+def test_validate_refuses_what_a_stage_would_refuse_later(tmp_path):
+    assert cli("init", tmp_path / "p")[0] == 0
+    flow = tmp_path / "p" / "flow.yaml"
+    text = flow.read_text()
+    flow.write_text(re.sub(r"(?m)^device: \w+", "device: npu", text))
+    got, out = cli("validate", flow)
+    assert got == 2 and "[npu]" in out and "device: npu" in out, out
+    assert cli("validate", flow, "--elsewhere")[0] == 0
+    assert "format: text" in text and "tokenizer: byte" in text
+    flow.write_text(text.replace("format: text", "format: chat").replace("mode: pretrain", "mode: sft"))
+    got, out = cli("validate", flow)
+    assert got == 2 and "byte" in out and "chat" in out, out
+
+
+def test_init_names_each_run_after_its_directory(tmp_path):
+    from titan_pipe.config import load_flow
+
+    for name in ("alpha", "beta"):
+        assert cli("init", tmp_path / name)[0] == 0
+    a, b = (load_flow(tmp_path / n / "flow.yaml") for n in ("alpha", "beta"))
+    assert (a.name, b.name) == ("alpha", "beta") and a.run_dir() != b.run_dir()
+
+
+def test_plan_reads_at_80_columns(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    got, out = cli("plan", "--model", "llama3_8b", "--devices", "16", "--device", "ascend910b")
+    assert got == 0, out
+    assert "…" not in out and max(len(ln) for ln in out.splitlines()) <= 80, out
+
+
+def test_the_launcher_speaks_during_a_silent_start(tmp_path):
+    from titan_pipe.training.stream import stream_process
+
+    console = io.StringIO()
+    rc = stream_process(["sleep", "6"], env=None, log_path=tmp_path / "log", console=console, live=False)
+    assert rc == 0 and console.getvalue().strip(), "6 s of silence"
+
+
+def test_the_report_headline_says_its_verdict_once():
+    from titan_pipe.evaluate.report import headline
+
+    status, text = headline({"passed": True, "verdict": {"text": "PASS: 12 comparisons within tolerance"}})
+    assert status == "PASS" and not text.startswith("PASS") and "12 comparisons" in text
