@@ -13,26 +13,22 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import os
 import pickle
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 from chat_fixtures import THINKING_TEMPLATE, chat_records, train_tokenizer, write_jsonl
 from convert_writers import model_args, native_state, write_dcp, write_hf
 from test_untrusted_input import cli, copy, edit_json, refused, snapshot
-from titan_pipe.cli import app
 from titan_pipe.config import ConvertConfig
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.errors import UserError
 from titan_pipe.tokens import chat
 from titan_pipe.tokens.chat import BadRecord, ChatTemplate, conversation, load_chat_template
 
-runner = CliRunner()
 CONV = [{"role": "user", "content": "one plus two"}, {"role": "assistant", "content": "three"}]
 
 
