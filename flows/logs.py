@@ -131,3 +131,33 @@ def quiet_user_error_tracebacks() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _NoUserErrorTraceback) for f in logger.filters):
             logger.addFilter(_NoUserErrorTraceback())
+
+
+class _NoRepeats(logging.Filter):
+    """Drops, from the console only, the run-logger lines `titan-pipe run` says in its own words:
+    Prefect's "Finished in state ..." of each task and flow, and a failure's exception, which the
+    command prints once, last. The API handler keeps them all for the UI; a retry's line stays."""
+
+    REPEATS = ("Finished in state ", "Encountered exception during execution")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
+            return True
+        msg = record.getMessage()
+        if msg.startswith(self.REPEATS):
+            return False
+        return not (record.levelno >= logging.ERROR and msg.startswith("Task run failed with exception"))
+
+
+@contextlib.contextmanager
+def console_without_repeats() -> Iterator[None]:
+    """Install _NoRepeats on the root logger's console handlers (Prefect's) while the block runs."""
+    handlers = [h for h in logging.getLogger().handlers if type(h).__name__ == "PrefectConsoleHandler"]
+    f = _NoRepeats()
+    for h in handlers:
+        h.addFilter(f)
+    try:
+        yield
+    finally:
+        for h in handlers:
+            h.removeFilter(f)

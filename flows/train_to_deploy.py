@@ -20,9 +20,9 @@ from prefect import flow
 
 from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig, load_flow
-from titan_pipe.errors import Interrupted, StageFailed, UserError
+from titan_pipe.errors import Interrupted, RankRefused, StageFailed, UserError
 from titan_pipe.flows import cache
-from titan_pipe.flows.logs import quiet_user_error_tracebacks, run_logger
+from titan_pipe.flows.logs import api_only_logger, quiet_user_error_tracebacks, run_logger
 from titan_pipe.flows.tasks import (StageOutput, convert_task, data_task, evaluate_task, export_task,
                                     train_task)
 from titan_pipe.run_dir import RunDir
@@ -86,6 +86,8 @@ def _retryable(task, task_run, state) -> bool:
     try:
         state.result()
     except KeyboardInterrupt:
+        return False
+    except RankRefused:  # a rank named its error (bad data, divergence): a retry meets it again
         return False
     except StageFailed:
         return True
@@ -197,10 +199,10 @@ def _run_stages(cfg: FlowConfig, flow_path: Path, run_dir: Path, actions: dict[s
             why = ("selected to run" if action == cache.RUN else "; ".join(
                 cache.explain_change(record.inputs if record else None, doc)
                 if record is None or record.key != key else ["its outputs changed on disk"]))
-            log.info(f"{stage}: running ({why})")
+            (api_only_logger() or log).info(f"{stage}: running ({why})")  # the event's line says it on the console
             cache.clear_record(run_dir, stage)
             resume = _prepare_training(run_dir, key, action) if stage == "train" else False
-            _emit(StageEvent(stage, "running"))
+            _emit(StageEvent(stage, "running", message=why))
             t0 = time.perf_counter()
             try:
                 out = _call_stage(stage, tasks[stage], cfg=cfg, flow_path=flow_path, flow_dir=flow_path.parent,

@@ -12,6 +12,11 @@ class StageFailed(UserError):
     """A stage ran and failed (training crashed, a verdict failed)."""
 
 
+class RankRefused(StageFailed):
+    """A training rank stopped on an error it named itself (bad data, a diverged loss): the same
+    inputs meet it again, so the flow does not retry it (a crash without such a line is retried)."""
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT, SIGTERM or SIGHUP reached a command: it stops its children, removes its temporary
     outputs and exits 128+signal. A KeyboardInterrupt, so nothing treats it as a failure to retry

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from titan_pipe.config import FlowConfig
-from titan_pipe.errors import StageFailed
+from titan_pipe.errors import RankRefused, StageFailed
 from titan_pipe.faults import OutputFault
 from titan_pipe.run_dir import RunDir
 
@@ -111,6 +111,6 @@ def launch_failure(rc: int, run: RunDir, started: float, log_offset: int, log: P
             return OutputFault(f"{limit} (torchrun stopped: {where[len('training failed: '):]})")
     if found is not None and found[0] == "fault":
         return OutputFault(f"{found[1]} (training stopped: {where[len('training failed: '):]})")
-    err = StageFailed(f"{where}: {found[1]}" if found else where)
+    err = RankRefused(f"{where}: {found[1]}") if found else StageFailed(where)
     err.exit_code = rc
     return err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -337,8 +338,10 @@ class Trainer:
         self.scaler.scale_loss(loss).backward()  # outside autocast, as torch.amp recommends
         return loss.detach()
 
-    def _optimizer_step(self) -> tuple[bool, float | None, float]:
-        """Unscale, clip and step (skipped on an fp16 overflow); (found_inf, grad norm, lr)."""
+    def _optimizer_step(self, step: int, loss: float) -> tuple[bool, float | None, float]:
+        """Unscale, clip and step (skipped on an fp16 overflow); (found_inf, grad norm, lr). A NaN or
+        infinite gradient norm outside fp16's loss scaling stops training before the update writes
+        it into the weights (the norm is global: every rank stops at the same step)."""
         if self.model.tied is not None:  # tied embeddings under tp/pp: both ends get the summed gradient
             self.model.tied.sync((n, p) for _, n, p in self.model.named_parameters())
         found_inf = self.scaler.unscale_(self.params)
@@ -346,6 +349,8 @@ class Trainer:
         if not found_inf:
             grad_norm = float(clip_grad_norm_(self.params, self.cfg.train.grad_clip, self.mesh["pp"],
                                               counted=self.counted))
+            if not math.isfinite(grad_norm) or not math.isfinite(loss):
+                raise UserError(self._diverged(step, loss, grad_norm))
             for opt in self.optimizers:
                 opt.step()
         self.scaler.update(found_inf)
@@ -370,12 +375,12 @@ class Trainer:
         local_loss = self._forward_backward(inputs, labels, positions)
         if self.fault.due(step, self.rank, "step"):
             self.fault.die()
-        found_inf, grad_norm, lr = self._optimizer_step()
         # Every holder of the last stage has the loss of its dp slice (tp ranks the same value).
         stats = torch.tensor([0.0 if local_loss is None else float(local_loss),
                               float(peak_memory_bytes(self.device))], dtype=torch.float64)
         loss_sum = stats[:1].clone()
         dist.all_reduce(loss_sum)
+        found_inf, grad_norm, lr = self._optimizer_step(step, float(loss_sum) / (p.dp * p.tp))
         per_rank = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world)]
         dist.all_gather(per_rank, stats[1:].clone())  # peak memory of every rank, in rank order
         mem = max(float(m) for m in per_rank)
@@ -390,6 +395,15 @@ class Trainer:
                 "loss_scale": self.scaler.scale,
                 "skipped": bool(found_inf),
                 "compile_s": compile_seconds() - compiled0}  # inside step_time_s (the first steps compile)
+
+    def _diverged(self, step: int, loss: float, grad_norm: float) -> str:
+        t = self.cfg.train
+        last = newest_complete(self.run.checkpoints)
+        kept = f"the last checkpoint, {last.name}, was written before it" if last else "no checkpoint was written"
+        return (f"step {step}: the loss is {loss:.6g} and the gradient norm {grad_norm:.6g}; training diverged, so it "
+                f"stopped before this update reached the weights ({kept}). Lower train.optimizer.lr (now "
+                f"{t.optimizer.lr:g}) or raise train.warmup_steps (now {t.warmup_steps}), or look for bad records in the "
+                "data (train.log has every step's loss)")
 
     # -- checkpoint ----------------------------------------------------------------------------
 

@@ -68,7 +68,7 @@ class LiveSummary:
         self.rows: dict[str, tuple[str, float, str]] = {}
 
     def __call__(self, ev) -> None:
-        figures = ev.message
+        figures = ev.message if ev.status != "failed" else "the error is below"  # said once, last
         if ev.output is not None:
             figures = stage_figures(ev.stage, ev.output.summary, ev.output.passed) or figures
         self.rows[ev.stage] = (ev.status, ev.duration_s, figures)
@@ -139,6 +139,7 @@ def register(app: typer.Typer) -> None:
         prefect_env()
         from titan_pipe.flows.prefect_api import check_api_reachable
         from titan_pipe.flows.server import temporary_server
+        from titan_pipe.flows.logs import console_without_repeats
         from titan_pipe.flows.train_to_deploy import listening, train_to_deploy
 
         check_api_reachable()  # one line with the fix, before any stage or Prefect run starts
@@ -149,7 +150,8 @@ def register(app: typer.Typer) -> None:
         result: dict = {}
         # held here, before Prefect starts, so a second writer fails at once (run_pipeline re-enters it)
         with faults.writing(cfg.run_dir(), what="the run dir"), \
-                run_lock(cfg.run_dir().resolve(), what=f"titan-pipe run {flow}"), listening(live), temporary_server():
+                run_lock(cfg.run_dir().resolve(), what=f"titan-pipe run {flow}"), listening(live), temporary_server(), \
+                console_without_repeats():
             try:
                 result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force)
             except BaseException as e:  # noqa: BLE001 - shown after the table; handle_errors maps it
