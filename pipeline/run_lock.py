@@ -193,10 +193,60 @@ def _gone_note(pid: str) -> str:
     return ""
 
 
+READS = "reads it"  # how a reader's line in a lock file ends (read_lock)
+
+
 def _lock_file_busy(lock_file: Path, out: Path, what: str) -> RunDirBusy:
     pid, _, cmd = _holder(lock_file).partition(" ")
-    return RunDirBusy(f"{out}: being written by PID {pid}{f' ({cmd})' if cmd else ''}{_gone_note(pid)}; wait for "
+    doing = "in use" if cmd.endswith(READS) else "being written"
+    return RunDirBusy(f"{out}: {doing} by PID {pid}{f' ({cmd})' if cmd else ''}{_gone_note(pid)}; wait for "
                       f"it to finish or stop it, or choose another output path")
+
+
+@contextlib.contextmanager
+def read_lock(path: str | os.PathLike, *, what: str) -> Iterator[Path]:
+    """Hold a shared lock on ``path`` (``.NAME.lock`` beside it, the file path_lock takes) while it is
+    read: a command writing ``path`` meanwhile (`data prepare -o` the data dir a training reads)
+    stops at once naming this process, and one already writing it stops this reader; readers share
+    it. Where no lock file can be made (a read-only mount) nothing can write the path either: no lock."""
+    out = Path(os.path.abspath(path))
+    lock_file = out.parent / f".{out.name}.lock"
+    while True:
+        try:
+            fd = _open_lock(lock_file)
+        except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                yield out
+                return
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise _lock_file_busy(lock_file, out, what) from None
+        try:
+            same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # a writer released and removed it between our open and flock: again
+    key = f"{lock_file}#{fd}"
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {what}, which {READS}\n".encode(), 0)
+        _fds[key] = fd
+        yield out
+    finally:
+        _fds.pop(key, None)
+        try:  # the last reader out removes the file, as a writer does (no other holder: EX succeeds)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(lock_file)
+        except OSError:
+            pass
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -115,13 +115,31 @@ def _launch(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool, device_
               f"(dp{p.dp} x tp{p.tp} x pp{p.pp}, {device_type}); rank start-up and the model build print "
               f"'setup:' lines; log {log}", file=sys.stderr, flush=True)
     try:
-        rc = stream_process(cmd, env=launch_env(cfg, device_type), log_path=log, hide_from=torchrun_report)
+        with reading_data(cfg, flow_path):
+            rc = stream_process(cmd, env=launch_env(cfg, device_type), log_path=log, hide_from=torchrun_report)
     except KeyboardInterrupt as e:  # the tree is stopped; an interrupt, not a failure to retry
         raise Interrupted.of(e, f"torchrun and its ranks were stopped; see {log}; continue with: "
                                 f"titan-pipe train {flow_path} --resume") from None
     if rc != 0:
         raise launch_failure(rc, run, started - 1, log_offset, log)
     return collect_result(run, cfg)
+
+
+@contextlib.contextmanager
+def reading_data(cfg: FlowConfig, flow_path: Path):
+    """Shared locks on the prepared data dirs the ranks read (data.path / data.blend given as token
+    data) while they run: `data prepare -o` one of them stops at once instead of replacing the
+    tokens under a running training (titan_pipe.run_lock.read_lock). Raw text is prepared into the
+    run's own data dir, which the run dir's lock covers."""
+    from titan_pipe.run_lock import read_lock
+    from titan_pipe.tokens.spec import data_spec
+
+    spec = data_spec(cfg.data, base=flow_path.parent)
+    dirs = [] if spec.text is not None else sorted({p.resolve() for p in spec.paths if p.is_dir()})
+    with contextlib.ExitStack() as stack:
+        for d in dirs:
+            stack.enter_context(read_lock(d, what=f"titan-pipe train {cfg.name}"))
+        yield
 
 
 def prepare_data_once(cfg: FlowConfig, flow_path: Path, run: RunDir | None) -> None:
