@@ -305,11 +305,20 @@ class Manifest:
         return cls.from_json(text, source=str(path))
 
     def validate(self) -> None:
+        owner: dict[tuple[str, str], tuple[str, object]] = {}  # (file, key) -> the piece it stores
         for p in self.params.values():
             p.check_coverage()
             for c in p.chunks:
                 if c.file not in self.files:
                     raise LayoutError(f"{p.name}: chunk file {c.file!r} is not listed in 'files'")
+                # one stored tensor is one piece of one parameter: two pieces read from it would put
+                # the same values in two places (an expert duplicated, another lost), shapes agreeing
+                first = owner.setdefault((c.file, c.key), (p.name, c.box))
+                if first != (p.name, c.box):
+                    raise LayoutError(f"{p.name}: its chunk at {list(c.box.offsets)} reads {c.key!r} of {c.file}, "
+                                      f"which already holds {first[0]} at {list(first[1].offsets)}; each stored "
+                                      "tensor holds one piece of one parameter: the manifest is damaged, copy the "
+                                      "checkpoint again")
 
 
 # fp32 copies of each parameter an optimizer's saved state holds (AdamW: two moments; SGD without

@@ -9,12 +9,14 @@ duplicate keys, alias bombs, what training would meet before its first step) and
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import time
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from convert_writers import model_args, native_state, write_dcp, write_hf
 from test_untrusted_input import copy, edit_json, refused
@@ -103,8 +105,18 @@ def test_manifest_model_value_as_a_string(good, tmp_path):
 def test_manifest_listing_a_parameter_the_model_lacks(good, tmp_path):
     src = copy(good["titan"], tmp_path / "src")
 
+    # its own stored tensor (one stored tensor is never two pieces: that is refused as damage)
+    shard = src / "model" / "pp0-tp0.safetensors"
+    tensors = load_file(shard)
+    tensors["layers.9.attention_norm.weight"] = tensors["layers.0.attention_norm.weight"].clone()
+    save_file(tensors, shard)
+
     def extra(m):
-        m["params"]["layers.9.attention_norm.weight"] = m["params"]["layers.0.attention_norm.weight"]
+        p = json.loads(json.dumps(m["params"]["layers.0.attention_norm.weight"]))
+        p["chunks"] = [{**p["chunks"][0], "key": "layers.9.attention_norm.weight"}]  # the tp0 replica only
+        m["params"]["layers.9.attention_norm.weight"] = p
+        m["files"]["model/pp0-tp0.safetensors"] = {"size": shard.stat().st_size,
+                                                   "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
     edit_json(src / "manifest.json", extra)
     refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
             expect=("manifest.json", "'layers.9.attention_norm.weight'", "has no place"))

@@ -138,6 +138,14 @@ def metadata_problem(md) -> str | None:
         if not isinstance(info.relative_path, str) or not _ints([info.offset, info.length]):
             return f"the storage entry of {key.fqn!r} has path {info.relative_path!r}, offset {info.offset!r}, " \
                    f"length {info.length!r}"
+    # each entry owns its bytes: two entries reading the same bytes would copy one piece into two
+    # places (an expert written twice, another lost) without any shape disagreeing
+    spans = sorted((info.relative_path, info.offset, info.offset + info.length, key.fqn, key.offset)
+                   for key, info in storage.items() if info.length)
+    for (path_a, _, end_a, fqn_a, at_a), (path_b, start_b, _, fqn_b, at_b) in zip(spans, spans[1:]):
+        if path_a == path_b and start_b < end_a:
+            return (f"the storage entries of {fqn_a!r} at {list(at_a or ())} and {fqn_b!r} at {list(at_b or ())} "
+                    f"read overlapping bytes of {path_a} (from byte {start_b})")
     return None
 
 
