@@ -67,6 +67,9 @@ def plan_deployment(*, flow_path: Path, cfg: FlowConfig, cron: str, name: str | 
                     timezone: str | None = None, stage: str | None = None,
                     workdir: Path | None = None, pool: str | None = None) -> DeploymentPlan:
     """Check the cron and timezone and fix the deployment's parameters (absolute flow.yaml, work dir)."""
+    if name is not None and not POOL_NAME.fullmatch(name):  # before Prefect is imported: a plain refusal
+        raise UserError(f"--name {limits.shown(name)} is not a deployment name; use letters, digits, '-', '_' "
+                        "and '.' (1-100 characters, no '/'), e.g. nightly-llama")
     from prefect.client.schemas.schedules import CronSchedule
     from pydantic import ValidationError
 

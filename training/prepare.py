@@ -345,8 +345,33 @@ def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, s
     return record
 
 
+# prepare's options as the flow.yaml keys that set them, for errors met preparing a flow's data
+FLOW_KEYS = {"--chat-template": "data.chat_template", "--format": "data.format", "--tokenizer": "data.tokenizer",
+             "--val-fraction": "data.val_fraction", "--text-key": "data.text_key"}
+
+
+def in_flow_terms(message: str) -> str:
+    """``message`` with each of prepare's flags named as the flow.yaml key the user wrote: "pass
+    --chat-template chatml" becomes "set data.chat_template: chatml"."""
+    import re
+
+    message = message.replace(" (or --text-key)", "").replace("(--text-key / data.text_key", "(data.text_key")
+    for flag, key in FLOW_KEYS.items():
+        message = re.sub(rf"\b(?:pass|use) {flag} ", f"set {key}: ", message)
+        message = re.sub(rf"(?<![\w-]){flag} (?=\S)", f"{key}: ", message)
+        message = re.sub(rf"(?<![\w-]){flag}\b", key, message)
+    return message
+
+
 def prepare_spec(spec, out_dir: Path, *, progress: bool = True) -> PrepareResult:
     """The raw text of a flow's resolved data section (titan_pipe.tokens.spec.DataSpec) prepared into
-    ``out_dir`` (the run's data dir); a no-op when it is current."""
-    return prepare(sources=[spec.text], out_dir=out_dir, tokenizer=spec.tokenizer, val_fraction=spec.val_fraction,
-                   text_key=spec.text_key, progress=progress, records=spec.records, chat_template=spec.chat_template)
+    ``out_dir`` (the run's data dir); a no-op when it is current. Errors name flow.yaml's keys."""
+    try:
+        return prepare(sources=[spec.text], out_dir=out_dir, tokenizer=spec.tokenizer,
+                       val_fraction=spec.val_fraction, text_key=spec.text_key, progress=progress,
+                       records=spec.records, chat_template=spec.chat_template)
+    except UserError as e:
+        translated = in_flow_terms(str(e))
+        if translated == str(e):
+            raise
+        raise type(e)(translated) from None

@@ -21,6 +21,25 @@ RefDevice = Enum("RefDevice", {n: n for n in DEVICES}, type=str)  # titan_pipe.c
 ThresholdDtype = Enum("ThresholdDtype", {n: n for n in ("auto", *FLOAT_NAMES)}, type=str)
 
 
+def _with_flags(settings, updates: dict):
+    """The evaluate section with the flags' values, validated as flow.yaml's are (model_copy would
+    skip the field rules: ``--max-memory lots`` got as far as the evaluation before it failed);
+    a bad value is one line naming the flag (exit 2, a bad option)."""
+    from pydantic import ValidationError
+
+    from titan_pipe.errors import UserError
+
+    try:
+        return type(settings).model_validate({**settings.model_dump(), **updates})
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = str(err["loc"][0]) if err.get("loc") else "?"
+        why = str(err.get("msg", e)).removeprefix("Value error, ")
+        bad = UserError(f"--{field.replace('_', '-')} {updates.get(field)!r}: {why}")
+        bad.exit_code = 2
+        raise bad from None
+
+
 def register(app: typer.Typer) -> None:
     @app.command("evaluate")
     @handle_errors
@@ -81,7 +100,7 @@ def register(app: typer.Typer) -> None:
             updates["operators"] = operators
         if max_memory is not None:
             updates["max_memory"] = max_memory
-        settings = settings.model_copy(update=updates)
+        settings = _with_flags(settings, updates)
         r = call_stage("evaluate", evaluate_model, track=flow, out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
                            data=data, settings=settings, progress=True, split=split)
         for cid, status in r.summary["comparisons"].items():
