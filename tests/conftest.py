@@ -14,6 +14,15 @@ import pytest  # noqa: E402
 pytest_plugins = ["extras_guard"]  # a skip for want of an installed package fails (tests/extras_guard.py)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _prefect_logging_bound_to_the_session():
+    """prefect.main sets Prefect's logging up once per process, binding its console handler to the
+    sys.stderr of that moment: import it before any test, so the first import never happens inside
+    a CliRunner (whose stream closes after its invoke: every later flow run would fail with "I/O
+    operation on closed file", whichever order the test files run in)."""
+    import prefect.main  # noqa: F401
+
+
 @pytest.fixture(scope="session")
 def prefect_harness():
     """ONE temporary Prefect server + database for the whole session (~30 s); flow tests request it."""

@@ -128,8 +128,8 @@ def test_killed_rank_is_retried_and_resumes_to_the_same_weights(first, monkeypat
     assert len(train_runs) == 1 and train_runs[0].run_count == 2  # failed once, retried once
     fault_dir = path.parent / "runs" / "tinyfault"
     assert cache.read_record(fault_dir, "train").result["summary"]["start_step"] == 4  # resumed, not step 0
-    launches = [l for l in (fault_dir / "train.log").read_text().splitlines() if "torch.distributed.run" in l
-                and l.startswith("# ")]
+    launches = [ln for ln in (fault_dir / "train.log").read_text().splitlines() if "torch.distributed.run" in ln
+                and ln.startswith("# ")]
     assert len(launches) == 2 and not launches[0].endswith("--resume") and launches[1].endswith("--resume")
     final = fault_dir / "checkpoints" / "step-000008"
     assert (final / "manifest.json").is_file()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import pickle
 import re
 from pathlib import Path
@@ -448,3 +449,230 @@ def test_the_report_headline_says_its_verdict_once():
 
     status, text = headline({"passed": True, "verdict": {"text": "PASS: 12 comparisons within tolerance"}})
     assert status == "PASS" and not text.startswith("PASS") and "12 comparisons" in text
+
+
+# --- Prefect: names and servers ------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "", "-x", "n" * 101])
+def test_schedule_names_that_are_not_names(tmp_path, name):
+    refused(tmp_path, "schedule", REPO / "examples" / "tiny" / "flow.yaml", "--cron", "0 2 * * *", "--name", name,
+            code=2, expect="is not a deployment name")
+
+
+def test_a_prefect_api_url_that_answers_but_is_not_prefect(tmp_path, ckpt, monkeypatch):
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            body = b"<html>welcome to nginx</html>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/api"
+        monkeypatch.setenv("PREFECT_API_URL", url)
+        refused(tmp_path, "convert", ckpt / "hf", "-o", tmp_path / "out", "--flow", out=tmp_path / "out",
+                expect=(f"PREFECT_API_URL {url} answers, but is not a Prefect API", "welcome to nginx"))
+    finally:
+        server.shutdown()
+
+
+# --- a diverging run stops with one line, before the NaN reaches a checkpoint ---------------------
+
+def test_a_diverging_run_stops_before_writing_nan_weights(tmp_path):
+    """lr 1000 on the debug model: the loss leaves the finite numbers within a few steps. Training
+    stops at the first non-finite gradient norm with one line naming the step and the fix; every
+    checkpoint left holds finite weights (what a fine-tune deployed with PASS must never hold)."""
+    import subprocess
+    import sys
+
+    import yaml
+    from safetensors.torch import load_file
+
+    runs = tmp_path / "runs"
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(yaml.safe_dump({
+        "name": "d", "runs_dir": str(runs), "device": "cpu", "model": {"flavour": "debug"},
+        "train": {"steps": 8, "batch_size": 2, "seq_len": 16, "warmup_steps": 0,
+                  "optimizer": {"name": "adamw", "lr": 1000.0}},
+        "parallel": {"dp": 1, "tp": 1, "pp": 1}, "checkpoint": {"every": 1, "keep_last": 8}}))
+    r = subprocess.run([sys.executable, "-m", "titan_pipe.cli", "train", str(flow)], capture_output=True, text=True,
+                       timeout=600)
+    out = r.stdout + r.stderr
+    errs = [ln for ln in out.splitlines() if ln.startswith("error")]
+    assert r.returncode == 1 and len(errs) == 1 and "Traceback" not in out.split("error")[-1], out
+    assert "training diverged" in errs[0] and "train.optimizer.lr (now 1000)" in errs[0], errs[0]
+    step = int(errs[0].split("step ")[1].split(":")[0])
+    kept = sorted((runs / "d" / "checkpoints").glob("step-*"))
+    assert kept and int(kept[-1].name.split("-")[1]) == step - 1, (kept, step)
+    for f in (kept[-1] / "model").glob("*.safetensors"):
+        assert all(t.isfinite().all() for t in load_file(f).values()), f
+
+
+# --- two pieces read from the same stored bytes ---------------------------------------------------
+
+def test_a_manifest_reading_one_stored_tensor_for_two_pieces(tmp_path, ckpt):
+    """The tp1 half of the embedding pointed at the tp0 half's tensor: shapes agree, so without the
+    check the converted model would hold the first half twice (how an expert gets duplicated)."""
+    from titan_pipe.model.weights import open_weights
+
+    src = copy(ckpt / "titan", tmp_path / "titan")
+
+    def alias(m):
+        chunks = m["params"]["tok_embeddings.weight"]["chunks"]
+        chunks[1].update(file=chunks[0]["file"], key=chunks[0]["key"])
+
+    edit_json(src / "manifest.json", alias)
+    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
+            expect=("reads 'tok_embeddings.weight' of model/pp0-tp0.safetensors", "already holds"))
+    with pytest.raises(UserError, match="already holds tok_embeddings.weight"):
+        open_weights(src)
+
+
+def test_dcp_entries_reading_the_same_bytes(tmp_path, dcp):
+    src = copy(dcp, tmp_path / "tt")
+    with open(src / ".metadata", "rb") as f:
+        md = pickle.load(f)  # this test's own file: torch's classes
+    by_len: dict = {}
+    for key, info in md.storage_data.items():
+        by_len.setdefault((info.relative_path, info.length), []).append(key)
+    a, b = next(keys for keys in by_len.values() if len(keys) > 1)[:2]
+    md.storage_data[b] = type(md.storage_data[b])(relative_path=md.storage_data[a].relative_path,
+                                                  offset=md.storage_data[a].offset, length=md.storage_data[a].length)
+    with open(src / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
+            expect=(".metadata", "read overlapping bytes"))
+
+
+# --- a failed run: its error once, and no retry of what a rank refused ---------------------------
+
+class _State:
+    def __init__(self, exc):
+        self.exc = exc
+
+    def result(self):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc,retry", [
+    ("RankRefused", False), ("StageFailed", True), ("UserError", False), ("KeyboardInterrupt", False),
+    ("RuntimeError", True),
+])
+def test_only_a_crash_is_retried_never_an_error_a_rank_named(exc, retry):
+    import builtins
+
+    from titan_pipe import errors
+    from titan_pipe.flows.train_to_deploy import _retryable
+
+    cls = getattr(errors, exc, None) or getattr(builtins, exc)
+    assert _retryable(None, None, _State(cls("x"))) is retry
+
+
+def test_a_rank_error_line_makes_the_launch_error_one_that_is_not_retried(tmp_path):
+    from titan_pipe.errors import RankRefused
+    from titan_pipe.run_dir import RunDir
+    from titan_pipe.training.failure import launch_failure
+
+    run = RunDir(tmp_path / "r")
+    log = tmp_path / "train.log"
+    log.write_text("[default0]:step 1/4 | loss 6.4\n[default0]:error: step 2: training diverged\n")
+    err = launch_failure(1, run, 0.0, 0, log)
+    assert isinstance(err, RankRefused) and str(err).endswith("step 2: training diverged")
+    log.write_text("[default0]:step 1/4 | loss 6.4\nKilled\n")
+    assert not isinstance(launch_failure(1, run, 0.0, 0, log), RankRefused)
+
+
+def test_the_console_drops_prefects_repeats_of_what_run_prints_itself():
+    import logging
+
+    from titan_pipe.flows.logs import _NoRepeats
+
+    def rec(name, level, msg):
+        return logging.LogRecord(name, level, __file__, 1, msg, None, None)
+
+    f = _NoRepeats()
+    assert not f.filter(rec("prefect.task_runs", logging.ERROR, "Finished in state Failed('x')"))
+    assert not f.filter(rec("prefect.flow_runs", logging.ERROR, "Encountered exception during execution: x"))
+    assert not f.filter(rec("prefect.task_runs", logging.ERROR, "Task run failed with exception: x"))
+    assert f.filter(rec("prefect.task_runs", logging.INFO, "Task run failed with exception: x - Retry 1/2 will start"))
+    assert f.filter(rec("prefect.task_runs", logging.INFO, "prepared: 60 documents"))
+    assert f.filter(rec("titan_pipe", logging.ERROR, "Finished in state Failed('x')"))
+
+
+# --- a training's prepared data is not replaced under it -----------------------------------------
+
+def test_data_prepare_refuses_a_dir_a_training_reads(tmp_path, tok, chat_data):
+    """The launcher holds read_lock on each prepared dir the ranks read; two trainings share it,
+    `data prepare -o` that dir stops at once naming the training, and after it the lock file is gone."""
+    from titan_pipe.run_lock import RunDirBusy, path_lock, read_lock
+
+    d = copy(chat_data, tmp_path / "data")
+    src = write_jsonl(tmp_path / "src" / "chat.jsonl", chat_records(10, seed=3))
+    with read_lock(d, what="titan-pipe train a"), read_lock(d, what="titan-pipe train b"):
+        refused(tmp_path / "data", "data", "prepare", src, "-o", d, "--tokenizer", tok / "tokenizer.json",
+                "--format", "chat", expect=(f"{d}: in use by PID {os.getpid()} (titan-pipe train b, which reads it)",))
+        with pytest.raises(RunDirBusy, match="in use by PID"):
+            with path_lock(d, what="titan-pipe merge"):
+                pass
+    assert not (tmp_path / ".data.lock").exists()
+    with path_lock(d, what="titan-pipe prepare"):
+        with pytest.raises(RunDirBusy, match=f"{d}: being written by PID {os.getpid()} \\(titan-pipe prepare\\)"):
+            with read_lock(d, what="titan-pipe train c"):
+                pass
+    got, text = cli("data", "prepare", src, "-o", d, "--tokenizer", tok / "tokenizer.json", "--format", "chat")
+    assert got == 0, text
+
+
+def test_the_launcher_reads_prepared_data_under_its_lock(tmp_path, chat_data):
+    from titan_pipe.config import load_flow
+    from titan_pipe.run_lock import RunDirBusy, path_lock
+    from titan_pipe.training.launch import reading_data
+
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(f"name: x\ndevice: cpu\ndata: {{path: {chat_data}, tokenizer: byte}}\n")
+    cfg = load_flow(flow)
+    with reading_data(cfg, flow):
+        with pytest.raises(RunDirBusy, match="titan-pipe train x, which reads it"):
+            with path_lock(chat_data, what="titan-pipe prepare"):
+                pass
+
+
+# --- a flow's errors name its keys, not the flags of another command ------------------------------
+
+def test_a_flows_data_error_names_the_flow_key_not_the_flag(tmp_path, tok):
+    from titan_pipe.config import load_flow
+    from titan_pipe.tokens.spec import data_spec
+    from titan_pipe.training.prepare import prepare_spec
+
+    d = copy(tok, tmp_path / "tok")
+    edit_json(d / "tokenizer_config.json", lambda c: c.pop("chat_template"))
+    write_jsonl(tmp_path / "chat.jsonl", chat_records(5))
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(f"name: x\ndevice: cpu\ndata: {{path: chat.jsonl, tokenizer: {d}, format: chat}}\n"
+                    "train: {mode: sft}\n")
+    spec = data_spec(load_flow(flow).data, base=tmp_path)
+    with pytest.raises(UserError) as e:
+        prepare_spec(spec, tmp_path / "out", progress=False)
+    assert "set data.chat_template: chatml" in str(e.value) and "--chat-template" not in str(e.value)
+
+
+@pytest.mark.parametrize("flag,value,expect", [
+    ("--max-memory", "lots", "--max-memory 'lots': 'lots' is not a size"),
+    ("--batches", "-5", "--batches -5: must be >= 1"),
+])
+def test_evaluate_flags_are_checked_before_anything_is_loaded(tmp_path, ckpt, flag, value, expect):
+    line = refused(tmp_path, "evaluate", "-o", tmp_path / "rep", "--model-dir", ckpt / "hf", flag, value,
+                   code=2 if flag == "--max-memory" else 1, expect=expect, out=tmp_path / "rep")
+    assert "loading" not in line

@@ -133,7 +133,9 @@ def _encode_chat(blocks: list[Block]) -> Encoded:
         ids.append(np.asarray(ids_, dtype=_dtype))
         masks.append(mask)
         lengths.append(len(ids_))
-    cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dtype=dt))
+    def cat(xs, dt):
+        return np.concatenate(xs) if xs else np.zeros(0, dtype=dt)
+
     return Encoded(cat(ids, _dtype), np.asarray(lengths, dtype=np.int32), sum(map(len, texts)), n_in,
                    cat(masks, np.uint8), tuple(bad))
 

@@ -4,7 +4,6 @@ Shared by training (the corpus is encoded with it) and evaluate (held-out text, 
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Protocol, Sequence
