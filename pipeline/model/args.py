@@ -21,6 +21,7 @@ from typing import get_type_hints
 from titan_pipe import limits
 from titan_pipe.limits import Bound
 from titan_pipe.errors import UserError
+from titan_pipe.model.families import family_of
 from titan_pipe.values import BOOL, DICT, FLOAT, INT, LIST, STR, check, refuse
 
 
@@ -218,8 +219,6 @@ def args_problems(args: ModelArgs) -> list[str]:
     if args.head_dim % 2:
         out.append(f"head_dim: {args.head_dim} must be even (RoPE rotates pairs); change head_dim (or dim / n_heads)")
     if args.moe or args.family is not None:  # the architecture that says it (titan_pipe.model.families)
-        from titan_pipe.model.families import family_of
-
         try:
             family_of(args)
         except ValueError as e:

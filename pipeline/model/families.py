@@ -22,12 +22,15 @@ The config written for a model is the simplest of the four that computes it.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from titan_pipe import limits
 from titan_pipe.errors import UserError
 from titan_pipe.limits import Bound, shown
-from titan_pipe.model.args import ModelArgs
 from titan_pipe.values import BOOL, FLOAT, INT, STR, read, refuse
+
+if TYPE_CHECKING:  # annotations only: args.py imports this module (family checks), not the reverse
+    from titan_pipe.model.args import ModelArgs
 
 
 @dataclass(frozen=True)

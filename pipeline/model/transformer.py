@@ -18,6 +18,7 @@ from torch import nn
 from titan_pipe.model import rope
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels, reference_kernels
+from titan_pipe.model.loss import cross_entropy, linear_cross_entropy
 from titan_pipe.model.params import param_of
 
 
@@ -307,8 +308,6 @@ class Transformer(nn.Module):
         if labels is None:
             return self.output(h) if self.output is not None else h
         from torch.distributed.tensor import DTensor
-
-        from titan_pipe.model.loss import cross_entropy, linear_cross_entropy
 
         if isinstance(self.output.weight, DTensor) or isinstance(h, DTensor):
             loss = cross_entropy(self.output(h), labels, denom=loss_denom)

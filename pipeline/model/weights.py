@@ -13,8 +13,11 @@ import torch
 from safetensors import safe_open  # our checkpoint's shards (a unified dir: titan_pipe.model.unified_dir)
 
 from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, is_complete, newest_complete, open_checkpoint
+from titan_pipe.dtypes import TORCH_DTYPES
 from titan_pipe.errors import UserError
+from titan_pipe.hashing import sha256_file
 from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, check_fits, model_differences
+from titan_pipe.model.unified_dir import open_unified
 from titan_pipe.paths import resolve_inside
 
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python names it from 3.13 on
@@ -66,8 +69,6 @@ class CheckpointWeights:
 
     def stored_dtype(self, name: str) -> torch.dtype:
         """The dtype of ``name`` as stored."""
-        from titan_pipe.dtypes import TORCH_DTYPES
-
         return TORCH_DTYPES[self._spec(name).dtype]
 
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
@@ -112,8 +113,6 @@ _VERIFIED: set[tuple[str, int, int, str]] = set()  # (path, size, mtime_ns, sha2
 def verify_file(path: Path, info, *, manifest: Path) -> None:
     """A shard as its manifest lists it, before a tensor of it is read: present, of its size, of its
     sha256 (as convert checks them); each file once a process. A one-line UserError otherwise."""
-    from titan_pipe.hashing import sha256_file
-
     try:
         st = path.stat()
     except OSError:
@@ -142,8 +141,6 @@ class SafetensorsWeights:
     that ``titan-pipe export`` accepts is one ``init_from`` accepts, with the same errors."""
 
     def __init__(self, model_dir: Path):
-        from titan_pipe.model.unified_dir import open_unified
-
         self.dir = Path(model_dir)
         self._unified = open_unified(self.dir)
         self.args = self._unified.args
@@ -157,8 +154,6 @@ class SafetensorsWeights:
 
     def stored_dtype(self, name: str) -> torch.dtype:
         """The dtype of ``name`` as stored."""
-        from titan_pipe.dtypes import TORCH_DTYPES
-
         return TORCH_DTYPES[self._unified.parts(name)[0].stored.dtype]
 
     def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
