@@ -138,14 +138,6 @@ def metadata_problem(md) -> str | None:
         if not isinstance(info.relative_path, str) or not _ints([info.offset, info.length]):
             return f"the storage entry of {key.fqn!r} has path {info.relative_path!r}, offset {info.offset!r}, " \
                    f"length {info.length!r}"
-    # each entry owns its bytes: two entries reading the same bytes would copy one piece into two
-    # places (an expert written twice, another lost) without any shape disagreeing
-    spans = sorted((info.relative_path, info.offset, info.offset + info.length, key.fqn, key.offset)
-                   for key, info in storage.items() if info.length)
-    for (path_a, _, end_a, fqn_a, at_a), (path_b, start_b, _, fqn_b, at_b) in zip(spans, spans[1:]):
-        if path_a == path_b and start_b < end_a:
-            return (f"the storage entries of {fqn_a!r} at {list(at_a or ())} and {fqn_b!r} at {list(at_b or ())} "
-                    f"read overlapping bytes of {path_a} (from byte {start_b})")
     return None
 
 
@@ -413,6 +405,7 @@ class ChunkLocator:
         self._fds: dict[str, tuple[int, int]] = {}
         self._st_headers: dict[Path, dict] = {}
         self._files = StorageFiles(root)
+        self._claimed: dict[str, tuple[list[int], list[tuple]]] = {}  # file -> sorted starts, owners
 
     def locate(self, fqn: str, info, dtype: str, lengths: tuple[int, ...]) -> tuple[str, SavedTensor]:
         f, rel = self._files(info.relative_path)
@@ -426,7 +419,30 @@ class ChunkLocator:
                 raise UserError(f"{f}: is a directory, expected a .distcp file") from None
             self._fds[rel] = (fd, os.fstat(fd).st_size)
         fd, size = self._fds[rel]
-        return rel, _locate_chunk(f, fd, size, fqn, info, dtype, lengths, self._st_headers)
+        saved = _locate_chunk(f, fd, size, fqn, info, dtype, lengths, self._st_headers)
+        self._claim(f, rel, (fqn, info.offset), saved)
+        return rel, saved
+
+    def _claim(self, f: Path, rel: str, item: tuple, saved: SavedTensor) -> None:
+        """Each storage item owns its bytes: two items located on the same bytes would put one
+        piece in two places (an expert written twice, another lost) with every shape agreeing.
+        Checked on the located bytes, so a torch.save archive and a safetensors-backed save alike."""
+        import bisect
+
+        starts, owners = self._claimed.setdefault(rel, ([], []))
+        lo, hi = saved.storage_start, saved.storage_start + saved.storage_nbytes
+        i = bisect.bisect_left(starts, lo)
+        for j in (i - 1, i):
+            if 0 <= j < len(starts):
+                o_lo, o_hi, o_item = owners[j]
+                if o_item != item and o_lo < hi and lo < o_hi:
+                    raise UserError(f"{f}: {o_item[0]} and {item[0]} are located on overlapping bytes "
+                                    f"({max(lo, o_lo)}..{min(hi, o_hi)}); each storage item owns its bytes, so "
+                                    f"{METADATA} is corrupted: copy the checkpoint again")
+                if o_item == item:
+                    return
+        starts.insert(i, lo)
+        owners.insert(i, (lo, hi, item))
 
     @property
     def files(self) -> list[str]:
