@@ -24,7 +24,7 @@ ThresholdDtype = Enum("ThresholdDtype", {n: n for n in ("auto", *FLOAT_NAMES)}, 
 def _with_flags(settings, updates: dict):
     """The evaluate section with the flags' values, validated as flow.yaml's are (model_copy would
     skip the field rules: ``--max-memory lots`` got as far as the evaluation before it failed);
-    a bad value is one line naming the flag (exit 2, a bad option)."""
+    a bad value is one line naming the flag (exit 1, as evaluate's other flag checks)."""
     from pydantic import ValidationError
 
     from titan_pipe.errors import UserError
@@ -35,9 +35,7 @@ def _with_flags(settings, updates: dict):
         err = e.errors()[0]
         field = str(err["loc"][0]) if err.get("loc") else "?"
         why = str(err.get("msg", e)).removeprefix("Value error, ")
-        bad = UserError(f"--{field.replace('_', '-')} {updates.get(field)!r}: {why}")
-        bad.exit_code = 2
-        raise bad from None
+        raise UserError(f"--{field.replace('_', '-')} {updates.get(field)!r}: {why}") from None
 
 
 def register(app: typer.Typer) -> None:
