@@ -203,6 +203,27 @@ def _lock_file_busy(lock_file: Path, out: Path, what: str) -> RunDirBusy:
                       f"it to finish or stop it, or choose another output path")
 
 
+def _lock_current(lock_file: Path, mode: int) -> int | None:
+    """The descriptor of the lock file now on disk, holding a flock of ``mode`` (LOCK_EX, LOCK_SH);
+    None when another process holds one that conflicts. A holder that released and removed the
+    file between our open and flock leaves us an unlinked file: then again, on the new one."""
+    while True:
+        fd = _open_lock(lock_file)
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            return None
+        try:
+            if os.stat(lock_file).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def read_lock(path: str | os.PathLike, *, what: str) -> Iterator[Path]:
     """Hold a shared lock on ``path`` (``.NAME.lock`` beside it, the file path_lock takes) while it is
@@ -211,28 +232,15 @@ def read_lock(path: str | os.PathLike, *, what: str) -> Iterator[Path]:
     it. Where no lock file can be made (a read-only mount) nothing can write the path either: no lock."""
     out = Path(os.path.abspath(path))
     lock_file = out.parent / f".{out.name}.lock"
-    while True:
-        try:
-            fd = _open_lock(lock_file)
-        except OSError as e:
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                yield out
-                return
+    try:
+        fd = _lock_current(lock_file, fcntl.LOCK_SH)
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            raise _lock_file_busy(lock_file, out, what) from None
-        try:
-            same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)  # a writer released and removed it between our open and flock: again
+        yield out
+        return
+    if fd is None:
+        raise _lock_file_busy(lock_file, out, what)
     key = f"{lock_file}#{fd}"
     try:
         os.ftruncate(fd, 0)
@@ -260,17 +268,9 @@ def path_lock(out: str | os.PathLike, *, what: str) -> Iterator[Path]:
     out = Path(os.path.abspath(out))
     lock_file = out.parent / f".{out.name}.lock"
     out.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        fd = _try_lock(lock_file)
-        if fd is None:
-            raise _lock_file_busy(lock_file, out, what)
-        try:
-            same = os.stat(lock_file).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)  # the holder released and removed it between our open and flock: again
+    fd = _lock_current(lock_file, fcntl.LOCK_EX)
+    if fd is None:
+        raise _lock_file_busy(lock_file, out, what)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
