@@ -136,12 +136,13 @@ def quiet_user_error_tracebacks() -> None:
 class _NoRepeats(logging.Filter):
     """Drops, from the console only, the run-logger lines `titan-pipe run` says in its own words:
     Prefect's "Finished in state ..." of each task and flow, and a failure's exception, which the
-    command prints once, last. The API handler keeps them all for the UI; a retry's line stays."""
+    command prints once, last. The API handler keeps them all for the UI; a retry's line stays, and
+    so does a record with its traceback (an unexpected crash: a UserError's is stripped before)."""
 
     REPEATS = ("Finished in state ", "Encountered exception during execution")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
+        if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")) or record.exc_info:
             return True
         msg = record.getMessage()
         if msg.startswith(self.REPEATS):

@@ -610,6 +610,9 @@ def test_the_console_drops_prefects_repeats_of_what_run_prints_itself():
     assert f.filter(rec("prefect.task_runs", logging.INFO, "Task run failed with exception: x - Retry 1/2 will start"))
     assert f.filter(rec("prefect.task_runs", logging.INFO, "prepared: 60 documents"))
     assert f.filter(rec("titan_pipe", logging.ERROR, "Finished in state Failed('x')"))
+    crash = rec("prefect.task_runs", logging.ERROR, "Task run failed with exception: RuntimeError('bug')")
+    crash.exc_info = (RuntimeError, RuntimeError("bug"), None)  # a bug's traceback is shown, once
+    assert f.filter(crash)
 
 
 # --- a training's prepared data is not replaced under it -----------------------------------------
