@@ -680,3 +680,16 @@ def test_evaluate_flags_are_checked_before_anything_is_loaded(tmp_path, ckpt, fl
     line = refused(tmp_path, "evaluate", "-o", tmp_path / "rep", "--model-dir", ckpt / "hf", flag, value,
                    expect=expect, out=tmp_path / "rep")
     assert "loading" not in line
+
+
+@pytest.mark.parametrize("line,hidden", [
+    ("E1206 19:47:28.386000 1518 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) "
+     "local_rank: 0 (pid: 1524) of binary: /usr/bin/python3", True),
+    ("Traceback (most recent call last):", True),
+    ("[default0]:error: step 2: training diverged", False),
+    ("[default0]:step 1/4 | loss 6.3788", False),
+])
+def test_torchruns_own_failure_report_stays_in_train_log(line, hidden):
+    from titan_pipe.training.failure import torchrun_report
+
+    assert torchrun_report(line + "\n") is hidden

@@ -20,10 +20,17 @@ _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+) \(local_rank: (\d+)\).*
 _RANK_LINE = re.compile(r"^(?:\[\w+\]:)?(error|fault): (.+)$", re.M)
 
 
+# torchrun's elastic agent logging a failed worker ("E1206 19:47:28.386000 1518 torch/distributed/
+# elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 ..."): its report begins
+_AGENT_FAILED = re.compile(r"^E\d{4} [\d:.]+ \d+ \S*torch/distributed/elastic/\S+\] failed \(exitcode: -?\d+\)")
+
+
 def torchrun_report(line: str) -> bool:
-    """The first line of torchrun's own failure report (its traceback; rank lines carry a
-    ``[default<N>]:`` prefix): from here on the console is spared what train.log keeps."""
-    return line.rstrip("\n") == "Traceback (most recent call last):"
+    """The first line of torchrun's own failure report (the agent's "failed (exitcode: N)" line or
+    its traceback; rank lines carry a ``[default<N>]:`` prefix): from here on the console is spared
+    what train.log keeps (the launch's error line says what failed and points there)."""
+    line = line.rstrip("\n")
+    return line == "Traceback (most recent call last):" or _AGENT_FAILED.match(line) is not None
 
 
 def root_cause(output: str) -> tuple[int, int, int] | None:
