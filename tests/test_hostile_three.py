@@ -693,3 +693,20 @@ def test_torchruns_own_failure_report_stays_in_train_log(line, hidden):
     from titan_pipe.training.failure import torchrun_report
 
     assert torchrun_report(line + "\n") is hidden
+
+
+def test_validate_reads_the_template_from_the_flows_dir_and_names_the_key(tmp_path, tok):
+    """validate prepares small chat data as the data stage will: a template path is read from the
+    flow's dir (it was read from the working dir), and what is wrong names data.chat_template."""
+    proj = tmp_path / "proj"
+    write_jsonl(proj / "chat.jsonl", chat_records(40))
+    (proj / "t.jinja").write_text(THINKING_TEMPLATE)
+    text = (f"name: x\ndevice: cpu\nmodel: {{flavour: debug, vocab_size: 320}}\n"
+            f"data: {{path: chat.jsonl, tokenizer: {tok}, format: chat, chat_template: t.jinja}}\n"
+            "train: {mode: sft, steps: 2, batch_size: 2, seq_len: 256}\nparallel: {dp: 1, tp: 1, pp: 1}\n")
+    (proj / "flow.yaml").write_text(text)
+    got, out = cli("validate", proj / "flow.yaml")
+    assert got == 0, out
+    (proj / "flow.yaml").write_text(text.replace("t.jinja", "gone.jinja"))
+    got, out = cli("validate", proj / "flow.yaml")
+    assert got == 2 and "data.chat_template: " in out and "--chat-template" not in out, out

@@ -279,14 +279,13 @@ def _small_records_problem(cfg: FlowConfig, spec, need: int) -> str | None:
 
     from titan_pipe.tokens.dataset import open_source
     from titan_pipe.tokens.sources import corpus_files
-    from titan_pipe.training.prepare import prepare
+    from titan_pipe.training.prepare import prepare_spec
 
     if sum(f.stat().st_size for f in corpus_files(spec.text)) > EXACT_CORPUS_BYTES:
         return None
     d = cfg.data
     with tempfile.TemporaryDirectory(prefix="titan-pipe-preflight-") as tmp:
-        prepare(sources=[spec.text], out_dir=Path(tmp) / "data", tokenizer=spec.tokenizer, records=spec.records,
-                chat_template=d.chat_template, val_fraction=d.val_fraction, text_key=d.text_key, progress=False)
+        prepare_spec(spec, Path(tmp) / "data", progress=False)  # as the data stage will: its errors in flow keys
         opened = open_source(Path(tmp) / "data", val_fraction=spec.val_fraction, fraction_given=spec.fraction_given)
         try:
             return _token_data_problem(cfg, [opened], need)
