@@ -60,7 +60,10 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
             write_text(directory / SAMPLE_CHAT, sample_chat())
         write_text(target, text)
     extra = f" and {directory / SAMPLE_CHAT}" if sft else ""
-    console.print(f"wrote {target}{extra}; check it with: titan-pipe validate {target}")
+    todo = "FILL IN" in text  # lines the user completes first (a fine-tune's init_from, a real tokenizer)
+    console.print(f"wrote {target}{extra}; " + ("fill in the lines marked FILL IN, then check it with: " if todo
+                                                else "check it with: ") + f"titan-pipe validate {target}",
+                  highlight=False, soft_wrap=True)
 
 
 @app.command()

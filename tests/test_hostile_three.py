@@ -710,3 +710,10 @@ def test_validate_reads_the_template_from_the_flows_dir_and_names_the_key(tmp_pa
     (proj / "flow.yaml").write_text(text.replace("t.jinja", "gone.jinja"))
     got, out = cli("validate", proj / "flow.yaml")
     assert got == 2 and "data.chat_template: " in out and "--chat-template" not in out, out
+
+
+@pytest.mark.parametrize("argv,todo", [(("--sft", "--device", "cpu"), True), ((), False)])
+def test_init_says_what_to_fill_in_before_validate(tmp_path, argv, todo):
+    got, out = cli("init", tmp_path / "p", *argv)
+    assert got == 0 and ("fill in the lines marked FILL IN" in out) is todo, out
+    assert ("FILL IN" in (tmp_path / "p" / "flow.yaml").read_text()) is todo
