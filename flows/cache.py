@@ -135,12 +135,14 @@ class StageInputs:
 def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict) -> StageInputs:
     """The inputs of one stage. upstream: the earlier stages' outputs by stage (flows.tasks.StageOutput,
     whose typed paths name the checkpoint, model dir and ONNX dir)."""
-    chat = {"format", "chat_template"} if cfg.data.format != "text" else set()  # text flows keep their keys
+    # keys only chat/instruction data reads: text flows keep the cache keys they always had
+    chat = {"format", "chat_template", "max_tokens", "max_bad_fraction"} if cfg.data.format != "text" else set()
     if stage == DATA:
         section = cfg.data.model_dump(mode="json", include={"path", "tokenizer", "text_key", "val_fraction", *chat})
         return StageInputs(stage, section, tuple(data_files(cfg, flow_dir)))
     if stage == "train":
-        section = cfg.model_dump(mode="json", include=set(_TRAIN_SECTIONS), exclude=_TRAIN_IGNORED)
+        ignored = _TRAIN_IGNORED if chat else {**_TRAIN_IGNORED, "data": {"max_tokens", "max_bad_fraction"}}
+        section = cfg.model_dump(mode="json", include=set(_TRAIN_SECTIONS), exclude=ignored)
         files = data_files(cfg, flow_dir)
         if cfg.init_from is not None:
             files += files_under(_resolve(cfg.init_from, flow_dir))

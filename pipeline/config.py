@@ -144,6 +144,11 @@ class DataConfig(Section):
     # template and masked to the answers when prepared (titan_pipe.tokens.chat); trained with train.mode sft
     format: Literal[RECORD_FORMATS] = "text"
     chat_template: str = "model"  # model (the tokenizer's own) | chatml | llama3 | a .jinja file
+    # chat/instruction records prepared from data.path: a conversation over max_tokens is left out as a
+    # bad record (None: kept; sft then refuses those over train.seq_len), and prepare fails when bad
+    # records pass max_bad_fraction of them (`data prepare --max-tokens / --max-bad-fraction`)
+    max_tokens: int | None = Field(None, ge=2, le=limits.SEQ_LEN.hi)
+    max_bad_fraction: float = Field(limits.MAX_BAD_FRACTION, ge=0, lt=1)
 
     @model_validator(mode="after")
     def _one_source(self):
@@ -462,6 +467,12 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     if cfg.data.format != "text" and cfg.data.path is None and cfg.data.blend is None:
         errs.append(f"data.path: null trains on the shipped corpus, plain text, but data.format: {cfg.data.format} "
                     "reads chat/instruction records; give data.path (a .jsonl of them) or set data.format: text")
+    if cfg.data.format == "text" and cfg.data.max_tokens is not None:
+        errs.append(f"data.max_tokens: {cfg.data.max_tokens} applies to chat/instruction records (data.format: "
+                    "chat or instruction); set it to null for plain text")
+    if cfg.data.max_tokens is not None and cfg.train.mode == "sft" and cfg.data.max_tokens > cfg.train.seq_len:
+        errs.append(f"data.max_tokens: {cfg.data.max_tokens} is over train.seq_len {cfg.train.seq_len}: a kept "
+                    "conversation must fit one window whole; set data.max_tokens to at most train.seq_len")
     if cfg.data.format != "text" and cfg.data.tokenizer == "byte":
         errs.append(f"data.tokenizer: byte, but data.format: {cfg.data.format} renders records with a chat template "
                     "whose markers the byte tokenizer does not have; set data.tokenizer to the model's dir (its "

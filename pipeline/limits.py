@@ -62,6 +62,7 @@ PARALLEL = Bound(1, 65536, "dp x tp x pp is a device count")
 LAYOUTS = Bound(1, 50_000, "the planner estimates every candidate layout, ~1-10 ms each")
 
 # --- sequences, batches, steps -------------------------------------------------------------------
+MAX_BAD_FRACTION = 0.01  # chat / instruction records prepare may leave out (counted, named) before it fails
 SEQ_LEN = Bound(1, POSITIONS.hi, "a sequence is at most as long as a model's positions")
 BATCH = Bound(1, 1 << 20, "sequences per step")
 STEPS = Bound(1, 1 << 40)

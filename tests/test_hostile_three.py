@@ -717,3 +717,45 @@ def test_init_says_what_to_fill_in_before_validate(tmp_path, argv, todo):
     got, out = cli("init", tmp_path / "p", *argv)
     assert got == 0 and ("fill in the lines marked FILL IN" in out) is todo, out
     assert ("FILL IN" in (tmp_path / "p" / "flow.yaml").read_text()) is todo
+
+
+# --- what `data prepare` takes as flags, a flow takes as keys -------------------------------------
+
+def _chat_flow(tmp_path, tok, extra: str) -> Path:
+    write_jsonl(tmp_path / "chat.jsonl", chat_records(40))
+    flow = tmp_path / "flow.yaml"
+    flow.write_text(f"name: x\ndevice: cpu\nmodel: {{flavour: debug, vocab_size: 320}}\n"
+                    f"data: {{path: chat.jsonl, tokenizer: {tok}, format: chat{extra}}}\n"
+                    "train: {mode: sft, steps: 2, batch_size: 2, seq_len: 256}\nparallel: {dp: 1, tp: 1, pp: 1}\n")
+    return flow
+
+
+def test_a_flows_max_tokens_leaves_long_conversations_out(tmp_path, tok):
+    from titan_pipe.config import load_flow
+    from titan_pipe.tokens.spec import data_spec
+    from titan_pipe.training.prepare import prepare_spec
+
+    flow = _chat_flow(tmp_path, tok, ", max_tokens: 128, max_bad_fraction: 0.9")
+    r = prepare_spec(data_spec(load_flow(flow).data, base=tmp_path), tmp_path / "out", progress=False)
+    assert 0 < r.record.bad_records < 40 and r.record.n_documents == 40 - r.record.bad_records
+    assert "longer than the window of 128" in r.record.bad_examples[0]
+    flow = _chat_flow(tmp_path, tok, ", max_tokens: 128, max_bad_fraction: 0.01")
+    with pytest.raises(UserError, match=r"\(data.max_bad_fraction\)") as e:
+        prepare_spec(data_spec(load_flow(flow).data, base=tmp_path), tmp_path / "out2", progress=False)
+    assert "--max" not in str(e.value)
+
+
+@pytest.mark.parametrize("extra,expect", [
+    (", max_tokens: 512", "data.max_tokens: 512 is over train.seq_len 256"),
+    (", max_tokens: 1", "max_tokens"),
+])
+def test_validate_checks_the_flows_max_tokens(tmp_path, tok, extra, expect):
+    got, out = cli("validate", _chat_flow(tmp_path, tok, extra))
+    assert got == 2 and expect in out, out
+
+
+def test_max_tokens_on_plain_text_is_refused(tmp_path):
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("name: x\ndevice: cpu\ndata: {max_tokens: 100}\n")
+    got, out = cli("validate", flow)
+    assert got == 2 and "data.max_tokens: 100 applies to chat/instruction records" in out, out

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan_pipe import limits
 from titan_pipe.atomic import swap_dir, temp_dir
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
@@ -28,7 +29,7 @@ from titan_pipe.training.tokenize_pool import ChatSpec, chunk_blocks, encode_str
 
 SMALL_CORPUS = 8 << 20  # bytes of sources below which worker processes cost more than they save
 MAX_WORKERS = 8
-MAX_BAD_FRACTION = 0.01  # chat / instruction records that may be left out (counted and named) before prepare fails
+MAX_BAD_FRACTION = limits.MAX_BAD_FRACTION  # chat / instruction records that may be left out before prepare fails
 BAD_EXAMPLES = 10  # of them named in data.json
 
 
@@ -347,7 +348,8 @@ def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, s
 
 # prepare's options as the flow.yaml keys that set them, for errors met preparing a flow's data
 FLOW_KEYS = {"--chat-template": "data.chat_template", "--format": "data.format", "--tokenizer": "data.tokenizer",
-             "--val-fraction": "data.val_fraction", "--text-key": "data.text_key"}
+             "--val-fraction": "data.val_fraction", "--text-key": "data.text_key", "--max-tokens": "data.max_tokens",
+             "--max-bad-fraction": "data.max_bad_fraction"}
 
 
 def in_flow_terms(message: str) -> str:
@@ -369,7 +371,8 @@ def prepare_spec(spec, out_dir: Path, *, progress: bool = True) -> PrepareResult
     try:
         return prepare(sources=[spec.text], out_dir=out_dir, tokenizer=spec.tokenizer,
                        val_fraction=spec.val_fraction, text_key=spec.text_key, progress=progress,
-                       records=spec.records, chat_template=spec.chat_template)
+                       records=spec.records, chat_template=spec.chat_template, max_tokens=spec.max_tokens,
+                       max_bad=spec.max_bad_fraction)
     except UserError as e:
         translated = in_flow_terms(str(e))
         if translated == str(e):

@@ -115,8 +115,8 @@ class DocumentLoader:
             d = int(bad[0])
             raise UserError(f"{source.path}: {len(bad)} of {n_docs} conversations are longer than train.seq_len "
                             f"{seq_len} (the first, document {d}, has {int(self.lengths[d])} tokens); raise "
-                            f"train.seq_len, or leave them out: `titan-pipe data prepare ... --max-tokens {seq_len}` into a dir "
-                            "and set data.path to it")
+                            f"train.seq_len, or leave them out: data.max_tokens: {seq_len} (raw records in data.path), or "
+                            f"`titan-pipe data prepare ... --max-tokens {seq_len}` again (a prepared dir)")
         self.n_too_long = len(bad)
         self.n_seq = self.packing.n_windows
         self.steps_per_epoch = self.n_seq // global_batch

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from titan_pipe import limits
 from titan_pipe.tokens.indexed import bin_path, idx_path, is_prefix, strip_suffix
 from titan_pipe.tokens.record import DATA_JSON, PREFIX, is_prepared
 from titan_pipe.tokens.sources import corpus_files, default_corpus
@@ -49,6 +50,8 @@ class DataSpec:
     fraction_given: bool  # flow.yaml set data.val_fraction itself (a prepared dir's record must agree)
     records: str = "text"  # text | chat | instruction (how raw .jsonl records are read)
     chat_template: str = "model"
+    max_tokens: int | None = None  # chat/instruction: a longer conversation is left out as bad
+    max_bad_fraction: float = limits.MAX_BAD_FRACTION  # chat/instruction: bad records allowed before prepare fails
 
     def open_paths(self, prepared: Path) -> list[Path]:
         """What to open: the token data named, or ``prepared`` (the run's data dir) for raw text."""
@@ -80,7 +83,9 @@ def data_spec(data, *, base: Path | None) -> DataSpec:
         template = str(resolve(template, base))
     common = dict(tokenizer=tokenizer, text_key=data.text_key, val_fraction=data.val_fraction,
                   fraction_given="val_fraction" in data.model_fields_set,
-                  records=getattr(data, "format", "text"), chat_template=template)
+                  records=getattr(data, "format", "text"), chat_template=template,
+                  max_tokens=getattr(data, "max_tokens", None),
+                  max_bad_fraction=getattr(data, "max_bad_fraction", limits.MAX_BAD_FRACTION))
     blend = getattr(data, "blend", None)
     if blend:
         return DataSpec(None, tuple(resolve(b.path, base) for b in blend), tuple(b.weight for b in blend), **common)
