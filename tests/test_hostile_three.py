@@ -673,7 +673,7 @@ def test_a_flows_data_error_names_the_flow_key_not_the_flag(tmp_path, tok):
 
 
 @pytest.mark.parametrize("flag,value,expect", [
-    ("--max-memory", "lots", "--max-memory 'lots': 'lots' is not a size"),
+    ("--max-memory", "lots", "--max-memory: 'lots' is not a size; write e.g. 8GB, 512MB or 6GiB (got 'lots')"),
     ("--batches", "-5", "--batches -5: must be >= 1"),
 ])
 def test_evaluate_flags_are_checked_before_anything_is_loaded(tmp_path, ckpt, flag, value, expect):

@@ -21,23 +21,6 @@ RefDevice = Enum("RefDevice", {n: n for n in DEVICES}, type=str)  # titan_pipe.c
 ThresholdDtype = Enum("ThresholdDtype", {n: n for n in ("auto", *FLOAT_NAMES)}, type=str)
 
 
-def _with_flags(settings, updates: dict):
-    """The evaluate section with the flags' values, validated as flow.yaml's are (model_copy would
-    skip the field rules: ``--max-memory lots`` got as far as the evaluation before it failed);
-    a bad value is one line naming the flag (exit 1, as evaluate's other flag checks)."""
-    from pydantic import ValidationError
-
-    from titan_pipe.errors import UserError
-
-    try:
-        return type(settings).model_validate({**settings.model_dump(), **updates})
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = str(err["loc"][0]) if err.get("loc") else "?"
-        why = str(err.get("msg", e)).removeprefix("Value error, ")
-        raise UserError(f"--{field.replace('_', '-')} {updates.get(field)!r}: {why}") from None
-
-
 def register(app: typer.Typer) -> None:
     @app.command("evaluate")
     @handle_errors
@@ -74,7 +57,7 @@ def register(app: typer.Typer) -> None:
 
         Exit code 1 when any threshold fails (the verdict names the first diverging layer and operator).
         """
-        from titan_pipe.config import EvaluateConfig, load_flow
+        from titan_pipe.config import EvaluateConfig, load_flow, section_from_flags
         from titan_pipe.evaluate.api import evaluate_model
         from titan_pipe.evaluate.batches import held_out_text
 
@@ -98,7 +81,9 @@ def register(app: typer.Typer) -> None:
             updates["operators"] = operators
         if max_memory is not None:
             updates["max_memory"] = max_memory
-        settings = _with_flags(settings, updates)
+        # validated as flow.yaml's section is (model_copy would skip the field rules): a bad value is one line
+        settings = section_from_flags(EvaluateConfig, {k: "--" + k.replace("_", "-") for k in updates},
+                                      **{**settings.model_dump(), **updates})
         r = call_stage("evaluate", evaluate_model, track=flow, out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
                            data=data, settings=settings, progress=True, split=split)
         for cid, status in r.summary["comparisons"].items():
