@@ -119,12 +119,12 @@ def _set_env(entries: list[str]) -> None:
         os.environ.pop(ENV, None)
 
 
-def _try_lock(lock_file: Path) -> int | None:
-    """The descriptor of ``lock_file`` (created per the umask) holding its exclusive flock; None
-    when another process holds it."""
+def _try_lock(lock_file: Path, mode: int = fcntl.LOCK_EX) -> int | None:
+    """The descriptor of ``lock_file`` (created per the umask) holding its flock of ``mode``
+    (exclusive, or LOCK_SH); None when another process holds one that conflicts."""
     fd = _open_lock(lock_file)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except OSError as e:
         os.close(fd)
         if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
@@ -208,13 +208,8 @@ def _lock_current(lock_file: Path, mode: int) -> int | None:
     None when another process holds one that conflicts. A holder that released and removed the
     file between our open and flock leaves us an unlinked file: then again, on the new one."""
     while True:
-        fd = _open_lock(lock_file)
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
+        fd = _try_lock(lock_file, mode)
+        if fd is None:
             return None
         try:
             if os.stat(lock_file).st_ino == os.fstat(fd).st_ino:

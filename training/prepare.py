@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -355,8 +356,6 @@ FLOW_KEYS = {"--chat-template": "data.chat_template", "--format": "data.format",
 def in_flow_terms(message: str) -> str:
     """``message`` with each of prepare's flags named as the flow.yaml key the user wrote: "pass
     --chat-template chatml" becomes "set data.chat_template: chatml"."""
-    import re
-
     message = message.replace(" (or --text-key)", "").replace("(--text-key / data.text_key", "(data.text_key")
     for flag, key in FLOW_KEYS.items():
         message = re.sub(rf"\b(?:pass|use) {flag} ", f"set {key}: ", message)

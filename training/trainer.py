@@ -380,14 +380,15 @@ class Trainer:
                               float(peak_memory_bytes(self.device))], dtype=torch.float64)
         loss_sum = stats[:1].clone()
         dist.all_reduce(loss_sum)
-        found_inf, grad_norm, lr = self._optimizer_step(step, float(loss_sum) / (p.dp * p.tp))
+        loss = float(loss_sum) / (p.dp * p.tp)
+        found_inf, grad_norm, lr = self._optimizer_step(step, loss)
         per_rank = [torch.zeros(1, dtype=torch.float64) for _ in range(self.world)]
         dist.all_gather(per_rank, stats[1:].clone())  # peak memory of every rank, in rank order
         mem = max(float(m) for m in per_rank)
         dt = time.perf_counter() - t0
         tps = self.tokens_per_step / dt
         extra = {"target_tokens": batch.targets} if self.sft else {}  # what the loss averaged over
-        return {"step": step, "loss": float(loss_sum) / (p.dp * p.tp), "lr": lr, "grad_norm": grad_norm, **extra,
+        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, **extra,
                 "tokens_per_s": tps, "step_time_s": dt,
                 "mfu": metrics.mfu(tps, self.fpt, self.peak * self.world if self.peak else None),
                 "peak_mem_mb": mem / 2**20,

@@ -21,6 +21,7 @@ tensor shapes.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import pickle
@@ -427,8 +428,6 @@ class ChunkLocator:
         """Each storage item owns its bytes: two items located on the same bytes would put one
         piece in two places (an expert written twice, another lost) with every shape agreeing.
         Checked on the located bytes, so a torch.save archive and a safetensors-backed save alike."""
-        import bisect
-
         starts, owners = self._claimed.setdefault(rel, ([], []))
         lo, hi = saved.storage_start, saved.storage_start + saved.storage_nbytes
         i = bisect.bisect_left(starts, lo)
