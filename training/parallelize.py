@@ -29,6 +29,7 @@ from titan_pipe.training.data_parallel import DPPlan, apply_dp, unwrap
 from titan_pipe.training.layer_stream import fill_local, hand_back
 from titan_pipe.training.layer_stream import stream_layers as hook_layer_stream
 from titan_pipe.model.kernels import Kernels
+from titan_pipe.model.lora import LoRASpec, is_adapter
 from titan_pipe.model.transformer import init_param
 from titan_pipe.training.pipeline_parallel import StagePlan, build_stage_module, plan_stages
 from titan_pipe.model.sharding import stage_ranks
@@ -67,12 +68,18 @@ class ParallelModel:
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, _, p in self.named_parameters()]
 
+    def trainable(self) -> list[nn.Parameter]:
+        """The parameters the optimizer steps (with LoRA the adapters only)."""
+        return [p for p in self.parameters() if p.requires_grad]
+
 
 def parallelize(part: nn.Module, mesh: DeviceMesh, dp_plan: DPPlan, *, sequence_parallel: bool = False,
                 ac_every: int | None = None, compile_backend=None,
-                materialize: Callable[[nn.Module], None], float8: str = "none") -> nn.Module:
+                materialize: Callable[[nn.Module], None], float8: str = "none", lora: bool = False,
+                base_dtype: torch.dtype = torch.float32) -> nn.Module:
     """TP, then activation checkpointing, then torch.compile per block, then data parallelism,
-    always in this order (torchtitan's).
+    always in this order (torchtitan's). ``lora``: only the adapters train (freeze_base, after TP,
+    whose styles make every parameter anew, and before DP, which registers what needs gradients).
 
     TP first because FSDP/replicate shard the TP-local DTensors further over dp; AC before DP so
     the recomputed block's all-gathers are FSDP's own; compile (``compile_backend`` not None) after
@@ -90,6 +97,8 @@ def parallelize(part: nn.Module, mesh: DeviceMesh, dp_plan: DPPlan, *, sequence_
         from titan_pipe.training.expert_parallel import shard_experts
 
         shard_experts(part, mesh["ep"])
+    if lora:
+        freeze_base(part, base_dtype)
     if ac_every is not None:
         apply_ac(part, ac_every)
     if compile_backend is not None:
@@ -100,6 +109,18 @@ def parallelize(part: nn.Module, mesh: DeviceMesh, dp_plan: DPPlan, *, sequence_
     part = apply_dp(part, mesh["dp"], dp_plan)
     materialize(part)
     return part
+
+
+def freeze_base(part: nn.Module, dtype: torch.dtype = torch.float32) -> None:
+    """LoRA: every parameter but the adapters' stops taking gradients (so no optimizer state, no
+    gradient sync, no gradient memory for the base) and is held in ``dtype`` (before it is
+    allocated: a bfloat16 base takes half the memory of a float32 one)."""
+    for name, p in list(part.named_parameters()):
+        if is_adapter(name):
+            continue
+        owner, _, leaf = name.rpartition(".")
+        module = part.get_submodule(owner) if owner else part
+        setattr(module, leaf, nn.Parameter(p.detach().to(dtype), requires_grad=False))
 
 
 def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -180,7 +201,8 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
                          sequence_parallel: bool = False, ac_every: int | None = None,
                          dp_plan: DPPlan | None = None, kernels: Kernels | None = None,
                          seed: int = 0, weights: WeightSource | None = None,
-                         compile_backend=None, stream_layers: bool = False, float8: str = "none") -> ParallelModel:
+                         compile_backend=None, stream_layers: bool = False, float8: str = "none",
+                         lora: LoRASpec | None = None, base_dtype: torch.dtype = torch.float32) -> ParallelModel:
     """This rank's stage modules of ``args`` on the (dp, pp, tp) ``mesh``, parallelized and filled.
 
     weights: None = layout-independent random init from ``seed`` (the same values a single-process
@@ -211,8 +233,9 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
 
     for s in plan.local:
         part = build_stage_module(stage_args, plan.stages[s], first=plan.is_first(s), last=plan.is_last(s),
-                                  kernels=kernels, device="meta")
+                                  kernels=kernels, device="meta", lora=lora)
         model.parts.append(parallelize(part, mesh, dp_plan, sequence_parallel=sequence_parallel,
                                        ac_every=ac_every, compile_backend=compile_backend,
-                                       materialize=materialize, float8=float8))
+                                       materialize=materialize, float8=float8, lora=lora is not None,
+                                       base_dtype=base_dtype))
     return model

@@ -24,6 +24,7 @@ from torch.distributed.pipelining import (
 from titan_pipe.choices import INTERLEAVED, PP_SCHEDULES
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels
+from titan_pipe.model.lora import LoRASpec
 from titan_pipe.model.transformer import Transformer
 from titan_pipe.model.sharding import split_stages, stage_ranks, stages_per_rank
 
@@ -55,7 +56,8 @@ def plan_stages(n_layers: int, pp: int, pp_rank: int, schedule: str, virtual_sta
 
 
 def build_stage_module(args: ModelArgs, layer_ids: list[int], *, first: bool, last: bool,
-                       kernels: Kernels | None = None, device: str | torch.device = "meta") -> Transformer:
+                       kernels: Kernels | None = None, device: str | torch.device = "meta",
+                       lora: LoRASpec | None = None) -> Transformer:
     """The part of the model owning ``layer_ids`` (+ embedding if first, norm/output if last).
 
     Built on ``device`` without initialisation (meta by default: the caller parallelizes first and
@@ -67,7 +69,7 @@ def build_stage_module(args: ModelArgs, layer_ids: list[int], *, first: bool, la
                          "stages here; build the stages through build_parallel_model, which keeps the "
                          "output as a synced copy of the embedding")
     with torch.device(device):
-        model = Transformer(args, kernels)
+        model = Transformer(args, kernels, lora)
     keep = {str(i) for i in layer_ids}
     for key in [k for k in model.layers.keys() if k not in keep]:
         del model.layers[key]

@@ -35,6 +35,22 @@ def _replicate_norm(module: nn.Module, mesh: DeviceMesh) -> None:
     distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+def _replicate_on_input(module: nn.Module, mesh: DeviceMesh) -> None:
+    """A LoRA adapter's A beside a column-split linear: a Replicate weight applied to that linear's
+    replicated whole-sequence input (a plain tensor, or under sequence parallel the Replicate DTensor
+    the block's input plan made), its output a plain tensor. Its gradient needs no reduction: the
+    split B after it (ColwiseParallel) all-reduces the gradient flowing back into it."""
+
+    def to_dtensor(_mod, inputs, mesh_):
+        return tuple(x if isinstance(x, DTensor) else DTensor.from_local(x, mesh_, [Replicate()], run_check=False)
+                     for x in inputs)
+
+    def to_local(_mod, output, _mesh):
+        return output.to_local()
+
+    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
 def _replicate_params(module: nn.Module, mesh: DeviceMesh) -> None:
     """A mixture of experts' stacked experts: Replicate DTensors, used as local tensors in forward
     (titan_pipe.model.transformer.Experts): every tp rank runs every expert on the same tokens."""
@@ -54,12 +70,19 @@ def _style(rule: TPRule, sequence_parallel: bool):
     if rule.style == "rowwise":
         return RowwiseParallel(output_layouts=seq)
     if rule.style == "replicate":
+        if sequence_parallel and ".lora." in rule.module:  # an adapter's B: summed with its base's local output
+            return SequenceParallel(use_local_output=True)
         return SequenceParallel() if sequence_parallel else None
+    if rule.style == "replicate_input":
+        return _ON_INPUT
     if rule.style == "replicate_heads":
         # The q/k norms see (B, T, local heads, hd): their input is Shard(2) on tp whatever the
         # sequence layout, so the Replicate weight's gradient is a partial sum DTensor reduces.
         return SequenceParallel(sequence_dim=2, use_local_output=True)
     raise ValueError(f"unknown TP style {rule.style!r} in titan_pipe.model.sharding")
+
+
+_ON_INPUT = "replicate on the input"  # _style's answer for "replicate_input": _replicate_on_input
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -81,7 +104,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
         names = sorted(n for n in present if _matches(n, rule.module))
         style = _style(rule, sequence_parallel)
         for name in names:
-            if style is None and name.endswith("moe.experts"):
+            if style is _ON_INPUT:
+                _replicate_on_input(model.get_submodule(name), tp_mesh)
+            elif style is None and name.endswith("moe.experts"):
                 _replicate_params(model.get_submodule(name), tp_mesh)
             elif style is None:
                 _replicate_norm(model.get_submodule(name), tp_mesh)

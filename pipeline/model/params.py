@@ -24,8 +24,11 @@ from titan_pipe.model.args import ModelArgs
 # plan from it) and the dim of the parameter it splits (None: replicated).
 # "replicate_heads": a replicated weight applied per attention head to the column-split heads (the
 # q/k norms), so its input is split over tp on the heads dim and its gradient sums over tp.
-TP_STYLES = ("colwise", "rowwise", "vocab", "replicate", "replicate_heads")
-_WEIGHT_SPLIT = {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None, "replicate_heads": None}
+# "replicate_input": a replicated weight applied to the replicated, whole-sequence input of a
+# column-split linear (a LoRA adapter's A beside it), whatever the sequence layout between blocks.
+TP_STYLES = ("colwise", "rowwise", "vocab", "replicate", "replicate_heads", "replicate_input")
+_WEIGHT_SPLIT = {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None, "replicate_heads": None,
+                 "replicate_input": None}
 # Initial values (transformer.init_param): ones; zeros (biases); N(0, 0.02); N(0, 0.02 / sqrt(2
 # n_layers)) for the projections back into the residual stream; N(0, dim^-0.5) for the output projection.
 INITS = ("ones", "zeros", "normal", "depth_scaled", "fan_in")
@@ -175,9 +178,42 @@ LAYER_PARAMS: tuple[Param, ...] = (
           megatron=("mlp.experts.experts.linear_fc2.weight",)),
 )
 
+
+
+def adapter_param(module: str, part: str) -> str:
+    """The name of a LoRA adapter weight (titan_pipe.model.lora) of base linear ``module``, relative to
+    the layer: ``attention.wq`` + ``a`` -> ``attention.lora.wq.a.weight``."""
+    owner, linear = module.split(".", 1)
+    return f"{owner}.lora.{linear}.{part}.weight"
+
+
+def _no_shape(_args: ModelArgs) -> tuple[int, ...]:
+    raise ValueError("an adapter's shape depends on its rank: titan_pipe.model.lora.adapter_shape")
+
+
+def _adapter_entries() -> tuple[Param, ...]:
+    """LoRA adapter weights (titan_pipe.model.lora), two per adaptable linear (the attention's and the
+    dense feed-forward's weights), never part of a base model (``when`` is false). With a column-split
+    base (its output rows split) A meets the replicated input and is replicated, B is split by rows
+    like its base; with a row-split base (its input columns split) A is split by columns like its base
+    (its partial sums all-reduced) and B is replicated. ``hf``: the PEFT name relative to the layer."""
+    out = []
+    for base in LAYER_PARAMS:
+        if not base.module.startswith(("attention.w", "feed_forward.w")) or not base.name.endswith(".weight"):
+            continue
+        styles = {"colwise": ("replicate_input", "colwise"), "rowwise": ("rowwise", "replicate")}[base.tp]
+        for part, style in zip(("a", "b"), styles):
+            name = adapter_param(base.module, part)
+            out.append(Param(name, _no_shape, style, "layer", f"{base.hf[:-len('.weight')]}.lora_{part.upper()}.weight",
+                             name, init="zeros" if part == "b" else "normal", in_layer=base.in_layer,
+                             when=lambda a: False))
+    return tuple(out)
+
+
+ADAPTER_PARAMS: tuple[Param, ...] = _adapter_entries()
 LAYER_PREFIX = "layers."
 _MODEL = {p.name: p for p in MODEL_PARAMS}
-_LAYER = {p.name: p for p in LAYER_PARAMS}
+_LAYER = {p.name: p for p in LAYER_PARAMS + ADAPTER_PARAMS}
 
 
 def layer_name(i: int, p: Param) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from titan_pipe.choices import INTERLEAVED
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS, param_of, split_layer
+from titan_pipe.model.params import ADAPTER_PARAMS, LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS, param_of, split_layer
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,11 @@ class TPRule:
 
 
 # Attention and FFN in Megatron's column-then-row pairing, so each block needs one all-reduce (or
-# reduce-scatter under sequence parallel) after wo and after w2. One rule per module, in model order.
+# reduce-scatter under sequence parallel) after wo and after w2. One rule per module, in model order;
+# LoRA adapters (titan_pipe.model.lora) pair the same way beside their base linears.
 TP_PLAN: tuple[TPRule, ...] = tuple(dict.fromkeys(
     [TPRule(p.module, p.tp) for p in MODEL_PARAMS if p.scope == "first"]
-    + [TPRule(f"{LAYER_PREFIX}*.{p.module}", p.tp) for p in LAYER_PARAMS]
+    + [TPRule(f"{LAYER_PREFIX}*.{p.module}", p.tp) for p in LAYER_PARAMS + ADAPTER_PARAMS]
     + [TPRule(p.module, p.tp) for p in MODEL_PARAMS if p.scope == "last"]))
 
 

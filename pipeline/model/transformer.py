@@ -18,6 +18,8 @@ from torch import nn
 from titan_pipe.model import rope
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels, reference_kernels
+from titan_pipe.model.lora import LoRASpec, is_adapter
+from titan_pipe.model.lora_modules import adapted, adapters_for, init_adapter
 from titan_pipe.model.loss import cross_entropy, linear_cross_entropy
 from titan_pipe.model.params import param_of
 
@@ -56,9 +58,10 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """GQA attention. Under TP, wq/wk/wv (and their biases) are column-split (local heads), wo
-    row-split, the q/k norms replicated over the local heads."""
+    row-split, the q/k norms replicated over the local heads. ``lora``: adapters beside the
+    targeted projections (titan_pipe.model.lora)."""
 
-    def __init__(self, args: ModelArgs, kernels: Kernels):
+    def __init__(self, args: ModelArgs, kernels: Kernels, lora: LoRASpec | None = None):
         super().__init__()
         self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.kv_heads
@@ -70,13 +73,15 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm over each head's head_dim values of q and k, before RoPE.
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, kernels) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, kernels) if args.qk_norm else None
+        self.lora = adapters_for("attention", {"wq": (args.dim, args.q_dim), "wk": (args.dim, args.kv_dim),
+                                               "wv": (args.dim, args.kv_dim), "wo": (args.q_dim, args.dim)}, lora)
         self.kernels = kernels
 
-    def _heads(self, proj: nn.Linear, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, dim) -> (B, heads, T, hd); the norm sees (B, T, heads, hd), heads last but one
-        (the dim tensor parallelism splits them on)."""
+    def _heads(self, name: str, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, dim) -> (B, heads, T, hd) through projection ``name``; the norm sees (B, T, heads, hd),
+        heads last but one (the dim tensor parallelism splits them on)."""
         b, t, _ = x.shape
-        y = proj(x).view(b, t, -1, self.head_dim)
+        y = adapted(getattr(self, name), self.lora, name, x).view(b, t, -1, self.head_dim)
         return (norm(y) if norm is not None else y).transpose(1, 2)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -84,9 +89,9 @@ class Attention(nn.Module):
 
         Head counts come from the (possibly TP-local) weight shapes, hence ``-1`` in the views.
         """
-        q = self._heads(self.wq, self.q_norm, x)
-        k = self._heads(self.wk, self.k_norm, x)
-        v = self._heads(self.wv, None, x)
+        q = self._heads("wq", self.q_norm, x)
+        k = self._heads("wk", self.k_norm, x)
+        v = self._heads("wv", None, x)
         q, k = self.kernels.apply_rotary(q, k, cos, sin)
         return q, k, v
 
@@ -99,20 +104,25 @@ class Attention(nn.Module):
         else:  # packed documents: each query sees its own document only
             out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True, window=self.window,
                                          positions=positions)
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return adapted(self.wo, self.lora, "wo", out.transpose(1, 2).reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); ``lora``: adapters beside the targeted ones."""
 
-    def __init__(self, dim: int, hidden_dim: int):
+    def __init__(self, dim: int, hidden_dim: int, lora: LoRASpec | None = None):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.lora = adapters_for("feed_forward", {"w1": (dim, hidden_dim), "w3": (dim, hidden_dim),
+                                                  "w2": (hidden_dim, dim)}, lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if self.lora is None:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        h = F.silu(adapted(self.w1, self.lora, "w1", x)) * adapted(self.w3, self.lora, "w3", x)
+        return adapted(self.w2, self.lora, "w2", h)
 
 
 class Experts(nn.Module):
@@ -202,13 +212,13 @@ class TransformerBlock(nn.Module):
     """Attention and a feed-forward: the dense SwiGLU, or in a routing layer of a mixture-of-experts
     model (ModelArgs.is_moe_layer) the MoE (``moe``; ``feed_forward`` is then None)."""
 
-    def __init__(self, args: ModelArgs, kernels: Kernels, layer_id: int = 0):
+    def __init__(self, args: ModelArgs, kernels: Kernels, layer_id: int = 0, lora: LoRASpec | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, kernels)
-        self.attention = Attention(args, kernels)
+        self.attention = Attention(args, kernels, lora)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, kernels)
         routed = args.is_moe_layer(layer_id)
-        self.feed_forward = None if routed else FeedForward(args.dim, args.hidden_dim)
+        self.feed_forward = None if routed else FeedForward(args.dim, args.hidden_dim, lora)
         self.moe = MoE(args, kernels) if routed else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -253,14 +263,15 @@ class Transformer(nn.Module):
 
     A pipeline stage is the same class with some parts set to None: without ``tok_embeddings`` the
     input is the hidden state (B, T, dim); without ``output`` the result is the hidden state.
+    ``lora``: LoRA adapters beside the targeted linears of every layer (titan_pipe.model.lora).
     """
 
-    def __init__(self, args: ModelArgs, kernels: Kernels | None = None):
+    def __init__(self, args: ModelArgs, kernels: Kernels | None = None, lora: LoRASpec | None = None):
         super().__init__()
-        self.args = args
+        self.args, self.lora = args, lora
         kernels = kernels or reference_kernels()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, kernels, i) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, kernels, i, lora) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps, kernels)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -358,8 +369,11 @@ def init_param(name: str, shape: tuple[int, ...], args: ModelArgs, seed: int,
     """The full (global) initial value of one parameter, independent of any parallel layout.
 
     Each parameter has its own generator seeded from (seed, name), so a pipeline stage or a TP
-    rank gets exactly the values the single-process model would hold.
+    rank gets exactly the values the single-process model would hold. An adapter weight starts as
+    titan_pipe.model.lora_modules.init_adapter's default (PEFT's).
     """
+    if is_adapter(name):
+        return init_adapter(name, shape, seed).to(dtype)
     std = _param_std(name, args)
     if std is None:
         return (torch.zeros if param_of(name).init == "zeros" else torch.ones)(shape, dtype=dtype)
@@ -378,10 +392,10 @@ def init_weights(model: Transformer, seed: int) -> None:
 
 
 def build_model(args: ModelArgs, *, kernels: Kernels | None = None, seed: int | None = 0,
-                device: str | torch.device = "cpu") -> Transformer:
+                device: str | torch.device = "cpu", lora: LoRASpec | None = None) -> Transformer:
     """A whole model on ``device``; ``seed=None`` leaves it uninitialised (e.g. to load weights)."""
     with torch.device(device):
-        model = Transformer(args, kernels)
+        model = Transformer(args, kernels, lora)
     if seed is not None and str(device) != "meta":
         init_weights(model, seed)
     return model
