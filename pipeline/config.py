@@ -25,6 +25,8 @@ from titan_pipe.choices import NAMINGS, RECORD_FORMATS, SOURCE_FORMATS, TRAIN_MO
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.flow_yaml import FlowYamlError, load_flow_text
+from titan_pipe.model.lora import CONVERT_MODES as LORA_CONVERT, INITS as LORA_INITS, TARGETS as LORA_TARGETS, LoRASpec
+from titan_pipe.model.lora import model_problems as lora_model_problems
 from titan_pipe.model.args import FIELD_BOUNDS, FLAVOURS, SCALING_BOUNDS, ModelArgs, RopeScaling, args_problems, resolve_args
 from titan_pipe.model.sharding import stages_per_rank, tp_problems
 from titan_pipe.model.stated import checkpoint_args, stated_conflicts, with_training_fields
@@ -181,6 +183,42 @@ class OptimizerConfig(Section):
         return tuple(v) if isinstance(v, list) else v  # YAML has lists, no tuples; items stay strict
 
 
+class LoRAConfig(Section):
+    """train.lora: low-rank adapters on a frozen base (titan_pipe.model.lora; docs/finetune.md)."""
+
+    rank: int = _bounded(16, limits.LORA_RANK)
+    alpha: float = Field(32.0, gt=0, le=1e6)  # the adapters' output is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0, lt=1)
+    targets: tuple[Literal[tuple(LORA_TARGETS)], ...] = ("q", "k", "v", "o", "gate", "up", "down")
+    init: Literal[LORA_INITS] = "kaiming"
+    # the frozen base's dtype: auto = precision.amp_dtype under AMP (half the memory of float32; a released
+    # bf16 model is held exactly), else float32
+    base_dtype: Literal[("auto", "float32", "bfloat16", "float16")] = "auto"
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _targets_from_a_list(cls, v):
+        if isinstance(v, list):
+            v = tuple(v)
+        if isinstance(v, tuple) and (not v or len(set(v)) != len(v)):
+            raise ValueError(f"{list(v)} must name each target once, at least one of {', '.join(LORA_TARGETS)}")
+        return v
+
+    @field_validator("alpha", mode="before")
+    @classmethod
+    def _alpha_as_float(cls, v):
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    def spec(self) -> LoRASpec:
+        return LoRASpec(rank=self.rank, alpha=self.alpha, targets=self.targets, dropout=self.dropout, init=self.init)
+
+    def held_dtype(self, precision: "PrecisionConfig") -> str:
+        """The dtype the frozen base is held in (base_dtype, auto resolved against precision)."""
+        if self.base_dtype != "auto":
+            return self.base_dtype
+        return precision.amp_dtype if precision.amp else "float32"
+
+
 class TrainConfig(Section):
     steps: int = _bounded(20, limits.STEPS)
     batch_size: int = _bounded(8, limits.BATCH)  # global batch, in sequences, across all dp ranks
@@ -197,6 +235,8 @@ class TrainConfig(Section):
     # sft: supervised fine-tuning on chat / instruction data: whole conversations packed per window,
     # attention and positions per conversation, the loss on the answers only (docs/finetune.md)
     mode: Literal[TRAIN_MODES] = "pretrain"
+    # LoRA: only low-rank adapters train, the init_from base frozen (titan_pipe.model.lora); null: every weight
+    lora: LoRAConfig | None = None
 
     @model_validator(mode="after")
     def _finetune_defaults(self):
@@ -290,6 +330,9 @@ class ConvertConfig(Section):
     pp: int | None = _bounded(None, limits.PARALLEL)  # ... and this many pipeline stages
     vocab_size: int | None = _bounded(None, limits.VOCAB)  # the true vocab of a Megatron padded one
     source_config: str | None = None  # params.json / config.json for a source without one (DCP): --model-config
+    # a LoRA checkpoint (adapters + its base): merge -> the deployed model W + (alpha/rank) B A; adapter ->
+    # a PEFT adapter dir (adapter_config.json + adapter_model.safetensors) for the base model
+    lora: Literal[LORA_CONVERT] = "merge"
 
     @field_validator("source_config", mode="before")
     @classmethod
@@ -443,7 +486,7 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     errs = _export_and_positions(cfg, args)
     errs += [f"convert.{key}: {getattr(cfg.convert, key)!r} is for converting other checkpoints with "
              "`titan-pipe convert`; a flow converts its own checkpoint to the unified model its export "
-             "reads. Remove it" for key in ("source_format", "tp", "pp", "vocab_size", "source_config", "digest")
+             "reads. Remove it" for key in ("source_format", "tp", "pp", "vocab_size", "source_config", "digest", "lora")
              if getattr(cfg.convert, key) != ConvertConfig.model_fields[key].default]
     p = cfg.parallel
     errs += [f"parallel.tp: {p.tp} {why}" for why in tp_problems(args, p.tp)]
@@ -528,6 +571,25 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     ip = init_from_path(cfg, base)
     if ip is not None and not ip.exists():
         errs.append(f"init_from: {cfg.init_from!r} does not exist (resolved to {ip})")
+    errs += _lora_problems(cfg, args)
+    return errs
+
+
+def _lora_problems(cfg: FlowConfig, args) -> list[str]:
+    lora = cfg.train.lora
+    if lora is None:
+        return []
+    errs = [f"train.lora.{line}" for line in lora_model_problems(lora.spec(), args)]
+    if cfg.init_from is None:
+        errs.append("train.lora: adapters train beside a frozen base, and there is none: set init_from to the "
+                    "model to adapt (a Hugging Face dir or a checkpoint), or remove train.lora to train every weight")
+    held = lora.held_dtype(cfg.precision)
+    if held != "float32" and not (cfg.precision.amp and cfg.precision.amp_dtype == held):
+        errs.append(f"train.lora.base_dtype: {held} runs the frozen base's matmuls in {held}, which needs precision.amp: "
+                    f"true with amp_dtype: {held}; set those, or base_dtype: float32")
+    if cfg.precision.float8 != "none":
+        errs.append(f"train.lora with precision.float8: {cfg.precision.float8}: the frozen base would be swapped for "
+                    "float8 linears the adapters do not sit beside; use precision.float8: none")
     return errs
 
 

@@ -110,7 +110,8 @@ def rng_state() -> dict:
 
 def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | None, train_state: dict,
                     parallel: ParallelLayout, fail_hook: Callable[[], None] | None = None,
-                    extra: CheckpointExtra = CheckpointExtra(), attach: dict[str, Path] | None = None) -> Path:
+                    extra: CheckpointExtra = CheckpointExtra(), attach: dict[str, Path] | None = None,
+                    frozen_out: bool = False) -> Path:
     """Save a checkpoint of the whole model into ``step_dir``; collective, call on every rank.
 
     Order: shard files (dp-rank-0 of each (stage, tp rank)), optimizer DCP, train_state.json,
@@ -120,7 +121,9 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
     train state and attached files are filled in here).
     ``attach`` ({name in the step dir: source file}, e.g. the tokenizer) is copied in by rank 0
     before the manifest and listed with size and sha256 under ``extra.attached``; not in
-    ``files``, which is the table of weight shards readers open as safetensors.
+    ``files``, which is the table of weight shards readers open as safetensors. ``frozen_out``: the
+    parameters that take no gradient are left out (LoRA: ``extra`` references the frozen base, whose
+    copy would be the whole model again).
     """
     step_dir = Path(step_dir)
     rank = dist.get_rank()
@@ -139,6 +142,8 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
     for stage, name, p in model.named_parameters():
         if model.tied is not None and name == OUTPUT:
             continue  # the tied output copy is the embedding (training/tied.py): stored once, as that
+        if frozen_out and not p.requires_grad:
+            continue
         local = tp_local(p)
         shape = tuple(p.shape)
         split = ep > 1 and param_of(name).expert  # experts over ep: this ep rank's slice of dim 0

@@ -18,12 +18,15 @@ import torch
 import torch.distributed as dist
 
 from titan_pipe.atomic import write_text
-from titan_pipe.checkpoint_format import CheckpointExtra, ParallelLayout, checkpoint_bytes, is_save_step, newest_complete
+from titan_pipe.checkpoint_format import (CheckpointExtra, ParallelLayout, checkpoint_bytes, is_complete, is_save_step,
+                                          newest_complete)
 from titan_pipe.config import ConfigError, FlowConfig, init_from_path, load_flow
+from titan_pipe.dtypes import TORCH_BY_NAME
 from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
 from titan_pipe.faults import STAGE_OUTPUTS, OutputFault, writing
 from titan_pipe.model.args import count_params, flops_per_token
+from titan_pipe.model.lora import adapter_shapes
 from titan_pipe.model.loss import cross_entropy
 from titan_pipe.run_dir import RunDir
 from titan_pipe.training.fault_injection import InjectedFault
@@ -46,7 +49,7 @@ from titan_pipe.training.tied import counted
 from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import build_parallel_model
 from titan_pipe.training.pipeline_parallel import build_schedule
-from titan_pipe.model.weights import check_compatible, open_weights
+from titan_pipe.model.weights import AdaptedWeights, base_ref, check_compatible, open_adapted, open_weights
 from titan_pipe.training.zero1 import build_zero1
 
 
@@ -161,6 +164,7 @@ class Trainer:
             warnings.warn("comm.stream_num has no PyTorch-native equivalent; it is recorded, not applied",
                           stacklevel=2)
         self.args = cfg.model.args()
+        self.lora = cfg.train.lora.spec() if cfg.train.lora is not None else None
 
     def _setup_data(self, base: Path) -> None:
         """Memory-map the token data; raw text is prepared first, once (rank 0; a no-op when the
@@ -195,12 +199,39 @@ class Trainer:
         return latest
 
     def _weights(self, latest: Path | None, base: Path):
-        """The weights to start from: the resumed checkpoint, else init_from, else none (seeded init)."""
+        """The weights to start from: the resumed checkpoint, else init_from, else none (seeded init).
+        With LoRA: the frozen init_from base and the adapters, resumed or seeded (AdaptedWeights)."""
         source = latest if latest is not None else init_from_path(self.cfg, base)
         if source is None:
             return None
+        if self.lora is not None:
+            return self._lora_weights(latest, init_from_path(self.cfg, base))
         weights = open_weights(source)
+        if getattr(weights, "lora", None) is not None and latest is not None:
+            raise UserError(f"--resume: {latest} holds LoRA adapters, but train.lora is not set; set train.lora as it "
+                            "was (its manifest's extra.lora), or start a new run with init_from: " + str(latest))
         check_compatible(weights.args, self.args, source)
+        return weights
+
+    def _lora_weights(self, latest: Path | None, init_from: Path) -> AdaptedWeights:
+        if latest is None:
+            base = open_weights(init_from)
+            if getattr(base, "lora", None) is not None:
+                raise UserError(f"train.lora: init_from {init_from} is itself a LoRA checkpoint; convert it to a merged "
+                                "model first (titan-pipe convert STEP -o DIR) and start from that")
+            check_compatible(base.args, self.args, init_from)
+            weights = AdaptedWeights(base, self.lora, seed=self.cfg.train.seed)
+        else:
+            weights = open_adapted(latest)
+            if weights.lora != self.lora:
+                raise UserError(f"--resume: {latest} holds adapters of {weights.lora.to_dict()}, but train.lora is "
+                                f"{self.lora.to_dict()}; set train.lora as it was, or start a new run")
+            held = Path(weights.base.dir).resolve()
+            if held != _weights_dir(init_from):
+                raise UserError(f"--resume: {latest}'s adapters were trained on the base {held}, but init_from is "
+                                f"{init_from}; point init_from back at {held}")
+        self.base_source = weights.base
+        self._base_ref = None  # the base's files and digests, hashed once at the first save (base_ref)
         return weights
 
     def _setup_model(self, weights) -> None:
@@ -222,18 +253,21 @@ class Trainer:
                                           ac_every=ac_every, dp_plan=self.dp_plan,
                                           kernels=resolve_kernels(cfg.model.kernels, self.device.type),
                                           seed=cfg.train.seed, weights=weights, compile_backend=backend,
-                                          float8=cfg.precision.float8)
-        self.params = self.model.parameters()
-        self.counted = counted(((n, p) for _, n, p in self.model.named_parameters()), self.model.tied is not None)
+                                          float8=cfg.precision.float8, lora=self.lora,
+                                          base_dtype=TORCH_BY_NAME[cfg.train.lora.held_dtype(cfg.precision)]
+                                          if self.lora is not None else torch.float32)
+        self.params = self.model.trainable()  # with LoRA the adapters only: the base takes no gradient
+        self.counted = counted(((n, p) for _, n, p in self.model.named_parameters() if p.requires_grad),
+                               self.model.tied is not None)
 
     def _setup_optimizers(self) -> None:
         t, o = self.cfg.train, self.cfg.train.optimizer
         hparams = dict(name=o.name, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         if self.dp_plan.zero1:
-            self.optimizers = [build_zero1(list(m.parameters()), self.mesh["dp"].get_group(), **hparams)
+            self.optimizers = [build_zero1(_trained(m), self.mesh["dp"].get_group(), **hparams)
                                for m in self.model.modules]
         else:
-            self.optimizers = [build_optimizer(list(m.parameters()), implementation=o.implementation,
+            self.optimizers = [build_optimizer(_trained(m), implementation=o.implementation,
                                                device_type=self.device.type, **hparams)
                                for m in self.model.modules]
         self.schedulers = [build_scheduler(opt, warmup=t.warmup_steps, total=t.steps, min_ratio=t.lr_min_ratio)
@@ -342,7 +376,7 @@ class Trainer:
         """Unscale, clip and step (skipped on an fp16 overflow); (found_inf, grad norm, lr). A NaN or
         infinite gradient norm outside fp16's loss scaling stops training before the update writes
         it into the weights (the norm is global: every rank stops at the same step)."""
-        if self.model.tied is not None:  # tied embeddings under tp/pp: both ends get the summed gradient
+        if self.model.tied is not None and self.lora is None:  # tied embeddings under tp/pp: both ends get the summed gradient
             self.model.tied.sync((n, p) for _, n, p in self.model.named_parameters())
         found_inf = self.scaler.unscale_(self.params)
         grad_norm = None  # skipped step (fp16 overflow): no norm worth logging
@@ -413,9 +447,17 @@ class Trainer:
                 or step == self.forced_save_step)  # the same on all ranks
 
     def checkpoint_bytes(self) -> int:
-        """About what one checkpoint takes (for a full disk's "free N" advice)."""
-        return checkpoint_bytes(count_params(self.cfg.model.args()), optimizer=self.cfg.train.optimizer.name,
-                                save_optimizer=self.cfg.checkpoint.save_optimizer)
+        """About what one checkpoint takes (for a full disk's "free N" advice); with LoRA, the adapters."""
+        n = count_params(self.args) if self.lora is None else sum(math.prod(s) for s in adapter_shapes(self.args, self.lora).values())
+        return checkpoint_bytes(n, optimizer=self.cfg.train.optimizer.name, save_optimizer=self.cfg.checkpoint.save_optimizer)
+
+    def _lora_record(self) -> dict:
+        """The manifest's extra.lora: the spec and the base it references (hashed once, by rank 0)."""
+        if self.lora is None or self.rank != 0:
+            return {}
+        if self._base_ref is None:
+            self._base_ref = base_ref(self.base_source)
+        return {"lora": {**self.lora.to_dict(), "base": self._base_ref.to_dict()}}
 
     def save(self, step: int) -> None:
         """Checkpoint ``step`` (collective), then prune old ones on rank 0."""
@@ -429,8 +471,8 @@ class Trainer:
                                  train_state=state, parallel=self.parallel_meta, fail_hook=hook,
                                  extra=CheckpointExtra(kernels=cfg.model.kernels,
                                                        tokenizer="tokenizer.json" if "tokenizer.json" in self.tok_files
-                                                       else "byte", token_ids=self.token_ids),
-                                 attach=self.tok_files)
+                                                       else "byte", token_ids=self.token_ids, other=self._lora_record()),
+                                 attach=self.tok_files, frozen_out=self.lora is not None)
         if self.rank == 0:
             ckpt.prune(self.run.checkpoints, cfg.checkpoint.keep_last)
 
@@ -468,6 +510,17 @@ class Trainer:
                 "mfu": history[-1]["mfu"] if history else None, "steps": self.cfg.train.steps,
                 "start_step": self.start, "peak_flops_source": self.peak_source,
                 "checkpoint": str(newest_complete(self.run.checkpoints, warn=True)) if self.rank == 0 else None}
+
+
+def _trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of a stage module its optimizer steps (LoRA: the adapters only)."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def _weights_dir(path: Path) -> Path:
+    """The directory a weight source opened at ``path`` reads (a run dir means its newest step)."""
+    path = Path(path)
+    return (path if is_complete(path) else newest_complete(path) or path).resolve()
 
 
 def train(cfg: FlowConfig, *, base: Path, resume: bool = False) -> dict:

@@ -12,12 +12,14 @@ from typing import Protocol
 import torch
 from safetensors import safe_open  # our checkpoint's shards (a unified dir: titan_pipe.model.unified_dir)
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, is_complete, newest_complete, open_checkpoint
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, FileInfo, is_complete, newest_complete, open_checkpoint
 from titan_pipe.dtypes import TORCH_DTYPES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
 from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, check_fits, model_differences
-from titan_pipe.model.unified_dir import open_unified
+from titan_pipe.model.lora import BaseRef, LoRASpec, adapter_shapes, is_adapter, lora_record
+from titan_pipe.model.lora_modules import init_adapter, merge
+from titan_pipe.model.unified_dir import CONFIG, INDEX, open_unified
 from titan_pipe.paths import resolve_inside
 
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python names it from 3.13 on
@@ -46,8 +48,11 @@ class CheckpointWeights:
         self.dir = Path(step_dir)
         self.manifest = open_checkpoint(self.dir)
         self.args = ModelArgs.from_dict(self.manifest.model, source=self.dir / MANIFEST_NAME)
-        check_fits(self.args, sum(f.size for f in self.manifest.files.values()), source=self.dir / MANIFEST_NAME,
-                   where="its shard files")
+        # a LoRA checkpoint holds its adapters only (their shapes: LoRAWeights checks them)
+        self.lora_record = lora_record(self.manifest.extra.other, source=self.dir / MANIFEST_NAME)
+        if self.lora_record is None:
+            check_fits(self.args, sum(f.size for f in self.manifest.files.values()), source=self.dir / MANIFEST_NAME,
+                       where="its shard files")
         # every chunk names a file listed here (validate), so checking these covers them all
         self._paths = {rel: resolve_inside(self.dir, rel, source=self.dir / MANIFEST_NAME, what="shard")
                        for rel in self.manifest.files}
@@ -55,6 +60,10 @@ class CheckpointWeights:
 
     def names(self) -> list[str]:
         return list(self.manifest.params)
+
+    def files(self) -> list[Path]:
+        """Every file the weights are read from, manifest.json first."""
+        return [self.dir / MANIFEST_NAME, *self._paths.values()]
 
     def _file(self, rel: str):
         if rel not in self._open:
@@ -149,6 +158,11 @@ class SafetensorsWeights:
     def names(self) -> list[str]:
         return list(self._unified.params)
 
+    def files(self) -> list[Path]:
+        """Every file the weights are read from: config.json, the index where there is one, the weight files."""
+        weights = {part.file for n in self._unified.params for part in self._unified.parts(n)}
+        return [self.dir / CONFIG, *([self.dir / INDEX] if (self.dir / INDEX).is_file() else []), *sorted(weights)]
+
     def full(self, name: str) -> torch.Tensor:
         return self._unified.read(name)
 
@@ -219,14 +233,138 @@ class SafetensorsWeights:
         return self._unified.read_box(name, box)
 
 
-def open_weights(path: Path) -> WeightSource:
+class AdaptedWeights:
+    """A LoRA model's parameters, adapters apart (what a model built with the adapters loads: a
+    resumed training, evaluate's reference): the frozen base's by their names, the adapters' from a
+    LoRA checkpoint (``adapters``) or, starting fresh, their seeded initial values."""
+
+    def __init__(self, base, spec: LoRASpec, *, adapters: CheckpointWeights | None = None, seed: int = 0):
+        self.base, self.lora, self.adapters, self.seed = base, spec, adapters, seed
+        self.args = base.args
+        self.shapes = adapter_shapes(self.args, spec)
+        if adapters is not None:
+            held = {n: tuple(adapters.manifest.params[n].shape) for n in adapters.names()}
+            if held != self.shapes:
+                wrong = sorted(set(held.items()) ^ set(self.shapes.items()))[0][0]
+                raise UserError(f"{adapters.dir / MANIFEST_NAME}: adapter {wrong!r} does not match its LoRA record "
+                                f"(rank {spec.rank}, targets {', '.join(spec.targets)}); copy the checkpoint again")
+
+    def names(self) -> list[str]:
+        return self.base.names() + list(self.shapes)
+
+    def adapter(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, B) of base weight ``name``, None where it has no adapter."""
+        a = name[:-len(".weight")].rsplit(".", 1)
+        key = f"{a[0]}.lora.{a[1]}.a.weight" if len(a) == 2 else ""
+        if key not in self.shapes:
+            return None
+        return self.full(key), self.full(key[:-len("a.weight")] + "b.weight")
+
+    def full(self, name: str) -> torch.Tensor:
+        if not is_adapter(name):
+            return self.base.full(name)
+        if self.adapters is not None:
+            return self.adapters.full(name)
+        return init_adapter(name, self.shapes[name], self.seed, self.lora.init)
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return self.full(name).dtype if is_adapter(name) else self.base.stored_dtype(name)
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self.full(name))
+
+    def box(self, name: str, box: Box) -> torch.Tensor:
+        if not is_adapter(name):
+            return self.base.box(name, box)
+        return self.full(name)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))]
+
+
+class MergedWeights:
+    """A LoRA checkpoint read as the model it deploys: every targeted weight W + (alpha / rank) B A
+    (float32 sums rounded once to W's stored dtype), the rest the base's. What ``open_weights`` gives
+    for a LoRA checkpoint, so init_from, a sharded forward or any reader that builds no adapters sees
+    the fine-tuned model, never the bare base."""
+
+    def __init__(self, adapted: AdaptedWeights):
+        self.adapted, self.args, self.lora = adapted, adapted.args, adapted.lora
+
+    def names(self) -> list[str]:
+        return self.adapted.base.names()
+
+    def full(self, name: str) -> torch.Tensor:
+        w = self.adapted.base.full(name)
+        ab = self.adapted.adapter(name)
+        return w if ab is None else merge(w, *ab, self.lora.scale)
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return self.adapted.base.stored_dtype(name)
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self.full(name))
+
+    def box(self, name: str, box: Box) -> torch.Tensor:
+        w = self.adapted.base.box(name, box)
+        ab = self.adapted.adapter(name)
+        if ab is None:
+            return w
+        (r0, c0), (nr, nc) = box.offsets, box.lengths
+        return merge(w, ab[0][:, c0:c0 + nc], ab[1][r0:r0 + nr], self.lora.scale)
+
+
+def base_ref(source) -> BaseRef:
+    """The record of the base a LoRA training starts from (``source``: its weight source): its
+    directory and every file its weights come from, with size and sha256."""
+    root = Path(source.dir).resolve()
+    files = {}
+    for f in source.files():
+        rel = str(f.resolve().relative_to(root))
+        files[rel] = (f.stat().st_size, sha256_file(f))
+    return BaseRef(str(root), files)
+
+
+def open_base(ref: BaseRef, *, source: Path):
+    """The frozen base a LoRA checkpoint (``source``, its manifest) names, each of its files checked
+    against the record (present, of its size and sha256) before a tensor is read."""
+    root = Path(ref.path)
+    if not root.is_dir():
+        raise UserError(f"{source}: its adapters were trained on the base model {root}, which is not there; the "
+                        "checkpoint holds the adapters only: put that model back at that path")
+    for rel, (size, digest) in ref.files.items():
+        verify_file(root / rel, FileInfo(size, digest), manifest=source)
+    return _open_plain(root)
+
+
+def _open_plain(path: Path):
+    if is_complete(path):
+        src = CheckpointWeights(path)
+        if src.lora_record is not None:
+            spec, ref = src.lora_record
+            return MergedWeights(AdaptedWeights(open_base(ref, source=path / MANIFEST_NAME), spec, adapters=src))
+        return src
+    return SafetensorsWeights(path)
+
+
+def open_adapted(step_dir: Path) -> AdaptedWeights:
+    """A LoRA checkpoint with its adapters apart (its base checked and opened); UserError when
+    ``step_dir`` holds no adapters."""
+    src = CheckpointWeights(step_dir)
+    if src.lora_record is None:
+        raise UserError(f"{Path(step_dir) / MANIFEST_NAME}: not a LoRA checkpoint (no extra.lora record)")
+    spec, ref = src.lora_record
+    return AdaptedWeights(open_base(ref, source=Path(step_dir) / MANIFEST_NAME), spec, adapters=src)
+
+
+def open_weights(path: Path, *, adapters_apart: bool = False) -> WeightSource:
     """Our checkpoint (a step dir with manifest.json; a run dir or its checkpoints/ dir means its
-    newest complete step), or a dir of safetensors + config.json (unified or Hugging Face)."""
+    newest complete step), or a dir of safetensors + config.json (unified or Hugging Face). A LoRA
+    checkpoint reads as its merged model (MergedWeights), or with ``adapters_apart`` as its base and
+    adapters (AdaptedWeights: a reader that applies the adapters itself, as training did)."""
     path = Path(path)
     if not is_complete(path):  # a run dir or its checkpoints/ dir: its newest complete step
         path = newest_complete(path) or path
     if is_complete(path):
-        return CheckpointWeights(path)
+        src = _open_plain(path)
+        return src.adapted if adapters_apart and isinstance(src, MergedWeights) else src
     if (path / "config.json").is_file():
         return SafetensorsWeights(path)
     raise UserError(f"init_from: {path} is neither a titan-pipe checkpoint (no {MANIFEST_NAME}) nor a "
