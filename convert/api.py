@@ -21,11 +21,12 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from titan_pipe.atomic import swap_dir, temp_dir, write_text
-from titan_pipe.checkpoint_format import MANIFEST_NAME, CheckpointExtra, Chunk, FileInfo, LayoutError, Manifest, ParallelLayout, ParamSpec
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, CheckpointExtra, Chunk, FileInfo, LayoutError, Manifest, ParallelLayout, ParamSpec
 from titan_pipe.convert.detect import open_source
 from titan_pipe.convert.hashing import BackgroundHasher
 from titan_pipe.convert.reshard import write_file
-from titan_pipe.convert.source_plan import OutputPlan, SourcePlan, plan_sharded, plan_unified
+from titan_pipe.convert.readers import lora
+from titan_pipe.convert.source_plan import OutFile, OutputPlan, OutTensor, SourcePlan, output_dtype, plan_sharded, plan_unified
 from titan_pipe.convert.tokenizer_files import copy_tokenizer_files, plan_tokenizer_files, source_token_ids
 from titan_pipe.config import ConvertConfig
 from titan_pipe.dtypes import HF_DTYPE_NAMES
@@ -40,6 +41,7 @@ from titan_pipe.provenance import PROVENANCE_FILE, Provenance, SourceInfo
 from titan_pipe.sizes import parse_size
 
 CONVERTER_VERSION = "titan-pipe-convert 1"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
 WHAT = "the converted model"
 
 
@@ -72,6 +74,13 @@ def output_bytes(plan: SourcePlan, out: OutputPlan, *, sharded: bool) -> int:
     tokenizer = sum(f.stat().st_size for f in plan_tokenizer_files(plan).values())
     tensors = sum(len(f.tensors) for f in out.files)
     return sum(f.nbytes for f in out.files) + 512 * tensors + tokenizer + 65536
+
+
+def plan_adapter(plan: SourcePlan, *, dtype: str) -> OutputPlan:
+    """A LoRA checkpoint's adapters as PEFT stores them: one adapter_model.safetensors under PEFT's keys."""
+    keys = lora.peft_keys(plan)
+    return OutputPlan("adapter", (OutFile(ADAPTER_WEIGHTS, tuple(
+        OutTensor(keys[n], t, Box.full(t.shape), output_dtype(t.dtype, dtype)) for n, t in plan.tensors.items())),))
 
 
 def _check_out_dir(src: Path, out_dir: Path, overwrite: bool) -> None:
@@ -182,13 +191,25 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
     model_config = Path(settings.source_config) if settings.source_config is not None else None
     sharded = settings.sharded
     _check_out_dir(src, out_dir, overwrite)
-    plan, store = open_source(src, settings.source_format, vocab_size=settings.vocab_size, model_config=model_config)
+    spec = None  # a LoRA checkpoint's adapters (convert/readers/lora.py)
+    if settings.source_format in ("auto", "titan") and lora.lora_step(src) is not None:
+        plan, store, spec = lora.open_source(src, mode=settings.lora)
+    else:
+        if settings.lora != "merge":
+            raise UserError(f"--lora {settings.lora}: {src} holds no LoRA adapters (a titan-pipe checkpoint trained "
+                            "with train.lora); drop --lora")
+        plan, store = open_source(src, settings.source_format, vocab_size=settings.vocab_size, model_config=model_config)
+    adapter = spec is not None and settings.lora == "adapter"
+    if adapter and sharded:
+        raise UserError("--lora adapter writes PEFT's adapter dir for the base model; drop --tp/--pp (or use --lora "
+                        "merge for a sharded merged model)")
     token_ids = source_token_ids(plan)
     with store:
         check_shapes(plan)
         try:
             plan.check()
-            out = (plan_sharded(plan, tp=tp or 1, pp=pp or 1, dtype=dtype) if sharded
+            out = (plan_adapter(plan, dtype=dtype) if adapter
+                   else plan_sharded(plan, tp=tp or 1, pp=pp or 1, dtype=dtype) if sharded
                    else plan_unified(plan, naming=naming, dtype=dtype, max_shard_size=limit))
         except (LayoutError, ValueError) as e:
             raise UserError(f"{plan.root}: {e}") from None
@@ -216,6 +237,9 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
                 written += tok_files
                 written.append(_write_manifest(tmp, plan, out, tokenizer=tok_record.tokenizer, attached=tok_infos,
                                                token_ids=token_ids))
+            elif adapter:
+                _write_json(tmp / ADAPTER_CONFIG, lora.adapter_config(plan, spec))
+                written += [tmp / ADAPTER_CONFIG] + tok_files
             else:
                 written += _write_unified_meta(tmp, plan, out, token_ids=token_ids) + tok_files
             provenance = Provenance(
@@ -223,7 +247,7 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
                                   digests if verify else dict(sorted(plan.expected_sha256.items())),
                                   algorithm, verify),
                 converter=CONVERTER_VERSION, tokenizer=tok_record,
-                output={"kind": out.kind, "naming": "native" if sharded else naming, "dtype": dtype,
+                output={"kind": out.kind, "naming": "native" if sharded else "peft" if adapter else naming, "dtype": dtype,
                         "tp": out.tp, "pp": out.pp, "files": [str(p.relative_to(tmp)) for p in written]},
                 created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
             write_text(tmp / PROVENANCE_FILE, provenance.to_json())

@@ -25,7 +25,7 @@ import numpy as np
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.finite import has_nonfinite
 from titan_pipe.convert.readers.store import Store, contiguous_span
-from titan_pipe.convert.source_plan import OutFile, OutTensor, Read
+from titan_pipe.convert.source_plan import OutFile, OutTensor, Read, TensorPlan
 from titan_pipe.convert.writer import Entry, SafetensorsWriter
 from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
@@ -154,11 +154,36 @@ def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o - b, o - b + n) for o, n, b in zip(box.offsets, box.lengths, origin))
 
 
+def assemble(t: TensorPlan, store: Store) -> torch.Tensor:
+    """A whole (small) source tensor from its reads, in its stored dtype."""
+    import torch
+
+    from titan_pipe.dtypes import TORCH_DTYPES
+
+    out = torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype])
+    for r in t.reads:
+        piece = store.read_box(r.file, r.key, r.src_box)
+        out[_slices(r.dst_box, (0,) * len(t.shape))].copy_(piece.view(r.dst_box.lengths))
+    return out
+
+
+def _add_low_rank(buf: torch.Tensor, t: OutTensor, block: Box, ab: tuple[torch.Tensor, torch.Tensor], scale: float):
+    """Add scale * B A over ``block`` (of output tensor ``t``, whose region sits in the global tensor)."""
+    a, b = ab
+    r0 = t.region.offsets[0] + block.offsets[0]
+    c0 = t.region.offsets[1] + block.offsets[1]
+    delta = b[r0:r0 + block.lengths[0]] @ a[:, c0:c0 + block.lengths[1]]
+    buf.copy_((buf.float() + scale * delta).to(buf.dtype))
+
+
 def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set[str] | None = None) -> None:
     """Write every byte of output tensor ``t`` into ``w``; a block it assembles that holds NaN/Inf
-    adds ``t.key`` to ``nonfinite`` (byte-copied tensors are checked by the sha256 pass instead)."""
+    adds ``t.key`` to ``nonfinite`` (byte-copied tensors are checked by the sha256 pass instead).
+    A tensor with a low-rank ``delta`` (a LoRA merge) is assembled in blocks, the term added to each."""
     reads = t.reads()
-    direct = _direct(t, reads, store)
+    low = t.source.delta
+    ab = None if low is None else (assemble(low.a, store).float(), assemble(low.b, store).float())
+    direct = None if low is not None else _direct(t, reads, store)
     if direct is not None:
         for _, (fd, src_off, n), (dst_off, _) in direct:
             w.copy(t.key, dst_off, fd, src_off, n)
@@ -192,6 +217,14 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set
             if c.rope_head_dim:
                 piece = deinterleave_rope(piece, c.rope_head_dim)
             buf[_slices(c.dst_box, block.offsets)].copy_(piece)
+        if ab is not None:
+            if buf is None:
+                import torch
+
+                from titan_pipe.dtypes import TORCH_DTYPES
+
+                buf = torch.frombuffer(raw, dtype=torch.uint8).view(TORCH_DTYPES[t.dtype]).view(block.lengths)
+            _add_low_rank(buf, t, block, ab, low.scale)
         start = contiguous_span(t.shape, block, itemsize)[0]
         if nonfinite is not None and t.key not in nonfinite and has_nonfinite(raw, t.dtype):
             nonfinite.add(t.key)

@@ -60,13 +60,15 @@ class Read:
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """One global tensor (native name) and the reads that fill it exactly once."""
+    """One global tensor (native name) and the reads that fill it exactly once; ``delta``: a
+    low-rank term added as it is written (a LoRA merge)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype name of the stored data
     reads: tuple[Read, ...]
     split: str = "replicated"  # how the source holds it, for inspect: "dim 0 over tp=2", "fused qkv" ...
+    delta: "LowRank | None" = None
 
     @property
     def nbytes(self) -> int:
@@ -87,6 +89,17 @@ class TensorPlan:
         if covered != total:
             raise LayoutError(f"{self.name}: the shards cover {covered} of {total} elements; "
                               "a shard or chunk is missing")
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """``scale * B A`` added to a (out, in) tensor as it is written: LoRA's merge, W + (alpha / rank)
+    B A. ``a`` (rank, in) and ``b`` (out, rank) are tensors of the same source, read by their plans
+    (small: rank rows or columns); the sum is taken in float32 and rounded once to the output dtype."""
+
+    a: TensorPlan
+    b: TensorPlan
+    scale: float
 
 
 @dataclass

@@ -10,6 +10,7 @@ from titan_pipe import limits
 from titan_pipe.choices import DIGESTS, NAMINGS, SOURCE_FORMATS
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
 from titan_pipe.config import ConvertConfig, section_from_flags
+from titan_pipe.model.lora import CONVERT_MODES as LORA_CONVERT
 
 CONVERT = {k: f.default for k, f in ConvertConfig.model_fields.items()}  # each default spelled once, in the section
 
@@ -34,6 +35,9 @@ def register(app: typer.Typer) -> None:
                                    help=" | ".join(DIGESTS) + ": the source files' digests in provenance.json (xxh3_128: "
                                    "fast, detects corrupted or swapped files; sha256: cryptographic, what `sha256sum` "
                                    "and the Hub show). A titan-pipe checkpoint is checked against its manifest's sha256s"),
+        lora: str = typer.Option(CONVERT["lora"], "--lora",
+                                 help=" | ".join(LORA_CONVERT) + ": a LoRA checkpoint as the merged model (W + "
+                                 "alpha/rank B A, what export takes) or as a PEFT adapter dir for its base model"),
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Convert a sharded checkpoint into one Hugging Face safetensors model (or reshard it)."""
@@ -47,10 +51,11 @@ def register(app: typer.Typer) -> None:
         settings = section_from_flags(
             ConvertConfig, {"source_format": "--from", "naming": "--naming", "dtype": "--dtype",
                             "max_shard_size": "--max-shard-size", "tp": "--tp", "pp": "--pp",
-                            "vocab_size": "--vocab-size", "source_config": "--model-config", "digest": "--digest"},
+                            "vocab_size": "--vocab-size", "source_config": "--model-config", "digest": "--digest",
+                            "lora": "--lora"},
             source_format=source_format, naming=naming, dtype=dtype, max_shard_size=max_shard_size, tp=tp, pp=pp,
             vocab_size=vocab_size, source_config=str(model_config) if model_config is not None else None,
-            verify=not no_verify, digest=digest)
+            verify=not no_verify, digest=digest, lora=lora)
         r = call_stage("convert", convert_checkpoint, track=flow, src=src, out_dir=out, settings=settings,
                        overwrite=overwrite)
         s = r.summary
