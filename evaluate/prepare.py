@@ -84,8 +84,9 @@ def _reference(checkpoint: Path | None, model_dir: Path | None, device: str) -> 
         ref = LayeredModel(open_weights(Path(model_dir)), device=device,
                            label=f"torch float32 ({Path(model_dir).name}{where})")
         return ref, f"{Path(model_dir) / 'config.json'}"
-    ref = LayeredModel(open_weights(Path(checkpoint)), device=device,
-                       label=f"torch float32 ({Path(checkpoint).name}, one process{where})")
+    source = open_weights(Path(checkpoint), adapters_apart=True)  # LoRA: base + adapters, as trained
+    lora = f", LoRA rank {source.lora.rank} unmerged" if getattr(source, "lora", None) is not None else ""
+    ref = LayeredModel(source, device=device, label=f"torch float32 ({Path(checkpoint).name}, one process{lora}{where})")
     return ref, f"{Path(checkpoint) / MANIFEST_NAME}"
 
 

@@ -75,4 +75,6 @@ def summary(verdict: cmp.Verdict, comparisons: list[cmp.Comparison], mode: str, 
                                          "kl": r.metrics.kl, "top1": r.metrics.top1}
         if c.id == "task":
             out["perplexity"] = c.details.get("perplexity")
+            if c.details.get("before_finetune"):  # LoRA: the frozen base's perplexity on the same tokens
+                out["perplexity_before_finetune"] = c.details["before_finetune"]["perplexity"]
     return out

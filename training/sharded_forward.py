@@ -73,10 +73,12 @@ def main(argv: list[str] | None = None) -> None:
         mesh = dims.build_mesh(device.type)
         # the training operators of this device: npu_fused on Ascend, the reference ops elsewhere
         kernels = resolve_kernels(manifest.extra.kernels or "auto", device.type)
+        # a LoRA checkpoint runs as it trained: the frozen base and its adapters beside it, unmerged
+        weights = open_weights(a.checkpoint, adapters_apart=not a.streamed)
         pm = build_parallel_model(args, mesh, device=device.torch_device(local_rank), schedule=p.pp_schedule,
                                   virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel,
-                                  kernels=kernels, weights=open_weights(a.checkpoint),
-                                  stream_layers=a.streamed)
+                                  kernels=kernels, weights=weights, stream_layers=a.streamed,
+                                  lora=getattr(weights, "lora", None) if not a.streamed else None)
         captured = _capture(pm)
         batches = load_file(str(a.tokens))
         logits_out, hidden_out = {}, {}

@@ -3,6 +3,7 @@ generations token for token, on the prompts every generation shares."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -10,6 +11,8 @@ from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.comparisons.kv_decode import free_tokens
 from titan_pipe.evaluate.metrics import nll_sum
 from titan_pipe.evaluate.run import REF, Run, forced_sequences
+from titan_pipe.evaluate.runners.pytorch import LayeredModel
+from titan_pipe.model.weights import open_weights
 
 
 def compare(run: Run) -> cmp.Comparison:
@@ -25,6 +28,10 @@ def compare(run: Run) -> cmp.Comparison:
         generations = {ref.label: run.prompts.reference, **generations}
     task = cmp.task_comparison(ppl, ref.label, generations, run.ledger.limits_of)
     task.details["prompt_lengths"] = [len(q) for q in run.prompts.prompts]
+    before = _base_perplexity(run)
+    if before is not None:  # LoRA: the frozen base on the same tokens, what the fine-tune started from
+        task.details["before_finetune"] = {"label": before[0], "perplexity": before[1],
+                                           "after": ppl[ref.label]}
     prefill = run.sides.prefill
     if prefill is not None and prefill.info.fixed_shape:
         task.details["generation_note"] = ("prefill re-run skipped for the static ONNX graph (its generation is the "
@@ -41,6 +48,25 @@ def _perplexity(run: Run, side: str) -> float:
         s, n = nll_sum(run.store.get((side, "logits", None, b))[:, :-1], tokens[:, 1:], keep)
         total, count = total + s, count + n
     return math.exp(total / count) if count else float("nan")
+
+
+def _base_perplexity(run: Run) -> tuple[str, float] | None:
+    """(label, perplexity) of a LoRA reference's frozen base without its adapters (the model before
+    the fine-tune), over the same tokens (the answers only on chat data); None for any other reference."""
+    ckpt = run.request.checkpoint
+    source = open_weights(Path(ckpt), adapters_apart=True) if ckpt is not None else None
+    if getattr(source, "base", None) is None:
+        return None
+    ref = run.sides.reference
+    base = LayeredModel(source.base, device=ref.device, keep=ref.keep,
+                        label=f"torch float32 (the base {Path(source.base.dir).name}, no adapters)")
+    total = count = 0
+    answers = run.request.data.answers
+    for b, tokens in enumerate(run.request.data.batches):
+        keep = answers[b][:, 1:] if answers is not None else None
+        s, n = nll_sum(base.run(tokens).logits[:, :-1], tokens[:, 1:], keep)
+        total, count = total + s, count + n
+    return base.label, (math.exp(total / count) if count else float("nan"))
 
 
 def _prefill_generation(run: Run) -> torch.Tensor:

@@ -135,7 +135,11 @@ class LayeredModel:
                 self._stored = torch.empty(self._stored_need, dtype=torch.uint8, device=self.device)
             w = self.source.read_into(name, self._stored[start:self._stored_used].view(dtype).view(shape))
         b = self._weight(bias) if bias is not None else None
-        return StoredLinear(w, b, exact=self._exact)
+        linear = StoredLinear(w, b, exact=self._exact)
+        ab = self.source.adapter(name) if hasattr(self.source, "adapter") else None
+        if ab is None:
+            return linear
+        return AdaptedLinear(linear, *(t.to(torch.float32).to(self.device) for t in ab), self.source.lora.scale)
 
     def _reserve_stored(self, nbytes: int) -> None:
         """Streamed: the linear layers of the block (or head) about to be read take at most
@@ -403,6 +407,22 @@ def _numel(shape) -> int:
 
 
 _BAND_BYTES = 4 << 20  # float32 bytes of weight rows cast at once: the band stays in cache while it is multiplied
+
+
+class AdaptedLinear(torch.nn.Module):
+    """A stored linear with its LoRA adapter applied beside it, as training computed it (not merged):
+    linear(x) + scale * (x A^T) B^T, in float32 (titan_pipe.model.lora_modules.Adapter's arithmetic)."""
+
+    def __init__(self, linear: "StoredLinear", a: torch.Tensor, b: torch.Tensor, scale: float):
+        super().__init__()
+        self.linear, self.a, self.b, self.scale = linear, a, b, scale
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + F.linear(F.linear(x, self.a), self.b) * self.scale
 
 
 class StoredLinear(torch.nn.Module):
