@@ -13,22 +13,33 @@ from titan_pipe.commands.common import handle_errors
 from titan_pipe.run_lock import path_lock
 
 
-def _workload(model: str, seq_len: int, global_batch: int):
-    """A flavour name, or a flow.yaml whose model section (flavour + dims) is used."""
-    from titan_pipe.config import load_flow
+def _workload(model: str, seq_len: int, global_batch: int, lora_rank: int | None = None):
+    """A flavour name, or a flow.yaml whose model section (flavour + dims) is used, and its
+    train.lora; ``lora_rank``: LoRA of that rank on every linear of the attention and MLP."""
+    from titan_pipe.config import LoRAConfig, load_flow
     from titan_pipe.errors import UserError
     from titan_pipe.model.args import FLAVOURS
+    from titan_pipe.model.lora import model_problems
     from titan_pipe.training.planner.workload import Workload
 
+    lora = LoRAConfig(rank=lora_rank, alpha=float(2 * lora_rank)).spec() if lora_rank is not None else None
     if model in FLAVOURS:
-        return Workload(FLAVOURS[model], seq_len, global_batch, flavour=model)
-    path = Path(model)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
+        w = Workload(FLAVOURS[model], seq_len, global_batch, flavour=model, lora=lora)
+    else:
+        path = Path(model)
+        if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+            raise UserError(f"--model {model!r} is neither a flavour ({', '.join(FLAVOURS)}) nor a flow.yaml file")
         cfg = load_flow(path)
         overrides = cfg.model.model_dump(exclude={"flavour", "kernels"}, exclude_none=True)
-        return Workload(cfg.model.args(), seq_len, global_batch, flavour=cfg.model.flavour,
-                        model_overrides=overrides)
-    raise UserError(f"--model {model!r} is neither a flavour ({', '.join(FLAVOURS)}) nor a flow.yaml file")
+        if lora is None and cfg.train.lora is not None:
+            lora = cfg.train.lora.spec()
+        w = Workload(cfg.model.args(), seq_len, global_batch, flavour=cfg.model.flavour, model_overrides=overrides,
+                     lora=lora)
+    if w.lora is not None and model_problems(w.lora, w.args):  # a mixture of experts: the attention only
+        from dataclasses import replace
+
+        w = replace(w, lora=replace(w.lora, targets=("q", "k", "v", "o")))
+    return w
 
 
 def _gb(b: float) -> str:
@@ -203,6 +214,8 @@ def register(app: typer.Typer) -> None:
                                                  "peak memory against the model's"),
         calibrate_phase: str = typer.Option("trainer", "--calibrate-phase",
                                             help="device_check.json phase: trainer | trainer_compiled | trainer_float8"),
+        lora: Optional[int] = typer.Option(None, "--lora", help="LoRA of this rank on every attention and MLP linear: "
+                                           "the base frozen, only the adapters with gradients and AdamW states"),
     ):
         """Find the fastest dp x tp x pp layout that fits: memory, bubble, communication, tokens/s."""
         from rich.console import Console
@@ -221,10 +234,14 @@ def register(app: typer.Typer) -> None:
         for flag, value, bound in (("--devices", devices, limits.DEVICES), ("--nodes", nodes, limits.DEVICES),
                                    ("--seq-len", seq_len, limits.SEQ_LEN), ("--global-batch", gb, limits.BATCH),
                                    ("--top", top, limits.TOP_ROWS), ("--dp", dp, limits.PARALLEL),
-                                   ("--tp", tp, limits.PARALLEL), ("--pp", pp, limits.PARALLEL)):
+                                   ("--tp", tp, limits.PARALLEL), ("--pp", pp, limits.PARALLEL),
+                                   ("--lora", lora, limits.LORA_RANK)):
             limits.check_flag(flag, value, bound)  # the search space and every table are sized by these
         cluster, notes = build_cluster(device, devices, nodes=nodes, device_memory=device_memory)
-        w = _workload(model, seq_len, gb)
+        w = _workload(model, seq_len, gb, lora)
+        if w.lora is not None and write is not None:
+            raise UserError("--write with LoRA: a LoRA flow adapts a model it starts from (init_from), which a "
+                            "flavour does not name; use titan-pipe init DIR --from HF_DIR --sft --lora RANK")
         bounded_candidates(w, cluster, dp=dp, tp=tp, pp=pp)  # a search too large: one line, before any output
         assume = Assumptions(compute_efficiency=efficiency, comm_efficiency=comm_efficiency)
         if calibrate is not None:
@@ -240,8 +257,15 @@ def register(app: typer.Typer) -> None:
                           for ln in cluster.links)
         n = count_params(w.args)
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+        trained = ""
+        if w.lora is not None:
+            from titan_pipe.model.lora import adapter_shapes
+
+            k = sum(a * b for a, b in adapter_shapes(w.args, w.lora).values())
+            trained = (f"; LoRA rank {w.lora.rank} on {', '.join(w.lora.targets)}: {k / 1e6:,.1f}M trained "
+                       f"({k / n:.2%}), the base frozen")
         out.print(f"{w.flavour or 'model'}: {size} parameters, "
-                  f"{flops_per_token(w.args, seq_len) / 1e9:.1f} GFLOP/token (train); batch {gb} x {seq_len} tokens\n"
+                  f"{flops_per_token(w.args, seq_len) / 1e9:.1f} GFLOP/token (train){trained}; batch {gb} x {seq_len} tokens\n"
                   f"{devices} x {cluster.device} ({cluster.memory_bytes / 1e9:.0f} GB, "
                   f"{', '.join(f'{k} {v:g} TFLOPS' for k, v in cluster.peak_tflops.items())}) in "
                   f"{devices // cluster.devices_per_node} node(s) of {cluster.devices_per_node}; {links}",

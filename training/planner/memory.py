@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
 from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.lora import LoRASpec, adapter_shapes, is_adapter
 from titan_pipe.training.activation_checkpoint import ac_layer_ids
 from titan_pipe.training.data_parallel import DPPlan, plan_dp
 from titan_pipe.training.pipeline_parallel import plan_stages
@@ -69,6 +70,8 @@ class RankParams:
     matmul_params: int  # of which weights of Linear layers (what autocast casts)
     grads: int  # gradient elements after backward (see _rank_params for the one exception)
     expert_full_params: int = 0  # of full_params, a mixture of experts' experts (this rank's E/ep of them)
+    trained_full: int = -1  # of full_params, those that train (LoRA: the adapters); -1: all
+    trained_alloc: int = -1  # of params_alloc, those that train; -1: all
 
 
 def rank_stage_layers(args: ModelArgs, layout: Layout, pp_rank: int) -> list[tuple[int, list[int]]]:
@@ -97,25 +100,28 @@ def _dp_plan(layout: Layout, assume: Assumptions) -> DPPlan:
 
 
 def rank_params(args: ModelArgs, layout: Layout, *, pp_rank: int, tp_rank: int = 0, dp_rank: int = 0,
-                assume: Assumptions = Assumptions()) -> RankParams:
+                assume: Assumptions = Assumptions(), lora: LoRASpec | None = None) -> RankParams:
     """Exactly what the trainer allocates for parameters and optimizer states on one rank.
 
     TP splits a parameter's split dim (sharding table) by tp; FSDP2 then takes this rank's
     ``torch.chunk`` piece of the TP-local dim 0; DDP/replicate keep the whole TP-local tensor.
     AdamW keeps state for every local parameter (training/optim.py builds one per stage module).
+    ``lora``: the adapters are parameters too (split by the sharding table's rows for them), and
+    only they have gradients and optimizer states; the base is frozen.
     """
     static = replace(layout, microbatches=1, sequence_parallel=False, ac_every=0)
-    return _rank_params(args, static, pp_rank, tp_rank, dp_rank, assume)
+    return _rank_params(args, static, pp_rank, tp_rank, dp_rank, assume, lora)
 
 
 @lru_cache(maxsize=4096)
 def _rank_params(args: ModelArgs, layout: Layout, pp_rank: int, tp_rank: int, dp_rank: int,
-                 assume: Assumptions) -> RankParams:
+                 assume: Assumptions, lora: LoRASpec | None = None) -> RankParams:
     stages = rank_stage_layers(args, layout, pp_rank)
     n_stages = layout.pp * stages_per_rank(layout.pp, layout.schedule, layout.virtual_stages)
     dpp = _dp_plan(layout, assume)
     names, local, alloc, full, experts = [], [], [], [], 0
-    for name, shape in layout_params(args, layout):
+    adapters = tuple(adapter_shapes(args, lora).items()) if lora is not None else ()
+    for name, shape in layout_params(args, layout) + adapters:
         if not _owned(name, stages, n_stages):
             continue
         shape = list(shape)
@@ -136,6 +142,12 @@ def _rank_params(args: ModelArgs, layout: Layout, pp_rank: int, tp_rank: int, dp
         else:
             local.append(_numel(shape))
             alloc.append(_numel(shape))
+    if lora is not None:  # the base takes no gradient and has no optimizer state
+        trained = [i for i, n in enumerate(names) if is_adapter(n)]
+        mine = sum(local[i] for i in trained)
+        return RankParams(tuple(names), sum(local), sum(alloc), mine, len(trained), sum(full),
+                          sum(n for name, n in zip(names, full) if _is_matmul(name)), mine, experts,
+                          trained_full=sum(full[i] for i in trained), trained_alloc=sum(alloc[i] for i in trained))
     grads = sum(local)
     if dpp.kind == "none" and layout.tp > 1 and "tok_embeddings.weight" in names:
         # Without a data-parallel wrapper, DTensor's embedding backward leaves the vocab-parallel
@@ -326,12 +338,15 @@ def _layer_param_elems(args: ModelArgs, tp: int, ep: int = 1) -> tuple[int, ...]
 
 def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumptions = Assumptions(),
                    optimizer: str = "adamw") -> Memory:
-    rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume)
+    rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume, lora=w.lora)
     dpp = _dp_plan(layout, assume)
     master, a = 4, DTYPE_BYTES_BY_NAME[layout.amp_dtype or "float32"]
     params = master * rp.params_alloc
-    # Gradients land in the parameters' dtype (FSDP2: the padded shard).
-    grads = master * (rp.params_alloc + rp.grads - rp.params)
+    if w.lora is not None:  # the frozen base held in the AMP dtype (train.lora.base_dtype: auto), the adapters in float32
+        params = a * (rp.params_alloc - rp.trained_alloc) + master * rp.trained_alloc
+    # Gradients land in the parameters' dtype (FSDP2: the padded shard); LoRA: the adapters' only.
+    grads = master * (rp.params_alloc + rp.grads - rp.params) if w.lora is None else master * rp.grads
+    trained = rp.full_params if rp.trained_full < 0 else rp.trained_full  # unsharded elements that take gradients
     per_layer = _layer_param_elems(w.args, layout.tp, layout.ep)
     mine = [i for _, ids in rank_stage_layers(w.args, layout, pp_rank) for i in ids]
     layer = max((per_layer[i] for i in mine), default=0)  # the largest layer this rank gathers
@@ -341,7 +356,7 @@ def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumption
         # until the last microbatch: after a backward the whole stage stays gathered, and its
         # unsharded gradients accumulate in float32 until the step's one reduce-scatter.
         copies = a * rp.full_params
-        accum = 4 * rp.full_params
+        accum = 4 * trained
     elif dpp.kind == "fsdp":
         root = rp.full_params - sum(per_layer[i] for i in mine)
         if dpp.reshard_after_forward:
@@ -349,13 +364,15 @@ def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumption
             copies = a * (2 * layer + root)
         else:
             copies = a * rp.full_params
-        buffers = 4 * layer  # one layer's unsharded gradients before reduce-scatter
+        buffers = 4 * (layer if w.lora is None else trained)  # one layer's unsharded gradients before reduce-scatter
     elif dpp.kind == "replicate":
         copies = a * rp.full_params if layout.amp_dtype else 0.0
     else:  # ddp / none: autocast's low-precision copy of every Linear weight, kept for backward
         copies = a * rp.matmul_params if layout.amp_dtype else 0.0
+        if w.lora is not None:  # a base already in the AMP dtype is not copied; the adapters are
+            copies = a * rp.trained_full if layout.amp_dtype else 0.0
         if dpp.kind == "ddp":
-            buffers = 4 * rp.full_params  # the Reducer's flat buckets (gradient_as_bucket_view off)
+            buffers = 4 * trained  # the Reducer's flat buckets (gradient_as_bucket_view off)
     acts, recompute = activation_bytes(w, layout, pp_rank, assume)
     opt = optimizer_bytes(rp, optimizer)
     if dpp.cpu_offload:  # sharded parameters, their gradients and AdamW live in host memory

@@ -54,12 +54,16 @@ def step_flops_per_token(args: ModelArgs, seq_len: int, ac_every: int) -> float:
     return flops_per_token(args, seq_len) + n_ckpt * recompute_flops(args, seq_len)
 
 
-def rank_flops_per_token(args: ModelArgs, seq_len: int, layout: Layout, pp_rank: int) -> float:
-    """FLOPs per token of the global batch that one pp rank's stages execute (all tp ranks together)."""
+def rank_flops_per_token(args: ModelArgs, seq_len: int, layout: Layout, pp_rank: int, *, frozen: bool = False) -> float:
+    """FLOPs per token of the global batch that one pp rank's stages execute (all tp ranks together).
+    ``frozen`` (LoRA): the base's weight gradients, a third of its matmul FLOPs, are not computed
+    (the adapters' own FLOPs, rank-sized, are left out)."""
     layers = rank_layers(args, layout, pp_rank)
     n_ckpt = len(ac_layer_ids(layers, layout.ac_every)) if layout.ac_every else 0
-    f = len(layers) * layer_train_flops(args, seq_len) + n_ckpt * recompute_flops(args, seq_len)
-    return f + (head_train_flops(args, seq_len) if _has_last(args, layout, pp_rank) else 0.0)
+    layer = layer_train_flops(args, seq_len) - (layer_train_flops(args, 0) / 3 if frozen else 0.0)
+    f = len(layers) * layer + n_ckpt * recompute_flops(args, seq_len)
+    head = head_train_flops(args, seq_len) * (2 / 3 if frozen else 1.0)
+    return f + (head if _has_last(args, layout, pp_rank) else 0.0)
 
 
 def bubble_fraction(layout: Layout) -> float:
@@ -146,10 +150,13 @@ def dp_bytes(w: Workload, layout: Layout, assume: Assumptions, pp_rank: int = 0)
     d = layout.dp
     if d == 1:
         return 0.0
-    rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume)
+    rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume, lora=w.lora)
     dpp = _dp_plan(layout, assume)
     a = DTYPE_BYTES_BY_NAME[layout.amp_dtype or "float32"]
     g = DTYPE_BYTES_BY_NAME[assume.gradient_sync_dtype]
+    if w.lora is not None:  # LoRA: the base is gathered (FSDP2) but only the adapters' gradients are reduced
+        gathered = (d - 1) / d * fsdp_gathers(layout, dpp) * a * rp.full_params if dpp.kind == "fsdp" else 0.0
+        return gathered + (1 if dpp.kind == "fsdp" else 2) * (d - 1) / d * g * rp.trained_full
     if dpp.kind == "fsdp":
         groups = [(d, rp.full_params - rp.expert_full_params), (d // layout.ep, rp.expert_full_params)] \
             if layout.ep > 1 else [(d, rp.full_params)]
@@ -209,7 +216,7 @@ def step_time(w: Workload, layout: Layout, cluster: Cluster, assume: Assumptions
     worst = None
     ep_link = cluster.link_for(group_ranks(layout, "ep"))
     for r in range(layout.pp):
-        compute = rank_tokens * rank_flops_per_token(w.args, w.seq_len, layout, r) / layout.tp / peak
+        compute = rank_tokens * rank_flops_per_token(w.args, w.seq_len, layout, r, frozen=w.lora is not None) / layout.tp / peak
         tp = _comm("tp", tp_bytes(w, layout, r), tp_link, assume)
         ep = _comm("ep", ep_bytes(w, layout, r), ep_link, assume)  # on the critical path, like tp
         if worst is None or compute + tp.seconds + ep.seconds > worst[0] + worst[1].seconds + worst[3].seconds:
@@ -227,9 +234,9 @@ def step_time(w: Workload, layout: Layout, cluster: Cluster, assume: Assumptions
     optimizer_s = 0.0
     if layout.offload:
         comm["host"] = _comm("host", host_bytes(w, layout, assume, r), cluster.host_link, assume)
-        rp = rank_params(w.args, layout, pp_rank=r, assume=assume)
+        rp = rank_params(w.args, layout, pp_rank=r, assume=assume, lora=w.lora)
         # AdamW on the host reads parameter, gradient, m, v (16 B) and writes parameter, m, v (12 B).
-        optimizer_s = 28 * rp.params / (assume.host_memory_gbps * GB)
+        optimizer_s = 28 * rp.optimizer_params / (assume.host_memory_gbps * GB)
     bubble = bubble_fraction(layout)
     critical = (compute + tp.seconds + ep.seconds + (comm["pp"].seconds if "pp" in comm else 0.0)) / (1 - bubble)
     window = compute * (1.0 if layout.zero >= 2 else 2 / 3) if assume.comm_overlap else 0.0

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from titan_pipe.choices import INTERLEAVED
 from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.lora import LoRASpec
 from titan_pipe.mesh_math import world_size
 
 
@@ -92,6 +93,7 @@ class Workload:
     global_batch: int  # sequences per optimizer step, over all dp ranks
     flavour: str | None = None
     model_overrides: dict = field(default_factory=dict)  # dims given on top of the flavour
+    lora: LoRASpec | None = None  # train.lora: the base frozen, only the adapters train (titan_pipe.model.lora)
 
     @property
     def tokens(self) -> int:
