@@ -37,21 +37,28 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
                                   "(and a sample chat.jsonl beside it)"),
          released: Optional[Path] = typer.Option(None, "--from", help="a released model's Hugging Face dir: a flow "
                                                  "for that model (its config.json is the architecture; --device cpu "
-                                                 "for one CPU process)")):
+                                                 "for one CPU process)"),
+         lora: Optional[int] = typer.Option(None, "--lora", help="with --sft: LoRA adapters of this rank, the "
+                                            "released model frozen (docs/finetune.md)")):
     """Write a commented example flow.yaml (the debug model on CPU, a run of --flavour on --devices
     x --device with the planner's layout, or a run of the released model --from HF_DIR; --sft: a
     fine-tune of it) into DIRECTORY."""
     from titan_pipe import limits
-    from titan_pipe.commands.example import SAMPLE_CHAT, example_flow, name_run, released_flow, sample_chat
+    from titan_pipe.commands.example import SAMPLE_CHAT, example_flow, lora_flow, name_run, released_flow, sample_chat
 
     target = directory / "flow.yaml"
     if not 1 <= devices <= limits.DEVICES.hi:
         raise typer.BadParameter(f"--devices {devices} must be 1..{limits.DEVICES.hi}")
+    limits.check_flag("--lora", lora, limits.LORA_RANK)
+    if lora is not None and not sft:
+        raise UserError("--lora adapts a released model on chat data: add --sft (and --from HF_DIR or --flavour)")
     if released is not None and flavour != "debug":
         raise UserError("--from and --flavour both given; the released dir states the model: drop --flavour")
     # refused before anything is written
     text = (released_flow(released.resolve(), sft=sft, devices=devices, device=device) if released is not None
             else example_flow(flavour, devices=devices, device=device, sft=sft))
+    if lora is not None:
+        text = lora_flow(text, lora)
     text = name_run(text, directory)
     with faults.writing(target, what="the example flow.yaml"), path_lock(target, what="titan-pipe init"):
         if target.exists() and not force:

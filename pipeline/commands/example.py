@@ -87,6 +87,19 @@ def finetune_flow(text: str, flavour: str, *, model_dir: str | None = None) -> s
     return first + text
 
 
+LORA_LR = 2.0e-4  # LoRA's usual learning rate: the adapters start at zero and are few
+
+
+def lora_flow(text: str, rank: int) -> str:
+    """``text`` with LoRA adapters of ``rank`` on every attention and MLP linear (alpha 2 x rank, dropout
+    0.05, as PEFT users commonly set them), the base frozen, and LoRA's learning rate."""
+    text = set_key(text, "train", "lora", {"rank": rank, "alpha": 2 * rank, "dropout": 0.05,
+                                           "targets": ["q", "k", "v", "o", "gate", "up", "down"]},
+                   note="LoRA: only these adapters train, init_from frozen (docs/finetune.md)")
+    return set_key(text, "train", "optimizer", {"name": "adamw", "lr": LORA_LR, "betas": [0.9, 0.95], "eps": 1.0e-8,
+                                                "weight_decay": 0.0})
+
+
 def released_flow(model_dir: Path, *, sft: bool, devices: int, device: str) -> str:
     """A flow for the released model at ``model_dir``: init_from it, no model keys (its config.json is the
     architecture), its tokenizer, a layout over ``devices`` whose tp divides its heads (cpu: one process),
