@@ -228,6 +228,20 @@ SFT_LAYOUTS = {"sft_dp2_tp2_pp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}
                "sft_dp8": {"dp": 8}}  # the fused loss (no tp, no pp) with its denominator
 
 
+LORA_LAYOUTS = {"lora_dp2_tp2_pp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2},
+                "lora_dp2_tp2_sp_pp2_interleaved": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2,
+                                                    "sequence_parallel": True, "pp_schedule": "interleaved_1f1b"}}
+
+
+def lora_flow(work: Path, parallel: dict) -> dict:
+    """LoRA rank 4 on every attention and MLP linear of the Qwen3-shaped dir, 4 steps."""
+    return {"device": "cpu", "init_from": str(work / "hf_qwen3"), "parallel": parallel,
+            "train": dict(BASE["train"], steps=4, lora={"rank": 4, "alpha": 8,
+                                                        "targets": ["q", "k", "v", "o", "gate", "up", "down"]},
+                          optimizer={"name": "adamw", "lr": 0.01, "weight_decay": 0.1}),
+            "checkpoint": {"every": 4, "keep_last": 1}}
+
+
 @pytest.fixture(scope="module")
 def world8(tmp_path_factory):
     """One 8-rank launch: the Llama layouts, the other families' parity runs, a Hugging Face Qwen3
@@ -247,7 +261,9 @@ def world8(tmp_path_factory):
     init = {"name": "init_from_hf_qwen3", "flow": dict(FAMILY_RUNS[1]["flow"], init_from=str(work / "hf_qwen3"),
                                                       train=dict(BASE["train"], steps=1))}
     sft = [{"name": name, "flow": sft_flow(work, par)} for name, par in SFT_LAYOUTS.items()]
-    return work, launch(8, WORLD8 + FAMILY_RUNS + [init] + MOE_RUNS8 + MOE_PP_RUNS + sft, work)
+    # LoRA on the transformers-saved Qwen3 (q/k norms, decoupled head_dim): adapters beside split heads
+    lora = [{"name": name, "flow": lora_flow(work, par), "check_base": True} for name, par in LORA_LAYOUTS.items()]
+    return work, launch(8, WORLD8 + FAMILY_RUNS + [init] + MOE_RUNS8 + MOE_PP_RUNS + sft + lora, work)
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +339,22 @@ def test_init_from_a_hugging_face_qwen3_dir_under_dp_tp_pp(world8):
         want = float(torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()))
     got = res["init_from_hf_qwen3"]["metrics"][0]["loss"]
     assert abs(got - want) <= 1e-5 * want
+
+
+@pytest.mark.parametrize("name", list(LORA_LAYOUTS))
+def test_lora_in_3d_matches_the_hand_written_reference(world8, name):
+    """LoRA under dp2 x tp2 x pp2 (1f1b; interleaved with sequence parallel): every step's loss and
+    gradient norm equal one process looping over W + (alpha/r) B A; the base is bit-identical after."""
+    from training_reference import lora_reference_run
+
+    work, res = world8
+    ref = lora_reference_run(lora_flow(work, {}), base=work)
+    got = res[name]["metrics"]
+    assert len(got) == 4
+    for r, loss, norm in zip(got, ref["losses"], ref["grad_norms"]):
+        assert abs(r["loss"] - loss) <= REL * loss and abs(r["grad_norm"] - norm) <= 1e-3 * norm, (r, loss, norm)
+    ranks = json.loads((work / f"{name}.base.json").read_text())
+    assert all(r["differing"] == [] and r["state_entries"] == r["adapters"] for r in ranks)
 
 
 def test_fine_tuning_matches_each_conversation_run_alone(world8, tmp_path):

@@ -28,7 +28,7 @@ from titan_pipe.training.data_parallel import plan_dp
 from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import build_parallel_model
 from titan_pipe.training.pipeline_parallel import forward_logits
-from titan_pipe.training.trainer import train
+from titan_pipe.training.trainer import Trainer
 from titan_pipe.model.weights import open_weights
 
 
@@ -55,6 +55,34 @@ def forward(cfg, step_dir: Path, out: Path) -> None:
     logits = forward_logits(model.modules, model.stage_plan, tokens, pp_mesh=mesh["pp"], args=weights.args)
     if dist.get_rank() == 0:
         save_file({"tokens": tokens, "logits": logits.contiguous()}, str(out))
+
+
+def check_base(trainer, cfg, out: Path) -> None:
+    """Compare each frozen parameter's local shard with its init_from value (held in base_dtype) and
+    count the optimizer states, rank by rank; rank 0 writes {differing: [...], compared, optimizer_keys}."""
+    from torch.distributed.tensor import DTensor
+
+    from titan_pipe.model.lora import is_adapter
+    from titan_pipe.training.tied import source_name
+
+    base = open_weights(cfg.init_from)
+    differing, compared = [], 0
+    for _, name, p in trainer.model.named_parameters():
+        if is_adapter(name):
+            continue
+        local = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        want = base.full(source_name(name, cfg.model.args())).to(local.dtype)
+        compared += 1
+        if p.requires_grad or not torch.equal(local, want):
+            differing.append(name)
+    keys = sorted({k for opt in trainer.optimizers for st in opt.state.values() for k in st})
+    n_state = sum(len(opt.state) for opt in trainer.optimizers)
+    n_adapters = sum(1 for _, n, p in trainer.model.named_parameters() if is_adapter(n))
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"differing": differing, "compared": compared, "state_entries": n_state,
+                                      "adapters": n_adapters, "keys": keys})
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps(gathered))
 
 
 def main(spec_path: str) -> None:
@@ -84,7 +112,10 @@ def main(spec_path: str) -> None:
             src = work / "runs" / run["forward"]["run"] / "checkpoints" / f"step-{run['forward']['step']:06d}"
             forward(cfg, src, work / f"{name}.safetensors")
         else:
-            train(cfg, base=work, resume=run.get("resume", False))
+            trainer = Trainer(cfg, base=work, resume=run.get("resume", False))
+            trainer.train()
+            if run.get("check_base"):  # LoRA: every frozen local shard still equals the init_from weights
+                check_base(trainer, cfg, work / f"{name}.base.json")
         if rank == 0:
             mfile = work / "runs" / name / "metrics.jsonl"
             records = [json.loads(line) for line in mfile.read_text().splitlines()] if mfile.exists() else []

@@ -143,3 +143,48 @@ def sft_reference_run(flow: dict, *, base, state: dict, masked: bool = True) -> 
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return {"losses": losses, "grad_norms": norms}
+
+
+def lora_reference_run(flow: dict, *, base) -> dict:
+    """A LoRA fine-tune written out by hand: the init_from weights frozen in a plain model (no
+    adapters), each adapted linear's weight replaced in the forward by W + (alpha / rank) B A of two
+    leaf tensors (torch.func.functional_call), AdamW over those tensors only, the trainer's schedule.
+    A (rank, in) starts as the trainer seeds it (the layout-independent init), B at zero. Per-step
+    losses and pre-clip grad norms, and the final A and B by their native adapter names."""
+    from torch.func import functional_call
+
+    from titan_pipe.model.lora import adapter_shapes, base_of
+    from titan_pipe.model.lora_modules import init_adapter
+    from titan_pipe.model.weights import open_weights
+
+    cfg = parse_flow(dict(flow, parallel={}), base=base)
+    t, o, spec = cfg.train, cfg.train.optimizer, cfg.train.lora.spec()
+    args = cfg.model.args()
+    loader = training_loader(cfg, base=base, prepared=base / "lora-ref-data")
+    weights = open_weights(base / cfg.init_from if not str(cfg.init_from).startswith("/") else cfg.init_from)
+    model = build_model(args, seed=None)
+    model.load_state_dict({n: weights.full(n).float() for n in model.state_dict()}, strict=False)
+    model.requires_grad_(False)
+    shapes = adapter_shapes(args, spec)
+    adapters = {n: init_adapter(n, s, t.seed, spec.init).requires_grad_() for n, s in shapes.items()}
+    opt = torch.optim.AdamW(list(adapters.values()), lr=o.lr, betas=o.betas, eps=o.eps,
+                            weight_decay=o.weight_decay, foreach=False)
+    sched = warmup_cosine(opt, t)
+    params = dict(model.named_parameters())
+    losses, norms = [], []
+    for _ in range(t.steps):
+        x, y = loader.next_batch()
+        merged = dict(params)
+        for n in shapes:
+            w, part = base_of(n)
+            if part == "a":
+                merged[w] = params[w] + spec.scale * adapters[n[:-len("a.weight")] + "b.weight"] @ adapters[n]
+        logits = functional_call(model, merged, (x,))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(list(adapters.values()), t.grad_clip or float("inf"))))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "grad_norms": norms, "adapters": {n: a.detach().clone() for n, a in adapters.items()}}

