@@ -59,6 +59,16 @@ def lora_runs(tmp_path_factory):
                  "copy_from": {"run": "tp2", "step": 2}})
     runs.append({"name": "bf16_base", "check_base": True,
                  "flow": dict(_flow(work / "base", {"dp": 2}), precision={"amp": True, "amp_dtype": "bfloat16"})})
+    # fine-tuning on chat data (answers only, conversations packed apart) with adapters, tp2
+    from chat_fixtures import chat_records, train_tokenizer, write_jsonl
+
+    shutil.copytree(work / "base", work / "base_chat")
+    train_tokenizer(work / "base_chat")
+    write_jsonl(work / "chat" / "chat.jsonl", chat_records(80))
+    sft = _flow(work / "base_chat", {"tp": 2}, mode="sft", seq_len=192)
+    sft["data"] = {"path": str(work / "chat" / "chat.jsonl"), "tokenizer": str(work / "base_chat"), "format": "chat",
+                   "val_fraction": 0.1}
+    runs.append({"name": "sft_tp2", "flow": sft, "check_base": True})
     spec = work / "spec.json"
     spec.write_text(json.dumps({"workdir": str(work), "runs": runs}))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -154,7 +164,7 @@ def test_every_layout_equals_the_hand_written_reference(lora_runs):
 def test_the_base_stays_bit_identical_and_only_adapters_have_optimizer_state(lora_runs):
     work, _ = lora_runs
     n_adapters = len(adapter_names(model_args(), SPEC))
-    for name in [*RUNS, "bf16_base"]:
+    for name in [*RUNS, "bf16_base", "sft_tp2"]:
         ranks = json.loads((work / f"{name}.base.json").read_text())
         assert all(r["differing"] == [] and r["compared"] > 0 for r in ranks), (name, ranks)
         assert all(r["state_entries"] == r["adapters"] > 0 for r in ranks), (name, ranks)
@@ -170,6 +180,17 @@ def test_the_base_stays_bit_identical_and_only_adapters_have_optimizer_state(lor
     states = {k[len("optimizer.state."):].rsplit(".", 1)[0] for k in meta.state_dict_metadata
               if k.startswith("optimizer.state.")}
     assert states == set(adapter_names(model_args(), SPEC))
+
+
+@pytest.mark.distributed
+def test_fine_tuning_on_chat_data_with_adapters_learns_the_answers(lora_runs):
+    """train.mode sft with train.lora: the answer-token loss falls, the adapters are the only change."""
+    work, res = lora_runs
+    losses = [r["loss"] for r in res["sft_tp2"]["metrics"]]
+    assert len(losses) == 4 and losses[-1] < 0.9 * losses[0], losses
+    assert all(r["target_tokens"] > 0 for r in res["sft_tp2"]["metrics"])
+    manifest = json.loads((_step(work, "sft_tp2") / "manifest.json").read_text())
+    assert "chat_template.jinja" in manifest["extra"]["attached"] or "tokenizer.json" in manifest["extra"]["attached"]
 
 
 @pytest.mark.distributed
