@@ -11,7 +11,7 @@ from titan_pipe.export_record import (RECORD_FILE, DecodeContract, ExportRecord,
                                       OperatorUse)
 from titan_pipe.model.args import resolve_args
 from titan_pipe.model.names import MEGATRON_TO_NATIVE, hf_to_native, megatron_to_native, native_to_hf
-from titan_pipe.model.params import LAYER_PARAMS, MODEL_PARAMS, Param, fused_parts, native_shapes, param_of, params
+from titan_pipe.model.params import ADAPTER_PARAMS, LAYER_PARAMS, MODEL_PARAMS, Param, fused_parts, native_shapes, param_of, params
 from titan_pipe.model.sharding import TP_PLAN, stage_of, tp_split_dim
 from titan_pipe.model.transformer import build_model
 from titan_pipe.provenance import PROVENANCE_FILE, Provenance, SourceInfo, TokenizerInfo
@@ -35,7 +35,11 @@ def test_every_table_derives_from_the_list():
         owner = 0 if p.scope == "first" else 1 if p.scope == "last" else int(name.split(".")[1]) // 2
         assert stage_of(name, [[0, 1], [2, 3]]) == owner
     modules = {r.module for r in TP_PLAN}
-    assert modules == {p.module for p in MODEL_PARAMS} | {f"layers.*.{p.module}" for p in LAYER_PARAMS}
+    # LoRA adapters (titan_pipe.model.lora) have rows too: two beside each linear of the attention and MLP
+    assert modules == {p.module for p in MODEL_PARAMS} | {f"layers.*.{p.module}" for p in LAYER_PARAMS + ADAPTER_PARAMS}
+    assert {p.module.replace(".lora", "").rsplit(".", 1)[0] for p in ADAPTER_PARAMS} == {
+        "attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w3",
+        "feed_forward.w2"}
     assert megatron_to_native("decoder.layers.1.self_attention.linear_qkv.weight", 2) == "<qkv>:3"
     assert megatron_to_native("decoder.layers.0.pre_mlp_layernorm.weight", 5) == "layers.5.ffn_norm.weight"
     assert len(MEGATRON_TO_NATIVE) == len(dict(MEGATRON_TO_NATIVE))
