@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from titan_pipe.convert.detect import open_source
+from titan_pipe.convert.readers import lora
 from titan_pipe.convert.source_plan import SourcePlan
 
 
@@ -29,7 +30,10 @@ class InspectResult:
 
 def inspect_checkpoint(*, src: Path, source_format: str = "auto", vocab_size: int | None = None,
                        model_config: Path | None = None) -> InspectResult:
-    plan, store = open_source(Path(src), source_format, vocab_size=vocab_size, model_config=model_config)
+    if source_format in ("auto", "titan") and lora.lora_step(Path(src)) is not None:
+        plan, store, _ = lora.open_source(Path(src), mode="adapter")  # the adapters; the layout names the base
+    else:
+        plan, store = open_source(Path(src), source_format, vocab_size=vocab_size, model_config=model_config)
     store.close()
     return summarize(plan)
 

@@ -92,6 +92,13 @@ def validate(flow: Path = typer.Argument(..., help="flow.yaml to check"),
 
     p = cfg.parallel
     model = f"init_from {cfg.init_from}" if cfg.init_from is not None else cfg.model.flavour or "custom"
+    lora = cfg.train.lora
+    if lora is not None:
+        from titan_pipe.model.lora import adapter_shapes
+
+        n = sum(a * b for a, b in adapter_shapes(args, lora.spec()).values())
+        model += (f", LoRA rank {lora.rank} on {', '.join(lora.targets)}: {n / 1e6:.2f}M trained, the base frozen in "
+                  f"{lora.held_dtype(cfg.precision)}")
     typer.echo(f"{flow}: ok — model {model} ({count_params(args) / 1e6:.2f}M params), "
                f"dp={p.dp} tp={p.tp} pp={p.pp} ({p.pp_schedule}, {p.n_microbatches} microbatches), "
                f"world size {p.world_size}, {cfg.train.steps} steps")

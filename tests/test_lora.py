@@ -194,6 +194,18 @@ def test_fine_tuning_on_chat_data_with_adapters_learns_the_answers(lora_runs):
 
 
 @pytest.mark.distributed
+def test_inspect_and_validate_say_what_a_lora_run_is(lora_runs):
+    from titan_pipe.convert.inspect import inspect_checkpoint
+
+    work, _ = lora_runs
+    r = inspect_checkpoint(src=_step(work, "tp2"))
+    assert r.layout["lora"]["rank"] == 4 and r.layout["lora"]["base"] == str((work / "base").resolve())
+    assert [p["name"] for p in r.params] == adapter_names(model_args(), SPEC)
+    code, out = cli("validate", work / "tp2.yaml")
+    assert code == 0 and "LoRA rank 4 on q, k, v, o, gate, up, down: 0.02M trained, the base frozen in float32" in out
+
+
+@pytest.mark.distributed
 def test_resume_under_another_layout_continues_the_curve(lora_runs):
     _, res = lora_runs
     want = [r["loss"] for r in res["tp2"]["metrics"]][2:]
