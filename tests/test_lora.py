@@ -238,6 +238,45 @@ def test_a_changed_base_is_refused_by_every_reader(lora_runs, tmp_path):
         open_weights(step)
 
 
+def _tampered(work: Path, tmp_path: Path, edit) -> Path:
+    step = tmp_path / "step"
+    shutil.copytree(_step(work, "tp2"), step)
+    m = json.loads((step / "manifest.json").read_text())
+    edit(m["extra"]["lora"])
+    (step / "manifest.json").write_text(json.dumps(m))
+    return step
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("edit, expect", [
+    (lambda r: r.update(rank=8), "LoRA record"),  # the record and the stored adapters disagree
+    (lambda r: r.update(targets=["q", "v"]), "LoRA record"),
+    (lambda r: r.update(rank="4"), "is not a whole number"),
+    (lambda r: r.pop("base"), "no base record"),
+    (lambda r: r["base"]["files"].update({"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}), "base.files"),
+    (lambda r: r["base"]["files"]["model.safetensors"].update(sha256="abc"), "base.files"),
+    (lambda r: r["base"]["files"]["model.safetensors"].update(size=-1), "base.files"),
+    (lambda r: r["base"].update(files={}), "base.path / base.files"),
+])
+def test_a_tampered_lora_record_is_one_line_from_every_reader(lora_runs, tmp_path, edit, expect):
+    work, _ = lora_runs
+    step = _tampered(work, tmp_path, edit)
+    with pytest.raises(UserError, match=expect):
+        open_weights(step)
+    code, out = cli("convert", step, "-o", tmp_path / "out")
+    assert code == 1 and expect in out and len(out.strip().splitlines()) == 1, out
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.distributed
+def test_an_adapter_dir_is_one_unsharded_output(lora_runs, tmp_path):
+    work, _ = lora_runs
+    code, out = cli("convert", _step(work, "tp2"), "-o", tmp_path / "out", "--lora", "adapter", "--tp", "2")
+    assert code == 1 and "drop --tp/--pp" in out
+    code, out = cli("convert", _step(work, "tp2"), "-o", tmp_path / "out", "--lora", "fold")
+    assert code == 1 and "--lora" in out and "merge" in out
+
+
 # -- convert and PEFT ----------------------------------------------------------------------------
 
 
