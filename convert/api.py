@@ -22,11 +22,11 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from titan_pipe.atomic import swap_dir, temp_dir, write_text
 from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, CheckpointExtra, Chunk, FileInfo, LayoutError, Manifest, ParallelLayout, ParamSpec
-from titan_pipe.convert.detect import open_source
+from titan_pipe.weights.detect import open_source
 from titan_pipe.convert.hashing import BackgroundHasher
 from titan_pipe.convert.reshard import write_file
-from titan_pipe.convert.readers import lora
-from titan_pipe.convert.source_plan import OutFile, OutputPlan, OutTensor, SourcePlan, output_dtype, plan_sharded, plan_unified
+from titan_pipe.weights.readers import lora
+from titan_pipe.weights.source_plan import OutFile, OutputPlan, OutTensor, SourcePlan, output_dtype, plan_sharded, plan_unified
 from titan_pipe.convert.tokenizer_files import copy_tokenizer_files, plan_tokenizer_files, source_token_ids
 from titan_pipe.config import ConvertConfig
 from titan_pipe.dtypes import HF_DTYPE_NAMES
@@ -191,7 +191,7 @@ def convert_checkpoint(src: Path, out_dir: Path, settings: ConvertConfig = Conve
     model_config = Path(settings.source_config) if settings.source_config is not None else None
     sharded = settings.sharded
     _check_out_dir(src, out_dir, overwrite)
-    spec = None  # a LoRA checkpoint's adapters (convert/readers/lora.py)
+    spec = None  # a LoRA checkpoint's adapters (pipeline/weights/readers/lora.py)
     if settings.source_format in ("auto", "titan") and lora.lora_step(src) is not None:
         plan, store, spec = lora.open_source(src, mode=settings.lora)
     else:

@@ -12,9 +12,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from titan_pipe.convert.detect import open_source
-from titan_pipe.convert.readers import lora
-from titan_pipe.convert.source_plan import SourcePlan
+from titan_pipe.weights.detect import open_source
+from titan_pipe.weights.readers import lora
+from titan_pipe.weights.source_plan import SourcePlan
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,9 @@ import numpy as np
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.convert.finite import has_nonfinite
-from titan_pipe.convert.readers.store import Store, contiguous_span
-from titan_pipe.convert.source_plan import OutFile, OutTensor, Read, TensorPlan
+from titan_pipe.weights.readers.store import Store, contiguous_span
+from titan_pipe.weights.read import deinterleave_rope, read_global
+from titan_pipe.weights.source_plan import OutFile, OutTensor, Read
 from titan_pipe.convert.writer import Entry, SafetensorsWriter
 from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
@@ -111,17 +112,6 @@ def rope_row_runs(shape: tuple[int, ...], box: Box, itemsize: int, head_dim: int
     return (box.offsets[0] + dest) * row, row
 
 
-def deinterleave_rope(x: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of whole heads, Meta interleaved pairs -> rotate-half: row 2i+h of a head -> h*hd/2 + i.
-
-    x: (n * head_dim, ...) -> same shape. This is the permutation Hugging Face's LLaMA conversion
-    applies to q/k (``view(heads, hd/2, 2, ...).transpose(1, 2)``).
-    """
-    rows = x.shape[0]
-    rest = x.shape[1:]
-    return x.reshape(rows // head_dim, head_dim // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
-
-
 def _direct(t: OutTensor, reads: list[Read], store: Store) -> list[tuple[Read, tuple, tuple]] | None:
     """(read, source span, destination span) for every read, if all are plain byte copies."""
     itemsize = DTYPE_SIZES[t.dtype]
@@ -154,19 +144,6 @@ def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(o - b, o - b + n) for o, n, b in zip(box.offsets, box.lengths, origin))
 
 
-def assemble(t: TensorPlan, store: Store) -> torch.Tensor:
-    """A whole (small) source tensor from its reads, in its stored dtype."""
-    import torch
-
-    from titan_pipe.dtypes import TORCH_DTYPES
-
-    out = torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype])
-    for r in t.reads:
-        piece = store.read_box(r.file, r.key, r.src_box)
-        out[_slices(r.dst_box, (0,) * len(t.shape))].copy_(piece.view(r.dst_box.lengths))
-    return out
-
-
 def _add_low_rank(buf: torch.Tensor, t: OutTensor, block: Box, ab: tuple[torch.Tensor, torch.Tensor], scale: float):
     """Add scale * B A over ``block`` (of output tensor ``t``, whose region sits in the global tensor)."""
     a, b = ab
@@ -182,7 +159,7 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set
     A tensor with a low-rank ``delta`` (a LoRA merge) is assembled in blocks, the term added to each."""
     reads = t.reads()
     low = t.source.delta
-    ab = None if low is None else (assemble(low.a, store).float(), assemble(low.b, store).float())
+    ab = None if low is None else (read_global(low.a, store).float(), read_global(low.b, store).float())
     direct = None if low is not None else _direct(t, reads, store)
     if direct is not None:
         for _, (fd, src_off, n), (dst_off, _) in direct:

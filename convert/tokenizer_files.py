@@ -18,7 +18,7 @@ from pathlib import Path
 
 from titan_pipe.atomic import copy_file
 from titan_pipe.checkpoint_format import MANIFEST_NAME, FileInfo, Manifest
-from titan_pipe.convert.source_plan import SourcePlan
+from titan_pipe.weights.source_plan import SourcePlan
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
 from titan_pipe.paths import resolve_inside

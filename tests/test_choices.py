@@ -16,7 +16,7 @@ from titan_pipe.config import ConfigError, ExportConfig, parse_flow
 from titan_pipe.convert.onnx import atc
 from titan_pipe.convert.onnx.atc_ops import load_atc_ops
 from titan_pipe.convert.onnx.export import export_model, plan_export
-from titan_pipe.convert.source_plan import SourcePlan, TensorPlan, plan_unified
+from titan_pipe.weights.source_plan import SourcePlan, TensorPlan, plan_unified
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import FLAVOURS
 from titan_pipe.model.kernels import resolve_kernels

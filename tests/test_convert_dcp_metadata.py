@@ -1,4 +1,4 @@
-"""DCP .metadata read into stand-ins (convert/readers/dcp_metadata.py): the same content torch's own
+"""DCP .metadata read into stand-ins (pipeline/weights/readers/dcp_metadata.py): the same content torch's own
 classes load, without importing torch.distributed.checkpoint at all."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def dcp_ckpt(tmp_path_factory):
 def test_the_stand_ins_hold_what_torchs_classes_hold(dcp_ckpt):
     import pickle
 
-    from titan_pipe.convert.readers.dcp import read_metadata
+    from titan_pipe.weights.readers.dcp import read_metadata
 
     ours = read_metadata(dcp_ckpt)
     with open(dcp_ckpt / ".metadata", "rb") as f:
@@ -40,7 +40,7 @@ def test_the_stand_ins_hold_what_torchs_classes_hold(dcp_ckpt):
                    [(tuple(c.offsets), tuple(c.sizes)) for c in t.chunks]
     assert len(ours.storage_data) == len(theirs.storage_data)
     for idx, info in theirs.storage_data.items():
-        from titan_pipe.convert.readers.dcp_metadata import MetadataIndex
+        from titan_pipe.weights.readers.dcp_metadata import MetadataIndex
 
         mine = ours.storage_data[MetadataIndex(idx.fqn, idx.offset)]
         assert (mine.relative_path, mine.offset, mine.length) == (info.relative_path, info.offset, info.length)
@@ -68,8 +68,8 @@ def test_convert_of_a_dcp_checkpoint_never_imports_torch(dcp_ckpt, tmp_path):
 
 def test_the_storage_and_dtype_tables_are_torchs_own():
     """The written-out tables the torch-free readers use agree with torch's."""
-    from titan_pipe.convert.readers.dcp_metadata import DTYPE_CODES, OTHER_DTYPES, torch_global
-    from titan_pipe.convert.readers.torch_save import STORAGE_DTYPES
+    from titan_pipe.weights.readers.dcp_metadata import DTYPE_CODES, OTHER_DTYPES, torch_global
+    from titan_pipe.weights.readers.torch_save import STORAGE_DTYPES
 
     theirs = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
     for name, code in STORAGE_DTYPES.items():
@@ -84,7 +84,7 @@ def test_the_storage_and_dtype_tables_are_torchs_own():
 def test_a_pickle_naming_anything_else_is_still_refused(tmp_path):
     import pickle
 
-    from titan_pipe.convert.readers.dcp import read_metadata
+    from titan_pipe.weights.readers.dcp import read_metadata
     from titan_pipe.errors import UserError
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(subprocess.Popen))

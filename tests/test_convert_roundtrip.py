@@ -15,7 +15,7 @@ from titan_pipe.config import ConvertConfig
 from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
-from titan_pipe.convert.reshard import deinterleave_rope
+from titan_pipe.weights.read import deinterleave_rope
 from titan_pipe.tokens.model_files import TOKEN_ID_KEYS
 from titan_pipe.model.names import native_to_hf
 from titan_pipe.provenance import Provenance

@@ -147,7 +147,7 @@ def test_dcp_config_naming_fewer_layers(good, tmp_path):
 
 
 def test_megatron_args_typed_strictly(tmp_path):
-    from titan_pipe.convert.readers.megatron.common import model_args as megatron_model_args
+    from titan_pipe.weights.readers.megatron.common import model_args as megatron_model_args
 
     a = argparse.Namespace(num_attention_heads=8, hidden_size=64, num_layers=4.0, ffn_hidden_size=192)
     with pytest.raises(UserError) as e:

@@ -428,7 +428,7 @@ def test_megatron_moe_arguments_read_strictly(tmp_path):
     """Megatron-LM's MoE arguments as ModelArgs (moe_layer_freq as a step or a 0/1 list, the top-k
     renormalized unless moe_router_pre_softmax), and what the model cannot compute one line each."""
     from convert_writers import megatron_args, model_args
-    from titan_pipe.convert.readers.megatron.common import model_args as from_megatron
+    from titan_pipe.weights.readers.megatron.common import model_args as from_megatron
 
     args = model_args(n_experts=4, experts_per_token=2, moe_hidden_dim=48, dense_layers=(0,), qk_norm=True,
                       head_dim=16, router_aux_loss_coef=0.01)

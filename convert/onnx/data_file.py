@@ -31,7 +31,7 @@ Numpy, the file calls and the hashers release the GIL. Each lane file's blocks a
 and one source window of at most WINDOW bytes, for at most as many lanes at once as there are
 cores, whatever the model's size. No torch is imported.
 
-Why not mmap whole files (see convert/readers/store.py): pages of a mapping count in the resident
+Why not mmap whole files (see pipeline/weights/readers/store.py): pages of a mapping count in the resident
 set until unmapped, so a mapped 14 GB model reads as 14 GB RSS; a window unmapped right after use
 keeps the bound real, and the page cache still serves the reads. A source shorter than its header
 says is refused before its window is mapped (touching a mapping past the end of a file faults).
@@ -51,7 +51,7 @@ import numpy as np
 
 from titan_pipe.convert.casts import bits_dtype, cast_bits
 from titan_pipe.convert.onnx.weights import DataEntry
-from titan_pipe.convert.readers.store import pread_into
+from titan_pipe.weights.readers.store import pread_into
 from titan_pipe.dtypes import BY_NAME, DTYPE_SIZES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import new_hasher

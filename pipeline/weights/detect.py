@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_pipe.convert.readers import dcp, hf, megatron, titan
+from titan_pipe.weights.readers import dcp, hf, megatron, titan
 from titan_pipe.choices import SOURCE_FORMATS
 from titan_pipe.errors import UserError
 

@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe import limits
-from titan_pipe.convert.readers.megatron.common import (FORMAT, RANK_DIR, TRACKER, Reads, arg, defuse_fc1,
+from titan_pipe.weights.readers.megatron.common import (FORMAT, RANK_DIR, TRACKER, Reads, arg, defuse_fc1,
                                                         defuse_qkv, fused_group, iter_dir, iteration, load_pickle,
                                                         model_args, qkv_group_rows, rope_rows, tensor_plans,
                                                         true_vocab, vocab_read)
-from titan_pipe.convert.readers.store import Store
-from titan_pipe.convert.source_plan import Read, SourcePlan
+from titan_pipe.weights.readers.store import Store
+from titan_pipe.weights.source_plan import Read, SourcePlan
 from titan_pipe.errors import UserError
 from titan_pipe.values import INT
 from titan_pipe.model.args import ModelArgs, check_fits

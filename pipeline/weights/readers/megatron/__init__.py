@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_pipe.convert.readers.megatron import legacy, torch_dist
-from titan_pipe.convert.readers.megatron.common import FORMAT, iter_dir
-from titan_pipe.convert.source_plan import SourcePlan
+from titan_pipe.weights.readers.megatron import legacy, torch_dist
+from titan_pipe.weights.readers.megatron.common import FORMAT, iter_dir
+from titan_pipe.weights.source_plan import SourcePlan
 from titan_pipe.errors import UserError
 
 __all__ = ["FORMAT", "looks_like", "open_source"]

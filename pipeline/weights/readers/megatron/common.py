@@ -3,7 +3,7 @@ tracker names, the model from the saved ``args``, the true vocabulary, the de-fu
 tensors into reads, and the plan builder. Imported by the legacy and torch_dist readers, never the
 other way round.
 
-De-fusion (all boxes; see titan_pipe.convert.source_plan):
+De-fusion (all boxes; see titan_pipe.weights.source_plan):
 - ``linear_qkv`` weight and bias: rows grouped per query group, each group = its q heads, then its
   k head, then its v head (rows of head_dim) -> wq/wk/wv (and their biases) rows of the group's
   global heads;
@@ -24,7 +24,7 @@ import numpy as np
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe import limits
-from titan_pipe.convert.source_plan import Read, TensorPlan, check_accounted
+from titan_pipe.weights.source_plan import Read, TensorPlan, check_accounted
 from titan_pipe.errors import UserError
 from titan_pipe.limits import Bound
 from titan_pipe.model.args import ModelArgs, RopeScaling, validate_args
@@ -94,7 +94,7 @@ def load_pickle(path: Path, *, missing: str, mmap: bool = False) -> dict:
         raise UserError(f"{path}: missing; {missing}") from None
     except pickle.UnpicklingError as e:
         raise UserError(f"{path}: refused to unpickle ({refusal_reason(e)}): titan-pipe loads Megatron files "
-                        "with weights_only=True and an allow-list (titan_pipe.convert.readers.megatron.common "
+                        "with weights_only=True and an allow-list (titan_pipe.weights.readers.megatron.common "
                         "ALLOWED); the file holds a type outside it or is corrupted. Re-save it from "
                         "Megatron-LM, and load it without the allow-list only if you trust its source") from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:

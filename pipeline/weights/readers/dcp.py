@@ -4,7 +4,7 @@
 own metadata classes, torch.Size, dtypes and paths. It gives every chunk of every tensor (its box
 in the global tensor) and the storage item holding it: (file, byte offset, length). Each item is
 one ``torch.save`` archive; its zip directory and data.pkl (a few hundred bytes, interpreted by
-convert/readers/torch_save.py without running torch code) give where its raw bytes start, so the
+pipeline/weights/readers/torch_save.py without running torch code) give where its raw bytes start, so the
 chunk is then addressed exactly like a tensor of a safetensors shard and executed by the same
 block reader (pread / preadv scatter / copy_file_range): no torch DCP load path, no chunk loaded
 whole. Model-only exports and torchtitan's own checkpoints have torchtitan names at the top level
@@ -29,14 +29,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from titan_pipe.checkpoint_format import Box
-from titan_pipe.convert.readers import torch_save
-from titan_pipe.convert.readers.dcp_metadata import (STAND_INS, BytesStorageMetadata, Metadata, MetadataIndex,
+from titan_pipe.weights.readers import torch_save
+from titan_pipe.weights.readers.dcp_metadata import (STAND_INS, BytesStorageMetadata, Metadata, MetadataIndex,
                                                     StorageInfo, TensorProperties, TensorStorageMetadata,
                                                     torch_global)
-from titan_pipe.convert.readers.store import SafetensorsStore, pread_into
+from titan_pipe.weights.readers.store import SafetensorsStore, pread_into
 from titan_pipe.safetensors_header import StoredTensor, read_header
-from titan_pipe.convert.readers.torch_save import SavedTensor
-from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan, check_accounted
+from titan_pipe.weights.readers.torch_save import SavedTensor
+from titan_pipe.weights.source_plan import Read, SourcePlan, TensorPlan, check_accounted
 from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
 from titan_pipe import limits
@@ -73,7 +73,7 @@ _METADATA_GLOBALS = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Admit only what DCP metadata is made of; anything else is refused by name. DCP's own classes
-    are built as their stand-ins (convert/readers/dcp_metadata.py): torch.distributed.checkpoint is
+    are built as their stand-ins (pipeline/weights/readers/dcp_metadata.py): torch.distributed.checkpoint is
     never imported to read one file."""
 
     def find_class(self, module: str, name: str):

@@ -11,8 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from titan_pipe.checkpoint_format import Box, split_box
-from titan_pipe.convert.readers.store import SafetensorsStore
-from titan_pipe.convert.source_plan import Read, SourcePlan, TensorPlan
+from titan_pipe.weights.readers.store import SafetensorsStore
+from titan_pipe.weights.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.errors import UserError
 from titan_pipe.model.params import native_names
 from titan_pipe.model.unified_dir import INDEX, open_unified

@@ -38,14 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titan_pipe.checkpoint_format import Box
-from titan_pipe.convert.readers import dcp
-from titan_pipe.convert.readers.megatron.common import (FORMAT, Reads, arg, defuse_expert_fc1, defuse_fc1,
+from titan_pipe.weights.readers import dcp
+from titan_pipe.weights.readers.megatron.common import (FORMAT, Reads, arg, defuse_expert_fc1, defuse_fc1,
                                                         defuse_qkv, fused_group,
                                                         iter_dir, iteration, load_pickle, model_args, qkv_group_rows,
                                                         rope_rows, tensor_plans, true_vocab, vocab_read)
 from titan_pipe.safetensors_header import StoredTensor
-from titan_pipe.convert.readers.torch_save import SavedTensor
-from titan_pipe.convert.source_plan import Read, SourcePlan
+from titan_pipe.weights.readers.torch_save import SavedTensor
+from titan_pipe.weights.source_plan import Read, SourcePlan
 from titan_pipe.errors import UserError
 from titan_pipe.values import INT
 from titan_pipe import limits

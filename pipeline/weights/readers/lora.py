@@ -19,9 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, Manifest, open_checkpoint
-from titan_pipe.convert.readers import titan
-from titan_pipe.convert.readers.store import SafetensorsStore
-from titan_pipe.convert.source_plan import LowRank, Read, SourcePlan, TensorPlan
+from titan_pipe.weights.readers import titan
+from titan_pipe.weights.readers.store import SafetensorsStore
+from titan_pipe.weights.source_plan import LowRank, Read, SourcePlan, TensorPlan
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs, model_differences
 from titan_pipe.model.families import family_of
@@ -47,7 +47,7 @@ def lora_step(path: Path) -> Path | None:
 
 def open_source(path: Path, *, mode: str = "merge") -> tuple[SourcePlan, SafetensorsStore, LoRASpec]:
     """(plan, store, spec) of the LoRA checkpoint at ``path`` read as ``mode``."""
-    from titan_pipe.convert.detect import open_source as open_any  # the base may be any safetensors source
+    from titan_pipe.weights.detect import open_source as open_any  # the base may be any safetensors source
 
     if mode not in MODES:
         raise UserError(f"--lora {mode!r} is not one of {', '.join(MODES)}")
