@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan_pipe.checkpoint_format import is_complete
+from titan_pipe.model.weights import other_format
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.graph_files import check_external_data, external_locations
 from titan_pipe.export_record import ExportRecord
@@ -33,9 +34,10 @@ def _check_path(flag: str, p: Path, kind: str) -> None:
         raise UserError(f"{flag} {p}: does not exist; check the path")
     if kind == "dir" and not p.is_dir():
         raise UserError(f"{flag} {p}: is a file, expected a directory")
-    if flag == "--checkpoint" and not is_complete(p):
-        raise UserError(f"--checkpoint {p}: no manifest.json, so not a complete titan-pipe checkpoint; pass "
-                        "runs/<name>/checkpoints/step-XXXXXX (the manifest is written last)")
+    if flag == "--checkpoint" and not is_complete(p) and not other_format(p):
+        raise UserError(f"--checkpoint {p}: no manifest.json, so not a complete titan-pipe checkpoint (nor a torch DCP / "
+                        "torchtitan step or a Megatron-LM checkpoint); pass runs/<name>/checkpoints/step-XXXXXX (the "
+                        "manifest is written last)")
     if kind == "file" and not p.is_file():
         raise UserError(f"{flag} {p}: is a directory, expected a file"
                         + ("; pass OUT_DIR/model.onnx" if flag == "--onnx" else ""))

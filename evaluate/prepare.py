@@ -6,7 +6,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME
+from titan_pipe.checkpoint_format import MANIFEST_NAME, is_complete
 from titan_pipe.config import EvaluateConfig
 from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
 from titan_pipe.errors import UserError
@@ -33,7 +33,7 @@ def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, o
     reference, ref_source = _reference(checkpoint, model_dir, device)
     args = reference.args
     sharded = None
-    if checkpoint is not None:
+    if checkpoint is not None and is_complete(Path(checkpoint)):  # a DCP / Megatron one has no layout of ours to run
         sharded = DistributedRunner(Path(checkpoint), device=device)
         same_model(sharded.args, args, f"--checkpoint {checkpoint} vs --model-dir {model_dir}")
     prefill = decode = None
@@ -77,9 +77,16 @@ def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, o
 
 def _reference(checkpoint: Path | None, model_dir: Path | None, device: str) -> tuple[LayeredModel, str]:
     """The float32 reference (its weights not read yet) and the file its model config came from."""
-    from titan_pipe.model.weights import open_weights
+    from titan_pipe.model.weights import open_weights, other_format
 
     where = "" if device == "cpu" else f", {device}"
+    if checkpoint is not None and other_format(Path(checkpoint)):  # torchtitan DCP / Megatron: the reference itself
+        source = open_weights(Path(checkpoint))
+        if model_dir is not None:
+            same_model(source.args, open_weights(Path(model_dir)).args, f"--checkpoint {checkpoint} vs --model-dir {model_dir}")
+        ref = LayeredModel(source, device=device,
+                           label=f"torch float32 ({Path(checkpoint).name}, {source.plan.format}, one process{where})")
+        return ref, str(source.plan.root)
     if model_dir is not None:
         ref = LayeredModel(open_weights(Path(model_dir)), device=device,
                            label=f"torch float32 ({Path(model_dir).name}{where})")

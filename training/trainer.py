@@ -49,7 +49,7 @@ from titan_pipe.training.tied import counted
 from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import build_parallel_model
 from titan_pipe.training.pipeline_parallel import build_schedule
-from titan_pipe.model.weights import AdaptedWeights, base_ref, check_compatible, open_adapted, open_weights
+from titan_pipe.model.weights import AdaptedWeights, PlannedWeights, base_ref, check_compatible, open_adapted, open_weights
 from titan_pipe.training.zero1 import build_zero1
 
 
@@ -219,6 +219,9 @@ class Trainer:
             if getattr(base, "lora", None) is not None:
                 raise UserError(f"train.lora: init_from {init_from} is itself a LoRA checkpoint; convert it to a merged "
                                 "model first (titan-pipe convert STEP -o DIR) and start from that")
+            if isinstance(base, PlannedWeights):  # the adapters' checkpoint names its base by safetensors files
+                raise UserError(f"train.lora: init_from {init_from} is a {base.plan.format} checkpoint; convert it to a "
+                                "Hugging Face dir first (titan-pipe convert SRC -o DIR) and adapt that")
             check_compatible(base.args, self.args, init_from)
             weights = AdaptedWeights(base, self.lora, seed=self.cfg.train.seed)
         else:

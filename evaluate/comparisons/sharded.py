@@ -12,7 +12,9 @@ def compare(run: Run) -> cmp.Comparison:
     run.steps.step("sharded checkpoint under torchrun")
     dist, ref = run.sides.sharded, run.sides.reference
     if dist is None:
-        return cmp.skipped("sharded_vs_unified", TITLE, "no --checkpoint given")
+        why = "no --checkpoint given" if run.request.checkpoint is None else (
+            "the --checkpoint is not in titan-pipe's layout (a DCP / Megatron one is the reference itself)")
+        return cmp.skipped("sharded_vs_unified", TITLE, why)
     for b, out in enumerate(dist.run_all(run.request.data.batches)):
         run.store.put_outputs("sharded", b, out)
     dt = run.tdtype(dist.dtype)

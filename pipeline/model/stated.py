@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from titan_pipe.weights.detect import READERS, open_source
 from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest, is_complete, newest_complete
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.unified_dir import read_model_args
@@ -39,6 +40,11 @@ def checkpoint_args(path: Path) -> ModelArgs:
     step = _step_dir(path)
     if step is not None:
         return ModelArgs.from_dict(Manifest.load(step).model, source=step / MANIFEST_NAME)
+    path = Path(path)
+    if path.is_dir() and any(READERS[f].looks_like(path) for f in ("megatron", "dcp")):
+        plan, store = open_source(path)  # a DCP / torchtitan or Megatron-LM checkpoint: its reader's model
+        store.close()
+        return plan.args
     return read_model_args(path)
 
 

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 from safetensors import safe_open  # our checkpoint's shards (a unified dir: titan_pipe.model.unified_dir)
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, FileInfo, is_complete, newest_complete, open_checkpoint
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, FileInfo, LayoutError, is_complete, newest_complete, open_checkpoint
 from titan_pipe.dtypes import TORCH_DTYPES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
@@ -20,6 +20,8 @@ from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, check_fits, model_diffe
 from titan_pipe.model.lora import BaseRef, LoRASpec, adapter_shapes, is_adapter, lora_record
 from titan_pipe.model.lora_modules import init_adapter, merge
 from titan_pipe.model.unified_dir import CONFIG, INDEX, open_unified
+from titan_pipe.weights.detect import READERS, open_source
+from titan_pipe.weights.read import read_global
 from titan_pipe.paths import resolve_inside
 
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python names it from 3.13 on
@@ -233,6 +235,49 @@ class SafetensorsWeights:
         return self._unified.read_box(name, box)
 
 
+class PlannedWeights:
+    """Any other format convert reads — a torch DCP / torchtitan step, a Megatron-LM checkpoint —
+    through its reader's plan (titan_pipe.weights): each tensor assembled from the stored pieces that
+    overlap what is asked (a rank's box reads only those), RoPE rows reordered where the source
+    interleaves them. So init_from and evaluate open every checkpoint convert opens."""
+
+    def __init__(self, path: Path):
+        self.dir = Path(path)
+        self.plan, self.store = open_source(self.dir)
+        try:
+            self.plan.check()
+        except LayoutError as e:
+            raise UserError(f"{self.plan.root}: {e}") from None
+        self.args = self.plan.args
+
+    def names(self) -> list[str]:
+        return list(self.plan.tensors)
+
+    def files(self) -> list[Path]:
+        return [self.plan.root / f for f in self.plan.files]
+
+    def _plan(self, name: str):
+        t = self.plan.tensors.get(name)
+        if t is None:
+            raise UserError(f"{self.plan.root}: no tensor {name!r} in this {self.plan.format} checkpoint")
+        return t
+
+    def full(self, name: str) -> torch.Tensor:
+        return read_global(self._plan(name), self.store)
+
+    def box(self, name: str, box: Box) -> torch.Tensor:
+        return read_global(self._plan(name), self.store, box)
+
+    def stored_dtype(self, name: str) -> torch.dtype:
+        return TORCH_DTYPES[self._plan(name).dtype]
+
+    def read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self.full(name))
+
+    def close(self) -> None:
+        self.store.close()
+
+
 class AdaptedWeights:
     """A LoRA model's parameters, adapters apart (what a model built with the adapters loads: a
     resumed training, evaluate's reference): the frozen base's by their names, the adapters' from a
@@ -341,7 +386,7 @@ def _open_plain(path: Path):
             spec, ref = src.lora_record
             return MergedWeights(AdaptedWeights(open_base(ref, source=path / MANIFEST_NAME), spec, adapters=src))
         return src
-    return SafetensorsWeights(path)
+    return PlannedWeights(path) if other_format(path) else SafetensorsWeights(path)
 
 
 def open_adapted(step_dir: Path) -> AdaptedWeights:
@@ -365,10 +410,18 @@ def open_weights(path: Path, *, adapters_apart: bool = False) -> WeightSource:
     if is_complete(path):
         src = _open_plain(path)
         return src.adapted if adapters_apart and isinstance(src, MergedWeights) else src
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() and not other_format(path):
         return SafetensorsWeights(path)
-    raise UserError(f"init_from: {path} is neither a titan-pipe checkpoint (no {MANIFEST_NAME}) nor a "
-                    "model dir (no config.json); point it at checkpoints/step-XXXXXX or a unified dir")
+    if other_format(path):
+        return PlannedWeights(path)
+    raise UserError(f"init_from: {path} is neither a titan-pipe checkpoint (no {MANIFEST_NAME}), a model dir (no "
+                    "config.json), a torch DCP / torchtitan step (no .metadata) nor a Megatron-LM checkpoint; point it "
+                    "at checkpoints/step-XXXXXX, a unified or Hugging Face dir, or one of those")
+
+
+def other_format(path: Path) -> bool:
+    """A DCP / torchtitan or Megatron-LM checkpoint (by its files, as convert detects it)."""
+    return path.is_dir() and any(READERS[f].looks_like(path) for f in ("megatron", "dcp"))
 
 
 def check_compatible(source_args: ModelArgs, args: ModelArgs, source: Path) -> None:
