@@ -69,6 +69,11 @@ def lora_runs(tmp_path_factory):
     sft["data"] = {"path": str(work / "chat" / "chat.jsonl"), "tokenizer": str(work / "base_chat"), "format": "chat",
                    "val_fraction": 0.1}
     runs.append({"name": "sft_tp2", "flow": sft, "check_base": True})
+    # a tied, biased base (Qwen2 / SmolLM2-shaped) in a pipeline: the output a frozen copy of the embedding
+    tied = model_args(tie_embeddings=True, qkv_bias=True)
+    write_hf(native_state(tied, seed=3), tied, work / "base_tied")
+    runs.append({"name": "tied_pp2", "flow": _flow(work / "base_tied", {"pp": 2, "microbatches": 2}),
+                 "check_base": True})
     spec = work / "spec.json"
     spec.write_text(json.dumps({"workdir": str(work), "runs": runs}))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -164,7 +169,7 @@ def test_every_layout_equals_the_hand_written_reference(lora_runs):
 def test_the_base_stays_bit_identical_and_only_adapters_have_optimizer_state(lora_runs):
     work, _ = lora_runs
     n_adapters = len(adapter_names(model_args(), SPEC))
-    for name in [*RUNS, "bf16_base", "sft_tp2"]:
+    for name in [*RUNS, "bf16_base", "sft_tp2", "tied_pp2"]:
         ranks = json.loads((work / f"{name}.base.json").read_text())
         assert all(r["differing"] == [] and r["compared"] > 0 for r in ranks), (name, ranks)
         assert all(r["state_entries"] == r["adapters"] > 0 for r in ranks), (name, ranks)
@@ -180,6 +185,25 @@ def test_the_base_stays_bit_identical_and_only_adapters_have_optimizer_state(lor
     states = {k[len("optimizer.state."):].rsplit(".", 1)[0] for k in meta.state_dict_metadata
               if k.startswith("optimizer.state.")}
     assert states == set(adapter_names(model_args(), SPEC))
+
+
+@pytest.mark.distributed
+def test_a_tied_biased_base_in_a_pipeline_equals_the_reference_and_merges_like_peft(lora_runs, tmp_path):
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    work, res = lora_runs
+    ref = lora_reference_run(yaml.safe_load((work / "tied_pp2.yaml").read_text()), base=work)
+    got = [r["loss"] for r in res["tied_pp2"]["metrics"]]
+    assert all(abs(a - b) <= 1e-5 * b for a, b in zip(got, ref["losses"])), (got, ref["losses"])
+    step = _step(work, "tied_pp2")
+    convert_checkpoint(step, tmp_path / "merged")
+    convert_checkpoint(step, tmp_path / "adapter", ConvertConfig(lora="adapter"))
+    base = transformers.AutoModelForCausalLM.from_pretrained(work / "base_tied", dtype=torch.float32).eval()
+    with torch.no_grad():
+        merged = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").merge_and_unload().state_dict()
+    mine = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert "lm_head.weight" not in mine and all(torch.equal(mine[k], merged[k]) for k in mine)
 
 
 @pytest.mark.distributed
