@@ -416,6 +416,23 @@ def test_cli_refusals_and_init(tmp_path):
     assert flow["train"]["optimizer"]["lr"] == 2e-4 and flow["init_from"] == str(tmp_path / "base")
 
 
+def test_lora_flops_leave_out_the_base_weight_gradients_in_the_trainer_and_the_planner():
+    """6 N + attention for full training; 4 N + attention with the base frozen (no dW), the same in
+    the trainer's MFU and the planner's step time."""
+    from titan_pipe.model.args import FLAVOURS, count_params, flops_per_token
+    from titan_pipe.model.lora import trained_flops_per_token
+    from titan_pipe.training.planner.timing import rank_flops_per_token
+    from titan_pipe.training.planner.workload import Layout
+
+    args = FLAVOURS["qwen2.5_7b"]
+    matmul = (flops_per_token(args, 0)) / 6  # N_matmul (plus the biases' adds / 6)
+    assert trained_flops_per_token(args, 4096) == pytest.approx(flops_per_token(args, 4096) - 2 * matmul)
+    assert 0.6 < trained_flops_per_token(args, 4096) / flops_per_token(args, 4096) < 0.75
+    lay = Layout(1, 1, 1)
+    assert rank_flops_per_token(args, 4096, lay, 0, frozen=True) == pytest.approx(trained_flops_per_token(args, 4096))
+    assert count_params(args) > 7e9
+
+
 def test_the_planner_fits_a_lora_fine_tune_where_full_fine_tuning_does_not():
     """Qwen2.5-7B on one 910B3 (64 GB): full fine-tuning needs its states on the host, LoRA rank 16
     fits on the card with the base held in bf16, adapter states only."""

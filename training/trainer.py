@@ -26,7 +26,7 @@ from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_devi
 from titan_pipe.errors import UserError
 from titan_pipe.faults import STAGE_OUTPUTS, OutputFault, writing
 from titan_pipe.model.args import count_params, flops_per_token
-from titan_pipe.model.lora import adapter_shapes
+from titan_pipe.model.lora import adapter_shapes, trained_flops_per_token
 from titan_pipe.model.loss import cross_entropy
 from titan_pipe.run_dir import RunDir
 from titan_pipe.training.fault_injection import InjectedFault
@@ -349,7 +349,8 @@ class Trainer:
         # Only rank 0 reports MFU; measuring the CPU peak on every rank would only contend for cores.
         self.peak, self.peak_source = (metrics.peak_flops(self.device, amp_dtype if cfg.precision.amp else torch.float32)
                                        if self.rank == 0 else (None, ""))
-        self.fpt = flops_per_token(self.args, t.seq_len)
+        # with LoRA the base's weight gradients are not computed: MFU counts the FLOPs the step does
+        self.fpt = flops_per_token(self.args, t.seq_len) if self.lora is None else trained_flops_per_token(self.args, t.seq_len)
         self.tokens_per_step = t.batch_size * t.seq_len
 
     # -- one step ------------------------------------------------------------------------------

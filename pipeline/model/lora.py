@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_pipe.errors import UserError
-from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.args import ModelArgs, flops_per_token
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, adapter_param, split_layer
 
 # target -> the base linear it adapts (module relative to the layer); the names PEFT and Hugging Face use
@@ -87,6 +87,14 @@ def model_problems(spec: LoRASpec, args: ModelArgs) -> list[str]:
         return [f"targets {ffn}: this model routes its feed-forward through {args.n_experts} experts, which take "
                 "no adapters; target the attention (q, k, v, o)"]
     return []
+
+
+def trained_flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token with the base frozen: the full count (model.args.flops_per_token)
+    without the base's weight gradients, a third of its matmul FLOPs (backward still computes the
+    input gradients through every frozen linear); the adapters' own, rank-wide, are left out. What
+    the trainer's MFU and the planner's step time count under LoRA."""
+    return flops_per_token(args, seq_len) - flops_per_token(args, 0) / 3
 
 
 def is_adapter(name: str) -> bool:
