@@ -146,11 +146,12 @@ def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
 
 def _add_low_rank(buf: torch.Tensor, t: OutTensor, block: Box, ab: tuple[torch.Tensor, torch.Tensor], scale: float):
     """Add scale * B A over ``block`` (of output tensor ``t``, whose region sits in the global tensor)."""
+    from titan_pipe.model.lora_modules import merge  # here, not at the top: byte copies need no torch
+
     a, b = ab
     r0 = t.region.offsets[0] + block.offsets[0]
     c0 = t.region.offsets[1] + block.offsets[1]
-    delta = b[r0:r0 + block.lengths[0]] @ a[:, c0:c0 + block.lengths[1]]
-    buf.copy_((buf.float() + scale * delta).to(buf.dtype))
+    buf.copy_(merge(buf, a[:, c0:c0 + block.lengths[1]], b[r0:r0 + block.lengths[0]], scale))
 
 
 def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set[str] | None = None) -> None:

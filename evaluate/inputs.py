@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan_pipe.checkpoint_format import is_complete
-from titan_pipe.model.weights import other_format
+from titan_pipe.weights.detect import other_format
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.graph_files import check_external_data, external_locations
 from titan_pipe.export_record import ExportRecord

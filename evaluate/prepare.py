@@ -77,13 +77,15 @@ def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, o
 
 def _reference(checkpoint: Path | None, model_dir: Path | None, device: str) -> tuple[LayeredModel, str]:
     """The float32 reference (its weights not read yet) and the file its model config came from."""
-    from titan_pipe.model.weights import open_weights, other_format
+    from titan_pipe.model.stated import checkpoint_args
+    from titan_pipe.model.weights import open_weights
+    from titan_pipe.weights.detect import other_format
 
     where = "" if device == "cpu" else f", {device}"
     if checkpoint is not None and other_format(Path(checkpoint)):  # torchtitan DCP / Megatron: the reference itself
         source = open_weights(Path(checkpoint))
         if model_dir is not None:
-            same_model(source.args, open_weights(Path(model_dir)).args, f"--checkpoint {checkpoint} vs --model-dir {model_dir}")
+            same_model(source.args, checkpoint_args(Path(model_dir)), f"--checkpoint {checkpoint} vs --model-dir {model_dir}")
         ref = LayeredModel(source, device=device,
                            label=f"torch float32 ({Path(checkpoint).name}, {source.plan.format}, one process{where})")
         return ref, str(source.plan.root)

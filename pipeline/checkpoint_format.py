@@ -362,6 +362,13 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name)))
 
 
+def complete_step(path: Path) -> Path | None:
+    """``path`` itself when it is a complete step dir, else the newest complete step of the run dir
+    (or checkpoints dir) it names; None when there is none."""
+    path = Path(path)
+    return path if is_complete(path) else newest_complete(path)
+
+
 def newest_complete(run_or_ckpt_dir: Path, *, warn: bool = False) -> Path | None:
     """The newest complete step dir of a run dir (its checkpoints/) or of a dir of step dirs.
 

@@ -94,9 +94,9 @@ def validate(flow: Path = typer.Argument(..., help="flow.yaml to check"),
     model = f"init_from {cfg.init_from}" if cfg.init_from is not None else cfg.model.flavour or "custom"
     lora = cfg.train.lora
     if lora is not None:
-        from titan_pipe.model.lora import adapter_shapes
+        from titan_pipe.model.lora import adapter_count
 
-        n = sum(a * b for a, b in adapter_shapes(args, lora.spec()).values())
+        n = adapter_count(args, lora.spec())
         model += (f", LoRA rank {lora.rank} on {', '.join(lora.targets)}: {n / 1e6:.2f}M trained, the base frozen in "
                   f"{lora.held_dtype(cfg.precision)}")
     typer.echo(f"{flow}: ok — model {model} ({count_params(args) / 1e6:.2f}M params), "

@@ -24,22 +24,11 @@ from titan_pipe.model.sharding import TP_PLAN, TPRule
 
 
 def _replicate_norm(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Norm on a replicated input: weight as Replicate DTensor, input/output as plain tensors."""
-
-    def to_dtensor(_mod, inputs, mesh_):
-        return tuple(DTensor.from_local(x, mesh_, [Replicate()], run_check=False) for x in inputs)
-
-    def to_local(_mod, output, _mesh):
-        return output.to_local()
-
-    distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
-
-
-def _replicate_on_input(module: nn.Module, mesh: DeviceMesh) -> None:
-    """A LoRA adapter's A beside a column-split linear: a Replicate weight applied to that linear's
-    replicated whole-sequence input (a plain tensor, or under sequence parallel the Replicate DTensor
-    the block's input plan made), its output a plain tensor. Its gradient needs no reduction: the
-    split B after it (ColwiseParallel) all-reduces the gradient flowing back into it."""
+    """A Replicate weight on a replicated input (a norm; a LoRA adapter's A beside a column-split
+    linear, whose input under sequence parallel is the Replicate DTensor the block's input plan
+    made): weight as Replicate DTensor, input as it comes or made a Replicate DTensor, output a plain
+    tensor. A's gradient needs no reduction: the split B after it (ColwiseParallel) all-reduces the
+    gradient flowing back into it."""
 
     def to_dtensor(_mod, inputs, mesh_):
         return tuple(x if isinstance(x, DTensor) else DTensor.from_local(x, mesh_, [Replicate()], run_check=False)
@@ -82,7 +71,7 @@ def _style(rule: TPRule, sequence_parallel: bool):
     raise ValueError(f"unknown TP style {rule.style!r} in titan_pipe.model.sharding")
 
 
-_ON_INPUT = "replicate on the input"  # _style's answer for "replicate_input": _replicate_on_input
+_ON_INPUT = "replicate on the input"  # _style's answer for "replicate_input": _replicate_norm whatever the layout
 
 
 def _matches(name: str, pattern: str) -> bool:
@@ -104,11 +93,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
         names = sorted(n for n in present if _matches(n, rule.module))
         style = _style(rule, sequence_parallel)
         for name in names:
-            if style is _ON_INPUT:
-                _replicate_on_input(model.get_submodule(name), tp_mesh)
-            elif style is None and name.endswith("moe.experts"):
+            if style is None and name.endswith("moe.experts"):
                 _replicate_params(model.get_submodule(name), tp_mesh)
-            elif style is None:
+            elif style is None or style is _ON_INPUT:
                 _replicate_norm(model.get_submodule(name), tp_mesh)
             else:
                 plan[name] = style

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from titan_pipe.atomic import write_text
-from titan_pipe.checkpoint_format import (CheckpointExtra, ParallelLayout, checkpoint_bytes, is_complete, is_save_step,
+from titan_pipe.checkpoint_format import (CheckpointExtra, ParallelLayout, checkpoint_bytes, complete_step, is_save_step,
                                           newest_complete)
 from titan_pipe.config import ConfigError, FlowConfig, init_from_path, load_flow
 from titan_pipe.dtypes import TORCH_BY_NAME
@@ -26,7 +26,7 @@ from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_devi
 from titan_pipe.errors import UserError
 from titan_pipe.faults import STAGE_OUTPUTS, OutputFault, writing
 from titan_pipe.model.args import count_params, flops_per_token
-from titan_pipe.model.lora import adapter_shapes, trained_flops_per_token
+from titan_pipe.model.lora import adapter_count, trained_flops_per_token
 from titan_pipe.model.loss import cross_entropy
 from titan_pipe.run_dir import RunDir
 from titan_pipe.training.fault_injection import InjectedFault
@@ -454,7 +454,7 @@ class Trainer:
 
     def checkpoint_bytes(self) -> int:
         """About what one checkpoint takes (for a full disk's "free N" advice); with LoRA, the adapters."""
-        n = count_params(self.args) if self.lora is None else sum(math.prod(s) for s in adapter_shapes(self.args, self.lora).values())
+        n = count_params(self.args) if self.lora is None else adapter_count(self.args, self.lora)
         return checkpoint_bytes(n, optimizer=self.cfg.train.optimizer.name, save_optimizer=self.cfg.checkpoint.save_optimizer)
 
     def _lora_record(self) -> dict:
@@ -525,8 +525,7 @@ def _trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def _weights_dir(path: Path) -> Path:
     """The directory a weight source opened at ``path`` reads (a run dir means its newest step)."""
-    path = Path(path)
-    return (path if is_complete(path) else newest_complete(path) or path).resolve()
+    return (complete_step(path) or Path(path)).resolve()
 
 
 def train(cfg: FlowConfig, *, base: Path, resume: bool = False) -> dict:

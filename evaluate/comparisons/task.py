@@ -58,7 +58,8 @@ def _base_perplexity(run: Run) -> tuple[str, float] | None:
     if getattr(source, "base", None) is None:
         return None
     ref = run.sides.reference
-    base = LayeredModel(source.base, device=ref.device, keep=ref.keep,
+    # streamed (a layer at a time): the resident reference is still held, and the base is another whole model
+    base = LayeredModel(source.base, device=ref.device, keep=False,
                         label=f"torch float32 (the base {Path(source.base.dir).name}, no adapters)")
     total = count = 0
     answers = run.request.data.answers

@@ -411,7 +411,7 @@ _BAND_BYTES = 4 << 20  # float32 bytes of weight rows cast at once: the band sta
 
 class AdaptedLinear(torch.nn.Module):
     """A stored linear with its LoRA adapter applied beside it, as training computed it (not merged):
-    linear(x) + scale * (x A^T) B^T, in float32 (titan_pipe.model.lora_modules.Adapter's arithmetic)."""
+    linear(x) + (scale * x A^T) B^T, in float32 (titan_pipe.model.lora_modules.Adapter's arithmetic and order)."""
 
     def __init__(self, linear: "StoredLinear", a: torch.Tensor, b: torch.Tensor, scale: float):
         super().__init__()
@@ -422,7 +422,7 @@ class AdaptedLinear(torch.nn.Module):
         return self.linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x) + F.linear(F.linear(x, self.a), self.b) * self.scale
+        return self.linear(x) + F.linear(F.linear(x, self.a) * self.scale, self.b)
 
 
 class StoredLinear(torch.nn.Module):

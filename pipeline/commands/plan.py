@@ -259,9 +259,9 @@ def register(app: typer.Typer) -> None:
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
         trained = ""
         if w.lora is not None:
-            from titan_pipe.model.lora import adapter_shapes
+            from titan_pipe.model.lora import adapter_count
 
-            k = sum(a * b for a, b in adapter_shapes(w.args, w.lora).values())
+            k = adapter_count(w.args, w.lora)
             trained = (f"; LoRA rank {w.lora.rank} on {', '.join(w.lora.targets)}: {k / 1e6:,.1f}M trained "
                        f"({k / n:.2%}), the base frozen")
         out.print(f"{w.flavour or 'model'}: {size} parameters, "

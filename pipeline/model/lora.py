@@ -17,14 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_pipe.errors import UserError
+from titan_pipe.limits import LORA_RANK
 from titan_pipe.model.args import ModelArgs, flops_per_token
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, adapter_param, split_layer
 
 # target -> the base linear it adapts (module relative to the layer); the names PEFT and Hugging Face use
 TARGETS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
            "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
-INITS = ("kaiming", "gaussian")
-CONVERT_MODES = ("merge", "adapter")  # convert --lora: the merged model, or PEFT's adapter dir  # PEFT's init_lora_weights True ("kaiming" A) and "gaussian"; B starts at 0
+INITS = ("kaiming", "gaussian")  # PEFT's init_lora_weights True ("kaiming" A) and "gaussian"; B starts at 0
+CONVERT_MODES = ("merge", "adapter")  # convert --lora: the merged model, or PEFT's adapter dir
 _BASE = {p.module: p for p in LAYER_PARAMS if p.name.endswith(".weight")}
 
 
@@ -65,8 +66,8 @@ class LoRASpec:
 def spec_problems(spec: LoRASpec) -> list[str]:
     """What is wrong with a spec's values, each finishing "train.lora.<key> ..." for the config."""
     out = []
-    if not isinstance(spec.rank, int) or isinstance(spec.rank, bool) or not 1 <= spec.rank <= 4096:
-        out.append(f"rank {spec.rank!r} is not a whole number from 1 to 4096")
+    if not isinstance(spec.rank, int) or isinstance(spec.rank, bool) or LORA_RANK.problem(spec.rank):
+        out.append(f"rank {spec.rank!r} is not a whole number from {LORA_RANK.range.replace('..', ' to ')}")
     if not isinstance(spec.alpha, (int, float)) or isinstance(spec.alpha, bool) or not 0 < spec.alpha <= 1e6:
         out.append(f"alpha {spec.alpha!r} is not a number above 0")
     if not isinstance(spec.dropout, (int, float)) or not 0 <= spec.dropout < 1:
@@ -110,6 +111,22 @@ def adapter_names(args: ModelArgs, spec: LoRASpec) -> list[str]:
             if _BASE[module].in_layer(args, i):
                 out += [f"{LAYER_PREFIX}{i}.{adapter_param(module, part)}" for part in ("a", "b")]
     return out
+
+
+def adapter_of(weight: str, part: str = "a") -> str | None:
+    """The native name an adapter weight beside base weight ``weight`` would have (``layers.0.attention.wq.weight``
+    -> ``layers.0.attention.lora.wq.a.weight``; the model may hold none), None for a tensor no adapter can sit
+    beside (a bias, a norm, a per-model weight)."""
+    lid, rest = split_layer(weight)
+    module = rest.removesuffix(".weight")
+    if lid is None or module == rest or "." not in module:
+        return None
+    return f"{LAYER_PREFIX}{lid}.{adapter_param(module, part)}"
+
+
+def adapter_count(args: ModelArgs, spec: LoRASpec) -> int:
+    """How many parameters the adapters hold (what trains)."""
+    return sum(a * b for a, b in adapter_shapes(args, spec).values())
 
 
 def base_of(name: str) -> tuple[str, str]:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from titan_pipe.model.lora import LoRASpec, base_of
+from titan_pipe.model.seeding import param_generator
 
 
 class Adapter(nn.Module):
@@ -53,7 +53,7 @@ def init_adapter(name: str, shape: tuple[int, ...], seed: int, init: str = "kaim
     B zeros, so the adapted model starts as the base."""
     if base_of(name)[1] == "b":
         return torch.zeros(shape)
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    g = param_generator(seed, name)
     if init == "gaussian":
         return torch.empty(shape).normal_(0.0, 1.0 / shape[0], generator=g)
     bound = 1.0 / math.sqrt(shape[1])

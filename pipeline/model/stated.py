@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from titan_pipe.weights.detect import READERS, open_source
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest, is_complete, newest_complete
+from titan_pipe.weights.detect import open_source, other_format
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest, complete_step
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.unified_dir import read_model_args
 from titan_pipe.tokens.model_files import GENERATION_CONFIG, dir_token_ids, generation_config
@@ -37,27 +37,21 @@ TRAINING_FIELDS = ("router_aux_loss_coef",)
 def checkpoint_args(path: Path) -> ModelArgs:
     """The model a checkpoint step dir (a run dir or its checkpoints/: the newest complete step) or a
     unified / Hugging Face model dir holds, from its manifest or config.json (UserError if unusable)."""
-    step = _step_dir(path)
+    step = complete_step(path)
     if step is not None:
         return ModelArgs.from_dict(Manifest.load(step).model, source=step / MANIFEST_NAME)
-    path = Path(path)
-    if path.is_dir() and any(READERS[f].looks_like(path) for f in ("megatron", "dcp")):
+    if other_format(path):
         plan, store = open_source(path)  # a DCP / torchtitan or Megatron-LM checkpoint: its reader's model
         store.close()
         return plan.args
     return read_model_args(path)
 
 
-def _step_dir(path: Path) -> Path | None:
-    path = Path(path)
-    return path if is_complete(path) else newest_complete(path)
-
-
 def checkpoint_side(path: Path) -> tuple[dict, dict[str, Path]]:
     """(token ids, {name: file}) a checkpoint carries beside its weights for the next one: a step
     dir's manifest extra.token_ids and attached generation_config.json, a model dir's config.json ids
     and generation_config.json (titan_pipe.tokens.model_files)."""
-    step = _step_dir(path)
+    step = complete_step(path)
     if step is None:
         g = generation_config(path)
         return dir_token_ids(path), ({GENERATION_CONFIG: g} if g is not None else {})

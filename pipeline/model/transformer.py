@@ -9,7 +9,6 @@ pipeline stage that keeps layers 4..7 still names them ``layers.4`` .. ``layers.
 from __future__ import annotations
 
 import math
-import zlib
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +21,7 @@ from titan_pipe.model.lora import LoRASpec, is_adapter
 from titan_pipe.model.lora_modules import adapted, adapters_for, init_adapter
 from titan_pipe.model.loss import cross_entropy, linear_cross_entropy
 from titan_pipe.model.params import param_of
+from titan_pipe.model.seeding import param_generator
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,7 +377,7 @@ def init_param(name: str, shape: tuple[int, ...], args: ModelArgs, seed: int,
     std = _param_std(name, args)
     if std is None:
         return (torch.zeros if param_of(name).init == "zeros" else torch.ones)(shape, dtype=dtype)
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    g = param_generator(seed, name)
     t = torch.empty(shape, dtype=torch.float32)
     t.normal_(0.0, std, generator=g)
     t.clamp_(-3 * std, 3 * std)

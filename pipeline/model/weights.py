@@ -12,15 +12,15 @@ from typing import Protocol
 import torch
 from safetensors import safe_open  # our checkpoint's shards (a unified dir: titan_pipe.model.unified_dir)
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, FileInfo, LayoutError, is_complete, newest_complete, open_checkpoint
+from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, FileInfo, LayoutError, complete_step, is_complete, open_checkpoint
 from titan_pipe.dtypes import TORCH_DTYPES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
 from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, check_fits, model_differences
-from titan_pipe.model.lora import BaseRef, LoRASpec, adapter_shapes, is_adapter, lora_record
+from titan_pipe.model.lora import BaseRef, LoRASpec, adapter_of, adapter_shapes, is_adapter, lora_record
 from titan_pipe.model.lora_modules import init_adapter, merge
 from titan_pipe.model.unified_dir import CONFIG, INDEX, open_unified
-from titan_pipe.weights.detect import READERS, open_source
+from titan_pipe.weights.detect import open_source, other_format
 from titan_pipe.weights.read import read_global
 from titan_pipe.paths import resolve_inside
 
@@ -299,11 +299,9 @@ class AdaptedWeights:
 
     def adapter(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(A, B) of base weight ``name``, None where it has no adapter."""
-        a = name[:-len(".weight")].rsplit(".", 1)
-        key = f"{a[0]}.lora.{a[1]}.a.weight" if len(a) == 2 else ""
-        if key not in self.shapes:
+        if adapter_of(name) not in self.shapes:
             return None
-        return self.full(key), self.full(key[:-len("a.weight")] + "b.weight")
+        return self.full(adapter_of(name, "a")), self.full(adapter_of(name, "b"))
 
     def full(self, name: str) -> torch.Tensor:
         if not is_adapter(name):
@@ -401,27 +399,17 @@ def open_adapted(step_dir: Path) -> AdaptedWeights:
 
 def open_weights(path: Path, *, adapters_apart: bool = False) -> WeightSource:
     """Our checkpoint (a step dir with manifest.json; a run dir or its checkpoints/ dir means its
-    newest complete step), or a dir of safetensors + config.json (unified or Hugging Face). A LoRA
-    checkpoint reads as its merged model (MergedWeights), or with ``adapters_apart`` as its base and
-    adapters (AdaptedWeights: a reader that applies the adapters itself, as training did)."""
-    path = Path(path)
-    if not is_complete(path):  # a run dir or its checkpoints/ dir: its newest complete step
-        path = newest_complete(path) or path
-    if is_complete(path):
-        src = _open_plain(path)
-        return src.adapted if adapters_apart and isinstance(src, MergedWeights) else src
-    if (path / "config.json").is_file() and not other_format(path):
-        return SafetensorsWeights(path)
-    if other_format(path):
-        return PlannedWeights(path)
-    raise UserError(f"init_from: {path} is neither a titan-pipe checkpoint (no {MANIFEST_NAME}), a model dir (no "
-                    "config.json), a torch DCP / torchtitan step (no .metadata) nor a Megatron-LM checkpoint; point it "
-                    "at checkpoints/step-XXXXXX, a unified or Hugging Face dir, or one of those")
-
-
-def other_format(path: Path) -> bool:
-    """A DCP / torchtitan or Megatron-LM checkpoint (by its files, as convert detects it)."""
-    return path.is_dir() and any(READERS[f].looks_like(path) for f in ("megatron", "dcp"))
+    newest complete step), a dir of safetensors + config.json (unified or Hugging Face), or a torch DCP /
+    torchtitan or Megatron-LM checkpoint (read through its plan, PlannedWeights). A LoRA checkpoint reads
+    as its merged model (MergedWeights), or with ``adapters_apart`` as its base and adapters
+    (AdaptedWeights: a reader that applies the adapters itself, as training did)."""
+    path = complete_step(path) or Path(path)
+    if not (is_complete(path) or other_format(path) or (path / "config.json").is_file()):
+        raise UserError(f"init_from: {path} is neither a titan-pipe checkpoint (no {MANIFEST_NAME}), a model dir (no "
+                        "config.json), a torch DCP / torchtitan step (no .metadata) nor a Megatron-LM checkpoint; point it "
+                        "at checkpoints/step-XXXXXX, a unified or Hugging Face dir, or one of those")
+    src = _open_plain(path)
+    return src.adapted if adapters_apart and isinstance(src, MergedWeights) else src
 
 
 def check_compatible(source_args: ModelArgs, args: ModelArgs, source: Path) -> None:

@@ -13,6 +13,12 @@ READERS = {"titan": titan, "megatron": megatron, "dcp": dcp, "hf": hf}
 FORMATS = SOURCE_FORMATS  # the core's list (flow.yaml and the CLI check against it); one reader each past "auto"
 
 
+def other_format(path: Path) -> bool:
+    """A torch DCP / torchtitan or Megatron-LM checkpoint (by its files, as detect_format tells them):
+    the formats read only through their plans, neither our manifest nor a safetensors model dir."""
+    return Path(path).is_dir() and any(READERS[f].looks_like(Path(path)) for f in ("megatron", "dcp"))
+
+
 def detect_format(src: Path) -> str:
     """'titan' | 'dcp' | 'megatron' | 'hf'; UserError naming the path and what was found otherwise."""
     if not src.exists():

@@ -19,13 +19,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, Manifest, open_checkpoint
+from titan_pipe.weights.detect import open_source as open_any
 from titan_pipe.weights.readers import titan
 from titan_pipe.weights.readers.store import SafetensorsStore
 from titan_pipe.weights.source_plan import LowRank, Read, SourcePlan, TensorPlan
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs, model_differences
 from titan_pipe.model.families import family_of
-from titan_pipe.model.lora import CONVERT_MODES as MODES, LoRASpec, adapter_shapes, base_of, lora_record, peft_key
+from titan_pipe.model.lora import CONVERT_MODES as MODES, LoRASpec, adapter_of, adapter_shapes, base_of, lora_record, peft_key
 from titan_pipe.model.names import native_to_hf
 from titan_pipe.paths import resolve_inside
 from titan_pipe.safetensors_header import read_header
@@ -47,8 +48,6 @@ def lora_step(path: Path) -> Path | None:
 
 def open_source(path: Path, *, mode: str = "merge") -> tuple[SourcePlan, SafetensorsStore, LoRASpec]:
     """(plan, store, spec) of the LoRA checkpoint at ``path`` read as ``mode``."""
-    from titan_pipe.weights.detect import open_source as open_any  # the base may be any safetensors source
-
     if mode not in MODES:
         raise UserError(f"--lora {mode!r} is not one of {', '.join(MODES)}")
     root = titan.resolve(path)
@@ -74,31 +73,21 @@ def open_source(path: Path, *, mode: str = "merge") -> tuple[SourcePlan, Safeten
         plan = SourcePlan(FORMAT, root, args, adapters, files=sorted(m.files), step=m.step, layout=layout,
                           expected_sha256=expected)
         return plan, SafetensorsStore(root, headers), spec
-    bplan, bstore = open_any(base)
+    bplan, bstore = open_any(base)  # the base's own reader: a Hugging Face / unified dir or one of our checkpoints
     bstore.close()
-    if getattr(bplan, "layout", {}).get("lora"):
-        raise UserError(f"{mpath}: its base {base} is itself a LoRA checkpoint; convert that one to a merged model first")
     diffs = model_differences(bplan.args, args, labels=("in the base", "in the adapters' manifest"))
     if diffs:
         raise UserError(f"{mpath}: the base {base} is another model ({'; '.join(diffs)}); restore the base it names")
     tensors = {}
     for name, t in bplan.tensors.items():
         reads = tuple(Read(str(base / r.file), r.key, r.src_box, r.dst_box, r.rope_head_dim) for r in t.reads)
-        a_name = _adapter_of(name)
-        delta = LowRank(adapters[a_name], adapters[a_name[:-len("a.weight")] + "b.weight"], spec.scale) \
-            if a_name in adapters else None
+        delta = LowRank(adapters[adapter_of(name, "a")], adapters[adapter_of(name, "b")], spec.scale) \
+            if adapter_of(name) in adapters else None
         tensors[name] = TensorPlan(name, t.shape, t.dtype, reads, t.split, delta)
     headers.update({str(base / f): h for f, h in bstore.headers.items()})
     files = sorted(m.files) + [str(base / f) for f in bplan.files]
     plan = SourcePlan(FORMAT, root, args, tensors, files=files, step=m.step, layout=layout, expected_sha256=expected)
     return plan, SafetensorsStore(root, headers), spec
-
-
-def _adapter_of(name: str) -> str:
-    """``layers.0.attention.wq.weight`` -> ``layers.0.attention.lora.wq.a.weight`` (named whether or not it exists)."""
-    stem = name[:-len(".weight")] if name.endswith(".weight") else name
-    owner, _, linear = stem.rpartition(".")
-    return f"{owner}.lora.{linear}.a.weight"
 
 
 def _adapters(root: Path, m: Manifest, args: ModelArgs, spec: LoRASpec):
