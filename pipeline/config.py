@@ -25,6 +25,8 @@ from titan_pipe.choices import NAMINGS, RECORD_FORMATS, SOURCE_FORMATS, TRAIN_MO
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.flow_yaml import FlowYamlError, load_flow_text
+from titan_pipe.checkpoint_format import Manifest, complete_step
+from titan_pipe.weights.detect import detect_format, other_format
 from titan_pipe.model.lora import CONVERT_MODES as LORA_CONVERT, INITS as LORA_INITS, TARGETS as LORA_TARGETS, LoRASpec
 from titan_pipe.model.lora import model_problems as lora_model_problems
 from titan_pipe.model.args import FIELD_BOUNDS, FLAVOURS, SCALING_BOUNDS, ModelArgs, RopeScaling, args_problems, resolve_args
@@ -571,15 +573,32 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     ip = init_from_path(cfg, base)
     if ip is not None and not ip.exists():
         errs.append(f"init_from: {cfg.init_from!r} does not exist (resolved to {ip})")
-    errs += _lora_problems(cfg, args)
+    errs += _lora_problems(cfg, args, ip)
     return errs
 
 
-def _lora_problems(cfg: FlowConfig, args) -> list[str]:
+def lora_base_problem(path: Path) -> str | None:
+    """Why the model at ``path`` cannot be a LoRA base (what follows "init_from PATH"), or None: the
+    adapters' checkpoint names its base by safetensors files, which a LoRA checkpoint (its adapters
+    apart) and a DCP / Megatron one are not. Validate and the trainer ask this one rule."""
+    step = complete_step(path)
+    if step is not None and "lora" in Manifest.load(step).extra.other:
+        return ("is itself a LoRA checkpoint; convert it to a merged model first (titan-pipe convert STEP -o DIR) and "
+                "start from that")
+    if other_format(path):
+        return (f"is a {detect_format(Path(path))} checkpoint; convert it to a Hugging Face dir first (titan-pipe "
+                "convert SRC -o DIR) and adapt that")
+    return None
+
+
+def _lora_problems(cfg: FlowConfig, args, init_from: Path | None) -> list[str]:
     lora = cfg.train.lora
     if lora is None:
         return []
     errs = [f"train.lora.{line}" for line in lora_model_problems(lora.spec(), args)]
+    why = lora_base_problem(init_from) if init_from is not None and init_from.exists() else None
+    if why:
+        errs.append(f"train.lora: init_from {init_from} {why}")
     if cfg.init_from is None:
         errs.append("train.lora: adapters train beside a frozen base, and there is none: set init_from to the "
                     "model to adapt (a Hugging Face dir or a checkpoint), or remove train.lora to train every weight")

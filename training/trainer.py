@@ -20,7 +20,7 @@ import torch.distributed as dist
 from titan_pipe.atomic import write_text
 from titan_pipe.checkpoint_format import (CheckpointExtra, ParallelLayout, checkpoint_bytes, complete_step, is_save_step,
                                           newest_complete)
-from titan_pipe.config import ConfigError, FlowConfig, init_from_path, load_flow
+from titan_pipe.config import ConfigError, FlowConfig, init_from_path, load_flow, lora_base_problem
 from titan_pipe.dtypes import TORCH_BY_NAME
 from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
@@ -49,7 +49,7 @@ from titan_pipe.training.tied import counted
 from titan_pipe.training.parallel_dims import ParallelDims
 from titan_pipe.training.parallelize import build_parallel_model
 from titan_pipe.training.pipeline_parallel import build_schedule
-from titan_pipe.model.weights import AdaptedWeights, PlannedWeights, base_ref, check_compatible, open_adapted, open_weights
+from titan_pipe.model.weights import AdaptedWeights, base_ref, check_compatible, open_adapted, open_weights
 from titan_pipe.training.zero1 import build_zero1
 
 
@@ -215,13 +215,10 @@ class Trainer:
 
     def _lora_weights(self, latest: Path | None, init_from: Path) -> AdaptedWeights:
         if latest is None:
+            why = lora_base_problem(init_from)  # validate's rule, asked again of the files as they are now
+            if why:
+                raise UserError(f"train.lora: init_from {init_from} {why}")
             base = open_weights(init_from)
-            if getattr(base, "lora", None) is not None:
-                raise UserError(f"train.lora: init_from {init_from} is itself a LoRA checkpoint; convert it to a merged "
-                                "model first (titan-pipe convert STEP -o DIR) and start from that")
-            if isinstance(base, PlannedWeights):  # the adapters' checkpoint names its base by safetensors files
-                raise UserError(f"train.lora: init_from {init_from} is a {base.plan.format} checkpoint; convert it to a "
-                                "Hugging Face dir first (titan-pipe convert SRC -o DIR) and adapt that")
             check_compatible(base.args, self.args, init_from)
             weights = AdaptedWeights(base, self.lora, seed=self.cfg.train.seed)
         else:
