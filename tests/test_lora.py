@@ -376,6 +376,39 @@ def test_merged_deployment_exports_and_evaluates_pass(lora_runs, tmp_path):
     assert r.summary["perplexity_before_finetune"] > 1.5 * after  # the fine-tune learned the held-out text
 
 
+@pytest.mark.distributed
+def test_validate_refuses_a_base_the_adapters_cannot_reference(lora_runs, tmp_path):
+    """What the trainer would refuse before its first step, validate refuses first: a LoRA checkpoint
+    as the base (its adapters apart) and a DCP checkpoint (no safetensors files to reference)."""
+    from convert_writers import write_dcp
+
+    work, _ = lora_runs
+    dcp = write_dcp(native_state(model_args(), seed=3), model_args(), tmp_path / "dcp")
+    for base, expect in ((_step(work, "tp2"), "is itself a LoRA checkpoint"), (dcp, "is a dcp checkpoint")):
+        with pytest.raises(ConfigError, match=expect):
+            parse_flow(_flow(base, {}), base=tmp_path)
+
+
+@pytest.mark.distributed
+def test_a_deployment_without_the_fine_tune_fails_evaluate(lora_runs, tmp_path):
+    """The fault this round started from: a deployed model that is not the fine-tuned one must not pass.
+    The base's weights under the merged model's config (the adapters dropped): evaluate against the LoRA
+    checkpoint fails, at the sharded comparison's first layer."""
+    pytest.importorskip("onnxruntime")
+    from titan_pipe.convert.onnx.export import export_model
+    from titan_pipe.evaluate.api import evaluate_model
+
+    work, _ = lora_runs
+    step = _step(work, "tp2")
+    convert_checkpoint(step, tmp_path / "model")
+    shutil.copyfile(work / "base" / "model.safetensors", tmp_path / "model" / "model.safetensors")
+    onnx = export_model(tmp_path / "model", tmp_path / "onnx", ExportConfig(atc=False)).onnx
+    r = evaluate_model(out_dir=tmp_path / "report", checkpoint=step, model_dir=tmp_path / "model", onnx=onnx,
+                       settings=EvaluateConfig(batches=1, prompts=2, new_tokens=4))
+    assert not r.passed and r.summary["comparisons"]["sharded_vs_unified"] == "fail"
+    assert r.summary["first_failing_layer"]["layer"] == 0, r.summary["first_failing_layer"]
+
+
 # -- config, CLI, planner ------------------------------------------------------------------------
 
 
