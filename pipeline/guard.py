@@ -164,7 +164,7 @@ def guard_watch(pid: int, parent_fd: int, grace: float) -> int:
     """Stop ``pid`` and its descendants when the starting process is gone; exit when ``pid`` ends."""
     started = _start_time(pid)
     while _alive(pid, started):
-        if _requested or _parent_gone(parent_fd, 0.5):
+        if _parent_gone(parent_fd, 0.5):
             break
     else:
         return 0
@@ -198,10 +198,15 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"guard.py: unknown argument {a!r}")
     if parent_fd is None or (watch is None) == (not cmd):
         raise SystemExit("guard.py: give --parent-fd FD and either -- CMD ... or --watch PID")
+    if watch is not None:
+        # A watch ends its process when the command that asked for it is gone, never on a signal of
+        # its own: SIGTERM to every process of a service reaches this guardian too, and the watched
+        # process (Prefect's temporary server) must outlive the command's last reports.
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        return guard_watch(watch, parent_fd, grace)
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda s, _f: _requested.append(s))
-    if watch is not None:
-        return guard_watch(watch, parent_fd, grace)
     return guard_child(cmd, parent_fd, grace)
 
 

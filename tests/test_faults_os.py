@@ -129,6 +129,13 @@ def alive(pid: int) -> bool:
         return False
 
 
+def handles_sigterm(pid: int) -> bool:
+    """``pid`` has set what SIGTERM does to it (ignored or caught): it is past its start-up."""
+    with open(f"/proc/{pid}/status") as f:
+        masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigIgn:", "SigCgt:"))]
+    return any(m & (1 << (signal.SIGTERM - 1)) for m in masks)
+
+
 def lock_is_free(lock_file: Path) -> bool:
     fd = os.open(lock_file, os.O_RDONLY)
     try:
@@ -562,6 +569,14 @@ def test_a_watched_process_dies_with_its_watcher(tmp_path):
     watcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert watcher.stdout.readline().strip() == "w"
     guardians = descendants(watcher.pid)
+    end = time.monotonic() + 30
+    while not all(handles_sigterm(g) for g in guardians):  # started: its signal dispositions are set
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    for g in guardians:  # SIGTERM to every process of a service: the watch is not a stop
+        os.kill(g, signal.SIGTERM)
+    time.sleep(2.5)  # the old watch stopped its process here (grace 1 s, a poll each 0.5 s)
+    assert victim.poll() is None and all(alive(g) for g in guardians)
     watcher.kill()
     watcher.wait()
     victim.wait(timeout=30)  # ours to reap: it was stopped by the watch
