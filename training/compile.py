@@ -70,7 +70,8 @@ def cpp_compiler() -> str | None:
     return next((c for c in ("g++", "c++", "clang++") if shutil.which(c)), None)
 
 
-SUBLAYERS = ("attention_norm", "attention", "ffn_norm", "feed_forward")  # of a TransformerBlock
+# of a TransformerBlock; Gemma 3's norms on the sub-layers' outputs where the model has them
+SUBLAYERS = ("attention_norm", "attention", "post_attention_norm", "ffn_norm", "feed_forward", "post_ffn_norm")
 
 
 def disable_autograd_cache() -> None:
@@ -91,7 +92,7 @@ def apply_compile(part: nn.Module, backend, *, split_blocks: bool = False, fullg
     disable_autograd_cache()
     done = []
     for layer_id, block in part.layers.items():
-        names = SUBLAYERS if split_blocks else ("",)
+        names = [n for n in SUBLAYERS if getattr(block, n, None) is not None] if split_blocks else ("",)
         for name in names:
             module = block.get_submodule(name)
             module.forward = torch.compile(module.forward, backend=backend, fullgraph=fullgraph)

@@ -156,8 +156,7 @@ def fill_parameters(module: nn.Module, args: ModelArgs, *, device: torch.device,
         fill_local(((n, p) for n, p in module.named_parameters() if not n.startswith("layers.")),
                    weights=weights, source=lambda name: source_name(name, args))
         hand_back(weights)
-    module.init_rope()
-    module.rope_cos, module.rope_sin = module.rope_cos.to(device), module.rope_sin.to(device)
+    module.init_rope(device)
 
 
 def shared_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:

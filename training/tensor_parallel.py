@@ -59,9 +59,9 @@ def _style(rule: TPRule, sequence_parallel: bool):
     if rule.style == "rowwise":
         return RowwiseParallel(output_layouts=seq)
     if rule.style == "replicate":
-        if sequence_parallel and ".lora." in rule.module:  # an adapter's B: summed with its base's local output
-            return SequenceParallel(use_local_output=True)
         return SequenceParallel() if sequence_parallel else None
+    if rule.style == "replicate_output":  # summed with a local tensor: a row-split base's output, the residual
+        return SequenceParallel(use_local_output=True) if sequence_parallel else None
     if rule.style == "replicate_input":
         return _ON_INPUT
     if rule.style == "replicate_heads":

@@ -22,17 +22,11 @@ from titan_pipe import limits
 from titan_pipe.limits import Bound
 from titan_pipe.errors import UserError
 from titan_pipe.model.families import family_of
+from titan_pipe.model.rope_scaling import ROPE_TYPES, RopeScaling
 from titan_pipe.values import BOOL, DICT, FLOAT, INT, LIST, STR, check, refuse
 
 
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3.1 frequency scaling (``rope_type: llama3`` in Hugging Face configs)."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -64,6 +58,14 @@ class ModelArgs:
     dense_layers: tuple[int, ...] = ()  # ... and i is not one of these (they keep the dense FFN)
     router_norm_topk: bool = True  # the k chosen probabilities renormalized to sum to 1 (Mixtral; Qwen3 norm_topk_prob)
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the training loss
+    # Gemma 3's switches (titan_pipe.model.gemma3 reads and writes its config.json):
+    norm_offset: bool = False  # RMSNorm weights are offsets from 1: the norm multiplies by (1 + w), in float32
+    activation: str = "silu"  # the gated MLP's gate: silu (SwiGLU) or gelu_tanh (GeGLU, tanh-approximated GELU)
+    sandwich_norms: bool = False  # a norm on attention's and on the MLP's output too, before each residual add
+    embed_scale: bool = False  # the embeddings multiplied by sqrt(dim), in the weights' dtype
+    global_every: int = 0  # 0: every layer attends alike; N: layer i with (i+1) % N == 0 attends fully, the others slide
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (unscaled); None: rope_theta
+    attn_scalar: float | None = None  # query_pre_attn_scalar: scores scaled by its -1/2 power; None: head_dim's
     # The Hugging Face model_type a checkpoint names (titan_pipe.model.families), kept so a Mistral with
     # full attention converts back as MistralForCausalLM; None: the simplest family that computes it.
     # A name, not a computation: two args that compute the same model compare equal whatever it is.
@@ -90,6 +92,23 @@ class ModelArgs:
     def kv_dim(self) -> int:
         """Width of the keys and of the values: n_kv_heads x head_dim."""
         return self.kv_heads * self.head_dim
+
+    def is_global_layer(self, i: int) -> bool:
+        """Whether layer ``i`` attends to every position before it (Gemma 3's 1 in ``global_every``)."""
+        return self.global_every > 0 and (i + 1) % self.global_every == 0
+
+    def layer_window(self, i: int) -> int | None:
+        """The sliding window of layer ``i`` (None: full causal attention)."""
+        return None if self.is_global_layer(i) else self.sliding_window
+
+    def local_rope(self, i: int) -> bool:
+        """Whether layer ``i`` rotates with the local RoPE base (``rope_local_theta``, unscaled)."""
+        return self.rope_local_theta is not None and not self.is_global_layer(i)
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor on q.k: attn_scalar^-1/2 (Gemma 3's query_pre_attn_scalar), else head_dim^-1/2."""
+        return (self.attn_scalar if self.attn_scalar is not None else self.head_dim) ** -0.5
 
     @property
     def moe(self) -> bool:
@@ -174,6 +193,8 @@ FIELD_BOUNDS: dict[str, limits.Bound] = {
     "sliding_window": Bound(1, limits.POSITIONS.hi, "a window is at most a model's positions"),
     "n_experts": Bound(0, limits.EXPERTS.hi, limits.EXPERTS.why), "experts_per_token": Bound(0, limits.EXPERTS.hi),
     "moe_hidden_dim": limits.FFN, "moe_step": limits.LAYERS, "router_aux_loss_coef": Bound(0.0, 1e3),
+    "global_every": Bound(0, limits.LAYERS.hi, "0: no global layers; N: every N-th layer attends fully"),
+    "rope_local_theta": limits.ROPE_THETA, "attn_scalar": Bound(1.0, 1e6, "a query_pre_attn_scalar"),
 }
 SCALING_BOUNDS: dict[str, limits.Bound] = {
     "factor": limits.ROPE_FACTOR, "low_freq_factor": limits.ROPE_FACTOR, "high_freq_factor": limits.ROPE_FACTOR,
@@ -210,7 +231,10 @@ def args_problems(args: ModelArgs) -> list[str]:
     s = args.rope_scaling
     if s is not None:
         out += [p for k, b in SCALING_BOUNDS.items() if (p := _bound_problem(f"rope_scaling.{k}", getattr(s, k), b))]
-        if s.high_freq_factor <= s.low_freq_factor:
+        if s.rope_type not in ROPE_TYPES:
+            out.append(f"rope_scaling.rope_type: {limits.shown(s.rope_type)} is not one of {', '.join(ROPE_TYPES)}; "
+                       "use llama3 (Llama-3.1) or linear (Gemma 3)")
+        elif s.rope_type == "llama3" and s.high_freq_factor <= s.low_freq_factor:
             out.append(f"rope_scaling.high_freq_factor: {s.high_freq_factor:g} must exceed low_freq_factor "
                        f"{s.low_freq_factor:g}")
     if args.head_dim is None:  # not given, and dim / n_heads is no whole head
@@ -226,6 +250,15 @@ def args_problems(args: ModelArgs) -> list[str]:
     if args.qk_norm and args.qkv_bias:  # to_hf_config could name no architecture (titan_pipe.model.families)
         out.append("qk_norm: true together with qkv_bias: no Hugging Face architecture has both (Qwen2: q/k/v "
                    "biases, Qwen3: q/k norms); drop one of qk_norm / qkv_bias")
+    if args.activation not in ACTIVATIONS:
+        out.append(f"activation: {limits.shown(args.activation)} is not one of {', '.join(ACTIVATIONS)}; use silu "
+                   "(SwiGLU) or gelu_tanh (GeGLU)")
+    if args.global_every and args.sliding_window is None:
+        out.append(f"global_every: {args.global_every} needs sliding_window (the other layers' window); set "
+                   "sliding_window, or global_every: 0")
+    if args.rope_local_theta is not None and not args.global_every:
+        out.append(f"rope_local_theta: {args.rope_local_theta:g} is the sliding layers' RoPE base beside global "
+                   "layers, but global_every is 0; set global_every, or drop rope_local_theta")
     if args.n_heads % args.kv_heads:
         out.append(f"n_kv_heads: {args.kv_heads} does not divide n_heads={args.n_heads}; pick a divisor")
     out += _moe_problems(args)
@@ -322,6 +355,13 @@ FLAVOURS: dict[str, ModelArgs] = {
                                  ffn_hidden_dim=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
                                  qk_norm=True, n_experts=128, experts_per_token=8, moe_hidden_dim=1536,
                                  router_aux_loss_coef=0.001),
+    # Gemma 3 1B (Gemma3ForCausalLM, text only): offset norms around both sub-layers, GeGLU, embeddings
+    # times sqrt(dim), 5 sliding (512, RoPE base 1e4) : 1 global (1e6) layers, head_dim 256, tied.
+    "gemma3_1b": ModelArgs(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, vocab_size=262144,
+                           ffn_hidden_dim=6912, norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768, tie_embeddings=True,
+                           qk_norm=True, sliding_window=512, norm_offset=True, activation="gelu_tanh",
+                           sandwich_norms=True, embed_scale=True, global_every=6, rope_local_theta=1e4,
+                           attn_scalar=256.0),
     # A tiny Mixtral-shaped mixture for CPU tests and examples.
     "debug_moe": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_hidden_dim=64,
                            max_seq_len=256, n_experts=4, experts_per_token=2, router_aux_loss_coef=0.01),
@@ -359,13 +399,14 @@ def count_params(args: ModelArgs, *, active: bool = False) -> int:
         attn += q + 2 * kv
     if args.qk_norm:
         attn += 2 * args.head_dim
+    norms = 4 if args.sandwich_norms else 2
     n_moe = len(args.moe_layers)
     dense = (args.n_layers - n_moe) * 3 * d * args.hidden_dim
     experts = args.experts_per_token if active else args.n_experts
     routed = n_moe * (experts * 3 * d * args.expert_dim + args.n_experts * d)  # experts + router
     emb = args.vocab_size * d
     out = 0 if args.tie_embeddings else args.vocab_size * d
-    return args.n_layers * (attn + 2 * d) + dense + routed + emb + out + d
+    return args.n_layers * (attn + norms * d) + dense + routed + emb + out + d
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
@@ -376,7 +417,8 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     as SDPA's math path and the masked kernels compute it: a sliding window masks scores, it does
     not skip computing them. Norms (q/k norms too) and embedding lookups are not matmuls.
     """
-    norms = args.dim * (2 * args.n_layers + 1) + (2 * args.head_dim * args.n_layers if args.qk_norm else 0)
+    norms = (args.dim * ((4 if args.sandwich_norms else 2) * args.n_layers + 1)
+             + (2 * args.head_dim * args.n_layers if args.qk_norm else 0))
     biases = (args.q_dim + 2 * args.kv_dim) * args.n_layers if args.qkv_bias else 0
     # The embedding is a gather, not a matmul; a tied matrix still runs once as the output matmul.
     # A mixture of experts: the top-k experts a token is routed to, and the router.
@@ -403,10 +445,11 @@ def check_fits(args: ModelArgs, have_bytes: int, *, source: object, where: objec
 
 # Every dim that sizes a tensor: what weights must match to load into a model.
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "kv_heads", "head_dim", "vocab_size", "hidden_dim", "qkv_bias",
-              "qk_norm", "n_experts", "expert_dim", "moe_layers", "tie_embeddings")
+              "qk_norm", "sandwich_norms", "n_experts", "expert_dim", "moe_layers", "tie_embeddings")
 # The shapes plus the numerics of the forward: what two artifacts must share to be compared.
 SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + ("norm_eps", "rope_theta", "sliding_window", "experts_per_token",
-                                     "router_norm_topk", "tie_embeddings")
+                                     "router_norm_topk", "norm_offset", "activation", "embed_scale", "global_every",
+                                     "rope_local_theta", "attn_scale", "rope_scaling", "tie_embeddings")
 
 
 def model_differences(a: ModelArgs, b: ModelArgs, *, keys: tuple[str, ...] = SAME_MODEL_KEYS,

@@ -13,6 +13,7 @@ One decoder with its switches (titan_pipe.model.args) covers six architectures:
   Qwen3MoeForCausalLM (qwen3_moe) Qwen3 with a mixture of experts (num_experts of width
                                    moe_intermediate_size, norm_topk_prob) in the layers decoder_sparse_step
                                    and mlp_only_layers say; the other layers keep intermediate_size
+  Gemma3ForCausalLM   (gemma3_text) its own switches and keys: titan_pipe.model.gemma3
 
 A config.json is read by its ``model_type`` (titan_pipe.model.hf_config reads the rest), every key
 typed strictly (titan_pipe.values); what the model cannot compute (mixture-of-experts families, a
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from titan_pipe import limits
 from titan_pipe.errors import UserError
+from titan_pipe.model import gemma3
 from titan_pipe.limits import Bound, shown
 from titan_pipe.values import BOOL, FLOAT, INT, STR, read, refuse
 
@@ -43,6 +45,7 @@ class Family:
     qk_norm: bool = False  # Qwen3 always has q_norm / k_norm
     window_keys: str = "none"  # none | mistral (sliding_window) | qwen (per-layer types)
     moe: bool = False  # a mixture of experts (the keys: _read_moe)
+    gemma: bool = False  # Gemma 3's switches and keys (titan_pipe.model.gemma3)
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -52,6 +55,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, window_keys="qwen"),
     Family("MixtralForCausalLM", "mixtral", window_keys="mistral", moe=True),
     Family("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, window_keys="qwen", moe=True),
+    Family(gemma3.ARCHITECTURE, gemma3.MODEL_TYPE, qk_norm=True, window_keys="gemma", gemma=True),
 )}
 SUPPORTED = ", ".join(f.architecture for f in FAMILIES.values())
 # Known relatives the model cannot compute, named so the refusal says what the file is.
@@ -59,6 +63,10 @@ UNSUPPORTED = {
     "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+# Relatives that are not mixtures of experts: why each is not computed.
+NOT_COMPUTED = {"gemma3": "Gemma3ForConditionalGeneration (its vision tower); convert the text model "
+                          "(Gemma3ForCausalLM, model_type gemma3_text)",
+                "gemma2": "Gemma2ForCausalLM (logit soft-capping)", "gemma": "GemmaForCausalLM"}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -67,6 +75,11 @@ def family_of(args: ModelArgs) -> Family:
     checkpoint named); ValueError for a combination none has."""
     if args.family is not None:
         return _named_family(args)
+    if gemma3.uses_any(args):
+        why = gemma3.problem(args)
+        if why is not None:
+            raise ValueError(why)
+        return FAMILIES[gemma3.MODEL_TYPE]
     if args.qk_norm and args.qkv_bias:
         raise ValueError("q/k norms together with q/k/v biases: no Hugging Face architecture has both "
                          f"({SUPPORTED}); drop one of qk_norm / qkv_bias")
@@ -85,6 +98,11 @@ def _named_family(args: ModelArgs) -> Family:
     if fam is None:
         raise ValueError(f"is not one of {', '.join(FAMILIES)} (Hugging Face model_type)")
     plain = replace(args, family=None)
+    if fam.gemma or gemma3.uses_any(args):
+        if not fam.gemma or gemma3.problem(args) is not None:
+            raise ValueError(gemma3.problem(args) if fam.gemma else f"{fam.architecture} cannot hold this model "
+                             "(Gemma 3's switches are set); drop model.family or those switches")
+        return fam
     if fam.moe != args.moe or fam.qkv_bias != args.qkv_bias or fam.qk_norm != args.qk_norm or (
             fam.window_keys == "none" and args.sliding_window is not None):
         raise ValueError(f"{fam.architecture} cannot hold this model ({family_of(plain).architecture} does); "
@@ -111,6 +129,8 @@ def _moe_family(args: ModelArgs) -> Family:
 def family_keys(args: ModelArgs) -> dict:
     """The architecture keys of ``args``' config.json (architectures, model_type, biases, windows)."""
     fam = family_of(args)
+    if fam.gemma:
+        return gemma3.write_config(args)
     cfg: dict = {"architectures": [fam.architecture], "model_type": fam.model_type}
     if fam.model_type in ("llama", "qwen3"):
         cfg["attention_bias"] = False
@@ -144,7 +164,7 @@ def config_family(cfg: dict, source: str) -> Family:
         return FAMILIES[kind]
     names = cfg.get("architectures")
     named = names[0] if isinstance(names, list) and names and isinstance(names[0], str) else None
-    what = UNSUPPORTED.get(kind) or (shown(named) if named else f"model_type {shown(kind)}")
+    what = UNSUPPORTED.get(kind) or NOT_COMPUTED.get(kind) or (shown(named) if named else f"model_type {shown(kind)}")
     why = " (mixture of experts)" if kind in UNSUPPORTED else ""
     raise UserError(f"{source}: architecture {what}{why} is not supported; titan-pipe computes {SUPPORTED}")
 
@@ -153,6 +173,8 @@ def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
     """ModelArgs fields {qkv_bias, qk_norm, sliding_window} of a config.json, every key typed
     strictly (titan_pipe.values); UserError naming the key for what the model cannot compute."""
     fam = config_family(cfg, source)
+    if fam.gemma:
+        return gemma3.read_config(cfg, n_layers=n_layers, source=source)
     if read(cfg, "attention_bias", BOOL, source=source, default=False) and fam.model_type in ("llama", "qwen3"):
         raise refuse(source, "attention_bias", True, "puts a bias on o_proj too, which titan-pipe's model does not "
                      "have", "convert a model without it (Qwen2's q/k/v biases are supported)")

@@ -52,6 +52,7 @@ def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
     """A config.json dict for ``args`` (Llama, Mistral, Qwen2 or Qwen3: titan_pipe.model.families),
     in the 4.x layout both 4.x and 5.x load."""
     fam = family_keys(args)
+    gemma = fam["model_type"] == "gemma3_text"  # its RoPE and activation keys are its own (titan_pipe.model.gemma3)
     cfg = {
         "architectures": fam.pop("architectures"),
         "model_type": fam.pop("model_type"),
@@ -71,7 +72,10 @@ def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
         "torch_dtype": torch_dtype,
         "rope_scaling": None,
     }
-    if args.rope_scaling is not None:
+    if gemma:
+        del cfg["hidden_act"]
+        cfg["rope_scaling"] = fam["rope_scaling"]
+    elif args.rope_scaling is not None:
         s = args.rope_scaling
         cfg["rope_scaling"] = {
             "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
@@ -141,8 +145,11 @@ def from_hf_config(cfg: dict, *, source: str = "config.json") -> ModelArgs:
     config_family(cfg, source)  # another architecture is named before its keys are read
     values = {f.field: read(cfg, f.key, f.kind, source=source, default=f.default, bound=f.bound)
               for f in HF_FIELDS}
-    values.update(read_family(cfg, n_layers=values["n_layers"], source=source))
-    _activation(cfg, source)
-    values["rope_theta"], values["rope_scaling"] = _rope(cfg, source)
+    family = read_family(cfg, n_layers=values["n_layers"], source=source)  # a family's defaults win (Gemma: tied)
+    values.update(family)
+    if "activation" not in family:  # a family with its own keys reads them (Gemma 3)
+        _activation(cfg, source)
+    if "rope_theta" not in family:
+        values["rope_theta"], values["rope_scaling"] = _rope(cfg, source)
     return validate_args(ModelArgs(**values), source=source)
 

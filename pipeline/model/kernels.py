@@ -4,7 +4,7 @@ training on CUDA, and the fused torch_npu kernels Ascend trains with.
 Every set implements the same three functions, so the model and the evaluator can run any:
   rms_norm(x (..., dim), weight (dim,), eps) -> (..., dim)
   apply_rotary(q (B, H, T, hd), k (B, Hkv, T, hd), cos (T, hd), sin (T, hd)) -> q, k
-  attention(q (B, H, T, hd), k, v (B, Hkv, T, hd), n_rep, causal, window, positions) -> (B, H, T, hd)
+  attention(q (B, H, T, hd), k, v (B, Hkv, T, hd), n_rep, causal, window, positions, scale) -> (B, H, T, hd)
 
 ``window`` (Mistral's sliding window, None: none): query t sees keys s with t - window < s <= t.
 ``positions`` (B, T) of packed documents (fine-tuning; None: one document a row): a document starts
@@ -29,6 +29,14 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: the weight is an offset from 1, and the product is taken in float32 before
+    the cast back (Hugging Face's Gemma3RMSNorm), whichever kernels the rest of the model runs."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -68,14 +76,15 @@ def document_mask(positions: torch.Tensor, window: int | None = None) -> torch.T
 
 
 def attention_ref(q, k, v, *, n_rep: int, causal: bool = True, window: int | None = None,
-                  positions: torch.Tensor | None = None):
+                  positions: torch.Tensor | None = None, scale: float | None = None):
     # Explicit repeat instead of SDPA's enable_gqa: older exporters and runtimes lack it.
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     if positions is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions, window))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions, window), scale=scale)
     if window is None or window >= q.shape[-2]:  # a window as long as the sequence masks nothing
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(q.shape[-2], window, q.device))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(q.shape[-2], window, q.device),
+                                          scale=scale)
 
 
 def experts_loop(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
@@ -166,7 +175,7 @@ def apply_rotary_halves(q, k, cos, sin):
     return rot(q), rot(k)
 
 
-def attention_documents_flex(q, k, v, positions: torch.Tensor, window: int | None):
+def attention_documents_flex(q, k, v, positions: torch.Tensor, window: int | None, scale: float | None = None):
     """Packed documents through flex attention's block-sparse kernel (CUDA): blocks no query of its
     document reaches are skipped, not masked. Same result as SDPA with document_mask (tests)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -180,7 +189,7 @@ def attention_documents_flex(q, k, v, positions: torch.Tensor, window: int | Non
     b, _, t, _ = q.shape
     block = create_block_mask(keep, b, None, t, t, device=q.device)
     run = _compiled_flex() if q.is_cuda else flex_attention  # eager flex is a reference, not a kernel
-    return run(q, k, v, block_mask=block, enable_gqa=k.shape[1] != q.shape[1])
+    return run(q, k, v, block_mask=block, enable_gqa=k.shape[1] != q.shape[1], scale=scale)
 
 
 @lru_cache(maxsize=1)
@@ -191,17 +200,18 @@ def _compiled_flex():
 
 
 def attention_gqa(q, k, v, *, n_rep: int, causal: bool = True, window: int | None = None,
-                  positions: torch.Tensor | None = None):
+                  positions: torch.Tensor | None = None, scale: float | None = None):
     # K/V keep their kv heads: SDPA's enable_gqa reads each for its query group without copies
     gqa = n_rep > 1
     if positions is not None:
         if q.is_cuda:
-            return attention_documents_flex(q, k, v, positions, window)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions, window), enable_gqa=gqa)
+            return attention_documents_flex(q, k, v, positions, window, scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions, window), enable_gqa=gqa,
+                                              scale=scale)
     if window is None or window >= q.shape[-2]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(q.shape[-2], window, q.device),
-                                          enable_gqa=gqa)
+                                          enable_gqa=gqa, scale=scale)
 
 
 def torch_fused_kernels() -> Kernels:
@@ -222,7 +232,7 @@ def npu_fused_kernels() -> Kernels:
         c, s = (cos, sin) if cos.dim() == 4 else (cos[None, None], sin[None, None])
         return torch_npu.npu_rotary_mul(q, c, s), torch_npu.npu_rotary_mul(k, c, s)
 
-    def attention(q, k, v, *, n_rep, causal=True, window=None, positions=None):
+    def attention(q, k, v, *, n_rep, causal=True, window=None, positions=None, scale=None):
         b, h, t, d = q.shape
         mask = None
         if positions is not None:  # packed documents: the explicit mask (True: masked)
@@ -232,7 +242,7 @@ def npu_fused_kernels() -> Kernels:
         # BNSD layout; GQA handled natively (k/v carry the kv heads); sparse_mode=0 with an
         # explicit upper-triangular mask means "masked where True".
         return torch_npu.npu_fusion_attention(
-            q, k, v, h, input_layout="BNSD", atten_mask=mask, scale=d ** -0.5,
+            q, k, v, h, input_layout="BNSD", atten_mask=mask, scale=d ** -0.5 if scale is None else scale,
             keep_prob=1.0, sparse_mode=0)[0]
 
     return Kernels("npu_fused", rms_norm, apply_rotary, attention)

@@ -13,7 +13,7 @@ from titan_pipe.dtypes import parse_dtype
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels
-from titan_pipe.model.transformer import Transformer, build_model, rope_cos_sin
+from titan_pipe.model.transformer import Transformer, build_model
 from titan_pipe.model.unified_dir import open_unified
 
 
@@ -38,8 +38,7 @@ def load_unified_model(model_dir: Path, *, dtype: str | torch.dtype | None = Non
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     dtypes = {p.dtype for p in model.parameters()}
-    cos, sin = rope_cos_sin(args)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.init_rope(device)
     if len(dtypes) > 1:
         raise UserError(f"{model_dir}: tensors are stored in mixed dtypes {sorted(map(str, dtypes))}; "
                         "pass dtype='float32' (or another) to cast them to one")

@@ -8,16 +8,24 @@ only. (torchtitan/Meta checkpoints use interleaved RoPE pairs: their reader perm
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS, param_of, split_layer
 
 # (native pattern, Hugging Face pattern); {i} is the layer id. Derived from the parameter list.
 # Stacked expert weights have no one Hugging Face name (one tensor per expert): hf_expert_key.
-NATIVE_TO_HF: tuple[tuple[str, str], ...] = (
-    *((p.name, p.hf) for p in MODEL_PARAMS if p.scope == "first"),
-    *((f"{LAYER_PREFIX}{{i}}.{p.name}", f"model.layers.{{i}}.{p.hf}") for p in LAYER_PARAMS if not p.expert),
-    *((p.name, p.hf) for p in MODEL_PARAMS if p.scope == "last"),
-)
+def hf_table(family: str | None = None) -> tuple[tuple[str, str], ...]:
+    """(native pattern, Hugging Face pattern) of every parameter ``family``'s checkpoints may hold,
+    in its spelling (titan_pipe.model.params: Param.hf_in; None: the list's own names)."""
+    return (
+        *((p.name, p.hf_in(family)) for p in MODEL_PARAMS if p.scope == "first" and p.held_by(family)),
+        *((f"{LAYER_PREFIX}{{i}}.{p.name}", f"model.layers.{{i}}.{p.hf_in(family)}") for p in LAYER_PARAMS
+          if not p.expert and p.held_by(family)),
+        *((p.name, p.hf_in(family)) for p in MODEL_PARAMS if p.scope == "last" and p.held_by(family)),
+    )
+
+
+NATIVE_TO_HF = hf_table()
 # Mixtral spells the mixture-of-experts names of the list (Qwen3-MoE's) its own way.
 MIXTRAL_SPELLING = {"mlp.gate.weight": "block_sparse_moe.gate.weight",
                     "mlp.experts.{e}.gate_proj.weight": "block_sparse_moe.experts.{e}.w1.weight",
@@ -30,12 +38,19 @@ def _compile(pattern: str) -> re.Pattern:
     return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)") + "$")
 
 
-_N2H = [(_compile(n), h) for n, h in NATIVE_TO_HF]
-_H2N = [(_compile(h), n) for n, h in NATIVE_TO_HF]
+@lru_cache(maxsize=None)
+def _tables(family: str | None) -> tuple[list, list]:
+    """(native -> HF, HF -> native) compiled patterns of ``family`` (Mixtral's router names too)."""
+    table = hf_table(family)
+    n2h = [(_compile(n), h) for n, h in table]
+    h2n = [(_compile(h), n) for n, h in table]
+    h2n += [(_compile(f"model.layers.{{i}}.{MIXTRAL_SPELLING[p.hf]}"), f"{LAYER_PREFIX}{{i}}.{p.name}")
+            for p in LAYER_PARAMS if p.hf in MIXTRAL_SPELLING and not p.expert]
+    return n2h, h2n
+
+
 _EXPERT_HF = [(_compile(f"model.layers.{{i}}.{spelling}"), f"{LAYER_PREFIX}{{i}}.{p.name}")
               for p in LAYER_PARAMS if p.expert for spelling in (p.hf, MIXTRAL_SPELLING[p.hf])]
-_H2N += [(_compile(f"model.layers.{{i}}.{MIXTRAL_SPELLING[p.hf]}"), f"{LAYER_PREFIX}{{i}}.{p.name}")
-         for p in LAYER_PARAMS if p.hf in MIXTRAL_SPELLING and not p.expert]
 
 
 def _translate(name: str, table) -> str:
@@ -47,9 +62,10 @@ def _translate(name: str, table) -> str:
 
 
 def native_to_hf(name: str, family: str | None = None) -> str:
-    """The Hugging Face name of a native parameter, in ``family``'s spelling (Mixtral's MoE router)."""
+    """The Hugging Face name of a native parameter, in ``family``'s spelling (Mixtral's MoE router,
+    Gemma 3's norms)."""
     try:
-        hf = _translate(name, _N2H)
+        hf = _translate(name, _tables(family)[0])
     except KeyError:
         raise KeyError(f"no Hugging Face name for native parameter {name!r} (titan_pipe.model.names)") from None
     lid, rest = split_layer(name)
@@ -58,9 +74,11 @@ def native_to_hf(name: str, family: str | None = None) -> str:
     return hf
 
 
-def hf_to_native(name: str) -> str:
+def hf_to_native(name: str, family: str | None = None) -> str:
+    """The native name of a Hugging Face tensor name of a ``family`` checkpoint (its spelling: Gemma 3's
+    post_attention_layernorm is the norm after attention, Llama's the norm before the MLP)."""
     try:
-        return _translate(name, _H2N)
+        return _translate(name, _tables(family)[1])
     except KeyError:
         raise KeyError(f"no native name for Hugging Face parameter {name!r} (titan_pipe.model.names)") from None
 

@@ -26,9 +26,12 @@ from titan_pipe.model.args import ModelArgs
 # q/k norms), so its input is split over tp on the heads dim and its gradient sums over tp.
 # "replicate_input": a replicated weight applied to the replicated, whole-sequence input of a
 # column-split linear (a LoRA adapter's A beside it), whatever the sequence layout between blocks.
-TP_STYLES = ("colwise", "rowwise", "vocab", "replicate", "replicate_heads", "replicate_input")
+# "replicate_output": a replicated weight whose output joins a row-split linear's output or the residual
+# stream as a plain tensor, sequence-split under sequence parallel (a LoRA adapter's B beside a row-split
+# base; Gemma 3's norms on a sub-layer's output).
+TP_STYLES = ("colwise", "rowwise", "vocab", "replicate", "replicate_heads", "replicate_input", "replicate_output")
 _WEIGHT_SPLIT = {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None, "replicate_heads": None,
-                 "replicate_input": None}
+                 "replicate_input": None, "replicate_output": None}
 # Initial values (transformer.init_param): ones; zeros (biases); N(0, 0.02); N(0, 0.02 / sqrt(2
 # n_layers)) for the projections back into the residual stream; N(0, dim^-0.5) for the output projection.
 INITS = ("ones", "zeros", "normal", "depth_scaled", "fan_in")
@@ -82,6 +85,10 @@ class Param:
     tp_dim: int | None | str = "style"
     in_layer: Callable[[ModelArgs, int], bool] = _every_layer  # per-layer entries: does layer i hold it
     expert: bool = False  # dim 0 indexes the experts (one Hugging Face tensor per expert)
+    # (model_type, its Hugging Face name) where a family spells this parameter otherwise (Gemma 3 calls the
+    # norm before the MLP pre_feedforward_layernorm, and post_attention_layernorm is its norm after attention)
+    hf_spelled: tuple[tuple[str, str], ...] = ()
+    families: tuple[str, ...] = ()  # the model_types whose checkpoints hold it (empty: any)
 
     def __post_init__(self):
         if self.tp not in TP_STYLES or self.init not in INITS or self.scope not in SCOPES:
@@ -95,10 +102,27 @@ class Param:
         """The owning module (``attention.wq``), relative to the layer for per-layer parameters."""
         return self.name.rsplit(".", 1)[0]
 
+    def hf_in(self, family: str | None) -> str:
+        """The Hugging Face name in ``family``'s checkpoints (relative to the layer for per-layer ones)."""
+        return dict(self.hf_spelled).get(family, self.hf)
 
-def _norm(name: str, hf: str, megatron: tuple[str, ...], scope: str) -> Param:
+    def held_by(self, family: str | None) -> bool:
+        """Whether checkpoints of ``family`` (None: a family not named) may hold it."""
+        return not self.families or family in self.families
+
+
+def _norm(name: str, hf: str, megatron: tuple[str, ...], scope: str, **kw) -> Param:
     return Param(name, lambda a: (a.dim,), "replicate", scope, hf, name, init="ones", matmul=False,
-                 megatron=megatron)
+                 megatron=megatron, **kw)
+
+
+GEMMA3 = "gemma3_text"
+
+
+def _sandwich_norm(name: str, hf: str) -> Param:
+    """Gemma 3's norm on a sub-layer's output, before the residual add (ModelArgs.sandwich_norms)."""
+    return Param(name, lambda a: (a.dim,), "replicate_output", "layer", hf, name, init="ones", matmul=False,
+                 when=lambda a: a.sandwich_norms, families=(GEMMA3,))
 
 
 def _qkv_bias(part: str, width: Callable[[ModelArgs], int]) -> Param:
@@ -148,8 +172,10 @@ LAYER_PARAMS: tuple[Param, ...] = (
           megatron=("self_attention.linear_proj.weight",)),
     _qk_norm("q"),
     _qk_norm("k"),
+    _sandwich_norm("post_attention_norm.weight", "post_attention_layernorm.weight"),
     _norm("ffn_norm.weight", "post_attention_layernorm.weight",
-          ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), "layer"),
+          ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), "layer",
+          hf_spelled=((GEMMA3, "pre_feedforward_layernorm.weight"),)),
     Param("feed_forward.w1.weight", lambda a: (a.hidden_dim, a.dim), "colwise", "layer",
           "mlp.gate_proj.weight", "w1", megatron=("mlp.linear_fc1.weight",), fused=("fc1", "gate"),
           in_layer=_dense_ffn),
@@ -159,6 +185,7 @@ LAYER_PARAMS: tuple[Param, ...] = (
     Param("feed_forward.w2.weight", lambda a: (a.dim, a.hidden_dim), "rowwise", "layer",
           "mlp.down_proj.weight", "w2", init="depth_scaled", megatron=("mlp.linear_fc2.weight",),
           in_layer=_dense_ffn),
+    _sandwich_norm("post_ffn_norm.weight", "post_feedforward_layernorm.weight"),
     # A mixture of experts in place of the feed-forward (ModelArgs.is_moe_layer): torchtitan's names
     # (its MoE DCP checkpoints read one to one), Qwen3-MoE's Hugging Face names (Mixtral's:
     # titan_pipe.model.names). Replicated under TP: expert parallelism is what splits experts.
@@ -201,7 +228,7 @@ def _adapter_entries() -> tuple[Param, ...]:
     for base in LAYER_PARAMS:
         if not base.module.startswith(("attention.w", "feed_forward.w")) or not base.name.endswith(".weight"):
             continue
-        styles = {"colwise": ("replicate_input", "colwise"), "rowwise": ("rowwise", "replicate")}[base.tp]
+        styles = {"colwise": ("replicate_input", "colwise"), "rowwise": ("rowwise", "replicate_output")}[base.tp]
         for part, style in zip(("a", "b"), styles):
             name = adapter_param(base.module, part)
             out.append(Param(name, _no_shape, style, "layer", f"{base.hf[:-len('.weight')]}.lora_{part.upper()}.weight",

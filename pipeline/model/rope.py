@@ -15,13 +15,17 @@ import numpy as np
 from titan_pipe.model.args import ModelArgs
 
 
-def inv_freq(args: ModelArgs) -> np.ndarray:
-    """(head_dim/2,) float32 inverse frequencies, computed in float64, with Llama-3.1 scaling when configured."""
+def inv_freq(args: ModelArgs, *, local: bool = False) -> np.ndarray:
+    """(head_dim/2,) float32 inverse frequencies, computed in float64, with the configured scaling
+    (Llama-3.1's or linear); ``local``: the sliding layers' base (``rope_local_theta``), unscaled."""
     hd = args.head_dim
-    inv = 1.0 / (args.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    s = args.rope_scaling
+    theta = args.rope_local_theta if local else args.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    s = None if local else args.rope_scaling
     if s is None:
         return inv.astype(np.float32)
+    if s.rope_type == "linear":
+        return (inv / s.factor).astype(np.float32)
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -33,8 +37,9 @@ def inv_freq(args: ModelArgs) -> np.ndarray:
     return scaled.astype(np.float32)
 
 
-def cos_sin(args: ModelArgs, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin float32 of shape (rows, head_dim), each half repeated (rotate-half convention)."""
-    freqs = np.outer(np.arange(rows, dtype=np.float32), inv_freq(args))  # fp32 products, as torch.outer
+def cos_sin(args: ModelArgs, rows: int, *, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 of shape (rows, head_dim), each half repeated (rotate-half convention);
+    ``local``: the sliding layers' tables (inv_freq)."""
+    freqs = np.outer(np.arange(rows, dtype=np.float32), inv_freq(args, local=local))  # fp32 products, as torch.outer
     angles = np.concatenate([freqs, freqs], axis=-1).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

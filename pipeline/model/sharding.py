@@ -24,7 +24,8 @@ class TPRule:
 
     style: "colwise" (weight Shard(0): output features split), "rowwise" (weight Shard(1): input
     features split, partial sums all-reduced), "vocab" (embedding table Shard(0) over the vocab,
-    which torch's RowwiseParallel does for nn.Embedding) or "replicate".
+    which torch's RowwiseParallel does for nn.Embedding), or one of the replicated styles
+    (titan_pipe.model.params TP_STYLES says where each one's input comes from and its output goes).
     """
 
     module: str

@@ -28,7 +28,9 @@ COMPARED: dict[str, str] = {
     "rope_scaling": "rope_scaling", "max_seq_len": "max_seq_len", "tie_embeddings": "tie_embeddings",
     "qkv_bias": "qkv_bias", "qk_norm": "qk_norm", "sliding_window": "sliding_window", "n_experts": "n_experts",
     "experts_per_token": "experts_per_token", "moe_hidden_dim": "expert_dim", "moe_step": "moe_layers",
-    "dense_layers": "moe_layers", "router_norm_topk": "router_norm_topk",
+    "dense_layers": "moe_layers", "router_norm_topk": "router_norm_topk", "norm_offset": "norm_offset",
+    "activation": "activation", "sandwich_norms": "sandwich_norms", "embed_scale": "embed_scale",
+    "global_every": "global_every", "rope_local_theta": "rope_local_theta", "attn_scalar": "attn_scale",
 }
 # Training choices, not architecture: a value given in flow.yaml is used over the checkpoint's.
 TRAINING_FIELDS = ("router_aux_loss_coef",)
@@ -63,7 +65,9 @@ def checkpoint_side(path: Path) -> tuple[dict, dict[str, Path]]:
 def _shown(value: object) -> str:
     if value is None:
         return "null"
-    if hasattr(value, "factor"):  # RopeScaling
+    if hasattr(value, "factor") and getattr(value, "rope_type", "llama3") == "linear":  # RopeScaling
+        return f"{{rope_type: linear, factor: {value.factor:g}}}"
+    if hasattr(value, "factor"):
         return (f"{{factor: {value.factor:g}, low_freq_factor: {value.low_freq_factor:g}, high_freq_factor: "
                 f"{value.high_freq_factor:g}, original_max_position_embeddings: "
                 f"{value.original_max_position_embeddings}}}")

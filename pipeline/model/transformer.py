@@ -16,7 +16,7 @@ from torch import nn
 
 from titan_pipe.model import rope
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.kernels import Kernels, reference_kernels
+from titan_pipe.model.kernels import Kernels, reference_kernels, rms_norm_offset
 from titan_pipe.model.lora import LoRASpec, is_adapter
 from titan_pipe.model.lora_modules import adapted, adapters_for, init_adapter
 from titan_pipe.model.loss import cross_entropy, linear_cross_entropy
@@ -28,15 +28,17 @@ from titan_pipe.model.seeding import param_generator
 # RoPE: real-valued, rotate-half layout
 
 
-def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """(head_dim/2,) inverse frequencies, with Llama-3.1 scaling when configured (titan_pipe.model.rope)."""
-    return torch.as_tensor(rope.inv_freq(args))  # on the default device (meta while building on meta)
+def rope_inv_freq(args: ModelArgs, *, local: bool = False) -> torch.Tensor:
+    """(head_dim/2,) inverse frequencies, with the configured scaling; ``local``: the sliding layers'
+    (titan_pipe.model.rope)."""
+    return torch.as_tensor(rope.inv_freq(args, local=local))  # on the default device (meta while building on meta)
 
 
-def rope_cos_sin(args: ModelArgs, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (seq_len, head_dim), each half repeated (rotate-half convention)."""
+def rope_cos_sin(args: ModelArgs, seq_len: int | None = None, *, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (seq_len, head_dim), each half repeated (rotate-half convention); ``local``:
+    the sliding layers' tables (Gemma 3's rope_local_theta)."""
     t = torch.arange(seq_len or args.max_seq_len, dtype=torch.float32)
-    freqs = torch.outer(t, rope_inv_freq(args))
+    freqs = torch.outer(t, rope_inv_freq(args, local=local))
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -46,14 +48,22 @@ def rope_cos_sin(args: ModelArgs, seq_len: int | None = None) -> tuple[torch.Ten
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, kernels: Kernels):
+    """``offset``: Gemma's norm, its weight an offset from 1 (kernels.rms_norm_offset)."""
+
+    def __init__(self, dim: int, eps: float, kernels: Kernels, offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            return rms_norm_offset(x, self.weight, self.eps)
         return self.kernels.rms_norm(x, self.weight, self.eps)
+
+
+def _norm(args: ModelArgs, dim: int, kernels: Kernels) -> RMSNorm:
+    return RMSNorm(dim, args.norm_eps, kernels, args.norm_offset)
 
 
 class Attention(nn.Module):
@@ -61,18 +71,19 @@ class Attention(nn.Module):
     row-split, the q/k norms replicated over the local heads. ``lora``: adapters beside the
     targeted projections (titan_pipe.model.lora)."""
 
-    def __init__(self, args: ModelArgs, kernels: Kernels, lora: LoRASpec | None = None):
+    def __init__(self, args: ModelArgs, kernels: Kernels, lora: LoRASpec | None = None, layer_id: int = 0):
         super().__init__()
         self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.kv_heads
-        self.window = args.sliding_window
+        self.window = args.layer_window(layer_id)
+        self.scale = None if args.attn_scalar is None else args.attn_scale
         self.wq = nn.Linear(args.dim, args.q_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, args.kv_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.kv_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
         # Qwen3: RMSNorm over each head's head_dim values of q and k, before RoPE.
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, kernels) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, kernels) if args.qk_norm else None
+        self.q_norm = _norm(args, args.head_dim, kernels) if args.qk_norm else None
+        self.k_norm = _norm(args, args.head_dim, kernels) if args.qk_norm else None
         self.lora = adapters_for("attention", {"wq": (args.dim, args.q_dim), "wk": (args.dim, args.kv_dim),
                                                "wv": (args.dim, args.kv_dim), "wo": (args.q_dim, args.dim)}, lora)
         self.kernels = kernels
@@ -100,18 +111,29 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         if positions is None:
-            out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True, window=self.window)
+            out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True, window=self.window,
+                                         **self._scale())
         else:  # packed documents: each query sees its own document only
             out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True, window=self.window,
-                                         positions=positions)
+                                         positions=positions, **self._scale())
         return adapted(self.wo, self.lora, "wo", out.transpose(1, 2).reshape(b, t, -1))
 
 
-class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x); ``lora``: adapters beside the targeted ones."""
+    def _scale(self) -> dict:
+        """The attention kwarg of a scale other than head_dim^-1/2 (Gemma 3's query_pre_attn_scalar)."""
+        return {} if self.scale is None else {"scale": self.scale}
 
-    def __init__(self, dim: int, hidden_dim: int, lora: LoRASpec | None = None):
+
+GATES = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class FeedForward(nn.Module):
+    """A gated MLP: w2(gate(w1 x) * w3 x), the gate silu (SwiGLU) or tanh-approximated GELU
+    (GeGLU, Gemma); ``lora``: adapters beside the targeted ones."""
+
+    def __init__(self, dim: int, hidden_dim: int, lora: LoRASpec | None = None, activation: str = "silu"):
         super().__init__()
+        self.gate = GATES[activation]
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
@@ -120,8 +142,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is None:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        h = F.silu(adapted(self.w1, self.lora, "w1", x)) * adapted(self.w3, self.lora, "w3", x)
+            return self.w2(self.gate(self.w1(x)) * self.w3(x))
+        h = self.gate(adapted(self.w1, self.lora, "w1", x)) * adapted(self.w3, self.lora, "w3", x)
         return adapted(self.w2, self.lora, "w2", h)
 
 
@@ -209,23 +231,29 @@ class MoE(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Attention and a feed-forward: the dense SwiGLU, or in a routing layer of a mixture-of-experts
-    model (ModelArgs.is_moe_layer) the MoE (``moe``; ``feed_forward`` is then None)."""
+    """Attention and a feed-forward: the dense gated MLP, or in a routing layer of a mixture-of-experts
+    model (ModelArgs.is_moe_layer) the MoE (``moe``; ``feed_forward`` is then None). With
+    ``sandwich_norms`` (Gemma 3) each sub-layer's output is normed too before its residual add
+    (``post_attention_norm``, ``post_ffn_norm``; else None)."""
 
     def __init__(self, args: ModelArgs, kernels: Kernels, layer_id: int = 0, lora: LoRASpec | None = None):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps, kernels)
-        self.attention = Attention(args, kernels, lora)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, kernels)
+        self.attention_norm = _norm(args, args.dim, kernels)
+        self.attention = Attention(args, kernels, lora, layer_id)
+        self.post_attention_norm = _norm(args, args.dim, kernels) if args.sandwich_norms else None
+        self.ffn_norm = _norm(args, args.dim, kernels)
         routed = args.is_moe_layer(layer_id)
-        self.feed_forward = None if routed else FeedForward(args.dim, args.hidden_dim, lora)
+        self.feed_forward = None if routed else FeedForward(args.dim, args.hidden_dim, lora, args.activation)
         self.moe = MoE(args, kernels) if routed else None
+        self.post_ffn_norm = _norm(args, args.dim, kernels) if args.sandwich_norms else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, positions)  # 4 inputs always (TP's input plan)
+        a = self.attention(self.attention_norm(x), cos, sin, positions)  # 4 inputs always (TP's input plan)
+        h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
         ffn = self.moe if self.moe is not None else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+        f = ffn(self.ffn_norm(h))
+        return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
 
 
 def load_balancing_loss(moes: list[MoE], reduce=None) -> torch.Tensor | None:
@@ -272,7 +300,7 @@ class Transformer(nn.Module):
         kernels = kernels or reference_kernels()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, kernels, i, lora) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps, kernels)
+        self.norm = _norm(args, args.dim, kernels)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -291,6 +319,10 @@ class Transformer(nn.Module):
         cos, sin = rope_cos_sin(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if args.rope_local_theta is not None:  # Gemma 3's sliding layers rotate with their own base
+            cos, sin = rope_cos_sin(args, local=True)
+            self.register_buffer("rope_cos_local", cos, persistent=False)
+            self.register_buffer("rope_sin_local", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor, *carry: torch.Tensor, labels: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, loss_denom: float | None = None):
@@ -305,14 +337,12 @@ class Transformer(nn.Module):
         With ``carry_balance`` (a pipeline stage of a mixture of experts): ``carry`` is the routing
         statistics of the stages before (none on the first) and the result is (logits or hidden
         state, assignments, probability sums) with this stage's routers' added."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if positions is None:
-            t = h.shape[1] * self.seq_shards
-            cos, sin = self.rope_cos[:t].to(h.dtype), self.rope_sin[:t].to(h.dtype)
-        else:  # per row: (B, 1, T, hd), broadcast over the heads
-            cos, sin = self.rope_cos[positions][:, None].to(h.dtype), self.rope_sin[positions][:, None].to(h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin, positions)
+        h = self.embed(tokens) if self.tok_embeddings is not None else tokens
+        tables = {False: self._rope(self.rope_cos, self.rope_sin, h, positions)}
+        if self.args.rope_local_theta is not None:
+            tables[True] = self._rope(self.rope_cos_local, self.rope_sin_local, h, positions)
+        for lid, layer in self.layers.items():
+            h = layer(h, *tables[self.args.local_rope(int(lid))], positions)
         h = self.norm(h) if self.norm is not None else h
         if self.carry_balance:
             return (self.output(h) if self.output is not None else h, *self._carried(carry, h))
@@ -326,6 +356,22 @@ class Transformer(nn.Module):
             loss = linear_cross_entropy(h, self.output.weight, labels, denom=loss_denom, chunk=self.loss_chunk)
         aux = self.aux_loss()
         return loss if aux is None else loss + aux
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The embeddings of ``tokens``, times sqrt(dim) in their dtype with ``embed_scale`` (Gemma)."""
+        h = self.tok_embeddings(tokens)
+        if not self.args.embed_scale:
+            return h
+        return h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype, device=h.device)
+
+    def _rope(self, cos: torch.Tensor, sin: torch.Tensor, h: torch.Tensor,
+              positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows for this forward: the first T (T/tp shards under sequence parallel), or per row
+        at ``positions``, (B, 1, T, hd), broadcast over the heads."""
+        if positions is None:
+            t = h.shape[1] * self.seq_shards
+            return cos[:t].to(h.dtype), sin[:t].to(h.dtype)
+        return cos[positions][:, None].to(h.dtype), sin[positions][:, None].to(h.dtype)
 
     def _carried(self, carry: tuple, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routing statistics so far (``carry``, zeros on the first stage) plus this stage's."""
@@ -346,16 +392,20 @@ class Transformer(nn.Module):
         balance = load_balancing_loss(moes, self.balance_reduce)
         return None if balance is None else self.args.router_aux_loss_coef * balance
 
-    def init_rope(self) -> None:
-        """Recompute the RoPE buffers (after building on the meta device)."""
+    def init_rope(self, device: str | torch.device | None = None) -> None:
+        """Recompute the RoPE buffers (after building on the meta device), on ``device`` (None: where they are)."""
+        device = self.rope_cos.device if device is None else device
         cos, sin = rope_cos_sin(self.args)
-        self.rope_cos, self.rope_sin = cos.to(self.rope_cos.device), sin.to(self.rope_sin.device)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        if self.args.rope_local_theta is not None:
+            cos, sin = rope_cos_sin(self.args, local=True)
+            self.rope_cos_local, self.rope_sin_local = cos.to(device), sin.to(device)
 
 
 def _param_std(name: str, args: ModelArgs) -> float | None:
     """Init std of a parameter by its declared init (titan_pipe.model.params); None: ones or zeros."""
     init = param_of(name).init
-    if init in ("ones", "zeros"):
+    if init in ("ones", "zeros"):  # an offset norm (Gemma) starts at 0: a scale of 1
         return None
     if init == "depth_scaled":  # projections back into the residual stream, scaled by depth
         return 0.02 / math.sqrt(2 * args.n_layers)
@@ -376,7 +426,8 @@ def init_param(name: str, shape: tuple[int, ...], args: ModelArgs, seed: int,
         return init_adapter(name, shape, seed).to(dtype)
     std = _param_std(name, args)
     if std is None:
-        return (torch.zeros if param_of(name).init == "zeros" else torch.ones)(shape, dtype=dtype)
+        ones = param_of(name).init == "ones" and not args.norm_offset
+        return (torch.ones if ones else torch.zeros)(shape, dtype=dtype)
     g = param_generator(seed, name)
     t = torch.empty(shape, dtype=torch.float32)
     t.normal_(0.0, std, generator=g)

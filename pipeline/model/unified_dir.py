@@ -225,13 +225,14 @@ def _check_readable(f: Path) -> None:
                         "(chmod a+r) or run as a user who can read it")
 
 
-def native_name(stored: str, source: Path) -> str | None:
-    """Our parameter name for a stored tensor name (HF or native); None for ignorable buffers."""
+def native_name(stored: str, source: Path, family: str | None = None) -> str | None:
+    """Our parameter name for a stored tensor name (HF in ``family``'s spelling, or native); None for
+    ignorable buffers."""
     if stored.endswith(_IGNORED_SUFFIXES):
         return None
     if stored.startswith(("model.", "lm_head.")):
         try:
-            return hf_to_native(stored)
+            return hf_to_native(stored, family)
         except KeyError:
             raise UserError(f"{source}: tensor {stored!r} is not a parameter of a model family titan-pipe "
                             "knows (see titan_pipe.model.names); remove it or convert the checkpoint "
@@ -259,7 +260,7 @@ def _place_expert(model_dir: Path, args: ModelArgs, expected: dict[str, tuple[in
 def _place(model_dir: Path, args: ModelArgs, expected: dict[str, tuple[int, ...]], path: Path, stored: str,
            shape: tuple[int, ...], placed: dict) -> str | None:
     """The native parameter name stored tensor ``stored`` fills; None for a buffer the model does not use."""
-    name = native_name(stored, path)
+    name = native_name(stored, path, args.family)
     if name is None:
         return None
     if name not in expected:
