@@ -28,7 +28,7 @@ from titan_pipe.dtypes import FLOAT_NAMES, TORCH_BY_NAME
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.metrics import TensorMetrics, compare_tensors
 from titan_pipe.generation import ort_session
-from titan_pipe.model.kernels import apply_rotary_ref, attention_ref, rms_norm_ref
+from titan_pipe.model.kernels import apply_rotary_ref, attention_ref, rms_norm_offset, rms_norm_ref
 from titan_pipe.thresholds import check_metrics, resolve_thresholds
 
 PROBE_OPSET = 14  # the opset of the one-operator probe graphs built here (the export's is export.opset)
@@ -81,7 +81,8 @@ class OpSpec:
     large: float = 300.0
     tiny: float = 1e-4
     dtypes: tuple[str, ...] = FLOAT_NAMES
-    family: str | None = None  # the ModelArgs switch whose models use it (None: every model)
+    # the ModelArgs switch whose models use it, or a test of ModelArgs (None: every model)
+    family: str | Callable | None = None
 
 
 def _scale(case: str, spec) -> float:
@@ -146,6 +147,16 @@ def _norm_inputs(case, rng, spec):
 
 def _norm_graph(b, n, a):
     return nodes.rms_norm(b, n["x"], n["weight"], EPS, "norm")
+
+
+def _offset_norm_inputs(case, rng, spec):
+    """Gemma's norm weights are offsets from 1: small values around 0."""
+    rows, d = _rows(case)
+    return {"x": _randn(rng, (rows, d), _scale(case, spec)), "weight": (0.1 * rng.standard_normal(d)).astype(np.float32)}
+
+
+def _offset_norm_graph(b, n, a):
+    return nodes.rms_norm(b, n["x"], n["weight"], EPS, "norm", offset=True)
 
 
 def _head_norm_inputs(case, rng, spec):
@@ -228,6 +239,22 @@ def _swiglu_graph(b, n, a):
     return nodes.swiglu(b, n["a"], n["b"], "swiglu")
 
 
+def _geglu_graph(b, n, a):
+    return nodes.geglu(b, n["a"], n["b"], "geglu")
+
+
+def _plain_norms(args) -> bool:
+    return not args.norm_offset
+
+
+def _silu_gated(args) -> bool:
+    return args.activation == "silu"
+
+
+def _gelu_gated(args) -> bool:
+    return args.activation == "gelu_tanh"
+
+
 def _cast_torch(x):
     # Round trip through the other precision: float32 rows go through float16 (the fp16 export's
     # casts), float16/bfloat16 rows up to float32 and back (RMSNorm's statistics).
@@ -250,9 +277,12 @@ OPERATORS: tuple[OpSpec, ...] = (
     OpSpec("linear_bias", "linear with bias x @ W^T + b (Gemm's C input: Qwen2's q/k/v)", _bias_inputs,
            lambda x, w, bias: F.linear(x, w, bias), _bias_graph, family="qkv_bias"),
     OpSpec("rms_norm", "RMSNorm, statistics in float32 (rms_norm_ref)", _norm_inputs,
-           lambda x, weight: rms_norm_ref(x, weight, EPS), _norm_graph),
+           lambda x, weight: rms_norm_ref(x, weight, EPS), _norm_graph, family=_plain_norms),
     OpSpec("qk_norm", "per-head RMSNorm over head_dim of (B, T, heads, hd) (Qwen3's q/k norms)", _head_norm_inputs,
-           lambda x, weight: rms_norm_ref(x, weight, EPS), _norm_graph, family="qk_norm"),
+           lambda x, weight: rms_norm_ref(x, weight, EPS), _norm_graph,
+           family=lambda args: args.qk_norm and not args.norm_offset),
+    OpSpec("rms_norm_offset", "RMSNorm times (1 + weight) in float32 (Gemma; rms_norm_offset)", _offset_norm_inputs,
+           lambda x, weight: rms_norm_offset(x, weight, EPS), _offset_norm_graph, family="norm_offset"),
     OpSpec("rope", "RoPE rotate-half (apply_rotary_ref)", _rope_inputs, _rope_torch, _rope_graph),
     OpSpec("attention", "causal GQA attention, 4 query / 2 kv heads (attention_ref)", _attn_inputs,
            _attn_torch, _attn_graph, large=8.0),
@@ -261,11 +291,14 @@ OPERATORS: tuple[OpSpec, ...] = (
     OpSpec("softmax", "softmax over the last axis", _x_inputs, lambda x: torch.softmax(x, dim=-1),
            lambda b, n, a: b.op("Softmax", [n["x"]], axis=-1), large=30.0),
     OpSpec("silu", "SiLU x * sigmoid(x)", _x_inputs, lambda x: F.silu(x),
-           lambda b, n, a: nodes.silu(b, n["x"], "silu")),
+           lambda b, n, a: nodes.silu(b, n["x"], "silu"), family=_silu_gated),
     # tiny 1e-2: the product of two 1e-4 values is below float16's subnormals, which would test
     # underflow, not the kernel.
     OpSpec("swiglu", "SwiGLU silu(a) * b", _xy_inputs, lambda a, b: F.silu(a) * b, _swiglu_graph,
-           large=100.0, tiny=1e-2),
+           large=100.0, tiny=1e-2, family=_silu_gated),
+    # large 30: the cube inside the tanh approximation stays inside float16's range (30^3 = 27,000)
+    OpSpec("geglu", "GeGLU gelu_tanh(a) * b (Gemma; F.gelu approximate='tanh')", _xy_inputs,
+           lambda a, b: F.gelu(a, approximate="tanh") * b, _geglu_graph, large=30.0, tiny=1e-2, family=_gelu_gated),
     OpSpec("residual_add", "residual add a + b", _xy_inputs, lambda a, b: a + b,
            lambda b, n, a: b.op("Add", [n["a"], n["b"]])),
     OpSpec("cast", "cast round trip (float32 -> float16 -> float32; low -> float32 -> low)",
@@ -299,7 +332,8 @@ _UNTYPED = re.compile(r"Type 'tensor\((\w+)\)' of input parameter \(.*?\) of ope
 def model_operators(args) -> tuple[str, ...]:
     """The operators a model of ``args`` (ModelArgs) runs, in model order: the family's own (a q/k/v
     bias, q/k norms, a sliding window) only where its switch is on."""
-    return tuple(s.name for s in OPERATORS if s.family is None or getattr(args, s.family))
+    return tuple(s.name for s in OPERATORS if s.family is None
+                 or (s.family(args) if callable(s.family) else getattr(args, s.family)))
 
 
 def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,

@@ -9,7 +9,8 @@ The math is titan_pipe.model.transformer's, op for op:
   linear     Gemm(x2d, W[, bias], transB=1) on the weight as stored (out, in): no transposed copy;
              a q/k/v bias (Qwen2) is Gemm's C input
   rms_norm   Cast(float32) -> Pow -> ReduceMean -> Add(eps) -> Sqrt -> Div [-> Cast back] -> Mul(weight),
-             over the last axis: the hidden size, or each head's head_dim (Qwen3's q/k norms)
+             over the last axis: the hidden size, or each head's head_dim (Qwen3's q/k norms);
+             ``offset`` (Gemma): Mul(1 + weight) in float32, then the cast back
   rotary     rotate-half, real-valued: x*cos + concat(-x[..., half:], x[..., :half])*sin (Slice/Neg/Concat)
   repeat_kv  each kv head repeated n_heads/n_kv_heads times (Unsqueeze -> Expand -> Reshape)
   attention  q*scale @ k^T -> Where(allowed, scores, finfo.min) -> Softmax -> @ v: a row with every
@@ -17,6 +18,9 @@ The math is titan_pipe.model.transformer's, op for op:
   window     Mistral's sliding window: query position - key position (Sub) < window (Less), And'ed
              into the allowed keys
   silu       x * Sigmoid(x);  swiglu: silu(gate) * up
+  gelu_tanh  0.5 x (1 + Tanh(sqrt(2/pi) (x + 0.044715 x^3)));  geglu: gelu_tanh(gate) * up (Gemma;
+             ONNX's Gelu is opset 20, beyond ATC's 14/15)
+  scale      the embeddings times sqrt(dim) in the graph dtype (Gemma)
 """
 from __future__ import annotations
 
@@ -84,13 +88,18 @@ def linear(g: NodeBuilder, x2d: str, weight: str, name: str | None = None, bias:
     return g.op("Gemm", [x2d, weight] + ([bias] if bias else []), name, transB=1)
 
 
-def rms_norm(g: NodeBuilder, x: str, weight: str, eps: float, name: str) -> str:
-    """Statistics in float32 whatever the graph dtype (as kernels.rms_norm_ref), then cast back."""
+def rms_norm(g: NodeBuilder, x: str, weight: str, eps: float, name: str, offset: bool = False) -> str:
+    """Statistics in float32 whatever the graph dtype (as kernels.rms_norm_ref), then cast back;
+    ``offset``: Gemma's norm, times (1 + weight) in float32 before the cast (kernels.rms_norm_offset)."""
     xf = g.op("Cast", [x], f"{name}.cast_in", to=TensorProto.FLOAT) if g.dtype != "float32" else x
     sq = g.op("Pow", [xf, g.const(2.0, np.float32)], f"{name}.pow")
     ms = g.op("ReduceMean", [sq], f"{name}.mean", axes=[-1], keepdims=1)
     den = g.op("Sqrt", [g.op("Add", [ms, g.const(eps, np.float32)], f"{name}.add_eps")], f"{name}.sqrt")
     n = g.op("Div", [xf, den], f"{name}.div")
+    if offset:
+        wf = g.op("Cast", [weight], f"{name}.weight_f32", to=TensorProto.FLOAT) if g.dtype != "float32" else weight
+        out = g.op("Mul", [n, g.op("Add", [wf, g.const(1.0, np.float32)], f"{name}.one_plus_w")], f"{name}.scaled")
+        return out if g.dtype == "float32" else g.op("Cast", [out], f"{name}.out", to=g.elem)
     if g.dtype != "float32":
         n = g.op("Cast", [n], f"{name}.cast_out", to=g.elem)
     return g.op("Mul", [weight, n], f"{name}.out")
@@ -117,14 +126,16 @@ def repeat_kv(g: NodeBuilder, x: str, n_rep: int, n_heads: int, hd: int, name: s
 
 
 def attention(g: NodeBuilder, q: str, k: str, v: str, allowed: str, *, n_heads: int, n_kv_heads: int, hd: int,
-              name: str) -> str:
+              name: str, scale: float | None = None) -> str:
     """q (B, H, T, hd), k/v (B, Hkv, S, hd), allowed (bool, broadcast to (B, H, T, S)) -> context
-    (B, H, T, hd). Masked scores become the dtype's lowest finite value before Softmax."""
+    (B, H, T, hd), q scaled by ``scale`` (None: hd^-1/2). Masked scores become the dtype's lowest
+    finite value before Softmax."""
     n_rep = n_heads // n_kv_heads
     kr = repeat_kv(g, k, n_rep, n_heads, hd, f"{name}.repeat_k")
     vr = repeat_kv(g, v, n_rep, n_heads, hd, f"{name}.repeat_v")
     kt = g.op("Transpose", [kr], f"{name}.k_t", perm=[0, 1, 3, 2])
-    scores = g.op("MatMul", [g.op("Mul", [q, g.fconst(1.0 / np.sqrt(hd))], f"{name}.q_scaled"), kt],
+    scale = 1.0 / np.sqrt(hd) if scale is None else scale
+    scores = g.op("MatMul", [g.op("Mul", [q, g.fconst(scale)], f"{name}.q_scaled"), kt],
                   f"{name}.scores")
     masked = g.op("Where", [allowed, scores, g.fconst(g.lowest)], f"{name}.masked")
     probs = g.op("Softmax", [masked], f"{name}.probs", axis=-1)
@@ -145,6 +156,23 @@ def silu(g: NodeBuilder, x: str, name: str) -> str:
 def swiglu(g: NodeBuilder, gate: str, up: str, name: str) -> str:
     """silu(gate) * up: the SwiGLU product before the down projection."""
     return g.op("Mul", [silu(g, gate, name), up], f"{name}.gated")
+
+
+def gelu_tanh(g: NodeBuilder, x: str, name: str) -> str:
+    """GELU's tanh approximation (F.gelu(x, approximate="tanh")) from Mul/Add/Tanh."""
+    cube = g.op("Mul", [g.op("Mul", [x, x], f"{name}.x2"), x], f"{name}.x3")
+    inner = g.op("Add", [x, g.op("Mul", [cube, g.fconst(0.044715)], f"{name}.cubic")], f"{name}.inner")
+    t = g.op("Tanh", [g.op("Mul", [inner, g.fconst(float(np.sqrt(2.0 / np.pi)))], f"{name}.arg")], f"{name}.tanh")
+    return g.op("Mul", [g.op("Mul", [x, g.fconst(0.5)], f"{name}.half"), g.op("Add", [t, g.fconst(1.0)],
+                                                                              f"{name}.one_plus")], f"{name}.gelu")
+
+
+def geglu(g: NodeBuilder, gate: str, up: str, name: str) -> str:
+    """gelu_tanh(gate) * up: Gemma's gated product before the down projection."""
+    return g.op("Mul", [gelu_tanh(g, gate, name), up], f"{name}.gated")
+
+
+GATED = {"silu": swiglu, "gelu_tanh": geglu}  # ModelArgs.activation -> its gated product
 
 
 def route(g: NodeBuilder, x2d: str, router: str, *, top_k: int, norm_topk: bool, name: str) -> tuple[str, str]:

@@ -133,7 +133,8 @@ def _rope_rows(plan: ExportPlan, args: ModelArgs) -> int:
 def output_bytes(plan: ExportPlan, args: ModelArgs) -> int:
     """What the export will take on disk: the weights in the graph dtype, the two RoPE tables, and
     for each graph 64 kB plus 16 kB a layer (node protos without weights), ATC script, export.json."""
-    rope = 2 * _rope_rows(plan, args) * args.head_dim * BY_NAME[plan.dtype].itemsize
+    tables = 4 if args.rope_local_theta is not None else 2
+    rope = tables * _rope_rows(plan, args) * args.head_dim * BY_NAME[plan.dtype].itemsize
     return plan.weight_bytes + rope + len(plan.graphs) * (65536 + 16384 * args.n_layers) + 65536
 
 
@@ -150,6 +151,10 @@ def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_
         np_dtype = NP_DTYPES[plan.dtype]
         data.add_array("rope_cos", cos.astype(np_dtype))
         data.add_array("rope_sin", sin.astype(np_dtype))
+        if args.rope_local_theta is not None:  # Gemma 3's sliding layers: their own base
+            cos, sin = rope.cos_sin(args, _rope_rows(plan, args), local=True)
+            data.add_array("rope_cos_local", cos.astype(np_dtype))
+            data.add_array("rope_sin_local", sin.astype(np_dtype))
         data.write()
     return data
 

@@ -32,8 +32,8 @@ from titan_pipe.graph_io import (ATTENTION_MASK, DECODE_FILE, HIDDEN, INPUT_IDS,
                                  POSITION_IDS, PREFILL_FILE, PRESENT, WRITE_INDEX, hidden_name, io_names, router_name)
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.params import LAYER_PARAMS
-from titan_pipe.onnx_nodes import (NodeBuilder, attention, embedding, experts, experts_gathered, gates, linear, rms_norm,
-                                   rotary, route, swiglu, within_window)
+from titan_pipe.onnx_nodes import (GATED, NodeBuilder, attention, embedding, experts, experts_gathered, gates, linear,
+                                   rms_norm, rotary, route, within_window)
 
 _LAYER_INIT = {p.name: p.onnx for p in LAYER_PARAMS}  # native name within a layer -> initializer name
 
@@ -120,13 +120,32 @@ def _window(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, allowed: str) -> s
     return within_window(g, allowed, gap, args.sliding_window, "mask.window")
 
 
-def _positions(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, bt: str) -> tuple[str, str, str, str | None]:
-    """(cos, sin) rows for each token's position, (B, 1, T, hd); the keys each query may see, bool
-    (B, 1, T, S) (decode: (B, 1, 1, C)); decode: the one-hot (B, 1, C, 1) of the slot it writes."""
-    cos = g.op("Unsqueeze", [g.op("Gather", ["rope_cos", POSITION_IDS], "rope.cos_rows", axis=0), g.const([1])],
-               "rope.cos")
-    sin = g.op("Unsqueeze", [g.op("Gather", ["rope_sin", POSITION_IDS], "rope.sin_rows", axis=0), g.const([1])],
-               "rope.sin")
+@dataclass(frozen=True)
+class _Positions:
+    """What every layer reads of the positions: (cos, sin) rows (B, 1, T, hd) of the global and the
+    local RoPE tables (the same where the model has one), the keys each query may see with and
+    without the sliding window (bool (B, 1, T, S); decode (B, 1, 1, C)), and in decode the one-hot
+    (B, 1, C, 1) of the slot it writes."""
+
+    rope: dict[bool, tuple[str, str]]  # local? -> (cos, sin)
+    allowed: dict[bool, str]  # windowed? -> mask
+    write_at: str | None
+
+    def of_layer(self, args: ModelArgs, i: int) -> tuple[str, str, str, str | None]:
+        cos, sin = self.rope[args.local_rope(i)]
+        return cos, sin, self.allowed[args.layer_window(i) is not None], self.write_at
+
+
+def _rope_rows(g: NodeBuilder, table: str) -> str:
+    return g.op("Unsqueeze", [g.op("Gather", [table, POSITION_IDS], f"rope.{table[5:]}_rows", axis=0), g.const([1])],
+                f"rope.{table[5:]}")
+
+
+def _positions(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, bt: str) -> _Positions:
+    """The position-derived values of the graph (_Positions)."""
+    rope = {False: (_rope_rows(g, "rope_cos"), _rope_rows(g, "rope_sin"))}
+    rope[True] = (_rope_rows(g, "rope_cos_local"), _rope_rows(g, "rope_sin_local")) \
+        if args.rope_local_theta is not None else rope[False]
     key_ok = g.op("Unsqueeze", [g.op("Cast", [ATTENTION_MASK], "mask.bool", to=TensorProto.BOOL),
                                 g.const([1, 2])], "mask.keys")
     if spec.decode:
@@ -134,12 +153,14 @@ def _positions(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, bt: str) -> tup
         slots = g.op("Range", [g.const(0), n_slots, g.const(1)], "cache.slots")
         hit = g.op("Equal", [g.op("Unsqueeze", [slots, g.const([0])], "cache.slots_row"),
                              g.op("Unsqueeze", [WRITE_INDEX, g.const([1])], "cache.write_col")], "cache.hit")
-        return cos, sin, _window(g, args, spec, key_ok), g.op("Unsqueeze", [hit, g.const([1, 3])], "cache.write_at")
+        return _Positions(rope, {False: key_ok, True: _window(g, args, spec, key_ok)},
+                          g.op("Unsqueeze", [hit, g.const([1, 3])], "cache.write_at"))
     n_tok = g.op("Gather", [bt, g.const(1)], "mask.len", axis=0)
     pos = g.op("Range", [g.const(0), n_tok, g.const(1)], "mask.pos")
     causal = g.op("LessOrEqual", [g.op("Unsqueeze", [pos, g.const([0])], "mask.key_pos"),
                                   g.op("Unsqueeze", [pos, g.const([1])], "mask.query_pos")], "mask.causal")
-    return cos, sin, _window(g, args, spec, g.op("And", [key_ok, causal], "mask.allowed")), None
+    allowed = g.op("And", [key_ok, causal], "mask.allowed")
+    return _Positions(rope, {False: allowed, True: _window(g, args, spec, allowed)}, None)
 
 
 @dataclass(frozen=True)
@@ -165,9 +186,9 @@ def _shapes(g: NodeBuilder, args: ModelArgs, bt: str) -> _Shapes:
 def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh: _Shapes, rope: tuple,
            outputs: dict[str, str]) -> tuple[str, str, str]:
     """Decoder layer i on the residual stream ``h``: (layer output, attention output, MLP output)."""
-    p, hd = f"layers.{i}", args.head_dim
-    cos, sin, allowed, write_at = rope
-    x = g.op("Reshape", [rms_norm(g, h, _w(i, "attention_norm.weight"), args.norm_eps, f"{p}.attention_norm"),
+    p, hd, off = f"layers.{i}", args.head_dim, args.norm_offset
+    cos, sin, allowed, write_at = rope.of_layer(args, i)
+    x = g.op("Reshape", [rms_norm(g, h, _w(i, "attention_norm.weight"), args.norm_eps, f"{p}.attention_norm", off),
                          sh.flat], f"{p}.attn.x2d")
 
     def heads(part: str, shape: str, norm: bool = False) -> str:  # (B*T, dim) -> (B, heads, T, hd)
@@ -176,7 +197,7 @@ def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh:
         y = g.op("Reshape", [linear(g, x, _w(i, f"attention.w{part}.weight"), f"{p}.attn.{w}", bias), shape],
                  f"{p}.attn.{w}.split")
         if norm:  # Qwen3: RMSNorm over each head's hd values, (B, T, heads, hd), before RoPE
-            y = rms_norm(g, y, _w(i, f"attention.{part}_norm.weight"), args.norm_eps, f"{p}.attn.{part}_norm")
+            y = rms_norm(g, y, _w(i, f"attention.{part}_norm.weight"), args.norm_eps, f"{p}.attn.{part}_norm", off)
         return g.op("Transpose", [y], f"{p}.attn.{w}.heads", perm=[0, 2, 1, 3])
 
     q = rotary(g, heads("q", sh.q, args.qk_norm), cos, sin, hd // 2, f"{p}.attn.rope_q")
@@ -190,14 +211,15 @@ def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh:
         v = g.op("Identity", [v], f"{PRESENT}{i}.value")
     if spec.kv_cache or spec.decode:
         outputs[f"{PRESENT}{i}.key"], outputs[f"{PRESENT}{i}.value"] = k, v
-    ctx = attention(g, q, k, v, allowed, n_heads=args.n_heads, n_kv_heads=args.kv_heads, hd=hd, name=f"{p}.attn")
+    ctx = attention(g, q, k, v, allowed, n_heads=args.n_heads, n_kv_heads=args.kv_heads, hd=hd, name=f"{p}.attn",
+                    scale=args.attn_scale)
     ctx = g.op("Transpose", [ctx], f"{p}.attn.context_t", perm=[0, 2, 1, 3])
     ctx = g.op("Reshape", [ctx, g.const([-1, args.q_dim])], f"{p}.attn.context2d")
     attn = g.op("Reshape", [linear(g, ctx, _w(i, "attention.wo.weight"), f"{p}.attn.wo"), sh.hidden],
                 f"{p}.attn.output")
-    h = g.op("Add", [h, attn], f"{p}.attn.residual")
+    h = g.op("Add", [h, _post_norm(g, args, i, "post_attention_norm", attn)], f"{p}.attn.residual")
 
-    x = g.op("Reshape", [rms_norm(g, h, _w(i, "ffn_norm.weight"), args.norm_eps, f"{p}.ffn_norm"), sh.flat],
+    x = g.op("Reshape", [rms_norm(g, h, _w(i, "ffn_norm.weight"), args.norm_eps, f"{p}.ffn_norm", off), sh.flat],
              f"{p}.mlp.x2d")
     if args.is_moe_layer(i):
         top, chosen = route(g, x, _w(i, "moe.router.gate.weight"), top_k=args.experts_per_token,
@@ -211,11 +233,18 @@ def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh:
             out = experts(g, x, gates(g, top, chosen, n_experts=args.n_experts, name=f"{p}.route"), *w,
                           f"{p}.moe.experts")
     else:
-        gated = swiglu(g, linear(g, x, _w(i, "feed_forward.w1.weight"), f"{p}.mlp.w1"),
-                       linear(g, x, _w(i, "feed_forward.w3.weight"), f"{p}.mlp.w3"), f"{p}.mlp")
+        gated = GATED[args.activation](g, linear(g, x, _w(i, "feed_forward.w1.weight"), f"{p}.mlp.w1"),
+                                       linear(g, x, _w(i, "feed_forward.w3.weight"), f"{p}.mlp.w3"), f"{p}.mlp")
         out = linear(g, gated, _w(i, "feed_forward.w2.weight"), f"{p}.mlp.w2")
     mlp = g.op("Reshape", [out, sh.hidden], f"{p}.mlp.output")
-    return g.op("Add", [h, mlp], f"{p}.output"), attn, mlp
+    return g.op("Add", [h, _post_norm(g, args, i, "post_ffn_norm", mlp)], f"{p}.output"), attn, mlp
+
+
+def _post_norm(g: NodeBuilder, args: ModelArgs, i: int, norm: str, x: str) -> str:
+    """A sub-layer's output normed before its residual add (Gemma 3's sandwich norms), else as it is."""
+    if not args.sandwich_norms:
+        return x
+    return rms_norm(g, x, _w(i, f"{norm}.weight"), args.norm_eps, f"layers.{i}.{norm}", args.norm_offset)
 
 
 def build_graph(args: ModelArgs, spec: GraphSpec,
@@ -232,6 +261,8 @@ def build_graph(args: ModelArgs, spec: GraphSpec,
     sh = _shapes(g, args, bt)
     rope = _positions(g, args, spec, bt)
     h = embedding(g, "tok_embeddings.weight", INPUT_IDS, "embed")
+    if args.embed_scale:  # Gemma: times sqrt(dim), rounded to the graph dtype as the module does
+        h = g.op("Mul", [h, g.fconst(args.dim ** 0.5)], "embed.scaled")
     values = LayerValues(embed_output=h)
     outputs: dict[str, str] = {}
     for i in range(args.n_layers):
@@ -241,7 +272,7 @@ def build_graph(args: ModelArgs, spec: GraphSpec,
         values.mlp_outputs.append(mlp)
         if spec.expose_hidden:
             outputs[hidden_name(i)] = g.op("Identity", [h], hidden_name(i))
-    x = g.op("Reshape", [rms_norm(g, h, "norm.weight", args.norm_eps, "norm"), sh.flat], "norm.x2d")
+    x = g.op("Reshape", [rms_norm(g, h, "norm.weight", args.norm_eps, "norm", args.norm_offset), sh.flat], "norm.x2d")
     emb_out = "tok_embeddings.weight" if args.tie_embeddings else "output.weight"
     outputs[LOGITS] = g.op("Reshape", [linear(g, x, emb_out, "lm_head"), sh.logits], LOGITS)
     return _model(g, args, spec, weights, outputs), values

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from titan_pipe.evaluate.memory import release
 from titan_pipe.evaluate.runners.outputs import Outputs, OutputsSink
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.kernels import Kernels, reference_kernels
+from titan_pipe.model.kernels import Kernels, reference_kernels, rms_norm_offset
 from titan_pipe.model.params import native_shapes
 from titan_pipe.model.transformer import TransformerBlock, rope_cos_sin
 
@@ -96,8 +96,9 @@ class LayeredModel:
         self.dtype = "float32"
         self._attn = _CachedAttention((kernels or reference_kernels()).attention)
         self.kernels = replace(kernels or reference_kernels(), attention=self._attn)
-        cos, sin = rope_cos_sin(self.args)
-        self._cos, self._sin = cos.to(device), sin.to(device)
+        # local? -> (cos, sin): Gemma 3's sliding layers rotate with their own base (else one table)
+        self._tables = {local: tuple(t.to(device) for t in rope_cos_sin(self.args, local=local))
+                        for local in ((False, True) if self.args.rope_local_theta is not None else (False,))}
         self._blocks: dict[int, TransformerBlock] = {}
         self._tops: dict[tuple[str, bool], torch.Tensor] = {}
         self._arena: torch.Tensor | None = None  # streamed: one block's float32 parameters besides its linears
@@ -258,7 +259,10 @@ class LayeredModel:
     def embed(self, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
         """(B, T) ids each -> (B, T, dim) float32: rows gathered in the stored dtype, then cast (exact)."""
         table = self._top("tok_embeddings.weight", cast=False)
-        return [F.embedding(t.to(self.device), table).to(torch.float32) for t in seqs]
+        rows = [F.embedding(t.to(self.device), table).to(torch.float32) for t in seqs]
+        if self.args.embed_scale:  # Gemma: times sqrt(dim), as the module does in float32
+            rows = [r * torch.tensor(self.args.dim ** 0.5, dtype=torch.float32) for r in rows]
+        return rows
 
     def head(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
         """(B, T, dim) each -> logits (B, T, vocab) float32 on the CPU: final norm, output projection."""
@@ -270,17 +274,23 @@ class LayeredModel:
             shape = native_shapes(self.args)[out_name]
             self._reserve_stored(_numel(shape) * self.source.stored_dtype(out_name).itemsize + 64)
             out = self._linear(out_name, shape)
-        logits = [out(self.kernels.rms_norm(h, norm, self.args.norm_eps)).to("cpu") for h in hs]
+        norm_of = rms_norm_offset if self.args.norm_offset else self.kernels.rms_norm
+        logits = [out(norm_of(h, norm, self.args.norm_eps)).to("cpu") for h in hs]
         del out
         self._evict()
         self._release()
         return logits
 
-    def _rope(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._cos[start:start + n], self._sin[start:start + n]
+    def _table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The RoPE (cos, sin) tables layer ``layer`` rotates with."""
+        return self._tables[self.args.local_rope(layer)]
+
+    def _rope(self, start: int, n: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._table(layer)
+        return cos[start:start + n], sin[start:start + n]
 
     @torch.no_grad()
-    def run_block(self, block: TransformerBlock, h: torch.Tensor, start: int = 0, rope=None
+    def run_block(self, block: TransformerBlock, h: torch.Tensor, start: int = 0, rope=None, *, layer: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer output, attention block output, MLP block output for ``h`` (B, T, dim) at positions
         start..start+T-1, or at each row's own positions given as ``rope`` (cos, sin) (a cached step:
@@ -289,7 +299,7 @@ class LayeredModel:
         hooks = [block.attention.register_forward_hook(lambda _m, _i, o: got.__setitem__("attn", o)),
                  (block.moe or block.feed_forward).register_forward_hook(lambda _m, _i, o: got.__setitem__("mlp", o))]
         try:
-            out = block(h, *(rope if rope is not None else self._rope(start, h.shape[1])))
+            out = block(h, *(rope if rope is not None else self._rope(start, h.shape[1], layer)))
         finally:
             for hk in hooks:
                 hk.remove()
@@ -307,7 +317,7 @@ class LayeredModel:
         for i in range(self.args.n_layers):
             block = self.block(i)
             for j, x in enumerate(h):
-                h[j], attn, mlp = self.run_block(block, x)
+                h[j], attn, mlp = self.run_block(block, x, layer=i)
                 sink.layer(j, i, attn.to("cpu"), mlp.to("cpu"), h[j].to("cpu"))
                 if block.moe is not None and hasattr(sink, "router"):  # the experts it chose per token
                     sink.router(j, i, block.moe.chosen.to("cpu"))
@@ -349,7 +359,7 @@ class LayeredModel:
         for i in layers:
             block = self.block(i)
             for j in range(n):
-                h[j] = self.run_block(block, h[j])[0]
+                h[j] = self.run_block(block, h[j], layer=i)[0]
                 cache[i] += self._attn.seen
             del block
             self._free()
@@ -359,11 +369,12 @@ class LayeredModel:
         pos = torch.tensor([len(p) for p in prompts], device=self.device)
         for step in range(1, n_new):
             x = self.embed([new[:, step - 1:step]])[0]  # (N, 1, dim)
-            rope = self._cos[pos][:, None, None], self._sin[pos][:, None, None]  # (N, 1, 1, hd)
             for i in layers:
+                cos, sin = self._table(i)
+                rope = cos[pos][:, None, None], sin[pos][:, None, None]  # (N, 1, 1, hd)
                 block = self.block(i)
                 self._attn.past = cache[i]
-                x, attn, mlp = self.run_block(block, x, rope=rope)
+                x, attn, mlp = self.run_block(block, x, rope=rope, layer=i)
                 cache[i] = self._attn.seen
                 if values is not None:
                     for kind, v in zip(("attn", "mlp", "hidden"), (attn, mlp, x)):
