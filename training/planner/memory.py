@@ -203,10 +203,11 @@ def layer_activation_terms(args: ModelArgs, *, tp: int = 1, sp: bool = False,
     q = args.q_dim  # n_heads x head_dim: dim for Llama, not for Qwen3
     kv = q  # k and v are repeated to n_heads before attention (GQA), so they are q wide too
     seq = tp if sp else 1
+    norms = 4 if args.sandwich_norms else 2  # Gemma 3 norms each sub-layer's output too
     terms = {
-        "norm_input_fp32": 2 * 4 * h / seq,
-        "norm_rstd_fp32": 2 * 4 / seq,
-        "norm_normalised": 2 * r * h / seq,
+        "norm_input_fp32": norms * 4 * h / seq,
+        "norm_rstd_fp32": norms * 4 / seq,
+        "norm_normalised": norms * r * h / seq,
         # Autocast casts the float32 norm output once per projection (wq, wk, wv; w1, w3) and
         # keeps each copy; with low-precision parameters the one norm output is shared.
         "projection_inputs": (2 if r == a else 5) * a * h,
@@ -227,9 +228,13 @@ def layer_activation_bytes(args: ModelArgs, *, tp: int = 1, sp: bool = False, dt
 
 def window_mask_bytes(args: ModelArgs, seq_len: int, dt: ActDtypes = ActDtypes()) -> float:
     """A sliding window shorter than the sequence is an explicit (T, T) mask each masked attention
-    keeps for backward (an additive bias in the compute dtype), per layer and microbatch; 0 without."""
+    keeps for backward (an additive bias in the compute dtype), per layer and microbatch, averaged
+    over the layers (Gemma 3's global layers have none); 0 without."""
     w = args.sliding_window
-    return dt.matmul * seq_len * seq_len if w is not None and w < seq_len else 0.0
+    if w is None or w >= seq_len:
+        return 0.0
+    sliding = sum(args.layer_window(i) is not None for i in range(args.n_layers)) / args.n_layers
+    return dt.matmul * seq_len * seq_len * sliding
 
 
 def checkpointed_layer_bytes(args: ModelArgs, *, tp: int = 1, sp: bool = False, dt: ActDtypes = ActDtypes()) -> float:
