@@ -56,10 +56,12 @@ def hf_model(args: ModelArgs):
 
 def write_hf(sd: dict, args: ModelArgs, out: Path, **save_kw) -> Path:
     """save_pretrained of a tiny transformers model of ``args``' architecture holding ``sd``."""
+    from titan_pipe.model.families import family_of
     from titan_pipe.model.names import native_to_hf
 
     model = hf_model(args)
-    missing, unexpected = model.load_state_dict({native_to_hf(k): v for k, v in sd.items()}, strict=False)
+    family = family_of(args).model_type
+    missing, unexpected = model.load_state_dict({native_to_hf(k, family): v for k, v in sd.items()}, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     model.save_pretrained(out, safe_serialization=True, **save_kw)
     return out

@@ -77,6 +77,15 @@ PUBLISHED: dict[str, dict] = {
         "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
         "use_cache": True, "use_sliding_window": False, "vocab_size": 151936},
+    "gemma-3-1b-it": {
+        "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+        "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152, "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+        "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000,
+        "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144},
 }
 
 # What a CPU test shrinks: depth, width, vocab and expert width only; the q : kv head ratio is kept.
@@ -94,6 +103,8 @@ SIZE: dict[str, dict] = {
     "Qwen3-30B-A3B": {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4,
                       "num_key_value_heads": 1, "intermediate_size": 256, "moe_intermediate_size": 32,
                       "vocab_size": 1152},
+    # 7 layers: five sliding, the global sixth, one sliding after it; head_dim 256 and 4 : 1 heads as released
+    "gemma-3-1b-it": {"num_hidden_layers": 7, "hidden_size": 128, "intermediate_size": 256, "vocab_size": 1152},
 }
 # The q/k/v widths where the released head_dim is hidden / heads (no head_dim key): kept so.
 NAMES = tuple(PUBLISHED)

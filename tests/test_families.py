@@ -29,7 +29,7 @@ from titan_pipe.errors import UserError
 from titan_pipe.evaluate.api import evaluate_model
 from titan_pipe.evaluate.operators import OPERATORS, model_operators, run_operator
 from titan_pipe.generation import generate, ort_session
-from titan_pipe.model.args import model_differences
+from titan_pipe.model.args import RopeScaling, model_differences
 from titan_pipe.model.names import hf_to_native, native_to_hf
 from titan_pipe.model.hf_config import from_hf_config, to_hf_config
 from titan_pipe.model.params import native_shapes
@@ -44,8 +44,17 @@ FAMILIES = {
     "qwen2": dict(qkv_bias=True, tie_embeddings=True),
     "qwen3": dict(qk_norm=True, head_dim=32),
     "mistral": dict(sliding_window=8),
+    # Gemma 3's switches at small size: a global layer in every 3 (released: 6), the sliding ones over 8
+    # positions with their own RoPE base, the global ones linearly scaled, a query_pre_attn_scalar apart
+    # from head_dim (the 27B's case), tied
+    "gemma3": dict(norm_offset=True, sandwich_norms=True, embed_scale=True, activation="gelu_tanh", qk_norm=True,
+                   head_dim=32, sliding_window=8, global_every=3, rope_theta=1e6, rope_local_theta=1e4,
+                   rope_scaling=RopeScaling(factor=8.0, rope_type="linear"), attn_scalar=24.0, tie_embeddings=True,
+                   norm_eps=1e-6),
 }
-ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+        "gemma3": "Gemma3ForCausalLM"}
+MODEL_TYPE = {"gemma3": "gemma3_text"}
 T, NEW, CACHE = 16, 24, 48
 
 
@@ -83,8 +92,11 @@ def test_parameter_list_is_the_module_and_its_switches(family):
     extra = {k.split(".", 2)[2] for k in native_shapes(args) if k.startswith("layers.0.")} - \
         {k.split(".", 2)[2] for k in native_shapes(model_args()) if k.startswith("layers.0.")}
     assert extra == {"qwen2": {"attention.wq.bias", "attention.wk.bias", "attention.wv.bias"},
-                     "qwen3": {"attention.q_norm.weight", "attention.k_norm.weight"}, "mistral": set()}[name]
-    assert set(map(hf_to_native, hf.state_dict())) == set(native_shapes(args)) | {"output.weight"}  # lm_head tied too
+                     "qwen3": {"attention.q_norm.weight", "attention.k_norm.weight"}, "mistral": set(),
+                     "gemma3": {"attention.q_norm.weight", "attention.k_norm.weight", "post_attention_norm.weight",
+                                "post_ffn_norm.weight"}}[name]
+    family = MODEL_TYPE.get(name, name)
+    assert {hf_to_native(k, family) for k in hf.state_dict()} == set(native_shapes(args)) | {"output.weight"}  # lm_head tied too
 
 
 def test_logits_equal_transformers(family):
@@ -126,16 +138,18 @@ def test_hf_round_trip_through_tp2_pp2_is_bit_exact(family, tmp_path):
         assert m.params["layers.3.attention.q_norm.weight"].tp_dim is None and m.params["layers.3.attention.q_norm.weight"].stage == 1
     convert_checkpoint(tmp_path / "s", tmp_path / "u")
     got = load_file(tmp_path / "u/model.safetensors")
-    assert set(got) == {native_to_hf(k) for k in sd}
+    family = MODEL_TYPE.get(name, name)
+    assert set(got) == {native_to_hf(k, family) for k in sd}
     for k, v in sd.items():
-        assert torch.equal(_bits(got[native_to_hf(k)]), _bits(v)), k
+        assert torch.equal(_bits(got[native_to_hf(k, family)]), _bits(v)), k
     cfg = json.loads((tmp_path / "u/config.json").read_text())
     assert cfg["architectures"] == [ARCH[name]]
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "u", dtype=torch.float32)
     assert type(back).__name__ == ARCH[name]
     for k, v in back.state_dict().items():
         if "rotary" not in k:
-            assert torch.equal(v, sd[hf_to_native(k)] if hf_to_native(k) in sd else sd["tok_embeddings.weight"]), k
+            native = hf_to_native(k, family)
+            assert torch.equal(v, sd[native] if native in sd else sd["tok_embeddings.weight"]), k
 
 
 @pytest.mark.parametrize("fam", ["qwen2", "qwen3"])
@@ -179,8 +193,9 @@ def test_export_generates_like_transformers(family, tmp_path):
     res = export_model(src, tmp_path / "onnx", ExportConfig(dynamic=False, batch=2, seq_len=T, cache_len=CACHE, atc=False))
     record = json.loads(res.export_json.read_text())
     ops = {o["op_type"] for o in record["graphs"]["decode.onnx"]["operators"]}
-    assert {"qwen2": {"Gemm"}, "qwen3": {"Pow", "ReduceMean"}, "mistral": {"CumSum", "Less"}}[name] <= ops
-    if name == "mistral":
+    assert {"qwen2": {"Gemm"}, "qwen3": {"Pow", "ReduceMean"}, "mistral": {"CumSum", "Less"},
+            "gemma3": {"Tanh", "CumSum", "Less"}}[name] <= ops
+    if name in ("mistral", "gemma3"):
         assert "Sub" in {o["op_type"] for o in record["graphs"]["model.onnx"]["operators"]}
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, args.vocab_size, (n,), generator=g).tolist() for n in (T, T // 2)]
@@ -198,7 +213,8 @@ def test_export_generates_like_transformers(family, tmp_path):
 
 # --- evaluate -------------------------------------------------------------------------------------
 
-FAULT = {"qwen2": "layers.1.wv.bias", "qwen3": "layers.1.attention.q_norm.weight", "mistral": "layers.1.w2"}
+FAULT = {"qwen2": "layers.1.wv.bias", "qwen3": "layers.1.attention.q_norm.weight", "mistral": "layers.1.w2",
+         "gemma3": "layers.1.post_ffn_norm.weight"}
 
 
 def test_evaluate_reference_generates_like_transformers(family, tmp_path):
@@ -263,11 +279,18 @@ def test_evaluate_streams_the_kv_decode_layer_by_layer(family, tmp_path):
 
 
 def test_operator_conformance_runs_each_familys_operators():
-    assert model_operators(model_args()) == tuple(s.name for s in OPERATORS if s.family is None)
+    plain = model_operators(model_args())
+    assert plain == tuple(s.name for s in OPERATORS if s.family is None or s.name in ("rms_norm", "silu", "swiglu"))
     for fam, op in (("qwen2", "linear_bias"), ("qwen3", "qk_norm"), ("mistral", "attention_window")):
         ops = model_operators(model_args(**FAMILIES[fam]))
-        assert op in ops and len(ops) == len(model_operators(model_args())) + 1
+        assert op in ops and len(ops) == len(plain) + 1
         assert run_operator(next(s for s in OPERATORS if s.name == op), "float32", "normal").status == "pass"
+    # Gemma 3: its offset norm in place of RMSNorm and the q/k norms, GeGLU in place of SiLU / SwiGLU
+    gemma = model_operators(model_args(**FAMILIES["gemma3"]))
+    assert set(gemma) == set(plain) - {"rms_norm", "silu", "swiglu"} | {"rms_norm_offset", "geglu", "attention_window"}
+    for op in ("rms_norm_offset", "geglu"):
+        for dtype in ("float32", "float16"):
+            assert run_operator(next(s for s in OPERATORS if s.name == op), dtype, "large").status == "pass"
 
 
 def test_a_window_off_by_one_fails_conformance():

@@ -44,7 +44,7 @@ def test_published_configs_are_read_field_by_field_and_written_back_equal(name):
         assert getattr(args, field) == cfg[key], (name, key)
     assert args.head_dim == cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     assert args.qkv_bias == (cfg["model_type"] == "qwen2")
-    assert args.qk_norm == cfg["model_type"].startswith("qwen3")
+    assert args.qk_norm == cfg["model_type"].startswith(("qwen3", "gemma3"))
     scaling = cfg.get("rope_scaling")
     assert args.rope_scaling == (None if scaling is None else RopeScaling(
         scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
@@ -62,7 +62,8 @@ def test_published_configs_are_read_field_by_field_and_written_back_equal(name):
 def test_the_published_values_are_the_flavours_where_titan_pipe_has_one():
     """The flavours of these models hold the published architecture (size included)."""
     for name, flavour in (("Qwen2.5-0.5B-Instruct", "qwen2.5_0.5b"), ("Qwen3-0.6B", "qwen3_0.6b"),
-                          ("Mixtral-8x7B-v0.1", "mixtral_8x7b"), ("Qwen3-30B-A3B", "qwen3_30b_a3b")):
+                          ("Mixtral-8x7B-v0.1", "mixtral_8x7b"), ("Qwen3-30B-A3B", "qwen3_30b_a3b"),
+                          ("gemma-3-1b-it", "gemma3_1b")):
         held = from_hf_config(PUBLISHED[name], source=name)
         assert held.family == PUBLISHED[name]["model_type"]  # kept, so it converts back as what it was
         assert replace(held, family=None) == FLAVOURS[flavour], name

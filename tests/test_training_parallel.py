@@ -106,7 +106,14 @@ WORLD8 = [
 # Qwen3's q/k norms replicated over the split heads (gradients summed over tp), Mistral's window
 # shorter than seq_len.
 FAMILIES = {"qwen2": {"qkv_bias": True, "tie_embeddings": True}, "qwen3": {"qk_norm": True, "head_dim": 32},
-            "mistral": {"sliding_window": 8}}
+            "mistral": {"sliding_window": 8},
+            # Gemma 3's switches: offset norms around both sub-layers (their outputs' norms replicated,
+            # sequence-split under SP), GeGLU, scaled and tied embeddings, a global layer in 3 with its own
+            # linearly scaled RoPE, the others sliding over 8 positions, query_pre_attn_scalar apart from head_dim
+            "gemma3": {"norm_offset": True, "sandwich_norms": True, "embed_scale": True, "activation": "gelu_tanh",
+                       "qk_norm": True, "head_dim": 32, "sliding_window": 8, "global_every": 3, "rope_theta": 1e6,
+                       "rope_local_theta": 1e4, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                       "attn_scalar": 24.0, "tie_embeddings": True}}
 # Tied embeddings resumed under other layouts: copy -> copy (pp2 -> tp2), copy -> one tensor (tp2 -> dp2).
 TIED = dict(flow({"pp": 2, "microbatches": 2}), model={"flavour": "debug", "qkv_bias": True, "tie_embeddings": True},
             train=dict(BASE["train"], steps=4), checkpoint={"every": 2, "keep_last": 3})
@@ -159,6 +166,11 @@ FAMILY_RUNS = [{"name": f"{fam}_3d", "flow": dict(flow({"dp": 2, "tp": 2, "pp": 
                                                  model={"flavour": "debug", **over},
                                                  train=dict(BASE["train"], steps=4))}
                for fam, over in FAMILIES.items()]
+# Gemma 3 again under sequence parallel and the interleaved schedule (one layer a virtual stage)
+FAMILY_RUNS.append({"name": "gemma3_3d_sp_interleaved",
+                    "flow": dict(FAMILY_RUNS[-1]["flow"], parallel={"dp": 2, "tp": 2, "pp": 2, "microbatches": 2,
+                                                                    "sequence_parallel": True,
+                                                                    "pp_schedule": "interleaved_1f1b"})})
 
 
 def launch(nproc: int, runs: list[dict], workdir: Path) -> dict:
