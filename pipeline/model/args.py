@@ -21,6 +21,7 @@ from typing import get_type_hints
 from titan_pipe import limits
 from titan_pipe.limits import Bound
 from titan_pipe.errors import UserError
+from titan_pipe.model import gemma3
 from titan_pipe.model.families import family_of
 from titan_pipe.model.rope_scaling import ROPE_TYPES, RopeScaling
 from titan_pipe.values import BOOL, DICT, FLOAT, INT, LIST, STR, check, refuse
@@ -242,11 +243,13 @@ def args_problems(args: ModelArgs) -> list[str]:
                 "or set head_dim"]
     if args.head_dim % 2:
         out.append(f"head_dim: {args.head_dim} must be even (RoPE rotates pairs); change head_dim (or dim / n_heads)")
-    if args.moe or args.family is not None:  # the architecture that says it (titan_pipe.model.families)
+    if args.moe or args.family is not None or gemma3.uses_any(args):  # the architecture that says it (families)
         try:
             family_of(args)
         except ValueError as e:
-            out.append(f"family: {args.family}: {e}" if args.family is not None else f"n_experts: {args.n_experts}: {e}")
+            key, value = ("family", args.family) if args.family is not None else (
+                ("n_experts", args.n_experts) if args.moe else gemma3.first_set(args))
+            out.append(f"{key}: {value}: {e}")
     if args.qk_norm and args.qkv_bias:  # to_hf_config could name no architecture (titan_pipe.model.families)
         out.append("qk_norm: true together with qkv_bias: no Hugging Face architecture has both (Qwen2: q/k/v "
                    "biases, Qwen3: q/k norms); drop one of qk_norm / qkv_bias")

@@ -49,16 +49,25 @@ REQUIRED = {"norm_offset": True, "sandwich_norms": True, "embed_scale": True, "a
             "qk_norm": True}
 
 
+# Gemma 3's switches off (ModelArgs' defaults): a model setting any other value is a Gemma 3
+OFF = {"norm_offset": False, "sandwich_norms": False, "embed_scale": False, "activation": "silu", "global_every": 0,
+       "rope_local_theta": None, "attn_scalar": None}
+
+
+def first_set(args: ModelArgs) -> tuple[str, object] | None:
+    """(field, value) of the first switch only Gemma 3 among the supported families has; None if none."""
+    return next(((k, getattr(args, k)) for k, off in OFF.items() if getattr(args, k) != off), None)
+
+
 def uses_any(args: ModelArgs) -> bool:
     """Whether ``args`` sets a switch only Gemma 3 among the supported families has."""
-    return (args.norm_offset or args.sandwich_norms or args.embed_scale or args.activation != "silu"
-            or args.global_every > 0 or args.rope_local_theta is not None or args.attn_scalar is not None)
+    return first_set(args) is not None
 
 
 def problem(args: ModelArgs) -> str | None:
     """Why Gemma3ForCausalLM cannot hold ``args``; None when it can."""
     have = features(args)
-    missing = [f"{k}: {v}" for k, v in REQUIRED.items() if have[k] != v]
+    missing = [f"{k}: {have[k]}" for k, v in REQUIRED.items() if have[k] != v]
     if missing:
         return (f"Gemma 3 computes {', '.join(f'{k}: {v}' for k, v in REQUIRED.items())}, together; this model "
                 f"has {', '.join(missing)} instead (set them all, or none)")
