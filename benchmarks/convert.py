@@ -17,6 +17,7 @@ DONTNEED on just these files, after a sync), so every method reads them from the
 
     python benchmarks/convert.py [--workdir /tmp/titan-pipe-bench] [--layers 22] [--keep] [--cold]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,9 @@ def build(work: Path, layers: int) -> dict:
     from titan_pipe.model.args import ModelArgs
     from titan_pipe.model.transformer import build_model
 
-    args = ModelArgs(dim=2048, n_layers=layers, n_heads=32, n_kv_heads=4, vocab_size=32000,
-                     ffn_hidden_dim=5632, max_seq_len=2048)
+    args = ModelArgs(
+        dim=2048, n_layers=layers, n_heads=32, n_kv_heads=4, vocab_size=32000, ffn_hidden_dim=5632, max_seq_len=2048
+    )
     unified = work / "unified"
     unified.mkdir(parents=True)
     meta = build_model(args, seed=None, device="meta")
@@ -97,8 +99,7 @@ def build(work: Path, layers: int) -> dict:
             for c in p.chunks:
                 if c.file == f:
                     offsets[name] = {"saved_offsets": list(c.box.offsets)}
-        save_file(tensors, cons / Path(f).name, metadata={"DCP_SHARDING_INFO": json.dumps(offsets),
-                                                          "format": "pt"})
+        save_file(tensors, cons / Path(f).name, metadata={"DCP_SHARDING_INFO": json.dumps(offsets), "format": "pt"})
         del tensors
     size = sum((work / "titan" / f).stat().st_size for f in m.files)
     return {"bytes": size, "files": len(m.files), "dim": args.dim, "layers": layers}
@@ -116,10 +117,13 @@ def _native(hf_sd: dict) -> dict:
 
 # titan-pipe's own methods: source dir under the work dir, whether the source is hashed, and with what
 # (ours is always checked against its manifest's sha256s; the DCP copy is recorded with --digest)
-_OURS = {"titan-pipe": ("titan", True, "xxh3_128"), "titan-pipe --no-verify": ("titan", False, "xxh3_128"),
-         "titan-pipe/dcp": ("dcp_root/ckpt", True, "xxh3_128"),
-         "titan-pipe/dcp --digest sha256": ("dcp_root/ckpt", True, "sha256"),
-         "titan-pipe/dcp --no-verify": ("dcp_root/ckpt", False, "xxh3_128")}
+_OURS = {
+    "titan-pipe": ("titan", True, "xxh3_128"),
+    "titan-pipe --no-verify": ("titan", False, "xxh3_128"),
+    "titan-pipe/dcp": ("dcp_root/ckpt", True, "xxh3_128"),
+    "titan-pipe/dcp --digest sha256": ("dcp_root/ckpt", True, "sha256"),
+    "titan-pipe/dcp --no-verify": ("dcp_root/ckpt", False, "xxh3_128"),
+}
 
 
 def run_method(method: str, work: Path, out: Path) -> dict:
@@ -202,8 +206,17 @@ def plot(results: dict, floor: float, size_mb: float, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-METHODS = ("floor", "titan-pipe", "titan-pipe --no-verify", "load+cat", "titan-pipe/dcp",
-           "titan-pipe/dcp --digest sha256", "titan-pipe/dcp --no-verify", "dcp_to_torch_save", "consolidate")
+METHODS = (
+    "floor",
+    "titan-pipe",
+    "titan-pipe --no-verify",
+    "load+cat",
+    "titan-pipe/dcp",
+    "titan-pipe/dcp --digest sha256",
+    "titan-pipe/dcp --no-verify",
+    "dcp_to_torch_save",
+    "consolidate",
+)
 
 
 def _warm(work: Path) -> None:
@@ -235,8 +248,11 @@ def main() -> None:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--repeat", type=int, default=2, help="runs per method; the fastest is reported")
     ap.add_argument("--png", type=Path, help="also draw the figures as a bar chart here")
-    ap.add_argument("--cold", action="store_true", help="evict the inputs from the page cache before "
-                    "every run (disk-bound reads) instead of warming them")
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict the inputs from the page cache before every run (disk-bound reads) instead of warming them",
+    )
     ap.add_argument("--run", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -250,9 +266,12 @@ def main() -> None:
     try:
         t = time.perf_counter()
         info = build(work, a.layers)
-        print(f"checkpoint: tp2 x pp2, dim {info['dim']}, {info['layers']} layers, bf16, "
-              f"{info['bytes'] / 1e9:.2f} GB in {info['files']} shards (built in "
-              f"{time.perf_counter() - t:.0f} s)", flush=True)
+        print(
+            f"checkpoint: tp2 x pp2, dim {info['dim']}, {info['layers']} layers, bf16, "
+            f"{info['bytes'] / 1e9:.2f} GB in {info['files']} shards (built in "
+            f"{time.perf_counter() - t:.0f} s)",
+            flush=True,
+        )
         results = {}
         for method in a.methods.split(","):
             for _ in range(a.repeat):
@@ -261,8 +280,11 @@ def main() -> None:
                 subprocess.run(["sync"])
                 (_evict if a.cold else _warm)(work)
                 t = time.perf_counter()
-                r = subprocess.run([sys.executable, __file__, "--run", method, "--workdir", str(work),
-                                    "--out", str(out)], capture_output=True, text=True)
+                r = subprocess.run(
+                    [sys.executable, __file__, "--run", method, "--workdir", str(work), "--out", str(out)],
+                    capture_output=True,
+                    text=True,
+                )
                 proc = time.perf_counter() - t
                 if r.returncode:
                     print(f"{method}: failed\n{r.stderr[-2000:]}", flush=True)
@@ -274,25 +296,37 @@ def main() -> None:
             if method not in results:
                 continue
             res = results[method]
-            print(f"  {method:<24} work {res['wall']:6.2f} s  process {res['process']:6.2f} s  peak RSS "
-                  f"{res['peak_mb']:7.0f} MB (before the work {res['base_mb']:5.0f} MB)", flush=True)
+            print(
+                f"  {method:<24} work {res['wall']:6.2f} s  process {res['process']:6.2f} s  peak RSS "
+                f"{res['peak_mb']:7.0f} MB (before the work {res['base_mb']:5.0f} MB)",
+                flush=True,
+            )
         shutil.rmtree(work / "out", ignore_errors=True)
         floor = results.get("floor", {}).get("wall")
         size_mb = info["bytes"] / 2**20
-        print(f"\n{'method':<24} {'work s':>8} {'x floor':>8} {'process s':>10} {'peak RSS MB':>12} "
-              f"{'x ckpt':>7}")
-        print(f"(repeats: {a.repeat}, fastest shown; inputs {'evicted (cold)' if a.cold else 'in the page cache'}; "
-              f"load average {os.getloadavg()[0]:.1f})")
+        print(f"\n{'method':<24} {'work s':>8} {'x floor':>8} {'process s':>10} {'peak RSS MB':>12} {'x ckpt':>7}")
+        print(
+            f"(repeats: {a.repeat}, fastest shown; inputs {'evicted (cold)' if a.cold else 'in the page cache'}; "
+            f"load average {os.getloadavg()[0]:.1f})"
+        )
         for method, r in results.items():
             ratio = f"{r['wall'] / floor:8.2f}" if floor else "       -"
-            print(f"{method:<24} {r['wall']:8.2f} {ratio} {r['process']:10.2f} {r['peak_mb']:12.0f} "
-                  f"{r['peak_mb'] / size_mb:7.3f}")
-        for name, limit in (("titan-pipe", 1.3), ("titan-pipe --no-verify", 1.3),
-                            ("titan-pipe/dcp", 2.0), ("titan-pipe/dcp --no-verify", 1.3 if a.cold else 2.0)):
+            print(
+                f"{method:<24} {r['wall']:8.2f} {ratio} {r['process']:10.2f} {r['peak_mb']:12.0f} "
+                f"{r['peak_mb'] / size_mb:7.3f}"
+            )
+        for name, limit in (
+            ("titan-pipe", 1.3),
+            ("titan-pipe --no-verify", 1.3),
+            ("titan-pipe/dcp", 2.0),
+            ("titan-pipe/dcp --no-verify", 1.3 if a.cold else 2.0),
+        ):
             tp = results.get(name)
             if tp and floor:
-                print(f"targets, {name}: wall {tp['wall'] / floor:.2f}x floor (<= {limit}), peak RSS "
-                      f"{tp['peak_mb'] / size_mb:.3f}x checkpoint (<= 0.25)")
+                print(
+                    f"targets, {name}: wall {tp['wall'] / floor:.2f}x floor (<= {limit}), peak RSS "
+                    f"{tp['peak_mb'] / size_mb:.3f}x checkpoint (<= 0.25)"
+                )
         if a.png and floor:
             plot(results, floor, size_mb, a.png)
             print(f"chart: {a.png}")

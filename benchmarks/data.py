@@ -29,6 +29,7 @@
     python benchmarks/data.py [--workdir /tmp/titan-pipe-data-bench] [--mb 50] [--workers 2] [--keep]
                               [--only throughput|startup|chat] [--chat-mb 20]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,6 +61,7 @@ def _rss_mb() -> float:
 
 # --- inputs (untimed) -------------------------------------------------------------------------------
 
+
 def make_tokenizer(work: Path, vocab: int) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -68,8 +70,12 @@ def make_tokenizer(work: Path, vocab: int) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train(sorted(str(p) for p in default_corpus().glob("*.txt")), trainer)
     out = work / "tokenizer.json"
     tok.save(str(out))
@@ -80,8 +86,9 @@ def make_jsonl(path: Path, mb: float, seed: int = 0) -> int:
     """Paragraphs of the shipped corpus, shuffled, one document per line, up to ``mb`` MB of text."""
     from titan_pipe.tokens.sources import default_corpus
 
-    paras = [p.strip() for f in sorted(default_corpus().glob("*.txt"))
-             for p in f.read_text().split("\n\n") if p.strip()]
+    paras = [
+        p.strip() for f in sorted(default_corpus().glob("*.txt")) for p in f.read_text().split("\n\n") if p.strip()
+    ]
     rng, size, target = random.Random(seed), 0, int(mb * 1e6)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
@@ -125,6 +132,7 @@ def write_generated(prefix: Path, n_tokens: int, *, sparse: bool, seed: int = 0)
 
 # --- measured in child processes --------------------------------------------------------------------
 
+
 def child_encode(jsonl: str, tokenizer: str) -> dict:
     from tokenizers import Tokenizer
 
@@ -165,12 +173,18 @@ def child_startup(path: str, tokenizer: str, vocab: int, old: bool) -> dict:
     loader = PackedLoader(train, seq_len=512, global_batch=8, seed=0, vocab_size=vocab)
     for _ in range(8):
         loader.next_batch()
-    return {"seconds": time.perf_counter() - t0, "import_s": t_import, "peak_mb": _peak_self_mb(),
-            "rss_after_imports_mb": base_mb}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "import_s": t_import,
+        "peak_mb": _peak_self_mb(),
+        "rss_after_imports_mb": base_mb,
+    }
 
 
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def make_chat(work: Path, tokenizer: Path, mb: float, seed: int = 0) -> tuple[Path, Path]:
@@ -182,13 +196,24 @@ def make_chat(work: Path, tokenizer: Path, mb: float, seed: int = 0) -> tuple[Pa
     tok = Tokenizer.from_file(str(tokenizer))
     tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
     tok.save(str(tok_dir / "tokenizer.json"))
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML,
-        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    (tok_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|im_end|>",
+                "bos_token": None,
+                "chat_template": CHATML,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )
     from titan_pipe.tokens.sources import default_corpus
 
-    paras = [p.strip() for f in sorted(default_corpus().glob("*.txt")) for p in f.read_text().split("\n\n")
-             if len(p.strip()) > 40]
+    paras = [
+        p.strip()
+        for f in sorted(default_corpus().glob("*.txt"))
+        for p in f.read_text().split("\n\n")
+        if len(p.strip()) > 40
+    ]
     rng = random.Random(seed)
     path = work / "chat" / "chat.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -197,8 +222,10 @@ def make_chat(work: Path, tokenizer: Path, mb: float, seed: int = 0) -> tuple[Pa
         while size < mb * 1e6:
             msgs = [{"role": "system", "content": "Answer from the founding documents."}] if i % 3 == 0 else []
             for _ in range(1 + i % 3):
-                msgs += [{"role": "user", "content": rng.choice(paras)[:300]},
-                         {"role": "assistant", "content": rng.choice(paras)}]
+                msgs += [
+                    {"role": "user", "content": rng.choice(paras)[:300]},
+                    {"role": "assistant", "content": rng.choice(paras)},
+                ]
             line = json.dumps({"messages": msgs}) + "\n"
             f.write(line)
             size += len(line)
@@ -214,18 +241,33 @@ def child_chat_floor(jsonl: str, tok_dir: str) -> dict:
     t0 = time.perf_counter()
     out = tok.apply_chat_template(convs, tokenize=True)
     ids = out["input_ids"] if not isinstance(out, list) else out
-    return {"seconds": time.perf_counter() - t0, "tokens": sum(map(len, ids)), "records": len(convs),
-            "peak_mb": _peak_self_mb()}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "tokens": sum(map(len, ids)),
+        "records": len(convs),
+        "peak_mb": _peak_self_mb(),
+    }
 
 
 def child_chat_prepare(jsonl: str, tok_dir: str, out: str, workers: int) -> dict:
     from titan_pipe.training.prepare import prepare
 
     t0 = time.perf_counter()
-    r = prepare(sources=[Path(jsonl)], out_dir=Path(out), tokenizer=tok_dir, workers=workers, progress=False,
-                records="chat", val_fraction=0)
-    return {"seconds": time.perf_counter() - t0, "tokens": r.record.n_tokens, "records": r.record.n_documents,
-            "peak_mb": _peak_self_mb()}
+    r = prepare(
+        sources=[Path(jsonl)],
+        out_dir=Path(out),
+        tokenizer=tok_dir,
+        workers=workers,
+        progress=False,
+        records="chat",
+        val_fraction=0,
+    )
+    return {
+        "seconds": time.perf_counter() - t0,
+        "tokens": r.record.n_tokens,
+        "records": r.record.n_documents,
+        "peak_mb": _peak_self_mb(),
+    }
 
 
 def chat(work: Path, tokenizer: Path, mb: float, workers: int) -> None:
@@ -236,12 +278,16 @@ def chat(work: Path, tokenizer: Path, mb: float, workers: int) -> None:
     shutil.rmtree(work / "chat_prepared", ignore_errors=True)
     ours = run_child("chat_prepare", jsonl, tok_dir, work / "chat_prepared", workers)
     assert ours["tokens"] == base["tokens"] and ours["records"] == base["records"], (ours, base)
-    print(f"\n3. chat prepare on {jsonl.stat().st_size / 1e6:.1f} MB ({base['records']:,} conversations, "
-          f"{base['tokens']:,} tokens, the same in both), {workers} worker(s), load {os.getloadavg()[0]:.2f}")
+    print(
+        f"\n3. chat prepare on {jsonl.stat().st_size / 1e6:.1f} MB ({base['records']:,} conversations, "
+        f"{base['tokens']:,} tokens, the same in both), {workers} worker(s), load {os.getloadavg()[0]:.2f}"
+    )
     print(f"   {'method':<20} {'seconds':>8} {'conv/s':>8} {'tok/s':>11} {'peak MB':>8} {'ratio':>6}")
     for name, r in (("apply_chat_template", base), ("data prepare --chat", ours)):
-        print(f"   {name:<20} {r['seconds']:8.2f} {r['records'] / r['seconds']:8,.0f} "
-              f"{r['tokens'] / r['seconds']:11,.0f} {r['peak_mb']:8.0f} {base['seconds'] / r['seconds']:6.2f}x")
+        print(
+            f"   {name:<20} {r['seconds']:8.2f} {r['records'] / r['seconds']:8,.0f} "
+            f"{r['tokens'] / r['seconds']:11,.0f} {r['peak_mb']:8.0f} {base['seconds'] / r['seconds']:6.2f}x"
+        )
 
 
 def run_child(name: str, *args, env: dict | None = None) -> dict:
@@ -254,6 +300,7 @@ def run_child(name: str, *args, env: dict | None = None) -> dict:
 
 # --- the report -------------------------------------------------------------------------------------
 
+
 def throughput(work: Path, tokenizer: Path, mb: float, workers: int) -> None:
     jsonl = work / "text" / "corpus.jsonl"
     text_mb = make_jsonl(jsonl, mb) / 1e6
@@ -262,45 +309,72 @@ def throughput(work: Path, tokenizer: Path, mb: float, workers: int) -> None:
     shutil.rmtree(work / "prepared", ignore_errors=True)
     ours = run_child("prepare", jsonl, tokenizer, work / "prepared", workers)
     assert ours["tokens"] - base["tokens"] == sum(1 for _ in open(jsonl)), "one eos per document"
-    print(f"\n1. throughput on {text_mb:.1f} MB of text ({base['tokens']:,} tokens), {workers} worker(s), "
-          f"load {os.getloadavg()[0]:.2f}")
+    print(
+        f"\n1. throughput on {text_mb:.1f} MB of text ({base['tokens']:,} tokens), {workers} worker(s), "
+        f"load {os.getloadavg()[0]:.2f}"
+    )
     print(f"   {'method':<14} {'seconds':>8} {'MB/s':>7} {'tok/s':>11} {'peak MB':>8} {'ratio':>6}")
     for name, r in (("encode_batch", base), ("data prepare", ours)):
-        print(f"   {name:<14} {r['seconds']:8.2f} {text_mb / r['seconds']:7.2f} {r['tokens'] / r['seconds']:11,.0f} "
-              f"{r['peak_mb']:8.0f} {base['seconds'] / r['seconds']:6.2f}x")
+        print(
+            f"   {name:<14} {r['seconds']:8.2f} {text_mb / r['seconds']:7.2f} {r['tokens'] / r['seconds']:11,.0f} "
+            f"{r['peak_mb']:8.0f} {base['seconds'] / r['seconds']:6.2f}x"
+        )
 
 
 def startup(work: Path, tokenizer: Path, vocab: int) -> None:
     ten = work / "ten_mb"
     make_jsonl(ten / "text.jsonl", 10)
-    subprocess.run([sys.executable, "-m", "titan_pipe.cli", "data", "prepare", str(ten / "text.jsonl"),
-                    "-o", str(ten / "prepared"), "--tokenizer", str(tokenizer)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "titan_pipe.cli",
+            "data",
+            "prepare",
+            str(ten / "text.jsonl"),
+            "-o",
+            str(ten / "prepared"),
+            "--tokenizer",
+            str(tokenizer),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (work / "gen").mkdir(exist_ok=True)
     write_generated(work / "gen" / "one_gb", 500_000_000, sparse=False)
     write_generated(work / "gen" / "twenty_gb", 10_000_000_000, sparse=True)
-    cases = [("10 MB, before (tokenize per rank)", ten / "text.jsonl", True),
-             ("10 MB, prepared dir", ten / "prepared", False),
-             ("1 GB, .bin/.idx", work / "gen" / "one_gb", False),
-             ("20 GB sparse, .bin/.idx", work / "gen" / "twenty_gb", False)]
+    cases = [
+        ("10 MB, before (tokenize per rank)", ten / "text.jsonl", True),
+        ("10 MB, prepared dir", ten / "prepared", False),
+        ("1 GB, .bin/.idx", work / "gen" / "one_gb", False),
+        ("20 GB sparse, .bin/.idx", work / "gen" / "twenty_gb", False),
+    ]
     rows = [(name, run_child("startup", path, tokenizer, vocab, int(old))) for name, path, old in cases]
     ref = rows[1][1]
     print(f"\n2. a rank's data start-up (imports + open + loader + 8 batches), load {os.getloadavg()[0]:.2f}")
-    print(f"   {'corpus':<34} {'seconds':>8} {'peak MB':>8} {'time/10MB':>10} {'RSS/10MB':>9} "
-          f"{'data s':>7} {'data MB':>8}")
+    print(
+        f"   {'corpus':<34} {'seconds':>8} {'peak MB':>8} {'time/10MB':>10} {'RSS/10MB':>9} "
+        f"{'data s':>7} {'data MB':>8}"
+    )
     for name, r in rows:
-        print(f"   {name:<34} {r['seconds']:8.2f} {r['peak_mb']:8.0f} {r['seconds'] / ref['seconds']:9.2f}x "
-              f"{r['peak_mb'] / ref['peak_mb']:8.2f}x {r['seconds'] - r['import_s']:7.2f} "
-              f"{r['peak_mb'] - r['rss_after_imports_mb']:8.1f}")
+        print(
+            f"   {name:<34} {r['seconds']:8.2f} {r['peak_mb']:8.0f} {r['seconds'] / ref['seconds']:9.2f}x "
+            f"{r['peak_mb'] / ref['peak_mb']:8.2f}x {r['seconds'] - r['import_s']:7.2f} "
+            f"{r['peak_mb'] - r['rss_after_imports_mb']:8.1f}"
+        )
     print(f"   (imports alone: {ref['import_s']:.2f} s, {ref['rss_after_imports_mb']:.0f} MB RSS; 'data': the rest)")
 
 
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         name, args = sys.argv[2], sys.argv[3:]
-        fn = {"encode": child_encode, "prepare": lambda j, t, o, w: child_prepare(j, t, o, int(w)),
-              "chat_floor": child_chat_floor,
-              "chat_prepare": lambda j, t, o, w: child_chat_prepare(j, t, o, int(w)),
-              "startup": lambda p, t, v, o: child_startup(p, t, int(v), bool(int(o)))}[name]
+        fn = {
+            "encode": child_encode,
+            "prepare": lambda j, t, o, w: child_prepare(j, t, o, int(w)),
+            "chat_floor": child_chat_floor,
+            "chat_prepare": lambda j, t, o, w: child_chat_prepare(j, t, o, int(w)),
+            "startup": lambda p, t, v, o: child_startup(p, t, int(v), bool(int(o))),
+        }[name]
         print(json.dumps(fn(*args)))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -315,8 +389,10 @@ def main() -> None:
     a.workdir.mkdir(parents=True, exist_ok=True)
     try:
         tokenizer = make_tokenizer(a.workdir, a.vocab)
-        print(f"tokenizer: byte-level BPE, {a.vocab} ids, trained on the shipped corpus; load at start "
-              f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+        print(
+            f"tokenizer: byte-level BPE, {a.vocab} ids, trained on the shipped corpus; load at start "
+            f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs"
+        )
         if a.only in (None, "throughput"):
             throughput(a.workdir, tokenizer, a.mb, a.workers)
         if a.only in (None, "startup"):

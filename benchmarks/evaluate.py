@@ -29,6 +29,7 @@ Everything it wrote is deleted at the end. Needs ~2.2x the largest shape's bf16 
                                   [--modes streamed,whole] [--rounds N] [--keep-under DIR] [--metrics] [--linear]
                                   [--reads]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -132,13 +133,18 @@ with torch.no_grad():
                                  "position_ids": np.arange(ids.shape[1])[None].repeat(ids.shape[0], 0)}})[0]
         worst = max(worst, float(np.abs(got.astype(np.float64) - ref).max()))
 """
-CHILD_HAND = _HAND_LOGITS + """
+CHILD_HAND = (
+    _HAND_LOGITS
+    + """
 print(json.dumps({{"seconds": time.perf_counter() - t, "max_abs": worst}}))
 """
+)
 # The same, plus what a person checking the deployed generation loop by hand adds: transformers'
 # greedy generate and the ONNX prefill + decode loop (titan_pipe.generation) on the same prompts
 # and new tokens as evaluate's KV row, their tokens compared.
-CHILD_HAND_GEN = _HAND_LOGITS + """
+CHILD_HAND_GEN = (
+    _HAND_LOGITS
+    + """
 prompts, n_new = ragged_prompts(ev.prompts), {new_tokens}
 with torch.no_grad():
     ref_tokens = [model.generate(torch.tensor([q]), max_new_tokens=n_new, do_sample=False,
@@ -147,6 +153,7 @@ got = generate(prefill=s, decode=ort_session(sys.argv[3]), prompts=prompts, max_
 agree = float(np.mean([a == b for r, g in zip(ref_tokens, got) for a, b in zip(r, g)]))
 print(json.dumps({{"seconds": time.perf_counter() - t, "max_abs": worst, "agreement": agree}}))
 """
+)
 
 CHILD_EVALUATE = """
 import json, sys, time
@@ -166,14 +173,17 @@ def shapes() -> dict:
 
     wide = dict(dim=4096, n_heads=32, vocab_size=32000, ffn_hidden_dim=11008, max_seq_len=4096)
     return {
-        "tinyllama": ModelArgs(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000,
-                               ffn_hidden_dim=5632, max_seq_len=2048),
+        "tinyllama": ModelArgs(
+            dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000, ffn_hidden_dim=5632, max_seq_len=2048
+        ),
         "llama2w2": ModelArgs(n_layers=2, **wide),
         "llama2w8": ModelArgs(n_layers=8, **wide),
-        "tinyllama8": ModelArgs(dim=2048, n_layers=8, n_heads=32, n_kv_heads=4, vocab_size=32000,
-                                ffn_hidden_dim=5632, max_seq_len=2048),  # 0.48 B, 0.96 GB: issue 36's size
-        "tiny": ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_hidden_dim=512,
-                          max_seq_len=512),  # a seconds-long check that the script runs
+        "tinyllama8": ModelArgs(
+            dim=2048, n_layers=8, n_heads=32, n_kv_heads=4, vocab_size=32000, ffn_hidden_dim=5632, max_seq_len=2048
+        ),  # 0.48 B, 0.96 GB: issue 36's size
+        "tiny": ModelArgs(
+            dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_hidden_dim=512, max_seq_len=512
+        ),  # a seconds-long check that the script runs
     }
 
 
@@ -189,8 +199,11 @@ def floor(md: Path, onnx: Path, vocab: int) -> dict:
     ort, ort_rss = _child(CHILD_FLOOR_ORT.format(batches=batches), onnx)
     steps = SETTINGS["prompts"] * (SETTINGS["new_tokens"] - 1)  # static batch 1: one prompt a batch
     dec, dec_rss = _child(CHILD_FLOOR_DECODE.format(), onnx.parent / "decode.onnx", steps)
-    parts = {"reference forward": ref["seconds"], "ORT forward": ort["seconds"],
-             f"ORT decode ({steps} steps)": dec["seconds"]}
+    parts = {
+        "reference forward": ref["seconds"],
+        "ORT forward": ort["seconds"],
+        f"ORT decode ({steps} steps)": dec["seconds"],
+    }
     return {"seconds": sum(parts.values()), "parts": parts, "peak_rss": max(ref_rss, ort_rss, dec_rss)}
 
 
@@ -215,11 +228,16 @@ def bench_shape(name: str, root: Path, budget: str, modes: list[str], rounds: in
     md, out = root / name / "model", root / name / "onnx"
     wrote, _ = _child(CHILD_WRITE, Path(__file__).parent, name, md)
     export_bench.run_measured([sys.executable, "-c", CHILD_EXPORT, str(md), str(out)])
-    print(f"\n== {name}: dim {args.dim}, {args.n_layers} layers, vocab {args.vocab_size}: "
-          f"{count_params(args) / 1e9:.2f} B params, {wrote / 1e9:.2f} GB bf16; export float16, static 1 x 64")
+    print(
+        f"\n== {name}: dim {args.dim}, {args.n_layers} layers, vocab {args.vocab_size}: "
+        f"{count_params(args) / 1e9:.2f} B params, {wrote / 1e9:.2f} GB bf16; export float16, static 1 x 64"
+    )
     f = floor(md, out / "model.onnx", args.vocab_size)
-    print(f"floor {f['seconds']:.1f} s (" + ", ".join(f"{k} {v:.1f} s" for k, v in f["parts"].items())
-          + f"), its largest child peak RSS {f['peak_rss']:.2f} GB")
+    print(
+        f"floor {f['seconds']:.1f} s ("
+        + ", ".join(f"{k} {v:.1f} s" for k, v in f["parts"].items())
+        + f"), its largest child peak RSS {f['peak_rss']:.2f} GB"
+    )
     runs = [m for m in modes if m != "whole" or _fits_whole(wrote)]
     if "whole" in modes and "whole" not in runs:
         print(f"whole: skipped (needs ~{WHOLE_X * wrote / 1e9:.1f} GB; less is free now)")
@@ -227,35 +245,57 @@ def bench_shape(name: str, root: Path, budget: str, modes: list[str], rounds: in
     for k in range(rounds):
         if rounds > 1:
             print(f"-- round {k + 1} of {rounds}")
-        hand, hand_rss = _child(CHILD_HAND.format(batches=_BATCHES.format(settings=SETTINGS, vocab=args.vocab_size)),
-                                md, out / "model.onnx")
-        print(f"hand check (transformers float32 + one ORT session, logits over {SETTINGS['batches']} x "
-              f"{SETTINGS['seq_len']} tokens, loading included) {hand['seconds']:.1f} s, peak RSS {hand_rss:.2f} GB, "
-              f"max |logits diff| {hand['max_abs']:.2e}")
-        gen, gen_rss = _child(CHILD_HAND_GEN.format(batches=_BATCHES.format(settings=SETTINGS, vocab=args.vocab_size),
-                                                    new_tokens=SETTINGS["new_tokens"]),
-                              md, out / "model.onnx", out / "decode.onnx")
-        print(f"hand check + generation (the same, then transformers generate and the ONNX prefill + decode loop, "
-              f"{SETTINGS['prompts']} prompts x {SETTINGS['new_tokens']} new tokens, tokens compared) "
-              f"{gen['seconds']:.1f} s, peak RSS {gen_rss:.2f} GB, token agreement {gen['agreement']:.2f}")
+        hand, hand_rss = _child(
+            CHILD_HAND.format(batches=_BATCHES.format(settings=SETTINGS, vocab=args.vocab_size)), md, out / "model.onnx"
+        )
+        print(
+            f"hand check (transformers float32 + one ORT session, logits over {SETTINGS['batches']} x "
+            f"{SETTINGS['seq_len']} tokens, loading included) {hand['seconds']:.1f} s, peak RSS {hand_rss:.2f} GB, "
+            f"max |logits diff| {hand['max_abs']:.2e}"
+        )
+        gen, gen_rss = _child(
+            CHILD_HAND_GEN.format(
+                batches=_BATCHES.format(settings=SETTINGS, vocab=args.vocab_size), new_tokens=SETTINGS["new_tokens"]
+            ),
+            md,
+            out / "model.onnx",
+            out / "decode.onnx",
+        )
+        print(
+            f"hand check + generation (the same, then transformers generate and the ONNX prefill + decode loop, "
+            f"{SETTINGS['prompts']} prompts x {SETTINGS['new_tokens']} new tokens, tokens compared) "
+            f"{gen['seconds']:.1f} s, peak RSS {gen_rss:.2f} GB, token agreement {gen['agreement']:.2f}"
+        )
         for mode in runs:
             setting = budget if mode == "streamed" else "auto"
             r, rss = _child(CHILD_EVALUATE, md, out / "model.onnx", root / name / f"rep-{mode}", setting)
-            results[mode].append({"seconds": r["seconds"], "time_ratio": r["seconds"] / f["seconds"], "peak_rss": rss,
-                                  "rss_ratio": rss * 1e9 / wrote, "ran": r["mode"],
-                                  "hand_ratio": r["seconds"] / hand["seconds"],
-                                  "hand_gen_ratio": r["seconds"] / gen["seconds"]})
-            print(f"evaluate --max-memory {setting}: ran {r['mode']}, {r['seconds']:.1f} s = "
-                  f"{r['seconds'] / f['seconds']:.2f}x the floor, {r['seconds'] / hand['seconds']:.2f}x the hand check, "
-                  f"{r['seconds'] / gen['seconds']:.2f}x the hand check + generation; "
-                  f"peak RSS {rss:.2f} GB = {rss * 1e9 / wrote:.3f}x the "
-                  f"weights; {'PASS' if r['passed'] else 'FAIL'}: {r['verdict'][:100]}")
+            results[mode].append(
+                {
+                    "seconds": r["seconds"],
+                    "time_ratio": r["seconds"] / f["seconds"],
+                    "peak_rss": rss,
+                    "rss_ratio": rss * 1e9 / wrote,
+                    "ran": r["mode"],
+                    "hand_ratio": r["seconds"] / hand["seconds"],
+                    "hand_gen_ratio": r["seconds"] / gen["seconds"],
+                }
+            )
+            print(
+                f"evaluate --max-memory {setting}: ran {r['mode']}, {r['seconds']:.1f} s = "
+                f"{r['seconds'] / f['seconds']:.2f}x the floor, {r['seconds'] / hand['seconds']:.2f}x the hand check, "
+                f"{r['seconds'] / gen['seconds']:.2f}x the hand check + generation; "
+                f"peak RSS {rss:.2f} GB = {rss * 1e9 / wrote:.3f}x the "
+                f"weights; {'PASS' if r['passed'] else 'FAIL'}: {r['verdict'][:100]}"
+            )
     if rounds > 1:
         for mode, rs in results.items():
             med = {k: statistics.median(r[k] for r in rs) for k in ("hand_ratio", "hand_gen_ratio", "rss_ratio")}
-            print(f"median of {rounds} rounds, {mode}: {med['hand_ratio']:.2f}x the hand check (rounds: "
-                  + ", ".join(f"{r['hand_ratio']:.2f}" for r in rs) + f"), {med['hand_gen_ratio']:.2f}x the hand "
-                  f"check + generation, peak RSS {med['rss_ratio']:.3f}x the weights")
+            print(
+                f"median of {rounds} rounds, {mode}: {med['hand_ratio']:.2f}x the hand check (rounds: "
+                + ", ".join(f"{r['hand_ratio']:.2f}" for r in rs)
+                + f"), {med['hand_gen_ratio']:.2f}x the hand "
+                f"check + generation, peak RSS {med['rss_ratio']:.3f}x the weights"
+            )
     shutil.rmtree(root / name, ignore_errors=True)
     return {m: max(rs, key=lambda r: r["peak_rss"]) for m, rs in results.items() if rs}
 
@@ -279,8 +319,10 @@ def bench_metrics(tokens: int, vocab: int) -> None:
     m = compare_tensors(r, c)
     t_metrics = time.perf_counter() - t
     assert abs(m.max_abs - ref) < 1e-12
-    print(f"metrics: {r.numel() / 1e6:.1f}M logits, compare_tensors {t_metrics:.2f} s = {t_metrics / t_floor:.1f}x "
-          f"one float64 |c-r|.max() pass ({t_floor:.2f} s)")
+    print(
+        f"metrics: {r.numel() / 1e6:.1f}M logits, compare_tensors {t_metrics:.2f} s = {t_metrics / t_floor:.1f}x "
+        f"one float64 |c-r|.max() pass ({t_floor:.2f} s)"
+    )
 
 
 def bench_linear(rows: int = 2, out_f: int = 32000, in_f: int = 2048, repeat: int = 5) -> None:
@@ -310,9 +352,11 @@ def bench_linear(rows: int = 2, out_f: int = 32000, in_f: int = 2048, repeat: in
         return min(times)
 
     whole, copy, banded = (best(lambda: F.linear(x, w.float())), best(lambda: F.linear(x, held)), best(lambda: lin(x)))
-    print(f"linear {out_f} x {in_f} bfloat16, {rows} input rows (best of {repeat}): StoredLinear {banded * 1e3:.1f} ms "
-          f"= {banded / copy:.2f}x a float32 copy held ({copy * 1e3:.1f} ms, 2x the memory), "
-          f"{banded / whole:.2f}x casting the whole weight per call ({whole * 1e3:.1f} ms)")
+    print(
+        f"linear {out_f} x {in_f} bfloat16, {rows} input rows (best of {repeat}): StoredLinear {banded * 1e3:.1f} ms "
+        f"= {banded / copy:.2f}x a float32 copy held ({copy * 1e3:.1f} ms, 2x the memory), "
+        f"{banded / whole:.2f}x casting the whole weight per call ({whole * 1e3:.1f} ms)"
+    )
 
 
 def bench_reads(root: Path, name: str = "tinyllama8", rounds: int = 4, n_new: int = 16) -> None:
@@ -342,28 +386,44 @@ def bench_reads(root: Path, name: str = "tinyllama8", rounds: int = 4, n_new: in
     gc.unfreeze()
     shutil.rmtree(root / name, ignore_errors=True)
     assert torch.equal(tokens["mapped"], tokens["read"])
-    print(f"streamed reference, {n_new} greedy steps of {name} ({rounds} runs each, alternating): weights from the "
-          f"files' pages {min(times['mapped']):.2f} s at best (" + ", ".join(f"{t:.2f}" for t in times["mapped"])
-          + f") = {min(times['mapped']) / min(times['read']):.2f}x reading them into the buffer "
-          f"{min(times['read']):.2f} s (" + ", ".join(f"{t:.2f}" for t in times["read"]) + ")")
+    print(
+        f"streamed reference, {n_new} greedy steps of {name} ({rounds} runs each, alternating): weights from the "
+        f"files' pages {min(times['mapped']):.2f} s at best ("
+        + ", ".join(f"{t:.2f}" for t in times["mapped"])
+        + f") = {min(times['mapped']) / min(times['read']):.2f}x reading them into the buffer "
+        f"{min(times['read']):.2f} s (" + ", ".join(f"{t:.2f}" for t in times["read"]) + ")"
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="tinyllama,llama2w2,llama2w8")
-    ap.add_argument("--budget", default="2GB", help="--max-memory of the streamed runs (a 7B-width "
-                    "decode layer with its static 4096-slot cache needs ~1.9 GB)")
+    ap.add_argument(
+        "--budget",
+        default="2GB",
+        help="--max-memory of the streamed runs (a 7B-width "
+        "decode layer with its static 4096-slot cache needs ~1.9 GB)",
+    )
     ap.add_argument("--modes", default="streamed,whole")
     ap.add_argument("--keep-under", type=Path, default=None, help="scratch parent dir (default: system temp)")
     ap.add_argument("--metrics", action="store_true", help="also time compare_tensors on 1024 x 32000 logits")
     ap.add_argument("--linear", action="store_true", help="also time the reference's banded linear layer")
-    ap.add_argument("--reads", action="store_true", help="also time the streamed reference's greedy steps "
-                    "with its weights from the files' pages vs read into its buffer")
-    ap.add_argument("--rounds", type=int, default=1, help="rounds of hand checks + evaluate per shape "
-                    "(ratios within a round; the median printed)")
+    ap.add_argument(
+        "--reads",
+        action="store_true",
+        help="also time the streamed reference's greedy steps "
+        "with its weights from the files' pages vs read into its buffer",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of hand checks + evaluate per shape (ratios within a round; the median printed)",
+    )
     opts = ap.parse_args()
-    print(f"load average at start (1/5/15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"load average at start (1/5/15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs"
+    )
     if opts.metrics:
         bench_metrics(1024, 32000)
     if opts.linear:
@@ -381,8 +441,10 @@ def main() -> None:
         print(f"load average at end (1/5/15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     two, eight = (results.get(n, {}).get("streamed") for n in ("llama2w2", "llama2w8"))
     if two and eight:
-        print(f"7B width, streamed: peak RSS {two['peak_rss']:.2f} GB with 2 layers, {eight['peak_rss']:.2f} GB with "
-              f"8 ({eight['peak_rss'] / two['peak_rss']:.3f}x; target within 15%)")
+        print(
+            f"7B width, streamed: peak RSS {two['peak_rss']:.2f} GB with 2 layers, {eight['peak_rss']:.2f} GB with "
+            f"8 ({eight['peak_rss'] / two['peak_rss']:.3f}x; target within 15%)"
+        )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ Everything it wrote is deleted at the end. Needs ~3x the largest source's weight
     python benchmarks/export.py [--shape llama2w] [--wide-layers 4] [--pairs bf16:fp16,...] [--repeat 3]
                                 [--as-drawn] [--before PYTHON] [--keep-under DIR] [--json FILE]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -99,20 +100,25 @@ CPU_SECONDS: list[float] = []
 PREBACK_SECONDS: list[float] = []  # untimed: writing and deleting the pages each run then writes into
 
 # The figures of the torch-cast exporter this replaced (docs/export.md), for the issue's case.
-BEFORE = ("before (cast through torch, 32 MB chunks, no overlap): Llama-2-7B width fp32 -> fp16 5.15x cp "
-          "(4.38x --no-hash-weights), peak RSS 0.32x the weights")
+BEFORE = (
+    "before (cast through torch, 32 MB chunks, no overlap): Llama-2-7B width fp32 -> fp16 5.15x cp "
+    "(4.38x --no-hash-weights), peak RSS 0.32x the weights"
+)
 
 
 def shapes(wide_layers: int) -> dict:
     from titan_pipe.model.args import ModelArgs
 
     return {
-        "tinyllama": ModelArgs(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000,
-                               ffn_hidden_dim=5632, max_seq_len=2048),
-        "llama2w": ModelArgs(dim=4096, n_layers=wide_layers, n_heads=32, vocab_size=32000, ffn_hidden_dim=11008,
-                             max_seq_len=4096),
-        "tiny": ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_hidden_dim=512,
-                          max_seq_len=512),
+        "tinyllama": ModelArgs(
+            dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, vocab_size=32000, ffn_hidden_dim=5632, max_seq_len=2048
+        ),
+        "llama2w": ModelArgs(
+            dim=4096, n_layers=wide_layers, n_heads=32, vocab_size=32000, ffn_hidden_dim=11008, max_seq_len=4096
+        ),
+        "tiny": ModelArgs(
+            dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1000, ffn_hidden_dim=512, max_seq_len=512
+        ),
     }
 
 
@@ -136,9 +142,12 @@ def write_random_model(out: Path, args, dtype: str = "float32", seed: int = 0, n
     weight_map, total = {}, 0
     for i, (key, params) in enumerate(groups.items()):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        shard = {native_to_hf(n): (torch.ones(s) if norms_one and n.endswith("norm.weight")
-                                   else torch.randn(s, generator=g) * 0.02).to(getattr(torch, dtype))
-                 for n, s in params}
+        shard = {
+            native_to_hf(n): (
+                torch.ones(s) if norms_one and n.endswith("norm.weight") else torch.randn(s, generator=g) * 0.02
+            ).to(getattr(torch, dtype))
+            for n, s in params
+        }
         save_file(shard, str(out / fname))
         total += sum(t.numel() * t.element_size() for t in shard.values())
         weight_map.update({k: fname for k in shard})
@@ -194,8 +203,20 @@ def export_runs(src: Path, target: str, out: Path, python: str, repeat: int, pre
     for mode in MODES:
         tries = []
         for _ in range(repeat if mode == "default" else 1):
-            wall, rss, text = run_measured([python, "-c", CHILD_EXPORT, str(src), NAMES[target], str(out), mode,
-                                            str(preback), str(out.parent), str(Path(__file__).parent)])
+            wall, rss, text = run_measured(
+                [
+                    python,
+                    "-c",
+                    CHILD_EXPORT,
+                    str(src),
+                    NAMES[target],
+                    str(out),
+                    mode,
+                    str(preback),
+                    str(out.parent),
+                    str(Path(__file__).parent),
+                ]
+            )
             child = json.loads(text.strip().splitlines()[-1])
             PREBACK_SECONDS.append(child.get("preback_s", 0.0))
             tries.append((wall, rss, {**child, "cpu_s": CPU_SECONDS[-1]}))
@@ -206,12 +227,23 @@ def export_runs(src: Path, target: str, out: Path, python: str, repeat: int, pre
 
 
 def row_figures(runs: dict, floor: float, floor_cpu: float, weights_gb: float) -> dict:
-    return {mode: {"seconds": child["seconds"], "x_cp": child["seconds"] / floor, "process_s": wall,
-                   "import_s": child["import"], "rss_gb": rss, "x_weights": rss / weights_gb,
-                   "cpu_s": child["cpu_s"], "cpu_export_s": child["cpu_export"],
-                   "x_cp_cpu": child["cpu_export"] / floor_cpu,
-                   "torch_imported": child["torch"], "timings": child["timings"], "runs_s": child["runs_s"]}
-            for mode, (wall, rss, child) in runs.items()}
+    return {
+        mode: {
+            "seconds": child["seconds"],
+            "x_cp": child["seconds"] / floor,
+            "process_s": wall,
+            "import_s": child["import"],
+            "rss_gb": rss,
+            "x_weights": rss / weights_gb,
+            "cpu_s": child["cpu_s"],
+            "cpu_export_s": child["cpu_export"],
+            "x_cp_cpu": child["cpu_export"] / floor_cpu,
+            "torch_imported": child["torch"],
+            "timings": child["timings"],
+            "runs_s": child["runs_s"],
+        }
+        for mode, (wall, rss, child) in runs.items()
+    }
 
 
 def bench_source(src_key: str, targets: list[str], args, root: Path, opts) -> list[dict]:
@@ -220,19 +252,34 @@ def bench_source(src_key: str, targets: list[str], args, root: Path, opts) -> li
 
     n = count_params(args)
     src = root / f"model-{src_key}"
-    write_s, _, text = run_measured([sys.executable, "-c", CHILD_WRITE, str(Path(__file__).parent), opts.shape,
-                                     str(src), str(opts.wide_layers), NAMES[src_key]])
+    write_s, _, text = run_measured(
+        [
+            sys.executable,
+            "-c",
+            CHILD_WRITE,
+            str(Path(__file__).parent),
+            opts.shape,
+            str(src),
+            str(opts.wide_layers),
+            NAMES[src_key],
+        ]
+    )
     t = time.perf_counter()
     os.sync()  # flushed, as a checkpoint is by the time it is exported: no writeback of it during the timings
-    print(f"\n-- source {src_key}: wrote {json.loads(text) / 1e9:.2f} GB of random weights in {write_s:.1f} s, "
-          f"flushed in {time.perf_counter() - t:.1f} s")
+    print(
+        f"\n-- source {src_key}: wrote {json.loads(text) / 1e9:.2f} GB of random weights in {write_s:.1f} s, "
+        f"flushed in {time.perf_counter() - t:.1f} s"
+    )
     cp_back = 0 if opts.as_drawn else n * SIZES[src_key]
     back = {t: 0 if opts.as_drawn else n * SIZES[t] for t in targets}  # the data files' bytes
     cp_floor(src, root / "copy", 0)  # untimed: the source's pages are in the page cache from here on
     cp_runs = [cp_floor(src, root / "copy", cp_back)]
     runs = {t: export_runs(src, t, root / "onnx", sys.executable, opts.repeat, back[t]) for t in targets}
-    before = ({t: export_runs(src, t, root / "onnx", opts.before, opts.repeat, back[t]) for t in targets}
-              if opts.before else {})
+    before = (
+        {t: export_runs(src, t, root / "onnx", opts.before, opts.repeat, back[t]) for t in targets}
+        if opts.before
+        else {}
+    )
     cp_runs += [cp_floor(src, root / "copy", cp_back) for _ in range(opts.repeat - 1)]
     shutil.rmtree(src)
     cps = [w for w, _ in cp_runs]
@@ -240,19 +287,28 @@ def bench_source(src_key: str, targets: list[str], args, root: Path, opts) -> li
     rows = []
     for t in targets:
         weights_gb = n * min(SIZES[src_key], SIZES[t]) / 1e9
-        row = {"pair": f"{src_key}->{t}", "cp_s": floor, "cp_runs_s": cps, "cp_cpu_s": floor_cpu,
-               "weights_gb": weights_gb, "source_bytes": n * SIZES[src_key], "output_bytes": n * SIZES[t],
-               **row_figures(runs[t], floor, floor_cpu, weights_gb)}
+        row = {
+            "pair": f"{src_key}->{t}",
+            "cp_s": floor,
+            "cp_runs_s": cps,
+            "cp_cpu_s": floor_cpu,
+            "weights_gb": weights_gb,
+            "source_bytes": n * SIZES[src_key],
+            "output_bytes": n * SIZES[t],
+            **row_figures(runs[t], floor, floor_cpu, weights_gb),
+        }
         if t in before:
             row["before"] = row_figures(before[t], floor, floor_cpu, weights_gb)
         rows.append(row)
-        print(f"{row['pair']:>10}: cp {floor:.2f} s (runs {', '.join(f'{c:.2f}' for c in cps)}); "
-              f"export {row['default']['seconds']:.2f} s = {row['default']['x_cp']:.2f}x cp "
-              f"(runs {', '.join(f'{x:.2f}' for x in row['default']['runs_s'])}), "
-              f"--digest sha256 {row['sha256']['seconds']:.2f} s = {row['sha256']['x_cp']:.2f}x, "
-              f"--no-hash-weights {row['nohash']['seconds']:.2f} s = {row['nohash']['x_cp']:.2f}x; "
-              f"peak RSS {row['default']['rss_gb']:.3f} GB = {row['default']['x_weights']:.3f}x the weights; "
-              f"torch imported: {row['default']['torch_imported']}")
+        print(
+            f"{row['pair']:>10}: cp {floor:.2f} s (runs {', '.join(f'{c:.2f}' for c in cps)}); "
+            f"export {row['default']['seconds']:.2f} s = {row['default']['x_cp']:.2f}x cp "
+            f"(runs {', '.join(f'{x:.2f}' for x in row['default']['runs_s'])}), "
+            f"--digest sha256 {row['sha256']['seconds']:.2f} s = {row['sha256']['x_cp']:.2f}x, "
+            f"--no-hash-weights {row['nohash']['seconds']:.2f} s = {row['nohash']['x_cp']:.2f}x; "
+            f"peak RSS {row['default']['rss_gb']:.3f} GB = {row['default']['x_weights']:.3f}x the weights; "
+            f"torch imported: {row['default']['torch_imported']}"
+        )
     return rows
 
 
@@ -272,8 +328,10 @@ def add_output_floor(rows: list[dict]) -> None:
 
 def print_table(rows: list[dict]) -> None:
     add_output_floor(rows)
-    print(f"\n{'pair':>10}{'':>8}{'weights GB':>11}{'cp s':>7}{'export s':>10}{'x cp':>7}{'x cp out':>9}{'sha256 s':>10}"
-          f"{'x cp':>7}{'no-hash s':>11}{'x cp':>7}{'CPU x cp':>10}{'RSS GB':>8}{'x weights':>11}{'process s':>11}  targets")
+    print(
+        f"\n{'pair':>10}{'':>8}{'weights GB':>11}{'cp s':>7}{'export s':>10}{'x cp':>7}{'x cp out':>9}{'sha256 s':>10}"
+        f"{'x cp':>7}{'no-hash s':>11}{'x cp':>7}{'CPU x cp':>10}{'RSS GB':>8}{'x weights':>11}{'process s':>11}  targets"
+    )
     for r in rows:
         for label, fig in (("after", r), ("before", r.get("before"))):
             if fig is None:
@@ -282,13 +340,19 @@ def print_table(rows: list[dict]) -> None:
             sha = f"{sh['seconds']:>10.2f}{sh['x_cp']:>7.2f}" if sh else f"{'-':>10}{'-':>7}"
             ok = "ok" if h["x_cp"] <= 2.5 and h["x_weights"] <= 0.2 else "MISSED"
             out = f"{h['x_cp_out']:>9.2f}" if h.get("x_cp_out") else f"{'-':>9}"
-            print(f"{r['pair']:>10}{label:>8}{r['weights_gb']:>11.2f}{r['cp_s']:>7.2f}{h['seconds']:>10.2f}"
-                  f"{h['x_cp']:>7.2f}{out}{sha}{nh['seconds']:>11.2f}{nh['x_cp']:>7.2f}{h['x_cp_cpu']:>10.2f}{h['rss_gb']:>8.3f}"
-                  f"{h['x_weights']:>11.3f}{h['process_s']:>11.2f}  {ok} (<= 2.5x cp, <= 0.2x weights)")
-    print("export s: the default (XXH3-128 digest of each data file), against the targets; sha256 s: --digest sha256; "
-          "no-hash s: --no-hash-weights")
-    print("x cp out: over the fastest cp of as many bytes as the export writes (a source of that size, where "
-          "this run copied one); a figure, not a target")
+            print(
+                f"{r['pair']:>10}{label:>8}{r['weights_gb']:>11.2f}{r['cp_s']:>7.2f}{h['seconds']:>10.2f}"
+                f"{h['x_cp']:>7.2f}{out}{sha}{nh['seconds']:>11.2f}{nh['x_cp']:>7.2f}{h['x_cp_cpu']:>10.2f}{h['rss_gb']:>8.3f}"
+                f"{h['x_weights']:>11.3f}{h['process_s']:>11.2f}  {ok} (<= 2.5x cp, <= 0.2x weights)"
+            )
+    print(
+        "export s: the default (XXH3-128 digest of each data file), against the targets; sha256 s: --digest sha256; "
+        "no-hash s: --no-hash-weights"
+    )
+    print(
+        "x cp out: over the fastest cp of as many bytes as the export writes (a source of that size, where "
+        "this run copied one); a figure, not a target"
+    )
     print("CPU x cp: CPU seconds of export_model (every thread; not the interpreter's start and imports) over cp's")
 
 
@@ -305,14 +369,25 @@ def main() -> None:
     ap.add_argument("--wide-layers", type=int, default=4, help="layers of the Llama-2-7B-width shape")
     ap.add_argument("--pairs", default=DEFAULT_PAIRS, help="SRC:DST,... from bf16, fp16, fp32 (DST fp16 or fp32)")
     ap.add_argument("--keep-under", type=Path, default=None, help="scratch parent dir (default: system temp)")
-    ap.add_argument("--repeat", type=positive_int, default=3,
-                    help="timed cp runs and default exports per pair; the fastest of each is the figure")
-    ap.add_argument("--as-drawn", action="store_true",
-                    help="do not pre-back each run's output pages: time them as the VM hands them out")
+    ap.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=3,
+        help="timed cp runs and default exports per pair; the fastest of each is the figure",
+    )
+    ap.add_argument(
+        "--as-drawn",
+        action="store_true",
+        help="do not pre-back each run's output pages: time them as the VM hands them out",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
-    ap.add_argument("--before", default=None, metavar="PYTHON",
-                    help="also export with this interpreter's titan_pipe (e.g. a checkout of the previous "
-                         "version's venv): before/after rows against the same cp, in the same run")
+    ap.add_argument(
+        "--before",
+        default=None,
+        metavar="PYTHON",
+        help="also export with this interpreter's titan_pipe (e.g. a checkout of the previous "
+        "version's venv): before/after rows against the same cp, in the same run",
+    )
     opts = ap.parse_args()
     pairs = [tuple(p.split(":")) for p in opts.pairs.split(",")]
     by_source: dict[str, list[str]] = {}
@@ -324,15 +399,21 @@ def main() -> None:
     from titan_pipe.model.args import count_params
 
     n = count_params(args)
-    print(f"{opts.shape}: dim {args.dim}, {args.n_layers} layers, ffn {args.hidden_dim}, vocab {args.vocab_size}: "
-          f"{n / 1e9:.3f} B parameters; pairs {', '.join(f'{s}->{t}' for s, t in pairs)}")
-    print(f"load average at start (1/5/15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"{os.cpu_count()} CPUs")
+    print(
+        f"{opts.shape}: dim {args.dim}, {args.n_layers} layers, ffn {args.hidden_dim}, vocab {args.vocab_size}: "
+        f"{n / 1e9:.3f} B parameters; pairs {', '.join(f'{s}->{t}' for s, t in pairs)}"
+    )
+    print(
+        f"load average at start (1/5/15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}; {os.cpu_count()} CPUs"
+    )
     root = Path(tempfile.mkdtemp(prefix="titan-export-bench-", dir=opts.keep_under))
     rows = []
     try:
-        print("pages: as drawn from the VM (--as-drawn)" if opts.as_drawn else
-              "pages: each timed run's output bytes pre-backed just before its clock, cp and export alike")
+        print(
+            "pages: as drawn from the VM (--as-drawn)"
+            if opts.as_drawn
+            else "pages: each timed run's output bytes pre-backed just before its clock, cp and export alike"
+        )
         for s, targets in by_source.items():
             rows += bench_source(s, targets, args, root, opts)
     finally:
@@ -341,13 +422,16 @@ def main() -> None:
         print(f"load average at end (1/5/15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print_table(rows)
     if any(PREBACK_SECONDS):
-        print(f"pre-backing: {sum(PREBACK_SECONDS):.0f} s in all, untimed ({min(PREBACK_SECONDS):.1f}-"
-              f"{max(PREBACK_SECONDS):.1f} s a run)")
+        print(
+            f"pre-backing: {sum(PREBACK_SECONDS):.0f} s in all, untimed ({min(PREBACK_SECONDS):.1f}-"
+            f"{max(PREBACK_SECONDS):.1f} s a run)"
+        )
     if not opts.before:
         print(BEFORE)
     if opts.json:
-        opts.json.write_text(json.dumps({"shape": opts.shape, "params": n, "rows": rows,
-                                         "load_end": os.getloadavg()}, indent=1))
+        opts.json.write_text(
+            json.dumps({"shape": opts.shape, "params": n, "rows": rows, "load_end": os.getloadavg()}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ is built (the interpreter, torch and the data are the same in both; glibc's mmap
 training/planner/memory.py's total for that layout (parameters, gradients, optimizer states,
 activations). Figures print as ratios; a JSON goes to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-MODEL = {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 4, "ffn_hidden_dim": 1408, "vocab_size": 8192,
-         "max_seq_len": 256}
+MODEL = {
+    "dim": 512,
+    "n_layers": 8,
+    "n_heads": 8,
+    "n_kv_heads": 4,
+    "ffn_hidden_dim": 1408,
+    "vocab_size": 8192,
+    "max_seq_len": 256,
+}
 BATCH, SEQ = 4, 128
 
 
@@ -51,10 +59,20 @@ def write_base(root: Path) -> Path:
 
 
 def flow(base: Path, steps: int, rank: int | None) -> dict:
-    f = {"device": "cpu", "name": f"bench-{'lora' if rank else 'full'}", "init_from": str(base),
-         "train": {"steps": steps, "batch_size": BATCH, "seq_len": SEQ, "warmup_steps": 1, "seed": 0,
-                   "optimizer": {"name": "adamw", "lr": 2e-4, "weight_decay": 0.0}},
-         "checkpoint": {"every": 10**6, "keep_last": 1, "save_optimizer": False}}
+    f = {
+        "device": "cpu",
+        "name": f"bench-{'lora' if rank else 'full'}",
+        "init_from": str(base),
+        "train": {
+            "steps": steps,
+            "batch_size": BATCH,
+            "seq_len": SEQ,
+            "warmup_steps": 1,
+            "seed": 0,
+            "optimizer": {"name": "adamw", "lr": 2e-4, "weight_decay": 0.0},
+        },
+        "checkpoint": {"every": 10**6, "keep_last": 1, "save_optimizer": False},
+    }
     if rank:
         f["train"]["lora"] = {"rank": rank, "alpha": 2 * rank, "targets": ["q", "k", "v", "o", "gate", "up", "down"]}
     return f
@@ -62,8 +80,9 @@ def flow(base: Path, steps: int, rank: int | None) -> dict:
 
 def worker(base: str, steps: int, rank: int) -> dict:
     """One training in this process; its peak RSS over the RSS before the model is built."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
     import torch.distributed as dist
 
     from titan_pipe.config import parse_flow
@@ -84,8 +103,13 @@ def worker(base: str, steps: int, rank: int) -> dict:
     records = [json.loads(line) for line in (work / "runs" / cfg.name / "metrics.jsonl").read_text().splitlines()]
     dist.destroy_process_group()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"peak_rss_mb": peak, "before_model_mb": seen["before"], "training_mb": peak - seen["before"],
-            "losses": [r["loss"] for r in records], "step_s": sorted(r["step_time_s"] for r in records)[len(records) // 2]}
+    return {
+        "peak_rss_mb": peak,
+        "before_model_mb": seen["before"],
+        "training_mb": peak - seen["before"],
+        "losses": [r["loss"] for r in records],
+        "step_s": sorted(r["step_time_s"] for r in records)[len(records) // 2],
+    }
 
 
 def predicted(rank: int | None) -> dict:
@@ -97,8 +121,11 @@ def predicted(rank: int | None) -> dict:
     args = resolve_args("debug", **MODEL)
     lora = LoRASpec(rank, 2.0 * rank, ("q", "k", "v", "o", "gate", "up", "down")) if rank else None
     m = memory_per_device(Workload(args, SEQ, BATCH, lora=lora), Layout(1, 1, 1, zero=0, amp_dtype=None))
-    return {"total_mb": m.total / 2**20, "items_mb": {k: v / 2**20 for k, v in m.items().items()},
-            "params": count_params(args)}
+    return {
+        "total_mb": m.total / 2**20,
+        "items_mb": {k: v / 2**20 for k, v in m.items().items()},
+        "params": count_params(args),
+    }
 
 
 def main() -> None:
@@ -115,12 +142,21 @@ def main() -> None:
     base = write_base(root)
     # glibc's dynamic mmap threshold keeps freed activation buffers in the heap (RSS) after the first step;
     # a fixed threshold returns them, so RSS follows live memory, what the planner models, in both workers
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), PYTHONWARNINGS="ignore",
-               MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"),
+        PYTHONWARNINGS="ignore",
+        MALLOC_MMAP_THRESHOLD_=os.environ.get("MALLOC_MMAP_THRESHOLD_", "131072"),
+    )
     res = {}
     for name, rank in (("full", 0), ("lora", a.rank)):
-        out = subprocess.run([sys.executable, __file__, "--worker", str(base), str(a.steps), str(rank)],
-                             capture_output=True, text=True, env=env, timeout=1800)
+        out = subprocess.run(
+            [sys.executable, __file__, "--worker", str(base), str(a.steps), str(rank)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=1800,
+        )
         if out.returncode != 0:
             raise SystemExit(f"{name} failed:\n{out.stderr[-4000:]}")
         res[name] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -130,15 +166,20 @@ def main() -> None:
     print(f"model: {n / 1e6:.1f}M parameters, batch {BATCH} x {SEQ}, float32, AdamW, dp=tp=pp=1; LoRA rank {a.rank}")
     for name in ("full", "lora"):
         r = res[name]
-        print(f"  {name:5s}: measured {r['training_mb']:7.1f} MB over the pre-model RSS (peak {r['peak_rss_mb']:.0f} MB), "
-              f"planner {r['predicted']['total_mb']:7.1f} MB; median step {r['step_s']:.3f} s; "
-              f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
+        print(
+            f"  {name:5s}: measured {r['training_mb']:7.1f} MB over the pre-model RSS (peak {r['peak_rss_mb']:.0f} MB), "
+            f"planner {r['predicted']['total_mb']:7.1f} MB; median step {r['step_s']:.3f} s; "
+            f"loss {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}"
+        )
     measured = lora["training_mb"] / full["training_mb"]
     planned = lora["predicted"]["total_mb"] / full["predicted"]["total_mb"]
-    print(f"LoRA / full: measured {measured:.3f}x, planner {planned:.3f}x; step time {lora['step_s'] / full['step_s']:.2f}x")
+    print(
+        f"LoRA / full: measured {measured:.3f}x, planner {planned:.3f}x; step time {lora['step_s'] / full['step_s']:.2f}x"
+    )
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "lora.json").write_text(json.dumps({"results": res, "measured_ratio": measured, "planned_ratio": planned},
-                                                indent=1))
+    (a.out / "lora.json").write_text(
+        json.dumps({"results": res, "measured_ratio": measured, "planned_ratio": planned}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@
     python benchmarks/moe.py [--tokens 4096] [--dim 512] [--hidden 1024] [--experts 8] [--top-k 2]
                              [--device cpu] [--repeats 5]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,15 @@ def timed(fn, repeats: int, device: str) -> float:
 
 
 def training(a) -> None:
-    args = resolve_args("debug_moe", dim=a.dim, ffn_hidden_dim=a.hidden, n_experts=a.experts,
-                        experts_per_token=a.top_k, n_heads=8, n_kv_heads=8)
+    args = resolve_args(
+        "debug_moe",
+        dim=a.dim,
+        ffn_hidden_dim=a.hidden,
+        n_experts=a.experts,
+        experts_per_token=a.top_k,
+        n_heads=8,
+        n_kv_heads=8,
+    )
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     torch.manual_seed(0)
     x = torch.randn(a.tokens, a.dim, device=a.device, dtype=dtype)
@@ -91,12 +99,16 @@ def training(a) -> None:
 
     rows["loop"] = timed(loop_step, a.repeats, a.device)
     grouped_real = a.device == "cuda" and torch.cuda.get_device_capability() >= (9, 0)
-    print(f"MoE layer forward+backward: {a.tokens} tokens, dim {a.dim}, {a.experts} experts of {a.hidden}, "
-          f"top-{a.top_k}, {dtype}, {a.device}; best of {a.repeats}")
+    print(
+        f"MoE layer forward+backward: {a.tokens} tokens, dim {a.dim}, {a.experts} experts of {a.hidden}, "
+        f"top-{a.top_k}, {dtype}, {a.device}; best of {a.repeats}"
+    )
     for label in ("loop", "titan", "grouped"):
         note = "" if label != "grouped" or grouped_real else "  (no grouped GEMM here: the per-expert loop)"
-        print(f"  {label:8s} {rows[label] * 1e3:9.1f} ms   {a.tokens / rows[label]:12,.0f} tokens/s   "
-              f"{rows['loop'] / rows[label]:5.2f}x loop{note}")
+        print(
+            f"  {label:8s} {rows[label] * 1e3:9.1f} ms   {a.tokens / rows[label]:12,.0f} tokens/s   "
+            f"{rows['loop'] / rows[label]:5.2f}x loop{note}"
+        )
 
 
 def _graph(form: str, n: int, dim: int, hidden: int, experts: int, top_k: int):
@@ -118,14 +130,23 @@ def _graph(form: str, n: int, dim: int, hidden: int, experts: int, top_k: int):
 
 def _model(g, out, n, dim, hidden, experts, onnx, TensorProto, helper):
     rng = np.random.default_rng(0)
-    weights = {"router": (experts, dim), "w1": (experts, hidden, dim), "w3": (experts, hidden, dim),
-               "w2": (experts, dim, hidden)}
-    inits = [onnx.numpy_helper.from_array((rng.standard_normal(s) * 0.05).astype(np.float32), k)
-             for k, s in weights.items()]
+    weights = {
+        "router": (experts, dim),
+        "w1": (experts, hidden, dim),
+        "w3": (experts, hidden, dim),
+        "w2": (experts, dim, hidden),
+    }
+    inits = [
+        onnx.numpy_helper.from_array((rng.standard_normal(s) * 0.05).astype(np.float32), k) for k, s in weights.items()
+    ]
     g.op("Identity", [out], "y_out")
-    graph = helper.make_graph(g.nodes, "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, dim])],
-                              [helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [n, dim])],
-                              inits + g.consts)
+    graph = helper.make_graph(
+        g.nodes,
+        "moe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, dim])],
+        [helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [n, dim])],
+        inits + g.consts,
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
 
 
@@ -139,14 +160,19 @@ def export_forms(a) -> None:
         for label in ("dense-weighted", "gathered"):
             opts = ort.SessionOptions()
             opts.intra_op_num_threads = 1
-            s = ort.InferenceSession(_graph(label, n, a.dim, a.hidden, a.experts, a.top_k).SerializeToString(), opts,
-                                     providers=["CPUExecutionProvider"])
+            s = ort.InferenceSession(
+                _graph(label, n, a.dim, a.hidden, a.experts, a.top_k).SerializeToString(),
+                opts,
+                providers=["CPUExecutionProvider"],
+            )
             outs[label] = s.run(None, {"x": x})[0]
             times[label] = timed(lambda: s.run(None, {"x": x}), a.repeats, "cpu")
         same = np.abs(outs["dense-weighted"] - outs["gathered"]).max()
-        print(f"  {n:5d} tokens: dense-weighted {times['dense-weighted'] * 1e3:8.2f} ms, gathered "
-              f"{times['gathered'] * 1e3:8.2f} ms ({times['gathered'] / times['dense-weighted']:.2f}x the "
-              f"dense time); outputs differ by {same:.1e}")
+        print(
+            f"  {n:5d} tokens: dense-weighted {times['dense-weighted'] * 1e3:8.2f} ms, gathered "
+            f"{times['gathered'] * 1e3:8.2f} ms ({times['gathered'] / times['dense-weighted']:.2f}x the "
+            f"dense time); outputs differ by {same:.1e}"
+        )
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ background threads beside the copy, so the ratio bounds the cost; it is not the 
 
     python benchmarks/nonfinite_scan.py [--mib 512] [--repeat 3] [--workdir /tmp/titan-pipe-scan]
 """
+
 from __future__ import annotations
 
 import argparse

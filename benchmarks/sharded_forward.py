@@ -12,6 +12,7 @@ Target: the streamed per-rank peak does not grow with depth (8 vs 2 layers withi
 
     python benchmarks/sharded_forward.py [--dim 1024] [--ffn 4096] [--vocab 32000] [--workdir DIR]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,13 +40,22 @@ def build(work: Path, *, dim: int, ffn: int, vocab: int, layers: int) -> Path:
     from titan_pipe.model.hf_config import to_hf_config
     from titan_pipe.model.transformer import build_model
 
-    args = ModelArgs(dim=dim, n_layers=layers, n_heads=dim // 64, n_kv_heads=max(1, dim // 256),
-                     vocab_size=vocab, ffn_hidden_dim=ffn, max_seq_len=256)
+    args = ModelArgs(
+        dim=dim,
+        n_layers=layers,
+        n_heads=dim // 64,
+        n_kv_heads=max(1, dim // 256),
+        vocab_size=vocab,
+        ffn_hidden_dim=ffn,
+        max_seq_len=256,
+    )
     unified = work / f"unified-{layers}"
     unified.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
-    sd = {native_to_hf(n): torch.randn(p.shape, generator=g) * 0.02
-          for n, p in build_model(args, seed=None, device="meta").named_parameters()}
+    sd = {
+        native_to_hf(n): torch.randn(p.shape, generator=g) * 0.02
+        for n, p in build_model(args, seed=None, device="meta").named_parameters()
+    }
     save_file(sd, str(unified / "model.safetensors"), metadata={"format": "pt"})
     (unified / "config.json").write_text(json.dumps(to_hf_config(args, torch_dtype="float32")))
     del sd
@@ -108,13 +118,17 @@ def main() -> None:
             res, st = forward(ckpt, tokens, streamed=False), forward(ckpt, tokens, streamed=True)
             same = all(torch.equal(res["logits"][k], st["logits"][k]) for k in res["logits"])
             total = sum(4 * math.prod(spec.shape) for spec in Manifest.load(ckpt).params.values())
-            print(f"\n== dim {a.dim}, ffn {a.ffn}, vocab {a.vocab}, {layers} layers, tp2 pp2: "
-                  f"{total / 1e6:.0f} MB of float32 weights; outputs equal: {same}; "
-                  f"{res['seconds']:.1f} s resident, {st['seconds']:.1f} s streamed")
+            print(
+                f"\n== dim {a.dim}, ffn {a.ffn}, vocab {a.vocab}, {layers} layers, tp2 pp2: "
+                f"{total / 1e6:.0f} MB of float32 weights; outputs equal: {same}; "
+                f"{res['seconds']:.1f} s resident, {st['seconds']:.1f} s streamed"
+            )
             print("rank  weights: resident  streamed   peak RSS: resident  streamed   streamed/resident")
             for r, ((h, big), p_res, p_st) in enumerate(zip(held, res["peak_rss"], st["peak_rss"])):
-                print(f"{r:4d}  {h / 1e6:14.0f} MB  {big / 1e6:5.0f} MB  {p_res / 1e6:15.0f} MB  "
-                      f"{p_st / 1e6:5.0f} MB  {p_st / p_res:14.2f}x")
+                print(
+                    f"{r:4d}  {h / 1e6:14.0f} MB  {big / 1e6:5.0f} MB  {p_res / 1e6:15.0f} MB  "
+                    f"{p_st / 1e6:5.0f} MB  {p_st / p_res:14.2f}x"
+                )
             peaks[layers] = (res["peak_rss"], st["peak_rss"])
             shutil.rmtree(ckpt)
         print("\nper-rank peak, 8 layers / 2 layers:")

@@ -16,6 +16,7 @@ alternating order; a run's step time is its lower-quartile step, and each varian
 is kept (on a shared 2-core machine the slow tail is other processes' load). Figures print as ratios;
 a JSON and a PNG go to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,10 @@ FLOWS = {
     # The overhead comparison: the debug flavour, as in the tests and the shipped example.
     "overhead": {"model": {"flavour": "debug"}, "train": {"batch_size": 8, "seq_len": 128}},
     # Activation checkpointing needs activations that dominate memory: a bit larger than debug.
-    "ac": {"model": {"flavour": "debug", "dim": 192, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
-                     "max_seq_len": 512},
-           "train": {"batch_size": 8, "seq_len": 256}},
+    "ac": {
+        "model": {"flavour": "debug", "dim": 192, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 512},
+        "train": {"batch_size": 8, "seq_len": 256},
+    },
 }
 
 
@@ -51,12 +53,15 @@ def current_rss_mb() -> float:
 
 def flow_dict(kind: str, steps: int, ac: bool, compile_backend: str | None = None) -> dict:
     f = json.loads(json.dumps(FLOWS[kind]))
-    f["train"].update(steps=steps, warmup_steps=2, grad_clip=1.0, seed=0,
-                      optimizer={"name": "adamw", "lr": 1e-3})
+    f["train"].update(steps=steps, warmup_steps=2, grad_clip=1.0, seed=0, optimizer={"name": "adamw", "lr": 1e-3})
     if compile_backend:
         f["train"].update(compile=True, compile_backend=compile_backend)
-    f.update(device="cpu", name=f"bench-{kind}-{'ac' if ac else 'noac'}", checkpoint={"every": 10**6, "keep_last": 1},
-             memory={"activation_checkpointing": ac, "activation_checkpointing_layers": 1})
+    f.update(
+        device="cpu",
+        name=f"bench-{kind}-{'ac' if ac else 'noac'}",
+        checkpoint={"every": 10**6, "keep_last": 1},
+        memory={"activation_checkpointing": ac, "activation_checkpointing_layers": 1},
+    )
     return f
 
 
@@ -80,10 +85,16 @@ def worker_loop(kind: str, steps: int) -> dict:
     _, data = open_spec(spec, prepared=prepared)
     loader = PackedLoader(data.train, seq_len=t.seq_len, global_batch=t.batch_size, seed=t.seed)
     model = build_model(cfg.model.args(), seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.optimizer.lr, betas=t.optimizer.betas,
-                            eps=t.optimizer.eps, weight_decay=t.optimizer.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=t.optimizer.lr,
+        betas=t.optimizer.betas,
+        eps=t.optimizer.eps,
+        weight_decay=t.optimizer.weight_decay,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, warmup=t.warmup_steps, total=t.steps, min_ratio=t.lr_min_ratio))
+        opt, lambda s: lr_factor(s, warmup=t.warmup_steps, total=t.steps, min_ratio=t.lr_min_ratio)
+    )
     base = current_rss_mb()
     times, losses = [], []
     for _ in range(steps):
@@ -97,14 +108,20 @@ def worker_loop(kind: str, steps: int) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         times.append(time.perf_counter() - t0)
-    return {"step_times": times, "losses": losses, "peak_rss_mb": rss_mb(), "base_rss_mb": base,
-            "tokens_per_step": t.batch_size * t.seq_len}
+    return {
+        "step_times": times,
+        "losses": losses,
+        "peak_rss_mb": rss_mb(),
+        "base_rss_mb": base,
+        "tokens_per_step": t.batch_size * t.seq_len,
+    }
 
 
 def worker_trainer(kind: str, steps: int, ac: bool, compile_backend: str | None = None) -> dict:
     """The real trainer loop (titan_pipe.training.trainer.train) on a one-rank gloo group."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
     import torch.distributed as dist
 
     from titan_pipe.config import parse_flow
@@ -126,16 +143,21 @@ def worker_trainer(kind: str, steps: int, ac: bool, compile_backend: str | None 
     train_mod.train(cfg, base=work)
     records = [json.loads(line) for line in (work / "runs" / cfg.name / "metrics.jsonl").read_text().splitlines()]
     dist.destroy_process_group()
-    return {"step_times": [r["step_time_s"] for r in records], "losses": [r["loss"] for r in records],
-            "compile_s": [r["compile_s"] for r in records],
-            "peak_rss_mb": rss_mb(), "base_rss_mb": samples["base"],
-            "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len}
+    return {
+        "step_times": [r["step_time_s"] for r in records],
+        "losses": [r["loss"] for r in records],
+        "compile_s": [r["compile_s"] for r in records],
+        "peak_rss_mb": rss_mb(),
+        "base_rss_mb": samples["base"],
+        "tokens_per_step": cfg.train.batch_size * cfg.train.seq_len,
+    }
 
 
 def run_worker(args: list[str]) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"), PYTHONWARNINGS="ignore")
-    out = subprocess.run([sys.executable, __file__, "--worker", *args], capture_output=True, text=True,
-                         env=env, timeout=1800)
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", *args], capture_output=True, text=True, env=env, timeout=1800
+    )
     if out.returncode != 0:
         raise SystemExit(f"worker {args} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -148,9 +170,14 @@ def summarize(r: dict, skip: int = 2) -> dict:
     steady = [t for i, (t, c) in enumerate(zip(r["step_times"], compiled)) if i >= skip and not c]
     times = sorted(steady or r["step_times"])
     q1 = times[len(times) // 4]
-    return {"step_s": q1, "median_step_s_all": statistics.median(times),
-            "tokens_per_s": r["tokens_per_step"] / q1, "peak_rss_mb": r["peak_rss_mb"],
-            "activation_rss_mb": r["peak_rss_mb"] - r["base_rss_mb"], "compile_s": sum(compiled)}
+    return {
+        "step_s": q1,
+        "median_step_s_all": statistics.median(times),
+        "tokens_per_s": r["tokens_per_step"] / q1,
+        "peak_rss_mb": r["peak_rss_mb"],
+        "activation_rss_mb": r["peak_rss_mb"] - r["base_rss_mb"],
+        "compile_s": sum(compiled),
+    }
 
 
 def plot(results: dict, path: Path) -> None:
@@ -165,7 +192,9 @@ def plot(results: dict, path: Path) -> None:
     axes[0].set_title("debug flavour, dp=tp=pp=1: tokens/s")
     names = ["trainer_noac", "trainer_ac"]
     x = range(2)
-    axes[1].bar([i - 0.2 for i in x], [results[n]["activation_rss_mb"] for n in names], 0.4, label="activation RSS (MB)")
+    axes[1].bar(
+        [i - 0.2 for i in x], [results[n]["activation_rss_mb"] for n in names], 0.4, label="activation RSS (MB)"
+    )
     ax2 = axes[1].twinx()
     ax2.bar([i + 0.2 for i in x], [results[n]["step_s"] for n in names], 0.4, color="#c63", label="step (s)")
     axes[1].set_xticks(list(x), ["no AC", "AC every layer"])
@@ -180,29 +209,35 @@ def report_overhead(res: dict, raw: dict) -> dict:
     same = raw["loop"]["losses"] == raw["trainer"]["losses"]
     speed = res["trainer"]["tokens_per_s"] / res["loop"]["tokens_per_s"]
     rss = res["trainer"]["peak_rss_mb"] / res["loop"]["peak_rss_mb"]
-    print(f"trainer vs hand loop (debug, B=8, T=128): {speed:.3f}x tokens/s "
-          f"({res['trainer']['tokens_per_s']:.0f} vs {res['loop']['tokens_per_s']:.0f}; target >= 0.95x), "
-          f"{rss:.3f}x peak RSS ({res['trainer']['peak_rss_mb']:.0f} vs {res['loop']['peak_rss_mb']:.0f} MB), "
-          f"losses identical: {same}")
+    print(
+        f"trainer vs hand loop (debug, B=8, T=128): {speed:.3f}x tokens/s "
+        f"({res['trainer']['tokens_per_s']:.0f} vs {res['loop']['tokens_per_s']:.0f}; target >= 0.95x), "
+        f"{rss:.3f}x peak RSS ({res['trainer']['peak_rss_mb']:.0f} vs {res['loop']['peak_rss_mb']:.0f} MB), "
+        f"losses identical: {same}"
+    )
     return {"trainer_tokens_per_s": speed, "trainer_peak_rss": rss, "losses_identical": same}
 
 
 def report_ac(res: dict) -> dict:
     saving = 1 - res["trainer_ac"]["activation_rss_mb"] / res["trainer_noac"]["activation_rss_mb"]
     cost = res["trainer_ac"]["step_s"] / res["trainer_noac"]["step_s"]
-    print(f"activation checkpointing (dim 192, 4 layers, B=8, T=256): activation RSS "
-          f"{res['trainer_ac']['activation_rss_mb']:.0f} vs {res['trainer_noac']['activation_rss_mb']:.0f} MB "
-          f"({saving:.0%} saved), step time {cost:.2f}x (recompute cost {cost - 1:+.0%})")
+    print(
+        f"activation checkpointing (dim 192, 4 layers, B=8, T=256): activation RSS "
+        f"{res['trainer_ac']['activation_rss_mb']:.0f} vs {res['trainer_noac']['activation_rss_mb']:.0f} MB "
+        f"({saving:.0%} saved), step time {cost:.2f}x (recompute cost {cost - 1:+.0%})"
+    )
     return {"ac_saving": saving, "ac_step_time": cost}
 
 
 def report_compile(res: dict, raw: dict, backend: str) -> dict:
     compiled = res["trainer_compiled"]["tokens_per_s"] / res["trainer_eager"]["tokens_per_s"]
     gap = max(abs(x - y) / abs(y) for x, y in zip(raw["trainer_compiled"]["losses"], raw["trainer_eager"]["losses"]))
-    print(f"train.compile ({backend}, debug, B=8, T=128): {compiled:.3f}x tokens/s "
-          f"({res['trainer_compiled']['tokens_per_s']:.0f} vs {res['trainer_eager']['tokens_per_s']:.0f}), "
-          f"compile {res['trainer_compiled']['compile_s']:.1f} s, losses within {gap:.1e} relative, "
-          f"peak RSS {res['trainer_compiled']['peak_rss_mb']:.0f} vs {res['trainer_eager']['peak_rss_mb']:.0f} MB")
+    print(
+        f"train.compile ({backend}, debug, B=8, T=128): {compiled:.3f}x tokens/s "
+        f"({res['trainer_compiled']['tokens_per_s']:.0f} vs {res['trainer_eager']['tokens_per_s']:.0f}), "
+        f"compile {res['trainer_compiled']['compile_s']:.1f} s, losses within {gap:.1e} relative, "
+        f"peak RSS {res['trainer_compiled']['peak_rss_mb']:.0f} vs {res['trainer_eager']['peak_rss_mb']:.0f} MB"
+    )
     return {"compiled_tokens_per_s": compiled, "compiled_loss_gap": gap}
 
 
@@ -220,19 +255,26 @@ def main() -> None:
         if mode == "loop":
             res = worker_loop(kind, a.steps)
         else:
-            res = worker_trainer(kind, a.steps, ac=mode == "trainer_ac",
-                                 compile_backend=a.compile_backend if mode == "trainer_compiled" else None)
+            res = worker_trainer(
+                kind,
+                a.steps,
+                ac=mode == "trainer_ac",
+                compile_backend=a.compile_backend if mode == "trainer_compiled" else None,
+            )
         print(json.dumps(res))
         return
     # Each pair runs --repeats times in alternating order (A B A B ...) and keeps each variant's
     # fastest run: on a shared machine the load drifts, and the fastest is the least disturbed.
-    pairs = {"overhead": ("overhead", "loop", "trainer"), "ac": ("ac", "trainer_noac", "trainer_ac"),
-             "compile": ("overhead", "trainer_eager", "trainer_compiled")}
+    pairs = {
+        "overhead": ("overhead", "loop", "trainer"),
+        "ac": ("ac", "trainer_noac", "trainer_ac"),
+        "compile": ("overhead", "trainer_eager", "trainer_compiled"),
+    }
     chosen = a.pairs.split(",")
     raw, res = {}, {}
     for kind, first, second in (pairs[p] for p in chosen):
         for i in range(a.repeats):
-            for mode in ((first, second) if i % 2 == 0 else (second, first)):
+            for mode in (first, second) if i % 2 == 0 else (second, first):
                 r = run_worker([kind, mode, "--steps", str(a.steps), "--compile-backend", a.compile_backend])
                 s = summarize(r)
                 if mode not in res or s["step_s"] < res[mode]["step_s"]:
@@ -245,8 +287,7 @@ def main() -> None:
     if "compile" in chosen:
         ratios.update(report_compile(res, raw, a.compile_backend))
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "train_step.json").write_text(json.dumps(
-        {"results": res, "ratios": ratios}, indent=1))
+    (a.out / "train_step.json").write_text(json.dumps({"results": res, "ratios": ratios}, indent=1))
     print(f"wrote {a.out / 'train_step.json'}")
     if {"overhead", "ac"} <= set(chosen):
         plot(res, a.out / "train_step.png")

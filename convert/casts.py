@@ -16,6 +16,7 @@ its cast, only in a chunk that has one. (torch's scalar path, used for the last 
 tensor whose length is no multiple of the vector width, turns an fp16 NaN into 0x7fffffff; that
 length-dependent result is not reproduced.) tests/test_export_casts.py holds every rule against torch.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -42,7 +43,7 @@ def f32_to_f16(src: np.ndarray, out: np.ndarray) -> None:
     with np.errstate(over="ignore", invalid="ignore"):  # overflow to inf is the rule, not an accident
         wide, narrow = src.view(np.float32), out.view(np.float16)
         for i in range(0, len(src), F16_BLOCK):
-            np.copyto(narrow[i:i + F16_BLOCK], wide[i:i + F16_BLOCK], casting="unsafe")
+            np.copyto(narrow[i : i + F16_BLOCK], wide[i : i + F16_BLOCK], casting="unsafe")
         has_nan = len(src) and np.isnan(np.max(src.view(np.float32)))  # max propagates NaN: one pass, no temporaries
     if has_nan:
         _quiet_f16_nans(src, out)
@@ -78,7 +79,7 @@ def _table(src: str, dst: str) -> np.ndarray:
 
 def _lookup(table: np.ndarray, src: np.ndarray, out: np.ndarray) -> None:
     for i in range(0, len(src), BLOCK):
-        np.take(table, src[i:i + BLOCK], out=out[i:i + BLOCK], mode="clip")  # clip: every uint16 is in range
+        np.take(table, src[i : i + BLOCK], out=out[i : i + BLOCK], mode="clip")  # clip: every uint16 is in range
 
 
 def cast_bits(src: np.ndarray, src_code: str, out: np.ndarray, dst_code: str) -> None:

@@ -5,13 +5,18 @@ the bytes viewed as unsigned integers of the element size tell, for F64/F32/F16/
 conversion runs this on bytes it reads anyway (the sha256 pass over safetensors sources, the block
 buffer of tensors it assembles), so finding non-finite weights costs no extra read.
 """
+
 from __future__ import annotations
 
 import numpy as np
 
 # dtype -> (unsigned view, exponent mask); little-endian, as safetensors stores them
-_EXPONENT = {"F64": (np.dtype("<u8"), 0x7FF0000000000000), "F32": (np.dtype("<u4"), 0x7F800000),
-             "F16": (np.dtype("<u2"), 0x7C00), "BF16": (np.dtype("<u2"), 0x7F80)}
+_EXPONENT = {
+    "F64": (np.dtype("<u8"), 0x7FF0000000000000),
+    "F32": (np.dtype("<u4"), 0x7F800000),
+    "F16": (np.dtype("<u2"), 0x7C00),
+    "BF16": (np.dtype("<u2"), 0x7F80),
+}
 
 
 def checks(dtype: str) -> bool:

@@ -7,6 +7,7 @@ files: ``threads`` files at once (default: one per core, at most the number of f
 is one of titan_pipe.hashing.DIGESTS: sha256 (~1.8 GB/s a core here, so a single 1 GB file is 0.55 s
 whatever the cores) or xxh3_128 (~25 GB/s: the read is the cost).
 """
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,9 @@ def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
     return scan_file(path, stop)[0]
 
 
-def scan_file(path: Path, stop: threading.Event | None = None,
-              tensors: list[Span] = (), algorithm: str = "sha256") -> tuple[str, list[str]]:
+def scan_file(
+    path: Path, stop: threading.Event | None = None, tensors: list[Span] = (), algorithm: str = "sha256"
+) -> tuple[str, list[str]]:
     """(hex ``algorithm`` digest of the file, keys of ``tensors`` holding NaN/Inf), in one sequential read.
 
     ``tensors``: (absolute start, byte length, safetensors dtype, key) of disjoint tensors (a
@@ -78,9 +80,15 @@ class BackgroundHasher:
     """Hash ``files`` (relative to ``root``) in daemon threads; ``result()`` joins and checks them
     against ``expected`` (digests of the same ``algorithm``)."""
 
-    def __init__(self, root: Path, files: list[str], expected: dict[str, str] | None = None,
-                 threads: int | None = None, tensors: dict[str, list[Span]] | None = None,
-                 algorithm: str = "sha256"):
+    def __init__(
+        self,
+        root: Path,
+        files: list[str],
+        expected: dict[str, str] | None = None,
+        threads: int | None = None,
+        tensors: dict[str, list[Span]] | None = None,
+        algorithm: str = "sha256",
+    ):
         self.root, self.files, self.expected = root, list(files), dict(expected or {})
         self.algorithm = algorithm
         self.tensors = dict(tensors or {})  # file -> its tensors, checked for NaN/Inf on the way
@@ -91,8 +99,9 @@ class BackgroundHasher:
         self._todo = iter(self.files)
         self._lock = threading.Lock()
         n = max(1, min(threads or os.cpu_count() or 1, len(self.files)))
-        self._threads = [threading.Thread(target=self._run, name=f"titan-pipe-sha256-{i}", daemon=True)
-                         for i in range(n)]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"titan-pipe-sha256-{i}", daemon=True) for i in range(n)
+        ]
 
     def _next(self) -> str | None:
         with self._lock:
@@ -124,13 +133,17 @@ class BackgroundHasher:
         """file -> sha256; raises UserError naming the first file that does not match."""
         self._join()
         if isinstance(self.error, OSError):
-            raise UserError(f"{getattr(self.error, 'filename', self.root)}: cannot be read while "
-                            f"hashing ({os.strerror(self.error.errno or 0)})")
+            raise UserError(
+                f"{getattr(self.error, 'filename', self.root)}: cannot be read while "
+                f"hashing ({os.strerror(self.error.errno or 0)})"
+            )
         if self.error is not None:
             raise self.error
         for f, want in self.expected.items():
             got = self.digests.get(f)
             if got is not None and got != want:
-                raise UserError(f"{self.root / f}: {self.algorithm} {got[:16]}... does not match the manifest "
-                                f"({want[:16]}...); the shard is corrupted. Copy it again")
+                raise UserError(
+                    f"{self.root / f}: {self.algorithm} {got[:16]}... does not match the manifest "
+                    f"({want[:16]}...); the shard is corrupted. Copy it again"
+                )
         return {f: self.digests[f] for f in self.files if f in self.digests}

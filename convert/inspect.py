@@ -3,6 +3,7 @@
 Readers plan from metadata only (a manifest, safetensors headers, DCP's .metadata and each chunk's
 zip directory, Megatron files memory-mapped), so this reads no tensor bytes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ class InspectResult:
     total_bytes: int
 
 
-def inspect_checkpoint(*, src: Path, source_format: str = "auto", vocab_size: int | None = None,
-                       model_config: Path | None = None) -> InspectResult:
+def inspect_checkpoint(
+    *, src: Path, source_format: str = "auto", vocab_size: int | None = None, model_config: Path | None = None
+) -> InspectResult:
     if source_format in ("auto", "titan") and lora.lora_step(Path(src)) is not None:
         plan, store, _ = lora.open_source(Path(src), mode="adapter")  # the adapters; the layout names the base
     else:
@@ -39,10 +41,11 @@ def inspect_checkpoint(*, src: Path, source_format: str = "auto", vocab_size: in
 
 
 def summarize(plan: SourcePlan) -> InspectResult:
-    params = [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "split": t.split,
-               "reads": len(t.reads)} for t in plan.tensors.values()]
-    return InspectResult(plan.format, plan.root, plan.step, plan.layout, plan.args.to_dict(), params,
-                         plan.nbytes)
+    params = [
+        {"name": t.name, "shape": list(t.shape), "dtype": t.dtype, "split": t.split, "reads": len(t.reads)}
+        for t in plan.tensors.values()
+    ]
+    return InspectResult(plan.format, plan.root, plan.step, plan.layout, plan.args.to_dict(), params, plan.nbytes)
 
 
 def _size(n: int) -> str:
@@ -57,14 +60,18 @@ def render(r: InspectResult, console: Console) -> None:
     """Print the summary and one table row per parameter."""
     m = r.model
     step = f"step {r.step}, " if r.step is not None else ""  # a released model or unified dir has none
-    console.print(f"[bold]{escape(str(r.root))}[/bold]: format [bold]{r.format}[/bold], {step}layout {escape(str(r.layout))}")
+    console.print(
+        f"[bold]{escape(str(r.root))}[/bold]: format [bold]{r.format}[/bold], {step}layout {escape(str(r.layout))}"
+    )
     variant = [k for k, on in (("q/k/v biases", m.get("qkv_bias")), ("q/k norms", m.get("qk_norm"))) if on]
     if m.get("sliding_window"):
         variant.append(f"sliding window {m['sliding_window']}")
-    console.print(f"model: dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads "
-                  f"({m['n_kv_heads'] or m['n_heads']} kv) of {m.get('head_dim') or m['dim'] // m['n_heads']}, "
-                  f"vocab {m['vocab_size']}, ffn {m['ffn_hidden_dim']}, tied embeddings {m['tie_embeddings']}"
-                  + "".join(f", {v}" for v in variant))
+    console.print(
+        f"model: dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads "
+        f"({m['n_kv_heads'] or m['n_heads']} kv) of {m.get('head_dim') or m['dim'] // m['n_heads']}, "
+        f"vocab {m['vocab_size']}, ffn {m['ffn_hidden_dim']}, tied embeddings {m['tie_embeddings']}"
+        + "".join(f", {v}" for v in variant)
+    )
     table = Table(show_edge=False, pad_edge=False)
     for col in ("parameter", "global shape", "dtype", "split", "reads"):
         table.add_column(col)

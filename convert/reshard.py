@@ -11,6 +11,7 @@ the RoPE row reorder of q/k is the same scatter with the rows' destinations perm
 plus the source pieces that land in it are all the memory the conversion holds, whatever the model
 size (legacy Megatron sources add the mapped pages of the rank files being read).
 """
+
 from __future__ import annotations
 
 import math
@@ -60,7 +61,7 @@ def box_runs(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[np.ndarra
     if not shape:
         return np.zeros(1, dtype=np.int64), itemsize
     d = max((k for k in range(len(shape)) if box.lengths[k] != shape[k]), default=0)
-    strides = [math.prod(shape[k + 1:]) * itemsize for k in range(len(shape))]
+    strides = [math.prod(shape[k + 1 :]) * itemsize for k in range(len(shape))]
     run = math.prod(box.lengths[d:]) * itemsize
     offs = np.array([box.offsets[d] * strides[d]], dtype=np.int64)
     for k in range(d - 1, -1, -1):
@@ -71,14 +72,15 @@ def box_runs(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[np.ndarra
 
 def _scatter_read(fd: int, src_off: int, buf: memoryview, offs: np.ndarray, run: int, path) -> None:
     """Read ``len(offs) * run`` contiguous bytes at ``src_off`` into ``buf[o:o + run]`` for each o."""
-    views = [buf[o:o + run] for o in offs.tolist()]
+    views = [buf[o : o + run] for o in offs.tolist()]
     pos, i = src_off, 0
     while i < len(views):
-        batch = views[i:i + IOV_MAX]
+        batch = views[i : i + IOV_MAX]
         got = os.preadv(fd, batch, pos)
         if got == 0:
-            raise UserError(f"{path}: ended early while reading byte {pos}; the file was truncated "
-                            "during the conversion")
+            raise UserError(
+                f"{path}: ended early while reading byte {pos}; the file was truncated during the conversion"
+            )
         pos += got
         full, part = divmod(got, run)
         i += full
@@ -86,10 +88,11 @@ def _scatter_read(fd: int, src_off: int, buf: memoryview, offs: np.ndarray, run:
             views[i] = views[i][part:]
             run_left = len(views[i])
             while run_left:
-                n = os.preadv(fd, [views[i][len(views[i]) - run_left:]], pos)
+                n = os.preadv(fd, [views[i][len(views[i]) - run_left :]], pos)
                 if n == 0:
-                    raise UserError(f"{path}: ended early while reading byte {pos}; the file was "
-                                    "truncated during the conversion")
+                    raise UserError(
+                        f"{path}: ended early while reading byte {pos}; the file was truncated during the conversion"
+                    )
                 pos += n
                 run_left -= n
             i += 1
@@ -136,8 +139,9 @@ def _row_blocks(t: OutTensor, reads: list[Read]) -> list[Box]:
     rows = max(1, BLOCK_BYTES // row_bytes)
     align = max((r.rope_head_dim or 1) for r in reads) if reads else 1
     rows = max(align, rows // align * align)
-    return [Box((a, *([0] * (len(shape) - 1))), (min(rows, shape[0] - a), *shape[1:]))
-            for a in range(0, shape[0], rows)]
+    return [
+        Box((a, *([0] * (len(shape) - 1))), (min(rows, shape[0] - a), *shape[1:])) for a in range(0, shape[0], rows)
+    ]
 
 
 def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
@@ -151,7 +155,7 @@ def _add_low_rank(buf: torch.Tensor, t: OutTensor, block: Box, ab: tuple[torch.T
     a, b = ab
     r0 = t.region.offsets[0] + block.offsets[0]
     c0 = t.region.offsets[1] + block.offsets[1]
-    buf.copy_(merge(buf, a[:, c0:c0 + block.lengths[1]], b[r0:r0 + block.lengths[0]], scale))
+    buf.copy_(merge(buf, a[:, c0 : c0 + block.lengths[1]], b[r0 : r0 + block.lengths[0]], scale))
 
 
 def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set[str] | None = None) -> None:
@@ -178,8 +182,11 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set
             rel = Box(tuple(o - b for o, b in zip(c.dst_box.offsets, block.offsets)), c.dst_box.lengths)
             if span is not None:
                 fd, src_off, n = span
-                offs, run = (rope_row_runs(block.lengths, rel, itemsize, c.rope_head_dim)
-                             if c.rope_head_dim else box_runs(block.lengths, rel, itemsize))
+                offs, run = (
+                    rope_row_runs(block.lengths, rel, itemsize, c.rope_head_dim)
+                    if c.rope_head_dim
+                    else box_runs(block.lengths, rel, itemsize)
+                )
                 if run and n == len(offs) * run:
                     _scatter_read(fd, src_off, raw, offs, run, store.root / c.file)
                     continue
@@ -189,8 +196,11 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set
                 from titan_pipe.dtypes import TORCH_DTYPES
 
                 out_dtype = TORCH_DTYPES[t.dtype]
-                buf = torch.frombuffer(raw, dtype=torch.uint8).view(out_dtype).view(block.lengths) \
-                    if raw.nbytes else torch.empty(block.lengths, dtype=out_dtype)
+                buf = (
+                    torch.frombuffer(raw, dtype=torch.uint8).view(out_dtype).view(block.lengths)
+                    if raw.nbytes
+                    else torch.empty(block.lengths, dtype=out_dtype)
+                )
             piece = store.read_box(c.file, c.key, c.src_box)
             if c.rope_head_dim:
                 piece = deinterleave_rope(piece, c.rope_head_dim)
@@ -209,9 +219,16 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set
         w.write(t.key, start, raw)
 
 
-def write_file(out_dir: Path, f: OutFile, store: Store, *, metadata: dict[str, str] | None = None,
-               advance: Callable[[int], None] = lambda n: None, threads: int = 2,
-               nonfinite: set[str] | None = None) -> Path:
+def write_file(
+    out_dir: Path,
+    f: OutFile,
+    store: Store,
+    *,
+    metadata: dict[str, str] | None = None,
+    advance: Callable[[int], None] = lambda n: None,
+    threads: int = 2,
+    nonfinite: set[str] | None = None,
+) -> Path:
     """Write one output safetensors file (atomically: a hidden partial name, renamed when whole).
 
     Tensors land at fixed offsets, so with a thread-safe store (safetensors sources) ``threads``

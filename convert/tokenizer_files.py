@@ -12,6 +12,7 @@ A model trained on the byte tokenizer (the manifest says "byte") gets its Huggin
 (titan_pipe.tokens.byte_hf); a source with no tokenizer gets none, and the result says so — never
 a stand-in.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,8 +47,10 @@ def plan_tokenizer_files(plan: SourcePlan) -> dict[str, Path]:
     for n in names:
         f = resolve_inside(root, n, source=root / MANIFEST_NAME, what="attached file")
         if not f.is_file() or f.stat().st_size != attached[n].size:
-            raise UserError(f"{f}: missing or not the size {root / MANIFEST_NAME} records "
-                            f"({attached[n].size} bytes); copy the complete checkpoint")
+            raise UserError(
+                f"{f}: missing or not the size {root / MANIFEST_NAME} records "
+                f"({attached[n].size} bytes); copy the complete checkpoint"
+            )
         out[n] = f
     return out
 
@@ -60,8 +63,9 @@ def source_token_ids(plan: SourcePlan) -> dict:
     return dir_token_ids(plan.root) if plan.format == "hf" else {}
 
 
-def copy_tokenizer_files(plan: SourcePlan, dest: Path, *, byte_files: bool = True
-                         ) -> tuple[list[Path], TokenizerInfo, dict[str, FileInfo]]:
+def copy_tokenizer_files(
+    plan: SourcePlan, dest: Path, *, byte_files: bool = True
+) -> tuple[list[Path], TokenizerInfo, dict[str, FileInfo]]:
     """Copy the source's side files into ``dest`` (the conversion's temp dir); ``byte_files``: write
     the byte tokenizer's Hugging Face form where the source trained on it (a unified output).
 
@@ -78,8 +82,10 @@ def copy_tokenizer_files(plan: SourcePlan, dest: Path, *, byte_files: bool = Tru
         copy_file(src, path)
         digests[name] = sha256_file(path)
         if name in expected and digests[name] != expected[name]:
-            raise UserError(f"{src}: sha256 {digests[name][:12]}... but {Path(plan.root) / MANIFEST_NAME} "
-                            f"records {expected[name][:12]}...; the file was replaced. Copy the checkpoint again")
+            raise UserError(
+                f"{src}: sha256 {digests[name][:12]}... but {Path(plan.root) / MANIFEST_NAME} "
+                f"records {expected[name][:12]}...; the file was replaced. Copy the checkpoint again"
+            )
         written.append(path)
     byte = extra is not None and extra.tokenizer == "byte"
     kind = "tokenizer.json" if "tokenizer.json" in todo else "byte" if byte else None

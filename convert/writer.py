@@ -8,6 +8,7 @@ every byte of every tensor has arrived; on any error it is removed. An OS fault 
 file-size limit, ...) is raised as an OSError naming the file being written, which titan_pipe.faults
 turns into one line.
 """
+
 from __future__ import annotations
 
 import errno
@@ -113,15 +114,16 @@ class SafetensorsWriter:
         try:
             while done < n:
                 try:
-                    got = os.copy_file_range(src_fd, self.fd, min(n - done, 2**30),
-                                             src_offset + done, pos + done)
+                    got = os.copy_file_range(src_fd, self.fd, min(n - done, 2**30), src_offset + done, pos + done)
                 except OSError as e:
                     if e.errno in _NO_COPY_RANGE:
                         break  # another filesystem or kernel: copy through a buffer instead
                     raise
                 if got == 0:
-                    raise UserError(f"source ended early at byte {src_offset + done} while writing "
-                                    f"{self.path}; the source was truncated during the conversion")
+                    raise UserError(
+                        f"source ended early at byte {src_offset + done} while writing "
+                        f"{self.path}; the source was truncated during the conversion"
+                    )
                 done += got
         except OSError as e:
             raise _named(self.path, e) from None
@@ -131,8 +133,10 @@ class SafetensorsWriter:
             view = memoryview(buf)[:m]
             got = os.preadv(src_fd, [view], src_offset + done)
             if got == 0:
-                raise UserError(f"source ended early at byte {src_offset + done} while writing "
-                                f"{self.path}; the source was truncated during the conversion")
+                raise UserError(
+                    f"source ended early at byte {src_offset + done} while writing "
+                    f"{self.path}; the source was truncated during the conversion"
+                )
             self._pwrite(view[:got], pos + done)
             done += got
 
@@ -140,8 +144,9 @@ class SafetensorsWriter:
         """Check every tensor is complete, close and rename into place."""
         short = [k for k, e in self.entries.items() if self.written[k] != e.nbytes]
         if short:
-            raise RuntimeError(f"{self.path}: tensors {short[:3]} were not completely written "
-                               "(a plan that does not cover them; a bug)")
+            raise RuntimeError(
+                f"{self.path}: tensors {short[:3]} were not completely written (a plan that does not cover them; a bug)"
+            )
         os.close(self.fd)
         self.fd = None
         os.replace(self.partial, self.path)

@@ -10,6 +10,7 @@ with the reason, never a pass. How much is loaded at once is evaluate.max_memory
   inputs.py  input checks     prepare.py / run.py  the Run     comparisons/  one module per row
   compare.py rows, verdict    report.py / summary.py  the files
 """
+
 from __future__ import annotations
 
 import gc
@@ -57,8 +58,9 @@ class Steps:
         if console.is_terminal:
             from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                                     transient=False, console=console)
+            self.progress = Progress(
+                TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), transient=False, console=console
+            )
             self.progress.start()
             self.task = self.progress.add_task("evaluate", total=total)
             return
@@ -93,10 +95,18 @@ class Steps:
             self._stop.set()
 
 
-def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: Path | None = None,
-                   onnx: Path | None = None, om: Path | None = None, data: Path | None = None,
-                   settings: EvaluateConfig | None = None, progress: bool = False,
-                   split: ValidationSplit | None = None) -> EvalResult:
+def evaluate_model(
+    *,
+    out_dir: Path,
+    checkpoint: Path | None = None,
+    model_dir: Path | None = None,
+    onnx: Path | None = None,
+    om: Path | None = None,
+    data: Path | None = None,
+    settings: EvaluateConfig | None = None,
+    progress: bool = False,
+    split: ValidationSplit | None = None,
+) -> EvalResult:
     """Compare everything given, write REPORT_DIR/{report.json, report.md, report.html, *.csv, *.png}.
 
     Held-out text: ``data`` (or ``settings.data``), a file used whole; else ``split``, the
@@ -110,16 +120,27 @@ def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: 
     data = data if data is not None else settings.data  # flow.yaml evaluate.data
     check_inputs(checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om, data=data)
     if data is not None and split is not None:
-        raise UserError(f"--data {data} and the validation split of {split.corpus or 'the shipped corpus'} "
-                        "were both given; pass one of them")
+        raise UserError(
+            f"--data {data} and the validation split of {split.corpus or 'the shipped corpus'} "
+            "were both given; pass one of them"
+        )
     out_dir = Path(out_dir)
     check_out_dir(out_dir)  # fail before the work, not after
     steps = Steps(progress, total=len(COMPARISONS) + 3)
     gc.freeze()  # what exists now lives on: the collections between layers (memory.release) skip it
     try:
         start = time.perf_counter()
-        run = prepare(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om, data=data,
-                      settings=settings, steps=steps, split=split)
+        run = prepare(
+            out_dir=out_dir,
+            checkpoint=checkpoint,
+            model_dir=model_dir,
+            onnx=onnx,
+            om=om,
+            data=data,
+            settings=settings,
+            steps=steps,
+            split=split,
+        )
         took = run.ledger.seconds
         took["set-up"] = time.perf_counter() - start - sum(took.values())  # inputs, data, plan, opening
         try:
@@ -132,8 +153,12 @@ def evaluate_model(*, out_dir: Path, checkpoint: Path | None = None, model_dir: 
     finally:
         steps.close()
         gc.unfreeze()
-    return EvalResult(out_dir, verdict.passed, files["report.json"],
-                      summary(verdict, comparisons, run.memory.mode, sharded_memory(run)))
+    return EvalResult(
+        out_dir,
+        verdict.passed,
+        files["report.json"],
+        summary(verdict, comparisons, run.memory.mode, sharded_memory(run)),
+    )
 
 
 def _timed(compare, run):

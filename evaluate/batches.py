@@ -10,6 +10,7 @@ tokenizer is the model directory's ``tokenizer.json`` (or "byte" as its provenan
 else the one the checkpoint names (manifest ``extra.tokenizer``). A model with no tokenizer and no
 ``--data`` is evaluated on seeded random token ids inside its vocabulary (labelled so).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -62,12 +63,19 @@ class ValidationSplit:
             corpus = spec.paths[0]
         blend = spec.paths if data.blend else ()
         prepared = RunDir(Path(run_dir)).data if run_dir is not None and spec.text is not None else None
-        return cls(corpus=corpus, val_fraction=data.val_fraction, text_key=data.text_key, blend=blend,
-                   prepared=prepared, records=getattr(data, "format", "text"))
+        return cls(
+            corpus=corpus,
+            val_fraction=data.val_fraction,
+            text_key=data.text_key,
+            blend=blend,
+            prepared=prepared,
+            records=getattr(data, "format", "text"),
+        )
 
 
-def held_out_text(*, data: Path | None, flow: FlowConfig | None, flow_dir: Path | None,
-                  run_dir: Path | None = None) -> tuple[Path | None, ValidationSplit | None]:
+def held_out_text(
+    *, data: Path | None, flow: FlowConfig | None, flow_dir: Path | None, run_dir: Path | None = None
+) -> tuple[Path | None, ValidationSplit | None]:
     """What an evaluation reads as held-out text: (a path used as given, or the split of the data).
 
     ``data`` (--data) wins; else flow.yaml's evaluate.data (relative to ``flow_dir``); else the
@@ -126,17 +134,20 @@ def _check_byte_form(model_dir: Path) -> None:
     if path.is_file():
         n = HFTokenizer(path).vocab_size
         if n != ByteTokenizer.vocab_size:
-            raise UserError(f"{model_dir / 'provenance.json'}: tokenizer is 'byte', but {path} has {n:,} ids, not the "
-                            f"byte tokenizer's {ByteTokenizer.vocab_size}; the two files disagree: convert the "
-                            "checkpoint again")
+            raise UserError(
+                f"{model_dir / 'provenance.json'}: tokenizer is 'byte', but {path} has {n:,} ids, not the "
+                f"byte tokenizer's {ByteTokenizer.vocab_size}; the two files disagree: convert the "
+                "checkpoint again"
+            )
 
 
-def random_eval_data(*, vocab_size: int, n_batches: int, batch_size: int, seq_len: int, n_prompts: int,
-                     prompt_len: int, why: str) -> EvalData:
+def random_eval_data(
+    *, vocab_size: int, n_batches: int, batch_size: int, seq_len: int, n_prompts: int, prompt_len: int, why: str
+) -> EvalData:
     """Seeded uniform token ids in [0, vocab_size): numerics need no text, only valid ids."""
     g = torch.Generator().manual_seed(RANDOM_SEED)
     rows = torch.randint(0, vocab_size, (n_batches * batch_size, seq_len), generator=g, dtype=torch.int64)
-    prompts = rows[:n_prompts, :min(prompt_len, seq_len)].clone()
+    prompts = rows[:n_prompts, : min(prompt_len, seq_len)].clone()
     source = f"random token ids (seed {RANDOM_SEED}, uniform in [0, {vocab_size})): {why}"
     return EvalData(list(rows.split(batch_size)), prompts, source, "none (random token ids)")
 
@@ -147,7 +158,7 @@ def _answers(src, lo: int, n: int) -> np.ndarray | None:
         return None
     from titan_pipe.tokens.loss_mask import open_mask
 
-    return np.asarray(open_mask(src.indexed.prefix, src.indexed.n_tokens)[lo:lo + n]).astype(bool)
+    return np.asarray(open_mask(src.indexed.prefix, src.indexed.n_tokens)[lo : lo + n]).astype(bool)
 
 
 def _given_stream(data: Path, tok, vocab_size: int) -> tuple[np.ndarray, str, np.ndarray | None]:
@@ -158,8 +169,10 @@ def _given_stream(data: Path, tok, vocab_size: int) -> tuple[np.ndarray, str, np
     from titan_pipe.tokens.tokenizer import tokenizer_info
 
     if not data.exists() and not is_token_data(data):
-        raise UserError(f"--data {data}: file not found; give held-out text (.txt/.jsonl/...), a prepared data "
-                        "dir or a .bin/.idx prefix, or leave it out to use the validation split of the shipped corpus")
+        raise UserError(
+            f"--data {data}: file not found; give held-out text (.txt/.jsonl/...), a prepared data "
+            "dir or a .bin/.idx prefix, or leave it out to use the validation split of the shipped corpus"
+        )
     if not is_token_data(data):
         return load_corpus(path=data, tokenizer=tok).tokens, str(data), None
     src = open_source(data, val_fraction=0.0, fraction_given=False)
@@ -168,14 +181,18 @@ def _given_stream(data: Path, tok, vocab_size: int) -> tuple[np.ndarray, str, np
     if src.record is None:
         return src.train.read(0, len(src.train)), f"{src.path} (whole)", None
     if not len(src.val):
-        raise UserError(f"--data {data}: prepared with --val-fraction 0, so it holds no held-out documents; "
-                        "prepare held-out text with a validation fraction, or pass a text file")
-    return (src.val.read(0, len(src.val)), f"{src.path}, validation documents",
-            _answers(src, src.val.start, len(src.val)))
+        raise UserError(
+            f"--data {data}: prepared with --val-fraction 0, so it holds no held-out documents; "
+            "prepare held-out text with a validation fraction, or pass a text file"
+        )
+    return (
+        src.val.read(0, len(src.val)),
+        f"{src.path}, validation documents",
+        _answers(src, src.val.start, len(src.val)),
+    )
 
 
-def _split_stream(split: ValidationSplit, tok, vocab_size: int, need: int
-                  ) -> tuple[np.ndarray, str, np.ndarray | None]:
+def _split_stream(split: ValidationSplit, tok, vocab_size: int, need: int) -> tuple[np.ndarray, str, np.ndarray | None]:
     """The first ``need`` tokens of the validation documents of ``split``."""
     from titan_pipe.tokens.corpus import load_corpus
     from titan_pipe.tokens.dataset import open_data
@@ -191,30 +208,46 @@ def _split_stream(split: ValidationSplit, tok, vocab_size: int, need: int
     if not paths and split.prepared is not None and is_prepared(split.prepared):
         files = corpus_files(split.corpus or default_corpus())
         rec = DataRecord.load(split.prepared)
-        if rec.records == split.records and prepared_from(rec, files, text_key=split.text_key,
-                                                          val_fraction=split.val_fraction, tokenizer=info):
+        if rec.records == split.records and prepared_from(
+            rec, files, text_key=split.text_key, val_fraction=split.val_fraction, tokenizer=info
+        ):
             paths = [split.prepared]
     if paths:
-        data = open_data(paths, val_fraction=split.val_fraction, fraction_given=False, tokenizer=info,
-                         vocab_size=vocab_size)
+        data = open_data(
+            paths, val_fraction=split.val_fraction, fraction_given=False, tokenizer=info, vocab_size=vocab_size
+        )
         head = data.val_head(need)
         only = data.sources[0] if len(data.sources) == 1 else None
         return head, source, _answers(only, only.val.start, len(head)) if only is not None else None
     if split.corpus is not None and not Path(split.corpus).exists():
-        raise UserError(f"data.path {split.corpus}: does not exist; its validation split is the held-out "
-                        "text. Fix data.path or give evaluate.data / --data")
+        raise UserError(
+            f"data.path {split.corpus}: does not exist; its validation split is the held-out "
+            "text. Fix data.path or give evaluate.data / --data"
+        )
     if split.records != "text":
-        raise UserError(f"data.path {split.corpus}: {split.records} records are read from their prepared copy "
-                        f"({split.prepared}), which is missing or older than the records; run the flow's data "
-                        "stage (or train) first, or give --data a dir made by `data prepare --format`")
+        raise UserError(
+            f"data.path {split.corpus}: {split.records} records are read from their prepared copy "
+            f"({split.prepared}), which is missing or older than the records; run the flow's data "
+            "stage (or train) first, or give --data a dir made by `data prepare --format`"
+        )
     corpus = load_corpus(path=split.corpus, tokenizer=tok, text_key=split.text_key)
     val = corpus.split(split.val_fraction)[1]
     return val.read(0, min(need, len(val))), source, None
 
 
-def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int, n_batches: int,
-                   batch_size: int, seq_len: int, n_prompts: int, prompt_len: int,
-                   split: ValidationSplit | None = None, checkpoint: Path | None = None) -> EvalData:
+def load_eval_data(
+    *,
+    data: Path | None,
+    model_dir: Path | None,
+    vocab_size: int,
+    n_batches: int,
+    batch_size: int,
+    seq_len: int,
+    n_prompts: int,
+    prompt_len: int,
+    split: ValidationSplit | None = None,
+    checkpoint: Path | None = None,
+) -> EvalData:
     """``n_batches`` (batch_size, seq_len) batches cut from held-out text, and the prompts.
 
     ``data``: a path used as given (see _given_stream); else ``split`` (default: the shipped
@@ -223,14 +256,21 @@ def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int
     from titan_pipe.tokens.tokenizer import build_tokenizer
 
     if data is not None and split is not None:
-        raise UserError(f"--data {data} and a validation split of {split.corpus or 'the shipped corpus'} "
-                        "were both given; pass one")
+        raise UserError(
+            f"--data {data} and a validation split of {split.corpus or 'the shipped corpus'} were both given; pass one"
+        )
     spec = pick_tokenizer(model_dir, checkpoint)
     if spec is None and data is None:
         where = " and ".join(str(p) for p in (model_dir, checkpoint) if p is not None)
-        return random_eval_data(vocab_size=vocab_size, n_batches=n_batches, batch_size=batch_size,
-                                seq_len=seq_len, n_prompts=n_prompts, prompt_len=prompt_len,
-                                why=f"{where} carries no tokenizer (no tokenizer.json, no provenance naming one)")
+        return random_eval_data(
+            vocab_size=vocab_size,
+            n_batches=n_batches,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            n_prompts=n_prompts,
+            prompt_len=prompt_len,
+            why=f"{where} carries no tokenizer (no tokenizer.json, no provenance naming one)",
+        )
     spec = spec or "byte"  # --data given for a model without a tokenizer: bytes, checked against the vocab
     tok = build_tokenizer(spec)
     need = n_batches * batch_size * seq_len
@@ -239,12 +279,16 @@ def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int
     else:
         stream, source, answers = _split_stream(split or ValidationSplit(), tok, vocab_size, need)
     if len(stream) < need:
-        raise UserError(f"{source}: {len(stream)} held-out tokens, but {n_batches} batches x {batch_size} x "
-                        f"{seq_len} need {need}; give more text (--data) or lower evaluate.batches/"
-                        "batch_size/seq_len")
+        raise UserError(
+            f"{source}: {len(stream)} held-out tokens, but {n_batches} batches x {batch_size} x "
+            f"{seq_len} need {need}; give more text (--data) or lower evaluate.batches/"
+            "batch_size/seq_len"
+        )
     if int(stream[:need].max()) >= vocab_size:
-        raise UserError(f"tokenizer {spec} produced id {int(stream[:need].max())}, but the model's vocab_size is "
-                        f"{vocab_size}; evaluate with the tokenizer the model was trained with")
+        raise UserError(
+            f"tokenizer {spec} produced id {int(stream[:need].max())}, but the model's vocab_size is "
+            f"{vocab_size}; evaluate with the tokenizer the model was trained with"
+        )
     rows = torch.from_numpy(np.ascontiguousarray(stream[:need], dtype=np.int64)).view(n_batches * batch_size, seq_len)
     batches = list(rows.split(batch_size))
     p = min(prompt_len, seq_len)
@@ -253,8 +297,10 @@ def load_eval_data(*, data: Path | None, model_dir: Path | None, vocab_size: int
     if answers is not None:  # chat data: perplexity over the answer tokens
         scored = np.ascontiguousarray(answers[:need]).reshape(-1, seq_len)
         if not scored[:, 1:].any():  # perplexity would be 0/0: refused, not reported as a NaN that fails
-            raise UserError(f"{source}: the {n_batches} x {batch_size} held-out rows of {seq_len} tokens hold no "
-                            "answer token to score; raise evaluate.batches / seq_len or give more held-out data")
+            raise UserError(
+                f"{source}: the {n_batches} x {batch_size} held-out rows of {seq_len} tokens hold no "
+                "answer token to score; raise evaluate.batches / seq_len or give more held-out data"
+            )
         marked = list(torch.from_numpy(scored).split(batch_size))
         source += " (answer tokens scored)"
     return EvalData(batches, prompts, source, spec, marked)

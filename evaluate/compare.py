@@ -12,6 +12,7 @@ The verdict names the first layer whose error breaks a bound (in the first compa
 does) and the first failing operator; when all pass it still names the biggest jump in relative
 Euclidean distance between consecutive layers, the place to look first.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,9 +47,17 @@ class TensorRow:
         return "fail" if self.failures else "pass"
 
     def to_dict(self) -> dict:
-        return {"comparison": self.comparison, "candidate": self.candidate, "tensor": self.tensor,
-                "layer": self.layer, "dtype": self.dtype, "shape": list(self.shape), "status": self.status,
-                "metrics": self.metrics.to_dict(), "failures": list(self.failures)}
+        return {
+            "comparison": self.comparison,
+            "candidate": self.candidate,
+            "tensor": self.tensor,
+            "layer": self.layer,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "status": self.status,
+            "metrics": self.metrics.to_dict(),
+            "failures": list(self.failures),
+        }
 
 
 @dataclass
@@ -73,10 +82,19 @@ class Comparison:
         return None
 
     def to_dict(self) -> dict:
-        return {"id": self.id, "title": self.title, "status": self.status, "reference": self.reference,
-                "candidate": self.candidate, "dtype": self.dtype, "rows": [r.to_dict() for r in self.rows],
-                "first_failing_layer": self.first_failing_layer, "biggest_jump": biggest_jump(self.rows),
-                "details": self.details, "failures": self.failures}
+        return {
+            "id": self.id,
+            "title": self.title,
+            "status": self.status,
+            "reference": self.reference,
+            "candidate": self.candidate,
+            "dtype": self.dtype,
+            "rows": [r.to_dict() for r in self.rows],
+            "first_failing_layer": self.first_failing_layer,
+            "biggest_jump": biggest_jump(self.rows),
+            "details": self.details,
+            "failures": self.failures,
+        }
 
 
 def skipped(cid: str, title: str, reason: str) -> Comparison:
@@ -101,8 +119,9 @@ class OutputsValues:
 _ROW = {"attn": ("attn_out", "block"), "mlp": ("mlp_out", "block"), "hidden": ("hidden", "tensor")}
 
 
-def _row(cid: str, cand_label: str, tensor: str, layer: int | None, dtype: str, limits: dict, scope: str,
-         shape: tuple, m) -> TensorRow:
+def _row(
+    cid: str, cand_label: str, tensor: str, layer: int | None, dtype: str, limits: dict, scope: str, shape: tuple, m
+) -> TensorRow:
     fails = check_metrics(m, limits, scope)
     return TensorRow(cid, cand_label, tensor, layer, dtype, shape, m, tuple(f.text for f in fails))
 
@@ -119,13 +138,15 @@ def layer_rows(cid: str, ref, cand, *, cand_label: str, dtype: str, limits: dict
             name, scope = _ROW[kind]
             if dump is not None:
                 dump.put(cid, f"{name}.{i}", r, c)
-            rows.append(_row(cid, cand_label, f"{name}.{i}", i, dtype, limits, scope, tuple(r.shape),
-                             compare_tensors(r, c)))
+            rows.append(
+                _row(cid, cand_label, f"{name}.{i}", i, dtype, limits, scope, tuple(r.shape), compare_tensors(r, c))
+            )
     return rows
 
 
-def logits_row(cid: str, ref, cand, *, cand_label: str, dtype: str, limits: dict, scope: str = "logits",
-               dump=None) -> TensorRow:
+def logits_row(
+    cid: str, ref, cand, *, cand_label: str, dtype: str, limits: dict, scope: str = "logits", dump=None
+) -> TensorRow:
     """The logits over every part (batch), reduced part by part: no part stays in memory after."""
     pairs = lambda: ((ref.logits(p), cand.logits(p)) for p in range(ref.parts))  # noqa: E731
     shapes = [tuple(ref.logits(p).shape) for p in range(ref.parts)]
@@ -135,8 +156,19 @@ def logits_row(cid: str, ref, cand, *, cand_label: str, dtype: str, limits: dict
     return _row(cid, cand_label, "logits", None, dtype, limits, scope, shape, compare_parts(pairs))
 
 
-def compare_values(cid: str, title: str, ref, cand, *, ref_label: str, cand_label: str, dtype: str,
-                   limits: dict[str, float], logits_scope: str = "logits", dump=None) -> Comparison:
+def compare_values(
+    cid: str,
+    title: str,
+    ref,
+    cand,
+    *,
+    ref_label: str,
+    cand_label: str,
+    dtype: str,
+    limits: dict[str, float],
+    logits_scope: str = "logits",
+    dump=None,
+) -> Comparison:
     """Per-layer rows (when both sides have per-layer values) and the logits row, each judged by
     ``limits``. ``ref`` / ``cand``: Values (evaluate/store.py) or OutputsValues. Without per-layer
     values on one side, only the logits row is made and ``details['layers']`` says why. ``dump``:
@@ -149,17 +181,39 @@ def compare_values(cid: str, title: str, ref, cand, *, ref_label: str, cand_labe
         rows = layer_rows(cid, ref, cand, cand_label=cand_label, dtype=dtype, limits=limits, dump=dump)
     else:
         details["layers"] = f"no per-layer values from {cand_label if not cand.has_layers else ref_label}"
-    rows.append(logits_row(cid, ref, cand, cand_label=cand_label, dtype=dtype, limits=limits, scope=logits_scope,
-                           dump=dump))
+    rows.append(
+        logits_row(cid, ref, cand, cand_label=cand_label, dtype=dtype, limits=limits, scope=logits_scope, dump=dump)
+    )
     status = "fail" if any(r.failures for r in rows) else "pass"
     return Comparison(cid, title, status, ref_label, cand_label, dtype, rows, details)
 
 
-def compare_outputs(cid: str, title: str, ref: Outputs, cand: Outputs, *, ref_label: str, cand_label: str,
-                    dtype: str, limits: dict[str, float], logits_scope: str = "logits", dump=None) -> Comparison:
+def compare_outputs(
+    cid: str,
+    title: str,
+    ref: Outputs,
+    cand: Outputs,
+    *,
+    ref_label: str,
+    cand_label: str,
+    dtype: str,
+    limits: dict[str, float],
+    logits_scope: str = "logits",
+    dump=None,
+) -> Comparison:
     """compare_values on two whole Outputs (every layer and the logits of all batches at hand)."""
-    return compare_values(cid, title, OutputsValues(ref), OutputsValues(cand), ref_label=ref_label,
-                          cand_label=cand_label, dtype=dtype, limits=limits, logits_scope=logits_scope, dump=dump)
+    return compare_values(
+        cid,
+        title,
+        OutputsValues(ref),
+        OutputsValues(cand),
+        ref_label=ref_label,
+        cand_label=cand_label,
+        dtype=dtype,
+        limits=limits,
+        logits_scope=logits_scope,
+        dump=dump,
+    )
 
 
 def operator_comparison(rows: list[OperatorRow], dtypes: tuple[str, ...]) -> Comparison:
@@ -167,28 +221,40 @@ def operator_comparison(rows: list[OperatorRow], dtypes: tuple[str, ...]) -> Com
     judged = [r for r in rows if r.dtype in dtypes]
     failed = [r for r in judged if r.status == "fail"]
     counts = {s: sum(1 for r in rows if r.status.startswith(s)) for s in ("pass", "fail", "skipped")}
-    status = "fail" if failed else ("pass" if any(r.status == "pass" for r in judged) else
-                                    "skipped: no operator ran in " + "/".join(dtypes))
-    return Comparison("operators", "operator conformance: PyTorch training operators vs ONNX Runtime",
-                      status, "torch (training operators)", "onnxruntime (one-node graphs)", "/".join(dtypes),
-                      details={"counts": counts},
-                      failures=[f"{r.op} {r.dtype} {r.case}: {r.failures[0]}" for r in failed])
+    status = (
+        "fail"
+        if failed
+        else ("pass" if any(r.status == "pass" for r in judged) else "skipped: no operator ran in " + "/".join(dtypes))
+    )
+    return Comparison(
+        "operators",
+        "operator conformance: PyTorch training operators vs ONNX Runtime",
+        status,
+        "torch (training operators)",
+        "onnxruntime (one-node graphs)",
+        "/".join(dtypes),
+        details={"counts": counts},
+        failures=[f"{r.op} {r.dtype} {r.case}: {r.failures[0]}" for r in failed],
+    )
 
 
 def generation_agreement(ref: torch.Tensor, cand: torch.Tensor, n_prompt: int) -> dict:
     """Position-by-position agreement of the generated part, and the first position that differs."""
     r, c = ref[:, n_prompt:], cand[:, n_prompt:]
-    same = (r == c)
+    same = r == c
     first = []
     for row in same:
         bad = (~row).nonzero()
         first.append(int(bad[0]) if len(bad) else None)
-    return {"agreement": float(same.float().mean()), "first_mismatch": first,
-            "identical": bool(same.all())}
+    return {"agreement": float(same.float().mean()), "first_mismatch": first, "identical": bool(same.all())}
 
 
-def task_comparison(perplexity: dict[str, float], reference: str, generations: dict[str, torch.Tensor],
-                    limits_of: dict[str, tuple[str, dict[str, float]]]) -> Comparison:
+def task_comparison(
+    perplexity: dict[str, float],
+    reference: str,
+    generations: dict[str, torch.Tensor],
+    limits_of: dict[str, tuple[str, dict[str, float]]],
+) -> Comparison:
     """Perplexity of every model on the held-out batches and greedy agreement with the reference.
 
     perplexity: label -> perplexity (reduced batch by batch); generations: label -> (N, n_new) new
@@ -212,10 +278,20 @@ def task_comparison(perplexity: dict[str, float], reference: str, generations: d
             failures.append(f"{label} ({dtype}): {f.text}")
     if ref_gen is not None:
         details["generated_tokens"] = {k: v.tolist() for k, v in generations.items()}
-    status = "fail" if failures else ("pass" if len(set(perplexity) | set(generations)) > 1
-                                      else "skipped: no candidate to compare")
-    return Comparison("task", "task level: perplexity and greedy generation", status, reference,
-                      ", ".join(k for k in perplexity if k != reference), details=details, failures=failures)
+    status = (
+        "fail"
+        if failures
+        else ("pass" if len(set(perplexity) | set(generations)) > 1 else "skipped: no candidate to compare")
+    )
+    return Comparison(
+        "task",
+        "task level: perplexity and greedy generation",
+        status,
+        reference,
+        ", ".join(k for k in perplexity if k != reference),
+        details=details,
+        failures=failures,
+    )
 
 
 JUMP_FLOOR = 1e-4  # relative Euclidean distance below which a layer's error is float rounding, not a headline
@@ -245,21 +321,31 @@ class Verdict:
     text: str
 
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "first_failing_layer": self.first_failing_layer,
-                "first_failing_operator": self.first_failing_operator, "failed": list(self.failed),
-                "text": self.text}
+        return {
+            "passed": self.passed,
+            "first_failing_layer": self.first_failing_layer,
+            "first_failing_operator": self.first_failing_operator,
+            "failed": list(self.failed),
+            "text": self.text,
+        }
 
 
-def decide(comparisons: list[Comparison], operator_rows: list[OperatorRow],
-           operator_dtypes: tuple[str, ...]) -> Verdict:
+def decide(
+    comparisons: list[Comparison], operator_rows: list[OperatorRow], operator_dtypes: tuple[str, ...]
+) -> Verdict:
     """Pass only when no comparison failed; name where the error starts."""
     failed = tuple(c.id for c in comparisons if c.status == "fail")
     layer = None
     for c in sorted(comparisons, key=lambda c: ORDER.index(c.id) if c.id in ORDER else 99):
         for r in c.rows:
             if r.failures:
-                layer = {"comparison": c.id, "candidate": c.candidate, "layer": r.layer, "tensor": r.tensor,
-                         "failure": r.failures[0]}
+                layer = {
+                    "comparison": c.id,
+                    "candidate": c.candidate,
+                    "layer": r.layer,
+                    "tensor": r.tensor,
+                    "failure": r.failures[0],
+                }
                 break
         if layer:
             break
@@ -271,8 +357,14 @@ def decide(comparisons: list[Comparison], operator_rows: list[OperatorRow],
     parts = []
     ran = [c for c in comparisons if c.status in ("pass", "fail")]
     if not ran:  # all skipped is no evidence either way, so it must not read as a pass
-        return Verdict(False, None, None, (), "FAIL: nothing was compared (every comparison was skipped); give "
-                       "--onnx, --checkpoint or --om, or enable evaluate.operators")
+        return Verdict(
+            False,
+            None,
+            None,
+            (),
+            "FAIL: nothing was compared (every comparison was skipped); give "
+            "--onnx, --checkpoint or --om, or enable evaluate.operators",
+        )
     if not failed:
         parts.append("PASS: every comparison that ran is within its bounds")
     else:
@@ -285,17 +377,24 @@ def decide(comparisons: list[Comparison], operator_rows: list[OperatorRow],
         jumps = [(c, j) for c, j in jumps if j and j["rel_euclidean"] >= JUMP_FLOOR]
         if jumps:  # a jump among errors at float rounding (1e-8 -> 1e-7) is noise, not news
             c, j = max(jumps, key=lambda cj: cj[1]["ratio"])
-            parts.append(f"largest error jump: layer {j['layer']} in {c.id} "
-                         f"(relative Euclidean {j['previous']:.3g} -> {j['rel_euclidean']:.3g})")
+            parts.append(
+                f"largest error jump: layer {j['layer']} in {c.id} "
+                f"(relative Euclidean {j['previous']:.3g} -> {j['rel_euclidean']:.3g})"
+            )
     if op:
         parts.append(f"first failing operator: {op['op']} ({op['dtype']}, {op['case']} inputs): {op['failure']}")
     else:
-        ran = [r for r in operator_rows if r.metrics is not None and r.dtype in operator_dtypes
-               and math.isfinite(r.metrics.rel_euclidean)]
+        ran = [
+            r
+            for r in operator_rows
+            if r.metrics is not None and r.dtype in operator_dtypes and math.isfinite(r.metrics.rel_euclidean)
+        ]
         if ran:
             w = max(ran, key=lambda r: r.metrics.rel_euclidean)
-            parts.append(f"largest operator error: {w.op} ({w.dtype}, {w.case} inputs, relative Euclidean "
-                         f"{w.metrics.rel_euclidean:.3g})")
+            parts.append(
+                f"largest operator error: {w.op} ({w.dtype}, {w.case} inputs, relative Euclidean "
+                f"{w.metrics.rel_euclidean:.3g})"
+            )
     for c in comparisons:
         if c.failures and c.id != "operators":
             parts.append(f"{c.id}: {c.failures[0]}")

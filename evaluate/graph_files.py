@@ -6,6 +6,7 @@ before ONNX Runtime (or anything else) opens a file, so a graph cannot make eval
 ``../../secret`` into a tensor. (The export record's names are checked by
 titan_pipe.export_record.ExportRecord.load.)
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,11 +30,14 @@ def check_external_data(onnx_path: Path) -> "onnx.ModelProto":
     try:
         model = onnx.load(str(onnx_path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError and friends
-        raise UserError(f"{onnx_path}: not an ONNX model ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
-                        "pass the model.onnx written by `titan-pipe export`") from None
+        raise UserError(
+            f"{onnx_path}: not an ONNX model ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); "
+            "pass the model.onnx written by `titan-pipe export`"
+        ) from None
     for location, tensor in external_locations(model).items():
-        resolve_inside(onnx_path.parent, location, source=onnx_path,
-                       what=f"external data location of tensor {tensor!r}", fix=_FIX)
+        resolve_inside(
+            onnx_path.parent, location, source=onnx_path, what=f"external data location of tensor {tensor!r}", fix=_FIX
+        )
     return model
 
 

@@ -14,6 +14,7 @@ The structure is read once (``load_external_data=False``); a piece's ModelProto 
 nodes and initializer references, and ONNX Runtime reads its weights from the graph's directory
 when its session opens (titan_pipe.generation.ort_session with ``external_dir``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -90,8 +91,14 @@ class GraphCutter:
             todo.extend(i for i in n.input if i)
         return sorted(kept.values(), key=lambda n: self.order[id(n)])
 
-    def cut(self, name: str, layer: int | None, inputs: tuple[str, ...], outputs: tuple[str, ...],
-            extra_outputs: bool = False) -> Piece:
+    def cut(
+        self,
+        name: str,
+        layer: int | None,
+        inputs: tuple[str, ...],
+        outputs: tuple[str, ...],
+        extra_outputs: bool = False,
+    ) -> Piece:
         """The piece from ``inputs`` to ``outputs``; ``extra_outputs``: also every graph output (but
         the logits) its nodes compute."""
         g = self.structure.graph
@@ -102,21 +109,28 @@ class GraphCutter:
         used = {i for n in nodes for i in n.input}
         inits = [t for t in g.initializer if t.name in used]
         ins = [v for v in g.input if v.name in used] + [self._typed(n) for n in inputs if n in used]
-        graph = helper.make_graph(nodes, f"{g.name}.{name.replace(' ', '_')}", ins,
-                                  [self._typed(n) for n in outputs], inits)
-        model = helper.make_model(graph, opset_imports=self.structure.opset_import,
-                                  producer_name="titan-pipe-evaluate")
+        graph = helper.make_graph(
+            nodes, f"{g.name}.{name.replace(' ', '_')}", ins, [self._typed(n) for n in outputs], inits
+        )
+        model = helper.make_model(graph, opset_imports=self.structure.opset_import, producer_name="titan-pipe-evaluate")
         model.ir_version = self.structure.ir_version
-        return Piece(name, layer, tuple(n for n in inputs if n in used), outputs, model,
-                     sum(tensor_bytes(t) for t in inits))
+        return Piece(
+            name, layer, tuple(n for n in inputs if n in used), outputs, model, sum(tensor_bytes(t) for t in inits)
+        )
 
     def _typed(self, name: str) -> onnx.ValueInfoProto:
         # untyped when inference could not type it: ORT accepts an untyped output and types it
         return self.types.get(name) or helper.make_empty_tensor_value_info(name)
 
 
-def layer_pieces(structure: onnx.ModelProto, *, embed: str, layers: tuple[str, ...],
-                 attn: tuple[str | None, ...], mlp: tuple[str | None, ...]) -> list[Piece]:
+def layer_pieces(
+    structure: onnx.ModelProto,
+    *,
+    embed: str,
+    layers: tuple[str, ...],
+    attn: tuple[str | None, ...],
+    mlp: tuple[str | None, ...],
+) -> list[Piece]:
     """[embedding, layer 0 .. layer L-1, head] between the recorded names (``embed``: the stream
     entering layer 0; ``layers[i]``: layer i's output; ``attn`` / ``mlp``: its block outputs)."""
     cutter = GraphCutter(structure)

@@ -10,6 +10,7 @@ A graph without export.json (or not listed in it) falls back to its structure: t
 stream is the longest chain of ``Add`` nodes each taking the previous one's output; in a LLaMA
 block it has 2 links per layer (after attention, after the MLP), so layer i's output is link 2i+1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -85,25 +86,31 @@ def find_layer_taps(graph_path: Path, model: onnx.ModelProto, n_layers: int) -> 
     return None, prefix + why
 
 
-def _from_record(entry: GraphRecord, file: str, produced: set[str], n_layers: int,
-                 order: dict[str, int] | None = None) -> tuple[LayerTaps | None, str]:
+def _from_record(
+    entry: GraphRecord, file: str, produced: set[str], n_layers: int, order: dict[str, int] | None = None
+) -> tuple[LayerTaps | None, str]:
     lists = {}
     for short, key in TAP_KEYS:
         names = getattr(entry, key) or (None,) * n_layers
         if len(names) != n_layers:
-            return None, (f"{RECORD_FILE} graphs[{file!r}].{key} has {len(names)} entries but the model has "
-                          f"{n_layers} layers")
+            return None, (
+                f"{RECORD_FILE} graphs[{file!r}].{key} has {len(names)} entries but the model has {n_layers} layers"
+            )
         missing = [n for n in names if n is not None and n not in produced]
         if short == "layer" and missing:
-            return None, (f"{RECORD_FILE} graphs[{file!r}].layer_outputs names {missing[0]!r}, which {file} does "
-                          "not compute (the graph was changed after export)")
+            return None, (
+                f"{RECORD_FILE} graphs[{file!r}].layer_outputs names {missing[0]!r}, which {file} does "
+                "not compute (the graph was changed after export)"
+            )
         if short == "layer" and order:
             places = [order.get(n, -1) for n in names]
             wrong = next((i for i in range(1, len(places)) if places[i] <= places[i - 1]), None)
             if wrong is not None:  # layer k's output computed before layer k-1's: not this graph's layers
-                return None, (f"{RECORD_FILE} graphs[{file!r}].layer_outputs lists {names[wrong]!r} as layer {wrong}, "
-                              f"but {file} computes it before layer {wrong - 1}'s {names[wrong - 1]!r} (the record "
-                              "was edited or belongs to another export)")
+                return None, (
+                    f"{RECORD_FILE} graphs[{file!r}].layer_outputs lists {names[wrong]!r} as layer {wrong}, "
+                    f"but {file} computes it before layer {wrong - 1}'s {names[wrong - 1]!r} (the record "
+                    "was edited or belongs to another export)"
+                )
         lists[short] = tuple(n if n in produced else None for n in names)
     embed = entry.embed_output if entry.embed_output in produced else None
     return LayerTaps(lists["layer"], lists["attn"], lists["mlp"], RECORD_FILE, embed), ""
@@ -155,8 +162,10 @@ def _from_structure(model: onnx.ModelProto, n_layers: int) -> tuple[LayerTaps | 
         node = link[0] if link else None
     chain.reverse()
     if len(chain) != 2 * n_layers:
-        return None, (f"its longest residual Add chain has {len(chain)} links, not 2 x {n_layers} layers, so the "
-                      "layers cannot be told apart; no per-layer rows")
+        return None, (
+            f"its longest residual Add chain has {len(chain)} links, not 2 x {n_layers} layers, so the "
+            "layers cannot be told apart; no per-layer rows"
+        )
 
     def block(add: onnx.NodeProto, stream: str | None) -> str | None:
         if stream is None:  # layer 0: the stream comes from the embedding (a Gather)
@@ -173,6 +182,8 @@ def _from_structure(model: onnx.ModelProto, n_layers: int) -> tuple[LayerTaps | 
         layer.append(m.output[0])
     first = chain[0][0]  # layer 0's first residual Add: the stream entering it is its other input
     embed = next((i for i in first.input if i != attn[0]), None) if attn[0] else None
-    return (LayerTaps(tuple(layer), tuple(attn), tuple(mlp), "residual Add chain", embed),
-            f"per-layer values found by structure: the residual stream's {len(chain)} Add nodes in order, "
-            "layer i = the output of Add 2i+1")
+    return (
+        LayerTaps(tuple(layer), tuple(attn), tuple(mlp), "residual Add chain", embed),
+        f"per-layer values found by structure: the residual stream's {len(chain)} Add nodes in order, "
+        "layer i = the output of Add 2i+1",
+    )

@@ -1,4 +1,5 @@
 """evaluate's input checks: every path, the reference device, "one model" — before any work."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,10 +15,17 @@ from titan_pipe.model.args import ModelArgs, model_differences
 def check_inputs(*, checkpoint, model_dir, onnx, om, data) -> None:
     """Missing files fail before any work, each with the flag, the path and the fix."""
     if checkpoint is None and model_dir is None:
-        raise UserError("evaluate needs a reference: pass --checkpoint runs/<name>/checkpoints/step-XXXXXX "
-                        "and/or --model-dir runs/<name>/model")
-    for flag, p, kind in (("--checkpoint", checkpoint, "dir"), ("--model-dir", model_dir, "dir"),
-                          ("--onnx", onnx, "file"), ("--om", om, "file"), ("--data", data, "any")):
+        raise UserError(
+            "evaluate needs a reference: pass --checkpoint runs/<name>/checkpoints/step-XXXXXX "
+            "and/or --model-dir runs/<name>/model"
+        )
+    for flag, p, kind in (
+        ("--checkpoint", checkpoint, "dir"),
+        ("--model-dir", model_dir, "dir"),
+        ("--onnx", onnx, "file"),
+        ("--om", om, "file"),
+        ("--data", data, "any"),
+    ):
         if p is not None:
             _check_path(flag, Path(p), kind)
     if onnx is not None:  # names only files inside the export dir, or is refused before any work
@@ -35,12 +43,15 @@ def _check_path(flag: str, p: Path, kind: str) -> None:
     if kind == "dir" and not p.is_dir():
         raise UserError(f"{flag} {p}: is a file, expected a directory")
     if flag == "--checkpoint" and not is_complete(p) and not other_format(p):
-        raise UserError(f"--checkpoint {p}: no manifest.json, so not a complete titan-pipe checkpoint (nor a torch DCP / "
-                        "torchtitan step or a Megatron-LM checkpoint); pass runs/<name>/checkpoints/step-XXXXXX (the "
-                        "manifest is written last)")
+        raise UserError(
+            f"--checkpoint {p}: no manifest.json, so not a complete titan-pipe checkpoint (nor a torch DCP / "
+            "torchtitan step or a Megatron-LM checkpoint); pass runs/<name>/checkpoints/step-XXXXXX (the "
+            "manifest is written last)"
+        )
     if kind == "file" and not p.is_file():
-        raise UserError(f"{flag} {p}: is a directory, expected a file"
-                        + ("; pass OUT_DIR/model.onnx" if flag == "--onnx" else ""))
+        raise UserError(
+            f"{flag} {p}: is a directory, expected a file" + ("; pass OUT_DIR/model.onnx" if flag == "--onnx" else "")
+        )
 
 
 def reference_device(choice: str) -> str:

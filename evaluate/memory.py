@@ -12,6 +12,7 @@ in float32; ONNX Runtime's CPU provider holds
 a graph's weights in float32 (a float16 graph's matmuls run in float32) plus the stored weights
 while a session opens (measured: a float16 layer of 88.6 MB peaks at ~260 MB, ~2.9x).
 """
+
 from __future__ import annotations
 
 import gc
@@ -74,8 +75,9 @@ def decode_step_bytes(past: int) -> int:
     return DECODE_STEP_X * past
 
 
-def plan_memory(setting: str, *, whole: list[Need], pieces: list[Need], activations: int,
-                can_stream: str | None) -> MemoryPlan:
+def plan_memory(
+    setting: str, *, whole: list[Need], pieces: list[Need], activations: int, can_stream: str | None
+) -> MemoryPlan:
     """``whole``: what whole mode holds at each stage, one after the other (the reference while it
     runs, then the graphs' pieces; the largest counts); ``pieces``: what one step holds in streamed
     mode (the largest counts); ``can_stream``: None, or why streamed mode is impossible.
@@ -86,18 +88,36 @@ def plan_memory(setting: str, *, whole: list[Need], pieces: list[Need], activati
     need_one = top.bytes + activations
     label = "auto" if setting == "auto" else setting
     if need_whole <= budget:
-        return MemoryPlan("whole", label, budget, need_whole, need_one, top.name,
-                          f"everything fits: ~{format_size(need_whole)} of {format_size(budget)}")
+        return MemoryPlan(
+            "whole",
+            label,
+            budget,
+            need_whole,
+            need_one,
+            top.name,
+            f"everything fits: ~{format_size(need_whole)} of {format_size(budget)}",
+        )
     if can_stream is not None:
-        raise UserError(f"--max-memory {label} ({format_size(budget)}): the whole evaluation needs "
-                        f"~{format_size(need_whole)} and cannot go one layer at a time ({can_stream}); raise "
-                        "--max-memory (evaluate.max_memory) or re-export with `titan-pipe export`")
+        raise UserError(
+            f"--max-memory {label} ({format_size(budget)}): the whole evaluation needs "
+            f"~{format_size(need_whole)} and cannot go one layer at a time ({can_stream}); raise "
+            "--max-memory (evaluate.max_memory) or re-export with `titan-pipe export`"
+        )
     if need_one > budget:
-        raise UserError(f"--max-memory {label} ({format_size(budget)}): too small for one layer: {top.name} needs "
-                        f"~{format_size(need_one)}; give at least {format_size(need_one)} (evaluate.max_memory)")
-    return MemoryPlan("streamed", label, budget, need_whole, need_one, top.name,
-                      f"~{format_size(need_whole)} needed whole, over the budget of {format_size(budget)}: one "
-                      f"layer at a time (largest: {top.name}, ~{format_size(need_one)})")
+        raise UserError(
+            f"--max-memory {label} ({format_size(budget)}): too small for one layer: {top.name} needs "
+            f"~{format_size(need_one)}; give at least {format_size(need_one)} (evaluate.max_memory)"
+        )
+    return MemoryPlan(
+        "streamed",
+        label,
+        budget,
+        need_whole,
+        need_one,
+        top.name,
+        f"~{format_size(need_whole)} needed whole, over the budget of {format_size(budget)}: one "
+        f"layer at a time (largest: {top.name}, ~{format_size(need_one)})",
+    )
 
 
 def release() -> None:

@@ -28,6 +28,7 @@ the tools' own functions. msit ``debug compare`` runs CANN's msaccucmp (shipped 
   Top1Agreement             fraction of rows (last axis) with argmax(r_row) == argmax(c_row)
   NaN/Inf                   counts in the candidate (and the reference, reported separately)
 """
+
 from __future__ import annotations
 
 import math
@@ -38,16 +39,47 @@ import torch
 
 # msit's CSV column names, in the order its result_*.csv shows them, then msprobe's, then ours.
 CSV_COLUMNS: tuple[str, ...] = (
-    "CosineSimilarity", "MaxAbsoluteError", "MeanAbsoluteError", "MaxRelativeError",
-    "MeanRelativeError", "AccumulatedRelativeError", "RelativeEuclideanDistance", "RootMeanSquareError",
-    "KullbackLeiblerDivergence", "StandardDeviation",
-    "EucDist", "MaxRelativeErr", "One Thousandth Err Ratio", "Five Thousandths Err Ratio",
-    "SoftmaxKL", "Top1Agreement", "ScaledMaxError", "CandidateNaN", "CandidateInf",
+    "CosineSimilarity",
+    "MaxAbsoluteError",
+    "MeanAbsoluteError",
+    "MaxRelativeError",
+    "MeanRelativeError",
+    "AccumulatedRelativeError",
+    "RelativeEuclideanDistance",
+    "RootMeanSquareError",
+    "KullbackLeiblerDivergence",
+    "StandardDeviation",
+    "EucDist",
+    "MaxRelativeErr",
+    "One Thousandth Err Ratio",
+    "Five Thousandths Err Ratio",
+    "SoftmaxKL",
+    "Top1Agreement",
+    "ScaledMaxError",
+    "CandidateNaN",
+    "CandidateInf",
 )
 # TensorMetrics field under each CSV column ("StandardDeviation" is formatted from four fields).
 CSV_FIELDS: tuple[str, ...] = (
-    "cosine", "max_abs", "mean_abs", "max_rel", "mean_rel", "acc_rel", "rel_euclidean", "rmse", "msit_kl",
-    "std", "euc_dist", "msprobe_max_rel", "err_ratio_1e3", "err_ratio_5e3", "kl", "top1", "max_scaled", "nan", "inf",
+    "cosine",
+    "max_abs",
+    "mean_abs",
+    "max_rel",
+    "mean_rel",
+    "acc_rel",
+    "rel_euclidean",
+    "rmse",
+    "msit_kl",
+    "std",
+    "euc_dist",
+    "msprobe_max_rel",
+    "err_ratio_1e3",
+    "err_ratio_5e3",
+    "kl",
+    "top1",
+    "max_scaled",
+    "nan",
+    "inf",
 )
 _EPS64 = float(np.finfo(np.float64).eps)
 _EPS32 = float(np.finfo(np.float32).eps)
@@ -149,10 +181,10 @@ def scaled_errors(rows_r: np.ndarray, rows_c: np.ndarray, chunk: int = 256) -> n
     """Per row (last axis) the max of |c_i - r_i| / max(|r_i|, median_row |r|, SCALE_FLOOR): (rows,)."""
     out = np.empty(rows_r.shape[0])
     for i in range(0, rows_r.shape[0], chunk):
-        r, c = rows_r[i:i + chunk], rows_c[i:i + chunk]
+        r, c = rows_r[i : i + chunk], rows_c[i : i + chunk]
         a = np.abs(r)
         scale = np.maximum(np.maximum(a, np.median(a, axis=-1, keepdims=True)), SCALE_FLOOR)
-        out[i:i + chunk] = (np.abs(c - r) / scale).max(axis=-1)
+        out[i : i + chunk] = (np.abs(c - r) / scale).max(axis=-1)
     return out
 
 
@@ -167,7 +199,7 @@ def _softmax_kl_sum(r: np.ndarray, c: np.ndarray, chunk: int = 256) -> float:
     rows at a time so the temporaries stay a few chunk x cols arrays."""
     total = 0.0
     for i in range(0, r.shape[0], chunk):
-        lr, lc = _log_softmax(r[i:i + chunk]), _log_softmax(c[i:i + chunk])
+        lr, lc = _log_softmax(r[i : i + chunk]), _log_softmax(c[i : i + chunk])
         total += float((np.exp(lr) * (lr - lc)).sum())
     return total
 
@@ -189,8 +221,13 @@ def _pair(ref, cand) -> _Pair:
     if r_full.shape != c_full.shape:
         raise ValueError(f"shape mismatch: reference {tuple(r_full.shape)} vs candidate {tuple(c_full.shape)}")
     rel_dtype = np.result_type(_np_dtype(cand), _np_dtype(ref), np.float32)  # what msprobe computes in
-    counts = (int(np.isnan(c_full).sum()), int(np.isinf(c_full).sum()), int(np.isnan(r_full).sum()),
-              int(np.isinf(r_full).sum()), int(r_full.size))
+    counts = (
+        int(np.isnan(c_full).sum()),
+        int(np.isinf(c_full).sum()),
+        int(np.isnan(r_full).sum()),
+        int(np.isinf(r_full).sum()),
+        int(r_full.size),
+    )
     rows_r = r_full.reshape(-1, r_full.shape[-1]) if r_full.ndim else r_full.reshape(1, 1)
     rows_c = c_full.reshape(-1, c_full.shape[-1]) if c_full.ndim else c_full.reshape(1, 1)
     if any(counts[:4]):
@@ -209,8 +246,9 @@ class _Sums:
     def __init__(self):
         self.counts = np.zeros(5, dtype=np.int64)
         self.n = 0
-        self.v = dict.fromkeys(("dot", "rr", "cc", "dd", "sum_abs", "sum_rel", "sum_r", "sum_c", "kl", "top1",
-                                "rows", "n1e3", "n5e3"), 0.0)
+        self.v = dict.fromkeys(
+            ("dot", "rr", "cc", "dd", "sum_abs", "sum_rel", "sum_r", "sum_c", "kl", "top1", "rows", "n1e3", "n5e3"), 0.0
+        )
         self.hi = dict.fromkeys(("max_abs", "max_rel", "msprobe_max_rel", "max_scaled"), -math.inf)
         self.lo_r = self.lo_c = math.inf
         self.hi_r = self.hi_c = -math.inf
@@ -288,8 +326,9 @@ def _compare_pairs(pairs) -> TensorMetrics:
     return _metrics(s, kl, mean_r, mean_c, var_r, var_c, numel)
 
 
-def _metrics(s: _Sums, msit_kl: float, mean_r: float, mean_c: float, var_r: float, var_c: float,
-             numel: int) -> TensorMetrics:
+def _metrics(
+    s: _Sums, msit_kl: float, mean_r: float, mean_c: float, var_r: float, var_c: float, numel: int
+) -> TensorMetrics:
     v, n = s.v, s.n
     nr, nc, nd = math.sqrt(v["rr"]), math.sqrt(v["cc"]), math.sqrt(v["dd"])
     if nr == 0.0 or nc == 0.0:
@@ -299,16 +338,34 @@ def _metrics(s: _Sums, msit_kl: float, mean_r: float, mean_c: float, var_r: floa
     rows = v["rows"]
     nan, inf, ref_nan, ref_inf, _ = (int(x) for x in s.counts)
     return TensorMetrics(
-        cosine=cosine, max_abs=s.hi["max_abs"], mean_abs=v["sum_abs"] / n, max_rel=s.hi["max_rel"],
-        mean_rel=v["sum_rel"] / n, rel_euclidean=nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf),
+        cosine=cosine,
+        max_abs=s.hi["max_abs"],
+        mean_abs=v["sum_abs"] / n,
+        max_rel=s.hi["max_rel"],
+        mean_rel=v["sum_rel"] / n,
+        rel_euclidean=nd / nr if nr > 0 else (0.0 if nd == 0 else math.inf),
         rmse=nd / math.sqrt(n),
         # rounding can make a zero divergence come out as -1e-17; KL is never negative
-        kl=max(v["kl"] / rows, 0.0) if rows else float("nan"), top1=v["top1"] / rows if rows else float("nan"),
-        nan=nan, inf=inf, ref_nan=ref_nan, ref_inf=ref_inf, numel=numel, acc_rel=v["sum_rel"],
-        msit_kl=0.0 if abs(msit_kl) < _EPS64 else msit_kl, cand_mean=mean_c, cand_std=math.sqrt(var_c / n),
-        ref_mean=mean_r, ref_std=math.sqrt(var_r / n), euc_dist=nd, msprobe_max_rel=s.hi["msprobe_max_rel"],
-        err_ratio_1e3=v["n1e3"] / n, err_ratio_5e3=v["n5e3"] / n,
-        max_scaled=s.hi["max_scaled"] if s.hi["max_scaled"] > -math.inf else math.nan, ref_rms=nr / math.sqrt(n))
+        kl=max(v["kl"] / rows, 0.0) if rows else float("nan"),
+        top1=v["top1"] / rows if rows else float("nan"),
+        nan=nan,
+        inf=inf,
+        ref_nan=ref_nan,
+        ref_inf=ref_inf,
+        numel=numel,
+        acc_rel=v["sum_rel"],
+        msit_kl=0.0 if abs(msit_kl) < _EPS64 else msit_kl,
+        cand_mean=mean_c,
+        cand_std=math.sqrt(var_c / n),
+        ref_mean=mean_r,
+        ref_std=math.sqrt(var_r / n),
+        euc_dist=nd,
+        msprobe_max_rel=s.hi["msprobe_max_rel"],
+        err_ratio_1e3=v["n1e3"] / n,
+        err_ratio_5e3=v["n5e3"] / n,
+        max_scaled=s.hi["max_scaled"] if s.hi["max_scaled"] > -math.inf else math.nan,
+        ref_rms=nr / math.sqrt(n),
+    )
 
 
 def compare_tensors(ref, cand) -> TensorMetrics:

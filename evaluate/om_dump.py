@@ -12,6 +12,7 @@ ONNX node's name for the operator that computes it; a fused operator lists the O
 replaced under ``_datadump_original_op_names`` in the model json (``atc --mode=1 --om=M.om
 --json=M.json``), and its output is the last replaced node's.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-_NPY = re.compile(r"^(?P<op_type>[^.]+)\.(?P<op_name>.+)\.(?P<task>\d+)\.(?P<stream>\d+)\.(?P<ts>\d+)"
-                  r"\.output\.(?P<index>\d+)\.npy$")
+_NPY = re.compile(
+    r"^(?P<op_type>[^.]+)\.(?P<op_name>.+)\.(?P<task>\d+)\.(?P<stream>\d+)\.(?P<ts>\d+)"
+    r"\.output\.(?P<index>\d+)\.npy$"
+)
 
 
 def safe_name(name: str) -> str:
@@ -75,8 +78,9 @@ class LayerDump:
     notes: list[str]
 
 
-def map_values_to_dump(model: onnx.ModelProto, names: list[str | None], dump: list[DumpFile],
-                       fusion: dict[str, list[str]] | None = None) -> LayerDump:
+def map_values_to_dump(
+    model: onnx.ModelProto, names: list[str | None], dump: list[DumpFile], fusion: dict[str, list[str]] | None = None
+) -> LayerDump:
     """The dump file of each ONNX value in ``names`` (per-layer values of the graph the .om was built from).
 
     A value is found under its producing node's name and output index; else under the fused
@@ -143,7 +147,10 @@ def msaccucmp_convert(raw_dir: Path, npy_dir: Path) -> None:
         raise StageFailed("converting the .om dump needs msaccucmp.py (CANN toolkit or `pip install mindstudio-probe`)")
     npy_dir.mkdir(parents=True, exist_ok=True)
     for leaf in sorted({p.parent for p in Path(raw_dir).rglob("*") if p.is_file()}):
-        proc = procs.run([sys.executable, str(script), "convert", "-d", str(leaf), "-out", str(npy_dir)],
-                         capture_output=True, text=True)
+        proc = procs.run(
+            [sys.executable, str(script), "convert", "-d", str(leaf), "-out", str(npy_dir)],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             raise StageFailed(f"msaccucmp convert of {leaf} failed: {(proc.stdout + proc.stderr).strip()[-400:]}")

@@ -12,6 +12,7 @@ bfloat16 Softmax kernel"), never a pass. Note: for float16, ONNX Runtime's CPU p
 Casts around operators it only has in float32, so some float16 rows measure float32 arithmetic
 with float16 rounding at the boundaries; that is what ORT on CPU really executes.
 """
+
 from __future__ import annotations
 
 import math
@@ -57,11 +58,16 @@ class OpGraph(nodes.NodeBuilder):
 
         final = out if self.elem == TensorProto.FLOAT else self.op("Cast", [out], to=TensorProto.FLOAT)
         self.nodes.append(helper.make_node("Identity", [final], ["y"]))
-        graph = helper.make_graph(self.nodes, "op", self.inputs,
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                                  initializer=self.consts)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", PROBE_OPSET)],
-                                 producer_name="titan-pipe-evaluate")
+        graph = helper.make_graph(
+            self.nodes,
+            "op",
+            self.inputs,
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+            initializer=self.consts,
+        )
+        return helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", PROBE_OPSET)], producer_name="titan-pipe-evaluate"
+        )
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,10 @@ def _randn(rng, shape, scale):
 
 def _emb_inputs(case, rng, spec):
     vocab = 4096 if case == "long" else 320
-    return {"weight": _randn(rng, (vocab, 64), _scale(case, spec)),
-            "ids": rng.integers(0, vocab, size=(2, 16)).astype(np.int64)}
+    return {
+        "weight": _randn(rng, (vocab, 64), _scale(case, spec)),
+        "ids": rng.integers(0, vocab, size=(2, 16)).astype(np.int64),
+    }
 
 
 def _emb_graph(b, n, a):
@@ -117,8 +125,7 @@ def _emb_graph(b, n, a):
 def _linear_inputs(case, rng, spec):
     rows, k = _rows(case)
     n_out = 256 if case == "long" else 96
-    return {"x": _randn(rng, (rows, k), _scale(case, spec)),
-            "w": _randn(rng, (n_out, k), 1.0 / math.sqrt(k))}
+    return {"x": _randn(rng, (rows, k), _scale(case, spec)), "w": _randn(rng, (n_out, k), 1.0 / math.sqrt(k))}
 
 
 def _linear_graph(b, n, a):
@@ -141,8 +148,10 @@ EPS = 1e-5
 
 def _norm_inputs(case, rng, spec):
     rows, d = _rows(case)
-    return {"x": _randn(rng, (rows, d), _scale(case, spec)),
-            "weight": (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32)}
+    return {
+        "x": _randn(rng, (rows, d), _scale(case, spec)),
+        "weight": (1.0 + 0.1 * rng.standard_normal(d)).astype(np.float32),
+    }
 
 
 def _norm_graph(b, n, a):
@@ -152,7 +161,10 @@ def _norm_graph(b, n, a):
 def _offset_norm_inputs(case, rng, spec):
     """Gemma's norm weights are offsets from 1: small values around 0."""
     rows, d = _rows(case)
-    return {"x": _randn(rng, (rows, d), _scale(case, spec)), "weight": (0.1 * rng.standard_normal(d)).astype(np.float32)}
+    return {
+        "x": _randn(rng, (rows, d), _scale(case, spec)),
+        "weight": (0.1 * rng.standard_normal(d)).astype(np.float32),
+    }
 
 
 def _offset_norm_graph(b, n, a):
@@ -162,8 +174,10 @@ def _offset_norm_graph(b, n, a):
 def _head_norm_inputs(case, rng, spec):
     """(B, T, heads, head_dim), as Qwen3 normalises q and k before RoPE."""
     t = 256 if case == "long" else 16
-    return {"x": _randn(rng, (2, t, 4, 128), _scale(case, spec)),
-            "weight": (1.0 + 0.1 * rng.standard_normal(128)).astype(np.float32)}
+    return {
+        "x": _randn(rng, (2, t, 4, 128), _scale(case, spec)),
+        "weight": (1.0 + 0.1 * rng.standard_normal(128)).astype(np.float32),
+    }
 
 
 # -- RoPE (rotate-half) ----------------------------------------------------------------------
@@ -270,39 +284,123 @@ def _cast_graph(b, n, a):
 
 
 OPERATORS: tuple[OpSpec, ...] = (
-    OpSpec("embedding", "embedding gather (Gather axis 0)", _emb_inputs,
-           lambda weight, ids: F.embedding(ids, weight), _emb_graph),
-    OpSpec("linear", "linear x @ W^T (Gemm transB=1 on W as stored)", _linear_inputs,
-           lambda x, w: F.linear(x, w), _linear_graph),
-    OpSpec("linear_bias", "linear with bias x @ W^T + b (Gemm's C input: Qwen2's q/k/v)", _bias_inputs,
-           lambda x, w, bias: F.linear(x, w, bias), _bias_graph, family="qkv_bias"),
-    OpSpec("rms_norm", "RMSNorm, statistics in float32 (rms_norm_ref)", _norm_inputs,
-           lambda x, weight: rms_norm_ref(x, weight, EPS), _norm_graph, family=_plain_norms),
-    OpSpec("qk_norm", "per-head RMSNorm over head_dim of (B, T, heads, hd) (Qwen3's q/k norms)", _head_norm_inputs,
-           lambda x, weight: rms_norm_ref(x, weight, EPS), _norm_graph,
-           family=lambda args: args.qk_norm and not args.norm_offset),
-    OpSpec("rms_norm_offset", "RMSNorm times (1 + weight) in float32 (Gemma; rms_norm_offset)", _offset_norm_inputs,
-           lambda x, weight: rms_norm_offset(x, weight, EPS), _offset_norm_graph, family="norm_offset"),
+    OpSpec(
+        "embedding",
+        "embedding gather (Gather axis 0)",
+        _emb_inputs,
+        lambda weight, ids: F.embedding(ids, weight),
+        _emb_graph,
+    ),
+    OpSpec(
+        "linear",
+        "linear x @ W^T (Gemm transB=1 on W as stored)",
+        _linear_inputs,
+        lambda x, w: F.linear(x, w),
+        _linear_graph,
+    ),
+    OpSpec(
+        "linear_bias",
+        "linear with bias x @ W^T + b (Gemm's C input: Qwen2's q/k/v)",
+        _bias_inputs,
+        lambda x, w, bias: F.linear(x, w, bias),
+        _bias_graph,
+        family="qkv_bias",
+    ),
+    OpSpec(
+        "rms_norm",
+        "RMSNorm, statistics in float32 (rms_norm_ref)",
+        _norm_inputs,
+        lambda x, weight: rms_norm_ref(x, weight, EPS),
+        _norm_graph,
+        family=_plain_norms,
+    ),
+    OpSpec(
+        "qk_norm",
+        "per-head RMSNorm over head_dim of (B, T, heads, hd) (Qwen3's q/k norms)",
+        _head_norm_inputs,
+        lambda x, weight: rms_norm_ref(x, weight, EPS),
+        _norm_graph,
+        family=lambda args: args.qk_norm and not args.norm_offset,
+    ),
+    OpSpec(
+        "rms_norm_offset",
+        "RMSNorm times (1 + weight) in float32 (Gemma; rms_norm_offset)",
+        _offset_norm_inputs,
+        lambda x, weight: rms_norm_offset(x, weight, EPS),
+        _offset_norm_graph,
+        family="norm_offset",
+    ),
     OpSpec("rope", "RoPE rotate-half (apply_rotary_ref)", _rope_inputs, _rope_torch, _rope_graph),
-    OpSpec("attention", "causal GQA attention, 4 query / 2 kv heads (attention_ref)", _attn_inputs,
-           _attn_torch, _attn_graph, large=8.0),
-    OpSpec("attention_window", f"sliding-window GQA attention, window {WINDOW} (Mistral; attention_ref)",
-           _attn_inputs, _window_torch, _window_graph, large=8.0, family="sliding_window"),
-    OpSpec("softmax", "softmax over the last axis", _x_inputs, lambda x: torch.softmax(x, dim=-1),
-           lambda b, n, a: b.op("Softmax", [n["x"]], axis=-1), large=30.0),
-    OpSpec("silu", "SiLU x * sigmoid(x)", _x_inputs, lambda x: F.silu(x),
-           lambda b, n, a: nodes.silu(b, n["x"], "silu"), family=_silu_gated),
+    OpSpec(
+        "attention",
+        "causal GQA attention, 4 query / 2 kv heads (attention_ref)",
+        _attn_inputs,
+        _attn_torch,
+        _attn_graph,
+        large=8.0,
+    ),
+    OpSpec(
+        "attention_window",
+        f"sliding-window GQA attention, window {WINDOW} (Mistral; attention_ref)",
+        _attn_inputs,
+        _window_torch,
+        _window_graph,
+        large=8.0,
+        family="sliding_window",
+    ),
+    OpSpec(
+        "softmax",
+        "softmax over the last axis",
+        _x_inputs,
+        lambda x: torch.softmax(x, dim=-1),
+        lambda b, n, a: b.op("Softmax", [n["x"]], axis=-1),
+        large=30.0,
+    ),
+    OpSpec(
+        "silu",
+        "SiLU x * sigmoid(x)",
+        _x_inputs,
+        lambda x: F.silu(x),
+        lambda b, n, a: nodes.silu(b, n["x"], "silu"),
+        family=_silu_gated,
+    ),
     # tiny 1e-2: the product of two 1e-4 values is below float16's subnormals, which would test
     # underflow, not the kernel.
-    OpSpec("swiglu", "SwiGLU silu(a) * b", _xy_inputs, lambda a, b: F.silu(a) * b, _swiglu_graph,
-           large=100.0, tiny=1e-2, family=_silu_gated),
+    OpSpec(
+        "swiglu",
+        "SwiGLU silu(a) * b",
+        _xy_inputs,
+        lambda a, b: F.silu(a) * b,
+        _swiglu_graph,
+        large=100.0,
+        tiny=1e-2,
+        family=_silu_gated,
+    ),
     # large 30: the cube inside the tanh approximation stays inside float16's range (30^3 = 27,000)
-    OpSpec("geglu", "GeGLU gelu_tanh(a) * b (Gemma; F.gelu approximate='tanh')", _xy_inputs,
-           lambda a, b: F.gelu(a, approximate="tanh") * b, _geglu_graph, large=30.0, tiny=1e-2, family=_gelu_gated),
-    OpSpec("residual_add", "residual add a + b", _xy_inputs, lambda a, b: a + b,
-           lambda b, n, a: b.op("Add", [n["a"], n["b"]])),
-    OpSpec("cast", "cast round trip (float32 -> float16 -> float32; low -> float32 -> low)",
-           _x_inputs, _cast_torch, _cast_graph),
+    OpSpec(
+        "geglu",
+        "GeGLU gelu_tanh(a) * b (Gemma; F.gelu approximate='tanh')",
+        _xy_inputs,
+        lambda a, b: F.gelu(a, approximate="tanh") * b,
+        _geglu_graph,
+        large=30.0,
+        tiny=1e-2,
+        family=_gelu_gated,
+    ),
+    OpSpec(
+        "residual_add",
+        "residual add a + b",
+        _xy_inputs,
+        lambda a, b: a + b,
+        lambda b, n, a: b.op("Add", [n["a"], n["b"]]),
+    ),
+    OpSpec(
+        "cast",
+        "cast round trip (float32 -> float16 -> float32; low -> float32 -> low)",
+        _x_inputs,
+        _cast_torch,
+        _cast_graph,
+    ),
 )
 
 
@@ -319,9 +417,15 @@ class OperatorRow:
     failures: tuple[str, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict:
-        return {"op": self.op, "dtype": self.dtype, "case": self.case, "status": self.status,
-                "shape": list(self.shape), "metrics": self.metrics.to_dict() if self.metrics else None,
-                "failures": list(self.failures)}
+        return {
+            "op": self.op,
+            "dtype": self.dtype,
+            "case": self.case,
+            "status": self.status,
+            "shape": list(self.shape),
+            "metrics": self.metrics.to_dict() if self.metrics else None,
+            "failures": list(self.failures),
+        }
 
 
 _MISSING_KERNEL = re.compile(r"implementation for (\w+)\((\d+)\)")
@@ -332,12 +436,16 @@ _UNTYPED = re.compile(r"Type 'tensor\((\w+)\)' of input parameter \(.*?\) of ope
 def model_operators(args) -> tuple[str, ...]:
     """The operators a model of ``args`` (ModelArgs) runs, in model order: the family's own (a q/k/v
     bias, q/k norms, a sliding window) only where its switch is on."""
-    return tuple(s.name for s in OPERATORS if s.family is None
-                 or (s.family(args) if callable(s.family) else getattr(args, s.family)))
+    return tuple(
+        s.name
+        for s in OPERATORS
+        if s.family is None or (s.family(args) if callable(s.family) else getattr(args, s.family))
+    )
 
 
-def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,
-                 limits: dict[str, float] | None = None) -> OperatorRow:
+def run_operator(
+    spec: OpSpec, dtype: str, case: str, *, seed: int = 0, limits: dict[str, float] | None = None
+) -> OperatorRow:
     """Run one operator in both runtimes and judge it with the dtype's ``operator`` bounds."""
     if dtype not in spec.dtypes:
         return OperatorRow(spec.name, dtype, case, f"skipped: {spec.name} is not used in {dtype}")
@@ -345,8 +453,9 @@ def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,
     arrays = spec.inputs(case, rng, spec)
     tdt = TORCH_BY_NAME[dtype]
     with torch.no_grad():
-        tensors = {k: torch.from_numpy(v) if v.dtype == np.int64 else torch.from_numpy(v).to(tdt)
-                   for k, v in arrays.items()}
+        tensors = {
+            k: torch.from_numpy(v) if v.dtype == np.int64 else torch.from_numpy(v).to(tdt) for k, v in arrays.items()
+        }
         ref = spec.torch_fn(**tensors)
     b = OpGraph(dtype)
     names = {k: b.input(k, v) for k, v in arrays.items()}
@@ -356,30 +465,45 @@ def run_operator(spec: OpSpec, dtype: str, case: str, *, seed: int = 0,
     except UserError as e:  # ORT's NotImplemented for a missing kernel, its type check for a schema
         m = _MISSING_KERNEL.search(str(e))
         if m:
-            return OperatorRow(spec.name, dtype, case,
-                               f"skipped: ORT has no {dtype} {m.group(1)} kernel (opset {m.group(2)}, CPU)")
+            return OperatorRow(
+                spec.name, dtype, case, f"skipped: ORT has no {dtype} {m.group(1)} kernel (opset {m.group(2)}, CPU)"
+            )
         m = _UNTYPED.search(str(e))
         if m:
-            return OperatorRow(spec.name, dtype, case, f"skipped: ORT has no {dtype} {m.group(2)} kernel (opset "
-                                                       f"{PROBE_OPSET}: the operator's schema takes no tensor({m.group(1)}))")
-        return OperatorRow(spec.name, dtype, case, f"skipped: ORT could not load the graph: "
-                                                   f"{str(e).splitlines()[0][:160]}")
+            return OperatorRow(
+                spec.name,
+                dtype,
+                case,
+                f"skipped: ORT has no {dtype} {m.group(2)} kernel (opset "
+                f"{PROBE_OPSET}: the operator's schema takes no tensor({m.group(1)}))",
+            )
+        return OperatorRow(
+            spec.name, dtype, case, f"skipped: ORT could not load the graph: {str(e).splitlines()[0][:160]}"
+        )
     try:
         (cand,) = sess.run(["y"], {k: v for k, v in arrays.items()})
     except Exception as e:
         m = _MISSING_KERNEL.search(str(e))
-        reason = (f"ORT has no {dtype} {m.group(1)} kernel" if m else
-                  f"ORT failed to run: {str(e).splitlines()[0][:160]}")
+        reason = (
+            f"ORT has no {dtype} {m.group(1)} kernel" if m else f"ORT failed to run: {str(e).splitlines()[0][:160]}"
+        )
         return OperatorRow(spec.name, dtype, case, f"skipped: {reason}")
     metrics = compare_tensors(ref, cand)
     fails = check_metrics(metrics, limits or resolve_thresholds(dtype), "operator")
-    return OperatorRow(spec.name, dtype, case, "fail" if fails else "pass", tuple(ref.shape), metrics,
-                       tuple(f.text for f in fails))
+    return OperatorRow(
+        spec.name, dtype, case, "fail" if fails else "pass", tuple(ref.shape), metrics, tuple(f.text for f in fails)
+    )
 
 
-def run_conformance(*, dtypes: tuple[str, ...] = FLOAT_NAMES,
-                    ops: tuple[str, ...] | None = None, cases: tuple[str, ...] = CASES,
-                    thresholds: dict | None = None, seed: int = 0, progress=None) -> list[OperatorRow]:
+def run_conformance(
+    *,
+    dtypes: tuple[str, ...] = FLOAT_NAMES,
+    ops: tuple[str, ...] | None = None,
+    cases: tuple[str, ...] = CASES,
+    thresholds: dict | None = None,
+    seed: int = 0,
+    progress=None,
+) -> list[OperatorRow]:
     """The whole table: every operator x dtype x case, in OPERATORS order (the model's order).
 
     ``thresholds`` are flow.yaml-style overrides ``{dtype: {key: value}}``; ``progress`` is called

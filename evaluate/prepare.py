@@ -1,5 +1,6 @@
 """Build a Run (evaluate/run.py): reference and candidates checked to be one model, data, memory
 mode, and the reference's values over every sequence the comparisons need (computed once)."""
+
 from __future__ import annotations
 
 import time
@@ -25,8 +26,18 @@ from titan_pipe.generation import plan_batches
 from titan_pipe.model.args import ModelArgs
 
 
-def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, onnx: Path | None, om: Path | None,
-            data: Path | None, settings: EvaluateConfig, steps, split: ValidationSplit | None) -> Run:
+def prepare(
+    *,
+    out_dir: Path,
+    checkpoint: Path | None,
+    model_dir: Path | None,
+    onnx: Path | None,
+    om: Path | None,
+    data: Path | None,
+    settings: EvaluateConfig,
+    steps,
+    split: ValidationSplit | None,
+) -> Run:
     """Everything the comparisons read; UserError (before any report is written) on bad input."""
     steps.step("loading the reference")
     device = reference_device(settings.device)
@@ -49,10 +60,18 @@ def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, o
         batch_size, seq_len = prefill.info.fixed_shape  # a static graph takes only its own shape
     if seq_len > args.max_seq_len:
         raise UserError(f"evaluate.seq_len {seq_len} exceeds the model's max_seq_len {args.max_seq_len}")
-    ev = load_eval_data(data=Path(data) if data else None, model_dir=Path(model_dir) if model_dir else None,
-                        vocab_size=args.vocab_size, n_batches=settings.batches, batch_size=batch_size,
-                        seq_len=seq_len, n_prompts=settings.prompts, prompt_len=settings.prompt_len, split=split,
-                        checkpoint=Path(checkpoint) if checkpoint else None)
+    ev = load_eval_data(
+        data=Path(data) if data else None,
+        model_dir=Path(model_dir) if model_dir else None,
+        vocab_size=args.vocab_size,
+        n_batches=settings.batches,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        n_prompts=settings.prompts,
+        prompt_len=settings.prompt_len,
+        split=split,
+        checkpoint=Path(checkpoint) if checkpoint else None,
+    )
     request = Request(settings, checkpoint, model_dir, onnx, om, ev, batch_size, seq_len)
     prompts, n_new, decode, decode_skip = _fit_generation(ev.prompts, settings.new_tokens, decode)
     chains = [_chain(prefill), _chain(decode, _loop_shape(prefill, decode, prompts, n_new, settings.prompts))]
@@ -66,8 +85,16 @@ def prepare(*, out_dir: Path, checkpoint: Path | None, model_dir: Path | None, o
         if chain is not None:
             chain.sessions = sessions
     sides = Sides(reference, ref_source, sharded, prefill, chains[0], decode, chains[1], decode_skip)
-    run = Run(request, sides, Prompts(prompts, n_new, None), memory, ValueStore(spill=not whole), Ledger(), steps,
-              TensorDump(out_dir) if settings.dump else None)
+    run = Run(
+        request,
+        sides,
+        Prompts(prompts, n_new, None),
+        memory,
+        ValueStore(spill=not whole),
+        Ledger(),
+        steps,
+        TensorDump(out_dir) if settings.dump else None,
+    )
     try:
         return _reference_values(run)
     except BaseException:
@@ -85,17 +112,25 @@ def _reference(checkpoint: Path | None, model_dir: Path | None, device: str) -> 
     if checkpoint is not None and other_format(Path(checkpoint)):  # torchtitan DCP / Megatron: the reference itself
         source = open_weights(Path(checkpoint))
         if model_dir is not None:
-            same_model(source.args, checkpoint_args(Path(model_dir)), f"--checkpoint {checkpoint} vs --model-dir {model_dir}")
-        ref = LayeredModel(source, device=device,
-                           label=f"torch float32 ({Path(checkpoint).name}, {source.plan.format}, one process{where})")
+            same_model(
+                source.args, checkpoint_args(Path(model_dir)), f"--checkpoint {checkpoint} vs --model-dir {model_dir}"
+            )
+        ref = LayeredModel(
+            source,
+            device=device,
+            label=f"torch float32 ({Path(checkpoint).name}, {source.plan.format}, one process{where})",
+        )
         return ref, str(source.plan.root)
     if model_dir is not None:
-        ref = LayeredModel(open_weights(Path(model_dir)), device=device,
-                           label=f"torch float32 ({Path(model_dir).name}{where})")
+        ref = LayeredModel(
+            open_weights(Path(model_dir)), device=device, label=f"torch float32 ({Path(model_dir).name}{where})"
+        )
         return ref, f"{Path(model_dir) / 'config.json'}"
     source = open_weights(Path(checkpoint), adapters_apart=True)  # LoRA: base + adapters, as trained
     lora = f", LoRA rank {source.lora.rank} unmerged" if getattr(source, "lora", None) is not None else ""
-    ref = LayeredModel(source, device=device, label=f"torch float32 ({Path(checkpoint).name}, one process{lora}{where})")
+    ref = LayeredModel(
+        source, device=device, label=f"torch float32 ({Path(checkpoint).name}, one process{lora}{where})"
+    )
     return ref, f"{Path(checkpoint) / MANIFEST_NAME}"
 
 
@@ -105,11 +140,14 @@ def _fit_generation(prompts, n_new: int, dec: OnnxDecodeRunner | None):
     skip = None
     if dec is not None:
         if dec.prompt_len is not None:
-            prompts = prompts[:, -dec.prompt_len:]
+            prompts = prompts[:, -dec.prompt_len :]
         room = dec.max_new_tokens(prompts.shape[1])
         if room is not None:
             if min(n_new, room) < 1:
-                dec, skip = None, f"the static cache of {dec.path} has no slot left after a {dec.prompt_len}-token prompt"
+                dec, skip = (
+                    None,
+                    f"the static cache of {dec.path} has no slot left after a {dec.prompt_len}-token prompt",
+                )
             else:
                 n_new = min(n_new, room)
     return ragged_prompts(prompts) if prompts.shape[0] else [], n_new, dec, skip
@@ -134,6 +172,7 @@ def _chain(runner, loop: tuple[int, int] | None = None) -> LayerChain | None:
     def need(p) -> int:
         step = decode_step_bytes(past_bytes(p, rows=rows, slots=slots)) if loop and p.layer is not None else 0
         return ort_bytes(p.weight_bytes, item) + step
+
     return LayerChain(runner.graph, need=need)
 
 
@@ -142,11 +181,19 @@ def _itemsize(runner) -> int:
     return DTYPE_BYTES_BY_NAME[runner.prefill.dtype if isinstance(runner, OnnxDecodeRunner) else runner.dtype]
 
 
-def _plan(settings: EvaluateConfig, args: ModelArgs, request: Request, graphs, chains,
-          sharded: DistributedRunner | None, ref_item: int) -> MemoryPlan:
+def _plan(
+    settings: EvaluateConfig,
+    args: ModelArgs,
+    request: Request,
+    graphs,
+    chains,
+    sharded: DistributedRunner | None,
+    ref_item: int,
+) -> MemoryPlan:
     """``ref_item``: bytes per weight of the reference's linear layers as stored (it holds them so)."""
-    ref_layers = [Need(f"decoder layer {i} (PyTorch reference)", layer_bytes(args, i, ref_item))
-                  for i in range(args.n_layers)]
+    ref_layers = [
+        Need(f"decoder layer {i} (PyTorch reference)", layer_bytes(args, i, ref_item)) for i in range(args.n_layers)
+    ]
     top = top_bytes(args, ref_item)
     whole = [Need("PyTorch reference", sum(n.bytes for n in ref_layers) + top)]
     graphs_whole = []
@@ -164,15 +211,15 @@ def _plan(settings: EvaluateConfig, args: ModelArgs, request: Request, graphs, c
         graphs_whole.append(Need(runner.path.name, sum(ort_bytes(p.weight_bytes, item) for p in chain.pieces)))
         pieces += [Need(f"{runner.path.name} {p.name} (ONNX Runtime)", chain.need(p)) for p in chain.pieces]
     if sharded is not None:  # its ranks run while evaluate waits: a step of its own, every rank counted
-        resident, streamed = sharded.memory_needs(batches=len(request.data.batches), batch_size=request.batch_size,
-                                                  seq_len=request.seq_len)
+        resident, streamed = sharded.memory_needs(
+            batches=len(request.data.batches), batch_size=request.batch_size, seq_len=request.seq_len
+        )
         whole.append(Need(f"sharded forward ({sharded.world_size} ranks, every layer)", resident))
         pieces.append(Need(f"sharded forward ({sharded.world_size} ranks, one layer each)", streamed))
     activations = _activations(args, request)
     if graphs_whole:  # held together once the reference is done: the graphs' pieces, resident
         whole.append(Need(" + ".join(n.name for n in graphs_whole), sum(n.bytes for n in graphs_whole)))
-    return plan_memory(settings.max_memory, whole=whole, pieces=pieces, activations=activations,
-                       can_stream=can_stream)
+    return plan_memory(settings.max_memory, whole=whole, pieces=pieces, activations=activations, can_stream=can_stream)
 
 
 def _activations(args: ModelArgs, request: Request) -> int:

@@ -10,6 +10,7 @@ Files written into REPORT_DIR (all at once: built in a temp dir beside it, then 
   logits_error.png histogram of |candidate - reference| over all logits, per candidate
   dump/           with evaluate.dump: <comparison>/{golden,candidate}/<tensor>.npy, every compared pair
 """
+
 from __future__ import annotations
 
 import base64
@@ -51,7 +52,7 @@ def headline(report: dict) -> tuple[str, str]:
     text = report["verdict"]["text"]
     for word in ("PASS: ", "FAIL: "):
         if text.startswith(word):
-            text = text[len(word):]
+            text = text[len(word) :]
     return status, text
 
 
@@ -154,29 +155,52 @@ def write_csvs(report: dict, out: Path) -> None:
         w.writerow(TENSOR_CSV_HEAD + CSV_COLUMNS + ("Status", "Failures"))
         for c in report["comparisons"]:
             for r in c["rows"]:
-                w.writerow([c["id"], r["candidate"], r["tensor"], "" if r["layer"] is None else r["layer"],
-                            r["dtype"], "x".join(map(str, r["shape"]))]
-                           + csv_cells(r["metrics"]) + [r["status"], " | ".join(r["failures"])])
+                w.writerow(
+                    [
+                        c["id"],
+                        r["candidate"],
+                        r["tensor"],
+                        "" if r["layer"] is None else r["layer"],
+                        r["dtype"],
+                        "x".join(map(str, r["shape"])),
+                    ]
+                    + csv_cells(r["metrics"])
+                    + [r["status"], " | ".join(r["failures"])]
+                )
     with open(out / "operators.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(OPERATOR_CSV_HEAD + CSV_COLUMNS + ("Failures",))
         for r in report["operators"]:
-            w.writerow([r["op"], r["dtype"], r["case"], "x".join(map(str, r["shape"])), r["status"]]
-                       + csv_cells(r["metrics"]) + [" | ".join(r["failures"])])
+            w.writerow(
+                [r["op"], r["dtype"], r["case"], "x".join(map(str, r["shape"])), r["status"]]
+                + csv_cells(r["metrics"])
+                + [" | ".join(r["failures"])]
+            )
 
 
 _SHORT = ("cosine", "rel_euclidean", "max_abs", "mean_rel", "rmse", "kl", "top1")
 
 
 def _comparison_md(c: dict) -> list[str]:
-    lines = [f"### {c['id']}: {c['title']}", "", f"**{c['status']}**"
-             + (f" — reference `{c['reference']}`, candidate `{c['candidate']}`, thresholds {c['dtype']}"
-                if c["reference"] else ""), ""]
+    lines = [
+        f"### {c['id']}: {c['title']}",
+        "",
+        f"**{c['status']}**"
+        + (
+            f" — reference `{c['reference']}`, candidate `{c['candidate']}`, thresholds {c['dtype']}"
+            if c["reference"]
+            else ""
+        ),
+        "",
+    ]
     if c["rows"]:
         lines += ["| tensor | " + " | ".join(_SHORT) + " | status |", "|" + "---|" * (len(_SHORT) + 2)]
         for r in c["rows"]:
-            lines.append(f"| {r['tensor']} | " + " | ".join(_fmt(r["metrics"][k]) for k in _SHORT)
-                         + f" | {r['status']}{': ' + r['failures'][0] if r['failures'] else ''} |")
+            lines.append(
+                f"| {r['tensor']} | "
+                + " | ".join(_fmt(r["metrics"][k]) for k in _SHORT)
+                + f" | {r['status']}{': ' + r['failures'][0] if r['failures'] else ''} |"
+            )
         lines.append("")
     for k, v in c["details"].items():
         if k not in ("generated_tokens",):
@@ -219,11 +243,20 @@ def timing_line(seconds: dict[str, float]) -> str:
 
 def render_markdown(report: dict, plots: list[str]) -> str:
     status, text = headline(report)
-    lines = ["# titan-pipe evaluation report", "", f"**{status}** — {text}", "",
-             "Inputs: " + ", ".join(f"{k} `{val}`" for k, val in report["inputs"].items() if val), ""]
+    lines = [
+        "# titan-pipe evaluation report",
+        "",
+        f"**{status}** — {text}",
+        "",
+        "Inputs: " + ", ".join(f"{k} `{val}`" for k, val in report["inputs"].items() if val),
+        "",
+    ]
     if report.get("memory"):
         ranks = sharded_line(report["memory"].get("sharded"))
-        lines += [f"Memory: **{report['memory']['mode']}** ({report['memory']['why']}){'; ' + ranks if ranks else ''}", ""]
+        lines += [
+            f"Memory: **{report['memory']['mode']}** ({report['memory']['why']}){'; ' + ranks if ranks else ''}",
+            "",
+        ]
     if report.get("seconds"):
         lines += [f"Time: {timing_line(report['seconds'])}", ""]
     for p in plots:
@@ -233,11 +266,19 @@ def render_markdown(report: dict, plots: list[str]) -> str:
         lines += _comparison_md(c)
     if report["operators"]:
         ops, dtypes, cell = operator_matrix(report["operators"])
-        lines += ["## Operator conformance (worst case over normal/large/tiny/long inputs)", "",
-                  "| operator | " + " | ".join(dtypes) + " |", "|" + "---|" * (len(dtypes) + 1)]
+        lines += [
+            "## Operator conformance (worst case over normal/large/tiny/long inputs)",
+            "",
+            "| operator | " + " | ".join(dtypes) + " |",
+            "|" + "---|" * (len(dtypes) + 1),
+        ]
         for op in ops:
             lines.append(f"| {op} | " + " | ".join(cell.get((op, d), "") for d in dtypes) + " |")
-        lines += ["", "Every row with its measures: `operators.csv`; every tensor: `tensors.csv` (msit column names).", ""]
+        lines += [
+            "",
+            "Every row with its measures: `operators.csv`; every tensor: `tensors.csv` (msit column names).",
+            "",
+        ]
     lines += _thresholds_md(report.get("thresholds", {}))
     return "\n".join(lines) + "\n"
 
@@ -260,19 +301,24 @@ def render_html(report: dict, plot_files: dict[str, Path]) -> str:
     e = html.escape
     status, text = headline(report)
     color = "#1a7f37" if report["passed"] else "#cf222e"
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>titan-pipe evaluation</title>",
-             "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;"
-             "margin:0.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 7px;font-size:13px;text-align:right}"
-             "th{background:#f3f3f3}td.l{text-align:left}.fail{background:#ffebe9}.pass{background:#dafbe1}"
-             ".skip{background:#fff8c5}</style></head><body>",
-             f"<h1>titan-pipe evaluation report</h1><p style='font-size:18px;color:{color}'><b>"
-             f"{status}</b></p><p>{e(text)}</p>",
-             "<p>" + "<br>".join(f"{e(k)}: <code>{e(str(val))}</code>" for k, val in report["inputs"].items() if val)
-             + "</p>"]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>titan-pipe evaluation</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;"
+        "margin:0.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 7px;font-size:13px;text-align:right}"
+        "th{background:#f3f3f3}td.l{text-align:left}.fail{background:#ffebe9}.pass{background:#dafbe1}"
+        ".skip{background:#fff8c5}</style></head><body>",
+        f"<h1>titan-pipe evaluation report</h1><p style='font-size:18px;color:{color}'><b>"
+        f"{status}</b></p><p>{e(text)}</p>",
+        "<p>"
+        + "<br>".join(f"{e(k)}: <code>{e(str(val))}</code>" for k, val in report["inputs"].items() if val)
+        + "</p>",
+    ]
     if report.get("memory"):
         ranks = sharded_line(report["memory"].get("sharded"))
-        parts.append(f"<p>memory: <b>{e(report['memory']['mode'])}</b> ({e(report['memory']['why'])})"
-                     f"{'; ' + e(ranks) if ranks else ''}</p>")
+        parts.append(
+            f"<p>memory: <b>{e(report['memory']['mode'])}</b> ({e(report['memory']['why'])})"
+            f"{'; ' + e(ranks) if ranks else ''}</p>"
+        )
     if report.get("seconds"):
         parts.append(f"<p>time: {e(timing_line(report['seconds']))}</p>")
     for name, path in plot_files.items():
@@ -281,27 +327,41 @@ def render_html(report: dict, plot_files: dict[str, Path]) -> str:
     parts.append("<h2>Comparisons</h2>")
     for c in report["comparisons"]:
         cls = "pass" if c["status"] == "pass" else ("fail" if c["status"] == "fail" else "skip")
-        parts.append(f"<h3>{e(c['id'])}: {e(c['title'])}</h3><p class='{cls}'>{e(c['status'])}"
-                     + (f" — reference <code>{e(c['reference'])}</code>, candidate <code>{e(c['candidate'])}</code>, "
-                        f"thresholds {e(c['dtype'])}" if c["reference"] else "") + "</p>")
+        parts.append(
+            f"<h3>{e(c['id'])}: {e(c['title'])}</h3><p class='{cls}'>{e(c['status'])}"
+            + (
+                f" — reference <code>{e(c['reference'])}</code>, candidate <code>{e(c['candidate'])}</code>, "
+                f"thresholds {e(c['dtype'])}"
+                if c["reference"]
+                else ""
+            )
+            + "</p>"
+        )
         if c["rows"]:
-            parts.append("<table><tr><th>tensor</th>" + "".join(f"<th>{k}</th>" for k in _SHORT)
-                         + "<th>status</th></tr>")
+            parts.append(
+                "<table><tr><th>tensor</th>" + "".join(f"<th>{k}</th>" for k in _SHORT) + "<th>status</th></tr>"
+            )
             for r in c["rows"]:
                 rc = "fail" if r["failures"] else "pass"
-                parts.append(f"<tr class='{rc}'><td class='l'>{e(r['tensor'])}</td>"
-                             + "".join(f"<td>{e(_fmt(r['metrics'][k]))}</td>" for k in _SHORT)
-                             + f"<td class='l'>{e(r['status'] + (': ' + r['failures'][0] if r['failures'] else ''))}</td></tr>")
+                parts.append(
+                    f"<tr class='{rc}'><td class='l'>{e(r['tensor'])}</td>"
+                    + "".join(f"<td>{e(_fmt(r['metrics'][k]))}</td>" for k in _SHORT)
+                    + f"<td class='l'>{e(r['status'] + (': ' + r['failures'][0] if r['failures'] else ''))}</td></tr>"
+                )
             parts.append("</table>")
-        items = [f"{k}: {_detail(val)}" for k, val in c["details"].items()
-                 if k != "generated_tokens"] + [f"failure: {f}" for f in c["failures"][:10]]
+        items = [f"{k}: {_detail(val)}" for k, val in c["details"].items() if k != "generated_tokens"] + [
+            f"failure: {f}" for f in c["failures"][:10]
+        ]
         if items:
             parts.append("<ul>" + "".join(f"<li><code>{e(i)}</code></li>" for i in items) + "</ul>")
     if report["operators"]:
         ops, dtypes, cell = operator_matrix(report["operators"])
-        parts.append("<h2>Operator conformance</h2><p>worst status over normal / large / tiny / long inputs; "
-                     "all rows in operators.csv</p><table><tr><th>operator</th>"
-                     + "".join(f"<th>{e(d)}</th>" for d in dtypes) + "</tr>")
+        parts.append(
+            "<h2>Operator conformance</h2><p>worst status over normal / large / tiny / long inputs; "
+            "all rows in operators.csv</p><table><tr><th>operator</th>"
+            + "".join(f"<th>{e(d)}</th>" for d in dtypes)
+            + "</tr>"
+        )
         for op in ops:
             cells = []
             for d in dtypes:
@@ -324,11 +384,17 @@ def _thresholds_html(used: dict) -> list[str]:
     e = html.escape
     dts = list(used)
     keys = list(dict.fromkeys(k for d in dts for k in used[d]))
-    parts = ["<h2>Thresholds used</h2><table><tr><th>key</th>" + "".join(f"<th>{e(d)}</th>" for d in dts)
-             + "<th>source</th></tr>"]
+    parts = [
+        "<h2>Thresholds used</h2><table><tr><th>key</th>"
+        + "".join(f"<th>{e(d)}</th>" for d in dts)
+        + "<th>source</th></tr>"
+    ]
     for k in keys:
-        parts.append(f"<tr><td class='l'>{e(k)}</td>" + "".join(f"<td>{e(_fmt(used[d].get(k, '')))}</td>" for d in dts)
-                     + f"<td class='l'>{e(SOURCES.get(k, ''))}</td></tr>")
+        parts.append(
+            f"<tr><td class='l'>{e(k)}</td>"
+            + "".join(f"<td>{e(_fmt(used[d].get(k, '')))}</td>" for d in dts)
+            + f"<td class='l'>{e(SOURCES.get(k, ''))}</td></tr>"
+        )
     return parts + ["</table>"]
 
 
@@ -347,11 +413,21 @@ def check_out_dir(out_dir: Path) -> None:
         earlier = json.loads((out_dir / "report.json").read_text()).get("schema") == SCHEMA
     except (OSError, ValueError, AttributeError):
         earlier = False
-    ours = {"report.json", "report.md", "report.html", "tensors.csv", "operators.csv", "layer_error.png",
-            "logits_error.png", "dump"}
+    ours = {
+        "report.json",
+        "report.md",
+        "report.html",
+        "tensors.csv",
+        "operators.csv",
+        "layer_error.png",
+        "logits_error.png",
+        "dump",
+    }
     if not earlier or any(p.name not in ours for p in entries):
-        raise UserError(f"-o {out_dir}: exists and is not (only) an earlier titan-pipe report; give a new "
-                        "directory (e.g. runs/<name>/report) or empty it first")
+        raise UserError(
+            f"-o {out_dir}: exists and is not (only) an earlier titan-pipe report; give a new "
+            "directory (e.g. runs/<name>/report) or empty it first"
+        )
 
 
 class TensorDump:
@@ -379,8 +455,9 @@ class TensorDump:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def write_report(out_dir: Path, report: dict, logits_errors: dict[str, np.ndarray],
-                 dump: TensorDump | None = None) -> dict[str, Path]:
+def write_report(
+    out_dir: Path, report: dict, logits_errors: dict[str, np.ndarray], dump: TensorDump | None = None
+) -> dict[str, Path]:
     """Write every report file into ``out_dir`` atomically (temp dir beside it, then rename).
 
     An existing ``out_dir`` (empty, or an earlier report: check_out_dir) is replaced only once the
@@ -399,8 +476,11 @@ def write_report(out_dir: Path, report: dict, logits_errors: dict[str, np.ndarra
         if dump is not None and dump.names:
             shutil.move(str(dump.root), str(tmp / "dump"))
             dumped = dump.names
-        report = dict(report, files=sorted(["report.json", "report.md", "report.html", "tensors.csv",
-                                            "operators.csv", *plots]), dump=dumped)
+        report = dict(
+            report,
+            files=sorted(["report.json", "report.md", "report.html", "tensors.csv", "operators.csv", *plots]),
+            dump=dumped,
+        )
         write_csvs(report, tmp)
         (tmp / "report.md").write_text(render_markdown(report, list(plots)))
         (tmp / "report.html").write_text(render_html(report, plots))

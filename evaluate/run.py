@@ -10,6 +10,7 @@ each reference layer read once), and returns the Run every comparison reads.
   Prompts  frozen: the generations' prompts, new tokens per prompt, the reference's greedy tokens
   Ledger   what the comparisons record for later ones and for the report (the one mutable part)
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -114,14 +115,24 @@ class Run:
         """Whether the KV row runs the graphs piece by piece: then the torch_vs_onnx row's pass over
         the prefill pieces also prefills the loop's prompts, and those pieces open once for both."""
         s = self.sides
-        return (s.decode is not None and bool(self.settings.prompts) and bool(self.prompts.prompts)
-                and s.prefill_chain is not None and s.decode_chain is not None)
+        return (
+            s.decode is not None
+            and bool(self.settings.prompts)
+            and bool(self.prompts.prompts)
+            and s.prefill_chain is not None
+            and s.decode_chain is not None
+        )
 
     def loop_plan(self, forced: np.ndarray | None = None) -> list[PaddedBatch]:
         """The generation loop's left-padded batches of the prompts (``forced``: the tokens fed after them)."""
         s, p = self.sides, self.prompts
-        return plan_batches(prefill=s.prefill.graph.io, decode=s.decode.graph.io, prompts=p.prompts,
-                            max_new_tokens=p.n_new, forced=forced)
+        return plan_batches(
+            prefill=s.prefill.graph.io,
+            decode=s.decode.graph.io,
+            prompts=p.prompts,
+            max_new_tokens=p.n_new,
+            forced=forced,
+        )
 
     def tdtype(self, cand_dtype: str) -> str:
         """The threshold set: the candidate's dtype, unless evaluate.dtype names one."""
@@ -146,8 +157,12 @@ class Run:
     def close_graphs(self, *, prefill: bool = True, decode: bool = True) -> None:
         """Close the graphs' sessions a comparison was the last to need (they reopen if asked again)."""
         s = self.sides
-        for wanted, graph in ((prefill, s.prefill_chain), (prefill, s.prefill), (decode, s.decode_chain),
-                              (decode, s.decode)):
+        for wanted, graph in (
+            (prefill, s.prefill_chain),
+            (prefill, s.prefill),
+            (decode, s.decode_chain),
+            (decode, s.decode),
+        ):
             if wanted and graph is not None:
                 graph.close()
 
@@ -163,7 +178,7 @@ def ragged_prompts(prompts: torch.Tensor) -> list[list[int]]:
     KV-cache loop runs a left-padded batch of mixed lengths."""
     n, p = prompts.shape
     lengths = [p - (j * (p // 2)) // max(1, n - 1) for j in range(n)]
-    return [row[p - k:].tolist() for row, k in zip(prompts, lengths)]
+    return [row[p - k :].tolist() for row, k in zip(prompts, lengths)]
 
 
 def forced_sequences(prompts: list[list[int]], tokens: torch.Tensor) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@ Keys are ``(side, kind, layer, part)`` with kind "hidden" / "attn" / "mlp" (laye
 (layer None); ``part`` numbers the batches (or prompts) of that side. Whole-graph mode keeps them
 in memory; streamed mode writes each to a file in a temp dir and reads it back memory-mapped.
 """
+
 from __future__ import annotations
 
 import shutil

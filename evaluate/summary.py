@@ -1,5 +1,6 @@
 """What report.json holds about a run (inputs, data, model, settings, memory mode, environment), and
 the short summary evaluate_model returns."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -16,16 +17,31 @@ def report_dict(run: Run, comparisons: list[cmp.Comparison], verdict: cmp.Verdic
     args, q = run.args, run.request
     ev, s = q.data, q.settings
     return {
-        "schema": SCHEMA, "schema_version": SCHEMA_VERSION,
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "passed": verdict.passed, "verdict": verdict.to_dict(),
-        "inputs": {"checkpoint": _s(q.checkpoint), "model_dir": _s(q.model_dir), "onnx": _s(q.onnx),
-                   "om": _s(q.om), "data": ev.source},
-        "data": {"source": ev.source, "tokenizer": ev.tokenizer, "batches": len(ev.batches),
-                 "batch_size": q.batch_size, "seq_len": q.seq_len, "prompts": int(ev.prompts.shape[0]),
-                 "prompt_len": int(ev.prompts.shape[1]), "new_tokens": s.new_tokens},
+        "passed": verdict.passed,
+        "verdict": verdict.to_dict(),
+        "inputs": {
+            "checkpoint": _s(q.checkpoint),
+            "model_dir": _s(q.model_dir),
+            "onnx": _s(q.onnx),
+            "om": _s(q.om),
+            "data": ev.source,
+        },
+        "data": {
+            "source": ev.source,
+            "tokenizer": ev.tokenizer,
+            "batches": len(ev.batches),
+            "batch_size": q.batch_size,
+            "seq_len": q.seq_len,
+            "prompts": int(ev.prompts.shape[0]),
+            "prompt_len": int(ev.prompts.shape[1]),
+            "new_tokens": s.new_tokens,
+        },
         "model": args.to_dict() | {"rope_scaling": None if args.rope_scaling is None else vars(args.rope_scaling)},
-        "settings": s.model_dump(), "thresholds": run.ledger.thresholds_used,
+        "settings": s.model_dump(),
+        "thresholds": run.ledger.thresholds_used,
         "memory": run.memory.to_dict() | {"sharded": sharded_memory(run)},
         "environment": environment(),
         "seconds": {k: round(v, 3) for k, v in run.ledger.seconds.items()},
@@ -40,8 +56,11 @@ def sharded_memory(run: Run) -> dict | None:
     ran = run.sides.sharded.ran if run.sides.sharded is not None else None
     if ran is None:
         return None
-    return {"mode": "streamed" if ran["streamed"] else "whole", "ranks": len(ran["peak_rss"]),
-            "peak_rss_per_rank": ran["peak_rss"]}
+    return {
+        "mode": "streamed" if ran["streamed"] else "whole",
+        "ranks": len(ran["peak_rss"]),
+        "peak_rss_per_rank": ran["peak_rss"],
+    }
 
 
 def memory_line(mode: str, sharded: dict | None) -> str:
@@ -58,21 +77,29 @@ def _s(p) -> str | None:
 def environment() -> dict:
     import onnxruntime
 
-    return {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__,
-            "ascend_runtime": ascend_runtime()}
+    return {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "ascend_runtime": ascend_runtime()}
 
 
 def summary(verdict: cmp.Verdict, comparisons: list[cmp.Comparison], mode: str, sharded: dict | None = None) -> dict:
-    out = {"passed": verdict.passed, "verdict": verdict.text, "memory_mode": mode,
-           "sharded_memory": sharded, "memory_line": memory_line(mode, sharded),
-           "first_failing_layer": verdict.first_failing_layer,
-           "first_failing_operator": verdict.first_failing_operator,
-           "comparisons": {c.id: c.status for c in comparisons}}
+    out = {
+        "passed": verdict.passed,
+        "verdict": verdict.text,
+        "memory_mode": mode,
+        "sharded_memory": sharded,
+        "memory_line": memory_line(mode, sharded),
+        "first_failing_layer": verdict.first_failing_layer,
+        "first_failing_operator": verdict.first_failing_operator,
+        "comparisons": {c.id: c.status for c in comparisons},
+    }
     for c in comparisons:
         for r in c.rows:
             if r.tensor == "logits":
-                out[f"{c.id}.logits"] = {"cosine": r.metrics.cosine, "max_abs": r.metrics.max_abs,
-                                         "kl": r.metrics.kl, "top1": r.metrics.top1}
+                out[f"{c.id}.logits"] = {
+                    "cosine": r.metrics.cosine,
+                    "max_abs": r.metrics.max_abs,
+                    "kl": r.metrics.kl,
+                    "top1": r.metrics.top1,
+                }
         if c.id == "task":
             out["perplexity"] = c.details.get("perplexity")
             if c.details.get("before_finetune"):  # LoRA: the frozen base's perplexity on the same tokens

@@ -1,4 +1,5 @@
 """Prefect artifacts of each stage: tables and markdown built as pure data, then published to the run."""
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,15 @@ def operator_table(record: ExportRecord | None) -> list[dict]:
     rows = []
     for graph, report in sorted((record.graphs if record else {}).items()):
         for op in report.operators:
-            rows.append({"graph": graph, "domain": op.domain or "ai.onnx", "operator": op.op_type,
-                         "count": op.count, "since opset": op.since_version})
+            rows.append(
+                {
+                    "graph": graph,
+                    "domain": op.domain or "ai.onnx",
+                    "operator": op.op_type,
+                    "count": op.count,
+                    "since opset": op.since_version,
+                }
+            )
     return rows
 
 
@@ -75,8 +83,11 @@ def evaluate_markdown(output: StageOutput, report_md: str | None) -> str:
 
 def links(output: StageOutput) -> list[tuple[str, str]]:
     """(file URI, text) for every named path the stage produced."""
-    return [(Path(p).resolve().as_uri(), f"{output.stage}: {name}") for name, p in output.paths.named().items()
-            if Path(p).exists()]
+    return [
+        (Path(p).resolve().as_uri(), f"{output.stage}: {name}")
+        for name, p in output.paths.named().items()
+        if Path(p).exists()
+    ]
 
 
 def files_markdown(stage: str, found: list[tuple[str, str]]) -> str:
@@ -101,20 +112,27 @@ def publish(output: StageOutput, *, run_name: str, cached: bool) -> list[str]:
     elif output.stage == "convert":
         table("summary", key_value_table(output.summary), "Conversion summary")
     elif output.stage == "export":
-        table("operators", operator_table(_export_record(output.paths.export_json)),
-              "ONNX operators of the exported graphs (all on the ATC list: export checks it)")
+        table(
+            "operators",
+            operator_table(_export_record(output.paths.export_json)),
+            "ONNX operators of the exported graphs (all on the ATC list: export checks it)",
+        )
         table("summary", key_value_table(output.summary), f"Export; ATC status: {output.summary.get('atc_status')}")
     elif output.stage == "evaluate":
         md_path = output.paths.report_md
         report_md = Path(md_path).read_text() if md_path and Path(md_path).is_file() else None
         key = artifact_key(run_name, output.stage, "report")
-        create_markdown_artifact(evaluate_markdown(output, report_md), key=key,
-                                 description=f"Evaluation report: {'PASS' if output.passed else 'FAIL'}{note}")
+        create_markdown_artifact(
+            evaluate_markdown(output, report_md),
+            key=key,
+            description=f"Evaluation report: {'PASS' if output.passed else 'FAIL'}{note}",
+        )
         keys.append(key)
     found = links(output)
     if found:
         key = artifact_key(run_name, output.stage, "files")
-        create_markdown_artifact(files_markdown(output.stage, found), key=key,
-                                 description=f"Files written by {output.stage}")
+        create_markdown_artifact(
+            files_markdown(output.stage, found), key=key, description=f"Files written by {output.stage}"
+        )
         keys.append(key)
     return keys

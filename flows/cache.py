@@ -5,6 +5,7 @@ sha256, its result). The next run computes the key again; the same key with the 
 disk means the stage is not run. Hashes are memoised by (size, mtime_ns) in ``.stages/hashes.json``,
 so re-checking a 140 GB checkpoint costs a ``stat`` per file, not a re-read. No Prefect here.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,8 +29,19 @@ DATA = "data"
 SCHEMA = 1  # bump when the key recipe changes, so old records are not trusted
 
 # Training keys that say nothing about the weights: where the ranks run and the fault-injection hook.
-_TRAIN_SECTIONS = ("device", "model", "data", "train", "parallel", "precision", "memory", "zero_stage",
-                   "comm", "checkpoint", "init_from")
+_TRAIN_SECTIONS = (
+    "device",
+    "model",
+    "data",
+    "train",
+    "parallel",
+    "precision",
+    "memory",
+    "zero_stage",
+    "comm",
+    "checkpoint",
+    "init_from",
+)
 _TRAIN_IGNORED = {"train": {"log_every"}}
 # Files in a stage's output directory that the next stage does not read (they hold timestamps).
 _NOT_READ = {PROVENANCE_FILE, RECORD_FILE}
@@ -77,8 +89,12 @@ def files_under(root: Path) -> list[Path]:
         return []
     out = []
     for p in sorted(root.rglob("*")):
-        if p.is_file() and p.name not in _NOT_READ and not p.name.endswith(_NOT_READ_SUFFIXES) \
-                and not p.name.startswith("."):
+        if (
+            p.is_file()
+            and p.name not in _NOT_READ
+            and not p.name.endswith(_NOT_READ_SUFFIXES)
+            and not p.name.startswith(".")
+        ):
             out.append(p)
     return out
 
@@ -148,15 +164,24 @@ def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict)
             files += files_under(_resolve(cfg.init_from, flow_dir))
         return StageInputs(stage, section, tuple(files))
     if stage == "convert":
-        return StageInputs(stage, cfg.convert.model_dump(mode="json"), tuple(checkpoint_files(Path(upstream["train"].paths.checkpoint))))
+        return StageInputs(
+            stage,
+            cfg.convert.model_dump(mode="json"),
+            tuple(checkpoint_files(Path(upstream["train"].paths.checkpoint))),
+        )
     if stage == "export":
-        return StageInputs(stage, cfg.export_settings().model_dump(mode="json"), tuple(files_under(Path(upstream["convert"].paths.model_dir))))
+        return StageInputs(
+            stage,
+            cfg.export_settings().model_dump(mode="json"),
+            tuple(files_under(Path(upstream["convert"].paths.model_dir))),
+        )
     if stage == "evaluate":
         section = {"evaluate": cfg.evaluate.model_dump(mode="json")}
         if cfg.evaluate.data is None:  # evaluate then reads the validation split of the training data
             files = data_files(cfg, flow_dir)
-            section["split"] = cfg.data.model_dump(mode="json", include={"path", "blend", "val_fraction", "text_key",
-                                                                         *chat}, exclude_none=True)
+            section["split"] = cfg.data.model_dump(
+                mode="json", include={"path", "blend", "val_fraction", "text_key", *chat}, exclude_none=True
+            )
         else:
             files = [_resolve(cfg.evaluate.data, flow_dir)]
         files += checkpoint_files(Path(upstream["train"].paths.checkpoint))
@@ -294,8 +319,9 @@ REUSE = "reuse"  # not run; its recorded outputs feed the next stages (must exis
 SKIP = "skip"  # not run and not needed (after --only STAGE)
 
 
-def plan_actions(*, from_stage: str | None = None, only: str | None = None, force: bool = False,
-                 cache: bool = True) -> dict[str, str]:
+def plan_actions(
+    *, from_stage: str | None = None, only: str | None = None, force: bool = False, cache: bool = True
+) -> dict[str, str]:
     """{stage: action} for a run. --only and --from exclude each other; --force runs every selected stage."""
     for opt, value in (("--from", from_stage), ("--only", only)):
         if value is not None and value not in STAGES:
@@ -318,9 +344,14 @@ def check_reusable(actions: dict[str, str], run_dir: Path) -> dict[str, StageRec
         if action != REUSE:
             continue
         rec = read_record(run_dir, stage)
-        if rec is None or not rec.outputs or any(
-                not (Path(n) if Path(n).is_absolute() else run_dir / n).is_file() for n in rec.outputs):
-            raise UserError(f"{record_path(run_dir, stage)}: the {stage} stage has no finished outputs in "
-                            f"{run_dir}, but the selected stages need them; run it first (drop --from/--only)")
+        if (
+            rec is None
+            or not rec.outputs
+            or any(not (Path(n) if Path(n).is_absolute() else run_dir / n).is_file() for n in rec.outputs)
+        ):
+            raise UserError(
+                f"{record_path(run_dir, stage)}: the {stage} stage has no finished outputs in "
+                f"{run_dir}, but the selected stages need them; run it first (drop --from/--only)"
+            )
         records[stage] = rec
     return records

@@ -1,4 +1,5 @@
 """Stage output into the Prefect run logs: follow a growing log file (rank-0 torchrun output) line by line."""
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,11 @@ def api_only_logger() -> logging.Logger | logging.LoggerAdapter | None:
     task_ctx, flow_ctx = TaskRunContext.get(), FlowRunContext.get()
     extra: dict = {}
     if task_ctx is not None:
-        extra = {"task_run_id": str(task_ctx.task_run.id), "flow_run_id": str(task_ctx.task_run.flow_run_id),
-                 "task_run_name": task_ctx.task_run.name}
+        extra = {
+            "task_run_id": str(task_ctx.task_run.id),
+            "flow_run_id": str(task_ctx.task_run.flow_run_id),
+            "task_run_name": task_ctx.task_run.name,
+        }
     elif flow_ctx is not None and flow_ctx.flow_run is not None:
         extra = {"flow_run_id": str(flow_ctx.flow_run.id), "flow_run_name": flow_ctx.flow_run.name}
     else:

@@ -1,5 +1,6 @@
 """Is the Prefect API this process would talk to reachable? Asked before a flow run or a served
 deployment starts, so a dead PREFECT_API_URL is one line with the fix, not Prefect's traceback."""
+
 from __future__ import annotations
 
 import os
@@ -40,8 +41,12 @@ def check_api_reachable(url: str | None = None, *, timeout_s: float = HEALTH_TIM
         why = str(getattr(e, "reason", e))[:120]
     else:  # something answers, but not as Prefect's API does: GET /health is the JSON `true`
         shown = body[:HEALTH_BODY_BYTES].decode("utf-8", "replace").strip().replace("\n", " ")
-        raise UserError(f"PREFECT_API_URL {url} answers, but is not a Prefect API (GET /health gave HTTP {r.status} "
-                        f"{shown[:60]!r}, Prefect's gives true); point PREFECT_API_URL at the server's /api (e.g. "
-                        "http://127.0.0.1:4200/api), or `unset PREFECT_API_URL` to let Prefect start a temporary one")
-    raise UserError(f"Prefect API {url} (PREFECT_API_URL) is unreachable ({why}); start it with "
-                    "`prefect server start`, or `unset PREFECT_API_URL` to let Prefect start a temporary server")
+        raise UserError(
+            f"PREFECT_API_URL {url} answers, but is not a Prefect API (GET /health gave HTTP {r.status} "
+            f"{shown[:60]!r}, Prefect's gives true); point PREFECT_API_URL at the server's /api (e.g. "
+            "http://127.0.0.1:4200/api), or `unset PREFECT_API_URL` to let Prefect start a temporary one"
+        )
+    raise UserError(
+        f"Prefect API {url} (PREFECT_API_URL) is unreachable ({why}); start it with "
+        "`prefect server start`, or `unset PREFECT_API_URL` to let Prefect start a temporary server"
+    )

@@ -7,6 +7,7 @@ command's process group, where Ctrl-C or a service stop killed it before the com
 (1-3 minutes of retries, then a ConnectError). ``temporary_server`` starts Prefect's app in a process
 of its own (flows/server_process.py) and points this command's Prefect settings at it for the block.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -84,27 +85,45 @@ def temporary_server() -> Iterator[None]:
     if not _ephemeral():
         yield
         return
-    from prefect.settings import (PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
-                                  get_current_settings, temporary_settings)
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+        get_current_settings,
+        temporary_settings,
+    )
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, **get_current_settings().to_environment_variables(exclude_unset=True),
-           "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    env = {
+        **os.environ,
+        **get_current_settings().to_environment_variables(exclude_unset=True),
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+    }
     env.pop("PREFECT_API_URL", None)
-    print("starting Prefect's temporary server (10-30 s; export PREFECT_API_URL to use a running one)",
-          file=sys.stderr, flush=True)
+    print(
+        "starting Prefect's temporary server (10-30 s; export PREFECT_API_URL to use a running one)",
+        file=sys.stderr,
+        flush=True,
+    )
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "titan_pipe.flows.server_process", str(port)], env=env,
-                            stdin=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "titan_pipe.flows.server_process", str(port)],
+        env=env,
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
     watcher = procs.watch(proc.pid)
     try:
         try:
             _wait_healthy(url, proc, float(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()))
         except RuntimeError as e:
-            raise UserError(f"Prefect's temporary API server did not start ({e}); start a server (`prefect server "
-                            "start`, then export PREFECT_API_URL=http://127.0.0.1:4200/api) or raise "
-                            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") from None
+            raise UserError(
+                f"Prefect's temporary API server did not start ({e}); start a server (`prefect server "
+                "start`, then export PREFECT_API_URL=http://127.0.0.1:4200/api) or raise "
+                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+            ) from None
         print(f"Prefect's temporary server is up ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         with temporary_settings(updates={PREFECT_API_URL: url}):
             try:

@@ -11,6 +11,7 @@ thread, so uvicorn installs no signal handlers of its own) until its stdin reach
 command closed it after its last report, or died in any way (SIGKILL included), so it never outlives
 the command either.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,16 @@ import threading
 def serve(port: int) -> None:
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config("prefect.server.api.server:create_app", factory=True,
-                                           host="127.0.0.1", port=port, log_level="error", lifespan="on"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            "prefect.server.api.server:create_app",
+            factory=True,
+            host="127.0.0.1",
+            port=port,
+            log_level="error",
+            lifespan="on",
+        )
+    )
     thread = threading.Thread(target=server.run, name="prefect-api", daemon=True)
     thread.start()
     try:

@@ -5,6 +5,7 @@ docs/flows.md) and returns a ``StageOutput``. An OS fault (full disk, read-only 
 titan_pipe.faults' one line (a UserError: the flow never retries it). Caching is not Prefect's here (``NO_CACHE``; see
 flows/cache.py and docs/flows.md for why); retries are set per run by the flow (``with_options``).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -67,8 +68,13 @@ def _text(path: Path | None) -> str | None:
     return None if path is None else str(path)
 
 
-STAGE_PATHS: dict[str, type[_Paths]] = {"data": DataPaths, "train": TrainPaths, "convert": ConvertPaths,
-                                        "export": ExportPaths, "evaluate": EvaluatePaths}
+STAGE_PATHS: dict[str, type[_Paths]] = {
+    "data": DataPaths,
+    "train": TrainPaths,
+    "convert": ConvertPaths,
+    "export": ExportPaths,
+    "evaluate": EvaluatePaths,
+}
 
 
 @dataclass(frozen=True)
@@ -86,14 +92,23 @@ class StageOutput:
             raise TypeError(f"{self.stage}: paths must be a {STAGE_PATHS[self.stage].__name__}, not {self.paths!r}")
 
     def to_json(self) -> dict:
-        return {"stage": self.stage, "paths": self.paths.named(), "outputs": self.outputs,
-                "summary": self.summary, "passed": self.passed}
+        return {
+            "stage": self.stage,
+            "paths": self.paths.named(),
+            "outputs": self.outputs,
+            "summary": self.summary,
+            "passed": self.passed,
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> "StageOutput":
-        return cls(stage=data["stage"], paths=STAGE_PATHS[data["stage"]](**data["paths"]),
-                   outputs=list(data["outputs"]), summary=dict(data.get("summary") or {}),
-                   passed=data.get("passed"))
+        return cls(
+            stage=data["stage"],
+            paths=STAGE_PATHS[data["stage"]](**data["paths"]),
+            outputs=list(data["outputs"]),
+            summary=dict(data.get("summary") or {}),
+            passed=data.get("passed"),
+        )
 
 
 def _written(stage: str, out_dir: Path, before: str, call, after):
@@ -128,11 +143,21 @@ def data_task(flow_dir: Path, cfg: FlowConfig, out_dir: Path) -> StageOutput:
     with writing(out_dir, what=STAGE_OUTPUTS["prepare"]):
         r = prepare_spec(spec, out_dir, progress=False)
     rec = r.record
-    run_logger().info(("already prepared from the same inputs: " if r.reused else "prepared: ")
-                      + f"{rec.n_documents:,} documents, {rec.n_tokens:,} tokens in {r.seconds:.1f}s")
-    return StageOutput("data", DataPaths(str(r.out_dir)), outputs=[str(r.out_dir)],
-                       summary={"tokens": rec.n_tokens, "documents": rec.n_documents,
-                                "val_documents": rec.split.val_documents, "reused": r.reused})
+    run_logger().info(
+        ("already prepared from the same inputs: " if r.reused else "prepared: ")
+        + f"{rec.n_documents:,} documents, {rec.n_tokens:,} tokens in {r.seconds:.1f}s"
+    )
+    return StageOutput(
+        "data",
+        DataPaths(str(r.out_dir)),
+        outputs=[str(r.out_dir)],
+        summary={
+            "tokens": rec.n_tokens,
+            "documents": rec.n_documents,
+            "val_documents": rec.split.val_documents,
+            "reused": r.reused,
+        },
+    )
 
 
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
@@ -141,55 +166,86 @@ def train_task(flow_path: Path, cfg: FlowConfig, resume: bool = False) -> StageO
 
     log, run_dir = run_logger(), cfg.run_dir().resolve()
     attempt = task_run.get_run_count()
-    resume = resume_decision(requested=resume, attempt=attempt, run_dir=run_dir,
-                             torchrun_restarts=cfg.launch.max_restarts)
+    resume = resume_decision(
+        requested=resume, attempt=attempt, run_dir=run_dir, torchrun_restarts=cfg.launch.max_restarts
+    )
     start = newest_complete(run_dir) if resume else None
     log.info(f"attempt {max(attempt, 1)}: " + (f"resuming from {start}" if start else "training from step 0"))
     with writing(run_dir, what=STAGE_OUTPUTS["train"]), follow_log(RunDir(run_dir).train_log):
         r = run_training(flow_path=flow_path, cfg=cfg, resume=resume)
     log.info(f"training done: checkpoint {r.checkpoint}, summary {r.summary}")
     paths = TrainPaths(str(r.run_dir), str(r.metrics), _text(r.checkpoint))
-    return StageOutput("train", paths, outputs=[str(r.checkpoint)] if r.checkpoint else [],
-                       summary=dict(r.summary))
+    return StageOutput("train", paths, outputs=[str(r.checkpoint)] if r.checkpoint else [], summary=dict(r.summary))
 
 
 @task(name="convert", cache_policy=NO_CACHE, persist_result=False)
 def convert_task(checkpoint: Path, out_dir: Path, settings: ConvertConfig) -> StageOutput:
     from titan_pipe.convert.api import convert_checkpoint
 
-    r = _written("convert", out_dir, f"converting {checkpoint} -> {out_dir} ({settings.naming} names, dtype "
-                 f"{settings.dtype})", lambda: convert_checkpoint(checkpoint, out_dir, settings, overwrite=True),
-                 lambda r: f"wrote {len(r.files)} file(s): {', '.join(p.name for p in r.files)}")
+    r = _written(
+        "convert",
+        out_dir,
+        f"converting {checkpoint} -> {out_dir} ({settings.naming} names, dtype {settings.dtype})",
+        lambda: convert_checkpoint(checkpoint, out_dir, settings, overwrite=True),
+        lambda r: f"wrote {len(r.files)} file(s): {', '.join(p.name for p in r.files)}",
+    )
     if r.summary.get("nonfinite"):
-        run_logger().warning(f"NaN/Inf values in {len(r.summary['nonfinite'])} tensor(s): "
-                             f"{', '.join(r.summary['nonfinite'][:8])}; evaluate fails on such a model")
-    return StageOutput("convert", ConvertPaths(str(r.out_dir)), outputs=[str(r.out_dir)],
-                       summary=dict(r.summary))
+        run_logger().warning(
+            f"NaN/Inf values in {len(r.summary['nonfinite'])} tensor(s): "
+            f"{', '.join(r.summary['nonfinite'][:8])}; evaluate fails on such a model"
+        )
+    return StageOutput("convert", ConvertPaths(str(r.out_dir)), outputs=[str(r.out_dir)], summary=dict(r.summary))
 
 
 @task(name="export", cache_policy=NO_CACHE, persist_result=False)
 def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> StageOutput:
     from titan_pipe.convert.onnx.export import export_model
 
-    r = _written("export", out_dir, f"exporting {model_dir} -> {out_dir} (opset {settings.opset}, {settings.dtype})",
-                 lambda: export_model(model_dir, out_dir, settings, overwrite=True),
-                 lambda r: f"ONNX {r.onnx}; ATC: {r.atc_status}")
+    r = _written(
+        "export",
+        out_dir,
+        f"exporting {model_dir} -> {out_dir} (opset {settings.opset}, {settings.dtype})",
+        lambda: export_model(model_dir, out_dir, settings, overwrite=True),
+        lambda r: f"ONNX {r.onnx}; ATC: {r.atc_status}",
+    )
     paths = ExportPaths(str(r.out_dir), str(r.onnx), str(r.export_json), _text(r.decode_onnx), _text(r.om))
-    return StageOutput("export", paths, outputs=[str(r.out_dir)],
-                       summary={**dict(r.summary), "atc_status": r.atc_status})
+    return StageOutput(
+        "export", paths, outputs=[str(r.out_dir)], summary={**dict(r.summary), "atc_status": r.atc_status}
+    )
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
-def evaluate_task(out_dir: Path, checkpoint: Path, model_dir: Path, onnx: Path, om: Path | None,
-                  data: Path | None, settings: EvaluateConfig, split=None) -> StageOutput:
+def evaluate_task(
+    out_dir: Path,
+    checkpoint: Path,
+    model_dir: Path,
+    onnx: Path,
+    om: Path | None,
+    data: Path | None,
+    settings: EvaluateConfig,
+    split=None,
+) -> StageOutput:
     from titan_pipe.evaluate.api import evaluate_model
 
-    r = _written("evaluate", out_dir, f"evaluating {checkpoint.name} / {model_dir.name} / {onnx.name} -> {out_dir}",
-                 lambda: evaluate_model(out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
-                                        data=data, settings=settings, progress=True, split=split),
-                 lambda r: f"verdict: {'PASS' if r.passed else 'FAIL'} ({r.report_json})")
+    r = _written(
+        "evaluate",
+        out_dir,
+        f"evaluating {checkpoint.name} / {model_dir.name} / {onnx.name} -> {out_dir}",
+        lambda: evaluate_model(
+            out_dir=out_dir,
+            checkpoint=checkpoint,
+            model_dir=model_dir,
+            onnx=onnx,
+            om=om,
+            data=data,
+            settings=settings,
+            progress=True,
+            split=split,
+        ),
+        lambda r: f"verdict: {'PASS' if r.passed else 'FAIL'} ({r.report_json})",
+    )
     md, html = (r.out_dir / "report.md", r.out_dir / "report.html")
-    paths = EvaluatePaths(str(r.out_dir), str(r.report_json), _text(md if md.is_file() else None),
-                          _text(html if html.is_file() else None))
-    return StageOutput("evaluate", paths, outputs=[str(r.report_json)], summary=dict(r.summary),
-                       passed=bool(r.passed))
+    paths = EvaluatePaths(
+        str(r.out_dir), str(r.report_json), _text(md if md.is_file() else None), _text(html if html.is_file() else None)
+    )
+    return StageOutput("evaluate", paths, outputs=[str(r.report_json)], summary=dict(r.summary), passed=bool(r.passed))

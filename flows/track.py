@@ -1,4 +1,5 @@
 """`--flow` for stage commands: run one library call as a Prefect flow run so it is tracked in the UI."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, TypeVar
@@ -38,8 +39,9 @@ def run_tracked(stage: str, fn: Callable[..., T], /, **kwargs: Any) -> T:
             run_logger().error(str(e))
             return Failed(message=str(e))
 
-    tracked = flow(name=f"titan-pipe-{stage}-cli", validate_parameters=False, log_prints=True,
-                   persist_result=False)(body)
+    tracked = flow(name=f"titan-pipe-{stage}-cli", validate_parameters=False, log_prints=True, persist_result=False)(
+        body
+    )
     with temporary_server():  # dies with this command, however it ends
         state = tracked(**kwargs, return_state=True)
     if user_errors:

@@ -5,6 +5,7 @@ stage's key just before it would run (its inputs are the previous stage's output
 task or takes the cached result, records it, publishes its artifacts and tells listeners (the CLI's
 live summary). Stage callables are injectable so the orchestration logic is testable on its own.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,15 +24,18 @@ from titan_pipe.config import FlowConfig, load_flow
 from titan_pipe.errors import Interrupted, RankRefused, StageFailed, UserError
 from titan_pipe.flows import cache
 from titan_pipe.flows.logs import api_only_logger, quiet_user_error_tracebacks, run_logger
-from titan_pipe.flows.tasks import (StageOutput, convert_task, data_task, evaluate_task, export_task,
-                                    train_task)
+from titan_pipe.flows.tasks import StageOutput, convert_task, data_task, evaluate_task, export_task, train_task
 from titan_pipe.run_dir import RunDir
 from titan_pipe.run_lock import run_lock
 
 quiet_user_error_tracebacks()  # a stage's UserError is one line in the run logs too, not a traceback
 
 DEFAULT_TASKS: dict[str, Callable[..., StageOutput]] = {
-    "data": data_task, "train": train_task, "convert": convert_task, "export": export_task, "evaluate": evaluate_task,
+    "data": data_task,
+    "train": train_task,
+    "convert": convert_task,
+    "export": export_task,
+    "evaluate": evaluate_task,
 }
 
 
@@ -76,8 +80,12 @@ class PipelineOutcome:
         return None if ev is None else ev.passed
 
     def to_json(self) -> dict:
-        return {"run_dir": str(self.run_dir), "stages": self.stages, "passed": self.passed,
-                "outputs": {k: v.to_json() for k, v in self.outputs.items()}}
+        return {
+            "run_dir": str(self.run_dir),
+            "stages": self.stages,
+            "passed": self.passed,
+            "outputs": {k: v.to_json() for k, v in self.outputs.items()},
+        }
 
 
 def _retryable(task, task_run, state) -> bool:
@@ -125,16 +133,27 @@ def _prepare_training(run_dir: Path, key: str, action: str) -> bool:
     return False
 
 
-def _call_stage(stage: str, fn: Callable, *, cfg: FlowConfig, flow_path: Path, flow_dir: Path,
-                run_dir: Path, upstream: dict[str, StageOutput], resume: bool) -> StageOutput:
+def _call_stage(
+    stage: str,
+    fn: Callable,
+    *,
+    cfg: FlowConfig,
+    flow_path: Path,
+    flow_dir: Path,
+    run_dir: Path,
+    upstream: dict[str, StageOutput],
+    resume: bool,
+) -> StageOutput:
     rd = RunDir(run_dir)
     if stage == cache.DATA:
         return fn(flow_dir=flow_dir, cfg=cfg, out_dir=rd.data)
     if stage == "train":
         if hasattr(fn, "with_options"):  # a Prefect task: the retries of this flow.yaml
-            fn = fn.with_options(retries=cfg.orchestration.train_retries(cfg.launch.max_restarts),
-                                 retry_delay_seconds=cfg.orchestration.retry_delay_s,
-                                 retry_condition_fn=_retryable)
+            fn = fn.with_options(
+                retries=cfg.orchestration.train_retries(cfg.launch.max_restarts),
+                retry_delay_seconds=cfg.orchestration.retry_delay_s,
+                retry_condition_fn=_retryable,
+            )
         return fn(flow_path=flow_path, cfg=cfg, resume=resume)
     if stage == "convert":
         return fn(checkpoint=Path(upstream["train"].paths.checkpoint), out_dir=rd.model, settings=cfg.convert)
@@ -144,14 +163,28 @@ def _call_stage(stage: str, fn: Callable, *, cfg: FlowConfig, flow_path: Path, f
 
     data, split = held_out_text(data=None, flow=cfg, flow_dir=flow_dir, run_dir=run_dir)
     exported = upstream["export"].paths
-    return fn(out_dir=rd.report, checkpoint=Path(upstream["train"].paths.checkpoint),
-              model_dir=Path(upstream["convert"].paths.model_dir), onnx=Path(exported.onnx),
-              om=Path(exported.om) if exported.om else None, data=data, settings=cfg.evaluate, split=split)
+    return fn(
+        out_dir=rd.report,
+        checkpoint=Path(upstream["train"].paths.checkpoint),
+        model_dir=Path(upstream["convert"].paths.model_dir),
+        onnx=Path(exported.onnx),
+        om=Path(exported.om) if exported.om else None,
+        data=data,
+        settings=cfg.evaluate,
+        split=split,
+    )
 
 
-def run_pipeline(flow_path: Path, *, from_stage: str | None = None, only: str | None = None,
-                 force: bool = False, tasks: dict[str, Callable] | None = None,
-                 publish: bool = True, cfg: FlowConfig | None = None) -> PipelineOutcome:
+def run_pipeline(
+    flow_path: Path,
+    *,
+    from_stage: str | None = None,
+    only: str | None = None,
+    force: bool = False,
+    tasks: dict[str, Callable] | None = None,
+    publish: bool = True,
+    cfg: FlowConfig | None = None,
+) -> PipelineOutcome:
     """Run the selected stages of flow.yaml in order, skipping those whose key is unchanged.
 
     ``cfg``: flow.yaml as the caller already loaded it (else it is loaded here).
@@ -165,8 +198,9 @@ def run_pipeline(flow_path: Path, *, from_stage: str | None = None, only: str | 
         return _run_stages(cfg, flow_path, run_dir, actions, tasks, publish)
 
 
-def _run_stages(cfg: FlowConfig, flow_path: Path, run_dir: Path, actions: dict[str, str],
-                tasks: dict[str, Callable], publish: bool) -> PipelineOutcome:
+def _run_stages(
+    cfg: FlowConfig, flow_path: Path, run_dir: Path, actions: dict[str, str], tasks: dict[str, Callable], publish: bool
+) -> PipelineOutcome:
     from titan_pipe.flows.artifacts import publish as publish_artifacts
 
     reused = cache.check_reusable(actions, run_dir)
@@ -187,36 +221,61 @@ def _run_stages(cfg: FlowConfig, flow_path: Path, run_dir: Path, actions: dict[s
             upstream[stage] = out
             _emit(StageEvent(stage, "reused", output=out, message="outputs of its last run"))
             continue
-        doc = cache.stage_doc(cache.stage_inputs(stage, cfg, flow_dir=flow_path.parent,
-                                                 upstream=upstream),
-                              hasher, run_dir)
+        doc = cache.stage_doc(
+            cache.stage_inputs(stage, cfg, flow_dir=flow_path.parent, upstream=upstream), hasher, run_dir
+        )
         key = cache.doc_key(doc)
         record = cache.read_record(run_dir, stage)
         if action == cache.AUTO and cache.cache_hit(record, key, hasher, run_dir):
             out, status, took = StageOutput.from_json(record.result), "cached", 0.0
             log.info(f"{stage}: cached (key {key[:12]}, inputs unchanged since {time.ctime(record.finished_at)})")
         else:
-            why = ("selected to run" if action == cache.RUN else "; ".join(
-                cache.explain_change(record.inputs if record else None, doc)
-                if record is None or record.key != key else ["its outputs changed on disk"]))
+            why = (
+                "selected to run"
+                if action == cache.RUN
+                else "; ".join(
+                    cache.explain_change(record.inputs if record else None, doc)
+                    if record is None or record.key != key
+                    else ["its outputs changed on disk"]
+                )
+            )
             (api_only_logger() or log).info(f"{stage}: running ({why})")  # the event's line says it on the console
             cache.clear_record(run_dir, stage)
             resume = _prepare_training(run_dir, key, action) if stage == "train" else False
             _emit(StageEvent(stage, "running", message=why))
             t0 = time.perf_counter()
             try:
-                out = _call_stage(stage, tasks[stage], cfg=cfg, flow_path=flow_path, flow_dir=flow_path.parent,
-                                  run_dir=run_dir, upstream=upstream, resume=resume)
+                out = _call_stage(
+                    stage,
+                    tasks[stage],
+                    cfg=cfg,
+                    flow_path=flow_path,
+                    flow_dir=flow_path.parent,
+                    run_dir=run_dir,
+                    upstream=upstream,
+                    resume=resume,
+                )
             except BaseException as e:
                 outcome.stages[stage] = "failed"
                 why = str(Interrupted.of(e)) if isinstance(e, KeyboardInterrupt) and not str(e) else str(e)
-                _emit(StageEvent(stage, "failed", time.perf_counter() - t0, message=why.splitlines()[0] if why else type(e).__name__))
+                _emit(
+                    StageEvent(
+                        stage,
+                        "failed",
+                        time.perf_counter() - t0,
+                        message=why.splitlines()[0] if why else type(e).__name__,
+                    )
+                )
                 hasher.save()
                 raise
             took, status = time.perf_counter() - t0, "done"
             outputs = cache.hash_outputs([Path(p) for p in out.outputs], hasher, run_dir)
-            cache.write_record(run_dir, cache.StageRecord(stage=stage, key=key, outputs=outputs,
-                                                          result=out.to_json(), duration_s=took, inputs=doc))
+            cache.write_record(
+                run_dir,
+                cache.StageRecord(
+                    stage=stage, key=key, outputs=outputs, result=out.to_json(), duration_s=took, inputs=doc
+                ),
+            )
         outcome.stages[stage], outcome.outputs[stage] = status, out
         upstream[stage] = out
         if publish:
@@ -240,8 +299,10 @@ def join_training(flow_path: Path, *, node_rank: int, tasks: dict[str, Callable]
     flow_path = Path(flow_path).resolve()
     cfg = load_flow(flow_path)
     if not 0 < node_rank < cfg.launch.nnodes:
-        raise UserError(f"{flow_path}: node_rank {node_rank} must be 1..{cfg.launch.nnodes - 1} for a worker node "
-                        f"(launch.nnodes={cfg.launch.nnodes}); node 0 runs the train-to-deploy flow")
+        raise UserError(
+            f"{flow_path}: node_rank {node_rank} must be 1..{cfg.launch.nnodes - 1} for a worker node "
+            f"(launch.nnodes={cfg.launch.nnodes}); node 0 runs the train-to-deploy flow"
+        )
     cfg = cfg.model_copy(update={"launch": cfg.launch.model_copy(update={"node_rank": node_rank})})
     run_dir = cfg.run_dir().resolve()
     hasher = cache.FileHasher()  # no shared memo: node 0 owns .stages/
@@ -253,8 +314,9 @@ def join_training(flow_path: Path, *, node_rank: int, tasks: dict[str, Callable]
         _emit(StageEvent("train", "cached", output=outcome.outputs["train"]))
         return outcome
     _emit(StageEvent("train", "running", message=f"node {node_rank} of {cfg.launch.nnodes}"))
-    out = _call_stage("train", fn, cfg=cfg, flow_path=flow_path, flow_dir=flow_path.parent, run_dir=run_dir,
-                      upstream={}, resume=False)
+    out = _call_stage(
+        "train", fn, cfg=cfg, flow_path=flow_path, flow_dir=flow_path.parent, run_dir=run_dir, upstream={}, resume=False
+    )
     outcome.stages["train"], outcome.outputs["train"] = "done", out
     _emit(StageEvent("train", "done", output=out))
     return outcome
@@ -271,8 +333,13 @@ def _enter(workdir: str | None) -> None:
 # what the UI's "custom run" form shows. The config itself travels as the flow.yaml path: each run
 # reads it (and the ranks read it again), so a scheduled run uses the file as it is at that time.
 @flow(name="train-to-deploy", description="Train, convert, export and evaluate one flow.yaml.")
-def train_to_deploy(flow_path: str, from_stage: str | None = None, only: str | None = None,
-                    force: bool = False, workdir: str | None = None) -> dict:
+def train_to_deploy(
+    flow_path: str,
+    from_stage: str | None = None,
+    only: str | None = None,
+    force: bool = False,
+    workdir: str | None = None,
+) -> dict:
     _enter(workdir)
     return run_pipeline(Path(flow_path), from_stage=from_stage, only=only, force=force).to_json()
 

@@ -10,6 +10,7 @@ process killed with SIGKILL cannot remove its temp; the next writer of the same 
 ones whose owner is gone (``remove_stale``, one line on stderr) before making its own. Outputs
 follow the umask (directories are made with mode 0o777 & ~umask, as ``mkdir`` does).
 """
+
 from __future__ import annotations
 
 import errno
@@ -48,8 +49,9 @@ def _started_after(pid: int, when: float) -> bool:
     """True when process ``pid`` started after ``when`` (epoch s): a reused PID, not the owner."""
     try:
         ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines()
-                    if ln.startswith("btime "))
+        boot = next(
+            float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines() if ln.startswith("btime ")
+        )
     except (OSError, ValueError, IndexError, StopIteration):
         return False
     return boot + ticks / os.sysconf("SC_CLK_TCK") > when + 1
@@ -131,8 +133,12 @@ def remove_stale(out: Path) -> list[Path]:
         if not p.exists():
             stale.append(p)
     if stale:
-        print(f"removed {len(stale)} stale temporary output(s) of {out} left by processes that are gone: "
-              f"{', '.join(p.name for p in stale)}", file=sys.stderr, flush=True)
+        print(
+            f"removed {len(stale)} stale temporary output(s) of {out} left by processes that are gone: "
+            f"{', '.join(p.name for p in stale)}",
+            file=sys.stderr,
+            flush=True,
+        )
     return stale
 
 

@@ -7,6 +7,7 @@ chunks; a chunk says which file and key hold which box. Nothing here reads tenso
 A run's checkpoints are ``step-XXXXXX`` directories; one is complete once its manifest.json
 (written last) exists, and ``newest_complete`` is the one place that picks the checkpoint to read.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,7 +71,8 @@ class Box:
 
     def within(self, shape: tuple[int, ...]) -> bool:
         return len(shape) == len(self.offsets) and all(
-            o >= 0 and n >= 0 and o + n <= s for o, n, s in zip(self.offsets, self.lengths, shape))
+            o >= 0 and n >= 0 and o + n <= s for o, n, s in zip(self.offsets, self.lengths, shape)
+        )
 
     @staticmethod
     def full(shape: tuple[int, ...]) -> "Box":
@@ -101,8 +103,10 @@ def _list(values: object, source: str, key: str, most: int = 2**16) -> list:
     """``values`` as a list of at most ``most`` items (None: empty); UserError naming it otherwise."""
     values = [] if values is None else values
     if not isinstance(values, list) or len(values) > most:
-        raise UserError(f"{source}: {key} = {shown(values)} is not a list of at most {most} items; "
-                        "the manifest is corrupted. Copy the checkpoint again")
+        raise UserError(
+            f"{source}: {key} = {shown(values)} is not a list of at most {most} items; "
+            "the manifest is corrupted. Copy the checkpoint again"
+        )
     return values
 
 
@@ -137,19 +141,18 @@ class ParamSpec:
         distinct: list[Box] = []
         for c in self.chunks:
             if not c.box.within(self.shape):
-                raise LayoutError(f"{self.name}: chunk {c.file}:{c.key} box {c.box} lies outside "
-                                  f"shape {self.shape}")
+                raise LayoutError(f"{self.name}: chunk {c.file}:{c.key} box {c.box} lies outside shape {self.shape}")
             if c.box in distinct:
                 continue
             for other in distinct:
                 if c.box.intersect(other) is not None:
-                    raise LayoutError(f"{self.name}: two chunks claim overlapping boxes {other} and "
-                                      f"{c.box} (second in {c.file})")
+                    raise LayoutError(
+                        f"{self.name}: two chunks claim overlapping boxes {other} and {c.box} (second in {c.file})"
+                    )
             distinct.append(c.box)
         covered = sum(b.numel for b in distinct)
         if covered != total:
-            raise LayoutError(f"{self.name}: chunks cover {covered} of {total} elements; "
-                              "a shard is missing")
+            raise LayoutError(f"{self.name}: chunks cover {covered} of {total} elements; a shard is missing")
 
 
 @dataclass
@@ -191,9 +194,16 @@ class ParallelLayout:
         return max(1, self.n_stages // self.pp)
 
     def to_dict(self) -> dict:
-        d = {"dp": self.dp, "tp": self.tp, "pp": self.pp, "pp_schedule": self.pp_schedule,
-             "n_stages": self.n_stages, "stages": [list(s) for s in self.stages],
-             "stage_ranks": list(self.stage_ranks), "sequence_parallel": self.sequence_parallel}
+        d = {
+            "dp": self.dp,
+            "tp": self.tp,
+            "pp": self.pp,
+            "pp_schedule": self.pp_schedule,
+            "n_stages": self.n_stages,
+            "stages": [list(s) for s in self.stages],
+            "stage_ranks": list(self.stage_ranks),
+            "sequence_parallel": self.sequence_parallel,
+        }
         d.update({k: v for k, v in (("dp_mode", self.dp_mode), ("dp_kind", self.dp_kind)) if v is not None})
         if self.ep != 1:
             d["ep"] = self.ep
@@ -209,17 +219,29 @@ class ParallelLayout:
         sizes = {k: read(d, k, INT, default=1, bound=limits.PARALLEL, **kw) for k in ("dp", "tp", "pp")}
         schedule = read(d, "pp_schedule", STR, default="1f1b", **kw)
         if schedule not in PP_SCHEDULES:
-            raise refuse(source, "parallel.pp_schedule", schedule, f"is not one of {', '.join(PP_SCHEDULES)}",
-                         _MALFORMED, exc=LayoutError)
+            raise refuse(
+                source,
+                "parallel.pp_schedule",
+                schedule,
+                f"is not one of {', '.join(PP_SCHEDULES)}",
+                _MALFORMED,
+                exc=LayoutError,
+            )
         layers = int(limits.LAYERS.hi)
-        stages = tuple(_dims(s, source, "parallel.stages", most=layers)
-                       for s in _list(d.get("stages"), source, "parallel.stages", most=layers))
-        return cls(**sizes, pp_schedule=schedule, stages=stages,
-                   stage_ranks=_dims(d.get("stage_ranks") or [], source, "parallel.stage_ranks", most=2**16),
-                   sequence_parallel=read(d, "sequence_parallel", BOOL, default=False, **kw),
-                   dp_mode=read(d, "dp_mode", STR, default=None, **kw),
-                   dp_kind=read(d, "dp_kind", STR, default=None, **kw),
-                   ep=read(d, "ep", INT, default=1, bound=limits.PARALLEL, **kw))
+        stages = tuple(
+            _dims(s, source, "parallel.stages", most=layers)
+            for s in _list(d.get("stages"), source, "parallel.stages", most=layers)
+        )
+        return cls(
+            **sizes,
+            pp_schedule=schedule,
+            stages=stages,
+            stage_ranks=_dims(d.get("stage_ranks") or [], source, "parallel.stage_ranks", most=2**16),
+            sequence_parallel=read(d, "sequence_parallel", BOOL, default=False, **kw),
+            dp_mode=read(d, "dp_mode", STR, default=None, **kw),
+            dp_kind=read(d, "dp_kind", STR, default=None, **kw),
+            ep=read(d, "ep", INT, default=1, bound=limits.PARALLEL, **kw),
+        )
 
 
 @dataclass
@@ -245,9 +267,14 @@ class Manifest:
             "files": {k: asdict(v) for k, v in sorted(self.files.items())},
             "params": {
                 name: {
-                    "shape": list(p.shape), "dtype": p.dtype, "tp_dim": p.tp_dim, "stage": p.stage,
-                    "chunks": [{"file": c.file, "key": c.key, "offsets": list(c.box.offsets),
-                                "lengths": list(c.box.lengths)} for c in p.chunks],
+                    "shape": list(p.shape),
+                    "dtype": p.dtype,
+                    "tp_dim": p.tp_dim,
+                    "stage": p.stage,
+                    "chunks": [
+                        {"file": c.file, "key": c.key, "offsets": list(c.box.offsets), "lengths": list(c.box.lengths)}
+                        for c in p.chunks
+                    ],
                 }
                 for name, p in self.params.items()
             },
@@ -266,29 +293,49 @@ class Manifest:
         if d.get("format") != FORMAT_NAME:
             raise LayoutError(f"{source}: format is {d.get('format')!r}, expected {FORMAT_NAME!r}")
         if check(d.get("format_version", 0), INT, source=source, key="format_version") > FORMAT_VERSION:
-            raise LayoutError(f"{source}: format_version {d['format_version']} is newer than this "
-                              f"titan-pipe reads ({FORMAT_VERSION}); upgrade titan-pipe")
+            raise LayoutError(
+                f"{source}: format_version {d['format_version']} is newer than this "
+                f"titan-pipe reads ({FORMAT_VERSION}); upgrade titan-pipe"
+            )
         try:
             params = {
                 name: ParamSpec(
-                    name=name, shape=_dims(p["shape"], source, f"params.{name}.shape"),
+                    name=name,
+                    shape=_dims(p["shape"], source, f"params.{name}.shape"),
                     dtype=check(p["dtype"], STR, source=source, key=f"params.{name}.dtype"),
                     tp_dim=_opt_int(p.get("tp_dim"), source, f"params.{name}.tp_dim"),
                     stage=_opt_int(p.get("stage"), source, f"params.{name}.stage"),
-                    chunks=[Chunk(check(c["file"], STR, source=source, key=f"params.{name}.chunks.file"),
-                                  check(c["key"], STR, source=source, key=f"params.{name}.chunks.key"),
-                                  Box(_dims(c["offsets"], source, f"params.{name}.chunks.offsets"),
-                                      _dims(c["lengths"], source, f"params.{name}.chunks.lengths")))
-                            for c in p["chunks"]])
+                    chunks=[
+                        Chunk(
+                            check(c["file"], STR, source=source, key=f"params.{name}.chunks.file"),
+                            check(c["key"], STR, source=source, key=f"params.{name}.chunks.key"),
+                            Box(
+                                _dims(c["offsets"], source, f"params.{name}.chunks.offsets"),
+                                _dims(c["lengths"], source, f"params.{name}.chunks.lengths"),
+                            ),
+                        )
+                        for c in p["chunks"]
+                    ],
+                )
                 for name, p in check(d["params"], DICT, source=source, key="params").items()
             }
-            files = {k: FileInfo(size=check(v["size"], INT, source=source, key=f"files.{k}.size", bound=FILE_BYTES),
-                                 sha256=check(v["sha256"], STR, source=source, key=f"files.{k}.sha256"))
-                     for k, v in check(d["files"], DICT, source=source, key="files").items()}
-            return cls(step=check(d["step"], INT, source=source, key="step", bound=STEP), model=d["model"],
-                       parallel=ParallelLayout.from_dict(d["parallel"], source=source), params=params,
-                       files=files, extra=CheckpointExtra.from_dict(d.get("extra", {}), source=source), format=d["format"],
-                       format_version=d["format_version"])
+            files = {
+                k: FileInfo(
+                    size=check(v["size"], INT, source=source, key=f"files.{k}.size", bound=FILE_BYTES),
+                    sha256=check(v["sha256"], STR, source=source, key=f"files.{k}.sha256"),
+                )
+                for k, v in check(d["files"], DICT, source=source, key="files").items()
+            }
+            return cls(
+                step=check(d["step"], INT, source=source, key="step", bound=STEP),
+                model=d["model"],
+                parallel=ParallelLayout.from_dict(d["parallel"], source=source),
+                params=params,
+                files=files,
+                extra=CheckpointExtra.from_dict(d.get("extra", {}), source=source),
+                format=d["format"],
+                format_version=d["format_version"],
+            )
         except (KeyError, TypeError) as e:
             raise LayoutError(f"{source}: missing or malformed field {e}") from None
 
@@ -296,8 +343,7 @@ class Manifest:
     def load(cls, ckpt_dir: str | Path) -> "Manifest":
         path = Path(ckpt_dir) / MANIFEST_NAME
         if not path.is_file():
-            raise LayoutError(f"{path}: no manifest; the checkpoint is incomplete or not a titan-pipe "
-                              "checkpoint")
+            raise LayoutError(f"{path}: no manifest; the checkpoint is incomplete or not a titan-pipe checkpoint")
         try:
             text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as e:
@@ -315,10 +361,12 @@ class Manifest:
                 # the same values in two places (an expert duplicated, another lost), shapes agreeing
                 first = owner.setdefault((c.file, c.key), (p.name, c.box))
                 if first != (p.name, c.box):
-                    raise LayoutError(f"{p.name}: its chunk at {list(c.box.offsets)} reads {c.key!r} of {c.file}, "
-                                      f"which already holds {first[0]} at {list(first[1].offsets)}; each stored "
-                                      "tensor holds one piece of one parameter: the manifest is damaged, copy the "
-                                      "checkpoint again")
+                    raise LayoutError(
+                        f"{p.name}: its chunk at {list(c.box.offsets)} reads {c.key!r} of {c.file}, "
+                        f"which already holds {first[0]} at {list(first[1].offsets)}; each stored "
+                        "tensor holds one piece of one parameter: the manifest is damaged, copy the "
+                        "checkpoint again"
+                    )
 
 
 # fp32 copies of each parameter an optimizer's saved state holds (AdamW: two moments; SGD without
@@ -381,8 +429,7 @@ def newest_complete(run_or_ckpt_dir: Path, *, warn: bool = False) -> Path | None
             if is_complete(step_dir):
                 return step_dir
             if warn:
-                warnings.warn(f"{step_dir}: no {MANIFEST_NAME} (interrupted while saving); ignoring it",
-                              stacklevel=2)
+                warnings.warn(f"{step_dir}: no {MANIFEST_NAME} (interrupted while saving); ignoring it", stacklevel=2)
     return None
 
 
@@ -406,10 +453,18 @@ class CheckpointExtra:
     other: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        d = {k: v for k, v in (("optimizer", self.optimizer), ("train_state", self.train_state),
-                               ("kernels", self.kernels), ("tokenizer", self.tokenizer),
-                               ("converted_from", self.converted_from), ("token_ids", self.token_ids))
-             if v is not None or k == "optimizer"}
+        d = {
+            k: v
+            for k, v in (
+                ("optimizer", self.optimizer),
+                ("train_state", self.train_state),
+                ("kernels", self.kernels),
+                ("tokenizer", self.tokenizer),
+                ("converted_from", self.converted_from),
+                ("token_ids", self.token_ids),
+            )
+            if v is not None or k == "optimizer"
+        }
         if self.attached:
             d["attached"] = {k: asdict(v) for k, v in sorted(self.attached.items())}
         return {**self.other, **d}
@@ -419,33 +474,58 @@ class CheckpointExtra:
         """The typed record of a manifest's ``extra``; LayoutError naming the key otherwise."""
         extra = dict(check(value, DICT, source=source, key="extra", exc=LayoutError, fix=_MALFORMED))
         kw = dict(source=source, prefix="extra.", exc=LayoutError, fix=_MALFORMED)
-        strings = {k: read(extra, k, STR, default=None, **kw)
-                   for k in ("optimizer", "train_state", "kernels", "tokenizer")}
+        strings = {
+            k: read(extra, k, STR, default=None, **kw) for k in ("optimizer", "train_state", "kernels", "tokenizer")
+        }
         attached = {}
-        for name, entry in check(extra.get("attached") or {}, DICT, source=source, key="extra.attached",
-                                 exc=LayoutError, fix=_MALFORMED).items():
+        for name, entry in check(
+            extra.get("attached") or {}, DICT, source=source, key="extra.attached", exc=LayoutError, fix=_MALFORMED
+        ).items():
             entry = check(entry, DICT, source=source, key=f"extra.attached.{name}", exc=LayoutError, fix=_MALFORMED)
             attached[name] = FileInfo(
-                size=check(entry.get("size"), INT, source=source, key=f"extra.attached.{name}.size",
-                           bound=FILE_BYTES, exc=LayoutError, fix=_MALFORMED),
-                sha256=check(entry.get("sha256"), STR, source=source, key=f"extra.attached.{name}.sha256",
-                             exc=LayoutError, fix=_MALFORMED))
+                size=check(
+                    entry.get("size"),
+                    INT,
+                    source=source,
+                    key=f"extra.attached.{name}.size",
+                    bound=FILE_BYTES,
+                    exc=LayoutError,
+                    fix=_MALFORMED,
+                ),
+                sha256=check(
+                    entry.get("sha256"),
+                    STR,
+                    source=source,
+                    key=f"extra.attached.{name}.sha256",
+                    exc=LayoutError,
+                    fix=_MALFORMED,
+                ),
+            )
         origin = extra.get("converted_from")
         if origin is not None:
-            origin = {k: check(v, STR, source=source, key=f"extra.converted_from.{k}", exc=LayoutError,
-                               fix=_MALFORMED)
-                      for k, v in check(origin, DICT, source=source, key="extra.converted_from",
-                                        exc=LayoutError, fix=_MALFORMED).items()}
+            origin = {
+                k: check(v, STR, source=source, key=f"extra.converted_from.{k}", exc=LayoutError, fix=_MALFORMED)
+                for k, v in check(
+                    origin, DICT, source=source, key="extra.converted_from", exc=LayoutError, fix=_MALFORMED
+                ).items()
+            }
         ids = extra.get("token_ids")
         if ids is not None:
             try:
-                ids = token_ids(check(ids, DICT, source=source, key="extra.token_ids", exc=LayoutError,
-                                      fix=_MALFORMED), source=f"{source}: extra.token_ids")
+                ids = token_ids(
+                    check(ids, DICT, source=source, key="extra.token_ids", exc=LayoutError, fix=_MALFORMED),
+                    source=f"{source}: extra.token_ids",
+                )
             except UserError as e:
                 raise LayoutError(str(e)) from None
         known = ("optimizer", "train_state", "kernels", "tokenizer", "attached", "converted_from", "token_ids")
-        return cls(**strings, attached=attached, converted_from=origin, token_ids=ids,
-                   other={k: v for k, v in extra.items() if k not in known})
+        return cls(
+            **strings,
+            attached=attached,
+            converted_from=origin,
+            token_ids=ids,
+            other={k: v for k, v in extra.items() if k not in known},
+        )
 
 
 def open_checkpoint(step_dir: str | Path) -> Manifest:

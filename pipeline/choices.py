@@ -7,6 +7,7 @@ no torch, no stage imports. The model's own choice sets live with the model, eac
 (titan_pipe.model.args.FLAVOURS) and the Hugging Face architectures read and written
 (titan_pipe.model.families.FAMILIES).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,9 +72,20 @@ def default_cache_len(max_positions: int) -> int:
     return min(max_positions, EXPORT.max_default_cache_len)
 
 
-def export_problems(*, max_positions: int, opset: object, dtype: str, batch: int, seq_len: int,
-                    cache_len: int | None, kv_cache: bool, precision_mode: str, digest: str = EXPORT.digest,
-                    data_files: int = EXPORT.data_files, spell: Callable[[str], str] = lambda k: "--" + k.replace("_", "-")) -> list[str]:
+def export_problems(
+    *,
+    max_positions: int,
+    opset: object,
+    dtype: str,
+    batch: int,
+    seq_len: int,
+    cache_len: int | None,
+    kv_cache: bool,
+    precision_mode: str,
+    digest: str = EXPORT.digest,
+    data_files: int = EXPORT.data_files,
+    spell: Callable[[str], str] = lambda k: "--" + k.replace("_", "-"),
+) -> list[str]:
     """One line per export option the export stage refuses for a model of ``max_positions``.
 
     ``spell(option)`` is how the caller's user names an option: ``--cache-len`` on the command
@@ -84,30 +96,43 @@ def export_problems(*, max_positions: int, opset: object, dtype: str, batch: int
     if not isinstance(opset, int) or isinstance(opset, bool) or not lo <= opset <= hi:
         out.append(f"opset {opset!r}: ATC takes ONNX opsets {lo}..{hi} only; use {spell('opset')} 14 (default) or 15")
     elif opset not in EXPORT_OPSETS:
-        out.append(f"opset {opset}: the graphs need opset >= 14 (Trilu-free attention, Unsqueeze/Slice with tensor "
-                   f"axes); use {spell('opset')} 14 (default) or 15")
+        out.append(
+            f"opset {opset}: the graphs need opset >= 14 (Trilu-free attention, Unsqueeze/Slice with tensor "
+            f"axes); use {spell('opset')} 14 (default) or 15"
+        )
     if dtype not in EXPORT_NAMES:
         out.append(f"dtype {dtype!r} is not one of {', '.join(EXPORT_NAMES)} (ATC graphs carry no bfloat16)")
     if precision_mode not in PRECISION_MODES:
         out.append(f"precision mode {precision_mode!r} is not one of {', '.join(PRECISION_MODES)}")
     if digest not in DIGESTS:
-        out.append(f"digest {digest!r} is not one of {', '.join(DIGESTS)}; use {spell('digest')} xxh3_128 (default) "
-                   "or sha256")
-    for key, value, bound in (("batch", batch, limits.BATCH), ("seq_len", seq_len, limits.SEQ_LEN),
-                              ("cache_len", cache_len, limits.CACHE_LEN), ("data_files", data_files, limits.DATA_FILES)):
+        out.append(
+            f"digest {digest!r} is not one of {', '.join(DIGESTS)}; use {spell('digest')} xxh3_128 (default) or sha256"
+        )
+    for key, value, bound in (
+        ("batch", batch, limits.BATCH),
+        ("seq_len", seq_len, limits.SEQ_LEN),
+        ("cache_len", cache_len, limits.CACHE_LEN),
+        ("data_files", data_files, limits.DATA_FILES),
+    ):
         why = None if value is None else bound.problem(value)
         if why:
             out.append(f"{key} {value} {why}; pass {spell(key)} {bound.range}")
     if out:
         return out
     if seq_len + (1 if kv_cache else 0) > max_positions:  # the cache rules below follow from this one
-        return [f"seq_len {seq_len} (+1 decode step) exceeds the model's max_position_embeddings {max_positions} "
-                f"(config.json); pass a smaller {spell('seq_len')}"]
+        return [
+            f"seq_len {seq_len} (+1 decode step) exceeds the model's max_position_embeddings {max_positions} "
+            f"(config.json); pass a smaller {spell('seq_len')}"
+        ]
     cache = default_cache_len(max_positions) if cache_len is None else cache_len
     if kv_cache and cache < seq_len + 1:
-        out.append(f"cache_len {cache} is smaller than seq_len {seq_len} + 1 (the prompt plus one new token); "
-                   f"pass {spell('cache_len')} {seq_len + 1} or more (or a smaller {spell('seq_len')})")
+        out.append(
+            f"cache_len {cache} is smaller than seq_len {seq_len} + 1 (the prompt plus one new token); "
+            f"pass {spell('cache_len')} {seq_len + 1} or more (or a smaller {spell('seq_len')})"
+        )
     if kv_cache and cache > max_positions:
-        out.append(f"cache_len {cache} exceeds the model's max_position_embeddings {max_positions} (config.json); "
-                   f"pass {spell('cache_len')} {max_positions} or less")
+        out.append(
+            f"cache_len {cache} exceeds the model's max_position_embeddings {max_positions} (config.json); "
+            f"pass {spell('cache_len')} {max_positions} or less"
+        )
     return out

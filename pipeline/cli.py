@@ -1,5 +1,6 @@
 """The titan-pipe command line: the Typer root app (init, validate); the commands of every stage live in
 titan_pipe.commands, one module per command group, each a thin shell over a stage's library function."""
+
 from __future__ import annotations
 
 import sys
@@ -27,19 +28,31 @@ app = typer.Typer(
 
 @app.command()
 @handle_errors
-def init(directory: Path = typer.Argument(..., help="Directory to write flow.yaml into"),
-         flavour: str = typer.Option("debug", "--flavour", help="Model flavour (debug, llama3_8b, qwen3_8b, ...)"),
-         devices: int = typer.Option(8, "--devices", help="with --flavour: accelerators the run will have"),
-         device: str = typer.Option("ascend910b", "--device", help="with --flavour: their profile (as `plan --device`); "
-                                    "cpu: the debug model (or --from's) in one CPU process"),
-         force: bool = typer.Option(False, "--force", help="Overwrite an existing flow.yaml"),
-         sft: bool = typer.Option(False, "--sft", help="a fine-tune of the released --flavour on chat data "
-                                  "(and a sample chat.jsonl beside it)"),
-         released: Optional[Path] = typer.Option(None, "--from", help="a released model's Hugging Face dir: a flow "
-                                                 "for that model (its config.json is the architecture; --device cpu "
-                                                 "for one CPU process)"),
-         lora: Optional[int] = typer.Option(None, "--lora", help="with --sft: LoRA adapters of this rank, the "
-                                            "released model frozen (docs/finetune.md)")):
+def init(
+    directory: Path = typer.Argument(..., help="Directory to write flow.yaml into"),
+    flavour: str = typer.Option("debug", "--flavour", help="Model flavour (debug, llama3_8b, qwen3_8b, ...)"),
+    devices: int = typer.Option(8, "--devices", help="with --flavour: accelerators the run will have"),
+    device: str = typer.Option(
+        "ascend910b",
+        "--device",
+        help="with --flavour: their profile (as `plan --device`); "
+        "cpu: the debug model (or --from's) in one CPU process",
+    ),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing flow.yaml"),
+    sft: bool = typer.Option(
+        False, "--sft", help="a fine-tune of the released --flavour on chat data (and a sample chat.jsonl beside it)"
+    ),
+    released: Optional[Path] = typer.Option(
+        None,
+        "--from",
+        help="a released model's Hugging Face dir: a flow "
+        "for that model (its config.json is the architecture; --device cpu "
+        "for one CPU process)",
+    ),
+    lora: Optional[int] = typer.Option(
+        None, "--lora", help="with --sft: LoRA adapters of this rank, the released model frozen (docs/finetune.md)"
+    ),
+):
     """Write a commented example flow.yaml (the debug model on CPU, a run of --flavour on --devices
     x --device with the planner's layout, or a run of the released model --from HF_DIR; --sft: a
     fine-tune of it) into DIRECTORY."""
@@ -55,8 +68,11 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
     if released is not None and flavour != "debug":
         raise UserError("--from and --flavour both given; the released dir states the model: drop --flavour")
     # refused before anything is written
-    text = (released_flow(released.resolve(), sft=sft, devices=devices, device=device) if released is not None
-            else example_flow(flavour, devices=devices, device=device, sft=sft))
+    text = (
+        released_flow(released.resolve(), sft=sft, devices=devices, device=device)
+        if released is not None
+        else example_flow(flavour, devices=devices, device=device, sft=sft)
+    )
     if lora is not None:
         text = lora_flow(text, lora)
     text = name_run(text, directory)
@@ -68,16 +84,25 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
         write_text(target, text)
     extra = f" and {directory / SAMPLE_CHAT}" if sft else ""
     todo = "FILL IN" in text  # lines the user completes first (a fine-tune's init_from, a real tokenizer)
-    console.print(f"wrote {target}{extra}; " + ("fill in the lines marked FILL IN, then check it with: " if todo
-                                                else "check it with: ") + f"titan-pipe validate {target}",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"wrote {target}{extra}; "
+        + ("fill in the lines marked FILL IN, then check it with: " if todo else "check it with: ")
+        + f"titan-pipe validate {target}",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 @app.command()
 @handle_errors
-def validate(flow: Path = typer.Argument(..., help="flow.yaml to check"),
-             elsewhere: bool = typer.Option(False, "--elsewhere", help="the flow runs on another host (a cluster's "
-                                            "flow checked on a laptop): leave out this host's device")):
+def validate(
+    flow: Path = typer.Argument(..., help="flow.yaml to check"),
+    elsewhere: bool = typer.Option(
+        False,
+        "--elsewhere",
+        help="the flow runs on another host (a cluster's flow checked on a laptop): leave out this host's device",
+    ),
+):
     """Check a flow.yaml without running anything (exit 2 and one line per problem if invalid): its
     rules, and what train would meet before its first step on this host (its device, data, init_from)."""
     cfg = load_flow(flow)
@@ -97,11 +122,15 @@ def validate(flow: Path = typer.Argument(..., help="flow.yaml to check"),
         from titan_pipe.model.lora import adapter_count
 
         n = adapter_count(args, lora.spec())
-        model += (f", LoRA rank {lora.rank} on {', '.join(lora.targets)}: {n / 1e6:.2f}M trained, the base frozen in "
-                  f"{lora.held_dtype(cfg.precision)}")
-    typer.echo(f"{flow}: ok — model {model} ({count_params(args) / 1e6:.2f}M params), "
-               f"dp={p.dp} tp={p.tp} pp={p.pp} ({p.pp_schedule}, {p.n_microbatches} microbatches), "
-               f"world size {p.world_size}, {cfg.train.steps} steps")
+        model += (
+            f", LoRA rank {lora.rank} on {', '.join(lora.targets)}: {n / 1e6:.2f}M trained, the base frozen in "
+            f"{lora.held_dtype(cfg.precision)}"
+        )
+    typer.echo(
+        f"{flow}: ok — model {model} ({count_params(args) / 1e6:.2f}M params), "
+        f"dp={p.dp} tp={p.tp} pp={p.pp} ({p.pp_schedule}, {p.n_microbatches} microbatches), "
+        f"world size {p.world_size}, {cfg.train.steps} steps"
+    )
 
 
 def _register_commands() -> None:

@@ -7,6 +7,7 @@ from titan_pipe.choices, the model's rules from titan_pipe.model.args, so valida
 stage would. The YAML itself is refused when a key appears twice or its aliases expand past
 limits.YAML_NODES; no message prints more of a value than limits.shown does.
 """
+
 from __future__ import annotations
 
 from dataclasses import fields
@@ -14,13 +15,34 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from titan_pipe import limits
-from titan_pipe.choices import (COMPILE_BACKENDS, DEVICES, DIGESTS, DP_MODES, EXPORT, KERNELS, LOSSES, OFFLOADS,
-                                OPTIMIZER_IMPLS, OPTIMIZERS, PP_SCHEDULES, PRECISION_MODES, default_cache_len,
-                                export_problems)
+from titan_pipe.choices import (
+    COMPILE_BACKENDS,
+    DEVICES,
+    DIGESTS,
+    DP_MODES,
+    EXPORT,
+    KERNELS,
+    LOSSES,
+    OFFLOADS,
+    OPTIMIZER_IMPLS,
+    OPTIMIZERS,
+    PP_SCHEDULES,
+    PRECISION_MODES,
+    default_cache_len,
+    export_problems,
+)
 from titan_pipe.choices import NAMINGS, RECORD_FORMATS, SOURCE_FORMATS, TRAIN_MODES
 from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.errors import UserError
@@ -29,7 +51,15 @@ from titan_pipe.checkpoint_format import Manifest, complete_step
 from titan_pipe.weights.detect import detect_format, other_format
 from titan_pipe.model.lora import CONVERT_MODES as LORA_CONVERT, INITS as LORA_INITS, TARGETS as LORA_TARGETS, LoRASpec
 from titan_pipe.model.lora import model_problems as lora_model_problems
-from titan_pipe.model.args import FIELD_BOUNDS, FLAVOURS, SCALING_BOUNDS, ModelArgs, RopeScaling, args_problems, resolve_args
+from titan_pipe.model.args import (
+    FIELD_BOUNDS,
+    FLAVOURS,
+    SCALING_BOUNDS,
+    ModelArgs,
+    RopeScaling,
+    args_problems,
+    resolve_args,
+)
 from titan_pipe.model.sharding import stages_per_rank, tp_problems
 from titan_pipe.model.stated import checkpoint_args, stated_conflicts, with_training_fields
 from titan_pipe.mesh_math import n_microbatches, world_size
@@ -54,8 +84,9 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
 
 
-def _mirror(cls, *, optional: bool, bounds: dict[str, limits.Bound],
-            nested: dict[str, type] | None = None) -> dict[str, Any]:
+def _mirror(
+    cls, *, optional: bool, bounds: dict[str, limits.Bound], nested: dict[str, type] | None = None
+) -> dict[str, Any]:
     """pydantic field definitions for the fields of dataclass ``cls`` (model_args), so the config
     cannot drift from ModelArgs. ``optional``: every field defaults to None (not given: the flavour's
     value); else each keeps the dataclass default. Numbers are bounded by ``bounds``
@@ -79,8 +110,9 @@ def _mirror(cls, *, optional: bool, bounds: dict[str, limits.Bound],
     return out
 
 
-RopeScalingConfig = create_model("RopeScalingConfig", __base__=Section,
-                                 **_mirror(RopeScaling, optional=False, bounds=SCALING_BOUNDS))
+RopeScalingConfig = create_model(
+    "RopeScalingConfig", __base__=Section, **_mirror(RopeScaling, optional=False, bounds=SCALING_BOUNDS)
+)
 
 
 # ModelArgs fields where null is a value (no scaling, no window, derived from the dims): an explicit
@@ -100,12 +132,16 @@ class _ModelChoice(Section):
     @model_validator(mode="after")
     def _check(self):
         if self.flavour is not None and self.flavour not in FLAVOURS:
-            raise ValueError(f"flavour {limits.shown(self.flavour)} is unknown; use one of {', '.join(FLAVOURS)} "
-                             "or give the dims (dim, n_layers, n_heads, ...)")
+            raise ValueError(
+                f"flavour {limits.shown(self.flavour)} is unknown; use one of {', '.join(FLAVOURS)} "
+                "or give the dims (dim, n_layers, n_heads, ...)"
+            )
         nulls = [k for k in self.given() if getattr(self, k) is None and k not in NULLABLE and k != "flavour"]
         if nulls:
-            raise ValueError(f"{nulls[0]}: null is no value of {nulls[0]}; give a number or remove the key "
-                             f"(null is a value only of {', '.join(NULLABLE)})")
+            raise ValueError(
+                f"{nulls[0]}: null is no value of {nulls[0]}; give a number or remove the key "
+                f"(null is a value only of {', '.join(NULLABLE)})"
+            )
         return self  # the dims' rules: _cross_checks, one line each (titan_pipe.model.args.args_problems)
 
     def given(self) -> set[str]:
@@ -126,9 +162,11 @@ class _ModelChoice(Section):
         return self._held if self._held is not None else self.stated()
 
 
-ModelConfig = create_model("ModelConfig", __base__=_ModelChoice,
-                           **_mirror(ModelArgs, optional=True, bounds=FIELD_BOUNDS,
-                                     nested={"rope_scaling": RopeScalingConfig}))
+ModelConfig = create_model(
+    "ModelConfig",
+    __base__=_ModelChoice,
+    **_mirror(ModelArgs, optional=True, bounds=FIELD_BOUNDS, nested={"rope_scaling": RopeScalingConfig}),
+)
 
 
 class BlendEntry(Section):
@@ -421,6 +459,7 @@ class MetricsConfig(Section):
 
 class OrchestrationConfig(Section):
     """How `titan-pipe run` drives the stages under Prefect (docs/flows.md)."""
+
     # Prefect retries of the training task, each resuming from the newest complete checkpoint.
     # None: 2 when launch.max_restarts is 0, else 0 (torchrun then owns rank failures: one owner).
     retries: int | None = Field(None, ge=0, le=100)
@@ -486,73 +525,102 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
     if problems:  # the rules below divide by these dims
         return [f"model.{line}" for line in problems]
     errs = _export_and_positions(cfg, args)
-    errs += [f"convert.{key}: {getattr(cfg.convert, key)!r} is for converting other checkpoints with "
-             "`titan-pipe convert`; a flow converts its own checkpoint to the unified model its export "
-             "reads. Remove it" for key in ("source_format", "tp", "pp", "vocab_size", "source_config", "digest", "lora")
-             if getattr(cfg.convert, key) != ConvertConfig.model_fields[key].default]
+    errs += [
+        f"convert.{key}: {getattr(cfg.convert, key)!r} is for converting other checkpoints with "
+        "`titan-pipe convert`; a flow converts its own checkpoint to the unified model its export "
+        "reads. Remove it"
+        for key in ("source_format", "tp", "pp", "vocab_size", "source_config", "digest", "lora")
+        if getattr(cfg.convert, key) != ConvertConfig.model_fields[key].default
+    ]
     p = cfg.parallel
     errs += [f"parallel.tp: {p.tp} {why}" for why in tp_problems(args, p.tp)]
     errs += _moe_training_problems(cfg, args)
     if args.n_layers < p.n_stages:
-        errs.append(f"parallel.pp: {p.pp} x {p.n_stages // p.pp} stage(s) per rank needs at least "
-                    f"{p.n_stages} layers, the model has n_layers={args.n_layers}; lower pp")
+        errs.append(
+            f"parallel.pp: {p.pp} x {p.n_stages // p.pp} stage(s) per rank needs at least "
+            f"{p.n_stages} layers, the model has n_layers={args.n_layers}; lower pp"
+        )
     if p.pp > 1 and p.pp_schedule in ("1f1b", "interleaved_1f1b") and p.n_microbatches < p.pp:
-        errs.append(f"parallel.microbatches: {p.n_microbatches} < pp={p.pp}, which "
-                    f"{p.pp_schedule} cannot schedule; use microbatches >= {p.pp}")
+        errs.append(
+            f"parallel.microbatches: {p.n_microbatches} < pp={p.pp}, which "
+            f"{p.pp_schedule} cannot schedule; use microbatches >= {p.pp}"
+        )
     if p.pp_schedule == "interleaved_1f1b" and p.pp > 1 and p.n_microbatches % p.pp:
-        errs.append(f"parallel.microbatches: {p.n_microbatches} must be a multiple of pp={p.pp} "
-                    "for interleaved_1f1b")
+        errs.append(f"parallel.microbatches: {p.n_microbatches} must be a multiple of pp={p.pp} for interleaved_1f1b")
     if cfg.precision.float8 != "none" and p.tp > 1:
-        errs.append(f"precision.float8: {cfg.precision.float8} runs with tp = 1 (torchao's float8 tensor-parallel "
-                    f"layouts are not wired in); here tp={p.tp}: use tp 1 or precision.float8: none")
+        errs.append(
+            f"precision.float8: {cfg.precision.float8} runs with tp = 1 (torchao's float8 tensor-parallel "
+            f"layouts are not wired in); here tp={p.tp}: use tp 1 or precision.float8: none"
+        )
     if cfg.train.loss == "chunked" and (p.tp > 1 or p.pp > 1):
-        errs.append(f"train.loss: chunked fuses the loss with the output projection inside the model's "
-                    f"forward, which needs tp = pp = 1 (here tp={p.tp}, pp={p.pp}); use loss: auto (chunked "
-                    "where it applies) or full")
+        errs.append(
+            f"train.loss: chunked fuses the loss with the output projection inside the model's "
+            f"forward, which needs tp = pp = 1 (here tp={p.tp}, pp={p.pp}); use loss: auto (chunked "
+            "where it applies) or full"
+        )
     if cfg.data.format != "text" and cfg.data.path is None and cfg.data.blend is None:
-        errs.append(f"data.path: null trains on the shipped corpus, plain text, but data.format: {cfg.data.format} "
-                    "reads chat/instruction records; give data.path (a .jsonl of them) or set data.format: text")
+        errs.append(
+            f"data.path: null trains on the shipped corpus, plain text, but data.format: {cfg.data.format} "
+            "reads chat/instruction records; give data.path (a .jsonl of them) or set data.format: text"
+        )
     if cfg.data.format == "text" and cfg.data.max_tokens is not None:
-        errs.append(f"data.max_tokens: {cfg.data.max_tokens} applies to chat/instruction records (data.format: "
-                    "chat or instruction); set it to null for plain text")
+        errs.append(
+            f"data.max_tokens: {cfg.data.max_tokens} applies to chat/instruction records (data.format: "
+            "chat or instruction); set it to null for plain text"
+        )
     if cfg.data.max_tokens is not None and cfg.train.mode == "sft" and cfg.data.max_tokens > cfg.train.seq_len:
-        errs.append(f"data.max_tokens: {cfg.data.max_tokens} is over train.seq_len {cfg.train.seq_len}: a kept "
-                    "conversation must fit one window whole; set data.max_tokens to at most train.seq_len")
+        errs.append(
+            f"data.max_tokens: {cfg.data.max_tokens} is over train.seq_len {cfg.train.seq_len}: a kept "
+            "conversation must fit one window whole; set data.max_tokens to at most train.seq_len"
+        )
     if cfg.data.format != "text" and cfg.data.tokenizer == "byte":
-        errs.append(f"data.tokenizer: byte, but data.format: {cfg.data.format} renders records with a chat template "
-                    "whose markers the byte tokenizer does not have; set data.tokenizer to the model's dir (its "
-                    "tokenizer.json and template)")
+        errs.append(
+            f"data.tokenizer: byte, but data.format: {cfg.data.format} renders records with a chat template "
+            "whose markers the byte tokenizer does not have; set data.tokenizer to the model's dir (its "
+            "tokenizer.json and template)"
+        )
     if cfg.train.batch_size % p.dp:
         errs.append(f"train.batch_size: {cfg.train.batch_size} is not divisible by dp={p.dp}")
     elif (cfg.train.batch_size // p.dp) % p.n_microbatches:
-        errs.append(f"train.batch_size: {cfg.train.batch_size // p.dp} sequences per dp rank do not "
-                    f"split into microbatches={p.n_microbatches}")
+        errs.append(
+            f"train.batch_size: {cfg.train.batch_size // p.dp} sequences per dp rank do not "
+            f"split into microbatches={p.n_microbatches}"
+        )
     if p.sequence_parallel and p.tp > 1 and cfg.train.seq_len % p.tp:
-        errs.append(f"train.seq_len: {cfg.train.seq_len} is not divisible by tp={p.tp} "
-                    "(sequence_parallel splits the sequence)")
+        errs.append(
+            f"train.seq_len: {cfg.train.seq_len} is not divisible by tp={p.tp} (sequence_parallel splits the sequence)"
+        )
     if cfg.train.compile_backend != "auto" and not cfg.train.compile:
-        errs.append(f"train.compile_backend: {cfg.train.compile_backend!r} has no effect while train.compile is "
-                    "false; set train.compile: true or remove train.compile_backend")
+        errs.append(
+            f"train.compile_backend: {cfg.train.compile_backend!r} has no effect while train.compile is "
+            "false; set train.compile: true or remove train.compile_backend"
+        )
     pr = cfg.precision
     if pr.amp and pr.amp_dtype == "float16" and pr.loss_scale is None:
-        errs.append("precision.loss_scale: float16 AMP needs loss scaling; set loss_scale: dynamic "
-                    "(or a number like 32768), or use amp_dtype: bfloat16")
+        errs.append(
+            "precision.loss_scale: float16 AMP needs loss scaling; set loss_scale: dynamic "
+            "(or a number like 32768), or use amp_dtype: bfloat16"
+        )
     if cfg.device == "cpu" and cfg.model.kernels == "npu_fused":
         errs.append("model.kernels: npu_fused needs device npu; use kernels: reference or auto")
     world = p.world_size
     launch = cfg.launch
     nproc = launch.nproc_per_node or (world // launch.nnodes if world % launch.nnodes == 0 else None)
     if nproc is None or nproc * launch.nnodes != world:
-        errs.append(f"launch: nproc_per_node={launch.nproc_per_node or nproc} x nnodes={launch.nnodes} "
-                    f"!= dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {world}; make the world size match")
+        errs.append(
+            f"launch: nproc_per_node={launch.nproc_per_node or nproc} x nnodes={launch.nnodes} "
+            f"!= dp*tp*pp = {p.dp}*{p.tp}*{p.pp} = {world}; make the world size match"
+        )
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
         errs.append("launch.rdzv_endpoint: required when nnodes > 1 (host:port of node 0)")
     if launch.node_rank >= launch.nnodes:
         errs.append(f"launch.node_rank: {launch.node_rank} must be < nnodes={launch.nnodes}")
     if (cfg.orchestration.retries or 0) > 0 and launch.max_restarts > 0:
-        errs.append(f"orchestration.retries: {cfg.orchestration.retries} with launch.max_restarts="
-                    f"{launch.max_restarts} would retry one failure twice over (torchrun restarts the "
-                    "ranks, then Prefect relaunches torchrun); set one of them to 0")
+        errs.append(
+            f"orchestration.retries: {cfg.orchestration.retries} with launch.max_restarts="
+            f"{launch.max_restarts} would retry one failure twice over (torchrun restarts the "
+            "ranks, then Prefect relaunches torchrun); set one of them to 0"
+        )
     if cfg.zero_stage is not None and cfg.zero_stage >= 1 and p.dp_mode == "ddp" and p.tp > 1:
         errs.append("zero_stage: ZeRO with dp_mode ddp and tp > 1 is not supported; use dp_mode: fsdp")
     if cfg.memory.optimizer_offload == "cpu" and not (p.dp_mode == "fsdp" or (cfg.zero_stage or 0) >= 2):
@@ -562,10 +630,14 @@ def _cross_checks(cfg: FlowConfig, base: Path) -> list[str]:
         tp_ = Path(cfg.data.tokenizer)
         tp_ = tp_ if tp_.is_absolute() else base / tp_
         if not (tp_.is_file() or (tp_ / "tokenizer.json").is_file()):
-            errs.append(f"data.tokenizer: {cfg.data.tokenizer!r} is not a file (nor a dir holding a tokenizer.json); "
-                        "give a tokenizer.json, the model dir holding it, or 'byte'")
+            errs.append(
+                f"data.tokenizer: {cfg.data.tokenizer!r} is not a file (nor a dir holding a tokenizer.json); "
+                "give a tokenizer.json, the model dir holding it, or 'byte'"
+            )
     if cfg.data.format != "text" and cfg.train.mode != "sft":
-        errs.append(f"data.format: {cfg.data.format} data is fine-tuning data (its answers marked); set train.mode: sft")
+        errs.append(
+            f"data.format: {cfg.data.format} data is fine-tuning data (its answers marked); set train.mode: sft"
+        )
     if cfg.train.mode == "sft" and cfg.data.blend is not None:
         errs.append("train.mode: sft fine-tunes on one chat dataset; give data.path instead of data.blend")
     elif args.vocab_size < 258:
@@ -583,11 +655,15 @@ def lora_base_problem(path: Path) -> str | None:
     apart) and a DCP / Megatron one are not. Validate and the trainer ask this one rule."""
     step = complete_step(path)
     if step is not None and "lora" in Manifest.load(step).extra.other:
-        return ("is itself a LoRA checkpoint; convert it to a merged model first (titan-pipe convert STEP -o DIR) and "
-                "start from that")
+        return (
+            "is itself a LoRA checkpoint; convert it to a merged model first (titan-pipe convert STEP -o DIR) and "
+            "start from that"
+        )
     if other_format(path):
-        return (f"is a {detect_format(Path(path))} checkpoint; convert it to a Hugging Face dir first (titan-pipe "
-                "convert SRC -o DIR) and adapt that")
+        return (
+            f"is a {detect_format(Path(path))} checkpoint; convert it to a Hugging Face dir first (titan-pipe "
+            "convert SRC -o DIR) and adapt that"
+        )
     return None
 
 
@@ -600,15 +676,21 @@ def _lora_problems(cfg: FlowConfig, args, init_from: Path | None) -> list[str]:
     if why:
         errs.append(f"train.lora: init_from {init_from} {why}")
     if cfg.init_from is None:
-        errs.append("train.lora: adapters train beside a frozen base, and there is none: set init_from to the "
-                    "model to adapt (a Hugging Face dir or a checkpoint), or remove train.lora to train every weight")
+        errs.append(
+            "train.lora: adapters train beside a frozen base, and there is none: set init_from to the "
+            "model to adapt (a Hugging Face dir or a checkpoint), or remove train.lora to train every weight"
+        )
     held = lora.held_dtype(cfg.precision)
     if held != "float32" and not (cfg.precision.amp and cfg.precision.amp_dtype == held):
-        errs.append(f"train.lora.base_dtype: {held} runs the frozen base's matmuls in {held}, which needs precision.amp: "
-                    f"true with amp_dtype: {held}; set those, or base_dtype: float32")
+        errs.append(
+            f"train.lora.base_dtype: {held} runs the frozen base's matmuls in {held}, which needs precision.amp: "
+            f"true with amp_dtype: {held}; set those, or base_dtype: float32"
+        )
     if cfg.precision.float8 != "none":
-        errs.append(f"train.lora with precision.float8: {cfg.precision.float8}: the frozen base would be swapped for "
-                    "float8 linears the adapters do not sit beside; use precision.float8: none")
+        errs.append(
+            f"train.lora with precision.float8: {cfg.precision.float8}: the frozen base would be swapped for "
+            "float8 linears the adapters do not sit beside; use precision.float8: none"
+        )
     return errs
 
 
@@ -646,44 +728,75 @@ def _moe_training_problems(cfg: FlowConfig, args: ModelArgs) -> list[str]:
     with yet (tensor parallelism, compile, float8) is one line each."""
     p = cfg.parallel
     if not args.moe:
-        return [f"parallel.ep: {p.ep} splits a mixture of experts' experts; the model has none (n_experts: 0); "
-                "use ep: 1"] if p.ep > 1 else []
+        return (
+            [f"parallel.ep: {p.ep} splits a mixture of experts' experts; the model has none (n_experts: 0); use ep: 1"]
+            if p.ep > 1
+            else []
+        )
     out = []
     if p.ep > 1:
         if p.dp % p.ep:
-            out.append(f"parallel.ep: {p.ep} does not divide dp={p.dp} (the experts are split over ep of the dp "
-                       f"ranks); pick ep from the divisors of {p.dp}")
+            out.append(
+                f"parallel.ep: {p.ep} does not divide dp={p.dp} (the experts are split over ep of the dp "
+                f"ranks); pick ep from the divisors of {p.dp}"
+            )
         if args.n_experts % p.ep:
-            out.append(f"parallel.ep: {p.ep} does not divide the model's n_experts={args.n_experts} (each ep rank "
-                       f"holds as many experts); pick ep from the divisors of {args.n_experts}")
+            out.append(
+                f"parallel.ep: {p.ep} does not divide the model's n_experts={args.n_experts} (each ep rank "
+                f"holds as many experts); pick ep from the divisors of {args.n_experts}"
+            )
         if p.dp_mode != "fsdp":
-            out.append(f"parallel.dp_mode: {p.dp_mode} with ep={p.ep}: expert parallelism runs under FSDP (the "
-                       "experts are sharded over the dp ranks that share them); use dp_mode: fsdp")
+            out.append(
+                f"parallel.dp_mode: {p.dp_mode} with ep={p.ep}: expert parallelism runs under FSDP (the "
+                "experts are sharded over the dp ranks that share them); use dp_mode: fsdp"
+            )
     if p.tp > 1 and p.ep > 1:
-        out.append(f"parallel.tp: {p.tp} with ep={p.ep}: tensor parallelism splits the attention and runs "
-                   "every expert on each tp rank; expert parallelism with it is not built: use tp: 1 or ep: 1")
+        out.append(
+            f"parallel.tp: {p.tp} with ep={p.ep}: tensor parallelism splits the attention and runs "
+            "every expert on each tp rank; expert parallelism with it is not built: use tp: 1 or ep: 1"
+        )
     if p.tp > 1 and p.sequence_parallel:
-        out.append("parallel.sequence_parallel: true with a mixture of experts: the routing layers take the "
-                   "whole sequence on each tp rank; set sequence_parallel: false")
+        out.append(
+            "parallel.sequence_parallel: true with a mixture of experts: the routing layers take the "
+            "whole sequence on each tp rank; set sequence_parallel: false"
+        )
     if cfg.train.compile:
-        out.append("train.compile: true: the routing has data-dependent shapes (tokens per expert), which "
-                   "the block-wise compile does not take; set train.compile: false")
+        out.append(
+            "train.compile: true: the routing has data-dependent shapes (tokens per expert), which "
+            "the block-wise compile does not take; set train.compile: false"
+        )
     if cfg.precision.float8 != "none":
-        out.append(f"precision.float8: {cfg.precision.float8}: float8 training converts the dense linears; "
-                   "the router and the stacked experts are not; use float8: none")
+        out.append(
+            f"precision.float8: {cfg.precision.float8}: float8 training converts the dense linears; "
+            "the router and the stacked experts are not; use float8: none"
+        )
     return out
 
 
 def _export_and_positions(cfg: FlowConfig, args: ModelArgs) -> list[str]:
     """Every length the model's positions bound, and the export stage's own option rules."""
-    errs = [f"{key}: {value} exceeds model max_seq_len={args.max_seq_len}; lower it or raise model.max_seq_len"
-            for key, value in (("train.seq_len", cfg.train.seq_len), ("evaluate.seq_len", cfg.evaluate.seq_len))
-            if value > args.max_seq_len]
+    errs = [
+        f"{key}: {value} exceeds model max_seq_len={args.max_seq_len}; lower it or raise model.max_seq_len"
+        for key, value in (("train.seq_len", cfg.train.seq_len), ("evaluate.seq_len", cfg.evaluate.seq_len))
+        if value > args.max_seq_len
+    ]
     e = cfg.export_settings()
-    errs += [f"export: {line}" for line in export_problems(
-        max_positions=args.max_seq_len, opset=e.opset, dtype=e.dtype, batch=e.batch, seq_len=e.seq_len,
-        cache_len=e.cache_len, kv_cache=e.kv_cache, precision_mode=e.precision_mode, digest=e.digest,
-        data_files=e.data_files, spell=lambda k: f"export.{k}:")]
+    errs += [
+        f"export: {line}"
+        for line in export_problems(
+            max_positions=args.max_seq_len,
+            opset=e.opset,
+            dtype=e.dtype,
+            batch=e.batch,
+            seq_len=e.seq_len,
+            cache_len=e.cache_len,
+            kv_cache=e.kv_cache,
+            precision_mode=e.precision_mode,
+            digest=e.digest,
+            data_files=e.data_files,
+            spell=lambda k: f"export.{k}:",
+        )
+    ]
     return errs
 
 
@@ -695,13 +808,17 @@ def _data_path_checks(data: DataConfig, base: Path) -> list[str]:
     if data.path is not None:
         p = resolve(data.path, base)
         if not p.exists() and not is_token_data(p):
-            errs.append(f"data.path: {data.path!r} does not exist (resolved to {p}); fix the path "
-                        "or remove it to use the shipped corpus")
+            errs.append(
+                f"data.path: {data.path!r} does not exist (resolved to {p}); fix the path "
+                "or remove it to use the shipped corpus"
+            )
     for i, entry in enumerate(data.blend or []):
         p = resolve(entry.path, base)
         if not is_token_data(p):
-            errs.append(f"data.blend[{i}].path: {entry.path!r} (resolved to {p}) is not a prepared data dir or a "
-                        ".bin/.idx prefix; prepare raw text first with `titan-pipe data prepare SRC -o DIR`")
+            errs.append(
+                f"data.blend[{i}].path: {entry.path!r} (resolved to {p}) is not a prepared data dir or a "
+                ".bin/.idx prefix; prepare raw text first with `titan-pipe data prepare SRC -o DIR`"
+            )
     return errs
 
 
@@ -739,7 +856,7 @@ def section_from_flags(cls: type[Section], flags: dict[str, str], **values) -> S
     except ValidationError as e:
         lines = _format_pydantic(e)
         for field_name, flag in flags.items():
-            lines = [flag + line[len(field_name):] if line.startswith(field_name + ":") else line for line in lines]
+            lines = [flag + line[len(field_name) :] if line.startswith(field_name + ":") else line for line in lines]
         raise UserError("; ".join(lines)) from None
 
 
@@ -764,13 +881,19 @@ def load_flow(path: str | Path) -> FlowConfig:
         raise ConfigError(str(path), ["file not found; create one with `titan-pipe init DIR`"])
     size = path.stat().st_size
     if size > MAX_FLOW_BYTES:  # PyYAML parses ~1 MB/s; a flow file is a few KB
-        raise ConfigError(str(path), [f"is {size / 1e6:.1f} MB, larger than a flow file can be "
-                                      f"({MAX_FLOW_BYTES // 2**20} MB); pass the flow.yaml, not a data file"])
+        raise ConfigError(
+            str(path),
+            [
+                f"is {size / 1e6:.1f} MB, larger than a flow file can be "
+                f"({MAX_FLOW_BYTES // 2**20} MB); pass the flow.yaml, not a data file"
+            ],
+        )
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(str(path), [f"not UTF-8 text (byte {e.start}: {e.object[e.start:e.start + 1]!r}); "
-                                      "save the file as UTF-8"]) from None
+        raise ConfigError(
+            str(path), [f"not UTF-8 text (byte {e.start}: {e.object[e.start : e.start + 1]!r}); save the file as UTF-8"]
+        ) from None
     try:
         data = load_flow_text(text) or {}
     except FlowYamlError as e:
@@ -778,6 +901,8 @@ def load_flow(path: str | Path) -> FlowConfig:
     except yaml.YAMLError as e:
         raise ConfigError(str(path), [f"not valid YAML: {str(e).splitlines()[0]}"]) from None
     except RecursionError:  # PyYAML's composer recurses once per nesting level
-        raise ConfigError(str(path), ["nested too deeply to be a flow file; a flow.yaml is sections of "
-                                      "keys (name, model, train, ...)"]) from None
+        raise ConfigError(
+            str(path),
+            ["nested too deeply to be a flow file; a flow.yaml is sections of keys (name, model, train, ...)"],
+        ) from None
     return parse_flow(data, source=str(path), base=path.parent.resolve())

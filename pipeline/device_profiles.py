@@ -1,4 +1,5 @@
 """Accelerator profiles (peak FLOPs, memory, links) kept as data in data/device_profiles.json."""
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,7 @@ def resolve_profile(name: str) -> tuple[str, dict, str | None]:
         alias = aliases[key]
         key = alias["resolves_to"]
         others = ", ".join(f for f in alias["family"] if f != key)
-        note = (f"{name} means {key} ({alias['why']})" + (f"; pass --device {others} for another bin" if others else ""))
+        note = f"{name} means {key} ({alias['why']})" + (f"; pass --device {others} for another bin" if others else "")
     profiles = load_profiles()
     if key not in profiles:
         known = sorted(set(profiles) | set(aliases))

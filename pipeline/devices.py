@@ -1,4 +1,5 @@
 """Device and collective backend per platform: cpu/gloo, cuda/nccl, npu/hccl (torch_npu lazily)."""
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,10 @@ def resolve_device(choice: str = "auto") -> Device:
         else:
             choice = "cpu"
     if choice == "npu" and not npu_available():
-        raise UserError("device: npu, but torch_npu/CANN is not available on this host; install the "
-                        "[npu] extra (pip install 'titan-pipe[npu]') on an Ascend host, or set device: cpu")
+        raise UserError(
+            "device: npu, but torch_npu/CANN is not available on this host; install the "
+            "[npu] extra (pip install 'titan-pipe[npu]') on an Ascend host, or set device: cpu"
+        )
     if choice == "cuda" and not torch.cuda.is_available():
         raise UserError("device: cuda, but CUDA is not available on this host; run on a GPU host, or set device: cpu")
     if choice not in BACKENDS:

@@ -4,6 +4,7 @@
 safetensors header's (and the checkpoint manifest's), ``onnx`` the ``onnx.TensorProto`` enum name,
 ``ort`` what ONNX Runtime reports as ``tensor(<ort>)``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,9 +67,11 @@ def __getattr__(attr: str):
     """The torch-valued tables, built on first use (PEP 562), so importing this module imports no torch:
     TORCH_DTYPES (safetensors code -> torch dtype), DTYPE_NAMES (torch dtype -> code),
     TORCH_BY_NAME (float name -> torch dtype)."""
-    tables = {"TORCH_DTYPES": lambda: {d.code: d.torch for d in TABLE},
-              "DTYPE_NAMES": lambda: {d.torch: d.code for d in TABLE},
-              "TORCH_BY_NAME": lambda: {n: BY_NAME[n].torch for n in FLOAT_NAMES}}
+    tables = {
+        "TORCH_DTYPES": lambda: {d.code: d.torch for d in TABLE},
+        "DTYPE_NAMES": lambda: {d.torch: d.code for d in TABLE},
+        "TORCH_BY_NAME": lambda: {n: BY_NAME[n].torch for n in FLOAT_NAMES},
+    }
     if attr not in tables:
         raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
     value = globals()[attr] = tables[attr]()

@@ -1,4 +1,5 @@
 """Errors a user can fix. Only the CLI turns them into messages and exit codes."""
+
 from __future__ import annotations
 
 

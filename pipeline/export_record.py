@@ -17,6 +17,7 @@ and 2 with ``{bytes, sha256}`` file entries, read as algorithm sha256):
 ``algorithm`` names the digest (titan_pipe.hashing.DIGESTS: xxh3_128 by default, sha256 on request);
 ``check_files`` re-computes each with it, so a corrupted or swapped data file is refused in one line.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,10 @@ RECORD_FILE = "export.json"
 FORMAT_NAME = "titan-pipe-export"
 FORMAT_VERSION = 3
 _FIX = "re-export the graph with `titan-pipe export` (its external data stays beside the graph)"
-DECODE_NOTE = ("decode.onnx writes the step's key/value into slot write_index (Where over a one-hot of the "
-               "slots) and returns the whole cache; feed present.* back as past_key_values.*")
+DECODE_NOTE = (
+    "decode.onnx writes the step's key/value into slot write_index (Where over a one-hot of the "
+    "slots) and returns the whole cache; feed present.* back as past_key_values.*"
+)
 
 
 @dataclass(frozen=True)
@@ -108,11 +111,18 @@ class ExportRecord:
         return self.graphs.get(file)
 
     def to_json(self) -> str:
-        d = {"format": f"{FORMAT_NAME}/{self.format_version}", "source": self.source, "options": self.options,
-             "exporter": self.exporter, "decode": None if self.decode is None else asdict(self.decode),
-             "atc": self.atc, "graphs": {f: g.to_dict() for f, g in self.graphs.items()},
-             "files": {f: asdict(e) for f, e in self.files.items()},
-             "export_seconds": self.export_seconds, "timings_seconds": self.timings_seconds}
+        d = {
+            "format": f"{FORMAT_NAME}/{self.format_version}",
+            "source": self.source,
+            "options": self.options,
+            "exporter": self.exporter,
+            "decode": None if self.decode is None else asdict(self.decode),
+            "atc": self.atc,
+            "graphs": {f: g.to_dict() for f, g in self.graphs.items()},
+            "files": {f: asdict(e) for f, e in self.files.items()},
+            "export_seconds": self.export_seconds,
+            "timings_seconds": self.timings_seconds,
+        }
         return json.dumps(d, indent=1) + "\n"
 
     @classmethod
@@ -147,11 +157,15 @@ class ExportRecord:
             size = path.stat().st_size if path.is_file() else None
             if size != entry.bytes:
                 got = "is missing" if size is None else f"has {size} bytes"
-                raise UserError(f"{path}: {got} but {record} records {entry.bytes}; the export is incomplete or "
-                                f"mixed with another one: {_FIX}")
+                raise UserError(
+                    f"{path}: {got} but {record} records {entry.bytes}; the export is incomplete or "
+                    f"mixed with another one: {_FIX}"
+                )
             if entry.digest is not None and file_digest(path, algorithm=entry.algorithm) != entry.digest:
-                raise UserError(f"{path}: its {entry.algorithm} digest does not match {record} "
-                                f"({entry.digest[:16]}...); the file is corrupted or from another export: {_FIX}")
+                raise UserError(
+                    f"{path}: its {entry.algorithm} digest does not match {record} "
+                    f"({entry.digest[:16]}...); the file is corrupted or from another export: {_FIX}"
+                )
 
     @classmethod
     def find(cls, export_dir: Path) -> "ExportRecord | None":
@@ -162,11 +176,14 @@ class ExportRecord:
 def _version(fmt: object, path: Path) -> int:
     name, _, version = str(fmt).partition("/")
     if name != FORMAT_NAME or not version.isdigit():
-        raise UserError(f"{path}: format {fmt!r} is not {FORMAT_NAME!r}/N; pass the export.json "
-                        "`titan-pipe export` writes")
+        raise UserError(
+            f"{path}: format {fmt!r} is not {FORMAT_NAME!r}/N; pass the export.json `titan-pipe export` writes"
+        )
     if int(version) > FORMAT_VERSION:
-        raise UserError(f"{path}: format {fmt!r} is newer than this titan-pipe reads "
-                        f"({FORMAT_NAME}/{FORMAT_VERSION}); upgrade titan-pipe")
+        raise UserError(
+            f"{path}: format {fmt!r} is newer than this titan-pipe reads "
+            f"({FORMAT_NAME}/{FORMAT_VERSION}); upgrade titan-pipe"
+        )
     return int(version)
 
 
@@ -194,17 +211,32 @@ def _graph(g: dict, path: Path, file: str) -> GraphRecord:
     p = f"graphs.{file}."
     return GraphRecord(
         opset=read(g, "opset", INT, source=path, default=None, bound=OPSET, prefix=p, fix=_MALFORMED),
-        inputs=dict(g.get("inputs") or {}), outputs=dict(g.get("outputs") or {}),
+        inputs=dict(g.get("inputs") or {}),
+        outputs=dict(g.get("outputs") or {}),
         n_nodes=read(g, "n_nodes", INT, source=path, default=0, bound=COUNT, prefix=p, fix=_MALFORMED),
-        operators=tuple(OperatorUse(o.get("domain", ""), o["op_type"],
-                                    read(o, "count", INT, source=path, default=0, bound=COUNT, prefix=p + "operators.", fix=_MALFORMED),
-                                    read(o, "since_version", INT, source=path, default=None, bound=OPSET,
-                                         prefix=p + "operators.", fix=_MALFORMED))
-                        for o in g.get("operators") or ()),
+        operators=tuple(
+            OperatorUse(
+                o.get("domain", ""),
+                o["op_type"],
+                read(o, "count", INT, source=path, default=0, bound=COUNT, prefix=p + "operators.", fix=_MALFORMED),
+                read(
+                    o,
+                    "since_version",
+                    INT,
+                    source=path,
+                    default=None,
+                    bound=OPSET,
+                    prefix=p + "operators.",
+                    fix=_MALFORMED,
+                ),
+            )
+            for o in g.get("operators") or ()
+        ),
         layer_outputs=_names(g.get("layer_outputs") or [], optional=False),
         attn_outputs=_names(g.get("attn_outputs") or [], optional=True),
         mlp_outputs=_names(g.get("mlp_outputs") or [], optional=True),
-        embed_output=_name(g.get("embed_output")))
+        embed_output=_name(g.get("embed_output")),
+    )
 
 
 def _file(e: dict, path: Path, file: str, version: int) -> FileEntry:
@@ -223,10 +255,19 @@ def _parse(d: dict, version: int, path: Path) -> ExportRecord:
     return ExportRecord(
         graphs={f: _graph(g, path, f) for f, g in (d.get("graphs") or {}).items()},
         files={f: _file(e, path, f, version) for f, e in (d.get("files") or {}).items()},
-        decode=None if not dec else DecodeContract(read(dec, "cache_len", INT, source=path, bound=limits.CACHE_LEN,
-                                                        prefix="decode.", fix=_MALFORMED), dec.get("cache_update", CACHE_UPDATE),
-                                                   dec.get("write_index", WRITE_INDEX), dec.get("note", DECODE_NOTE)),
-        source=dict(d.get("source") or {}), options=dict(d.get("options") or {}),
-        exporter=dict(d.get("exporter") or {}), atc=dict(d.get("atc") or {}),
-        export_seconds=d.get("export_seconds"), timings_seconds=dict(d.get("timings_seconds") or {}),
-        format_version=version)
+        decode=None
+        if not dec
+        else DecodeContract(
+            read(dec, "cache_len", INT, source=path, bound=limits.CACHE_LEN, prefix="decode.", fix=_MALFORMED),
+            dec.get("cache_update", CACHE_UPDATE),
+            dec.get("write_index", WRITE_INDEX),
+            dec.get("note", DECODE_NOTE),
+        ),
+        source=dict(d.get("source") or {}),
+        options=dict(d.get("options") or {}),
+        exporter=dict(d.get("exporter") or {}),
+        atc=dict(d.get("atc") or {}),
+        export_seconds=d.get("export_seconds"),
+        timings_seconds=dict(d.get("timings_seconds") or {}),
+        format_version=version,
+    )

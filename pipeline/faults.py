@@ -7,6 +7,7 @@ work that writes an output, or ``fault_message`` on an OSError that reached the 
 Where the size of an output is known before writing (convert, export), ``check_free_space``
 refuses before a byte is written.
 """
+
 from __future__ import annotations
 
 import errno
@@ -25,8 +26,10 @@ FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _KNOWN: dict[int, tuple[str, str]] = {
     errno.ENOSPC: ("the disk filled up", "{need} or choose another output directory"),
     errno.EDQUOT: ("the disk filled up (the disk quota is exhausted)", "{need} or choose another output directory"),
-    errno.EFBIG: ("the disk filled up (a file-size limit, ulimit -f, stopped the write)",
-                  "raise the limit (ulimit -f unlimited) or choose another output directory"),
+    errno.EFBIG: (
+        "the disk filled up (a file-size limit, ulimit -f, stopped the write)",
+        "raise the limit (ulimit -f unlimited) or choose another output directory",
+    ),
     errno.EROFS: ("the file system is read-only", "choose a writable directory"),
     errno.EACCES: ("permission denied", "choose a directory you can write, or fix its permissions"),
     errno.EPERM: ("operation not permitted", "choose a directory you can write, or fix its permissions"),
@@ -36,22 +39,37 @@ _KNOWN: dict[int, tuple[str, str]] = {
     errno.ENOTDIR: ("a file stands where a directory must be made", "remove that file or choose another output path"),
     errno.EEXIST: ("a file stands where a directory must be made", "remove that file or choose another output path"),
     errno.EISDIR: ("a directory stands where a file must be written", "remove it or choose another output path"),
-    errno.EBUSY: ("it is a mount point (or in use), which cannot be replaced by a rename",
-                  "give a directory inside it, e.g. {out}/out"),
-    errno.EXDEV: ("the output and its temporary copy lie on different file systems",
-                  "choose an output directory that is not a mount point"),
+    errno.EBUSY: (
+        "it is a mount point (or in use), which cannot be replaced by a rename",
+        "give a directory inside it, e.g. {out}/out",
+    ),
+    errno.EXDEV: (
+        "the output and its temporary copy lie on different file systems",
+        "choose an output directory that is not a mount point",
+    ),
     errno.EIO: ("the device reported an I/O error", "check the disk (dmesg) or choose another output directory"),
-    errno.ELOOP: ("a symbolic link stands where titan-pipe writes (it never writes through one), or the path "
-                  "loops", "remove the link or choose another path"),
-    errno.ESPIPE: ("a FIFO, socket or device stands where a file must be written",
-                   "remove it or choose another output path"),
-    errno.ENXIO: ("a FIFO, socket or device stands where a file must be written",  # a FIFO with no reader
-                  "remove it or choose another output path"),
+    errno.ELOOP: (
+        "a symbolic link stands where titan-pipe writes (it never writes through one), or the path loops",
+        "remove the link or choose another path",
+    ),
+    errno.ESPIPE: (
+        "a FIFO, socket or device stands where a file must be written",
+        "remove it or choose another output path",
+    ),
+    errno.ENXIO: (
+        "a FIFO, socket or device stands where a file must be written",  # a FIFO with no reader
+        "remove it or choose another output path",
+    ),
 }
 FAULT_ERRNOS = frozenset(_KNOWN)
 # what each stage writes, for the line its faults become ("<path>: cannot write <what>: ...")
-STAGE_OUTPUTS = {"train": "the training run (checkpoints, logs, metrics)", "convert": "the converted model",
-                 "export": "the ONNX export", "evaluate": "the evaluation report", "prepare": "the prepared data"}
+STAGE_OUTPUTS = {
+    "train": "the training run (checkpoints, logs, metrics)",
+    "convert": "the converted model",
+    "export": "the ONNX export",
+    "evaluate": "the evaluation report",
+    "prepare": "the prepared data",
+}
 # A Rust library (safetensors) reports an OS error inside its own message: "... Os { code: 28, ..."
 _RUST_OS_ERROR = re.compile(r"(?:Os \{ code: |os error )(\d+)")
 
@@ -108,13 +126,14 @@ def _need(out: Path | None, needs: int | None) -> str:
     if needs is None:
         return f"free space there ({human(free)} free now)"
     if free >= needs:  # the space went to another writer meanwhile, or a quota applies
-        return (f"free space there (the output needs {human(needs)}; {human(free)} are free now, so another "
-                "writer or a disk quota took the rest)")
+        return (
+            f"free space there (the output needs {human(needs)}; {human(free)} are free now, so another "
+            "writer or a disk quota took the rest)"
+        )
     return f"free at least {human(needs - free)} there (the output needs {human(needs)}, {human(free)} are free now)"
 
 
-def fault_message(e: OSError, *, path: Path | None = None, what: str | None = None,
-                  needs: int | None = None) -> str:
+def fault_message(e: OSError, *, path: Path | None = None, what: str | None = None, needs: int | None = None) -> str:
     """One line: ``<path>: cannot write <what>: <reason> (<ERRNO>); <fix>``.
 
     ``path``: the output; the message names the file the error names instead when that lies
@@ -146,8 +165,9 @@ def _inside(p: Path, root: Path) -> bool:
     return p == root or root in p.parents
 
 
-def as_fault(exc: BaseException, *, path: Path | None = None, what: str | None = None,
-             needs: int | None = None) -> OutputFault | None:
+def as_fault(
+    exc: BaseException, *, path: Path | None = None, what: str | None = None, needs: int | None = None
+) -> OutputFault | None:
     """``exc`` as an OutputFault, when an OS error with a known errno is behind it; else None."""
     if isinstance(exc, OutputFault):
         return exc
@@ -179,6 +199,10 @@ def check_free_space(path: Path, *, needs: int, what: str) -> None:
     """Refuse before writing when the file system holding ``path`` has less than ``needs`` bytes free."""
     free = free_bytes(path)
     if free < needs:
-        raise OutputFault(f"{path}: cannot write {what}: it needs {human(needs)} and the disk holding it has "
-                          f"{human(free)} free (ENOSPC); free at least {human(needs - free)} there or choose "
-                          "another output directory", path=Path(path), errno_=errno.ENOSPC)
+        raise OutputFault(
+            f"{path}: cannot write {what}: it needs {human(needs)} and the disk holding it has "
+            f"{human(free)} free (ENOSPC); free at least {human(needs - free)} there or choose "
+            "another output directory",
+            path=Path(path),
+            errno_=errno.ENOSPC,
+        )

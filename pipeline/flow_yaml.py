@@ -7,6 +7,7 @@
   exceed titan_pipe.limits.YAML_NODES is refused before anything is built from it (a 500-byte
   "billion laughs" file would otherwise make validation walk an exponential tree).
 """
+
 from __future__ import annotations
 
 import yaml
@@ -32,8 +33,10 @@ class _Loader(yaml.SafeLoader):
             except TypeError:  # an unhashable key: PyYAML's own error says so
                 break
             if first != key_node.start_mark.line + 1:
-                raise FlowYamlError(f"key {limits.shown(key)} appears twice (lines {first} and "
-                                    f"{key_node.start_mark.line + 1}); keep one")
+                raise FlowYamlError(
+                    f"key {limits.shown(key)} appears twice (lines {first} and "
+                    f"{key_node.start_mark.line + 1}); keep one"
+                )
         return super().construct_mapping(node, deep)
 
 
@@ -70,8 +73,10 @@ def load_flow_text(text: str):
             return None
         n = expanded_size(node, limits.YAML_NODES.hi)
         if n > limits.YAML_NODES.hi:
-            raise FlowYamlError(f"expands to more than {limits.YAML_NODES.hi:,.0f} values through anchors and "
-                                "aliases (&name / *name); a flow.yaml has a few hundred: write the values out")
+            raise FlowYamlError(
+                f"expands to more than {limits.YAML_NODES.hi:,.0f} values through anchors and "
+                "aliases (&name / *name); a flow.yaml has a few hundred: write the values out"
+            )
         return loader.construct_document(node)
     finally:
         loader.dispose()

@@ -14,6 +14,7 @@ keeps (docs/export.md, "Running the static decode loop"):
   slot_mask  (B, C) int64: 1 where a slot holds a real token (prompt tokens, then one slot per step)
   positions  (B,) int64: each row's count of real tokens so far = the next token's position
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,8 +24,17 @@ from typing import Sequence
 import numpy as np
 
 from titan_pipe.errors import UserError
-from titan_pipe.graph_io import (ATTENTION_MASK, INPUT_IDS, LOGITS, PAST, POSITION_IDS, PRESENT, WRITE_INDEX, past_of,
-                                 present_of)
+from titan_pipe.graph_io import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    LOGITS,
+    PAST,
+    POSITION_IDS,
+    PRESENT,
+    WRITE_INDEX,
+    past_of,
+    present_of,
+)
 
 
 @dataclass(frozen=True)
@@ -38,8 +48,7 @@ class Generation:
         return [list(p) + row.tolist() for p, row in zip(prompts, self.new_tokens)]
 
 
-def ort_session(source, *, threads: int = 0, external_dir: Path | None = None, hint: str = "",
-                prepack: bool = True):
+def ort_session(source, *, threads: int = 0, external_dir: Path | None = None, hint: str = "", prepack: bool = True):
     """An ONNX Runtime CPU session: the one way titan-pipe opens a graph (the generation loop,
     evaluate's runners, its per-layer pieces and its operator graphs).
 
@@ -67,13 +76,16 @@ def ort_session(source, *, threads: int = 0, external_dir: Path | None = None, h
         where = Path(external_dir or ".") / "(graph in memory)"
         source = source if isinstance(source, bytes) else source.SerializeToString()
         if external_dir is not None:
-            opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                          str(Path(external_dir).resolve()))
+            opts.add_session_config_entry(
+                "session.model_external_initializers_file_folder_path", str(Path(external_dir).resolve())
+            )
     try:
         return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT's own exception types (InvalidGraph, NoSuchFile, ...), protobuf errors
-        raise UserError(f"{where}: ONNX Runtime cannot load it: {str(e).splitlines()[0][:300]}; "
-                        f"{hint or 're-export it with `titan-pipe export`'}") from None
+        raise UserError(
+            f"{where}: ONNX Runtime cannot load it: {str(e).splitlines()[0][:300]}; "
+            f"{hint or 're-export it with `titan-pipe export`'}"
+        ) from None
 
 
 def _dims(session) -> dict[str, list]:
@@ -90,8 +102,8 @@ def left_pad(prompts: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> 
     mask = np.zeros((len(prompts), length), dtype=np.int64)
     for r, p in enumerate(prompts):
         if len(p):
-            ids[r, length - len(p):] = np.asarray(p, dtype=np.int64)
-            mask[r, length - len(p):] = 1
+            ids[r, length - len(p) :] = np.asarray(p, dtype=np.int64)
+            mask[r, length - len(p) :] = 1
     return ids, mask
 
 
@@ -103,12 +115,15 @@ def check_mask(attention_mask: np.ndarray) -> np.ndarray:
     lengths = m.sum(axis=1)
     empty = np.flatnonzero(lengths == 0)
     if empty.size:
-        raise UserError(f"attention_mask row {int(empty[0])} is all zeros (an empty prompt): nothing to attend to; "
-                        "give every prompt at least one token")
+        raise UserError(
+            f"attention_mask row {int(empty[0])} is all zeros (an empty prompt): nothing to attend to; "
+            "give every prompt at least one token"
+        )
     bad = np.flatnonzero((np.diff(m, axis=1) < 0).any(axis=1))
     if bad.size:
-        raise UserError(f"attention_mask row {int(bad[0])} has padding after a real token; pad on the left "
-                        "(0s first, then 1s)")
+        raise UserError(
+            f"attention_mask row {int(bad[0])} has padding after a real token; pad on the left (0s first, then 1s)"
+        )
     return lengths
 
 
@@ -124,9 +139,16 @@ class PaddedBatch:
     forced: np.ndarray | None = None
 
 
-def plan_batches(*, prefill, decode, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                 cache_len: int | None = None, pad_id: int = 0, forced: np.ndarray | None = None
-                 ) -> list[PaddedBatch]:
+def plan_batches(
+    *,
+    prefill,
+    decode,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    cache_len: int | None = None,
+    pad_id: int = 0,
+    forced: np.ndarray | None = None,
+) -> list[PaddedBatch]:
     """The batches ``generate`` runs, as data (see ``generate`` for the rules and the errors)."""
     if max_new_tokens < 1:
         raise UserError(f"max_new_tokens {max_new_tokens}: generate at least one token")
@@ -135,19 +157,24 @@ def plan_batches(*, prefill, decode, prompts: Sequence[Sequence[int]], max_new_t
     c_fixed = _fixed(dd[ATTENTION_MASK][1])
     for r, p in enumerate(prompts):
         if len(p) == 0:
-            raise UserError(f"prompt {r} is empty (its attention_mask row would be all zeros); give every prompt "
-                            "at least one token")
+            raise UserError(
+                f"prompt {r} is empty (its attention_mask row would be all zeros); give every prompt at least one token"
+            )
         if t_fixed is not None and len(p) > t_fixed:
-            raise UserError(f"prompt {r} has {len(p)} tokens but the static prefill graph takes {t_fixed}; shorten "
-                            f"it or re-export with --seq-len {len(p)} or more")
+            raise UserError(
+                f"prompt {r} has {len(p)} tokens but the static prefill graph takes {t_fixed}; shorten "
+                f"it or re-export with --seq-len {len(p)} or more"
+            )
     if forced is not None and np.asarray(forced).shape != (len(prompts), max_new_tokens):
-        raise UserError(f"forced tokens of shape {list(np.asarray(forced).shape)}: expected "
-                        f"[{len(prompts)}, {max_new_tokens}] (prompts x new tokens)")
+        raise UserError(
+            f"forced tokens of shape {list(np.asarray(forced).shape)}: expected "
+            f"[{len(prompts)}, {max_new_tokens}] (prompts x new tokens)"
+        )
     step = b_fixed or len(prompts)
     plan = []
     for start in range(0, len(prompts), step):
-        chunk = list(prompts[start:start + step])
-        f = None if forced is None else np.asarray(forced)[start:start + step]
+        chunk = list(prompts[start : start + step])
+        f = None if forced is None else np.asarray(forced)[start : start + step]
         n_real = len(chunk)
         if b_fixed is not None and n_real < b_fixed:  # fill a static batch
             chunk += [chunk[0]] * (b_fixed - n_real)
@@ -162,9 +189,11 @@ def plan_batches(*, prefill, decode, prompts: Sequence[Sequence[int]], max_new_t
 
 def _check_capacity(t: int, max_new_tokens: int, cache_len: int) -> None:
     if t + max_new_tokens - 1 > cache_len:
-        raise UserError(f"a prompt of {t} tokens (padded) plus {max_new_tokens} new tokens needs "
-                        f"{t + max_new_tokens - 1} cache slots but the cache has {cache_len}; generate fewer tokens, "
-                        f"shorten the prompt, or re-export with --cache-len {t + max_new_tokens - 1} or more")
+        raise UserError(
+            f"a prompt of {t} tokens (padded) plus {max_new_tokens} new tokens needs "
+            f"{t + max_new_tokens - 1} cache slots but the cache has {cache_len}; generate fewer tokens, "
+            f"shorten the prompt, or re-export with --cache-len {t + max_new_tokens - 1} or more"
+        )
 
 
 def prefill_feeds(batch: PaddedBatch) -> dict[str, np.ndarray]:
@@ -176,7 +205,7 @@ def prefill_feeds(batch: PaddedBatch) -> dict[str, np.ndarray]:
 def cache_of(kv: np.ndarray, cache_len: int) -> np.ndarray:
     """A prefill present.* (B, Hkv, T, hd) placed in slots 0..T-1 of a (B, Hkv, C, hd) cache."""
     buf = np.zeros(kv.shape[:2] + (cache_len,) + kv.shape[3:], dtype=kv.dtype)
-    buf[:, :, :kv.shape[2]] = kv
+    buf[:, :, : kv.shape[2]] = kv
     return buf
 
 
@@ -186,11 +215,14 @@ def decode_feeds(batch: PaddedBatch, k: int, tokens: np.ndarray) -> dict[str, np
     b, t = batch.ids.shape
     slot_mask = np.zeros((b, batch.cache_len), dtype=np.int64)
     slot_mask[:, :t] = batch.mask
-    slot_mask[:, t:t + k + 1] = 1
+    slot_mask[:, t : t + k + 1] = 1
     lengths = batch.mask.sum(axis=1)
-    return {INPUT_IDS: np.asarray(tokens, dtype=np.int64).reshape(b, 1).copy(),
-            POSITION_IDS: (lengths + k)[:, None].astype(np.int64), ATTENTION_MASK: slot_mask,
-            WRITE_INDEX: np.full((b,), t + k, dtype=np.int64)}
+    return {
+        INPUT_IDS: np.asarray(tokens, dtype=np.int64).reshape(b, 1).copy(),
+        POSITION_IDS: (lengths + k)[:, None].astype(np.int64),
+        ATTENTION_MASK: slot_mask,
+        WRITE_INDEX: np.full((b,), t + k, dtype=np.int64),
+    }
 
 
 def kv_names_of(prefill, decode) -> tuple[list[str], list[str]]:
@@ -198,13 +230,23 @@ def kv_names_of(prefill, decode) -> tuple[list[str], list[str]]:
     present = [o.name for o in prefill.get_outputs() if o.name.startswith(PRESENT)]
     past = [i.name for i in decode.get_inputs() if i.name.startswith(PAST)]
     if not present or len(present) != len(past):
-        raise UserError(f"the prefill graph gives {len(present)} {PRESENT}* outputs but the decode graph takes "
-                        f"{len(past)} {PAST}* inputs; export both from one model with the KV cache")
+        raise UserError(
+            f"the prefill graph gives {len(present)} {PRESENT}* outputs but the decode graph takes "
+            f"{len(past)} {PAST}* inputs; export both from one model with the KV cache"
+        )
     return present, past
 
 
-def generate(*, prefill, decode, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-             cache_len: int | None = None, pad_id: int = 0, forced: np.ndarray | None = None) -> Generation:
+def generate(
+    *,
+    prefill,
+    decode,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    cache_len: int | None = None,
+    pad_id: int = 0,
+    forced: np.ndarray | None = None,
+) -> Generation:
     """Greedy generation for ragged ``prompts`` (lists of token ids), left-padded into batches.
 
     Static graphs fix the batch B, prompt length T and cache slots C: prompts run B at a time
@@ -216,24 +258,51 @@ def generate(*, prefill, decode, prompts: Sequence[Sequence[int]], max_new_token
     too small for prompt + new tokens.
     """
     parts = []
-    for batch in plan_batches(prefill=prefill, decode=decode, prompts=prompts, max_new_tokens=max_new_tokens,
-                              cache_len=cache_len, pad_id=pad_id, forced=forced):
-        g = generate_padded(prefill=prefill, decode=decode, input_ids=batch.ids, attention_mask=batch.mask,
-                            max_new_tokens=max_new_tokens, cache_len=batch.cache_len, forced=batch.forced)
-        parts.append(Generation(g.new_tokens[:batch.n_real], g.logits[:batch.n_real]))
+    for batch in plan_batches(
+        prefill=prefill,
+        decode=decode,
+        prompts=prompts,
+        max_new_tokens=max_new_tokens,
+        cache_len=cache_len,
+        pad_id=pad_id,
+        forced=forced,
+    ):
+        g = generate_padded(
+            prefill=prefill,
+            decode=decode,
+            input_ids=batch.ids,
+            attention_mask=batch.mask,
+            max_new_tokens=max_new_tokens,
+            cache_len=batch.cache_len,
+            forced=batch.forced,
+        )
+        parts.append(Generation(g.new_tokens[: batch.n_real], g.logits[: batch.n_real]))
     return Generation(np.concatenate([p.new_tokens for p in parts]), np.concatenate([p.logits for p in parts]))
 
 
-def generate_padded(*, prefill, decode, input_ids: np.ndarray, attention_mask: np.ndarray, max_new_tokens: int,
-                    cache_len: int, forced: np.ndarray | None = None) -> Generation:
+def generate_padded(
+    *,
+    prefill,
+    decode,
+    input_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    max_new_tokens: int,
+    cache_len: int,
+    forced: np.ndarray | None = None,
+) -> Generation:
     """The loop on one left-padded batch: input_ids, attention_mask (B, T) -> Generation.
 
     Prefill fills cache slots 0..T-1; decode step k feeds new token k at slot T+k and position
     (row length + k). The last new token is never fed, so the cache needs T + max_new_tokens - 1
     slots.
     """
-    batch = PaddedBatch(np.asarray(input_ids, dtype=np.int64), np.asarray(attention_mask, dtype=np.int64),
-                        cache_len, len(input_ids), forced)
+    batch = PaddedBatch(
+        np.asarray(input_ids, dtype=np.int64),
+        np.asarray(attention_mask, dtype=np.int64),
+        cache_len,
+        len(input_ids),
+        forced,
+    )
     check_mask(batch.mask)
     _check_capacity(batch.ids.shape[1], max_new_tokens, cache_len)
     present, past = kv_names_of(prefill, decode)

@@ -9,6 +9,7 @@ The exporter builds graphs with these names, the export record lists them, the g
                past_key_values.{i}.key/value (B, Hkv, C, hd) -> logits (B, 1, vocab),
                present.{i}.key/value (B, Hkv, C, hd): the whole cache with slot write_index written
 """
+
 from __future__ import annotations
 
 PREFILL_FILE = "model.onnx"

@@ -15,6 +15,7 @@ sent to the guardian are forwarded to CMD the same way. When CMD exits on its ow
 left behind are stopped too. The guardian exits last, with CMD's status (128+N for signal N), so
 a lock file descriptor the starting process passed to it stays held while any writer lives.
 """
+
 from __future__ import annotations
 
 import os
@@ -183,7 +184,7 @@ def main(argv: list[str]) -> int:
     while i < len(argv):
         a = argv[i]
         if a == "--":
-            cmd = argv[i + 1:]
+            cmd = argv[i + 1 :]
             break
         if a in ("--parent-fd", "--grace", "--watch"):
             value = argv[i + 1]

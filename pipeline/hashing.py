@@ -5,6 +5,7 @@ The export record tags each file's digest with its algorithm: ``xxh3_128`` by de
 ``xxhash`` package, ~10x sha256's speed: it detects a corrupted, truncated or swapped data file, not
 tampering, which would rewrite export.json too), ``sha256`` when a cryptographic one is wanted.
 """
+
 from __future__ import annotations
 
 import hashlib

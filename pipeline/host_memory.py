@@ -1,4 +1,5 @@
 """This process's memory on the host: its own peak resident set, and handing freed memory back."""
+
 from __future__ import annotations
 
 import ctypes

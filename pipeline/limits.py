@@ -6,6 +6,7 @@ here is far above any real model or cluster (the figures in the comments) and fa
 would exhaust a machine, so a value past it is refused in one line before anything is allocated.
 titan_pipe.values reads values against these; the CLI checks flags with ``check_flag``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,8 +79,9 @@ DATA_FILES = Bound(1, 64, "an export's weight files: each is written by a thread
 # One record of a data file (a .txt document or a .jsonl line): held in memory whole while parsed.
 # Tokenizing one record costs ~210 bytes of memory a character (a byte-level BPE tokenizer's
 # encoding with offsets): 16 MiB took 3.4 GB and 20 s here (11 M tokens), 64 MiB would take ~14 GB.
-RECORD_BYTES = Bound(0, 16 * 2**20, "one document or JSON line is held whole while it is tokenized: "
-                     "about 3.4 GB of memory at 16 MiB")
+RECORD_BYTES = Bound(
+    0, 16 * 2**20, "one document or JSON line is held whole while it is tokenized: about 3.4 GB of memory at 16 MiB"
+)
 # A JSON record (config.json, params.json, an index, a manifest, export.json) is read whole.
 TOKENIZER_BYTES = Bound(0, 512 * 2**20, "tokenizer.json files are 2-35 MB (Gemma 3's is 33 MB)")
 TEMPLATE_BYTES = Bound(0, 2**20, "chat templates are 1-30 KB; Qwen3's is 4 KB")
@@ -93,7 +95,7 @@ SHOWN_CHARS = 80
 def shown(value: object) -> str:
     """``repr(value)`` cut to SHOWN_CHARS, so a message never prints a large input."""
     text = repr(value)
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
 
 
 def check_flag(flag: str, value: float | None, bound: Bound) -> None:

@@ -1,5 +1,6 @@
 """The arithmetic of a dp x tp x pp layout, spelled once: flow.yaml's parallel section, the
 checkpoint's recorded layout, the planner's candidates and the trainer's mesh all count with it."""
+
 from __future__ import annotations
 
 

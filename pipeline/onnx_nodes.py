@@ -22,6 +22,7 @@ The math is titan_pipe.model.transformer's, op for op:
              ONNX's Gelu is opset 20, beyond ATC's 14/15)
   scale      the embeddings times sqrt(dim) in the graph dtype (Gemma)
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,8 +32,11 @@ from onnx import TensorProto, helper, numpy_helper
 from titan_pipe.dtypes import onnx_type
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
-_LOWEST = {"float32": float(np.finfo(np.float32).min), "float16": float(np.finfo(np.float16).min),
-           "bfloat16": -3.3895313892515355e38}  # torch.finfo(torch.bfloat16).min, exact in float32
+_LOWEST = {
+    "float32": float(np.finfo(np.float32).min),
+    "float16": float(np.finfo(np.float16).min),
+    "bfloat16": -3.3895313892515355e38,
+}  # torch.finfo(torch.bfloat16).min, exact in float32
 
 
 class NodeBuilder:
@@ -112,8 +116,7 @@ def rotary(g: NodeBuilder, x: str, cos: str, sin: str, half: int, name: str) -> 
     lo = g.op("Slice", [x, g.const([0]), g.const([half]), axis], f"{name}.lo")
     hi = g.op("Slice", [x, g.const([half]), g.const([2 * half]), axis], f"{name}.hi")
     rot = g.op("Concat", [g.op("Neg", [hi], f"{name}.neg"), lo], f"{name}.rot", axis=-1)
-    return g.op("Add", [g.op("Mul", [x, cos], f"{name}.xcos"), g.op("Mul", [rot, sin], f"{name}.rsin")],
-                f"{name}.out")
+    return g.op("Add", [g.op("Mul", [x, cos], f"{name}.xcos"), g.op("Mul", [rot, sin], f"{name}.rsin")], f"{name}.out")
 
 
 def repeat_kv(g: NodeBuilder, x: str, n_rep: int, n_heads: int, hd: int, name: str) -> str:
@@ -125,8 +128,19 @@ def repeat_kv(g: NodeBuilder, x: str, n_rep: int, n_heads: int, hd: int, name: s
     return g.op("Reshape", [e, g.const([0, n_heads, -1, hd])], f"{name}.reshape")
 
 
-def attention(g: NodeBuilder, q: str, k: str, v: str, allowed: str, *, n_heads: int, n_kv_heads: int, hd: int,
-              name: str, scale: float | None = None) -> str:
+def attention(
+    g: NodeBuilder,
+    q: str,
+    k: str,
+    v: str,
+    allowed: str,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    hd: int,
+    name: str,
+    scale: float | None = None,
+) -> str:
     """q (B, H, T, hd), k/v (B, Hkv, S, hd), allowed (bool, broadcast to (B, H, T, S)) -> context
     (B, H, T, hd), q scaled by ``scale`` (None: hd^-1/2). Masked scores become the dtype's lowest
     finite value before Softmax."""
@@ -135,8 +149,7 @@ def attention(g: NodeBuilder, q: str, k: str, v: str, allowed: str, *, n_heads: 
     vr = repeat_kv(g, v, n_rep, n_heads, hd, f"{name}.repeat_v")
     kt = g.op("Transpose", [kr], f"{name}.k_t", perm=[0, 1, 3, 2])
     scale = 1.0 / np.sqrt(hd) if scale is None else scale
-    scores = g.op("MatMul", [g.op("Mul", [q, g.fconst(scale)], f"{name}.q_scaled"), kt],
-                  f"{name}.scores")
+    scores = g.op("MatMul", [g.op("Mul", [q, g.fconst(scale)], f"{name}.q_scaled"), kt], f"{name}.scores")
     masked = g.op("Where", [allowed, scores, g.fconst(g.lowest)], f"{name}.masked")
     probs = g.op("Softmax", [masked], f"{name}.probs", axis=-1)
     return g.op("MatMul", [probs, vr], f"{name}.context")
@@ -163,8 +176,11 @@ def gelu_tanh(g: NodeBuilder, x: str, name: str) -> str:
     cube = g.op("Mul", [g.op("Mul", [x, x], f"{name}.x2"), x], f"{name}.x3")
     inner = g.op("Add", [x, g.op("Mul", [cube, g.fconst(0.044715)], f"{name}.cubic")], f"{name}.inner")
     t = g.op("Tanh", [g.op("Mul", [inner, g.fconst(float(np.sqrt(2.0 / np.pi)))], f"{name}.arg")], f"{name}.tanh")
-    return g.op("Mul", [g.op("Mul", [x, g.fconst(0.5)], f"{name}.half"), g.op("Add", [t, g.fconst(1.0)],
-                                                                              f"{name}.one_plus")], f"{name}.gelu")
+    return g.op(
+        "Mul",
+        [g.op("Mul", [x, g.fconst(0.5)], f"{name}.half"), g.op("Add", [t, g.fconst(1.0)], f"{name}.one_plus")],
+        f"{name}.gelu",
+    )
 
 
 def geglu(g: NodeBuilder, gate: str, up: str, name: str) -> str:
@@ -183,11 +199,13 @@ def route(g: NodeBuilder, x2d: str, router: str, *, top_k: int, norm_topk: bool,
     if g.dtype != "float32":
         logits = g.op("Cast", [logits], f"{name}.router.cast", to=TensorProto.FLOAT)
     probs = g.op("Softmax", [logits], f"{name}.probs", axis=-1)
-    top, chosen = g.ops("TopK", [probs, g.const([top_k])], [f"{name}.topk.values", f"{name}.topk"], axis=-1,
-                        largest=1, sorted=1)
+    top, chosen = g.ops(
+        "TopK", [probs, g.const([top_k])], [f"{name}.topk.values", f"{name}.topk"], axis=-1, largest=1, sorted=1
+    )
     if norm_topk:
-        top = g.op("Div", [top, g.op("ReduceSum", [top, g.const([-1])], f"{name}.topk.sum", keepdims=1)],
-                   f"{name}.topk.norm")
+        top = g.op(
+            "Div", [top, g.op("ReduceSum", [top, g.const([-1])], f"{name}.topk.sum", keepdims=1)], f"{name}.topk.norm"
+        )
     return top, chosen
 
 
@@ -195,10 +213,19 @@ def gates(g: NodeBuilder, top: str, chosen: str, *, n_experts: int, name: str) -
     """The experts' gates (N, E) in the graph dtype: the top-k weights where chosen, 0 elsewhere; a
     one-hot of the chosen experts from Equal against Range (ScatterElements and OneHot are not on
     ATC's list)."""
-    hot = g.op("Equal", [g.op("Unsqueeze", [chosen, g.const([-1])], f"{name}.topk.col"),
-                         g.const(np.arange(n_experts))], f"{name}.onehot")
-    weighted = g.op("Mul", [g.op("Cast", [hot], f"{name}.onehot.f", to=TensorProto.FLOAT),
-                            g.op("Unsqueeze", [top, g.const([-1])], f"{name}.topk.values.col")], f"{name}.onehot.w")
+    hot = g.op(
+        "Equal",
+        [g.op("Unsqueeze", [chosen, g.const([-1])], f"{name}.topk.col"), g.const(np.arange(n_experts))],
+        f"{name}.onehot",
+    )
+    weighted = g.op(
+        "Mul",
+        [
+            g.op("Cast", [hot], f"{name}.onehot.f", to=TensorProto.FLOAT),
+            g.op("Unsqueeze", [top, g.const([-1])], f"{name}.topk.values.col"),
+        ],
+        f"{name}.onehot.w",
+    )
     out = g.op("ReduceSum", [weighted, g.const([1])], f"{name}.gates", keepdims=0)
     if g.dtype != "float32":
         out = g.op("Cast", [out], f"{name}.gates.cast", to=g.elem)
@@ -209,31 +236,40 @@ def experts(g: NodeBuilder, x2d: str, gated: str, w1: str, w3: str, w2: str, nam
     """Every expert on every token, weighted by its gate in ``gated`` (N, E; 0 where not chosen) and summed: the
     dense-weighted form, for many tokens (prefill; docs/moe.md, "Export"). Weights
     stacked (E, out, in): x (N, d) @ W1^T (E, d, h) -> (E, N, h) ... -> (N, d)."""
+
     def t(w):  # (E, out, in) -> (E, in, out); a transpose of an initializer, folded by the runtimes
         return g.op("Transpose", [w], f"{w}.t", perm=[0, 2, 1])
 
     act = swiglu(g, g.op("MatMul", [x2d, t(w1)], f"{name}.w1"), g.op("MatMul", [x2d, t(w3)], f"{name}.w3"), name)
     y = g.op("MatMul", [act, t(w2)], f"{name}.w2")
-    weight = g.op("Unsqueeze", [g.op("Transpose", [gated], f"{name}.gates.t", perm=[1, 0]), g.const([-1])],
-                  f"{name}.gates.col")
+    weight = g.op(
+        "Unsqueeze", [g.op("Transpose", [gated], f"{name}.gates.t", perm=[1, 0]), g.const([-1])], f"{name}.gates.col"
+    )
     return g.op("ReduceSum", [g.op("Mul", [y, weight], f"{name}.weighted"), g.const([0])], f"{name}.sum", keepdims=0)
 
 
-def experts_gathered(g: NodeBuilder, x2d: str, top: str, chosen: str, w1: str, w3: str, w2: str, *, top_k: int,
-                     dim: int, name: str) -> str:
+def experts_gathered(
+    g: NodeBuilder, x2d: str, top: str, chosen: str, w1: str, w3: str, w2: str, *, top_k: int, dim: int, name: str
+) -> str:
     """Each token's k chosen experts only: their weights gathered from the stacks (Gather on dim 0 by
     the chosen ids: (N, k, out, in)), one small matmul per (token, slot), weighted by ``top`` (N, k)
     and summed: the form for few tokens (decode), whose work grows with k, not with E."""
+
     def picked(w):  # (E, out, in) -> (N, k, in, out)
-        return g.op("Transpose", [g.op("Gather", [w, chosen], f"{name}.{w.rsplit('.', 1)[-1]}.picked", axis=0)],
-                    f"{name}.{w.rsplit('.', 1)[-1]}.picked.t", perm=[0, 1, 3, 2])
+        return g.op(
+            "Transpose",
+            [g.op("Gather", [w, chosen], f"{name}.{w.rsplit('.', 1)[-1]}.picked", axis=0)],
+            f"{name}.{w.rsplit('.', 1)[-1]}.picked.t",
+            perm=[0, 1, 3, 2],
+        )
 
     x = g.op("Unsqueeze", [x2d, g.const([1, 2])], f"{name}.x")  # (N, 1, 1, d)
-    act = swiglu(g, g.op("MatMul", [x, picked(w1)], f"{name}.w1"), g.op("MatMul", [x, picked(w3)], f"{name}.w3"),
-                 name)  # (N, k, 1, h)
-    y = g.op("Reshape", [g.op("MatMul", [act, picked(w2)], f"{name}.w2"), g.const([-1, top_k, dim])],
-             f"{name}.y")  # (N, k, d)
+    act = swiglu(
+        g, g.op("MatMul", [x, picked(w1)], f"{name}.w1"), g.op("MatMul", [x, picked(w3)], f"{name}.w3"), name
+    )  # (N, k, 1, h)
+    y = g.op(
+        "Reshape", [g.op("MatMul", [act, picked(w2)], f"{name}.w2"), g.const([-1, top_k, dim])], f"{name}.y"
+    )  # (N, k, d)
     weight = top if g.dtype == "float32" else g.op("Cast", [top], f"{name}.top.cast", to=g.elem)
     weight = g.op("Unsqueeze", [weight, g.const([-1])], f"{name}.top.col")
-    return g.op("ReduceSum", [g.op("Mul", [y, weight], f"{name}.weighted"), g.const([1])], f"{name}.sum",
-                keepdims=0)
+    return g.op("ReduceSum", [g.op("Mul", [y, weight], f"{name}.weighted"), g.const([1])], f"{name}.sum", keepdims=0)

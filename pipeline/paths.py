@@ -23,6 +23,7 @@ What is followed, and why:
 The checks are made before the read, not atomically with it; a source changed while it is read
 is outside what this guards against.
 """
+
 from __future__ import annotations
 
 import os
@@ -52,11 +53,13 @@ def check_relative(value: object, *, source: object, what: str = "path", fix: st
         raise _refuse(source, what, value, "holds a backslash (paths here are POSIX, '/'-separated)", fix)
     p = PurePosixPath(value)
     if p.is_absolute():
-        raise _refuse(source, what, value, "is an absolute path; paths in this file must be relative "
-                      "to its directory", fix)
+        raise _refuse(
+            source, what, value, "is an absolute path; paths in this file must be relative to its directory", fix
+        )
     if ".." in p.parts:
-        raise _refuse(source, what, value, "has a '..' component; paths in this file must stay inside "
-                      "its directory", fix)
+        raise _refuse(
+            source, what, value, "has a '..' component; paths in this file must stay inside its directory", fix
+        )
     if not p.parts:  # "." or "./"
         raise _refuse(source, what, value, "names the directory itself, not a file in it", fix)
     return p
@@ -74,15 +77,27 @@ def _hub_blobs(real_root: Path) -> Path | None:
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
 
 
-def resolve_inside(root: str | os.PathLike, relative: object, *, source: object, what: str = "path",
-                   kind: Literal["file", "dir", "any"] = "file", fix: str = FIX) -> Path:
+def resolve_inside(
+    root: str | os.PathLike,
+    relative: object,
+    *,
+    source: object,
+    what: str = "path",
+    kind: Literal["file", "dir", "any"] = "file",
+    fix: str = FIX,
+) -> Path:
     """``root / relative`` after the checks in this module's docstring; UserError (one line naming
     ``source``, the value and the fix) when ``relative`` would lead outside ``root``.
 
@@ -100,8 +115,9 @@ def resolve_inside(root: str | os.PathLike, relative: object, *, source: object,
     except (RuntimeError, OSError) as e:  # a symlink loop (RuntimeError before Python 3.13)
         raise _refuse(source, what, relative, f"goes through a symlink loop ({e})", fix) from None
     if not _inside(parent, real_root):
-        raise _refuse(source, what, relative, f"goes through a symlinked directory that leads outside "
-                      f"{root} (to {parent})", fix)
+        raise _refuse(
+            source, what, relative, f"goes through a symlinked directory that leads outside {root} (to {parent})", fix
+        )
     try:
         st = os.stat(path)  # follows a final symlink
     except FileNotFoundError:
@@ -119,14 +135,21 @@ def resolve_inside(root: str | os.PathLike, relative: object, *, source: object,
         target = path.resolve()  # stat above succeeded, so no loop
         blobs = _hub_blobs(real_root)
         if not (_inside(target, real_root) or (blobs is not None and _inside(target, blobs))):
-            raise _refuse(source, what, relative, f"is a symlink to {target}, outside {root}; copy the "
-                          "real files into the directory (cp -L) if you trust them", fix)
+            raise _refuse(
+                source,
+                what,
+                relative,
+                f"is a symlink to {target}, outside {root}; copy the "
+                "real files into the directory (cp -L) if you trust them",
+                fix,
+            )
     if kind == "dir":
         if not stat.S_ISDIR(st.st_mode):
             raise _refuse(source, what, relative, f"is {_kind(st.st_mode)}, not a directory", fix)
         if not _inside(path.resolve(), real_root):  # stat above succeeded, so no loop
-            raise _refuse(source, what, relative, f"is a symlinked directory leading outside {root} "
-                          f"(to {path.resolve()})", fix)
+            raise _refuse(
+                source, what, relative, f"is a symlinked directory leading outside {root} (to {path.resolve()})", fix
+            )
     return path
 
 

@@ -12,6 +12,7 @@ writer it covers is alive. ``Tree.stop(sig)`` stops the tree on purpose (Ctrl-C,
 (Prefect's temporary API server); ``die_with_parent()`` is for workers a library starts (the
 tokenizer pool of ``data prepare``); ``exit_rank(code)`` is a torchrun rank's way out.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,13 +26,23 @@ GUARD = Path(__file__).with_name("guard.py")
 GRACE_S = float(os.environ.get("TITAN_PIPE_STOP_GRACE_S", "10"))
 
 
-def _start_guard(args: list[str], *, grace: float | None, hold: Sequence[int],
-                 **kwargs) -> tuple[subprocess.Popen, int]:
+def _start_guard(
+    args: list[str], *, grace: float | None, hold: Sequence[int], **kwargs
+) -> tuple[subprocess.Popen, int]:
     """Start guard.py with ``args`` in its own session; returns it and the pipe end only we hold."""
     r, w = os.pipe()
     # -I -S: no site-packages, no PYTHON* variables: the guardian imports the standard library only
-    argv = [sys.executable, "-I", "-S", str(GUARD), "--parent-fd", str(r),
-            "--grace", str(GRACE_S if grace is None else grace), *args]
+    argv = [
+        sys.executable,
+        "-I",
+        "-S",
+        str(GUARD),
+        "--parent-fd",
+        str(r),
+        "--grace",
+        str(GRACE_S if grace is None else grace),
+        *args,
+    ]
     try:
         proc = subprocess.Popen(argv, pass_fds=[r, *hold], start_new_session=True, **kwargs)
     except BaseException:
@@ -105,19 +116,20 @@ class Tree:
                 stream.close()
 
 
-def popen(cmd: Sequence[str], *, grace: float | None = None, hold: Sequence[int] | None = None,
-          **kwargs) -> Tree:
+def popen(cmd: Sequence[str], *, grace: float | None = None, hold: Sequence[int] | None = None, **kwargs) -> Tree:
     """Start ``cmd`` under a guardian; ``kwargs`` as for subprocess.Popen (stdout, env, cwd, text...).
 
     ``hold``: file descriptors the guardian keeps open until the tree is gone (default: the locks
     this process holds, titan_pipe.run_lock).
     """
-    return Tree(*_start_guard(["--", *map(str, cmd)], grace=grace,
-                              hold=_held_locks() if hold is None else hold, **kwargs))
+    return Tree(
+        *_start_guard(["--", *map(str, cmd)], grace=grace, hold=_held_locks() if hold is None else hold, **kwargs)
+    )
 
 
-def run(cmd: Sequence[str], *, timeout: float | None = None, capture_output: bool = False,
-        **kwargs) -> subprocess.CompletedProcess:
+def run(
+    cmd: Sequence[str], *, timeout: float | None = None, capture_output: bool = False, **kwargs
+) -> subprocess.CompletedProcess:
     """subprocess.run for a guarded tree: on a timeout or an interrupt the whole tree is stopped
     (then TimeoutExpired / KeyboardInterrupt propagates)."""
     if capture_output:

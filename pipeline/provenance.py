@@ -11,6 +11,7 @@ output {kind, naming, dtype, tp, pp, files [...]}, created (UTC, ISO 8601). Vers
 from before the format field) named the source digests ``sha256`` and ``sha256_verified``; they load
 as algorithm "sha256".
 """
+
 from __future__ import annotations
 
 import json
@@ -66,10 +67,14 @@ class Provenance:
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
-        d = {"format": f"{FORMAT_NAME}/{self.format_version}",
-             "source": None if self.source is None else asdict(self.source),
-             "converter": self.converter, "tokenizer": None if self.tokenizer is None else asdict(self.tokenizer),
-             "output": self.output, "created": self.created}
+        d = {
+            "format": f"{FORMAT_NAME}/{self.format_version}",
+            "source": None if self.source is None else asdict(self.source),
+            "converter": self.converter,
+            "tokenizer": None if self.tokenizer is None else asdict(self.tokenizer),
+            "output": self.output,
+            "created": self.created,
+        }
         return json.dumps(d, indent=2) + "\n"
 
     @classmethod
@@ -86,23 +91,31 @@ class Provenance:
             raise UserError(f"{path}: expected a JSON object, got {type(d).__name__}; {_FIX}")
         name, _, version = str(d.get("format", f"{FORMAT_NAME}/1")).partition("/")
         if name != FORMAT_NAME or not version.isdigit() or int(version) > FORMAT_VERSION:
-            raise UserError(f"{path}: format {d.get('format')!r} is not {FORMAT_NAME}/1..{FORMAT_VERSION}; "
-                            "upgrade titan-pipe or re-run `titan-pipe convert`")
+            raise UserError(
+                f"{path}: format {d.get('format')!r} is not {FORMAT_NAME}/1..{FORMAT_VERSION}; "
+                "upgrade titan-pipe or re-run `titan-pipe convert`"
+            )
         try:
             tok, src = d.get("tokenizer"), d.get("source")
-            got = cls(source=None if src is None else SourceInfo.from_dict(src, int(version)),
-                      converter=str(d.get("converter", "")),
-                      output=dict(d.get("output") or {}), created=str(d.get("created", "")),
-                      tokenizer=None if tok is None else TokenizerInfo(tok.get("tokenizer"), dict(tok.get("files") or {})),
-                      format_version=int(version))
+            got = cls(
+                source=None if src is None else SourceInfo.from_dict(src, int(version)),
+                converter=str(d.get("converter", "")),
+                output=dict(d.get("output") or {}),
+                created=str(d.get("created", "")),
+                tokenizer=None if tok is None else TokenizerInfo(tok.get("tokenizer"), dict(tok.get("files") or {})),
+                format_version=int(version),
+            )
             problem = _field_problem(got)
         except (KeyError, TypeError, AttributeError, ValueError) as e:
-            raise UserError(f"{path}: missing or malformed field ({type(e).__name__}: {str(e)[:200]}); {_FIX}") from None
+            raise UserError(
+                f"{path}: missing or malformed field ({type(e).__name__}: {str(e)[:200]}); {_FIX}"
+            ) from None
         if problem:
             raise UserError(f"{path}: {problem}; {_FIX}")
         if got.source is not None and got.source.algorithm not in DIGESTS:
-            raise UserError(f"{path}: source.algorithm {got.source.algorithm!r} is not one of "
-                            f"{', '.join(DIGESTS)}; {_FIX}")
+            raise UserError(
+                f"{path}: source.algorithm {got.source.algorithm!r} is not one of {', '.join(DIGESTS)}; {_FIX}"
+            )
         return got
 
     @classmethod
@@ -120,14 +133,15 @@ def _field_problem(p: Provenance) -> str | None:
     checked here so every reader of the record meets only the types it expects."""
     s, t = p.source, p.tokenizer
     if s is not None:
-        for name, value, ok in (("source.format", s.format, isinstance(s.format, str)),
-                                ("source.path", s.path, isinstance(s.path, str)),
-                                ("source.step", s.step, s.step is None or (isinstance(s.step, int)
-                                                                           and not isinstance(s.step, bool))),
-                                ("source.layout", s.layout, isinstance(s.layout, dict)),
-                                ("source.digests", s.digests, _strings(s.digests)),
-                                ("source.algorithm", s.algorithm, isinstance(s.algorithm, str)),
-                                ("source.verified", s.verified, isinstance(s.verified, bool))):
+        for name, value, ok in (
+            ("source.format", s.format, isinstance(s.format, str)),
+            ("source.path", s.path, isinstance(s.path, str)),
+            ("source.step", s.step, s.step is None or (isinstance(s.step, int) and not isinstance(s.step, bool))),
+            ("source.layout", s.layout, isinstance(s.layout, dict)),
+            ("source.digests", s.digests, _strings(s.digests)),
+            ("source.algorithm", s.algorithm, isinstance(s.algorithm, str)),
+            ("source.verified", s.verified, isinstance(s.verified, bool)),
+        ):
             if not ok:
                 return f"{name} is {str(value)[:80]!r}, not of the type convert writes"
     if t is not None:

@@ -1,4 +1,5 @@
 """RunDir: the typed paths of every artifact of a run; the contract between stages."""
+
 from __future__ import annotations
 
 import re
@@ -23,12 +24,12 @@ def run_name_problem(name: str) -> str | None:
     if len(name) > RUN_NAME_MAX:
         return f"is {len(name)} characters long; at most {RUN_NAME_MAX} are allowed"
     if name in (".", ".."):
-        return ("would make the run dir runs_dir itself" if name == "." else
-                "would make the run dir the parent of runs_dir") + ", where stage outputs land among other files"
+        return (
+            "would make the run dir runs_dir itself" if name == "." else "would make the run dir the parent of runs_dir"
+        ) + ", where stage outputs land among other files"
     if not _RUN_NAME_CHARS.match(name):
         bad = sorted({c for c in name if not _RUN_NAME_CHARS.match(c)})
-        return (f"holds {''.join(bad)!r}; a run name is one path component of letters, digits, "
-                "'_', '-' and '.'")
+        return f"holds {''.join(bad)!r}; a run name is one path component of letters, digits, '_', '-' and '.'"
     if name.startswith("."):
         return "starts with a dot (a hidden directory)"
     return None

@@ -17,6 +17,7 @@ names that PID and the lock is still held, so a stale variable in some shell can
 
 Read-only commands (inspect, validate, plan) take no lock.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -89,8 +90,10 @@ def _open_lock(lock_file: Path) -> int:
             return fd
         os.close(fd)
         what = "not a regular file"
-    raise LockPathInvalid(f"{lock_file}: the lock file is {what}; titan-pipe never opens a lock through one. "
-                          "Remove it (it is not titan-pipe's) and run again")
+    raise LockPathInvalid(
+        f"{lock_file}: the lock file is {what}; titan-pipe never opens a lock through one. "
+        "Remove it (it is not titan-pipe's) and run again"
+    )
 
 
 def _inherited(key: str, lock_file: Path) -> bool:
@@ -157,8 +160,10 @@ def run_lock(run_dir: str | os.PathLike, *, what: str) -> Iterator[Path]:
     if fd is None:
         holder = _holder(lock_file)
         pid, _, cmd = holder.partition(" ")
-        raise RunDirBusy(f"{run_dir}: in use by PID {pid}{f' ({cmd})' if cmd else ''}{_gone_note(pid)}, which "
-                         f"holds {lock_file}; wait for it to finish or stop it, then run again") from None
+        raise RunDirBusy(
+            f"{run_dir}: in use by PID {pid}{f' ({cmd})' if cmd else ''}{_gone_note(pid)}, which "
+            f"holds {lock_file}; wait for it to finish or stop it, then run again"
+        ) from None
     previous_env = os.environ.get(ENV)
     try:
         os.ftruncate(fd, 0)
@@ -187,7 +192,9 @@ def _gone_note(pid: str) -> str:
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
-        return " (it has exited; the processes it started still hold the lock while they stop: try again in a few seconds)"
+        return (
+            " (it has exited; the processes it started still hold the lock while they stop: try again in a few seconds)"
+        )
     except PermissionError:
         pass
     return ""
@@ -199,8 +206,10 @@ READS = "reads it"  # how a reader's line in a lock file ends (read_lock)
 def _lock_file_busy(lock_file: Path, out: Path, what: str) -> RunDirBusy:
     pid, _, cmd = _holder(lock_file).partition(" ")
     doing = "in use" if cmd.endswith(READS) else "being written"
-    return RunDirBusy(f"{out}: {doing} by PID {pid}{f' ({cmd})' if cmd else ''}{_gone_note(pid)}; wait for "
-                      f"it to finish or stop it, or choose another output path")
+    return RunDirBusy(
+        f"{out}: {doing} by PID {pid}{f' ({cmd})' if cmd else ''}{_gone_note(pid)}; wait for "
+        f"it to finish or stop it, or choose another output path"
+    )
 
 
 def _lock_current(lock_file: Path, mode: int) -> int | None:
@@ -294,10 +303,11 @@ def output_lock(out_dir: str | os.PathLike | None, *, what: str) -> Iterator[Non
         return
     out_dir = Path(out_dir)
     if is_run_dir(out_dir):
-        raise UserError(f"-o {out_dir}: is a run dir (it holds {LOCK_NAME}, checkpoints/ or .stages/), which "
-                        f"this output would replace; give a directory inside it (e.g. {out_dir}/model, "
-                        "/onnx or /report)")
+        raise UserError(
+            f"-o {out_dir}: is a run dir (it holds {LOCK_NAME}, checkpoints/ or .stages/), which "
+            f"this output would replace; give a directory inside it (e.g. {out_dir}/model, "
+            "/onnx or /report)"
+        )
     parent = out_dir.absolute().parent
-    with run_lock(parent, what=what) if is_run_dir(parent) else contextlib.nullcontext(), \
-            path_lock(out_dir, what=what):
+    with run_lock(parent, what=what) if is_run_dir(parent) else contextlib.nullcontext(), path_lock(out_dir, what=what):
         yield

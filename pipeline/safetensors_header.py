@@ -5,6 +5,7 @@ data_offsets per tensor), then raw row-major bytes. ``read_header`` validates ev
 the file's size (a truncated or forged header is one line naming the file), so every reader —
 convert's stores, the unified model dir, export's weight plan — starts from the same checked facts.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,16 +35,21 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict]:
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise UserError(f"{path}: truncated ({size} bytes); not a complete safetensors file. "
-                                "Copy the file again from where it was written")
+                raise UserError(
+                    f"{path}: truncated ({size} bytes); not a complete safetensors file. "
+                    "Copy the file again from where it was written"
+                )
             (n,) = struct.unpack("<Q", head)
             if n > MAX_HEADER or 8 + n > size:
-                raise UserError(f"{path}: header length {n} does not fit in the file ({size} bytes); "
-                                "the file is truncated or not safetensors. Copy it again")
+                raise UserError(
+                    f"{path}: header length {n} does not fit in the file ({size} bytes); "
+                    "the file is truncated or not safetensors. Copy it again"
+                )
             raw = f.read(n)
     except FileNotFoundError:
-        raise UserError(f"{path}: missing; the checkpoint lists it but it is not there. Copy the "
-                        "complete checkpoint directory") from None
+        raise UserError(
+            f"{path}: missing; the checkpoint lists it but it is not there. Copy the complete checkpoint directory"
+        ) from None
     except IsADirectoryError:
         raise UserError(f"{path}: is a directory, expected a safetensors file") from None
     try:
@@ -62,14 +68,20 @@ def read_header(path: Path) -> tuple[dict[str, StoredTensor], dict]:
         except (KeyError, TypeError, ValueError):
             raise UserError(f"{path}: corrupted header entry for {key!r}; copy the file again") from None
         if dtype not in DTYPE_SIZES:
-            raise UserError(f"{path}: tensor {key!r} has dtype {dtype!r}, which titan-pipe does not "
-                            f"convert (supported: {', '.join(DTYPE_SIZES)})")
+            raise UserError(
+                f"{path}: tensor {key!r} has dtype {dtype!r}, which titan-pipe does not "
+                f"convert (supported: {', '.join(DTYPE_SIZES)})"
+            )
         if end - begin != math.prod(shape) * DTYPE_SIZES[dtype] or begin < 0:
-            raise UserError(f"{path}: tensor {key!r} byte range {begin}..{end} does not match its "
-                            f"shape {shape} {dtype}; the header is corrupted")
+            raise UserError(
+                f"{path}: tensor {key!r} byte range {begin}..{end} does not match its "
+                f"shape {shape} {dtype}; the header is corrupted"
+            )
         if end > data_size:
-            raise UserError(f"{path}: truncated: tensor {key!r} ends at byte {8 + n + end} but the "
-                            f"file has {size} bytes. Copy the file again")
+            raise UserError(
+                f"{path}: truncated: tensor {key!r} ends at byte {8 + n + end} but the "
+                f"file has {size} bytes. Copy the file again"
+            )
         out[key] = StoredTensor(dtype, shape, 8 + n + begin, end - begin)
     _check_disjoint(path, out)
     return out, meta
@@ -90,5 +102,7 @@ def _check_disjoint(path: Path, tensors: dict[str, StoredTensor]) -> None:
     spans = sorted((t.start, t.start + t.nbytes, k) for k, t in tensors.items() if t.nbytes)
     for (s0, e0, k0), (s1, e1, k1) in zip(spans, spans[1:]):
         if s1 < e0:
-            raise UserError(f"{path}: tensors {k0!r} (bytes {s0}..{e0}) and {k1!r} (bytes {s1}..{e1}) overlap; "
-                            "the header is corrupted or forged. Copy the file again")
+            raise UserError(
+                f"{path}: tensors {k0!r} (bytes {s0}..{e0}) and {k1!r} (bytes {s1}..{e1}) overlap; "
+                "the header is corrupted or forged. Copy the file again"
+            )

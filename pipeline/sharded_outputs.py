@@ -13,6 +13,7 @@ file names. Files in the exchange directory:
   logs/                   every rank's stdout/stderr as files (torchrun --log-dir, --tee 3: still on the
                           console too), so a failure can be told by the failing rank's own last lines
 """
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,28 @@ def hidden_key(i: int, layer: int) -> str:
 def command(*, world_size: int, checkpoint: Path, out_dir: Path, device: str, streamed: bool = False) -> list[str]:
     """The torchrun command line forwarding ``out_dir/tokens.safetensors`` through ``checkpoint``
     (``streamed``: each rank materialises one decoder layer at a time)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-            "--log-dir", str(Path(out_dir) / LOG_DIR), "--tee", "3", "-m", MODULE, "--checkpoint", str(checkpoint), "--tokens", str(Path(out_dir) / TOKENS_FILE),
-            "--out", str(out_dir), "--device", device, *(["--streamed"] if streamed else [])]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world_size}",
+        "--log-dir",
+        str(Path(out_dir) / LOG_DIR),
+        "--tee",
+        "3",
+        "-m",
+        MODULE,
+        "--checkpoint",
+        str(checkpoint),
+        "--tokens",
+        str(Path(out_dir) / TOKENS_FILE),
+        "--out",
+        str(out_dir),
+        "--device",
+        device,
+        *(["--streamed"] if streamed else []),
+    ]
 
 
 def failing_ranks_lines(out_dir: Path, launcher_output: str, *, lines: int = 8) -> list[str]:
@@ -67,8 +87,11 @@ def failing_ranks_lines(out_dir: Path, launcher_output: str, *, lines: int = 8) 
 
 def write_done(out_dir: Path, pp: int, *, streamed: bool = False, peak_rss: list[int] | None = None) -> None:
     """The completion marker, written last by global rank 0."""
-    (Path(out_dir) / DONE_FILE).write_text(json.dumps({"hidden_files": [hidden_file(r) for r in range(pp)],
-                                                       "streamed": streamed, "peak_rss": peak_rss or []}))
+    (Path(out_dir) / DONE_FILE).write_text(
+        json.dumps(
+            {"hidden_files": [hidden_file(r) for r in range(pp)], "streamed": streamed, "peak_rss": peak_rss or []}
+        )
+    )
 
 
 def read_done(out_dir: Path) -> dict:

@@ -1,4 +1,5 @@
 """Byte sizes written by people (flow.yaml, the command line): '8GB', '6GiB', '512MB', '1048576'."""
+
 from __future__ import annotations
 
 import re
@@ -7,8 +8,17 @@ from titan_pipe.limits import shown
 
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 # decimal units as disks and Hugging Face count; the -iB units binary
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str | int) -> int:

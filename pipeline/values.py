@@ -9,6 +9,7 @@ by titan_pipe.limits.shown) and the fix.
     n = read(cfg, "num_hidden_layers", INT, source=path, bound=limits.LAYERS)
     eps = read(cfg, "rms_norm_eps", FLOAT, source=path, default=1e-5, bound=limits.NORM_EPS)
 """
+
 from __future__ import annotations
 
 import json
@@ -22,17 +23,34 @@ from titan_pipe.limits import JSON_BYTES, Bound, shown
 INT, FLOAT, BOOL, STR, DICT, LIST = "int", "float", "bool", "str", "dict", "list"
 REQUIRED = object()  # the ``default`` of a key that must be present
 
-_NAMES = {INT: "an integer", FLOAT: "a number", BOOL: "true or false", STR: "a string", DICT: "an object",
-          LIST: "a list"}
-_FIXES = {INT: "write a whole number without quotes or a decimal point",
-          FLOAT: "write a number without quotes",
-          BOOL: "write true or false without quotes",
-          STR: "write a quoted string", DICT: "write an object {...}", LIST: "write a list [...]"}
+_NAMES = {
+    INT: "an integer",
+    FLOAT: "a number",
+    BOOL: "true or false",
+    STR: "a string",
+    DICT: "an object",
+    LIST: "a list",
+}
+_FIXES = {
+    INT: "write a whole number without quotes or a decimal point",
+    FLOAT: "write a number without quotes",
+    BOOL: "write true or false without quotes",
+    STR: "write a quoted string",
+    DICT: "write an object {...}",
+    LIST: "write a list [...]",
+}
 
 
 def _type_name(value: object) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", type(None): "null",
-            list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        type(None): "null",
+        list: "a list",
+        dict: "an object",
+    }.get(type(value), type(value).__name__)
 
 
 def type_problem(value: object, kind: str) -> str | None:
@@ -58,15 +76,24 @@ def type_problem(value: object, kind: str) -> str | None:
     return None if ok else f"is {_type_name(value)}, not {_NAMES[kind]}"
 
 
-def refuse(source: object, key: str, value: object, problem: str, fix: str, *,
-           exc: type[Exception] = UserError) -> Exception:
+def refuse(
+    source: object, key: str, value: object, problem: str, fix: str, *, exc: type[Exception] = UserError
+) -> Exception:
     """The one-line error for ``key`` = ``value`` of ``source`` (a UserError, or ``exc`` for a
     record whose callers expect their own error type)."""
     return exc(f"{source}: {key} = {shown(value)} {problem}; {fix}")
 
 
-def check(value: object, kind: str, *, source: object, key: str, bound: Bound | None = None,
-          fix: str = "", exc: type[Exception] = UserError) -> Any:
+def check(
+    value: object,
+    kind: str,
+    *,
+    source: object,
+    key: str,
+    bound: Bound | None = None,
+    fix: str = "",
+    exc: type[Exception] = UserError,
+) -> Any:
     """``value`` if it is strictly of ``kind`` and inside ``bound``; ``exc`` naming it otherwise."""
     why = type_problem(value, kind)
     if why:
@@ -78,8 +105,18 @@ def check(value: object, kind: str, *, source: object, key: str, bound: Bound | 
     return float(value) if kind == FLOAT else value
 
 
-def read(d: Mapping, key: str, kind: str, *, source: object, default: Any = REQUIRED,
-         bound: Bound | None = None, fix: str = "", prefix: str = "", exc: type[Exception] = UserError) -> Any:
+def read(
+    d: Mapping,
+    key: str,
+    kind: str,
+    *,
+    source: object,
+    default: Any = REQUIRED,
+    bound: Bound | None = None,
+    fix: str = "",
+    prefix: str = "",
+    exc: type[Exception] = UserError,
+) -> Any:
     """``d[key]`` checked as ``kind`` (see ``check``). Absent, or null where a default exists:
     the default; absent or null where none does: ``exc`` saying so. ``prefix`` names the
     enclosing key in messages (``rope_parameters.``)."""
@@ -111,8 +148,9 @@ def read_json(path: Path, *, what: str, fix: str = "rewrite it or copy it again 
     try:
         size = path.stat().st_size
         if size > JSON_BYTES.hi:
-            raise UserError(f"{path}: {size / 2**20:.0f} MiB, larger than {what} can be "
-                            f"({JSON_BYTES.hi / 2**20:.0f} MiB); {fix}")
+            raise UserError(
+                f"{path}: {size / 2**20:.0f} MiB, larger than {what} can be ({JSON_BYTES.hi / 2**20:.0f} MiB); {fix}"
+            )
         data = json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=_unique_keys)
     except FileNotFoundError:
         raise UserError(f"{path}: missing; {fix}") from None

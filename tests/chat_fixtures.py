@@ -1,12 +1,31 @@
 """Small real chat data for the fine-tuning tests: a byte-level BPE tokenizer with ChatML's special
 tokens and a chat template of its own in tokenizer_config.json, and chat / instruction jsonl."""
+
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "what", "is", "plus",
-         "the", "answer", "hello", "thanks", "again"]
+WORDS = [
+    "zero",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "what",
+    "is",
+    "plus",
+    "the",
+    "answer",
+    "hello",
+    "thanks",
+    "again",
+]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # A template written for these tests in the shape of Qwen3's: ChatML turns, and the last answer after
@@ -25,7 +44,8 @@ THINKING_TEMPLATE = (
     "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def sentence(i: int, n: int = 6) -> str:
@@ -39,16 +59,24 @@ def train_tokenizer(out: Path, *, template: str = THINKING_TEMPLATE) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([sentence(i, 12) + " <think> </think> user assistant system" for i in range(300)],
-                            trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator([sentence(i, 12) + " <think> </think> user assistant system" for i in range(300)], trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-        "chat_template": template, "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 4096}))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "bos_token": None,
+                "chat_template": template,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": 4096,
+            }
+        )
+    )
     return out
 
 

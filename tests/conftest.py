@@ -1,4 +1,5 @@
 """Shared test setup: Prefect runs against a throw-away home with analytics off."""
+
 import os
 import tempfile
 

@@ -5,6 +5,7 @@ torch.distributed.checkpoint's own save (torchtitan names, Meta interleaved RoPE
 the dict tree megatron-core writes (fused per-group QKV, fused gate|up, padded vocab, per-stage
 local layer ids, args Namespace, RNG state).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,23 +95,37 @@ def write_dcp(sd: dict, args: ModelArgs, out: Path, *, full: bool = True, safete
             v = to_interleaved(v, args.kv_heads)
         tt[k] = v.clone()
     if full:
-        state = {"model": tt,
-                 "optimizer": {"state": {k: {"exp_avg": torch.zeros_like(v), "step": torch.tensor(3.0)}
-                                         for k, v in list(tt.items())[:3]},
-                               "param_groups": [{"lr": 3e-4, "params": list(tt)[:3]}]},
-                 "train_state": {"step": 3}}
+        state = {
+            "model": tt,
+            "optimizer": {
+                "state": {
+                    k: {"exp_avg": torch.zeros_like(v), "step": torch.tensor(3.0)} for k, v in list(tt.items())[:3]
+                },
+                "param_groups": [{"lr": 3e-4, "params": list(tt)[:3]}],
+            },
+            "train_state": {"step": 3},
+        }
     else:
         state = tt
     out.mkdir(parents=True)
     if safetensors_items:
-        dcp.save(state, storage_writer=FileSystemWriter(str(out / "step-3"),
-                                                        serialization_format=SerializationFormat.SAFETENSORS),
-                 no_dist=True)
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(str(out / "step-3"), serialization_format=SerializationFormat.SAFETENSORS),
+            no_dist=True,
+        )
     else:
         dcp.save(state, checkpoint_id=str(out / "step-3"), no_dist=True)
-    params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads,
-              "n_kv_heads": args.kv_heads, "vocab_size": args.vocab_size, "norm_eps": args.norm_eps,
-              "rope_theta": args.rope_theta, "max_seq_len": args.max_seq_len}
+    params = {
+        "dim": args.dim,
+        "n_layers": args.n_layers,
+        "n_heads": args.n_heads,
+        "n_kv_heads": args.kv_heads,
+        "vocab_size": args.vocab_size,
+        "norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_seq_len": args.max_seq_len,
+    }
     (out / "params.json").write_text(json.dumps(params))
     return out / "step-3"
 
@@ -157,8 +172,20 @@ def fused_qkv(sd: dict, args: ModelArgs, i: int, kind: str) -> torch.Tensor:
     return out if kind == "weight" else out.squeeze(-1)
 
 
-def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *,
-                  fused_norms: bool, padded: int, e: int = 0, ep: int = 1, grouped: bool = False) -> OrderedDict:
+def megatron_rank(
+    sd: dict,
+    args: ModelArgs,
+    t: int,
+    p: int,
+    tp: int,
+    pp: int,
+    *,
+    fused_norms: bool,
+    padded: int,
+    e: int = 0,
+    ep: int = 1,
+    grouped: bool = False,
+) -> OrderedDict:
     """The 'model' dict of megatron-core's GPTModel on tp rank t, pp rank p (and, for a mixture of
     experts, ep rank e of ep: its E/ep local experts, each SequentialMLP expert's fc1 [gate; up] and
     fc2 split over tp as the dense MLP's)."""
@@ -180,9 +207,13 @@ def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *
             out[L + "self_attention.linear_qkv.layer_norm_weight"] = sd[f"layers.{i}.attention_norm.weight"].clone()
         else:
             out[L + "input_layernorm.weight"] = sd[f"layers.{i}.attention_norm.weight"].clone()
-        out[L + "self_attention.linear_qkv.weight"] = fused_qkv(sd, args, i, "weight")[t * ngl:(t + 1) * ngl].flatten(0, 1).clone()
+        out[L + "self_attention.linear_qkv.weight"] = (
+            fused_qkv(sd, args, i, "weight")[t * ngl : (t + 1) * ngl].flatten(0, 1).clone()
+        )
         if args.qkv_bias:
-            out[L + "self_attention.linear_qkv.bias"] = fused_qkv(sd, args, i, "bias")[t * ngl:(t + 1) * ngl].flatten().clone()
+            out[L + "self_attention.linear_qkv.bias"] = (
+                fused_qkv(sd, args, i, "bias")[t * ngl : (t + 1) * ngl].flatten().clone()
+            )
         out[L + "self_attention.linear_qkv._extra_state"] = None
         if args.qk_norm:  # megatron-core's qk_layernorm: one per head, replicated over tp
             out[L + "self_attention.q_layernorm.weight"] = sd[f"layers.{i}.attention.q_norm.weight"].clone()
@@ -198,8 +229,17 @@ def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *
             per_rank = args.n_experts // ep
             mine = range(e * per_rank, (e + 1) * per_rank)
             if grouped:  # megatron-core's GroupedMLP: weight1/weight2 hold the rank's experts transposed
-                fc1 = torch.stack([torch.cat([sd[f"layers.{i}.moe.experts.w1"][x].chunk(tp)[t],
-                                              sd[f"layers.{i}.moe.experts.w3"][x].chunk(tp)[t]]).T for x in mine])
+                fc1 = torch.stack(
+                    [
+                        torch.cat(
+                            [
+                                sd[f"layers.{i}.moe.experts.w1"][x].chunk(tp)[t],
+                                sd[f"layers.{i}.moe.experts.w3"][x].chunk(tp)[t],
+                            ]
+                        ).T
+                        for x in mine
+                    ]
+                )
                 fc2 = torch.stack([sd[f"layers.{i}.moe.experts.w2"][x].chunk(tp, 1)[t].T for x in mine])
                 out[L + "mlp.experts.weight1"] = fc1.contiguous().reshape(args.dim, -1).clone()
                 out[L + "mlp.experts.weight2"] = fc2.contiguous().reshape(-1, args.dim).clone()
@@ -207,12 +247,17 @@ def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *
             for j in range(per_rank):
                 x = e * per_rank + j
                 E = f"{L}mlp.experts.local_experts.{j}."
-                out[E + "linear_fc1.weight"] = torch.cat([sd[f"layers.{i}.moe.experts.w1"][x].chunk(tp)[t],
-                                                          sd[f"layers.{i}.moe.experts.w3"][x].chunk(tp)[t]]).clone()
+                out[E + "linear_fc1.weight"] = torch.cat(
+                    [sd[f"layers.{i}.moe.experts.w1"][x].chunk(tp)[t], sd[f"layers.{i}.moe.experts.w3"][x].chunk(tp)[t]]
+                ).clone()
                 out[E + "linear_fc2.weight"] = sd[f"layers.{i}.moe.experts.w2"][x].chunk(tp, 1)[t].clone()
             continue
-        out[L + "mlp.linear_fc1.weight"] = torch.cat([sd[f"layers.{i}.feed_forward.w1.weight"].chunk(tp)[t],
-                                                      sd[f"layers.{i}.feed_forward.w3.weight"].chunk(tp)[t]]).clone()
+        out[L + "mlp.linear_fc1.weight"] = torch.cat(
+            [
+                sd[f"layers.{i}.feed_forward.w1.weight"].chunk(tp)[t],
+                sd[f"layers.{i}.feed_forward.w3.weight"].chunk(tp)[t],
+            ]
+        ).clone()
         out[L + "mlp.linear_fc2.weight"] = sd[f"layers.{i}.feed_forward.w2.weight"].chunk(tp, 1)[t].clone()
     if p == pp - 1:
         out["decoder.final_layernorm.weight"] = sd["norm.weight"].clone()
@@ -220,53 +265,106 @@ def megatron_rank(sd: dict, args: ModelArgs, t: int, p: int, tp: int, pp: int, *
     return out
 
 
-def write_megatron(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp: int = 2,
-                   fused_norms: bool = True, iteration: int = 50, with_vocab: bool = True,
-                   divisible_by: int = 128, ep: int = 1, grouped: bool = False) -> Path:
+def write_megatron(
+    sd: dict,
+    args: ModelArgs,
+    out: Path,
+    *,
+    tp: int = 2,
+    pp: int = 2,
+    fused_norms: bool = True,
+    iteration: int = 50,
+    with_vocab: bool = True,
+    divisible_by: int = 128,
+    ep: int = 1,
+    grouped: bool = False,
+) -> Path:
     """iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt + latest_checkpointed_iteration.txt, as
     Megatron-LM's get_checkpoint_name names them (the pp rank when pp > 1, the ep rank when ep > 1)."""
     multiple = divisible_by * tp
     padded = -(-args.vocab_size // multiple) * multiple
-    ns = megatron_args(args, tp=tp, pp=pp, padded=padded, divisible_by=divisible_by, with_vocab=with_vocab,
-                       ckpt_format=None, ep=ep)
+    ns = megatron_args(
+        args, tp=tp, pp=pp, padded=padded, divisible_by=divisible_by, with_vocab=with_vocab, ckpt_format=None, ep=ep
+    )
     ns.moe_grouped_gemm = grouped
     it = out / f"iter_{iteration:07d}"
     for t, p, e in ((t, p, e) for t in range(tp) for p in range(pp) for e in range(ep)):
         d = it / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else ""))
         d.mkdir(parents=True)
-        model = megatron_rank(sd, args, t, p, tp, pp, fused_norms=fused_norms, padded=padded, e=e, ep=ep,
-                              grouped=grouped)
-        ckpt = {"args": ns, "checkpoint_version": 3.0, "iteration": iteration, "model": model,
-                "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]}},
-                "opt_param_scheduler": {"num_steps": iteration},
-                "rng_state": [{"random_rng_state": random.getstate(),
-                               "np_rng_state": np.random.get_state(),
-                               "torch_rng_state": torch.get_rng_state(),
-                               "rng_tracker_states": {}}],
-                "num_floating_point_operations_so_far": 0}
+        model = megatron_rank(
+            sd, args, t, p, tp, pp, fused_norms=fused_norms, padded=padded, e=e, ep=ep, grouped=grouped
+        )
+        ckpt = {
+            "args": ns,
+            "checkpoint_version": 3.0,
+            "iteration": iteration,
+            "model": model,
+            "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-4}]}},
+            "opt_param_scheduler": {"num_steps": iteration},
+            "rng_state": [
+                {
+                    "random_rng_state": random.getstate(),
+                    "np_rng_state": np.random.get_state(),
+                    "torch_rng_state": torch.get_rng_state(),
+                    "rng_tracker_states": {},
+                }
+            ],
+            "num_floating_point_operations_so_far": 0,
+        }
         torch.save(ckpt, d / "model_optim_rng.pt")
     (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return out
 
 
-def megatron_args(args: ModelArgs, *, tp: int, pp: int, padded: int, divisible_by: int = 128,
-                  vpp: int | None = None, with_vocab: bool = True,
-                  ckpt_format: str | None = "torch_dist", ep: int = 1) -> argparse.Namespace:
+def megatron_args(
+    args: ModelArgs,
+    *,
+    tp: int,
+    pp: int,
+    padded: int,
+    divisible_by: int = 128,
+    vpp: int | None = None,
+    with_vocab: bool = True,
+    ckpt_format: str | None = "torch_dist",
+    ep: int = 1,
+) -> argparse.Namespace:
     """The model part of Megatron-LM's saved ``args`` (``ckpt_format=None``: the legacy layout's, which
     predates that field and virtual pipeline stages)."""
     ns = argparse.Namespace(
-        num_layers=args.n_layers, hidden_size=args.dim, ffn_hidden_size=args.hidden_dim,
-        num_attention_heads=args.n_heads, group_query_attention=True, num_query_groups=args.kv_heads,
-        kv_channels=args.head_dim, padded_vocab_size=padded, make_vocab_size_divisible_by=divisible_by,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, norm_epsilon=args.norm_eps,
-        rotary_base=int(args.rope_theta), max_position_embeddings=args.max_seq_len,
-        seq_length=args.max_seq_len, untie_embeddings_and_output_weights=True, swiglu=True,
-        add_bias_linear=False, normalization="RMSNorm", position_embedding_type="rope",
-        params_dtype=torch.float32, bf16=False, attention_backend=_megatron_attn_backend().auto,
-        transformer_impl="transformer_engine", add_qkv_bias=args.qkv_bias, qk_layernorm=args.qk_norm,
-        num_layers_per_virtual_pipeline_stage=args.n_layers // pp // vpp if vpp else None)
+        num_layers=args.n_layers,
+        hidden_size=args.dim,
+        ffn_hidden_size=args.hidden_dim,
+        num_attention_heads=args.n_heads,
+        group_query_attention=True,
+        num_query_groups=args.kv_heads,
+        kv_channels=args.head_dim,
+        padded_vocab_size=padded,
+        make_vocab_size_divisible_by=divisible_by,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        norm_epsilon=args.norm_eps,
+        rotary_base=int(args.rope_theta),
+        max_position_embeddings=args.max_seq_len,
+        seq_length=args.max_seq_len,
+        untie_embeddings_and_output_weights=True,
+        swiglu=True,
+        add_bias_linear=False,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        params_dtype=torch.float32,
+        bf16=False,
+        attention_backend=_megatron_attn_backend().auto,
+        transformer_impl="transformer_engine",
+        add_qkv_bias=args.qkv_bias,
+        qk_layernorm=args.qk_norm,
+        num_layers_per_virtual_pipeline_stage=args.n_layers // pp // vpp if vpp else None,
+    )
     if args.moe:  # Megatron-LM's MoE arguments (moe_layer_freq as the list --moe-layer-freq parses into)
-        ns.num_experts, ns.moe_router_topk, ns.moe_ffn_hidden_size = args.n_experts, args.experts_per_token, args.expert_dim
+        ns.num_experts, ns.moe_router_topk, ns.moe_ffn_hidden_size = (
+            args.n_experts,
+            args.experts_per_token,
+            args.expert_dim,
+        )
         ns.moe_layer_freq = [int(args.is_moe_layer(i)) for i in range(args.n_layers)]
         ns.moe_router_pre_softmax, ns.moe_aux_loss_coeff = not args.router_norm_topk, args.router_aux_loss_coef
         ns.moe_grouped_gemm, ns.moe_token_dispatcher_type, ns.moe_router_score_function = False, "allgather", "softmax"
@@ -278,8 +376,18 @@ def megatron_args(args: ModelArgs, *, tp: int, pp: int, padded: int, divisible_b
     return ns
 
 
-def write_megatron_dist(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp: int = 2, vpp: int = 2,
-                        iteration: int = 50, divisible_by: int = 128, common: dict | None = None) -> Path:
+def write_megatron_dist(
+    sd: dict,
+    args: ModelArgs,
+    out: Path,
+    *,
+    tp: int = 2,
+    pp: int = 2,
+    vpp: int = 2,
+    iteration: int = 50,
+    divisible_by: int = 128,
+    common: dict | None = None,
+) -> Path:
     """A Megatron-LM torch_dist checkpoint written to megatron.core.dist_checkpointing's layout.
 
     ``iter_XXXXXXX/{metadata.json, common.pt, .metadata, __R_0.distcp}`` + the tracker file. The
@@ -294,9 +402,14 @@ def write_megatron_dist(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp
     import pickle
 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                       Metadata, MetadataIndex, TensorProperties,
-                                                       TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     hd, ng, qpg = args.head_dim, args.kv_heads, args.n_heads // args.kv_heads
     L, dim, ffn = args.n_layers, args.dim, args.hidden_dim
@@ -307,12 +420,19 @@ def write_megatron_dist(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp
     def pad(w):
         return torch.cat([w, torch.randn(padded - w.shape[0], w.shape[1], generator=g)])
 
-    full = {"embedding.word_embeddings.weight": pad(sd["tok_embeddings.weight"]),
-            "output_layer.weight": pad(sd["output.weight"]),
-            "decoder.final_layernorm.weight": sd["norm.weight"]}
-    stack = {"self_attention.linear_qkv.layer_norm_weight": [], "self_attention.linear_qkv.weight": [],
-             "self_attention.linear_proj.weight": [], "mlp.linear_fc1.layer_norm_weight": [],
-             "mlp.linear_fc1.weight": [], "mlp.linear_fc2.weight": []}
+    full = {
+        "embedding.word_embeddings.weight": pad(sd["tok_embeddings.weight"]),
+        "output_layer.weight": pad(sd["output.weight"]),
+        "decoder.final_layernorm.weight": sd["norm.weight"],
+    }
+    stack = {
+        "self_attention.linear_qkv.layer_norm_weight": [],
+        "self_attention.linear_qkv.weight": [],
+        "self_attention.linear_proj.weight": [],
+        "mlp.linear_fc1.layer_norm_weight": [],
+        "mlp.linear_fc1.weight": [],
+        "mlp.linear_fc2.weight": [],
+    }
     if args.qkv_bias:
         stack["self_attention.linear_qkv.bias"] = []
     if args.qk_norm:
@@ -327,8 +447,9 @@ def write_megatron_dist(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp
             stack["self_attention.k_layernorm.weight"].append(sd[f"layers.{i}.attention.k_norm.weight"])
         stack["self_attention.linear_proj.weight"].append(sd[f"layers.{i}.attention.wo.weight"])
         stack["mlp.linear_fc1.layer_norm_weight"].append(sd[f"layers.{i}.ffn_norm.weight"])
-        stack["mlp.linear_fc1.weight"].append(torch.cat([sd[f"layers.{i}.feed_forward.w1.weight"],
-                                                         sd[f"layers.{i}.feed_forward.w3.weight"]]))
+        stack["mlp.linear_fc1.weight"].append(
+            torch.cat([sd[f"layers.{i}.feed_forward.w1.weight"], sd[f"layers.{i}.feed_forward.w3.weight"]])
+        )
         stack["mlp.linear_fc2.weight"].append(sd[f"layers.{i}.feed_forward.w2.weight"])
     for key, ts in stack.items():
         full["decoder.layers." + key] = torch.stack(ts)
@@ -381,22 +502,35 @@ def write_megatron_dist(sd: dict, args: ModelArgs, out: Path, *, tp: int = 2, pp
                     torch.save(x, buf)
                     f.write(buf.getvalue())
                     storage[MetadataIndex(fqn, torch.Size(offs))] = _StorageInfo(name, at, f.tell() - at)
-                    m = sdm.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=x.dtype),
-                                                                  full[fqn].shape, []))
+                    m = sdm.setdefault(fqn, TensorStorageMetadata(TensorProperties(dtype=x.dtype), full[fqn].shape, []))
                     m.chunks.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
     with open(it / ".metadata", "wb") as f:
         pickle.dump(Metadata(state_dict_metadata=sdm, storage_data=storage), f)
     ns = megatron_args(args, tp=tp, pp=pp, padded=padded, divisible_by=divisible_by, vpp=vpp)
-    torch.save(common if common is not None else
-               {"args": ns, "checkpoint_version": 3.0, "iteration": iteration,
-                "num_floating_point_operations_so_far": 0}, it / "common.pt")
-    (it / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                                                  "common_backend": "torch", "common_backend_version": 1}))
+    torch.save(
+        common
+        if common is not None
+        else {"args": ns, "checkpoint_version": 3.0, "iteration": iteration, "num_floating_point_operations_so_far": 0},
+        it / "common.pt",
+    )
+    (it / "metadata.json").write_text(
+        json.dumps(
+            {
+                "sharded_backend": "torch_dist",
+                "sharded_backend_version": 1,
+                "common_backend": "torch",
+                "common_backend_version": 1,
+            }
+        )
+    )
     (out / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return out
 
 
 def hash_tree(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root`` (to prove a source was left untouched)."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }

@@ -20,6 +20,7 @@ Writes into OUT (argv[1]):
   megatron_moe_grouped/       the same with GroupedMLP experts (weight1/weight2 as legacy files hold them)
   megatron_moe_singleton/     megatron_moe saved with singleton_local_shards (a key per expert, fc1 as _w/_v)
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from convert_writers import model_args, native_state, to_interleaved
 from titan_pipe.training.data_parallel import plan_dp
@@ -64,15 +64,25 @@ def main(out: Path) -> None:
     args = model_args()
     dims = ParallelDims(dp=2, tp=2)
     mesh = dims.build_mesh("cpu")
-    pm = build_parallel_model(args, mesh, dp_plan=plan_dp(dp=2, tp=2, dp_mode="fsdp", zero_stage=None),
-                              weights=InterleavedWeights(args))
+    pm = build_parallel_model(
+        args, mesh, dp_plan=plan_dp(dp=2, tp=2, dp_mode="fsdp", zero_stage=None), weights=InterleavedWeights(args)
+    )
     module = pm.parts[0]
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "params.json").write_text(json.dumps({"n_heads": args.n_heads, "n_kv_heads": args.kv_heads,
-                                                     "norm_eps": args.norm_eps, "rope_theta": args.rope_theta}))
-        (out / "placements.json").write_text(json.dumps(
-            {n: [str(p) for p in v.placements] for n, v in module.named_parameters()}))
+        (out / "params.json").write_text(
+            json.dumps(
+                {
+                    "n_heads": args.n_heads,
+                    "n_kv_heads": args.kv_heads,
+                    "norm_eps": args.norm_eps,
+                    "rope_theta": args.rope_theta,
+                }
+            )
+        )
+        (out / "placements.json").write_text(
+            json.dumps({n: [str(p) for p in v.placements] for n, v in module.named_parameters()})
+        )
     dist.barrier()
     dcp.save(get_model_state_dict(module), checkpoint_id=str(out / "model_only"))
 
@@ -84,12 +94,13 @@ def main(out: Path) -> None:
     opt.step()
     sched.step()
     dp_rank = dims.coords(rank)[0]
-    state = {**get_model_state_dict(module),
-             "optimizer": get_optimizer_state_dict(module, opt, options=StateDictOptions(
-                 flatten_optimizer_state_dict=True)),
-             "lr_scheduler": sched.state_dict(),
-             "dataloader": {f"dp_rank_{dp_rank}": pickle.dumps({"sample": 17 + dp_rank})},
-             "train_state": {"step": torch.tensor(1), "ntokens_seen": torch.tensor(30)}}
+    state = {
+        **get_model_state_dict(module),
+        "optimizer": get_optimizer_state_dict(module, opt, options=StateDictOptions(flatten_optimizer_state_dict=True)),
+        "lr_scheduler": sched.state_dict(),
+        "dataloader": {f"dp_rank_{dp_rank}": pickle.dumps({"sample": 17 + dp_rank})},
+        "train_state": {"step": torch.tensor(1), "ntokens_seen": torch.tensor(30)},
+    }
     dcp.save(state, checkpoint_id=str(out / "full/step-1"))
     full = {n: p.full_tensor().clone() for n, p in module.named_parameters()}
     if rank == 0:
@@ -103,8 +114,7 @@ def main(out: Path) -> None:
         save_megatron_moe(out, rank, grouped=True)
         save_megatron_moe(out, rank, singleton=True)
     except Exception as e:  # a megatron-core that cannot save on CPU: the test skips, saying why
-        (out / "megatron_skipped.txt").write_text(f"megatron-core save failed on rank {rank}: "
-                                                   f"{type(e).__name__}: {e}")
+        (out / "megatron_skipped.txt").write_text(f"megatron-core save failed on rank {rank}: {type(e).__name__}: {e}")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -125,25 +135,46 @@ def save_megatron(out: Path, rank: int, tp: int = 2, pp: int = 2, vpp: int = 2) 
     # CUDA device; neither exists on a CPU build of torch.
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_device = lambda: "cpu"
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             virtual_pipeline_model_parallel_size=vpp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp
+    )
     for name, args in (("megatron", model_args()), ("megatron_qwen2", model_args(qkv_bias=True))):
-        cfg = TransformerConfig(num_layers=args.n_layers, hidden_size=args.dim, ffn_hidden_size=args.hidden_dim,
-                                num_attention_heads=args.n_heads, num_query_groups=args.kv_heads,
-                                kv_channels=args.head_dim, use_cpu_initialization=True, gated_linear_unit=True,
-                                activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
-                                add_qkv_bias=args.qkv_bias, layernorm_epsilon=args.norm_eps,
-                                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32)
+        cfg = TransformerConfig(
+            num_layers=args.n_layers,
+            hidden_size=args.dim,
+            ffn_hidden_size=args.hidden_dim,
+            num_attention_heads=args.n_heads,
+            num_query_groups=args.kv_heads,
+            kv_channels=args.head_dim,
+            use_cpu_initialization=True,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            normalization="RMSNorm",
+            add_bias_linear=False,
+            add_qkv_bias=args.qkv_bias,
+            layernorm_epsilon=args.norm_eps,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            pipeline_dtype=torch.float32,
+        )
         _save_gpt(out / name, rank, cfg, args, tp, pp, vpp)
 
 
-MOE_ARGS = dict(n_experts=4, experts_per_token=2, moe_hidden_dim=48, dense_layers=(0,), qk_norm=True, head_dim=16,
-                router_aux_loss_coef=0.01)  # Qwen3-MoE-shaped: q/k norms, narrower experts, a dense first layer
+MOE_ARGS = dict(
+    n_experts=4,
+    experts_per_token=2,
+    moe_hidden_dim=48,
+    dense_layers=(0,),
+    qk_norm=True,
+    head_dim=16,
+    router_aux_loss_coef=0.01,
+)  # Qwen3-MoE-shaped: q/k norms, narrower experts, a dense first layer
 
 
-def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2, grouped: bool = False,
-                      singleton: bool = False) -> None:
+def save_megatron_moe(
+    out: Path, rank: int, tp: int = 2, ep: int = 2, grouped: bool = False, singleton: bool = False
+) -> None:
     """megatron-core's own MoE GPTModel (its decoder block spec: a dense layer, then MoELayers of
     SequentialMLP experts, or with ``grouped`` its GroupedMLP: weight1/weight2 as the legacy writer lays
     them out, so megatron-core's own view of them decides what is saved) at tp 2 x ep 2, native_state's
@@ -164,28 +195,55 @@ def save_megatron_moe(out: Path, rank: int, tp: int = 2, ep: int = 2, grouped: b
 
         grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
     args = model_args(**MOE_ARGS)
-    cfg = TransformerConfig(num_layers=args.n_layers, hidden_size=args.dim, ffn_hidden_size=args.hidden_dim,
-                            num_attention_heads=args.n_heads, num_query_groups=args.kv_heads, kv_channels=args.head_dim,
-                            use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu,
-                            normalization="RMSNorm", add_bias_linear=False, layernorm_epsilon=args.norm_eps,
-                            qk_layernorm=True, num_moe_experts=args.n_experts, moe_router_topk=args.experts_per_token,
-                            moe_ffn_hidden_size=args.expert_dim, moe_token_dispatcher_type="allgather",
-                            moe_layer_freq=[int(args.is_moe_layer(i)) for i in range(args.n_layers)],
-                            moe_grouped_gemm=grouped, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                            pipeline_dtype=torch.float32)
+    cfg = TransformerConfig(
+        num_layers=args.n_layers,
+        hidden_size=args.dim,
+        ffn_hidden_size=args.hidden_dim,
+        num_attention_heads=args.n_heads,
+        num_query_groups=args.kv_heads,
+        kv_channels=args.head_dim,
+        use_cpu_initialization=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        layernorm_epsilon=args.norm_eps,
+        qk_layernorm=True,
+        num_moe_experts=args.n_experts,
+        moe_router_topk=args.experts_per_token,
+        moe_ffn_hidden_size=args.expert_dim,
+        moe_token_dispatcher_type="allgather",
+        moe_layer_freq=[int(args.is_moe_layer(i)) for i in range(args.n_layers)],
+        moe_grouped_gemm=grouped,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep,
+        pipeline_dtype=torch.float32,
+    )
     padded = 512
-    m = GPTModel(config=cfg, transformer_layer_spec=get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
-                 vocab_size=padded, max_sequence_length=args.max_seq_len, pre_process=True, post_process=True,
-                 share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                 rotary_base=int(args.rope_theta))
+    m = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
+        vocab_size=padded,
+        max_sequence_length=args.max_seq_len,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=int(args.rope_theta),
+    )
     t, e = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
-    local = megatron_rank(native_state(args), args, t, 0, tp, 1, fused_norms=False, padded=padded, e=e, ep=ep,
-                          grouped=grouped)
+    local = megatron_rank(
+        native_state(args), args, t, 0, tp, 1, fused_norms=False, padded=padded, e=e, ep=ep, grouped=grouped
+    )
     _load_into(m, local)
     ckpt = out / ("megatron_moe_grouped" if grouped else "megatron_moe_singleton" if singleton else "megatron_moe")
     metadata = {"singleton_local_shards": True} if singleton else None
-    state = {"args": megatron_args(args, tp=tp, pp=1, padded=padded, ep=ep), "iteration": 50,
-             "checkpoint_version": 3.0, "model": m.sharded_state_dict(metadata=metadata)}
+    state = {
+        "args": megatron_args(args, tp=tp, pp=1, padded=padded, ep=ep),
+        "iteration": 50,
+        "checkpoint_version": 3.0,
+        "model": m.sharded_state_dict(metadata=metadata),
+    }
     _save_dist(ckpt, rank, state)
 
 
@@ -201,15 +259,26 @@ def _save_gpt(ckpt: Path, rank: int, cfg, args, tp: int, pp: int, vpp: int) -> N
     sd = native_state(args)
     padded = 512  # vocab 320 padded to a multiple of 128 x tp
     t, p = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-    state = {"args": megatron_args(args, tp=tp, pp=pp, padded=padded, vpp=vpp), "iteration": 50,
-             "checkpoint_version": 3.0}
+    state = {
+        "args": megatron_args(args, tp=tp, pp=pp, padded=padded, vpp=vpp),
+        "iteration": 50,
+        "checkpoint_version": 3.0,
+    }
     for v in range(vpp):
         first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v)
-        m = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=padded,
-                     max_sequence_length=args.max_seq_len, pre_process=first, post_process=last,
-                     share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                     rotary_base=int(args.rope_theta), vp_stage=v)
+        m = GPTModel(
+            config=cfg,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=padded,
+            max_sequence_length=args.max_seq_len,
+            pre_process=first,
+            post_process=last,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+            rotary_base=int(args.rope_theta),
+            vp_stage=v,
+        )
         local = megatron_rank(sd, args, t, v * pp + p, tp, pp * vpp, fused_norms=False, padded=padded)
         _load_into(m, local)
         state[f"model{v}"] = m.sharded_state_dict()

@@ -1,4 +1,5 @@
 """Helpers for the export tests: write unified model dirs directly (no converter involved)."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,15 @@ def debug_model(seed: int = 0, **overrides) -> tuple[Transformer, ModelArgs]:
     return model, args
 
 
-def write_unified(model: Transformer, args: ModelArgs, out: Path, *, hf_names: bool = True,
-                  shards: int = 1, dtype: torch.dtype | None = None) -> Path:
+def write_unified(
+    model: Transformer,
+    args: ModelArgs,
+    out: Path,
+    *,
+    hf_names: bool = True,
+    shards: int = 1,
+    dtype: torch.dtype | None = None,
+) -> Path:
     """A unified dir: config.json + model.safetensors (or ``shards`` files + index)."""
     out.mkdir(parents=True, exist_ok=True)
     sd = {}

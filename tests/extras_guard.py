@@ -5,6 +5,7 @@ is installed means the test did not run what it claims (a stub module in sys.mod
 real megatron-core from five interop tests for months). Each such skip, at collection
 (``importorskip`` at module level) or in a test, becomes a failure naming the package.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -12,9 +13,14 @@ import importlib.metadata
 import pytest
 
 # distribution -> the module names a skip reason would mention
-WATCHED = {"megatron-core": ("megatron-core", "megatron"), "transformers": ("transformers",),
-           "onnxruntime": ("onnxruntime",), "mindstudio-probe": ("mindstudio-probe", "msprobe"),
-           "pyarrow": ("pyarrow",), "tensorboard": ("tensorboard",)}
+WATCHED = {
+    "megatron-core": ("megatron-core", "megatron"),
+    "transformers": ("transformers",),
+    "onnxruntime": ("onnxruntime",),
+    "mindstudio-probe": ("mindstudio-probe", "msprobe"),
+    "pyarrow": ("pyarrow",),
+    "tensorboard": ("tensorboard",),
+}
 
 
 def _installed(dist: str) -> bool:
@@ -43,8 +49,10 @@ def _reason(longrepr) -> str:
 def _fail(report, dist: str) -> None:
     reason = _reason(report.longrepr)
     report.outcome = "failed"
-    report.longrepr = (f"skipped ({reason}) although {dist} is installed: the test did not run what it claims "
-                       "(a stub in sys.modules, a broken import?); fix the import rather than skipping")
+    report.longrepr = (
+        f"skipped ({reason}) although {dist} is installed: the test did not run what it claims "
+        "(a stub in sys.modules, a broken import?); fix the import rather than skipping"
+    )
 
 
 def _check(outcome) -> None:

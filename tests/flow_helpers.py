@@ -1,4 +1,5 @@
 """A small flow.yaml for the flow tests: examples/tiny on 2 ranks (dp1 x tp2) with few steps."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,8 +44,13 @@ def train_in_process(flow: Path):
     from titan_pipe.training.launch import run_training
 
     mp = pytest.MonkeyPatch()
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(free_port())}.items():
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
         mp.setenv(k, v)
     try:
         cfg = load_flow(flow)

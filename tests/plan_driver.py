@@ -10,6 +10,7 @@ mesh coordinates, local parameter elements and their storage bytes, gradient ele
 gradient whose local shape differs from its parameter's), optimizer state bytes and tensors, and
 (if asked) the bytes autograd saves for backward in one forward.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,25 +71,37 @@ def run_layout(spec: dict, args: ModelArgs) -> dict:
     mesh = dims.build_mesh("cpu")
     dp_rank, pp_rank, tp_rank = dims.coords(dist.get_rank())
     zero = spec["zero"]
-    dp_plan = plan_dp(dp=dims.dp, tp=dims.tp, dp_mode="fsdp" if zero >= 2 else "ddp",
-                      zero_stage=2 if zero == 2 else None)
-    model = build_parallel_model(args, mesh, schedule=spec["schedule"], virtual_stages=spec["virtual_stages"],
-                                 sequence_parallel=spec["sequence_parallel"], dp_plan=dp_plan, seed=0)
+    dp_plan = plan_dp(
+        dp=dims.dp, tp=dims.tp, dp_mode="fsdp" if zero >= 2 else "ddp", zero_stage=2 if zero == 2 else None
+    )
+    model = build_parallel_model(
+        args,
+        mesh,
+        schedule=spec["schedule"],
+        virtual_stages=spec["virtual_stages"],
+        sequence_parallel=spec["sequence_parallel"],
+        dp_plan=dp_plan,
+        seed=0,
+    )
     g = torch.Generator().manual_seed(1 + dp_rank)
     tokens = torch.randint(0, args.vocab_size, (B, T), generator=g)
     record = {"dp_rank": dp_rank, "pp_rank": pp_rank, "tp_rank": tp_rank, "kind": dp_plan.kind}
     if spec.get("measure_activations"):
         record["saved_for_backward"] = saved_for_backward(model.parts[0], tokens)
-    optimizers = [build_optimizer(list(m.parameters()), name="adamw", lr=1e-3, weight_decay=0.1)
-                  for m in model.modules]
+    optimizers = [build_optimizer(list(m.parameters()), name="adamw", lr=1e-3, weight_decay=0.1) for m in model.modules]
     plan = model.stage_plan
     if dims.pp > 1:
-        schedule = build_schedule(model.parts, plan, schedule=spec["schedule"], pp_mesh=mesh["pp"],
-                                  n_microbatches=spec["microbatches"], loss_fn=loss_fn,
-                                  device=torch.device("cpu"))
+        schedule = build_schedule(
+            model.parts,
+            plan,
+            schedule=spec["schedule"],
+            pp_mesh=mesh["pp"],
+            n_microbatches=spec["microbatches"],
+            loss_fn=loss_fn,
+            device=torch.device("cpu"),
+        )
         first, last = 0 in plan.local, plan.n_stages - 1 in plan.local
-        schedule.step(*([tokens] if first else []), target=tokens if last else None,
-                      losses=[] if last else None)
+        schedule.step(*([tokens] if first else []), target=tokens if last else None, losses=[] if last else None)
     else:
         loss_fn(model.parts[0](tokens), tokens).backward()
     for opt in optimizers:
@@ -100,11 +113,13 @@ def run_layout(spec: dict, args: ModelArgs) -> dict:
     record["grad_shape_differs"] = [
         f"{name}: param {tuple(_local(p).shape)} grad {tuple(_local(p.grad).shape)} {getattr(p.grad, 'placements', '')}"
         for _, name, p in model.named_parameters()
-        if p.grad is not None and _local(p.grad).shape != _local(p).shape]
+        if p.grad is not None and _local(p.grad).shape != _local(p).shape
+    ]
     states = [s for opt in optimizers for s in opt.state.values()]
     record["optimizer_tensors"] = len(states)
-    record["optimizer_bytes"] = sum(_local(v).numel() * v.element_size()
-                                    for s in states for v in s.values() if torch.is_tensor(v))
+    record["optimizer_bytes"] = sum(
+        _local(v).numel() * v.element_size() for s in states for v in s.values() if torch.is_tensor(v)
+    )
     return record
 
 

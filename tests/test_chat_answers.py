@@ -3,6 +3,7 @@
 the answers marked by hand: multi-turn, with reasoning content (a Qwen3-shaped template that drops
 earlier turns' reasoning and keeps the last's), a system message, and the project's own fixture
 template over 300 conversations. Templates whose turns cannot be found are refused, not guessed."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,19 +28,30 @@ _HEAD = (
     "{%- if message['reasoning_content'] is string %}{%- set reasoning = message['reasoning_content'] %}"
     "{%- elif '</think>' in content %}"
     "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}")
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+)
 _TAIL = "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-QWEN3_SHAPED = _HEAD + (
-    "{%- if loop.index0 > ns.last_query %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content }}"
-    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}") + _TAIL
-QWEN3_MARKED = _HEAD + (
-    "{{- '<|im_start|>assistant\\n' }}{%- generation %}"
-    "{%- if loop.index0 > ns.last_query %}"
-    "{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content }}"
-    "{%- else %}{{- content }}{%- endif %}"
-    "{{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}") + _TAIL
+QWEN3_SHAPED = (
+    _HEAD
+    + (
+        "{%- if loop.index0 > ns.last_query %}"
+        "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content }}"
+        "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+        "{{- '<|im_end|>\\n' }}"
+    )
+    + _TAIL
+)
+QWEN3_MARKED = (
+    _HEAD
+    + (
+        "{{- '<|im_start|>assistant\\n' }}{%- generation %}"
+        "{%- if loop.index0 > ns.last_query %}"
+        "{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content }}"
+        "{%- else %}{{- content }}{%- endif %}"
+        "{{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}"
+    )
+    + _TAIL
+)
 
 # The fixture template (an empty think block on the answers after the last user turn), marked by hand.
 THINKING_MARKED = THINKING_TEMPLATE.replace(
@@ -48,7 +60,8 @@ THINKING_MARKED = THINKING_TEMPLATE.replace(
     "{{- m['content'] + '<|im_end|>\\n' }}",
     "{{- '<|im_start|>assistant\\n' }}{%- generation %}"
     "{%- if loop.index0 > ns.last_user %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{{- m['content'] + '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}")
+    "{{- m['content'] + '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}",
+)
 
 
 def reasoning_records(n: int) -> list[dict]:
@@ -87,18 +100,24 @@ def _ours(tok, template: str, messages: list[dict]) -> tuple[list[int], list[int
 
 
 def _transformers(hf, marked: str, messages: list[dict]) -> tuple[list[int], list[int]]:
-    out = hf.apply_chat_template(messages, chat_template=marked, tokenize=True, return_dict=True,
-                                 return_assistant_tokens_mask=True)
+    out = hf.apply_chat_template(
+        messages, chat_template=marked, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     return list(out["input_ids"]), list(out["assistant_masks"])
 
 
-@pytest.mark.parametrize("template,marked,conversations", [
-    (QWEN3_SHAPED, QWEN3_MARKED, lambda: reasoning_records(60)),
-    (QWEN3_SHAPED, QWEN3_MARKED, lambda: [r["messages"] for r in chat_records(60, seed=2)]),
-    (THINKING_TEMPLATE, THINKING_MARKED, lambda: [r["messages"] for r in chat_records(300)]),
-], ids=["qwen3-shaped-reasoning", "qwen3-shaped-plain", "fixture-300"])
-def test_answers_without_generation_blocks_equal_transformers_mask_with_them(tokenizers, template, marked,
-                                                                           conversations):
+@pytest.mark.parametrize(
+    "template,marked,conversations",
+    [
+        (QWEN3_SHAPED, QWEN3_MARKED, lambda: reasoning_records(60)),
+        (QWEN3_SHAPED, QWEN3_MARKED, lambda: [r["messages"] for r in chat_records(60, seed=2)]),
+        (THINKING_TEMPLATE, THINKING_MARKED, lambda: [r["messages"] for r in chat_records(300)]),
+    ],
+    ids=["qwen3-shaped-reasoning", "qwen3-shaped-plain", "fixture-300"],
+)
+def test_answers_without_generation_blocks_equal_transformers_mask_with_them(
+    tokenizers, template, marked, conversations
+):
     tok, hf = tokenizers
     for i, msgs in enumerate(conversations()):
         ids, mask = _ours(tok, template, msgs)
@@ -125,12 +144,19 @@ def test_no_user_token_is_ever_an_answer(tokenizers):
         assert all(any(ans in text[x:y] for x, y in spans) for ans in answers)
 
 
-@pytest.mark.parametrize("template,why", [
-    ("{{ messages | map(attribute='content') | join('\\n') }}", "not rendered by a loop over the messages"),
-    ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", "no generation prompt"),
-    ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | upper }}\n{% endfor %}"
-     "{% if add_generation_prompt %}<assistant>{% endif %}", "content is not in the text its turn renders"),
-], ids=["no-loop", "no-generation-prompt", "content-rewritten"])
+@pytest.mark.parametrize(
+    "template,why",
+    [
+        ("{{ messages | map(attribute='content') | join('\\n') }}", "not rendered by a loop over the messages"),
+        ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", "no generation prompt"),
+        (
+            "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | upper }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}",
+            "content is not in the text its turn renders",
+        ),
+    ],
+    ids=["no-loop", "no-generation-prompt", "content-rewritten"],
+)
 def test_templates_whose_turns_cannot_be_found_are_refused(template, why):
     msgs = [{"role": "user", "content": "one two"}, {"role": "assistant", "content": "three four"}]
     with pytest.raises(BadRecord, match=why) as e:

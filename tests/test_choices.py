@@ -3,6 +3,7 @@ value of every set (titan_pipe.choices), and the export defaults are the same in
 CLI and the stage. Plus the two bugs the copies caused: export.opset 12 passed validation but the
 export stage refused it; pp 1 + interleaved_1f1b on a one-layer model was refused by validation
 though the trainer builds one stage."""
+
 from __future__ import annotations
 
 import inspect
@@ -54,27 +55,44 @@ def test_kernels_agree(tmp_path):
 
 def test_schedules_agree(tmp_path):
     for s in choices.PP_SCHEDULES + OUTSIDERS:
-        cfg = config_ok({"parallel": {"pp": 2, "pp_schedule": s, "microbatches": 2},
-                         "launch": {"nproc_per_node": 2}}, tmp_path)
+        cfg = config_ok(
+            {"parallel": {"pp": 2, "pp_schedule": s, "microbatches": 2}, "launch": {"nproc_per_node": 2}}, tmp_path
+        )
         assert cfg == stage_ok(plan_stages, DEBUG.n_layers, 2, 0, s, 2), s
 
 
-@pytest.mark.parametrize("pp,schedule,v,layers", [(1, "interleaved_1f1b", 2, 1), (1, "interleaved_1f1b", 4, 3),
-                                                   (2, "interleaved_1f1b", 2, 3), (2, "interleaved_1f1b", 2, 4),
-                                                   (2, "1f1b", 2, 2), (4, "gpipe", 2, 3)])
+@pytest.mark.parametrize(
+    "pp,schedule,v,layers",
+    [
+        (1, "interleaved_1f1b", 2, 1),
+        (1, "interleaved_1f1b", 4, 3),
+        (2, "interleaved_1f1b", 2, 3),
+        (2, "interleaved_1f1b", 2, 4),
+        (2, "1f1b", 2, 2),
+        (4, "gpipe", 2, 3),
+    ],
+)
 def test_stage_counts_agree(tmp_path, pp, schedule, v, layers):
     """validate accepts a layout exactly when the trainer's stage plan can be built."""
-    cfg = config_ok({"model": {"flavour": "debug", "n_layers": layers},
-                     "parallel": {"pp": pp, "pp_schedule": schedule, "virtual_stages": v, "microbatches": 4},
-                     "train": {"batch_size": 8}, "launch": {"nproc_per_node": pp}}, tmp_path)
+    cfg = config_ok(
+        {
+            "model": {"flavour": "debug", "n_layers": layers},
+            "parallel": {"pp": pp, "pp_schedule": schedule, "virtual_stages": v, "microbatches": 4},
+            "train": {"batch_size": 8},
+            "launch": {"nproc_per_node": pp},
+        },
+        tmp_path,
+    )
     assert cfg == stage_ok(plan_stages, layers, pp, 0, schedule, v), (pp, schedule, v, layers)
     assert len(plan_stages(1, 1, 0, "interleaved_1f1b", 2).stages) == 1  # the trainer's one stage
     assert stages_per_rank(pp, schedule, v) == (v if schedule == choices.INTERLEAVED and pp > 1 else 1)
 
 
 def test_interleaved_on_one_layer_without_pp_validates(tmp_path):
-    assert config_ok({"model": {"flavour": "debug", "n_layers": 1},
-                      "parallel": {"pp": 1, "pp_schedule": "interleaved_1f1b"}}, tmp_path)
+    assert config_ok(
+        {"model": {"flavour": "debug", "n_layers": 1}, "parallel": {"pp": 1, "pp_schedule": "interleaved_1f1b"}},
+        tmp_path,
+    )
 
 
 def _plan_export(**options):
@@ -88,9 +106,19 @@ def test_precision_modes_agree(tmp_path):
     for m in choices.PRECISION_MODES + OUTSIDERS:
         cfg = config_ok({"export": {"precision_mode": m}}, tmp_path)
         assert cfg == stage_ok(_plan_export, precision_mode=m), m
-        assert cfg == stage_ok(atc.atc_invocation, graph="model.onnx", inputs=[], soc_version="x",
-                               precision_mode=m, dynamic=False, batch=1, seq_len=8, max_len=16,
-                               weight_bytes=1, decode=False), m
+        assert cfg == stage_ok(
+            atc.atc_invocation,
+            graph="model.onnx",
+            inputs=[],
+            soc_version="x",
+            precision_mode=m,
+            dynamic=False,
+            batch=1,
+            seq_len=8,
+            max_len=16,
+            weight_bytes=1,
+            decode=False,
+        ), m
 
 
 def test_digests_agree(tmp_path):
@@ -108,8 +136,17 @@ def test_export_opsets_and_lengths_agree(tmp_path):
     """Every opset, and seq/cache lengths around the model's 256 positions: validate == export."""
     for opset in range(0, 25):
         assert config_ok({"export": {"opset": opset}}, tmp_path) == stage_ok(_plan_export, opset=opset), opset
-    for seq, cache, kv in [(255, None, True), (256, None, True), (256, None, False), (32, 32, True),
-                           (32, 33, True), (32, 256, True), (32, 257, True), (10**9, None, True), (0, None, True)]:
+    for seq, cache, kv in [
+        (255, None, True),
+        (256, None, True),
+        (256, None, False),
+        (32, 32, True),
+        (32, 33, True),
+        (32, 256, True),
+        (32, 257, True),
+        (10**9, None, True),
+        (0, None, True),
+    ]:
         cfg = config_ok({"export": {"seq_len": seq, "cache_len": cache, "kv_cache": kv}}, tmp_path)
         assert cfg == stage_ok(_plan_export, seq_len=seq, cache_len=cache, kv_cache=kv), (seq, cache, kv)
     for dtype in ("float32", "float16", "bfloat16", "int8"):
@@ -134,8 +171,13 @@ def test_compile_backends_agree(tmp_path):
 
 
 def test_namings_agree(tmp_path):
-    src = SourcePlan("hf", tmp_path, DEBUG, {"tok_embeddings.weight": TensorPlan("tok_embeddings.weight", (320, 64),
-                                                                                 "F32", ())}, files=[])
+    src = SourcePlan(
+        "hf",
+        tmp_path,
+        DEBUG,
+        {"tok_embeddings.weight": TensorPlan("tok_embeddings.weight", (320, 64), "F32", ())},
+        files=[],
+    )
     for n in choices.NAMINGS + OUTSIDERS:
         assert config_ok({"convert": {"naming": n}}, tmp_path) == stage_ok(plan_unified, src, naming=n), n
 
@@ -157,20 +199,54 @@ def test_export_defaults_are_one_set():
     """flow.yaml's export section, `titan-pipe export` and export_model start from the same values."""
     d = choices.EXPORT
     cfg = ExportConfig()
-    assert (cfg.opset, cfg.dtype, cfg.batch, cfg.seq_len, cfg.cache_len, cfg.dynamic, cfg.kv_cache, cfg.soc_version,
-            cfg.atc, cfg.precision_mode, cfg.hash_weights, cfg.digest, cfg.data_files) == (
-        d.opset, d.dtype, d.batch, d.seq_len, d.cache_len, d.dynamic, d.kv_cache, d.soc_version, d.run_atc,
-        d.precision_mode, d.hash_weights, d.digest, d.data_files)
+    assert (
+        cfg.opset,
+        cfg.dtype,
+        cfg.batch,
+        cfg.seq_len,
+        cfg.cache_len,
+        cfg.dynamic,
+        cfg.kv_cache,
+        cfg.soc_version,
+        cfg.atc,
+        cfg.precision_mode,
+        cfg.hash_weights,
+        cfg.digest,
+        cfg.data_files,
+    ) == (
+        d.opset,
+        d.dtype,
+        d.batch,
+        d.seq_len,
+        d.cache_len,
+        d.dynamic,
+        d.kv_cache,
+        d.soc_version,
+        d.run_atc,
+        d.precision_mode,
+        d.hash_weights,
+        d.digest,
+        d.data_files,
+    )
     assert inspect.signature(export_model).parameters["settings"].default == cfg  # the stage takes the section
     assert len(inspect.signature(export_model).parameters) <= 4
     from titan_pipe.cli import app
 
     command = next(c for c in app.registered_commands if c.name == "export").callback
     cli = {k: p.default.default for k, p in inspect.signature(command).parameters.items()}
-    for key, value in (("opset", d.opset), ("dtype", d.dtype), ("batch", d.batch), ("seq_len", d.seq_len),
-                       ("cache_len", d.cache_len), ("soc_version", d.soc_version), ("atc", d.run_atc),
-                       ("precision_mode", d.precision_mode), ("hash_weights", d.hash_weights), ("digest", d.digest),
-                       ("data_files", d.data_files)):
+    for key, value in (
+        ("opset", d.opset),
+        ("dtype", d.dtype),
+        ("batch", d.batch),
+        ("seq_len", d.seq_len),
+        ("cache_len", d.cache_len),
+        ("soc_version", d.soc_version),
+        ("atc", d.run_atc),
+        ("precision_mode", d.precision_mode),
+        ("hash_weights", d.hash_weights),
+        ("digest", d.digest),
+        ("data_files", d.data_files),
+    ):
         assert cli[key] == value, key  # str-valued enums compare equal to their value
 
 
@@ -185,8 +261,15 @@ def test_convert_defaults_are_one_set():
     command = next(c for c in app.registered_commands if c.name == "convert").callback
     cli = {k: p.default.default for k, p in inspect.signature(command).parameters.items()}
     d = ConvertConfig()
-    assert (cli["source_format"], cli["naming"], cli["dtype"], cli["max_shard_size"], cli["tp"], cli["pp"], cli["digest"]) == (
-        d.source_format, d.naming, d.dtype, d.max_shard_size, d.tp, d.pp, d.digest)
+    assert (
+        cli["source_format"],
+        cli["naming"],
+        cli["dtype"],
+        cli["max_shard_size"],
+        cli["tp"],
+        cli["pp"],
+        cli["digest"],
+    ) == (d.source_format, d.naming, d.dtype, d.max_shard_size, d.tp, d.pp, d.digest)
 
 
 def test_a_bad_flag_is_one_line_naming_the_flag(tmp_path):

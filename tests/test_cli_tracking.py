@@ -4,6 +4,7 @@ The commands run in real processes: Prefect's console log handlers bind to the s
 see, and CliRunner's captured streams are closed after each invocation, which would break every
 later Prefect log line of the test session.
 """
+
 import os
 import subprocess
 import sys
@@ -16,8 +17,9 @@ from convert_writers import model_args, native_state, write_hf
 
 
 def _titan_pipe(*argv: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "titan_pipe.cli", *argv], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "titan_pipe.cli", *argv], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_convert_with_flow_is_tracked_and_gives_the_same_bytes(prefect_harness, tmp_path):
@@ -49,7 +51,6 @@ def test_bad_input_under_flow_is_one_line_and_a_failed_run(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-
 _FLOW_WITH_A_TASK = """
 from prefect import flow, task, get_run_logger
 from titan_pipe.flows.server import temporary_server
@@ -73,11 +74,14 @@ def test_a_temporary_server_gets_every_log_before_it_stops(tmp_path):
     """Without PREFECT_API_URL, --flow and `run` start Prefect's temporary server for the command; the
     run's queued log lines are sent before it stops, not at exit to a stopped server (which printed
     "Error logging to API" and retried for up to a minute after the run's summary)."""
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_LOGGING_TO_API_ENABLED": "true"}  # as users run it (the test session turns it off)
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_TO_API_ENABLED": "true",
+    }  # as users run it (the test session turns it off)
     env.pop("PREFECT_API_URL", None)
-    p = subprocess.run([sys.executable, "-c", _FLOW_WITH_A_TASK], capture_output=True, text=True, env=env,
-                       timeout=300)
+    p = subprocess.run([sys.executable, "-c", _FLOW_WITH_A_TASK], capture_output=True, text=True, env=env, timeout=300)
     out = p.stdout + p.stderr
     assert p.returncode == 0 and "server stopped" in out, out[-2000:]
     assert "Error logging to API" not in out, out[-2000:]

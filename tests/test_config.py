@@ -1,4 +1,5 @@
 """flow.yaml validation: every bad value gets one line naming the key, the value and the fix."""
+
 from pathlib import Path
 
 import pytest
@@ -22,28 +23,31 @@ def test_example_and_template_are_valid():
     load_flow(ROOT / "pipeline" / "templates" / "flow.yaml")
 
 
-@pytest.mark.parametrize("patch, expect", [
-    ({"trian": {}}, "trian: unknown key"),
-    ({"train": {"stepz": 3}}, "train.stepz: unknown key"),
-    ({"parallel": {"dp": 2, "tp": 3, "pp": 1}, "launch": {"nproc_per_node": 6}}, "does not divide model n_heads=4"),
-    ({"parallel": {"dp": 1, "tp": 4, "pp": 1}}, "does not divide model n_kv_heads=2"),
-    ({"parallel": {"dp": 1, "tp": 1, "pp": 8, "microbatches": 8}}, "needs at least 8 layers"),
-    ({"parallel": {"dp": 1, "tp": 1, "pp": 4, "microbatches": 2}}, "microbatches: 2 < pp=4"),
-    ({"launch": {"nproc_per_node": 4}}, "!= dp*tp*pp = 2*2*2 = 8"),
-    ({"precision": {"amp": True, "amp_dtype": "float16"}}, "float16 AMP needs loss scaling"),
-    ({"data": {"path": "no/such/corpus.txt"}}, "data.path: 'no/such/corpus.txt' does not exist"),
-    ({"model": {"flavour": "llama9"}}, "flavour 'llama9' is unknown"),
-    ({"model": {"flavour": "debug", "kernels": "fused"}}, "model.kernels"),
-    ({"device": "cpu", "model": {"flavour": "debug", "kernels": "npu_fused"}}, "npu_fused needs device npu"),
-    ({"export": {"opset": 18}}, "export.opset"),
-    ({"evaluate": {"max_memory": "lots"}}, "evaluate.max_memory"),
-    ({"convert": {"max_shard_size": "lots"}}, "convert.max_shard_size"),  # convert would refuse it after training
-    ({"convert": {"tp": 2}}, "convert.tp: 2 is for converting other checkpoints"),
-    ({"convert": {"digest": "sha256"}}, "convert.digest: 'sha256' is for converting other checkpoints"),
-    ({"convert": {"digest": "md5"}}, "convert.digest"),
-    ({"train": {"compile_backend": "aot_eager"}}, "train.compile_backend: 'aot_eager' has no effect"),
-    ({"train": {"compile": True, "compile_backend": "tvm"}}, "train.compile_backend"),
-])
+@pytest.mark.parametrize(
+    "patch, expect",
+    [
+        ({"trian": {}}, "trian: unknown key"),
+        ({"train": {"stepz": 3}}, "train.stepz: unknown key"),
+        ({"parallel": {"dp": 2, "tp": 3, "pp": 1}, "launch": {"nproc_per_node": 6}}, "does not divide model n_heads=4"),
+        ({"parallel": {"dp": 1, "tp": 4, "pp": 1}}, "does not divide model n_kv_heads=2"),
+        ({"parallel": {"dp": 1, "tp": 1, "pp": 8, "microbatches": 8}}, "needs at least 8 layers"),
+        ({"parallel": {"dp": 1, "tp": 1, "pp": 4, "microbatches": 2}}, "microbatches: 2 < pp=4"),
+        ({"launch": {"nproc_per_node": 4}}, "!= dp*tp*pp = 2*2*2 = 8"),
+        ({"precision": {"amp": True, "amp_dtype": "float16"}}, "float16 AMP needs loss scaling"),
+        ({"data": {"path": "no/such/corpus.txt"}}, "data.path: 'no/such/corpus.txt' does not exist"),
+        ({"model": {"flavour": "llama9"}}, "flavour 'llama9' is unknown"),
+        ({"model": {"flavour": "debug", "kernels": "fused"}}, "model.kernels"),
+        ({"device": "cpu", "model": {"flavour": "debug", "kernels": "npu_fused"}}, "npu_fused needs device npu"),
+        ({"export": {"opset": 18}}, "export.opset"),
+        ({"evaluate": {"max_memory": "lots"}}, "evaluate.max_memory"),
+        ({"convert": {"max_shard_size": "lots"}}, "convert.max_shard_size"),  # convert would refuse it after training
+        ({"convert": {"tp": 2}}, "convert.tp: 2 is for converting other checkpoints"),
+        ({"convert": {"digest": "sha256"}}, "convert.digest: 'sha256' is for converting other checkpoints"),
+        ({"convert": {"digest": "md5"}}, "convert.digest"),
+        ({"train": {"compile_backend": "aot_eager"}}, "train.compile_backend: 'aot_eager' has no effect"),
+        ({"train": {"compile": True, "compile_backend": "tvm"}}, "train.compile_backend"),
+    ],
+)
 def test_bad_values_get_one_clear_line(patch, expect, tmp_path):
     data = _example()
     for k, v in patch.items():
@@ -85,8 +89,9 @@ def test_data_blend_and_token_data_paths(tmp_path):
     for i in range(2):
         (tmp_path / "src" / f"{i}.txt").write_text(f"text {i} " * 20)
     prepare(sources=[tmp_path / "src"], out_dir=tmp_path / "prep", tokenizer="byte", progress=False)
-    ok = parse_flow({"data": {"blend": [{"path": "prep", "weight": 0.7}, {"path": "prep/tokens", "weight": 0.3}]}},
-                    base=tmp_path)
+    ok = parse_flow(
+        {"data": {"blend": [{"path": "prep", "weight": 0.7}, {"path": "prep/tokens", "weight": 0.3}]}}, base=tmp_path
+    )
     assert [b.weight for b in ok.data.blend] == [0.7, 0.3]
     assert parse_flow({"data": {"path": "prep/tokens.idx"}}, base=tmp_path).data.path == "prep/tokens.idx"
     for data, expect in [

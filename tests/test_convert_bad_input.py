@@ -1,4 +1,5 @@
 """Bad input to `titan-pipe convert`: one clear error naming the file, exit 1, no output, source untouched."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,15 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from convert_writers import (hash_tree, model_args, native_state, write_dcp, write_hf, write_megatron,
-                             write_megatron_dist)
+from convert_writers import (
+    hash_tree,
+    model_args,
+    native_state,
+    write_dcp,
+    write_hf,
+    write_megatron,
+    write_megatron_dist,
+)
 from titan_pipe.config import ConvertConfig
 from titan_pipe.cli import app
 from titan_pipe.convert.api import convert_checkpoint
@@ -116,8 +124,9 @@ def test_shard_shape_disagrees_with_manifest(good, tmp_path):
     tensors = load_file(f)
     tensors["layers.0.attention.wq.weight"] = tensors["layers.0.attention.wq.weight"][:-8].clone()
     save_file(tensors, f)
-    _edit_manifest(src, lambda m: m["files"]["model/pp0-tp1.safetensors"].update(
-        size=f.stat().st_size, sha256=sha256_file(f)))
+    _edit_manifest(
+        src, lambda m: m["files"]["model/pp0-tp1.safetensors"].update(size=f.stat().st_size, sha256=sha256_file(f))
+    )
     _fails(src, tmp_path / "out", expect="says F32 [32, 64]", names=f)
 
 
@@ -128,6 +137,7 @@ def test_two_ranks_claim_the_same_box(good, tmp_path):
         chunks = m["params"]["layers.1.attention.wq.weight"]["chunks"]
         chunks[1]["offsets"] = list(chunks[0]["offsets"])
         chunks[1]["lengths"] = [40, 64]
+
     _edit_manifest(src, dup)
     _fails(src, tmp_path / "out", expect="overlapping", names=src / "manifest.json")
 
@@ -170,13 +180,19 @@ def test_non_empty_output_needs_overwrite(good, tmp_path):
 def test_disk_full_mid_write(good, tmp_path):
     """A file-size limit below the model size: the writer hits EFBIG part way through."""
     out = tmp_path / "out"
-    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000)); "
-            "from titan_pipe.cli import app; sys.argv = ['titan-pipe'] + sys.argv[1:]; app()")
+    code = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000)); "
+        "from titan_pipe.cli import app; sys.argv = ['titan-pipe'] + sys.argv[1:]; app()"
+    )
     before = hash_tree(good["titan"])
-    r = subprocess.run([sys.executable, "-c", code, "convert", str(good["titan"]), "-o", str(out)],
-                       capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "300"})
+    r = subprocess.run(
+        [sys.executable, "-c", code, "convert", str(good["titan"]), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "300"},
+    )
     assert r.returncode == 1, r.stderr
     assert "disk filled up" in r.stderr and str(out / "model.safetensors") in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
@@ -189,8 +205,9 @@ def test_megatron_needs_true_vocab(good, tmp_path):
     _fails(src, tmp_path / "out", expect="--vocab-size")
     r = _run("convert", src, "-o", tmp_path / "out", "--vocab-size", "320")
     assert r.exit_code == 0, r.output
-    assert torch.equal(load_file(tmp_path / "out/model.safetensors")["model.embed_tokens.weight"],
-                       good["sd"]["tok_embeddings.weight"])
+    assert torch.equal(
+        load_file(tmp_path / "out/model.safetensors")["model.embed_tokens.weight"], good["sd"]["tok_embeddings.weight"]
+    )
 
 
 def test_megatron_missing_rank(good, tmp_path):
@@ -225,12 +242,17 @@ def test_dcp_metadata_with_a_callable_outside_the_allow_list(good, tmp_path):
     class Hostile:
         def __reduce__(self):
             from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
             return (dcp_to_torch_save, (str(tmp_path / "dcp/step-3"), str(tmp_path / "written.pt")))
 
     ckpt = write_dcp(good["sd"], good["args"], tmp_path / "dcp")
     (ckpt / ".metadata").write_bytes(pickle.dumps(Hostile()))
-    _fails(ckpt, tmp_path / "out", expect="refusing to load torch.distributed.checkpoint.format_utils",
-           names=ckpt / ".metadata")
+    _fails(
+        ckpt,
+        tmp_path / "out",
+        expect="refusing to load torch.distributed.checkpoint.format_utils",
+        names=ckpt / ".metadata",
+    )
     assert not (tmp_path / "written.pt").exists()
 
 
@@ -266,6 +288,7 @@ def test_dcp_metadata_names_an_absent_item(good, tmp_path):
     def drop(md):
         idx = next(i for i in md.storage_data if i.fqn == "model.layers.2.feed_forward.w2.weight")
         del md.storage_data[idx]
+
     _edit_dcp_metadata(ckpt, drop)
     _fails(ckpt, tmp_path / "out", expect="has no storage entry", names=ckpt / ".metadata")
 
@@ -283,6 +306,7 @@ def test_dcp_storage_path_outside_the_checkpoint(good, tmp_path):
     def escape(md):
         idx = next(i for i in md.storage_data if i.fqn == "model.norm.weight")
         md.storage_data[idx].relative_path = "../../etc/passwd"
+
     _edit_dcp_metadata(ckpt, escape)
     _fails(ckpt, tmp_path / "out", expect="must stay inside its directory", names=ckpt / ".metadata")
 
@@ -294,6 +318,7 @@ def test_dcp_chunk_not_a_saved_tensor(good, tmp_path):
         idx = next(i for i in md.storage_data if i.fqn == "layers.1.attention.wo.weight")
         md.storage_data[idx].offset += 7
         md.storage_data[idx].length -= 7
+
     _edit_dcp_metadata(ckpt, shift)
     _fails(ckpt, tmp_path / "out", expect="not a torch.save archive", names=ckpt / "__0_0.distcp")
 
@@ -310,8 +335,9 @@ def test_torch_dist_common_pt_with_unlisted_pickle_type(good, tmp_path):
 
     ns = megatron_args(good["args"], tp=2, pp=2, padded=512, vpp=2)
     ns.tokenizer_obj = Path("/etc/passwd")  # a type outside the allow-list
-    src = write_megatron_dist(good["sd"], good["args"], tmp_path / "meg",
-                              common={"args": ns, "iteration": 50, "checkpoint_version": 3.0})
+    src = write_megatron_dist(
+        good["sd"], good["args"], tmp_path / "meg", common={"args": ns, "iteration": 50, "checkpoint_version": 3.0}
+    )
     _fails(src, tmp_path / "out", expect="refused to unpickle", names=src / "iter_0000050/common.pt")
 
 

@@ -5,6 +5,7 @@ One torchrun launch (tests/dcp_save_driver.py) writes both fixtures: a model-onl
 torchtitan-style save (model + optimizer + lr_scheduler + dataloader + train_state) of which only
 the model is taken.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,15 @@ HERE = Path(__file__).parent
 def saved(tmp_path_factory):
     out = tmp_path_factory.mktemp("dcp4") / "ckpt"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(HERE / "dcp_save_driver.py"), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        str(HERE / "dcp_save_driver.py"),
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return out
@@ -86,8 +94,12 @@ def _chunk_boxes(d: Path) -> set:
 
     with open(d / ".metadata", "rb") as f:
         md = pickle.load(f)  # our own fixture files: trusted here
-    return {(k, tuple(c.offsets), tuple(c.sizes)) for k, v in md.state_dict_metadata.items()
-            if hasattr(v, "chunks") for c in v.chunks}
+    return {
+        (k, tuple(c.offsets), tuple(c.sizes))
+        for k, v in md.state_dict_metadata.items()
+        if hasattr(v, "chunks")
+        for c in v.chunks
+    }
 
 
 def test_megatron_core_torch_dist_save_converts_bit_exactly(saved, tmp_path):

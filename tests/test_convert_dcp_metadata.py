@@ -1,5 +1,6 @@
 """DCP .metadata read into stand-ins (pipeline/weights/readers/dcp_metadata.py): the same content torch's own
 classes load, without importing torch.distributed.checkpoint at all."""
+
 from __future__ import annotations
 
 import subprocess
@@ -36,8 +37,9 @@ def test_the_stand_ins_hold_what_torchs_classes_hold(dcp_ckpt):
         assert hasattr(o, "chunks") == hasattr(t, "chunks"), fqn
         if hasattr(t, "chunks"):
             assert o.properties.dtype == DTYPE_NAMES[t.properties.dtype] and tuple(o.size) == tuple(t.size)
-            assert [(tuple(c.offsets), tuple(c.sizes)) for c in o.chunks] == \
-                   [(tuple(c.offsets), tuple(c.sizes)) for c in t.chunks]
+            assert [(tuple(c.offsets), tuple(c.sizes)) for c in o.chunks] == [
+                (tuple(c.offsets), tuple(c.sizes)) for c in t.chunks
+            ]
     assert len(ours.storage_data) == len(theirs.storage_data)
     for idx, info in theirs.storage_data.items():
         from titan_pipe.weights.readers.dcp_metadata import MetadataIndex
@@ -52,18 +54,21 @@ def test_convert_of_a_dcp_checkpoint_never_imports_torch(dcp_ckpt, tmp_path):
     located in their torch.save archives without torch, and the bytes move by kernel copies and
     scatters (this checkpoint's q/k rows are reordered from interleaved RoPE on the way). The
     output equals the one a torch-importing process writes, byte for byte."""
-    code = ("import sys\n"
-            "from titan_pipe.convert.api import convert_checkpoint\n"
-            f"convert_checkpoint({str(dcp_ckpt)!r}, {str(tmp_path / 'out')!r})\n"
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    code = (
+        "import sys\n"
+        "from titan_pipe.convert.api import convert_checkpoint\n"
+        f"convert_checkpoint({str(dcp_ckpt)!r}, {str(tmp_path / 'out')!r})\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=TESTS)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "[]"
     from titan_pipe.convert.api import convert_checkpoint
 
     convert_checkpoint(dcp_ckpt, tmp_path / "in-process")  # torch is imported here (pytest, the fixture)
-    assert (tmp_path / "out" / "model.safetensors").read_bytes() == \
-        (tmp_path / "in-process" / "model.safetensors").read_bytes()
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (
+        tmp_path / "in-process" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_the_storage_and_dtype_tables_are_torchs_own():

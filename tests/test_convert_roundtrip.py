@@ -1,5 +1,6 @@
 """Convert round trips: split -> merge bit-exact, resharding, every source format to the same bytes,
 and transformers loading the result with our model's logits."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from convert_writers import (hash_tree, model_args, native_state, write_dcp, write_hf,
-                             write_megatron, write_megatron_dist)
+from convert_writers import (
+    hash_tree,
+    model_args,
+    native_state,
+    write_dcp,
+    write_hf,
+    write_megatron,
+    write_megatron_dist,
+)
 from titan_pipe.config import ConvertConfig
 from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.convert.api import convert_checkpoint
@@ -65,8 +73,7 @@ def test_split_merge_bit_exact_every_kind(tp4pp2, weights, tmp_path):
     assert m.params["tok_embeddings.weight"].stage == 0 and m.params["output.weight"].stage == 1
     # a shard holds exactly its local box of the global tensor
     with safe_open(tp4pp2 / "model/pp0-tp1.safetensors", "pt") as f:
-        assert torch.equal(f.get_tensor("layers.0.attention.wo.weight"),
-                           sd["layers.0.attention.wo.weight"][:, 16:32])
+        assert torch.equal(f.get_tensor("layers.0.attention.wo.weight"), sd["layers.0.attention.wo.weight"][:, 16:32])
         assert torch.equal(f.get_tensor("tok_embeddings.weight"), sd["tok_embeddings.weight"][80:160])
         assert "output.weight" not in f.keys()
     out = tmp_path / "u"
@@ -94,8 +101,7 @@ def test_sharded_output_reads_back_through_the_trainer(tp4pp2, weights):
 def test_reshard_then_unify_equals_direct(tp4pp2, tmp_path):
     convert_checkpoint(tp4pp2, tmp_path / "direct")
     convert_checkpoint(tp4pp2, tmp_path / "t2", ConvertConfig(tp=2, pp=1))
-    assert sorted(p.name for p in (tmp_path / "t2/model").iterdir()) == ["pp0-tp0.safetensors",
-                                                                         "pp0-tp1.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "t2/model").iterdir()) == ["pp0-tp0.safetensors", "pp0-tp1.safetensors"]
     convert_checkpoint(tmp_path / "t2", tmp_path / "via")
     assert (tmp_path / "direct/model.safetensors").read_bytes() == (tmp_path / "via/model.safetensors").read_bytes()
     assert (tmp_path / "direct/config.json").read_bytes() == (tmp_path / "via/config.json").read_bytes()
@@ -117,7 +123,9 @@ def test_source_digests_are_the_chosen_algorithms(hf_dir, tmp_path):
         src = Provenance.load(out).source
         assert (src.algorithm, src.verified) == (digest, True)
         assert {f: src.digests[f] for f in files} == {f: ref((hf_dir / f).read_bytes()) for f in files}
-    assert (tmp_path / "xxh3_128/model.safetensors").read_bytes() == (tmp_path / "sha256/model.safetensors").read_bytes()
+    assert (tmp_path / "xxh3_128/model.safetensors").read_bytes() == (
+        tmp_path / "sha256/model.safetensors"
+    ).read_bytes()
     flipped = shutil.copytree(hf_dir, tmp_path / "flipped")
     with open(flipped / files[0], "r+b") as f:  # the last byte of the data: a value, not the header
         f.seek(-1, 2)
@@ -125,7 +133,10 @@ def test_source_digests_are_the_chosen_algorithms(hf_dir, tmp_path):
         f.seek(-1, 2)
         f.write(bytes([last[0] ^ 1]))
     convert_checkpoint(flipped, tmp_path / "f")
-    assert Provenance.load(tmp_path / "f").source.digests[files[0]] != Provenance.load(tmp_path / "xxh3_128").source.digests[files[0]]
+    assert (
+        Provenance.load(tmp_path / "f").source.digests[files[0]]
+        != Provenance.load(tmp_path / "xxh3_128").source.digests[files[0]]
+    )
 
 
 def test_tied_embeddings_round_trip(tmp_path):
@@ -151,8 +162,7 @@ def test_every_source_format_gives_identical_bytes(tmp_path, weights, hf_dir, tp
         "dcp_model_only": write_dcp(sd, args, tmp_path / "dcp_model", full=False),
         "dcp_safetensors_items": write_dcp(sd, args, tmp_path / "dcp_st", full=False, safetensors_items=True),
         "megatron": write_megatron(sd, args, tmp_path / "meg", tp=2, pp=2, fused_norms=True),
-        "megatron_standalone_norms": write_megatron(sd, args, tmp_path / "meg2", tp=4, pp=1,
-                                                    fused_norms=False),
+        "megatron_standalone_norms": write_megatron(sd, args, tmp_path / "meg2", tp=4, pp=1, fused_norms=False),
         "megatron_torch_dist": write_megatron_dist(sd, args, tmp_path / "megd", tp=2, pp=2, vpp=2),
         "megatron_torch_dist_tp4": write_megatron_dist(sd, args, tmp_path / "megd4", tp=4, pp=1, vpp=None),
     }
@@ -165,8 +175,15 @@ def test_every_source_format_gives_identical_bytes(tmp_path, weights, hf_dir, tp
         ids = {k: config.pop(k) for k in TOKEN_ID_KEYS if k in config}  # what the source's config.json names
         outputs[name] = ((res.out_dir / "model.safetensors").read_bytes(), config)
         # the ids travel where the format records them (a Hugging Face config.json, our manifest)
-        assert ids == ({k: v for k, v in json.loads((sources["hf"] / "config.json").read_text()).items()
-                        if k in TOKEN_ID_KEYS and v is not None} if name in ("hf", "titan") else {}), name
+        assert ids == (
+            {
+                k: v
+                for k, v in json.loads((sources["hf"] / "config.json").read_text()).items()
+                if k in TOKEN_ID_KEYS and v is not None
+            }
+            if name in ("hf", "titan")
+            else {}
+        ), name
     ref = outputs.pop("hf")
     _assert_same_weights(tmp_path / "out_hf", sd)
     for name, got in outputs.items():
@@ -190,7 +207,9 @@ def test_transformers_logits_equal_ours(tp4pp2, weights, tmp_path):
 
 def test_dtype_cast_and_sharded_output(hf_dir, weights, tmp_path):
     args, sd = weights
-    res = convert_checkpoint(hf_dir, tmp_path / "bf", ConvertConfig(dtype="bfloat16", max_shard_size="200KB", naming="hf"))
+    res = convert_checkpoint(
+        hf_dir, tmp_path / "bf", ConvertConfig(dtype="bfloat16", max_shard_size="200KB", naming="hf")
+    )
     index = json.loads((tmp_path / "bf/model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
@@ -226,8 +245,9 @@ def test_a_native_named_dir_converts_and_exports(tp4pp2, weights, tmp_path):
     _assert_same_weights(tmp_path / "back", sd, naming="native")
     a, b = open_unified(native), open_unified(tmp_path / "hf")
     assert a.args == b.args and set(a.params) == set(b.params) == set(sd)
-    assert {n: (p.stored.shape, p.stored.dtype) for n, p in a.params.items()} == \
-        {n: (p.stored.shape, p.stored.dtype) for n, p in b.params.items()}
+    assert {n: (p.stored.shape, p.stored.dtype) for n, p in a.params.items()} == {
+        n: (p.stored.shape, p.stored.dtype) for n, p in b.params.items()
+    }
 
 
 def test_rope_deinterleave_matches_meta_convention(weights):
@@ -243,7 +263,7 @@ def test_rope_deinterleave_matches_meta_convention(weights):
     meta_rot = torch.view_as_real(qc).reshape(3, hd)
     q_hf = x @ deinterleave_rope(w, hd).T
     cos, sin = torch.cat([freqs, freqs], -1).cos(), torch.cat([freqs, freqs], -1).sin()
-    rot_half = torch.cat([-q_hf[:, hd // 2:], q_hf[:, :hd // 2]], -1)
+    rot_half = torch.cat([-q_hf[:, hd // 2 :], q_hf[:, : hd // 2]], -1)
     hf_rot = q_hf * cos + rot_half * sin
     # the same rotation, rows in the two orders
     assert torch.allclose(deinterleave_rope(meta_rot.T, hd).T, hf_rot, atol=1e-6)
@@ -256,8 +276,7 @@ def test_inspect_reads_no_data(tp4pp2, tmp_path, weights):
     assert r.format == "megatron" and r.layout["tp"] == 2 and r.step == 50
     wq = next(p for p in r.params if p["name"] == "layers.3.attention.wq.weight")
     assert wq["shape"] == [64, 64] and wq["split"] == "fused qkv" and wq["reads"] == 4
-    r = inspect_checkpoint(src=write_megatron_dist(sd, args, tmp_path / "megd", tp=2, pp=2, vpp=2)
-                           / "iter_0000050")
+    r = inspect_checkpoint(src=write_megatron_dist(sd, args, tmp_path / "megd", tp=2, pp=2, vpp=2) / "iter_0000050")
     assert r.format == "megatron" and r.layout["backend"] == "torch_dist" and r.layout["vpp"] == 2
     wq = next(p for p in r.params if p["name"] == "layers.3.attention.wq.weight")
     assert wq["split"] == "fused qkv" and wq["reads"] == 4
@@ -323,6 +342,6 @@ def test_rope_row_runs_match_deinterleave():
     src = torch.arange(24 * 3, dtype=torch.int16).view(24, 3)
     buf = np.zeros(40 * 3, dtype=np.int16)
     for j, o in enumerate(offs.tolist()):  # what preadv does: source rows in order, to offs[j]
-        buf[o // 2:o // 2 + 3] = src[j].numpy()
+        buf[o // 2 : o // 2 + 3] = src[j].numpy()
     assert torch.equal(torch.from_numpy(buf).view(40, 3)[8:32], deinterleave_rope(src, hd))
     assert rope_row_runs(shape, Box((0, 0), (8, 2)), 2, hd)[1] == 0  # not whole rows: torch path

@@ -3,6 +3,7 @@
 One short torchrun launch (8 gloo ranks, 2 steps). The reference is our own model filled from the
 shards by the trainer's manifest reader (titan_pipe.model.weights), not by the converter.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,10 +23,18 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.distributed
 
 FLOW = {
-    "name": "conv3d", "device": "cpu", "model": {"flavour": "debug"},
+    "name": "conv3d",
+    "device": "cpu",
+    "model": {"flavour": "debug"},
     "parallel": {"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2},
-    "train": {"steps": 2, "batch_size": 4, "seq_len": 16, "warmup_steps": 1, "seed": 0,
-              "optimizer": {"name": "adamw", "lr": 0.002}},
+    "train": {
+        "steps": 2,
+        "batch_size": 4,
+        "seq_len": 16,
+        "warmup_steps": 1,
+        "seed": 0,
+        "optimizer": {"name": "adamw", "lr": 0.002},
+    },
     "checkpoint": {"every": 2, "keep_last": 1},
 }
 
@@ -35,8 +44,17 @@ def trained(tmp_path_factory):
     work = tmp_path_factory.mktemp("conv3d")
     flow = dict(FLOW, runs_dir=str(work / "runs"))
     (work / "flow.yaml").write_text(yaml.safe_dump(flow))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
-           "-m", "titan_pipe.training.trainer", "--flow", str(work / "flow.yaml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=8",
+        "-m",
+        "titan_pipe.training.trainer",
+        "--flow",
+        str(work / "flow.yaml"),
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=work)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,5 @@
 """Token data: tokenizers, corpus reading, the document split and the dp-invariant packed loader."""
+
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from titan_pipe.tokens.spec import data_spec, open_spec
 from titan_pipe.tokens.tokenizer import ByteTokenizer, build_tokenizer
 from titan_pipe.training.prepare import prepare_spec
 
+
 def load_tokens(**kw) -> torch.Tensor:
     """Every document of a corpus, each followed by eos, as one int64 tensor (the in-memory reader)."""
     return torch.from_numpy(load_corpus(**kw).tokens)
@@ -32,8 +34,9 @@ def _train_bpe(tmp_path: Path, *, specials=("<s>", "</s>"), vocab=400) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=list(specials),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     files = sorted(str(p) for p in default_corpus().glob("*.txt"))
     tok.train(files, trainer)
     out = tmp_path / "tokenizer.json"
@@ -42,6 +45,7 @@ def _train_bpe(tmp_path: Path, *, specials=("<s>", "</s>"), vocab=400) -> Path:
 
 
 # --- tokenizers ---------------------------------------------------------------------------------
+
 
 def test_byte_tokenizer_round_trip_and_ids():
     tok = build_tokenizer("byte")
@@ -70,8 +74,9 @@ def test_hf_tokenizer_eos_from_tokenizer_config(tmp_path):
     path = _train_bpe(tmp_path, specials=("<|begin|>", "<|end|>"))
     with pytest.raises(UserError, match="no end-of-text token"):
         build_tokenizer(str(path))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": {"content": "<|end|>"}, "bos_token": "<|begin|>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": {"content": "<|end|>"}, "bos_token": "<|begin|>"})
+    )
     tok = build_tokenizer(str(path))
     assert (tok.bos_id, tok.eos_id) == (0, 1)
 
@@ -86,6 +91,7 @@ def test_tokenizer_bad_inputs(tmp_path):
 
 
 # --- corpus -------------------------------------------------------------------------------------
+
 
 def test_default_corpus_equals_bytes_of_sorted_files():
     files = sorted(default_corpus().glob("*.txt"))
@@ -148,8 +154,10 @@ def test_corpus_bad_inputs(tmp_path):
 
 def test_validation_is_the_shortest_tail_of_whole_documents():
     starts = [0, 100, 300, 350, 1000]  # four documents of 100, 200, 50 and 650 tokens
+
     def first_val(f):
         return val_start(lambda d: starts[d], 4, 1000, f, where="x")
+
     assert first_val(0.0) == 4  # nothing held out
     assert first_val(0.5) == 3  # 650 tokens >= 500: the last document alone
     assert first_val(0.65) == 3  # exactly 65%
@@ -197,8 +205,8 @@ def test_packed_windows_shift_and_cover_the_stream():
     loader = PackedLoader(TOKENS, seq_len=T, global_batch=B, seed=3, shuffle=False)
     x, y = loader.next_batch()
     assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.int64
-    assert torch.equal(x[0], TOKENS[:T]) and torch.equal(y[0], TOKENS[1:T + 1])
-    assert torch.equal(x[1], TOKENS[T:2 * T])
+    assert torch.equal(x[0], TOKENS[:T]) and torch.equal(y[0], TOKENS[1 : T + 1])
+    assert torch.equal(x[1], TOKENS[T : 2 * T])
     # shuffled: each epoch is a permutation of all windows
     loader = PackedLoader(TOKENS, seq_len=T, global_batch=B, seed=3)
     n_seq = (len(TOKENS) - 1) // T
@@ -209,15 +217,14 @@ def test_packed_windows_shift_and_cover_the_stream():
     w = loader.global_windows(0)
     for i in range(B):
         start = int(w[i]) * T
-        assert torch.equal(x[i], TOKENS[start:start + T]) and torch.equal(y[i], TOKENS[start + 1:start + T + 1])
+        assert torch.equal(x[i], TOKENS[start : start + T]) and torch.equal(y[i], TOKENS[start + 1 : start + T + 1])
 
 
 @pytest.mark.parametrize("dp", [2, 4, 8])
 def test_global_batch_is_identical_for_any_dp(dp):
     T, B = 8, 8
     ref = PackedLoader(TOKENS, seq_len=T, global_batch=B, seed=11)
-    ranks = [PackedLoader(TOKENS, seq_len=T, global_batch=B, dp_rank=r, dp_size=dp, seed=11)
-             for r in range(dp)]
+    ranks = [PackedLoader(TOKENS, seq_len=T, global_batch=B, dp_rank=r, dp_size=dp, seed=11) for r in range(dp)]
     steps = ref.steps_per_epoch + 3  # crosses an epoch boundary
     for _ in range(steps):
         rx, ry = ref.next_batch()

@@ -1,6 +1,7 @@
 """A dataset written by megatron-core's own IndexedDatasetBuilder trains in titan-pipe's trainer at
 dp2 x tp2 on gloo, matches the single-process reference on the same data, and resumes bit-exactly.
 (The other direction, megatron-core reading what `data prepare` writes, is in test_data_prepare.)"""
+
 from __future__ import annotations
 
 import copy
@@ -34,9 +35,15 @@ def test_megatron_built_dataset_trains_at_dp2_tp2_and_resumes_bit_exactly(tmp_pa
     flow["train"]["steps"] = 6
     flow["checkpoint"] = {"every": 3, "keep_last": 2}
     layout = {"dp": 2, "tp": 2}
-    runs = [{"name": "mc", "flow": dict(flow, parallel=layout)},
-            {"name": "mc_resumed", "flow": dict(flow, parallel=layout), "resume": True,
-             "copy_from": {"run": "mc", "step": 3}}]
+    runs = [
+        {"name": "mc", "flow": dict(flow, parallel=layout)},
+        {
+            "name": "mc_resumed",
+            "flow": dict(flow, parallel=layout),
+            "resume": True,
+            "copy_from": {"run": "mc", "step": 3},
+        },
+    ]
     res = launch(4, runs, tmp_path / "work")
     full = [r["loss"] for r in res["mc"]["metrics"]]
     resumed = res["mc_resumed"]["metrics"]

@@ -1,5 +1,6 @@
 """data prepare --shard I/N on N "hosts" + data merge = one unsharded prepare, byte for byte; what
 cannot be merged is one line naming both dirs."""
+
 from __future__ import annotations
 
 import gzip
@@ -22,14 +23,16 @@ def cli(*argv) -> tuple[int, str]:
 def corpus(tmp_path_factory) -> Path:
     """Files of every kind and size, so parts cut through .jsonl files and fall between whole ones."""
     root = tmp_path_factory.mktemp("corpus")
-    (root / "a.jsonl").write_text("".join(json.dumps({"text": f"record {i} " + "x" * (i % 37)}) + "\n"
-                                          for i in range(400)))
+    (root / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"record {i} " + "x" * (i % 37)}) + "\n" for i in range(400))
+    )
     (root / "b.txt").write_text("Four score and seven years ago — naïve café, 東京 🚀\n" * 20)
     (root / "c.jsonl").write_text("")  # empty
     with gzip.open(root / "d.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"text": f"gz {i}"}) + "\n" for i in range(50))
-    (root / "e.jsonl").write_text("\n".join(json.dumps({"text": "é" * (i % 50) + str(i)}) for i in range(700))
-                                  + "\n\n")  # blank lines too
+    (root / "e.jsonl").write_text(
+        "\n".join(json.dumps({"text": "é" * (i % 50) + str(i)}) for i in range(700)) + "\n\n"
+    )  # blank lines too
     (root / "f.jsonl").write_text(json.dumps({"text": "one long line " * 300}) + "\n")
     return root
 
@@ -95,7 +98,10 @@ def test_what_cannot_be_merged_is_one_line_naming_both(corpus, tmp_path):
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    assert cli("data", "prepare", corpus / "a.jsonl", "-o", tmp_path / "w", "--tokenizer", tmp_path / "tokenizer.json")[0] == 0
+    assert (
+        cli("data", "prepare", corpus / "a.jsonl", "-o", tmp_path / "w", "--tokenizer", tmp_path / "tokenizer.json")[0]
+        == 0
+    )
     assert cli("data", "prepare", corpus / "e.jsonl", "-o", tmp_path / "b")[0] == 0
     code, text = cli("data", "merge", tmp_path / "b", tmp_path / "w", "-o", tmp_path / "m")
     assert code == 1 and str(tmp_path / "b") in text and str(tmp_path / "w") in text and "different" in text

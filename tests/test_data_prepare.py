@@ -1,6 +1,7 @@
 """data prepare and the indexed-dataset reader: megatron-core reads what we write and we read what it
 writes, output independent of the worker count, re-runs that do nothing, atomic publishing, and every
 bad input refused with one line naming the file."""
+
 from __future__ import annotations
 
 import gzip
@@ -29,7 +30,6 @@ from titan_pipe.training.prepare import prepare
 from test_data import _train_bpe
 
 
-
 def import_megatron_indexed():
     """megatron-core's indexed_dataset module (convert_writers.import_megatron: no allow-list left behind)."""
     from convert_writers import import_megatron
@@ -44,9 +44,10 @@ def import_megatron_indexed():
 def megatron_indexed():
     return import_megatron_indexed()
 
+
 DOCS = {  # file -> its documents, in the order prepare reads them (sorted relative paths)
     "a.txt": ["Four score and seven years ago — naïve café, 東京 🚀\n"],
-    "b.jsonl": ["first record", "second record, with \"quotes\"", ""],  # the empty one is left out
+    "b.jsonl": ["first record", 'second record, with "quotes"', ""],  # the empty one is left out
     "c.jsonl.gz": ["gzip one", "gzip two"],
     "d.parquet": ["parquet row one", "parquet row two", "parquet row three"],
     "sub/e.txt": ["We the People of the United States, in Order to form a more perfect Union\n" * 3],
@@ -59,8 +60,9 @@ def write_corpus(root: Path) -> Path:
 
     (root / "sub").mkdir(parents=True)
     (root / "a.txt").write_text(DOCS["a.txt"][0])
-    lines = ['\ufeff' + json.dumps({"text": DOCS["b.jsonl"][0], "id": 1})] + [
-        json.dumps({"text": t}) for t in DOCS["b.jsonl"][1:]]
+    lines = ["\ufeff" + json.dumps({"text": DOCS["b.jsonl"][0], "id": 1})] + [
+        json.dumps({"text": t}) for t in DOCS["b.jsonl"][1:]
+    ]
     (root / "b.jsonl").write_text("\n".join(lines[:2]) + "\n\n" + lines[2] + "\n")
     with gzip.open(root / "c.jsonl.gz", "wt") as f:
         f.write("".join(json.dumps({"text": t}) + "\n" for t in DOCS["c.jsonl.gz"]))
@@ -105,16 +107,16 @@ def test_megatron_core_reads_what_prepare_writes(bpe, corpus, tmp_path, megatron
     last_train = len(tok.encode(docs[s.train_documents - 1])) + 1
     assert s.val_tokens + last_train > 0.3 * rec.n_tokens  # one document fewer would be too few
     src = open_source(tmp_path / "out", val_fraction=0.3)
-    assert src.val.read(0, len(src.val)).tolist() == [t for d in docs[s.train_documents:]
-                                                      for t in tok.encode(d) + [tok.eos_id]]
+    assert src.val.read(0, len(src.val)).tolist() == [
+        t for d in docs[s.train_documents :] for t in tok.encode(d) + [tok.eos_id]
+    ]
 
 
 def test_output_is_the_same_for_any_worker_count(bpe, corpus, tmp_path, monkeypatch):
     monkeypatch.setattr(tokenize_pool, "CHUNK_CHARS", 40)  # a chunk per block: many in flight at once
     monkeypatch.setattr(sources, "BLOCK_BYTES", 16)  # blocks of a line or two; lines longer than a block
     for workers in (1, 2):
-        prepare(sources=[corpus], out_dir=tmp_path / f"w{workers}", tokenizer=str(bpe), workers=workers,
-                progress=False)
+        prepare(sources=[corpus], out_dir=tmp_path / f"w{workers}", tokenizer=str(bpe), workers=workers, progress=False)
     for name in ("tokens.bin", "tokens.idx", "data.json"):
         assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
 
@@ -160,6 +162,7 @@ def test_interrupted_prepare_leaves_nothing_and_keeps_the_old_dir(corpus, tmp_pa
 
 # --- bad input, through the CLI: one line naming the file, exit 1, nothing written -----------------
 
+
 def run_cli(*args: str):
     r = CliRunner().invoke(app, list(args))
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
@@ -200,8 +203,9 @@ def bad_one_document(root):
     return "leaves none of its 1 document(s) to train on"
 
 
-@pytest.mark.parametrize("make", [bad_jsonl_utf8, bad_txt_utf8, bad_no_key, bad_only_empty, bad_parquet_column,
-                                  bad_one_document])
+@pytest.mark.parametrize(
+    "make", [bad_jsonl_utf8, bad_txt_utf8, bad_no_key, bad_only_empty, bad_parquet_column, bad_one_document]
+)
 def test_prepare_refuses_bad_sources(tmp_path, make):
     src = tmp_path / "src"
     src.mkdir()
@@ -239,13 +243,22 @@ def patch_header(idx: Path, *, at: int, fmt: str, value) -> None:
     idx.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("damage, expected", [
-    (lambda p: os.truncate(p / "tokens.bin", 1000), "tokens.bin: 1000 bytes, but tokens.idx says"),
-    (lambda p: patch_header(p / "tokens.idx", at=0, fmt="<9s", value=b"NOTANIDX!"), "not a Megatron indexed-dataset index"),
-    (lambda p: patch_header(p / "tokens.idx", at=9, fmt="<Q", value=2), "index version 2"),
-    (lambda p: patch_header(p / "tokens.idx", at=17, fmt="<B", value=7), "dtype code 7 (float32) cannot hold token ids"),
-    (lambda p: os.truncate(p / "tokens.idx", 60), "the index is truncated or damaged"),
-])
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        (lambda p: os.truncate(p / "tokens.bin", 1000), "tokens.bin: 1000 bytes, but tokens.idx says"),
+        (
+            lambda p: patch_header(p / "tokens.idx", at=0, fmt="<9s", value=b"NOTANIDX!"),
+            "not a Megatron indexed-dataset index",
+        ),
+        (lambda p: patch_header(p / "tokens.idx", at=9, fmt="<Q", value=2), "index version 2"),
+        (
+            lambda p: patch_header(p / "tokens.idx", at=17, fmt="<B", value=7),
+            "dtype code 7 (float32) cannot hold token ids",
+        ),
+        (lambda p: os.truncate(p / "tokens.idx", 60), "the index is truncated or damaged"),
+    ],
+)
 def test_damaged_files_are_refused_in_one_line(prepared, damage, expected):
     damage(prepared)
     for target in (prepared, prepared / "tokens"):
@@ -275,6 +288,7 @@ def test_ids_beyond_the_model_vocab_and_foreign_tokenizers_are_refused(prepared,
 
 # --- reading what megatron-core writes -------------------------------------------------------------
 
+
 def megatron_build(prefix: Path, docs: list[list[int]], dtype=np.uint16, split_at: int | None = None) -> None:
     b = import_megatron_indexed().IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
     for ids in docs:
@@ -298,10 +312,11 @@ def test_a_dataset_megatron_core_writes_is_read_and_split_by_documents(tmp_path,
     loader = PackedLoader(src.train, seq_len=8, global_batch=4, seed=1)
     x, y = loader.next_batch()
     for row, w in zip(x.tolist(), loader.global_windows(0).tolist()):
-        assert row == stream[w * 8:w * 8 + 8]
+        assert row == stream[w * 8 : w * 8 + 8]
 
 
 # --- loader over memory maps: permutations, blends ---------------------------------------------------
+
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 17, 1000, 4097])
 def test_keyed_permutation_is_a_bijection(n):
@@ -335,8 +350,8 @@ def test_blend_mixes_by_weight_deterministically_for_any_dp(two_sets):
     comp, windows = ref.samples(np.arange(8))
     assert set(comp.tolist()) == {0, 1}
     for x, y, d, w in zip(*stream[0], comp, windows):  # each row: a window of the dataset it was drawn from
-        assert x.tolist() == tokens[d][w * 16:w * 16 + 16].tolist()
-        assert y.tolist() == tokens[d][w * 16 + 1:w * 16 + 17].tolist()
+        assert x.tolist() == tokens[d][w * 16 : w * 16 + 16].tolist()
+        assert y.tolist() == tokens[d][w * 16 + 1 : w * 16 + 17].tolist()
     ranks = [PackedLoader(data.train, seq_len=16, global_batch=8, dp_rank=r, dp_size=4, seed=3) for r in range(4)]
     for r in ranks:
         r.load_state_dict(json.loads(json.dumps(dict(ref.state_dict(), step=10))))
@@ -370,8 +385,17 @@ def test_train_refuses_bad_token_data_in_one_line_before_any_rank_starts(prepare
 
     def train(data: dict, vocab: int):
         flow = tmp_path / "flow.yaml"
-        flow.write_text(yaml.safe_dump({"name": "t", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
-                                        "model": {"flavour": "debug", "vocab_size": vocab}, "data": data}))
+        flow.write_text(
+            yaml.safe_dump(
+                {
+                    "name": "t",
+                    "runs_dir": str(tmp_path / "runs"),
+                    "device": "cpu",
+                    "model": {"flavour": "debug", "vocab_size": vocab},
+                    "data": data,
+                }
+            )
+        )
         code, lines = run_cli("train", str(flow))
         return code, [ln for ln in lines if not ln.startswith("training t:")]  # the command's own header
 

@@ -4,6 +4,7 @@ The same phases the device run takes (bare loop, trainer, compiled trainer, conv
 evaluate) on the debug model with the real run's features (tied embeddings, GQA, scaled RoPE),
 compiled with aot_eager; the figures JSON holds every phase and its ratios.
 """
+
 import json
 import os
 import subprocess
@@ -15,16 +16,35 @@ SCRIPT = Path(__file__).parent.parent / "benchmarks" / "device_check.py"
 
 def test_device_check_dry_run(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads((tmp_path / "device_check.json").read_text())
     phases = report["phases"]
-    assert set(phases) == {"kernels", "loop", "trainer", "trainer_compiled", "trainer_float8", "torchtitan",
-                           "trainer_compiled_other_loss", "deploy"}
+    assert set(phases) == {
+        "kernels",
+        "loop",
+        "trainer",
+        "trainer_compiled",
+        "trainer_float8",
+        "torchtitan",
+        "trainer_compiled_other_loss",
+        "deploy",
+    }
     assert not any("error" in p for p in phases.values()) and report["complete"] and report["required"] == []
     kern = phases["kernels"]
-    assert kern["all_ok"] and len(kern["rows"]) == 14 and "experts grouped, skewed routing, bfloat16" in kern["rows"] and "grad" not in kern["rows"]["packed documents window=None torch.float32"]
+    assert (
+        kern["all_ok"]
+        and len(kern["rows"]) == 14
+        and "experts grouped, skewed routing, bfloat16" in kern["rows"]
+        and "grad" not in kern["rows"]["packed documents window=None torch.float32"]
+    )
     # off Hopper: float8 is the one line that refuses it; the peer is skipped with a line saying so
     assert "compute capability 9.0 or later" in phases["trainer_float8"]["skipped"]
     assert "torchtitan peer runs on the accelerator only" in phases["torchtitan"]["skipped"]
@@ -52,19 +72,42 @@ def test_device_check_fails_when_a_requested_phase_cannot_run(tmp_path):
     """float8 and the torchtitan peer are what the device call is for: requested (the default on the
     device, --require here) and unable to run, they fail the call with the reason in the JSON."""
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(tmp_path), "--only",
-                           "kernels,trainer_float8,torchtitan", "--require", "trainer_float8,torchtitan"],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--dry-run",
+            "--out",
+            str(tmp_path),
+            "--only",
+            "kernels,trainer_float8,torchtitan",
+            "--require",
+            "trainer_float8,torchtitan",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "device_check.json").read_text())
     assert set(report["phases"]) == {"kernels", "trainer_float8", "torchtitan"} and report["complete"]
     assert report["phases"]["trainer_float8"]["required"] is True
     failed = report["failed"]
     assert len(failed) == 2 and failed[0].startswith("trainer_float8 was requested but could not run: precision.float8")
-    assert failed[1].startswith("torchtitan was requested but could not run: the torchtitan peer runs on the accelerator")
+    assert failed[1].startswith(
+        "torchtitan was requested but could not run: the torchtitan peer runs on the accelerator"
+    )
     assert "FAILED: trainer_float8 was requested" in proc.stdout
-    bad = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--only", "kernel"], env=env,
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    bad = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--only", "kernel"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert bad.returncode == 2 and "unknown phase(s) kernel" in bad.stderr
 
 

@@ -1,5 +1,6 @@
 """Every dotted ``titan_pipe.…`` name in the docs, the README and the sources' docstrings and comments
 resolves to a module or an attribute: a renamed or moved module cannot leave a doc pointing nowhere."""
+
 from __future__ import annotations
 
 import importlib
@@ -27,7 +28,9 @@ def _resolves(name: str) -> bool:
 
 def test_every_dotted_module_name_in_docs_and_sources_resolves():
     files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-    files += [p for d in ("pipeline", "training", "convert", "evaluate", "flows") for p in sorted((REPO / d).rglob("*.py"))]
+    files += [
+        p for d in ("pipeline", "training", "convert", "evaluate", "flows") for p in sorted((REPO / d).rglob("*.py"))
+    ]
     found: dict[str, Path] = {}
     for f in files:
         for m in NAME.finditer(f.read_text(encoding="utf-8")):

@@ -1,5 +1,6 @@
 """End to end: the debug model trained with (tp2, pp2), converted, exported, evaluated — every
 comparison runs and passes; a corrupted unified model is caught at its layer by comparison 1."""
+
 import json
 import re
 from pathlib import Path
@@ -43,8 +44,13 @@ def trained(tmp_path_factory):
 @pytest.mark.distributed
 def test_tp2_pp2_every_comparison_runs_and_passes(trained):
     out = trained["root"] / "report"
-    r = evaluate_model(out_dir=out, checkpoint=trained["checkpoint"], model_dir=trained["model_dir"],
-                       onnx=trained["onnx"], settings=EvaluateConfig(batches=1, prompts=2, new_tokens=6))
+    r = evaluate_model(
+        out_dir=out,
+        checkpoint=trained["checkpoint"],
+        model_dir=trained["model_dir"],
+        onnx=trained["onnx"],
+        settings=EvaluateConfig(batches=1, prompts=2, new_tokens=6),
+    )
     assert r.passed, r.summary["verdict"]
     st = r.summary["comparisons"]
     for cid in ("sharded_vs_unified", "torch_vs_onnx", "onnx_kv_decode", "operators", "task"):
@@ -59,8 +65,15 @@ def test_tp2_pp2_every_comparison_runs_and_passes(trained):
     assert len(ppl) == 3 and max(ppl.values()) / min(ppl.values()) - 1 < 1e-5
     gen = next(c for c in rep["comparisons"] if c["id"] == "task")["details"]["generation"]
     assert len(gen) == 2 and all(g["identical"] for g in gen.values())  # prefill re-run and KV-cache decode
-    for name in ("report.json", "report.md", "report.html", "tensors.csv", "operators.csv",
-                 "layer_error.png", "logits_error.png"):
+    for name in (
+        "report.json",
+        "report.md",
+        "report.html",
+        "tensors.csv",
+        "operators.csv",
+        "layer_error.png",
+        "logits_error.png",
+    ):
         assert (out / name).is_file(), name
 
 
@@ -78,11 +91,18 @@ def test_swapped_rows_in_unified_model_fail_at_that_layer(trained, tmp_path):
     w[[0, 1]] = w[[1, 0]]
     weights[key] = w
     save_file(weights, str(bad / "model.safetensors"))
-    r = evaluate_model(out_dir=tmp_path / "rep", checkpoint=trained["checkpoint"], model_dir=bad,
-                       settings=EvaluateConfig(batches=1, prompts=0, operators=False))
+    r = evaluate_model(
+        out_dir=tmp_path / "rep",
+        checkpoint=trained["checkpoint"],
+        model_dir=bad,
+        settings=EvaluateConfig(batches=1, prompts=0, operators=False),
+    )
     assert not r.passed
-    assert r.summary["first_failing_layer"] == {**r.summary["first_failing_layer"], "layer": 3,
-                                                "comparison": "sharded_vs_unified"}
+    assert r.summary["first_failing_layer"] == {
+        **r.summary["first_failing_layer"],
+        "layer": 3,
+        "comparison": "sharded_vs_unified",
+    }
     assert torch.equal(load_file(str(Path(trained["model_dir"]) / "model.safetensors"))[key][0], w[1])
 
 
@@ -99,12 +119,18 @@ def test_checkpoint_and_model_dir_of_different_models_are_refused(trained, tmp_p
     args = resolve_args("debug", n_layers=2)
     other = tmp_path / "other"
     other.mkdir()
-    save({native_to_hf(k): v for k, v in build_model(args, seed=0).state_dict().items()},
-         str(other / "model.safetensors"))
+    save(
+        {native_to_hf(k): v for k, v in build_model(args, seed=0).state_dict().items()},
+        str(other / "model.safetensors"),
+    )
     (other / "config.json").write_text(json.dumps(to_hf_config(args)))
     with pytest.raises(UserError, match="the models disagree .*n_layers 4 vs 2"):
-        evaluate_model(out_dir=tmp_path / "rep", checkpoint=trained["checkpoint"], model_dir=other,
-                       settings=EvaluateConfig(batches=1, operators=False))
+        evaluate_model(
+            out_dir=tmp_path / "rep",
+            checkpoint=trained["checkpoint"],
+            model_dir=other,
+            settings=EvaluateConfig(batches=1, operators=False),
+        )
 
 
 @pytest.mark.distributed
@@ -139,8 +165,12 @@ def test_layer_streamed_sharded_forward_equals_resident(trained):
 @pytest.mark.distributed
 def test_streamed_evaluation_streams_the_sharded_forward_too(trained, tmp_path):
     # 1.6MB: the 4 ranks holding every layer (~1.5 MB + a batch's values) do not fit, one layer each (~1.4 MB) does
-    r = evaluate_model(out_dir=tmp_path / "rep", checkpoint=trained["checkpoint"], model_dir=trained["model_dir"],
-                       settings=EvaluateConfig(batches=1, operators=False, max_memory="1.6MB"))
+    r = evaluate_model(
+        out_dir=tmp_path / "rep",
+        checkpoint=trained["checkpoint"],
+        model_dir=trained["model_dir"],
+        settings=EvaluateConfig(batches=1, operators=False, max_memory="1.6MB"),
+    )
     assert r.summary["memory_mode"] == "streamed"
     assert r.summary["comparisons"]["sharded_vs_unified"] == "pass", r.summary["verdict"]
     rep = json.loads(r.report_json.read_text())
@@ -189,7 +219,7 @@ def test_a_failing_rank_is_told_by_its_own_lines(trained, monkeypatch):
     head = re.search(r"\nrank (\d+):\n", text)
     assert "failed (exit" in text and head is not None, text
     block = []
-    for line in text[head.end():].splitlines():
+    for line in text[head.end() :].splitlines():
         if not line.startswith("  "):
             break
         block.append(line)

@@ -1,4 +1,5 @@
 """Metrics against hand-computed values and plain-Python references; threshold rules and overrides."""
+
 import math
 
 import numpy as np
@@ -43,8 +44,7 @@ def _kl_reference(r_rows, c_rows):
     for r, c in zip(r_rows, c_rows):
         zr = sum(math.exp(v) for v in r)
         zc = sum(math.exp(v) for v in c)
-        total += sum(math.exp(a) / zr * (math.log(math.exp(a) / zr) - math.log(math.exp(b) / zc))
-                     for a, b in zip(r, c))
+        total += sum(math.exp(a) / zr * (math.log(math.exp(a) / zr) - math.log(math.exp(b) / zc)) for a, b in zip(r, c))
     return total / len(r_rows)
 
 
@@ -161,9 +161,16 @@ def test_flow_yaml_thresholds_are_validated():
 
 
 def test_csv_columns_are_msit_names():
-    for name in ("CosineSimilarity", "MaxAbsoluteError", "MeanAbsoluteError", "MaxRelativeError",
-                 "MeanRelativeError", "RelativeEuclideanDistance", "RootMeanSquareError",
-                 "KullbackLeiblerDivergence"):
+    for name in (
+        "CosineSimilarity",
+        "MaxAbsoluteError",
+        "MeanAbsoluteError",
+        "MaxRelativeError",
+        "MeanRelativeError",
+        "RelativeEuclideanDistance",
+        "RootMeanSquareError",
+        "KullbackLeiblerDivergence",
+    ):
         assert name in CSV_COLUMNS
     cells = csv_cells(compare_tensors(torch.ones(3), torch.tensor([1.0, 1.0, 2.0])).to_dict())
     assert len(cells) == len(CSV_COLUMNS)
@@ -180,12 +187,17 @@ def test_layer_plot_draws_each_dtypes_threshold(tmp_path, monkeypatch):
 
     drawn = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: drawn.append(fig))
-    rows = [{"layer": i, "tensor": f"hidden.{i}", "metrics": {"rel_euclidean": 1e-7 * (i + 1), "max_abs": 1e-8}}
-            for i in range(3)]
-    comps = [{"id": "a", "candidate": "x", "dtype": "float32", "rows": rows},
-             {"id": "b", "candidate": "y", "dtype": "float16", "rows": rows}]
-    assert plot_layer_errors(comps, tmp_path / "p.png", {"float32": {"rel_euclidean_max": 1e-4},
-                                                         "float16": {"rel_euclidean_max": 2e-3}})
+    rows = [
+        {"layer": i, "tensor": f"hidden.{i}", "metrics": {"rel_euclidean": 1e-7 * (i + 1), "max_abs": 1e-8}}
+        for i in range(3)
+    ]
+    comps = [
+        {"id": "a", "candidate": "x", "dtype": "float32", "rows": rows},
+        {"id": "b", "candidate": "y", "dtype": "float16", "rows": rows},
+    ]
+    assert plot_layer_errors(
+        comps, tmp_path / "p.png", {"float32": {"rel_euclidean_max": 1e-4}, "float16": {"rel_euclidean_max": 2e-3}}
+    )
     lines = {ln.get_label(): ln.get_ydata()[0] for ln in drawn[0].axes[0].get_lines()}
     assert lines["threshold float32 (0.0001)"] == 1e-4 and lines["threshold float16 (0.002)"] == 2e-3
     assert not any(label.startswith("threshold") for label in (ln.get_label() for ln in drawn[0].axes[1].get_lines()))

@@ -1,4 +1,5 @@
 """evaluate_model on the debug model: unified dir vs its ONNX export, fault injection, dtypes, bad inputs."""
+
 import csv
 import json
 from pathlib import Path
@@ -68,8 +69,14 @@ def art(tmp_path_factory):
     root = tmp_path_factory.mktemp("evaluate")
     model, args = debug_model()
     md = write_unified(model, args, root / "model")
-    return {"root": root, "model": model, "args": args, "model_dir": md,
-            "onnx32": export(md, root / "onnx32"), "onnx16": export(md, root / "onnx16", "float16")}
+    return {
+        "root": root,
+        "model": model,
+        "args": args,
+        "model_dir": md,
+        "onnx32": export(md, root / "onnx32"),
+        "onnx16": export(md, root / "onnx16", "float16"),
+    }
 
 
 def test_float32_export_passes_and_report_parses(art, tmp_path):
@@ -112,8 +119,12 @@ def test_perturbed_onnx_weight_fails_at_that_layer(art, tmp_path, memory):
     bad = tmp_path / "model.onnx"
     onnx.save(m, str(bad))
     (tmp_path / "export.json").write_bytes((art["onnx32"].parent / "export.json").read_bytes())
-    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=bad,
-                       settings=FAST.model_copy(update={"max_memory": memory}))
+    r = evaluate_model(
+        out_dir=tmp_path / "rep",
+        model_dir=art["model_dir"],
+        onnx=bad,
+        settings=FAST.model_copy(update={"max_memory": memory}),
+    )
     ran_in(r.report_json, memory)
     assert not r.passed
     assert r.summary["first_failing_layer"]["layer"] == 2
@@ -153,8 +164,12 @@ def test_float16_export_passes_fp16_thresholds_and_fails_fp32(art, tmp_path):
     assert "export.json" in c16["details"]["layers"]
     hidden = [row["metrics"]["rel_euclidean"] for row in c16["rows"] if row["tensor"].startswith("hidden.")]
     assert all(1e-5 < x < 0.05 for x in hidden), hidden
-    r32 = evaluate_model(out_dir=tmp_path / "b", model_dir=art["model_dir"], onnx=art["onnx16"],
-                         settings=FAST.model_copy(update={"dtype": "float32"}))
+    r32 = evaluate_model(
+        out_dir=tmp_path / "b",
+        model_dir=art["model_dir"],
+        onnx=art["onnx16"],
+        settings=FAST.model_copy(update={"dtype": "float32"}),
+    )
     assert not r32.passed
     assert r32.summary["comparisons"]["torch_vs_onnx"] == "fail"
 
@@ -173,11 +188,14 @@ def test_mismatched_config_and_graph_is_a_clear_error(art, tmp_path):
     assert not (tmp_path / "rep").exists()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({}, "needs a reference"),
-    ({"model_dir": "missing"}, "--model-dir .*missing: does not exist"),
-    ({"onnx": "nope.onnx", "model_dir": None}, "--onnx .*nope.onnx: does not exist"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "needs a reference"),
+        ({"model_dir": "missing"}, "--model-dir .*missing: does not exist"),
+        ({"onnx": "nope.onnx", "model_dir": None}, "--onnx .*nope.onnx: does not exist"),
+    ],
+)
 def test_missing_inputs(art, tmp_path, kwargs, message):
     kw = {k: (tmp_path / v if isinstance(v, str) else v) for k, v in kwargs.items()}
     if "onnx" in kw:
@@ -195,8 +213,16 @@ def test_cli_exit_codes(art, tmp_path):
     runner = CliRunner()
     flow = tmp_path / "flow.yaml"
     flow.write_text("evaluate: {prompts: 0, batch_size: 2, operators: true}\n")
-    common = ["evaluate", "--model-dir", str(art["model_dir"]), "--no-operators", "--batches", "1",
-              "--config", str(flow)]
+    common = [
+        "evaluate",
+        "--model-dir",
+        str(art["model_dir"]),
+        "--no-operators",
+        "--batches",
+        "1",
+        "--config",
+        str(flow),
+    ]
     ok = runner.invoke(app, common + ["--onnx", str(art["onnx32"]), "-o", str(tmp_path / "ok")])
     assert ok.exit_code == 0, ok.output
     assert "PASS" in ok.output
@@ -214,8 +240,9 @@ def test_cli_exit_codes(art, tmp_path):
 def test_checkpoint_without_manifest_is_refused(art, tmp_path):
     (tmp_path / "step-000001").mkdir()
     with pytest.raises(UserError, match="no manifest.json"):
-        evaluate_model(out_dir=tmp_path / "rep", checkpoint=tmp_path / "step-000001", model_dir=art["model_dir"],
-                       settings=FAST)
+        evaluate_model(
+            out_dir=tmp_path / "rep", checkpoint=tmp_path / "step-000001", model_dir=art["model_dir"], settings=FAST
+        )
 
 
 def test_layer_outputs_out_of_graph_order_fall_back_to_the_structure(art, tmp_path):
@@ -270,8 +297,9 @@ def test_graph_without_export_json_falls_back_to_its_structure(art, tmp_path):
     m.graph.initializer.append(zero)
     for n in m.graph.node:
         n.input[:] = [last + "x" if i == last else i for i in n.input]
-    m.graph.node.insert(list(m.graph.node).index(producer) + 1,
-                        onnx.helper.make_node("Add", [last, "zero_extra"], [last + "x"]))
+    m.graph.node.insert(
+        list(m.graph.node).index(producer) + 1, onnx.helper.make_node("Add", [last, "zero_extra"], [last + "x"])
+    )
     odd = tmp_path / "odd" / "model.onnx"
     odd.parent.mkdir()
     onnx.save(m, str(odd))
@@ -309,8 +337,7 @@ KV = FAST.model_copy(update={"prompts": 2, "new_tokens": 4})
 
 
 def test_honest_kv_export_passes_with_per_layer_rows_of_both_graphs(art, kv_export, tmp_path):
-    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=kv_export / "model.onnx",
-                       settings=KV)
+    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=kv_export / "model.onnx", settings=KV)
     assert r.passed, r.summary["verdict"]
     rep = json.loads(r.report_json.read_text())
     for cid in ("torch_vs_onnx", "onnx_kv_decode"):
@@ -329,8 +356,12 @@ def test_honest_kv_export_passes_with_per_layer_rows_of_both_graphs(art, kv_expo
 def test_scaled_weight_in_deployed_graph_is_named_at_its_layer(art, kv_export, tmp_path, graph, cid, layer, memory):
     bad = tmp_path / "bad"
     name = _scaled_copy(kv_export, bad, graph, layer)
-    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=bad / "model.onnx",
-                       settings=KV.model_copy(update={"max_memory": memory}))
+    r = evaluate_model(
+        out_dir=tmp_path / "rep",
+        model_dir=art["model_dir"],
+        onnx=bad / "model.onnx",
+        settings=KV.model_copy(update={"max_memory": memory}),
+    )
     ran_in(r.report_json, memory)
     assert not r.passed
     first = r.summary["first_failing_layer"]
@@ -342,9 +373,21 @@ def test_scaled_weight_in_deployed_graph_is_named_at_its_layer(art, kv_export, t
         assert r.summary["comparisons"]["torch_vs_onnx"] == "pass"
     assert (tmp_path / "rep" / "layer_error.png").stat().st_size > 1000
     if (graph, layer, memory) == ("model.onnx", 3, "auto"):  # and through the CLI: exit 1, the layer named
-        res = CliRunner().invoke(app, ["evaluate", "--model-dir", str(art["model_dir"]), "--onnx",
-                                       str(bad / "model.onnx"), "--no-operators", "--batches", "1",
-                                       "-o", str(tmp_path / "cli")])
+        res = CliRunner().invoke(
+            app,
+            [
+                "evaluate",
+                "--model-dir",
+                str(art["model_dir"]),
+                "--onnx",
+                str(bad / "model.onnx"),
+                "--no-operators",
+                "--batches",
+                "1",
+                "-o",
+                str(tmp_path / "cli"),
+            ],
+        )
         assert res.exit_code == 1 and "first divergence at layer 3" in " ".join(res.output.split()), res.output
 
 
@@ -382,8 +425,9 @@ def test_too_little_held_out_text_is_a_clear_error(art, tmp_path):
 def test_kv_cache_decode_graph_is_checked_on_its_own(art, kv_export, tmp_path, memory):
     """decode.onnx is what generation runs: a fault only there fails onnx_kv_decode, not the prefill rows."""
     kv = KV.model_copy(update={"max_memory": memory})
-    good = evaluate_model(out_dir=tmp_path / "good", model_dir=art["model_dir"], onnx=kv_export / "model.onnx",
-                          settings=kv)
+    good = evaluate_model(
+        out_dir=tmp_path / "good", model_dir=art["model_dir"], onnx=kv_export / "model.onnx", settings=kv
+    )
     ran_in(good.report_json, memory)
     assert good.passed and good.summary["comparisons"]["onnx_kv_decode"] == "pass"
     gen = json.loads(good.report_json.read_text())["comparisons"][-1]["details"]["generation"]
@@ -437,11 +481,19 @@ def test_reference_device_absent_is_one_line_error_and_cpu_is_named(art, tmp_pat
     if torch.cuda.is_available():
         pytest.skip("CUDA is present here")
     with pytest.raises(UserError, match=r"^--device cuda: device: cuda, but CUDA is not available"):
-        evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx32"],
-                       settings=FAST.model_copy(update={"device": "cuda"}))
+        evaluate_model(
+            out_dir=tmp_path / "rep",
+            model_dir=art["model_dir"],
+            onnx=art["onnx32"],
+            settings=FAST.model_copy(update={"device": "cuda"}),
+        )
     assert not (tmp_path / "rep").exists()
-    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx32"],
-                       settings=FAST.model_copy(update={"device": "auto"}))
+    r = evaluate_model(
+        out_dir=tmp_path / "rep",
+        model_dir=art["model_dir"],
+        onnx=art["onnx32"],
+        settings=FAST.model_copy(update={"device": "auto"}),
+    )
     assert r.passed and json.loads(r.report_json.read_text())["settings"]["device"] == "auto"
 
 
@@ -451,8 +503,9 @@ def test_kv_decode_row_runs_the_generation_loop(art, tmp_path, static):
     on dynamic graphs and on static ones (batch 2), against PyTorch on each prompt alone."""
     kw = dict(dynamic=False, batch=2, seq_len=32, cache_len=40) if static else {}
     res = export_model(art["model_dir"], tmp_path / "onnx", ExportConfig(atc=False, **kw))
-    settings = EvaluateConfig(operators=False, batches=2, batch_size=2, seq_len=32, prompts=3, prompt_len=12,
-                              new_tokens=6)
+    settings = EvaluateConfig(
+        operators=False, batches=2, batch_size=2, seq_len=32, prompts=3, prompt_len=12, new_tokens=6
+    )
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=res.onnx, settings=settings)
     rep = json.loads(r.report_json.read_text())
     row = next(c for c in rep["comparisons"] if c["id"] == "onnx_kv_decode")
@@ -476,7 +529,9 @@ def test_fp16_passes_a_massive_activation_and_still_names_a_perturbed_layer(tmp_
     model, args = debug_model(seed=3)
     with torch.no_grad():
         # 22,000-22,016 by token: between fp16's steps of 16, as a released model's values fall
-        model.tok_embeddings.weight[:, 11] = 2.2e4 + torch.rand(args.vocab_size, generator=torch.Generator().manual_seed(0)) * 16
+        model.tok_embeddings.weight[:, 11] = (
+            2.2e4 + torch.rand(args.vocab_size, generator=torch.Generator().manual_seed(0)) * 16
+        )
     md = write_unified(model, args, tmp_path / "model")
     onnx16 = export(md, tmp_path / "onnx16", "float16")
     settings = FAST.model_copy(update={"prompts": 2, "new_tokens": 6})

@@ -7,6 +7,7 @@ for printing (msaccucmp to 6 decimals, msprobe to 12); the test replaces that ro
 identity so the formulas themselves are compared, to 1e-6 relative. msaccucmp's command line also
 casts both tensors to float32 before its formulas; the test feeds float64, the precision we compute in.
 """
+
 import importlib
 import json
 import math
@@ -24,14 +25,22 @@ from titan_pipe.convert.onnx.export import export_model  # noqa: E402
 from titan_pipe.evaluate.api import evaluate_model  # noqa: E402
 
 MSIT_COLUMNS = {  # msaccucmp algorithm -> our report key
-    "CosineSimilarity": "cosine", "MaxAbsoluteError": "max_abs", "MeanAbsoluteError": "mean_abs",
-    "MaxRelativeError": "max_rel", "MeanRelativeError": "mean_rel", "AccumulatedRelativeError": "acc_rel",
-    "RelativeEuclideanDistance": "rel_euclidean", "RootMeanSquareError": "rmse",
+    "CosineSimilarity": "cosine",
+    "MaxAbsoluteError": "max_abs",
+    "MeanAbsoluteError": "mean_abs",
+    "MaxRelativeError": "max_rel",
+    "MeanRelativeError": "mean_rel",
+    "AccumulatedRelativeError": "acc_rel",
+    "RelativeEuclideanDistance": "rel_euclidean",
+    "RootMeanSquareError": "rmse",
     "KullbackLeiblerDivergence": "msit_kl",
 }
 MSPROBE_COLUMNS = {  # msprobe algorithm module -> our report key
-    "alg_cosine_similarity": "cosine", "alg_euclidean_distance": "euc_dist", "alg_max_absolute_error": "max_abs",
-    "alg_max_relative_error": "msprobe_max_rel", "alg_one_thousand_error": "err_ratio_1e3",
+    "alg_cosine_similarity": "cosine",
+    "alg_euclidean_distance": "euc_dist",
+    "alg_max_absolute_error": "max_abs",
+    "alg_max_relative_error": "msprobe_max_rel",
+    "alg_one_thousand_error": "err_ratio_1e3",
     "alg_five_thousand_error": "err_ratio_5e3",
 }
 
@@ -48,8 +57,10 @@ def _tools(monkeypatch):
     from cmp_utils import utils as cmp_utils
 
     monkeypatch.setattr(cmp_utils, "format_value", float)
-    msit = {col: importlib.import_module(f"algorithm_manager.builtin_algorithm.alg_{col}")
-            for col in [*MSIT_COLUMNS, "StandardDeviation"]}
+    msit = {
+        col: importlib.import_module(f"algorithm_manager.builtin_algorithm.alg_{col}")
+        for col in [*MSIT_COLUMNS, "StandardDeviation"]
+    }
     probe = {}
     for name in MSPROBE_COLUMNS:
         mod = importlib.import_module(f"msprobe.core.compare.algorithm.builtin_algorithm.{name}")
@@ -121,6 +132,12 @@ def test_csv_carries_their_column_names(dumped):
 
     with open(dumped["float32"] / "tensors.csv") as f:
         header = next(csv.reader(f))
-    for col in [*MSIT_COLUMNS, "StandardDeviation", "EucDist", "MaxRelativeErr", "One Thousandth Err Ratio",
-                "Five Thousandths Err Ratio"]:
+    for col in [
+        *MSIT_COLUMNS,
+        "StandardDeviation",
+        "EucDist",
+        "MaxRelativeErr",
+        "One Thousandth Err Ratio",
+        "Five Thousandths Err Ratio",
+    ]:
         assert col in header

@@ -1,6 +1,7 @@
 """The .om per-layer path without an Ascend host: a dump directory written to the msit/ACL naming
 (converted .npy files under {time}/{device}/{model}/{model_id}/{index}/), mapped onto the ONNX graph's
 per-layer values, including a fused operator recorded in the ATC model json."""
+
 import json
 from pathlib import Path
 
@@ -14,8 +15,14 @@ pytest.importorskip("onnxruntime")
 from titan_pipe.config import ExportConfig
 from titan_pipe.convert.onnx.export import export_model  # noqa: E402
 from titan_pipe.evaluate.compare import compare_outputs  # noqa: E402
-from titan_pipe.evaluate.om_dump import (acl_dump_config, load_layer, map_values_to_dump, read_fusion_json,  # noqa: E402
-                                         safe_name, scan_dump)
+from titan_pipe.evaluate.om_dump import (
+    acl_dump_config,
+    load_layer,
+    map_values_to_dump,
+    read_fusion_json,  # noqa: E402
+    safe_name,
+    scan_dump,
+)
 from titan_pipe.evaluate.runners.ort import OnnxRuntimeRunner  # noqa: E402
 from titan_pipe.evaluate.runners.ort_layers import LayerChain  # noqa: E402
 from titan_pipe.evaluate.runners.outputs import Outputs  # noqa: E402
@@ -69,10 +76,29 @@ def test_dump_maps_to_layers_and_matches_the_reference(graph, tmp_path):
     mlp1_node = producer[taps.mlp[1]].name  # ATC fused layer 1's down projection with the op before it
     fused = {"fused_mlp_1": ["/some/Mul_x", mlp1_node]}
     atc_json = tmp_path / "model.json"
-    atc_json.write_text(json.dumps({"graph": [{"op": [
-        {"name": "fused_mlp_1", "type": "FusedMatMul",
-         "attr": [{"key": "_datadump_original_op_names", "value": {"list": {"s": fused["fused_mlp_1"]}}}]},
-        {"name": "plain", "type": "Add", "attr": []}]}]}))
+    atc_json.write_text(
+        json.dumps(
+            {
+                "graph": [
+                    {
+                        "op": [
+                            {
+                                "name": "fused_mlp_1",
+                                "type": "FusedMatMul",
+                                "attr": [
+                                    {
+                                        "key": "_datadump_original_op_names",
+                                        "value": {"list": {"s": fused["fused_mlp_1"]}},
+                                    }
+                                ],
+                            },
+                            {"name": "plain", "type": "Add", "attr": []},
+                        ]
+                    }
+                ]
+            }
+        )
+    )
     _write_dump(tmp_path / "dump", model.graph, values, fused)
     dump = scan_dump(tmp_path / "dump")
     assert len(dump) == len(values) + 1  # the Softmax output too; inputs and other files ignored
@@ -88,14 +114,30 @@ def test_dump_maps_to_layers_and_matches_the_reference(graph, tmp_path):
     assert missing.files == [None] and "no dump of operator" in missing.notes[0]
     ref = LayeredModel.from_path(graph["model_dir"]).run(tokens)
     om_like = Outputs(got.logits, lists["hidden"], lists["attn"], lists["mlp"])
-    c = compare_outputs("om", "dump", ref, om_like, ref_label="torch", cand_label="om", dtype="float32",
-                        limits=resolve_thresholds("float32"))
+    c = compare_outputs(
+        "om",
+        "dump",
+        ref,
+        om_like,
+        ref_label="torch",
+        cand_label="om",
+        dtype="float32",
+        limits=resolve_thresholds("float32"),
+    )
     assert c.status == "pass" and [r.tensor for r in c.rows][:3] == ["attn_out.0", "mlp_out.0", "hidden.0"]
     # a corrupted dump of layer 2's output is named at layer 2
     bad = [h.clone() for h in lists["hidden"]]
     bad[2] = bad[2] * 1.5
-    c = compare_outputs("om", "dump", ref, Outputs(got.logits, bad, lists["attn"], lists["mlp"]),
-                        ref_label="torch", cand_label="om", dtype="float32", limits=resolve_thresholds("float32"))
+    c = compare_outputs(
+        "om",
+        "dump",
+        ref,
+        Outputs(got.logits, bad, lists["attn"], lists["mlp"]),
+        ref_label="torch",
+        cand_label="om",
+        dtype="float32",
+        limits=resolve_thresholds("float32"),
+    )
     assert c.first_failing_layer == 2
 
 
@@ -111,6 +153,11 @@ def test_om_without_runtime_stays_skipped(graph, tmp_path):
 
     om = tmp_path / "model.om"
     om.write_bytes(b"\0" * 16)
-    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=graph["model_dir"], om=om, onnx=graph["ort"].path,
-                       settings=EvaluateConfig(operators=False, batches=1, prompts=0))
+    r = evaluate_model(
+        out_dir=tmp_path / "rep",
+        model_dir=graph["model_dir"],
+        om=om,
+        onnx=graph["ort"].path,
+        settings=EvaluateConfig(operators=False, batches=1, prompts=0),
+    )
     assert r.summary["comparisons"]["om"].startswith("skipped: no Ascend runtime")

@@ -1,4 +1,5 @@
 """Operator conformance: PyTorch training operators vs one-node ONNX graphs in ONNX Runtime."""
+
 import dataclasses
 
 import pytest
@@ -15,15 +16,28 @@ def table():
 
 def test_every_operator_dtype_case_has_a_row(table):
     assert len(table) == len(OPERATORS) * 3 * len(CASES)
-    assert {r.op for r in table} == {"embedding", "linear", "rms_norm", "rope", "attention", "softmax",
-                                     "silu", "swiglu", "residual_add", "cast",
-                                     "linear_bias", "qk_norm", "attention_window"}  # Qwen2, Qwen3, Mistral
+    assert {r.op for r in table} == {
+        "embedding",
+        "linear",
+        "rms_norm",
+        "rope",
+        "attention",
+        "softmax",
+        "silu",
+        "swiglu",
+        "residual_add",
+        "cast",
+        "linear_bias",
+        "qk_norm",
+        "attention_window",
+    }  # Qwen2, Qwen3, Mistral
 
 
 def test_float32_all_pass(table):
     fp32 = [r for r in table if r.dtype == "float32"]
-    assert all(r.status == "pass" for r in fp32), [(r.op, r.case, r.status, r.failures) for r in fp32
-                                                   if r.status != "pass"]
+    assert all(r.status == "pass" for r in fp32), [
+        (r.op, r.case, r.status, r.failures) for r in fp32 if r.status != "pass"
+    ]
     # gathers, adds, RoPE and casts are exact in both runtimes
     for r in fp32:
         if r.op in ("embedding", "residual_add", "cast"):
@@ -66,4 +80,3 @@ def test_a_wrong_graph_fails():
 
     row = run_operator(dataclasses.replace(rope, graph=wrong_graph), "float32", "normal")
     assert row.status == "fail" and row.failures
-

@@ -1,6 +1,7 @@
 """The reference's linear layers over their stored weights (evaluate/runners/pytorch.StoredLinear):
 the float32 values of the whole weight cast at once, bit for bit, without a float32 copy held; and
 the plain-read path streamed mode refills its buffer with."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,10 @@ def test_streamed_buffer_reads_are_the_stored_bytes(tmp_path):
         out = torch.empty(full.shape, dtype=src.stored_dtype(name))
         assert src.stored_dtype(name) == torch.bfloat16 and torch.equal(src.read_into(name, out), full)
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
-    whole, streamed = LayeredModel.from_path(md, keep=True).run(tokens), LayeredModel.from_path(md, keep=False).run(tokens)
+    whole, streamed = (
+        LayeredModel.from_path(md, keep=True).run(tokens),
+        LayeredModel.from_path(md, keep=False).run(tokens),
+    )
     assert torch.equal(whole.logits, streamed.logits)
     assert all(torch.equal(a, b) for a, b in zip(whole.hidden, streamed.hidden))
 

@@ -1,5 +1,6 @@
 """Layer-streamed evaluation: the same rows and verdict as whole-graph mode, pieces that compute what the
 whole graph computes, and a budget too small for one layer refused before any work."""
+
 import json
 import math
 
@@ -30,14 +31,20 @@ def art(tmp_path_factory):
     root = tmp_path_factory.mktemp("streamed")
     model, args = debug_model()
     md = write_unified(model, args, root / "model")
-    onnx = {dt: export_model(md, root / dt, ExportConfig(dtype=dt, kv_cache=True, atc=False)).onnx
-            for dt in ("float32", "float16")}
+    onnx = {
+        dt: export_model(md, root / dt, ExportConfig(dtype=dt, kv_cache=True, atc=False)).onnx
+        for dt in ("float32", "float16")
+    }
     return {"model_dir": md, "args": args, "onnx": onnx}
 
 
 def _report(art, tmp_path, dtype: str, memory: str) -> dict:
-    r = evaluate_model(out_dir=tmp_path / f"{dtype}-{memory}", model_dir=art["model_dir"], onnx=art["onnx"][dtype],
-                       settings=SETTINGS.model_copy(update={"max_memory": memory}))
+    r = evaluate_model(
+        out_dir=tmp_path / f"{dtype}-{memory}",
+        model_dir=art["model_dir"],
+        onnx=art["onnx"][dtype],
+        settings=SETTINGS.model_copy(update={"max_memory": memory}),
+    )
     return json.loads(r.report_json.read_text())
 
 
@@ -73,8 +80,7 @@ def test_pieces_compute_what_the_whole_graph_computes(art):
     chain = LayerChain(ort.graph)
     assert [p.name for p in chain.pieces] == ["embedding", "layer 0", "layer 1", "layer 2", "layer 3", "head"]
     inits = {t.name for p in chain.pieces for t in p.model.graph.initializer if len(t.dims) == 2}
-    whole_inits = {t.name for t in onnx.load(str(path), load_external_data=False).graph.initializer
-                   if len(t.dims) == 2}
+    whole_inits = {t.name for t in onnx.load(str(path), load_external_data=False).graph.initializer if len(t.dims) == 2}
     assert inits == whole_inits  # every weight in some piece, nothing re-exported
     tokens = torch.randint(0, art["args"].vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
     got = chain.outputs([ort.feeds(tokens)])[0]
@@ -113,16 +119,36 @@ def test_evaluate_sessions_leave_the_weights_unpacked(art):
 
 
 def test_budget_too_small_for_one_layer_is_one_line(art, tmp_path):
-    with pytest.raises(UserError, match=r"^--max-memory 100kB \(100 kB\): too small for one layer: .*layer \d.* "
-                                        r"needs ~[0-9.]+ kB; give at least"):
-        evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx"]["float32"],
-                       settings=SETTINGS.model_copy(update={"max_memory": "100kB"}))
-    res = CliRunner().invoke(app, ["evaluate", "--model-dir", str(art["model_dir"]), "--onnx",
-                                   str(art["onnx"]["float32"]), "--max-memory", "100kB", "-o", str(tmp_path / "cli")])
+    with pytest.raises(
+        UserError,
+        match=r"^--max-memory 100kB \(100 kB\): too small for one layer: .*layer \d.* "
+        r"needs ~[0-9.]+ kB; give at least",
+    ):
+        evaluate_model(
+            out_dir=tmp_path / "rep",
+            model_dir=art["model_dir"],
+            onnx=art["onnx"]["float32"],
+            settings=SETTINGS.model_copy(update={"max_memory": "100kB"}),
+        )
+    res = CliRunner().invoke(
+        app,
+        [
+            "evaluate",
+            "--model-dir",
+            str(art["model_dir"]),
+            "--onnx",
+            str(art["onnx"]["float32"]),
+            "--max-memory",
+            "100kB",
+            "-o",
+            str(tmp_path / "cli"),
+        ],
+    )
     assert res.exit_code == 1 and "too small for one layer" in res.output and "Traceback" not in res.output
     assert len([ln for ln in res.output.strip().splitlines() if ln.strip()]) <= 3  # one message (wrapped)
-    bad = CliRunner().invoke(app, ["evaluate", "--model-dir", str(art["model_dir"]), "--max-memory", "lots",
-                                   "-o", str(tmp_path / "cli2")])
+    bad = CliRunner().invoke(
+        app, ["evaluate", "--model-dir", str(art["model_dir"]), "--max-memory", "lots", "-o", str(tmp_path / "cli2")]
+    )
     assert bad.exit_code == 1 and "'lots' is not a size" in bad.output
     assert not (tmp_path / "rep").exists() and not (tmp_path / "cli").exists() and not (tmp_path / "cli2").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
@@ -140,10 +166,15 @@ def test_graph_that_cannot_stream_is_refused_when_it_does_not_fit(art, tmp_path)
             n.op_type = "Sum"
     onnx.save(m, str(alone / "model.onnx"))
     with pytest.raises(UserError, match="cannot go one layer at a time"):
-        evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=alone / "model.onnx",
-                       settings=SETTINGS.model_copy(update={"max_memory": "2MB"}))
-    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=alone / "model.onnx",
-                       settings=SETTINGS)
+        evaluate_model(
+            out_dir=tmp_path / "rep",
+            model_dir=art["model_dir"],
+            onnx=alone / "model.onnx",
+            settings=SETTINGS.model_copy(update={"max_memory": "2MB"}),
+        )
+    r = evaluate_model(
+        out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=alone / "model.onnx", settings=SETTINGS
+    )
     rows = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")["rows"]
     assert r.passed and [row["tensor"] for row in rows] == ["logits"]
 
@@ -213,8 +244,12 @@ def test_each_piece_opens_once_and_the_report_times_each_step(art, tmp_path, mon
 
     monkeypatch.setattr(ol, "ort_session", spy)
     out = tmp_path / memory
-    r = evaluate_model(out_dir=out, model_dir=art["model_dir"], onnx=art["onnx"]["float32"],
-                       settings=SETTINGS.model_copy(update={"max_memory": memory}))
+    r = evaluate_model(
+        out_dir=out,
+        model_dir=art["model_dir"],
+        onnx=art["onnx"]["float32"],
+        settings=SETTINGS.model_copy(update={"max_memory": memory}),
+    )
     n_pieces = art["args"].n_layers + 2  # embedding, each layer, head
     assert r.passed and len(opened) == 2 * n_pieces and set(opened.values()) == {1}  # prefill and decode pieces
     report = json.loads(r.report_json.read_text())
@@ -239,11 +274,20 @@ def test_decode_caches_count_in_the_budget_and_prompts_are_held_at_their_length(
     from titan_pipe.sizes import parse_size
 
     def needs(cache_len: int):
-        onnx = export_model(art["model_dir"], tmp_path / f"c{cache_len}", ExportConfig(
-            dtype="float32", kv_cache=True, dynamic=False, batch=1, seq_len=32, cache_len=cache_len, atc=False)).onnx
+        onnx = export_model(
+            art["model_dir"],
+            tmp_path / f"c{cache_len}",
+            ExportConfig(
+                dtype="float32", kv_cache=True, dynamic=False, batch=1, seq_len=32, cache_len=cache_len, atc=False
+            ),
+        ).onnx
         with pytest.raises(UserError, match=r"too small for one layer: decode\.onnx layer \d") as e:
-            evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=onnx,
-                           settings=SETTINGS.model_copy(update={"max_memory": "1kB"}))
+            evaluate_model(
+                out_dir=tmp_path / "rep",
+                model_dir=art["model_dir"],
+                onnx=onnx,
+                settings=SETTINGS.model_copy(update={"max_memory": "1kB"}),
+            )
         need = parse_size(e.value.args[0].split("needs ~")[1].split(";")[0].replace(" ", ""))  # 3 digits
         ort = OnnxRuntimeRunner(onnx)
         ort.find_layers(art["args"].n_layers)
@@ -253,8 +297,9 @@ def test_decode_caches_count_in_the_budget_and_prompts_are_held_at_their_length(
 
     small, _, dec_small = needs(48)
     large, ort, dec = needs(256)
-    extra = (past_bytes(LayerChain(dec.graph).layers[0], rows=1, slots=0)
-             - past_bytes(LayerChain(dec_small.graph).layers[0], rows=1, slots=0))
+    extra = past_bytes(LayerChain(dec.graph).layers[0], rows=1, slots=0) - past_bytes(
+        LayerChain(dec_small.graph).layers[0], rows=1, slots=0
+    )
     assert extra == 2 * 2 * (256 - 48) * 16 * 4  # key and value, 2 KV heads of 16, float32
     assert large - small >= 3 * extra
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
@@ -262,5 +307,9 @@ def test_decode_caches_count_in_the_budget_and_prompts_are_held_at_their_length(
     pre = prefill(LayerChain(ort.graph), plan)
     held = [v for layer in pre.caches for batch in layer for v in batch.values()]
     assert len(held) == 2 * len(plan) * art["args"].n_layers
-    assert all(v.shape[2] == pb.ids.shape[1] < pb.cache_len == 256 for layer in pre.caches
-               for pb, batch in zip(plan, layer) for v in batch.values())
+    assert all(
+        v.shape[2] == pb.ids.shape[1] < pb.cache_len == 256
+        for layer in pre.caches
+        for pb, batch in zip(plan, layer)
+        for v in batch.values()
+    )

@@ -1,5 +1,6 @@
 """Export's casts without torch: titan_pipe.convert.casts against torch's Tensor.to, bit for bit, and the
 exported weights bit-identical to what the torch path wrote (every dtype pair, edge values planted)."""
+
 import errno
 import hashlib
 import json
@@ -57,8 +58,12 @@ def test_cast_matches_torch_on_edges_and_random_bits(src, dst):
     if src == "F32":
         bits = np.concatenate([f32_edge_bits(), rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint64).astype(np.uint32)])
     else:  # every 16-bit pattern, then random ones past a BLOCK boundary
-        bits = np.concatenate([np.arange(1 << 16, dtype=np.uint32).astype(np.uint16),
-                               rng.integers(0, 1 << 16, BLOCK + 64, dtype=np.uint32).astype(np.uint16)])
+        bits = np.concatenate(
+            [
+                np.arange(1 << 16, dtype=np.uint32).astype(np.uint16),
+                rng.integers(0, 1 << 16, BLOCK + 64, dtype=np.uint32).astype(np.uint16),
+            ]
+        )
     out = np.empty(len(bits), bits_dtype(dst))
     cast_bits(bits, src, out, dst)
     want = torch_cast(bits, src, dst)
@@ -69,18 +74,20 @@ def test_cast_matches_torch_on_edges_and_random_bits(src, dst):
 def test_f32_to_f16_rules_spelled_out():
     """The rules themselves, not only agreement: ties to even, subnormals, overflow to inf, NaNs quieted
     with their top payload bits and sign kept."""
-    cases = {0x3F801000: 0x3C00,  # 1 + 2^-11: a tie, the even neighbour (1.0) wins
-             0x3F803000: 0x3C02,  # 1 + 3*2^-11: a tie, rounds up to the even 1 + 2^-9
-             0x3F801001: 0x3C01,  # just above the tie
-             0x33800000: 0x0001,  # 2^-24: the smallest fp16 subnormal
-             0x33000000: 0x0000,  # 2^-25: a tie with 0, which is even
-             0x33000001: 0x0001,
-             0x477FEFFF: 0x7BFF,  # just below 65520: 65504, the largest fp16
-             0x477FF000: 0x7C00,  # 65520: a tie between 65504 and 65536, which overflows to inf
-             0xFF800000: 0xFC00,
-             0x7F800001: 0x7E00,  # signalling NaN, payload below fp16's reach: quiet NaN
-             0xFF802000: 0xFE01,  # signalling NaN: quieted, top payload bits and sign kept
-             0x7FC00000: 0x7E00}
+    cases = {
+        0x3F801000: 0x3C00,  # 1 + 2^-11: a tie, the even neighbour (1.0) wins
+        0x3F803000: 0x3C02,  # 1 + 3*2^-11: a tie, rounds up to the even 1 + 2^-9
+        0x3F801001: 0x3C01,  # just above the tie
+        0x33800000: 0x0001,  # 2^-24: the smallest fp16 subnormal
+        0x33000000: 0x0000,  # 2^-25: a tie with 0, which is even
+        0x33000001: 0x0001,
+        0x477FEFFF: 0x7BFF,  # just below 65520: 65504, the largest fp16
+        0x477FF000: 0x7C00,  # 65520: a tie between 65504 and 65536, which overflows to inf
+        0xFF800000: 0xFC00,
+        0x7F800001: 0x7E00,  # signalling NaN, payload below fp16's reach: quiet NaN
+        0xFF802000: 0xFE01,  # signalling NaN: quieted, top payload bits and sign kept
+        0x7FC00000: 0x7E00,
+    }
     bits = np.array(list(cases), dtype=np.uint32)
     out = np.empty(len(bits), np.uint16)
     cast_bits(bits, "F32", out, "F16")
@@ -101,8 +108,16 @@ def test_f32_to_f16_every_bit_pattern():
 def test_rope_frequencies_and_tables():
     """The numpy frequencies are the module's (bit for bit, every flavour, Llama-3.1 scaling); the
     exported tables are within one fp32 unit in the last place of the module's torch tables."""
-    scaled = resolve_args("debug", rope_theta=500000.0, rope_scaling={
-        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    scaled = resolve_args(
+        "debug",
+        rope_theta=500000.0,
+        rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
     for args in [*FLAVOURS.values(), scaled]:
         assert np.array_equal(rope_inv_freq(args).numpy(), rope.inv_freq(args))
         rows = min(args.max_seq_len, 2048)
@@ -125,7 +140,8 @@ def test_rope_frequencies_match_the_float64_formula():
             f = f / s.factor
         elif wavelen >= s.original_max_position_embeddings / s.high_freq_factor:
             smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-                s.high_freq_factor - s.low_freq_factor)
+                s.high_freq_factor - s.low_freq_factor
+            )
             f = (1 - smooth) * f / s.factor + smooth * f
         want.append(f)
     assert np.allclose(rope.inv_freq(args), np.array(want, np.float32), rtol=2e-7, atol=0)
@@ -133,13 +149,14 @@ def test_rope_frequencies_match_the_float64_formula():
 
 # -- the export's weights -------------------------------------------------------------------------
 
+
 def plant_edges(model) -> None:
     """Values that exercise every cast rule in one weight: NaN payloads, infinities, fp16 subnormals and
     overflow, ties. (The model need not be usable: only the bytes are compared.)"""
     bits = torch.from_numpy(f32_edge_bits()[:4096].view(np.int32).copy()).view(torch.float32)
     w = model.layers["0"].feed_forward.w2.weight
     with torch.no_grad():
-        w.view(-1)[:len(bits)] = bits
+        w.view(-1)[: len(bits)] = bits
 
 
 def exported_bytes(out_dir) -> dict[str, bytes]:
@@ -150,7 +167,7 @@ def exported_bytes(out_dir) -> dict[str, bytes]:
         if t.data_location == onnx.TensorProto.EXTERNAL:
             info = {e.key: int(e.value) if e.key != "location" else e.value for e in t.external_data}
             raw = data.setdefault(info["location"], (out_dir / info["location"]).read_bytes())
-            out[t.name] = raw[info["offset"]:info["offset"] + info["length"]]
+            out[t.name] = raw[info["offset"] : info["offset"] + info["length"]]
     return out
 
 
@@ -164,10 +181,19 @@ def edge_model():
 REFERENCE_DIGESTS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}  # the packages' own, not ours
 
 
-@pytest.mark.parametrize("src,dst,digest,n_files", [
-    ("bfloat16", "float16", "xxh3_128", 2), ("float32", "float16", "sha256", 1), ("float16", "float16", "xxh3_128", 3),
-    ("bfloat16", "float32", "sha256", 2), ("float16", "float32", "xxh3_128", 1), ("float32", "float32", "sha256", 3),
-    ("float16", "float16", "sha256", 2), ("bfloat16", "float16", "sha256", 5)])
+@pytest.mark.parametrize(
+    "src,dst,digest,n_files",
+    [
+        ("bfloat16", "float16", "xxh3_128", 2),
+        ("float32", "float16", "sha256", 1),
+        ("float16", "float16", "xxh3_128", 3),
+        ("bfloat16", "float32", "sha256", 2),
+        ("float16", "float32", "xxh3_128", 1),
+        ("float32", "float32", "sha256", 3),
+        ("float16", "float16", "sha256", 2),
+        ("bfloat16", "float16", "sha256", 5),
+    ],
+)
 def test_exported_weights_are_the_torch_cast(edge_model, tmp_path, monkeypatch, src, dst, digest, n_files):
     """Every weight's bytes in its data file equal torch's .to(dst) of the stored tensor (the old
     path's bytes), through many small chunks so the pipeline's buffers turn over, each written in
@@ -178,15 +204,22 @@ def test_exported_weights_are_the_torch_cast(edge_model, tmp_path, monkeypatch, 
     monkeypatch.setattr(data_file, "WRITE_SLICE", 1000)
     model, args = edge_model
     unified = write_unified(model, args, tmp_path / "model", dtype=getattr(torch, src), shards=2)
-    out = export_model(unified, tmp_path / "onnx", ExportConfig(dtype=dst, kv_cache=False, atc=False, digest=digest, data_files=n_files))
+    out = export_model(
+        unified,
+        tmp_path / "onnx",
+        ExportConfig(dtype=dst, kv_cache=False, atc=False, digest=digest, data_files=n_files),
+    )
     got = exported_bytes(out.out_dir)
-    stored = {native_to_hf(k): v.to(getattr(torch, src)) for k, v in model.state_dict().items()
-              if not k.startswith("rope_")}
+    stored = {
+        native_to_hf(k): v.to(getattr(torch, src)) for k, v in model.state_dict().items() if not k.startswith("rope_")
+    }
     for init, native in initializer_names(args).items():
         want = stored[native_to_hf(native)].contiguous().to(getattr(torch, dst))
         assert got[init] == want.view(torch.uint8).numpy().tobytes(), init
-    assert got["rope_cos"] == rope.cos_sin(args, args.max_seq_len)[0].astype(
-        np.float16 if dst == "float16" else np.float32).tobytes()
+    assert (
+        got["rope_cos"]
+        == rope.cos_sin(args, args.max_seq_len)[0].astype(np.float16 if dst == "float16" else np.float32).tobytes()
+    )
     files = json.loads(out.export_json.read_text())["files"]
     assert {"model.onnx", *data_file_names(n_files)} <= set(files)
     assert sorted(p.name for p in out.out_dir.glob("*.data*")) == sorted(data_file_names(n_files))
@@ -197,6 +230,7 @@ def test_exported_weights_are_the_torch_cast(edge_model, tmp_path, monkeypatch, 
 
 def test_kernel_copy_refused_falls_back_to_pread(edge_model, tmp_path, monkeypatch):
     """A file system pair that refuses copy_file_range (EXDEV) gives the same bytes through pread/pwrite."""
+
     def refuse(*a, **k):
         raise OSError(errno.EXDEV, "cross-device")
 
@@ -264,10 +298,12 @@ def test_export_imports_no_torch(tmp_path):
     """A pure cast export (bf16 -> fp16) never imports torch: the process that runs it checks."""
     model, args = debug_model()
     unified = write_unified(model, args, tmp_path / "model", dtype=torch.bfloat16)
-    code = ("import sys; from pathlib import Path; from titan_pipe.config import ExportConfig; "
-            "from titan_pipe.convert.onnx.export import export_model; "
-            f"export_model(Path({str(unified)!r}), Path({str(tmp_path / 'onnx')!r}), "
-            "ExportConfig(dtype='float16', atc=False)); print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    code = (
+        "import sys; from pathlib import Path; from titan_pipe.config import ExportConfig; "
+        "from titan_pipe.convert.onnx.export import export_model; "
+        f"export_model(Path({str(unified)!r}), Path({str(tmp_path / 'onnx')!r}), "
+        "ExportConfig(dtype='float16', atc=False)); print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"

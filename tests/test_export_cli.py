@@ -1,4 +1,5 @@
 """`titan-pipe export`: a static export end to end, and bad input -> one clear line, exit 1, nothing left."""
+
 import json
 
 import numpy as np
@@ -30,8 +31,24 @@ def _leftovers(parent):
 def test_static_export_via_cli(model_dir, tmp_path):
     src, model, args = model_dir
     before = sorted(p.name for p in src.iterdir())
-    res = _run(src, "-o", tmp_path / "out", "--static", "--batch", 2, "--seq-len", 12, "--cache-len", 20,
-               "--opset", 15, "--precision-mode", "mixed_float16", "--data-files", 1)
+    res = _run(
+        src,
+        "-o",
+        tmp_path / "out",
+        "--static",
+        "--batch",
+        2,
+        "--seq-len",
+        12,
+        "--cache-len",
+        20,
+        "--opset",
+        15,
+        "--precision-mode",
+        "mixed_float16",
+        "--data-files",
+        1,
+    )
     assert res.exit_code == 0, res.output
     assert "ATC: not_found" in res.output or "ATC: ok" in res.output
     out = tmp_path / "out"
@@ -49,8 +66,11 @@ def test_static_export_via_cli(model_dir, tmp_path):
     assert "--input_shape='input_ids:2,12;attention_mask:2,12;position_ids:2,12'" in script
     assert "--precision_mode_v2=mixed_float16" in script and "--dynamic_dims" not in script
     tokens = torch.randint(0, args.vocab_size, (2, 12))
-    feeds = {"input_ids": tokens.numpy(), "attention_mask": np.ones((2, 12), np.int64),
-             "position_ids": np.tile(np.arange(12), (2, 1))}
+    feeds = {
+        "input_ids": tokens.numpy(),
+        "attention_mask": np.ones((2, 12), np.int64),
+        "position_ids": np.tile(np.arange(12), (2, 1)),
+    }
     prefill = ort.InferenceSession(str(out / "model.onnx"))
     got, *present = prefill.run(None, feeds)
     with torch.no_grad():
@@ -64,9 +84,16 @@ def test_static_export_via_cli(model_dir, tmp_path):
     mask = np.zeros((2, 20), np.int64)
     mask[:, :13] = 1
     names = [i.name for i in dec.get_inputs()][4:]
-    step = dec.run(["logits"], {"input_ids": full[:, 12:].numpy(), "position_ids": np.full((2, 1), 12),
-                                "attention_mask": mask, "write_index": np.full((2,), 12),
-                                **dict(zip(names, cache))})[0]
+    step = dec.run(
+        ["logits"],
+        {
+            "input_ids": full[:, 12:].numpy(),
+            "position_ids": np.full((2, 1), 12),
+            "attention_mask": mask,
+            "write_index": np.full((2,), 12),
+            **dict(zip(names, cache)),
+        },
+    )[0]
     with torch.no_grad():
         assert np.abs(step[:, 0] - model(full)[:, -1].numpy()).max() <= 1e-4
     assert sorted(p.name for p in src.iterdir()) == before  # the source is never touched
@@ -76,20 +103,26 @@ def test_static_export_via_cli(model_dir, tmp_path):
     assert res.exit_code == 1 and "already exists; pass --overwrite" in res.output
     res = _run(src, "-o", out, "--overwrite", "--no-kv-cache", "--no-atc")
     assert res.exit_code == 0, res.output
-    assert not (out / "decode.onnx").exists() and json.loads((out / "export.json").read_text())["atc"]["status"] == "skipped"
+    assert (
+        not (out / "decode.onnx").exists()
+        and json.loads((out / "export.json").read_text())["atc"]["status"] == "skipped"
+    )
 
 
-@pytest.mark.parametrize("case,message", [
-    ("no_config", "config.json: missing"),
-    ("mismatch", "has shape"),
-    ("opset16", "ATC takes ONNX opsets 11..15 only"),
-    ("opset12", "the graphs need opset >= 14"),
-    ("too_long", "exceeds the model's max_position_embeddings"),
-    ("cache_small", "cache_len 32 is smaller than seq_len 32 + 1"),
-    ("cache_large", "cache_len 300 exceeds the model's max_position_embeddings 256"),
-    ("no_data_files", "--data-files 0: "),
-    ("many_data_files", "--data-files 65: "),
-])
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("no_config", "config.json: missing"),
+        ("mismatch", "has shape"),
+        ("opset16", "ATC takes ONNX opsets 11..15 only"),
+        ("opset12", "the graphs need opset >= 14"),
+        ("too_long", "exceeds the model's max_position_embeddings"),
+        ("cache_small", "cache_len 32 is smaller than seq_len 32 + 1"),
+        ("cache_large", "cache_len 300 exceeds the model's max_position_embeddings 256"),
+        ("no_data_files", "--data-files 0: "),
+        ("many_data_files", "--data-files 65: "),
+    ],
+)
 def test_bad_input_fails_cleanly(model_dir, tmp_path, case, message):
     src, model, args = model_dir
     argv = []
@@ -101,9 +134,15 @@ def test_bad_input_fails_cleanly(model_dir, tmp_path, case, message):
             cfg = json.loads((src / "config.json").read_text())
             cfg["hidden_size"], cfg["head_dim"] = 128, 32
             (src / "config.json").write_text(json.dumps(cfg))
-    argv = {"opset16": ["--opset", 16], "opset12": ["--opset", 12], "too_long": ["--seq-len", 256],
-            "cache_small": ["--cache-len", 32], "cache_large": ["--cache-len", 300],
-            "no_data_files": ["--data-files", 0], "many_data_files": ["--data-files", 65]}.get(case, [])
+    argv = {
+        "opset16": ["--opset", 16],
+        "opset12": ["--opset", 12],
+        "too_long": ["--seq-len", 256],
+        "cache_small": ["--cache-len", 32],
+        "cache_large": ["--cache-len", 300],
+        "no_data_files": ["--data-files", 0],
+        "many_data_files": ["--data-files", 65],
+    }.get(case, [])
     out = tmp_path / "out"
     res = _run(src, "-o", out, *argv)
     assert res.exit_code == 1

@@ -1,5 +1,6 @@
 """Fixed-capacity KV-cache decoding: a left-padded batch through the exported pair (static and
 dynamic) against transformers' own greedy `generate` on each prompt alone, and bad input."""
+
 import json
 
 import numpy as np
@@ -25,7 +26,9 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("decode")
     model, args = debug_model()
     src = write_unified(model, args, root / "model")
-    static = export_model(src, root / "static", ExportConfig(dynamic=False, batch=2, seq_len=T, cache_len=CACHE, atc=False))
+    static = export_model(
+        src, root / "static", ExportConfig(dynamic=False, batch=2, seq_len=T, cache_len=CACHE, atc=False)
+    )
     dynamic = export_model(src, root / "dynamic", ExportConfig(atc=False))
     return model, args, src, static, dynamic
 
@@ -50,11 +53,12 @@ def reference(pair):
     for p in _prompts(args):
         ids = torch.tensor([p])
         with torch.no_grad():
-            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                              pad_token_id=0)[0]
-            ours = model(seq[None, :-1])[0, len(p) - 1:].numpy()
+            seq = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, pad_token_id=0
+            )[0]
+            ours = model(seq[None, :-1])[0, len(p) - 1 :].numpy()
         assert seq.shape[0] == len(p) + NEW
-        out.append((seq[len(p):].numpy(), ours))
+        out.append((seq[len(p) :].numpy(), ours))
     return out
 
 
@@ -71,8 +75,11 @@ def test_static_graphs_have_every_dim_fixed(pair):
     assert dec["inputs"]["past_key_values.0.key"] == [2, args.kv_heads, CACHE, args.head_dim]
     assert dec["outputs"]["present.0.key"] == [2, args.kv_heads, CACHE, args.head_dim]
     assert dec["outputs"]["logits"] == [2, 1, args.vocab_size]
-    assert record["graphs"]["model.onnx"]["inputs"] == {"input_ids": [2, T], "attention_mask": [2, T],
-                                                        "position_ids": [2, T]}
+    assert record["graphs"]["model.onnx"]["inputs"] == {
+        "input_ids": [2, T],
+        "attention_mask": [2, T],
+        "position_ids": [2, T],
+    }
     assert record["decode"]["cache_update"] == "whole_cache" and record["decode"]["cache_len"] == CACHE
     script = (static.out_dir / "atc" / "command.sh").read_text()
     assert "--dynamic_dims" not in script and "-1" not in script
@@ -107,8 +114,13 @@ def test_dynamic_graph_takes_other_batch_and_cache_sizes(pair, reference):
     _, args, _, _, dynamic = pair
     prefill, decode = _sessions(dynamic)
     prompts = _prompts(args)
-    gen = generate(prefill=prefill, decode=decode, prompts=[prompts[1], prompts[0], prompts[1][:3]],
-                   max_new_tokens=6, cache_len=100)
+    gen = generate(
+        prefill=prefill,
+        decode=decode,
+        prompts=[prompts[1], prompts[0], prompts[1][:3]],
+        max_new_tokens=6,
+        cache_len=100,
+    )
     assert np.array_equal(gen.new_tokens[0], reference[1][0][:6])
     assert np.array_equal(gen.new_tokens[1], reference[0][0][:6])
 
@@ -134,15 +146,18 @@ def test_teacher_forcing_feeds_the_given_tokens(pair, reference):
     model = pair[0]
     p = _prompts(args)[1]
     with torch.no_grad():
-        ref = model(torch.tensor([p + forced[1, :4].tolist()]))[0, len(p) - 1:].numpy()
+        ref = model(torch.tensor([p + forced[1, :4].tolist()]))[0, len(p) - 1 :].numpy()
     assert np.abs(gen.logits[1] - ref).max() <= 1e-4
 
 
 def test_bad_generation_input(pair):
     _, args, _, static, dynamic = pair
     prefill, decode = _sessions(static)
-    with pytest.raises(UserError, match=f"prompt 0 has {T + 1} tokens but the static prefill graph takes {T}; "
-                                        f"shorten it or re-export with --seq-len {T + 1}"):
+    with pytest.raises(
+        UserError,
+        match=f"prompt 0 has {T + 1} tokens but the static prefill graph takes {T}; "
+        f"shorten it or re-export with --seq-len {T + 1}",
+    ):
         generate(prefill=prefill, decode=decode, prompts=[list(range(T + 1))], max_new_tokens=2)
     with pytest.raises(UserError, match=f"needs {T + CACHE} cache slots but the cache has {CACHE}.*--cache-len"):
         generate(prefill=prefill, decode=decode, prompts=[[1, 2]], max_new_tokens=CACHE + 1)
@@ -151,17 +166,32 @@ def test_bad_generation_input(pair):
     prefill, decode = _sessions(dynamic)
     ids = np.ones((2, 4), dtype=np.int64)
     with pytest.raises(UserError, match="attention_mask row 1 is all zeros"):
-        generate_padded(prefill=prefill, decode=decode, input_ids=ids,
-                        attention_mask=np.array([[1, 1, 1, 1], [0, 0, 0, 0]]), max_new_tokens=2, cache_len=8)
+        generate_padded(
+            prefill=prefill,
+            decode=decode,
+            input_ids=ids,
+            attention_mask=np.array([[1, 1, 1, 1], [0, 0, 0, 0]]),
+            max_new_tokens=2,
+            cache_len=8,
+        )
     with pytest.raises(UserError, match="attention_mask row 0 has padding after a real token"):
-        generate_padded(prefill=prefill, decode=decode, input_ids=ids,
-                        attention_mask=np.array([[1, 0, 1, 1], [1, 1, 1, 1]]), max_new_tokens=2, cache_len=8)
+        generate_padded(
+            prefill=prefill,
+            decode=decode,
+            input_ids=ids,
+            attention_mask=np.array([[1, 0, 1, 1], [1, 1, 1, 1]]),
+            max_new_tokens=2,
+            cache_len=8,
+        )
 
 
-@pytest.mark.parametrize("cache_len,message", [
-    (T, f"cache_len {T} is smaller than seq_len {T} \\+ 1 .*pass --cache-len {T + 1} or more"),
-    (257, "cache_len 257 exceeds the model's max_position_embeddings 256 .*pass --cache-len 256 or less"),
-])
+@pytest.mark.parametrize(
+    "cache_len,message",
+    [
+        (T, f"cache_len {T} is smaller than seq_len {T} \\+ 1 .*pass --cache-len {T + 1} or more"),
+        (257, "cache_len 257 exceeds the model's max_position_embeddings 256 .*pass --cache-len 256 or less"),
+    ],
+)
 def test_bad_cache_len_writes_nothing(pair, tmp_path, cache_len, message):
     _, _, src, _, _ = pair
     with pytest.raises(UserError, match=message):

@@ -1,4 +1,5 @@
 """Exported graphs in ONNX Runtime against our PyTorch model (and transformers), on the debug model."""
+
 import json
 
 import numpy as np
@@ -30,8 +31,11 @@ def _feeds(tokens) -> dict:
     """Prefill inputs for unpadded sequences: every token real, positions 0..T-1."""
     ids = np.asarray(tokens, dtype=np.int64)
     b, t = ids.shape
-    return {"input_ids": ids, "attention_mask": np.ones((b, t), np.int64),
-            "position_ids": np.tile(np.arange(t, dtype=np.int64), (b, 1))}
+    return {
+        "input_ids": ids,
+        "attention_mask": np.ones((b, t), np.int64),
+        "position_ids": np.tile(np.arange(t, dtype=np.int64), (b, 1)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +77,14 @@ def test_prefill_then_greedy_decode_matches_full_sequence(exported):
             last = model(seq)[:, -1]
             ref_logits.append(last.numpy())
             seq = torch.cat([seq, last.argmax(-1, keepdim=True)], dim=1)
-    gen = generate_padded(prefill=prefill, decode=decode, input_ids=prompt.numpy(),
-                          attention_mask=np.ones((2, 7), np.int64), max_new_tokens=steps, cache_len=7 + steps - 1)
+    gen = generate_padded(
+        prefill=prefill,
+        decode=decode,
+        input_ids=prompt.numpy(),
+        attention_mask=np.ones((2, 7), np.int64),
+        max_new_tokens=steps,
+        cache_len=7 + steps - 1,
+    )
     assert np.abs(gen.logits - np.stack(ref_logits, axis=1)).max() <= 1e-4
     assert np.array_equal(gen.new_tokens, seq[:, 7:].numpy())
 
@@ -93,8 +103,11 @@ def test_export_never_loads_the_model(tmp_path, monkeypatch):
     files = json.loads(result.export_json.read_text())["files"]
     for name in data_file_names(EXPORT.data_files):
         assert files[name]["digest"] is None  # --no-hash-weights: the one pass skipped
-    assert files["model.onnx"] == {"bytes": result.onnx.stat().st_size, "algorithm": "xxh3_128",
-                                   "digest": xxhash.xxh3_128(result.onnx.read_bytes()).hexdigest()}
+    assert files["model.onnx"] == {
+        "bytes": result.onnx.stat().st_size,
+        "algorithm": "xxh3_128",
+        "digest": xxhash.xxh3_128(result.onnx.read_bytes()).hexdigest(),
+    }
     tokens = torch.randint(0, args.vocab_size, (1, 9))
     with torch.no_grad():
         assert np.abs(_session(result.onnx).run(["logits"], _feeds(tokens))[0] - model(tokens).numpy()).max() <= 1e-4
@@ -116,11 +129,14 @@ def test_graph_is_atc_shaped(exported):
         assert not {t.data_type for t in m.graph.initializer} & banned
         ops = {o["op_type"]: o["count"] for o in record["graphs"][path.name]["operators"]}
         assert ops["Gemm"] == sum(n.op_type == "Gemm" for n in m.graph.node) == 7 * 4 + 1  # 7 linears/layer + head
-        assert "Transpose" not in {n.op_type for n in m.graph.node
-                                   if any(i in {t.name for t in m.graph.initializer} for i in n.input)}
-    assert record["graphs"]["model.onnx"]["inputs"] == {"input_ids": ["batch", "seq"],
-                                                        "attention_mask": ["batch", "seq"],
-                                                        "position_ids": ["batch", "seq"]}
+        assert "Transpose" not in {
+            n.op_type for n in m.graph.node if any(i in {t.name for t in m.graph.initializer} for i in n.input)
+        }
+    assert record["graphs"]["model.onnx"]["inputs"] == {
+        "input_ids": ["batch", "seq"],
+        "attention_mask": ["batch", "seq"],
+        "position_ids": ["batch", "seq"],
+    }
     for name, info in record["files"].items():  # the default digest, by the xxhash package itself
         assert info["algorithm"] == "xxh3_128"
         assert xxhash.xxh3_128((result.out_dir / name).read_bytes()).hexdigest() == info["digest"]
@@ -148,8 +164,9 @@ def test_transformers_checkpoint_matches_transformers(tmp_path):
     from titan_pipe.model.hf_config import to_hf_config
 
     _, args = debug_model()
-    cfg = transformers.LlamaConfig(**{k: v for k, v in to_hf_config(args).items()
-                                      if k not in ("architectures", "torch_dtype")})
+    cfg = transformers.LlamaConfig(
+        **{k: v for k, v in to_hf_config(args).items() if k not in ("architectures", "torch_dtype")}
+    )
     torch.manual_seed(1)
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -185,7 +202,8 @@ def test_weights_streamed_into_shared_data_files(exported, tmp_path):
             place = (info["location"], int(info["offset"]), int(info["length"]))
             assert places.setdefault(t.name, place) == place
     assert sorted(p.name for p in result.out_dir.iterdir() if "onnx" in p.name) == sorted(
-        ["decode.onnx", "model.onnx", *names])
+        ["decode.onnx", "model.onnx", *names]
+    )
     sizes = {f: (result.out_dir / f).stat().st_size for f in names}
     for f in names:
         spans = sorted((off, off + n) for loc, off, n in places.values() if loc == f)
@@ -195,13 +213,15 @@ def test_weights_streamed_into_shared_data_files(exported, tmp_path):
     data = {f: (result.out_dir / f).read_bytes() for f in names}
     raw = src.read_bytes()
     checked = set()
-    for name, stored in (("layers.2.w2", "model.layers.2.mlp.down_proj.weight"),
-                         ("tok_embeddings.weight", "model.embed_tokens.weight"),
-                         ("layers.1.wq", "model.layers.1.self_attn.q_proj.weight"),
-                         ("layers.3.w1", "model.layers.3.mlp.gate_proj.weight")):
+    for name, stored in (
+        ("layers.2.w2", "model.layers.2.mlp.down_proj.weight"),
+        ("tok_embeddings.weight", "model.embed_tokens.weight"),
+        ("layers.1.wq", "model.layers.1.self_attn.q_proj.weight"),
+        ("layers.3.w1", "model.layers.3.mlp.gate_proj.weight"),
+    ):
         loc, off, n = places[name]
         s = header[stored]
-        assert data[loc][off:off + n] == raw[s.start:s.start + s.nbytes], name
+        assert data[loc][off : off + n] == raw[s.start : s.start + s.nbytes], name
         checked.add(loc)
     assert checked == set(names)  # the tensors compared lie in both files
 
@@ -213,9 +233,17 @@ def test_weights_streamed_into_shared_data_files(exported, tmp_path):
 
 
 def test_tied_embeddings_and_llama3_rope(tmp_path):
-    model, args = debug_model(tie_embeddings=True, n_kv_heads=4, rope_theta=500000.0,
-                              rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 32})
+    model, args = debug_model(
+        tie_embeddings=True,
+        n_kv_heads=4,
+        rope_theta=500000.0,
+        rope_scaling={
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
     src = write_unified(model, args, tmp_path / "model")
     result = export_model(src, tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False))
     tokens = torch.randint(0, args.vocab_size, (2, 100), generator=torch.Generator().manual_seed(7))

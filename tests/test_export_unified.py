@@ -1,4 +1,5 @@
 """load_unified_model: HF / native names, single / sharded files, transformers dirs, and bad input."""
+
 import json
 
 import pytest
@@ -44,8 +45,9 @@ def test_tied_embeddings_and_dtype_cast(tmp_path):
 def test_transformers_save_pretrained_dir(tmp_path):
     transformers = pytest.importorskip("transformers")
     _, args = debug_model()
-    cfg = transformers.LlamaConfig(**{k: v for k, v in to_hf_config(args).items()
-                                      if k not in ("architectures", "torch_dtype")})
+    cfg = transformers.LlamaConfig(
+        **{k: v for k, v in to_hf_config(args).items() if k not in ("architectures", "torch_dtype")}
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(cfg).eval()
@@ -78,8 +80,11 @@ def test_shape_mismatch_names_tensor_and_file(tmp_path):
     cfg = json.loads((d / "config.json").read_text())
     cfg["intermediate_size"] = 128  # weights were written with 192
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UserError, match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight' "
-                                        r"has shape \[.*\], but .*config\.json implies"):
+    with pytest.raises(
+        UserError,
+        match=r"model\.safetensors: tensor 'model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight' "
+        r"has shape \[.*\], but .*config\.json implies",
+    ):
         load_unified_model(d)
 
 
@@ -101,6 +106,7 @@ def test_unknown_tensor_name(tmp_path):
     model, args = debug_model()
     d = write_unified(model, args, tmp_path / "m")
     from safetensors.torch import load_file
+
     sd = load_file(str(d / "model.safetensors"))
     sd["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(64)  # no family has an o_proj bias
     save_file(sd, str(d / "model.safetensors"))

@@ -3,6 +3,7 @@ Mistral: Qwen2 (q/k/v biases, tied embeddings), Qwen3 (per-head q/k norms, head_
 64-wide model: decoupled) and Mistral (a sliding window of 8 positions, shorter than every test
 sequence). One fast single-process test of each claim per family; the 3-D training parity runs
 are in tests/test_training_parallel.py's one 8-rank launch."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,15 @@ from onnx import numpy_helper
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from convert_writers import (hash_tree, model_args, native_state, write_dcp, write_hf, write_megatron,
-                             write_megatron_dist)
+from convert_writers import (
+    hash_tree,
+    model_args,
+    native_state,
+    write_dcp,
+    write_hf,
+    write_megatron,
+    write_megatron_dist,
+)
 from titan_pipe.config import ConvertConfig, ExportConfig
 from titan_pipe.checkpoint_format import Manifest
 from titan_pipe.cli import app
@@ -47,13 +55,29 @@ FAMILIES = {
     # Gemma 3's switches at small size: a global layer in every 3 (released: 6), the sliding ones over 8
     # positions with their own RoPE base, the global ones linearly scaled, a query_pre_attn_scalar apart
     # from head_dim (the 27B's case), tied
-    "gemma3": dict(norm_offset=True, sandwich_norms=True, embed_scale=True, activation="gelu_tanh", qk_norm=True,
-                   head_dim=32, sliding_window=8, global_every=3, rope_theta=1e6, rope_local_theta=1e4,
-                   rope_scaling=RopeScaling(factor=8.0, rope_type="linear"), attn_scalar=24.0, tie_embeddings=True,
-                   norm_eps=1e-6),
+    "gemma3": dict(
+        norm_offset=True,
+        sandwich_norms=True,
+        embed_scale=True,
+        activation="gelu_tanh",
+        qk_norm=True,
+        head_dim=32,
+        sliding_window=8,
+        global_every=3,
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        rope_scaling=RopeScaling(factor=8.0, rope_type="linear"),
+        attn_scalar=24.0,
+        tie_embeddings=True,
+        norm_eps=1e-6,
+    ),
 }
-ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-        "gemma3": "Gemma3ForCausalLM"}
+ARCH = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 MODEL_TYPE = {"gemma3": "gemma3_text"}
 T, NEW, CACHE = 16, 24, 48
 
@@ -85,18 +109,33 @@ def _ours(args, sd):
 
 # --- the model ------------------------------------------------------------------------------------
 
+
 def test_parameter_list_is_the_module_and_its_switches(family):
     name, args, sd, hf, _ = family
-    assert native_shapes(args) == {n: tuple(p.shape) for n, p in build_model(args, device="meta", seed=None)
-                                   .named_parameters()}
-    extra = {k.split(".", 2)[2] for k in native_shapes(args) if k.startswith("layers.0.")} - \
-        {k.split(".", 2)[2] for k in native_shapes(model_args()) if k.startswith("layers.0.")}
-    assert extra == {"qwen2": {"attention.wq.bias", "attention.wk.bias", "attention.wv.bias"},
-                     "qwen3": {"attention.q_norm.weight", "attention.k_norm.weight"}, "mistral": set(),
-                     "gemma3": {"attention.q_norm.weight", "attention.k_norm.weight", "post_attention_norm.weight",
-                                "post_ffn_norm.weight"}}[name]
+    assert native_shapes(args) == {
+        n: tuple(p.shape) for n, p in build_model(args, device="meta", seed=None).named_parameters()
+    }
+    extra = {k.split(".", 2)[2] for k in native_shapes(args) if k.startswith("layers.0.")} - {
+        k.split(".", 2)[2] for k in native_shapes(model_args()) if k.startswith("layers.0.")
+    }
+    assert (
+        extra
+        == {
+            "qwen2": {"attention.wq.bias", "attention.wk.bias", "attention.wv.bias"},
+            "qwen3": {"attention.q_norm.weight", "attention.k_norm.weight"},
+            "mistral": set(),
+            "gemma3": {
+                "attention.q_norm.weight",
+                "attention.k_norm.weight",
+                "post_attention_norm.weight",
+                "post_ffn_norm.weight",
+            },
+        }[name]
+    )
     family = MODEL_TYPE.get(name, name)
-    assert {hf_to_native(k, family) for k in hf.state_dict()} == set(native_shapes(args)) | {"output.weight"}  # lm_head tied too
+    assert {hf_to_native(k, family) for k in hf.state_dict()} == set(native_shapes(args)) | {
+        "output.weight"
+    }  # lm_head tied too
 
 
 def test_logits_equal_transformers(family):
@@ -128,14 +167,21 @@ def test_flops_count_the_new_terms():
 
 # --- convert --------------------------------------------------------------------------------------
 
+
 def test_hf_round_trip_through_tp2_pp2_is_bit_exact(family, tmp_path):
     name, args, sd, _, src = family
     convert_checkpoint(src, tmp_path / "s", ConvertConfig(tp=2, pp=2))
     m = Manifest.load(tmp_path / "s")
     if args.qkv_bias:  # biases split with their weight's rows
-        assert m.params["layers.0.attention.wk.bias"].tp_dim == 0 and len(m.params["layers.0.attention.wk.bias"].chunks) == 2
+        assert (
+            m.params["layers.0.attention.wk.bias"].tp_dim == 0
+            and len(m.params["layers.0.attention.wk.bias"].chunks) == 2
+        )
     if args.qk_norm:  # q/k norms replicated
-        assert m.params["layers.3.attention.q_norm.weight"].tp_dim is None and m.params["layers.3.attention.q_norm.weight"].stage == 1
+        assert (
+            m.params["layers.3.attention.q_norm.weight"].tp_dim is None
+            and m.params["layers.3.attention.q_norm.weight"].stage == 1
+        )
     convert_checkpoint(tmp_path / "s", tmp_path / "u")
     got = load_file(tmp_path / "u/model.safetensors")
     family = MODEL_TYPE.get(name, name)
@@ -161,8 +207,10 @@ def test_megatron_legacy_and_torch_dist_convert_bit_exactly(fam, tmp_path):
     sd = native_state(args)
     ref = convert_checkpoint(write_hf(sd, args, tmp_path / "hf"), tmp_path / "ref")
     want = (ref.out_dir / "model.safetensors").read_bytes()
-    for kind, src in (("legacy", write_megatron(sd, args, tmp_path / "meg", tp=2, pp=2)),
-                      ("torch_dist", write_megatron_dist(sd, args, tmp_path / "megd", tp=2, pp=2, vpp=None))):
+    for kind, src in (
+        ("legacy", write_megatron(sd, args, tmp_path / "meg", tp=2, pp=2)),
+        ("torch_dist", write_megatron_dist(sd, args, tmp_path / "megd", tp=2, pp=2, vpp=None)),
+    ):
         before = hash_tree(src)
         res = convert_checkpoint(src, tmp_path / f"out_{kind}")
         assert hash_tree(src) == before
@@ -186,35 +234,51 @@ def test_torchtitan_qwen3_dcp_is_read_rotate_half(tmp_path):
 
 # --- export and generation ------------------------------------------------------------------------
 
+
 def test_export_generates_like_transformers(family, tmp_path):
     """Static prefill + fixed-capacity decode: a left-padded batch of two prompts gives transformers'
     greedy tokens of each prompt alone, logits within 1e-4; the new operators pass the ATC list."""
     name, args, sd, hf, src = family
-    res = export_model(src, tmp_path / "onnx", ExportConfig(dynamic=False, batch=2, seq_len=T, cache_len=CACHE, atc=False))
+    res = export_model(
+        src, tmp_path / "onnx", ExportConfig(dynamic=False, batch=2, seq_len=T, cache_len=CACHE, atc=False)
+    )
     record = json.loads(res.export_json.read_text())
     ops = {o["op_type"] for o in record["graphs"]["decode.onnx"]["operators"]}
-    assert {"qwen2": {"Gemm"}, "qwen3": {"Pow", "ReduceMean"}, "mistral": {"CumSum", "Less"},
-            "gemma3": {"Tanh", "CumSum", "Less"}}[name] <= ops
+    assert {
+        "qwen2": {"Gemm"},
+        "qwen3": {"Pow", "ReduceMean"},
+        "mistral": {"CumSum", "Less"},
+        "gemma3": {"Tanh", "CumSum", "Less"},
+    }[name] <= ops
     if name in ("mistral", "gemma3"):
         assert "Sub" in {o["op_type"] for o in record["graphs"]["model.onnx"]["operators"]}
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, args.vocab_size, (n,), generator=g).tolist() for n in (T, T // 2)]
-    gen = generate(prefill=ort_session(res.onnx, threads=1), decode=ort_session(res.decode_onnx, threads=1),
-                   prompts=prompts, max_new_tokens=NEW)
+    gen = generate(
+        prefill=ort_session(res.onnx, threads=1),
+        decode=ort_session(res.decode_onnx, threads=1),
+        prompts=prompts,
+        max_new_tokens=NEW,
+    )
     for r, p in enumerate(prompts):
         ids = torch.tensor([p])
         with torch.no_grad():
-            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                              pad_token_id=0)[0]
-            ref = hf(seq[None, :-1]).logits[0, len(p) - 1:].numpy()
-        assert np.array_equal(gen.new_tokens[r], seq[len(p):].numpy()), (name, r)
+            seq = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, pad_token_id=0
+            )[0]
+            ref = hf(seq[None, :-1]).logits[0, len(p) - 1 :].numpy()
+        assert np.array_equal(gen.new_tokens[r], seq[len(p) :].numpy()), (name, r)
         assert np.abs(gen.logits[r] - ref).max() <= 1e-4, (name, r)
 
 
 # --- evaluate -------------------------------------------------------------------------------------
 
-FAULT = {"qwen2": "layers.1.wv.bias", "qwen3": "layers.1.attention.q_norm.weight", "mistral": "layers.1.w2",
-         "gemma3": "layers.1.post_ffn_norm.weight"}
+FAULT = {
+    "qwen2": "layers.1.wv.bias",
+    "qwen3": "layers.1.attention.q_norm.weight",
+    "mistral": "layers.1.w2",
+    "gemma3": "layers.1.post_ffn_norm.weight",
+}
 
 
 def test_evaluate_reference_generates_like_transformers(family, tmp_path):
@@ -231,9 +295,10 @@ def test_evaluate_reference_generates_like_transformers(family, tmp_path):
     for r, p in enumerate(prompts):
         ids = torch.tensor([p])
         with torch.no_grad():
-            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                              pad_token_id=0)[0]
-        assert torch.equal(got[r], seq[len(p):]), (name, r)
+            seq = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, pad_token_id=0
+            )[0]
+        assert torch.equal(got[r], seq[len(p) :]), (name, r)
     if args.tie_embeddings:
         bf = write_hf({k: v.to(torch.bfloat16) for k, v in sd.items()}, args, tmp_path / "bf16")
         model = LayeredModel.from_path(bf, keep=True)
@@ -256,8 +321,12 @@ def test_evaluate_passes_and_names_the_perturbed_layer(family, tmp_path):
     onnx.save(m, str(bad))
     shutil.copy(res.export_json, bad.parent / "export.json")
     for memory in ("auto", "1.5MB"):  # whole graphs, and one layer's piece at a time
-        r = evaluate_model(out_dir=tmp_path / f"rep-{memory}", model_dir=src, onnx=bad,
-                           settings=fast.model_copy(update={"max_memory": memory}))
+        r = evaluate_model(
+            out_dir=tmp_path / f"rep-{memory}",
+            model_dir=src,
+            onnx=bad,
+            settings=fast.model_copy(update={"max_memory": memory}),
+        )
         assert r.summary["memory_mode"] == ("whole" if memory == "auto" else "streamed")
         assert not r.passed and r.summary["first_failing_layer"]["layer"] == 1, r.summary["verdict"]
 
@@ -268,14 +337,16 @@ def test_evaluate_streams_the_kv_decode_layer_by_layer(family, tmp_path):
     the prefill piece, then every decode step, against the layered reference past the window."""
     name, args, _, _, src = family
     res = export_model(src, tmp_path / "onnx", ExportConfig(kv_cache=True, atc=False))
-    fast = EvaluateConfig(batches=1, batch_size=1, seq_len=32, prompts=2, new_tokens=8, operators=False,
-                          max_memory="1.5MB")
+    fast = EvaluateConfig(
+        batches=1, batch_size=1, seq_len=32, prompts=2, new_tokens=8, operators=False, max_memory="1.5MB"
+    )
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=src, onnx=res.onnx, settings=fast)
     assert r.passed and r.summary["memory_mode"] == "streamed", r.summary["verdict"]
     rows = {c["id"]: c for c in json.loads(r.report_json.read_text())["comparisons"]}
     kv = rows["onnx_kv_decode"]
     assert kv["status"] == "pass" and [x["tensor"] for x in kv["rows"] if x["tensor"].startswith("hidden.")] == [
-        f"hidden.{i}" for i in range(args.n_layers)], name
+        f"hidden.{i}" for i in range(args.n_layers)
+    ], name
 
 
 def test_operator_conformance_runs_each_familys_operators():
@@ -313,6 +384,7 @@ def test_a_window_off_by_one_fails_conformance():
 
 # --- bad input ------------------------------------------------------------------------------------
 
+
 def _config_dir(tmp_path: Path, **changes) -> Path:
     d = tmp_path / "m"
     write_hf(native_state(model_args()), model_args(), d)
@@ -322,15 +394,23 @@ def _config_dir(tmp_path: Path, **changes) -> Path:
     return d
 
 
-@pytest.mark.parametrize("changes, expect", [
-    # a mixture-of-experts family without its expert keys (tests/test_moe.py reads the whole ones)
-    ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "num_local_experts = None is missing"),
-    ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, "architecture Qwen2MoeForCausalLM"),
-    ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, "architecture DeepseekV3ForCausalLM"),
-    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
-     "a sliding window on 2 of 4 layers only"),
-    ({"attention_bias": True}, "attention_bias = True puts a bias on o_proj"),
-])
+@pytest.mark.parametrize(
+    "changes, expect",
+    [
+        # a mixture-of-experts family without its expert keys (tests/test_moe.py reads the whole ones)
+        ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "num_local_experts = None is missing"),
+        ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, "architecture Qwen2MoeForCausalLM"),
+        (
+            {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]},
+            "architecture DeepseekV3ForCausalLM",
+        ),
+        (
+            {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+            "a sliding window on 2 of 4 layers only",
+        ),
+        ({"attention_bias": True}, "attention_bias = True puts a bias on o_proj"),
+    ],
+)
 def test_unsupported_architectures_are_one_line(tmp_path, changes, expect):
     src = _config_dir(tmp_path, **changes)
     r = runner.invoke(app, ["convert", str(src), "-o", str(tmp_path / "out")])
@@ -346,10 +426,21 @@ def test_unsupported_architectures_are_one_line(tmp_path, changes, expect):
 
 def test_qwen2_config_windows_read_as_transformers_reads_them():
     base = to_hf_config(model_args(qkv_bias=True))
-    assert from_hf_config({**base, "layer_types": None, "use_sliding_window": False, "sliding_window": 131072,
-                           "max_window_layers": 28}).sliding_window is None  # Qwen2.5's published config
-    whole = from_hf_config({**base, "layer_types": None, "use_sliding_window": True, "sliding_window": 8,
-                            "max_window_layers": 0})
+    assert (
+        from_hf_config(
+            {
+                **base,
+                "layer_types": None,
+                "use_sliding_window": False,
+                "sliding_window": 131072,
+                "max_window_layers": 28,
+            }
+        ).sliding_window
+        is None
+    )  # Qwen2.5's published config
+    whole = from_hf_config(
+        {**base, "layer_types": None, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}
+    )
     assert whole.sliding_window == 8 and to_hf_config(whole)["layer_types"] == ["sliding_attention"] * 4
     assert to_hf_config(model_args(sliding_window=8))["architectures"] == ["MistralForCausalLM"]
     cfg = transformers.Qwen2Config(**{k: v for k, v in to_hf_config(whole).items() if k != "architectures"})
@@ -378,15 +469,18 @@ def test_init_flavour_writes_a_run_of_that_model_not_the_tiny_one(tmp_path):
     from titan_pipe.training.planner.workload import Workload
     from titan_pipe.model.args import FLAVOURS
 
-    r = runner.invoke(app, ["init", str(tmp_path / "q"), "--flavour", "qwen3_0.6b", "--devices", "16",
-                            "--device", "h100"])
+    r = runner.invoke(
+        app, ["init", str(tmp_path / "q"), "--flavour", "qwen3_0.6b", "--devices", "16", "--device", "h100"]
+    )
     assert r.exit_code == 0, r.output
     path = tmp_path / "q" / "flow.yaml"
     cfg = load_flow(path)
     # the run is named after the project directory, never the shipped example's (or another init's)
     assert cfg.name == "q" and cfg.model.flavour == "qwen3_0.6b" and cfg.device == "cuda"
     assert cfg.train.seq_len == 4096 and cfg.precision.amp and cfg.parallel.world_size == 16
-    best = make_plan(Workload(FLAVOURS["qwen3_0.6b"], 4096, 64, flavour="qwen3_0.6b"), build_cluster("h100", 16)[0]).best
+    best = make_plan(
+        Workload(FLAVOURS["qwen3_0.6b"], 4096, 64, flavour="qwen3_0.6b"), build_cluster("h100", 16)[0]
+    ).best
     lay = best.layout
     assert (cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp) == (lay.dp, lay.tp, lay.pp)
     text = path.read_text()
@@ -397,12 +491,19 @@ def test_init_flavour_writes_a_run_of_that_model_not_the_tiny_one(tmp_path):
     assert r.exit_code == 2 and not (tmp_path / "z").exists()
 
 
-@pytest.mark.parametrize("model, parallel, expect", [
-    ({"flavour": "qwen3_8b"}, {"tp": 16}, "parallel.tp: 16 does not divide model n_kv_heads=8"),
-    ({"flavour": "qwen2.5_7b"}, {"tp": 8}, "parallel.tp: 8 does not divide model n_heads=28"),
-    ({"flavour": "debug", "qk_norm": True, "qkv_bias": True}, {}, "no Hugging Face architecture has both"),
-    ({"flavour": "debug", "dim": 66}, {}, "model.dim: 66 is not divisible by n_heads=4; pick dim = n_heads x head_dim"),
-])
+@pytest.mark.parametrize(
+    "model, parallel, expect",
+    [
+        ({"flavour": "qwen3_8b"}, {"tp": 16}, "parallel.tp: 16 does not divide model n_kv_heads=8"),
+        ({"flavour": "qwen2.5_7b"}, {"tp": 8}, "parallel.tp: 8 does not divide model n_heads=28"),
+        ({"flavour": "debug", "qk_norm": True, "qkv_bias": True}, {}, "no Hugging Face architecture has both"),
+        (
+            {"flavour": "debug", "dim": 66},
+            {},
+            "model.dim: 66 is not divisible by n_heads=4; pick dim = n_heads x head_dim",
+        ),
+    ],
+)
 def test_validate_refuses_what_the_families_cannot_run(tmp_path, model, parallel, expect):
     import yaml
 

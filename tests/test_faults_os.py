@@ -15,6 +15,7 @@ How the faults are made, and why:
   too (``tmpfs`` fixture: skipped with the reason where mount is refused).
 - ENAMETOOLONG, a file where a directory must be made, and a mount point are real.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,6 +48,7 @@ from titan_pipe.guard import descendants
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "faultshim"
 
+
 def _load_shim():
     """The shim as a module of its own (``import sitecustomize`` would return the interpreter's own,
     which Debian's Python has); it installs nothing without TITAN_FAULT_ROOT."""
@@ -62,6 +64,7 @@ shim = _load_shim()
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
 
 def tree(root: Path) -> dict[str, str]:
     """Every entry under ``root`` (hidden ones and empty dirs included): files by sha256."""
@@ -160,8 +163,13 @@ def wait_gone(pids: list[int], *, lock_file: Path | None = None, timeout: float 
 
 
 def shim_env(root: Path, errno: str | None = None, **kw) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")]),
-           "TITAN_FAULT_ROOT": str(root), "TITAN_FAULT_ERRNO": errno or "", "COLUMNS": "400"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SHIM), os.environ.get("PYTHONPATH", "")]),
+        "TITAN_FAULT_ROOT": str(root),
+        "TITAN_FAULT_ERRNO": errno or "",
+        "COLUMNS": "400",
+    }
     env.update({f"TITAN_FAULT_{k.upper()}": str(v) for k, v in kw.items()})
     return env
 
@@ -172,11 +180,19 @@ def _sigint_default() -> None:
 
 
 def titan_pipe(*argv, env: dict, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "titan_pipe.cli", *map(str, argv)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_sigint_default, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "titan_pipe.cli", *map(str, argv)],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=_sigint_default,
+        **kw,
+    )
 
 
 # --- fixtures -----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
@@ -190,21 +206,24 @@ def built(tmp_path_factory):
 
 # --- the one line ---------------------------------------------------------------------------------
 
+
 def test_fault_message_names_the_output_file_and_never_calls_a_read_a_write(tmp_path):
     import errno
 
     out = tmp_path / "out"
     tmp = tmp_path / f".out.tmp-{_HOST}-123-abcd1234" / "model.safetensors"
-    line = faults.fault_message(OSError(errno.ENOSPC, "No space", str(tmp)), path=out, what="the model",
-                                needs=10**15)
+    line = faults.fault_message(OSError(errno.ENOSPC, "No space", str(tmp)), path=out, what="the model", needs=10**15)
     assert line.startswith(f"{out / 'model.safetensors'}: cannot write the model: the disk filled up (ENOSPC); ")
     assert "free at least" in line and "the output needs 1000000.0 GB" in line
     lock = faults.fault_message(OSError(errno.EROFS, "ro", str(tmp_path / ".out.lock")), path=out, what="the model")
     assert lock == f"{out}: cannot write the model: the file system is read-only (EROFS); choose a writable directory"
     src = faults.fault_message(OSError(errno.EACCES, "denied", "/data/src.bin"), path=out, what="the model")
     assert src == "/data/src.bin: permission denied (EACCES); fix its permissions, or run as a user who may use it"
-    rust = faults.as_fault(RuntimeError("Error while serializing: I/O error: Disk quota exceeded (os error 122)"),
-                           path=out, what="the model")
+    rust = faults.as_fault(
+        RuntimeError("Error while serializing: I/O error: Disk quota exceeded (os error 122)"),
+        path=out,
+        what="the model",
+    )
     assert rust is not None and "(EDQUOT)" in str(rust) and str(rust).startswith(f"{out}: cannot write the model")
     assert faults.as_fault(ValueError("a bug"), path=out, what="x") is None
 
@@ -219,12 +238,16 @@ def test_a_rank_fault_line_is_the_launch_error(tmp_path):
     for r in (0, 1):
         (ranks / str(r)).mkdir(parents=True)
         (ranks / str(r) / "stderr.log").write_text("")
-    (ranks / "1" / "stderr.log").write_text("fault: /r/checkpoints/step-000004/model: cannot write the checkpoint "
-                                            "of step 4: the disk filled up (ENOSPC); free space there\n")
+    (ranks / "1" / "stderr.log").write_text(
+        "fault: /r/checkpoints/step-000004/model: cannot write the checkpoint "
+        "of step 4: the disk filled up (ENOSPC); free space there\n"
+    )
     run.train_log.write_text("# earlier launch\n[default0]:error: old\n")
     offset = run.train_log.stat().st_size
     with run.train_log.open("a") as f:
-        f.write("Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 9)\n")
+        f.write(
+            "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 9)\n"
+        )
     err = launch_failure(1, run, 0, offset, run.train_log)
     assert isinstance(err, faults.OutputFault) and not isinstance(err, StageFailed)
     assert str(err).startswith("/r/checkpoints/step-000004/model: cannot write the checkpoint of step 4")
@@ -236,25 +259,36 @@ def test_a_rank_fault_line_is_the_launch_error(tmp_path):
 
 # --- convert ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("errno,expect", [
-    ("EROFS", ("read-only (EROFS)", "choose a writable directory")),
-    ("EACCES", ("permission denied (EACCES)", "choose a directory you can write")),
-    ("ENOSPC", ("the disk filled up (ENOSPC)", "free space there")),
-    ("EDQUOT", ("quota", "(EDQUOT)")),
-    ("EMFILE", ("too many open files", "ulimit -n")),
-])
+
+@pytest.mark.parametrize(
+    "errno,expect",
+    [
+        ("EROFS", ("read-only (EROFS)", "choose a writable directory")),
+        ("EACCES", ("permission denied (EACCES)", "choose a directory you can write")),
+        ("ENOSPC", ("the disk filled up (ENOSPC)", "free space there")),
+        ("EDQUOT", ("quota", "(EDQUOT)")),
+        ("EMFILE", ("too many open files", "ulimit -n")),
+    ],
+)
 def test_convert_output_dir_refused_by_the_os(built, tmp_path, errno, expect):
     out = tmp_path / "out"
     with fault(tmp_path, errno):
-        fails_once(tmp_path, "convert", built["hf"], "-o", out,
-                   expect=(f"{out}: cannot write the converted model", *expect))
+        fails_once(
+            tmp_path, "convert", built["hf"], "-o", out, expect=(f"{out}: cannot write the converted model", *expect)
+        )
 
 
 def test_convert_disk_fills_up_mid_write(built, tmp_path):
     out = tmp_path / "out"
     with fault(tmp_path, "ENOSPC", after=300_000) as st:
-        line = fails_once(tmp_path, "convert", built["hf"], "-o", out,
-                          expect=(str(out / "model.safetensors"), "the disk filled up (ENOSPC)", "needs 1.0 MB"))
+        line = fails_once(
+            tmp_path,
+            "convert",
+            built["hf"],
+            "-o",
+            out,
+            expect=(str(out / "model.safetensors"), "the disk filled up (ENOSPC)", "needs 1.0 MB"),
+        )
         assert st["written"] > 0  # it failed part way through, and removed what it had written
     assert "nothing was kept" not in line and not list(tmp_path.iterdir())
 
@@ -262,65 +296,133 @@ def test_convert_disk_fills_up_mid_write(built, tmp_path):
 def test_convert_refuses_before_writing_a_byte_when_the_disk_is_too_small(built, tmp_path):
     out = tmp_path / "out"
     with fault(tmp_path, "ENOSPC", after=10**12, free=100 * 4096) as st:  # whole blocks
-        fails_once(tmp_path, "convert", built["hf"], "-o", out,
-                   expect=(f"{out}: cannot write the converted model: it needs 1.0 MB", "409.6 kB free",
-                           "free at least 6"))
+        fails_once(
+            tmp_path,
+            "convert",
+            built["hf"],
+            "-o",
+            out,
+            expect=(f"{out}: cannot write the converted model: it needs 1.0 MB", "409.6 kB free", "free at least 6"),
+        )
         assert [Path(p).name for p in st["by_file"]] == [".out.lock"]  # only its lock (the PID in it)
 
 
 def test_convert_name_too_long_and_a_file_where_a_directory_must_be(built, tmp_path):
-    fails_once(tmp_path, "convert", built["hf"], "-o", tmp_path / ("x" * 300),
-               expect=("ENAMETOOLONG", "choose a shorter output path"))
+    fails_once(
+        tmp_path,
+        "convert",
+        built["hf"],
+        "-o",
+        tmp_path / ("x" * 300),
+        expect=("ENAMETOOLONG", "choose a shorter output path"),
+    )
     (tmp_path / "plain.txt").write_text("a file")
-    fails_once(tmp_path, "convert", built["hf"], "-o", tmp_path / "plain.txt" / "out",
-               expect=("plain.txt", "a file stands where a directory must be made", "remove that file"))
+    fails_once(
+        tmp_path,
+        "convert",
+        built["hf"],
+        "-o",
+        tmp_path / "plain.txt" / "out",
+        expect=("plain.txt", "a file stands where a directory must be made", "remove that file"),
+    )
 
 
 def test_convert_onto_a_mount_point_is_refused_before_writing(built, tmp_path):
     with tmpfs(tmp_path / "mnt", "4m") as mnt:
-        fails_once(tmp_path, "convert", built["hf"], "-o", mnt,
-                   expect=(f"{mnt}: cannot write the converted model", "mount point", f"e.g. {mnt}/out"))
+        fails_once(
+            tmp_path,
+            "convert",
+            built["hf"],
+            "-o",
+            mnt,
+            expect=(f"{mnt}: cannot write the converted model", "mount point", f"e.g. {mnt}/out"),
+        )
 
 
 def test_real_small_and_read_only_disks(built, tmp_path):
     """A real tmpfs: too small for the model (refused before writing), and read-only."""
     with tmpfs(tmp_path / "small", "600k") as small:
-        fails_once(small, "convert", built["hf"], "-o", small / "model",
-                   expect=("it needs 1.0 MB", "free at least", "kB free"))
-        fails_once(small, "export", built["model"], "-o", small / "onnx", "--no-atc",
-                   expect=("cannot write the ONNX export: it needs 1.3 MB",))
+        fails_once(
+            small, "convert", built["hf"], "-o", small / "model", expect=("it needs 1.0 MB", "free at least", "kB free")
+        )
+        fails_once(
+            small,
+            "export",
+            built["model"],
+            "-o",
+            small / "onnx",
+            "--no-atc",
+            expect=("cannot write the ONNX export: it needs 1.3 MB",),
+        )
     with tmpfs(tmp_path / "ro", "1m", ro=True) as ro:
-        for argv in (("convert", built["hf"]), ("export", built["model"], "--no-atc"),
-                     ("evaluate", "--model-dir", built["model"], "--onnx", built["onnx"], "--no-operators")):
+        for argv in (
+            ("convert", built["hf"]),
+            ("export", built["model"], "--no-atc"),
+            ("evaluate", "--model-dir", built["model"], "--onnx", built["onnx"], "--no-operators"),
+        ):
             fails_once(ro, *argv, "-o", ro / "out", expect=("read-only (EROFS)", str(ro / "out")))
 
 
 def test_real_disk_filling_up_during_the_evaluation_report(built, tmp_path):
     with tmpfs(tmp_path / "small", "40k") as small:
-        fails_once(small, "evaluate", "--model-dir", built["model"], "--onnx", built["onnx"], "--batches", "1",
-                   "--no-operators", "-o", small / "report", only_line=False,
-                   expect=(str(small / "report"), "cannot write the evaluation report", "the disk filled up (ENOSPC)"))
+        fails_once(
+            small,
+            "evaluate",
+            "--model-dir",
+            built["model"],
+            "--onnx",
+            built["onnx"],
+            "--batches",
+            "1",
+            "--no-operators",
+            "-o",
+            small / "report",
+            only_line=False,
+            expect=(str(small / "report"), "cannot write the evaluation report", "the disk filled up (ENOSPC)"),
+        )
 
 
 # --- export, evaluate ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("errno", ["EROFS", "ENOSPC"])
 def test_export_output_dir_refused_by_the_os(built, tmp_path, errno):
     out = tmp_path / "onnx"
     with fault(tmp_path, errno):
-        fails_once(tmp_path, "export", built["model"], "-o", out, "--no-atc",
-                   expect=(f"{out}: cannot write the ONNX export", f"({errno})"))
+        fails_once(
+            tmp_path,
+            "export",
+            built["model"],
+            "-o",
+            out,
+            "--no-atc",
+            expect=(f"{out}: cannot write the ONNX export", f"({errno})"),
+        )
 
 
 def test_export_disk_fills_up_mid_write_and_refuses_a_small_disk(built, tmp_path):
     out = tmp_path / "onnx"
     with fault(tmp_path, "ENOSPC", after=200_000) as st:
-        fails_once(tmp_path, "export", built["model"], "-o", out, "--no-atc",
-                   expect=(str(out / "model.onnx.data"), "the disk filled up (ENOSPC)", "needs 1.3 MB"))
+        fails_once(
+            tmp_path,
+            "export",
+            built["model"],
+            "-o",
+            out,
+            "--no-atc",
+            expect=(str(out / "model.onnx.data"), "the disk filled up (ENOSPC)", "needs 1.3 MB"),
+        )
         assert st["written"] > 0
     with fault(tmp_path, "ENOSPC", after=10**12, free=10 * 4096) as st:
-        fails_once(tmp_path, "export", built["model"], "-o", out, "--no-atc",
-                   expect=("it needs 1.3 MB and the disk holding it has 41.0 kB free",))
+        fails_once(
+            tmp_path,
+            "export",
+            built["model"],
+            "-o",
+            out,
+            "--no-atc",
+            expect=("it needs 1.3 MB and the disk holding it has 41.0 kB free",),
+        )
         assert [Path(p).name for p in st["by_file"]] == [".onnx.lock"]
 
 
@@ -328,17 +430,36 @@ def test_export_disk_fills_up_mid_write_and_refuses_a_small_disk(built, tmp_path
 def test_evaluate_report_dir_refused_by_the_os(built, tmp_path, errno):
     out = tmp_path / "report"
     with fault(tmp_path, errno):
-        fails_once(tmp_path, "evaluate", "--model-dir", built["model"], "--onnx", built["onnx"], "-o", out,
-                   expect=(f"{out}: cannot write the evaluation report", f"({errno})"))
+        fails_once(
+            tmp_path,
+            "evaluate",
+            "--model-dir",
+            built["model"],
+            "--onnx",
+            built["onnx"],
+            "-o",
+            out,
+            expect=(f"{out}: cannot write the evaluation report", f"({errno})"),
+        )
 
 
 def test_evaluate_report_under_a_file(built, tmp_path):
     (tmp_path / "f").write_text("x")
-    fails_once(tmp_path, "evaluate", "--model-dir", built["model"], "--onnx", built["onnx"], "-o",
-               tmp_path / "f" / "report", expect=("a file stands where a directory must be made",))
+    fails_once(
+        tmp_path,
+        "evaluate",
+        "--model-dir",
+        built["model"],
+        "--onnx",
+        built["onnx"],
+        "-o",
+        tmp_path / "f" / "report",
+        expect=("a file stands where a directory must be made",),
+    )
 
 
 # --- data prepare -------------------------------------------------------------------------------
+
 
 def _corpus(path: Path, docs: int) -> Path:
     line = '{"text": "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron"}\n'
@@ -352,15 +473,26 @@ def test_data_prepare_output_refused_by_the_os(tmp_path, errno):
     out = tmp_path / "w" / "data"
     (tmp_path / "w").mkdir()
     with fault(tmp_path / "w", errno):
-        fails_once(tmp_path, "data", "prepare", src, "-o", out,
-                   expect=(f"{out}: cannot write the prepared data", f"({errno})"))
+        fails_once(
+            tmp_path, "data", "prepare", src, "-o", out, expect=(f"{out}: cannot write the prepared data", f"({errno})")
+        )
 
 
 def test_data_prepare_disk_fills_up_on_a_real_small_disk(tmp_path):
     src = _corpus(tmp_path / "corpus.jsonl", 2000)  # 170 kB of text: 340 kB of uint16 tokens
     with tmpfs(tmp_path / "small", "64k") as small:
-        fails_once(small, "data", "prepare", src, "-o", small / "data", "--workers", "1", only_line=False,
-                   expect=(str(small / "data"), "cannot write the prepared data: the disk filled up (ENOSPC)"))
+        fails_once(
+            small,
+            "data",
+            "prepare",
+            src,
+            "-o",
+            small / "data",
+            "--workers",
+            "1",
+            only_line=False,
+            expect=(str(small / "data"), "cannot write the prepared data: the disk filled up (ENOSPC)"),
+        )
 
 
 def test_sigkill_of_data_prepare_ends_its_tokenizer_workers(tmp_path):
@@ -379,9 +511,16 @@ def test_sigkill_of_data_prepare_ends_its_tokenizer_workers(tmp_path):
 
 # --- train, run, plan, init ---------------------------------------------------------------------
 
+
 def _flow(tmp_path: Path, runs: Path, name: str = "t", **sections) -> Path:
-    data = {"name": name, "runs_dir": str(runs), "device": "cpu", "model": {"flavour": "debug"},
-            "train": {"steps": 2, "batch_size": 2, "seq_len": 16}, "parallel": {"dp": 1, "tp": 1, "pp": 1}}
+    data = {
+        "name": name,
+        "runs_dir": str(runs),
+        "device": "cpu",
+        "model": {"flavour": "debug"},
+        "train": {"steps": 2, "batch_size": 2, "seq_len": 16},
+        "parallel": {"dp": 1, "tp": 1, "pp": 1},
+    }
     data.update(sections)
     path = tmp_path / "flow.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -393,19 +532,38 @@ def test_read_only_runs_dir_is_one_line_before_anything_starts(tmp_path, command
     runs = tmp_path / "ro" / "runs"
     flow = _flow(tmp_path, runs)
     with fault(tmp_path / "ro", "EROFS"):
-        fails_once(tmp_path, command, flow, only_line=command == "run",
-                   expect=(str(runs / "t"), "read-only (EROFS)", "choose a writable directory"))
+        fails_once(
+            tmp_path,
+            command,
+            flow,
+            only_line=command == "run",
+            expect=(str(runs / "t"), "read-only (EROFS)", "choose a writable directory"),
+        )
 
 
 def test_plan_write_and_init_into_a_read_only_dir(tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
     with fault(ro, "EROFS"):
-        fails_once(tmp_path, "init", ro, expect=(str(ro / "flow.yaml"), "cannot write the example flow.yaml",
-                                                 "read-only"))
-        fails_once(tmp_path, "plan", "--model", "debug", "--devices", "2", "--device", "ascend910b", "--seq-len", "64",
-                   "--write", ro / "flow.yaml", only_line=False,
-                   expect=(str(ro / "flow.yaml"), "cannot write the flow.yaml", "(EROFS)"))
+        fails_once(
+            tmp_path, "init", ro, expect=(str(ro / "flow.yaml"), "cannot write the example flow.yaml", "read-only")
+        )
+        fails_once(
+            tmp_path,
+            "plan",
+            "--model",
+            "debug",
+            "--devices",
+            "2",
+            "--device",
+            "ascend910b",
+            "--seq-len",
+            "64",
+            "--write",
+            ro / "flow.yaml",
+            only_line=False,
+            expect=(str(ro / "flow.yaml"), "cannot write the flow.yaml", "(EROFS)"),
+        )
 
 
 def test_disk_full_in_a_training_rank_is_the_launch_error(tmp_path):
@@ -427,6 +585,7 @@ def test_disk_full_in_a_training_rank_is_the_launch_error(tmp_path):
 
 
 # --- stale temps, umask, one writer per output ------------------------------------------------------
+
 
 def _dead_pid() -> int:
     p = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -459,14 +618,31 @@ def test_outputs_follow_the_umask(built, tmp_path):
     try:
         assert cli("convert", built["hf"], "-o", tmp_path / "model")[0] == 0
         assert cli("export", tmp_path / "model", "-o", tmp_path / "onnx", "--no-atc")[0] == 0
-        assert cli("evaluate", "--model-dir", tmp_path / "model", "--onnx", tmp_path / "onnx" / "model.onnx",
-                   "--batches", "1", "--no-operators", "-o", tmp_path / "report")[0] == 0
+        assert (
+            cli(
+                "evaluate",
+                "--model-dir",
+                tmp_path / "model",
+                "--onnx",
+                tmp_path / "onnx" / "model.onnx",
+                "--batches",
+                "1",
+                "--no-operators",
+                "-o",
+                tmp_path / "report",
+            )[0]
+            == 0
+        )
     finally:
         os.umask(previous)
     for d in ("model", "onnx", "report"):
         assert (tmp_path / d).stat().st_mode & 0o777 == mode, d
-    for f in ("model/model.safetensors", "onnx/model.onnx", "report/report.json",
-              *(f"onnx/{name}" for name in data_file_names(EXPORT.data_files))):
+    for f in (
+        "model/model.safetensors",
+        "onnx/model.onnx",
+        "report/report.json",
+        *(f"onnx/{name}" for name in data_file_names(EXPORT.data_files)),
+    ):
         assert (tmp_path / f).stat().st_mode & 0o777 == mode & 0o666, f
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "onnx", "report"]  # no lock or temp left
 
@@ -552,8 +728,12 @@ def test_tree_stop_passes_the_signal_on_and_reports_128_plus_n(tmp_path):
     tree = procs.popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert tree.stdout.readline().strip() == "up"
     assert tree.stop(signal.SIGINT) == 7  # its own handler ran: the signal reached it
-    tree = procs.popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
-                       stdout=subprocess.PIPE, text=True, grace=0.5)
+    tree = procs.popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+        text=True,
+        grace=0.5,
+    )
     assert tree.stdout.readline().strip() == "up"
     assert tree.stop(signal.SIGTERM) == 128 + signal.SIGTERM
     tree.stdout.close()
@@ -614,6 +794,7 @@ def test_a_rank_exits_with_its_code_its_output_and_its_exit_hooks_but_no_finaliz
 
 # --- interrupts are not failures to retry -----------------------------------------------------------
 
+
 def test_an_interrupted_task_is_not_retried_and_a_crash_is(prefect_harness, tmp_path):
     from prefect import flow, task
 
@@ -650,11 +831,24 @@ def test_an_interrupted_task_is_not_retried_and_a_crash_is(prefect_harness, tmp_
 
 # --- kills of the real launches (torchrun, 2 ranks of the debug model) -----------------------------
 
-def _start_training(tmp_path: Path, *argv, env: dict | None = None, name: str = "k",
-                    parallel: dict | None = None, batch_size: int = 2, **kw) -> tuple[subprocess.Popen, Path]:
-    flow = _flow(tmp_path, tmp_path / "runs", name=name, train={"steps": 100000, "batch_size": batch_size,
-                                                                "seq_len": 16, "log_every": 1},
-                 parallel=parallel or {"dp": 1, "tp": 2, "pp": 1}, checkpoint={"every": 100000})
+
+def _start_training(
+    tmp_path: Path,
+    *argv,
+    env: dict | None = None,
+    name: str = "k",
+    parallel: dict | None = None,
+    batch_size: int = 2,
+    **kw,
+) -> tuple[subprocess.Popen, Path]:
+    flow = _flow(
+        tmp_path,
+        tmp_path / "runs",
+        name=name,
+        train={"steps": 100000, "batch_size": batch_size, "seq_len": 16, "log_every": 1},
+        parallel=parallel or {"dp": 1, "tp": 2, "pp": 1},
+        checkpoint={"every": 100000},
+    )
     p = titan_pipe(*argv, flow, env=env or dict(os.environ), **kw)
     log = tmp_path / "runs" / name / "train.log"
     end = time.monotonic() + 300
@@ -673,8 +867,13 @@ def _cmdline(pid: int) -> list[str]:
 
 def _ranks(pids: list[int]) -> list[int]:
     """The trainer ranks among ``pids`` (not torchrun or the guardian, whose argv name the module too)."""
-    return [p for p in pids if "titan_pipe.training.trainer" in _cmdline(p)
-            and "torch.distributed.run" not in _cmdline(p) and not any(a.endswith("guard.py") for a in _cmdline(p))]
+    return [
+        p
+        for p in pids
+        if "titan_pipe.training.trainer" in _cmdline(p)
+        and "torch.distributed.run" not in _cmdline(p)
+        and not any(a.endswith("guard.py") for a in _cmdline(p))
+    ]
 
 
 @pytest.mark.distributed
@@ -782,8 +981,9 @@ def test_sigkill_of_evaluate_ends_its_sharded_ranks(built, tmp_path):
     """evaluate --checkpoint runs the checkpoint under its own layout (torchrun, tp=2): killed with
     SIGKILL during that step, it leaves no rank behind."""
     ckpt = convert_checkpoint(built["hf"], tmp_path / "ckpt", ConvertConfig(tp=2)).out_dir
-    p = titan_pipe("evaluate", "--checkpoint", ckpt, "--model-dir", built["model"], "-o", tmp_path / "report",
-                   env=dict(os.environ))
+    p = titan_pipe(
+        "evaluate", "--checkpoint", ckpt, "--model-dir", built["model"], "-o", tmp_path / "report", env=dict(os.environ)
+    )
     end = time.monotonic() + 300
     while len(pids := descendants(p.pid)) < 4:  # guardian, torchrun, two ranks
         assert p.poll() is None and time.monotonic() < end, p.communicate()[0]

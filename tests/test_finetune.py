@@ -2,6 +2,7 @@
 masked as transformers masks them, prepared data megatron-core still reads, bad records counted and
 named, conversations packed without seeing each other, the loss over answer tokens only.
 (The distributed parity of a fine-tune is in test_training_parallel.)"""
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,14 @@ from titan_pipe.errors import UserError
 from titan_pipe.model.kernels import attention_documents_flex, attention_ref, document_mask
 from titan_pipe.model.loss import cross_entropy, linear_cross_entropy
 from titan_pipe.model.transformer import build_model
-from titan_pipe.tokens.chat import BadRecord, answer_mask, builtin_template, conversation, load_chat_template, token_mask
+from titan_pipe.tokens.chat import (
+    BadRecord,
+    answer_mask,
+    builtin_template,
+    conversation,
+    load_chat_template,
+    token_mask,
+)
 from titan_pipe.tokens.dataset import open_source
 from titan_pipe.tokens.packing import DocumentLoader, pack_documents, window_row
 from titan_pipe.training.prepare import prepare
@@ -40,8 +48,14 @@ def hf_tok(tok_dir):
 def prepared(tok_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("chatdata")
     write_jsonl(root / "src" / "chat.jsonl", chat_records(60))
-    r = prepare(sources=[root / "src"], out_dir=root / "out", tokenizer=str(tok_dir), records="chat",
-                progress=False, val_fraction=0.1)
+    r = prepare(
+        sources=[root / "src"],
+        out_dir=root / "out",
+        tokenizer=str(tok_dir),
+        records="chat",
+        progress=False,
+        val_fraction=0.1,
+    )
     return root / "out", r.record
 
 
@@ -84,25 +98,32 @@ def test_generation_blocks_give_transformers_assistant_mask(tok_dir, hf_tok):
         msgs = rec["messages"]
         text, spans = tpl.answer_spans(msgs)
         enc = _encode(tok_dir, text)
-        out = hf_tok.apply_chat_template(msgs, chat_template=tpl.source, tokenize=True, return_dict=True,
-                                         return_assistant_tokens_mask=True)
+        out = hf_tok.apply_chat_template(
+            msgs, chat_template=tpl.source, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
         assert enc.ids == list(out["input_ids"])
         assert token_mask(enc.offsets, spans).tolist() == list(out["assistant_masks"])
         assert answer_mask(enc, spans).tolist() == list(out["assistant_masks"])
 
 
 def test_instruction_records_become_a_conversation():
-    got = conversation({"system": "s", "instruction": "do it", "input": "on this", "output": "done"},
-                       fmt="instruction")
-    assert got == [{"role": "system", "content": "s"}, {"role": "user", "content": "do it\n\non this"},
-                   {"role": "assistant", "content": "done"}]
-    assert conversation({"prompt": "p", "response": "r"}, fmt="instruction")[-1] == {"role": "assistant",
-                                                                                      "content": "r"}
-    for bad, why in [({"messages": [{"role": "user", "content": "hi"}]}, "no assistant"),
-                     ({"messages": [{"role": "robot", "content": "x"}]}, "role 'robot'"),
-                     ({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "a"}]},
-                      "empty content"),
-                     ({"text": "plain"}, "no 'messages'"), ([1, 2], "not a JSON object")]:
+    got = conversation({"system": "s", "instruction": "do it", "input": "on this", "output": "done"}, fmt="instruction")
+    assert got == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "do it\n\non this"},
+        {"role": "assistant", "content": "done"},
+    ]
+    assert conversation({"prompt": "p", "response": "r"}, fmt="instruction")[-1] == {
+        "role": "assistant",
+        "content": "r",
+    }
+    for bad, why in [
+        ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role 'robot'"),
+        ({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "a"}]}, "empty content"),
+        ({"text": "plain"}, "no 'messages'"),
+        ([1, 2], "not a JSON object"),
+    ]:
         with pytest.raises(BadRecord, match=why):
             conversation(bad, fmt="chat")
 
@@ -123,11 +144,14 @@ def test_prepared_chat_data_megatron_reads_and_the_mask_is_the_answers(prepared,
         assert ds[i].tolist() == ids, f"conversation {i}"  # no eos added: the template ends each turn
         text, spans = tpl.answer_spans(r["messages"])
         want = token_mask(_encode(tok_dir, text).offsets, spans)
-        assert mask[at:at + len(ids)].tolist() == want.tolist()
+        assert mask[at : at + len(ids)].tolist() == want.tolist()
         decoded = hf_tok.decode([t for t, m in zip(ids, want) if m])
         assert all(m["content"] in decoded for m in r["messages"] if m["role"] == "assistant")
-        assert not any(m["content"] in decoded for m in r["messages"] if m["role"] == "user"
-                       and m["content"] not in " ".join(a["content"] for a in r["messages"]))
+        assert not any(
+            m["content"] in decoded
+            for m in r["messages"]
+            if m["role"] == "user" and m["content"] not in " ".join(a["content"] for a in r["messages"])
+        )
         at += len(ids)
 
 
@@ -136,14 +160,32 @@ def test_bad_records_are_counted_named_and_bounded(tok_dir, tmp_path):
     recs[4] = {"messages": [{"role": "user", "content": "hi"}]}
     write_jsonl(tmp_path / "src" / "c.jsonl", recs)
     with pytest.raises(UserError, match=r"1 of 30 records .* over the bound of 0\.01 .*c\.jsonl:5: no assistant"):
-        prepare(sources=[tmp_path / "src"], out_dir=tmp_path / "out", tokenizer=str(tok_dir), records="chat",
-                progress=False)
+        prepare(
+            sources=[tmp_path / "src"], out_dir=tmp_path / "out", tokenizer=str(tok_dir), records="chat", progress=False
+        )
     assert not (tmp_path / "out").exists()
-    r = prepare(sources=[tmp_path / "src"], out_dir=tmp_path / "out", tokenizer=str(tok_dir), records="chat",
-                progress=False, max_bad=0.9, max_tokens=100)
-    long = [i for i, x in enumerate(recs) if i != 4 and len(_ids(
-        __import__("transformers").AutoTokenizer.from_pretrained(str(tok_dir)).apply_chat_template(
-            x["messages"], tokenize=True))) > 100]
+    r = prepare(
+        sources=[tmp_path / "src"],
+        out_dir=tmp_path / "out",
+        tokenizer=str(tok_dir),
+        records="chat",
+        progress=False,
+        max_bad=0.9,
+        max_tokens=100,
+    )
+    long = [
+        i
+        for i, x in enumerate(recs)
+        if i != 4
+        and len(
+            _ids(
+                __import__("transformers")
+                .AutoTokenizer.from_pretrained(str(tok_dir))
+                .apply_chat_template(x["messages"], tokenize=True)
+            )
+        )
+        > 100
+    ]
     assert r.record.bad_records == 1 + len(long) and r.record.n_documents == 29 - len(long)
     assert r.record.bad_examples[0].endswith("c.jsonl:5: no assistant message: nothing to learn from")
     assert any("longer than the window of 100" in e for e in r.record.bad_examples) == bool(long)
@@ -152,12 +194,15 @@ def test_bad_records_are_counted_named_and_bounded(tok_dir, tmp_path):
 def test_chat_cli_refuses_in_one_line(tok_dir, tmp_path):
     write_jsonl(tmp_path / "src" / "c.jsonl", chat_records(4))
     (tmp_path / "src" / "t.txt").write_text("plain")
-    cases = [(["--tokenizer", "byte"], "needs the model's tokenizer"),
-             (["--tokenizer", str(tok_dir), "--chat-template", "nope"], "not a file, nor one of model"),
-             (["--tokenizer", str(tok_dir)], "t.txt: --format chat reads .jsonl")]
+    cases = [
+        (["--tokenizer", "byte"], "needs the model's tokenizer"),
+        (["--tokenizer", str(tok_dir), "--chat-template", "nope"], "not a file, nor one of model"),
+        (["--tokenizer", str(tok_dir)], "t.txt: --format chat reads .jsonl"),
+    ]
     for flags, why in cases:
-        r = CliRunner().invoke(app, ["data", "prepare", str(tmp_path / "src"), "-o", str(tmp_path / "o"),
-                                     "--format", "chat", *flags])
+        r = CliRunner().invoke(
+            app, ["data", "prepare", str(tmp_path / "src"), "-o", str(tmp_path / "o"), "--format", "chat", *flags]
+        )
         lines = [ln for ln in r.output.splitlines() if ln.strip()]
         assert r.exit_code == 1 and len(lines) == 1 and why in lines[0], r.output
         assert not (tmp_path / "o").exists()
@@ -165,10 +210,11 @@ def test_chat_cli_refuses_in_one_line(tok_dir, tmp_path):
 
 def test_packing_is_next_fit_whole_documents():
     p = pack_documents(np.array([3, 4, 9, 2, 2, 5, 1]), 8)
-    windows = [p.docs[p.offsets[w]:p.offsets[w + 1]].tolist() for w in range(p.n_windows)]
+    windows = [p.docs[p.offsets[w] : p.offsets[w + 1]].tolist() for w in range(p.n_windows)]
     assert windows == [[0, 1], [3, 4], [5, 6]] and p.too_long.tolist() == [2]
-    inputs, labels, positions = window_row([np.array([5, 6, 7]), np.array([8, 9])],
-                                           [np.array([0, 1, 1]), np.array([0, 1])], 7)
+    inputs, labels, positions = window_row(
+        [np.array([5, 6, 7]), np.array([8, 9])], [np.array([0, 1, 1]), np.array([0, 1])], 7
+    )
     assert inputs.tolist() == [5, 6, 7, 8, 9, 0, 0]
     assert labels.tolist() == [6, 7, -100, 9, -100, -100, -100]  # no label across a document or into padding
     assert positions.tolist() == [0, 1, 2, 0, 1, 0, 1]
@@ -240,7 +286,8 @@ def test_the_loss_skips_ignored_labels_and_divides_by_the_given_count():
         for fused in (True, False):
             logits = h @ w.t()
             want = torch.nn.functional.cross_entropy(logits[keep], y[keep], reduction="sum") / (
-                int(keep.sum()) if denom is None else denom)
+                int(keep.sum()) if denom is None else denom
+            )
             got = linear_cross_entropy(h, w, y, rows=4, denom=denom) if fused else cross_entropy(logits, y, denom=denom)
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
             gh, gw = torch.autograd.grad(got, (h, w), retain_graph=True)
@@ -283,8 +330,10 @@ def test_chat_data_prepared_in_parts_and_merged_equals_one_prepare(tok_dir, tmp_
     write_jsonl(tmp_path / "src" / "b.jsonl", chat_records(20, seed=1))
     common = dict(tokenizer=str(tok_dir), records="chat", progress=False, val_fraction=0.1)
     prepare(sources=[tmp_path / "src"], out_dir=tmp_path / "whole", **common)
-    parts = [prepare(sources=[tmp_path / "src"], out_dir=tmp_path / f"p{i}", shard=Shard(i, 3), **common).out_dir
-             for i in (1, 2, 3)]
+    parts = [
+        prepare(sources=[tmp_path / "src"], out_dir=tmp_path / f"p{i}", shard=Shard(i, 3), **common).out_dir
+        for i in (1, 2, 3)
+    ]
     merge(inputs=parts[::-1], out_dir=tmp_path / "merged", progress=False)
     for name in ("tokens.bin", "tokens.idx", "tokens.lossmask", "data.json"):
         assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
@@ -314,8 +363,14 @@ def test_init_sft_writes_a_fine_tune_of_the_released_flavour(tok_dir, tmp_path):
     assert (cfg.train.optimizer.lr, cfg.train.optimizer.weight_decay, cfg.train.warmup_steps) == (2e-5, 0.0, 30)
     assert cfg.model.flavour == "qwen3_0.6b" and cfg.parallel.world_size == 8
     # the sample records are chat records the model's tokenizer renders
-    out = prepare(sources=[tmp_path / "ex" / "chat.jsonl"], out_dir=tmp_path / "d", tokenizer=str(tok_dir),
-                  records="chat", progress=False, val_fraction=0)
+    out = prepare(
+        sources=[tmp_path / "ex" / "chat.jsonl"],
+        out_dir=tmp_path / "d",
+        tokenizer=str(tok_dir),
+        records="chat",
+        progress=False,
+        val_fraction=0,
+    )
     assert out.record.n_documents == 3 and out.record.bad_records == 0
 
 
@@ -334,6 +389,7 @@ def test_the_flow_cache_keys_follow_the_chat_settings(tok_dir, tmp_path):
     b = stage_inputs("data", parse_flow(other, base=tmp_path), flow_dir=tmp_path, upstream={})
     assert a.section != b.section and b.section["chat_template"] == "chatml"
     assert {p.name for p in a.files} == {"c.jsonl", "tokenizer.json", "tokenizer_config.json"}
-    text = stage_inputs("data", parse_flow({"data": {"path": "c.jsonl"}}, base=tmp_path), flow_dir=tmp_path,
-                        upstream={})
+    text = stage_inputs(
+        "data", parse_flow({"data": {"path": "c.jsonl"}}, base=tmp_path), flow_dir=tmp_path, upstream={}
+    )
     assert set(text.section) == {"path", "tokenizer", "text_key", "val_fraction"}

@@ -2,6 +2,7 @@
 fine-tuned on chat records (train.mode sft, one process), converted back to a Hugging Face dir that
 transformers loads with the same tokenizer and template (apply_chat_template -> generate runs),
 exported and evaluated on the held-out conversations (answer-only perplexity): PASS."""
+
 from __future__ import annotations
 
 import json
@@ -33,11 +34,20 @@ def tuned(tmp_path_factory):
     train_tokenizer(root / "released")
     write_jsonl(root / "chat.jsonl", chat_records(60))
     flow = root / "flow.yaml"
-    flow.write_text(yaml.safe_dump({
-        "name": "sft", "runs_dir": str(root / "runs"), "device": "cpu", "model": QWEN3, "init_from": "released",
-        "data": {"path": "chat.jsonl", "tokenizer": "released", "format": "chat", "val_fraction": 0.2},
-        "train": {"mode": "sft", "steps": 3, "batch_size": 2, "seq_len": 192, "optimizer": {"lr": 1e-3}},
-        "checkpoint": {"every": 3, "keep_last": 1}}))
+    flow.write_text(
+        yaml.safe_dump(
+            {
+                "name": "sft",
+                "runs_dir": str(root / "runs"),
+                "device": "cpu",
+                "model": QWEN3,
+                "init_from": "released",
+                "data": {"path": "chat.jsonl", "tokenizer": "released", "format": "chat", "val_fraction": 0.2},
+                "train": {"mode": "sft", "steps": 3, "batch_size": 2, "seq_len": 192, "optimizer": {"lr": 1e-3}},
+                "checkpoint": {"every": 3, "keep_last": 1},
+            }
+        )
+    )
     cfg, res = train_in_process(flow)
     model = convert_checkpoint(res.checkpoint, root / "model")
     return {"root": root, "flow": flow, "cfg": cfg, "ckpt": res.checkpoint, "model": model.out_dir}
@@ -60,7 +70,9 @@ def test_the_tuned_model_loads_in_transformers_with_its_chat_template(tuned):
     assert out_ids.shape[1] == ids["input_ids"].shape[1] + 6 or tok.eos_token_id in out_ids[0].tolist()
     # the weights moved: training learned something, and the released dir is untouched
     released = AutoModelForCausalLM.from_pretrained(str(root / "released"), torch_dtype=torch.float32)
-    assert not torch.equal(released.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
+    assert not torch.equal(
+        released.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight
+    )
 
 
 def test_export_and_evaluate_pass_on_the_held_out_conversations(tuned):
@@ -73,8 +85,17 @@ def test_export_and_evaluate_pass_on_the_held_out_conversations(tuned):
     assert r.passed, report.get("verdict")
     assert "answer tokens scored" in report["data"]["source"]
     # the held-out batches are the validation conversations the run prepared, scored on their answers
-    ev = load_eval_data(data=None, model_dir=tuned["model"], vocab_size=320, n_batches=1, batch_size=2, seq_len=64,
-                        n_prompts=0, prompt_len=4, split=split)
+    ev = load_eval_data(
+        data=None,
+        model_dir=tuned["model"],
+        vocab_size=320,
+        n_batches=1,
+        batch_size=2,
+        seq_len=64,
+        n_prompts=0,
+        prompt_len=4,
+        split=split,
+    )
     assert ev.answers is not None and 0 < int(ev.answers[0].sum()) < ev.answers[0].numel()
     shutil.rmtree(root / "report")
 
@@ -89,7 +110,10 @@ def test_compiled_fine_tuning_follows_the_eager_curve(tuned):
     (root / "compiled.yaml").write_text(yaml.safe_dump(flow))
     train_in_process(root / "compiled.yaml")
     eager = [json.loads(line) for line in (root / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()]
-    compiled = [json.loads(line) for line in (root / "runs" / "sft_compiled" / "metrics.jsonl").read_text().splitlines()]
+    compiled = [
+        json.loads(line) for line in (root / "runs" / "sft_compiled" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["loss"] for r in compiled] == pytest.approx([r["loss"] for r in eager], rel=1e-5)
-    assert all(r["target_tokens"] > 0 for r in eager) and [r["target_tokens"] for r in eager] == \
-        [r["target_tokens"] for r in compiled]
+    assert all(r["target_tokens"] > 0 for r in eager) and [r["target_tokens"] for r in eager] == [
+        r["target_tokens"] for r in compiled
+    ]

@@ -3,6 +3,7 @@
 No Prefect here: the stand-ins are plain callables writing real files, injected in place of the stage
 tasks, so these tests pin what flows/ itself decides (keys, records, --from/--only/--force, resume).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,12 +17,20 @@ from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig, load_flow
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.flows import cache
-from titan_pipe.flows.tasks import (ConvertPaths, DataPaths, EvaluatePaths, ExportPaths, StageOutput, TrainPaths,
-                                    resume_decision)
+from titan_pipe.flows.tasks import (
+    ConvertPaths,
+    DataPaths,
+    EvaluatePaths,
+    ExportPaths,
+    StageOutput,
+    TrainPaths,
+    resume_decision,
+)
 from titan_pipe.flows.train_to_deploy import _retryable, listening, run_pipeline
 
 
 # ---- keys and hashing -------------------------------------------------------------------------
+
 
 def test_sha256_matches_hashlib_and_memo_skips_unchanged_files(tmp_path):
     import hashlib
@@ -74,9 +83,16 @@ def test_downstream_keys_follow_upstream_files_and_own_section(tmp_path):
     (model / "provenance.json").write_text('{"time": 1}')
 
     def key(cfg):
-        return cache.stage_key(cache.stage_inputs("export", cfg, flow_dir=tmp_path,
-                                                  upstream={"convert": StageOutput("convert", ConvertPaths(str(model)), [])}),
-                               h, run)
+        return cache.stage_key(
+            cache.stage_inputs(
+                "export",
+                cfg,
+                flow_dir=tmp_path,
+                upstream={"convert": StageOutput("convert", ConvertPaths(str(model)), [])},
+            ),
+            h,
+            run,
+        )
 
     base = key(_cfg(tmp_path))
     (model / "provenance.json").write_text('{"time": 2}')  # export does not read it
@@ -88,6 +104,7 @@ def test_downstream_keys_follow_upstream_files_and_own_section(tmp_path):
 
 
 # ---- selection ----------------------------------------------------------------------------------
+
 
 def test_plan_actions():
     A, R, U, S = cache.AUTO, cache.RUN, cache.REUSE, cache.SKIP
@@ -104,6 +121,7 @@ def test_plan_actions():
 
 
 # ---- orchestration with stand-in stages --------------------------------------------------------
+
 
 class StandIns:
     """Plain callables standing in for the four stages: they write real files and count calls."""
@@ -133,9 +151,12 @@ class StandIns:
         (step / "model" / "pp0-tp0.safetensors").write_bytes(f"weights lr={cfg.train.optimizer.lr}".encode())
         (step / "manifest.json").write_text("{}")
         (run / "metrics.jsonl").write_text(json.dumps({"step": cfg.train.steps, "loss": 2.0}) + "\n")
-        return StageOutput("train", TrainPaths(str(run), str(run / "metrics.jsonl"), str(step)),
-                           outputs=[str(step)], summary={"final_loss": 2.0, "tokens_per_s": 1e3, "mfu": None,
-                                                         "steps": cfg.train.steps})
+        return StageOutput(
+            "train",
+            TrainPaths(str(run), str(run / "metrics.jsonl"), str(step)),
+            outputs=[str(step)],
+            summary={"final_loss": 2.0, "tokens_per_s": 1e3, "mfu": None, "steps": cfg.train.steps},
+        )
 
     def convert(self, *, checkpoint, out_dir, settings):
         self.calls.append("convert")
@@ -150,20 +171,34 @@ class StandIns:
         out_dir.mkdir(parents=True, exist_ok=True)
         onnx = out_dir / "model.onnx"
         onnx.write_bytes((model_dir / "model.safetensors").read_bytes() + f"opset{settings.opset}".encode())
-        return StageOutput("export", ExportPaths(str(out_dir), str(onnx), str(out_dir / "export.json")), outputs=[str(out_dir)],
-                           summary={"atc_status": "skipped: atc not on PATH"})
+        return StageOutput(
+            "export",
+            ExportPaths(str(out_dir), str(onnx), str(out_dir / "export.json")),
+            outputs=[str(out_dir)],
+            summary={"atc_status": "skipped: atc not on PATH"},
+        )
 
     def evaluate(self, *, out_dir, checkpoint, model_dir, onnx, om, data, settings, split=None):
         self.calls.append("evaluate")
         out_dir.mkdir(parents=True, exist_ok=True)
         report = out_dir / "report.json"
         report.write_text(json.dumps({"passed": self.passed, "onnx": onnx.read_bytes().decode()}))
-        return StageOutput("evaluate", EvaluatePaths(str(out_dir), str(report)), outputs=[str(report)],
-                           summary={"passed": self.passed}, passed=self.passed)
+        return StageOutput(
+            "evaluate",
+            EvaluatePaths(str(out_dir), str(report)),
+            outputs=[str(report)],
+            summary={"passed": self.passed},
+            passed=self.passed,
+        )
 
     def tasks(self):
-        return {"data": self.data, "train": self.train, "convert": self.convert, "export": self.export,
-                "evaluate": self.evaluate}
+        return {
+            "data": self.data,
+            "train": self.train,
+            "convert": self.convert,
+            "export": self.export,
+            "evaluate": self.evaluate,
+        }
 
 
 def _flow_yaml(tmp_path: Path, **over) -> Path:
@@ -302,8 +337,12 @@ def test_retry_owner_is_single(tmp_path):
 def test_explain_change_names_values_and_files():
     old = {"schema": 1, "section": {"train": {"steps": 20}}, "files": {"a.txt": "1", "b.txt": "2"}}
     new = {"schema": 1, "section": {"train": {"steps": 21}}, "files": {"a.txt": "9", "c.txt": "3"}}
-    assert cache.explain_change(old, new) == ["train.steps: 20 -> 21", "input a.txt changed",
-                                              "input b.txt is gone", "new input c.txt"]
+    assert cache.explain_change(old, new) == [
+        "train.steps: 20 -> 21",
+        "input a.txt changed",
+        "input b.txt is gone",
+        "new input c.txt",
+    ]
     assert cache.explain_change(None, new) == ["no earlier finished run"]
 
 
@@ -315,8 +354,13 @@ def test_checkpoint_inputs_are_the_manifest_and_its_weights_not_optimizer_state(
     (ck / "optimizer" / "__0_0.distcp").write_bytes(b"o")
     from titan_pipe.checkpoint_format import FileInfo, Manifest, ParallelLayout
 
-    manifest = Manifest(step=4, model={}, parallel=ParallelLayout(), params={},
-                        files={"model/pp0-tp0.safetensors": FileInfo(1, "0" * 64)})
+    manifest = Manifest(
+        step=4,
+        model={},
+        parallel=ParallelLayout(),
+        params={},
+        files={"model/pp0-tp0.safetensors": FileInfo(1, "0" * 64)},
+    )
     (ck / "manifest.json").write_text(manifest.to_json())
     assert cache.checkpoint_files(ck) == [ck / "manifest.json", ck / "model" / "pp0-tp0.safetensors"]
     (ck / "manifest.json").write_text("not json")  # not our format: everything it holds

@@ -1,4 +1,5 @@
 """The shipped example flow.yaml files: the Ascend 13B/70B configurations and tiny pass `titan-pipe validate`."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,11 +13,14 @@ from titan_pipe.config import load_flow
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-@pytest.mark.parametrize("name, world, layout", [
-    ("tiny", 8, (2, 2, 2)),
-    ("llama2_13b_8npu", 8, (1, 8, 1)),
-    ("llama2_70b_32npu", 32, (1, 8, 4)),
-])
+@pytest.mark.parametrize(
+    "name, world, layout",
+    [
+        ("tiny", 8, (2, 2, 2)),
+        ("llama2_13b_8npu", 8, (1, 8, 1)),
+        ("llama2_70b_32npu", 32, (1, 8, 4)),
+    ],
+)
 def test_example_validates(name, world, layout):
     path = EXAMPLES / name / "flow.yaml"
     r = CliRunner().invoke(app, ["validate", str(path), "--elsewhere"])

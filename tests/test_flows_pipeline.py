@@ -5,6 +5,7 @@ re-run it (all cached), change one export setting (export + evaluate re-run), an
 rank mid-run through the trainer's fault hook (the Prefect retry resumes; the final weights equal
 the uninterrupted run's, bit for bit, fp32 on CPU).
 """
+
 from __future__ import annotations
 
 import json
@@ -66,11 +67,21 @@ def test_whole_flow_runs_publishes_every_artifact_and_passes(first):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
 
     with _client() as client:
-        arts = {a.key: a for a in client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id])))}
+        arts = {
+            a.key: a
+            for a in client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run.id]))
+            )
+        }
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))
-    for key in ("tinyci-train-metrics", "tinyci-convert-summary", "tinyci-export-operators",
-                "tinyci-export-summary", "tinyci-evaluate-report", "tinyci-train-files"):
+    for key in (
+        "tinyci-train-metrics",
+        "tinyci-convert-summary",
+        "tinyci-export-operators",
+        "tinyci-export-summary",
+        "tinyci-evaluate-report",
+        "tinyci-train-files",
+    ):
         assert key in arts, sorted(arts)
     metrics = {row["metric"]: row["value"] for row in json.loads(arts["tinyci-train-metrics"].data)}
     assert {"final loss", "tokens/s", "MFU", "steps"} <= set(metrics) and metrics["steps"] == 8
@@ -128,8 +139,11 @@ def test_killed_rank_is_retried_and_resumes_to_the_same_weights(first, monkeypat
     assert len(train_runs) == 1 and train_runs[0].run_count == 2  # failed once, retried once
     fault_dir = path.parent / "runs" / "tinyfault"
     assert cache.read_record(fault_dir, "train").result["summary"]["start_step"] == 4  # resumed, not step 0
-    launches = [ln for ln in (fault_dir / "train.log").read_text().splitlines() if "torch.distributed.run" in ln
-                and ln.startswith("# ")]
+    launches = [
+        ln
+        for ln in (fault_dir / "train.log").read_text().splitlines()
+        if "torch.distributed.run" in ln and ln.startswith("# ")
+    ]
     assert len(launches) == 2 and not launches[0].endswith("--resume") and launches[1].endswith("--resume")
     final = fault_dir / "checkpoints" / "step-000008"
     assert (final / "manifest.json").is_file()
@@ -151,7 +165,9 @@ def test_bad_flow_yaml_fails_before_anything_starts(prefect_harness, tmp_path):
     assert result.exit_code == 2
     assert "train.stepz: unknown key" in result.output
     assert not (tmp_path / "runs").exists() and n_after == n_before
-    result = CliRunner().invoke(app, ["run", str(REPO / "examples/tiny/flow.yaml"), "--from", "export", "--only", "train"])
+    result = CliRunner().invoke(
+        app, ["run", str(REPO / "examples/tiny/flow.yaml"), "--from", "export", "--only", "train"]
+    )
     assert result.exit_code == 2 and "exclude each other" in result.output
 
 

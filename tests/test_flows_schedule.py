@@ -1,6 +1,7 @@
 """`titan-pipe schedule` against a real Prefect server on 127.0.0.1: a deployment on a work pool whose
 run a real process worker starts and takes through all four stages to PASS, a served schedule that
 fires, and the bad-input paths. Loopback only; every server, worker and runner is stopped."""
+
 from __future__ import annotations
 
 import json
@@ -54,15 +55,24 @@ def prefect_server(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("server")
     home = tempfile.mkdtemp(prefix="prefect-server-")
     port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": home, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": "", "PREFECT_UI_ENABLED": "false",
-           # the scheduler service creates the runs of a cron; every 5 s instead of 60 keeps the test short
-           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": home,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": "",
+        "PREFECT_UI_ENABLED": "false",
+        # the scheduler service creates the runs of a cron; every 5 s instead of 60 keeps the test short
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+    }
     env.pop("PREFECT_API_URL")
     log = open(tmp_path / "server.log", "wb")
-    proc = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "server", "start",
-                             "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}/api"
     try:
         wait_healthy(url, proc, 150)  # the library's own wait (flows/server.py)
@@ -76,8 +86,14 @@ def test_schedule_registers_a_cron_deployment_on_a_real_server(prefect_server, t
     url, home = prefect_server
     env = {**os.environ, "PREFECT_HOME": home, "PREFECT_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     log = open(tmp_path / "serve.log", "wb")
-    serve = subprocess.Popen([TITAN, "schedule", str(TINY), "--cron", "0 2 * * *", "--name", "nightly-ci"],
-                             env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    serve = subprocess.Popen(
+        [TITAN, "schedule", str(TINY), "--cron", "0 2 * * *", "--name", "nightly-ci"],
+        env=env,
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         from prefect.client.orchestration import get_client
         from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -121,13 +137,20 @@ def test_schedule_rejects_bad_cron_and_bad_config_before_serving(tmp_path):
 
 
 def _client_env(url: str, home: str) -> dict:
-    return {**os.environ, "PREFECT_HOME": home, "PREFECT_API_URL": url, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_LOGGING_TO_API_ENABLED": "false", "PREFECT_WORKER_QUERY_SECONDS": "2",
-            "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
+    return {
+        **os.environ,
+        "PREFECT_HOME": home,
+        "PREFECT_API_URL": url,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_LOGGING_TO_API_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+    }
 
 
-def _wait_for_run(url: str, deployment_name: str, logs: list[Path], procs: list[subprocess.Popen],
-                  timeout: float, trigger: bool):
+def _wait_for_run(
+    url: str, deployment_name: str, logs: list[Path], procs: list[subprocess.Popen], timeout: float, trigger: bool
+):
     """The deployment's first flow run once it is final (triggered here through the API when
     ``trigger``, else the schedule's own); fails with the logs' tails when a process dies or time runs out."""
     from prefect.client.orchestration import get_client
@@ -151,7 +174,9 @@ def _wait_for_run(url: str, deployment_name: str, logs: list[Path], procs: list[
         while True:
             for p in procs:
                 assert p.poll() is None, f"{p.args} exited with {p.returncode}\n" + tails()
-            runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+            )
             final = [r for r in runs if r.state is not None and r.state.is_final()]
             if final:
                 return deployment, final[0], tails()
@@ -167,18 +192,38 @@ def pool_run(prefect_server, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pool")
     flow = small_flow(tmp, "pooled")
     env = _client_env(url, home)
-    r = subprocess.run([TITAN, "schedule", str(flow), "--cron", "0 2 * * *", "--name", "nightly-pool",
-                        "--pool", "ci-pool"], env=env, cwd=tmp, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [TITAN, "schedule", str(flow), "--cron", "0 2 * * *", "--name", "nightly-pool", "--pool", "ci-pool"],
+        env=env,
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "work pool ci-pool" in r.stderr and "prefect worker start --pool ci-pool" in r.stderr
     log_path = tmp / "worker.log"
     with open(log_path, "wb") as log:
-        worker = subprocess.Popen([str(Path(sys.executable).with_name("prefect")), "worker", "start",
-                                   "--pool", "ci-pool", "--type", "process"],
-                                  env=env, cwd=tmp, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        worker = subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("prefect")),
+                "worker",
+                "start",
+                "--pool",
+                "ci-pool",
+                "--type",
+                "process",
+            ],
+            env=env,
+            cwd=tmp,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
-            deployment, run, tails = _wait_for_run(url, "train-to-deploy/nightly-pool", [log_path], [worker],
-                                                   timeout=600, trigger=True)
+            deployment, run, tails = _wait_for_run(
+                url, "train-to-deploy/nightly-pool", [log_path], [worker], timeout=600, trigger=True
+            )
         finally:
             _stop(worker)
     return flow, tmp / "runs" / "pooled", deployment, run, tails
@@ -206,12 +251,18 @@ def test_a_served_schedule_fires_and_its_run_completes(pool_run, prefect_server,
     flow, run_dir = pool_run[0], pool_run[1]
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
-        serve = subprocess.Popen([TITAN, "schedule", str(flow), "--cron", "* * * * *", "--name", "every-minute"],
-                                 env=_client_env(url, home), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        serve = subprocess.Popen(
+            [TITAN, "schedule", str(flow), "--cron", "* * * * *", "--name", "every-minute"],
+            env=_client_env(url, home),
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
-            _, run, tails = _wait_for_run(url, "train-to-deploy/every-minute", [log_path], [serve],
-                                          timeout=240, trigger=False)
+            _, run, tails = _wait_for_run(
+                url, "train-to-deploy/every-minute", [log_path], [serve], timeout=240, trigger=False
+            )
             t0 = time.monotonic()
             os.killpg(serve.pid, signal.SIGINT)  # Ctrl-C in the terminal that serves it
             serve.wait(timeout=60)
@@ -222,7 +273,9 @@ def test_a_served_schedule_fires_and_its_run_completes(pool_run, prefect_server,
     out = log_path.read_text(errors="replace")
     assert serve.returncode == 130 and took < 15, (serve.returncode, took, out[-2000:])
     errors = [ln for ln in out.splitlines() if ln.startswith("error ")]
-    assert errors == ["error interrupted by SIGINT; the schedule is paused; `titan-pipe schedule` again resumes it"], out[-2000:]
+    assert errors == ["error interrupted by SIGINT; the schedule is paused; `titan-pipe schedule` again resumes it"], (
+        out[-2000:]
+    )
     assert "Traceback" not in out
     assert run.expected_start_time.second == 0  # the cron's minute, not an API-triggered run
     assert cache.read_record(run_dir, "evaluate").result["passed"] is True

@@ -4,6 +4,7 @@ One in-process training run (dp1 tp1 pp1, a few steps) on a custom corpus with a
 tokenizer.json given relative to flow.yaml; the checkpoint, the converted dir and evaluation must
 all use that tokenizer, and a flow's evaluation must score the validation split training cut.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,9 @@ def _train_bpe(corpus: Path, out: Path) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train([str(p) for p in sorted(corpus.glob("*.txt"))], trainer)
     out.mkdir(parents=True)
     tok.save(str(out / "tokenizer.json"))
@@ -60,11 +62,19 @@ def trained(tmp_path_factory):
     corpus = _corpus(root / "corpus")
     tok = _train_bpe(corpus, root / "tok")
     flow = root / "flow.yaml"
-    flow.write_text(yaml.safe_dump({
-        "name": "t", "runs_dir": str(root / "runs"), "device": "cpu", "model": {"flavour": "debug"},
-        "data": {"path": "corpus", "tokenizer": "tok/tokenizer.json", "val_fraction": 0.2},
-        "train": {"steps": 2, "batch_size": 2, "seq_len": 16, "seed": 1},
-        "checkpoint": {"every": 2, "keep_last": 1}}))
+    flow.write_text(
+        yaml.safe_dump(
+            {
+                "name": "t",
+                "runs_dir": str(root / "runs"),
+                "device": "cpu",
+                "model": {"flavour": "debug"},
+                "data": {"path": "corpus", "tokenizer": "tok/tokenizer.json", "val_fraction": 0.2},
+                "train": {"steps": 2, "batch_size": 2, "seq_len": 16, "seed": 1},
+                "checkpoint": {"every": 2, "keep_last": 1},
+            }
+        )
+    )
     cfg, res = train_in_process(flow)
     model = convert_checkpoint(res.checkpoint, root / "model")
     return {"root": root, "flow": flow, "cfg": cfg, "tok": tok, "ckpt": res.checkpoint, "model": model}
@@ -88,9 +98,13 @@ def test_convert_copies_the_tokenizer_byte_identical(trained):
     assert (r.out_dir / "tokenizer_config.json").read_bytes() == (tok.parent / "tokenizer_config.json").read_bytes()
     assert r.out_dir / "tokenizer.json" in r.files
     prov = json.loads((r.out_dir / "provenance.json").read_text())
-    assert prov["tokenizer"] == {"tokenizer": "tokenizer.json",
-                                 "files": {"tokenizer.json": sha256_file(tok),
-                                           "tokenizer_config.json": sha256_file(tok.parent / "tokenizer_config.json")}}
+    assert prov["tokenizer"] == {
+        "tokenizer": "tokenizer.json",
+        "files": {
+            "tokenizer.json": sha256_file(tok),
+            "tokenizer_config.json": sha256_file(tok.parent / "tokenizer_config.json"),
+        },
+    }
     assert "tokenizer.json" in prov["output"]["files"]
     # an HF dir as source: its tokenizer files come along too
     again = convert_checkpoint(r.out_dir, trained["root"] / "model2")
@@ -115,19 +129,32 @@ def test_flow_evaluates_on_its_own_validation_split_with_the_trained_tokenizer(t
 
     def evaluate(**kw):  # the real evaluate_model, without the ONNX graph this test did not export
         seen.update(kw)
-        return evaluate_model(out_dir=kw["out_dir"], model_dir=kw["model_dir"], data=kw["data"],
-                              split=kw["split"], settings=FAST)
+        return evaluate_model(
+            out_dir=kw["out_dir"], model_dir=kw["model_dir"], data=kw["data"], split=kw["split"], settings=FAST
+        )
 
     from titan_pipe.flows.tasks import ConvertPaths, ExportPaths, StageOutput, TrainPaths
 
     root = trained["root"]
-    upstream = {"train": StageOutput("train", TrainPaths(str(root / "runs" / "t"), str(root / "m.jsonl"),
-                                                         str(trained["ckpt"])), []),
-                "convert": StageOutput("convert", ConvertPaths(str(trained["model"].out_dir)), []),
-                "export": StageOutput("export", ExportPaths(str(root), str(root / "model.onnx"),
-                                                            str(root / "export.json")), [])}
-    r = _call_stage("evaluate", evaluate, cfg=cfg.model_copy(update={"evaluate": FAST}), flow_path=flow,
-                    flow_dir=flow.parent, run_dir=trained["root"] / "runs" / "t", upstream=upstream, resume=False)
+    upstream = {
+        "train": StageOutput(
+            "train", TrainPaths(str(root / "runs" / "t"), str(root / "m.jsonl"), str(trained["ckpt"])), []
+        ),
+        "convert": StageOutput("convert", ConvertPaths(str(trained["model"].out_dir)), []),
+        "export": StageOutput(
+            "export", ExportPaths(str(root), str(root / "model.onnx"), str(root / "export.json")), []
+        ),
+    }
+    r = _call_stage(
+        "evaluate",
+        evaluate,
+        cfg=cfg.model_copy(update={"evaluate": FAST}),
+        flow_path=flow,
+        flow_dir=flow.parent,
+        run_dir=trained["root"] / "runs" / "t",
+        upstream=upstream,
+        resume=False,
+    )
     assert seen["data"] is None
     assert seen["split"] == ValidationSplit(corpus=flow.parent / "corpus", val_fraction=0.2, text_key="text")
     report = json.loads(r.report_json.read_text())
@@ -138,24 +165,48 @@ def test_flow_evaluates_on_its_own_validation_split_with_the_trained_tokenizer(t
     # 20% of two equal files held out as whole documents is the last file, encoded by the tokenizer itself
     tok = build_tokenizer(str(trained["tok"]))
     held_out = tok.encode((flow.parent / "corpus" / "part1.txt").read_text()) + [tok.eos_id]
-    ev = load_eval_data(data=None, model_dir=trained["model"].out_dir, vocab_size=320, n_batches=1, batch_size=2,
-                        seq_len=32, n_prompts=0, prompt_len=4, split=seen["split"])
+    ev = load_eval_data(
+        data=None,
+        model_dir=trained["model"].out_dir,
+        vocab_size=320,
+        n_batches=1,
+        batch_size=2,
+        seq_len=32,
+        n_prompts=0,
+        prompt_len=4,
+        split=seen["split"],
+    )
     assert torch.cat(ev.batches).flatten().tolist() == held_out[:64]
     # read from the run's prepared copy (what training read), and the same when tokenized here
     prepared = trained["root"] / "runs" / "t" / "data"
     assert seen["split"].prepared == prepared and (prepared / "data.json").is_file()
-    raw = load_eval_data(data=None, model_dir=trained["model"].out_dir, vocab_size=320, n_batches=1, batch_size=2,
-                         seq_len=32, n_prompts=0, prompt_len=4, split=ValidationSplit(corpus=flow.parent / "corpus",
-                                                                                      val_fraction=0.2))
+    raw = load_eval_data(
+        data=None,
+        model_dir=trained["model"].out_dir,
+        vocab_size=320,
+        n_batches=1,
+        batch_size=2,
+        seq_len=32,
+        n_prompts=0,
+        prompt_len=4,
+        split=ValidationSplit(corpus=flow.parent / "corpus", val_fraction=0.2),
+    )
     assert torch.equal(torch.cat(raw.batches), torch.cat(ev.batches))
 
     # evaluate.data set: that file, used whole, and no split
     held = trained["root"] / "held.txt"
     held.write_text("nine eight seven six five four three two one zero\n" * 20)
     seen.clear()
-    _call_stage("evaluate", evaluate, cfg=cfg.model_copy(update={"evaluate": FAST.model_copy(
-                update={"data": "held.txt"})}), flow_path=flow, flow_dir=flow.parent,
-                run_dir=trained["root"] / "runs" / "t", upstream=upstream, resume=False)
+    _call_stage(
+        "evaluate",
+        evaluate,
+        cfg=cfg.model_copy(update={"evaluate": FAST.model_copy(update={"data": "held.txt"})}),
+        flow_path=flow,
+        flow_dir=flow.parent,
+        run_dir=trained["root"] / "runs" / "t",
+        upstream=upstream,
+        resume=False,
+    )
     assert seen["data"] == held and seen["split"] is None
 
 
@@ -163,11 +214,20 @@ def test_data_and_split_together_is_refused(trained, tmp_path):
     held = tmp_path / "held.txt"
     held.write_text("one two\n")
     with pytest.raises(UserError, match="both given"):
-        evaluate_model(out_dir=tmp_path / "rep", model_dir=trained["model"].out_dir, data=held,
-                       split=ValidationSplit(), settings=FAST)
+        evaluate_model(
+            out_dir=tmp_path / "rep",
+            model_dir=trained["model"].out_dir,
+            data=held,
+            split=ValidationSplit(),
+            settings=FAST,
+        )
     with pytest.raises(UserError, match="data.path .*nope: does not exist"):
-        evaluate_model(out_dir=tmp_path / "rep2", model_dir=trained["model"].out_dir,
-                       split=ValidationSplit(corpus=tmp_path / "nope"), settings=FAST)
+        evaluate_model(
+            out_dir=tmp_path / "rep2",
+            model_dir=trained["model"].out_dir,
+            split=ValidationSplit(corpus=tmp_path / "nope"),
+            settings=FAST,
+        )
 
 
 def test_cli_config_without_data_uses_the_flows_split(trained, tmp_path):
@@ -176,16 +236,43 @@ def test_cli_config_without_data_uses_the_flows_split(trained, tmp_path):
     from titan_pipe.cli import app
 
     out = tmp_path / "rep"
-    r = CliRunner().invoke(app, ["evaluate", "--model-dir", str(trained["model"].out_dir), "--config",
-                                 str(trained["flow"]), "--no-operators", "--batches", "1", "-o", str(out)])
+    r = CliRunner().invoke(
+        app,
+        [
+            "evaluate",
+            "--model-dir",
+            str(trained["model"].out_dir),
+            "--config",
+            str(trained["flow"]),
+            "--no-operators",
+            "--batches",
+            "1",
+            "-o",
+            str(out),
+        ],
+    )
     # no candidate given, so the verdict is FAIL (exit 1), but the report says what text was used
     assert r.exit_code == 1 and "nothing was compared" in r.output, r.output
     data = json.loads((out / "report.json").read_text())["data"]
     assert str(trained["flow"].parent / "corpus") in data["source"] and "last 20%" in data["source"]
     held = tmp_path / "held.txt"
     held.write_text("nine eight seven six five four three two one zero\n" * 20)
-    r = CliRunner().invoke(app, ["evaluate", "--model-dir", str(trained["model"].out_dir), "--config",
-                                 str(trained["flow"]), "--data", str(held), "--no-operators", "--batches", "1",
-                                 "-o", str(tmp_path / "rep2")])
+    r = CliRunner().invoke(
+        app,
+        [
+            "evaluate",
+            "--model-dir",
+            str(trained["model"].out_dir),
+            "--config",
+            str(trained["flow"]),
+            "--data",
+            str(held),
+            "--no-operators",
+            "--batches",
+            "1",
+            "-o",
+            str(tmp_path / "rep2"),
+        ],
+    )
     assert r.exit_code == 1 and "nothing was compared" in r.output, r.output
     assert json.loads((tmp_path / "rep2" / "report.json").read_text())["data"]["source"] == str(held)

@@ -2,6 +2,7 @@
 rope_scaling, sliding_window_pattern; 5.x: rope_parameters per layer type, layer_types), read into the
 same model; what the model cannot compute refused in one line naming the key; Gemma's switches only
 together."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,11 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 def _v5(cfg: dict, *, factor: float | None = None) -> dict:
     """The same config as transformers 5 writes it: per-layer-type RoPE, layer_types, no 4.x RoPE keys."""
-    out = {k: v for k, v in copy.deepcopy(cfg).items()
-           if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling", "sliding_window_pattern")}
+    out = {
+        k: v
+        for k, v in copy.deepcopy(cfg).items()
+        if k not in ("rope_theta", "rope_local_base_freq", "rope_scaling", "sliding_window_pattern")
+    }
     full = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
     if factor is not None:
         full = {"rope_type": "linear", "factor": factor, "rope_theta": cfg["rope_theta"]}
@@ -35,11 +39,20 @@ def test_both_layouts_read_as_the_released_model_and_write_back():
     a = from_hf_config(G1, source="4.x")
     assert a == replace(FLAVOURS["gemma3_1b"], family="gemma3_text") and a.family == "gemma3_text"
     assert [a.layer_window(i) for i in range(6)] == [512] * 5 + [None]
-    assert [a.local_rope(i) for i in range(6)] == [True] * 5 + [False] and a.attn_scale == 256 ** -0.5
+    assert [a.local_rope(i) for i in range(6)] == [True] * 5 + [False] and a.attn_scale == 256**-0.5
     assert from_hf_config(_v5(G1), source="5.x") == a
     back = to_hf_config(a)
-    for key in ("hidden_activation", "query_pre_attn_scalar", "sliding_window", "sliding_window_pattern",
-                "rope_local_base_freq", "rope_theta", "rope_scaling", "head_dim", "attn_logit_softcapping"):
+    for key in (
+        "hidden_activation",
+        "query_pre_attn_scalar",
+        "sliding_window",
+        "sliding_window_pattern",
+        "rope_local_base_freq",
+        "rope_theta",
+        "rope_scaling",
+        "head_dim",
+        "attn_logit_softcapping",
+    ):
         assert back[key] == G1[key], key
     assert "hidden_act" not in back and back["model_type"] == "gemma3_text"
     assert from_hf_config(back, source="back") == a
@@ -54,17 +67,20 @@ def test_linear_scaling_of_the_global_layers_is_read_from_either_layout():
     assert from_hf_config(to_hf_config(a), source="back") == a
 
 
-@pytest.mark.parametrize("change, key", [
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
-    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"hidden_activation": "silu"}, "hidden_activation"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
-    ({"query_pre_attn_scalar": "256"}, "query_pre_attn_scalar"),
-    ({"sliding_window_pattern": 0}, "sliding_window_pattern"),
-    ({"layer_types": [SLIDING] * 25}, "layer_types"),
-])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_activation": "silu"}, "hidden_activation"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+        ({"query_pre_attn_scalar": "256"}, "query_pre_attn_scalar"),
+        ({"sliding_window_pattern": 0}, "sliding_window_pattern"),
+        ({"layer_types": [SLIDING] * 25}, "layer_types"),
+    ],
+)
 def test_what_the_model_cannot_compute_is_one_line_naming_the_key(change, key):
     with pytest.raises(UserError) as e:
         from_hf_config(dict(G1, **change), source="cfg.json")
@@ -102,7 +118,9 @@ def test_gemmas_switches_come_together():
     g = FLAVOURS["gemma3_1b"]
     half = replace(g, activation="silu")
     assert any("activation: silu" in p for p in args_problems(replace(half, family="gemma3_text")))
-    assert any(p.startswith("norm_offset: True: Gemma 3 computes") and "activation: silu" in p for p in args_problems(half))
+    assert any(
+        p.startswith("norm_offset: True: Gemma 3 computes") and "activation: silu" in p for p in args_problems(half)
+    )
     with pytest.raises(ValueError, match="together"):
         to_hf_config(half)
     assert any(p.startswith("global_every") for p in args_problems(replace(g, sliding_window=None)))

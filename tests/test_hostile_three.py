@@ -8,6 +8,7 @@ load (sha256, size, presence), the weak cases made exact, and the new user's pat
 in one process on tiny real data; each asserts the exact refusal (or the exact right result), so a
 case that regresses fails.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,6 +36,7 @@ CONV = [{"role": "user", "content": "one plus two"}, {"role": "assistant", "cont
 
 # --- fixtures (once per module) -----------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Path:
     return train_tokenizer(tmp_path_factory.mktemp("tok") / "tok")
@@ -46,8 +48,9 @@ def chat_data(tmp_path_factory, tok) -> Path:
 
     base = tmp_path_factory.mktemp("chatdata")
     src = write_jsonl(base / "chat.jsonl", chat_records(60))
-    prepare(sources=[src], out_dir=base / "prepared", tokenizer=str(tok), records="chat", progress=False,
-            val_fraction=0.1)
+    prepare(
+        sources=[src], out_dir=base / "prepared", tokenizer=str(tok), records="chat", progress=False, val_fraction=0.1
+    )
     return base / "prepared"
 
 
@@ -65,21 +68,41 @@ def ckpt(tmp_path_factory) -> Path:
 BIG = "x " * (chat.RENDER_CHARS // 2 + 8)
 
 
-@pytest.mark.parametrize("record,fmt,expect", [
-    ([1, 2], "chat", "a list, not a JSON object"),
-    ({"text": "hi"}, "chat", "no 'messages' list"),
-    ({"messages": []}, "chat", "no 'messages' list"),
-    ({"messages": [{"role": "hacker", "content": "x"}, *CONV]}, "chat", "has role 'hacker'"),
-    ({"messages": [{"role": "user", "content": "  "}, CONV[1]]}, "chat", "message 0 (user) has empty content"),
-    ({"messages": [CONV[0], {"role": "assistant", "content": None}]}, "chat", "message 1 (assistant) has no content"),
-    ({"messages": [CONV[0], {"role": "assistant", "content": ["x"]}]}, "chat", "has no content"),
-    ({"messages": [CONV[0], CONV[0]]}, "chat", "no assistant message"),
-    ({"messages": [CONV[0], {"role": "assistant", "content": BIG}]}, "chat", "characters of content by message 1"),
-    ({"prompt": "p", "response": "r", "system": 7}, "instruction", "'system' is a int, not a string"),
-    ({"instruction": "p", "output": "r", "input": ["x"]}, "instruction", "'input' is a list, not a string"),
-    ({"instruction": "p"}, "instruction", "no prompt/response strings"),
-], ids=["list", "no-messages", "empty-messages", "bad-role", "blank-content", "null-content", "list-content",
-        "no-answer", "huge-content", "int-system", "list-input", "no-response"])
+@pytest.mark.parametrize(
+    "record,fmt,expect",
+    [
+        ([1, 2], "chat", "a list, not a JSON object"),
+        ({"text": "hi"}, "chat", "no 'messages' list"),
+        ({"messages": []}, "chat", "no 'messages' list"),
+        ({"messages": [{"role": "hacker", "content": "x"}, *CONV]}, "chat", "has role 'hacker'"),
+        ({"messages": [{"role": "user", "content": "  "}, CONV[1]]}, "chat", "message 0 (user) has empty content"),
+        (
+            {"messages": [CONV[0], {"role": "assistant", "content": None}]},
+            "chat",
+            "message 1 (assistant) has no content",
+        ),
+        ({"messages": [CONV[0], {"role": "assistant", "content": ["x"]}]}, "chat", "has no content"),
+        ({"messages": [CONV[0], CONV[0]]}, "chat", "no assistant message"),
+        ({"messages": [CONV[0], {"role": "assistant", "content": BIG}]}, "chat", "characters of content by message 1"),
+        ({"prompt": "p", "response": "r", "system": 7}, "instruction", "'system' is a int, not a string"),
+        ({"instruction": "p", "output": "r", "input": ["x"]}, "instruction", "'input' is a list, not a string"),
+        ({"instruction": "p"}, "instruction", "no prompt/response strings"),
+    ],
+    ids=[
+        "list",
+        "no-messages",
+        "empty-messages",
+        "bad-role",
+        "blank-content",
+        "null-content",
+        "list-content",
+        "no-answer",
+        "huge-content",
+        "int-system",
+        "list-input",
+        "no-response",
+    ],
+)
 def test_bad_records_are_refused_by_name(record, fmt, expect):
     with pytest.raises(BadRecord) as e:
         conversation(record, fmt=fmt)
@@ -97,22 +120,39 @@ def test_too_many_messages_are_refused_before_any_is_read():
 TURNS = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
 
-@pytest.mark.parametrize("source,expect", [
-    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + TURNS, "took over"),
-    ("{% for i in range(999) %}{{ 'y' * 9999 }}{% endfor %}" + TURNS, "output passed"),
-    ("{{ 'x' * 10**9 }}" + TURNS, "builds a value of"),
-    ("{{ 'ab' ~ ('c' * 3000000) ~ ('d' * 3000000) }}" + TURNS, "builds a value of"),
-    ("{{ 'x' | center(10**8) }}" + TURNS, "builds a value of"),
-    ("{{ 'x'.ljust(10**8) }}" + TURNS, "builds a value of"),
-    ("{{ 2 ** 99999999 }}" + TURNS, "to the power 99999999"),
-    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}" + TURNS, "recurses without end"),
-    ("{{ raise_exception('system role not supported') }}" + TURNS, "system role not supported"),
-    ("{{ 1 / 0 }}" + TURNS, "ZeroDivisionError"),
-    ("{{ messages[9]['content'].upper() }}" + TURNS, "the chat template failed"),
-    ("{{ ''.__class__.__mro__[1].__subclasses__() }}" + TURNS, "the chat template failed"),
-    ("{{ cycler.__init__.__globals__.os.system('touch /tmp/pwned-titan') }}" + TURNS, "the chat template failed"),
-], ids=["loop", "long-output", "repeat", "concat", "center", "ljust", "power", "recursion", "raise", "div0",
-        "undefined", "mro-escape", "globals-escape"])
+@pytest.mark.parametrize(
+    "source,expect",
+    [
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}" + TURNS, "took over"),
+        ("{% for i in range(999) %}{{ 'y' * 9999 }}{% endfor %}" + TURNS, "output passed"),
+        ("{{ 'x' * 10**9 }}" + TURNS, "builds a value of"),
+        ("{{ 'ab' ~ ('c' * 3000000) ~ ('d' * 3000000) }}" + TURNS, "builds a value of"),
+        ("{{ 'x' | center(10**8) }}" + TURNS, "builds a value of"),
+        ("{{ 'x'.ljust(10**8) }}" + TURNS, "builds a value of"),
+        ("{{ 2 ** 99999999 }}" + TURNS, "to the power 99999999"),
+        ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}" + TURNS, "recurses without end"),
+        ("{{ raise_exception('system role not supported') }}" + TURNS, "system role not supported"),
+        ("{{ 1 / 0 }}" + TURNS, "ZeroDivisionError"),
+        ("{{ messages[9]['content'].upper() }}" + TURNS, "the chat template failed"),
+        ("{{ ''.__class__.__mro__[1].__subclasses__() }}" + TURNS, "the chat template failed"),
+        ("{{ cycler.__init__.__globals__.os.system('touch /tmp/pwned-titan') }}" + TURNS, "the chat template failed"),
+    ],
+    ids=[
+        "loop",
+        "long-output",
+        "repeat",
+        "concat",
+        "center",
+        "ljust",
+        "power",
+        "recursion",
+        "raise",
+        "div0",
+        "undefined",
+        "mro-escape",
+        "globals-escape",
+    ],
+)
 def test_templates_that_loop_grow_fail_or_escape_end_in_one_bad_record(source, expect, monkeypatch):
     monkeypatch.setattr(chat, "RENDER_SECONDS", 1.0)
     with pytest.raises(BadRecord) as e:
@@ -121,11 +161,18 @@ def test_templates_that_loop_grow_fail_or_escape_end_in_one_bad_record(source, e
     assert not Path("/tmp/pwned-titan").exists()
 
 
-@pytest.mark.parametrize("source,expect", [
-    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "writes no generation prompt"),
-    ("{{ messages[0]['content'] }}{{ messages[1]['content'] }}"
-     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", "not rendered by a loop"),
-], ids=["no-generation-prompt", "no-loop"])
+@pytest.mark.parametrize(
+    "source,expect",
+    [
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "writes no generation prompt"),
+        (
+            "{{ messages[0]['content'] }}{{ messages[1]['content'] }}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            "not rendered by a loop",
+        ),
+    ],
+    ids=["no-generation-prompt", "no-loop"],
+)
 def test_templates_whose_answers_cannot_be_found_are_refused_not_guessed(source, expect):
     with pytest.raises(BadRecord, match=expect):
         ChatTemplate(source, "test").answer_spans(CONV)
@@ -136,8 +183,10 @@ def test_reasoning_content_in_every_answer_marks_no_user_token(tok):
     its header and never a character of a user or system turn."""
     msgs = [{"role": "system", "content": "be brief"}]
     for i in range(4):
-        msgs += [{"role": "user", "content": f"what is {i} plus {i}"},
-                 {"role": "assistant", "content": f"<think>\nadd {i}\n</think>\n\nthe answer is {2 * i}"}]
+        msgs += [
+            {"role": "user", "content": f"what is {i} plus {i}"},
+            {"role": "assistant", "content": f"<think>\nadd {i}\n</think>\n\nthe answer is {2 * i}"},
+        ]
     text, spans = ChatTemplate(THINKING_TEMPLATE, "test").answer_spans(msgs)
     marked = "".join(text[a:b] for a, b in spans)
     assert len(spans) == 4 and all(f"the answer is {2 * i}" in marked for i in range(4))
@@ -145,6 +194,7 @@ def test_reasoning_content_in_every_answer_marks_no_user_token(tok):
 
 
 # --- template files: bounded, UTF-8, Jinja, inside the tokenizer dir ------------------------------
+
 
 def test_a_template_file_past_the_bound_is_not_read(tmp_path):
     big = tmp_path / "big.jinja"
@@ -154,10 +204,14 @@ def test_a_template_file_past_the_bound_is_not_read(tmp_path):
         load_chat_template(str(big), tokenizer_dir=None)
 
 
-@pytest.mark.parametrize("data,expect", [
-    (b"{{ messages }}\xff\xfe", "not UTF-8 text"),
-    (b"{% for m in messages %}", "not a Jinja template"),
-], ids=["not-utf8", "not-jinja"])
+@pytest.mark.parametrize(
+    "data,expect",
+    [
+        (b"{{ messages }}\xff\xfe", "not UTF-8 text"),
+        (b"{% for m in messages %}", "not a Jinja template"),
+    ],
+    ids=["not-utf8", "not-jinja"],
+)
 def test_template_files_that_are_not_templates(tmp_path, data, expect):
     (tmp_path / "t.jinja").write_bytes(data)
     with pytest.raises(UserError, match=expect):
@@ -209,17 +263,30 @@ def test_an_eos_token_missing_from_the_vocab_is_refused_not_replaced(tmp_path, t
 
 # --- data.json: names confined to the data dir, fields typed ------------------------------------
 
-@pytest.mark.parametrize("field,value,expect", [
-    ("prefix", "../other/tokens", "is not a file name inside the data dir"),
-    ("prefix", "/etc/tokens", "is not a file name inside the data dir"),
-    ("prefix", ".hidden", "is not a file name inside the data dir"),
-    ("loss_mask", "../other/tokens.lossmask", "is not 'tokens.lossmask'"),
-    ("n_tokens", "12", "not a titan-pipe data record"),
-    ("n_tokens", True, "not a titan-pipe data record"),
-    ("tokenizer", ["byte"], "not a titan-pipe data record"),
-    ("split", {"n_train": -4}, "not a titan-pipe data record"),
-], ids=["dotdot-prefix", "absolute-prefix", "hidden-prefix", "dotdot-mask", "string-count", "bool-count",
-        "list-tokenizer", "negative-split"])
+
+@pytest.mark.parametrize(
+    "field,value,expect",
+    [
+        ("prefix", "../other/tokens", "is not a file name inside the data dir"),
+        ("prefix", "/etc/tokens", "is not a file name inside the data dir"),
+        ("prefix", ".hidden", "is not a file name inside the data dir"),
+        ("loss_mask", "../other/tokens.lossmask", "is not 'tokens.lossmask'"),
+        ("n_tokens", "12", "not a titan-pipe data record"),
+        ("n_tokens", True, "not a titan-pipe data record"),
+        ("tokenizer", ["byte"], "not a titan-pipe data record"),
+        ("split", {"n_train": -4}, "not a titan-pipe data record"),
+    ],
+    ids=[
+        "dotdot-prefix",
+        "absolute-prefix",
+        "hidden-prefix",
+        "dotdot-mask",
+        "string-count",
+        "bool-count",
+        "list-tokenizer",
+        "negative-split",
+    ],
+)
 def test_data_json_values_that_point_out_or_lie_about_their_type(tmp_path, chat_data, field, value, expect):
     from titan_pipe.tokens.record import DataRecord
 
@@ -241,14 +308,15 @@ def test_an_index_whose_pointers_disagree_with_its_lengths(tmp_path, chat_data):
     # (the .bin's size still matches the last one)
     n = int(np.frombuffer(raw[18:26], dtype=np.int64)[0])
     at = 34 + 4 * n + 8
-    ptr = int(np.frombuffer(raw[at:at + 8], dtype=np.int64)[0])
-    raw[at:at + 8] = np.int64(ptr + 2).tobytes()
+    ptr = int(np.frombuffer(raw[at : at + 8], dtype=np.int64)[0])
+    raw[at : at + 8] = np.int64(ptr + 2).tobytes()
     idx.write_bytes(bytes(raw))
     with pytest.raises(UserError, match="starts at byte"):
         IndexedTokens(d / "tokens").verify()
 
 
 # --- the loss mask: counted before training, kept whole ------------------------------------------
+
 
 def test_an_all_zero_loss_mask_trains_nothing_and_is_refused(tmp_path, chat_data):
     from titan_pipe.tokens.dataset import open_source
@@ -285,18 +353,35 @@ def test_merging_a_part_without_a_mask_with_one_that_has_it(tmp_path, chat_data)
 
 # --- records past their bounds, and JSON that would raise -------------------------------------
 
-@pytest.mark.parametrize("line,expect", [
-    ('{"text": "a \\ud800 b"}', "escape"),
-    ("[" * 200_000 + "]" * 200_000, "nested deeper"),
-    ('{"messages": ' + "[" * 5000 + "]" * 5000 + "}", "nested deeper"),
-], ids=["lone-surrogate", "deep-array", "deep-messages"])
+
+@pytest.mark.parametrize(
+    "line,expect",
+    [
+        ('{"text": "a \\ud800 b"}', "escape"),
+        ("[" * 200_000 + "]" * 200_000, "nested deeper"),
+        ('{"messages": ' + "[" * 5000 + "]" * 5000 + "}", "nested deeper"),
+    ],
+    ids=["lone-surrogate", "deep-array", "deep-messages"],
+)
 def test_json_lines_that_would_raise_are_one_line(tmp_path, tok, line, expect):
     src = tmp_path / "src"
     src.mkdir()
     (src / "bad.jsonl").write_text(line + "\n")
     fmt = "chat" if "messages" in line else "text"
-    refused(src, "data", "prepare", src / "bad.jsonl", "-o", tmp_path / "out", "--tokenizer", tok / "tokenizer.json",
-            "--format", fmt, expect=(expect, "bad.jsonl"), out=tmp_path / "out")
+    refused(
+        src,
+        "data",
+        "prepare",
+        src / "bad.jsonl",
+        "-o",
+        tmp_path / "out",
+        "--tokenizer",
+        tok / "tokenizer.json",
+        "--format",
+        fmt,
+        expect=(expect, "bad.jsonl"),
+        out=tmp_path / "out",
+    )
 
 
 def test_one_record_past_the_bound_is_refused_before_it_is_tokenized(tmp_path, tok, monkeypatch):
@@ -313,6 +398,7 @@ def test_one_record_past_the_bound_is_refused_before_it_is_tokenized(tmp_path, t
 
 
 # --- untrusted .metadata and provenance --------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def dcp(tmp_path_factory) -> Path:
@@ -348,11 +434,15 @@ def test_malformed_dcp_metadata_is_one_line(tmp_path, dcp, kind):
     refused(tmp_path, "convert", src, "-o", tmp_path / "out", expect=(".metadata",), out=tmp_path / "out")
 
 
-@pytest.mark.parametrize("path,value", [
-    (("source", "step"), "x"),
-    (("tokenizer", "tokenizer"), 5),
-    (("output", "files"), 5),
-], ids=["step-string", "tokenizer-int", "files-int"])
+@pytest.mark.parametrize(
+    "path,value",
+    [
+        (("source", "step"), "x"),
+        (("tokenizer", "tokenizer"), 5),
+        (("output", "files"), 5),
+    ],
+    ids=["step-string", "tokenizer-int", "files-int"],
+)
 def test_tampered_provenance_is_one_line(tmp_path, ckpt, path, value):
     from titan_pipe.provenance import Provenance
 
@@ -374,11 +464,16 @@ def test_tampered_provenance_is_one_line(tmp_path, ckpt, path, value):
 
 # --- resume / init_from check what they load ----------------------------------------------------
 
-@pytest.mark.parametrize("damage,expect", [
-    ("flip", "sha256"),
-    ("truncate", "bytes, but"),
-    ("remove", "missing"),
-], ids=["flipped-byte", "truncated", "missing"])
+
+@pytest.mark.parametrize(
+    "damage,expect",
+    [
+        ("flip", "sha256"),
+        ("truncate", "bytes, but"),
+        ("remove", "missing"),
+    ],
+    ids=["flipped-byte", "truncated", "missing"],
+)
 def test_init_from_and_resume_check_every_shard_against_its_manifest(tmp_path, ckpt, damage, expect):
     from titan_pipe.model.weights import open_weights
     from titan_pipe.training.preflight import files_problem
@@ -405,6 +500,7 @@ def test_init_from_and_resume_check_every_shard_against_its_manifest(tmp_path, c
 
 
 # --- the new user's path ------------------------------------------------------------------------
+
 
 def test_validate_refuses_what_a_stage_would_refuse_later(tmp_path):
     assert cli("init", tmp_path / "p")[0] == 0
@@ -458,8 +554,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "", "-x", "n" * 101])
 def test_schedule_names_that_are_not_names(tmp_path, name):
-    refused(tmp_path, "schedule", REPO / "examples" / "tiny" / "flow.yaml", "--cron", "0 2 * * *", "--name", name,
-            code=2, expect="is not a deployment name")
+    refused(
+        tmp_path,
+        "schedule",
+        REPO / "examples" / "tiny" / "flow.yaml",
+        "--cron",
+        "0 2 * * *",
+        "--name",
+        name,
+        code=2,
+        expect="is not a deployment name",
+    )
 
 
 def test_a_prefect_api_url_that_answers_but_is_not_prefect(tmp_path, ckpt, monkeypatch):
@@ -482,13 +587,22 @@ def test_a_prefect_api_url_that_answers_but_is_not_prefect(tmp_path, ckpt, monke
     try:
         url = f"http://127.0.0.1:{server.server_port}/api"
         monkeypatch.setenv("PREFECT_API_URL", url)
-        refused(tmp_path, "convert", ckpt / "hf", "-o", tmp_path / "out", "--flow", out=tmp_path / "out",
-                expect=(f"PREFECT_API_URL {url} answers, but is not a Prefect API", "welcome to nginx"))
+        refused(
+            tmp_path,
+            "convert",
+            ckpt / "hf",
+            "-o",
+            tmp_path / "out",
+            "--flow",
+            out=tmp_path / "out",
+            expect=(f"PREFECT_API_URL {url} answers, but is not a Prefect API", "welcome to nginx"),
+        )
     finally:
         server.shutdown()
 
 
 # --- a diverging run stops with one line, before the NaN reaches a checkpoint ---------------------
+
 
 def test_a_diverging_run_stops_before_writing_nan_weights(tmp_path):
     """lr 1000 on the debug model: the loss leaves the finite numbers within a few steps. Training
@@ -502,13 +616,28 @@ def test_a_diverging_run_stops_before_writing_nan_weights(tmp_path):
 
     runs = tmp_path / "runs"
     flow = tmp_path / "flow.yaml"
-    flow.write_text(yaml.safe_dump({
-        "name": "d", "runs_dir": str(runs), "device": "cpu", "model": {"flavour": "debug"},
-        "train": {"steps": 8, "batch_size": 2, "seq_len": 16, "warmup_steps": 0,
-                  "optimizer": {"name": "adamw", "lr": 1000.0}},
-        "parallel": {"dp": 1, "tp": 1, "pp": 1}, "checkpoint": {"every": 1, "keep_last": 8}}))
-    r = subprocess.run([sys.executable, "-m", "titan_pipe.cli", "train", str(flow)], capture_output=True, text=True,
-                       timeout=600)
+    flow.write_text(
+        yaml.safe_dump(
+            {
+                "name": "d",
+                "runs_dir": str(runs),
+                "device": "cpu",
+                "model": {"flavour": "debug"},
+                "train": {
+                    "steps": 8,
+                    "batch_size": 2,
+                    "seq_len": 16,
+                    "warmup_steps": 0,
+                    "optimizer": {"name": "adamw", "lr": 1000.0},
+                },
+                "parallel": {"dp": 1, "tp": 1, "pp": 1},
+                "checkpoint": {"every": 1, "keep_last": 8},
+            }
+        )
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "titan_pipe.cli", "train", str(flow)], capture_output=True, text=True, timeout=600
+    )
     out = r.stdout + r.stderr
     errs = [ln for ln in out.splitlines() if ln.startswith("error")]
     assert r.returncode == 1 and len(errs) == 1 and "Traceback" not in out.split("error")[-1], out
@@ -522,6 +651,7 @@ def test_a_diverging_run_stops_before_writing_nan_weights(tmp_path):
 
 # --- two pieces read from the same stored bytes ---------------------------------------------------
 
+
 def test_a_manifest_reading_one_stored_tensor_for_two_pieces(tmp_path, ckpt):
     """The tp1 half of the embedding pointed at the tp0 half's tensor: shapes agree, so without the
     check the converted model would hold the first half twice (how an expert gets duplicated)."""
@@ -534,8 +664,15 @@ def test_a_manifest_reading_one_stored_tensor_for_two_pieces(tmp_path, ckpt):
         chunks[1].update(file=chunks[0]["file"], key=chunks[0]["key"])
 
     edit_json(src / "manifest.json", alias)
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("reads 'tok_embeddings.weight' of model/pp0-tp0.safetensors", "already holds"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("reads 'tok_embeddings.weight' of model/pp0-tp0.safetensors", "already holds"),
+    )
     with pytest.raises(UserError, match="already holds tok_embeddings.weight"):
         open_weights(src)
 
@@ -549,15 +686,26 @@ def test_dcp_entries_reading_the_same_bytes(tmp_path, dcp):
         if hasattr(md.state_dict_metadata[key.fqn], "chunks"):  # tensors (the train state's bytes are not read)
             by_len.setdefault((info.relative_path, info.length), []).append(key)
     a, b = next(keys for keys in by_len.values() if len(keys) > 1)[:2]
-    md.storage_data[b] = type(md.storage_data[b])(relative_path=md.storage_data[a].relative_path,
-                                                  offset=md.storage_data[a].offset, length=md.storage_data[a].length)
+    md.storage_data[b] = type(md.storage_data[b])(
+        relative_path=md.storage_data[a].relative_path,
+        offset=md.storage_data[a].offset,
+        length=md.storage_data[a].length,
+    )
     with open(src / ".metadata", "wb") as f:
         pickle.dump(md, f)
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("are located on overlapping bytes", ".metadata is corrupted"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("are located on overlapping bytes", ".metadata is corrupted"),
+    )
 
 
 # --- a failed run: its error once, and no retry of what a rank refused ---------------------------
+
 
 class _State:
     def __init__(self, exc):
@@ -567,10 +715,16 @@ class _State:
         raise self.exc
 
 
-@pytest.mark.parametrize("exc,retry", [
-    ("RankRefused", False), ("StageFailed", True), ("UserError", False), ("KeyboardInterrupt", False),
-    ("RuntimeError", True),
-])
+@pytest.mark.parametrize(
+    "exc,retry",
+    [
+        ("RankRefused", False),
+        ("StageFailed", True),
+        ("UserError", False),
+        ("KeyboardInterrupt", False),
+        ("RuntimeError", True),
+    ],
+)
 def test_only_a_crash_is_retried_never_an_error_a_rank_named(exc, retry):
     import builtins
 
@@ -617,6 +771,7 @@ def test_the_console_drops_prefects_repeats_of_what_run_prints_itself():
 
 # --- a training's prepared data is not replaced under it -----------------------------------------
 
+
 def test_data_prepare_refuses_a_dir_a_training_reads(tmp_path, tok, chat_data):
     """The launcher holds read_lock on each prepared dir the ranks read; two trainings share it,
     `data prepare -o` that dir stops at once naming the training, and after it the lock file is gone."""
@@ -625,8 +780,19 @@ def test_data_prepare_refuses_a_dir_a_training_reads(tmp_path, tok, chat_data):
     d = copy(chat_data, tmp_path / "data")
     src = write_jsonl(tmp_path / "src" / "chat.jsonl", chat_records(10, seed=3))
     with read_lock(d, what="titan-pipe train a"), read_lock(d, what="titan-pipe train b"):
-        refused(tmp_path / "data", "data", "prepare", src, "-o", d, "--tokenizer", tok / "tokenizer.json",
-                "--format", "chat", expect=(f"{d}: in use by PID {os.getpid()} (titan-pipe train b, which reads it)",))
+        refused(
+            tmp_path / "data",
+            "data",
+            "prepare",
+            src,
+            "-o",
+            d,
+            "--tokenizer",
+            tok / "tokenizer.json",
+            "--format",
+            "chat",
+            expect=(f"{d}: in use by PID {os.getpid()} (titan-pipe train b, which reads it)",),
+        )
         with pytest.raises(RunDirBusy, match="in use by PID"):
             with path_lock(d, what="titan-pipe merge"):
                 pass
@@ -655,6 +821,7 @@ def test_the_launcher_reads_prepared_data_under_its_lock(tmp_path, chat_data):
 
 # --- a flow's errors name its keys, not the flags of another command ------------------------------
 
+
 def test_a_flows_data_error_names_the_flow_key_not_the_flag(tmp_path, tok):
     from titan_pipe.config import load_flow
     from titan_pipe.tokens.spec import data_spec
@@ -664,31 +831,51 @@ def test_a_flows_data_error_names_the_flow_key_not_the_flag(tmp_path, tok):
     edit_json(d / "tokenizer_config.json", lambda c: c.pop("chat_template"))
     write_jsonl(tmp_path / "chat.jsonl", chat_records(5))
     flow = tmp_path / "flow.yaml"
-    flow.write_text(f"name: x\ndevice: cpu\ndata: {{path: chat.jsonl, tokenizer: {d}, format: chat}}\n"
-                    "train: {mode: sft}\n")
+    flow.write_text(
+        f"name: x\ndevice: cpu\ndata: {{path: chat.jsonl, tokenizer: {d}, format: chat}}\ntrain: {{mode: sft}}\n"
+    )
     spec = data_spec(load_flow(flow).data, base=tmp_path)
     with pytest.raises(UserError) as e:
         prepare_spec(spec, tmp_path / "out", progress=False)
     assert "set data.chat_template: chatml" in str(e.value) and "--chat-template" not in str(e.value)
 
 
-@pytest.mark.parametrize("flag,value,expect", [
-    ("--max-memory", "lots", "--max-memory: 'lots' is not a size; write e.g. 8GB, 512MB or 6GiB (got 'lots')"),
-    ("--batches", "-5", "--batches -5: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "flag,value,expect",
+    [
+        ("--max-memory", "lots", "--max-memory: 'lots' is not a size; write e.g. 8GB, 512MB or 6GiB (got 'lots')"),
+        ("--batches", "-5", "--batches -5: must be >= 1"),
+    ],
+)
 def test_evaluate_flags_are_checked_before_anything_is_loaded(tmp_path, ckpt, flag, value, expect):
-    line = refused(tmp_path, "evaluate", "-o", tmp_path / "rep", "--model-dir", ckpt / "hf", flag, value,
-                   expect=expect, out=tmp_path / "rep")
+    line = refused(
+        tmp_path,
+        "evaluate",
+        "-o",
+        tmp_path / "rep",
+        "--model-dir",
+        ckpt / "hf",
+        flag,
+        value,
+        expect=expect,
+        out=tmp_path / "rep",
+    )
     assert "loading" not in line
 
 
-@pytest.mark.parametrize("line,hidden", [
-    ("E1206 19:47:28.386000 1518 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) "
-     "local_rank: 0 (pid: 1524) of binary: /usr/bin/python3", True),
-    ("Traceback (most recent call last):", True),
-    ("[default0]:error: step 2: training diverged", False),
-    ("[default0]:step 1/4 | loss 6.3788", False),
-])
+@pytest.mark.parametrize(
+    "line,hidden",
+    [
+        (
+            "E1206 19:47:28.386000 1518 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) "
+            "local_rank: 0 (pid: 1524) of binary: /usr/bin/python3",
+            True,
+        ),
+        ("Traceback (most recent call last):", True),
+        ("[default0]:error: step 2: training diverged", False),
+        ("[default0]:step 1/4 | loss 6.3788", False),
+    ],
+)
 def test_torchruns_own_failure_report_stays_in_train_log(line, hidden):
     from titan_pipe.training.failure import torchrun_report
 
@@ -701,9 +888,11 @@ def test_validate_reads_the_template_from_the_flows_dir_and_names_the_key(tmp_pa
     proj = tmp_path / "proj"
     write_jsonl(proj / "chat.jsonl", chat_records(40))
     (proj / "t.jinja").write_text(THINKING_TEMPLATE)
-    text = (f"name: x\ndevice: cpu\nmodel: {{flavour: debug, vocab_size: 320}}\n"
-            f"data: {{path: chat.jsonl, tokenizer: {tok}, format: chat, chat_template: t.jinja}}\n"
-            "train: {mode: sft, steps: 2, batch_size: 2, seq_len: 256}\nparallel: {dp: 1, tp: 1, pp: 1}\n")
+    text = (
+        f"name: x\ndevice: cpu\nmodel: {{flavour: debug, vocab_size: 320}}\n"
+        f"data: {{path: chat.jsonl, tokenizer: {tok}, format: chat, chat_template: t.jinja}}\n"
+        "train: {mode: sft, steps: 2, batch_size: 2, seq_len: 256}\nparallel: {dp: 1, tp: 1, pp: 1}\n"
+    )
     (proj / "flow.yaml").write_text(text)
     got, out = cli("validate", proj / "flow.yaml")
     assert got == 0, out
@@ -721,12 +910,15 @@ def test_init_says_what_to_fill_in_before_validate(tmp_path, argv, todo):
 
 # --- what `data prepare` takes as flags, a flow takes as keys -------------------------------------
 
+
 def _chat_flow(tmp_path, tok, extra: str) -> Path:
     write_jsonl(tmp_path / "chat.jsonl", chat_records(40))
     flow = tmp_path / "flow.yaml"
-    flow.write_text(f"name: x\ndevice: cpu\nmodel: {{flavour: debug, vocab_size: 320}}\n"
-                    f"data: {{path: chat.jsonl, tokenizer: {tok}, format: chat{extra}}}\n"
-                    "train: {mode: sft, steps: 2, batch_size: 2, seq_len: 256}\nparallel: {dp: 1, tp: 1, pp: 1}\n")
+    flow.write_text(
+        f"name: x\ndevice: cpu\nmodel: {{flavour: debug, vocab_size: 320}}\n"
+        f"data: {{path: chat.jsonl, tokenizer: {tok}, format: chat{extra}}}\n"
+        "train: {mode: sft, steps: 2, batch_size: 2, seq_len: 256}\nparallel: {dp: 1, tp: 1, pp: 1}\n"
+    )
     return flow
 
 
@@ -745,10 +937,13 @@ def test_a_flows_max_tokens_leaves_long_conversations_out(tmp_path, tok):
     assert "--max" not in str(e.value)
 
 
-@pytest.mark.parametrize("extra,expect", [
-    (", max_tokens: 512", "data.max_tokens: 512 is over train.seq_len 256"),
-    (", max_tokens: 1", "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "extra,expect",
+    [
+        (", max_tokens: 512", "data.max_tokens: 512 is over train.seq_len 256"),
+        (", max_tokens: 1", "max_tokens"),
+    ],
+)
 def test_validate_checks_the_flows_max_tokens(tmp_path, tok, extra, expect):
     got, out = cli("validate", _chat_flow(tmp_path, tok, extra))
     assert got == 2 and expect in out, out

@@ -6,6 +6,7 @@ Model files (config.json, manifest.json, params.json, Megatron args), flow.yaml 
 duplicate keys, alias bombs, what training would meet before its first step) and CLI numbers
 (planner search space, export and evaluate sizes), cron strings and a dead Prefect API.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,32 +49,68 @@ def _config(src: Path, **changes) -> Path:
 
 # --- config.json ----------------------------------------------------------------------------------
 
+
 def test_config_naming_fewer_layers_than_the_weights(good, tmp_path):
     """Was: 2 of 4 layers converted, exit 0. Now the first tensor without a place is named."""
     src = _config(copy(good["hf"], tmp_path / "src"), num_hidden_layers=2)
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("config.json", "'model.layers.2.", "has no place", "(2 layers", "fix the config"))
-    refused(tmp_path, "export", src, "-o", tmp_path / "onnx", out=tmp_path / "onnx",
-            expect=("model.layers.2.", "has no place", "do not belong together"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("config.json", "'model.layers.2.", "has no place", "(2 layers", "fix the config"),
+    )
+    refused(
+        tmp_path,
+        "export",
+        src,
+        "-o",
+        tmp_path / "onnx",
+        out=tmp_path / "onnx",
+        expect=("model.layers.2.", "has no place", "do not belong together"),
+    )
 
 
 def test_string_false_is_not_a_boolean(good, tmp_path):
     """Was: "false" read as true, the output head dropped."""
     src = _config(copy(good["hf"], tmp_path / "src"), tie_word_embeddings="false")
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("config.json: tie_word_embeddings = 'false' is a string", "without quotes"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("config.json: tie_word_embeddings = 'false' is a string", "without quotes"),
+    )
 
 
 def test_fractional_layer_count(good, tmp_path):
     src = _config(copy(good["hf"], tmp_path / "src"), num_hidden_layers=4.7)
-    refused(tmp_path, "export", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("num_hidden_layers = 4.7 is not a whole number", "whole number"))
+    refused(
+        tmp_path,
+        "export",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("num_hidden_layers = 4.7 is not a whole number", "whole number"),
+    )
 
 
 def test_null_dimension(good, tmp_path):
     src = _config(copy(good["hf"], tmp_path / "src"), hidden_size=None)
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("hidden_size = None is null", "give hidden_size a value"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("hidden_size = None is null", "give hidden_size a value"),
+    )
 
 
 def test_ten_million_layers_fail_at_once(good, tmp_path):
@@ -81,25 +118,47 @@ def test_ten_million_layers_fail_at_once(good, tmp_path):
     src = _config(copy(good["hf"], tmp_path / "src"), num_hidden_layers=10_000_000)
     t0 = time.monotonic()
     for cmd in ("convert", "export"):
-        refused(tmp_path, cmd, src, "-o", tmp_path / "out", out=tmp_path / "out",
-                expect=("num_hidden_layers = 10000000 exceeds titan-pipe's limit of 1024", "1..1024"))
+        refused(
+            tmp_path,
+            cmd,
+            src,
+            "-o",
+            tmp_path / "out",
+            out=tmp_path / "out",
+            expect=("num_hidden_layers = 10000000 exceeds titan-pipe's limit of 1024", "1..1024"),
+        )
     assert time.monotonic() - t0 < 20
 
 
 def test_huge_max_position_embeddings(good, tmp_path):
     """Was: 4.2 GB of RoPE tables allocated by export."""
     src = _config(copy(good["hf"], tmp_path / "src"), max_position_embeddings=2**26)
-    refused(tmp_path, "export", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("max_position_embeddings = 67108864 exceeds titan-pipe's limit of 1048576", "RoPE"))
+    refused(
+        tmp_path,
+        "export",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("max_position_embeddings = 67108864 exceeds titan-pipe's limit of 1048576", "RoPE"),
+    )
 
 
 # --- manifest.json, params.json, Megatron args ------------------------------------------------------
 
+
 def test_manifest_model_value_as_a_string(good, tmp_path):
     src = copy(good["titan"], tmp_path / "src")
     edit_json(src / "manifest.json", lambda m: m["model"].update(n_layers="4"))
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("manifest.json: model.n_layers = '4' is a string, not an integer",))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("manifest.json: model.n_layers = '4' is a string, not an integer",),
+    )
 
 
 def test_manifest_listing_a_parameter_the_model_lacks(good, tmp_path):
@@ -115,25 +174,46 @@ def test_manifest_listing_a_parameter_the_model_lacks(good, tmp_path):
         p = json.loads(json.dumps(m["params"]["layers.0.attention_norm.weight"]))
         p["chunks"] = [{**p["chunks"][0], "key": "layers.9.attention_norm.weight"}]  # the tp0 replica only
         m["params"]["layers.9.attention_norm.weight"] = p
-        m["files"]["model/pp0-tp0.safetensors"] = {"size": shard.stat().st_size,
-                                                   "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+        m["files"]["model/pp0-tp0.safetensors"] = {
+            "size": shard.stat().st_size,
+            "sha256": hashlib.sha256(shard.read_bytes()).hexdigest(),
+        }
+
     edit_json(src / "manifest.json", extra)
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("manifest.json", "'layers.9.attention_norm.weight'", "has no place"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("manifest.json", "'layers.9.attention_norm.weight'", "has no place"),
+    )
 
 
 def test_manifest_file_size_as_a_float(good, tmp_path):
     src = copy(good["titan"], tmp_path / "src")
     edit_json(src / "manifest.json", lambda m: m["files"]["model/pp0-tp0.safetensors"].update(size=1e3))
-    refused(tmp_path, "inspect", src, expect=("manifest.json: files.model/pp0-tp0.safetensors.size = 1000.0",
-                                              "has a decimal point"))
+    refused(
+        tmp_path,
+        "inspect",
+        src,
+        expect=("manifest.json: files.model/pp0-tp0.safetensors.size = 1000.0", "has a decimal point"),
+    )
 
 
 def test_dcp_params_json_with_a_float_head_count(good, tmp_path):
     ckpt = write_dcp(good["sd"], good["args"], tmp_path / "dcp")
     edit_json(ckpt.parent / "params.json", lambda p: p.update(n_heads=8.0))
-    refused(tmp_path, "convert", ckpt, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("params.json: n_heads = 8.0 has a decimal point", "trained with"))
+    refused(
+        tmp_path,
+        "convert",
+        ckpt,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("params.json: n_heads = 8.0 has a decimal point", "trained with"),
+    )
 
 
 def test_dcp_config_naming_fewer_layers(good, tmp_path):
@@ -142,8 +222,15 @@ def test_dcp_config_naming_fewer_layers(good, tmp_path):
     cfg = to_hf_config(good["args"])
     cfg["num_hidden_layers"] = 3
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    refused(tmp_path, "convert", ckpt, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("config.json", "layers.3.", "has no place"))
+    refused(
+        tmp_path,
+        "convert",
+        ckpt,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("config.json", "layers.3.", "has no place"),
+    )
 
 
 def test_megatron_args_typed_strictly(tmp_path):
@@ -152,8 +239,10 @@ def test_megatron_args_typed_strictly(tmp_path):
     a = argparse.Namespace(num_attention_heads=8, hidden_size=64, num_layers=4.0, ffn_hidden_size=192)
     with pytest.raises(UserError) as e:
         megatron_model_args(a, 320, tmp_path)
-    assert str(e.value) == (f"{tmp_path}: Megatron args: num_layers = 4.0 has a decimal point; an integer is "
-                            "needed; re-save the checkpoint from Megatron-LM")
+    assert str(e.value) == (
+        f"{tmp_path}: Megatron args: num_layers = 4.0 has a decimal point; an integer is "
+        "needed; re-save the checkpoint from Megatron-LM"
+    )
     a.num_layers, a.add_bias_linear = 4, "False"
     with pytest.raises(UserError, match="add_bias_linear = 'False' is a string, not true or false"):
         megatron_model_args(a, 320, tmp_path)
@@ -166,6 +255,7 @@ def test_megatron_args_typed_strictly(tmp_path):
 
 
 # --- flow.yaml --------------------------------------------------------------------------------------
+
 
 @pytest.fixture(autouse=True)
 def _run_in_tmp(tmp_path, monkeypatch):
@@ -196,18 +286,29 @@ def test_alias_bomb_is_refused_at_once_without_printing_it(tmp_path):
     assert time.monotonic() - t0 < 10 and "lol" not in line
 
 
-@pytest.mark.parametrize("text,expect", [
-    ("parallel: {sequence_parallel: 'false'}\n", "parallel.sequence_parallel: Input should be a valid boolean"),
-    ("train: {steps: '5'}\n", "train.steps: Input should be a valid integer (got '5')"),
-    ("model: {max_seq_len: 2000000}\n", "model.max_seq_len: Input should be less than or equal to 1048576"),
-    ("model: {max_seq_len: 1.0e+9}\n", "model.max_seq_len: Input should be a valid integer (got 1000000000.0)"),
-    ("export: {opset: 12}\n", "export: opset 12: the graphs need opset >= 14"),
-    ("evaluate: {seq_len: 300}\n", "evaluate.seq_len: 300 exceeds model max_seq_len=256"),
-    ("export: {seq_len: 256}\n", "export: seq_len 256 (+1 decode step) exceeds the model's max_position_embeddings"),
-    ("model: {flavour: debug, qk_norm: true, qkv_bias: true}\n",
-     "model.qk_norm: true together with qkv_bias: no Hugging Face architecture has both"),
-    ("model: {flavour: debug, sliding_window: 0}\n", "model.sliding_window: Input should be greater than or equal to 1"),
-])
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        ("parallel: {sequence_parallel: 'false'}\n", "parallel.sequence_parallel: Input should be a valid boolean"),
+        ("train: {steps: '5'}\n", "train.steps: Input should be a valid integer (got '5')"),
+        ("model: {max_seq_len: 2000000}\n", "model.max_seq_len: Input should be less than or equal to 1048576"),
+        ("model: {max_seq_len: 1.0e+9}\n", "model.max_seq_len: Input should be a valid integer (got 1000000000.0)"),
+        ("export: {opset: 12}\n", "export: opset 12: the graphs need opset >= 14"),
+        ("evaluate: {seq_len: 300}\n", "evaluate.seq_len: 300 exceeds model max_seq_len=256"),
+        (
+            "export: {seq_len: 256}\n",
+            "export: seq_len 256 (+1 decode step) exceeds the model's max_position_embeddings",
+        ),
+        (
+            "model: {flavour: debug, qk_norm: true, qkv_bias: true}\n",
+            "model.qk_norm: true together with qkv_bias: no Hugging Face architecture has both",
+        ),
+        (
+            "model: {flavour: debug, sliding_window: 0}\n",
+            "model.sliding_window: Input should be greater than or equal to 1",
+        ),
+    ],
+)
 def test_flow_values_one_line_each(tmp_path, text, expect):
     flow = _flow(tmp_path, "name: v\ndevice: cpu\n" + text)
     refused(tmp_path, "validate", flow, code=2, expect=(str(flow), expect))
@@ -215,10 +316,16 @@ def test_flow_values_one_line_each(tmp_path, text, expect):
 
 def test_init_from_of_another_shape_is_refused_before_launch(good, tmp_path):
     # the flavour, written, states n_heads 4; the checkpoint holds 8 (without model keys it is the model)
-    flow = _flow(tmp_path, f"name: v\ndevice: cpu\nmodel: {{flavour: debug}}\ntrain: {{steps: 1}}\n"
-                           f"init_from: {good['hf']}\n")
-    refused(tmp_path, "train", flow, code=2, expect=("model.flavour: debug brings n_heads 4 vs 8, kv_heads 2 vs 4",
-                                                      "remove model.flavour"))
+    flow = _flow(
+        tmp_path, f"name: v\ndevice: cpu\nmodel: {{flavour: debug}}\ntrain: {{steps: 1}}\ninit_from: {good['hf']}\n"
+    )
+    refused(
+        tmp_path,
+        "train",
+        flow,
+        code=2,
+        expect=("model.flavour: debug brings n_heads 4 vs 8, kv_heads 2 vs 4", "remove model.flavour"),
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -228,8 +335,14 @@ def test_resume_of_another_shape_keeps_the_run_record(good, tmp_path):
     shutil.copytree(good["titan"], run / "checkpoints" / "step-000001")
     (run / "flow.yaml").write_text("# the record of the run that made step 1\n")
     flow = _flow(tmp_path, "name: v\ndevice: cpu\ntrain: {steps: 2}\n")
-    refused(tmp_path, "train", flow, "--resume", code=2,
-            expect=("--resume:", "step-000001 holds another model shape", "n_heads=8 there vs 4 in flow.yaml"))
+    refused(
+        tmp_path,
+        "train",
+        flow,
+        "--resume",
+        code=2,
+        expect=("--resume:", "step-000001 holds another model shape", "n_heads=8 there vs 4 in flow.yaml"),
+    )
     assert (run / "flow.yaml").read_text().startswith("# the record")
 
 
@@ -237,8 +350,13 @@ def test_corpus_smaller_than_one_batch(tmp_path):
     (tmp_path / "tiny.txt").write_text("hello world\n")
     flow = _flow(tmp_path, "name: v\ndevice: cpu\ndata: {path: tiny.txt}\ntrain: {batch_size: 8, seq_len: 64}\n")
     for cmd in ("validate", "run"):  # run: before Prefect or any run dir
-        refused(tmp_path, cmd, flow, code=2, expect=("data.path: tiny.txt gives at most 24 training tokens",
-                                                     "= 513", "lower train.batch_size"))
+        refused(
+            tmp_path,
+            cmd,
+            flow,
+            code=2,
+            expect=("data.path: tiny.txt gives at most 24 training tokens", "= 513", "lower train.batch_size"),
+        )
     assert not (tmp_path / "runs").exists()
 
 
@@ -250,8 +368,13 @@ def test_prepared_data_smaller_than_one_batch(tmp_path):
     code, text = cli("data", "prepare", tmp_path / "a.txt", tmp_path / "b.txt", "-o", tmp_path / "prepared")
     assert code == 0, text
     flow = _flow(tmp_path, "name: v\ndevice: cpu\ndata: {path: prepared}\ntrain: {batch_size: 8, seq_len: 64}\n")
-    refused(tmp_path, "validate", flow, code=2, expect=("data.path: ", "prepared (train) gives 261 training tokens",
-                                                        "= 513"))
+    refused(
+        tmp_path,
+        "validate",
+        flow,
+        code=2,
+        expect=("data.path: ", "prepared (train) gives 261 training tokens", "= 513"),
+    )
 
 
 def test_runs_dir_that_is_a_file(tmp_path):
@@ -262,28 +385,70 @@ def test_runs_dir_that_is_a_file(tmp_path):
 
 # --- command-line numbers, cron, the Prefect API ------------------------------------------------------
 
+
 def test_plan_device_count_is_bounded(tmp_path):
     """Was: minutes of search."""
     t0 = time.monotonic()
-    refused(tmp_path, "plan", "--model", "llama2_70b", "--devices", 1_000_000, "--device", "ascend910b",
-            expect=("--devices 1000000: exceeds titan-pipe's limit of 65536", "1..65536"))
+    refused(
+        tmp_path,
+        "plan",
+        "--model",
+        "llama2_70b",
+        "--devices",
+        1_000_000,
+        "--device",
+        "ascend910b",
+        expect=("--devices 1000000: exceeds titan-pipe's limit of 65536", "1..65536"),
+    )
     assert time.monotonic() - t0 < 10
 
 
 def test_plan_search_space_is_bounded(tmp_path):
-    refused(tmp_path, "plan", "--model", "llama2_70b", "--devices", 55440, "--nodes", 6930, "--device",
-            "ascend910b", expect=("candidate layouts of 55440 devices exceed the planner's limit of 50,000",
-                                  "narrow the search with --tp, --pp or --dp"))
+    refused(
+        tmp_path,
+        "plan",
+        "--model",
+        "llama2_70b",
+        "--devices",
+        55440,
+        "--nodes",
+        6930,
+        "--device",
+        "ascend910b",
+        expect=(
+            "candidate layouts of 55440 devices exceed the planner's limit of 50,000",
+            "narrow the search with --tp, --pp or --dp",
+        ),
+    )
 
 
 def test_export_sequence_length_is_bounded(good, tmp_path):
-    refused(tmp_path, "export", good["model"], "-o", tmp_path / "out", "--seq-len", 10**9, out=tmp_path / "out",
-            expect=("--seq-len 1000000000: exceeds titan-pipe's limit of 1048576",))
+    refused(
+        tmp_path,
+        "export",
+        good["model"],
+        "-o",
+        tmp_path / "out",
+        "--seq-len",
+        10**9,
+        out=tmp_path / "out",
+        expect=("--seq-len 1000000000: exceeds titan-pipe's limit of 1048576",),
+    )
 
 
 def test_evaluate_batches_are_bounded(good, tmp_path):
-    refused(tmp_path, "evaluate", "--model-dir", good["model"], "-o", tmp_path / "rep", "--batches", 10**9,
-            out=tmp_path / "rep", expect=("--batches 1000000000: exceeds titan-pipe's limit of 65536",))
+    refused(
+        tmp_path,
+        "evaluate",
+        "--model-dir",
+        good["model"],
+        "-o",
+        tmp_path / "rep",
+        "--batches",
+        10**9,
+        out=tmp_path / "rep",
+        expect=("--batches 1000000000: exceeds titan-pipe's limit of 65536",),
+    )
 
 
 def test_an_enormous_data_record(good, tmp_path, monkeypatch):
@@ -293,18 +458,42 @@ def test_an_enormous_data_record(good, tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "RECORD_BYTES", Bound(0, 4096, "test limit"))
     data = tmp_path / "held.jsonl"
     data.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "x" * 10_000}) + "\n")
-    refused(tmp_path, "evaluate", "--model-dir", good["model"], "-o", tmp_path / "rep", "--data", data,
-            "--no-operators", out=tmp_path / "rep", expect=(f"{data}:2: a record of at least 10012 bytes, over the "
-                                                            "limit of 4096 bytes", "split it"))
+    refused(
+        tmp_path,
+        "evaluate",
+        "--model-dir",
+        good["model"],
+        "-o",
+        tmp_path / "rep",
+        "--data",
+        data,
+        "--no-operators",
+        out=tmp_path / "rep",
+        expect=(f"{data}:2: a record of at least 10012 bytes, over the limit of 4096 bytes", "split it"),
+    )
 
 
 def test_cron_with_seven_fields_is_not_served(tmp_path):
-    refused(tmp_path, "schedule", REPO / "examples" / "tiny" / "flow.yaml", "--cron", "0 0 2 * * * *", code=2,
-            expect=("--cron '0 0 2 * * * *' is not a cron expression of five fields (it has 7)",))
+    refused(
+        tmp_path,
+        "schedule",
+        REPO / "examples" / "tiny" / "flow.yaml",
+        "--cron",
+        "0 0 2 * * * *",
+        code=2,
+        expect=("--cron '0 0 2 * * * *' is not a cron expression of five fields (it has 7)",),
+    )
 
 
 def test_unreachable_prefect_api_is_one_line(good, tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
-    refused(tmp_path, "convert", good["hf"], "-o", tmp_path / "out", "--flow", out=tmp_path / "out",
-            expect=("Prefect API http://127.0.0.1:9/api (PREFECT_API_URL) is unreachable",
-                    "unset PREFECT_API_URL"))
+    refused(
+        tmp_path,
+        "convert",
+        good["hf"],
+        "-o",
+        tmp_path / "out",
+        "--flow",
+        out=tmp_path / "out",
+        expect=("Prefect API http://127.0.0.1:9/api (PREFECT_API_URL) is unreachable", "unset PREFECT_API_URL"),
+    )

@@ -1,4 +1,5 @@
 """The training launcher: torchrun command and env, streaming and exit codes, the train CLI."""
+
 from __future__ import annotations
 
 import io
@@ -42,21 +43,42 @@ def _write_flow(tmp_path: Path, **sections) -> Path:
 
 # --- command and environment ----------------------------------------------------------------------
 
+
 def test_single_node_command():
     cfg = _cfg(parallel={"dp": 2, "tp": 2, "pp": 1})
     cmd = build_torchrun_command(cfg, Path("/x/flow.yaml"), resume=False)
-    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "--nnodes", "1",
-                   "--node_rank", "0", "--standalone", "--max_restarts", "0", "--local-ranks-filter", "0",
-                   "-m", "titan_pipe.training.trainer", "--flow", "/x/flow.yaml"]
+    assert cmd == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "4",
+        "--nnodes",
+        "1",
+        "--node_rank",
+        "0",
+        "--standalone",
+        "--max_restarts",
+        "0",
+        "--local-ranks-filter",
+        "0",
+        "-m",
+        "titan_pipe.training.trainer",
+        "--flow",
+        "/x/flow.yaml",
+    ]
     cmd = build_torchrun_command(cfg, Path("/x/flow.yaml"), resume=True, log_dir=Path("/r/logs"))
     assert cmd[-1] == "--resume"
     i = cmd.index("--log_dir")
-    assert cmd[i:i + 4] == ["--log_dir", "/r/logs", "--tee", "3"]
+    assert cmd[i : i + 4] == ["--log_dir", "/r/logs", "--tee", "3"]
 
 
 def test_multi_node_command():
-    cfg = _cfg(name="big", parallel={"dp": 4, "tp": 2, "pp": 2},
-               launch={"nnodes": 2, "node_rank": 1, "rdzv_endpoint": "10.0.0.1:29400", "max_restarts": 3})
+    cfg = _cfg(
+        name="big",
+        parallel={"dp": 4, "tp": 2, "pp": 2},
+        launch={"nnodes": 2, "node_rank": 1, "rdzv_endpoint": "10.0.0.1:29400", "max_restarts": 3},
+    )
     cmd = build_torchrun_command(cfg, Path("/x/flow.yaml"), resume=False)
     assert "--standalone" not in cmd
     joined = " ".join(cmd)
@@ -105,8 +127,9 @@ def test_inside_launch_and_slurm_mapping():
     assert not inside_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"})
     assert inside_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "8"})
     cfg = _cfg(parallel={"dp": 4})
-    env = slurm_env({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
-                     "SLURM_JOB_NODELIST": "gpu[07-08]"}, cfg)
+    env = slurm_env(
+        {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]"}, cfg
+    )
     assert env["RANK"] == "3" and env["WORLD_SIZE"] == "4" and env["LOCAL_RANK"] == "1"
     assert env["MASTER_ADDR"] == "gpu07"
     assert env["MASTER_PORT"] == "29500"
@@ -141,8 +164,12 @@ def test_stream_process_tees_lines_and_returns_the_status(tmp_path):
     assert text.startswith("# ") and "hello from the child" in text and "to stderr" in text
     assert "step 2/2 | loss 1.5000" in out.getvalue() and "to stderr" in out.getvalue()
     # a second launch appends (resume keeps the first run's log)
-    assert stream_process([sys.executable, "-c", "print('again')"], env=None, log_path=log,
-                          console=io.StringIO(), live=False) == 0
+    assert (
+        stream_process(
+            [sys.executable, "-c", "print('again')"], env=None, log_path=log, console=io.StringIO(), live=False
+        )
+        == 0
+    )
     assert "hello from the child" in log.read_text() and log.read_text().rstrip().endswith("again")
     # on a terminal the progress lines drive a bar, the rest prints above it
     live = io.StringIO()
@@ -192,9 +219,11 @@ def test_failure_message_names_the_root_cause_rank_and_its_logs(tmp_path):
 
 def test_summarize_reads_metrics(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    recs = [{"step": 1, "loss": 5.0, "tokens_per_s": 10.0, "mfu": 0.1},
-            {"step": 2, "loss": 4.0, "tokens_per_s": 30.0, "mfu": 0.3},
-            {"step": 3, "loss": 3.0, "tokens_per_s": 50.0, "mfu": 0.5}]
+    recs = [
+        {"step": 1, "loss": 5.0, "tokens_per_s": 10.0, "mfu": 0.1},
+        {"step": 2, "loss": 4.0, "tokens_per_s": 30.0, "mfu": 0.3},
+        {"step": 3, "loss": 3.0, "tokens_per_s": 50.0, "mfu": 0.5},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 4, "lo')
     s = summarize(path)
     assert s == {"final_loss": 3.0, "tokens_per_s": 40.0, "mfu": pytest.approx(0.4), "steps": 3}
@@ -207,6 +236,7 @@ def test_summarize_reads_metrics(tmp_path):
 
 
 # --- the CLI and real runs -----------------------------------------------------------------------
+
 
 def test_cli_refuses_a_bad_flow_before_starting(tmp_path):
     path = _write_flow(tmp_path, parallel={"dp": 3, "tp": 5}, train={"stepz": 3})
@@ -231,10 +261,16 @@ def _free_port() -> int:
 
 def test_in_process_run_inside_an_existing_launch(tmp_path, monkeypatch):
     """RANK/WORLD_SIZE set (as torchrun sets them): the trainer runs here, no subprocess."""
-    flow = _write_flow(tmp_path, train={"steps": 3, "batch_size": 2, "seq_len": 16, "seed": 1},
-                       checkpoint={"every": 2, "keep_last": 1})
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
+    flow = _write_flow(
+        tmp_path, train={"steps": 3, "batch_size": 2, "seq_len": 16, "seed": 1}, checkpoint={"every": 2, "keep_last": 1}
+    )
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }.items():
         monkeypatch.setenv(k, v)
     from titan_pipe.config import load_flow
 
@@ -256,8 +292,13 @@ def test_in_process_run_inside_an_existing_launch(tmp_path, monkeypatch):
     # only one is new on disk at once; a fresh run of the same flow would hold two.
     from titan_pipe.training import preflight
 
-    longer = load_flow(_write_flow(tmp_path, train={"steps": 10, "batch_size": 2, "seq_len": 16, "seed": 1},
-                                   checkpoint={"every": 2, "keep_last": 1}))
+    longer = load_flow(
+        _write_flow(
+            tmp_path,
+            train={"steps": 10, "batch_size": 2, "seq_len": 16, "seed": 1},
+            checkpoint={"every": 2, "keep_last": 1},
+        )
+    )
     each = 12 * count_params(longer.model.args())
     monkeypatch.setattr(preflight, "free_bytes", lambda path: int(1.5 * each))
     assert preflight.disk_problem(longer, resume=True) is None
@@ -295,9 +336,11 @@ def test_train_refuses_a_run_whose_checkpoints_cannot_fit(tmp_path, monkeypatch)
     assert not (tmp_path / "runs").exists()
     assert CliRunner().invoke(app, ["validate", str(flow)]).exit_code == 0
     # without the optimizer state two checkpoints fit; one save (10 steps) fits with it
-    for sections in ({"train": {"steps": 20}, "checkpoint": {"every": 10, "save_optimizer": False}},
-                     {"train": {"steps": 10}, "checkpoint": {"every": 10}},
-                     {"train": {"steps": 20, "optimizer": {"name": "sgd"}}, "checkpoint": {"every": 10}}):
+    for sections in (
+        {"train": {"steps": 20}, "checkpoint": {"every": 10, "save_optimizer": False}},
+        {"train": {"steps": 10}, "checkpoint": {"every": 10}},
+        {"train": {"steps": 20, "optimizer": {"name": "sgd"}}, "checkpoint": {"every": 10}},
+    ):
         cfg = parse_flow(yaml.safe_load(_write_flow(tmp_path, **sections).read_text()), base=tmp_path)
         assert preflight.disk_problem(cfg) is None, sections
     # --resume onto a damaged manifest: one line from the resume check, none from this one, no traceback
@@ -316,8 +359,12 @@ def test_train_cli_end_to_end_tp2(tmp_path, monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.chdir(tmp_path)
-    flow = _write_flow(tmp_path, train={"steps": 3, "batch_size": 4, "seq_len": 32, "seed": 0},
-                       parallel={"dp": 1, "tp": 2, "pp": 1}, checkpoint={"every": 2, "keep_last": 2})
+    flow = _write_flow(
+        tmp_path,
+        train={"steps": 3, "batch_size": 4, "seq_len": 32, "seed": 0},
+        parallel={"dp": 1, "tp": 2, "pp": 1},
+        checkpoint={"every": 2, "keep_last": 2},
+    )
     r = CliRunner().invoke(app, ["train", str(flow)])
     assert r.exit_code == 0, r.output
     run = tmp_path / "runs" / "t"
@@ -372,12 +419,23 @@ def test_one_run_dir_rule_when_flow_yaml_is_elsewhere(tmp_path, monkeypatch):
     conf.mkdir()
     work.mkdir()
     monkeypatch.chdir(work)
-    data = {"name": "t", "runs_dir": "runs", "device": "cpu", "model": {"flavour": "debug"},
-            "train": {"steps": 2, "batch_size": 2, "seq_len": 16, "seed": 1}, "checkpoint": {"every": 2}}
+    data = {
+        "name": "t",
+        "runs_dir": "runs",
+        "device": "cpu",
+        "model": {"flavour": "debug"},
+        "train": {"steps": 2, "batch_size": 2, "seq_len": 16, "seed": 1},
+        "checkpoint": {"every": 2},
+    }
     flow = conf / "flow.yaml"
     flow.write_text(yaml.safe_dump(data))
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(_free_port())}.items():
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }.items():
         monkeypatch.setenv(k, v)
     res = run_training(flow_path=flow, cfg=load_flow(flow))
     assert res.run_dir == (work / "runs" / "t").resolve() and not (conf / "runs").exists()
@@ -392,8 +450,12 @@ def test_one_run_dir_rule_when_flow_yaml_is_elsewhere(tmp_path, monkeypatch):
     assert (res.run_dir / "flow.yaml").read_text() == record  # the rejected config replaced nothing
     # flow.yaml on a read-only mount (a ConfigMap): the run goes to ./runs, which is writable
     real_access = os.access
-    monkeypatch.setattr(preflight.os, "access",
-                        lambda p, mode, **kw: (False if mode & os.W_OK and Path(p).resolve().is_relative_to(conf)
-                                               else real_access(p, mode, **kw)))
+    monkeypatch.setattr(
+        preflight.os,
+        "access",
+        lambda p, mode, **kw: (
+            False if mode & os.W_OK and Path(p).resolve().is_relative_to(conf) else real_access(p, mode, **kw)
+        ),
+    )
     r = CliRunner().invoke(app, ["validate", str(flow)])
     assert r.exit_code == 0, r.output

@@ -1,6 +1,7 @@
 """Layer-streamed forward (training/layer_stream.py) in one process: a 1-rank layout goes through the
 same build_parallel_model / forward_logits code as the sharded forward's ranks; the streamed model
 holds one decoder layer at a time and its outputs equal the resident model's bit for bit."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,8 +26,13 @@ def one_rank(tmp_path_factory):
     try:
         mesh = ParallelDims(1, 1, 1).build_mesh("cpu")
         src = build_parallel_model(ARGS, mesh, seed=3)
-        step = save_checkpoint(root / "step-000001", model=src, optimizers=None, train_state={"step": 1},
-                               parallel=ParallelLayout(dp=1, tp=1, pp=1))
+        step = save_checkpoint(
+            root / "step-000001",
+            model=src,
+            optimizers=None,
+            train_state={"step": 1},
+            parallel=ParallelLayout(dp=1, tp=1, pp=1),
+        )
         yield mesh, step
     finally:
         dist.destroy_process_group()

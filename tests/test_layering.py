@@ -1,6 +1,7 @@
 """The layering of docs/architecture.md, checked on every import of every source file (top-level
 and lazy ones inside functions): stages import the core, never each other and never the CLI or
 flows; flows may import stages but not the CLI; the core imports no stage. No exceptions."""
+
 from __future__ import annotations
 
 import ast
@@ -10,14 +11,22 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # Source folder -> import name (pyproject's package-dir).
-FOLDERS = {"pipeline": "titan_pipe", "training": "titan_pipe.training", "convert": "titan_pipe.convert",
-           "evaluate": "titan_pipe.evaluate", "flows": "titan_pipe.flows"}
+FOLDERS = {
+    "pipeline": "titan_pipe",
+    "training": "titan_pipe.training",
+    "convert": "titan_pipe.convert",
+    "evaluate": "titan_pipe.evaluate",
+    "flows": "titan_pipe.flows",
+}
 STAGES = ("training", "convert", "evaluate")
 # (importing layer, imported layer) pairs that must not occur.
-FORBIDDEN = {*((a, b) for a in STAGES for b in STAGES if a != b),
-             *((s, "cli") for s in STAGES), *((s, "flows") for s in STAGES),
-             ("flows", "cli"),
-             *(("core", x) for x in (*STAGES, "flows", "cli"))}
+FORBIDDEN = {
+    *((a, b) for a in STAGES for b in STAGES if a != b),
+    *((s, "cli") for s in STAGES),
+    *((s, "flows") for s in STAGES),
+    ("flows", "cli"),
+    *(("core", x) for x in (*STAGES, "flows", "cli")),
+}
 
 
 def layer(module: str) -> str | None:
@@ -54,12 +63,16 @@ def imported_modules(tree: ast.AST, module: str, is_package: bool) -> list[tuple
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
-                anchor = anchor[:len(anchor) - (node.level - 1)]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             found.append((node.lineno, base))
             found += [(node.lineno, f"{base}.{a.name}") for a in node.names if a.name != "*"]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
-              == "import_module" and node.args and isinstance(node.args[0], ast.Constant)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
             found.append((node.lineno, str(node.args[0].value)))
     return found
 
@@ -86,10 +99,12 @@ def test_no_layering_violations():
 
 
 def test_the_scan_sees_lazy_relative_and_dynamic_imports(tmp_path):
-    src = ("import titan_pipe.model.args\n"
-           "def f():\n    from titan_pipe.convert.api import convert_checkpoint\n"
-           "def g():\n    from .. import commands\n"
-           "def h():\n    import importlib\n    importlib.import_module('titan_pipe.evaluate.api')\n")
+    src = (
+        "import titan_pipe.model.args\n"
+        "def f():\n    from titan_pipe.convert.api import convert_checkpoint\n"
+        "def g():\n    from .. import commands\n"
+        "def h():\n    import importlib\n    importlib.import_module('titan_pipe.evaluate.api')\n"
+    )
     path = REPO / "training" / "fake.py"
     found = violations(path, src, "titan_pipe.training.fake")
     assert [v.split(": ", 1)[1] for v in found] == [
@@ -100,15 +115,23 @@ def test_the_scan_sees_lazy_relative_and_dynamic_imports(tmp_path):
     ]
     assert layer("titan_pipe.checkpoint_format") == "core" and layer("titan_pipe.commands.run") == "cli"
     assert layer("titan_pipe.model.transformer") == "core" and layer("titan_pipe.tokens.corpus") == "core"
-    assert violations(REPO / "pipeline" / "config.py", "from titan_pipe.training.trainer import x\n",
-                      "titan_pipe.config") == ["pipeline/config.py:1: core imports titan_pipe.training.trainer (training)",
-                                               "pipeline/config.py:1: core imports titan_pipe.training.trainer.x (training)"]
+    assert violations(
+        REPO / "pipeline" / "config.py", "from titan_pipe.training.trainer import x\n", "titan_pipe.config"
+    ) == [
+        "pipeline/config.py:1: core imports titan_pipe.training.trainer (training)",
+        "pipeline/config.py:1: core imports titan_pipe.training.trainer.x (training)",
+    ]
 
 
-@pytest.mark.parametrize("own, target", [("convert", "titan_pipe.training.parallelize"),
-                                         ("evaluate", "titan_pipe.training.sharded_forward"),
-                                         ("evaluate", "titan_pipe.convert.onnx.graphs"),
-                                         ("convert", "titan_pipe.evaluate.metrics")])
+@pytest.mark.parametrize(
+    "own, target",
+    [
+        ("convert", "titan_pipe.training.parallelize"),
+        ("evaluate", "titan_pipe.training.sharded_forward"),
+        ("evaluate", "titan_pipe.convert.onnx.graphs"),
+        ("convert", "titan_pipe.evaluate.metrics"),
+    ],
+)
 def test_no_stage_imports_another_stage(own, target):
     """Each stage-to-stage rule catches an import, top-level or lazy, absolute or relative."""
     module = f"titan_pipe.{own}.fake"

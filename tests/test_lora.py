@@ -4,6 +4,7 @@ reference, the frozen base unchanged, only adapter states, checkpoints that hold
 checked record of the base, convert's merge against PEFT's merge_and_unload and its adapter dir
 loaded by PEFT, evaluate PASS on the merged deployment, the planner, and the refusals.
 (dp2 x tp2 x pp2 is in test_training_parallel's 8-rank launch.)"""
+
 from __future__ import annotations
 
 import json
@@ -37,14 +38,32 @@ LORA = {"rank": 4, "alpha": 8, "targets": list(SPEC.targets)}
 
 
 def _flow(base: Path, parallel: dict, **train) -> dict:
-    return {"device": "cpu", "init_from": str(base), "parallel": parallel,
-            "train": {"steps": 4, "batch_size": 8, "seq_len": 32, "warmup_steps": 1, "seed": 0, "grad_clip": 1.0,
-                      "optimizer": {"lr": 0.01, "weight_decay": 0.1}, "lora": LORA, **train},
-            "checkpoint": {"every": 2, "keep_last": 3}}
+    return {
+        "device": "cpu",
+        "init_from": str(base),
+        "parallel": parallel,
+        "train": {
+            "steps": 4,
+            "batch_size": 8,
+            "seq_len": 32,
+            "warmup_steps": 1,
+            "seed": 0,
+            "grad_clip": 1.0,
+            "optimizer": {"lr": 0.01, "weight_decay": 0.1},
+            "lora": LORA,
+            **train,
+        },
+        "checkpoint": {"every": 2, "keep_last": 3},
+    }
 
 
-RUNS = {"tp2": {"tp": 2}, "tp2_sp": {"tp": 2, "sequence_parallel": True}, "dp2_fsdp": {"dp": 2},
-        "dp2_ddp": {"dp": 2, "dp_mode": "ddp"}, "pp2": {"pp": 2, "microbatches": 2}}
+RUNS = {
+    "tp2": {"tp": 2},
+    "tp2_sp": {"tp": 2, "sequence_parallel": True},
+    "dp2_fsdp": {"dp": 2},
+    "dp2_ddp": {"dp": 2, "dp_mode": "ddp"},
+    "pp2": {"pp": 2, "microbatches": 2},
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +74,21 @@ def lora_runs(tmp_path_factory):
     args = model_args()
     write_hf(native_state(args, seed=3), args, work / "base")
     runs = [{"name": n, "flow": _flow(work / "base", par), "check_base": True} for n, par in RUNS.items()]
-    runs.append({"name": "tp2_to_dp2", "flow": _flow(work / "base", {"dp": 2}), "resume": True,
-                 "copy_from": {"run": "tp2", "step": 2}})
-    runs.append({"name": "bf16_base", "check_base": True,
-                 "flow": dict(_flow(work / "base", {"dp": 2}), precision={"amp": True, "amp_dtype": "bfloat16"})})
+    runs.append(
+        {
+            "name": "tp2_to_dp2",
+            "flow": _flow(work / "base", {"dp": 2}),
+            "resume": True,
+            "copy_from": {"run": "tp2", "step": 2},
+        }
+    )
+    runs.append(
+        {
+            "name": "bf16_base",
+            "check_base": True,
+            "flow": dict(_flow(work / "base", {"dp": 2}), precision={"amp": True, "amp_dtype": "bfloat16"}),
+        }
+    )
     # fine-tuning on chat data (answers only, conversations packed apart) with adapters, tp2
     from chat_fixtures import chat_records, train_tokenizer, write_jsonl
 
@@ -66,20 +96,37 @@ def lora_runs(tmp_path_factory):
     train_tokenizer(work / "base_chat")
     write_jsonl(work / "chat" / "chat.jsonl", chat_records(80))
     sft = _flow(work / "base_chat", {"tp": 2}, mode="sft", seq_len=192)
-    sft["data"] = {"path": str(work / "chat" / "chat.jsonl"), "tokenizer": str(work / "base_chat"), "format": "chat",
-                   "val_fraction": 0.1}
+    sft["data"] = {
+        "path": str(work / "chat" / "chat.jsonl"),
+        "tokenizer": str(work / "base_chat"),
+        "format": "chat",
+        "val_fraction": 0.1,
+    }
     runs.append({"name": "sft_tp2", "flow": sft, "check_base": True})
     # a tied, biased base (Qwen2 / SmolLM2-shaped) in a pipeline: the output a frozen copy of the embedding
     tied = model_args(tie_embeddings=True, qkv_bias=True)
     write_hf(native_state(tied, seed=3), tied, work / "base_tied")
-    runs.append({"name": "tied_pp2", "flow": _flow(work / "base_tied", {"pp": 2, "microbatches": 2}),
-                 "check_base": True})
+    runs.append(
+        {"name": "tied_pp2", "flow": _flow(work / "base_tied", {"pp": 2, "microbatches": 2}), "check_base": True}
+    )
     spec = work / "spec.json"
     spec.write_text(json.dumps({"workdir": str(work), "runs": runs}))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(HERE / "train_driver.py"), str(spec)], env=env, capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(HERE / "train_driver.py"),
+            str(spec),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return work, json.loads((work / "results.json").read_text())
 
@@ -113,7 +160,7 @@ def test_adapted_forward_and_gradients_equal_the_merged_weight_arithmetic():
     for n in leaves:
         if n.endswith(".a.weight"):
             w = n.replace(".lora.", ".").replace(".a.weight", ".weight")
-            weights[w] = weights[w] + SPEC.scale * leaves[n[:-len("a.weight")] + "b.weight"] @ leaves[n]
+            weights[w] = weights[w] + SPEC.scale * leaves[n[: -len("a.weight")] + "b.weight"] @ leaves[n]
     ref = torch.nn.functional.cross_entropy(functional_call(plain, weights, (x,)).flatten(0, 1), y.flatten())
     ref.backward()
     assert abs(float(loss.detach()) - float(ref.detach())) < 1e-6
@@ -136,11 +183,15 @@ def test_adapters_have_rows_in_the_sharding_table():
     assert [tp_split_dim(f"layers.0.attention.lora.wq.{p}.weight") for p in "ab"] == [None, 0]
     assert [tp_split_dim(f"layers.0.feed_forward.lora.w2.{p}.weight") for p in "ab"] == [1, None]
     assert param_of("layers.3.attention.lora.wo.b.weight").tp == "replicate"
-    assert {r.module for r in TP_PLAN if ".lora." in r.module} >= {"layers.*.attention.lora.wq.a",
-                                                                  "layers.*.feed_forward.lora.w3.b"}
+    assert {r.module for r in TP_PLAN if ".lora." in r.module} >= {
+        "layers.*.attention.lora.wq.a",
+        "layers.*.feed_forward.lora.w3.b",
+    }
     hf = native_to_hf("layers.2.attention.wk.weight", "llama")
-    assert peft_key("layers.2.attention.lora.wk.a.weight", hf) == \
-        "base_model.model.model.layers.2.self_attn.k_proj.lora_A.weight"
+    assert (
+        peft_key("layers.2.attention.lora.wk.a.weight", hf)
+        == "base_model.model.model.layers.2.self_attn.k_proj.lora_A.weight"
+    )
 
 
 # -- training ------------------------------------------------------------------------------------
@@ -182,8 +233,11 @@ def test_the_base_stays_bit_identical_and_only_adapters_have_optimizer_state(lor
     from torch.distributed.checkpoint import FileSystemReader
 
     meta = FileSystemReader(str(_step(work, "tp2") / "optimizer")).read_metadata()
-    states = {k[len("optimizer.state."):].rsplit(".", 1)[0] for k in meta.state_dict_metadata
-              if k.startswith("optimizer.state.")}
+    states = {
+        k[len("optimizer.state.") :].rsplit(".", 1)[0]
+        for k in meta.state_dict_metadata
+        if k.startswith("optimizer.state.")
+    }
     assert states == set(adapter_names(model_args(), SPEC))
 
 
@@ -272,16 +326,19 @@ def _tampered(work: Path, tmp_path: Path, edit) -> Path:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("edit, expect", [
-    (lambda r: r.update(rank=8), "LoRA record"),  # the record and the stored adapters disagree
-    (lambda r: r.update(targets=["q", "v"]), "LoRA record"),
-    (lambda r: r.update(rank="4"), "is not a whole number"),
-    (lambda r: r.pop("base"), "no base record"),
-    (lambda r: r["base"]["files"].update({"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}), "base.files"),
-    (lambda r: r["base"]["files"]["model.safetensors"].update(sha256="abc"), "base.files"),
-    (lambda r: r["base"]["files"]["model.safetensors"].update(size=-1), "base.files"),
-    (lambda r: r["base"].update(files={}), "base.path / base.files"),
-])
+@pytest.mark.parametrize(
+    "edit, expect",
+    [
+        (lambda r: r.update(rank=8), "LoRA record"),  # the record and the stored adapters disagree
+        (lambda r: r.update(targets=["q", "v"]), "LoRA record"),
+        (lambda r: r.update(rank="4"), "is not a whole number"),
+        (lambda r: r.pop("base"), "no base record"),
+        (lambda r: r["base"]["files"].update({"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}), "base.files"),
+        (lambda r: r["base"]["files"]["model.safetensors"].update(sha256="abc"), "base.files"),
+        (lambda r: r["base"]["files"]["model.safetensors"].update(size=-1), "base.files"),
+        (lambda r: r["base"].update(files={}), "base.path / base.files"),
+    ],
+)
 def test_a_tampered_lora_record_is_one_line_from_every_reader(lora_runs, tmp_path, edit, expect):
     work, _ = lora_runs
     step = _tampered(work, tmp_path, edit)
@@ -317,8 +374,11 @@ def test_merge_equals_peft_and_the_adapter_dir_loads_in_peft(lora_runs, tmp_path
     convert_checkpoint(step, tmp_path / "merged")
     convert_checkpoint(step, tmp_path / "adapter", ConvertConfig(lora="adapter"))
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
-    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8.0 and set(cfg["target_modules"]) == {
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert (
+        cfg["r"] == 4
+        and cfg["lora_alpha"] == 8.0
+        and set(cfg["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    )
     x = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(2))
     adapted = open_weights(step, adapters_apart=True)
     ours = build_model(adapted.args, lora=adapted.lora, seed=None)
@@ -335,8 +395,10 @@ def test_merge_equals_peft_and_the_adapter_dir_loads_in_peft(lora_runs, tmp_path
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
         torch.testing.assert_close(hf(x).logits, want, rtol=1e-4, atol=1e-4)
     # the merged model differs from the base: the fine-tune is in it
-    assert not torch.equal(mine["model.layers.0.self_attn.q_proj.weight"],
-                           load_file(str(work / "base" / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        mine["model.layers.0.self_attn.q_proj.weight"],
+        load_file(str(work / "base" / "model.safetensors"))["model.layers.0.self_attn.q_proj.weight"],
+    )
     prov = json.loads((tmp_path / "merged" / "provenance.json").read_text())
     assert any(f.endswith("model.safetensors") and str(work / "base") in f for f in prov["source"]["digests"])
 
@@ -368,8 +430,13 @@ def test_merged_deployment_exports_and_evaluates_pass(lora_runs, tmp_path):
     step = _step(work, "tp2")
     convert_checkpoint(step, tmp_path / "model")
     onnx = export_model(tmp_path / "model", tmp_path / "onnx", ExportConfig(atc=False)).onnx
-    r = evaluate_model(out_dir=tmp_path / "report", checkpoint=step, model_dir=tmp_path / "model", onnx=onnx,
-                       settings=EvaluateConfig(batches=1, prompts=2, new_tokens=4))
+    r = evaluate_model(
+        out_dir=tmp_path / "report",
+        checkpoint=step,
+        model_dir=tmp_path / "model",
+        onnx=onnx,
+        settings=EvaluateConfig(batches=1, prompts=2, new_tokens=4),
+    )
     assert r.passed, r.summary["verdict"]
     assert r.summary["comparisons"]["sharded_vs_unified"] == "pass"
     after = r.summary["perplexity"]["torch float32 (model)"]
@@ -403,8 +470,13 @@ def test_a_deployment_without_the_fine_tune_fails_evaluate(lora_runs, tmp_path):
     convert_checkpoint(step, tmp_path / "model")
     shutil.copyfile(work / "base" / "model.safetensors", tmp_path / "model" / "model.safetensors")
     onnx = export_model(tmp_path / "model", tmp_path / "onnx", ExportConfig(atc=False)).onnx
-    r = evaluate_model(out_dir=tmp_path / "report", checkpoint=step, model_dir=tmp_path / "model", onnx=onnx,
-                       settings=EvaluateConfig(batches=1, prompts=2, new_tokens=4))
+    r = evaluate_model(
+        out_dir=tmp_path / "report",
+        checkpoint=step,
+        model_dir=tmp_path / "model",
+        onnx=onnx,
+        settings=EvaluateConfig(batches=1, prompts=2, new_tokens=4),
+    )
     assert not r.passed and r.summary["comparisons"]["sharded_vs_unified"] == "fail"
     assert r.summary["first_failing_layer"]["layer"] == 0, r.summary["first_failing_layer"]
 
@@ -444,8 +516,12 @@ def test_cli_refusals_and_init(tmp_path):
     code, out = cli("init", tmp_path / "proj", "--from", tmp_path / "base", "--sft", "--lora", "8", "--device", "cpu")
     assert code == 0, out
     flow = yaml.safe_load((tmp_path / "proj" / "flow.yaml").read_text())
-    assert flow["train"]["lora"] == {"rank": 8, "alpha": 16, "dropout": 0.05,
-                                     "targets": ["q", "k", "v", "o", "gate", "up", "down"]}
+    assert flow["train"]["lora"] == {
+        "rank": 8,
+        "alpha": 16,
+        "dropout": 0.05,
+        "targets": ["q", "k", "v", "o", "gate", "up", "down"],
+    }
     assert flow["train"]["optimizer"]["lr"] == 2e-4 and flow["init_from"] == str(tmp_path / "base")
 
 

@@ -1,4 +1,5 @@
 """The model against Hugging Face transformers' LlamaForCausalLM, and the flavour sizes."""
+
 import pytest
 import torch
 
@@ -32,8 +33,12 @@ def test_param_count_matches_published(flavour):
 
 
 def test_param_count_matches_module():
-    for over in ({"tie_embeddings": False}, {"tie_embeddings": True}, {"qkv_bias": True},
-                 {"qk_norm": True, "head_dim": 32}):
+    for over in (
+        {"tie_embeddings": False},
+        {"tie_embeddings": True},
+        {"qkv_bias": True},
+        {"qk_norm": True, "head_dim": 32},
+    ):
         args = resolve_args("debug", **over)
         model = build_model(args, seed=0)
         assert count_params(args) == sum(p.numel() for p in model.parameters())
@@ -41,8 +46,9 @@ def test_param_count_matches_module():
 
 def _hf_pair(args, seed=0):
     torch.manual_seed(seed)
-    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in to_hf_config(args).items()
-                                         if k not in ("architectures", "torch_dtype")})
+    hf_cfg = transformers.LlamaConfig(
+        **{k: v for k, v in to_hf_config(args).items() if k not in ("architectures", "torch_dtype")}
+    )
     hf_cfg._attn_implementation = "eager"
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     with torch.no_grad():  # random norms too, so a swapped norm cannot pass
@@ -58,13 +64,22 @@ def _hf_pair(args, seed=0):
     return hf, ours.eval()
 
 
-@pytest.mark.parametrize("overrides", [
-    {},  # debug: GQA 4 heads / 2 kv heads
-    {"n_kv_heads": 4, "tie_embeddings": True},
-    {"rope_theta": 500000.0, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0,
-                                              "high_freq_factor": 4.0,
-                                              "original_max_position_embeddings": 32}},
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # debug: GQA 4 heads / 2 kv heads
+        {"n_kv_heads": 4, "tie_embeddings": True},
+        {
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        },
+    ],
+)
 def test_logits_equal_transformers(overrides):
     args = resolve_args("debug", **overrides)
     hf, ours = _hf_pair(args)

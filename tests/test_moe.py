@@ -1,6 +1,7 @@
 """Mixture of experts in the one model: Mixtral and Qwen3-MoE against transformers (logits, the
 load-balancing loss, gradients), the flavours' sizes against transformers' own count, the expert
 kernels against each other and against a dense reference, config.json both ways, bad configs."""
+
 from __future__ import annotations
 
 import pytest
@@ -22,9 +23,18 @@ transformers = pytest.importorskip("transformers")
 MIXTRAL = resolve_args("debug_moe", router_aux_loss_coef=0.02)
 # Qwen3-MoE: q/k norms, narrower experts than the dense layers, layer 1 dense (mlp_only_layers),
 # the top-k not renormalized (norm_topk_prob false).
-QWEN3_MOE = resolve_args("debug_moe", qk_norm=True, head_dim=32, moe_hidden_dim=48, ffn_hidden_dim=96,
-                         dense_layers=(1,), router_norm_topk=False, n_experts=6, experts_per_token=3,
-                         router_aux_loss_coef=0.001)
+QWEN3_MOE = resolve_args(
+    "debug_moe",
+    qk_norm=True,
+    head_dim=32,
+    moe_hidden_dim=48,
+    ffn_hidden_dim=96,
+    dense_layers=(1,),
+    router_norm_topk=False,
+    n_experts=6,
+    experts_per_token=3,
+    router_aux_loss_coef=0.001,
+)
 
 
 def _hf_model(args: ModelArgs, seed: int = 0):
@@ -104,11 +114,21 @@ def test_logits_aux_loss_and_gradients_match_transformers(args, family):
     # the training path: forward with labels is the fused cross entropy plus the same aux term
     with torch.no_grad():
         fused = ours(tokens, labels=labels)
-        assert abs(fused.item() - (F.cross_entropy(ours(tokens).reshape(-1, args.vocab_size), labels.reshape(-1))
-                                   + ours.aux_loss()).item()) <= 1e-5
+        assert (
+            abs(
+                fused.item()
+                - (
+                    F.cross_entropy(ours(tokens).reshape(-1, args.vocab_size), labels.reshape(-1)) + ours.aux_loss()
+                ).item()
+            )
+            <= 1e-5
+        )
     named = dict(hf.named_parameters())  # transformers 5 names Mixtral's block "mlp" in memory
-    want = next(named[f"model.layers.0.{r}.weight"] for r in ("block_sparse_moe.gate", "mlp.gate")
-                if f"model.layers.0.{r}.weight" in named).grad
+    want = next(
+        named[f"model.layers.0.{r}.weight"]
+        for r in ("block_sparse_moe.gate", "mlp.gate")
+        if f"model.layers.0.{r}.weight" in named
+    ).grad
     assert torch.allclose(ours.layers["0"].moe.router.gate.weight.grad, want, atol=1e-6, rtol=1e-4)
     got_q = ours.layers["2"].attention.wq.weight.grad
     assert torch.allclose(got_q, hf.model.layers[2].self_attn.q_proj.weight.grad, atol=1e-6, rtol=1e-4)
@@ -161,28 +181,38 @@ def test_expert_kernels_agree_with_a_dense_reference():
     assert torch.allclose(grouped, experts_loop(xs, counts, e.w1, e.w3, e.w2), atol=1e-5)
     few = torch.zeros(8, dtype=torch.long)
     few[3] = 4  # one expert with every row, seven with none
-    assert torch.allclose(experts_loop(xs[:4], few, e.w1, e.w3, e.w2),
-                          F.linear(F.silu(F.linear(xs[:4], e.w1[3])) * F.linear(xs[:4], e.w3[3]), e.w2[3]))
+    assert torch.allclose(
+        experts_loop(xs[:4], few, e.w1, e.w3, e.w2),
+        F.linear(F.silu(F.linear(xs[:4], e.w1[3])) * F.linear(xs[:4], e.w3[3]), e.w2[3]),
+    )
 
 
 def test_qwen3_moe_config_json_both_ways():
     cfg = to_hf_config(QWEN3_MOE)
-    assert (cfg["model_type"], cfg["num_experts"], cfg["moe_intermediate_size"], cfg["mlp_only_layers"],
-            cfg["norm_topk_prob"]) == ("qwen3_moe", 6, 48, [1], False)
+    assert (
+        cfg["model_type"],
+        cfg["num_experts"],
+        cfg["moe_intermediate_size"],
+        cfg["mlp_only_layers"],
+        cfg["norm_topk_prob"],
+    ) == ("qwen3_moe", 6, 48, [1], False)
     hf_cfg = transformers.AutoConfig.for_model(**cfg).to_dict()  # transformers 5 writes num_local_experts
     assert from_hf_config(hf_cfg) == QWEN3_MOE
     assert hf_expert_key("layers.2.moe.experts.w2", 5, "qwen3_moe") == "model.layers.2.mlp.experts.5.down_proj.weight"
     assert param_of("layers.2.moe.experts.w2").expert and not param_of("layers.2.moe.router.gate.weight").expert
 
 
-@pytest.mark.parametrize("change,expect", [
-    ({"num_experts_per_tok": None}, "num_experts_per_tok"),
-    ({"num_experts_per_tok": 9}, "experts_per_token: 9 must be 1..n_experts=6"),
-    ({"num_local_experts": None, "num_experts": None}, "num_local_experts"),
-    ({"num_local_experts": 6, "num_experts": 8}, "disagrees with num_local_experts 6"),
-    ({"mlp_only_layers": [7]}, "dense_layers: 7 is not a layer"),
-    ({"mlp_only_layers": "1"}, "mlp_only_layers"),
-])
+@pytest.mark.parametrize(
+    "change,expect",
+    [
+        ({"num_experts_per_tok": None}, "num_experts_per_tok"),
+        ({"num_experts_per_tok": 9}, "experts_per_token: 9 must be 1..n_experts=6"),
+        ({"num_local_experts": None, "num_experts": None}, "num_local_experts"),
+        ({"num_local_experts": 6, "num_experts": 8}, "disagrees with num_local_experts 6"),
+        ({"mlp_only_layers": [7]}, "dense_layers: 7 is not a layer"),
+        ({"mlp_only_layers": "1"}, "mlp_only_layers"),
+    ],
+)
 def test_a_bad_moe_config_json_is_one_line(change, expect):
     cfg = to_hf_config(QWEN3_MOE)
     for k, v in change.items():
@@ -201,21 +231,35 @@ def test_mixtral_jitter_noise_is_refused():
         from_hf_config(cfg)
 
 
-@pytest.mark.parametrize("section,expect", [
-    ({"parallel": {"dp": 2, "tp": 2, "ep": 2}, "launch": {"nproc_per_node": 4}}, "parallel.tp: 2 with ep=2"),
-    ({"parallel": {"tp": 2, "sequence_parallel": True}, "launch": {"nproc_per_node": 2}},
-     "parallel.sequence_parallel: true with a mixture of experts"),
-    ({"train": {"compile": True}}, "train.compile: true: the routing has data-dependent shapes"),
-    ({"model": {"flavour": "debug_moe", "experts_per_token": 5}}, "model.experts_per_token: 5 must be 1..n_experts=4"),
-    ({"model": {"flavour": "debug_moe", "moe_hidden_dim": 48}}, "Mixtral's"),
-    ({"parallel": {"dp": 4, "ep": 3}, "launch": {"nproc_per_node": 4}}, "parallel.ep: 3 does not divide dp=4"),
-    ({"parallel": {"dp": 6, "ep": 3}, "launch": {"nproc_per_node": 6}, "train": {"batch_size": 6}},
-     "parallel.ep: 3 does not divide the model's n_experts=4"),
-    ({"parallel": {"dp": 2, "ep": 2, "dp_mode": "ddp"}, "launch": {"nproc_per_node": 2}},
-     "parallel.dp_mode: ddp with ep=2"),
-    ({"model": {"flavour": "debug"}, "parallel": {"dp": 2, "ep": 2}, "launch": {"nproc_per_node": 2}},
-     "parallel.ep: 2 splits a mixture of experts' experts; the model has none"),
-])
+@pytest.mark.parametrize(
+    "section,expect",
+    [
+        ({"parallel": {"dp": 2, "tp": 2, "ep": 2}, "launch": {"nproc_per_node": 4}}, "parallel.tp: 2 with ep=2"),
+        (
+            {"parallel": {"tp": 2, "sequence_parallel": True}, "launch": {"nproc_per_node": 2}},
+            "parallel.sequence_parallel: true with a mixture of experts",
+        ),
+        ({"train": {"compile": True}}, "train.compile: true: the routing has data-dependent shapes"),
+        (
+            {"model": {"flavour": "debug_moe", "experts_per_token": 5}},
+            "model.experts_per_token: 5 must be 1..n_experts=4",
+        ),
+        ({"model": {"flavour": "debug_moe", "moe_hidden_dim": 48}}, "Mixtral's"),
+        ({"parallel": {"dp": 4, "ep": 3}, "launch": {"nproc_per_node": 4}}, "parallel.ep: 3 does not divide dp=4"),
+        (
+            {"parallel": {"dp": 6, "ep": 3}, "launch": {"nproc_per_node": 6}, "train": {"batch_size": 6}},
+            "parallel.ep: 3 does not divide the model's n_experts=4",
+        ),
+        (
+            {"parallel": {"dp": 2, "ep": 2, "dp_mode": "ddp"}, "launch": {"nproc_per_node": 2}},
+            "parallel.dp_mode: ddp with ep=2",
+        ),
+        (
+            {"model": {"flavour": "debug"}, "parallel": {"dp": 2, "ep": 2}, "launch": {"nproc_per_node": 2}},
+            "parallel.ep: 2 splits a mixture of experts' experts; the model has none",
+        ),
+    ],
+)
 def test_flow_yaml_refuses_what_moe_training_does_not_do(tmp_path, section, expect):
     flow = {"name": "m", "model": {"flavour": "debug_moe"}, **section}
     with pytest.raises(ConfigError) as e:
@@ -239,8 +283,9 @@ def test_pipeline_stages_carry_the_routing_statistics(flavour):
     whole(tokens)
     want = whole.aux_loss()
     want.backward()
-    stages = [build_stage_module(args, ids, first=i == 0, last=i == 1, device="cpu")
-              for i, ids in enumerate([[0, 1], [2, 3]])]
+    stages = [
+        build_stage_module(args, ids, first=i == 0, last=i == 1, device="cpu") for i, ids in enumerate([[0, 1], [2, 3]])
+    ]
     for st in stages:
         st.init_rope()
         st.load_state_dict({k: v for k, v in whole.state_dict().items() if k in st.state_dict()})
@@ -275,7 +320,10 @@ def test_hugging_face_moe_dirs_convert_both_ways(tmp_path, args, family):
     convert_checkpoint(tmp_path / "hf", tmp_path / "shards", ConvertConfig(pp=2))
     convert_checkpoint(tmp_path / "shards", tmp_path / "back")
     convert_checkpoint(tmp_path / "hf", tmp_path / "native", ConvertConfig(naming="native"))
-    original, back = load_file(tmp_path / "hf" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    original, back = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
     assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
     assert any(parse_hf_expert(k) for k in back)  # per expert, in this family's spelling
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").float().eval()
@@ -302,9 +350,11 @@ def test_moe_dir_faults_are_one_line(tmp_path):
     f = tmp_path / "hf" / "model.safetensors"
     good = load_file(f)
     key = "model.layers.2.block_sparse_moe.experts.3.w1.weight"
-    cases = {"missing": ({k: v for k, v in good.items() if k != key}, "expert 3 of 'layers.2.moe.experts.w1' is missing"),
-             "extra": ({**good, key.replace(".3.", ".4."): good[key].clone()}, "has no place"),
-             "shape": ({**good, key: good[key][:8].clone()}, "per expert")}
+    cases = {
+        "missing": ({k: v for k, v in good.items() if k != key}, "expert 3 of 'layers.2.moe.experts.w1' is missing"),
+        "extra": ({**good, key.replace(".3.", ".4."): good[key].clone()}, "has no place"),
+        "shape": ({**good, key: good[key][:8].clone()}, "per expert"),
+    }
     from titan_pipe.model.unified_dir import open_unified
 
     for name, (sd, expect) in cases.items():
@@ -312,8 +362,6 @@ def test_moe_dir_faults_are_one_line(tmp_path):
         with pytest.raises(UserError) as e:
             open_unified(tmp_path / "hf")
         assert expect in str(e.value) and len(str(e.value).splitlines()) == 1, (name, str(e.value))
-
-
 
 
 @pytest.mark.parametrize("args,family", [(MIXTRAL, "mixtral"), (QWEN3_MOE, "qwen3_moe")], ids=["mixtral", "qwen3_moe"])
@@ -332,21 +380,27 @@ def test_export_generates_like_transformers(tmp_path, args, family):
 
     hf = _hf_model(args)
     hf.save_pretrained(tmp_path / "hf")
-    res = export_model(tmp_path / "hf", tmp_path / "onnx",
-                       ExportConfig(dynamic=False, batch=2, seq_len=12, cache_len=40, atc=False))
+    res = export_model(
+        tmp_path / "hf", tmp_path / "onnx", ExportConfig(dynamic=False, batch=2, seq_len=12, cache_len=40, atc=False)
+    )
     ops = {o["op_type"] for o in json.loads(res.export_json.read_text())["graphs"]["decode.onnx"]["operators"]}
     assert {"TopK", "Softmax", "ReduceSum", "Equal", "MatMul"} <= ops
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, args.vocab_size, (n,), generator=g).tolist() for n in (12, 6)]
-    gen = generate(prefill=ort_session(res.onnx, threads=1), decode=ort_session(res.decode_onnx, threads=1),
-                   prompts=prompts, max_new_tokens=24)
+    gen = generate(
+        prefill=ort_session(res.onnx, threads=1),
+        decode=ort_session(res.decode_onnx, threads=1),
+        prompts=prompts,
+        max_new_tokens=24,
+    )
     for r, p in enumerate(prompts):
         ids = torch.tensor([p])
         with torch.no_grad():
-            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                              pad_token_id=0)[0]
-            ref = hf(seq[None, :-1]).logits[0, len(p) - 1:].numpy()
-        assert np.array_equal(gen.new_tokens[r], seq[len(p):].numpy()), (family, r)
+            seq = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, pad_token_id=0
+            )[0]
+            ref = hf(seq[None, :-1]).logits[0, len(p) - 1 :].numpy()
+        assert np.array_equal(gen.new_tokens[r], seq[len(p) :].numpy()), (family, r)
         assert np.abs(gen.logits[r] - ref).max() <= 1e-4, (family, r)
 
 
@@ -430,28 +484,44 @@ def test_megatron_moe_arguments_read_strictly(tmp_path):
     from convert_writers import megatron_args, model_args
     from titan_pipe.weights.readers.megatron.common import model_args as from_megatron
 
-    args = model_args(n_experts=4, experts_per_token=2, moe_hidden_dim=48, dense_layers=(0,), qk_norm=True,
-                      head_dim=16, router_aux_loss_coef=0.01)
+    args = model_args(
+        n_experts=4,
+        experts_per_token=2,
+        moe_hidden_dim=48,
+        dense_layers=(0,),
+        qk_norm=True,
+        head_dim=16,
+        router_aux_loss_coef=0.01,
+    )
     ns = megatron_args(args, tp=2, pp=1, padded=512)
     got = from_megatron(ns, 320, tmp_path)
-    assert (got.n_experts, got.experts_per_token, got.expert_dim, got.moe_layers, got.router_norm_topk,
-            got.router_aux_loss_coef) == (4, 2, 48, (1, 2, 3), True, 0.01)
+    assert (
+        got.n_experts,
+        got.experts_per_token,
+        got.expert_dim,
+        got.moe_layers,
+        got.router_norm_topk,
+        got.router_aux_loss_coef,
+    ) == (4, 2, 48, (1, 2, 3), True, 0.01)
     ns.moe_layer_freq, ns.moe_router_pre_softmax = 2, True
     got = from_megatron(ns, 320, tmp_path)
     assert got.moe_layers == (0, 2) and got.dense_layers == (1, 3) and not got.router_norm_topk
-    for key, value, expect in [("moe_shared_expert_intermediate_size", 64, "shared experts"),
-                               ("moe_router_score_function", "sigmoid", "moe_router_score_function='sigmoid'"),
-                               ("moe_router_enable_expert_bias", True, "router expert biases"),
-                               ("moe_layer_freq", [1, 1], "lists 2 layers, num_layers is 4"),
-                               ("moe_layer_freq", "every", "neither a layer step nor a list")]:
+    for key, value, expect in [
+        ("moe_shared_expert_intermediate_size", 64, "shared experts"),
+        ("moe_router_score_function", "sigmoid", "moe_router_score_function='sigmoid'"),
+        ("moe_router_enable_expert_bias", True, "router expert biases"),
+        ("moe_layer_freq", [1, 1], "lists 2 layers, num_layers is 4"),
+        ("moe_layer_freq", "every", "neither a layer step nor a list"),
+    ]:
         bad = megatron_args(args, tp=2, pp=1, padded=512)
         setattr(bad, key, value)
         with pytest.raises(UserError, match=expect):
             from_megatron(bad, 320, tmp_path)
 
 
-@pytest.mark.parametrize("tp,pp,ep,grouped", [(2, 2, 2, False), (1, 1, 2, False), (2, 1, 1, False),
-                                               (2, 2, 2, True), (1, 1, 2, True)])
+@pytest.mark.parametrize(
+    "tp,pp,ep,grouped", [(2, 2, 2, False), (1, 1, 2, False), (2, 1, 1, False), (2, 2, 2, True), (1, 1, 2, True)]
+)
 def test_legacy_megatron_moe_rank_files_convert_bit_exactly(tmp_path, tp, pp, ep, grouped):
     """Megatron-LM's legacy per-rank files of a mixture of experts (mp_rank_TT[_PPP][_EEE]: with pp 1
     the single suffix is the ep rank), each ep rank holding its SequentialMLP experts as
@@ -463,8 +533,15 @@ def test_legacy_megatron_moe_rank_files_convert_bit_exactly(tmp_path, tp, pp, ep
     from titan_pipe.config import ConvertConfig
     from titan_pipe.convert.api import convert_checkpoint
 
-    args = model_args(n_experts=4, experts_per_token=2, moe_hidden_dim=48, dense_layers=(0,), qk_norm=True,
-                      head_dim=16, router_aux_loss_coef=0.01)
+    args = model_args(
+        n_experts=4,
+        experts_per_token=2,
+        moe_hidden_dim=48,
+        dense_layers=(0,),
+        qk_norm=True,
+        head_dim=16,
+        router_aux_loss_coef=0.01,
+    )
     sd = native_state(args)
     src = write_megatron(sd, args, tmp_path / "src", tp=tp, pp=pp, ep=ep, fused_norms=False, grouped=grouped)
     dirs = sorted(p.name for p in (src / "iter_0000050").iterdir())

@@ -1,6 +1,7 @@
 """The planner against the real model: activation bytes against the CPU memory profiler, FLOPs
 (with recomputation) against FlopCounterMode, parameter accounting against count_params, and the
 CLI (ranked table, misfit reasons, --write flow.yaml that validates, bad inputs)."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -16,18 +17,27 @@ from titan_pipe.model.args import FLAVOURS, count_params, resolve_args
 from titan_pipe.training.activation_checkpoint import apply_ac
 from titan_pipe.model.transformer import build_model
 from titan_pipe.training.planner.memory import (
-    ActDtypes, activation_bytes, head_activation_bytes, layer_activation_bytes, memory_per_device,
-    optimizer_bytes, rank_params,
+    ActDtypes,
+    activation_bytes,
+    head_activation_bytes,
+    layer_activation_bytes,
+    memory_per_device,
+    optimizer_bytes,
+    rank_params,
 )
 from titan_pipe.training.planner.search import build_cluster, estimate, layout_flow, make_plan
 from titan_pipe.training.planner.timing import (
-    bubble_fraction, dp_bytes, rank_flops_per_token, step_flops_per_token,
+    bubble_fraction,
+    dp_bytes,
+    rank_flops_per_token,
+    step_flops_per_token,
 )
 from titan_pipe.training.planner.workload import Assumptions, Layout, Workload
 
 # Small but not degenerate: GQA (8 heads, 2 kv heads), ffn 384, vocab 512.
-SMALL = resolve_args("debug", dim=128, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=512, multiple_of=128,
-                     max_seq_len=256)
+SMALL = resolve_args(
+    "debug", dim=128, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=512, multiple_of=128, max_seq_len=256
+)
 B, T = 2, 128
 
 
@@ -49,12 +59,16 @@ def measured_forward_bytes(model, tokens, *, autocast_dtype=None) -> int:
 
 # The other families, fp32: q/k/v biases (nothing more is kept), Qwen3's q/k norms on q 256 wide
 # (head_dim 32 on a 128-wide model), Mistral's window shorter than T (its (T, T) mask per layer).
-FAMILY_CASES = {"qwen2_biases": {"qkv_bias": True}, "qwen3_qk_norm": {"qk_norm": True, "head_dim": 32},
-                "mistral_window": {"sliding_window": 16}}
+FAMILY_CASES = {
+    "qwen2_biases": {"qkv_bias": True},
+    "qwen3_qk_norm": {"qk_norm": True, "head_dim": 32},
+    "mistral_window": {"sliding_window": 16},
+}
 
 
-@pytest.mark.parametrize("case", ["fp32", "fp32_mha", "ac1", "ac2", "autocast_fp32_params", "bf16_params",
-                                  *FAMILY_CASES])
+@pytest.mark.parametrize(
+    "case", ["fp32", "fp32_mha", "ac1", "ac2", "autocast_fp32_params", "bf16_params", *FAMILY_CASES]
+)
 def test_activation_estimate_matches_profiler(case):
     args = replace(SMALL, n_kv_heads=8) if case == "fp32_mha" else replace(SMALL, **FAMILY_CASES.get(case, {}))
     ac = {"ac1": 1, "ac2": 2}.get(case, 0)
@@ -67,8 +81,9 @@ def test_activation_estimate_matches_profiler(case):
         # FSDP2 mixed precision computes with low-precision parameters: the residual stream is bf16.
         model = model.to(torch.bfloat16)
         dt = ActDtypes(matmul=2, resid=2)
-        expected = T * B * (args.n_layers * layer_activation_bytes(args, dt=dt)
-                            + head_activation_bytes(args, dt=dt) + 8)
+        expected = (
+            T * B * (args.n_layers * layer_activation_bytes(args, dt=dt) + head_activation_bytes(args, dt=dt) + 8)
+        )
         got = measured_forward_bytes(model, tokens, autocast_dtype=torch.bfloat16)
     else:
         amp = "bfloat16" if case == "autocast_fp32_params" else None
@@ -138,8 +153,9 @@ def test_rank_params_partition_the_model(dp, tp, pp, zero):
     assert total == copies * count_params(args) + replicated * copies
 
 
-@pytest.mark.parametrize("over", [{"qkv_bias": True}, {"qk_norm": True, "head_dim": 32},
-                                  {"qkv_bias": True, "tie_embeddings": True}])
+@pytest.mark.parametrize(
+    "over", [{"qkv_bias": True}, {"qk_norm": True, "head_dim": 32}, {"qkv_bias": True, "tie_embeddings": True}]
+)
 def test_rank_params_count_the_families_parameters(over):
     """q/k/v biases split over tp with their rows; q/k norms (head_dim each) on every tp rank; tied
     embeddings under tp x pp: the last stage's output copy of the embedding (training/tied.py)."""
@@ -243,8 +259,22 @@ def test_memory_chart_draws_one_bar_per_table_row_equal_to_its_gb_per_device():
 
 def test_cli_plan_writes_a_flow_that_validates(tmp_path):
     out = tmp_path / "flow.yaml"
-    r = runner.invoke(app, ["plan", "--model", "llama2_13b", "--devices", "8", "--device", "ascend910b",
-                            "--top", "3", "--write", str(out)])
+    r = runner.invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            "llama2_13b",
+            "--devices",
+            "8",
+            "--device",
+            "ascend910b",
+            "--top",
+            "3",
+            "--write",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "ascend910b means ascend910b3" in r.output and "Top 3 of" in r.output and "best:" in r.output
     cfg = load_flow(out)
@@ -252,15 +282,34 @@ def test_cli_plan_writes_a_flow_that_validates(tmp_path):
     assert p.dp * p.tp * p.pp == 8 and cfg.model.flavour == "llama2_13b" and cfg.train.seq_len == 4096
     assert runner.invoke(app, ["validate", str(out), "--elsewhere"]).exit_code == 0
     # never overwritten without --force
-    r = runner.invoke(app, ["plan", "--model", "llama2_13b", "--devices", "8", "--device", "ascend910b",
-                            "--write", str(out)])
+    r = runner.invoke(
+        app, ["plan", "--model", "llama2_13b", "--devices", "8", "--device", "ascend910b", "--write", str(out)]
+    )
     assert r.exit_code == 1 and "--force" in r.output
 
 
 def test_cli_multi_node_flow(tmp_path):
     out = tmp_path / "big.yaml"
-    r = runner.invoke(app, ["plan", "--model", "debug", "--devices", "16", "--device", "a100", "--seq-len", "64",
-                            "--global-batch", "32", "--write", str(out), "--plot", str(tmp_path / "mem.png")])
+    r = runner.invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            "debug",
+            "--devices",
+            "16",
+            "--device",
+            "a100",
+            "--seq-len",
+            "64",
+            "--global-batch",
+            "32",
+            "--write",
+            str(out),
+            "--plot",
+            str(tmp_path / "mem.png"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     cfg = load_flow(out)
     assert cfg.launch.nnodes == 2 and cfg.launch.nproc_per_node == 8 and cfg.device == "cuda"
@@ -268,16 +317,22 @@ def test_cli_multi_node_flow(tmp_path):
     assert (tmp_path / "mem.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--device", "tpu9"], "unknown device 'tpu9'"),
-    (["--device-memory", "lots"], "--device-memory: 'lots' is not a size"),
-    (["--device-memory", "64"], "--device-memory '64' is 64 bytes, outside 1 GiB..16 TiB"),  # bytes, as --max-memory
-    (["--device-memory", "99999TB"], "outside 1 GiB..16 TiB"),
-    (["--nodes", "3"], "--nodes 3 does not divide --devices 8"),
-    (["--seq-len", "999999"], "exceeds model max_seq_len"),
-    (["--model", "llama9"], "--model 'llama9' is neither a flavour"),
-    (["--device-memory", "2GB"], "no layout fits in 2.0 GB per device"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--device", "tpu9"], "unknown device 'tpu9'"),
+        (["--device-memory", "lots"], "--device-memory: 'lots' is not a size"),
+        (
+            ["--device-memory", "64"],
+            "--device-memory '64' is 64 bytes, outside 1 GiB..16 TiB",
+        ),  # bytes, as --max-memory
+        (["--device-memory", "99999TB"], "outside 1 GiB..16 TiB"),
+        (["--nodes", "3"], "--nodes 3 does not divide --devices 8"),
+        (["--seq-len", "999999"], "exceeds model max_seq_len"),
+        (["--model", "llama9"], "--model 'llama9' is neither a flavour"),
+        (["--device-memory", "2GB"], "no layout fits in 2.0 GB per device"),
+    ],
+)
 def test_cli_bad_input(argv, needle):
     base = {"--model": "llama2_7b", "--devices": "8", "--device": "ascend910b2"}
     for k, v in zip(argv[::2], argv[1::2]):
@@ -311,12 +366,29 @@ def test_cpu_offload_moves_state_to_the_host_and_costs_pcie_time(tmp_path):
 def test_cli_model_from_flow_yaml_and_filters(tmp_path):
     flow = tmp_path / "custom.yaml"
     flow.write_text("model: {flavour: debug, n_layers: 6, dim: 96, n_heads: 6, n_kv_heads: 2}\n")
-    r = runner.invoke(app, ["plan", "--model", str(flow), "--devices", "4", "--device", "h100", "--seq-len", "64",
-                            "--tp", "2", "--pp", "2"])
+    r = runner.invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            str(flow),
+            "--devices",
+            "4",
+            "--device",
+            "h100",
+            "--seq-len",
+            "64",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "dp1 tp2 pp2" in r.output and "0.65M parameters" in r.output
-    r = runner.invoke(app, ["plan", "--model", str(flow), "--devices", "4", "--device", "h100", "--seq-len", "64",
-                            "--tp", "4"])
+    r = runner.invoke(
+        app, ["plan", "--model", str(flow), "--devices", "4", "--device", "h100", "--seq-len", "64", "--tp", "4"]
+    )
     assert r.exit_code == 1 and "does not divide model n_kv_heads=2" in r.output  # the config rule, verbatim
     r = runner.invoke(app, ["plan", "--model", str(flow), "--devices", "4", "--device", "h100", "--tp", "3"])
     assert r.exit_code == 1 and "no dp x tp x pp layout of 4 devices" in r.output
@@ -330,14 +402,34 @@ def test_calibrate_from_a_device_check_sets_the_efficiency_that_reproduces_it(tm
     from titan_pipe.training.planner.calibrate import calibrate, read_measurement
     from titan_pipe.training.planner.workload import Assumptions
 
-    model = {"flavour": "llama3_8b", "dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8,
-             "ffn_hidden_dim": 8192, "tie_embeddings": False, "max_seq_len": 2048,
-             "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 8192}}
+    model = {
+        "flavour": "llama3_8b",
+        "dim": 2048,
+        "n_layers": 16,
+        "n_heads": 32,
+        "n_kv_heads": 8,
+        "ffn_hidden_dim": 8192,
+        "tie_embeddings": False,
+        "max_seq_len": 2048,
+        "rope_scaling": {
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     report = tmp_path / "device_check.json"
-    report.write_text(json.dumps({"spec": {"model": model, "batch": 8, "seq": 2048},
-                                  "phases": {"trainer": {"tokens_per_s": 43512, "peak_mem_gb": 81.5},
-                                             "trainer_compiled": {"tokens_per_s": 56209, "peak_mem_gb": 68.7}}}))
+    report.write_text(
+        json.dumps(
+            {
+                "spec": {"model": model, "batch": 8, "seq": 2048},
+                "phases": {
+                    "trainer": {"tokens_per_s": 43512, "peak_mem_gb": 81.5},
+                    "trainer_compiled": {"tokens_per_s": 56209, "peak_mem_gb": 68.7},
+                },
+            }
+        )
+    )
     cluster, _ = build_cluster("h200", 1)
     cal = calibrate(read_measurement(report), cluster, Assumptions())
     assert round(cal.predicted_tokens_per_s) == pytest.approx(60190, abs=2)
@@ -347,18 +439,51 @@ def test_calibrate_from_a_device_check_sets_the_efficiency_that_reproduces_it(tm
     assert again.predicted_tokens_per_s == pytest.approx(43512, rel=0.01)  # the calibrated model reproduces it
     compiled = calibrate(read_measurement(report, phase="trainer_compiled"), cluster, Assumptions())
     assert compiled.efficiency == pytest.approx(0.467, abs=0.001)
-    r = runner.invoke(app, ["plan", "--model", "llama3_8b", "--devices", "8", "--device", "h200", "--top", "1",
-                            "--calibrate", str(report)])
+    r = runner.invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            "llama3_8b",
+            "--devices",
+            "8",
+            "--device",
+            "h200",
+            "--top",
+            "1",
+            "--calibrate",
+            str(report),
+        ],
+    )
     assert r.exit_code == 0 and "efficiency set to 0.361" in r.output, r.output
     (tmp_path / "bad.json").write_text("{}")
-    r = runner.invoke(app, ["plan", "--model", "llama3_8b", "--devices", "8", "--device", "h200",
-                            "--calibrate", str(tmp_path / "bad.json")])
+    r = runner.invoke(
+        app,
+        [
+            "plan",
+            "--model",
+            "llama3_8b",
+            "--devices",
+            "8",
+            "--device",
+            "h200",
+            "--calibrate",
+            str(tmp_path / "bad.json"),
+        ],
+    )
     assert r.exit_code == 1 and "not a device_check.json" in r.output
     # the dry run's figures (measured on this CPU) are refused for a GPU, in one line
-    report.write_text(json.dumps({"spec": {"model": model, "batch": 8, "seq": 2048, "device": "cpu"},
-                                  "phases": {"trainer": {"tokens_per_s": 900, "peak_mem_gb": 1.5}}}))
-    r = runner.invoke(app, ["plan", "--model", "llama3_8b", "--devices", "8", "--device", "h200",
-                            "--calibrate", str(report)])
+    report.write_text(
+        json.dumps(
+            {
+                "spec": {"model": model, "batch": 8, "seq": 2048, "device": "cpu"},
+                "phases": {"trainer": {"tokens_per_s": 900, "peak_mem_gb": 1.5}},
+            }
+        )
+    )
+    r = runner.invoke(
+        app, ["plan", "--model", "llama3_8b", "--devices", "8", "--device", "h200", "--calibrate", str(report)]
+    )
     assert r.exit_code == 1 and "measured on cpu, and h200 is an accelerator" in r.output
     assert len(r.output.strip().splitlines()) == 1 and "Traceback" not in r.output
 
@@ -378,8 +503,11 @@ def test_expert_parallel_shards_the_experts_and_costs_the_all_to_all(ep):
     experts = 3 * args.n_experts * args.expert_dim * args.dim * len(args.moe_layers)
     assert all(r.expert_full_params == experts // ep for r in ranks)
     w = Workload(args, 64, 16)
-    want = 0.0 if ep == 1 else 4 * (ep - 1) / ep * len(args.moe_layers) * (16 // 8 * 64) * args.experts_per_token \
-        * args.dim * 2
+    want = (
+        0.0
+        if ep == 1
+        else 4 * (ep - 1) / ep * len(args.moe_layers) * (16 // 8 * 64) * args.experts_per_token * args.dim * 2
+    )
     assert ep_bytes(w, lay, 0) == pytest.approx(want)
     n, e = ranks[0].full_params - ranks[0].expert_full_params, ranks[0].expert_full_params
     de = 8 // ep

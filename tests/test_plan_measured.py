@@ -2,6 +2,7 @@
 (4 gloo ranks, tests/plan_driver.py) builds the parallel model under several layouts, takes one
 AdamW step and reports each rank's parameters, gradients and optimizer states (exact) and, for TP
 layouts, the bytes autograd saves for backward (the activation estimate, within 15%)."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,17 @@ LAYOUTS = [
     dict(name="dp2_tp2_fsdp_sp", model="debug", dp=2, tp=2, pp=1, zero=3, sequence_parallel=True),
     dict(name="dp2_tp2_replicate", model="debug", dp=2, tp=2, pp=1, zero=0),
     dict(name="dp2_tp2_zero2", model="debug", dp=2, tp=2, pp=1, zero=2),
-    dict(name="tp2_pp2_interleaved", model="debug", dp=1, tp=2, pp=2, schedule="interleaved_1f1b",
-         virtual_stages=2, microbatches=2, zero=3),
+    dict(
+        name="tp2_pp2_interleaved",
+        model="debug",
+        dp=1,
+        tp=2,
+        pp=2,
+        schedule="interleaved_1f1b",
+        virtual_stages=2,
+        microbatches=2,
+        zero=3,
+    ),
     dict(name="tp4", model="mha", dp=1, tp=4, pp=1, zero=3, measure_activations=True),
     dict(name="tp4_sp", model="mha", dp=1, tp=4, pp=1, zero=3, sequence_parallel=True, measure_activations=True),
 ]
@@ -41,20 +51,40 @@ B, T = 4, 64  # tests/plan_driver.py
 
 
 def _layout(spec: dict) -> Layout:
-    return Layout(spec["dp"], spec["tp"], spec["pp"], spec.get("schedule", "1f1b"), spec.get("virtual_stages", 1),
-                  spec.get("microbatches", 1), spec["zero"], spec.get("sequence_parallel", False), 0, None)
+    return Layout(
+        spec["dp"],
+        spec["tp"],
+        spec["pp"],
+        spec.get("schedule", "1f1b"),
+        spec.get("virtual_stages", 1),
+        spec.get("microbatches", 1),
+        spec["zero"],
+        spec.get("sequence_parallel", False),
+        0,
+        None,
+    )
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plan_measure")
-    layouts = [{"schedule": "1f1b", "virtual_stages": 2, "microbatches": 1, "sequence_parallel": False, **lay}
-               for lay in LAYOUTS]
+    layouts = [
+        {"schedule": "1f1b", "virtual_stages": 2, "microbatches": 1, "sequence_parallel": False, **lay}
+        for lay in LAYOUTS
+    ]
     spec = {"models": {k: v.to_dict() for k, v in MODELS.items()}, "layouts": layouts}
     (tmp / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           str(HERE / "plan_driver.py"), str(tmp / "spec.json"), str(tmp / "out.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        str(HERE / "plan_driver.py"),
+        str(tmp / "spec.json"),
+        str(tmp / "out.json"),
+    ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     return json.loads((tmp / "out.json").read_text())

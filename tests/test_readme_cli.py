@@ -1,5 +1,6 @@
 """README's CLI section names every command and every option `--help` has (a newcomer reads the
 README, not each --help)."""
+
 from __future__ import annotations
 
 import re

@@ -1,5 +1,6 @@
 """The typed stage records of the core: the parameter list, the manifest's parallel layout, the export
 record and the provenance record — round trips, records written by the previous version, bad input."""
+
 import dataclasses
 import json
 
@@ -7,17 +8,26 @@ import pytest
 
 from titan_pipe.checkpoint_format import LayoutError, Manifest, ParallelLayout
 from titan_pipe.errors import UserError
-from titan_pipe.export_record import (RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord,
-                                      OperatorUse)
+from titan_pipe.export_record import RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord, OperatorUse
 from titan_pipe.model.args import resolve_args
 from titan_pipe.model.names import MEGATRON_TO_NATIVE, hf_to_native, megatron_to_native, native_to_hf
-from titan_pipe.model.params import ADAPTER_PARAMS, LAYER_PARAMS, MODEL_PARAMS, Param, fused_parts, native_shapes, param_of, params
+from titan_pipe.model.params import (
+    ADAPTER_PARAMS,
+    LAYER_PARAMS,
+    MODEL_PARAMS,
+    Param,
+    fused_parts,
+    native_shapes,
+    param_of,
+    params,
+)
 from titan_pipe.model.sharding import TP_PLAN, stage_of, tp_split_dim
 from titan_pipe.model.transformer import build_model
 from titan_pipe.provenance import PROVENANCE_FILE, Provenance, SourceInfo, TokenizerInfo
 
 
 # --- the parameter list ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True}, {"n_kv_heads": 4, "n_layers": 3}])
 def test_the_parameter_list_is_what_the_module_holds(overrides):
@@ -30,16 +40,24 @@ def test_every_table_derives_from_the_list():
     args = resolve_args("debug")
     for name, p in params(args):
         assert hf_to_native(native_to_hf(name)) == name
-        assert tp_split_dim(name) == {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None,
-                                      "replicate_heads": None}[p.tp]
+        assert (
+            tp_split_dim(name)
+            == {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None, "replicate_heads": None}[p.tp]
+        )
         owner = 0 if p.scope == "first" else 1 if p.scope == "last" else int(name.split(".")[1]) // 2
         assert stage_of(name, [[0, 1], [2, 3]]) == owner
     modules = {r.module for r in TP_PLAN}
     # LoRA adapters (titan_pipe.model.lora) have rows too: two beside each linear of the attention and MLP
     assert modules == {p.module for p in MODEL_PARAMS} | {f"layers.*.{p.module}" for p in LAYER_PARAMS + ADAPTER_PARAMS}
     assert {p.module.replace(".lora", "").rsplit(".", 1)[0] for p in ADAPTER_PARAMS} == {
-        "attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w3",
-        "feed_forward.w2"}
+        "attention.wq",
+        "attention.wk",
+        "attention.wv",
+        "attention.wo",
+        "feed_forward.w1",
+        "feed_forward.w3",
+        "feed_forward.w2",
+    }
     assert megatron_to_native("decoder.layers.1.self_attention.linear_qkv.weight", 2) == "<qkv>:3"
     assert megatron_to_native("decoder.layers.0.pre_mlp_layernorm.weight", 5) == "layers.5.ffn_norm.weight"
     assert len(MEGATRON_TO_NATIVE) == len(dict(MEGATRON_TO_NATIVE))
@@ -53,8 +71,17 @@ def test_an_optional_parameter_is_one_entry_with_its_condition(monkeypatch):
     when its ModelArgs condition holds, with its shape, split and owner."""
     from titan_pipe.model import params as plist
 
-    bias = Param("feed_forward.w1.bias", lambda a: (a.hidden_dim,), "colwise", "layer",
-                 "mlp.gate_proj.bias", "w1.bias", init="ones", matmul=False, when=lambda a: a.n_layers == 3)
+    bias = Param(
+        "feed_forward.w1.bias",
+        lambda a: (a.hidden_dim,),
+        "colwise",
+        "layer",
+        "mlp.gate_proj.bias",
+        "w1.bias",
+        init="ones",
+        matmul=False,
+        when=lambda a: a.n_layers == 3,
+    )
     monkeypatch.setattr(plist, "LAYER_PARAMS", LAYER_PARAMS + (bias,))
     monkeypatch.setitem(plist._LAYER, bias.name, bias)
     with_bias, without = resolve_args("debug", n_layers=3), resolve_args("debug")
@@ -68,9 +95,19 @@ def test_an_optional_parameter_is_one_entry_with_its_condition(monkeypatch):
 
 # --- the manifest's parallel layout ---------------------------------------------------------------
 
+
 def test_parallel_layout_round_trips_and_reads_old_manifests():
-    lay = ParallelLayout(dp=2, tp=2, pp=2, pp_schedule="interleaved_1f1b", stages=((0,), (1,), (2,), (3,)),
-                         stage_ranks=(0, 1, 0, 1), sequence_parallel=True, dp_mode="fsdp", dp_kind="fsdp")
+    lay = ParallelLayout(
+        dp=2,
+        tp=2,
+        pp=2,
+        pp_schedule="interleaved_1f1b",
+        stages=((0,), (1,), (2,), (3,)),
+        stage_ranks=(0, 1, 0, 1),
+        sequence_parallel=True,
+        dp_mode="fsdp",
+        dp_kind="fsdp",
+    )
     assert ParallelLayout.from_dict(json.loads(json.dumps(lay.to_dict()))) == lay
     assert (lay.world_size, lay.n_stages, lay.virtual_stages) == (8, 4, 2)
     old = ParallelLayout.from_dict({"dp": 1, "tp": 2, "pp": 2, "pp_schedule": "gpipe"})  # tests' early manifests
@@ -85,16 +122,26 @@ def test_manifest_extra_is_typed_and_keeps_what_it_does_not_know():
     they were; a wrong type is one line naming the key (a LayoutError, so a UserError)."""
     from titan_pipe.checkpoint_format import CheckpointExtra, FileInfo
 
-    written = {"optimizer": "optimizer", "train_state": "train_state.json", "kernels": "auto",
-               "tokenizer": "tokenizer.json", "attached": {"tokenizer.json": {"size": 3, "sha256": "ab"}},
-               "later_key": [1, 2]}
+    written = {
+        "optimizer": "optimizer",
+        "train_state": "train_state.json",
+        "kernels": "auto",
+        "tokenizer": "tokenizer.json",
+        "attached": {"tokenizer.json": {"size": 3, "sha256": "ab"}},
+        "later_key": [1, 2],
+    }
     extra = CheckpointExtra.from_dict(written)
     assert extra.attached == {"tokenizer.json": FileInfo(3, "ab")} and extra.other == {"later_key": [1, 2]}
     assert extra.to_dict() == written
-    assert CheckpointExtra(converted_from={"format": "hf", "path": "/x"}).to_dict() == \
-        {"optimizer": None, "converted_from": {"format": "hf", "path": "/x"}}  # what convert wrote before
-    for bad, key in (({"kernels": 3}, "extra.kernels"), ({"attached": {"t": {"size": "3", "sha256": "a"}}},
-                                                          "extra.attached.t.size"), ([], "extra")):
+    assert CheckpointExtra(converted_from={"format": "hf", "path": "/x"}).to_dict() == {
+        "optimizer": None,
+        "converted_from": {"format": "hf", "path": "/x"},
+    }  # what convert wrote before
+    for bad, key in (
+        ({"kernels": 3}, "extra.kernels"),
+        ({"attached": {"t": {"size": "3", "sha256": "a"}}}, "extra.attached.t.size"),
+        ([], "extra"),
+    ):
         with pytest.raises(LayoutError, match=key):
             CheckpointExtra.from_dict(bad, source="m.json")
     assert issubclass(LayoutError, UserError)
@@ -108,12 +155,25 @@ def test_manifest_parallel_is_typed():
 
 # --- the export record ----------------------------------------------------------------------------
 
+
 def _record() -> ExportRecord:
-    g = GraphRecord(opset=14, inputs={"input_ids": ["batch", "seq"]}, outputs={"logits": ["batch", "seq", 320]},
-                    n_nodes=7, operators=(OperatorUse("", "Gemm", 3, 13),), layer_outputs=("layers.0.output",),
-                    attn_outputs=("layers.0.attn.output",), mlp_outputs=(None,))
-    return ExportRecord(graphs={"model.onnx": g}, files={"model.onnx": FileEntry(10, "ab" * 16, "xxh3_128")},
-                        decode=DecodeContract(64), options={"opset": 14}, export_seconds=1.5)
+    g = GraphRecord(
+        opset=14,
+        inputs={"input_ids": ["batch", "seq"]},
+        outputs={"logits": ["batch", "seq", 320]},
+        n_nodes=7,
+        operators=(OperatorUse("", "Gemm", 3, 13),),
+        layer_outputs=("layers.0.output",),
+        attn_outputs=("layers.0.attn.output",),
+        mlp_outputs=(None,),
+    )
+    return ExportRecord(
+        graphs={"model.onnx": g},
+        files={"model.onnx": FileEntry(10, "ab" * 16, "xxh3_128")},
+        decode=DecodeContract(64),
+        options={"opset": 14},
+        export_seconds=1.5,
+    )
 
 
 def test_export_record_round_trips(tmp_path):
@@ -129,9 +189,15 @@ def test_export_record_round_trips(tmp_path):
 
 def test_export_record_of_an_older_version_loads(tmp_path):
     """A version-1 record (no per-layer values, fewer sections) still loads, with empty defaults."""
-    (tmp_path / RECORD_FILE).write_text(json.dumps({"format": "titan-pipe-export/1", "graphs": {
-        "model.onnx": {"opset": 14, "inputs": {}, "outputs": {}, "n_nodes": 3, "operators": []}},
-        "files": {"model.onnx": {"bytes": 3, "sha256": None}}}))
+    (tmp_path / RECORD_FILE).write_text(
+        json.dumps(
+            {
+                "format": "titan-pipe-export/1",
+                "graphs": {"model.onnx": {"opset": 14, "inputs": {}, "outputs": {}, "n_nodes": 3, "operators": []}},
+                "files": {"model.onnx": {"bytes": 3, "sha256": None}},
+            }
+        )
+    )
     rec = ExportRecord.load(tmp_path)
     assert rec.format_version == 1 and rec.graph().layer_outputs == () and rec.decode is None
 
@@ -145,10 +211,14 @@ def _exported_files(tmp_path, algorithm: str, *, version: int) -> bytes:
     data = bytes(range(256)) * 64
     (tmp_path / "model.onnx.data").write_bytes(data)
     digest = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}[algorithm](data).hexdigest()
-    entry = {"bytes": len(data), "sha256": digest} if version == 2 else \
-        {"bytes": len(data), "algorithm": algorithm, "digest": digest}
-    (tmp_path / RECORD_FILE).write_text(json.dumps({"format": f"titan-pipe-export/{version}", "graphs": {},
-                                                    "files": {"model.onnx.data": entry}}))
+    entry = (
+        {"bytes": len(data), "sha256": digest}
+        if version == 2
+        else {"bytes": len(data), "algorithm": algorithm, "digest": digest}
+    )
+    (tmp_path / RECORD_FILE).write_text(
+        json.dumps({"format": f"titan-pipe-export/{version}", "graphs": {}, "files": {"model.onnx.data": entry}})
+    )
     return data
 
 
@@ -162,9 +232,11 @@ def test_export_files_are_checked_with_the_recorded_algorithm(tmp_path, algorith
     assert rec.files["model.onnx.data"].algorithm == algorithm
     rec.check_files(tmp_path)
     path = tmp_path / "model.onnx.data"
-    for bad, message in ((data[:100] + bytes([data[100] ^ 1]) + data[101:], f"its {algorithm} digest does not match"),
-                         (data[::-1], f"its {algorithm} digest does not match"),
-                         (data[:-1], "has 16383 bytes but")):
+    for bad, message in (
+        (data[:100] + bytes([data[100] ^ 1]) + data[101:], f"its {algorithm} digest does not match"),
+        (data[::-1], f"its {algorithm} digest does not match"),
+        (data[:-1], "has 16383 bytes but"),
+    ):
         path.write_bytes(bad)
         with pytest.raises(UserError, match=message) as e:
             rec.check_files(tmp_path)
@@ -174,20 +246,27 @@ def test_export_files_are_checked_with_the_recorded_algorithm(tmp_path, algorith
         rec.check_files(tmp_path)
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"format": "titan-pipe-export/9", "graphs": {}}', "newer than this titan-pipe reads"),
-    ('{"format": "titan-pipe-export/3", "files": {"a": {"bytes": 1, "algorithm": "md5", "digest": "0"}}}',
-     "malformed field"),
-    ('{"format": "titan-pipe-export/3", "files": {"a": {"bytes": 1, "sha256": "00"}}}', "malformed field"),
-    ('{"format": "titan-pipe-export/3", "files": {"a": {"bytes": 1, "algorithm": "sha256", "digest": 5}}}',
-     "malformed field"),
-    ('{"format": "something-else/1"}', "is not 'titan-pipe-export'/N"),
-    ('[1]', "expected a JSON object"),
-    ("{not json", "not valid JSON"),
-    ('{"format": "titan-pipe-export/2", "graphs": {"/etc/passwd": {}}}', "absolute path"),
-    ('{"format": "titan-pipe-export/2", "files": {"a.onnx": {"sha256": null}}}', "malformed field"),
-    ('{"format": "titan-pipe-export/2", "graphs": {"m.onnx": {"layer_outputs": [null]}}}', "malformed field"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"format": "titan-pipe-export/9", "graphs": {}}', "newer than this titan-pipe reads"),
+        (
+            '{"format": "titan-pipe-export/3", "files": {"a": {"bytes": 1, "algorithm": "md5", "digest": "0"}}}',
+            "malformed field",
+        ),
+        ('{"format": "titan-pipe-export/3", "files": {"a": {"bytes": 1, "sha256": "00"}}}', "malformed field"),
+        (
+            '{"format": "titan-pipe-export/3", "files": {"a": {"bytes": 1, "algorithm": "sha256", "digest": 5}}}',
+            "malformed field",
+        ),
+        ('{"format": "something-else/1"}', "is not 'titan-pipe-export'/N"),
+        ("[1]", "expected a JSON object"),
+        ("{not json", "not valid JSON"),
+        ('{"format": "titan-pipe-export/2", "graphs": {"/etc/passwd": {}}}', "absolute path"),
+        ('{"format": "titan-pipe-export/2", "files": {"a.onnx": {"sha256": null}}}', "malformed field"),
+        ('{"format": "titan-pipe-export/2", "graphs": {"m.onnx": {"layer_outputs": [null]}}}', "malformed field"),
+    ],
+)
 def test_bad_export_records_fail_with_one_line(tmp_path, content, message):
     (tmp_path / RECORD_FILE).write_text(content)
     with pytest.raises(UserError, match=message) as e:
@@ -197,10 +276,15 @@ def test_bad_export_records_fail_with_one_line(tmp_path, content, message):
 
 # --- the provenance record ------------------------------------------------------------------------
 
+
 def test_provenance_round_trips_and_reads_records_without_a_format(tmp_path):
-    p = Provenance(source=SourceInfo("titan", "/runs/x/step-000002", 2, {"tp": 2}, {"a": "0" * 64}, "sha256", True),
-                   converter="titan-pipe-convert 1", output={"kind": "unified"}, created="2025-01-01T00:00:00Z",
-                   tokenizer=TokenizerInfo("tokenizer.json", {"tokenizer.json": "1" * 64}))
+    p = Provenance(
+        source=SourceInfo("titan", "/runs/x/step-000002", 2, {"tp": 2}, {"a": "0" * 64}, "sha256", True),
+        converter="titan-pipe-convert 1",
+        output={"kind": "unified"},
+        created="2025-01-01T00:00:00Z",
+        tokenizer=TokenizerInfo("tokenizer.json", {"tokenizer.json": "1" * 64}),
+    )
     (tmp_path / PROVENANCE_FILE).write_text(p.to_json())
     assert Provenance.load(tmp_path) == p
     assert json.loads(p.to_json())["source"]["algorithm"] == "sha256"

@@ -2,6 +2,7 @@
 Mistral v0.3, Mixtral and Qwen3-MoE (tests/released_configs.py) read field by field, written back
 equal, taken as the model by a flow with only init_from, any model key that disagrees refused in one
 line, an explicit null kept; their tokenizer, chat template and stop tokens carried by every conversion."""
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,26 @@ from titan_pipe.model.args import FLAVOURS, RopeScaling
 from titan_pipe.model.hf_config import from_hf_config, to_hf_config
 
 # config.json key -> what ModelArgs holds of it (a property where the field is derived)
-READ = {"hidden_size": "dim", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
-        "num_key_value_heads": "kv_heads", "vocab_size": "vocab_size", "intermediate_size": "hidden_dim",
-        "rms_norm_eps": "norm_eps", "rope_theta": "rope_theta", "max_position_embeddings": "max_seq_len",
-        "tie_word_embeddings": "tie_embeddings", "head_dim": "head_dim", "num_local_experts": "n_experts",
-        "num_experts": "n_experts", "num_experts_per_tok": "experts_per_token",
-        "moe_intermediate_size": "expert_dim", "norm_topk_prob": "router_norm_topk",
-        "router_aux_loss_coef": "router_aux_loss_coef", "sliding_window": "sliding_window"}
+READ = {
+    "hidden_size": "dim",
+    "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "kv_heads",
+    "vocab_size": "vocab_size",
+    "intermediate_size": "hidden_dim",
+    "rms_norm_eps": "norm_eps",
+    "rope_theta": "rope_theta",
+    "max_position_embeddings": "max_seq_len",
+    "tie_word_embeddings": "tie_embeddings",
+    "head_dim": "head_dim",
+    "num_local_experts": "n_experts",
+    "num_experts": "n_experts",
+    "num_experts_per_tok": "experts_per_token",
+    "moe_intermediate_size": "expert_dim",
+    "norm_topk_prob": "router_norm_topk",
+    "router_aux_loss_coef": "router_aux_loss_coef",
+    "sliding_window": "sliding_window",
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +60,29 @@ def test_published_configs_are_read_field_by_field_and_written_back_equal(name):
     assert args.qkv_bias == (cfg["model_type"] == "qwen2")
     assert args.qk_norm == cfg["model_type"].startswith(("qwen3", "gemma3"))
     scaling = cfg.get("rope_scaling")
-    assert args.rope_scaling == (None if scaling is None else RopeScaling(
-        scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"],
-        scaling["original_max_position_embeddings"]))
+    assert args.rope_scaling == (
+        None
+        if scaling is None
+        else RopeScaling(
+            scaling["factor"],
+            scaling["low_freq_factor"],
+            scaling["high_freq_factor"],
+            scaling["original_max_position_embeddings"],
+        )
+    )
     if cfg.get("use_sliding_window") is False:
         assert args.sliding_window is None  # Qwen's window key is there, switched off
     back = to_hf_config(args)
-    for key in set(READ) | {"model_type", "architectures", "hidden_act", "rope_scaling", "mlp_only_layers",
-                            "decoder_sparse_step", "attention_bias", "mlp_bias"}:
+    for key in set(READ) | {
+        "model_type",
+        "architectures",
+        "hidden_act",
+        "rope_scaling",
+        "mlp_only_layers",
+        "decoder_sparse_step",
+        "attention_bias",
+        "mlp_bias",
+    }:
         if key in cfg and not (key == "sliding_window" and cfg.get("use_sliding_window") is False):
             assert back[key] == cfg[key], (name, key, back[key], cfg[key])
     assert from_hf_config(back, source="back") == args
@@ -61,17 +90,27 @@ def test_published_configs_are_read_field_by_field_and_written_back_equal(name):
 
 def test_the_published_values_are_the_flavours_where_titan_pipe_has_one():
     """The flavours of these models hold the published architecture (size included)."""
-    for name, flavour in (("Qwen2.5-0.5B-Instruct", "qwen2.5_0.5b"), ("Qwen3-0.6B", "qwen3_0.6b"),
-                          ("Mixtral-8x7B-v0.1", "mixtral_8x7b"), ("Qwen3-30B-A3B", "qwen3_30b_a3b"),
-                          ("gemma-3-1b-it", "gemma3_1b")):
+    for name, flavour in (
+        ("Qwen2.5-0.5B-Instruct", "qwen2.5_0.5b"),
+        ("Qwen3-0.6B", "qwen3_0.6b"),
+        ("Mixtral-8x7B-v0.1", "mixtral_8x7b"),
+        ("Qwen3-30B-A3B", "qwen3_30b_a3b"),
+        ("gemma-3-1b-it", "gemma3_1b"),
+    ):
         held = from_hf_config(PUBLISHED[name], source=name)
         assert held.family == PUBLISHED[name]["model_type"]  # kept, so it converts back as what it was
         assert replace(held, family=None) == FLAVOURS[flavour], name
 
 
 def _flow(root, model=None, **over):
-    raw = {"name": "ft", "runs_dir": str(root / "runs"), "device": "cpu", "init_from": "hf",
-           "train": {"steps": 2, "batch_size": 2, "seq_len": 32}, **over}
+    raw = {
+        "name": "ft",
+        "runs_dir": str(root / "runs"),
+        "device": "cpu",
+        "init_from": "hf",
+        "train": {"steps": 2, "batch_size": 2, "seq_len": 32},
+        **over,
+    }
     if model is not None:
         raw["model"] = model
     return raw
@@ -92,30 +131,76 @@ def test_a_flow_with_only_init_from_takes_the_checkpoints_model(smol):
     assert cfg.model.args() == from_hf_config(json.loads((smol / "hf" / "config.json").read_text()))
     assert cfg.model.args().rope_scaling is None and cfg.model.args().rope_theta == 100000.0
     # the keys it states, equal to the checkpoint's, are accepted; a training-only one is used
-    same = parse_flow(_flow(smol, {"rope_theta": 100000.0, "rope_scaling": None, "n_heads": 9,
-                                   "tie_embeddings": True, "router_aux_loss_coef": 0.0}), base=smol)
+    same = parse_flow(
+        _flow(
+            smol,
+            {
+                "rope_theta": 100000.0,
+                "rope_scaling": None,
+                "n_heads": 9,
+                "tie_embeddings": True,
+                "router_aux_loss_coef": 0.0,
+            },
+        ),
+        base=smol,
+    )
     assert same.model.args() == cfg.model.args()
     # the issue's flow: Llama-3's flavour restated to SmolLM2's dims with rope_scaling: null is exact
-    restated = parse_flow(_flow(smol, {"flavour": "llama3_8b", "rope_scaling": None, "rope_theta": 100000.0,
-                                       "dim": 576, "n_layers": 2, "n_heads": 9, "n_kv_heads": 3, "vocab_size": 1152,
-                                       "ffn_hidden_dim": 1536, "tie_embeddings": True}), base=smol)
+    restated = parse_flow(
+        _flow(
+            smol,
+            {
+                "flavour": "llama3_8b",
+                "rope_scaling": None,
+                "rope_theta": 100000.0,
+                "dim": 576,
+                "n_layers": 2,
+                "n_heads": 9,
+                "n_kv_heads": 3,
+                "vocab_size": 1152,
+                "ffn_hidden_dim": 1536,
+                "tie_embeddings": True,
+            },
+        ),
+        base=smol,
+    )
     assert restated.model.args() == cfg.model.args()
     with pytest.raises(ConfigError, match="model.flavour: llama3_8b brings rope_scaling {factor: 8.* vs null"):
-        parse_flow(_flow(smol, {"flavour": "llama3_8b", "rope_theta": 100000.0, "dim": 576, "n_layers": 2,
-                                "n_heads": 9, "n_kv_heads": 3, "vocab_size": 1152, "ffn_hidden_dim": 1536,
-                                "tie_embeddings": True}), base=smol)
+        parse_flow(
+            _flow(
+                smol,
+                {
+                    "flavour": "llama3_8b",
+                    "rope_theta": 100000.0,
+                    "dim": 576,
+                    "n_layers": 2,
+                    "n_heads": 9,
+                    "n_kv_heads": 3,
+                    "vocab_size": 1152,
+                    "ffn_hidden_dim": 1536,
+                    "tie_embeddings": True,
+                },
+            ),
+            base=smol,
+        )
 
 
-@pytest.mark.parametrize("model, says", [
-    ({"rope_theta": 500000.0}, "model.rope_theta: 500000 but init_from .*hf holds 100000"),
-    ({"rope_scaling": {"factor": 8.0}}, "model.rope_scaling: {factor: 8, .*} but init_from .* holds null"),
-    ({"norm_eps": 1e-6}, "model.norm_eps: 1e-06 but init_from .* holds 1e-05"),
-    ({"sliding_window": 4096}, "model.sliding_window: 4096 but init_from .* holds null"),
-    ({"tie_embeddings": False}, "model.tie_embeddings: false but init_from .* holds true"),
-    # a flavour states every architecture value
-    ({"flavour": "llama3_8b"}, "model.flavour: llama3_8b brings dim 4096 vs 576, n_layers 32 vs 2, .*rope_theta "
-                               "500000 vs 100000, rope_scaling {factor: 8.* vs null"),
-])
+@pytest.mark.parametrize(
+    "model, says",
+    [
+        ({"rope_theta": 500000.0}, "model.rope_theta: 500000 but init_from .*hf holds 100000"),
+        ({"rope_scaling": {"factor": 8.0}}, "model.rope_scaling: {factor: 8, .*} but init_from .* holds null"),
+        ({"norm_eps": 1e-6}, "model.norm_eps: 1e-06 but init_from .* holds 1e-05"),
+        ({"sliding_window": 4096}, "model.sliding_window: 4096 but init_from .* holds null"),
+        ({"tie_embeddings": False}, "model.tie_embeddings: false but init_from .* holds true"),
+        # a flavour states every architecture value
+        (
+            {"flavour": "llama3_8b"},
+            "model.flavour: llama3_8b brings dim 4096 vs 576, n_layers 32 vs 2, .*rope_theta "
+            "500000 vs 100000, rope_scaling {factor: 8.* vs null",
+        ),
+    ],
+)
 def test_a_model_key_that_disagrees_with_the_checkpoint_is_refused_naming_both(smol, model, says):
     import re
 
@@ -151,8 +236,20 @@ def test_rope_scaling_null_over_a_scaled_flavour_trains_without_it(tmp_path):
     from titan_pipe.model.rope import inv_freq
     from titan_pipe.model.transformer import build_model
 
-    args = parse_flow({"model": {"flavour": "llama3_8b", "rope_scaling": None, "dim": 64, "n_layers": 1,
-                                 "n_heads": 4, "n_kv_heads": 2, "vocab_size": 320, "ffn_hidden_dim": 64}}).model.args()
+    args = parse_flow(
+        {
+            "model": {
+                "flavour": "llama3_8b",
+                "rope_scaling": None,
+                "dim": 64,
+                "n_layers": 1,
+                "n_heads": 4,
+                "n_kv_heads": 2,
+                "vocab_size": 320,
+                "ffn_hidden_dim": 64,
+            }
+        }
+    ).model.args()
     plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
     assert torch.allclose(torch.from_numpy(inv_freq(args)).double(), plain, rtol=1e-6)
     m = build_model(args, seed=0)
@@ -184,8 +281,17 @@ def test_hf_to_sharded_to_hf_keeps_weights_tokenizer_template_and_stop_tokens(re
     a, b = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     cfg, got = json.loads((src / "config.json").read_text()), json.loads((back / "config.json").read_text())
-    for key in ("bos_token_id", "eos_token_id", "pad_token_id", "model_type", "rope_theta", "rope_scaling",
-                "tie_word_embeddings", "num_key_value_heads", "head_dim"):
+    for key in (
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "model_type",
+        "rope_theta",
+        "rope_scaling",
+        "tie_word_embeddings",
+        "num_key_value_heads",
+        "head_dim",
+    ):
         assert got[key] == cfg[key], key
 
 
@@ -229,8 +335,9 @@ def test_generate_on_the_converted_model_stops_at_the_released_stop_tokens(relea
     out = convert_checkpoint(tmp_path / "s", tmp_path / "back").out_dir
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(out))
-    prompt = tok.apply_chat_template([{"role": "user", "content": "one plus two"}], add_generation_prompt=True,
-                                     return_tensors="pt", return_dict=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "one plus two"}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
     n = prompt["input_ids"].shape[1]
     gen = model.generate(**prompt, max_new_tokens=8)
     assert gen.shape[1] == n + 1 and gen[0, -1].item() == 0
@@ -251,16 +358,36 @@ def test_a_flow_with_only_init_from_fine_tunes_and_converts_with_the_released_fi
     shutil.copytree(released["SmolLM2-135M-Instruct"], tmp_path / "hf")
     write_jsonl(tmp_path / "chat.jsonl", chat_records(40))
     flow = tmp_path / "flow.yaml"
-    flow.write_text(yaml.safe_dump(_flow(tmp_path, data={"path": "chat.jsonl", "tokenizer": "hf", "format": "chat",
-                                                         "val_fraction": 0.2},
-                                         train={"mode": "sft", "steps": 2, "batch_size": 2, "seq_len": 192},
-                                         checkpoint={"every": 2, "keep_last": 1})))
+    flow.write_text(
+        yaml.safe_dump(
+            _flow(
+                tmp_path,
+                data={"path": "chat.jsonl", "tokenizer": "hf", "format": "chat", "val_fraction": 0.2},
+                train={"mode": "sft", "steps": 2, "batch_size": 2, "seq_len": 192},
+                checkpoint={"every": 2, "keep_last": 1},
+            )
+        )
+    )
     cfg, res = train_in_process(flow)
     out = convert_checkpoint(res.checkpoint, tmp_path / "model").out_dir
     _same_files(tmp_path / "hf", out, SIDE)
-    src_cfg, got = json.loads((tmp_path / "hf" / "config.json").read_text()), json.loads((out / "config.json").read_text())
-    for key in ("eos_token_id", "bos_token_id", "pad_token_id", "rope_theta", "rope_scaling", "hidden_size",
-                "num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "model_type", "rms_norm_eps"):
+    src_cfg, got = (
+        json.loads((tmp_path / "hf" / "config.json").read_text()),
+        json.loads((out / "config.json").read_text()),
+    )
+    for key in (
+        "eos_token_id",
+        "bos_token_id",
+        "pad_token_id",
+        "rope_theta",
+        "rope_scaling",
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+        "model_type",
+        "rms_norm_eps",
+    ):
         assert got[key] == src_cfg[key], key
 
 
@@ -269,8 +396,9 @@ def test_init_from_a_released_dir_writes_a_flow_for_that_model(released, tmp_pat
     """No flavour needed, --device cpu accepted: the flow names init_from and the model's tokenizer,
     holds no model key, and validates with the released architecture; --sft says first what it needs."""
     src = released["SmolLM2-135M-Instruct"]
-    r = CliRunner().invoke(app, ["init", str(tmp_path / "ex"), "--from", str(src), "--device", "cpu"]
-                           + (["--sft"] if sft else []))
+    r = CliRunner().invoke(
+        app, ["init", str(tmp_path / "ex"), "--from", str(src), "--device", "cpu"] + (["--sft"] if sft else [])
+    )
     assert r.exit_code == 0, r.output
     text = (tmp_path / "ex" / "flow.yaml").read_text()
     raw = yaml.safe_load(text)
@@ -306,9 +434,12 @@ def test_validate_refuses_an_sft_flow_whose_held_out_split_cannot_fill_evaluate(
 
     shutil.copytree(smol / "hf", tmp_path / "hf")
     write_jsonl(tmp_path / "chat.jsonl", chat_records(40))
-    raw = _flow(tmp_path, data={"path": "chat.jsonl", "tokenizer": "hf", "format": "chat", "val_fraction": 0.2},
-                train={"mode": "sft", "steps": 2, "batch_size": 2, "seq_len": 256},
-                evaluate={"batches": 2, "batch_size": 2, "seq_len": 256})
+    raw = _flow(
+        tmp_path,
+        data={"path": "chat.jsonl", "tokenizer": "hf", "format": "chat", "val_fraction": 0.2},
+        train={"mode": "sft", "steps": 2, "batch_size": 2, "seq_len": 256},
+        evaluate={"batches": 2, "batch_size": 2, "seq_len": 256},
+    )
     flow = tmp_path / "flow.yaml"
     flow.write_text(yaml.safe_dump(raw))
     r = CliRunner().invoke(app, ["validate", str(flow)])
@@ -324,8 +455,9 @@ def test_validate_refuses_an_sft_flow_whose_held_out_split_cannot_fill_evaluate(
 def test_a_flows_decode_cache_is_sized_to_the_run():
     """Not 4,096 slots for a run of 64-token windows: train.seq_len (or what export / evaluate need),
     within the model's positions; a cache_len written is kept."""
-    cfg = parse_flow({"train": {"seq_len": 64}, "export": {"seq_len": 16},
-                      "evaluate": {"prompt_len": 16, "new_tokens": 16}})
+    cfg = parse_flow(
+        {"train": {"seq_len": 64}, "export": {"seq_len": 16}, "evaluate": {"prompt_len": 16, "new_tokens": 16}}
+    )
     assert cfg.export.cache_len is None and cfg.export_settings().cache_len == 64
     long = parse_flow({"model": {"flavour": "qwen3_0.6b"}, "train": {"seq_len": 8192}})
     assert long.export_settings().cache_len == 4096  # the default cap still holds
@@ -361,6 +493,12 @@ def test_each_released_model_goes_hf_to_sharded_to_hf_to_export_to_evaluate(rele
         ref, got = hf(tokens).logits, load_unified_model(back)[0](tokens)
     assert (got - ref).abs().max().item() <= 1e-4, name
     onnx = export_model(back, tmp_path / "onnx", ExportConfig(seq_len=16, cache_len=48, atc=False)).onnx
-    r = evaluate_model(out_dir=tmp_path / "rep", model_dir=back, onnx=onnx, settings=EvaluateConfig(
-        batches=1, batch_size=2, seq_len=16, prompts=1, prompt_len=8, new_tokens=4, operators=False))
+    r = evaluate_model(
+        out_dir=tmp_path / "rep",
+        model_dir=back,
+        onnx=onnx,
+        settings=EvaluateConfig(
+            batches=1, batch_size=2, seq_len=16, prompts=1, prompt_len=8, new_tokens=4, operators=False
+        ),
+    )
     assert r.passed, (name, r.summary["verdict"])

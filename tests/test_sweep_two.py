@@ -1,5 +1,6 @@
 """Faults and hostile values, round two (issue 35): each case as a user or a faulty machine meets it,
 ending in one clean line and the right exit code, or the correct result; the input unchanged."""
+
 from __future__ import annotations
 
 import json
@@ -24,16 +25,26 @@ def cli(*argv) -> tuple[int, str]:
 def _tied_llama(path: Path, *, head_delta: float | None) -> Path:
     """A tiny Llama saved by transformers with tie_word_embeddings: true; head_delta: store an
     lm_head.weight of embedding + delta (None: none stored, as save_pretrained writes a tie)."""
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=True)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     if head_delta is not None:
         sd = load_file(path / "model.safetensors")
         emb = sd["model.embed_tokens.weight"]
-        sd["lm_head.weight"] = (emb + head_delta * torch.randn(emb.shape, generator=torch.Generator().manual_seed(1))
-                                if head_delta else emb.clone())
+        sd["lm_head.weight"] = (
+            emb + head_delta * torch.randn(emb.shape, generator=torch.Generator().manual_seed(1))
+            if head_delta
+            else emb.clone()
+        )
         save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
@@ -73,6 +84,7 @@ def test_a_tied_config_over_its_own_head_converts_as_transformers_reads_it(tmp_p
 
 
 # --- files we write never follow a link someone else placed -------------------------------------
+
 
 @pytest.fixture(scope="module")
 def hf_src(tmp_path_factory):
@@ -140,12 +152,21 @@ def test_a_lock_holders_text_is_printed_bounded(hf_src, tmp_path):
 
     lock = tmp_path / ".out.lock"
     lock.write_text("4242 " + "x" * 2_000_000 + "\n")
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"fd = os.open({str(lock)!r}, os.O_RDWR)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-        "print('held', flush=True)\n"
-        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import fcntl, os, sys, time\n"
+                f"fd = os.open({str(lock)!r}, os.O_RDWR)\n"
+                "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                "print('held', flush=True)\n"
+                "time.sleep(60)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         code, text = cli("convert", hf_src, "-o", tmp_path / "out")
@@ -190,19 +211,26 @@ def test_logs_and_metrics_are_never_appended_through_a_link_or_to_a_non_file(tmp
 
 # --- every value from a file or flag checked where it is read -----------------------------------
 
+
 def test_a_batch_the_demo_corpus_cannot_fill_is_refused_before_launch(tmp_path):
     import yaml
 
     flow = tmp_path / "flow.yaml"
-    flow.write_text(yaml.safe_dump({"name": "x", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
-                                    "train": {"batch_size": 1048576}}))
+    flow.write_text(
+        yaml.safe_dump(
+            {"name": "x", "runs_dir": str(tmp_path / "runs"), "device": "cpu", "train": {"batch_size": 1048576}}
+        )
+    )
     code, text = cli("train", flow)
     _one_line(code, text, 2, "data.path: null (the shipped demo corpus)", "train.batch_size 1048576")
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("extra", ["oops", {"tokenizer": 7}, {"attached": {"tokenizer.json": {"size": "big"}}}],
-                         ids=["string", "tokenizer-int", "attached-size-str"])
+@pytest.mark.parametrize(
+    "extra",
+    ["oops", {"tokenizer": 7}, {"attached": {"tokenizer.json": {"size": "big"}}}],
+    ids=["string", "tokenizer-int", "attached-size-str"],
+)
 def test_a_manifest_extra_of_the_wrong_type_is_one_line(hf_src, tmp_path, extra):
     """`"extra": "oops"` in a manifest was an AttributeError traceback (55 lines) in convert."""
     from titan_pipe.convert.api import convert_checkpoint
@@ -218,18 +246,26 @@ def test_a_manifest_extra_of_the_wrong_type_is_one_line(hf_src, tmp_path, extra)
 
 def test_nan_and_inf_in_flow_yaml_and_numbers_yaml_reads_as_strings(tmp_path):
     flow = tmp_path / "flow.yaml"
-    flow.write_text("name: x\ndata:\n  blend:\n    - {path: a, weight: .inf}\ntrain:\n  optimizer: {lr: 1e-3}\n"
-                    "  grad_clip: .nan\n")
+    flow.write_text(
+        "name: x\ndata:\n  blend:\n    - {path: a, weight: .inf}\ntrain:\n  optimizer: {lr: 1e-3}\n  grad_clip: .nan\n"
+    )
     code, text = cli("validate", flow)
-    _one_line(code, text, 2, "data.blend.0.weight: Input should be a finite number",
-              "train.grad_clip: Input should be a finite number",
-              "train.optimizer.lr", "YAML read '1e-3' as a string: write a number with a dot")
+    _one_line(
+        code,
+        text,
+        2,
+        "data.blend.0.weight: Input should be a finite number",
+        "train.grad_clip: Input should be a finite number",
+        "train.optimizer.lr",
+        "YAML read '1e-3' as a string: write a number with a dot",
+    )
 
 
 def test_every_unknown_key_is_listed_in_one_pass(tmp_path):
     flow = tmp_path / "flow.yaml"
-    flow.write_text("name: x\ndata: {zz1: 1}\nevaluate: {zz2: 1, thresholds: {float32: {zz3: 1}}}\n"
-                    "export: {zz4: 1}\nzz5: 1\n")
+    flow.write_text(
+        "name: x\ndata: {zz1: 1}\nevaluate: {zz2: 1, thresholds: {float32: {zz3: 1}}}\nexport: {zz4: 1}\nzz5: 1\n"
+    )
     code, text = cli("validate", flow)
     assert code == 2
     for key in ("data.zz1", "evaluate.zz2", "float32.zz3", "export.zz4", "zz5: unknown key"):
@@ -238,8 +274,9 @@ def test_every_unknown_key_is_listed_in_one_pass(tmp_path):
 
 def test_a_jsonl_record_with_its_text_field_twice_is_refused(tmp_path):
     src = tmp_path / "c.jsonl"
-    src.write_text('{"text": "fine"}\n{"meta": {"text": "nested is fine"}, "text": "ok"}\n'
-                   '{"text": "first", "text": "second"}\n')
+    src.write_text(
+        '{"text": "fine"}\n{"meta": {"text": "nested is fine"}, "text": "ok"}\n{"text": "first", "text": "second"}\n'
+    )
     code, text = cli("data", "prepare", src, "-o", tmp_path / "out")
     _one_line(code, text, 1, f"{src}:3", "the field 'text' 2 times")
     assert not (tmp_path / "out").exists()
@@ -266,23 +303,35 @@ def test_a_damaged_index_is_refused_before_a_rank_starts(tmp_path, damage):
     s = h.n_sequences
     at_len, at_ptr, at_doc = HEADER.size, HEADER.size + 4 * s, HEADER.size + 12 * s
     if damage == "negative-length":
-        raw[at_len + 4:at_len + 8] = np.int32(-5).tobytes()
+        raw[at_len + 4 : at_len + 8] = np.int32(-5).tobytes()
     elif damage == "overlapping-pointers":
-        raw[at_ptr + 16:at_ptr + 24] = np.int64(100).tobytes()  # sequence 2 starts inside sequence 0
+        raw[at_ptr + 16 : at_ptr + 24] = np.int64(100).tobytes()  # sequence 2 starts inside sequence 0
     else:
-        doc = np.frombuffer(bytes(raw[at_doc:at_doc + 8 * h.n_doc_entries]), np.int64).copy()
+        doc = np.frombuffer(bytes(raw[at_doc : at_doc + 8 * h.n_doc_entries]), np.int64).copy()
         doc[2], doc[3] = doc[3], doc[2]
-        raw[at_doc:at_doc + 8 * h.n_doc_entries] = doc.tobytes()
+        raw[at_doc : at_doc + 8 * h.n_doc_entries] = doc.tobytes()
     idx.write_bytes(bytes(raw))
     flow = tmp_path / "flow.yaml"
-    flow.write_text(yaml.safe_dump({"name": "x", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
-                                    "data": {"path": str(prefix)}, "train": {"batch_size": 2, "seq_len": 16}}))
+    flow.write_text(
+        yaml.safe_dump(
+            {
+                "name": "x",
+                "runs_dir": str(tmp_path / "runs"),
+                "device": "cpu",
+                "data": {"path": str(prefix)},
+                "train": {"batch_size": 2, "seq_len": 16},
+            }
+        )
+    )
     before = idx.read_bytes()
     for cmd in ("validate", "train"):
         code, text = cli(cmd, flow)
         assert code in (1, 2) and str(idx) in text and "Traceback" not in text, text
-        assert {"negative-length": "cannot be negative", "overlapping-pointers": "back to back",
-                "permuted-documents": "sequence order"}[damage] in text, text
+        assert {
+            "negative-length": "cannot be negative",
+            "overlapping-pointers": "back to back",
+            "permuted-documents": "sequence order",
+        }[damage] in text, text
     assert idx.read_bytes() == before and not (tmp_path / "runs").exists()
 
 
@@ -298,8 +347,9 @@ def test_a_killed_evaluates_scratch_dir_is_removed_by_the_next_one(tmp_path, mon
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     tempfile.tempdir = None  # re-read TMPDIR
     try:
-        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True).stdout.strip()
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        ).stdout.strip()
         stale = tmp_path / f"titan-eval-dist-{_HOST}-{dead}-0badc0de"
         stale.mkdir()
         (stale / "tokens.safetensors").write_text("x")
@@ -356,11 +406,24 @@ def test_too_few_file_descriptors_for_torchrun_is_named_with_its_fix(tmp_path):
     import yaml
 
     flow = tmp_path / "flow.yaml"
-    flow.write_text(yaml.safe_dump({"name": "e", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
-                                    "parallel": {"dp": 1, "tp": 2, "pp": 1},
-                                    "train": {"steps": 2, "batch_size": 2, "seq_len": 16}}))
-    p = subprocess.run([sys.executable, "-m", "titan_pipe.cli", "train", str(flow)], capture_output=True, text=True,
-                       timeout=300, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (20, 20)))
+    flow.write_text(
+        yaml.safe_dump(
+            {
+                "name": "e",
+                "runs_dir": str(tmp_path / "runs"),
+                "device": "cpu",
+                "parallel": {"dp": 1, "tp": 2, "pp": 1},
+                "train": {"steps": 2, "batch_size": 2, "seq_len": 16},
+            }
+        )
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "titan_pipe.cli", "train", str(flow)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (20, 20)),
+    )
     out = p.stdout + p.stderr
     errors = [ln for ln in out.splitlines() if ln.startswith("error")]
     assert p.returncode == 1 and len(errors) == 1, out[-3000:]
@@ -375,10 +438,14 @@ def test_an_unreadable_weights_file_is_named_as_unreadable(hf_src, tmp_path, mon
 
     weights = hf_src / "model.safetensors"
     real = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(weights) and mode & os.R_OK
-                        else real(p, mode, **kw))
-    argv = {"convert": ("convert", hf_src, "-o", tmp_path / "out"),
-            "export": ("export", hf_src, "-o", tmp_path / "out", "--no-atc"), "inspect": ("inspect", hf_src)}[command]
+    monkeypatch.setattr(
+        os, "access", lambda p, mode, **kw: False if str(p) == str(weights) and mode & os.R_OK else real(p, mode, **kw)
+    )
+    argv = {
+        "convert": ("convert", hf_src, "-o", tmp_path / "out"),
+        "export": ("export", hf_src, "-o", tmp_path / "out", "--no-atc"),
+        "inspect": ("inspect", hf_src),
+    }[command]
     code, text = cli(*argv)
     _one_line(code, text, 1, str(weights), "cannot be read by this user (permission denied)")
     assert "No such file" not in text and not (tmp_path / "out").exists()

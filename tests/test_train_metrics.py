@@ -1,4 +1,5 @@
 """Training metrics: JSONL logger, peak FLOPs lookup/measurement, MFU, progress lines."""
+
 from __future__ import annotations
 
 import io
@@ -41,17 +42,20 @@ def test_logger_appends_flushed_lines_and_disabled_writes_nothing(tmp_path):
     assert not off.exists() and not off.parent.exists()
 
 
-@pytest.mark.parametrize("name,dtype,tflops", [
-    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0),
-    ("NVIDIA A100-SXM4-80GB", torch.float16, 312.0),
-    ("Ascend910B3", torch.bfloat16, 294.9),
-    ("Ascend910B1", torch.bfloat16, 373.9),
-    ("NVIDIA H200", torch.bfloat16, 989.5),  # the SXM part (what the device tool lends)
-    ("NVIDIA H200 NVL", torch.bfloat16, 835.5),  # not the SXM figure: the longer key wins
-    ("NVIDIA H20", torch.bfloat16, 148.0),  # not H200's
-    ("NVIDIA L40S", torch.float16, 362.05),
-    ("NVIDIA B200", torch.bfloat16, 2250.0),
-])
+@pytest.mark.parametrize(
+    "name,dtype,tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.0),
+        ("NVIDIA A100-SXM4-80GB", torch.float16, 312.0),
+        ("Ascend910B3", torch.bfloat16, 294.9),
+        ("Ascend910B1", torch.bfloat16, 373.9),
+        ("NVIDIA H200", torch.bfloat16, 989.5),  # the SXM part (what the device tool lends)
+        ("NVIDIA H200 NVL", torch.bfloat16, 835.5),  # not the SXM figure: the longer key wins
+        ("NVIDIA H20", torch.bfloat16, 148.0),  # not H200's
+        ("NVIDIA L40S", torch.float16, 362.05),
+        ("NVIDIA B200", torch.bfloat16, 2250.0),
+    ],
+)
 def test_profile_peak_known_devices(name, dtype, tflops):
     peak, source = profile_peak(name, dtype)
     assert peak == pytest.approx(tflops * 1e12) and "TFLOPS" in source
@@ -89,8 +93,7 @@ def test_mfu_arithmetic():
 
 
 def test_progress_line_round_trip():
-    m = {"loss": 3.14159, "lr": 1e-3, "tokens_per_s": 12345.0, "mfu": 0.0123,
-         "peak_memory_bytes": 512 * 1024**2}
+    m = {"loss": 3.14159, "lr": 1e-3, "tokens_per_s": 12345.0, "mfu": 0.0123, "peak_memory_bytes": 512 * 1024**2}
     line = format_progress_line(7, 20, m)
     assert line == "step 7/20 | loss 3.1416 | lr 1.000e-03 | 12345 tok/s | MFU 1.23% | peak mem 512.0 MiB"
     step, total, got = parse_progress_line(line)
@@ -154,19 +157,39 @@ def test_tensorboard_events_hold_every_logged_step(tmp_path, monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port)}.items():
+    for k, v in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(k, v)
     flow = tmp_path / "flow.yaml"
-    flow.write_text(yaml.safe_dump({"name": "tb", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
-                                    "model": {"flavour": "debug"}, "metrics": {"tensorboard": True},
-                                    "train": {"steps": 3, "batch_size": 2, "seq_len": 16, "seed": 1}}))
+    flow.write_text(
+        yaml.safe_dump(
+            {
+                "name": "tb",
+                "runs_dir": str(tmp_path / "runs"),
+                "device": "cpu",
+                "model": {"flavour": "debug"},
+                "metrics": {"tensorboard": True},
+                "train": {"steps": 3, "batch_size": 2, "seq_len": 16, "seed": 1},
+            }
+        )
+    )
     res = run_training(flow_path=flow, cfg=load_flow(flow))
     events = EventAccumulator(str(res.run_dir / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu",
-            "memory/peak_mem_mb"} <= tags, tags
+    assert {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/mfu",
+        "memory/peak_mem_mb",
+    } <= tags, tags
     jsonl = [json.loads(line) for line in (res.run_dir / "metrics.jsonl").read_text().splitlines()]
     for tag, key in (("train/loss", "loss"), ("train/lr", "lr"), ("memory/peak_mem_mb", "peak_mem_mb")):
         got = [(e.step, e.value) for e in events.Scalars(tag)]
@@ -184,8 +207,11 @@ def test_tensorboard_without_the_package_is_refused_before_launch(tmp_path, monk
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     flow = tmp_path / "flow.yaml"
-    flow.write_text(yaml.safe_dump({"name": "tb", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
-                                    "metrics": {"tensorboard": True}}))
+    flow.write_text(
+        yaml.safe_dump(
+            {"name": "tb", "runs_dir": str(tmp_path / "runs"), "device": "cpu", "metrics": {"tensorboard": True}}
+        )
+    )
     r = CliRunner().invoke(app, ["validate", str(flow)])
     assert r.exit_code == 2 and "metrics.tensorboard: the tensorboard package is not installed" in r.output
     assert "pip install tensorboard" in r.output and not (tmp_path / "runs").exists()

@@ -6,6 +6,7 @@ Slow: dp2 x tp2 on four gloo ranks with inductor (with activation checkpointing,
 parallelism), against the single-process reference (tests/training_reference.py): TP -> AC ->
 compile -> FSDP as the trainer applies them.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,16 +55,26 @@ def run_driver(runs: list[dict], work: Path, nproc: int, env: dict | None = None
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         cmd = [sys.executable, str(HERE / "train_driver.py"), str(spec)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(HERE / "train_driver.py"), str(spec)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(HERE / "train_driver.py"),
+            str(spec),
+        ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads((work / "results.json").read_text())
 
 
 def test_compiled_trainer_matches_eager_on_one_rank(tmp_path):
-    res = run_driver([{"name": "eager", "flow": flow()},
-                      {"name": "compiled", "flow": flow(compile_backend="aot_eager")}], tmp_path, 1)
+    res = run_driver(
+        [{"name": "eager", "flow": flow()}, {"name": "compiled", "flow": flow(compile_backend="aot_eager")}],
+        tmp_path,
+        1,
+    )
     eager, compiled = res["eager"]["metrics"], res["compiled"]["metrics"]
     assert_close([r["loss"] for r in compiled], [r["loss"] for r in eager])
     assert_close([r["grad_norm"] for r in compiled], [r["grad_norm"] for r in eager], what="grad norm")
@@ -115,8 +126,10 @@ def test_launch_preflight_refuses_inductor_without_a_compiler(tmp_path, monkeypa
 
     def problems(train: dict) -> list[str]:
         try:
-            check_before_launch(parse_flow(dict(data, train=dict(data["train"], **train)), base=tmp_path),
-                                flow_path=tmp_path / "flow.yaml")
+            check_before_launch(
+                parse_flow(dict(data, train=dict(data["train"], **train)), base=tmp_path),
+                flow_path=tmp_path / "flow.yaml",
+            )
         except ConfigError as e:
             return e.lines
         return []
@@ -137,9 +150,13 @@ def test_compiled_dp2_tp2_matches_single_process(tmp_path):
     launch wrote (a rerun or --resume: AOTAutograd's cache made that one die with SIGSEGV)."""
     backend = "inductor" if compile_mod.cpp_compiler() else "aot_eager"
     ac = {"activation_checkpointing": True, "activation_checkpointing_layers": 1}
-    runs = [{"name": "dp2_tp2_ac", "flow": flow({"dp": 2, "tp": 2}, compile_backend=backend, steps=8, memory=ac)},
-            {"name": "dp2_tp2_sp", "flow": flow({"dp": 2, "tp": 2, "sequence_parallel": True},
-                                                compile_backend=backend, steps=8)}]
+    runs = [
+        {"name": "dp2_tp2_ac", "flow": flow({"dp": 2, "tp": 2}, compile_backend=backend, steps=8, memory=ac)},
+        {
+            "name": "dp2_tp2_sp",
+            "flow": flow({"dp": 2, "tp": 2, "sequence_parallel": True}, compile_backend=backend, steps=8),
+        },
+    ]
     caches = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}  # this test's own, cold at first
     ref = reference_run(flow(steps=8), base=tmp_path)
     for launch in ("cold", "warm"):

@@ -1,5 +1,6 @@
 """The training kernels, the fused loss and the fused optimizer each equal what they replace
 (values and gradients), on CPU where they run here; the accelerator figures are the device check's."""
+
 from __future__ import annotations
 
 import pytest
@@ -138,16 +139,22 @@ def test_float8_is_refused_off_hopper_in_one_line(tmp_path):
     why = float8_problem("rowwise", "cpu")
     assert "compute capability 9.0 or later" in why and "precision.float8: none" in why
     flow = tmp_path / "flow.yaml"
-    flow.write_text(yaml.safe_dump({"name": "f8", "runs_dir": str(tmp_path / "runs"), "device": "cpu",
-                                    "precision": {"float8": "tensorwise"}}))
+    flow.write_text(
+        yaml.safe_dump(
+            {"name": "f8", "runs_dir": str(tmp_path / "runs"), "device": "cpu", "precision": {"float8": "tensorwise"}}
+        )
+    )
     assert CliRunner().invoke(app, ["validate", str(flow)]).exit_code == 0  # validate may run off the cluster
     r = CliRunner().invoke(app, ["train", str(flow)])
     assert r.exit_code == 2 and "precision.float8: tensorwise needs a CUDA GPU of compute capability 9.0" in r.output
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("counts", [[40, 0, 0, 0], [0, 0, 0, 40], [1, 2, 3, 34], [0, 17, 0, 23], [16, 16, 8, 0],
-                                    [0, 0, 0, 0]], ids=["all-first", "all-last", "skewed", "empty", "aligned", "none"])
+@pytest.mark.parametrize(
+    "counts",
+    [[40, 0, 0, 0], [0, 0, 0, 40], [1, 2, 3, 34], [0, 17, 0, 23], [16, 16, 8, 0], [0, 0, 0, 0]],
+    ids=["all-first", "all-last", "skewed", "empty", "aligned", "none"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_padded_grouped_experts_equal_the_loop(counts, dtype):
     """Grouped GEMMs on groups padded to 16 rows (any routing: one expert with every token, empty
@@ -161,11 +168,15 @@ def test_padded_grouped_experts_equal_the_loop(counts, dtype):
     e, dim, hidden, n = len(counts), 32, 48, sum(counts)
     counts_t = torch.tensor(counts)
     dest, offs, rows = grouped_rows(counts_t, n)
-    starts = (offs.long() - torch.clamp_min((counts_t + 15) // 16 * 16, 16))
+    starts = offs.long() - torch.clamp_min((counts_t + 15) // 16 * 16, 16)
     assert rows == n + e * GROUP_ALIGN and int(offs[-1]) <= rows and bool((starts % GROUP_ALIGN == 0).all())
     assert len(set(dest.tolist())) == n  # every token its own row
-    inputs = [torch.randn(n, dim, generator=g), torch.randn(e, hidden, dim, generator=g) / dim ** 0.5,
-              torch.randn(e, hidden, dim, generator=g) / dim ** 0.5, torch.randn(e, dim, hidden, generator=g) / hidden ** 0.5]
+    inputs = [
+        torch.randn(n, dim, generator=g),
+        torch.randn(e, hidden, dim, generator=g) / dim**0.5,
+        torch.randn(e, hidden, dim, generator=g) / dim**0.5,
+        torch.randn(e, dim, hidden, generator=g) / hidden**0.5,
+    ]
     upstream = torch.randn(n, dim, generator=g)
     outs, grads = [], []
     for fn in (experts_loop, experts_grouped_padded):
@@ -199,18 +210,19 @@ def test_compiled_loss_equals_eager(backend, masked):
     torch._dynamo.utils.counters.clear()
     g = torch.Generator().manual_seed(7)
     n, dim, vocab = 45, 32, 300
-    h0, w0 = torch.randn(n, dim, generator=g), torch.randn(vocab, dim, generator=g) / dim ** 0.5
+    h0, w0 = torch.randn(n, dim, generator=g), torch.randn(vocab, dim, generator=g) / dim**0.5
     labels = torch.randint(0, vocab, (n,), generator=g)
     if masked:
         labels[::3] = -100
     compiled = CompiledLoss(backend)
-    for denom in ([None] if not masked else [None, 17.0, 23.0]):
+    for denom in [None] if not masked else [None, 17.0, 23.0]:
         got, ref = [], []
-        for out, fn in ((ref, lambda h, w: linear_cross_entropy(h, w, labels, rows=16, denom=denom)),
-                        (got, lambda h, w: linear_cross_entropy(h, w, labels, rows=16, denom=denom,
-                                                                chunk=compiled.chunk)),
-                        (ref, lambda h, w: cross_entropy(h @ w.t(), labels, denom=denom)),
-                        (got, lambda h, w: compiled.full(h @ w.t(), labels, denom=denom))):
+        for out, fn in (
+            (ref, lambda h, w: linear_cross_entropy(h, w, labels, rows=16, denom=denom)),
+            (got, lambda h, w: linear_cross_entropy(h, w, labels, rows=16, denom=denom, chunk=compiled.chunk)),
+            (ref, lambda h, w: cross_entropy(h @ w.t(), labels, denom=denom)),
+            (got, lambda h, w: compiled.full(h @ w.t(), labels, denom=denom)),
+        ):
             h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
             loss = fn(h, w)
             loss.backward()

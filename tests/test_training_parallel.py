@@ -4,6 +4,7 @@ and checkpoint manifests that reassemble into the reference state dict.
 
 Two torchrun launches (2 and 8 gloo ranks) each run many flows (tests/train_driver.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -36,8 +37,15 @@ REL = 1e-4
 BASE = {
     "device": "cpu",
     "model": {"flavour": "debug"},
-    "train": {"steps": 8, "batch_size": 8, "seq_len": 32, "warmup_steps": 2, "grad_clip": 1.0, "seed": 0,
-              "optimizer": {"name": "adamw", "lr": 0.002, "weight_decay": 0.1}},
+    "train": {
+        "steps": 8,
+        "batch_size": 8,
+        "seq_len": 32,
+        "warmup_steps": 2,
+        "grad_clip": 1.0,
+        "seed": 0,
+        "optimizer": {"name": "adamw", "lr": 0.002, "weight_decay": 0.1},
+    },
     "checkpoint": {"every": 4, "keep_last": 3},
 }
 SGD = {"name": "sgd", "lr": 0.05, "weight_decay": 0.0}
@@ -68,36 +76,74 @@ WORLD2 = [
     {"name": "dp2_ddp_no_overlap", "flow": flow({"dp": 2, "dp_mode": "ddp"}, comm={"comm_overlap": False})},
     {"name": "dp2_zero1", "flow": flow({"dp": 2, "dp_mode": "ddp"}, zero_stage=1)},
     # ZeRO-1 optimizer shards saved in the common flattened form, resumed without ZeRO.
-    {"name": "zero1_to_fsdp", "flow": flow({"dp": 2, "dp_mode": "fsdp"}), "resume": True,
-     "copy_from": {"run": "dp2_zero1", "step": 4}},
+    {
+        "name": "zero1_to_fsdp",
+        "flow": flow({"dp": 2, "dp_mode": "fsdp"}),
+        "resume": True,
+        "copy_from": {"run": "dp2_zero1", "step": 4},
+    },
     # Interrupted at step 4 (its checkpoint copied into a fresh run dir), resumed on the same layout.
-    {"name": "dp2_fsdp_resumed", "flow": flow({"dp": 2, "dp_mode": "fsdp"}), "resume": True,
-     "copy_from": {"run": "dp2_fsdp", "step": 4}},
+    {
+        "name": "dp2_fsdp_resumed",
+        "flow": flow({"dp": 2, "dp_mode": "fsdp"}),
+        "resume": True,
+        "copy_from": {"run": "dp2_fsdp", "step": 4},
+    },
     # The tp2 run's step-4 checkpoint resumed as a pipeline.
-    {"name": "tp2_to_pp2", "flow": flow({"pp": 2, "pp_schedule": "1f1b", "microbatches": 2}), "resume": True,
-     "copy_from": {"run": "tp2", "step": 4}},
-    {"name": "dp2_fsdp_ac", "flow": flow({"dp": 2, "dp_mode": "fsdp"},
-                                         memory={"activation_checkpointing": True,
-                                                 "activation_checkpointing_layers": 1})},
+    {
+        "name": "tp2_to_pp2",
+        "flow": flow({"pp": 2, "pp_schedule": "1f1b", "microbatches": 2}),
+        "resume": True,
+        "copy_from": {"run": "tp2", "step": 4},
+    },
+    {
+        "name": "dp2_fsdp_ac",
+        "flow": flow(
+            {"dp": 2, "dp_mode": "fsdp"},
+            memory={"activation_checkpointing": True, "activation_checkpointing_layers": 1},
+        ),
+    },
     {"name": "tp2_sgd", "flow": flow({"tp": 2}, optimizer=SGD)},
-    {"name": "dp2_fp16", "flow": flow({"dp": 2, "dp_mode": "ddp"},
-                                      precision={"amp": True, "amp_dtype": "float16", "loss_scale": 2.0 ** 19,
-                                                 "loss_scale_window": 2, "min_loss_scale": 2.0 ** 10})},
+    {
+        "name": "dp2_fp16",
+        "flow": flow(
+            {"dp": 2, "dp_mode": "ddp"},
+            precision={
+                "amp": True,
+                "amp_dtype": "float16",
+                "loss_scale": 2.0**19,
+                "loss_scale_window": 2,
+                "min_loss_scale": 2.0**10,
+            },
+        ),
+    },
 ]
 
 WORLD8 = [
     {"name": "dp2_tp2_pp2", "flow": flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2})},
     # dp_mode ddp with tp > 1: DDP semantics through FSDP2 replicate (classic DDP rejects DTensors).
     {"name": "dp2_tp2_pp2_ddp", "flow": flow({"dp": 2, "tp": 2, "pp": 2, "microbatches": 2, "dp_mode": "ddp"})},
-    {"name": "to_dp2_pp4", "flow": flow({"dp": 2, "pp": 4, "pp_schedule": "gpipe", "microbatches": 4}),
-     "resume": True, "copy_from": {"run": "dp2_tp2_pp2", "step": 4}},
+    {
+        "name": "to_dp2_pp4",
+        "flow": flow({"dp": 2, "pp": 4, "pp_schedule": "gpipe", "microbatches": 4}),
+        "resume": True,
+        "copy_from": {"run": "dp2_tp2_pp2", "step": 4},
+    },
     # The evaluator's path: forward only, a (dp2, tp2, pp2) checkpoint under interleaved + SP.
-    {"name": "forward_interleaved_sp", "forward": {"run": "dp2_tp2_pp2", "step": 8},
-     "flow": flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2,
-                   "sequence_parallel": True})},
-    {"name": "init_interleaved_sp", "save_init": True,
-     "flow": flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2,
-                   "sequence_parallel": True})},
+    {
+        "name": "forward_interleaved_sp",
+        "forward": {"run": "dp2_tp2_pp2", "step": 8},
+        "flow": flow(
+            {"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2, "sequence_parallel": True}
+        ),
+    },
+    {
+        "name": "init_interleaved_sp",
+        "save_init": True,
+        "flow": flow(
+            {"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "interleaved_1f1b", "microbatches": 2, "sequence_parallel": True}
+        ),
+    },
 ]
 
 
@@ -105,72 +151,146 @@ WORLD8 = [
 # and its tied embeddings (the last stage's output a synced copy of the embedding, training/tied.py),
 # Qwen3's q/k norms replicated over the split heads (gradients summed over tp), Mistral's window
 # shorter than seq_len.
-FAMILIES = {"qwen2": {"qkv_bias": True, "tie_embeddings": True}, "qwen3": {"qk_norm": True, "head_dim": 32},
-            "mistral": {"sliding_window": 8},
-            # Gemma 3's switches: offset norms around both sub-layers (their outputs' norms replicated,
-            # sequence-split under SP), GeGLU, scaled and tied embeddings, a global layer in 3 with its own
-            # linearly scaled RoPE, the others sliding over 8 positions, query_pre_attn_scalar apart from head_dim
-            "gemma3": {"norm_offset": True, "sandwich_norms": True, "embed_scale": True, "activation": "gelu_tanh",
-                       "qk_norm": True, "head_dim": 32, "sliding_window": 8, "global_every": 3, "rope_theta": 1e6,
-                       "rope_local_theta": 1e4, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                       "attn_scalar": 24.0, "tie_embeddings": True}}
+FAMILIES = {
+    "qwen2": {"qkv_bias": True, "tie_embeddings": True},
+    "qwen3": {"qk_norm": True, "head_dim": 32},
+    "mistral": {"sliding_window": 8},
+    # Gemma 3's switches: offset norms around both sub-layers (their outputs' norms replicated,
+    # sequence-split under SP), GeGLU, scaled and tied embeddings, a global layer in 3 with its own
+    # linearly scaled RoPE, the others sliding over 8 positions, query_pre_attn_scalar apart from head_dim
+    "gemma3": {
+        "norm_offset": True,
+        "sandwich_norms": True,
+        "embed_scale": True,
+        "activation": "gelu_tanh",
+        "qk_norm": True,
+        "head_dim": 32,
+        "sliding_window": 8,
+        "global_every": 3,
+        "rope_theta": 1e6,
+        "rope_local_theta": 1e4,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "attn_scalar": 24.0,
+        "tie_embeddings": True,
+    },
+}
 # Tied embeddings resumed under other layouts: copy -> copy (pp2 -> tp2), copy -> one tensor (tp2 -> dp2).
-TIED = dict(flow({"pp": 2, "microbatches": 2}), model={"flavour": "debug", "qkv_bias": True, "tie_embeddings": True},
-            train=dict(BASE["train"], steps=4), checkpoint={"every": 2, "keep_last": 3})
-TIED_RUNS = [{"name": "tied_pp2", "flow": TIED},
-             {"name": "tied_tp2", "flow": dict(TIED, parallel={"tp": 2})},
-             # tp 1: the module's own tie, which to_empty would split into two parameters (training/parallelize.py)
-             {"name": "tied_dp2", "flow": dict(TIED, parallel={"dp": 2})},
-             {"name": "tied_pp2_to_tp2", "flow": dict(TIED, parallel={"tp": 2}), "resume": True,
-              "copy_from": {"run": "tied_pp2", "step": 2}},
-             {"name": "tied_tp2_to_dp2", "flow": dict(TIED, parallel={"dp": 2}), "resume": True,
-              "copy_from": {"run": "tied_tp2", "step": 2}}]
+TIED = dict(
+    flow({"pp": 2, "microbatches": 2}),
+    model={"flavour": "debug", "qkv_bias": True, "tie_embeddings": True},
+    train=dict(BASE["train"], steps=4),
+    checkpoint={"every": 2, "keep_last": 3},
+)
+TIED_RUNS = [
+    {"name": "tied_pp2", "flow": TIED},
+    {"name": "tied_tp2", "flow": dict(TIED, parallel={"tp": 2})},
+    # tp 1: the module's own tie, which to_empty would split into two parameters (training/parallelize.py)
+    {"name": "tied_dp2", "flow": dict(TIED, parallel={"dp": 2})},
+    {
+        "name": "tied_pp2_to_tp2",
+        "flow": dict(TIED, parallel={"tp": 2}),
+        "resume": True,
+        "copy_from": {"run": "tied_pp2", "step": 2},
+    },
+    {
+        "name": "tied_tp2_to_dp2",
+        "flow": dict(TIED, parallel={"dp": 2}),
+        "resume": True,
+        "copy_from": {"run": "tied_tp2", "step": 2},
+    },
+]
 # A mixture of experts (Mixtral-shaped, 4 experts top-2, load-balancing loss 0.01) data-parallel:
 # FSDP through the fused loss, DDP through the full logits, and the FSDP run resumed under DDP.
-MOE = dict(flow({"dp": 2}), model={"flavour": "debug_moe"}, train=dict(BASE["train"], steps=6),
-           checkpoint={"every": 3, "keep_last": 2})
-MOE_RUNS = [{"name": "moe_dp2_fsdp", "flow": MOE},
-            {"name": "moe_dp2_ddp_full", "flow": dict(MOE, parallel={"dp": 2, "dp_mode": "ddp"},
-                                                      train=dict(MOE["train"], loss="full"))},
-            {"name": "moe_fsdp_to_ddp", "flow": dict(MOE, parallel={"dp": 2, "dp_mode": "ddp"}), "resume": True,
-             "copy_from": {"run": "moe_dp2_fsdp", "step": 3}},
-            # expert parallelism: the 4 experts split over ep2 (2 a rank), tokens sent by all-to-all;
-            # the dp2 run's checkpoint resumed with the experts split, and the ep2 one's without
-            {"name": "moe_dp2_ep2", "flow": dict(MOE, parallel={"dp": 2, "ep": 2})},
-            {"name": "moe_ep1_to_ep2", "flow": dict(MOE, parallel={"dp": 2, "ep": 2}), "resume": True,
-             "copy_from": {"run": "moe_dp2_fsdp", "step": 3}},
-            {"name": "moe_ep2_to_ddp", "flow": dict(MOE, parallel={"dp": 2, "dp_mode": "ddp"}), "resume": True,
-             "copy_from": {"run": "moe_dp2_ep2", "step": 3}},
-            # tensor parallelism on the attention, the experts and router whole on each tp rank
-            {"name": "moe_tp2", "flow": dict(MOE, parallel={"tp": 2})}]
+MOE = dict(
+    flow({"dp": 2}),
+    model={"flavour": "debug_moe"},
+    train=dict(BASE["train"], steps=6),
+    checkpoint={"every": 3, "keep_last": 2},
+)
+MOE_RUNS = [
+    {"name": "moe_dp2_fsdp", "flow": MOE},
+    {
+        "name": "moe_dp2_ddp_full",
+        "flow": dict(MOE, parallel={"dp": 2, "dp_mode": "ddp"}, train=dict(MOE["train"], loss="full")),
+    },
+    {
+        "name": "moe_fsdp_to_ddp",
+        "flow": dict(MOE, parallel={"dp": 2, "dp_mode": "ddp"}),
+        "resume": True,
+        "copy_from": {"run": "moe_dp2_fsdp", "step": 3},
+    },
+    # expert parallelism: the 4 experts split over ep2 (2 a rank), tokens sent by all-to-all;
+    # the dp2 run's checkpoint resumed with the experts split, and the ep2 one's without
+    {"name": "moe_dp2_ep2", "flow": dict(MOE, parallel={"dp": 2, "ep": 2})},
+    {
+        "name": "moe_ep1_to_ep2",
+        "flow": dict(MOE, parallel={"dp": 2, "ep": 2}),
+        "resume": True,
+        "copy_from": {"run": "moe_dp2_fsdp", "step": 3},
+    },
+    {
+        "name": "moe_ep2_to_ddp",
+        "flow": dict(MOE, parallel={"dp": 2, "dp_mode": "ddp"}),
+        "resume": True,
+        "copy_from": {"run": "moe_dp2_ep2", "step": 3},
+    },
+    # tensor parallelism on the attention, the experts and router whole on each tp rank
+    {"name": "moe_tp2", "flow": dict(MOE, parallel={"tp": 2})},
+]
 # 8 ranks: dp8 with the experts over ep4 (one each, every dp_mod_ep pair sharing them) and over ep2.
-MOE_RUNS8 = [{"name": "moe_dp8_ep4", "flow": dict(MOE, parallel={"dp": 8, "ep": 4})},
-             {"name": "moe_dp8_ep2", "flow": dict(MOE, parallel={"dp": 8, "ep": 2})}]
+MOE_RUNS8 = [
+    {"name": "moe_dp8_ep4", "flow": dict(MOE, parallel={"dp": 8, "ep": 4})},
+    {"name": "moe_dp8_ep2", "flow": dict(MOE, parallel={"dp": 8, "ep": 2})},
+]
 # A mixture of experts in a pipeline: each stage passes its routers' statistics on, the last stage
 # adds the load-balancing loss of all of them (per microbatch, over every dp rank's rows of it). A
 # large coefficient (0.5) so that a router the loss missed would show.
 MOE_PP = dict(MOE, model={"flavour": "debug_moe", "router_aux_loss_coef": 0.5})
-MOE_PP_LAYOUTS = {"moe_dp4_ep2_pp2": {"dp": 4, "ep": 2, "pp": 2, "microbatches": 2},
-                  "moe_dp4_ep4_pp2_gpipe": {"dp": 4, "ep": 4, "pp": 2, "microbatches": 2, "pp_schedule": "gpipe"},
-                  "moe_dp4_pp2_interleaved": {"dp": 4, "pp": 2, "microbatches": 2,
-                                              "pp_schedule": "interleaved_1f1b"}}
+MOE_PP_LAYOUTS = {
+    "moe_dp4_ep2_pp2": {"dp": 4, "ep": 2, "pp": 2, "microbatches": 2},
+    "moe_dp4_ep4_pp2_gpipe": {"dp": 4, "ep": 4, "pp": 2, "microbatches": 2, "pp_schedule": "gpipe"},
+    "moe_dp4_pp2_interleaved": {"dp": 4, "pp": 2, "microbatches": 2, "pp_schedule": "interleaved_1f1b"},
+}
 # dp2 x tp2 x pp2: the attention split over tp, the stages carrying the routing statistics
 MOE_3D = {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2}
 MOE_PP_RUNS = [{"name": n, "flow": dict(MOE_PP, parallel=par)} for n, par in MOE_PP_LAYOUTS.items()] + [
     {"name": "moe_dp2_tp2_pp2", "flow": dict(MOE_PP, parallel=MOE_3D)},
     # the ep2 pipeline's step-3 checkpoint resumed with the experts over ep4 and another schedule
-    {"name": "moe_pp_ep2_to_ep4", "flow": dict(MOE_PP, parallel=MOE_PP_LAYOUTS["moe_dp4_ep4_pp2_gpipe"]),
-     "resume": True, "copy_from": {"run": "moe_dp4_ep2_pp2", "step": 3}}]
-FAMILY_RUNS = [{"name": f"{fam}_3d", "flow": dict(flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b",
-                                                       "microbatches": 2}),
-                                                 model={"flavour": "debug", **over},
-                                                 train=dict(BASE["train"], steps=4))}
-               for fam, over in FAMILIES.items()]
+    {
+        "name": "moe_pp_ep2_to_ep4",
+        "flow": dict(MOE_PP, parallel=MOE_PP_LAYOUTS["moe_dp4_ep4_pp2_gpipe"]),
+        "resume": True,
+        "copy_from": {"run": "moe_dp4_ep2_pp2", "step": 3},
+    },
+]
+FAMILY_RUNS = [
+    {
+        "name": f"{fam}_3d",
+        "flow": dict(
+            flow({"dp": 2, "tp": 2, "pp": 2, "pp_schedule": "1f1b", "microbatches": 2}),
+            model={"flavour": "debug", **over},
+            train=dict(BASE["train"], steps=4),
+        ),
+    }
+    for fam, over in FAMILIES.items()
+]
 # Gemma 3 again under sequence parallel and the interleaved schedule (one layer a virtual stage)
-FAMILY_RUNS.append({"name": "gemma3_3d_sp_interleaved",
-                    "flow": dict(FAMILY_RUNS[-1]["flow"], parallel={"dp": 2, "tp": 2, "pp": 2, "microbatches": 2,
-                                                                    "sequence_parallel": True,
-                                                                    "pp_schedule": "interleaved_1f1b"})})
+FAMILY_RUNS.append(
+    {
+        "name": "gemma3_3d_sp_interleaved",
+        "flow": dict(
+            FAMILY_RUNS[-1]["flow"],
+            parallel={
+                "dp": 2,
+                "tp": 2,
+                "pp": 2,
+                "microbatches": 2,
+                "sequence_parallel": True,
+                "pp_schedule": "interleaved_1f1b",
+            },
+        ),
+    }
+)
 
 
 def launch(nproc: int, runs: list[dict], workdir: Path) -> dict:
@@ -178,16 +298,21 @@ def launch(nproc: int, runs: list[dict], workdir: Path) -> dict:
     spec = workdir / "spec.json"
     spec.write_text(json.dumps({"workdir": str(workdir), "runs": runs}))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(HERE / "train_driver.py"), str(spec)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(HERE / "train_driver.py"),
+        str(spec),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads((workdir / "results.json").read_text())
 
 
-CRASH_FLOW = dict(flow({"tp": 2}), name="crashed",
-                  checkpoint={"every": 2, "keep_last": 3},
-                  train=dict(BASE["train"]))
+CRASH_FLOW = dict(flow({"tp": 2}), name="crashed", checkpoint={"every": 2, "keep_last": 3}, train=dict(BASE["train"]))
 CRASH_FAULT = "4:1:checkpoint"  # TITAN_PIPE_FAULT: rank 1 dies while writing the step-4 checkpoint
 
 
@@ -198,15 +323,28 @@ def crashed(tmp_path_factory):
     CRASH_FLOW["runs_dir"] = str(work / "runs")
     (work / "crashed.yaml").write_text(yaml.safe_dump(CRASH_FLOW))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TITAN_PIPE_FAULT=CRASH_FAULT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "titan_pipe.training.trainer", "--flow", str(work / "crashed.yaml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "titan_pipe.training.trainer",
+        "--flow",
+        str(work / "crashed.yaml"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=work)
     ckpts = work / "runs" / "crashed" / "checkpoints"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         latest = newest_complete(ckpts, warn=True)
-    snapshot = {"rc": proc.returncode, "latest": latest, "warnings": [str(w.message) for w in caught],
-                "step4": sorted(str(p.relative_to(ckpts)) for p in (ckpts / "step-000004").rglob("*"))}
+    snapshot = {
+        "rc": proc.returncode,
+        "latest": latest,
+        "warnings": [str(w.message) for w in caught],
+        "step4": sorted(str(p.relative_to(ckpts)) for p in (ckpts / "step-000004").rglob("*")),
+    }
     return work, snapshot
 
 
@@ -214,44 +352,87 @@ def crashed(tmp_path_factory):
 def world2(crashed):
     work, _ = crashed
     # The crashed run is resumed (same name, same flow without the fault) inside this launch.
-    resume = {"name": "crashed", "flow": flow({"tp": 2}, checkpoint={"every": 2, "keep_last": 3}),
-              "resume": True}
+    resume = {"name": "crashed", "flow": flow({"tp": 2}, checkpoint={"every": 2, "keep_last": 3}), "resume": True}
     # Continued pretraining from our own tp2 checkpoint, under another layout.
-    init = {"name": "init_from_tp2", "flow": dict(flow({"pp": 2, "microbatches": 2}),
-                                                  init_from=str(work / "runs" / "tp2" / "checkpoints" / "step-000008"),
-                                                  train=dict(BASE["train"], steps=2))}
+    init = {
+        "name": "init_from_tp2",
+        "flow": dict(
+            flow({"pp": 2, "microbatches": 2}),
+            init_from=str(work / "runs" / "tp2" / "checkpoints" / "step-000008"),
+            train=dict(BASE["train"], steps=2),
+        ),
+    }
     return work, launch(2, WORLD2 + [resume, init] + TIED_RUNS + MOE_RUNS, work)
 
 
 def sft_flow(work: Path, parallel: dict) -> dict:
     """Fine-tuning a Qwen3-shaped model saved by transformers (with its tokenizer and chat template)
     on chat records: whole conversations packed into windows of 192, the loss on the answers."""
-    return {"device": "cpu", "model": FAMILY_RUNS[1]["flow"]["model"], "init_from": str(work / "hf_qwen3_chat"),
-            "data": {"path": str(work / "chat" / "chat.jsonl"), "tokenizer": str(work / "hf_qwen3_chat"),
-                     "format": "chat", "val_fraction": 0.1},
-            "train": {"mode": "sft", "steps": 4, "batch_size": 8, "seq_len": 192, "seed": 0, "grad_clip": 1.0,
-                      "optimizer": {"lr": 0.001}},
-            "parallel": parallel, "checkpoint": {"every": 4, "keep_last": 1}}
+    return {
+        "device": "cpu",
+        "model": FAMILY_RUNS[1]["flow"]["model"],
+        "init_from": str(work / "hf_qwen3_chat"),
+        "data": {
+            "path": str(work / "chat" / "chat.jsonl"),
+            "tokenizer": str(work / "hf_qwen3_chat"),
+            "format": "chat",
+            "val_fraction": 0.1,
+        },
+        "train": {
+            "mode": "sft",
+            "steps": 4,
+            "batch_size": 8,
+            "seq_len": 192,
+            "seed": 0,
+            "grad_clip": 1.0,
+            "optimizer": {"lr": 0.001},
+        },
+        "parallel": parallel,
+        "checkpoint": {"every": 4, "keep_last": 1},
+    }
 
 
-SFT_LAYOUTS = {"sft_dp2_tp2_pp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2},
-               "sft_dp2_tp2_sp_pp2_interleaved": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2,
-                                                  "sequence_parallel": True, "pp_schedule": "interleaved_1f1b"},
-               "sft_dp8": {"dp": 8}}  # the fused loss (no tp, no pp) with its denominator
+SFT_LAYOUTS = {
+    "sft_dp2_tp2_pp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2},
+    "sft_dp2_tp2_sp_pp2_interleaved": {
+        "dp": 2,
+        "tp": 2,
+        "pp": 2,
+        "microbatches": 2,
+        "sequence_parallel": True,
+        "pp_schedule": "interleaved_1f1b",
+    },
+    "sft_dp8": {"dp": 8},
+}  # the fused loss (no tp, no pp) with its denominator
 
 
-LORA_LAYOUTS = {"lora_dp2_tp2_pp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2},
-                "lora_dp2_tp2_sp_pp2_interleaved": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2,
-                                                    "sequence_parallel": True, "pp_schedule": "interleaved_1f1b"}}
+LORA_LAYOUTS = {
+    "lora_dp2_tp2_pp2": {"dp": 2, "tp": 2, "pp": 2, "microbatches": 2},
+    "lora_dp2_tp2_sp_pp2_interleaved": {
+        "dp": 2,
+        "tp": 2,
+        "pp": 2,
+        "microbatches": 2,
+        "sequence_parallel": True,
+        "pp_schedule": "interleaved_1f1b",
+    },
+}
 
 
 def lora_flow(work: Path, parallel: dict) -> dict:
     """LoRA rank 4 on every attention and MLP linear of the Qwen3-shaped dir, 4 steps."""
-    return {"device": "cpu", "init_from": str(work / "hf_qwen3"), "parallel": parallel,
-            "train": dict(BASE["train"], steps=4, lora={"rank": 4, "alpha": 8,
-                                                        "targets": ["q", "k", "v", "o", "gate", "up", "down"]},
-                          optimizer={"name": "adamw", "lr": 0.01, "weight_decay": 0.1}),
-            "checkpoint": {"every": 4, "keep_last": 1}}
+    return {
+        "device": "cpu",
+        "init_from": str(work / "hf_qwen3"),
+        "parallel": parallel,
+        "train": dict(
+            BASE["train"],
+            steps=4,
+            lora={"rank": 4, "alpha": 8, "targets": ["q", "k", "v", "o", "gate", "up", "down"]},
+            optimizer={"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
+        ),
+        "checkpoint": {"every": 4, "keep_last": 1},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -270,8 +451,10 @@ def world8(tmp_path_factory):
     shutil.copytree(work / "hf_qwen3", work / "hf_qwen3_chat")
     train_tokenizer(work / "hf_qwen3_chat")
     write_jsonl(work / "chat" / "chat.jsonl", chat_records(80))
-    init = {"name": "init_from_hf_qwen3", "flow": dict(FAMILY_RUNS[1]["flow"], init_from=str(work / "hf_qwen3"),
-                                                      train=dict(BASE["train"], steps=1))}
+    init = {
+        "name": "init_from_hf_qwen3",
+        "flow": dict(FAMILY_RUNS[1]["flow"], init_from=str(work / "hf_qwen3"), train=dict(BASE["train"], steps=1)),
+    }
     sft = [{"name": name, "flow": sft_flow(work, par)} for name, par in SFT_LAYOUTS.items()]
     # LoRA on the transformers-saved Qwen3 (q/k norms, decoupled head_dim): adapters beside split heads
     lora = [{"name": name, "flow": lora_flow(work, par), "check_base": True} for name, par in LORA_LAYOUTS.items()]
@@ -291,12 +474,28 @@ def losses(results, name):
 def assert_close(got, want, rel=REL, what="loss"):
     assert len(got) == len(want), (got, want)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert abs(g - w) <= rel * abs(w), f"{what} at step {i + 1}: {g} vs reference {w} (rel {abs(g - w) / abs(w):.2e})"
+        assert abs(g - w) <= rel * abs(w), (
+            f"{what} at step {i + 1}: {g} vs reference {w} (rel {abs(g - w) / abs(w):.2e})"
+        )
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "dp2_fsdp",
-                                  "dp2_ddp", "dp2_zero2", "dp2_zero1", "dp2_offload",
-                                  "dp2_fsdp_no_overlap", "dp2_ddp_no_overlap"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tp2",
+        "tp2_sp",
+        "pp2_gpipe",
+        "pp2_1f1b",
+        "pp2_interleaved",
+        "dp2_fsdp",
+        "dp2_ddp",
+        "dp2_zero2",
+        "dp2_zero1",
+        "dp2_offload",
+        "dp2_fsdp_no_overlap",
+        "dp2_ddp_no_overlap",
+    ],
+)
 def test_world2_layouts_match_single_process(world2, ref, name):
     _, res = world2
     assert_close(losses(res, name), ref["adamw"]["losses"])
@@ -429,8 +628,11 @@ def test_moe_pipeline_matches_single_process(world8, tmp_path):
     assert_close(losses(res, "moe_pp_ep2_to_ep4"), ref["losses"][3:])
     ref3d = reference_run(dict(MOE_PP, parallel=MOE_3D), base=tmp_path / "3d", microbatches=2)
     assert_close(losses(res, "moe_dp2_tp2_pp2"), ref3d["losses"], what="moe_dp2_tp2_pp2")
-    assert_close([r["grad_norm"] for r in res["moe_dp2_tp2_pp2"]["metrics"]], ref3d["grad_norms"],
-                 what="moe_dp2_tp2_pp2 grad norm")
+    assert_close(
+        [r["grad_norm"] for r in res["moe_dp2_tp2_pp2"]["metrics"]],
+        ref3d["grad_norms"],
+        what="moe_dp2_tp2_pp2 grad norm",
+    )
 
 
 @pytest.mark.parametrize("name", ["moe_fsdp_to_ddp", "moe_ep1_to_ep2", "moe_ep2_to_ddp"])
@@ -448,7 +650,9 @@ def test_moe_expert_parallel_checkpoint_records_the_experts_placement(world2):
     assert m.parallel.ep == 2
     chunks = m.params["layers.0.moe.experts.w1"].chunks
     assert sorted((c.file, c.box.offsets[0], c.box.lengths[0]) for c in chunks) == [
-        ("model/pp0-tp0-ep0.safetensors", 0, 2), ("model/pp0-tp0-ep1.safetensors", 2, 2)]
+        ("model/pp0-tp0-ep0.safetensors", 0, 2),
+        ("model/pp0-tp0-ep1.safetensors", 2, 2),
+    ]
 
 
 def test_resume_continues_bit_for_bit(world2):
@@ -488,11 +692,11 @@ def test_sgd_parameters_match_single_process(world2, ref):
 def test_fp16_dynamic_loss_scaling_end_to_end(world2):
     _, res = world2
     recs = res["dp2_fp16"]["metrics"]
-    scale, good = 2.0 ** 19, 0
+    scale, good = 2.0**19, 0
     for r in recs:
         # What the scaler must have done, replayed from the skipped flags.
         if r["skipped"]:
-            scale, good = max(scale / 2, 2.0 ** 10), 0
+            scale, good = max(scale / 2, 2.0**10), 0
             assert r["grad_norm"] is None
         else:
             good += 1
@@ -501,7 +705,7 @@ def test_fp16_dynamic_loss_scaling_end_to_end(world2):
         assert r["loss_scale"] == scale, recs
     assert recs[0]["skipped"], "a 2^19 fp16 loss scale must overflow on the first step"
     assert not all(r["skipped"] for r in recs)
-    assert all(r["loss_scale"] >= 2.0 ** 10 for r in recs)
+    assert all(r["loss_scale"] >= 2.0**10 for r in recs)
     assert recs[-1]["loss"] < recs[0]["loss"]
 
 

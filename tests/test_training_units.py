@@ -1,5 +1,6 @@
 """Single-process checks of the trainer's pieces: loss scaling, activation checkpointing, LR
 schedule, layout planning, checkpoint discovery/pruning, and weight sources (HF dir -> our model)."""
+
 from __future__ import annotations
 
 import json
@@ -27,6 +28,7 @@ DEBUG = FLAVOURS["debug"]
 
 
 # --- fp16 loss scaling --------------------------------------------------------------------------
+
 
 def _params_with_grads(*values):
     ps = []
@@ -65,9 +67,10 @@ def test_clean_window_doubles_the_scale_and_unscales():
 
 
 def test_scaler_follows_the_config():
-    on = LossScaler.from_config(PrecisionConfig(amp=True, amp_dtype="float16", loss_scale="dynamic",
-                                                loss_scale_window=7, min_loss_scale=4))
-    assert on.enabled and on.scale == 2.0 ** 16 and on.window == 7 and on.min_scale == 4
+    on = LossScaler.from_config(
+        PrecisionConfig(amp=True, amp_dtype="float16", loss_scale="dynamic", loss_scale_window=7, min_loss_scale=4)
+    )
+    assert on.enabled and on.scale == 2.0**16 and on.window == 7 and on.min_scale == 4
     assert LossScaler.from_config(PrecisionConfig(amp=True, amp_dtype="float16", loss_scale=128)).scale == 128
     off = LossScaler.from_config(PrecisionConfig(amp=True, amp_dtype="bfloat16"))
     assert not off.enabled and off.scale == 1.0
@@ -81,6 +84,7 @@ def test_nan_gradients_count_as_overflow():
 
 
 # --- activation checkpointing -------------------------------------------------------------------
+
 
 def test_ac_layer_choice():
     assert ac_layer_ids([0, 1, 2, 3], 1) == [0, 1, 2, 3]
@@ -108,6 +112,7 @@ def test_activation_checkpointing_gives_the_same_loss_and_grads(every):
 
 
 # --- LR schedule, layouts -------------------------------------------------------------------------
+
 
 def test_lr_warmup_then_cosine_to_the_floor():
     f = [lr_factor(s, warmup=2, total=10, min_ratio=0.1) for s in range(10)]
@@ -164,6 +169,7 @@ def test_stage_module_keeps_global_names():
 
 # --- checkpoint discovery and pruning -----------------------------------------------------------
 
+
 def _fake_step(root, step, complete=True):
     d = root / f"step-{step:06d}"
     (d / "model").mkdir(parents=True)
@@ -195,12 +201,21 @@ def test_prune_keeps_the_newest_complete(tmp_path):
 
 # --- weight sources -----------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                   max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     out = tmp_path_factory.mktemp("hf")

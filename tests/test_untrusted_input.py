@@ -6,6 +6,7 @@ Fixtures are built once per module (a tiny Hugging Face model, our tp2/pp2 check
 model dir of it); each test copies what it corrupts into its own tmp dir and hashes that whole dir
 before and after.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,6 +41,7 @@ runner = CliRunner()
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
 
 def snapshot(root: Path) -> dict[str, str]:
     """Every entry under ``root`` without following links: files by sha256, links by target,
@@ -103,14 +105,15 @@ def rewrite_header(path: Path, fn) -> None:
     """Apply ``fn`` to a safetensors file's JSON header in place (data bytes kept)."""
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     fn(header)
     new = json.dumps(header).encode()
     new += b" " * (-len(new) % 8)
-    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
 # --- fixtures (once per module) -----------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
@@ -122,8 +125,7 @@ def good(tmp_path_factory):
     convert_checkpoint(hf, base / "model")
     sharded = write_hf(sd, args, base / "hf_sharded", max_shard_size="200KB")
     assert (sharded / "model.safetensors.index.json").is_file()
-    return {"args": args, "sd": sd, "hf": hf, "titan": base / "titan", "model": base / "model",
-            "hf_sharded": sharded}
+    return {"args": args, "sd": sd, "hf": hf, "titan": base / "titan", "model": base / "model", "hf_sharded": sharded}
 
 
 def copy(src: Path, dst: Path) -> Path:
@@ -133,26 +135,44 @@ def copy(src: Path, dst: Path) -> Path:
 
 # --- our manifest: files / chunks[].file ----------------------------------------------------------
 
+
 def test_manifest_shard_outside_the_checkpoint(good, tmp_path):
     src = copy(good["titan"], tmp_path / "src")
     shutil.copy(src / "model/pp0-tp0.safetensors", tmp_path / "outside.safetensors")
 
     edit_json(src / "manifest.json", lambda m: rename_shard(m, "model/pp0-tp0.safetensors", "../outside.safetensors"))
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=(str(src / "manifest.json"), "'../outside.safetensors'", "'..' component", "fix the entry"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=(str(src / "manifest.json"), "'../outside.safetensors'", "'..' component", "fix the entry"),
+    )
 
 
 def test_manifest_absolute_shard_even_without_verify(good, tmp_path):
     src = copy(good["titan"], tmp_path / "src")
     edit_json(src / "manifest.json", lambda m: m["files"].__setitem__("/etc/hostname", {"size": 1, "sha256": "0" * 64}))
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", "--no-verify", out=tmp_path / "out",
-            expect=(str(src / "manifest.json"), "'/etc/hostname'", "absolute path"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        "--no-verify",
+        out=tmp_path / "out",
+        expect=(str(src / "manifest.json"), "'/etc/hostname'", "absolute path"),
+    )
 
 
 def test_inspect_refuses_a_dotdot_shard_too(good, tmp_path):
     src = copy(good["titan"], tmp_path / "src")
-    edit_json(src / "manifest.json", lambda m: rename_shard(m, "model/pp1-tp1.safetensors",
-                                                            "model/../../src/model/pp1-tp1.safetensors"))
+    edit_json(
+        src / "manifest.json",
+        lambda m: rename_shard(m, "model/pp1-tp1.safetensors", "model/../../src/model/pp1-tp1.safetensors"),
+    )
     refused(tmp_path, "inspect", src, expect=(str(src / "manifest.json"), "'..' component"))
 
 
@@ -161,8 +181,15 @@ def test_manifest_shard_through_a_symlinked_directory(good, tmp_path):
     elsewhere = tmp_path / "elsewhere"
     (src / "model").rename(elsewhere)
     (src / "model").symlink_to(elsewhere, target_is_directory=True)
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("symlinked directory that leads outside", str(src)))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("symlinked directory that leads outside", str(src)),
+    )
 
 
 def test_manifest_shard_that_is_a_fifo_does_not_hang(good, tmp_path):
@@ -170,8 +197,15 @@ def test_manifest_shard_that_is_a_fifo_does_not_hang(good, tmp_path):
     f = src / "model/pp1-tp0.safetensors"
     f.unlink()
     os.mkfifo(f)
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("'model/pp1-tp0.safetensors'", "is a FIFO, not a regular file"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("'model/pp1-tp0.safetensors'", "is a FIFO, not a regular file"),
+    )
 
 
 def test_symlink_loops_in_a_checkpoint(good, tmp_path):
@@ -179,8 +213,15 @@ def test_symlink_loops_in_a_checkpoint(good, tmp_path):
     shard = src / "model/pp0-tp1.safetensors"
     shard.unlink()
     shard.symlink_to("pp0-tp1.safetensors")  # points at itself
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("'model/pp0-tp1.safetensors'", "cannot be examined", "symbolic links"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("'model/pp0-tp1.safetensors'", "cannot be examined", "symbolic links"),
+    )
     shutil.rmtree(src / "model")
     (src / "model").symlink_to("model", target_is_directory=True)  # a directory loop
     refused(tmp_path, "inspect", src, expect=("'model/pp0-tp0.safetensors'", "symlink loop"))
@@ -189,8 +230,15 @@ def test_symlink_loops_in_a_checkpoint(good, tmp_path):
 def test_manifest_that_is_not_an_object(good, tmp_path):
     src = copy(good["titan"], tmp_path / "src")
     (src / "manifest.json").write_text("[1, 2, 3]")
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=(str(src / "manifest.json"), "JSON list"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=(str(src / "manifest.json"), "JSON list"),
+    )
 
 
 def test_init_from_weights_refuse_a_dotdot_chunk(good, tmp_path):
@@ -207,20 +255,36 @@ def test_init_from_weights_refuse_a_dotdot_chunk(good, tmp_path):
 
 # --- Hugging Face: model.safetensors.index.json weight_map ---------------------------------------
 
+
 def test_hf_index_points_outside(good, tmp_path):
     src = copy(good["hf_sharded"], tmp_path / "src")
     idx = src / "model.safetensors.index.json"
     edit_json(idx, lambda d: d["weight_map"].update({"model.norm.weight": "../../etc/passwd"}))
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=(str(idx), "'../../etc/passwd'", "weight_map"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=(str(idx), "'../../etc/passwd'", "weight_map"),
+    )
 
 
 def test_export_refuses_an_absolute_index_entry(good, tmp_path):
     src = copy(good["hf_sharded"], tmp_path / "src")
     idx = src / "model.safetensors.index.json"
     edit_json(idx, lambda d: d["weight_map"].update({"lm_head.weight": "/etc/hostname"}))
-    refused(tmp_path, "export", src, "-o", tmp_path / "onnx", "--no-atc", out=tmp_path / "onnx",
-            expect=(str(idx), "'/etc/hostname'", "absolute path"))
+    refused(
+        tmp_path,
+        "export",
+        src,
+        "-o",
+        tmp_path / "onnx",
+        "--no-atc",
+        out=tmp_path / "onnx",
+        expect=(str(idx), "'/etc/hostname'", "absolute path"),
+    )
 
 
 def test_inspect_index_weight_map_not_an_object(good, tmp_path):
@@ -252,8 +316,15 @@ def test_tokenizer_symlinked_to_a_private_file_is_not_copied(good, tmp_path):
     (tmp_path / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
     src = copy(good["hf"], tmp_path / "src")
     (src / "tokenizer.json").symlink_to(os.path.relpath(tmp_path / "id_rsa", src))
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=(str(src), "'tokenizer.json' is a symlink to", "id_rsa", "cp -L"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=(str(src), "'tokenizer.json' is a symlink to", "id_rsa", "cp -L"),
+    )
 
 
 def test_weights_symlinked_outside_a_plain_dir(good, tmp_path):
@@ -265,6 +336,7 @@ def test_weights_symlinked_outside_a_plain_dir(good, tmp_path):
 
 # --- DCP .metadata storage paths; Megatron directory discovery --------------------------------
 
+
 def test_dcp_storage_path_outside(good, tmp_path):
     ckpt = write_dcp(good["sd"], good["args"], tmp_path / "dcp")
     meta = ckpt / ".metadata"
@@ -272,8 +344,15 @@ def test_dcp_storage_path_outside(good, tmp_path):
     first = next(k for k in md.storage_data if k.fqn == "model.norm.weight")
     md.storage_data[first] = dataclasses.replace(md.storage_data[first], relative_path="../../stolen.distcp")
     meta.write_bytes(pickle.dumps(md))
-    refused(tmp_path, "convert", ckpt, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=(str(meta), "'../../stolen.distcp'", "storage file"))
+    refused(
+        tmp_path,
+        "convert",
+        ckpt,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=(str(meta), "'../../stolen.distcp'", "storage file"),
+    )
 
 
 def test_megatron_iteration_dir_symlinked_outside(good, tmp_path):
@@ -281,8 +360,15 @@ def test_megatron_iteration_dir_symlinked_outside(good, tmp_path):
     it = src / "iter_0000050"
     it.rename(tmp_path / "elsewhere")
     it.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=("'iter_0000050'", "symlinked directory leading outside", str(src)))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=("'iter_0000050'", "symlinked directory leading outside", str(src)),
+    )
 
 
 def test_megatron_pickle_refusal_is_one_line(good, tmp_path):
@@ -291,12 +377,20 @@ def test_megatron_pickle_refusal_is_one_line(good, tmp_path):
     ck = torch.load(f, weights_only=False)
     ck["args"].tokenizer_obj = Path("/etc/passwd")
     torch.save(ck, f)
-    line = refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-                   expect=(str(f), "refused to unpickle", "Unsupported global: GLOBAL pathlib.PosixPath"))
+    line = refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=(str(f), "refused to unpickle", "Unsupported global: GLOBAL pathlib.PosixPath"),
+    )
     assert "\x1b[" not in line and "weights_only` set to `False`" not in line
 
 
 # --- safetensors headers that lie -----------------------------------------------------------------
+
 
 def shard_holding(src: Path, *keys: str) -> Path:
     weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
@@ -311,18 +405,28 @@ def test_header_with_overlapping_data_ranges(good, tmp_path):
 
     def overlap(h):
         h["model.layers.0.self_attn.o_proj.weight"]["data_offsets"] = list(
-            h["model.layers.0.self_attn.q_proj.weight"]["data_offsets"])
+            h["model.layers.0.self_attn.q_proj.weight"]["data_offsets"]
+        )
+
     rewrite_header(f, overlap)
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=(str(f), "overlap", "model.layers.0.self_attn.q_proj.weight"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=(str(f), "overlap", "model.layers.0.self_attn.q_proj.weight"),
+    )
 
 
 def test_header_that_lies_about_the_dtype(good, tmp_path):
     src = copy(good["hf_sharded"], tmp_path / "src")
     f = shard_holding(src, "model.layers.1.input_layernorm.weight")
     rewrite_header(f, lambda h: h["model.layers.1.input_layernorm.weight"].update(dtype="F16"))
-    refused(tmp_path, "inspect", src, expect=(str(f), "'model.layers.1.input_layernorm.weight'",
-                                              "does not match its shape"))
+    refused(
+        tmp_path, "inspect", src, expect=(str(f), "'model.layers.1.input_layernorm.weight'", "does not match its shape")
+    )
 
 
 def test_header_offsets_past_the_end_of_the_file(good, tmp_path):
@@ -334,9 +438,17 @@ def test_header_offsets_past_the_end_of_the_file(good, tmp_path):
         e = h["model.norm.weight"]
         size = e["data_offsets"][1] - e["data_offsets"][0]
         e["data_offsets"] = [10**9, 10**9 + size]
+
     rewrite_header(f, far)
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=(str(f), "truncated: tensor 'model.norm.weight' ends at byte", "Copy the file again"))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=(str(f), "truncated: tensor 'model.norm.weight' ends at byte", "Copy the file again"),
+    )
 
 
 def test_duplicate_key_inside_one_header(good, tmp_path):
@@ -344,11 +456,11 @@ def test_duplicate_key_inside_one_header(good, tmp_path):
     f = shard_holding(src, "model.layers.1.input_layernorm.weight")
     raw = f.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    head = raw[8:8 + n].decode().rstrip()
+    head = raw[8 : 8 + n].decode().rstrip()
     entry = json.dumps({"dtype": "F32", "shape": [1], "data_offsets": [0, 4]})
     head = head[:-1] + f', "model.layers.1.input_layernorm.weight": {entry}}}'
     head += " " * (-len(head) % 8)
-    f.write_bytes(struct.pack("<Q", len(head)) + head.encode() + raw[8 + n:])
+    f.write_bytes(struct.pack("<Q", len(head)) + head.encode() + raw[8 + n :])
     refused(tmp_path, "inspect", src, expect=(str(f), "'model.layers.1.input_layernorm.weight' appears twice"))
 
 
@@ -359,8 +471,15 @@ def test_duplicate_tensor_across_shards(good, tmp_path):
     stolen = next(k for k in a if k not in b)
     b[stolen] = torch.zeros_like(a[stolen])  # a second, different copy of the same tensor
     save_file(b, shards[-1], metadata={"format": "pt"})
-    refused(tmp_path, "convert", src, "-o", tmp_path / "out", out=tmp_path / "out",
-            expect=(f"{stolen!r} is also stored in", shards[0].name, shards[-1].name))
+    refused(
+        tmp_path,
+        "convert",
+        src,
+        "-o",
+        tmp_path / "out",
+        out=tmp_path / "out",
+        expect=(f"{stolen!r} is also stored in", shards[0].name, shards[-1].name),
+    )
 
 
 def test_nan_and_inf_weights_are_named(good, tmp_path):
@@ -392,10 +511,15 @@ def test_inf_from_a_cast_and_nan_in_a_pickled_source_are_named(good, tmp_path):
     sd["layers.0.attention.wv.weight"] = torch.full_like(sd["layers.0.attention.wv.weight"], float("nan"))
     ckpt = write_dcp(sd, good["args"], tmp_path / "dcp")
     code, text = cli("convert", ckpt, "-o", tmp_path / "from_dcp")
-    assert code == 0 and "NaN/Inf values in 2 tensor(s): model.layers.0.self_attn.v_proj.weight, model.layers.3.mlp.gate_proj" in text, text  # 1e6 is finite in float32
+    assert (
+        code == 0
+        and "NaN/Inf values in 2 tensor(s): model.layers.0.self_attn.v_proj.weight, model.layers.3.mlp.gate_proj"
+        in text
+    ), text  # 1e6 is finite in float32
 
 
 # --- outputs that would replace a run dir ----------------------------------------------------------
+
 
 @pytest.fixture
 def run_dir(tmp_path):
@@ -407,8 +531,15 @@ def run_dir(tmp_path):
 
 
 def test_convert_overwrite_cannot_replace_a_run_dir(good, tmp_path, run_dir):
-    refused(tmp_path, "convert", good["hf"], "-o", run_dir, "--overwrite",
-            expect=(str(run_dir), "is a run dir", f"{run_dir}/model"))
+    refused(
+        tmp_path,
+        "convert",
+        good["hf"],
+        "-o",
+        run_dir,
+        "--overwrite",
+        expect=(str(run_dir), "is a run dir", f"{run_dir}/model"),
+    )
 
 
 def test_export_into_a_run_dir_itself(good, tmp_path, run_dir):
@@ -420,6 +551,7 @@ def test_report_dir_that_is_a_run_dir(good, tmp_path, run_dir):
 
 
 # --- evaluate: ONNX external data, export.json, --config data path --------------------------------
+
 
 def _graph_with_external(onnx_dir: Path, location: str) -> Path:
     """input_ids -> logits (a Gather from an embedding held as external data at ``location``)."""
@@ -433,9 +565,12 @@ def _graph_with_external(onnx_dir: Path, location: str) -> Path:
         e = emb.external_data.add()
         e.key, e.value = k, v
     graph = helper.make_graph(
-        [helper.make_node("Gather", ["emb", "input_ids"], ["logits"])], "g",
+        [helper.make_node("Gather", ["emb", "input_ids"], ["logits"])],
+        "g",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "t"])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "t", 8])], initializer=[emb])
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "t", 8])],
+        initializer=[emb],
+    )
     path = onnx_dir / "model.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)]), str(path))
     return path
@@ -444,14 +579,34 @@ def _graph_with_external(onnx_dir: Path, location: str) -> Path:
 def test_onnx_external_data_outside_its_dir(good, tmp_path):
     (tmp_path / "secret.bin").write_bytes(os.urandom(320 * 8 * 4))
     g = _graph_with_external(tmp_path / "onnx", "../secret.bin")
-    refused(tmp_path, "evaluate", "--model-dir", good["model"], "--onnx", g, "-o", tmp_path / "rep",
-            out=tmp_path / "rep", expect=(str(g), "'../secret.bin'", "external data location of tensor 'emb'"))
+    refused(
+        tmp_path,
+        "evaluate",
+        "--model-dir",
+        good["model"],
+        "--onnx",
+        g,
+        "-o",
+        tmp_path / "rep",
+        out=tmp_path / "rep",
+        expect=(str(g), "'../secret.bin'", "external data location of tensor 'emb'"),
+    )
 
 
 def test_onnx_external_data_absolute(good, tmp_path):
     g = _graph_with_external(tmp_path / "onnx", "/etc/hostname")
-    refused(tmp_path, "evaluate", "--model-dir", good["model"], "--onnx", g, "-o", tmp_path / "rep",
-            out=tmp_path / "rep", expect=(str(g), "'/etc/hostname'", "absolute path"))
+    refused(
+        tmp_path,
+        "evaluate",
+        "--model-dir",
+        good["model"],
+        "--onnx",
+        g,
+        "-o",
+        tmp_path / "rep",
+        out=tmp_path / "rep",
+        expect=(str(g), "'/etc/hostname'", "absolute path"),
+    )
 
 
 def test_onnx_runner_checks_before_onnxruntime_opens_the_graph(tmp_path):
@@ -468,8 +623,18 @@ def test_export_record_naming_a_graph_outside(good, tmp_path):
     (tmp_path / "onnx" / "model.onnx.data").write_bytes(b"\0" * (320 * 8 * 4))
     rec = tmp_path / "onnx" / "export.json"
     rec.write_text(json.dumps({"format": "titan-pipe-export/1", "graphs": {"../../model.onnx": {}}, "files": {}}))
-    refused(tmp_path, "evaluate", "--model-dir", good["model"], "--onnx", g, "-o", tmp_path / "rep",
-            out=tmp_path / "rep", expect=(str(rec), "'../../model.onnx'", "graphs entry"))
+    refused(
+        tmp_path,
+        "evaluate",
+        "--model-dir",
+        good["model"],
+        "--onnx",
+        g,
+        "-o",
+        tmp_path / "rep",
+        out=tmp_path / "rep",
+        expect=(str(rec), "'../../model.onnx'", "graphs entry"),
+    )
 
 
 @pytest.mark.parametrize("digest", ["xxh3_128", "sha256"])
@@ -483,16 +648,35 @@ def test_evaluate_refuses_a_data_file_that_is_not_the_exported_one(good, tmp_pat
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     data.write_bytes(bytes(raw))
-    refused(tmp_path, "evaluate", "--model-dir", good["model"], "--onnx", tmp_path / "onnx" / "model.onnx",
-            "-o", tmp_path / "rep", out=tmp_path / "rep",
-            expect=(str(data), f"its {digest} digest does not match", "re-export"))
+    refused(
+        tmp_path,
+        "evaluate",
+        "--model-dir",
+        good["model"],
+        "--onnx",
+        tmp_path / "onnx" / "model.onnx",
+        "-o",
+        tmp_path / "rep",
+        out=tmp_path / "rep",
+        expect=(str(data), f"its {digest} digest does not match", "re-export"),
+    )
 
 
 def test_onnx_that_is_not_onnx(good, tmp_path):
     g = tmp_path / "model.onnx"
     g.write_bytes(b"\x08\x07PK\x03\x04 not a protobuf \xff" * 50)
-    refused(tmp_path, "evaluate", "--model-dir", good["model"], "--onnx", g, "-o", tmp_path / "rep",
-            out=tmp_path / "rep", expect=(str(g), "not an ONNX model"))
+    refused(
+        tmp_path,
+        "evaluate",
+        "--model-dir",
+        good["model"],
+        "--onnx",
+        g,
+        "-o",
+        tmp_path / "rep",
+        out=tmp_path / "rep",
+        expect=(str(g), "not an ONNX model"),
+    )
 
 
 def test_evaluate_config_data_path_outside_the_flow_dir(good, tmp_path):
@@ -501,15 +685,33 @@ def test_evaluate_config_data_path_outside_the_flow_dir(good, tmp_path):
     cfg_dir.mkdir()
     flow = cfg_dir / "flow.yaml"
     flow.write_text("evaluate: {data: ../private.txt}\n")
-    refused(tmp_path, "evaluate", "--model-dir", good["model"], "--config", flow, "-o", tmp_path / "rep",
-            out=tmp_path / "rep", expect=(str(flow), "evaluate.data '../private.txt'", "--data FILE"))
+    refused(
+        tmp_path,
+        "evaluate",
+        "--model-dir",
+        good["model"],
+        "--config",
+        flow,
+        "-o",
+        tmp_path / "rep",
+        out=tmp_path / "rep",
+        expect=(str(flow), "evaluate.data '../private.txt'", "--data FILE"),
+    )
 
 
 # --- run / config -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,why", [("..", "parent of runs_dir"), (".", "runs_dir itself"),
-                                      (".hidden", "starts with a dot"), ("a/b", "one path component"),
-                                      ("x" * 65, "at most 64")])
+
+@pytest.mark.parametrize(
+    "name,why",
+    [
+        ("..", "parent of runs_dir"),
+        (".", "runs_dir itself"),
+        (".hidden", "starts with a dot"),
+        ("a/b", "one path component"),
+        ("x" * 65, "at most 64"),
+    ],
+)
 def test_run_names_that_are_not_one_plain_component(tmp_path, name, why):
     flow = tmp_path / "flow.yaml"
     flow.write_text(json.dumps({"name": name, "runs_dir": "runs"}))
@@ -539,8 +741,10 @@ def test_deeply_nested_yaml(tmp_path):
 
 # --- the run-dir lock -------------------------------------------------------------------------------
 
-HOLDER = ("import sys, time\nfrom titan_pipe.run_lock import run_lock\n"
-          "with run_lock(sys.argv[1], what='test holder'):\n    print('held', flush=True)\n    time.sleep(300)\n")
+HOLDER = (
+    "import sys, time\nfrom titan_pipe.run_lock import run_lock\n"
+    "with run_lock(sys.argv[1], what='test holder'):\n    print('held', flush=True)\n    time.sleep(300)\n"
+)
 
 
 def _hold(run_dir: Path) -> subprocess.Popen:
@@ -559,9 +763,17 @@ def test_second_writer_fails_at_once_naming_the_holder(good, tmp_path):
         before = snapshot(tmp_path)
         t0 = time.monotonic()
         env = {**os.environ, "COLUMNS": "400"}
-        writers = {cmd: subprocess.Popen([sys.executable, "-m", "titan_pipe.cli", cmd, str(flow)], cwd=tmp_path,
-                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                   for cmd in ("train", "run")}
+        writers = {
+            cmd: subprocess.Popen(
+                [sys.executable, "-m", "titan_pipe.cli", cmd, str(flow)],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for cmd in ("train", "run")
+        }
         for cmd, proc in writers.items():
             out, err = proc.communicate(timeout=300)
             lines = [ln for ln in (out + err).splitlines() if ln.strip() and not ln.startswith("training ")]
@@ -571,8 +783,15 @@ def test_second_writer_fails_at_once_naming_the_holder(good, tmp_path):
         assert snapshot(tmp_path) == before and not (tmp_path / "runs/exp/train.log").exists()
         assert took < 150  # fails at once (the time is the CLI's imports), never waits for the holder
         # a stage command writing into the same run dir is refused too (in process)
-        refused(tmp_path, "convert", good["hf"], "-o", tmp_path / "runs/exp/model", out=tmp_path / "runs/exp/model",
-                expect=(str((tmp_path / "runs/exp").resolve()), f"PID {holder.pid}"))
+        refused(
+            tmp_path,
+            "convert",
+            good["hf"],
+            "-o",
+            tmp_path / "runs/exp/model",
+            out=tmp_path / "runs/exp/model",
+            expect=(str((tmp_path / "runs/exp").resolve()), f"PID {holder.pid}"),
+        )
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
@@ -583,15 +802,22 @@ def test_second_writer_fails_at_once_naming_the_holder(good, tmp_path):
 
 def test_lock_is_reentrant_in_process_and_for_children_only(tmp_path):
     d = tmp_path / "run"
-    child = ("import sys\nfrom titan_pipe.run_lock import run_lock\n"
-             "with run_lock(sys.argv[1], what='child'):\n    print('child ok')\n")
+    child = (
+        "import sys\nfrom titan_pipe.run_lock import run_lock\n"
+        "with run_lock(sys.argv[1], what='child'):\n    print('child ok')\n"
+    )
     with run_lock(d, what="outer"):
         with run_lock(d, what="inner"):  # titan-pipe run -> train in the same process
             assert (d / LOCK_NAME).read_text().startswith(f"{os.getpid()} outer")
         inherited = subprocess.run([sys.executable, "-c", child, str(d)], capture_output=True, text=True, timeout=120)
         assert inherited.returncode == 0 and "child ok" in inherited.stdout, inherited.stderr
-        stranger = subprocess.run([sys.executable, "-c", child, str(d)], capture_output=True, text=True, timeout=120,
-                                  env={k: v for k, v in os.environ.items() if k != ENV})
+        stranger = subprocess.run(
+            [sys.executable, "-c", child, str(d)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={k: v for k, v in os.environ.items() if k != ENV},
+        )
         assert stranger.returncode != 0 and f"in use by PID {os.getpid()} (outer)" in stranger.stderr
     assert ENV not in os.environ
     # a stale variable (its PID no longer holds the lock) does not let anyone skip the lock

@@ -2,6 +2,7 @@
 DCP step and a Megatron-LM checkpoint through the same readers convert uses — every tensor equal to
 the weights written, a rank's box read alone, training starting from them under tp and pp, evaluate
 taking the DCP as its reference."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,13 @@ def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("sources")
     args = model_args()
     sd = native_state(args, seed=4)
-    return {"root": root, "args": args, "sd": sd, "dcp": write_dcp(sd, args, root / "dcp"),
-            "megatron": write_megatron(sd, args, root / "megatron", tp=2, pp=2)}
+    return {
+        "root": root,
+        "args": args,
+        "sd": sd,
+        "dcp": write_dcp(sd, args, root / "dcp"),
+        "megatron": write_megatron(sd, args, root / "megatron", tp=2, pp=2),
+    }
 
 
 @pytest.mark.parametrize("fmt", ["dcp", "megatron"])
@@ -59,15 +65,33 @@ def test_training_starts_from_a_dcp_and_a_megatron_checkpoint(sources):
     """init_from each, under tp2 and pp2: the first step's loss is that of the written weights in one
     process (the model read through the same readers as convert's)."""
     root = sources["root"]
-    base = {"device": "cpu", "train": {"steps": 1, "batch_size": 8, "seq_len": 32, "warmup_steps": 1, "seed": 0},
-            "checkpoint": {"every": 1, "keep_last": 1}}
-    runs = [{"name": f"{fmt}_{lay}", "flow": dict(base, init_from=str(sources[fmt]), parallel=par)}
-            for fmt in ("dcp", "megatron") for lay, par in (("tp2", {"tp": 2}), ("pp2", {"pp": 2, "microbatches": 2}))]
+    base = {
+        "device": "cpu",
+        "train": {"steps": 1, "batch_size": 8, "seq_len": 32, "warmup_steps": 1, "seed": 0},
+        "checkpoint": {"every": 1, "keep_last": 1},
+    }
+    runs = [
+        {"name": f"{fmt}_{lay}", "flow": dict(base, init_from=str(sources[fmt]), parallel=par)}
+        for fmt in ("dcp", "megatron")
+        for lay, par in (("tp2", {"tp": 2}), ("pp2", {"pp": 2, "microbatches": 2}))
+    ]
     (root / "spec.json").write_text(json.dumps({"workdir": str(root), "runs": runs}))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(HERE / "train_driver.py"), str(root / "spec.json")], env=env, capture_output=True,
-                          text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(HERE / "train_driver.py"),
+            str(root / "spec.json"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = json.loads((root / "results.json").read_text())
     from titan_pipe.config import parse_flow
@@ -94,8 +118,13 @@ def test_evaluate_takes_a_dcp_checkpoint_as_its_reference(sources, tmp_path):
 
     convert_checkpoint(sources["dcp"], tmp_path / "model")
     onnx = export_model(tmp_path / "model", tmp_path / "onnx", ExportConfig(atc=False)).onnx
-    r = evaluate_model(out_dir=tmp_path / "report", checkpoint=sources["dcp"], model_dir=tmp_path / "model", onnx=onnx,
-                       settings=EvaluateConfig(batches=1, prompts=2, new_tokens=4))
+    r = evaluate_model(
+        out_dir=tmp_path / "report",
+        checkpoint=sources["dcp"],
+        model_dir=tmp_path / "model",
+        onnx=onnx,
+        settings=EvaluateConfig(batches=1, prompts=2, new_tokens=4),
+    )
     assert r.passed, r.summary["verdict"]
     st = r.summary["comparisons"]
     assert st["torch_vs_onnx"] == "pass" and st["sharded_vs_unified"].startswith("skipped: the --checkpoint is not")

@@ -8,6 +8,7 @@ SPEC: {"workdir": str, "runs": [{"name", "flow": {...flow.yaml dict...}, "resume
 (forward-only logits of that checkpoint under this flow's layout -> workdir/NAME.safetensors)}]}. Every flow must have
 dp*tp*pp = N. Rank 0 writes workdir/results.json: {name: {"metrics": [...jsonl records...]}}.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,12 +37,22 @@ def save_init(cfg, run_root: Path) -> None:
     p = cfg.parallel
     mesh = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp).build_mesh("cpu")
     dp_plan = plan_dp(dp=p.dp, tp=p.tp, dp_mode=p.dp_mode, zero_stage=cfg.zero_stage)
-    model = build_parallel_model(cfg.model.args(), mesh, schedule=p.pp_schedule,
-                                 virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel,
-                                 dp_plan=dp_plan, seed=cfg.train.seed)
-    ckpt.save_checkpoint(run_root / "checkpoints" / "step-000000", model=model, optimizers=None,
-                         train_state={"step": 0},
-                         parallel=ParallelLayout(dp=p.dp, tp=p.tp, pp=p.pp, pp_schedule=p.pp_schedule))
+    model = build_parallel_model(
+        cfg.model.args(),
+        mesh,
+        schedule=p.pp_schedule,
+        virtual_stages=p.virtual_stages,
+        sequence_parallel=p.sequence_parallel,
+        dp_plan=dp_plan,
+        seed=cfg.train.seed,
+    )
+    ckpt.save_checkpoint(
+        run_root / "checkpoints" / "step-000000",
+        model=model,
+        optimizers=None,
+        train_state={"step": 0},
+        parallel=ParallelLayout(dp=p.dp, tp=p.tp, pp=p.pp, pp_schedule=p.pp_schedule),
+    )
 
 
 def forward(cfg, step_dir: Path, out: Path) -> None:
@@ -49,8 +60,14 @@ def forward(cfg, step_dir: Path, out: Path) -> None:
     p = cfg.parallel
     mesh = ParallelDims(dp=p.dp, tp=p.tp, pp=p.pp).build_mesh("cpu")
     weights = open_weights(step_dir)
-    model = build_parallel_model(weights.args, mesh, schedule=p.pp_schedule, virtual_stages=p.virtual_stages,
-                                 sequence_parallel=p.sequence_parallel, weights=weights)
+    model = build_parallel_model(
+        weights.args,
+        mesh,
+        schedule=p.pp_schedule,
+        virtual_stages=p.virtual_stages,
+        sequence_parallel=p.sequence_parallel,
+        weights=weights,
+    )
     tokens = torch.randint(0, weights.args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     logits = forward_logits(model.modules, model.stage_plan, tokens, pp_mesh=mesh["pp"], args=weights.args)
     if dist.get_rank() == 0:
@@ -79,8 +96,10 @@ def check_base(trainer, cfg, out: Path) -> None:
     n_state = sum(len(opt.state) for opt in trainer.optimizers)
     n_adapters = sum(1 for _, n, p in trainer.model.named_parameters() if is_adapter(n))
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"differing": differing, "compared": compared, "state_entries": n_state,
-                                      "adapters": n_adapters, "keys": keys})
+    dist.all_gather_object(
+        gathered,
+        {"differing": differing, "compared": compared, "state_entries": n_state, "adapters": n_adapters, "keys": keys},
+    )
     if dist.get_rank() == 0:
         out.write_text(json.dumps(gathered))
 

@@ -1,6 +1,7 @@
 """Single-process reference for the distributed training tests: the plainest possible loop on
 the same model, data and hyperparameters, written without any titan-pipe training machinery
 beyond the model and the data loader."""
+
 from __future__ import annotations
 
 import math
@@ -28,6 +29,7 @@ def training_loader(cfg, *, base, prepared) -> PackedLoader:
 def warmup_cosine(opt, t):
     """The trainer's schedule written out: linear warmup over train.warmup_steps, then cosine down to
     lr x lr_min_ratio at the last step."""
+
     def factor(s):
         if s < t.warmup_steps:
             return (s + 1) / t.warmup_steps
@@ -56,15 +58,15 @@ def reference_run(flow: dict, *, base, microbatches: int = 1) -> dict:
     loader = training_loader(cfg, base=base, prepared=base / "data")
     model = build_model(args, seed=t.seed)
     if o.name == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                weight_decay=o.weight_decay, foreach=False)
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False
+        )
     else:
         opt = torch.optim.SGD(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
 
     sched = warmup_cosine(opt, t)
     losses, norms = [], []
-    groups = microbatch_groups(t.batch_size, dp=flow.get("parallel", {}).get("dp", 1),
-                               microbatches=microbatches)
+    groups = microbatch_groups(t.batch_size, dp=flow.get("parallel", {}).get("dp", 1), microbatches=microbatches)
     for _ in range(t.steps):
         x, y = loader.next_batch()
         ce, aux = 0.0, 0.0
@@ -80,8 +82,11 @@ def reference_run(flow: dict, *, base, microbatches: int = 1) -> dict:
         sched.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "grad_norms": norms,
-            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {
+        "losses": losses,
+        "grad_norms": norms,
+        "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
 def sft_loader(cfg, *, base, prepared):
@@ -116,8 +121,9 @@ def sft_reference_run(flow: dict, *, base, state: dict, masked: bool = True) -> 
     loader = sft_loader(cfg, base=base, prepared=base / "sft-data")
     model = build_model(cfg.model.args(), seed=None)
     model.load_state_dict(state)
-    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                            foreach=False)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False
+    )
 
     sched = warmup_cosine(opt, t)
     losses, norms = [], []
@@ -167,8 +173,9 @@ def lora_reference_run(flow: dict, *, base) -> dict:
     model.requires_grad_(False)
     shapes = adapter_shapes(args, spec)
     adapters = {n: init_adapter(n, s, t.seed, spec.init).requires_grad_() for n, s in shapes.items()}
-    opt = torch.optim.AdamW(list(adapters.values()), lr=o.lr, betas=o.betas, eps=o.eps,
-                            weight_decay=o.weight_decay, foreach=False)
+    opt = torch.optim.AdamW(
+        list(adapters.values()), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=False
+    )
     sched = warmup_cosine(opt, t)
     params = dict(model.named_parameters())
     losses, norms = [], []
@@ -178,7 +185,7 @@ def lora_reference_run(flow: dict, *, base) -> dict:
         for n in shapes:
             w, part = base_of(n)
             if part == "a":
-                merged[w] = params[w] + spec.scale * adapters[n[:-len("a.weight")] + "b.weight"] @ adapters[n]
+                merged[w] = params[w] + spec.scale * adapters[n[: -len("a.weight")] + "b.weight"] @ adapters[n]
         logits = functional_call(model, merged, (x,))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()

@@ -1,5 +1,6 @@
 """Activation checkpointing: recompute every N-th transformer block in backward instead of storing
 its activations. Uses torch's composable ``checkpoint`` so parameter names do not change."""
+
 from __future__ import annotations
 
 from torch import nn

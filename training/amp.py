@@ -3,6 +3,7 @@
 The scaler works on local shards (``DTensor.to_local()``), so it is the same for plain, TP and
 FSDP gradients; an overflow anywhere in the world skips the step on every rank.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_pipe.dtypes import TORCH_BY_NAME
 
-DEFAULT_INIT_SCALE = 2.0 ** 16
+DEFAULT_INIT_SCALE = 2.0**16
 
 
 def autocast(device_type: str, *, enabled: bool, dtype: str):
@@ -33,8 +34,9 @@ class LossScaler:
     unscale; on inf/nan anywhere skip the step and halve the scale (not below ``min_scale``);
     after ``window`` clean steps in a row double it. ``enabled=False`` is the identity (scale 1)."""
 
-    def __init__(self, *, enabled: bool, init_scale: float = DEFAULT_INIT_SCALE, window: int = 2000,
-                 min_scale: float = 1.0):
+    def __init__(
+        self, *, enabled: bool, init_scale: float = DEFAULT_INIT_SCALE, window: int = 2000, min_scale: float = 1.0
+    ):
         self.enabled = enabled
         self.scale = float(init_scale) if enabled else 1.0
         self.window = window
@@ -47,8 +49,9 @@ class LossScaler:
         """precision: the PrecisionConfig of flow.yaml (loss_scale: number | dynamic | None)."""
         enabled = precision.amp and precision.amp_dtype == "float16" and precision.loss_scale is not None
         init = DEFAULT_INIT_SCALE if precision.loss_scale in (None, "dynamic") else float(precision.loss_scale)
-        return cls(enabled=enabled, init_scale=init, window=precision.loss_scale_window,
-                   min_scale=precision.min_loss_scale)
+        return cls(
+            enabled=enabled, init_scale=init, window=precision.loss_scale_window, min_scale=precision.min_loss_scale
+        )
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss

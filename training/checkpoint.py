@@ -8,6 +8,7 @@ For a weights-only read under any layout (e.g. evaluation)::
     model = build_parallel_model(weights.args, mesh, weights=weights)
     # or, into an already built ParallelModel:  load_checkpoint(step_dir, model)
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,20 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_pipe.atomic import atomic_file, copy_file, write_text
-from titan_pipe.checkpoint_format import (MANIFEST_NAME, STEP_DIR, CheckpointExtra, Chunk, FileInfo, Manifest, ParallelLayout,
-                                          ParamSpec, is_complete, shard_file, split_box, step_dirs)
+from titan_pipe.checkpoint_format import (
+    MANIFEST_NAME,
+    STEP_DIR,
+    CheckpointExtra,
+    Chunk,
+    FileInfo,
+    Manifest,
+    ParallelLayout,
+    ParamSpec,
+    is_complete,
+    shard_file,
+    split_box,
+    step_dirs,
+)
 from titan_pipe.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
@@ -108,10 +121,18 @@ def rng_state() -> dict:
     return {"torch": torch.get_rng_state().tolist(), "python": repr(random.getstate())}
 
 
-def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | None, train_state: dict,
-                    parallel: ParallelLayout, fail_hook: Callable[[], None] | None = None,
-                    extra: CheckpointExtra = CheckpointExtra(), attach: dict[str, Path] | None = None,
-                    frozen_out: bool = False) -> Path:
+def save_checkpoint(
+    step_dir: Path,
+    *,
+    model: ParallelModel,
+    optimizers: list | None,
+    train_state: dict,
+    parallel: ParallelLayout,
+    fail_hook: Callable[[], None] | None = None,
+    extra: CheckpointExtra = CheckpointExtra(),
+    attach: dict[str, Path] | None = None,
+    frozen_out: bool = False,
+) -> Path:
     """Save a checkpoint of the whole model into ``step_dir``; collective, call on every rank.
 
     Order: shard files (dp-rank-0 of each (stage, tp rank)), optimizer DCP, train_state.json,
@@ -150,14 +171,24 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
         tp_dim = tp_split_dim(name)
         box = split_box(shape, 0, ep, ep_rank) if split else split_box(shape, tp_dim, tp, tp_rank)
         if tuple(local.shape) != box.lengths:
-            raise RuntimeError(f"{name}: local shard {tuple(local.shape)} != box {box.lengths} from "
-                               "titan_pipe.model.sharding; the TP plan and the sharding table disagree")
+            raise RuntimeError(
+                f"{name}: local shard {tuple(local.shape)} != box {box.lengths} from "
+                "titan_pipe.model.sharding; the TP plan and the sharding table disagree"
+            )
         if not (expert_writer if split else dp_rank == 0):
             continue
         rel = shard_file(stage, tp_rank, ep_rank if split else None)
         per_file.setdefault(rel, {})[name] = local
-        specs.append(ParamSpec(name=name, shape=shape, dtype=DTYPE_NAMES[local.dtype], tp_dim=tp_dim,
-                               stage=stage, chunks=[Chunk(rel, name, box)]))
+        specs.append(
+            ParamSpec(
+                name=name,
+                shape=shape,
+                dtype=DTYPE_NAMES[local.dtype],
+                tp_dim=tp_dim,
+                stage=stage,
+                chunks=[Chunk(rel, name, box)],
+            )
+        )
     for rel, tensors in per_file.items():
         files[rel] = _write_safetensors(tensors, step_dir / rel)
     if fail_hook is not None:
@@ -182,10 +213,19 @@ def save_checkpoint(step_dir: Path, *, model: ParallelModel, optimizers: list | 
                     params[spec.name].chunks.extend(spec.chunks)
                 else:
                     params[spec.name] = spec
-        manifest = Manifest(step=int(train_state["step"]), model=model.args.to_dict(), parallel=parallel,
-                            params=dict(sorted(params.items())), files=all_files,
-                            extra=replace(extra, optimizer=OPTIM_DIR if optimizers is not None else None,
-                                          train_state=TRAIN_STATE, attached=attached))
+        manifest = Manifest(
+            step=int(train_state["step"]),
+            model=model.args.to_dict(),
+            parallel=parallel,
+            params=dict(sorted(params.items())),
+            files=all_files,
+            extra=replace(
+                extra,
+                optimizer=OPTIM_DIR if optimizers is not None else None,
+                train_state=TRAIN_STATE,
+                attached=attached,
+            ),
+        )
         manifest.validate()
         write_text(step_dir / MANIFEST_NAME, manifest.to_json(), fsync=True)
     dist.barrier()
@@ -204,8 +244,10 @@ def load_train_state(step_dir: Path, model: ParallelModel, optimizers: list | No
     step_dir = Path(step_dir)
     if optimizers is not None:
         if not (step_dir / OPTIM_DIR).is_dir():
-            raise UserError(f"{step_dir}: no {OPTIM_DIR}/ (saved with checkpoint.save_optimizer: false); "
-                            "--resume needs it; start a new run from these weights with init_from instead")
+            raise UserError(
+                f"{step_dir}: no {OPTIM_DIR}/ (saved with checkpoint.save_optimizer: false); "
+                "--resume needs it; start a new run from these weights with init_from instead"
+            )
         state = {"optimizer": optimizer_state(model, optimizers)}
         dcp.load(state, checkpoint_id=str(step_dir / OPTIM_DIR))
         _set_optimizer_state(model, optimizers, state["optimizer"])

@@ -21,6 +21,7 @@ cached died with SIGSEGV in a rank, three tries of three, a run of the same flow
 compile wrote the cache passing; with the AOTAutograd cache off the rerun passes (it re-traces the
 joint graph, a few seconds, and inductor still finds its compiled kernels).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -46,8 +47,10 @@ def resolve_backend(name: str, device_type: str):
         try:
             import torchair
         except ImportError:
-            raise UserError("train.compile on npu needs TorchAir (torchair, shipped with torch_npu's CANN "
-                            "toolkit); install it or set train.compile: false") from None
+            raise UserError(
+                "train.compile on npu needs TorchAir (torchair, shipped with torch_npu's CANN "
+                "toolkit); install it or set train.compile: false"
+            ) from None
         return torchair.get_npu_backend()
     problem = backend_problem(name, device_type)
     if problem:
@@ -60,8 +63,10 @@ def backend_problem(name: str, device_type: str) -> str | None:
     inductor on cpu generates C++, so it needs a compiler. Also the launch preflight's check."""
     backend = "inductor" if name == "auto" and device_type != "npu" else name
     if backend == "inductor" and device_type == "cpu" and not cpp_compiler():
-        return ("train.compile with the inductor backend on cpu needs a C++ compiler (g++ or clang++ on PATH); "
-                "install one, or set train.compile_backend: aot_eager")
+        return (
+            "train.compile with the inductor backend on cpu needs a C++ compiler (g++ or clang++ on PATH); "
+            "install one, or set train.compile_backend: aot_eager"
+        )
     return None
 
 

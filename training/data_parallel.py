@@ -5,6 +5,7 @@ comm.*) onto one of these, as pure data; ``apply_dp`` executes it on this rank's
 Classic DDP cannot wrap DTensor (TP) parameters, and the old composable ``replicate`` with TP
 loses gradients silently, so with tp > 1 DDP semantics come from FSDP2's ``replicate``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,7 +17,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.nn.parallel import DistributedDataParallel
 
 from titan_pipe.dtypes import TORCH_BY_NAME
-
 
 
 @dataclass(frozen=True)
@@ -33,18 +33,31 @@ class DPPlan:
     overlap: bool = True
 
 
-def plan_dp(*, dp: int, tp: int, dp_mode: str, zero_stage: int | None, offload: str = "none",
-            amp_dtype: str | None = None, gradient_sync_dtype: str = "float32",
-            fusion_buffer_mb: float = 25, comm_overlap: bool = True) -> DPPlan:
+def plan_dp(
+    *,
+    dp: int,
+    tp: int,
+    dp_mode: str,
+    zero_stage: int | None,
+    offload: str = "none",
+    amp_dtype: str | None = None,
+    gradient_sync_dtype: str = "float32",
+    fusion_buffer_mb: float = 25,
+    comm_overlap: bool = True,
+) -> DPPlan:
     """Which data-parallel wrapper this layout gets (see docs/training.md, "ZeRO mapping").
 
     zero_stage 3 -> FSDP2 resharding after forward; 2 -> FSDP2 keeping parameters unsharded
     between forward and backward; 1 -> DDP + ZeroRedundancyOptimizer (tp == 1) else as 2;
     0 -> DDP (tp == 1) or FSDP2 replicate (tp > 1). None: dp_mode decides (fsdp = 3, ddp = 0).
     """
-    common = dict(param_dtype=TORCH_BY_NAME[amp_dtype] if amp_dtype else None,
-                  reduce_dtype=TORCH_BY_NAME[gradient_sync_dtype], cpu_offload=offload == "cpu",
-                  bucket_cap_mb=float(fusion_buffer_mb), overlap=comm_overlap)
+    common = dict(
+        param_dtype=TORCH_BY_NAME[amp_dtype] if amp_dtype else None,
+        reduce_dtype=TORCH_BY_NAME[gradient_sync_dtype],
+        cpu_offload=offload == "cpu",
+        bucket_cap_mb=float(fusion_buffer_mb),
+        overlap=comm_overlap,
+    )
     stage = zero_stage if zero_stage is not None else (3 if dp_mode == "fsdp" else 0)
     if offload == "cpu":
         # CPU offload lives in FSDP2; it applies even at dp == 1 (a one-rank "shard").
@@ -61,11 +74,14 @@ def plan_dp(*, dp: int, tp: int, dp_mode: str, zero_stage: int | None, offload: 
 
 
 def _fsdp_kwargs(plan: DPPlan, dp_mesh: DeviceMesh) -> dict:
-    return dict(mesh=dp_mesh,
-                mp_policy=MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype),
-                # Pinned host memory speeds accelerator <-> host copies; a CPU-only run has neither.
-                offload_policy=(CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
-                                if plan.cpu_offload else OffloadPolicy()))
+    return dict(
+        mesh=dp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype),
+        # Pinned host memory speeds accelerator <-> host copies; a CPU-only run has neither.
+        offload_policy=(
+            CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu") if plan.cpu_offload else OffloadPolicy()
+        ),
+    )
 
 
 def apply_fsdp(part: nn.Module, dp_mesh: DeviceMesh, plan: DPPlan) -> nn.Module:
@@ -80,8 +96,9 @@ def apply_fsdp(part: nn.Module, dp_mesh: DeviceMesh, plan: DPPlan) -> nn.Module:
         experts = getattr(getattr(layer, "moe", None), "experts", None)
         if experts is not None and experts.dispatch is not None:
             root = experts.w1.device_mesh._get_root_mesh()
-            fully_shard(experts, reshard_after_forward=plan.reshard_after_forward,
-                        **_fsdp_kwargs(plan, root["dp_mod_ep"]))
+            fully_shard(
+                experts, reshard_after_forward=plan.reshard_after_forward, **_fsdp_kwargs(plan, root["dp_mod_ep"])
+            )
     if plan.overlap:
         for layer in part.layers.values():
             fully_shard(layer, reshard_after_forward=plan.reshard_after_forward, **kw)
@@ -114,8 +131,9 @@ def apply_ddp(part: nn.Module, dp_mesh: DeviceMesh, plan: DPPlan) -> nn.Module:
         bucket = plan.bucket_cap_mb
     else:
         bucket = 2 * sum(p.numel() * p.element_size() for p in part.parameters()) / 2**20 + 1
-    return DistributedDataParallel(part, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket,
-                                   broadcast_buffers=False)
+    return DistributedDataParallel(
+        part, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket, broadcast_buffers=False
+    )
 
 
 def apply_dp(part: nn.Module, dp_mesh: DeviceMesh, plan: DPPlan) -> nn.Module:

@@ -13,6 +13,7 @@ over dp_mod_ep, not over dp, so the expert weights' gradient is scaled by 1/ep o
 (``_GradScale``): what reaches the optimizer is the gradient of the mean loss over all dp ranks,
 as for every other parameter.
 """
+
 from __future__ import annotations
 
 import torch
@@ -73,15 +74,17 @@ def dispatch(ep_mesh: DeviceMesh):
         send = counts.view(ep, local).sum(1).tolist()
         from_rank = got.view(ep, local)  # [source rank, my local expert]
         recv = from_rank.sum(1).tolist()
-        rows = all_to_all_single(x.new_empty(sum(recv), x.shape[1]), x, output_split_sizes=recv,
-                                 input_split_sizes=send, group=group)
+        rows = all_to_all_single(
+            x.new_empty(sum(recv), x.shape[1]), x, output_split_sizes=recv, input_split_sizes=send, group=group
+        )
         # received: source-major, each source's rows by local expert; the kernel wants expert-major
         ids = torch.repeat_interleave(torch.arange(from_rank.numel(), device=x.device), from_rank.reshape(-1))
         order = (ids % local * ep + ids // local).argsort(stable=True)
         weights = [_GradScale.apply(w.to_local() if isinstance(w, DTensor) else w, 1.0 / ep) for w in (w1, w3, w2)]
         y = compute(rows[order], from_rank.sum(0), *weights)
         back = torch.empty_like(y).index_copy(0, order, y)
-        return all_to_all_single(x.new_empty(x.shape[0], y.shape[1]), back, output_split_sizes=send,
-                                 input_split_sizes=recv, group=group)
+        return all_to_all_single(
+            x.new_empty(x.shape[0], y.shape[1]), back, output_split_sizes=send, input_split_sizes=recv, group=group
+        )
 
     return run

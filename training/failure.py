@@ -5,6 +5,7 @@ or ``fault: ...`` for an operating-system fault such as a full disk); torchrun p
 lines with ``[default<local rank>]:`` in train.log and keeps each rank's own stderr.log under
 run_dir/logs. ``launch_failure`` finds that line and says which rank and where to look.
 """
+
 from __future__ import annotations
 
 import re
@@ -15,8 +16,7 @@ from titan_pipe.errors import RankRefused, StageFailed
 from titan_pipe.faults import OutputFault
 from titan_pipe.run_dir import RunDir
 
-_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+) \(local_rank: (\d+)\).*?exitcode\s*:\s*(-?\d+)",
-                         re.S)
+_ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+) \(local_rank: (\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S)
 _RANK_LINE = re.compile(r"^(?:\[\w+\]:)?(error|fault): (.+)$", re.M)
 
 
@@ -85,9 +85,11 @@ def failure_message(rc: int, run: RunDir, started: float, log_offset: int = 0, l
 
 
 # torchrun's own error when the process runs out of descriptors (its store socket, a rank's pipes)
-_LIMITS = (("EMFILE", "too many open files in this process (EMFILE)", "raise the limit (ulimit -n 65536) and run again"),
-           ("ENFILE", "too many open files on this machine (ENFILE)", "close other programs or raise fs.file-max"),
-           ("[Errno 24]", "too many open files in this process (EMFILE)", "raise the limit (ulimit -n 65536) and run again"))
+_LIMITS = (
+    ("EMFILE", "too many open files in this process (EMFILE)", "raise the limit (ulimit -n 65536) and run again"),
+    ("ENFILE", "too many open files on this machine (ENFILE)", "close other programs or raise fs.file-max"),
+    ("[Errno 24]", "too many open files in this process (EMFILE)", "raise the limit (ulimit -n 65536) and run again"),
+)
 
 
 def _process_limit(text: str) -> str | None:
@@ -109,15 +111,18 @@ def launch_failure(rc: int, run: RunDir, started: float, log_offset: int, log: P
         d = rank_log_dir(run.root / "logs", cause[1], started)
         texts.append(_read_from(d / "stderr.log") if d is not None else "")
     texts.append(_read_from(log, log_offset))
-    texts += [_read_from(p) for p in sorted((run.root / "logs").glob("*/attempt_*/*/stderr.log"))
-              if p.stat().st_mtime >= started]
+    texts += [
+        _read_from(p)
+        for p in sorted((run.root / "logs").glob("*/attempt_*/*/stderr.log"))
+        if p.stat().st_mtime >= started
+    ]
     found = rank_error(*texts)
     if found is None:
         limit = _process_limit(_read_from(log, log_offset))
         if limit is not None:  # torchrun itself met it (no rank got as far as to say so)
-            return OutputFault(f"{limit} (torchrun stopped: {where[len('training failed: '):]})")
+            return OutputFault(f"{limit} (torchrun stopped: {where[len('training failed: ') :]})")
     if found is not None and found[0] == "fault":
-        return OutputFault(f"{found[1]} (training stopped: {where[len('training failed: '):]})")
+        return OutputFault(f"{found[1]} (training stopped: {where[len('training failed: ') :]})")
     err = RankRefused(f"{where}: {found[1]}") if found else StageFailed(where)
     err.exit_code = rc
     return err

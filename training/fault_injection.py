@@ -2,6 +2,7 @@
 killed at a chosen step or mid-checkpoint. Read from the environment only (never from flow.yaml),
 so a production run never carries it; named apart from titan_pipe.faults (operating-system faults
 reported as one line)."""
+
 from __future__ import annotations
 
 import os

@@ -7,6 +7,7 @@ as without it. CUDA of compute capability 9.0 or later only; anywhere else, and 
 (the ``float8`` extra), the launch is refused in one line naming what is missing. torchao is
 imported here only, and only when float8 is asked for.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -24,21 +25,29 @@ def float8_problem(recipe: str, device_type: str) -> str | None:
     import torch
 
     if device_type != "cuda" or not torch.cuda.is_available():
-        return (f"precision.float8: {recipe} needs a CUDA GPU of compute capability "
-                f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later (H100, H200, B200); this run's device is "
-                f"{device_type}; set precision.float8: none")
+        return (
+            f"precision.float8: {recipe} needs a CUDA GPU of compute capability "
+            f"{MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or later (H100, H200, B200); this run's device is "
+            f"{device_type}; set precision.float8: none"
+        )
     cap = torch.cuda.get_device_capability()
     if tuple(cap) < MIN_CAPABILITY:
-        return (f"precision.float8: {recipe} needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
-                f"later; {torch.cuda.get_device_name()} is {cap[0]}.{cap[1]}; set precision.float8: none")
+        return (
+            f"precision.float8: {recipe} needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} or "
+            f"later; {torch.cuda.get_device_name()} is {cap[0]}.{cap[1]}; set precision.float8: none"
+        )
     if importlib.util.find_spec("torchao") is None:
         return f"precision.float8: {recipe} needs torchao: pip install torchao (titan-pipe's float8 extra)"
     return None
 
 
 def _takes_float8(module: nn.Module, fqn: str) -> bool:
-    return (isinstance(module, nn.Linear) and fqn.split(".")[-1] != "output"
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    return (
+        isinstance(module, nn.Linear)
+        and fqn.split(".")[-1] != "output"
+        and module.in_features % 16 == 0
+        and module.out_features % 16 == 0
+    )
 
 
 def apply_float8(part: nn.Module, recipe: str) -> nn.Module:

@@ -9,6 +9,7 @@ harmless here, and docs/training.md "Warnings" says why); any other warning stil
   local view) is only read by the loss or sent to the next stage, never modified in place, so the
   pre-backward hook the warning is about always runs.
 """
+
 from __future__ import annotations
 
 import logging

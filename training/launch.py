@@ -5,6 +5,7 @@ By concern: the torchrun command and environment (launch_command), SLURM and lau
 (slurm), running and streaming the guarded process tree (stream), why a launch failed (failure).
 ``run_training`` is what ``titan-pipe train`` and the Prefect flow call.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,9 +52,12 @@ def summarize(metrics_path: Path) -> dict:
         return sum(vals) / len(vals) if vals else None
 
     last_loss = next((r["loss"] for r in reversed(recs) if isinstance(r.get("loss"), (int, float))), None)
-    return {"final_loss": last_loss, "tokens_per_s": mean("tokens_per_s"), "mfu": mean("mfu"),
-            "steps": recs[-1]["step"]}
-
+    return {
+        "final_loss": last_loss,
+        "tokens_per_s": mean("tokens_per_s"),
+        "mfu": mean("mfu"),
+        "steps": recs[-1]["step"],
+    }
 
 
 def copy_flow(flow_path: Path, run: RunDir) -> None:
@@ -111,15 +115,20 @@ def _launch(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool, device_
         import sys
 
         p = cfg.parallel
-        print(f"starting torchrun: {cfg.launch.nproc_per_node or p.world_size // cfg.launch.nnodes} rank(s) on this node "
-              f"(dp{p.dp} x tp{p.tp} x pp{p.pp}, {device_type}); rank start-up and the model build print "
-              f"'setup:' lines; log {log}", file=sys.stderr, flush=True)
+        print(
+            f"starting torchrun: {cfg.launch.nproc_per_node or p.world_size // cfg.launch.nnodes} rank(s) on this node "
+            f"(dp{p.dp} x tp{p.tp} x pp{p.pp}, {device_type}); rank start-up and the model build print "
+            f"'setup:' lines; log {log}",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         with reading_data(cfg, flow_path):
             rc = stream_process(cmd, env=launch_env(cfg, device_type), log_path=log, hide_from=torchrun_report)
     except KeyboardInterrupt as e:  # the tree is stopped; an interrupt, not a failure to retry
-        raise Interrupted.of(e, f"torchrun and its ranks were stopped; see {log}; continue with: "
-                                f"titan-pipe train {flow_path} --resume") from None
+        raise Interrupted.of(
+            e, f"torchrun and its ranks were stopped; see {log}; continue with: titan-pipe train {flow_path} --resume"
+        ) from None
     if rc != 0:
         raise launch_failure(rc, run, started - 1, log_offset, log)
     return collect_result(run, cfg)
@@ -180,8 +189,10 @@ def _run_in_process(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool)
     os.environ.update(extra)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != cfg.parallel.world_size:
-        raise UserError(f"{flow_path}: this launch has WORLD_SIZE={world} processes but dp*tp*pp = "
-                        f"{cfg.parallel.world_size}; start {cfg.parallel.world_size} tasks or change parallel")
+        raise UserError(
+            f"{flow_path}: this launch has WORLD_SIZE={world} processes but dp*tp*pp = "
+            f"{cfg.parallel.world_size}; start {cfg.parallel.world_size} tasks or change parallel"
+        )
     if os.environ.get("RANK", "0") == "0":
         copy_flow(flow_path, run)
     rc = trainer.main(["--flow", str(flow_path)] + (["--resume"] if resume else []))
@@ -211,6 +222,8 @@ def collect_result(run: RunDir, cfg: FlowConfig) -> TrainResult:
     checkpoint = newest_complete(run.checkpoints, warn=True)
     on_first_node = cfg.launch.node_rank == 0 and os.environ.get("RANK", "0") == "0"
     if checkpoint is None and on_first_node:
-        raise StageFailed(f"training exited 0 but {run.checkpoints} holds no complete checkpoint "
-                          f"(no step dir with manifest.json); see {run.train_log}")
+        raise StageFailed(
+            f"training exited 0 but {run.checkpoints} holds no complete checkpoint "
+            f"(no step dir with manifest.json); see {run.train_log}"
+        )
     return TrainResult(run_dir=run.root, checkpoint=checkpoint, metrics=run.metrics, summary=summary)

@@ -1,4 +1,5 @@
 """The torchrun command and environment of one node's launch (pure: from the flow config and a base env)."""
+
 from __future__ import annotations
 
 import os
@@ -17,16 +18,23 @@ def nproc_per_node(cfg: FlowConfig) -> int:
     return cfg.launch.nproc_per_node or cfg.parallel.world_size // cfg.launch.nnodes
 
 
-def build_torchrun_command(cfg: FlowConfig, flow_path: Path, *, resume: bool,
-                           log_dir: Path | None = None) -> list[str]:
+def build_torchrun_command(cfg: FlowConfig, flow_path: Path, *, resume: bool, log_dir: Path | None = None) -> list[str]:
     """The torchrun argv for this node. One node: --standalone (local rendezvous on a free port);
     several: c10d rendezvous at launch.rdzv_endpoint with the run name as the job id, so every
     node's launcher joins the same group. Only local rank 0 reaches the console; with ``log_dir``
     every rank's stdout/stderr is also kept in files there (torchrun --tee 3)."""
     la = cfg.launch
-    cmd = [sys.executable, "-m", "torch.distributed.run",
-           "--nproc_per_node", str(nproc_per_node(cfg)), "--nnodes", str(la.nnodes),
-           "--node_rank", str(la.node_rank)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc_per_node(cfg)),
+        "--nnodes",
+        str(la.nnodes),
+        "--node_rank",
+        str(la.node_rank),
+    ]
     if la.nnodes == 1:
         cmd.append("--standalone")
     else:
@@ -49,8 +57,9 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def launch_env(cfg: FlowConfig, device_type: str, *, base: Mapping[str, str] | None = None,
-               cpus: int | None = None) -> dict[str, str]:
+def launch_env(
+    cfg: FlowConfig, device_type: str, *, base: Mapping[str, str] | None = None, cpus: int | None = None
+) -> dict[str, str]:
     """The environment torchrun and its workers get: ``base`` (default os.environ) plus, only
     where ``base`` does not set them already:
 

@@ -8,6 +8,7 @@ only this rank's own chunk), a forward hook puts the layer back on meta, closes 
 DTensor TP placements and hooks are the ones the resident model runs; only where its parameters'
 storage lives changes, so its outputs are bit-identical to the resident model's.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -33,16 +34,21 @@ def local_box(name: str, p: torch.Tensor) -> Box:
 
 
 @torch.no_grad()
-def fill_local(params: Iterable[tuple[str, torch.Tensor]], *, weights: WeightSource,
-               source: Callable[[str], str] = lambda name: name) -> None:
+def fill_local(
+    params: Iterable[tuple[str, torch.Tensor]],
+    *,
+    weights: WeightSource,
+    source: Callable[[str], str] = lambda name: name,
+) -> None:
     """Fill each allocated (global name, parameter) with its local box read from ``weights``
     (``source(name)``: the stored name, e.g. the embedding for a tied output copy)."""
     for name, p in params:
         local = weights.box(source(name), local_box(name, p))
         target = p.to_local() if isinstance(p, DTensor) else p
         if tuple(local.shape) != tuple(target.shape):
-            raise ValueError(f"weights for {name}: local shard {tuple(local.shape)} but the model "
-                             f"holds {tuple(target.shape)}")
+            raise ValueError(
+                f"weights for {name}: local shard {tuple(local.shape)} but the model holds {tuple(target.shape)}"
+            )
         target.copy_(local.to(target.dtype))
 
 
@@ -73,6 +79,6 @@ def stream_layers(module: nn.Module, *, weights: WeightSource, device: torch.dev
     meta) so it is materialised for its forward and released after it."""
     for key, layer in module.layers.items():
         layer.register_forward_pre_hook(
-            lambda m, _args, prefix=f"layers.{key}": materialize_layer(m, prefix=prefix, weights=weights,
-                                                                       device=device))
+            lambda m, _args, prefix=f"layers.{key}": materialize_layer(m, prefix=prefix, weights=weights, device=device)
+        )
         layer.register_forward_hook(lambda m, _args, _out: release_layer(m, weights))

@@ -8,6 +8,7 @@ their documents in the order given); what cannot be one dataset is refused in on
 dirs: another tokenizer, another token dtype or text key, a source file two of them both hold
 (overlapping documents), a part missing, given twice or of another sharding.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -29,27 +30,36 @@ DOCS_PER_BLOCK = 1 << 16  # documents copied at once (their lengths and tokens)
 
 def _load(path: Path) -> DataRecord:
     if not is_prepared(path):
-        raise UserError(f"{path}: not a prepared data dir (no data.json); merge the outputs of `titan-pipe data "
-                        "prepare` (a bare Megatron prefix names no tokenizer to check)")
+        raise UserError(
+            f"{path}: not a prepared data dir (no data.json); merge the outputs of `titan-pipe data "
+            "prepare` (a bare Megatron prefix names no tokenizer to check)"
+        )
     return DataRecord.load(path)
 
 
 def _refuse_mixed(dirs: list[Path], recs: list[DataRecord]) -> None:
     first, a = recs[0], dirs[0]
     for b, rec in zip(dirs[1:], recs[1:]):
-        for what, x, y in (("tokenizers", first.tokenizer.describe() + f" ({first.tokenizer.vocab_size} ids)",
-                            rec.tokenizer.describe() + f" ({rec.tokenizer.vocab_size} ids)"),
-                           ("token dtypes", first.dtype, rec.dtype), ("text keys", first.text_key, rec.text_key),
-                           ("record formats", first.records, rec.records),
-                           ("loss masks (one has answers marked, the other not)", first.loss_mask, rec.loss_mask),
-                           ("chat renderings (template, special tokens or --max-tokens; keys)", first.chat_key,
-                            rec.chat_key),
-                           ("validation fractions", first.split.val_fraction, rec.split.val_fraction)):
+        for what, x, y in (
+            (
+                "tokenizers",
+                first.tokenizer.describe() + f" ({first.tokenizer.vocab_size} ids)",
+                rec.tokenizer.describe() + f" ({rec.tokenizer.vocab_size} ids)",
+            ),
+            ("token dtypes", first.dtype, rec.dtype),
+            ("text keys", first.text_key, rec.text_key),
+            ("record formats", first.records, rec.records),
+            ("loss masks (one has answers marked, the other not)", first.loss_mask, rec.loss_mask),
+            ("chat renderings (template, special tokens or --max-tokens; keys)", first.chat_key, rec.chat_key),
+            ("validation fractions", first.split.val_fraction, rec.split.val_fraction),
+        ):
             if x != y:
                 raise UserError(f"{a} and {b} have different {what} ({x} vs {y}); merge data prepared alike")
         if first.tokenizer.fingerprint != rec.tokenizer.fingerprint:
-            raise UserError(f"{a} and {b} have different tokenizers ({first.tokenizer.fingerprint} vs "
-                            f"{rec.tokenizer.fingerprint}); merge data prepared with one tokenizer")
+            raise UserError(
+                f"{a} and {b} have different tokenizers ({first.tokenizer.fingerprint} vs "
+                f"{rec.tokenizer.fingerprint}); merge data prepared with one tokenizer"
+            )
 
 
 def _order_parts(dirs: list[Path], recs: list[DataRecord]) -> tuple[list[int], list[SourceInfo]]:
@@ -59,29 +69,40 @@ def _order_parts(dirs: list[Path], recs: list[DataRecord]) -> tuple[list[int], l
     by_index: dict[int, int] = {}
     for i, (d, s) in enumerate(zip(dirs, shards)):
         if s.count != count:
-            raise UserError(f"{dirs[0]} and {d} are parts of different shardings ({shards[0]} vs {s}); merge the "
-                            "N parts of one `data prepare --shard I/N`")
+            raise UserError(
+                f"{dirs[0]} and {d} are parts of different shardings ({shards[0]} vs {s}); merge the "
+                "N parts of one `data prepare --shard I/N`"
+            )
         if s.index in by_index:
-            raise UserError(f"{dirs[by_index[s.index]]} and {d} are both part {s}: their documents overlap; give "
-                            "each part once")
+            raise UserError(
+                f"{dirs[by_index[s.index]]} and {d} are both part {s}: their documents overlap; give each part once"
+            )
         by_index[s.index] = i
         listed = [(x.path, x.size, x.mtime_ns) for x in recs[i].sources]
         if listed != [(x.path, x.size, x.mtime_ns) for x in recs[0].sources]:
-            raise UserError(f"{dirs[0]} and {d} were prepared from different sources (or the files changed "
-                            "between the parts); prepare every part from the same files")
+            raise UserError(
+                f"{dirs[0]} and {d} were prepared from different sources (or the files changed "
+                "between the parts); prepare every part from the same files"
+            )
     missing = [str(Shard(k, count)) for k in range(1, count + 1) if k not in by_index]
     if missing:
-        raise UserError(f"parts {', '.join(missing)} are missing from the {count} of {dirs[0]}'s sharding; give all "
-                        f"{count} parts")
+        raise UserError(
+            f"parts {', '.join(missing)} are missing from the {count} of {dirs[0]}'s sharding; give all {count} parts"
+        )
     order = [by_index[k] for k in range(1, count + 1)]
     sources = []
     for j, src in enumerate(recs[0].sources):
         digests = {recs[i].sources[j].sha256 for i in order} - {""}
         if len(digests) > 1:
-            raise UserError(f"{src.path}: the parts read it with different contents (sha256 differs); the file "
-                            "changed while the parts were prepared: prepare them again")
-        digest = digests.pop() if digests else ("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-                                                if src.size == 0 else "")
+            raise UserError(
+                f"{src.path}: the parts read it with different contents (sha256 differs); the file "
+                "changed while the parts were prepared: prepare them again"
+            )
+        digest = (
+            digests.pop()
+            if digests
+            else ("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855" if src.size == 0 else "")
+        )
         if not digest:
             raise UserError(f"{src.path}: no part read it ({src.size} bytes); the parts do not cover the sources")
         sources.append(SourceInfo(src.path, src.size, src.mtime_ns, digest))
@@ -95,8 +116,10 @@ def _concat_sources(dirs: list[Path], recs: list[DataRecord]) -> list[SourceInfo
         for s in rec.sources:
             key = (s.path, s.sha256)
             if key in seen:
-                raise UserError(f"{seen[key]} and {d} both hold the documents of {s.path}; merging them would "
-                                "repeat those documents: leave one out")
+                raise UserError(
+                    f"{seen[key]} and {d} both hold the documents of {s.path}; merging them would "
+                    "repeat those documents: leave one out"
+                )
             seen[key] = d
             out.append(s)
     return out
@@ -115,8 +138,9 @@ def merge(*, inputs: list[Path], out_dir: Path, progress: bool = True) -> Prepar
     sharded = [r.shard is not None for r in recs]
     if any(sharded) and not all(sharded):
         a, b = dirs[sharded.index(True)], dirs[sharded.index(False)]
-        raise UserError(f"{a} is a part of a sharded prepare and {b} is not; merge the parts of one prepare, or "
-                        "whole prepared dirs")
+        raise UserError(
+            f"{a} is a part of a sharded prepare and {b} is not; merge the parts of one prepare, or whole prepared dirs"
+        )
     if all(sharded):
         order, sources = _order_parts(dirs, recs)
     else:
@@ -136,18 +160,19 @@ def merge(*, inputs: list[Path], out_dir: Path, progress: bool = True) -> Prepar
 def _doc_starts(ds: IndexedTokens, lo: int, hi: int) -> np.ndarray:
     """Token offsets of documents lo..hi (hi: where document hi-1 ends), from one read of the index
     (the document index is non-decreasing: IndexedTokens.verify)."""
-    seqs = np.asarray(ds.doc_index[lo:hi + 1]).astype(np.int64)
+    seqs = np.asarray(ds.doc_index[lo : hi + 1]).astype(np.int64)
     s_count = ds.header.n_sequences
     first, last = int(seqs[0]), min(int(seqs[-1]), s_count - 1)
-    pointers = np.asarray(ds.pointers[first:last + 1]).astype(np.int64) if last >= first else np.zeros(0, np.int64)
+    pointers = np.asarray(ds.pointers[first : last + 1]).astype(np.int64) if last >= first else np.zeros(0, np.int64)
     inside = seqs < s_count
     starts = np.full(len(seqs), ds.n_tokens, dtype=np.int64)
     starts[inside] = pointers[seqs[inside] - first] // ds.dtype.itemsize
     return starts
 
 
-def _write(tmp: Path, dirs: list[Path], recs: list[DataRecord], sources: list[SourceInfo], key: str, *,
-           progress: bool) -> DataRecord:
+def _write(
+    tmp: Path, dirs: list[Path], recs: list[DataRecord], sources: list[SourceInfo], key: str, *, progress: bool
+) -> DataRecord:
     from titan_pipe.training.prepare_progress import PrepareProgress
 
     from titan_pipe.tokens.loss_mask import MaskWriter, open_mask
@@ -165,10 +190,12 @@ def _write(tmp: Path, dirs: list[Path], recs: list[DataRecord], sources: list[So
                 for lo in range(0, ds.n_documents, DOCS_PER_BLOCK):
                     hi = min(ds.n_documents, lo + DOCS_PER_BLOCK)
                     starts = _doc_starts(ds, lo, hi)
-                    writer.add_chunk(np.asarray(ds.tokens[int(starts[0]):int(starts[-1])]).astype(dtype, copy=False),
-                                     np.diff(starts))
+                    writer.add_chunk(
+                        np.asarray(ds.tokens[int(starts[0]) : int(starts[-1])]).astype(dtype, copy=False),
+                        np.diff(starts),
+                    )
                     if mask is not None:
-                        masks.add(np.asarray(mask[int(starts[0]):int(starts[-1])]))
+                        masks.add(np.asarray(mask[int(starts[0]) : int(starts[-1])]))
                     bar.advance(0, int(starts[-1] - starts[0]))
             writer.finish()
         except BaseException:
@@ -181,14 +208,29 @@ def _write(tmp: Path, dirs: list[Path], recs: list[DataRecord], sources: list[So
     where = f"the merge of {dirs[0]} ... {dirs[-1]}"
     d = val_start(ds.doc_start, ds.n_documents, ds.n_tokens, first.split.val_fraction, where=where)
     cut = ds.doc_start(d)
-    record = DataRecord(key=key, tokenizer=first.tokenizer, sources=sources, text_key=first.text_key,
-                        dtype=first.dtype, n_tokens=ds.n_tokens, n_documents=ds.n_documents,
-                        max_token_id=max(r.max_token_id for r in recs),
-                        split=Split(first.split.val_fraction, d, ds.n_documents - d, cut, ds.n_tokens - cut),
-                        skipped_empty=sum(r.skipped_empty for r in recs),
-                        **({} if not first.loss_mask else dict(
-                            records=first.records, loss_mask=first.loss_mask, chat_template=first.chat_template,
-                            chat_key=first.chat_key, bad_records=sum(r.bad_records for r in recs),
-                            bad_examples=[e for r in recs for e in r.bad_examples][:BAD_EXAMPLES])))
+    record = DataRecord(
+        key=key,
+        tokenizer=first.tokenizer,
+        sources=sources,
+        text_key=first.text_key,
+        dtype=first.dtype,
+        n_tokens=ds.n_tokens,
+        n_documents=ds.n_documents,
+        max_token_id=max(r.max_token_id for r in recs),
+        split=Split(first.split.val_fraction, d, ds.n_documents - d, cut, ds.n_tokens - cut),
+        skipped_empty=sum(r.skipped_empty for r in recs),
+        **(
+            {}
+            if not first.loss_mask
+            else dict(
+                records=first.records,
+                loss_mask=first.loss_mask,
+                chat_template=first.chat_template,
+                chat_key=first.chat_key,
+                bad_records=sum(r.bad_records for r in recs),
+                bad_examples=[e for r in recs for e in r.bad_examples][:BAD_EXAMPLES],
+            )
+        ),
+    )
     record.save(tmp)
     return record

@@ -6,6 +6,7 @@ the progress display and the launcher's summary read:
   mfu (fraction of peak, or null when the peak is unknown), peak_memory_bytes or peak_mem_mb
   (max over ranks), step_time_s. Any other key is kept in the JSONL and ignored by the display.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,6 @@ from titan_pipe.atomic import atomic_file
 from titan_pipe.device_profiles import get_profile, match_device_name
 from titan_pipe.devices import Device
 from titan_pipe.dtypes import name_of
-
 
 
 class MetricsLogger:
@@ -102,6 +102,7 @@ def step_records(path: Path) -> list[dict]:
 
 # --- peak FLOPs and MFU ---------------------------------------------------------------------------
 
+
 def accelerator_name(device: Device) -> str:
     """The runtime's name of the local accelerator (e.g. 'NVIDIA H100 80GB HBM3', 'Ascend910B3')."""
     if device.type == "cuda":
@@ -153,8 +154,10 @@ def peak_flops(device: Device, dtype: torch.dtype) -> tuple[float | None, str]:
     if device.type == "cpu":
         flops = measure_cpu_peak(dtype)
         dname = name_of(dtype)
-        return flops, (f"CPU {dname} matmul peak measured at start-up: {flops / 1e9:.1f} GFLOP/s "
-                       f"on {torch.get_num_threads()} thread(s)")
+        return flops, (
+            f"CPU {dname} matmul peak measured at start-up: {flops / 1e9:.1f} GFLOP/s "
+            f"on {torch.get_num_threads()} thread(s)"
+        )
     try:
         name = accelerator_name(device)
     except Exception as e:  # a runtime that cannot name its device is an unknown device
@@ -187,6 +190,7 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None) -
 
 
 # --- progress display ------------------------------------------------------------------------------
+
 
 def format_bytes(n: float | None) -> str:
     if n is None:
@@ -265,8 +269,14 @@ def new_progress_bar(stream: IO[str]):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    return Progress(TextColumn("[bold]train"), BarColumn(bar_width=12), MofNCompleteColumn(),
-                    TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=Console(file=stream))
+    return Progress(
+        TextColumn("[bold]train"),
+        BarColumn(bar_width=12),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        console=Console(file=stream),
+    )
 
 
 class TrainProgress:
@@ -277,8 +287,16 @@ class TrainProgress:
     last), flushed, which the launcher streams and may redraw as a bar. Disabled: silent.
     """
 
-    def __init__(self, total_steps: int, *, enabled: bool, log_every: int = 1, stream: IO[str] | None = None,
-                 live: bool | None = None, initial_step: int = 0):
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        enabled: bool,
+        log_every: int = 1,
+        stream: IO[str] | None = None,
+        live: bool | None = None,
+        initial_step: int = 0,
+    ):
         self.total = total_steps
         self.enabled = enabled
         self.log_every = max(1, log_every)
@@ -310,6 +328,7 @@ class TrainProgress:
 
 
 # --- picture ---------------------------------------------------------------------------------------
+
 
 def plot_metrics(metrics_path: Path, out_png: Path) -> Path | None:
     """Loss, tokens/s and MFU against step from a metrics.jsonl as one PNG (written atomically).

@@ -7,6 +7,7 @@ per-rank losses is not the loss of the batch. Here every rank sums the statistic
 gradient reaches this rank's router only through its own tokens' probabilities, scaled by the dp
 size, so that data parallelism's averaging of the ranks' gradients gives the batch's gradient.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,12 +18,11 @@ def batch_balance(group: dist.ProcessGroup, dp: int):
     """The ``reduce`` of load_balancing_loss for the dp ranks of ``group``."""
 
     def reduce(assigned: torch.Tensor, prob_sum: torch.Tensor, rows: int):
-        packed = torch.cat([assigned.detach(), prob_sum.detach(),
-                            torch.tensor([float(rows)], device=assigned.device)])
+        packed = torch.cat([assigned.detach(), prob_sum.detach(), torch.tensor([float(rows)], device=assigned.device)])
         dist.all_reduce(packed, group=group)
         n = assigned.numel()
         every = packed[:n]
-        others = packed[n:2 * n] - prob_sum.detach()
+        others = packed[n : 2 * n] - prob_sum.detach()
         return every, prob_sum + others, packed[-1], dp
 
     return reduce

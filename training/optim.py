@@ -1,5 +1,6 @@
 """Optimizers (AdamW / SGD), the warmup + cosine LR schedule, and gradient clipping that is exact
 over the whole dp x tp x pp mesh."""
+
 from __future__ import annotations
 
 import math
@@ -20,14 +21,28 @@ def adamw_kernel(implementation: str, device_type: str) -> dict:
     return {"fused": True} if implementation == "fused" else {"foreach": True}
 
 
-def build_optimizer(params: list[nn.Parameter], *, name: str, lr: float, betas=(0.9, 0.95),
-                    eps: float = 1e-8, weight_decay: float = 0.0, implementation: str = "auto",
-                    device_type: str = "cpu") -> torch.optim.Optimizer:
+def build_optimizer(
+    params: list[nn.Parameter],
+    *,
+    name: str,
+    lr: float,
+    betas=(0.9, 0.95),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    implementation: str = "auto",
+    device_type: str = "cpu",
+) -> torch.optim.Optimizer:
     """AdamW (decoupled weight decay on every parameter) or SGD. Every parameter of a part is of one
     kind (all DTensor under TP/FSDP, all plain otherwise), as foreach and fused need."""
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                 **adamw_kernel(implementation, device_type))
+        return torch.optim.AdamW(
+            params,
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            **adamw_kernel(implementation, device_type),
+        )
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"train.optimizer.name {name!r} is not one of adamw, sgd")
@@ -46,14 +61,15 @@ def lr_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(opt: torch.optim.Optimizer, *, warmup: int, total: int,
-                    min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    opt: torch.optim.Optimizer, *, warmup: int, total: int, min_ratio: float
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, warmup=warmup, total=total, min_ratio=min_ratio))
+        opt, lambda s: lr_factor(s, warmup=warmup, total=total, min_ratio=min_ratio)
+    )
 
 
-def total_grad_norm(params: list[nn.Parameter], pp_mesh: DeviceMesh | None,
-                    norm_type: float = 2.0) -> torch.Tensor:
+def total_grad_norm(params: list[nn.Parameter], pp_mesh: DeviceMesh | None, norm_type: float = 2.0) -> torch.Tensor:
     """The 2-norm of all gradients of the whole model (a 0-d tensor, the same on every rank).
 
     DTensor gradients (TP and/or FSDP) reduce over their own mesh inside ``get_total_norm``;
@@ -76,8 +92,13 @@ def total_grad_norm(params: list[nn.Parameter], pp_mesh: DeviceMesh | None,
     return norm
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float | None,
-                    pp_mesh: DeviceMesh | None, *, counted: list[nn.Parameter] | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    params: list[nn.Parameter],
+    max_norm: float | None,
+    pp_mesh: DeviceMesh | None,
+    *,
+    counted: list[nn.Parameter] | None = None,
+) -> torch.Tensor:
     """Scale gradients so the global norm is at most ``max_norm``; returns the norm before.
     ``counted``: the parameters the norm is taken over (default all; a tied embedding's output
     copy is left out: it is one matrix)."""

@@ -1,4 +1,5 @@
 """ParallelDims(dp, tp, pp): validation of a 3D layout and its DeviceMesh over ("dp", "pp", "tp")."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,8 +37,10 @@ class ParallelDims:
     def check_world(self, world_size: int) -> None:
         """Fail fast when the launch does not match dp*tp*pp."""
         if world_size != self.world_size:
-            raise ValueError(f"parallel: dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size} "
-                             f"but {world_size} processes were launched; make them equal")
+            raise ValueError(
+                f"parallel: dp*tp*pp = {self.dp}*{self.tp}*{self.pp} = {self.world_size} "
+                f"but {world_size} processes were launched; make them equal"
+            )
 
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(dp_rank, pp_rank, tp_rank) of a global rank, matching the mesh layout."""
@@ -52,7 +55,8 @@ class ParallelDims:
         if self.ep == 1:
             return init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIMS)
         # dp split as dp_mod_ep x ep (ep fastest: an ep group is neighbouring dp ranks), "dp" their flattening
-        mesh = init_device_mesh(device_type, (self.dp // self.ep, self.ep, self.pp, self.tp),
-                                mesh_dim_names=("dp_mod_ep", "ep", "pp", "tp"))
+        mesh = init_device_mesh(
+            device_type, (self.dp // self.ep, self.ep, self.pp, self.tp), mesh_dim_names=("dp_mod_ep", "ep", "pp", "tp")
+        )
         mesh["dp_mod_ep", "ep"]._flatten("dp")
         return mesh

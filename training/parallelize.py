@@ -12,6 +12,7 @@ for its own forward only (training/layer_stream.py): a rank then holds one layer
 
 ``forward_logits`` is in training/pipeline_parallel.py; every rank gets the full (B, T, vocab).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -73,10 +74,19 @@ class ParallelModel:
         return [p for p in self.parameters() if p.requires_grad]
 
 
-def parallelize(part: nn.Module, mesh: DeviceMesh, dp_plan: DPPlan, *, sequence_parallel: bool = False,
-                ac_every: int | None = None, compile_backend=None,
-                materialize: Callable[[nn.Module], None], float8: str = "none", lora: bool = False,
-                base_dtype: torch.dtype = torch.float32) -> nn.Module:
+def parallelize(
+    part: nn.Module,
+    mesh: DeviceMesh,
+    dp_plan: DPPlan,
+    *,
+    sequence_parallel: bool = False,
+    ac_every: int | None = None,
+    compile_backend=None,
+    materialize: Callable[[nn.Module], None],
+    float8: str = "none",
+    lora: bool = False,
+    base_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
     """TP, then activation checkpointing, then torch.compile per block, then data parallelism,
     always in this order (torchtitan's). ``lora``: only the adapters train (freeze_base, after TP,
     whose styles make every parameter anew, and before DP, which registers what needs gradients).
@@ -134,9 +144,17 @@ def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fill_parameters(module: nn.Module, args: ModelArgs, *, device: torch.device, seed: int,
-                    weights: WeightSource | None = None, dtype: torch.dtype = torch.float32,
-                    param_device: torch.device | str | None = None, layers: bool = True) -> None:
+def fill_parameters(
+    module: nn.Module,
+    args: ModelArgs,
+    *,
+    device: torch.device,
+    seed: int,
+    weights: WeightSource | None = None,
+    dtype: torch.dtype = torch.float32,
+    param_device: torch.device | str | None = None,
+    layers: bool = True,
+) -> None:
     """Allocate ``module``'s parameters on ``param_device`` (default ``device``; the CPU under
     FSDP offload) and fill each with its global value (``weights.full(name)`` or the
     layout-independent ``init_param``) cut to this rank's shard. RoPE buffers go to ``device``.
@@ -153,8 +171,11 @@ def fill_parameters(module: nn.Module, args: ModelArgs, *, device: torch.device,
     if layers:
         copy_global_values(module, args, seed=seed, weights=weights, dtype=dtype)
     else:  # streamed (forward only, no dp wrapper): the ends read as the layers will be, this rank's box only
-        fill_local(((n, p) for n, p in module.named_parameters() if not n.startswith("layers.")),
-                   weights=weights, source=lambda name: source_name(name, args))
+        fill_local(
+            ((n, p) for n, p in module.named_parameters() if not n.startswith("layers.")),
+            weights=weights,
+            source=lambda name: source_name(name, args),
+        )
         hand_back(weights)
     module.init_rope(device)
 
@@ -180,8 +201,14 @@ def retie(ties: list[tuple[nn.Module, str, nn.Module, str]]) -> None:
 
 
 @torch.no_grad()
-def copy_global_values(module: nn.Module, args: ModelArgs, *, seed: int,
-                       weights: WeightSource | None = None, dtype: torch.dtype = torch.float32) -> None:
+def copy_global_values(
+    module: nn.Module,
+    args: ModelArgs,
+    *,
+    seed: int,
+    weights: WeightSource | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     """Overwrite every (already allocated) parameter's local shard with its global value cut to
     its placement; FSDP/DDP wrappers keep working since no parameter object is replaced."""
     for name, p in module.named_parameters():
@@ -195,13 +222,25 @@ def copy_global_values(module: nn.Module, args: ModelArgs, *, seed: int,
         target.copy_(local)
 
 
-def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.device | None = None,
-                         schedule: str = "1f1b", virtual_stages: int = 2,
-                         sequence_parallel: bool = False, ac_every: int | None = None,
-                         dp_plan: DPPlan | None = None, kernels: Kernels | None = None,
-                         seed: int = 0, weights: WeightSource | None = None,
-                         compile_backend=None, stream_layers: bool = False, float8: str = "none",
-                         lora: LoRASpec | None = None, base_dtype: torch.dtype = torch.float32) -> ParallelModel:
+def build_parallel_model(
+    args: ModelArgs,
+    mesh: DeviceMesh,
+    *,
+    device: torch.device | None = None,
+    schedule: str = "1f1b",
+    virtual_stages: int = 2,
+    sequence_parallel: bool = False,
+    ac_every: int | None = None,
+    dp_plan: DPPlan | None = None,
+    kernels: Kernels | None = None,
+    seed: int = 0,
+    weights: WeightSource | None = None,
+    compile_backend=None,
+    stream_layers: bool = False,
+    float8: str = "none",
+    lora: LoRASpec | None = None,
+    base_dtype: torch.dtype = torch.float32,
+) -> ParallelModel:
     """This rank's stage modules of ``args`` on the (dp, pp, tp) ``mesh``, parallelized and filled.
 
     weights: None = layout-independent random init from ``seed`` (the same values a single-process
@@ -225,16 +264,40 @@ def build_parallel_model(args: ModelArgs, mesh: DeviceMesh, *, device: torch.dev
         model.tied = TiedGrads(mesh, last_pp_rank=stage_ranks(plan.n_stages, pp)[-1])
 
     def materialize(part: nn.Module) -> None:
-        fill_parameters(unwrap(part), args, device=device, seed=seed, weights=weights,
-                        param_device="cpu" if dp_plan.cpu_offload else device, layers=not stream_layers)
+        fill_parameters(
+            unwrap(part),
+            args,
+            device=device,
+            seed=seed,
+            weights=weights,
+            param_device="cpu" if dp_plan.cpu_offload else device,
+            layers=not stream_layers,
+        )
         if stream_layers:
             hook_layer_stream(unwrap(part), weights=weights, device=device)
 
     for s in plan.local:
-        part = build_stage_module(stage_args, plan.stages[s], first=plan.is_first(s), last=plan.is_last(s),
-                                  kernels=kernels, device="meta", lora=lora)
-        model.parts.append(parallelize(part, mesh, dp_plan, sequence_parallel=sequence_parallel,
-                                       ac_every=ac_every, compile_backend=compile_backend,
-                                       materialize=materialize, float8=float8, lora=lora is not None,
-                                       base_dtype=base_dtype))
+        part = build_stage_module(
+            stage_args,
+            plan.stages[s],
+            first=plan.is_first(s),
+            last=plan.is_last(s),
+            kernels=kernels,
+            device="meta",
+            lora=lora,
+        )
+        model.parts.append(
+            parallelize(
+                part,
+                mesh,
+                dp_plan,
+                sequence_parallel=sequence_parallel,
+                ac_every=ac_every,
+                compile_backend=compile_backend,
+                materialize=materialize,
+                float8=float8,
+                lora=lora is not None,
+                base_dtype=base_dtype,
+            )
+        )
     return model

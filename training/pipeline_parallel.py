@@ -5,6 +5,7 @@ ends, ``tok_embeddings`` / ``norm`` / ``output`` set to None, so its parameter n
 (``layers.5.attention.wq.weight``) are the names of the whole model. Virtual stage ``s`` of
 ``n_stages`` runs on pp rank ``s % pp`` (the "loop" placement interleaved 1F1B expects).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,9 +56,16 @@ def plan_stages(n_layers: int, pp: int, pp_rank: int, schedule: str, virtual_sta
     return StagePlan(n_stages, pp, stages, [s for s in range(n_stages) if ranks[s] == pp_rank])
 
 
-def build_stage_module(args: ModelArgs, layer_ids: list[int], *, first: bool, last: bool,
-                       kernels: Kernels | None = None, device: str | torch.device = "meta",
-                       lora: LoRASpec | None = None) -> Transformer:
+def build_stage_module(
+    args: ModelArgs,
+    layer_ids: list[int],
+    *,
+    first: bool,
+    last: bool,
+    kernels: Kernels | None = None,
+    device: str | torch.device = "meta",
+    lora: LoRASpec | None = None,
+) -> Transformer:
     """The part of the model owning ``layer_ids`` (+ embedding if first, norm/output if last).
 
     Built on ``device`` without initialisation (meta by default: the caller parallelizes first and
@@ -65,9 +73,11 @@ def build_stage_module(args: ModelArgs, layer_ids: list[int], *, first: bool, la
     untied args: build_parallel_model does that, making the output a synced copy (training/tied.py).
     """
     if args.tie_embeddings and not (first and last):
-        raise ValueError("model.tie_embeddings: the embedding and the output projection live on different "
-                         "stages here; build the stages through build_parallel_model, which keeps the "
-                         "output as a synced copy of the embedding")
+        raise ValueError(
+            "model.tie_embeddings: the embedding and the output projection live on different "
+            "stages here; build the stages through build_parallel_model, which keeps the "
+            "output as a synced copy of the embedding"
+        )
     with torch.device(device):
         model = Transformer(args, kernels, lora)
     keep = {str(i) for i in layer_ids}
@@ -81,16 +91,26 @@ def build_stage_module(args: ModelArgs, layer_ids: list[int], *, first: bool, la
     return model
 
 
-def build_schedule(parts: list[nn.Module], plan: StagePlan, *, schedule: str, pp_mesh: DeviceMesh,
-                   n_microbatches: int, loss_fn: Callable, device: torch.device):
+def build_schedule(
+    parts: list[nn.Module],
+    plan: StagePlan,
+    *,
+    schedule: str,
+    pp_mesh: DeviceMesh,
+    n_microbatches: int,
+    loss_fn: Callable,
+    device: torch.device,
+):
     """A torch.distributed.pipelining schedule over this rank's stage modules.
 
     ``loss_fn(logits (b, T, vocab), labels (b, T)) -> scalar`` runs per microbatch on the last
     stage; the schedule divides gradients by ``n_microbatches`` so they equal the whole-batch mean.
     """
     group = pp_mesh.get_group()
-    stages = [PipelineStage(part, stage_index=s, num_stages=plan.n_stages, device=device, group=group)
-              for part, s in zip(parts, plan.local)]
+    stages = [
+        PipelineStage(part, stage_index=s, num_stages=plan.n_stages, device=device, group=group)
+        for part, s in zip(parts, plan.local)
+    ]
     if schedule == INTERLEAVED:
         return ScheduleInterleaved1F1B(stages, n_microbatches=n_microbatches, loss_fn=loss_fn)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
@@ -98,9 +118,15 @@ def build_schedule(parts: list[nn.Module], plan: StagePlan, *, schedule: str, pp
 
 
 @torch.no_grad()
-def forward_logits(parts: list[nn.Module], plan: StagePlan, tokens: torch.Tensor, *,
-                   pp_mesh: DeviceMesh | None, args: ModelArgs,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def forward_logits(
+    parts: list[nn.Module],
+    plan: StagePlan,
+    tokens: torch.Tensor,
+    *,
+    pp_mesh: DeviceMesh | None,
+    args: ModelArgs,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Forward only through the whole pipeline; every rank returns the full logits (B, T, vocab).
 
     ``tokens`` (B, T) int64 must be the same on every rank. Hidden states (B, T, dim) go from the

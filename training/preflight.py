@@ -9,13 +9,22 @@ least one global batch, a compiled cpu flow needs a compiler for its backend, an
 ``validate``) the run dir's disk must hold the checkpoints the run keeps at once. The rules on the
 config alone are titan_pipe.config's.
 """
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import (MANIFEST_NAME, OPTIMIZER_STATE_COPIES, Manifest, checkpoint_bytes,
-                                          checkpoints_written, is_complete, newest_complete, step_dirs)
+from titan_pipe.checkpoint_format import (
+    MANIFEST_NAME,
+    OPTIMIZER_STATE_COPIES,
+    Manifest,
+    checkpoint_bytes,
+    checkpoints_written,
+    is_complete,
+    newest_complete,
+    step_dirs,
+)
 from titan_pipe.config import ConfigError, FlowConfig, init_from_path
 from titan_pipe.errors import UserError
 from titan_pipe.faults import free_bytes, human
@@ -32,10 +41,20 @@ def check_before_launch(cfg: FlowConfig, *, flow_path: Path, resume: bool = Fals
     ``disk``: also the room for the run's checkpoints on this host (off for ``validate``, which may
     check a cluster's flow.yaml on a laptop)."""
     base = Path(flow_path).resolve().parent
-    lines = [p for p in (runs_dir_problem(cfg), init_from_problem(cfg, base),
-                         resume_problem(cfg, base) if resume else None, corpus_problem(cfg, base, demo=disk),
-                         compile_problem(cfg), tensorboard_problem(cfg), float8_launch_problem(cfg) if disk else None,
-                         disk_problem(cfg, resume=resume) if disk else None) if p]
+    lines = [
+        p
+        for p in (
+            runs_dir_problem(cfg),
+            init_from_problem(cfg, base),
+            resume_problem(cfg, base) if resume else None,
+            corpus_problem(cfg, base, demo=disk),
+            compile_problem(cfg),
+            tensorboard_problem(cfg),
+            float8_launch_problem(cfg) if disk else None,
+            disk_problem(cfg, resume=resume) if disk else None,
+        )
+        if p
+    ]
     if lines:
         raise ConfigError(str(flow_path), lines)
 
@@ -84,8 +103,10 @@ def runs_dir_problem(cfg: FlowConfig) -> str | None:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir():
-        return (f"runs_dir: {cfg.runs_dir!r} cannot hold the run dir {run}: {probe} is a file; choose a "
-                "directory for runs_dir")
+        return (
+            f"runs_dir: {cfg.runs_dir!r} cannot hold the run dir {run}: {probe} is a file; choose a "
+            "directory for runs_dir"
+        )
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"runs_dir: {probe} is not writable by this user; choose a writable runs_dir"
     return None
@@ -114,14 +135,19 @@ def disk_problem(cfg: FlowConfig, *, resume: bool = False) -> str | None:
     free = free_bytes(run)
     if free >= at_once * each:
         return None
-    state = (f" and {cfg.train.optimizer.name}'s fp32 state" if ck.save_optimizer
-             and OPTIMIZER_STATE_COPIES[cfg.train.optimizer.name] else "")
+    state = (
+        f" and {cfg.train.optimizer.name}'s fp32 state"
+        if ck.save_optimizer and OPTIMIZER_STATE_COPIES[cfg.train.optimizer.name]
+        else ""
+    )
     held = f", {kept} already there" if kept else ""
-    return (f"checkpoint: the disk holding {run} has {human(free)} free; this run saves {saves} checkpoint(s) of "
-            f"about {human(each)} ({n:,} parameters: fp32 weights{state}), up to {at_once} new at once "
-            f"(checkpoint.keep_last {ck.keep_last} plus the one being written{held}), {human(at_once * each)}; "
-            f"free {human(at_once * each - free)} there, lower checkpoint.keep_last, set "
-            "checkpoint.save_optimizer: false, or choose a runs_dir on a larger disk")
+    return (
+        f"checkpoint: the disk holding {run} has {human(free)} free; this run saves {saves} checkpoint(s) of "
+        f"about {human(each)} ({n:,} parameters: fp32 weights{state}), up to {at_once} new at once "
+        f"(checkpoint.keep_last {ck.keep_last} plus the one being written{held}), {human(at_once * each)}; "
+        f"free {human(at_once * each - free)} there, lower checkpoint.keep_last, set "
+        "checkpoint.save_optimizer: false, or choose a runs_dir on a larger disk"
+    )
 
 
 def compile_problem(cfg: FlowConfig) -> str | None:
@@ -137,7 +163,9 @@ def compile_problem(cfg: FlowConfig) -> str | None:
 def shape_problem(what: str, path: Path, cfg: FlowConfig, fix: str) -> str | None:
     """Why the weights at ``path`` (named ``what`` in the message) cannot start flow.yaml's model."""
     try:
-        diffs = model_differences(checkpoint_args(path), cfg.model.args(), keys=SHAPE_KEYS, labels=("there", "in flow.yaml"))
+        diffs = model_differences(
+            checkpoint_args(path), cfg.model.args(), keys=SHAPE_KEYS, labels=("there", "in flow.yaml")
+        )
     except (UserError, ValueError) as e:  # LayoutError is a UserError; checkpoint_args' ModelArgs a ValueError
         return f"{what}: {str(e).splitlines()[0]}"
     if diffs:
@@ -156,10 +184,14 @@ def files_problem(what: str, path: Path) -> str | None:
             for rel, info in weights.manifest.files.items():
                 f = weights._paths[rel]
                 if not f.is_file():
-                    return f"{what}: {f} is listed in {weights.dir / MANIFEST_NAME} but missing; copy the checkpoint again"
+                    return (
+                        f"{what}: {f} is listed in {weights.dir / MANIFEST_NAME} but missing; copy the checkpoint again"
+                    )
                 if f.stat().st_size != info.size:
-                    return (f"{what}: {f} has {f.stat().st_size:,} bytes, but {weights.dir / MANIFEST_NAME} lists "
-                            f"{info.size:,}; copy the checkpoint again")
+                    return (
+                        f"{what}: {f} has {f.stat().st_size:,} bytes, but {weights.dir / MANIFEST_NAME} lists "
+                        f"{info.size:,}; copy the checkpoint again"
+                    )
     except UserError as e:
         return f"{what}: {str(e).splitlines()[0]}"
     return None
@@ -178,8 +210,12 @@ def resume_problem(cfg: FlowConfig, base: Path | None = None) -> str | None:
     changed = data_changed(cfg, base or Path.cwd())
     if changed:
         return changed
-    return shape_problem("--resume", latest, cfg, "resume with the flow.yaml that trained it, or start a fresh "
-                         "run (another name, or without --resume)")
+    return shape_problem(
+        "--resume",
+        latest,
+        cfg,
+        "resume with the flow.yaml that trained it, or start a fresh run (another name, or without --resume)",
+    )
 
 
 def data_changed(cfg: FlowConfig, base: Path) -> str | None:
@@ -206,8 +242,10 @@ def data_changed(cfg: FlowConfig, base: Path) -> str | None:
     for key in ("path", "blend", "format", "text_key"):
         was = before.get(key, default[key])
         if not (same(was, now[key]) if key == "path" else was == now[key]):
-            return (f"--resume: data.{key} is {now[key]!r}, but the run trained on {was!r} "
-                    f"({recorded}); resume with the same data, or start a new run (another name, or without --resume)")
+            return (
+                f"--resume: data.{key} is {now[key]!r}, but the run trained on {was!r} "
+                f"({recorded}); resume with the same data, or start a new run (another name, or without --resume)"
+            )
     return None
 
 
@@ -229,8 +267,9 @@ def corpus_problem(cfg: FlowConfig, base: Path, *, demo: bool = True) -> str | N
         if spec.text is None:  # token data: its training spans, from the .idx (and data.json) alone
             from titan_pipe.tokens.dataset import open_source
 
-            opened = [open_source(p, val_fraction=spec.val_fraction, fraction_given=spec.fraction_given)
-                      for p in spec.paths]
+            opened = [
+                open_source(p, val_fraction=spec.val_fraction, fraction_given=spec.fraction_given) for p in spec.paths
+            ]
             for o in opened:
                 o.indexed.verify()  # the whole index, in blocks: what the reader will rely on
             return _token_data_problem(cfg, opened, need)
@@ -249,8 +288,13 @@ def _token_data_problem(cfg: FlowConfig, opened: list, need: int) -> str | None:
         from titan_pipe.training.trainer import training_loader
         from titan_pipe.tokens.dataset import TokenData
 
-        training_loader(TokenData([(o.train, 1.0) for o in opened], [o.val for o in opened], opened), t,
-                        dp_rank=0, dp_size=cfg.parallel.dp, vocab_size=None)
+        training_loader(
+            TokenData([(o.train, 1.0) for o in opened], [o.val for o in opened], opened),
+            t,
+            dp_rank=0,
+            dp_size=cfg.parallel.dp,
+            vocab_size=None,
+        )
     else:
         short = next((o.train for o in opened if len(o.train) < need), None)
         if short is not None:
@@ -265,10 +309,12 @@ def held_out_problem(cfg: FlowConfig, tokens: int) -> str | None:
     need = e.batches * e.batch_size * e.seq_len
     if e.data is not None or tokens >= need:
         return None
-    return (f"data.val_fraction: {cfg.data.val_fraction:g} holds out {tokens:,} tokens of data.path "
-            f"{cfg.data.path or '(the shipped corpus)'}, fewer than evaluate reads after training (evaluate.batches "
-            f"{e.batches} x batch_size {e.batch_size} x seq_len {e.seq_len} = {need:,}); raise data.val_fraction, "
-            "give evaluate.data, or lower evaluate.batches / batch_size / seq_len")
+    return (
+        f"data.val_fraction: {cfg.data.val_fraction:g} holds out {tokens:,} tokens of data.path "
+        f"{cfg.data.path or '(the shipped corpus)'}, fewer than evaluate reads after training (evaluate.batches "
+        f"{e.batches} x batch_size {e.batch_size} x seq_len {e.seq_len} = {need:,}); raise data.val_fraction, "
+        "give evaluate.data, or lower evaluate.batches / batch_size / seq_len"
+    )
 
 
 def _small_records_problem(cfg: FlowConfig, spec, need: int) -> str | None:
@@ -311,8 +357,9 @@ def _raw_text_problem(cfg: FlowConfig, spec, need: int) -> str | None:
     from titan_pipe.tokens.corpus import load_corpus
     from titan_pipe.tokens.tokenizer import build_tokenizer
 
-    train, val = load_corpus(path=spec.text, tokenizer=build_tokenizer(spec.tokenizer),
-                             text_key=spec.text_key).split(spec.val_fraction)
+    train, val = load_corpus(path=spec.text, tokenizer=build_tokenizer(spec.tokenizer), text_key=spec.text_key).split(
+        spec.val_fraction
+    )
     if len(train) < need:
         return _too_small(cfg, cfg.data.path, f"{len(train):,}", need)
     return held_out_problem(cfg, len(val))
@@ -324,5 +371,7 @@ def _too_small(cfg: FlowConfig, what: object, have: str, need: int) -> str:
     if what is None:
         what = "null (the shipped demo corpus)"
     batch = "one window" if cfg.data.blend else f"one global batch of train.batch_size {t.batch_size} x"
-    return (f"{key}: {what} gives {have} training tokens, fewer than {batch} train.seq_len {t.seq_len} (+1) = "
-            f"{need:,}; use more text or lower train.batch_size / train.seq_len (or data.val_fraction)")
+    return (
+        f"{key}: {what} gives {have} training tokens, fewer than {batch} train.seq_len {t.seq_len} (+1) = "
+        f"{need:,}; use more text or lower train.batch_size / train.seq_len (or data.val_fraction)"
+    )

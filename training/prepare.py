@@ -6,6 +6,7 @@ checks, the key of the inputs), then write into a temp dir beside the output and
 complete: an interrupted prepare leaves nothing under the final name. Same key as the dir
 already there: nothing is done.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -83,12 +84,23 @@ def shard_pieces(files: list[Path], sizes: list[int], shard: Shard | None) -> li
     return out
 
 
-def prepare_key(info: TokenizerInfo, text_key: str, val_fraction: float, sources: list[SourceInfo],
-                shard: Shard | None = None, chat: str | None = None) -> str:
+def prepare_key(
+    info: TokenizerInfo,
+    text_key: str,
+    val_fraction: float,
+    sources: list[SourceInfo],
+    shard: Shard | None = None,
+    chat: str | None = None,
+) -> str:
     """The sha256 of everything a prepared dir depends on: the same inputs, the same key (a merge of
     all N parts gets the key of the unsharded prepare)."""
-    key_doc = {"schema": 1, "tokenizer": info.fingerprint, "text_key": text_key, "val_fraction": val_fraction,
-               "sources": [[s.path, s.size, s.sha256] for s in sources]}
+    key_doc = {
+        "schema": 1,
+        "tokenizer": info.fingerprint,
+        "text_key": text_key,
+        "val_fraction": val_fraction,
+        "sources": [[s.path, s.size, s.sha256] for s in sources],
+    }
     if shard is not None:
         key_doc["shard"] = str(shard)
     if chat is not None:  # ChatSpec.key of chat / instruction data; plain text keeps the key it always had
@@ -123,8 +135,9 @@ class PrepareResult:
 
 
 def default_workers() -> int:
-    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                      else os.cpu_count() or 1))
+    return max(
+        1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    )
 
 
 def check_out_dir(out_dir: Path, roots: list[Path]) -> None:
@@ -132,14 +145,18 @@ def check_out_dir(out_dir: Path, roots: list[Path]) -> None:
     for root in roots:
         r = root.resolve()
         if out == r or r in out.parents:
-            raise UserError(f"-o {out_dir}: inside the source {root}; write the prepared data outside the "
-                            "sources (they are only read)")
+            raise UserError(
+                f"-o {out_dir}: inside the source {root}; write the prepared data outside the "
+                "sources (they are only read)"
+            )
         if out in r.parents:
-            raise UserError(f"-o {out_dir}: contains the source {root}; it would be replaced, pick another "
-                            "output directory")
+            raise UserError(
+                f"-o {out_dir}: contains the source {root}; it would be replaced, pick another output directory"
+            )
     if out_dir.exists() and not (out_dir.is_dir() and (is_prepared(out_dir) or not any(out_dir.iterdir()))):
-        raise UserError(f"-o {out_dir}: exists and is not a prepared data dir (no data.json); give a new or "
-                        "empty directory")
+        raise UserError(
+            f"-o {out_dir}: exists and is not a prepared data dir (no data.json); give a new or empty directory"
+        )
 
 
 def _source_infos(files: list[Path], out_dir: Path, read: set[Path] | None = None) -> list[SourceInfo]:
@@ -177,18 +194,29 @@ def chat_spec(records: str, *, tok, chat_template: str, max_tokens: int | None) 
     if records == "text":
         return None
     if not isinstance(tok, HFTokenizer):
-        raise UserError(f"--format {records}: needs the model's tokenizer (--tokenizer MODEL_DIR or its "
-                        "tokenizer.json); the byte tokenizer has no chat markers")
+        raise UserError(
+            f"--format {records}: needs the model's tokenizer (--tokenizer MODEL_DIR or its "
+            "tokenizer.json); the byte tokenizer has no chat markers"
+        )
     if max_tokens is not None and max_tokens < 2:
         raise UserError(f"--max-tokens {max_tokens}: give the training window (train.seq_len) or leave it out")
     template = load_chat_template(chat_template, tokenizer_dir=Path(tok.path).parent)
     return ChatSpec(records, template, max_tokens)
 
 
-def plan_prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, val_fraction: float = 0.05,
-                 text_key: str = "text", shard: Shard | None = None, records: str = "text",
-                 chat_template: str = "model", max_tokens: int | None = None,
-                 max_bad: float = MAX_BAD_FRACTION) -> PreparePlan:
+def plan_prepare(
+    *,
+    sources: list[Path],
+    out_dir: Path,
+    tokenizer: str,
+    val_fraction: float = 0.05,
+    text_key: str = "text",
+    shard: Shard | None = None,
+    records: str = "text",
+    chat_template: str = "model",
+    max_tokens: int | None = None,
+    max_bad: float = MAX_BAD_FRACTION,
+) -> PreparePlan:
     """Resolve and check the inputs of a prepare; no output is touched."""
     if not sources:
         raise UserError("data prepare: no source given; name .txt/.jsonl/.jsonl.gz/.parquet files or directories")
@@ -208,8 +236,10 @@ def plan_prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, val_frac
 
         other = [f for f in files if kind_of(f) not in (".jsonl", ".jsonl.gz")]
         if other:
-            raise UserError(f"{other[0]}: --format {records} reads .jsonl / .jsonl.gz records (one JSON object a "
-                            "line); convert it or leave it out")
+            raise UserError(
+                f"{other[0]}: --format {records} reads .jsonl / .jsonl.gz records (one JSON object a "
+                "line); convert it or leave it out"
+            )
     spec = str(Path(tok.path).resolve()) if info.kind != "byte" else "byte"
     pieces = shard_pieces(files, [f.stat().st_size for f in files], shard)
     infos = _source_infos(files, out_dir, read={f for f, _ in pieces} if shard is not None else None)
@@ -235,19 +265,39 @@ def is_current(plan: PreparePlan) -> DataRecord | None:
     return rec if rec.key == plan.key and (ds.n_tokens, ds.n_documents) == (rec.n_tokens, rec.n_documents) else None
 
 
-def prepare(*, sources: list[Path], out_dir: Path, tokenizer: str, workers: int | None = None,
-            val_fraction: float = 0.05, text_key: str = "text", progress: bool = True,
-            shard: Shard | None = None, records: str = "text", chat_template: str = "model",
-            max_tokens: int | None = None, max_bad: float = MAX_BAD_FRACTION) -> PrepareResult:
+def prepare(
+    *,
+    sources: list[Path],
+    out_dir: Path,
+    tokenizer: str,
+    workers: int | None = None,
+    val_fraction: float = 0.05,
+    text_key: str = "text",
+    progress: bool = True,
+    shard: Shard | None = None,
+    records: str = "text",
+    chat_template: str = "model",
+    max_tokens: int | None = None,
+    max_bad: float = MAX_BAD_FRACTION,
+) -> PrepareResult:
     """Tokenize ``sources`` into ``out_dir`` (see the module doc); a no-op when already current.
     ``shard``: only part I of N of the sources (``data merge`` joins the N parts). ``records``:
     text, or chat / instruction records rendered with ``chat_template`` and masked to their answers
     (titan_pipe.tokens.chat), conversations over ``max_tokens`` and other bad records left out up to
     ``max_bad`` of them."""
     t0 = time.perf_counter()
-    plan = plan_prepare(sources=sources, out_dir=out_dir, tokenizer=tokenizer, val_fraction=val_fraction,
-                        text_key=text_key, shard=shard, records=records, chat_template=chat_template,
-                        max_tokens=max_tokens, max_bad=max_bad)
+    plan = plan_prepare(
+        sources=sources,
+        out_dir=out_dir,
+        tokenizer=tokenizer,
+        val_fraction=val_fraction,
+        text_key=text_key,
+        shard=shard,
+        records=records,
+        chat_template=chat_template,
+        max_tokens=max_tokens,
+        max_bad=max_bad,
+    )
     existing = is_current(plan)
     if existing is not None:
         return PrepareResult(plan.out_dir, existing, True, time.perf_counter() - t0)
@@ -281,13 +331,19 @@ def _write(plan: PreparePlan, tmp: Path, *, workers: int, progress: bool) -> Dat
     work = sum(rng[1] - rng[0] if rng else sizes.get(f.resolve(), f.stat().st_size) for f, rng in pieces)
     with PrepareProgress(work, enabled=progress) as bar:
         try:
-            for enc in encode_stream(chunk_blocks(blocks), spec=plan.tokenizer, dtype=dtype, text_key=plan.text_key,
-                                     workers=workers, chat=plan.chat):
+            for enc in encode_stream(
+                chunk_blocks(blocks),
+                spec=plan.tokenizer,
+                dtype=dtype,
+                text_key=plan.text_key,
+                workers=workers,
+                chat=plan.chat,
+            ):
                 writer.add_chunk(enc.ids, enc.lengths)
                 if masks is not None:
                     masks.add(enc.mask)
                     n_bad += len(enc.bad)
-                    bad.extend(enc.bad[:BAD_EXAMPLES - len(bad)])
+                    bad.extend(enc.bad[: BAD_EXAMPLES - len(bad)])
                 largest = max(largest, int(enc.ids.max()) if len(enc.ids) else -1)
                 n_in += enc.docs_in
                 bar.advance(enc.chars, len(enc.ids))
@@ -299,11 +355,19 @@ def _write(plan: PreparePlan, tmp: Path, *, workers: int, progress: bool) -> Dat
             if masks is not None:
                 masks.close()
         if n_bad > plan.max_bad * n_in:
-            raise UserError(f"{plan.files[0]}{' ...' if len(plan.files) > 1 else ''}: {n_bad} of {n_in} records cannot be "
-                            f"trained on, over the bound of {plan.max_bad:g} (--max-bad-fraction); the first: "
-                            f"{bad[0]}; fix them or raise the bound")
-        record = _record(plan, IndexedTokens(tmp / PREFIX), largest, dtype.name,
-                         skipped=0 if masks is not None else n_in - writer.n_documents, bad=(n_bad, bad))
+            raise UserError(
+                f"{plan.files[0]}{' ...' if len(plan.files) > 1 else ''}: {n_bad} of {n_in} records cannot be "
+                f"trained on, over the bound of {plan.max_bad:g} (--max-bad-fraction); the first: "
+                f"{bad[0]}; fix them or raise the bound"
+            )
+        record = _record(
+            plan,
+            IndexedTokens(tmp / PREFIX),
+            largest,
+            dtype.name,
+            skipped=0 if masks is not None else n_in - writer.n_documents,
+            bad=(n_bad, bad),
+        )
         return record
 
 
@@ -314,25 +378,51 @@ def chat_fields(plan: PreparePlan, bad: tuple[int, list[str]]) -> dict:
     from titan_pipe.tokens.loss_mask import SUFFIX
 
     t = plan.chat.template
-    return dict(records=plan.chat.fmt, loss_mask=f"{PREFIX}{SUFFIX}", chat_template=f"{t.origin} sha256:{t.sha256}",
-                chat_key=plan.chat.key, bad_records=bad[0], bad_examples=list(bad[1]))
+    return dict(
+        records=plan.chat.fmt,
+        loss_mask=f"{PREFIX}{SUFFIX}",
+        chat_template=f"{t.origin} sha256:{t.sha256}",
+        chat_key=plan.chat.key,
+        bad_records=bad[0],
+        bad_examples=list(bad[1]),
+    )
 
 
-def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, skipped: int,
-            bad: tuple[int, list[str]] = (0, [])) -> DataRecord:
+def _record(
+    plan: PreparePlan,
+    ds: IndexedTokens,
+    largest: int,
+    dtype: str,
+    *,
+    skipped: int,
+    bad: tuple[int, list[str]] = (0, []),
+) -> DataRecord:
     where = ", ".join(str(f) for f in plan.files[:3]) + (" ..." if len(plan.files) > 3 else "")
     if plan.shard is not None:
         where = f"part {plan.shard} of {where}"
     if ds.n_documents == 0 and plan.shard is not None:  # a part may hold no document (a tiny corpus, many parts)
         split = Split(plan.val_fraction, 0, 0, 0, 0)
-        record = DataRecord(key=plan.key, tokenizer=plan.info, sources=plan.sources, text_key=plan.text_key,
-                            dtype=dtype, n_tokens=0, n_documents=0, max_token_id=largest, split=split,
-                            skipped_empty=skipped, shard=str(plan.shard), **chat_fields(plan, bad))
+        record = DataRecord(
+            key=plan.key,
+            tokenizer=plan.info,
+            sources=plan.sources,
+            text_key=plan.text_key,
+            dtype=dtype,
+            n_tokens=0,
+            n_documents=0,
+            max_token_id=largest,
+            split=split,
+            skipped_empty=skipped,
+            shard=str(plan.shard),
+            **chat_fields(plan, bad),
+        )
         record.save(ds.prefix.parent)
         return record
     if ds.n_documents == 0:
-        raise UserError(f"{where}: holds no text (every document is empty); add text or fix the text key "
-                        f"(--text-key / data.text_key, now {plan.text_key!r})")
+        raise UserError(
+            f"{where}: holds no text (every document is empty); add text or fix the text key "
+            f"(--text-key / data.text_key, now {plan.text_key!r})"
+        )
     if plan.shard is not None:  # a part's own split is of no use: the merge splits the whole
         split = Split(plan.val_fraction, ds.n_documents, 0, ds.n_tokens, 0)
     else:
@@ -340,17 +430,34 @@ def _record(plan: PreparePlan, ds: IndexedTokens, largest: int, dtype: str, *, s
         cut = ds.doc_start(d)
         split = Split(plan.val_fraction, d, ds.n_documents - d, cut, ds.n_tokens - cut)
     chat = chat_fields(plan, bad)
-    record = DataRecord(key=plan.key, tokenizer=plan.info, sources=plan.sources, text_key=plan.text_key,
-                        dtype=dtype, n_tokens=ds.n_tokens, n_documents=ds.n_documents, max_token_id=largest,
-                        split=split, skipped_empty=skipped, shard=str(plan.shard) if plan.shard else None, **chat)
+    record = DataRecord(
+        key=plan.key,
+        tokenizer=plan.info,
+        sources=plan.sources,
+        text_key=plan.text_key,
+        dtype=dtype,
+        n_tokens=ds.n_tokens,
+        n_documents=ds.n_documents,
+        max_token_id=largest,
+        split=split,
+        skipped_empty=skipped,
+        shard=str(plan.shard) if plan.shard else None,
+        **chat,
+    )
     record.save(ds.prefix.parent)
     return record
 
 
 # prepare's options as the flow.yaml keys that set them, for errors met preparing a flow's data
-FLOW_KEYS = {"--chat-template": "data.chat_template", "--format": "data.format", "--tokenizer": "data.tokenizer",
-             "--val-fraction": "data.val_fraction", "--text-key": "data.text_key", "--max-tokens": "data.max_tokens",
-             "--max-bad-fraction": "data.max_bad_fraction"}
+FLOW_KEYS = {
+    "--chat-template": "data.chat_template",
+    "--format": "data.format",
+    "--tokenizer": "data.tokenizer",
+    "--val-fraction": "data.val_fraction",
+    "--text-key": "data.text_key",
+    "--max-tokens": "data.max_tokens",
+    "--max-bad-fraction": "data.max_bad_fraction",
+}
 
 
 def in_flow_terms(message: str) -> str:
@@ -368,10 +475,18 @@ def prepare_spec(spec, out_dir: Path, *, progress: bool = True) -> PrepareResult
     """The raw text of a flow's resolved data section (titan_pipe.tokens.spec.DataSpec) prepared into
     ``out_dir`` (the run's data dir); a no-op when it is current. Errors name flow.yaml's keys."""
     try:
-        return prepare(sources=[spec.text], out_dir=out_dir, tokenizer=spec.tokenizer,
-                       val_fraction=spec.val_fraction, text_key=spec.text_key, progress=progress,
-                       records=spec.records, chat_template=spec.chat_template, max_tokens=spec.max_tokens,
-                       max_bad=spec.max_bad_fraction)
+        return prepare(
+            sources=[spec.text],
+            out_dir=out_dir,
+            tokenizer=spec.tokenizer,
+            val_fraction=spec.val_fraction,
+            text_key=spec.text_key,
+            progress=progress,
+            records=spec.records,
+            chat_template=spec.chat_template,
+            max_tokens=spec.max_tokens,
+            max_bad=spec.max_bad_fraction,
+        )
     except UserError as e:
         translated = in_flow_terms(str(e))
         if translated == str(e):

@@ -1,4 +1,5 @@
 """The progress of ``data prepare``: a rich bar of source bytes with MB/s and tokens/s (stderr)."""
+
 from __future__ import annotations
 
 import time
@@ -22,8 +23,14 @@ class PrepareProgress:
 
     def __enter__(self) -> "PrepareProgress":
         if self.enabled:
-            self._bar = Progress(TextColumn("prepare"), BarColumn(), TextColumn("{task.fields[info]}"),
-                                 TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+            self._bar = Progress(
+                TextColumn("prepare"),
+                BarColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=False,
+            )
             self._bar.start()
             self._task = self._bar.add_task("prepare", total=self.total, info="")
         return self
@@ -33,8 +40,10 @@ class PrepareProgress:
         self.tokens += tokens
         if self._bar is not None:
             dt = max(1e-9, time.perf_counter() - self._t0)
-            info = (f"{self.chars / 1e6:,.1f} MB text, {self.tokens:,} tokens | {self.chars / dt / 1e6:.2f} MB/s, "
-                    f"{self.tokens / dt:,.0f} tok/s")
+            info = (
+                f"{self.chars / 1e6:,.1f} MB text, {self.tokens:,} tokens | {self.chars / dt / 1e6:.2f} MB/s, "
+                f"{self.tokens / dt:,.0f} tok/s"
+            )
             self._bar.update(self._task, completed=min(self.chars, self.total), info=info)
 
     def __exit__(self, exc_type, *exc) -> None:

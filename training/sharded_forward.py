@@ -10,6 +10,7 @@ each rank keeps its decoder layers on meta and reads one at a time from its own 
 through the manifest, freeing it after its forward (training/layer_stream.py); the outputs are
 bit-identical to the resident run. Every rank's peak RSS goes into done.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,8 @@ def _capture(pm) -> dict[int, torch.Tensor]:
     for module in pm.modules:
         for key, layer in module.layers.items():
             layer.register_forward_hook(
-                lambda _m, _i, out, i=int(key): captured.__setitem__(i, _full(out).detach().cpu()))
+                lambda _m, _i, out, i=int(key): captured.__setitem__(i, _full(out).detach().cpu())
+            )
     return captured
 
 
@@ -75,10 +77,18 @@ def main(argv: list[str] | None = None) -> None:
         kernels = resolve_kernels(manifest.extra.kernels or "auto", device.type)
         # a LoRA checkpoint runs as it trained: the frozen base and its adapters beside it, unmerged
         weights = open_weights(a.checkpoint, adapters_apart=not a.streamed)
-        pm = build_parallel_model(args, mesh, device=device.torch_device(local_rank), schedule=p.pp_schedule,
-                                  virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel,
-                                  kernels=kernels, weights=weights, stream_layers=a.streamed,
-                                  lora=getattr(weights, "lora", None) if not a.streamed else None)
+        pm = build_parallel_model(
+            args,
+            mesh,
+            device=device.torch_device(local_rank),
+            schedule=p.pp_schedule,
+            virtual_stages=p.virtual_stages,
+            sequence_parallel=p.sequence_parallel,
+            kernels=kernels,
+            weights=weights,
+            stream_layers=a.streamed,
+            lora=getattr(weights, "lora", None) if not a.streamed else None,
+        )
         captured = _capture(pm)
         batches = load_file(str(a.tokens))
         logits_out, hidden_out = {}, {}

@@ -1,5 +1,6 @@
 """Where a launch runs: inside an existing torchrun/srun launch or not, who reports, and SLURM's
 variables mapped to torch.distributed's env:// ones (for srun tasks torchrun did not start)."""
+
 from __future__ import annotations
 
 import os
@@ -62,8 +63,10 @@ def slurm_env(environ: Mapping[str, str], cfg: FlowConfig) -> dict[str, str]:
         else:
             host = first_slurm_host(environ.get("SLURM_JOB_NODELIST", ""))
         if not host:
-            raise UserError("launch.rdzv_endpoint: inside srun without a readable SLURM_JOB_NODELIST; "
-                            "set launch.rdzv_endpoint to host:port of the first node")
+            raise UserError(
+                "launch.rdzv_endpoint: inside srun without a readable SLURM_JOB_NODELIST; "
+                "set launch.rdzv_endpoint to host:port of the first node"
+            )
         out["MASTER_ADDR"] = host
         out.setdefault("MASTER_PORT", environ.get("MASTER_PORT", port))
     return out

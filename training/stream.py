@@ -1,4 +1,5 @@
 """Running the launch: a guarded child process tree whose output is teed to the console and a log file."""
+
 from __future__ import annotations
 
 import signal
@@ -12,9 +13,16 @@ from titan_pipe import procs
 from titan_pipe.training.metrics import bar_info, new_progress_bar, parse_progress_line
 
 
-def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: Path,
-                   console: IO[str] | None = None, live: bool | None = None,
-                   cwd: Path | None = None, hide_from: Callable[[str], bool] | None = None) -> int:
+def stream_process(
+    cmd: list[str],
+    *,
+    env: Mapping[str, str] | None,
+    log_path: Path,
+    console: IO[str] | None = None,
+    live: bool | None = None,
+    cwd: Path | None = None,
+    hide_from: Callable[[str], bool] | None = None,
+) -> int:
     """Run ``cmd``, copying each output line (stdout and stderr merged) to ``console`` (stderr) and
     appending it to ``log_path`` as it arrives; returns the exit status (128+N for signal N).
 
@@ -34,8 +42,16 @@ def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: P
     with open_append(log_path) as log:
         log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} $ {' '.join(cmd)}\n")
         log.flush()
-        tree = procs.popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           env=dict(env) if env else None, cwd=cwd, text=True, errors="replace", bufsize=1)
+        tree = procs.popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=dict(env) if env else None,
+            cwd=cwd,
+            text=True,
+            errors="replace",
+            bufsize=1,
+        )
         bar = _LiveBar(console) if live else None
         beat = _Heartbeat(console, bar)
         with tree:
@@ -53,8 +69,14 @@ def stream_process(cmd: list[str], *, env: Mapping[str, str] | None, log_path: P
                     bar.close()
 
 
-def _tee(tree: procs.Tree, log: IO[str], console: IO[str] | None, bar: "_LiveBar | None",
-         hide_from: Callable[[str], bool] | None, beat: "_Heartbeat | None" = None) -> None:
+def _tee(
+    tree: procs.Tree,
+    log: IO[str],
+    console: IO[str] | None,
+    bar: "_LiveBar | None",
+    hide_from: Callable[[str], bool] | None,
+    beat: "_Heartbeat | None" = None,
+) -> None:
     assert tree.stdout is not None
     echo = console is not None
     for line in tree.stdout:
@@ -102,8 +124,11 @@ class _Heartbeat:
             quiet = time.monotonic() - self.last
             if quiet < HEARTBEAT_S or (self.bar is not None and self.bar.task is not None):
                 continue  # the bar itself shows the steps going by
-            doing = "the ranks start (import torch, join the process group)" if self.lines == 0 else \
-                "the ranks work (model build, data, the first step or a checkpoint)"
+            doing = (
+                "the ranks start (import torch, join the process group)"
+                if self.lines == 0
+                else "the ranks work (model build, data, the first step or a checkpoint)"
+            )
             text = f"... {time.monotonic() - self.start:.0f} s: {quiet:.0f} s without a line while {doing}\n"
             try:
                 if self.bar is not None:

@@ -5,6 +5,7 @@ tensor on every tp rank; with it, each rank holds (B, T/tp, dim), Shard(1) on tp
 on the sequence shard. Norm weights always become Replicate DTensors, so every parameter of a TP
 model is a DTensor (AdamW's foreach path and grad clipping reject a mix of DTensor and Tensor).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -31,8 +32,10 @@ def _replicate_norm(module: nn.Module, mesh: DeviceMesh) -> None:
     gradient flowing back into it."""
 
     def to_dtensor(_mod, inputs, mesh_):
-        return tuple(x if isinstance(x, DTensor) else DTensor.from_local(x, mesh_, [Replicate()], run_check=False)
-                     for x in inputs)
+        return tuple(
+            x if isinstance(x, DTensor) else DTensor.from_local(x, mesh_, [Replicate()], run_check=False)
+            for x in inputs
+        )
 
     def to_local(_mod, output, _mesh):
         return output.to_local()
@@ -105,11 +108,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool =
         # documents' positions, or None) stay plain tensors.
         for name in present:
             if _matches(name, "layers.*.attention"):
-                plan[name] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
-                                                desired_input_layouts=(Replicate(), None, None, None))
+                plan[name] = PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+                )
             elif _matches(name, "layers.*.feed_forward"):
-                plan[name] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                desired_input_layouts=(Replicate(),))
+                plan[name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
     parallelize_module(model, tp_mesh, plan)
     if sequence_parallel:
         model.seq_shards = tp_mesh.size()

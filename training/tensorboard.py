@@ -5,6 +5,7 @@ extra): rank 0 writes the scalars of each logged step as TensorBoard event files
 ``tensorboard --logdir runs`` then shows every run's loss, learning rate, gradient norm, tokens/s,
 MFU and peak memory; the package is imported only when the flow asks for it.
 """
+
 from __future__ import annotations
 
 import math
@@ -12,9 +13,16 @@ from pathlib import Path
 from typing import Any
 
 # metrics.jsonl key -> TensorBoard tag
-SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-           "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu", "step_time_s": "perf/step_time_s",
-           "peak_mem_mb": "memory/peak_mem_mb", "loss_scale": "train/loss_scale"}
+SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "mfu": "perf/mfu",
+    "step_time_s": "perf/step_time_s",
+    "peak_mem_mb": "memory/peak_mem_mb",
+    "loss_scale": "train/loss_scale",
+}
 DIR_NAME = "tensorboard"
 INSTALL = "pip install tensorboard (titan-pipe's tensorboard extra)"
 

@@ -11,6 +11,7 @@ optimizer state of the copy is saved and loaded as the embedding's.
 
 With tp 1 and pp 1 the module's own tie (one Parameter) is kept and none of this runs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -77,8 +78,9 @@ def _local_grad(p: torch.Tensor) -> torch.Tensor:
 
 def _set_local_grad(p: torch.Tensor, local: torch.Tensor) -> None:
     if isinstance(p, DTensor):
-        p.grad = DTensor.from_local(local.clone(), p.device_mesh, p.placements, run_check=False,
-                                    shape=p.shape, stride=p.stride())
+        p.grad = DTensor.from_local(
+            local.clone(), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        )
     else:
         p.grad = local.clone()
 
@@ -98,7 +100,7 @@ def alias_optimizer_keys(flat: dict, *, drop_copy: bool) -> dict:
         if rest.startswith(OUTPUT + "."):
             if drop_copy:
                 continue
-            k = f"{kind}.{EMBEDDING}{rest[len(OUTPUT):]}"
+            k = f"{kind}.{EMBEDDING}{rest[len(OUTPUT) :]}"
         out[k] = v
     return out
 
@@ -112,5 +114,5 @@ def restore_copy_keys(flat: dict, copy_names: set[str]) -> dict:
     for k, v in flat.items():
         kind, _, rest = k.partition(".")
         if rest.startswith(EMBEDDING + "."):  # a copy of each state tensor: two params never share one
-            out[f"{kind}.{OUTPUT}{rest[len(EMBEDDING):]}"] = v.clone() if isinstance(v, torch.Tensor) else v
+            out[f"{kind}.{OUTPUT}{rest[len(EMBEDDING) :]}"] = v.clone() if isinstance(v, torch.Tensor) else v
     return out

@@ -6,6 +6,7 @@ encodes them (titan_pipe.tokens.tokenizer.encode_documents), sending back ids in
 At most 2 chunks per worker are in flight, so memory is bounded by the chunk size, never the
 corpus; the output order is the input order whatever the worker count.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -47,8 +48,12 @@ class ChatSpec:
         import hashlib
         import json
 
-        doc = [self.fmt, self.template.source, [list(x) for x in sorted(self.template.special.items())],
-               self.max_tokens]
+        doc = [
+            self.fmt,
+            self.template.source,
+            [list(x) for x in sorted(self.template.special.items())],
+            self.max_tokens,
+        ]
         return hashlib.sha256(json.dumps(doc).encode()).hexdigest()
 
 
@@ -79,8 +84,14 @@ def chunk_blocks(blocks: Iterable[Block], chars: int | None = None) -> Iterator[
         yield batch
 
 
-def _init(spec: str, dtype: str, text_key: str, single_thread: bool = True, parent: int | None = None,
-          chat: ChatSpec | None = None) -> None:
+def _init(
+    spec: str,
+    dtype: str,
+    text_key: str,
+    single_thread: bool = True,
+    parent: int | None = None,
+    chat: ChatSpec | None = None,
+) -> None:
     if parent is not None:  # a worker of the pool: no orphan tokenizing on when `data prepare` is killed
         procs.die_with_parent(parent)
     if single_thread:  # a worker of the pool: the pool is the parallelism, not the tokenizer's threads
@@ -133,15 +144,29 @@ def _encode_chat(blocks: list[Block]) -> Encoded:
         ids.append(np.asarray(ids_, dtype=_dtype))
         masks.append(mask)
         lengths.append(len(ids_))
+
     def cat(xs, dt):
         return np.concatenate(xs) if xs else np.zeros(0, dtype=dt)
 
-    return Encoded(cat(ids, _dtype), np.asarray(lengths, dtype=np.int32), sum(map(len, texts)), n_in,
-                   cat(masks, np.uint8), tuple(bad))
+    return Encoded(
+        cat(ids, _dtype),
+        np.asarray(lengths, dtype=np.int32),
+        sum(map(len, texts)),
+        n_in,
+        cat(masks, np.uint8),
+        tuple(bad),
+    )
 
 
-def encode_stream(chunks: Iterable[list[Block]], *, spec: str, dtype: np.dtype, text_key: str, workers: int,
-                  chat: ChatSpec | None = None) -> Iterator[Encoded]:
+def encode_stream(
+    chunks: Iterable[list[Block]],
+    *,
+    spec: str,
+    dtype: np.dtype,
+    text_key: str,
+    workers: int,
+    chat: ChatSpec | None = None,
+) -> Iterator[Encoded]:
     """Each chunk encoded, in order (empty documents have no length); ``workers`` <= 1 encodes in
     this process; ``chat``: the chunks hold chat / instruction records."""
     args = (spec, np.dtype(dtype).name, text_key)
@@ -151,8 +176,9 @@ def encode_stream(chunks: Iterable[list[Block]], *, spec: str, dtype: np.dtype, 
             yield _encode(chunk)
         return
     ctx = multiprocessing.get_context("spawn")  # no fork of a parent that may hold threads (torch, rayon)
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init,
-                             initargs=(*args, True, os.getpid(), chat)) as pool:
+    with ProcessPoolExecutor(
+        workers, mp_context=ctx, initializer=_init, initargs=(*args, True, os.getpid(), chat)
+    ) as pool:
         pending: deque = deque()
         try:
             for chunk in chunks:

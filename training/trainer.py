@@ -3,6 +3,7 @@
 The Trainer only: setup (process group and mesh, this rank's model, optimizer, loader), the step,
 the checkpoint, the loop with metrics. Everything else lives in the modules it calls.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,14 @@ import torch
 import torch.distributed as dist
 
 from titan_pipe.atomic import write_text
-from titan_pipe.checkpoint_format import (CheckpointExtra, ParallelLayout, checkpoint_bytes, complete_step, is_save_step,
-                                          newest_complete)
+from titan_pipe.checkpoint_format import (
+    CheckpointExtra,
+    ParallelLayout,
+    checkpoint_bytes,
+    complete_step,
+    is_save_step,
+    newest_complete,
+)
 from titan_pipe.config import ConfigError, FlowConfig, init_from_path, load_flow, lora_base_problem
 from titan_pipe.dtypes import TORCH_BY_NAME
 from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
@@ -91,18 +98,28 @@ def training_loader(data, train, *, dp_rank: int, dp_size: int, vocab_size: int)
     one chat / instruction dataset (titan_pipe.tokens.packing); data of the other kind is refused."""
     from titan_pipe.tokens.packing import DocumentLoader
 
-    common = dict(seq_len=train.seq_len, global_batch=train.batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                  seed=train.seed, vocab_size=vocab_size)
+    common = dict(
+        seq_len=train.seq_len,
+        global_batch=train.batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=train.seed,
+        vocab_size=vocab_size,
+    )
     masked = [s for s in data.sources if s.record is not None and s.record.loss_mask]
     if train.mode == "sft":
         if len(data.sources) != 1:
-            raise UserError("train.mode sft: data.blend mixes several datasets; fine-tune on one chat dataset "
-                            "(join the files into one prepare)")
+            raise UserError(
+                "train.mode sft: data.blend mixes several datasets; fine-tune on one chat dataset "
+                "(join the files into one prepare)"
+            )
         return DocumentLoader(data.sources[0], **common)
     if masked:
-        raise UserError(f"{masked[0].path}: chat / instruction data (its answers marked), but train.mode is "
-                        "pretrain, which would learn the prompts too and let packed conversations see each "
-                        "other; set train.mode: sft")
+        raise UserError(
+            f"{masked[0].path}: chat / instruction data (its answers marked), but train.mode is "
+            "pretrain, which would learn the prompts too and let packed conversations see each "
+            "other; set train.mode: sft"
+        )
     return PackedLoader(data.train, **common)
 
 
@@ -120,16 +137,20 @@ class Trainer:
         t0 = time.perf_counter()
         self._setup_world()
         p = cfg.parallel
-        self._say(f"{self.world} ranks joined ({dist.get_backend()}, dp{p.dp} x tp{p.tp} x pp{p.pp}) in "
-                  f"{time.perf_counter() - t0:.1f}s; building the model")
+        self._say(
+            f"{self.world} ranks joined ({dist.get_backend()}, dp{p.dp} x tp{p.tp} x pp{p.pp}) in "
+            f"{time.perf_counter() - t0:.1f}s; building the model"
+        )
         self._setup_data(base)
         latest = self._find_resume_point(resume)
         t1 = time.perf_counter()
         self._setup_model(self._weights(latest, base))
-        self._say(f"model built ({count_params(self.args) / 1e6:,.1f}M parameters, "
-                  f"{'from ' + latest.name if latest else 'init_from' if cfg.init_from else 'seeded init'}) in "
-                  f"{time.perf_counter() - t1:.1f}s" + ("; the first steps compile the blocks (tens of seconds)"
-                                                         if cfg.train.compile else "; first step next"))
+        self._say(
+            f"model built ({count_params(self.args) / 1e6:,.1f}M parameters, "
+            f"{'from ' + latest.name if latest else 'init_from' if cfg.init_from else 'seeded init'}) in "
+            f"{time.perf_counter() - t1:.1f}s"
+            + ("; the first steps compile the blocks (tens of seconds)" if cfg.train.compile else "; first step next")
+        )
         self._setup_optimizers()
         self._setup_loss()
         self.start = self._restore(latest)
@@ -161,8 +182,7 @@ class Trainer:
         if self.rank == 0:
             self.run.root.mkdir(parents=True, exist_ok=True)
         if cfg.comm.stream_num != 1 and self.rank == 0:
-            warnings.warn("comm.stream_num has no PyTorch-native equivalent; it is recorded, not applied",
-                          stacklevel=2)
+            warnings.warn("comm.stream_num has no PyTorch-native equivalent; it is recorded, not applied", stacklevel=2)
         self.args = cfg.model.args()
         self.lora = cfg.train.lora.spec() if cfg.train.lora is not None else None
 
@@ -185,17 +205,21 @@ class Trainer:
         self.token_ids, side = ({}, {}) if (src := init_from_path(cfg, base)) is None else checkpoint_side(src)
         self.tok_files.update(side)
         if not self.token_ids:
-            self.token_ids = {"eos_token_id": tok.eos_id, **({"bos_token_id": tok.bos_id} if tok.bos_id is not None
-                                                              else {})}
+            self.token_ids = {
+                "eos_token_id": tok.eos_id,
+                **({"bos_token_id": tok.bos_id} if tok.bos_id is not None else {}),
+            }
         self.sft = t.mode == "sft"
-        self.loader = training_loader(data, t, dp_rank=self.mesh["dp"].get_local_rank(), dp_size=cfg.parallel.dp,
-                                      vocab_size=self.args.vocab_size)
+        self.loader = training_loader(
+            data, t, dp_rank=self.mesh["dp"].get_local_rank(), dp_size=cfg.parallel.dp, vocab_size=self.args.vocab_size
+        )
 
     def _find_resume_point(self, resume: bool) -> Path | None:
         latest = newest_complete(self.run.checkpoints, warn=True) if resume else None
         if resume and latest is None and self.rank == 0:
-            warnings.warn(f"--resume: no complete checkpoint under {self.run.checkpoints}; starting fresh",
-                          stacklevel=2)
+            warnings.warn(
+                f"--resume: no complete checkpoint under {self.run.checkpoints}; starting fresh", stacklevel=2
+            )
         return latest
 
     def _weights(self, latest: Path | None, base: Path):
@@ -208,8 +232,10 @@ class Trainer:
             return self._lora_weights(latest, init_from_path(self.cfg, base))
         weights = open_weights(source)
         if getattr(weights, "lora", None) is not None and latest is not None:
-            raise UserError(f"--resume: {latest} holds LoRA adapters, but train.lora is not set; set train.lora as it "
-                            "was (its manifest's extra.lora), or start a new run with init_from: " + str(latest))
+            raise UserError(
+                f"--resume: {latest} holds LoRA adapters, but train.lora is not set; set train.lora as it "
+                "was (its manifest's extra.lora), or start a new run with init_from: " + str(latest)
+            )
         check_compatible(weights.args, self.args, source)
         return weights
 
@@ -224,12 +250,16 @@ class Trainer:
         else:
             weights = open_adapted(latest)
             if weights.lora != self.lora:
-                raise UserError(f"--resume: {latest} holds adapters of {weights.lora.to_dict()}, but train.lora is "
-                                f"{self.lora.to_dict()}; set train.lora as it was, or start a new run")
+                raise UserError(
+                    f"--resume: {latest} holds adapters of {weights.lora.to_dict()}, but train.lora is "
+                    f"{self.lora.to_dict()}; set train.lora as it was, or start a new run"
+                )
             held = Path(weights.base.dir).resolve()
             if held != _weights_dir(init_from):
-                raise UserError(f"--resume: {latest}'s adapters were trained on the base {held}, but init_from is "
-                                f"{init_from}; point init_from back at {held}")
+                raise UserError(
+                    f"--resume: {latest}'s adapters were trained on the base {held}, but init_from is "
+                    f"{init_from}; point init_from back at {held}"
+                )
         # the base's files, hashed once at the first save (base_ref); the source itself is not kept, so its
         # mapped pages leave this process once the model is built
         self._base_files = (Path(weights.base.dir), weights.base.files())
@@ -243,37 +273,59 @@ class Trainer:
         why = float8_problem(cfg.precision.float8, self.device.type)
         if why:
             raise UserError(why)
-        self.dp_plan = plan_dp(dp=p.dp, tp=p.tp, dp_mode=p.dp_mode, zero_stage=cfg.zero_stage,
-                               offload=cfg.memory.optimizer_offload,
-                               amp_dtype=cfg.precision.amp_dtype if cfg.precision.amp else None,
-                               gradient_sync_dtype=cfg.comm.gradient_sync_dtype,
-                               fusion_buffer_mb=cfg.comm.fusion_buffer_mb, comm_overlap=cfg.comm.comm_overlap)
+        self.dp_plan = plan_dp(
+            dp=p.dp,
+            tp=p.tp,
+            dp_mode=p.dp_mode,
+            zero_stage=cfg.zero_stage,
+            offload=cfg.memory.optimizer_offload,
+            amp_dtype=cfg.precision.amp_dtype if cfg.precision.amp else None,
+            gradient_sync_dtype=cfg.comm.gradient_sync_dtype,
+            fusion_buffer_mb=cfg.comm.fusion_buffer_mb,
+            comm_overlap=cfg.comm.comm_overlap,
+        )
         ac_every = cfg.memory.activation_checkpointing_layers if cfg.memory.activation_checkpointing else None
         backend = resolve_backend(cfg.train.compile_backend, self.device.type) if cfg.train.compile else None
-        self.model = build_parallel_model(self.args, self.mesh, device=self.torch_device, schedule=p.pp_schedule,
-                                          virtual_stages=p.virtual_stages, sequence_parallel=p.sequence_parallel,
-                                          ac_every=ac_every, dp_plan=self.dp_plan,
-                                          kernels=resolve_kernels(cfg.model.kernels, self.device.type),
-                                          seed=cfg.train.seed, weights=weights, compile_backend=backend,
-                                          float8=cfg.precision.float8, lora=self.lora,
-                                          base_dtype=TORCH_BY_NAME[cfg.train.lora.held_dtype(cfg.precision)]
-                                          if self.lora is not None else torch.float32)
+        self.model = build_parallel_model(
+            self.args,
+            self.mesh,
+            device=self.torch_device,
+            schedule=p.pp_schedule,
+            virtual_stages=p.virtual_stages,
+            sequence_parallel=p.sequence_parallel,
+            ac_every=ac_every,
+            dp_plan=self.dp_plan,
+            kernels=resolve_kernels(cfg.model.kernels, self.device.type),
+            seed=cfg.train.seed,
+            weights=weights,
+            compile_backend=backend,
+            float8=cfg.precision.float8,
+            lora=self.lora,
+            base_dtype=TORCH_BY_NAME[cfg.train.lora.held_dtype(cfg.precision)]
+            if self.lora is not None
+            else torch.float32,
+        )
         self.params = self.model.trainable()  # with LoRA the adapters only: the base takes no gradient
-        self.counted = counted(((n, p) for _, n, p in self.model.named_parameters() if p.requires_grad),
-                               self.model.tied is not None)
+        self.counted = counted(
+            ((n, p) for _, n, p in self.model.named_parameters() if p.requires_grad), self.model.tied is not None
+        )
 
     def _setup_optimizers(self) -> None:
         t, o = self.cfg.train, self.cfg.train.optimizer
         hparams = dict(name=o.name, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
         if self.dp_plan.zero1:
-            self.optimizers = [build_zero1(_trained(m), self.mesh["dp"].get_group(), **hparams)
-                               for m in self.model.modules]
+            self.optimizers = [
+                build_zero1(_trained(m), self.mesh["dp"].get_group(), **hparams) for m in self.model.modules
+            ]
         else:
-            self.optimizers = [build_optimizer(_trained(m), implementation=o.implementation,
-                                               device_type=self.device.type, **hparams)
-                               for m in self.model.modules]
-        self.schedulers = [build_scheduler(opt, warmup=t.warmup_steps, total=t.steps, min_ratio=t.lr_min_ratio)
-                           for opt in self.optimizers]
+            self.optimizers = [
+                build_optimizer(_trained(m), implementation=o.implementation, device_type=self.device.type, **hparams)
+                for m in self.model.modules
+            ]
+        self.schedulers = [
+            build_scheduler(opt, warmup=t.warmup_steps, total=t.steps, min_ratio=t.lr_min_ratio)
+            for opt in self.optimizers
+        ]
         self.scaler = LossScaler.from_config(self.cfg.precision)
 
     def _restore(self, latest: Path | None) -> int:
@@ -289,7 +341,9 @@ class Trainer:
 
     def _setup_loss(self) -> None:
         p = self.cfg.parallel
-        self.chunked_loss = resolve_loss(self.cfg.train.loss, tp=p.tp, pp=p.pp, measured=metrics.measured_loss(self.device))
+        self.chunked_loss = resolve_loss(
+            self.cfg.train.loss, tp=p.tp, pp=p.pp, measured=metrics.measured_loss(self.device)
+        )
         self.loss_of = loss_fn
         if self.cfg.train.compile:  # the loss compiled with the blocks' backend (not over tp's DTensor logits)
             from titan_pipe.model.loss import CompiledLoss
@@ -323,8 +377,9 @@ class Trainer:
         from titan_pipe.model.transformer import balance_loss
 
         rows = logits.shape[0] * logits.shape[1] * len(a.moe_layers)
-        return loss + a.router_aux_loss_coef * balance_loss(assigned.detach(), prob, rows, a.n_experts,
-                                                            self.balance_reduce)
+        return loss + a.router_aux_loss_coef * balance_loss(
+            assigned.detach(), prob, rows, a.n_experts, self.balance_reduce
+        )
 
     def _setup_schedule(self) -> None:
         p, plan = self.cfg.parallel, self.model.stage_plan
@@ -332,28 +387,50 @@ class Trainer:
         self.schedule = None
         self.denom = None  # fine-tuning: this step's loss denominator (loss_denominator)
         if p.pp > 1:
-            self.schedule = build_schedule(self.model.parts, plan, schedule=p.pp_schedule, pp_mesh=self.mesh["pp"],
-                                           n_microbatches=p.n_microbatches, device=self.torch_device,
-                                           loss_fn=lambda out, y: self.scaler.scale_loss(self._pipeline_loss(out, y)))
+            self.schedule = build_schedule(
+                self.model.parts,
+                plan,
+                schedule=p.pp_schedule,
+                pp_mesh=self.mesh["pp"],
+                n_microbatches=p.n_microbatches,
+                device=self.torch_device,
+                loss_fn=lambda out, y: self.scaler.scale_loss(self._pipeline_loss(out, y)),
+            )
         self.parallel_meta = ParallelLayout(
-            dp=p.dp, tp=p.tp, pp=p.pp, pp_schedule=p.pp_schedule, stages=tuple(map(tuple, plan.stages)),
-            stage_ranks=tuple(stage_ranks(plan.n_stages, p.pp)), sequence_parallel=p.sequence_parallel,
-            dp_mode=p.dp_mode, dp_kind=self.dp_plan.kind, ep=p.ep)
+            dp=p.dp,
+            tp=p.tp,
+            pp=p.pp,
+            pp_schedule=p.pp_schedule,
+            stages=tuple(map(tuple, plan.stages)),
+            stage_ranks=tuple(stage_ranks(plan.n_stages, p.pp)),
+            sequence_parallel=p.sequence_parallel,
+            dp_mode=p.dp_mode,
+            dp_kind=self.dp_plan.kind,
+            ep=p.ep,
+        )
 
     def _setup_metrics(self) -> None:
         cfg, t = self.cfg, self.cfg.train
         amp_dtype = torch.float16 if cfg.precision.amp_dtype == "float16" else torch.bfloat16
         # Only rank 0 reports MFU; measuring the CPU peak on every rank would only contend for cores.
-        self.peak, self.peak_source = (metrics.peak_flops(self.device, amp_dtype if cfg.precision.amp else torch.float32)
-                                       if self.rank == 0 else (None, ""))
+        self.peak, self.peak_source = (
+            metrics.peak_flops(self.device, amp_dtype if cfg.precision.amp else torch.float32)
+            if self.rank == 0
+            else (None, "")
+        )
         # with LoRA the base's weight gradients are not computed: MFU counts the FLOPs the step does
-        self.fpt = flops_per_token(self.args, t.seq_len) if self.lora is None else trained_flops_per_token(self.args, t.seq_len)
+        self.fpt = (
+            flops_per_token(self.args, t.seq_len)
+            if self.lora is None
+            else trained_flops_per_token(self.args, t.seq_len)
+        )
         self.tokens_per_step = t.batch_size * t.seq_len
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor,
-                          positions: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Forward and backward of one global batch slice; this rank's loss (None off the last stage).
         ``positions``: packed documents (fine-tuning), with ``self.denom`` set for the step."""
         amp = self.cfg.precision
@@ -361,9 +438,12 @@ class Trainer:
         with autocast(self.device.type, enabled=amp.amp, dtype=amp.amp_dtype):
             if self.schedule is not None:
                 losses: list = []
-                self.schedule.step(*([inputs] if self.has_first else []),
-                                   target=labels if self.has_last else None,
-                                   losses=losses if self.has_last else None, **extra)
+                self.schedule.step(
+                    *([inputs] if self.has_first else []),
+                    target=labels if self.has_last else None,
+                    losses=losses if self.has_last else None,
+                    **extra,
+                )
                 return torch.stack(losses).mean().detach() / self.scaler.scale if self.has_last else None
             part = self.model.parts[0]
             if self.chunked_loss:  # fused with the output projection: no full float32 logits (+ the MoE's aux loss)
@@ -379,13 +459,16 @@ class Trainer:
         """Unscale, clip and step (skipped on an fp16 overflow); (found_inf, grad norm, lr). A NaN or
         infinite gradient norm outside fp16's loss scaling stops training before the update writes
         it into the weights (the norm is global: every rank stops at the same step)."""
-        if self.model.tied is not None and self.lora is None:  # tied embeddings under tp/pp: both ends get the summed gradient
+        if (
+            self.model.tied is not None and self.lora is None
+        ):  # tied embeddings under tp/pp: both ends get the summed gradient
             self.model.tied.sync((n, p) for _, n, p in self.model.named_parameters())
         found_inf = self.scaler.unscale_(self.params)
         grad_norm = None  # skipped step (fp16 overflow): no norm worth logging
         if not found_inf:
-            grad_norm = float(clip_grad_norm_(self.params, self.cfg.train.grad_clip, self.mesh["pp"],
-                                              counted=self.counted))
+            grad_norm = float(
+                clip_grad_norm_(self.params, self.cfg.train.grad_clip, self.mesh["pp"], counted=self.counted)
+            )
             if not math.isfinite(grad_norm) or not math.isfinite(loss):
                 raise UserError(self._diverged(step, loss, grad_norm))
             for opt in self.optimizers:
@@ -404,8 +487,7 @@ class Trainer:
         if self.sft:
             batch = self.loader.next_batch()
             self.denom = loss_denominator(batch.targets, dp=p.dp, microbatches=p.n_microbatches if p.pp > 1 else 1)
-            inputs, labels, positions = (x.to(self.torch_device) for x in (batch.inputs, batch.labels,
-                                                                             batch.positions))
+            inputs, labels, positions = (x.to(self.torch_device) for x in (batch.inputs, batch.labels, batch.positions))
         else:
             inputs, labels = (x.to(self.torch_device) for x in self.loader.next_batch())
             positions = None
@@ -413,8 +495,10 @@ class Trainer:
         if self.fault.due(step, self.rank, "step"):
             self.fault.die()
         # Every holder of the last stage has the loss of its dp slice (tp ranks the same value).
-        stats = torch.tensor([0.0 if local_loss is None else float(local_loss),
-                              float(peak_memory_bytes(self.device))], dtype=torch.float64)
+        stats = torch.tensor(
+            [0.0 if local_loss is None else float(local_loss), float(peak_memory_bytes(self.device))],
+            dtype=torch.float64,
+        )
         loss_sum = stats[:1].clone()
         dist.all_reduce(loss_sum)
         loss = float(loss_sum) / (p.dp * p.tp)
@@ -425,34 +509,47 @@ class Trainer:
         dt = time.perf_counter() - t0
         tps = self.tokens_per_step / dt
         extra = {"target_tokens": batch.targets} if self.sft else {}  # what the loss averaged over
-        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, **extra,
-                "tokens_per_s": tps, "step_time_s": dt,
-                "mfu": metrics.mfu(tps, self.fpt, self.peak * self.world if self.peak else None),
-                "peak_mem_mb": mem / 2**20,
-                "peak_mem_mb_per_rank": [round(float(m) / 2**20, 1) for m in per_rank],
-                "loss_scale": self.scaler.scale,
-                "skipped": bool(found_inf),
-                "compile_s": compile_seconds() - compiled0}  # inside step_time_s (the first steps compile)
+        return {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            **extra,
+            "tokens_per_s": tps,
+            "step_time_s": dt,
+            "mfu": metrics.mfu(tps, self.fpt, self.peak * self.world if self.peak else None),
+            "peak_mem_mb": mem / 2**20,
+            "peak_mem_mb_per_rank": [round(float(m) / 2**20, 1) for m in per_rank],
+            "loss_scale": self.scaler.scale,
+            "skipped": bool(found_inf),
+            "compile_s": compile_seconds() - compiled0,
+        }  # inside step_time_s (the first steps compile)
 
     def _diverged(self, step: int, loss: float, grad_norm: float) -> str:
         t = self.cfg.train
         last = newest_complete(self.run.checkpoints)
         kept = f"the last checkpoint, {last.name}, was written before it" if last else "no checkpoint was written"
-        return (f"step {step}: the loss is {loss:.6g} and the gradient norm {grad_norm:.6g}; training diverged, so it "
-                f"stopped before this update reached the weights ({kept}). Lower train.optimizer.lr (now "
-                f"{t.optimizer.lr:g}) or raise train.warmup_steps (now {t.warmup_steps}), or look for bad records in the "
-                "data (train.log has every step's loss)")
+        return (
+            f"step {step}: the loss is {loss:.6g} and the gradient norm {grad_norm:.6g}; training diverged, so it "
+            f"stopped before this update reached the weights ({kept}). Lower train.optimizer.lr (now "
+            f"{t.optimizer.lr:g}) or raise train.warmup_steps (now {t.warmup_steps}), or look for bad records in the "
+            "data (train.log has every step's loss)"
+        )
 
     # -- checkpoint ----------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        return (is_save_step(step, steps=self.cfg.train.steps, every=self.cfg.checkpoint.every)
-                or step == self.forced_save_step)  # the same on all ranks
+        return (
+            is_save_step(step, steps=self.cfg.train.steps, every=self.cfg.checkpoint.every)
+            or step == self.forced_save_step
+        )  # the same on all ranks
 
     def checkpoint_bytes(self) -> int:
         """About what one checkpoint takes (for a full disk's "free N" advice); with LoRA, the adapters."""
         n = count_params(self.args) if self.lora is None else adapter_count(self.args, self.lora)
-        return checkpoint_bytes(n, optimizer=self.cfg.train.optimizer.name, save_optimizer=self.cfg.checkpoint.save_optimizer)
+        return checkpoint_bytes(
+            n, optimizer=self.cfg.train.optimizer.name, save_optimizer=self.cfg.checkpoint.save_optimizer
+        )
 
     def _lora_record(self) -> dict:
         """The manifest's extra.lora: the spec and the base it references (hashed once, by rank 0)."""
@@ -466,16 +563,29 @@ class Trainer:
         """Checkpoint ``step`` (collective), then prune old ones on rank 0."""
         cfg = self.cfg
         hook = self.fault.die if self.fault.due(step, self.rank, "checkpoint") else None
-        state = {"step": step, "scheduler": [s.state_dict() for s in self.schedulers],
-                 "loader": self.loader.state_dict(), "scaler": self.scaler.state_dict()}
+        state = {
+            "step": step,
+            "scheduler": [s.state_dict() for s in self.schedulers],
+            "loader": self.loader.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
         with writing(self.run.checkpoint(step), what=f"the checkpoint of step {step}", needs=self.checkpoint_bytes()):
-            ckpt.save_checkpoint(self.run.checkpoint(step), model=self.model,
-                                 optimizers=self.optimizers if cfg.checkpoint.save_optimizer else None,
-                                 train_state=state, parallel=self.parallel_meta, fail_hook=hook,
-                                 extra=CheckpointExtra(kernels=cfg.model.kernels,
-                                                       tokenizer="tokenizer.json" if "tokenizer.json" in self.tok_files
-                                                       else "byte", token_ids=self.token_ids, other=self._lora_record()),
-                                 attach=self.tok_files, frozen_out=self.lora is not None)
+            ckpt.save_checkpoint(
+                self.run.checkpoint(step),
+                model=self.model,
+                optimizers=self.optimizers if cfg.checkpoint.save_optimizer else None,
+                train_state=state,
+                parallel=self.parallel_meta,
+                fail_hook=hook,
+                extra=CheckpointExtra(
+                    kernels=cfg.model.kernels,
+                    tokenizer="tokenizer.json" if "tokenizer.json" in self.tok_files else "byte",
+                    token_ids=self.token_ids,
+                    other=self._lora_record(),
+                ),
+                attach=self.tok_files,
+                frozen_out=self.lora is not None,
+            )
         if self.rank == 0:
             ckpt.prune(self.run.checkpoints, cfg.checkpoint.keep_last)
 
@@ -485,10 +595,13 @@ class Trainer:
         """Steps start+1..train.steps with metrics and checkpoints; the summary (rank 0's)."""
         t, rank = self.cfg.train, self.rank
         history: list[dict] = []
-        with metrics.MetricsLogger(self.run.metrics, enabled=rank == 0) as logger, \
-                TensorBoardWriter(self.run.root, enabled=rank == 0 and self.cfg.metrics.tensorboard) as board, \
-                metrics.TrainProgress(t.steps, enabled=rank == 0, log_every=t.log_every,
-                                      initial_step=self.start) as progress:
+        with (
+            metrics.MetricsLogger(self.run.metrics, enabled=rank == 0) as logger,
+            TensorBoardWriter(self.run.root, enabled=rank == 0 and self.cfg.metrics.tensorboard) as board,
+            metrics.TrainProgress(
+                t.steps, enabled=rank == 0, log_every=t.log_every, initial_step=self.start
+            ) as progress,
+        ):
             for step in range(self.start + 1, t.steps + 1):
                 record = self.train_step(step)
                 history.append(record)
@@ -507,12 +620,16 @@ class Trainer:
     def _summary(self, history: list[dict]) -> dict:
         # Throughput of the steady state: not the first step, nor any step that compiled.
         timed = [r for r in history[1:] if not r["compile_s"]] or history[1:] or history
-        return {"final_loss": history[-1]["loss"] if history else None,
-                "compile_s": sum(r["compile_s"] for r in history),
-                "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed) if timed else None,
-                "mfu": history[-1]["mfu"] if history else None, "steps": self.cfg.train.steps,
-                "start_step": self.start, "peak_flops_source": self.peak_source,
-                "checkpoint": str(newest_complete(self.run.checkpoints, warn=True)) if self.rank == 0 else None}
+        return {
+            "final_loss": history[-1]["loss"] if history else None,
+            "compile_s": sum(r["compile_s"] for r in history),
+            "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed) if timed else None,
+            "mfu": history[-1]["mfu"] if history else None,
+            "steps": self.cfg.train.steps,
+            "start_step": self.start,
+            "peak_flops_source": self.peak_source,
+            "checkpoint": str(newest_complete(self.run.checkpoints, warn=True)) if self.rank == 0 else None,
+        }
 
 
 def _trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -2,6 +2,7 @@
 whole parameters and gradients), and its state in the same flattened, FQN-keyed form as
 ``get_optimizer_state_dict(..., flatten_optimizer_state_dict=True)``, so a ZeRO-1 checkpoint
 resumes without ZeRO (or under another dp) and the other way round."""
+
 from __future__ import annotations
 
 import torch
@@ -70,7 +71,7 @@ def load_zero1_state(opt: ZeroRedundancyOptimizer, fqns: dict[nn.Parameter, str]
         for p in group["params"]:
             fqn = fqns[p]
             prefix = f"state.{fqn}."
-            opt.optim.state[p] = {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
+            opt.optim.state[p] = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
             lr = flat.get(f"param_groups.{fqn}.lr")
             if lr is not None:
                 group["lr"] = lr

@@ -5,6 +5,7 @@ process table. ATC's own default precision is force_fp16, which silently changes
 fp32/bf16-trained model, so the command always states a precision mode: ``origin`` keeps the
 graph's dtype (the default here), ``mixed_float16`` and ``fp16`` are explicit choices.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -20,8 +21,7 @@ from titan_pipe.graph_io import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, WRITE_I
 
 # --precision_mode_v2 (CANN >= 8.0) value, and the older --precision_mode spelling of the same intent.
 _PRECISION_V2 = {"origin": "origin", "mixed_float16": "mixed_float16", "fp16": "fp16"}
-_PRECISION_V1 = {"origin": "must_keep_origin_dtype", "mixed_float16": "allow_mix_precision_fp16",
-                 "fp16": "force_fp16"}
+_PRECISION_V1 = {"origin": "must_keep_origin_dtype", "mixed_float16": "allow_mix_precision_fp16", "fp16": "force_fp16"}
 EXTERNAL_WEIGHT_BYTES = 2 * 1024**3  # above this, --external_weight=1 keeps weights out of the .om
 MAX_GEARS = 100  # ATC's --dynamic_dims limit (2..100 gears, CANN 6.x and 8.0 alike)
 
@@ -64,9 +64,20 @@ def seq_gears(seq_len: int, max_len: int) -> list[int]:
     return sorted(gears)
 
 
-def atc_invocation(*, graph: str, inputs: list[GraphInput], soc_version: str, precision_mode: str,
-                   dynamic: bool, batch: int, seq_len: int, max_len: int, weight_bytes: int,
-                   decode: bool, cache_len: int | None = None) -> AtcInvocation:
+def atc_invocation(
+    *,
+    graph: str,
+    inputs: list[GraphInput],
+    soc_version: str,
+    precision_mode: str,
+    dynamic: bool,
+    batch: int,
+    seq_len: int,
+    max_len: int,
+    weight_bytes: int,
+    decode: bool,
+    cache_len: int | None = None,
+) -> AtcInvocation:
     """The atc argv for one graph.
 
     Static graphs get their exact shapes. A dynamic prefill graph keeps the batch at ``batch`` and
@@ -102,9 +113,16 @@ def atc_invocation(*, graph: str, inputs: list[GraphInput], soc_version: str, pr
         dims = [(batch, -1) for _ in inputs]
         gears = [tuple([s] * len(inputs)) for s in seq_gears(seq_len, max_len)]
     shapes = [f"{i.name}:{','.join(map(str, d))}" for i, d in zip(inputs, dims)]
-    argv = ["atc", f"--model={graph}", "--framework=5", f"--output=om/{stem}", f"--soc_version={soc_version}",
-            "--input_format=ND", f"--input_shape={';'.join(shapes)}",
-            f"--precision_mode_v2={_PRECISION_V2[precision_mode]}"]
+    argv = [
+        "atc",
+        f"--model={graph}",
+        "--framework=5",
+        f"--output=om/{stem}",
+        f"--soc_version={soc_version}",
+        "--input_format=ND",
+        f"--input_shape={';'.join(shapes)}",
+        f"--precision_mode_v2={_PRECISION_V2[precision_mode]}",
+    ]
     if gears:
         gears = gears[:MAX_GEARS]
         argv.append("--dynamic_dims=" + ";".join(",".join(map(str, g)) for g in gears))
@@ -116,14 +134,17 @@ def atc_invocation(*, graph: str, inputs: list[GraphInput], soc_version: str, pr
 
 def command_script(invocations: list[AtcInvocation], precision_mode: str) -> str:
     """atc/command.sh: runs every invocation from the export directory."""
-    lines = ["#!/usr/bin/env bash",
-             "# Compile the exported ONNX graphs to Ascend .om files (written by `titan-pipe export`).",
-             "# Needs CANN's atc on PATH (source /usr/local/Ascend/ascend-toolkit/set_env.sh).",
-             f"# Precision: --precision_mode_v2={_PRECISION_V2[precision_mode]} (CANN >= 8.0). On older CANN",
-             f"# replace it with --precision_mode={_PRECISION_V1[precision_mode]}.",
-             "set -euo pipefail",
-             'cd "$(dirname "$0")/.."',
-             "mkdir -p om", ""]
+    lines = [
+        "#!/usr/bin/env bash",
+        "# Compile the exported ONNX graphs to Ascend .om files (written by `titan-pipe export`).",
+        "# Needs CANN's atc on PATH (source /usr/local/Ascend/ascend-toolkit/set_env.sh).",
+        f"# Precision: --precision_mode_v2={_PRECISION_V2[precision_mode]} (CANN >= 8.0). On older CANN",
+        f"# replace it with --precision_mode={_PRECISION_V1[precision_mode]}.",
+        "set -euo pipefail",
+        'cd "$(dirname "$0")/.."',
+        "mkdir -p om",
+        "",
+    ]
     for inv in invocations:
         lines += [inv.shell(), ""]
     return "\n".join(lines)
@@ -145,8 +166,9 @@ def run_atc(invocations: list[AtcInvocation], export_dir: Path, log, atc: str | 
         argv = [exe, *inv.argv[1:]]
         tail: list[str] = []
         # guarded (titan_pipe.procs): atc dies with this process, however it ends
-        with procs.popen(argv, cwd=export_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, bufsize=1) as proc:
+        with procs.popen(
+            argv, cwd=export_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        ) as proc:
             assert proc.stdout is not None
             for line in proc.stdout:  # stream ATC's log as it comes
                 log(line.rstrip("\n"))
@@ -156,6 +178,7 @@ def run_atc(invocations: list[AtcInvocation], export_dir: Path, log, atc: str | 
         if rc != 0 or not produced:
             shutil.rmtree(om_dir, ignore_errors=True)
             why = f"exited with {rc}" if rc != 0 else f"exited 0 but wrote no {inv.om}.om"
-            raise StageFailed(f"atc for {inv.graph} {why}; the command is in atc/command.sh. Last lines:\n"
-                              + "\n".join(tail))
+            raise StageFailed(
+                f"atc for {inv.graph} {why}; the command is in atc/command.sh. Last lines:\n" + "\n".join(tail)
+            )
     return "ok"

@@ -4,6 +4,7 @@ The report is pure data from a loaded ModelProto (no weights needed): every (dom
 its count, the operator version the declared opset resolves to, and whether ATC's list allows
 it. ``find_problems`` returns the first offending node of each kind, so the error can name it.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,8 +78,12 @@ def operator_report(model: onnx.ModelProto) -> list[OpUse]:
         key = (node.domain or "ai.onnx", node.op_type)
         counts[key] += 1
         first.setdefault(key, node.name or f"#{i}")
-    report = [OpUse(d, t, n, _since_version(t, opset, "" if d == "ai.onnx" else d), first[(d, t)],
-                    _op_allowed(t, d, opset, ops)) for (d, t), n in counts.items()]
+    report = [
+        OpUse(
+            d, t, n, _since_version(t, opset, "" if d == "ai.onnx" else d), first[(d, t)], _op_allowed(t, d, opset, ops)
+        )
+        for (d, t), n in counts.items()
+    ]
     return sorted(report, key=lambda u: (-u.count, u.op_type))
 
 
@@ -105,37 +110,60 @@ def find_problems(model: onnx.ModelProto, report: list[OpUse] | None = None) -> 
     opset = declared_opset(model)
     problems: list[Problem] = []
     if not lo <= opset <= hi:
-        problems.append(Problem("model", f"declares ONNX opset {opset}, outside ATC's {lo}..{hi}",
-                                "export with --opset 14 (or 15)"))
+        problems.append(
+            Problem("model", f"declares ONNX opset {opset}, outside ATC's {lo}..{hi}", "export with --opset 14 (or 15)")
+        )
     for imp in model.opset_import:
         if imp.domain not in ("", "ai.onnx"):
-            problems.append(Problem("model", f"imports custom domain {imp.domain!r}",
-                                    "ATC's ONNX parser takes standard ai.onnx operators only"))
+            problems.append(
+                Problem(
+                    "model",
+                    f"imports custom domain {imp.domain!r}",
+                    "ATC's ONNX parser takes standard ai.onnx operators only",
+                )
+            )
     for use in report if report is not None else operator_report(model):
         if use.since_version is None and use.domain == "ai.onnx":
-            problems.append(Problem(f"node {use.first_node} ({use.op_type}, {use.count}x)",
-                                    f"operator {use.op_type} does not exist at the declared opset {opset}",
-                                    "export at the opset the operator needs, or replace it"))
+            problems.append(
+                Problem(
+                    f"node {use.first_node} ({use.op_type}, {use.count}x)",
+                    f"operator {use.op_type} does not exist at the declared opset {opset}",
+                    "export at the opset the operator needs, or replace it",
+                )
+            )
             continue
         if use.allowed:
             continue
         entry = ops["operators"].get(use.op_type)
         if entry is None:
             hint = ops.get("not_listed_on_purpose", {}).get(use.op_type, "it is not on ATC's ONNX operator list")
-            problems.append(Problem(f"node {use.first_node} ({use.op_type}, {use.count}x)",
-                                    f"operator {use.op_type} is not supported by ATC ({hint})",
-                                    "decompose it into listed operators (see docs/export.md), "
-                                    "or try --static / a different attention form"))
+            problems.append(
+                Problem(
+                    f"node {use.first_node} ({use.op_type}, {use.count}x)",
+                    f"operator {use.op_type} is not supported by ATC ({hint})",
+                    "decompose it into listed operators (see docs/export.md), "
+                    "or try --static / a different attention form",
+                )
+            )
         else:
-            problems.append(Problem(f"node {use.first_node} ({use.op_type}, {use.count}x)",
-                                    f"ATC lists {use.op_type} only for opsets {entry['min_opset']}..{entry['max_opset']}, "
-                                    f"the graph declares {opset}",
-                                    f"export at an opset in {max(lo, entry['min_opset'])}..{min(hi, entry['max_opset'])} "
-                                    "or replace the operator"))
+            problems.append(
+                Problem(
+                    f"node {use.first_node} ({use.op_type}, {use.count}x)",
+                    f"ATC lists {use.op_type} only for opsets {entry['min_opset']}..{entry['max_opset']}, "
+                    f"the graph declares {opset}",
+                    f"export at an opset in {max(lo, entry['min_opset'])}..{min(hi, entry['max_opset'])} "
+                    "or replace the operator",
+                )
+            )
     banned = {getattr(onnx.TensorProto, n) for n in ops["dtypes_not_allowed"]}
     for where, dt in _tensor_dtypes(model):
         if dt in banned:
-            problems.append(Problem(where, f"has dtype {onnx.TensorProto.DataType.Name(dt)}",
-                                    "export with --dtype float32 or float16 (ATC graphs carry no bf16/complex)"))
+            problems.append(
+                Problem(
+                    where,
+                    f"has dtype {onnx.TensorProto.DataType.Name(dt)}",
+                    "export with --dtype float32 or float16 (ATC graphs carry no bf16/complex)",
+                )
+            )
             break
     return problems

@@ -36,6 +36,7 @@ set until unmapped, so a mapped 14 GB model reads as 14 GB RSS; a window unmappe
 keeps the bound real, and the page cache still serves the reads. A source shorter than its header
 says is refused before its window is mapped (touching a mapping past the end of a file faults).
 """
+
 from __future__ import annotations
 
 import errno
@@ -188,8 +189,7 @@ class DataWriter:
             except BaseException:  # an interrupt here, or a lane's error: the others stop at their next piece
                 self._stop.set()
                 raise
-        self.digests = {lane.name: lane.hasher.hexdigest() if lane.hasher is not None else None
-                        for lane in self._lanes}
+        self.digests = {lane.name: lane.hasher.hexdigest() if lane.hasher is not None else None for lane in self._lanes}
         return self.digests
 
     def _reserve(self, lane: _Lane) -> None:
@@ -233,7 +233,7 @@ class DataWriter:
         view = memoryview(data)
         done = 0
         while done < len(view):
-            done += os.pwrite(lane.fd, view[done:done + WRITE_SLICE], pos + done)
+            done += os.pwrite(lane.fd, view[done : done + WRITE_SLICE], pos + done)
         if lane.hasher is not None:
             lane.hasher.update(view)
 
@@ -252,14 +252,15 @@ class DataWriter:
             n = min(per_window, numel - first)
             at, nbytes = s.start + first * src_item, n * src_item
             if os.fstat(fd).st_size < at + nbytes:  # a mapping past the end would fault, not raise
-                raise UserError(f"{src.file}: ended early while reading byte {at}; the file was truncated "
-                                "during the export")
+                raise UserError(
+                    f"{src.file}: ended early while reading byte {at}; the file was truncated during the export"
+                )
             base = at - at % mmap.ALLOCATIONGRANULARITY
             with mmap.mmap(fd, at + nbytes - base, flags=_WINDOW_FLAGS, prot=mmap.PROT_READ, offset=base) as window:
                 whole = np.frombuffer(window, np.uint8, nbytes, at - base).view(src_bits)
                 for i in range(0, n, per_piece):
-                    part = whole[i:i + per_piece]
-                    out = buf[:len(part) * self.itemsize]
+                    part = whole[i : i + per_piece]
+                    out = buf[: len(part) * self.itemsize]
                     cast_bits(part, s.dtype, out.view(out_bits), self.code)
                     self._put(lane, out, pos + (first + i) * self.itemsize)
                 del whole, part  # the mapping closes only once no array views it
@@ -288,19 +289,22 @@ class DataWriter:
             while done < length:
                 n = os.copy_file_range(fd, lane.fd, length - done, start + done, pos + done)
                 if n == 0:
-                    raise UserError(f"{path}: ended early while reading byte {start + done}; the file was "
-                                    "truncated during the export")
+                    raise UserError(
+                        f"{path}: ended early while reading byte {start + done}; the file was "
+                        "truncated during the export"
+                    )
                 done += n
             return True
         except OSError:  # EXDEV/EINVAL/ENOSYS: this file system pair cannot; pread/pwrite from here on
             self._kernel_copy = False
             return False
 
-    def _copy_through(self, lane: _Lane, fd: int, path: Path, start: int, length: int, pos: int,
-                      buf: np.ndarray) -> None:
+    def _copy_through(
+        self, lane: _Lane, fd: int, path: Path, start: int, length: int, pos: int, buf: np.ndarray
+    ) -> None:
         """pread a PIECE at a time into ``buf``, then write and hash it."""
         for at in range(0, length, len(buf)):
-            part = memoryview(buf)[:min(len(buf), length - at)]
+            part = memoryview(buf)[: min(len(buf), length - at)]
             pread_into(fd, part, start + at, path)
             self._put(lane, part, pos + at)
 
@@ -311,7 +315,7 @@ class DataWriter:
             raise UserError(f"{path}: ended early while reading byte {start}; the file was truncated during the export")
         base = start - start % mmap.ALLOCATIONGRANULARITY
         with mmap.mmap(fd, start + length - base, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=base) as mm:
-            with memoryview(mm) as whole, whole[start - base:] as part:
+            with memoryview(mm) as whole, whole[start - base :] as part:
                 lane.hasher.update(part)
 
     # -- the end --------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ and the window of every operator the graphs use (convert/onnx/data/atc_onnx_ops.
 written to a hidden sibling directory and renamed into place when complete, so a failure leaves
 nothing.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -88,28 +89,67 @@ def plan_export(args: ModelArgs, settings: ExportConfig) -> ExportPlan:
     """Validate the options against the model (titan_pipe.choices: the rules flow.yaml validation
     uses too) and lay out the graphs (pure data, no I/O)."""
     e = settings
-    problems = export_problems(max_positions=args.max_seq_len, opset=e.opset, dtype=e.dtype, batch=e.batch,
-                               seq_len=e.seq_len, cache_len=e.cache_len, kv_cache=e.kv_cache,
-                               precision_mode=e.precision_mode, digest=e.digest, data_files=e.data_files)
+    problems = export_problems(
+        max_positions=args.max_seq_len,
+        opset=e.opset,
+        dtype=e.dtype,
+        batch=e.batch,
+        seq_len=e.seq_len,
+        cache_len=e.cache_len,
+        kv_cache=e.kv_cache,
+        precision_mode=e.precision_mode,
+        digest=e.digest,
+        data_files=e.data_files,
+    )
     if problems:
         raise UserError(problems[0])
     opset, dtype, batch, seq_len, dynamic, kv_cache = e.opset, e.dtype, e.batch, e.seq_len, e.dynamic, e.kv_cache
     cache_len = default_cache_len(args.max_seq_len) if e.cache_len is None else e.cache_len
     graphs = []
-    for decode in ((False, True) if kv_cache else (False,)):
-        spec = GraphSpec(decode=decode, kv_cache=kv_cache, expose_hidden=e.expose_hidden,
-                         batch=None if dynamic else batch, seq=None if dynamic else seq_len,
-                         cache=None if dynamic else cache_len, dtype=dtype, opset=opset)
+    for decode in (False, True) if kv_cache else (False,):
+        spec = GraphSpec(
+            decode=decode,
+            kv_cache=kv_cache,
+            expose_hidden=e.expose_hidden,
+            batch=None if dynamic else batch,
+            seq=None if dynamic else seq_len,
+            cache=None if dynamic else cache_len,
+            dtype=dtype,
+            opset=opset,
+        )
         ins, outs = spec.io_names(args.n_layers)
         dims = io_dims(args, spec)
-        graphs.append(GraphPlan(spec.file, decode, tuple(ins), tuple(outs),
-                                {n: tuple(d if isinstance(d, int) else -1 for d in dims[n]) for n in ins}, spec))
+        graphs.append(
+            GraphPlan(
+                spec.file,
+                decode,
+                tuple(ins),
+                tuple(outs),
+                {n: tuple(d if isinstance(d, int) else -1 for d in dims[n]) for n in ins},
+                spec,
+            )
+        )
     itemsize = BY_NAME[dtype].itemsize
     # never more files than tensors: each tensor goes whole into one file, so the rest would be empty
     data_files = min(e.data_files, len(native_shapes(args)))
-    return ExportPlan(opset, dtype, batch, seq_len, cache_len, dynamic, kv_cache, e.expose_hidden, e.soc_version,
-                      e.precision_mode, e.atc, count_params(args) * itemsize, tuple(graphs), e.hash_weights,
-                      e.digest, data_file_names(data_files))
+    return ExportPlan(
+        opset,
+        dtype,
+        batch,
+        seq_len,
+        cache_len,
+        dynamic,
+        kv_cache,
+        e.expose_hidden,
+        e.soc_version,
+        e.precision_mode,
+        e.atc,
+        count_params(args) * itemsize,
+        tuple(graphs),
+        e.hash_weights,
+        e.digest,
+        data_file_names(data_files),
+    )
 
 
 def _check_paths(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
@@ -119,8 +159,10 @@ def _check_paths(model_dir: Path, out_dir: Path, overwrite: bool) -> None:
         raise UserError(f"{out_dir} exists and is not a directory; remove it or choose another -o")
     src, dst = model_dir.resolve(), out_dir.resolve()
     if dst == src or dst in src.parents:
-        raise UserError(f"output {out_dir} would contain or replace the source model {model_dir}; "
-                        "choose an output directory outside it")
+        raise UserError(
+            f"output {out_dir} would contain or replace the source model {model_dir}; "
+            "choose an output directory outside it"
+        )
 
 
 def _rope_rows(plan: ExportPlan, args: ModelArgs) -> int:
@@ -165,8 +207,10 @@ def _graph_report(path: Path, plan: ExportPlan, values: LayerValues) -> GraphRec
     try:
         model = check_and_infer(path)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-        raise StageFailed(f"{path.name}: onnx.checker / shape inference rejected the exported graph: "
-                          f"{str(e).strip().splitlines()[0][:400]}") from e
+        raise StageFailed(
+            f"{path.name}: onnx.checker / shape inference rejected the exported graph: "
+            f"{str(e).strip().splitlines()[0][:400]}"
+        ) from e
     report = operator_report(model)
     problems = find_problems(model, report)
     if problems:
@@ -177,32 +221,56 @@ def _graph_report(path: Path, plan: ExportPlan, values: LayerValues) -> GraphRec
         return [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
 
     return GraphRecord(
-        opset=plan.opset, inputs={vi.name: dims(vi) for vi in model.graph.input},
-        outputs={vi.name: dims(vi) for vi in model.graph.output}, n_nodes=len(model.graph.node),
+        opset=plan.opset,
+        inputs={vi.name: dims(vi) for vi in model.graph.input},
+        outputs={vi.name: dims(vi) for vi in model.graph.output},
+        n_nodes=len(model.graph.node),
         operators=tuple(OperatorUse(u.domain, u.op_type, u.count, u.since_version) for u in report),
-        layer_outputs=tuple(values.layer_outputs), attn_outputs=tuple(values.attn_outputs),
-        mlp_outputs=tuple(values.mlp_outputs), embed_output=values.embed_output)
+        layer_outputs=tuple(values.layer_outputs),
+        attn_outputs=tuple(values.attn_outputs),
+        mlp_outputs=tuple(values.mlp_outputs),
+        embed_output=values.embed_output,
+    )
 
 
-def _record(*, model_dir: Path, args: ModelArgs, plan: ExportPlan, atc_status: str, invocations: list,
-            graphs: dict[str, GraphRecord], files: dict[str, dict], export_s: float,
-            timings: dict[str, float]) -> ExportRecord:
+def _record(
+    *,
+    model_dir: Path,
+    args: ModelArgs,
+    plan: ExportPlan,
+    atc_status: str,
+    invocations: list,
+    graphs: dict[str, GraphRecord],
+    files: dict[str, dict],
+    export_s: float,
+    timings: dict[str, float],
+) -> ExportRecord:
     """The export record (titan_pipe.export_record) of a finished export."""
     return ExportRecord(
         source={"model_dir": str(model_dir.resolve()), "config": args.to_dict()},
         options={k: v for k, v in asdict(plan).items() if k not in ("graphs",)},
         exporter={"onnx": onnx.__version__, "path": "titan_pipe.convert.onnx.graphs (built directly)"},
         decode=DecodeContract(plan.cache_len) if plan.kv_cache else None,
-        atc={"status": atc_status, "soc_version": plan.soc_version, "precision_mode": plan.precision_mode,
-             "commands": [list(i.argv) for i in invocations],
-             "operator_list": {"file": "titan_pipe.convert.onnx data/atc_onnx_ops.json",
-                               "cann_version": load_atc_ops()["cann_version"]}},
-        graphs=graphs, files={f: FileEntry(e["bytes"], e["digest"], e["algorithm"]) for f, e in files.items()},
-        export_seconds=round(export_s, 3), timings_seconds=timings)
+        atc={
+            "status": atc_status,
+            "soc_version": plan.soc_version,
+            "precision_mode": plan.precision_mode,
+            "commands": [list(i.argv) for i in invocations],
+            "operator_list": {
+                "file": "titan_pipe.convert.onnx data/atc_onnx_ops.json",
+                "cann_version": load_atc_ops()["cann_version"],
+            },
+        },
+        graphs=graphs,
+        files={f: FileEntry(e["bytes"], e["digest"], e["algorithm"]) for f, e in files.items()},
+        export_seconds=round(export_s, 3),
+        timings_seconds=timings,
+    )
 
 
-def export_model(model_dir: Path, out_dir: Path, settings: ExportConfig = ExportConfig(), *,
-                 overwrite: bool = False) -> ExportResult:
+def export_model(
+    model_dir: Path, out_dir: Path, settings: ExportConfig = ExportConfig(), *, overwrite: bool = False
+) -> ExportResult:
     """Export a unified model dir to ONNX for ATC (see docs/export.md for the graphs' I/O).
 
     Writes out_dir/{model.onnx, decode.onnx (kv_cache), model.onnx.data (the weights, shared),
@@ -233,8 +301,9 @@ def export_model(model_dir: Path, out_dir: Path, settings: ExportConfig = Export
         return now
 
     try:
-        with console.status(f"streaming {plan.weight_bytes / 1e9:.2f} GB of weights as {plan.dtype} into "
-                            f"{', '.join(plan.data_files)}"):
+        with console.status(
+            f"streaming {plan.weight_bytes / 1e9:.2f} GB of weights as {plan.dtype} into {', '.join(plan.data_files)}"
+        ):
             data = _write_weights(args, plan, work, sources, plan.hash_weights)
         t = lap("weights", t0)
         graphs, layer_values = {}, {}
@@ -246,28 +315,52 @@ def export_model(model_dir: Path, out_dir: Path, settings: ExportConfig = Export
             with console.status(f"checking {g.file} (onnx.checker full check, shape inference, ATC operators)"):
                 graphs[g.file] = _graph_report(work / g.file, plan, layer_values[g.file])
             t = lap(f"check {g.file}", t)
-        invocations = [atc_mod.atc_invocation(
-            graph=g.file, inputs=[atc_mod.GraphInput(n, g.input_dims[n]) for n in g.inputs],
-            soc_version=plan.soc_version, precision_mode=plan.precision_mode, dynamic=plan.dynamic, batch=plan.batch,
-            seq_len=plan.seq_len, cache_len=plan.cache_len, max_len=args.max_seq_len,
-            weight_bytes=plan.weight_bytes, decode=g.decode) for g in plan.graphs]
+        invocations = [
+            atc_mod.atc_invocation(
+                graph=g.file,
+                inputs=[atc_mod.GraphInput(n, g.input_dims[n]) for n in g.inputs],
+                soc_version=plan.soc_version,
+                precision_mode=plan.precision_mode,
+                dynamic=plan.dynamic,
+                batch=plan.batch,
+                seq_len=plan.seq_len,
+                cache_len=plan.cache_len,
+                max_len=args.max_seq_len,
+                weight_bytes=plan.weight_bytes,
+                decode=g.decode,
+            )
+            for g in plan.graphs
+        ]
         (work / "atc").mkdir()
         script = work / "atc" / "command.sh"
         script.write_text(atc_mod.command_script(invocations, plan.precision_mode))
         script.chmod(0o755)
         atc_status = "skipped"
         if plan.run_atc:
-            atc_status = atc_mod.run_atc(invocations, work, lambda line: console.print(line, highlight=False,
-                                                                                       markup=False))
+            atc_status = atc_mod.run_atc(
+                invocations, work, lambda line: console.print(line, highlight=False, markup=False)
+            )
             if atc_status == "not_found":
-                console.print(f"atc is not on PATH: no .om built; the command is in {out_dir / 'atc' / 'command.sh'}",
-                              highlight=False, soft_wrap=True)
+                console.print(
+                    f"atc is not on PATH: no .om built; the command is in {out_dir / 'atc' / 'command.sh'}",
+                    highlight=False,
+                    soft_wrap=True,
+                )
         t = lap("atc", t)
         files = file_table(work, algorithm=plan.digest, known=data.digests)
         lap("hash", t)
         export_s = time.perf_counter() - t0
-        record = _record(model_dir=model_dir, args=args, plan=plan, atc_status=atc_status,
-                         invocations=invocations, graphs=graphs, files=files, export_s=export_s, timings=timings)
+        record = _record(
+            model_dir=model_dir,
+            args=args,
+            plan=plan,
+            atc_status=atc_status,
+            invocations=invocations,
+            graphs=graphs,
+            files=files,
+            export_s=export_s,
+            timings=timings,
+        )
         (work / RECORD_FILE).write_text(record.to_json())
         swap_dir(work, out_dir)
     except BaseException as e:
@@ -276,15 +369,29 @@ def export_model(model_dir: Path, out_dir: Path, settings: ExportConfig = Export
         if fault is not None:  # after the cleanup, so "N free now" counts the space it gave back
             raise fault from None
         raise
-    summary = {"opset": plan.opset, "dtype": plan.dtype, "dynamic": plan.dynamic, "kv_cache": plan.kv_cache, "cache_len": plan.cache_len,
-               "params": count_params(args), "weight_bytes": plan.weight_bytes,
-               "graphs": {f: {"nodes": r.n_nodes, "bytes": record.files[f].bytes} for f, r in graphs.items()},
-               # the weights, in external-data files the graphs share (a graph file holds only its nodes)
-               "data_files": sorted(f for f in record.files if f.startswith(PREFILL_FILE + ".data")),
-               "data_bytes": sum(e.bytes for f, e in record.files.items() if f.startswith(PREFILL_FILE + ".data")),
-               "atc_status": atc_status, "export_seconds": round(export_s, 3), "timings_seconds": timings}
+    summary = {
+        "opset": plan.opset,
+        "dtype": plan.dtype,
+        "dynamic": plan.dynamic,
+        "kv_cache": plan.kv_cache,
+        "cache_len": plan.cache_len,
+        "params": count_params(args),
+        "weight_bytes": plan.weight_bytes,
+        "graphs": {f: {"nodes": r.n_nodes, "bytes": record.files[f].bytes} for f, r in graphs.items()},
+        # the weights, in external-data files the graphs share (a graph file holds only its nodes)
+        "data_files": sorted(f for f in record.files if f.startswith(PREFILL_FILE + ".data")),
+        "data_bytes": sum(e.bytes for f, e in record.files.items() if f.startswith(PREFILL_FILE + ".data")),
+        "atc_status": atc_status,
+        "export_seconds": round(export_s, 3),
+        "timings_seconds": timings,
+    }
     om = out_dir / f"{invocations[0].om}.om"  # invocations[0]: the prefill graph, model.onnx
-    return ExportResult(out_dir=out_dir, onnx=out_dir / PREFILL_FILE,
-                        decode_onnx=out_dir / DECODE_FILE if plan.kv_cache else None,
-                        export_json=out_dir / RECORD_FILE, atc_status=atc_status, summary=summary,
-                        om=om if om.is_file() else None)
+    return ExportResult(
+        out_dir=out_dir,
+        onnx=out_dir / PREFILL_FILE,
+        decode_onnx=out_dir / DECODE_FILE if plan.kv_cache else None,
+        export_json=out_dir / RECORD_FILE,
+        atc_status=atc_status,
+        summary=summary,
+        om=om if om.is_file() else None,
+    )

@@ -2,6 +2,7 @@
 
 Everything here works on paths, so a graph past 2 GB is never loaded with its weights.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

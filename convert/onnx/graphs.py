@@ -19,6 +19,7 @@ Mul, Neg, Pow, Range, ReduceMean, Reshape, Shape, Sigmoid, Slice, Softmax, Sqrt,
 Unsqueeze, Where; with a sliding window also CumSum, Less, Sub — all on ATC's list at opsets 14/15
 (checked again by convert/onnx/atc_ops.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -28,12 +29,38 @@ from onnx import TensorProto, helper
 
 from titan_pipe.convert.onnx.weights import DataEntry
 from titan_pipe.dtypes import onnx_type
-from titan_pipe.graph_io import (ATTENTION_MASK, DECODE_FILE, HIDDEN, INPUT_IDS, INT_INPUTS, LOGITS, PAST,
-                                 POSITION_IDS, PREFILL_FILE, PRESENT, WRITE_INDEX, hidden_name, io_names, router_name)
+from titan_pipe.graph_io import (
+    ATTENTION_MASK,
+    DECODE_FILE,
+    HIDDEN,
+    INPUT_IDS,
+    INT_INPUTS,
+    LOGITS,
+    PAST,
+    POSITION_IDS,
+    PREFILL_FILE,
+    PRESENT,
+    WRITE_INDEX,
+    hidden_name,
+    io_names,
+    router_name,
+)
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.params import LAYER_PARAMS
-from titan_pipe.onnx_nodes import (GATED, NodeBuilder, attention, embedding, experts, experts_gathered, gates, linear,
-                                   rms_norm, rotary, route, within_window)
+from titan_pipe.onnx_nodes import (
+    GATED,
+    NodeBuilder,
+    attention,
+    embedding,
+    experts,
+    experts_gathered,
+    gates,
+    linear,
+    rms_norm,
+    rotary,
+    route,
+    within_window,
+)
 
 _LAYER_INIT = {p.name: p.onnx for p in LAYER_PARAMS}  # native name within a layer -> initializer name
 
@@ -114,9 +141,14 @@ def _window(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, allowed: str) -> s
         after = g.op("CumSum", [ATTENTION_MASK, g.const(1)], "mask.window.after", exclusive=1, reverse=1)
         gap = g.op("Unsqueeze", [after, g.const([1, 2])], "mask.window.gap")
     else:  # (B, 1, T, 1) - (B, 1, 1, T)
-        gap = g.op("Sub", [g.op("Unsqueeze", [POSITION_IDS, g.const([1, 3])], "mask.window.query_pos"),
-                           g.op("Unsqueeze", [POSITION_IDS, g.const([1, 2])], "mask.window.key_pos")],
-                   "mask.window.gap")
+        gap = g.op(
+            "Sub",
+            [
+                g.op("Unsqueeze", [POSITION_IDS, g.const([1, 3])], "mask.window.query_pos"),
+                g.op("Unsqueeze", [POSITION_IDS, g.const([1, 2])], "mask.window.key_pos"),
+            ],
+            "mask.window.gap",
+        )
     return within_window(g, allowed, gap, args.sliding_window, "mask.window")
 
 
@@ -137,28 +169,50 @@ class _Positions:
 
 
 def _rope_rows(g: NodeBuilder, table: str) -> str:
-    return g.op("Unsqueeze", [g.op("Gather", [table, POSITION_IDS], f"rope.{table[5:]}_rows", axis=0), g.const([1])],
-                f"rope.{table[5:]}")
+    return g.op(
+        "Unsqueeze",
+        [g.op("Gather", [table, POSITION_IDS], f"rope.{table[5:]}_rows", axis=0), g.const([1])],
+        f"rope.{table[5:]}",
+    )
 
 
 def _positions(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, bt: str) -> _Positions:
     """The position-derived values of the graph (_Positions)."""
     rope = {False: (_rope_rows(g, "rope_cos"), _rope_rows(g, "rope_sin"))}
-    rope[True] = (_rope_rows(g, "rope_cos_local"), _rope_rows(g, "rope_sin_local")) \
-        if args.rope_local_theta is not None else rope[False]
-    key_ok = g.op("Unsqueeze", [g.op("Cast", [ATTENTION_MASK], "mask.bool", to=TensorProto.BOOL),
-                                g.const([1, 2])], "mask.keys")
+    rope[True] = (
+        (_rope_rows(g, "rope_cos_local"), _rope_rows(g, "rope_sin_local"))
+        if args.rope_local_theta is not None
+        else rope[False]
+    )
+    key_ok = g.op(
+        "Unsqueeze", [g.op("Cast", [ATTENTION_MASK], "mask.bool", to=TensorProto.BOOL), g.const([1, 2])], "mask.keys"
+    )
     if spec.decode:
         n_slots = g.op("Gather", [g.op("Shape", [ATTENTION_MASK], "shape.mask"), g.const(1)], "mask.slots", axis=0)
         slots = g.op("Range", [g.const(0), n_slots, g.const(1)], "cache.slots")
-        hit = g.op("Equal", [g.op("Unsqueeze", [slots, g.const([0])], "cache.slots_row"),
-                             g.op("Unsqueeze", [WRITE_INDEX, g.const([1])], "cache.write_col")], "cache.hit")
-        return _Positions(rope, {False: key_ok, True: _window(g, args, spec, key_ok)},
-                          g.op("Unsqueeze", [hit, g.const([1, 3])], "cache.write_at"))
+        hit = g.op(
+            "Equal",
+            [
+                g.op("Unsqueeze", [slots, g.const([0])], "cache.slots_row"),
+                g.op("Unsqueeze", [WRITE_INDEX, g.const([1])], "cache.write_col"),
+            ],
+            "cache.hit",
+        )
+        return _Positions(
+            rope,
+            {False: key_ok, True: _window(g, args, spec, key_ok)},
+            g.op("Unsqueeze", [hit, g.const([1, 3])], "cache.write_at"),
+        )
     n_tok = g.op("Gather", [bt, g.const(1)], "mask.len", axis=0)
     pos = g.op("Range", [g.const(0), n_tok, g.const(1)], "mask.pos")
-    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [pos, g.const([0])], "mask.key_pos"),
-                                  g.op("Unsqueeze", [pos, g.const([1])], "mask.query_pos")], "mask.causal")
+    causal = g.op(
+        "LessOrEqual",
+        [
+            g.op("Unsqueeze", [pos, g.const([0])], "mask.key_pos"),
+            g.op("Unsqueeze", [pos, g.const([1])], "mask.query_pos"),
+        ],
+        "mask.causal",
+    )
     allowed = g.op("And", [key_ok, causal], "mask.allowed")
     return _Positions(rope, {False: allowed, True: _window(g, args, spec, allowed)}, None)
 
@@ -178,24 +232,35 @@ def _shapes(g: NodeBuilder, args: ModelArgs, bt: str) -> _Shapes:
     def with_tail(tail: list[int], name: str) -> str:
         return g.op("Concat", [bt, g.const(tail)], name, axis=0)
 
-    return _Shapes(with_tail([args.n_heads, args.head_dim], "shape.q"), with_tail([args.kv_heads, args.head_dim], "shape.kv"),
-                   with_tail([args.dim], "shape.hidden"), with_tail([args.vocab_size], "shape.logits"),
-                   g.const([-1, args.dim]))
+    return _Shapes(
+        with_tail([args.n_heads, args.head_dim], "shape.q"),
+        with_tail([args.kv_heads, args.head_dim], "shape.kv"),
+        with_tail([args.dim], "shape.hidden"),
+        with_tail([args.vocab_size], "shape.logits"),
+        g.const([-1, args.dim]),
+    )
 
 
-def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh: _Shapes, rope: tuple,
-           outputs: dict[str, str]) -> tuple[str, str, str]:
+def _layer(
+    g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh: _Shapes, rope: tuple, outputs: dict[str, str]
+) -> tuple[str, str, str]:
     """Decoder layer i on the residual stream ``h``: (layer output, attention output, MLP output)."""
     p, hd, off = f"layers.{i}", args.head_dim, args.norm_offset
     cos, sin, allowed, write_at = rope.of_layer(args, i)
-    x = g.op("Reshape", [rms_norm(g, h, _w(i, "attention_norm.weight"), args.norm_eps, f"{p}.attention_norm", off),
-                         sh.flat], f"{p}.attn.x2d")
+    x = g.op(
+        "Reshape",
+        [rms_norm(g, h, _w(i, "attention_norm.weight"), args.norm_eps, f"{p}.attention_norm", off), sh.flat],
+        f"{p}.attn.x2d",
+    )
 
     def heads(part: str, shape: str, norm: bool = False) -> str:  # (B*T, dim) -> (B, heads, T, hd)
         w = _LAYER_INIT[f"attention.w{part}.weight"]
         bias = _w(i, f"attention.w{part}.bias") if args.qkv_bias else None
-        y = g.op("Reshape", [linear(g, x, _w(i, f"attention.w{part}.weight"), f"{p}.attn.{w}", bias), shape],
-                 f"{p}.attn.{w}.split")
+        y = g.op(
+            "Reshape",
+            [linear(g, x, _w(i, f"attention.w{part}.weight"), f"{p}.attn.{w}", bias), shape],
+            f"{p}.attn.{w}.split",
+        )
         if norm:  # Qwen3: RMSNorm over each head's hd values, (B, T, heads, hd), before RoPE
             y = rms_norm(g, y, _w(i, f"attention.{part}_norm.weight"), args.norm_eps, f"{p}.attn.{part}_norm", off)
         return g.op("Transpose", [y], f"{p}.attn.{w}.heads", perm=[0, 2, 1, 3])
@@ -211,30 +276,56 @@ def _layer(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh:
         v = g.op("Identity", [v], f"{PRESENT}{i}.value")
     if spec.kv_cache or spec.decode:
         outputs[f"{PRESENT}{i}.key"], outputs[f"{PRESENT}{i}.value"] = k, v
-    ctx = attention(g, q, k, v, allowed, n_heads=args.n_heads, n_kv_heads=args.kv_heads, hd=hd, name=f"{p}.attn",
-                    scale=args.attn_scale)
+    ctx = attention(
+        g,
+        q,
+        k,
+        v,
+        allowed,
+        n_heads=args.n_heads,
+        n_kv_heads=args.kv_heads,
+        hd=hd,
+        name=f"{p}.attn",
+        scale=args.attn_scale,
+    )
     ctx = g.op("Transpose", [ctx], f"{p}.attn.context_t", perm=[0, 2, 1, 3])
     ctx = g.op("Reshape", [ctx, g.const([-1, args.q_dim])], f"{p}.attn.context2d")
-    attn = g.op("Reshape", [linear(g, ctx, _w(i, "attention.wo.weight"), f"{p}.attn.wo"), sh.hidden],
-                f"{p}.attn.output")
+    attn = g.op(
+        "Reshape", [linear(g, ctx, _w(i, "attention.wo.weight"), f"{p}.attn.wo"), sh.hidden], f"{p}.attn.output"
+    )
     h = g.op("Add", [h, _post_norm(g, args, i, "post_attention_norm", attn)], f"{p}.attn.residual")
 
-    x = g.op("Reshape", [rms_norm(g, h, _w(i, "ffn_norm.weight"), args.norm_eps, f"{p}.ffn_norm", off), sh.flat],
-             f"{p}.mlp.x2d")
+    x = g.op(
+        "Reshape",
+        [rms_norm(g, h, _w(i, "ffn_norm.weight"), args.norm_eps, f"{p}.ffn_norm", off), sh.flat],
+        f"{p}.mlp.x2d",
+    )
     if args.is_moe_layer(i):
-        top, chosen = route(g, x, _w(i, "moe.router.gate.weight"), top_k=args.experts_per_token,
-                            norm_topk=args.router_norm_topk, name=f"{p}.route")
+        top, chosen = route(
+            g,
+            x,
+            _w(i, "moe.router.gate.weight"),
+            top_k=args.experts_per_token,
+            norm_topk=args.router_norm_topk,
+            name=f"{p}.route",
+        )
         assert chosen == router_name(i)  # the value evaluate's router row reads
         w = [_w(i, f"moe.experts.{n}") for n in ("w1", "w3", "w2")]
         if spec.decode:  # a token a row: gather the k chosen experts (docs/moe.md, "Export")
-            out = experts_gathered(g, x, top, chosen, *w, top_k=args.experts_per_token, dim=args.dim,
-                                   name=f"{p}.moe.experts")
+            out = experts_gathered(
+                g, x, top, chosen, *w, top_k=args.experts_per_token, dim=args.dim, name=f"{p}.moe.experts"
+            )
         else:  # many tokens: every expert, weighted by its gate
-            out = experts(g, x, gates(g, top, chosen, n_experts=args.n_experts, name=f"{p}.route"), *w,
-                          f"{p}.moe.experts")
+            out = experts(
+                g, x, gates(g, top, chosen, n_experts=args.n_experts, name=f"{p}.route"), *w, f"{p}.moe.experts"
+            )
     else:
-        gated = GATED[args.activation](g, linear(g, x, _w(i, "feed_forward.w1.weight"), f"{p}.mlp.w1"),
-                                       linear(g, x, _w(i, "feed_forward.w3.weight"), f"{p}.mlp.w3"), f"{p}.mlp")
+        gated = GATED[args.activation](
+            g,
+            linear(g, x, _w(i, "feed_forward.w1.weight"), f"{p}.mlp.w1"),
+            linear(g, x, _w(i, "feed_forward.w3.weight"), f"{p}.mlp.w3"),
+            f"{p}.mlp",
+        )
         out = linear(g, gated, _w(i, "feed_forward.w2.weight"), f"{p}.mlp.w2")
     mlp = g.op("Reshape", [out, sh.hidden], f"{p}.mlp.output")
     return g.op("Add", [h, _post_norm(g, args, i, "post_ffn_norm", mlp)], f"{p}.output"), attn, mlp
@@ -247,8 +338,7 @@ def _post_norm(g: NodeBuilder, args: ModelArgs, i: int, norm: str, x: str) -> st
     return rms_norm(g, x, _w(i, f"{norm}.weight"), args.norm_eps, f"layers.{i}.{norm}", args.norm_offset)
 
 
-def build_graph(args: ModelArgs, spec: GraphSpec,
-                weights: dict[str, DataEntry]) -> tuple[onnx.ModelProto, LayerValues]:
+def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry]) -> tuple[onnx.ModelProto, LayerValues]:
     """The ModelProto of one graph (weights as external references into their data files) and the
     names of its per-layer values. ``weights``: initializer name -> its file and place there,
     including ``rope_cos`` / ``rope_sin``. See docs/export.md for the inputs and outputs."""
@@ -262,7 +352,7 @@ def build_graph(args: ModelArgs, spec: GraphSpec,
     rope = _positions(g, args, spec, bt)
     h = embedding(g, "tok_embeddings.weight", INPUT_IDS, "embed")
     if args.embed_scale:  # Gemma: times sqrt(dim), rounded to the graph dtype as the module does
-        h = g.op("Mul", [h, g.fconst(args.dim ** 0.5)], "embed.scaled")
+        h = g.op("Mul", [h, g.fconst(args.dim**0.5)], "embed.scaled")
     values = LayerValues(embed_output=h)
     outputs: dict[str, str] = {}
     for i in range(args.n_layers):
@@ -278,8 +368,9 @@ def build_graph(args: ModelArgs, spec: GraphSpec,
     return _model(g, args, spec, weights, outputs), values
 
 
-def _model(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry],
-           outputs: dict[str, str]) -> onnx.ModelProto:
+def _model(
+    g: NodeBuilder, args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry], outputs: dict[str, str]
+) -> onnx.ModelProto:
     """The graph's nodes with its declared inputs/outputs and the initializers its nodes use."""
     dt = onnx_type(spec.dtype)
     ins, outs = spec.io_names(args.n_layers)
@@ -289,10 +380,10 @@ def _model(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, weights: dict[str, 
     assert [outputs[n] for n in outs] == outs  # every output is a node named after it
     used = {name for node in g.nodes for name in node.input}
     inits = [_external(name, e, dt) for name, e in weights.items() if name in used]
-    graph = helper.make_graph(g.nodes, f"titan_pipe_{'decode' if spec.decode else 'prefill'}", inputs,
-                              graph_outputs, inits + g.consts)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", spec.opset)],
-                              producer_name="titan-pipe")
+    graph = helper.make_graph(
+        g.nodes, f"titan_pipe_{'decode' if spec.decode else 'prefill'}", inputs, graph_outputs, inits + g.consts
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", spec.opset)], producer_name="titan-pipe")
     model.ir_version = 8  # ONNX 1.10+; readable by the ONNX Runtime/CANN versions of the ATC list
     return model
 

@@ -4,6 +4,7 @@ Planning reads only the headers (names, dtypes, shapes, byte offsets) of the uni
 checks them against config.json, so a bad directory fails before a byte is written. The bytes are
 then streamed into the data files (``model.onnx.data``) by titan_pipe.convert.onnx.data_file. No torch is imported.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ def plan_weights(unified: UnifiedDir) -> dict[str, tuple[StoredParam, ...]]:
     for parts in found.values():
         for p in parts:
             if p.stored.dtype not in _CASTABLE:
-                raise UserError(f"{p.file}: tensor {p.key!r} has dtype {p.stored.dtype}; export reads float32, "
-                                "float16 or bfloat16 weights — convert the checkpoint with `titan-pipe convert`")
+                raise UserError(
+                    f"{p.file}: tensor {p.key!r} has dtype {p.stored.dtype}; export reads float32, "
+                    "float16 or bfloat16 weights — convert the checkpoint with `titan-pipe convert`"
+                )
     return found

@@ -10,11 +10,19 @@ these inputs); each reads the Run (evaluate/run.py) and returns its judged rows 
   om             the ATC .om on an Ascend runtime
   task           perplexity and greedy generations of every candidate
 """
+
 from __future__ import annotations
 
-from titan_pipe.evaluate.comparisons import (kv_decode, npu_fused, om, operators, router, sharded, task,
-                                             torch_vs_onnx)
+from titan_pipe.evaluate.comparisons import kv_decode, npu_fused, om, operators, router, sharded, task, torch_vs_onnx
 
 # report order; the task row last: it reads what the others recorded
-COMPARISONS = (sharded.compare, torch_vs_onnx.compare, router.compare, kv_decode.compare, npu_fused.compare, operators.compare,
-               om.compare, task.compare)
+COMPARISONS = (
+    sharded.compare,
+    torch_vs_onnx.compare,
+    router.compare,
+    kv_decode.compare,
+    npu_fused.compare,
+    operators.compare,
+    om.compare,
+    task.compare,
+)

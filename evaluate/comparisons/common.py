@@ -1,4 +1,5 @@
 """What several comparisons share: the logits error sample for the histogram."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,6 +11,5 @@ def abs_errors(ref, cand) -> np.ndarray:
     """|candidate - reference| over the logits of every part (Values), thinned to ~MAX_HIST values."""
     total = sum(ref.logits(p).numel() for p in range(ref.parts))
     stride = max(1, total // MAX_HIST)
-    out = [(cand.logits(p).double() - ref.logits(p).double()).abs().numpy().ravel()[::stride]
-           for p in range(ref.parts)]
+    out = [(cand.logits(p).double() - ref.logits(p).double()).abs().numpy().ravel()[::stride] for p in range(ref.parts)]
     return np.concatenate(out)

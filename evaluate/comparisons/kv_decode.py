@@ -6,6 +6,7 @@ decode.onnx's own per-layer values at each decode step against the reference's a
 position. The candidate's own greedy tokens follow from teacher-forced runs (``free_tokens``), so
 they equal the free-running loop's exactly without running it when it agrees with the reference.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,8 +31,11 @@ def compare(run: Run) -> cmp.Comparison | None:
         return _row(run)
     if s.prefill is None:
         return None
-    why = s.decode_skip or ("evaluate.prompts is 0" if not run.settings.prompts else
-                            f"no decode.onnx beside {Path(run.request.onnx).name} exported with the KV cache")
+    why = s.decode_skip or (
+        "evaluate.prompts is 0"
+        if not run.settings.prompts
+        else f"no decode.onnx beside {Path(run.request.onnx).name} exported with the KV cache"
+    )
     return cmp.skipped("onnx_kv_decode", "KV-cache decode graph", why)
 
 
@@ -42,9 +46,17 @@ def _row(run: Run) -> cmp.Comparison:
     run.store.put((SIDE, "logits", None, 0), logits)
     dt = run.tdtype(dec.prefill.dtype)
     lim = run.limits(dt)
-    c = cmp.compare_values("onnx_kv_decode", TITLE, run.values(REF_GEN, parts=1), run.values(SIDE, parts=1),
-                           ref_label=run.sides.reference.label, cand_label=dec.label, dtype=dt, limits=lim,
-                           dump=run.dump)
+    c = cmp.compare_values(
+        "onnx_kv_decode",
+        TITLE,
+        run.values(REF_GEN, parts=1),
+        run.values(SIDE, parts=1),
+        ref_label=run.sides.reference.label,
+        cand_label=dec.label,
+        dtype=dt,
+        limits=lim,
+        dump=run.dump,
+    )
     free = free_tokens(lambda tokens: _forced(run, tokens, record=False), p.reference, logits)
     run.ledger.generations[dec.label] = free
     run.judged(dec.label, dt, None)
@@ -71,7 +83,7 @@ def _forced(run: Run, tokens: torch.Tensor, *, record: bool) -> torch.Tensor:
     per_batch = forced_steps(run.ledger.prefilled, s.decode_chain, plan, p.n_new, sink)
     if sink is not None:
         sink.store(run, [pb.n_real for pb in plan])
-    return torch.from_numpy(np.concatenate([lg[:pb.n_real] for lg, pb in zip(per_batch, plan)]))
+    return torch.from_numpy(np.concatenate([lg[: pb.n_real] for lg, pb in zip(per_batch, plan)]))
 
 
 class _StepSink:
@@ -93,8 +105,10 @@ class _StepSink:
             for kind in KINDS:
                 if (0, 0, i, kind) not in self.got:
                     continue
-                rows = [torch.cat([self.got[b, k, i, kind] for k in range(self.n_steps)], dim=1)[:n_real[b]]
-                        for b in range(self.n_batches)]
+                rows = [
+                    torch.cat([self.got[b, k, i, kind] for k in range(self.n_steps)], dim=1)[: n_real[b]]
+                    for b in range(self.n_batches)
+                ]
                 run.store.put((SIDE, kind, i, 0), torch.cat(rows))
         self.got.clear()
 
@@ -123,12 +137,18 @@ def _details(run: Run, agree: dict, layered: bool) -> dict:
     dec, p = run.sides.decode, run.prompts
     lengths = [len(q) for q in p.prompts]
     if layered:
-        layers = (f"{dec.path.name}: {dec.graph.layers_note}; per-layer rows are its {p.n_new - 1} teacher-forced "
-                  "decode steps of each prompt, the graphs run piece by piece (embedding, each layer with its cache "
-                  "slice, head)")
+        layers = (
+            f"{dec.path.name}: {dec.graph.layers_note}; per-layer rows are its {p.n_new - 1} teacher-forced "
+            "decode steps of each prompt, the graphs run piece by piece (embedding, each layer with its cache "
+            "slice, head)"
+        )
     else:
         layers = f"{dec.path.name}: {dec.graph.layers_note or 'no per-layer values'}; the graphs run whole"
-    return {"positions": f"{p.n_new} generated positions of {len(p.prompts)} prompt(s), left-padded, lengths {lengths}",
-            "graphs": "static" if dec.cache_len is not None else "dynamic",
-            "cache_len": dec.cache_len or max(lengths) + p.n_new - 1,
-            "generation": agree, "logits": "teacher-forced onto the reference's greedy tokens", "layers": layers}
+    return {
+        "positions": f"{p.n_new} generated positions of {len(p.prompts)} prompt(s), left-padded, lengths {lengths}",
+        "graphs": "static" if dec.cache_len is not None else "dynamic",
+        "cache_len": dec.cache_len or max(lengths) + p.n_new - 1,
+        "generation": agree,
+        "logits": "teacher-forced onto the reference's greedy tokens",
+        "layers": layers,
+    }

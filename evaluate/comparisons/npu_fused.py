@@ -1,4 +1,5 @@
 """npu_fused: the fused NPU training kernels against the reference operators, on NPU hosts only."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,14 +25,22 @@ def compare(run: Run) -> cmp.Comparison:
 
     # Both on the NPU, so the row measures the kernels and not the device's arithmetic.
     outs = []
-    for kernels, label in ((reference_kernels(), "torch float32 reference ops (npu)"),
-                           (npu_fused_kernels(), "torch float32 npu_fused (npu)")):
-        model = LayeredModel(open_weights(Path(run.request.model_dir)), device="npu", kernels=kernels,
-                             keep=run.memory.mode == "whole", label=label)
+    for kernels, label in (
+        (reference_kernels(), "torch float32 reference ops (npu)"),
+        (npu_fused_kernels(), "torch float32 npu_fused (npu)"),
+    ):
+        model = LayeredModel(
+            open_weights(Path(run.request.model_dir)),
+            device="npu",
+            kernels=kernels,
+            keep=run.memory.mode == "whole",
+            label=label,
+        )
         sink = OutputsSink(len(run.request.data.batches), run.args.n_layers)
         model.forward(list(run.request.data.batches), sink)
         outs.append((label, concat_outputs(sink.outputs)))
     dt = run.tdtype("float32")
     (plain_label, plain), (fused_label, fused) = outs
-    return cmp.compare_outputs("npu_fused", TITLE, plain, fused, ref_label=plain_label, cand_label=fused_label,
-                               dtype=dt, limits=run.limits(dt))
+    return cmp.compare_outputs(
+        "npu_fused", TITLE, plain, fused, ref_label=plain_label, cand_label=fused_label, dtype=dt, limits=run.limits(dt)
+    )

@@ -1,4 +1,5 @@
 """operators: per-operator conformance, judged in the dtypes the model comparisons used."""
+
 from __future__ import annotations
 
 from titan_pipe.evaluate import compare as cmp

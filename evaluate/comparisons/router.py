@@ -6,6 +6,7 @@ layer (torch_vs_onnx runs them so, for each layer's own error), so a perturbed r
 layer k shows at layer k alone: a perturbed expert changes layer k's output, not the choices of
 the layers after it. Judged by ``router_agree_min`` (titan_pipe.thresholds).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,15 +33,31 @@ def compare(run: Run) -> cmp.Comparison | None:
         ref = [run.store.get((REF, "router", i, b)) for b in parts]
         got = [run.store.get((SIDE, "router", i, b)) for b in parts]
         if any(x is None for x in ref + got):
-            return cmp.skipped("moe_router", "Mixture-of-experts routing",
-                               "the graph ran whole, not layer by layer (its pieces hold the choices)")
+            return cmp.skipped(
+                "moe_router",
+                "Mixture-of-experts routing",
+                "the graph ran whole, not layer by layer (its pieces hold the choices)",
+            )
         same = torch.cat([(r.sort(-1).values == g.sort(-1).values).all(-1) for r, g in zip(ref, got)])
         agree[i] = float(same.float().mean())
         if not agree[i] >= bound:
-            failures.append(f"layer {i} router: {agree[i]:.1%} of {same.numel()} tokens chose the same "
-                            f"{args.experts_per_token} experts (< {bound:.0%}, router_agree_min)")
-    c = cmp.Comparison("moe_router", TITLE, "fail" if failures else "pass", reference=run.sides.reference.label,
-                       candidate=ort.label, dtype=dt, failures=failures)
-    c.details = {"agreement": {str(i): round(a, 4) for i, a in agree.items()}, "bound": bound,
-                 "experts": args.n_experts, "top_k": args.experts_per_token}
+            failures.append(
+                f"layer {i} router: {agree[i]:.1%} of {same.numel()} tokens chose the same "
+                f"{args.experts_per_token} experts (< {bound:.0%}, router_agree_min)"
+            )
+    c = cmp.Comparison(
+        "moe_router",
+        TITLE,
+        "fail" if failures else "pass",
+        reference=run.sides.reference.label,
+        candidate=ort.label,
+        dtype=dt,
+        failures=failures,
+    )
+    c.details = {
+        "agreement": {str(i): round(a, 4) for i, a in agree.items()},
+        "bound": bound,
+        "experts": args.n_experts,
+        "top_k": args.experts_per_token,
+    }
     return c

@@ -1,4 +1,5 @@
 """sharded_vs_unified: the training checkpoint under its own TP/PP layout (torchrun) vs the unified model."""
+
 from __future__ import annotations
 
 from titan_pipe.evaluate import compare as cmp
@@ -12,18 +13,32 @@ def compare(run: Run) -> cmp.Comparison:
     run.steps.step("sharded checkpoint under torchrun")
     dist, ref = run.sides.sharded, run.sides.reference
     if dist is None:
-        why = "no --checkpoint given" if run.request.checkpoint is None else (
-            "the --checkpoint is not in titan-pipe's layout (a DCP / Megatron one is the reference itself)")
+        why = (
+            "no --checkpoint given"
+            if run.request.checkpoint is None
+            else ("the --checkpoint is not in titan-pipe's layout (a DCP / Megatron one is the reference itself)")
+        )
         return cmp.skipped("sharded_vs_unified", TITLE, why)
     for b, out in enumerate(dist.run_all(run.request.data.batches)):
         run.store.put_outputs("sharded", b, out)
     dt = run.tdtype(dist.dtype)
-    c = cmp.compare_values("sharded_vs_unified", TITLE, run.values("sharded"), run.values(REF),
-                           ref_label=dist.label, cand_label=ref.label, dtype=dt, limits=run.limits(dt),
-                           logits_scope="sharded", dump=run.dump)
+    c = cmp.compare_values(
+        "sharded_vs_unified",
+        TITLE,
+        run.values("sharded"),
+        run.values(REF),
+        ref_label=dist.label,
+        cand_label=ref.label,
+        dtype=dt,
+        limits=run.limits(dt),
+        logits_scope="sharded",
+        dump=run.dump,
+    )
     run.judged(dist.label, dt, "sharded")
     run.ledger.hist[f"{ref.label} vs {dist.label}"] = abs_errors(run.values("sharded"), run.values(REF))
     if run.request.model_dir is None:
-        c.title = ("training checkpoint under its TP/PP layout vs its own weights in one "
-                   "process (no --model-dir: the converter is not covered)")
+        c.title = (
+            "training checkpoint under its TP/PP layout vs its own weights in one "
+            "process (no --model-dir: the converter is not covered)"
+        )
     return c

@@ -1,5 +1,6 @@
 """task: perplexity of every candidate on the held-out batches (reduced batch by batch) and greedy
 generations token for token, on the prompts every generation shares."""
+
 from __future__ import annotations
 
 import math
@@ -30,12 +31,12 @@ def compare(run: Run) -> cmp.Comparison:
     task.details["prompt_lengths"] = [len(q) for q in run.prompts.prompts]
     before = _base_perplexity(run)
     if before is not None:  # LoRA: the frozen base on the same tokens, what the fine-tune started from
-        task.details["before_finetune"] = {"label": before[0], "perplexity": before[1],
-                                           "after": ppl[ref.label]}
+        task.details["before_finetune"] = {"label": before[0], "perplexity": before[1], "after": ppl[ref.label]}
     prefill = run.sides.prefill
     if prefill is not None and prefill.info.fixed_shape:
-        task.details["generation_note"] = ("prefill re-run skipped for the static ONNX graph (its generation is the "
-                                           "KV-cache loop's)")
+        task.details["generation_note"] = (
+            "prefill re-run skipped for the static ONNX graph (its generation is the KV-cache loop's)"
+        )
     return task
 
 
@@ -59,8 +60,12 @@ def _base_perplexity(run: Run) -> tuple[str, float] | None:
         return None
     ref = run.sides.reference
     # streamed (a layer at a time): the resident reference is still held, and the base is another whole model
-    base = LayeredModel(source.base, device=ref.device, keep=False,
-                        label=f"torch float32 (the base {Path(source.base.dir).name}, no adapters)")
+    base = LayeredModel(
+        source.base,
+        device=ref.device,
+        keep=False,
+        label=f"torch float32 (the base {Path(source.base.dir).name}, no adapters)",
+    )
     total = count = 0
     answers = run.request.data.answers
     for b, tokens in enumerate(run.request.data.batches):
@@ -76,7 +81,7 @@ def _prefill_generation(run: Run) -> torch.Tensor:
     prompts, n_new = run.prompts.prompts, run.prompts.n_new
 
     def cut(logits: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([lg[0, len(q) - 1:len(q) - 1 + n_new].float() for lg, q in zip(logits, prompts)])
+        return torch.stack([lg[0, len(q) - 1 : len(q) - 1 + n_new].float() for lg, q in zip(logits, prompts)])
 
     def score(tokens: torch.Tensor) -> torch.Tensor:
         return cut(_logits(run, forced_sequences(prompts, tokens)))

@@ -1,5 +1,6 @@
 """torch_vs_onnx: training operators (the PyTorch reference) vs the exported prefill graph in ONNX
 Runtime, per decoder layer (the graph's own values, its pieces chained) and on the logits."""
+
 from __future__ import annotations
 
 from titan_pipe.evaluate import compare as cmp
@@ -27,8 +28,17 @@ def compare(run: Run) -> cmp.Comparison:
     else:
         layers = _run_chain(run)
     dt = run.tdtype(ort.dtype)
-    c = cmp.compare_values("torch_vs_onnx", TITLE, run.values(REF), run.values(SIDE), ref_label=run.sides.reference.label,
-                           cand_label=ort.label, dtype=dt, limits=run.limits(dt), dump=run.dump)
+    c = cmp.compare_values(
+        "torch_vs_onnx",
+        TITLE,
+        run.values(REF),
+        run.values(SIDE),
+        ref_label=run.sides.reference.label,
+        cand_label=ort.label,
+        dtype=dt,
+        limits=run.limits(dt),
+        dump=run.dump,
+    )
     c.details["layers"] = layers
     if run.sides.prefill_chain is not None:
         c.details["own_error"] = own_errors(run)
@@ -74,10 +84,12 @@ def _run_chain(run: Run) -> str:
 
 def chain_note(chain) -> str:
     """How the per-layer values were computed."""
-    return (f"the graph run as {len(chain.pieces)} pieces cut between those values (embedding, each layer, head; "
-            "its own nodes and weights), layer by layer, each value rounded to the graph's dtype between pieces "
-            "(ONNX Runtime running the graph whole may keep some of them in float32 on the CPU; tests check that "
-            "the chain returns the whole graph's logits, bit for bit in float32)")
+    return (
+        f"the graph run as {len(chain.pieces)} pieces cut between those values (embedding, each layer, head; "
+        "its own nodes and weights), layer by layer, each value rounded to the graph's dtype between pieces "
+        "(ONNX Runtime running the graph whole may keep some of them in float32 on the CPU; tests check that "
+        "the chain returns the whole graph's logits, bit for bit in float32)"
+    )
 
 
 def own_errors(run: Run) -> list[dict]:

@@ -1,4 +1,5 @@
 """The ATC .om on an Ascend runtime through ais_bench (importable only on Ascend hosts)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -35,8 +36,7 @@ class OmRunner:
     (evaluate/om_dump.py). Not executed on a machine without an Ascend runtime.
     """
 
-    def __init__(self, om_path: Path, *, device_id: int = 0, graph: "OnnxGraph | None" = None,
-                 dim: int | None = None):
+    def __init__(self, om_path: Path, *, device_id: int = 0, graph: "OnnxGraph | None" = None, dim: int | None = None):
         om_path = Path(om_path)
         if not om_path.is_file():
             raise UserError(f"{om_path}: .om file not found; run `titan-pipe export` on a host with ATC")

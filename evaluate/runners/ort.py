@@ -7,6 +7,7 @@ and whose structure does not give them) and to check, on the first batch, that i
 declares (I/O names, dims, dtype) is read from its structure, so streamed mode never opens the
 whole graph.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,8 +23,18 @@ from titan_pipe.evaluate.graph_taps import LayerTaps, find_layer_taps, recorded_
 from titan_pipe.evaluate.runners.outputs import Outputs
 from titan_pipe.export_record import RECORD_FILE
 from titan_pipe.generation import generate, ort_session
-from titan_pipe.graph_io import (ATTENTION_MASK, DECODE_FILE, HIDDEN, INPUT_IDS, LOGITS, PAST, POSITION_IDS,
-                                 PREFILL_INPUTS, PRESENT, hidden_name)
+from titan_pipe.graph_io import (
+    ATTENTION_MASK,
+    DECODE_FILE,
+    HIDDEN,
+    INPUT_IDS,
+    LOGITS,
+    PAST,
+    POSITION_IDS,
+    PREFILL_INPUTS,
+    PRESENT,
+    hidden_name,
+)
 from titan_pipe.model.args import ModelArgs
 
 _HINT = "re-export it with `titan-pipe export`"
@@ -46,8 +57,9 @@ class GraphIO:
 
     def __init__(self, structure):
         def port(vi) -> Port:
-            dims = [d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
-                    for d in vi.type.tensor_type.shape.dim]
+            dims = [
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in vi.type.tensor_type.shape.dim
+            ]
             return Port(vi.name, dims, vi.type.tensor_type.elem_type)
 
         inits = {t.name for t in structure.graph.initializer}
@@ -112,15 +124,21 @@ def describe_prefill(path: Path, io: GraphIO) -> GraphInfo:
     ins = {i.name: i for i in io.get_inputs()}
     outs = {o.name: o for o in io.get_outputs()}
     if INPUT_IDS not in ins or LOGITS not in outs:
-        raise UserError(f"{path}: expected input {INPUT_IDS!r} and output {LOGITS!r} (the prefill graph "
-                        f"of `titan-pipe export`), found inputs {list(ins)} and outputs {list(outs)[:4]}")
+        raise UserError(
+            f"{path}: expected input {INPUT_IDS!r} and output {LOGITS!r} (the prefill graph "
+            f"of `titan-pipe export`), found inputs {list(ins)} and outputs {list(outs)[:4]}"
+        )
     if any(n.startswith(PAST) for n in ins):
-        raise UserError(f"{path}: takes {PAST}* inputs: that is the KV-cache decode graph; "
-                        "pass the prefill graph model.onnx instead")
+        raise UserError(
+            f"{path}: takes {PAST}* inputs: that is the KV-cache decode graph; "
+            "pass the prefill graph model.onnx instead"
+        )
     extra = tuple(n for n in ins if n not in PREFILL_INPUTS)
     if extra:
-        raise UserError(f"{path}: takes {extra[0]!r} besides {', '.join(PREFILL_INPUTS)}; pass the "
-                        "prefill graph model.onnx written by `titan-pipe export`")
+        raise UserError(
+            f"{path}: takes {extra[0]!r} besides {', '.join(PREFILL_INPUTS)}; pass the "
+            "prefill graph model.onnx written by `titan-pipe export`"
+        )
     shape = ins[INPUT_IDS].shape
     fixed = tuple(shape) if all(isinstance(d, int) and d > 0 for d in shape) else None
     lg = outs[LOGITS].shape
@@ -131,8 +149,9 @@ def describe_prefill(path: Path, io: GraphIO) -> GraphInfo:
         dim = hs[-1] if isinstance(hs[-1], int) else None
     dtype = _DTYPE_OF.get(outs[LOGITS].elem)
     if dtype is None:
-        raise UserError(f"{path}: logits have ONNX element type {outs[LOGITS].elem}; expected float, float16 or "
-                        "bfloat16")
+        raise UserError(
+            f"{path}: logits have ONNX element type {outs[LOGITS].elem}; expected float, float16 or bfloat16"
+        )
     return GraphInfo(dtype, fixed, lg[-1] if isinstance(lg[-1], int) else None, dim, n_hidden)
 
 
@@ -171,8 +190,10 @@ class OnnxRuntimeRunner:
             problems.append(f"{RECORD_FILE} records {recorded} layer outputs vs n_layers {args.n_layers}")
         problems += self._weight_shape_problems(args)
         if problems:
-            raise UserError(f"{self.path} does not match {source}: {'; '.join(problems)}; export the graph "
-                            "from this model directory (or pass the model directory it came from)")
+            raise UserError(
+                f"{self.path} does not match {source}: {'; '.join(problems)}; export the graph "
+                "from this model directory (or pass the model directory it came from)"
+            )
 
     def _weight_shape_problems(self, args: ModelArgs) -> list[str]:
         """The graph's own weights against the model's: an initializer of another shape (another FFN
@@ -186,15 +207,19 @@ class OnnxRuntimeRunner:
             if native is None or native not in want:
                 continue
             if tuple(init.dims) != tuple(want[native]):
-                return [f"weight {init.name!r} is {list(init.dims)} in the graph vs {list(want[native])} for "
-                        f"{native} (dim {args.dim}, ffn {args.hidden_dim}, heads {args.n_heads}/{args.kv_heads})"]
+                return [
+                    f"weight {init.name!r} is {list(init.dims)} in the graph vs {list(want[native])} for "
+                    f"{native} (dim {args.dim}, ffn {args.hidden_dim}, heads {args.n_heads}/{args.kv_heads})"
+                ]
         return []
 
     def feeds(self, tokens: torch.Tensor) -> dict[str, np.ndarray]:
         """The graph's inputs for unpadded batches: every token real, positions 0..T-1."""
         if self.info.fixed_shape and tuple(tokens.shape) != self.info.fixed_shape:
-            raise UserError(f"{self.path}: static input shape {list(self.info.fixed_shape)} but the batch is "
-                            f"{list(tokens.shape)}; set evaluate.batch_size/seq_len to match or export with dynamic: true")
+            raise UserError(
+                f"{self.path}: static input shape {list(self.info.fixed_shape)} but the batch is "
+                f"{list(tokens.shape)}; set evaluate.batch_size/seq_len to match or export with dynamic: true"
+            )
         ids = tokens.cpu().numpy().astype(np.int64)
         feeds = {INPUT_IDS: ids}
         takes = {i.name for i in self.graph.io.get_inputs()}
@@ -225,8 +250,10 @@ class OnnxDecodeRunner:
         present = [o.name for o in prefill.graph.io.get_outputs() if o.name.startswith(PRESENT)]
         past = [i.name for i in self.graph.io.get_inputs() if i.name.startswith(PAST)]
         if len(past) != len(present) or not past:
-            raise UserError(f"{self.path}: takes {len(past)} {PAST}* inputs but {prefill.path.name} "
-                            f"gives {len(present)} {PRESENT}* outputs; export both with kv_cache from one model")
+            raise UserError(
+                f"{self.path}: takes {len(past)} {PAST}* inputs but {prefill.path.name} "
+                f"gives {len(present)} {PRESENT}* outputs; export both with kv_cache from one model"
+            )
         dims = {i.name: i.shape for i in self.graph.io.get_inputs()}
         slots = dims.get(ATTENTION_MASK, [None, None])[1]
         self.cache_len = slots if isinstance(slots, int) else None  # fixed by a static graph
@@ -258,8 +285,13 @@ class OnnxDecodeRunner:
         """Ragged prompts -> Generation (new_tokens (N, n_new), logits (N, n_new, vocab)) through the
         deployed loop on the whole graphs; ``forced`` (N, n_new) feeds those tokens instead of the
         argmax (teacher forcing)."""
-        return generate(prefill=self.prefill.graph.session, decode=self.graph.session, prompts=prompts,
-                        max_new_tokens=n_new, forced=None if forced is None else np.asarray(forced))
+        return generate(
+            prefill=self.prefill.graph.session,
+            decode=self.graph.session,
+            prompts=prompts,
+            max_new_tokens=n_new,
+            forced=None if forced is None else np.asarray(forced),
+        )
 
     def close(self) -> None:
         self.graph.close()

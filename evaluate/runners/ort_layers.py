@@ -16,6 +16,7 @@ The KV-cache path runs teacher-forced (the tokens of every step are known up fro
 the prefill piece fills that layer's cache slice, then the decode piece runs every step against
 it (titan_pipe.generation's feeds: the deployed loop's host state, step by step).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,7 @@ from titan_pipe.evaluate.graph_pieces import Piece, layer_pieces
 from titan_pipe.evaluate.memory import release
 from titan_pipe.evaluate.runners.ort import OnnxGraph
 from titan_pipe.evaluate.runners.outputs import Outputs, OutputsSink
-from titan_pipe.generation import (PaddedBatch, cache_of, decode_feeds, ort_session, past_of,
-                                   prefill_feeds)
+from titan_pipe.generation import PaddedBatch, cache_of, decode_feeds, ort_session, past_of, prefill_feeds
 from titan_pipe.graph_io import LOGITS, PRESENT, router_name
 
 
@@ -64,8 +64,13 @@ class Sessions:
             while self.open and self.held + need > self.budget:
                 self.open.popitem()  # newest first
                 release()
-        s = ort_session(piece.model, threads=chain.graph.threads, external_dir=chain.graph.path.parent,
-                        hint="re-export it with `titan-pipe export`", prepack=False)
+        s = ort_session(
+            piece.model,
+            threads=chain.graph.threads,
+            external_dir=chain.graph.path.parent,
+            hint="re-export it with `titan-pipe export`",
+            prepack=False,
+        )
         if self.budget is None or self.held + need <= self.budget:
             self.open[key] = (s, need)
         return s
@@ -84,9 +89,11 @@ class LayerChain:
         t = graph.taps
         if t is None or t.embed is None:
             why = graph.layers_note or "no per-layer values found"
-            raise UserError(f"{graph.path}: cannot be evaluated one layer at a time ({why}); re-export it with "
-                            "`titan-pipe export` (export.json then names the values between layers) or raise "
-                            "--max-memory so the whole graph fits")
+            raise UserError(
+                f"{graph.path}: cannot be evaluated one layer at a time ({why}); re-export it with "
+                "`titan-pipe export` (export.json then names the values between layers) or raise "
+                "--max-memory so the whole graph fits"
+            )
         self.graph, self.taps = graph, t
         self.pieces = layer_pieces(graph.structure, embed=t.embed, layers=t.layer, attn=t.attn, mlp=t.mlp)
         self.layers = self.pieces[1:-1]
@@ -138,8 +145,9 @@ class LayerChain:
         self.free()
         return [o[:, -1] for o in out] if last else out
 
-    def run_layer(self, session, i: int, feeds: dict, stream, extra: dict | None = None,
-                  copy_cache: bool = True) -> dict[str, np.ndarray]:
+    def run_layer(
+        self, session, i: int, feeds: dict, stream, extra: dict | None = None, copy_cache: bool = True
+    ) -> dict[str, np.ndarray]:
         """Layer i's piece on ``stream`` -> {value name: array} of every output it returns;
         ``copy_cache`` False: its ``present.*`` outputs are the session's own arrays (for a caller
         that drops them before the session closes: a static cache is MBs a step to copy)."""
@@ -220,6 +228,7 @@ class JoinedSink:
             sink, p = self.route[part]
             if hasattr(sink, hook):
                 getattr(sink, hook)(p, *args)
+
         return call
 
 
@@ -269,8 +278,9 @@ def prefill(chain: LayerChain, plan: list[PaddedBatch]) -> Prefilled:
     return sink.result()
 
 
-def forced_steps(pre: Prefilled, decode: LayerChain, plan: list[PaddedBatch], n_new: int,
-                 sink=None) -> list[np.ndarray]:
+def forced_steps(
+    pre: Prefilled, decode: LayerChain, plan: list[PaddedBatch], n_new: int, sink=None
+) -> list[np.ndarray]:
     """The generation loop teacher-forced onto each batch's ``forced`` tokens, layer-major: per
     batch, logits (B, n_new, vocab) float32, row k predicting new token k. ``sink.step(batch, k, i,
     attn, mlp, hidden)`` gets decode.onnx's layer-i values of decode step k (feeding new token k+1).

@@ -1,4 +1,5 @@
 """What every runner returns for a batch of tokens: logits and the per-layer values, on the CPU."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,23 +23,30 @@ def _cat(parts: list[list], dim: int = 0) -> list:
     """Per-layer lists of several batches joined along ``dim`` ([] unless every part has them)."""
     if not parts or not all(parts):
         return []
-    return [None if any(p[i] is None for p in parts) else torch.cat([p[i] for p in parts], dim=dim)
-            for i in range(len(parts[0]))]
+    return [
+        None if any(p[i] is None for p in parts) else torch.cat([p[i] for p in parts], dim=dim)
+        for i in range(len(parts[0]))
+    ]
 
 
 def concat_outputs(parts: list[Outputs], dim: int = 0) -> Outputs:
     """Batches stacked along the batch dim (B_total, T, ...) (``dim=1``: steps along T)."""
     logits = torch.cat([p.logits for p in parts], dim=dim) if all(p.logits.numel() for p in parts) else torch.empty(0)
-    return Outputs(logits, _cat([p.hidden for p in parts], dim),
-                   _cat([p.attn for p in parts], dim), _cat([p.mlp for p in parts], dim))
+    return Outputs(
+        logits,
+        _cat([p.hidden for p in parts], dim),
+        _cat([p.attn for p in parts], dim),
+        _cat([p.mlp for p in parts], dim),
+    )
 
 
 class OutputsSink:
     """A LayerSink that keeps everything as one Outputs per sequence (small models, tests)."""
 
     def __init__(self, n_seqs: int, n_layers: int):
-        self.outputs = [Outputs(torch.empty(0), [None] * n_layers, [None] * n_layers, [None] * n_layers)
-                        for _ in range(n_seqs)]
+        self.outputs = [
+            Outputs(torch.empty(0), [None] * n_layers, [None] * n_layers, [None] * n_layers) for _ in range(n_seqs)
+        ]
 
     def embed(self, seq, h):
         pass

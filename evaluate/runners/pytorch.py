@@ -30,6 +30,7 @@ generation reads every layer and the output projection once a step, so this is m
 each layer's values to a sink; ``greedy`` generates with a per-layer KV cache (one new token a
 step: the same blocks, the attention kernel prepending the cached keys and values).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -72,33 +73,42 @@ class _CachedAttention:
 
     def __call__(self, q, k, v, *, n_rep: int, causal: bool = True, **kw):
         if self.past is None:
-            self.seen = [(k[r:r + 1], v[r:r + 1]) for r in range(k.shape[0])]
+            self.seen = [(k[r : r + 1], v[r : r + 1]) for r in range(k.shape[0])]
             return self.base(q, k, v, n_rep=n_rep, causal=causal, **kw)
         if q.shape[2] != 1:
             raise ValueError("the cached reference takes one new token a step")
         window = kw.pop("window", None)
         out, self.seen = [], []
         for r, (pk, pv) in enumerate(self.past):
-            kr, vr = torch.cat([pk, k[r:r + 1]], dim=2), torch.cat([pv, v[r:r + 1]], dim=2)
+            kr, vr = torch.cat([pk, k[r : r + 1]], dim=2), torch.cat([pv, v[r : r + 1]], dim=2)
             self.seen.append((kr, vr))
             if window is not None:  # a row's cache holds its positions 0..t: the window is its tail
                 kr, vr = kr[:, :, -window:], vr[:, :, -window:]
-            out.append(self.base(q[r:r + 1], kr, vr, n_rep=n_rep, causal=False, **kw))
+            out.append(self.base(q[r : r + 1], kr, vr, n_rep=n_rep, causal=False, **kw))
         return torch.cat(out)
 
 
 class LayeredModel:
     """The reference model over a WeightSource; ``keep``: resident (True) or streamed (False)."""
 
-    def __init__(self, source, *, device: str = "cpu", kernels: Kernels | None = None, keep: bool = True,
-                 label: str = "torch float32"):
+    def __init__(
+        self,
+        source,
+        *,
+        device: str = "cpu",
+        kernels: Kernels | None = None,
+        keep: bool = True,
+        label: str = "torch float32",
+    ):
         self.source, self.args, self.device, self.keep, self.label = source, source.args, device, keep, label
         self.dtype = "float32"
         self._attn = _CachedAttention((kernels or reference_kernels()).attention)
         self.kernels = replace(kernels or reference_kernels(), attention=self._attn)
         # local? -> (cos, sin): Gemma 3's sliding layers rotate with their own base (else one table)
-        self._tables = {local: tuple(t.to(device) for t in rope_cos_sin(self.args, local=local))
-                        for local in ((False, True) if self.args.rope_local_theta is not None else (False,))}
+        self._tables = {
+            local: tuple(t.to(device) for t in rope_cos_sin(self.args, local=local))
+            for local in ((False, True) if self.args.rope_local_theta is not None else (False,))
+        }
         self._blocks: dict[int, TransformerBlock] = {}
         self._tops: dict[tuple[str, bool], torch.Tensor] = {}
         self._arena: torch.Tensor | None = None  # streamed: one block's float32 parameters besides its linears
@@ -134,7 +144,7 @@ class LayeredModel:
             if self._stored is None or self._stored.numel() < self._stored_need:
                 self._stored = None
                 self._stored = torch.empty(self._stored_need, dtype=torch.uint8, device=self.device)
-            w = self.source.read_into(name, self._stored[start:self._stored_used].view(dtype).view(shape))
+            w = self.source.read_into(name, self._stored[start : self._stored_used].view(dtype).view(shape))
         b = self._weight(bias) if bias is not None else None
         linear = StoredLinear(w, b, exact=self._exact)
         ab = self.source.adapter(name) if hasattr(self.source, "adapter") else None
@@ -171,7 +181,7 @@ class LayeredModel:
         stored = self.source.full(name)
         start = -(-self._used // _ALIGN) * _ALIGN
         self._used = start + stored.numel()
-        return self._arena[start:self._used].view(stored.shape).copy_(stored)
+        return self._arena[start : self._used].view(stored.shape).copy_(stored)
 
     def _reserve(self, nbytes: int) -> None:
         """Streamed: an arena of at least ``nbytes`` for the block about to be read (grown when a
@@ -195,19 +205,27 @@ class LayeredModel:
         if block.moe is not None:
             block.moe.keep_choices = True  # the router row compares them (evaluate/comparisons/router.py)
         linears = [(name, m) for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)]
-        self._reserve_stored(sum(m.weight.numel() * self.source.stored_dtype(f"layers.{i}.{name}.weight").itemsize
-                                 + 64 for name, m in linears))
+        self._reserve_stored(
+            sum(
+                m.weight.numel() * self.source.stored_dtype(f"layers.{i}.{name}.weight").itemsize + 64
+                for name, m in linears
+            )
+        )
         for name, module in linears:
             owner, _, leaf = name.rpartition(".")
             bias = f"layers.{i}.{name}.bias" if module.bias is not None else None
-            setattr(block.get_submodule(owner), leaf,
-                    self._linear(f"layers.{i}.{name}.weight", module.weight.shape, bias))
+            setattr(
+                block.get_submodule(owner), leaf, self._linear(f"layers.{i}.{name}.weight", module.weight.shape, bias)
+            )
         rest = list(block.named_parameters())
         self._reserve(4 * sum(p.numel() + _ALIGN for _, p in rest))
         for name, _ in rest:
             owner, _, leaf = name.rpartition(".")
-            setattr(block.get_submodule(owner), leaf,
-                    torch.nn.Parameter(self._layer_weight(f"layers.{i}.{name}"), requires_grad=False))
+            setattr(
+                block.get_submodule(owner),
+                leaf,
+                torch.nn.Parameter(self._layer_weight(f"layers.{i}.{name}"), requires_grad=False),
+            )
         return block.eval()
 
     def block(self, i: int) -> TransformerBlock:
@@ -261,7 +279,7 @@ class LayeredModel:
         table = self._top("tok_embeddings.weight", cast=False)
         rows = [F.embedding(t.to(self.device), table).to(torch.float32) for t in seqs]
         if self.args.embed_scale:  # Gemma: times sqrt(dim), as the module does in float32
-            rows = [r * torch.tensor(self.args.dim ** 0.5, dtype=torch.float32) for r in rows]
+            rows = [r * torch.tensor(self.args.dim**0.5, dtype=torch.float32) for r in rows]
         return rows
 
     def head(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -287,17 +305,20 @@ class LayeredModel:
 
     def _rope(self, start: int, n: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._table(layer)
-        return cos[start:start + n], sin[start:start + n]
+        return cos[start : start + n], sin[start : start + n]
 
     @torch.no_grad()
-    def run_block(self, block: TransformerBlock, h: torch.Tensor, start: int = 0, rope=None, *, layer: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run_block(
+        self, block: TransformerBlock, h: torch.Tensor, start: int = 0, rope=None, *, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer output, attention block output, MLP block output for ``h`` (B, T, dim) at positions
         start..start+T-1, or at each row's own positions given as ``rope`` (cos, sin) (a cached step:
         ``self._attn.past`` set by the caller)."""
         got = {}
-        hooks = [block.attention.register_forward_hook(lambda _m, _i, o: got.__setitem__("attn", o)),
-                 (block.moe or block.feed_forward).register_forward_hook(lambda _m, _i, o: got.__setitem__("mlp", o))]
+        hooks = [
+            block.attention.register_forward_hook(lambda _m, _i, o: got.__setitem__("attn", o)),
+            (block.moe or block.feed_forward).register_forward_hook(lambda _m, _i, o: got.__setitem__("mlp", o)),
+        ]
         try:
             out = block(h, *(rope if rope is not None else self._rope(start, h.shape[1], layer)))
         finally:
@@ -327,15 +348,21 @@ class LayeredModel:
             sink.logits(j, logits)
 
     @classmethod
-    def from_path(cls, path, *, device: str = "cpu", kernels: Kernels | None = None, keep: bool = True,
-                  label: str | None = None) -> "LayeredModel":
+    def from_path(
+        cls, path, *, device: str = "cpu", kernels: Kernels | None = None, keep: bool = True, label: str | None = None
+    ) -> "LayeredModel":
         """A unified model dir or a checkpoint step dir (titan_pipe.model.weights.open_weights)."""
         from pathlib import Path
 
         from titan_pipe.model.weights import open_weights
 
-        return cls(open_weights(Path(path)), device=device, kernels=kernels, keep=keep,
-                   label=label or f"torch float32 ({Path(path).name})")
+        return cls(
+            open_weights(Path(path)),
+            device=device,
+            kernels=kernels,
+            keep=keep,
+            label=label or f"torch float32 ({Path(path).name})",
+        )
 
     def run(self, tokens: torch.Tensor) -> Outputs:
         """One batch (B, T) -> Outputs (logits and every layer's values)."""
@@ -368,7 +395,7 @@ class LayeredModel:
         steps: dict[tuple[str, int], list[torch.Tensor]] = {}
         pos = torch.tensor([len(p) for p in prompts], device=self.device)
         for step in range(1, n_new):
-            x = self.embed([new[:, step - 1:step]])[0]  # (N, 1, dim)
+            x = self.embed([new[:, step - 1 : step]])[0]  # (N, 1, dim)
             for i in layers:
                 cos, sin = self._table(i)
                 rope = cos[pos][:, None, None], sin[pos][:, None, None]  # (N, 1, 1, hd)
@@ -395,8 +422,9 @@ def layer_bytes(args: ModelArgs, i: int, itemsize: int = 4) -> int:
     """Bytes the reference holds for decoder layer i: its linear layers' weights (2-D) as stored,
     ``itemsize`` bytes each, everything else (norms, biases, stacked experts) in float32."""
     prefix = f"layers.{i}."
-    return sum((itemsize if len(s) == 2 else 4) * _numel(s) for n, s in native_shapes(args).items()
-               if n.startswith(prefix))
+    return sum(
+        (itemsize if len(s) == 2 else 4) * _numel(s) for n, s in native_shapes(args).items() if n.startswith(prefix)
+    )
 
 
 def _head_names(args: ModelArgs) -> tuple[str, str]:
@@ -406,8 +434,11 @@ def _head_names(args: ModelArgs) -> tuple[str, str]:
 
 def top_bytes(args: ModelArgs, itemsize: int = 4) -> int:
     """Bytes the reference holds outside the layers: the embedding and output as stored, the final norm."""
-    return sum((itemsize if len(s) == 2 else 4) * _numel(s) for n, s in native_shapes(args).items()
-               if not n.startswith("layers."))
+    return sum(
+        (itemsize if len(s) == 2 else 4) * _numel(s)
+        for n, s in native_shapes(args).items()
+        if not n.startswith("layers.")
+    )
 
 
 def _numel(shape) -> int:
@@ -473,5 +504,10 @@ class StoredLinear(torch.nn.Module):
 
     def _banded(self, x: torch.Tensor) -> torch.Tensor:
         w, b, n = self.weight, self.bias, self.band
-        return torch.cat([F.linear(x, w[i:i + n].to(torch.float32), None if b is None else b[i:i + n])
-                          for i in range(0, w.shape[0], n)], dim=-1)
+        return torch.cat(
+            [
+                F.linear(x, w[i : i + n].to(torch.float32), None if b is None else b[i : i + n])
+                for i in range(0, w.shape[0], n)
+            ],
+            dim=-1,
+        )

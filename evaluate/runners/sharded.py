@@ -1,4 +1,5 @@
 """The training checkpoint under its own dp/tp/pp layout: training's sharded forward process."""
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,10 @@ class DistributedRunner:
 
         checkpoint = Path(checkpoint)
         if not is_complete(checkpoint):
-            raise UserError(f"{checkpoint}: no manifest.json, so not a complete titan-pipe checkpoint; pass "
-                            "runs/<name>/checkpoints/step-XXXXXX (the manifest is written last)")
+            raise UserError(
+                f"{checkpoint}: no manifest.json, so not a complete titan-pipe checkpoint; pass "
+                "runs/<name>/checkpoints/step-XXXXXX (the manifest is written last)"
+            )
         self.manifest = open_checkpoint(checkpoint)  # the reader init_from and convert start from
         self.args = ModelArgs.from_dict(self.manifest.model, source=checkpoint / "manifest.json")
         self.layout = self.manifest.parallel
@@ -87,22 +90,33 @@ class DistributedRunner:
         from safetensors.torch import save_file
 
         with scratch_dir("titan-eval-dist") as tmp:  # a killed run's is removed by the next one
-            save_file({sharded_outputs.batch_key(i): b.contiguous() for i, b in enumerate(batches)},
-                      str(tmp / sharded_outputs.TOKENS_FILE))
-            cmd = sharded_outputs.command(world_size=self.world_size, checkpoint=self.checkpoint, out_dir=tmp,
-                                          device=self.device, streamed=self.streamed)
+            save_file(
+                {sharded_outputs.batch_key(i): b.contiguous() for i, b in enumerate(batches)},
+                str(tmp / sharded_outputs.TOKENS_FILE),
+            )
+            cmd = sharded_outputs.command(
+                world_size=self.world_size,
+                checkpoint=self.checkpoint,
+                out_dir=tmp,
+                device=self.device,
+                streamed=self.streamed,
+            )
             env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
             try:
                 # guarded: the ranks die with this process, on a timeout or an interrupt too
                 proc = procs.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, env=env)
             except subprocess.TimeoutExpired:
-                raise StageFailed(f"sharded forward of {self.checkpoint} timed out after {self.timeout_s:.0f}s") from None
+                raise StageFailed(
+                    f"sharded forward of {self.checkpoint} timed out after {self.timeout_s:.0f}s"
+                ) from None
             if proc.returncode != 0:
                 said = proc.stdout + proc.stderr
                 ranks = sharded_outputs.failing_ranks_lines(tmp, said)
                 tail = "\n".join(said.strip().splitlines()[-15:])
                 told = "\n".join(ranks) + "\n" if ranks else ""
-                raise StageFailed(f"sharded forward of {self.checkpoint} failed (exit {proc.returncode}):\n{told}{tail}")
+                raise StageFailed(
+                    f"sharded forward of {self.checkpoint} failed (exit {proc.returncode}):\n{told}{tail}"
+                )
             got = sharded_outputs.read_outputs(tmp, n_batches=len(batches), n_layers=self.args.n_layers)
             done = sharded_outputs.read_done(tmp)
         self.ran = {"streamed": bool(done.get("streamed")), "peak_rss": list(done.get("peak_rss", []))}

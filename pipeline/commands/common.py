@@ -1,5 +1,6 @@
 """What every command shares: the stderr console, error-to-exit-code mapping (bad input, OS faults,
 interrupts), and running a stage directly or as a tracked Prefect flow run."""
+
 from __future__ import annotations
 
 import contextlib
@@ -86,8 +87,10 @@ def call_stage(stage: str, fn: Callable, *, track: bool, writes: Path | None = N
         with faults.writing(writes or out_dir, what=faults.STAGE_OUTPUTS[stage]):
             return fn(**kw)
 
-    with faults.writing(writes or out_dir, what=faults.STAGE_OUTPUTS[stage]), \
-            output_lock(out_dir, what=f"titan-pipe {stage}"):  # one writer per output
+    with (
+        faults.writing(writes or out_dir, what=faults.STAGE_OUTPUTS[stage]),
+        output_lock(out_dir, what=f"titan-pipe {stage}"),
+    ):  # one writer per output
         if not track:
             return stage_fn(**kwargs)
         from titan_pipe.flows.track import run_tracked  # Prefect is imported only when asked for

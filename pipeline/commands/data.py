@@ -1,4 +1,5 @@
 """`titan-pipe data prepare` (raw text -> a prepared data dir) and `titan-pipe data inspect` (what one holds)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,32 +10,53 @@ import typer
 from titan_pipe import limits
 from titan_pipe.commands.common import call_stage, console, handle_errors
 
-data_app = typer.Typer(help="Prepare and inspect token data (Megatron indexed .bin/.idx + data.json).",
-                       no_args_is_help=True)
+data_app = typer.Typer(
+    help="Prepare and inspect token data (Megatron indexed .bin/.idx + data.json).", no_args_is_help=True
+)
 
 
 @data_app.command()
 @handle_errors
-def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.gz/.parquet files or directories"),
-            out: Path = typer.Option(..., "-o", "--out", help="the prepared data dir to write"),
-            tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, or a Hugging Face tokenizer.json"),
-            workers: Optional[int] = typer.Option(None, "--workers",
-                                                  help="tokenizer processes (default: the usable CPUs, at most 8; "
-                                                       "1 for corpora under 8 MB)"),
-            val_fraction: float = typer.Option(0.05, "--val-fraction",
-                                               help="held out as whole documents from the end, for validation"),
-            text_key: str = typer.Option("text", "--text-key", help="the text field of .jsonl / column of .parquet"),
-            shard: Optional[str] = typer.Option(None, "--shard", help="I/N: prepare only part I of N of the sources "
-                                                "(one host each; `data merge` joins the parts)"),
-            records: str = typer.Option("text", "--format", help="text; chat (jsonl 'messages') or instruction "
-                                        "(jsonl prompt/response): rendered with the chat template, loss on answers"),
-            chat_template: str = typer.Option("model", "--chat-template",
-                                              help="chat/instruction: model (the tokenizer's own), chatml, llama3, "
-                                                   "or a .jinja file"),
-            max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="chat/instruction: a conversation "
-                                                     "longer than this (train.seq_len: a packed window holds a whole conversation) is left out as bad"),
-            max_bad: float = typer.Option(0.01, "--max-bad-fraction", help="chat/instruction: records that may be "
-                                          "left out (counted, the first named in data.json) before prepare fails")):
+def prepare(
+    sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.gz/.parquet files or directories"),
+    out: Path = typer.Option(..., "-o", "--out", help="the prepared data dir to write"),
+    tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, or a Hugging Face tokenizer.json"),
+    workers: Optional[int] = typer.Option(
+        None, "--workers", help="tokenizer processes (default: the usable CPUs, at most 8; 1 for corpora under 8 MB)"
+    ),
+    val_fraction: float = typer.Option(
+        0.05, "--val-fraction", help="held out as whole documents from the end, for validation"
+    ),
+    text_key: str = typer.Option("text", "--text-key", help="the text field of .jsonl / column of .parquet"),
+    shard: Optional[str] = typer.Option(
+        None,
+        "--shard",
+        help="I/N: prepare only part I of N of the sources (one host each; `data merge` joins the parts)",
+    ),
+    records: str = typer.Option(
+        "text",
+        "--format",
+        help="text; chat (jsonl 'messages') or instruction "
+        "(jsonl prompt/response): rendered with the chat template, loss on answers",
+    ),
+    chat_template: str = typer.Option(
+        "model",
+        "--chat-template",
+        help="chat/instruction: model (the tokenizer's own), chatml, llama3, or a .jinja file",
+    ),
+    max_tokens: Optional[int] = typer.Option(
+        None,
+        "--max-tokens",
+        help="chat/instruction: a conversation "
+        "longer than this (train.seq_len: a packed window holds a whole conversation) is left out as bad",
+    ),
+    max_bad: float = typer.Option(
+        0.01,
+        "--max-bad-fraction",
+        help="chat/instruction: records that may be "
+        "left out (counted, the first named in data.json) before prepare fails",
+    ),
+):
     """Tokenize SOURCES once into OUT (tokens.bin + tokens.idx + data.json; chat data also
     tokens.lossmask); a no-op when OUT is current."""
     from titan_pipe.training.prepare import Shard
@@ -43,38 +65,68 @@ def prepare(sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.g
     limits.check_flag("--workers", workers, limits.WORKERS)  # one line naming the limit, before any work
     part = Shard.parse(shard) if shard is not None else None
 
-    r = call_stage("prepare", run_prepare, track=False, sources=sources, out_dir=out, tokenizer=tokenizer,
-                   workers=workers, val_fraction=val_fraction, text_key=text_key, progress=True, shard=part,
-                   records=records, chat_template=chat_template, max_tokens=max_tokens, max_bad=max_bad)
+    r = call_stage(
+        "prepare",
+        run_prepare,
+        track=False,
+        sources=sources,
+        out_dir=out,
+        tokenizer=tokenizer,
+        workers=workers,
+        val_fraction=val_fraction,
+        text_key=text_key,
+        progress=True,
+        shard=part,
+        records=records,
+        chat_template=chat_template,
+        max_tokens=max_tokens,
+        max_bad=max_bad,
+    )
     rec = r.record
     if r.reused:
-        console.print(f"{r.out_dir}: already prepared from the same inputs (key {rec.key[:12]}); nothing to do",
-                      highlight=False, soft_wrap=True)
+        console.print(
+            f"{r.out_dir}: already prepared from the same inputs (key {rec.key[:12]}); nothing to do",
+            highlight=False,
+            soft_wrap=True,
+        )
         return
     mb = sum(s.size for s in rec.sources) / 1e6
-    console.print(f"prepared {r.out_dir}: {rec.n_documents:,} documents, {rec.n_tokens:,} tokens ({rec.dtype}); "
-                  f"validation {rec.split.val_documents:,} documents / {rec.split.val_tokens:,} tokens; "
-                  f"{mb:,.1f} MB in {r.seconds:.1f}s ({mb / max(r.seconds, 1e-9):.2f} MB/s)",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"prepared {r.out_dir}: {rec.n_documents:,} documents, {rec.n_tokens:,} tokens ({rec.dtype}); "
+        f"validation {rec.split.val_documents:,} documents / {rec.split.val_tokens:,} tokens; "
+        f"{mb:,.1f} MB in {r.seconds:.1f}s ({mb / max(r.seconds, 1e-9):.2f} MB/s)",
+        highlight=False,
+        soft_wrap=True,
+    )
     if rec.bad_records:
-        console.print(f"left out {rec.bad_records} record(s) that cannot be trained on (data.json bad_examples), "
-                      f"e.g. {rec.bad_examples[0]}", highlight=False, soft_wrap=True)
+        console.print(
+            f"left out {rec.bad_records} record(s) that cannot be trained on (data.json bad_examples), "
+            f"e.g. {rec.bad_examples[0]}",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 @data_app.command()
 @handle_errors
-def merge(inputs: List[Path] = typer.Argument(..., help="prepared data dirs: the N parts of `data prepare --shard`, "
-                                                      "or any prepared dirs of one tokenizer"),
-          out: Path = typer.Option(..., "-o", "--out", help="the merged data dir to write")):
+def merge(
+    inputs: List[Path] = typer.Argument(
+        ..., help="prepared data dirs: the N parts of `data prepare --shard`, or any prepared dirs of one tokenizer"
+    ),
+    out: Path = typer.Option(..., "-o", "--out", help="the merged data dir to write"),
+):
     """Join prepared data dirs into one without tokenizing again (the N parts of a sharded prepare give
     what one unsharded prepare writes, byte for byte)."""
     from titan_pipe.training.merge import merge as run_merge
 
     r = call_stage("prepare", run_merge, track=False, inputs=inputs, out_dir=out, progress=True)
     rec = r.record
-    console.print(f"merged {len(inputs)} dirs into {r.out_dir}: {rec.n_documents:,} documents, {rec.n_tokens:,} "
-                  f"tokens ({rec.dtype}); validation {rec.split.val_documents:,} documents in {r.seconds:.1f}s",
-                  highlight=False, soft_wrap=True)
+    console.print(
+        f"merged {len(inputs)} dirs into {r.out_dir}: {rec.n_documents:,} documents, {rec.n_tokens:,} "
+        f"tokens ({rec.dtype}); validation {rec.split.val_documents:,} documents in {r.seconds:.1f}s",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 @data_app.command()

@@ -1,4 +1,5 @@
 """`titan-pipe evaluate`: a thin shell over titan_pipe.evaluate.api.evaluate_model."""
+
 from __future__ import annotations
 
 from enum import Enum
@@ -26,31 +27,52 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     def evaluate(
         out_dir: Path = typer.Option(..., "-o", "--out", help="REPORT_DIR for report.json/.md/.html, CSVs, plots"),
-        checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="Training checkpoint step dir "
-                                                  "(run under its own TP/PP layout with torchrun)"),
+        checkpoint: Optional[Path] = typer.Option(
+            None, "--checkpoint", help="Training checkpoint step dir (run under its own TP/PP layout with torchrun)"
+        ),
         model_dir: Optional[Path] = typer.Option(None, "--model-dir", help="Unified model dir (titan-pipe convert)"),
-        onnx: Optional[Path] = typer.Option(None, "--onnx", help="Exported prefill graph OUT_DIR/model.onnx "
-                                            "(decode.onnx beside it is evaluated too)"),
+        onnx: Optional[Path] = typer.Option(
+            None, "--onnx", help="Exported prefill graph OUT_DIR/model.onnx (decode.onnx beside it is evaluated too)"
+        ),
         om: Optional[Path] = typer.Option(None, "--om", help="ATC .om model (needs an Ascend runtime)"),
-        data: Optional[Path] = typer.Option(None, "--data", help="Held-out text (.txt/.jsonl/.jsonl.gz/.parquet or "
-                                            "a .bin/.idx prefix, used whole; a prepared dir: its validation documents; "
-                                            "default: the validation split of --config's data, else of the shipped corpus)"),
-        dtype: ThresholdDtype = typer.Option(ThresholdDtype.auto, "--dtype", help="Threshold set to judge by "
-                                             "(auto: each candidate's own dtype)"),
-        config: Optional[Path] = typer.Option(None, "--config", help="flow.yaml whose evaluate section (batches, "
-                                              "thresholds, ...) to use"),
-        device: Optional[RefDevice] = typer.Option(None, "--device", help="Where the PyTorch reference (and "
-                                                   "the torchrun ranks) run; auto: npu, then cuda, then cpu "
-                                                   "[default: evaluate.device, cpu]"),
+        data: Optional[Path] = typer.Option(
+            None,
+            "--data",
+            help="Held-out text (.txt/.jsonl/.jsonl.gz/.parquet or "
+            "a .bin/.idx prefix, used whole; a prepared dir: its validation documents; "
+            "default: the validation split of --config's data, else of the shipped corpus)",
+        ),
+        dtype: ThresholdDtype = typer.Option(
+            ThresholdDtype.auto, "--dtype", help="Threshold set to judge by (auto: each candidate's own dtype)"
+        ),
+        config: Optional[Path] = typer.Option(
+            None, "--config", help="flow.yaml whose evaluate section (batches, thresholds, ...) to use"
+        ),
+        device: Optional[RefDevice] = typer.Option(
+            None,
+            "--device",
+            help="Where the PyTorch reference (and "
+            "the torchrun ranks) run; auto: npu, then cuda, then cpu "
+            "[default: evaluate.device, cpu]",
+        ),
         batches: Optional[int] = typer.Option(None, "--batches", help="Number of held-out batches"),
-        operators: Optional[bool] = typer.Option(None, "--operators/--no-operators",
-                                                 help="Run the operator conformance table"),
-        dump: Optional[bool] = typer.Option(None, "--dump/--no-dump", help="Also write every compared tensor "
-                                            "pair as REPORT_DIR/dump/<comparison>/{golden,candidate}/<tensor>.npy "
-                                            "(for msit / msprobe compare)"),
-        max_memory: Optional[str] = typer.Option(None, "--max-memory", help="Memory budget, e.g. 8GB or 6GiB: "
-                                                 "whole graphs when they fit, else one decoder layer at a time; "
-                                                 "auto: half the RAM available [default: evaluate.max_memory, auto]"),
+        operators: Optional[bool] = typer.Option(
+            None, "--operators/--no-operators", help="Run the operator conformance table"
+        ),
+        dump: Optional[bool] = typer.Option(
+            None,
+            "--dump/--no-dump",
+            help="Also write every compared tensor "
+            "pair as REPORT_DIR/dump/<comparison>/{golden,candidate}/<tensor>.npy "
+            "(for msit / msprobe compare)",
+        ),
+        max_memory: Optional[str] = typer.Option(
+            None,
+            "--max-memory",
+            help="Memory budget, e.g. 8GB or 6GiB: "
+            "whole graphs when they fit, else one decoder layer at a time; "
+            "auto: half the RAM available [default: evaluate.max_memory, auto]",
+        ),
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
     ):
         """Compare training checkpoint, unified model, ONNX and OM per layer, per operator, per dtype.
@@ -66,10 +88,20 @@ def register(app: typer.Typer) -> None:
         settings = flow_cfg.evaluate if flow_cfg is not None else EvaluateConfig()
         if data is None and flow_cfg is not None and flow_cfg.evaluate.data:
             # a path read from a file stays inside that file's dir; one on the command line is the user's
-            resolve_inside(config.parent, flow_cfg.evaluate.data, source=config, what="evaluate.data", kind="any",
-                           fix="put the file beside the flow.yaml, or pass it with --data FILE")
-        data, split = held_out_text(data=data, flow=flow_cfg, flow_dir=config.parent if config else None,
-                                    run_dir=flow_cfg.run_dir() if flow_cfg is not None else None)
+            resolve_inside(
+                config.parent,
+                flow_cfg.evaluate.data,
+                source=config,
+                what="evaluate.data",
+                kind="any",
+                fix="put the file beside the flow.yaml, or pass it with --data FILE",
+            )
+        data, split = held_out_text(
+            data=data,
+            flow=flow_cfg,
+            flow_dir=config.parent if config else None,
+            run_dir=flow_cfg.run_dir() if flow_cfg is not None else None,
+        )
         updates: dict = {"dtype": dtype.value}
         if batches is not None:
             updates["batches"] = batches
@@ -82,18 +114,34 @@ def register(app: typer.Typer) -> None:
         if max_memory is not None:
             updates["max_memory"] = max_memory
         # validated as flow.yaml's section is (model_copy would skip the field rules): a bad value is one line
-        settings = section_from_flags(EvaluateConfig, {k: "--" + k.replace("_", "-") for k in updates},
-                                      **{**settings.model_dump(), **updates})
-        r = call_stage("evaluate", evaluate_model, track=flow, out_dir=out_dir, checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om,
-                           data=data, settings=settings, progress=True, split=split)
+        settings = section_from_flags(
+            EvaluateConfig, {k: "--" + k.replace("_", "-") for k in updates}, **{**settings.model_dump(), **updates}
+        )
+        r = call_stage(
+            "evaluate",
+            evaluate_model,
+            track=flow,
+            out_dir=out_dir,
+            checkpoint=checkpoint,
+            model_dir=model_dir,
+            onnx=onnx,
+            om=om,
+            data=data,
+            settings=settings,
+            progress=True,
+            split=split,
+        )
         for cid, status in r.summary["comparisons"].items():
             console.print(f"  {cid:20s} {status}", highlight=False, soft_wrap=True)
         console.print(r.summary["memory_line"], highlight=False, soft_wrap=True)
         before = r.summary.get("perplexity_before_finetune")
         if before is not None:  # a LoRA checkpoint: what the fine-tune changed on the held-out data
             after = next(iter((r.summary.get("perplexity") or {}).values()), None)
-            console.print(f"  perplexity {before:.4g} before the fine-tune (the base), {after:.4g} after",
-                          highlight=False, soft_wrap=True)
+            console.print(
+                f"  perplexity {before:.4g} before the fine-tune (the base), {after:.4g} after",
+                highlight=False,
+                soft_wrap=True,
+            )
         colour = "green" if r.passed else "red"
         console.print(f"[{colour}]{escape(r.summary['verdict'])}[/{colour}]", highlight=False, soft_wrap=True)
         console.print(f"report: {r.report_json.parent / 'report.html'}", highlight=False, soft_wrap=True)

@@ -1,6 +1,7 @@
 """`titan-pipe init`'s example flow.yaml: the commented template, and for a named flavour a coherent
 run of that model (its own name, sequence length, precision, the layout the planner picks for the
 devices named, a tokenizer line to fill in), the template's comments kept."""
+
 from __future__ import annotations
 
 import re
@@ -42,17 +43,31 @@ def set_key(text: str, section: str | None, key: str, value, note: str | None = 
 SFT_STEPS = 1000
 SAMPLE_CHAT = "chat.jsonl"  # written beside an --sft example: the record format, three conversations
 SAMPLE_RECORDS = [
-    {"messages": [{"role": "system", "content": "You answer in one sentence."},
-                  {"role": "user", "content": "What does titan-pipe do?"},
-                  {"role": "assistant", "content": "It trains a model, converts it, exports it for ATC and checks "
-                                                   "the deployed graphs against the training operators."}]},
-    {"messages": [{"role": "user", "content": "Which parallelisms does it combine?"},
-                  {"role": "assistant", "content": "Data, tensor, pipeline and expert parallelism."},
-                  {"role": "user", "content": "And for fine-tuning?"},
-                  {"role": "assistant", "content": "The same, with the loss on the answers only."}]},
-    {"messages": [{"role": "user", "content": "Where is the loss mask kept?"},
-                  {"role": "assistant", "content": "In tokens.lossmask, one byte a token beside the indexed "
-                                                   "dataset."}]},
+    {
+        "messages": [
+            {"role": "system", "content": "You answer in one sentence."},
+            {"role": "user", "content": "What does titan-pipe do?"},
+            {
+                "role": "assistant",
+                "content": "It trains a model, converts it, exports it for ATC and checks "
+                "the deployed graphs against the training operators.",
+            },
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Which parallelisms does it combine?"},
+            {"role": "assistant", "content": "Data, tensor, pipeline and expert parallelism."},
+            {"role": "user", "content": "And for fine-tuning?"},
+            {"role": "assistant", "content": "The same, with the loss on the answers only."},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "Where is the loss mask kept?"},
+            {"role": "assistant", "content": "In tokens.lossmask, one byte a token beside the indexed dataset."},
+        ]
+    },
 ]
 
 
@@ -70,20 +85,32 @@ def finetune_flow(text: str, flavour: str, *, model_dir: str | None = None) -> s
     known = model_dir is not None
     model_dir = model_dir if known else f"{flavour}-hf"
     text = set_key(text, None, "name", f"{flavour}-sft".replace("_", "-"))
-    text = set_key(text, None, "init_from", model_dir, note="the released model: its config.json is the architecture"
-                   if known else f"FILL IN: the released {flavour} Hugging Face dir (config.json, *.safetensors, "
-                   "tokenizer)")
-    text = set_key(text, "data", "path", SAMPLE_CHAT, note="your chat jsonl (one {\"messages\": [...]} a line)")
+    text = set_key(
+        text,
+        None,
+        "init_from",
+        model_dir,
+        note="the released model: its config.json is the architecture"
+        if known
+        else f"FILL IN: the released {flavour} Hugging Face dir (config.json, *.safetensors, tokenizer)",
+    )
+    text = set_key(text, "data", "path", SAMPLE_CHAT, note='your chat jsonl (one {"messages": [...]} a line)')
     text = set_key(text, "data", "tokenizer", model_dir, note="the model's own tokenizer and chat template")
     text = set_key(text, "data", "format", "chat")
     text = set_key(text, "train", "mode", "sft")
     text = set_key(text, "train", "steps", SFT_STEPS)
     text = set_key(text, "train", "warmup_steps", round(0.03 * SFT_STEPS))
-    text = set_key(text, "train", "optimizer", {"name": "adamw", "lr": 2.0e-5, "betas": [0.9, 0.95], "eps": 1.0e-8,
-                                                "weight_decay": 0.0})
-    first = ("# Fine-tuning (docs/finetune.md) needs the released model's Hugging Face dir (config.json,\n"
-             f"# *.safetensors, tokenizer files) at init_from: {model_dir}{'' if known else ' (FILL IN)'}. Your "
-             "chat records go in data.path;\n# chat.jsonl beside this file shows the format.\n")
+    text = set_key(
+        text,
+        "train",
+        "optimizer",
+        {"name": "adamw", "lr": 2.0e-5, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.0},
+    )
+    first = (
+        "# Fine-tuning (docs/finetune.md) needs the released model's Hugging Face dir (config.json,\n"
+        f"# *.safetensors, tokenizer files) at init_from: {model_dir}{'' if known else ' (FILL IN)'}. Your "
+        "chat records go in data.path;\n# chat.jsonl beside this file shows the format.\n"
+    )
     return first + text
 
 
@@ -93,11 +120,19 @@ LORA_LR = 2.0e-4  # LoRA's usual learning rate: the adapters start at zero and a
 def lora_flow(text: str, rank: int) -> str:
     """``text`` with LoRA adapters of ``rank`` on every attention and MLP linear (alpha 2 x rank, dropout
     0.05, as PEFT users commonly set them), the base frozen, and LoRA's learning rate."""
-    text = set_key(text, "train", "lora", {"rank": rank, "alpha": 2 * rank, "dropout": 0.05,
-                                           "targets": ["q", "k", "v", "o", "gate", "up", "down"]},
-                   note="LoRA: only these adapters train, init_from frozen (docs/finetune.md)")
-    return set_key(text, "train", "optimizer", {"name": "adamw", "lr": LORA_LR, "betas": [0.9, 0.95], "eps": 1.0e-8,
-                                                "weight_decay": 0.0})
+    text = set_key(
+        text,
+        "train",
+        "lora",
+        {"rank": rank, "alpha": 2 * rank, "dropout": 0.05, "targets": ["q", "k", "v", "o", "gate", "up", "down"]},
+        note="LoRA: only these adapters train, init_from frozen (docs/finetune.md)",
+    )
+    return set_key(
+        text,
+        "train",
+        "optimizer",
+        {"name": "adamw", "lr": LORA_LR, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.0},
+    )
 
 
 def released_flow(model_dir: Path, *, sft: bool, devices: int, device: str) -> str:
@@ -110,8 +145,13 @@ def released_flow(model_dir: Path, *, sft: bool, devices: int, device: str) -> s
 
     args = checkpoint_args(model_dir)  # UserError naming the file when it is no model dir
     text = TEMPLATE.read_text()
-    text = re.sub(r"^  flavour: .*\n(?:^ {10,}#.*\n)*", "  # no flavour: the architecture is init_from's config.json "
-                  "(a key written here must equal it)\n", text, count=1, flags=re.M)
+    text = re.sub(
+        r"^  flavour: .*\n(?:^ {10,}#.*\n)*",
+        "  # no flavour: the architecture is init_from's config.json (a key written here must equal it)\n",
+        text,
+        count=1,
+        flags=re.M,
+    )
     cpu = device == "cpu"
     tp = 1 if cpu else max(d for d in tp_choices(args) if devices % d == 0 and d <= 8)
     dp = 1 if cpu else devices // tp
@@ -128,8 +168,9 @@ def released_flow(model_dir: Path, *, sft: bool, devices: int, device: str) -> s
             text = set_key(text, "data", "tokenizer", "byte", note=TOKENIZER_NOTE)
         return text
     text = set_key(text, None, "name", name)
-    text = set_key(text, None, "init_from", str(model_dir), note="the released model: its config.json is the "
-                   "architecture")
+    text = set_key(
+        text, None, "init_from", str(model_dir), note="the released model: its config.json is the architecture"
+    )
     text = set_key(text, "data", "tokenizer", str(model_dir) if tok else "byte", note=None if tok else TOKENIZER_NOTE)
     return text
 
@@ -172,8 +213,10 @@ def _example_flow(flavour: str, *, devices: int, device: str) -> str:
     cluster, _ = build_cluster(device, devices)
     plan = make_plan(Workload(args, seq_len, 4 * devices, flavour=flavour), cluster)
     if plan.best is None:
-        raise UserError(f"{flavour} fits on no layout of {devices} x {cluster.device} (run `titan-pipe plan --model "
-                        f"{flavour} --devices {devices} --device {device}` to see why); name more devices with --devices")
+        raise UserError(
+            f"{flavour} fits on no layout of {devices} x {cluster.device} (run `titan-pipe plan --model "
+            f"{flavour} --devices {devices} --device {device}` to see why); name more devices with --devices"
+        )
     chosen = layout_flow(plan.workload, plan.best.layout, cluster, name=flavour)
     name = flavour if run_name_problem(flavour) is None else suggest_run_name(flavour)
     text = set_key(text, None, "name", name)
@@ -183,16 +226,28 @@ def _example_flow(flavour: str, *, devices: int, device: str) -> str:
     train = {"steps": 1000, "batch_size": chosen["train"]["batch_size"], "seq_len": seq_len, "warmup_steps": 100}
     for key, value in train.items():
         text = set_key(text, "train", key, value)
-    text = set_key(text, "train", "optimizer", {"name": "adamw", "lr": 3.0e-4, "betas": [0.9, 0.95], "eps": 1.0e-8,
-                                                "weight_decay": 0.1})
+    text = set_key(
+        text,
+        "train",
+        "optimizer",
+        {"name": "adamw", "lr": 3.0e-4, "betas": [0.9, 0.95], "eps": 1.0e-8, "weight_decay": 0.1},
+    )
     layout = chosen["parallel"]
     for key in ("dp", "tp", "pp", "pp_schedule", "microbatches", "dp_mode", "sequence_parallel"):
         text = set_key(text, "parallel", key, layout[key])
     if layout["pp_schedule"] == "interleaved_1f1b":
-        text = set_key(text, "parallel", "pp_schedule", "interleaved_1f1b",
-                       note=f"virtual_stages: {layout['virtual_stages']} (the planner's pick)")
-        text = text.replace("  pp_schedule: interleaved_1f1b", "  virtual_stages: "
-                            f"{layout['virtual_stages']}\n  pp_schedule: interleaved_1f1b", 1)
+        text = set_key(
+            text,
+            "parallel",
+            "pp_schedule",
+            "interleaved_1f1b",
+            note=f"virtual_stages: {layout['virtual_stages']} (the planner's pick)",
+        )
+        text = text.replace(
+            "  pp_schedule: interleaved_1f1b",
+            f"  virtual_stages: {layout['virtual_stages']}\n  pp_schedule: interleaved_1f1b",
+            1,
+        )
     for key, value in chosen["precision"].items():
         text = set_key(text, "precision", key, value)
     for key, value in chosen["memory"].items():
@@ -204,8 +259,10 @@ def _example_flow(flavour: str, *, devices: int, device: str) -> str:
     text = set_key(text, "checkpoint", "every", 200)
     for section in ("export", "evaluate"):
         text = set_key(text, section, "seq_len", min(128, seq_len))
-    header = (f"# {flavour} on {devices} x {cluster.device}: the layout is `titan-pipe plan --model {flavour} "
-              f"--devices {devices} --device {device} --seq-len {seq_len}`'s pick\n"
-              f"# ({plan.best.tokens_per_s:,.0f} tokens/s, {plan.best.memory.total / 1e9:.1f} GB per device "
-              "predicted). Fill in data.path and data.tokenizer, or start from released weights with init_from.\n")
+    header = (
+        f"# {flavour} on {devices} x {cluster.device}: the layout is `titan-pipe plan --model {flavour} "
+        f"--devices {devices} --device {device} --seq-len {seq_len}`'s pick\n"
+        f"# ({plan.best.tokens_per_s:,.0f} tokens/s, {plan.best.memory.total / 1e9:.1f} GB per device "
+        "predicted). Fill in data.path and data.tokenizer, or start from released weights with init_from.\n"
+    )
     return header + text

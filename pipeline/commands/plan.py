@@ -1,5 +1,6 @@
 """`titan-pipe plan`: rank the dp x tp x pp layouts of a model on a cluster, explain the misfits,
 and write the winner as a flow.yaml (a thin shell over training/planner/search.py)."""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,9 @@ def _workload(model: str, seq_len: int, global_batch: int, lora_rank: int | None
         overrides = cfg.model.model_dump(exclude={"flavour", "kernels"}, exclude_none=True)
         if lora is None and cfg.train.lora is not None:
             lora = cfg.train.lora.spec()
-        w = Workload(cfg.model.args(), seq_len, global_batch, flavour=cfg.model.flavour, model_overrides=overrides,
-                     lora=lora)
+        w = Workload(
+            cfg.model.args(), seq_len, global_batch, flavour=cfg.model.flavour, model_overrides=overrides, lora=lora
+        )
     if w.lora is not None and model_problems(w.lora, w.args):  # a mixture of experts: the attention only
         from dataclasses import replace
 
@@ -79,25 +81,43 @@ def _table(plan, top: int, *, width: int = 150):
 
     narrow = width < 110
     kinds = ("tp", "pp", "dp") + (("ep",) if any(e.layout.ep > 1 for e in plan.ranked[:top]) else ())
-    t = Table(title=f"Top {min(top, len(plan.ranked))} of {len(plan.ranked)} layouts that fit "
-                    f"({len(plan.misfits)} do not, {len(plan.invalid)} break a config rule)",
-              box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD, padding=(0, 1), pad_edge=not narrow,
-              caption=f"comm: GB a step over {'/'.join(kinds)}" if narrow else None)
+    t = Table(
+        title=f"Top {min(top, len(plan.ranked))} of {len(plan.ranked)} layouts that fit "
+        f"({len(plan.misfits)} do not, {len(plan.invalid)} break a config rule)",
+        box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD,
+        padding=(0, 1),
+        pad_edge=not narrow,
+        caption=f"comm: GB a step over {'/'.join(kinds)}" if narrow else None,
+    )
     t.add_column("#", justify="right", no_wrap=True)
     t.add_column("layout", no_wrap=True)
-    cols = (("mb", "dp", "GB/dev", "comm", "tok/s", "MFU") if narrow else
-            ("mb", "dp", "SP", "AC", "GB/dev", "act", "bubble", f"comm GB {'/'.join(kinds)}", "tok/s", "MFU"))
+    cols = (
+        ("mb", "dp", "GB/dev", "comm", "tok/s", "MFU")
+        if narrow
+        else ("mb", "dp", "SP", "AC", "GB/dev", "act", "bubble", f"comm GB {'/'.join(kinds)}", "tok/s", "MFU")
+    )
     for col in cols:
         t.add_column(col, justify="right", no_wrap=True)
     for i, e in enumerate(plan.ranked[:top], 1):
         lay, m, c = e.layout, e.memory, e.timing.comm
         comm = "/".join(f"{c[k].bytes / 1e9:.0f}" if k in c else "-" for k in kinds)
-        label = row_label(None, e).split(" ", 1)[1].replace(f" mb{lay.microbatches}", "").replace(
-            f" {_zero(lay)}", "") if narrow else _short(lay)
-        cells = {"mb": str(lay.microbatches), "dp": _zero(lay), "SP": "y" if lay.sequence_parallel else "",
-                 "AC": str(lay.ac_every or ""), "GB/dev": _gb(m.total), "act": _gb(m.activations + m.recompute),
-                 "bubble": f"{e.timing.bubble:.0%}", "comm": comm, "tok/s": f"{e.tokens_per_s:,.0f}",
-                 "MFU": f"{e.mfu:.0%}"}
+        label = (
+            row_label(None, e).split(" ", 1)[1].replace(f" mb{lay.microbatches}", "").replace(f" {_zero(lay)}", "")
+            if narrow
+            else _short(lay)
+        )
+        cells = {
+            "mb": str(lay.microbatches),
+            "dp": _zero(lay),
+            "SP": "y" if lay.sequence_parallel else "",
+            "AC": str(lay.ac_every or ""),
+            "GB/dev": _gb(m.total),
+            "act": _gb(m.activations + m.recompute),
+            "bubble": f"{e.timing.bubble:.0%}",
+            "comm": comm,
+            "tok/s": f"{e.tokens_per_s:,.0f}",
+            "MFU": f"{e.mfu:.0%}",
+        }
         t.add_row(str(i), label, *(cells[col if not col.startswith("comm") else "comm"] for col in cols))
     return t
 
@@ -177,11 +197,13 @@ def _write_flow(plan, path: Path, force: bool) -> None:
     data = layout_flow(plan.workload, best.layout, plan.cluster, name=path.stem if path.stem != "flow" else "planned")
     parse_flow(data, source=str(path), base=path.parent.resolve())  # what validate will check
     m = best.memory
-    header = (f"# Written by `titan-pipe plan`: best of {len(plan.ranked)} fitting layouts for "
-              f"{plan.workload.flavour or 'the model'} on {plan.cluster.n_devices} x {plan.cluster.device}.\n"
-              f"# Estimate: {best.tokens_per_s:,.0f} tokens/s, {best.step_s:.2f} s/step, MFU {best.mfu:.0%}, "
-              f"{m.total / 1e9:.1f} GB/device (docs/plan.md says how it is computed).\n"
-              "# Add data.path, train.steps and the optimizer before training; check with titan-pipe validate.\n")
+    header = (
+        f"# Written by `titan-pipe plan`: best of {len(plan.ranked)} fitting layouts for "
+        f"{plan.workload.flavour or 'the model'} on {plan.cluster.n_devices} x {plan.cluster.device}.\n"
+        f"# Estimate: {best.tokens_per_s:,.0f} tokens/s, {best.step_s:.2f} s/step, MFU {best.mfu:.0%}, "
+        f"{m.total / 1e9:.1f} GB/device (docs/plan.md says how it is computed).\n"
+        "# Add data.path, train.steps and the optimizer before training; check with titan-pipe validate.\n"
+    )
     if "rdzv_endpoint" in data["launch"]:
         header += "# launch.rdzv_endpoint: replace NODE0_HOST with the address of node 0.\n"
     from titan_pipe.atomic import write_text
@@ -193,29 +215,52 @@ def register(app: typer.Typer) -> None:
     @app.command()
     @handle_errors
     def plan(
-        model: str = typer.Option(..., "--model", help="Flavour (llama2_13b, ...) or a flow.yaml whose model section to use"),
+        model: str = typer.Option(
+            ..., "--model", help="Flavour (llama2_13b, ...) or a flow.yaml whose model section to use"
+        ),
         devices: int = typer.Option(..., "--devices", help="Number of accelerators"),
-        device: str = typer.Option(..., "--device", help="Device profile: ascend910a, ascend910b (= b3), ascend910b1-b4, a100, h100"),
-        device_memory: Optional[str] = typer.Option(None, "--device-memory", help="Override memory per device, e.g. 32GB"),
-        nodes: Optional[int] = typer.Option(None, "--nodes", help="Servers the devices are spread over (default: full servers)"),
+        device: str = typer.Option(
+            ..., "--device", help="Device profile: ascend910a, ascend910b (= b3), ascend910b1-b4, a100, h100"
+        ),
+        device_memory: Optional[str] = typer.Option(
+            None, "--device-memory", help="Override memory per device, e.g. 32GB"
+        ),
+        nodes: Optional[int] = typer.Option(
+            None, "--nodes", help="Servers the devices are spread over (default: full servers)"
+        ),
         seq_len: int = typer.Option(4096, "--seq-len", help="Tokens per sequence"),
-        global_batch: Optional[int] = typer.Option(None, "--global-batch", help="Sequences per optimizer step (default 4 per device)"),
+        global_batch: Optional[int] = typer.Option(
+            None, "--global-batch", help="Sequences per optimizer step (default 4 per device)"
+        ),
         top: int = typer.Option(10, "--top", help="Rows of the ranked table"),
         dp: Optional[int] = typer.Option(None, "--dp", help="Only layouts with this dp"),
         tp: Optional[int] = typer.Option(None, "--tp", help="Only layouts with this tp"),
         pp: Optional[int] = typer.Option(None, "--pp", help="Only layouts with this pp"),
-        efficiency: float = typer.Option(0.5, "--efficiency", min=0.01, max=1.0, help="Achieved fraction of peak FLOPs"),
-        comm_efficiency: float = typer.Option(0.7, "--comm-efficiency", min=0.01, max=1.0, help="Achieved fraction of link bandwidth"),
+        efficiency: float = typer.Option(
+            0.5, "--efficiency", min=0.01, max=1.0, help="Achieved fraction of peak FLOPs"
+        ),
+        comm_efficiency: float = typer.Option(
+            0.7, "--comm-efficiency", min=0.01, max=1.0, help="Achieved fraction of link bandwidth"
+        ),
         write: Optional[Path] = typer.Option(None, "--write", help="Write the best layout as this flow.yaml"),
         force: bool = typer.Option(False, "--force", help="Overwrite the --write file"),
         plot: Optional[Path] = typer.Option(None, "--plot", help="Save a memory-per-device chart (PNG)"),
-        calibrate: Optional[Path] = typer.Option(None, "--calibrate", help="device_check.json or a run's metrics.jsonl: "
-                                                 "set --efficiency to what reproduces its tokens/s, and show its "
-                                                 "peak memory against the model's"),
-        calibrate_phase: str = typer.Option("trainer", "--calibrate-phase",
-                                            help="device_check.json phase: trainer | trainer_compiled | trainer_float8"),
-        lora: Optional[int] = typer.Option(None, "--lora", help="LoRA of this rank on every attention and MLP linear: "
-                                           "the base frozen, only the adapters with gradients and AdamW states"),
+        calibrate: Optional[Path] = typer.Option(
+            None,
+            "--calibrate",
+            help="device_check.json or a run's metrics.jsonl: "
+            "set --efficiency to what reproduces its tokens/s, and show its "
+            "peak memory against the model's",
+        ),
+        calibrate_phase: str = typer.Option(
+            "trainer", "--calibrate-phase", help="device_check.json phase: trainer | trainer_compiled | trainer_float8"
+        ),
+        lora: Optional[int] = typer.Option(
+            None,
+            "--lora",
+            help="LoRA of this rank on every attention and MLP linear: "
+            "the base frozen, only the adapters with gradients and AdamW states",
+        ),
     ):
         """Find the fastest dp x tp x pp layout that fits: memory, bubble, communication, tokens/s."""
         from rich.console import Console
@@ -223,25 +268,37 @@ def register(app: typer.Typer) -> None:
 
         from titan_pipe.errors import UserError
         from titan_pipe.model.args import count_params, flops_per_token
-        from titan_pipe.training.planner.search import (best_misfits_per_layout, bounded_candidates, build_cluster,
-                                                        make_plan)
+        from titan_pipe.training.planner.search import (
+            best_misfits_per_layout,
+            bounded_candidates,
+            build_cluster,
+            make_plan,
+        )
         from titan_pipe.training.planner.workload import Assumptions
 
         out = Console()
         if not out.is_terminal and not os.environ.get("COLUMNS"):  # piped, no width given: do not squeeze the table
             out = Console(width=150)
         gb = global_batch if global_batch is not None else 4 * devices
-        for flag, value, bound in (("--devices", devices, limits.DEVICES), ("--nodes", nodes, limits.DEVICES),
-                                   ("--seq-len", seq_len, limits.SEQ_LEN), ("--global-batch", gb, limits.BATCH),
-                                   ("--top", top, limits.TOP_ROWS), ("--dp", dp, limits.PARALLEL),
-                                   ("--tp", tp, limits.PARALLEL), ("--pp", pp, limits.PARALLEL),
-                                   ("--lora", lora, limits.LORA_RANK)):
+        for flag, value, bound in (
+            ("--devices", devices, limits.DEVICES),
+            ("--nodes", nodes, limits.DEVICES),
+            ("--seq-len", seq_len, limits.SEQ_LEN),
+            ("--global-batch", gb, limits.BATCH),
+            ("--top", top, limits.TOP_ROWS),
+            ("--dp", dp, limits.PARALLEL),
+            ("--tp", tp, limits.PARALLEL),
+            ("--pp", pp, limits.PARALLEL),
+            ("--lora", lora, limits.LORA_RANK),
+        ):
             limits.check_flag(flag, value, bound)  # the search space and every table are sized by these
         cluster, notes = build_cluster(device, devices, nodes=nodes, device_memory=device_memory)
         w = _workload(model, seq_len, gb, lora)
         if w.lora is not None and write is not None:
-            raise UserError("--write with LoRA: a LoRA flow adapts a model it starts from (init_from), which a "
-                            "flavour does not name; use titan-pipe init DIR --from HF_DIR --sft --lora RANK")
+            raise UserError(
+                "--write with LoRA: a LoRA flow adapts a model it starts from (init_from), which a "
+                "flavour does not name; use titan-pipe init DIR --from HF_DIR --sft --lora RANK"
+            )
         bounded_candidates(w, cluster, dp=dp, tp=tp, pp=pp)  # a search too large: one line, before any output
         assume = Assumptions(compute_efficiency=efficiency, comm_efficiency=comm_efficiency)
         if calibrate is not None:
@@ -253,8 +310,9 @@ def register(app: typer.Typer) -> None:
             assume = Assumptions(compute_efficiency=cal.efficiency, comm_efficiency=comm_efficiency)
         for note in notes:
             out.print(f"[yellow]note[/yellow] {note}", highlight=False)
-        links = ", ".join(f"{ln.name} {ln.gbps:g} GB/s" + (f" (groups of {ln.span})" if ln.span else "")
-                          for ln in cluster.links)
+        links = ", ".join(
+            f"{ln.name} {ln.gbps:g} GB/s" + (f" (groups of {ln.span})" if ln.span else "") for ln in cluster.links
+        )
         n = count_params(w.args)
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
         trained = ""
@@ -262,18 +320,30 @@ def register(app: typer.Typer) -> None:
             from titan_pipe.model.lora import adapter_count
 
             k = adapter_count(w.args, w.lora)
-            trained = (f"; LoRA rank {w.lora.rank} on {', '.join(w.lora.targets)}: {k / 1e6:,.1f}M trained "
-                       f"({k / n:.2%}), the base frozen")
-        out.print(f"{w.flavour or 'model'}: {size} parameters, "
-                  f"{flops_per_token(w.args, seq_len) / 1e9:.1f} GFLOP/token (train){trained}; batch {gb} x {seq_len} tokens\n"
-                  f"{devices} x {cluster.device} ({cluster.memory_bytes / 1e9:.0f} GB, "
-                  f"{', '.join(f'{k} {v:g} TFLOPS' for k, v in cluster.peak_tflops.items())}) in "
-                  f"{devices // cluster.devices_per_node} node(s) of {cluster.devices_per_node}; {links}",
-                  highlight=False)
+            trained = (
+                f"; LoRA rank {w.lora.rank} on {', '.join(w.lora.targets)}: {k / 1e6:,.1f}M trained "
+                f"({k / n:.2%}), the base frozen"
+            )
+        out.print(
+            f"{w.flavour or 'model'}: {size} parameters, "
+            f"{flops_per_token(w.args, seq_len) / 1e9:.1f} GFLOP/token (train){trained}; batch {gb} x {seq_len} tokens\n"
+            f"{devices} x {cluster.device} ({cluster.memory_bytes / 1e9:.0f} GB, "
+            f"{', '.join(f'{k} {v:g} TFLOPS' for k, v in cluster.peak_tflops.items())}) in "
+            f"{devices // cluster.devices_per_node} node(s) of {cluster.devices_per_node}; {links}",
+            highlight=False,
+        )
         with Progress(console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task("estimating layouts", total=None)
-            result = make_plan(w, cluster, assume=assume, dp=dp, tp=tp, pp=pp, notes=notes,
-                               progress=lambda i, n: bar.update(task, completed=i, total=n))
+            result = make_plan(
+                w,
+                cluster,
+                assume=assume,
+                dp=dp,
+                tp=tp,
+                pp=pp,
+                notes=notes,
+                progress=lambda i, n: bar.update(task, completed=i, total=n),
+            )
         if result.ranked:
             out.print(_table(result, top, width=out.width))
         misfits = best_misfits_per_layout(result)
@@ -284,13 +354,18 @@ def register(app: typer.Typer) -> None:
                 _plot(result, plot, top)
             out.print(f"wrote {plot}")
         if result.best is None:
-            raise UserError(f"no layout fits in {cluster.memory_bytes / 1e9:.1f} GB per device; see the "
-                            "reasons above (more devices, a smaller --global-batch or --seq-len)")
+            raise UserError(
+                f"no layout fits in {cluster.memory_bytes / 1e9:.1f} GB per device; see the "
+                "reasons above (more devices, a smaller --global-batch or --seq-len)"
+            )
         b = result.best
-        out.print(f"best: {b.layout.label()}, {b.layout.microbatches} microbatches, {_zero(b.layout)}, "
-                  f"sequence_parallel={b.layout.sequence_parallel}, checkpoint every {b.layout.ac_every or '-'} "
-                  f"layer(s), {b.layout.amp_dtype}: {b.tokens_per_s:,.0f} tokens/s, "
-                  f"{b.memory.total / 1e9:.1f} GB/device", highlight=False)
+        out.print(
+            f"best: {b.layout.label()}, {b.layout.microbatches} microbatches, {_zero(b.layout)}, "
+            f"sequence_parallel={b.layout.sequence_parallel}, checkpoint every {b.layout.ac_every or '-'} "
+            f"layer(s), {b.layout.amp_dtype}: {b.tokens_per_s:,.0f} tokens/s, "
+            f"{b.memory.total / 1e9:.1f} GB/device",
+            highlight=False,
+        )
         if write is not None:
             with faults.writing(write, what="the flow.yaml"), path_lock(write, what="titan-pipe plan --write"):
                 _write_flow(result, write, force)

@@ -1,4 +1,5 @@
 """`titan-pipe run` (the whole flow under Prefect, with a live per-stage summary) and `titan-pipe schedule`."""
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,10 @@ STAGE_HELP = "train | convert | export | evaluate"
 # Prefect settings titan-pipe needs on a cluster (set only where the user has not): no usage
 # telemetry (nodes are often offline: it logs an ERROR each run), and time for the temporary
 # server's first start (database migrations; 20 s, Prefect's default, is too short on small hosts).
-PREFECT_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+PREFECT_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+}
 
 
 def prefect_env() -> None:
@@ -30,28 +33,36 @@ def prefect_env() -> None:
 
 def stage_figures(stage: str, summary: dict, passed: bool | None) -> str:
     """The one-line summary of a finished stage in the live output and the final table."""
+
     def num(key: str, fmt: str) -> str | None:
         v = summary.get(key)
         return None if v is None else format(v, fmt) if isinstance(v, (int, float)) else str(v)
 
     if stage == "data":
-        parts = [f"{num('tokens', ',')} tokens" if "tokens" in summary else None,
-                 f"{num('documents', ',')} documents" if "documents" in summary else None,
-                 "already prepared" if summary.get("reused") else None]
+        parts = [
+            f"{num('tokens', ',')} tokens" if "tokens" in summary else None,
+            f"{num('documents', ',')} documents" if "documents" in summary else None,
+            "already prepared" if summary.get("reused") else None,
+        ]
     elif stage == "train":
         mfu = summary.get("mfu")
-        parts = [f"loss {num('final_loss', '.4f')}" if "final_loss" in summary else None,
-                 f"{num('tokens_per_s', ',.0f')} tok/s" if "tokens_per_s" in summary else None,
-                 f"MFU {100 * mfu:.2f}%" if isinstance(mfu, (int, float)) else None,
-                 f"{summary['steps']} steps" if "steps" in summary else None]
+        parts = [
+            f"loss {num('final_loss', '.4f')}" if "final_loss" in summary else None,
+            f"{num('tokens_per_s', ',.0f')} tok/s" if "tokens_per_s" in summary else None,
+            f"MFU {100 * mfu:.2f}%" if isinstance(mfu, (int, float)) else None,
+            f"{summary['steps']} steps" if "steps" in summary else None,
+        ]
     elif stage == "export":
         parts = [f"ATC: {summary.get('atc_status', 'n/a')}"]
     elif stage == "evaluate":
         parts = ["verdict PASS" if passed else "verdict FAIL"]
     elif stage == "convert" and "tensors" in summary:
         size = summary.get("bytes")
-        parts = [f"{summary['tensors']} tensors", f"{size / 1e6:.1f} MB" if isinstance(size, (int, float)) else None,
-                 f"{summary['files']} file(s)" if "files" in summary else None]
+        parts = [
+            f"{summary['tensors']} tensors",
+            f"{size / 1e6:.1f} MB" if isinstance(size, (int, float)) else None,
+            f"{summary['files']} file(s)" if "files" in summary else None,
+        ]
     else:
         parts = [f"{k} {v}" for k, v in list(summary.items())[:3] if isinstance(v, (int, float))]
     return ", ".join(p for p in parts if p)
@@ -60,8 +71,7 @@ def stage_figures(stage: str, summary: dict, passed: bool | None) -> str:
 class LiveSummary:
     """Prints one line per stage event as it happens and keeps them for the closing table."""
 
-    STYLE = {"running": "cyan", "done": "green", "cached": "blue", "reused": "blue", "skipped": "dim",
-             "failed": "red"}
+    STYLE = {"running": "cyan", "done": "green", "cached": "blue", "reused": "blue", "skipped": "dim", "failed": "red"}
 
     def __init__(self, console: Console):
         self.console = console
@@ -74,8 +84,10 @@ class LiveSummary:
         self.rows[ev.stage] = (ev.status, ev.duration_s, figures)
         style = self.STYLE.get(ev.status, "white")
         took = f" in {ev.duration_s:.1f}s" if ev.duration_s else ""
-        self.console.print(f"[bold]{ev.stage:>8}[/bold] [{style}]{ev.status}[/{style}]{took}"
-                           + (f" — {figures}" if figures else ""), highlight=False)
+        self.console.print(
+            f"[bold]{ev.stage:>8}[/bold] [{style}]{ev.status}[/{style}]{took}" + (f" — {figures}" if figures else ""),
+            highlight=False,
+        )
 
     def table(self) -> Table:
         t = Table(title="titan-pipe run")
@@ -110,16 +122,20 @@ def _serve_until_stopped(plan, flow_path: Path) -> None:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    raise Interrupted(got[0] if got else signal.SIGINT, "the schedule is paused; `titan-pipe schedule` again resumes it")
+    raise Interrupted(
+        got[0] if got else signal.SIGINT, "the schedule is paused; `titan-pipe schedule` again resumes it"
+    )
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     @handle_errors
-    def run(flow: Path = typer.Argument(..., help="flow.yaml of the run"),
-            from_stage: Optional[str] = typer.Option(None, "--from", help=f"re-run from this stage on ({STAGE_HELP})"),
-            only: Optional[str] = typer.Option(None, "--only", help=f"run this one stage ({STAGE_HELP})"),
-            force: bool = typer.Option(False, "--force", help="run every stage even if its inputs are unchanged")):
+    def run(
+        flow: Path = typer.Argument(..., help="flow.yaml of the run"),
+        from_stage: Optional[str] = typer.Option(None, "--from", help=f"re-run from this stage on ({STAGE_HELP})"),
+        only: Optional[str] = typer.Option(None, "--only", help=f"run this one stage ({STAGE_HELP})"),
+        force: bool = typer.Option(False, "--force", help="run every stage even if its inputs are unchanged"),
+    ):
         """Run train -> convert -> export -> evaluate as a Prefect flow; unchanged stages are not re-run."""
         from titan_pipe.config import load_flow
         from titan_pipe.errors import UserError
@@ -149,9 +165,13 @@ def register(app: typer.Typer) -> None:
         failed: BaseException | None = None
         result: dict = {}
         # held here, before Prefect starts, so a second writer fails at once (run_pipeline re-enters it)
-        with faults.writing(cfg.run_dir(), what="the run dir"), \
-                run_lock(cfg.run_dir().resolve(), what=f"titan-pipe run {flow}"), listening(live), temporary_server(), \
-                console_without_repeats():
+        with (
+            faults.writing(cfg.run_dir(), what="the run dir"),
+            run_lock(cfg.run_dir().resolve(), what=f"titan-pipe run {flow}"),
+            listening(live),
+            temporary_server(),
+            console_without_repeats(),
+        ):
             try:
                 result = train_to_deploy(flow_path=str(flow.resolve()), from_stage=from_stage, only=only, force=force)
             except BaseException as e:  # noqa: BLE001 - shown after the table; handle_errors maps it
@@ -169,23 +189,32 @@ def register(app: typer.Typer) -> None:
             raise fault from None
         hint = ""
         if "ephemeral Prefect API server" in str(failed):
-            hint = ("; start a server (`prefect server start`, then export PREFECT_API_URL=http://127.0.0.1:4200/api) "
-                    "or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
-        console.print(f"[red]error[/red] {escape(f'{type(failed).__name__}: {failed}{hint}')}", highlight=False,
-                      soft_wrap=True)
+            hint = (
+                "; start a server (`prefect server start`, then export PREFECT_API_URL=http://127.0.0.1:4200/api) "
+                "or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+            )
+        console.print(
+            f"[red]error[/red] {escape(f'{type(failed).__name__}: {failed}{hint}')}", highlight=False, soft_wrap=True
+        )
         raise typer.Exit(1)
 
     @app.command()
     @handle_errors
-    def schedule(flow: Path = typer.Argument(..., help="flow.yaml to run on the schedule"),
-                 cron: str = typer.Option(..., "--cron", help='cron expression, e.g. "0 2 * * *" (02:00 daily)'),
-                 name: Optional[str] = typer.Option(None, "--name", help="deployment name (default: the flow's name)"),
-                 timezone: Optional[str] = typer.Option(None, "--timezone", help="IANA zone of the cron, e.g. Asia/Shanghai"),
-                 stage: Optional[str] = typer.Option(None, "--stage", help=f"deploy one stage's flow alone ({STAGE_HELP})"),
-                 pool: Optional[str] = typer.Option(None, "--pool", help="register on this Prefect work pool (created as "
-                                                    "a process pool if missing) and return; a worker polling it "
-                                                    "(`prefect worker start --pool NAME`) runs each scheduled run. "
-                                                    "Without it the schedule is served from this command until stopped")):
+    def schedule(
+        flow: Path = typer.Argument(..., help="flow.yaml to run on the schedule"),
+        cron: str = typer.Option(..., "--cron", help='cron expression, e.g. "0 2 * * *" (02:00 daily)'),
+        name: Optional[str] = typer.Option(None, "--name", help="deployment name (default: the flow's name)"),
+        timezone: Optional[str] = typer.Option(None, "--timezone", help="IANA zone of the cron, e.g. Asia/Shanghai"),
+        stage: Optional[str] = typer.Option(None, "--stage", help=f"deploy one stage's flow alone ({STAGE_HELP})"),
+        pool: Optional[str] = typer.Option(
+            None,
+            "--pool",
+            help="register on this Prefect work pool (created as "
+            "a process pool if missing) and return; a worker polling it "
+            "(`prefect worker start --pool NAME`) runs each scheduled run. "
+            "Without it the schedule is served from this command until stopped",
+        ),
+    ):
         """A Prefect deployment of the flow on a cron schedule (in the Prefect UI), on a work pool or served here."""
         from titan_pipe.config import load_flow
         from titan_pipe.errors import UserError
@@ -194,8 +223,9 @@ def register(app: typer.Typer) -> None:
         cfg = load_flow(flow)
         prefect_env()
         try:  # a bad option: one line and exit 2 (as bad options exit), before any server is asked
-            plan = plan_deployment(flow_path=flow.resolve(), cfg=cfg, cron=cron, name=name, timezone=timezone,
-                                   stage=stage, pool=pool)
+            plan = plan_deployment(
+                flow_path=flow.resolve(), cfg=cfg, cron=cron, name=name, timezone=timezone, stage=stage, pool=pool
+            )
         except UserError as e:
             e.exit_code = 2
             raise
@@ -203,8 +233,14 @@ def register(app: typer.Typer) -> None:
         if pool is None:
             _serve_until_stopped(plan, flow.resolve())
         deployment_id = deploy_to_pool(plan, flow_path=flow.resolve())
-        console.print(f"deployment [bold]{plan.flow_name}/{plan.name}[/bold] ({deployment_id}) on work pool "
-                      f"[bold]{pool}[/bold], cron '{plan.cron}'" + (f" {plan.timezone}" if plan.timezone else ""),
-                      highlight=False)
-        console.print(f"runs start when a worker polls the pool: prefect worker start --pool {pool}   "
-                      f"(now: prefect deployment run '{plan.flow_name}/{plan.name}')", highlight=False, soft_wrap=True)
+        console.print(
+            f"deployment [bold]{plan.flow_name}/{plan.name}[/bold] ({deployment_id}) on work pool "
+            f"[bold]{pool}[/bold], cron '{plan.cron}'" + (f" {plan.timezone}" if plan.timezone else ""),
+            highlight=False,
+        )
+        console.print(
+            f"runs start when a worker polls the pool: prefect worker start --pool {pool}   "
+            f"(now: prefect deployment run '{plan.flow_name}/{plan.name}')",
+            highlight=False,
+            soft_wrap=True,
+        )

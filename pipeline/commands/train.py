@@ -1,4 +1,5 @@
 """`titan-pipe train FLOW [--resume]`: validate the flow, launch training, print a short summary."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,18 +14,21 @@ def _format_summary(summary: dict) -> str:
         return "n/a" if v is None else format(v, fmt)
 
     mfu = summary.get("mfu")
-    return (f"steps {summary.get('steps')} | final loss {num(summary.get('final_loss'), '.4f')} | "
-            f"{num(summary.get('tokens_per_s'), ',.0f')} tok/s | "
-            f"MFU {'n/a' if mfu is None else f'{100 * mfu:.2f}%'}")
+    return (
+        f"steps {summary.get('steps')} | final loss {num(summary.get('final_loss'), '.4f')} | "
+        f"{num(summary.get('tokens_per_s'), ',.0f')} tok/s | "
+        f"MFU {'n/a' if mfu is None else f'{100 * mfu:.2f}%'}"
+    )
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     @handle_errors
-    def train(flow: Path = typer.Argument(..., help="flow.yaml describing the run"),
-              resume: bool = typer.Option(False, "--resume",
-                                          help="continue from the newest complete checkpoint of the run"),
-              track: bool = typer.Option(False, "--flow", help=FLOW_HELP)):
+    def train(
+        flow: Path = typer.Argument(..., help="flow.yaml describing the run"),
+        resume: bool = typer.Option(False, "--resume", help="continue from the newest complete checkpoint of the run"),
+        track: bool = typer.Option(False, "--flow", help=FLOW_HELP),
+    ):
         """Train the model of FLOW on dp*tp*pp processes (torchrun); exits with torchrun's status."""
         from titan_pipe.config import load_flow
         from titan_pipe.training.launch import reports, run_training
@@ -36,10 +40,14 @@ def register(app: typer.Typer) -> None:
             run_training(flow_path=flow, cfg=cfg, resume=resume)
             return
         check_before_launch(cfg, flow_path=flow, resume=resume)  # before the first line is printed
-        console.print(f"training {cfg.name}: dp={p.dp} tp={p.tp} pp={p.pp}, {cfg.train.steps} steps, "
-                      f"run dir {cfg.run_dir()}", highlight=False, soft_wrap=True)
-        result = call_stage("train", run_training, track=track, writes=cfg.run_dir(), flow_path=flow, cfg=cfg,
-                            resume=resume)
+        console.print(
+            f"training {cfg.name}: dp={p.dp} tp={p.tp} pp={p.pp}, {cfg.train.steps} steps, run dir {cfg.run_dir()}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        result = call_stage(
+            "train", run_training, track=track, writes=cfg.run_dir(), flow_path=flow, cfg=cfg, resume=resume
+        )
         console.print(f"done: {_format_summary(result.summary)}", highlight=False, soft_wrap=True)
         if result.summary.get("peak_flops_source"):
             console.print(f"peak FLOPs: {result.summary['peak_flops_source']}", highlight=False, soft_wrap=True)

@@ -13,6 +13,7 @@ sends each token to ``experts_per_token`` of ``n_experts`` SwiGLU experts of wid
 ``moe_hidden_dim``, in every ``moe_step``-th layer but ``dense_layers`` (Qwen3's
 decoder_sparse_step / mlp_only_layers), with a load-balancing loss of weight ``router_aux_loss_coef``.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -64,7 +65,9 @@ class ModelArgs:
     activation: str = "silu"  # the gated MLP's gate: silu (SwiGLU) or gelu_tanh (GeGLU, tanh-approximated GELU)
     sandwich_norms: bool = False  # a norm on attention's and on the MLP's output too, before each residual add
     embed_scale: bool = False  # the embeddings multiplied by sqrt(dim), in the weights' dtype
-    global_every: int = 0  # 0: every layer attends alike; N: layer i with (i+1) % N == 0 attends fully, the others slide
+    global_every: int = (
+        0  # 0: every layer attends alike; N: layer i with (i+1) % N == 0 attends fully, the others slide
+    )
     rope_local_theta: float | None = None  # RoPE base of the sliding layers (unscaled); None: rope_theta
     attn_scalar: float | None = None  # query_pre_attn_scalar: scores scaled by its -1/2 power; None: head_dim's
     # The Hugging Face model_type a checkpoint names (titan_pipe.model.families), kept so a Mistral with
@@ -151,14 +154,21 @@ class ModelArgs:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise refuse(source, f"model.{unknown[0]}", d[unknown[0]], "is not a model field",
-                         f"known fields: {', '.join(sorted(known))}")
+            raise refuse(
+                source,
+                f"model.{unknown[0]}",
+                d[unknown[0]],
+                "is not a model field",
+                f"known fields: {', '.join(sorted(known))}",
+            )
         values = {}
         for name, kind in _KINDS[cls].items():
             v = d.get(name)
             if name == "dense_layers":
-                v = tuple(check(x, INT, source=source, key=f"model.{name}")
-                          for x in check(v if v is not None else [], LIST, source=source, key=f"model.{name}"))
+                v = tuple(
+                    check(x, INT, source=source, key=f"model.{name}")
+                    for x in check(v if v is not None else [], LIST, source=source, key=f"model.{name}")
+                )
             elif name == "rope_scaling":
                 v = _read_scaling(v, source) if v is not None and not isinstance(v, RopeScaling) else v
             elif v is not None:
@@ -177,8 +187,19 @@ def _kinds(cls) -> dict[str, str]:
     out = {}
     for name, hint in get_type_hints(cls).items():
         text = str(hint)
-        out[name] = (LIST if "tuple" in text else BOOL if "bool" in text else INT if "int" in text
-                     else FLOAT if "float" in text else STR if "str" in text else DICT)
+        out[name] = (
+            LIST
+            if "tuple" in text
+            else BOOL
+            if "bool" in text
+            else INT
+            if "int" in text
+            else FLOAT
+            if "float" in text
+            else STR
+            if "str" in text
+            else DICT
+        )
     return out
 
 
@@ -187,18 +208,32 @@ _KINDS = {RopeScaling: _kinds(RopeScaling), ModelArgs: _kinds(ModelArgs)}
 # The bound of every numeric field (titan_pipe.limits): flow.yaml's model section and every
 # reader of a model from a file (config.json, params.json, manifest, Megatron args) use these.
 FIELD_BOUNDS: dict[str, limits.Bound] = {
-    "dim": limits.DIM, "n_layers": limits.LAYERS, "n_heads": limits.HEADS, "n_kv_heads": limits.HEADS,
-    "vocab_size": limits.VOCAB, "multiple_of": limits.FFN, "ffn_dim_multiplier": limits.ROPE_FACTOR,
-    "ffn_hidden_dim": limits.FFN, "norm_eps": limits.NORM_EPS, "rope_theta": limits.ROPE_THETA,
-    "max_seq_len": limits.POSITIONS, "head_dim": limits.HEAD_DIM,
+    "dim": limits.DIM,
+    "n_layers": limits.LAYERS,
+    "n_heads": limits.HEADS,
+    "n_kv_heads": limits.HEADS,
+    "vocab_size": limits.VOCAB,
+    "multiple_of": limits.FFN,
+    "ffn_dim_multiplier": limits.ROPE_FACTOR,
+    "ffn_hidden_dim": limits.FFN,
+    "norm_eps": limits.NORM_EPS,
+    "rope_theta": limits.ROPE_THETA,
+    "max_seq_len": limits.POSITIONS,
+    "head_dim": limits.HEAD_DIM,
     "sliding_window": Bound(1, limits.POSITIONS.hi, "a window is at most a model's positions"),
-    "n_experts": Bound(0, limits.EXPERTS.hi, limits.EXPERTS.why), "experts_per_token": Bound(0, limits.EXPERTS.hi),
-    "moe_hidden_dim": limits.FFN, "moe_step": limits.LAYERS, "router_aux_loss_coef": Bound(0.0, 1e3),
+    "n_experts": Bound(0, limits.EXPERTS.hi, limits.EXPERTS.why),
+    "experts_per_token": Bound(0, limits.EXPERTS.hi),
+    "moe_hidden_dim": limits.FFN,
+    "moe_step": limits.LAYERS,
+    "router_aux_loss_coef": Bound(0.0, 1e3),
     "global_every": Bound(0, limits.LAYERS.hi, "0: no global layers; N: every N-th layer attends fully"),
-    "rope_local_theta": limits.ROPE_THETA, "attn_scalar": Bound(1.0, 1e6, "a query_pre_attn_scalar"),
+    "rope_local_theta": limits.ROPE_THETA,
+    "attn_scalar": Bound(1.0, 1e6, "a query_pre_attn_scalar"),
 }
 SCALING_BOUNDS: dict[str, limits.Bound] = {
-    "factor": limits.ROPE_FACTOR, "low_freq_factor": limits.ROPE_FACTOR, "high_freq_factor": limits.ROPE_FACTOR,
+    "factor": limits.ROPE_FACTOR,
+    "low_freq_factor": limits.ROPE_FACTOR,
+    "high_freq_factor": limits.ROPE_FACTOR,
     "original_max_position_embeddings": limits.POSITIONS,
 }
 
@@ -207,10 +242,16 @@ def _read_scaling(d: object, source: object) -> RopeScaling:
     check(d, DICT, source=source, key="model.rope_scaling")
     unknown = sorted(set(d) - set(_KINDS[RopeScaling]))
     if unknown:
-        raise refuse(source, f"model.rope_scaling.{unknown[0]}", d[unknown[0]], "is not a rope_scaling field",
-                     f"known fields: {', '.join(_KINDS[RopeScaling])}")
-    return RopeScaling(**{k: check(v, _KINDS[RopeScaling][k], source=source, key=f"model.rope_scaling.{k}")
-                          for k, v in d.items()})
+        raise refuse(
+            source,
+            f"model.rope_scaling.{unknown[0]}",
+            d[unknown[0]],
+            "is not a rope_scaling field",
+            f"known fields: {', '.join(_KINDS[RopeScaling])}",
+        )
+    return RopeScaling(
+        **{k: check(v, _KINDS[RopeScaling][k], source=source, key=f"model.rope_scaling.{k}") for k, v in d.items()}
+    )
 
 
 def _bound_problem(key: str, value: float, bound: limits.Bound) -> str | None:
@@ -225,50 +266,72 @@ def args_problems(args: ModelArgs) -> list[str]:
     The one list of what a model must satisfy: flow.yaml validation and every reader of a model
     from a file check it, so a value either is refused everywhere or works everywhere.
     """
-    out = [p for k, b in FIELD_BOUNDS.items() if getattr(args, k) is not None
-           and (p := _bound_problem(k, getattr(args, k), b))]
+    out = [
+        p
+        for k, b in FIELD_BOUNDS.items()
+        if getattr(args, k) is not None and (p := _bound_problem(k, getattr(args, k), b))
+    ]
     if out:  # the rules below divide by these
         return out
     s = args.rope_scaling
     if s is not None:
         out += [p for k, b in SCALING_BOUNDS.items() if (p := _bound_problem(f"rope_scaling.{k}", getattr(s, k), b))]
         if s.rope_type not in ROPE_TYPES:
-            out.append(f"rope_scaling.rope_type: {limits.shown(s.rope_type)} is not one of {', '.join(ROPE_TYPES)}; "
-                       "use llama3 (Llama-3.1) or linear (Gemma 3)")
+            out.append(
+                f"rope_scaling.rope_type: {limits.shown(s.rope_type)} is not one of {', '.join(ROPE_TYPES)}; "
+                "use llama3 (Llama-3.1) or linear (Gemma 3)"
+            )
         elif s.rope_type == "llama3" and s.high_freq_factor <= s.low_freq_factor:
-            out.append(f"rope_scaling.high_freq_factor: {s.high_freq_factor:g} must exceed low_freq_factor "
-                       f"{s.low_freq_factor:g}")
+            out.append(
+                f"rope_scaling.high_freq_factor: {s.high_freq_factor:g} must exceed low_freq_factor "
+                f"{s.low_freq_factor:g}"
+            )
     if args.head_dim is None:  # not given, and dim / n_heads is no whole head
-        return [f"dim: {args.dim} is not divisible by n_heads={args.n_heads}; pick dim = n_heads x head_dim, "
-                "or set head_dim"]
+        return [
+            f"dim: {args.dim} is not divisible by n_heads={args.n_heads}; pick dim = n_heads x head_dim, "
+            "or set head_dim"
+        ]
     if args.head_dim % 2:
         out.append(f"head_dim: {args.head_dim} must be even (RoPE rotates pairs); change head_dim (or dim / n_heads)")
     if args.moe or args.family is not None or gemma3.uses_any(args):  # the architecture that says it (families)
         try:
             family_of(args)
         except ValueError as e:
-            key, value = ("family", args.family) if args.family is not None else (
-                ("n_experts", args.n_experts) if args.moe else gemma3.first_set(args))
+            key, value = (
+                ("family", args.family)
+                if args.family is not None
+                else (("n_experts", args.n_experts) if args.moe else gemma3.first_set(args))
+            )
             out.append(f"{key}: {value}: {e}")
     if args.qk_norm and args.qkv_bias:  # to_hf_config could name no architecture (titan_pipe.model.families)
-        out.append("qk_norm: true together with qkv_bias: no Hugging Face architecture has both (Qwen2: q/k/v "
-                   "biases, Qwen3: q/k norms); drop one of qk_norm / qkv_bias")
+        out.append(
+            "qk_norm: true together with qkv_bias: no Hugging Face architecture has both (Qwen2: q/k/v "
+            "biases, Qwen3: q/k norms); drop one of qk_norm / qkv_bias"
+        )
     if args.activation not in ACTIVATIONS:
-        out.append(f"activation: {limits.shown(args.activation)} is not one of {', '.join(ACTIVATIONS)}; use silu "
-                   "(SwiGLU) or gelu_tanh (GeGLU)")
+        out.append(
+            f"activation: {limits.shown(args.activation)} is not one of {', '.join(ACTIVATIONS)}; use silu "
+            "(SwiGLU) or gelu_tanh (GeGLU)"
+        )
     if args.global_every and args.sliding_window is None:
-        out.append(f"global_every: {args.global_every} needs sliding_window (the other layers' window); set "
-                   "sliding_window, or global_every: 0")
+        out.append(
+            f"global_every: {args.global_every} needs sliding_window (the other layers' window); set "
+            "sliding_window, or global_every: 0"
+        )
     if args.rope_local_theta is not None and not args.global_every:
-        out.append(f"rope_local_theta: {args.rope_local_theta:g} is the sliding layers' RoPE base beside global "
-                   "layers, but global_every is 0; set global_every, or drop rope_local_theta")
+        out.append(
+            f"rope_local_theta: {args.rope_local_theta:g} is the sliding layers' RoPE base beside global "
+            "layers, but global_every is 0; set global_every, or drop rope_local_theta"
+        )
     if args.n_heads % args.kv_heads:
         out.append(f"n_kv_heads: {args.kv_heads} does not divide n_heads={args.n_heads}; pick a divisor")
     out += _moe_problems(args)
     rows = args.max_seq_len * args.head_dim
     if not out and rows > limits.ROPE_TABLE.hi:
-        out.append(f"max_seq_len: {args.max_seq_len} positions x head_dim {args.head_dim} = {rows:,} RoPE table "
-                   f"entries {limits.ROPE_TABLE.problem(rows)}; lower max_seq_len")
+        out.append(
+            f"max_seq_len: {args.max_seq_len} positions x head_dim {args.head_dim} = {rows:,} RoPE table "
+            f"entries {limits.ROPE_TABLE.problem(rows)}; lower max_seq_len"
+        )
     p = _bound_problem("ffn hidden size", args.hidden_dim, limits.FFN)
     if p:
         out.append(p + " (set ffn_hidden_dim)")
@@ -283,19 +346,27 @@ def _moe_problems(args: ModelArgs) -> list[str]:
     out = []
     if args.n_experts == 0:
         if args.experts_per_token:
-            out.append(f"experts_per_token: {args.experts_per_token} without experts (n_experts: 0); set "
-                       "n_experts, or drop experts_per_token")
+            out.append(
+                f"experts_per_token: {args.experts_per_token} without experts (n_experts: 0); set "
+                "n_experts, or drop experts_per_token"
+            )
         return out
     if not 1 <= args.experts_per_token <= args.n_experts:
-        out.append(f"experts_per_token: {args.experts_per_token} must be 1..n_experts={args.n_experts} (each token "
-                   f"goes to that many of the {args.n_experts} experts); pick a top-k in 1..{args.n_experts}")
+        out.append(
+            f"experts_per_token: {args.experts_per_token} must be 1..n_experts={args.n_experts} (each token "
+            f"goes to that many of the {args.n_experts} experts); pick a top-k in 1..{args.n_experts}"
+        )
     outside = [i for i in args.dense_layers if not 0 <= i < args.n_layers]
     if outside:
-        out.append(f"dense_layers: {outside[0]} is not a layer of the model's {args.n_layers}; list layers in "
-                   f"0..{args.n_layers - 1}")
+        out.append(
+            f"dense_layers: {outside[0]} is not a layer of the model's {args.n_layers}; list layers in "
+            f"0..{args.n_layers - 1}"
+        )
     elif not args.moe_layers:
-        out.append(f"n_experts: {args.n_experts} but no layer routes (moe_step {args.moe_step}, dense_layers "
-                   f"{list(args.dense_layers)}); set n_experts: 0 for a dense model")
+        out.append(
+            f"n_experts: {args.n_experts} but no layer routes (moe_step {args.moe_step}, dense_layers "
+            f"{list(args.dense_layers)}); set n_experts: 0 for a dense model"
+        )
     return out
 
 
@@ -312,62 +383,217 @@ _LLAMA31_SCALING = RopeScaling(8.0, 1.0, 4.0, 8192)
 FLAVOURS: dict[str, ModelArgs] = {
     # Tiny, for CPU tests and the shipped example; vocab covers the byte tokenizer (258) and
     # divides by every tp up to 8.
-    "debug": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, multiple_of=32,
-                       max_seq_len=256, rope_theta=10000.0),
+    "debug": ModelArgs(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, multiple_of=32, max_seq_len=256, rope_theta=10000.0
+    ),
     "llama2_7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, vocab_size=32000, multiple_of=256),
     "llama2_13b": ModelArgs(dim=5120, n_layers=40, n_heads=40, vocab_size=32000, multiple_of=256),
-    "llama2_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
-                            multiple_of=4096, ffn_dim_multiplier=1.3),
-    "llama3_8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                           multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0,
-                           rope_scaling=_LLAMA31_SCALING, max_seq_len=8192),
-    "llama3_70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
-                            multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0,
-                            rope_scaling=_LLAMA31_SCALING, max_seq_len=8192),
+    "llama2_70b": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000, multiple_of=4096, ffn_dim_multiplier=1.3
+    ),
+    "llama3_8b": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=1024,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA31_SCALING,
+        max_seq_len=8192,
+    ),
+    "llama3_70b": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=4096,
+        ffn_dim_multiplier=1.3,
+        rope_theta=500000.0,
+        rope_scaling=_LLAMA31_SCALING,
+        max_seq_len=8192,
+    ),
     # Qwen2.5: biases on q/k/v, rope_theta 1e6, eps 1e-6; the small ones tie their embeddings.
-    "qwen2.5_0.5b": ModelArgs(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, vocab_size=151936,
-                              ffn_hidden_dim=4864, norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768,
-                              tie_embeddings=True, qkv_bias=True),
-    "qwen2.5_7b": ModelArgs(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, vocab_size=152064,
-                            ffn_hidden_dim=18944, norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768,
-                            qkv_bias=True),
-    "qwen2.5_72b": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=152064,
-                             ffn_hidden_dim=29568, norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768,
-                             qkv_bias=True),
+    "qwen2.5_0.5b": ModelArgs(
+        dim=896,
+        n_layers=24,
+        n_heads=14,
+        n_kv_heads=2,
+        vocab_size=151936,
+        ffn_hidden_dim=4864,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        tie_embeddings=True,
+        qkv_bias=True,
+    ),
+    "qwen2.5_7b": ModelArgs(
+        dim=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        vocab_size=152064,
+        ffn_hidden_dim=18944,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        qkv_bias=True,
+    ),
+    "qwen2.5_72b": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=152064,
+        ffn_hidden_dim=29568,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        qkv_bias=True,
+    ),
     # Qwen3 (dense): per-head q/k RMSNorm, head_dim 128 whatever the width.
-    "qwen3_0.6b": ModelArgs(dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, vocab_size=151936,
-                            ffn_hidden_dim=3072, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
-                            tie_embeddings=True, qk_norm=True),
-    "qwen3_8b": ModelArgs(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, vocab_size=151936,
-                          ffn_hidden_dim=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960, qk_norm=True),
-    "qwen3_32b": ModelArgs(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128, vocab_size=151936,
-                           ffn_hidden_dim=25600, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960, qk_norm=True),
+    "qwen3_0.6b": ModelArgs(
+        dim=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        ffn_hidden_dim=3072,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=40960,
+        tie_embeddings=True,
+        qk_norm=True,
+    ),
+    "qwen3_8b": ModelArgs(
+        dim=4096,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        ffn_hidden_dim=12288,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=40960,
+        qk_norm=True,
+    ),
+    "qwen3_32b": ModelArgs(
+        dim=5120,
+        n_layers=64,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        ffn_hidden_dim=25600,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=40960,
+        qk_norm=True,
+    ),
     # Mistral-7B v0.1: a 4096-token sliding window (v0.2 and later: full attention, vocab 32768).
-    "mistral_7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
-                            ffn_hidden_dim=14336, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=32768,
-                            sliding_window=4096),
+    "mistral_7b": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=32000,
+        ffn_hidden_dim=14336,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_seq_len=32768,
+        sliding_window=4096,
+    ),
     # Mixtral 8x7B: 8 experts of Mistral-7B's width in every layer, top-2 (46.7B total, 12.9B active).
-    "mixtral_8x7b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
-                              ffn_hidden_dim=14336, norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,
-                              n_experts=8, experts_per_token=2, router_aux_loss_coef=0.02),
+    "mixtral_8x7b": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=32000,
+        ffn_hidden_dim=14336,
+        norm_eps=1e-5,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        n_experts=8,
+        experts_per_token=2,
+        router_aux_loss_coef=0.02,
+    ),
     # Qwen3-MoE: 128 narrow experts, top-8 renormalized, in every layer (30.5B / 3.3B and 235B / 22B).
-    "qwen3_30b_a3b": ModelArgs(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, vocab_size=151936,
-                               ffn_hidden_dim=6144, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960, qk_norm=True,
-                               n_experts=128, experts_per_token=8, moe_hidden_dim=768, router_aux_loss_coef=0.001),
-    "qwen3_235b_a22b": ModelArgs(dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, vocab_size=151936,
-                                 ffn_hidden_dim=12288, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960,
-                                 qk_norm=True, n_experts=128, experts_per_token=8, moe_hidden_dim=1536,
-                                 router_aux_loss_coef=0.001),
+    "qwen3_30b_a3b": ModelArgs(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        ffn_hidden_dim=6144,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=40960,
+        qk_norm=True,
+        n_experts=128,
+        experts_per_token=8,
+        moe_hidden_dim=768,
+        router_aux_loss_coef=0.001,
+    ),
+    "qwen3_235b_a22b": ModelArgs(
+        dim=4096,
+        n_layers=94,
+        n_heads=64,
+        n_kv_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        ffn_hidden_dim=12288,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=40960,
+        qk_norm=True,
+        n_experts=128,
+        experts_per_token=8,
+        moe_hidden_dim=1536,
+        router_aux_loss_coef=0.001,
+    ),
     # Gemma 3 1B (Gemma3ForCausalLM, text only): offset norms around both sub-layers, GeGLU, embeddings
     # times sqrt(dim), 5 sliding (512, RoPE base 1e4) : 1 global (1e6) layers, head_dim 256, tied.
-    "gemma3_1b": ModelArgs(dim=1152, n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, vocab_size=262144,
-                           ffn_hidden_dim=6912, norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768, tie_embeddings=True,
-                           qk_norm=True, sliding_window=512, norm_offset=True, activation="gelu_tanh",
-                           sandwich_norms=True, embed_scale=True, global_every=6, rope_local_theta=1e4,
-                           attn_scalar=256.0),
+    "gemma3_1b": ModelArgs(
+        dim=1152,
+        n_layers=26,
+        n_heads=4,
+        n_kv_heads=1,
+        head_dim=256,
+        vocab_size=262144,
+        ffn_hidden_dim=6912,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        tie_embeddings=True,
+        qk_norm=True,
+        sliding_window=512,
+        norm_offset=True,
+        activation="gelu_tanh",
+        sandwich_norms=True,
+        embed_scale=True,
+        global_every=6,
+        rope_local_theta=1e4,
+        attn_scalar=256.0,
+    ),
     # A tiny Mixtral-shaped mixture for CPU tests and examples.
-    "debug_moe": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_hidden_dim=64,
-                           max_seq_len=256, n_experts=4, experts_per_token=2, router_aux_loss_coef=0.01),
+    "debug_moe": ModelArgs(
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=320,
+        ffn_hidden_dim=64,
+        max_seq_len=256,
+        n_experts=4,
+        experts_per_token=2,
+        router_aux_loss_coef=0.01,
+    ),
 }
 
 
@@ -420,12 +646,15 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     as SDPA's math path and the masked kernels compute it: a sliding window masks scores, it does
     not skip computing them. Norms (q/k norms too) and embedding lookups are not matmuls.
     """
-    norms = (args.dim * ((4 if args.sandwich_norms else 2) * args.n_layers + 1)
-             + (2 * args.head_dim * args.n_layers if args.qk_norm else 0))
+    norms = args.dim * ((4 if args.sandwich_norms else 2) * args.n_layers + 1) + (
+        2 * args.head_dim * args.n_layers if args.qk_norm else 0
+    )
     biases = (args.q_dim + 2 * args.kv_dim) * args.n_layers if args.qkv_bias else 0
     # The embedding is a gather, not a matmul; a tied matrix still runs once as the output matmul.
     # A mixture of experts: the top-k experts a token is routed to, and the router.
-    n_matmul = count_params(args, active=True) - norms - biases - (0 if args.tie_embeddings else args.vocab_size * args.dim)
+    n_matmul = (
+        count_params(args, active=True) - norms - biases - (0 if args.tie_embeddings else args.vocab_size * args.dim)
+    )
     attn = 2 * 2 * args.n_layers * seq_len * args.q_dim  # QK^T and PV, per token
     return 3 * (2 * n_matmul + biases + attn)
 
@@ -441,22 +670,51 @@ def check_fits(args: ModelArgs, have_bytes: int, *, source: object, where: objec
     n = count_params(args)
     need = n * MIN_WEIGHT_ITEMSIZE
     if have_bytes < need:
-        raise UserError(f"{source}: declares {n:,} parameters ({args.n_layers} layers, dim {args.dim}, vocab "
-                        f"{args.vocab_size}), at least {need:,} bytes of weights, but {where} hold(s) "
-                        f"{have_bytes:,} bytes; the model config and the weights do not belong together")
+        raise UserError(
+            f"{source}: declares {n:,} parameters ({args.n_layers} layers, dim {args.dim}, vocab "
+            f"{args.vocab_size}), at least {need:,} bytes of weights, but {where} hold(s) "
+            f"{have_bytes:,} bytes; the model config and the weights do not belong together"
+        )
 
 
 # Every dim that sizes a tensor: what weights must match to load into a model.
-SHAPE_KEYS = ("dim", "n_layers", "n_heads", "kv_heads", "head_dim", "vocab_size", "hidden_dim", "qkv_bias",
-              "qk_norm", "sandwich_norms", "n_experts", "expert_dim", "moe_layers", "tie_embeddings")
+SHAPE_KEYS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "kv_heads",
+    "head_dim",
+    "vocab_size",
+    "hidden_dim",
+    "qkv_bias",
+    "qk_norm",
+    "sandwich_norms",
+    "n_experts",
+    "expert_dim",
+    "moe_layers",
+    "tie_embeddings",
+)
 # The shapes plus the numerics of the forward: what two artifacts must share to be compared.
-SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + ("norm_eps", "rope_theta", "sliding_window", "experts_per_token",
-                                     "router_norm_topk", "norm_offset", "activation", "embed_scale", "global_every",
-                                     "rope_local_theta", "attn_scale", "rope_scaling", "tie_embeddings")
+SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + (
+    "norm_eps",
+    "rope_theta",
+    "sliding_window",
+    "experts_per_token",
+    "router_norm_topk",
+    "norm_offset",
+    "activation",
+    "embed_scale",
+    "global_every",
+    "rope_local_theta",
+    "attn_scale",
+    "rope_scaling",
+    "tie_embeddings",
+)
 
 
-def model_differences(a: ModelArgs, b: ModelArgs, *, keys: tuple[str, ...] = SAME_MODEL_KEYS,
-                      labels: tuple[str, str] | None = None) -> list[str]:
+def model_differences(
+    a: ModelArgs, b: ModelArgs, *, keys: tuple[str, ...] = SAME_MODEL_KEYS, labels: tuple[str, str] | None = None
+) -> list[str]:
     """One line per key where ``a`` and ``b`` differ: ``k A vs B``, or with ``labels`` (la, lb)
     ``k=A la vs B lb``; empty when they are the same model."""
     out = []

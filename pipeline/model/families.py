@@ -20,6 +20,7 @@ typed strictly (titan_pipe.values); what the model cannot compute (mixture-of-ex
 bias on o_proj, a window on some layers only) is refused in one line naming it.
 The config written for a model is the simplest of the four that computes it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -48,25 +49,32 @@ class Family:
     gemma: bool = False  # Gemma 3's switches and keys (titan_pipe.model.gemma3)
 
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("LlamaForCausalLM", "llama"),
-    Family("MistralForCausalLM", "mistral", window_keys="mistral"),
-    Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window_keys="qwen"),
-    Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, window_keys="qwen"),
-    Family("MixtralForCausalLM", "mixtral", window_keys="mistral", moe=True),
-    Family("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, window_keys="qwen", moe=True),
-    Family(gemma3.ARCHITECTURE, gemma3.MODEL_TYPE, qk_norm=True, window_keys="gemma", gemma=True),
-)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("LlamaForCausalLM", "llama"),
+        Family("MistralForCausalLM", "mistral", window_keys="mistral"),
+        Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window_keys="qwen"),
+        Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, window_keys="qwen"),
+        Family("MixtralForCausalLM", "mixtral", window_keys="mistral", moe=True),
+        Family("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, window_keys="qwen", moe=True),
+        Family(gemma3.ARCHITECTURE, gemma3.MODEL_TYPE, qk_norm=True, window_keys="gemma", gemma=True),
+    )
+}
 SUPPORTED = ", ".join(f.architecture for f in FAMILIES.values())
 # Known relatives the model cannot compute, named so the refusal says what the file is.
 UNSUPPORTED = {
-    "qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # Relatives that are not mixtures of experts: why each is not computed.
-NOT_COMPUTED = {"gemma3": "Gemma3ForConditionalGeneration (its vision tower); convert the text model "
-                          "(Gemma3ForCausalLM, model_type gemma3_text)",
-                "gemma2": "Gemma2ForCausalLM (logit soft-capping)", "gemma": "GemmaForCausalLM"}
+NOT_COMPUTED = {
+    "gemma3": "Gemma3ForConditionalGeneration (its vision tower); convert the text model "
+    "(Gemma3ForCausalLM, model_type gemma3_text)",
+    "gemma2": "Gemma2ForCausalLM (logit soft-capping)",
+    "gemma": "GemmaForCausalLM",
+}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -81,8 +89,10 @@ def family_of(args: ModelArgs) -> Family:
             raise ValueError(why)
         return FAMILIES[gemma3.MODEL_TYPE]
     if args.qk_norm and args.qkv_bias:
-        raise ValueError("q/k norms together with q/k/v biases: no Hugging Face architecture has both "
-                         f"({SUPPORTED}); drop one of qk_norm / qkv_bias")
+        raise ValueError(
+            "q/k norms together with q/k/v biases: no Hugging Face architecture has both "
+            f"({SUPPORTED}); drop one of qk_norm / qkv_bias"
+        )
     if args.moe:
         return _moe_family(args)
     if args.qk_norm:
@@ -100,13 +110,23 @@ def _named_family(args: ModelArgs) -> Family:
     plain = replace(args, family=None)
     if fam.gemma or gemma3.uses_any(args):
         if not fam.gemma or gemma3.problem(args) is not None:
-            raise ValueError(gemma3.problem(args) if fam.gemma else f"{fam.architecture} cannot hold this model "
-                             "(Gemma 3's switches are set); drop model.family or those switches")
+            raise ValueError(
+                gemma3.problem(args)
+                if fam.gemma
+                else f"{fam.architecture} cannot hold this model "
+                "(Gemma 3's switches are set); drop model.family or those switches"
+            )
         return fam
-    if fam.moe != args.moe or fam.qkv_bias != args.qkv_bias or fam.qk_norm != args.qk_norm or (
-            fam.window_keys == "none" and args.sliding_window is not None):
-        raise ValueError(f"{fam.architecture} cannot hold this model ({family_of(plain).architecture} does); "
-                         "drop model.family or the feature it lacks")
+    if (
+        fam.moe != args.moe
+        or fam.qkv_bias != args.qkv_bias
+        or fam.qk_norm != args.qk_norm
+        or (fam.window_keys == "none" and args.sliding_window is not None)
+    ):
+        raise ValueError(
+            f"{fam.architecture} cannot hold this model ({family_of(plain).architecture} does); "
+            "drop model.family or the feature it lacks"
+        )
     if fam.moe:
         _moe_family(args)  # what the mixture's own config cannot say
     return fam
@@ -115,14 +135,18 @@ def _named_family(args: ModelArgs) -> Family:
 def _moe_family(args: ModelArgs) -> Family:
     """Qwen3-MoE with q/k norms, Mixtral without; ValueError naming what neither config can say."""
     if args.qkv_bias:
-        raise ValueError("a mixture of experts with q/k/v biases: no supported architecture has both (Mixtral, "
-                         "Qwen3-MoE); drop qkv_bias")
+        raise ValueError(
+            "a mixture of experts with q/k/v biases: no supported architecture has both (Mixtral, "
+            "Qwen3-MoE); drop qkv_bias"
+        )
     if args.qk_norm:
         return FAMILIES["qwen3_moe"]
     if args.dense_layers or args.moe_step != 1 or args.expert_dim != args.hidden_dim or not args.router_norm_topk:
-        raise ValueError("a mixture of experts without q/k norms is Mixtral's, which routes in every layer "
-                         "(no dense_layers, moe_step 1) over experts of the dense width (moe_hidden_dim = the "
-                         "FFN hidden size) with the top-k renormalized; or set qk_norm: true (Qwen3-MoE)")
+        raise ValueError(
+            "a mixture of experts without q/k norms is Mixtral's, which routes in every layer "
+            "(no dense_layers, moe_step 1) over experts of the dense width (moe_hidden_dim = the "
+            "FFN hidden size) with the top-k renormalized; or set qk_norm: true (Qwen3-MoE)"
+        )
     return FAMILIES["mixtral"]
 
 
@@ -137,29 +161,44 @@ def family_keys(args: ModelArgs) -> dict:
     if fam.model_type == "llama":
         cfg["mlp_bias"] = False
     if fam.model_type == "mixtral":
-        cfg.update(num_local_experts=args.n_experts, num_experts_per_tok=args.experts_per_token,
-                   router_aux_loss_coef=args.router_aux_loss_coef, router_jitter_noise=0.0,
-                   output_router_logits=False)
+        cfg.update(
+            num_local_experts=args.n_experts,
+            num_experts_per_tok=args.experts_per_token,
+            router_aux_loss_coef=args.router_aux_loss_coef,
+            router_jitter_noise=0.0,
+            output_router_logits=False,
+        )
     elif fam.model_type == "qwen3_moe":
-        cfg.update(attention_bias=False, num_experts=args.n_experts, num_experts_per_tok=args.experts_per_token,
-                   moe_intermediate_size=args.expert_dim, decoder_sparse_step=args.moe_step,
-                   mlp_only_layers=list(args.dense_layers), norm_topk_prob=args.router_norm_topk,
-                   router_aux_loss_coef=args.router_aux_loss_coef, output_router_logits=False)
+        cfg.update(
+            attention_bias=False,
+            num_experts=args.n_experts,
+            num_experts_per_tok=args.experts_per_token,
+            moe_intermediate_size=args.expert_dim,
+            decoder_sparse_step=args.moe_step,
+            mlp_only_layers=list(args.dense_layers),
+            norm_topk_prob=args.router_norm_topk,
+            router_aux_loss_coef=args.router_aux_loss_coef,
+            output_router_logits=False,
+        )
     w = args.sliding_window
     if fam.window_keys == "mistral":
         cfg["sliding_window"] = w
     elif fam.window_keys == "qwen":
-        cfg.update(use_sliding_window=w is not None, sliding_window=w,
-                   max_window_layers=0 if w is not None else args.n_layers,
-                   layer_types=[SLIDING if w is not None else FULL] * args.n_layers)
+        cfg.update(
+            use_sliding_window=w is not None,
+            sliding_window=w,
+            max_window_layers=0 if w is not None else args.n_layers,
+            layer_types=[SLIDING if w is not None else FULL] * args.n_layers,
+        )
     return cfg
 
 
 def config_family(cfg: dict, source: str) -> Family:
     """The supported family ``cfg``'s model_type names (a string; absent: llama); UserError naming
     the architecture otherwise (a mixture-of-experts relative says so)."""
-    kind = read(cfg, "model_type", STR, source=source, default="llama",
-                fix=f"write the model_type of one of {SUPPORTED}")
+    kind = read(
+        cfg, "model_type", STR, source=source, default="llama", fix=f"write the model_type of one of {SUPPORTED}"
+    )
     if kind in FAMILIES:
         return FAMILIES[kind]
     names = cfg.get("architectures")
@@ -176,12 +215,21 @@ def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
     if fam.gemma:
         return gemma3.read_config(cfg, n_layers=n_layers, source=source)
     if read(cfg, "attention_bias", BOOL, source=source, default=False) and fam.model_type in ("llama", "qwen3"):
-        raise refuse(source, "attention_bias", True, "puts a bias on o_proj too, which titan-pipe's model does not "
-                     "have", "convert a model without it (Qwen2's q/k/v biases are supported)")
+        raise refuse(
+            source,
+            "attention_bias",
+            True,
+            "puts a bias on o_proj too, which titan-pipe's model does not have",
+            "convert a model without it (Qwen2's q/k/v biases are supported)",
+        )
     if read(cfg, "mlp_bias", BOOL, source=source, default=False):
         raise refuse(source, "mlp_bias", True, "is not supported", "convert a model without MLP biases")
-    out = {"qkv_bias": fam.qkv_bias, "qk_norm": fam.qk_norm, "sliding_window": _window(cfg, fam, n_layers, source),
-           "family": fam.model_type}
+    out = {
+        "qkv_bias": fam.qkv_bias,
+        "qk_norm": fam.qk_norm,
+        "sliding_window": _window(cfg, fam, n_layers, source),
+        "family": fam.model_type,
+    }
     if fam.moe:
         out.update(_read_moe(cfg, fam, source))
     return out
@@ -190,29 +238,53 @@ def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
 def _read_moe(cfg: dict, fam: Family, source: str) -> dict:
     """The mixture-of-experts fields of a Mixtral or Qwen3-MoE config.json (transformers 5 writes
     num_local_experts, the released Qwen3-MoE configs num_experts: either is read, both must agree)."""
-    experts = [read(cfg, k, INT, source=source, default=None, bound=limits.EXPERTS)
-               for k in ("num_local_experts", "num_experts")]
+    experts = [
+        read(cfg, k, INT, source=source, default=None, bound=limits.EXPERTS)
+        for k in ("num_local_experts", "num_experts")
+    ]
     given = [n for n in experts if n is not None]
     if not given:
-        raise refuse(source, "num_local_experts", None, "is missing (a mixture of experts needs its expert count)",
-                     "write num_local_experts (or num_experts) as in the model's original config.json")
+        raise refuse(
+            source,
+            "num_local_experts",
+            None,
+            "is missing (a mixture of experts needs its expert count)",
+            "write num_local_experts (or num_experts) as in the model's original config.json",
+        )
     if len(set(given)) > 1:
-        raise refuse(source, "num_experts", experts[1], f"disagrees with num_local_experts {experts[0]}",
-                     "keep one of them")
-    out = {"n_experts": given[0],
-           "experts_per_token": read(cfg, "num_experts_per_tok", INT, source=source, bound=limits.EXPERTS,
-                                     fix="write the router's top-k as in the model's original config.json"),
-           "router_aux_loss_coef": read(cfg, "router_aux_loss_coef", FLOAT, source=source, default=0.001,
-                                        bound=Bound(0.0, 1e3))}
+        raise refuse(
+            source, "num_experts", experts[1], f"disagrees with num_local_experts {experts[0]}", "keep one of them"
+        )
+    out = {
+        "n_experts": given[0],
+        "experts_per_token": read(
+            cfg,
+            "num_experts_per_tok",
+            INT,
+            source=source,
+            bound=limits.EXPERTS,
+            fix="write the router's top-k as in the model's original config.json",
+        ),
+        "router_aux_loss_coef": read(
+            cfg, "router_aux_loss_coef", FLOAT, source=source, default=0.001, bound=Bound(0.0, 1e3)
+        ),
+    }
     if fam.model_type == "mixtral":
         jitter = read(cfg, "router_jitter_noise", FLOAT, source=source, default=0.0, bound=Bound(0.0, 1.0))
         if jitter:
-            raise refuse(source, "router_jitter_noise", jitter, "is not supported (titan-pipe's router is "
-                         "deterministic)", "set router_jitter_noise to 0.0")
+            raise refuse(
+                source,
+                "router_jitter_noise",
+                jitter,
+                "is not supported (titan-pipe's router is deterministic)",
+                "set router_jitter_noise to 0.0",
+            )
         return out
-    out.update(moe_hidden_dim=read(cfg, "moe_intermediate_size", INT, source=source, bound=limits.FFN),
-               moe_step=read(cfg, "decoder_sparse_step", INT, source=source, default=1, bound=limits.LAYERS),
-               router_norm_topk=read(cfg, "norm_topk_prob", BOOL, source=source, default=False))
+    out.update(
+        moe_hidden_dim=read(cfg, "moe_intermediate_size", INT, source=source, bound=limits.FFN),
+        moe_step=read(cfg, "decoder_sparse_step", INT, source=source, default=1, bound=limits.LAYERS),
+        router_norm_topk=read(cfg, "norm_topk_prob", BOOL, source=source, default=False),
+    )
     dense = cfg.get("mlp_only_layers") or []
     if not isinstance(dense, list) or any(type(i) is not int for i in dense):
         raise refuse(source, "mlp_only_layers", dense, "is not a list of layer numbers", "write e.g. [] or [0, 1]")
@@ -224,8 +296,15 @@ def _window(cfg: dict, fam: Family, n_layers: int, source: str) -> int | None:
     """The one sliding window every layer uses, or None; a window on some layers only is refused."""
     if fam.window_keys == "none":
         return None
-    size = read(cfg, "sliding_window", INT, source=source, default=None, bound=limits.POSITIONS,
-                fix="write a positive number of positions, or null for full attention")
+    size = read(
+        cfg,
+        "sliding_window",
+        INT,
+        source=source,
+        default=None,
+        bound=limits.POSITIONS,
+        fix="write a positive number of positions, or null for full attention",
+    )
     if fam.window_keys == "mistral":
         return size
     types = cfg.get("layer_types")
@@ -235,13 +314,21 @@ def _window(cfg: dict, fam: Family, n_layers: int, source: str) -> int | None:
         first = read(cfg, "max_window_layers", INT, source=source, default=28, bound=Bound(0, limits.LAYERS.hi))
         types = [SLIDING if i >= first else FULL for i in range(n_layers)]
     if not isinstance(types, list) or set(map(str, types)) - {FULL, SLIDING} or len(types) != n_layers:
-        raise refuse(source, "layer_types", types, f"must list {n_layers} entries of {FULL!r} / {SLIDING!r}",
-                     "write one entry per layer")
+        raise refuse(
+            source,
+            "layer_types",
+            types,
+            f"must list {n_layers} entries of {FULL!r} / {SLIDING!r}",
+            "write one entry per layer",
+        )
     if set(types) == {FULL, SLIDING}:
-        raise UserError(f"{source}: a sliding window on {types.count(SLIDING)} of {n_layers} layers only "
-                        "(max_window_layers / layer_types) is not supported; titan-pipe's model uses one "
-                        "attention for every layer")
+        raise UserError(
+            f"{source}: a sliding window on {types.count(SLIDING)} of {n_layers} layers only "
+            "(max_window_layers / layer_types) is not supported; titan-pipe's model uses one "
+            "attention for every layer"
+        )
     if types and types[0] == SLIDING and size is None:
-        raise refuse(source, "sliding_window", None, "is null but layer_types slide",
-                     "give sliding_window a number of positions")
+        raise refuse(
+            source, "sliding_window", None, "is null but layer_types slide", "give sliding_window a number of positions"
+        )
     return size if types and types[0] == SLIDING else None

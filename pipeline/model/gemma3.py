@@ -17,6 +17,7 @@ sliding_window_pattern) and 5.x (rope_parameters per layer type, layer_types). W
 can say and the model does not compute (logit soft-capping, bidirectional attention, an o_proj bias,
 scaling on the sliding layers) is refused in one line naming the key.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -35,23 +36,46 @@ ARCHITECTURE = "Gemma3ForCausalLM"
 FULL, SLIDING = "full_attention", "sliding_attention"
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")
 # Gemma3TextConfig's defaults, used where a config.json leaves a key out.
-DEFAULTS = {"rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256,
-            "sliding_window": 4096, "sliding_window_pattern": 6, "tie_word_embeddings": True}
+DEFAULTS = {
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+}
 
 
 def features(args: ModelArgs) -> dict[str, object]:
     """Gemma 3's switches as ``args`` sets them (what to_hf_config must be able to say)."""
-    return {"norm_offset": args.norm_offset, "sandwich_norms": args.sandwich_norms, "embed_scale": args.embed_scale,
-            "activation": args.activation, "qk_norm": args.qk_norm}
+    return {
+        "norm_offset": args.norm_offset,
+        "sandwich_norms": args.sandwich_norms,
+        "embed_scale": args.embed_scale,
+        "activation": args.activation,
+        "qk_norm": args.qk_norm,
+    }
 
 
-REQUIRED = {"norm_offset": True, "sandwich_norms": True, "embed_scale": True, "activation": "gelu_tanh",
-            "qk_norm": True}
+REQUIRED = {
+    "norm_offset": True,
+    "sandwich_norms": True,
+    "embed_scale": True,
+    "activation": "gelu_tanh",
+    "qk_norm": True,
+}
 
 
 # Gemma 3's switches off (ModelArgs' defaults): a model setting any other value is a Gemma 3
-OFF = {"norm_offset": False, "sandwich_norms": False, "embed_scale": False, "activation": "silu", "global_every": 0,
-       "rope_local_theta": None, "attn_scalar": None}
+OFF = {
+    "norm_offset": False,
+    "sandwich_norms": False,
+    "embed_scale": False,
+    "activation": "silu",
+    "global_every": 0,
+    "rope_local_theta": None,
+    "attn_scalar": None,
+}
 
 
 def first_set(args: ModelArgs) -> tuple[str, object] | None:
@@ -69,8 +93,10 @@ def problem(args: ModelArgs) -> str | None:
     have = features(args)
     missing = [f"{k}: {have[k]}" for k, v in REQUIRED.items() if have[k] != v]
     if missing:
-        return (f"Gemma 3 computes {', '.join(f'{k}: {v}' for k, v in REQUIRED.items())}, together; this model "
-                f"has {', '.join(missing)} instead (set them all, or none)")
+        return (
+            f"Gemma 3 computes {', '.join(f'{k}: {v}' for k, v in REQUIRED.items())}, together; this model "
+            f"has {', '.join(missing)} instead (set them all, or none)"
+        )
     if args.qkv_bias or args.moe:
         return "Gemma 3 has no q/k/v biases and no mixture of experts; drop qkv_bias / n_experts"
     if args.rope_scaling is not None and args.rope_scaling.rope_type != "linear":
@@ -84,13 +110,19 @@ def write_config(args: ModelArgs) -> dict:
     types = [FULL if args.layer_window(i) is None else SLIDING for i in range(args.n_layers)]
     s = args.rope_scaling
     return {
-        "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "attention_bias": False,
-        "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": _number(args.attn_scalar or args.head_dim),
-        "sliding_window": args.sliding_window, "layer_types": types,
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "attention_bias": False,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": _number(args.attn_scalar or args.head_dim),
+        "sliding_window": args.sliding_window,
+        "layer_types": types,
         "sliding_window_pattern": every if every else (1 if args.sliding_window is None else args.n_layers + 1),
         "rope_local_base_freq": args.rope_local_theta if args.rope_local_theta is not None else args.rope_theta,
         "rope_scaling": None if s is None else {"rope_type": "linear", "factor": s.factor},
-        "attn_logit_softcapping": None, "final_logit_softcapping": None, "use_bidirectional_attention": False,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "use_bidirectional_attention": False,
     }
 
 
@@ -105,26 +137,56 @@ def read_config(cfg: dict, *, n_layers: int, source: str) -> dict:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         cap = read(cfg, key, FLOAT, source=source, default=None)
         if cap is not None:
-            raise refuse(source, key, cap, "is not supported (Gemma 3 writes null; soft-capping is Gemma 2's)",
-                         f"set {key}: null")
+            raise refuse(
+                source,
+                key,
+                cap,
+                "is not supported (Gemma 3 writes null; soft-capping is Gemma 2's)",
+                f"set {key}: null",
+            )
     for key in ("attention_bias", "use_bidirectional_attention"):
         if read(cfg, key, BOOL, source=source, default=False):
-            raise refuse(source, key, True, "is not supported (titan-pipe's decoder is causal, without an o_proj "
-                         "bias)", f"set {key}: false")
+            raise refuse(
+                source,
+                key,
+                True,
+                "is not supported (titan-pipe's decoder is causal, without an o_proj bias)",
+                f"set {key}: false",
+            )
     act = read(cfg, "hidden_activation", STR, source=source, default="gelu_pytorch_tanh")
     if act not in GELU_TANH:
-        raise refuse(source, "hidden_activation", act, "is not supported (Gemma 3's GeGLU uses gelu_pytorch_tanh)",
-                     "set hidden_activation: gelu_pytorch_tanh")
-    window = read(cfg, "sliding_window", INT, source=source, default=DEFAULTS["sliding_window"],
-                  bound=limits.POSITIONS)
+        raise refuse(
+            source,
+            "hidden_activation",
+            act,
+            "is not supported (Gemma 3's GeGLU uses gelu_pytorch_tanh)",
+            "set hidden_activation: gelu_pytorch_tanh",
+        )
+    window = read(cfg, "sliding_window", INT, source=source, default=DEFAULTS["sliding_window"], bound=limits.POSITIONS)
     every = _global_every(cfg, n_layers, window, source)
     theta, local, scaling = _rope(cfg, source)
     tie = read(cfg, "tie_word_embeddings", BOOL, source=source, default=DEFAULTS["tie_word_embeddings"])
-    return {**REQUIRED, "qkv_bias": False, "family": MODEL_TYPE, "tie_embeddings": tie,
-            "sliding_window": window if every != 1 else None, "global_every": every if every != 1 else 0,
-            "rope_theta": theta, "rope_local_theta": local if every > 1 else None, "rope_scaling": scaling,
-            "attn_scalar": float(read(cfg, "query_pre_attn_scalar", FLOAT, source=source,
-                                      default=float(DEFAULTS["query_pre_attn_scalar"]), bound=Bound(1.0, 1e6)))}
+    return {
+        **REQUIRED,
+        "qkv_bias": False,
+        "family": MODEL_TYPE,
+        "tie_embeddings": tie,
+        "sliding_window": window if every != 1 else None,
+        "global_every": every if every != 1 else 0,
+        "rope_theta": theta,
+        "rope_local_theta": local if every > 1 else None,
+        "rope_scaling": scaling,
+        "attn_scalar": float(
+            read(
+                cfg,
+                "query_pre_attn_scalar",
+                FLOAT,
+                source=source,
+                default=float(DEFAULTS["query_pre_attn_scalar"]),
+                bound=Bound(1.0, 1e6),
+            )
+        ),
+    }
 
 
 def _global_every(cfg: dict, n_layers: int, window: int, source: str) -> int:
@@ -132,18 +194,31 @@ def _global_every(cfg: dict, n_layers: int, window: int, source: str) -> int:
     layer_types or sliding_window_pattern; another arrangement is refused."""
     types = cfg.get("layer_types")
     if types is None:
-        return read(cfg, "sliding_window_pattern", INT, source=source, default=DEFAULTS["sliding_window_pattern"],
-                    bound=Bound(1, limits.LAYERS.hi))
+        return read(
+            cfg,
+            "sliding_window_pattern",
+            INT,
+            source=source,
+            default=DEFAULTS["sliding_window_pattern"],
+            bound=Bound(1, limits.LAYERS.hi),
+        )
     if not isinstance(types, list) or len(types) != n_layers or set(map(str, types)) - {FULL, SLIDING}:
-        raise refuse(source, "layer_types", types, f"must list {n_layers} entries of {FULL!r} / {SLIDING!r}",
-                     "write one entry per layer")
+        raise refuse(
+            source,
+            "layer_types",
+            types,
+            f"must list {n_layers} entries of {FULL!r} / {SLIDING!r}",
+            "write one entry per layer",
+        )
     full = [i for i, t in enumerate(types) if t == FULL]
     if not full:
         return 0
     every = full[0] + 1
     if full != [i for i in range(n_layers) if (i + 1) % every == 0]:
-        raise UserError(f"{source}: layer_types puts full attention on layers {full}, not on every {every}-th layer; "
-                        "titan-pipe computes one global layer in every N (Gemma 3: 1 in 6)")
+        raise UserError(
+            f"{source}: layer_types puts full attention on layers {full}, not on every {every}-th layer; "
+            "titan-pipe computes one global layer in every N (Gemma 3: 1 in 6)"
+        )
     return every
 
 
@@ -159,22 +234,48 @@ def _rope(cfg: dict, source: str):
         slide = read(params, SLIDING, DICT, source=source, default=None, prefix="rope_parameters.")
         if full is None and slide is None:  # one set for every layer
             full = slide = params
-        for where, spec, top in ((f"rope_parameters.{FULL}", full, theta), (f"rope_parameters.{SLIDING}", slide, local)):
-            got = read(spec or {}, "rope_theta", FLOAT, source=source, default=None, bound=limits.ROPE_THETA,
-                       prefix=f"{where}.")
+        for where, spec, top in (
+            (f"rope_parameters.{FULL}", full, theta),
+            (f"rope_parameters.{SLIDING}", slide, local),
+        ):
+            got = read(
+                spec or {},
+                "rope_theta",
+                FLOAT,
+                source=source,
+                default=None,
+                bound=limits.ROPE_THETA,
+                prefix=f"{where}.",
+            )
             if got is not None and top is not None and got != top:
-                raise refuse(source, f"{where}.rope_theta", got, f"disagrees with the top-level value {top:g}",
-                             "keep one of them (transformers >= 5 reads rope_parameters)")
+                raise refuse(
+                    source,
+                    f"{where}.rope_theta",
+                    got,
+                    f"disagrees with the top-level value {top:g}",
+                    "keep one of them (transformers >= 5 reads rope_parameters)",
+                )
         theta = read(full or {}, "rope_theta", FLOAT, source=source, default=theta, prefix=f"rope_parameters.{FULL}.")
-        local = read(slide or {}, "rope_theta", FLOAT, source=source, default=local,
-                     prefix=f"rope_parameters.{SLIDING}.")
+        local = read(
+            slide or {}, "rope_theta", FLOAT, source=source, default=local, prefix=f"rope_parameters.{SLIDING}."
+        )
         if _scaling(slide, f"rope_parameters.{SLIDING}", source) is not None:
-            raise refuse(source, f"rope_parameters.{SLIDING}.rope_type", slide.get("rope_type"),
-                         "scales the sliding layers' RoPE, which Gemma 3 never does", "write rope_type: default")
+            raise refuse(
+                source,
+                f"rope_parameters.{SLIDING}.rope_type",
+                slide.get("rope_type"),
+                "scales the sliding layers' RoPE, which Gemma 3 never does",
+                "write rope_type: default",
+            )
         new = _scaling(full, f"rope_parameters.{FULL}", source)
         if legacy is not None and new != scaling:
-            raise refuse(source, "rope_scaling", legacy, "disagrees with rope_parameters",
-                         "keep one of them (transformers >= 5 reads rope_parameters)")
+            raise refuse(
+                source,
+                "rope_scaling",
+                legacy,
+                "disagrees with rope_parameters",
+                "keep one of them (transformers >= 5 reads rope_parameters)",
+            )
         scaling = new
     theta = DEFAULTS["rope_theta"] if theta is None else theta
     local = DEFAULTS["rope_local_base_freq"] if local is None else local
@@ -189,6 +290,11 @@ def _scaling(spec: dict | None, where: str, source: str) -> float | None:
     if kind == "default":
         return None
     if kind != "linear":
-        raise refuse(source, f"{where}.rope_type", kind, "is not supported for Gemma 3",
-                     "Gemma 3 scales its global layers linearly (rope_type: linear) or not at all (default)")
+        raise refuse(
+            source,
+            f"{where}.rope_type",
+            kind,
+            "is not supported for Gemma 3",
+            "Gemma 3 scales its global layers linearly (rope_type: linear) or not at all (default)",
+        )
     return read(spec, "factor", FLOAT, source=source, bound=limits.ROPE_FACTOR, prefix=f"{where}.")

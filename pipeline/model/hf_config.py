@@ -9,6 +9,7 @@ null dimension is one line naming the file, the key, the value and the fix.
 A field is one row of ``HF_FIELDS``; what tells the families apart (model_type, biases, q/k norms,
 windows) is read and written by titan_pipe.model.families.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,7 +79,9 @@ def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
     elif args.rope_scaling is not None:
         s = args.rope_scaling
         cfg["rope_scaling"] = {
-            "rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position_embeddings,
         }
@@ -89,8 +92,13 @@ def _activation(cfg: dict, source: str) -> None:
     """Refuse an activation other than SwiGLU's silu."""
     act = read(cfg, "hidden_act", STR, source=source, default="silu")
     if act not in SUPPORTED_ACTS:
-        raise refuse(source, "hidden_act", act, "is not supported (LLaMA's SwiGLU uses silu)",
-                     "convert a model with hidden_act silu")
+        raise refuse(
+            source,
+            "hidden_act",
+            act,
+            "is not supported (LLaMA's SwiGLU uses silu)",
+            "convert a model with hidden_act silu",
+        )
 
 
 def _scaling(spec: dict | None, where: str, source: str) -> RopeScaling | None:
@@ -101,17 +109,30 @@ def _scaling(spec: dict | None, where: str, source: str) -> RopeScaling | None:
     if kind == "default":
         return None
     if kind != "llama3":
-        raise refuse(source, f"{where}.rope_type", kind, "is not supported",
-                     "titan-pipe computes plain RoPE (default) and Llama-3.1 scaling (llama3) only")
+        raise refuse(
+            source,
+            f"{where}.rope_type",
+            kind,
+            "is not supported",
+            "titan-pipe computes plain RoPE (default) and Llama-3.1 scaling (llama3) only",
+        )
     p = f"{where}."
     low = read(spec, "low_freq_factor", FLOAT, source=source, bound=limits.ROPE_FACTOR, prefix=p)
     high = read(spec, "high_freq_factor", FLOAT, source=source, bound=limits.ROPE_FACTOR, prefix=p)
     if high <= low:
-        raise refuse(source, f"{where}.high_freq_factor", high, f"must exceed low_freq_factor {low:g}",
-                     "copy the values of the model's original config.json")
-    return RopeScaling(read(spec, "factor", FLOAT, source=source, bound=limits.ROPE_FACTOR, prefix=p), low, high,
-                       read(spec, "original_max_position_embeddings", INT, source=source,
-                            bound=limits.POSITIONS, prefix=p))
+        raise refuse(
+            source,
+            f"{where}.high_freq_factor",
+            high,
+            f"must exceed low_freq_factor {low:g}",
+            "copy the values of the model's original config.json",
+        )
+    return RopeScaling(
+        read(spec, "factor", FLOAT, source=source, bound=limits.ROPE_FACTOR, prefix=p),
+        low,
+        high,
+        read(spec, "original_max_position_embeddings", INT, source=source, bound=limits.POSITIONS, prefix=p),
+    )
 
 
 def _rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
@@ -122,17 +143,33 @@ def _rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
     if params is None:
         return (DEFAULT_ROPE_THETA if top is None else top), _scaling(legacy, "rope_scaling", source)
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise refuse(source, "rope_parameters", params, "holds per-layer-type RoPE settings",
-                     "titan-pipe's LLaMA model uses one RoPE for every layer")
-    theta = read(params, "rope_theta", FLOAT, source=source, default=None, bound=limits.ROPE_THETA,
-                 prefix="rope_parameters.")
+        raise refuse(
+            source,
+            "rope_parameters",
+            params,
+            "holds per-layer-type RoPE settings",
+            "titan-pipe's LLaMA model uses one RoPE for every layer",
+        )
+    theta = read(
+        params, "rope_theta", FLOAT, source=source, default=None, bound=limits.ROPE_THETA, prefix="rope_parameters."
+    )
     if theta is not None and top is not None and theta != top:
-        raise refuse(source, "rope_parameters.rope_theta", theta, f"disagrees with the top-level rope_theta {top:g}",
-                     "keep one of them (transformers >= 5 reads rope_parameters)")
+        raise refuse(
+            source,
+            "rope_parameters.rope_theta",
+            theta,
+            f"disagrees with the top-level rope_theta {top:g}",
+            "keep one of them (transformers >= 5 reads rope_parameters)",
+        )
     scaling = _scaling(params, "rope_parameters", source)
     if legacy is not None and _scaling(legacy, "rope_scaling", source) != scaling:
-        raise refuse(source, "rope_scaling", legacy, "disagrees with rope_parameters",
-                     "keep one of them (transformers >= 5 reads rope_parameters)")
+        raise refuse(
+            source,
+            "rope_scaling",
+            legacy,
+            "disagrees with rope_parameters",
+            "keep one of them (transformers >= 5 reads rope_parameters)",
+        )
     theta = theta if theta is not None else top
     return (DEFAULT_ROPE_THETA if theta is None else theta), scaling
 
@@ -143,8 +180,7 @@ def from_hf_config(cfg: dict, *, source: str = "config.json") -> ModelArgs:
     if not isinstance(cfg, dict):
         raise UserError(f"{source}: holds {type(cfg).__name__}, not a JSON object (a LlamaConfig)")
     config_family(cfg, source)  # another architecture is named before its keys are read
-    values = {f.field: read(cfg, f.key, f.kind, source=source, default=f.default, bound=f.bound)
-              for f in HF_FIELDS}
+    values = {f.field: read(cfg, f.key, f.kind, source=source, default=f.default, bound=f.bound) for f in HF_FIELDS}
     family = read_family(cfg, n_layers=values["n_layers"], source=source)  # a family's defaults win (Gemma: tied)
     values.update(family)
     if "activation" not in family:  # a family with its own keys reads them (Gemma 3)
@@ -152,4 +188,3 @@ def from_hf_config(cfg: dict, *, source: str = "config.json") -> ModelArgs:
     if "rope_theta" not in family:
         values["rope_theta"], values["rope_scaling"] = _rope(cfg, source)
     return validate_args(ModelArgs(**values), source=source)
-

@@ -11,6 +11,7 @@ Every set implements the same three functions, so the model and the evaluator ca
 where the position is 0, and a query sees only keys of its own document (``document_mask``).
 RoPE's cos/sin are then per row, (B, 1, T, hd), which every apply_rotary broadcasts.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,27 +76,36 @@ def document_mask(positions: torch.Tensor, window: int | None = None) -> torch.T
     return allowed[:, None]
 
 
-def attention_ref(q, k, v, *, n_rep: int, causal: bool = True, window: int | None = None,
-                  positions: torch.Tensor | None = None, scale: float | None = None):
+def attention_ref(
+    q,
+    k,
+    v,
+    *,
+    n_rep: int,
+    causal: bool = True,
+    window: int | None = None,
+    positions: torch.Tensor | None = None,
+    scale: float | None = None,
+):
     # Explicit repeat instead of SDPA's enable_gqa: older exporters and runtimes lack it.
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     if positions is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions, window), scale=scale)
     if window is None or window >= q.shape[-2]:  # a window as long as the sequence masks nothing
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(q.shape[-2], window, q.device),
-                                          scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(q.shape[-2], window, q.device), scale=scale)
 
 
-def experts_loop(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                 w2: torch.Tensor) -> torch.Tensor:
+def experts_loop(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
     """SwiGLU experts over tokens sorted by expert: rows [c_0 .. c_0 + counts[e]) of ``x`` (N, dim)
     go through expert e (weights stacked (E, out, in)). An expert without tokens still runs (on no
     rows): the autograd graph is then the same whatever the routing, so collectives its backward
     meets (expert parallelism, FSDP) come in the same order on every rank."""
     out, start = [], 0
     for e, n in enumerate(counts.tolist()):
-        xe = x[start:start + n]
+        xe = x[start : start + n]
         out.append(F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e]))
         start += n
     return torch.cat(out)
@@ -121,8 +131,14 @@ def grouped_rows(counts: torch.Tensor, n: int, align: int = GROUP_ALIGN) -> tupl
     return dest, pad_end.to(torch.int32), n + e * align
 
 
-def experts_grouped_padded(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                           w2: torch.Tensor, align: int = GROUP_ALIGN) -> torch.Tensor:
+def experts_grouped_padded(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    w2: torch.Tensor,
+    align: int = GROUP_ALIGN,
+) -> torch.Tensor:
     """The experts through torch._grouped_mm on groups padded to ``align`` rows (grouped_rows): the
     tokens are scattered into a zero buffer, the three grouped GEMMs run on it, the tokens' rows
     are gathered back. Padding rows are zeros (their SwiGLU output is 0), take no part in the
@@ -134,12 +150,17 @@ def experts_grouped_padded(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tens
     return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs).index_select(0, dest)
 
 
-def experts_grouped(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                    w2: torch.Tensor) -> torch.Tensor:
+def experts_grouped(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
     """The same experts as one grouped matrix multiply per projection (torch._grouped_mm on padded
     groups: CUDA with compute capability 9.0+, bfloat16); elsewhere the per-expert loop."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= (9, 0)):
+    if not (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    ):
         return experts_loop(x, counts, w1, w3, w2)
     return experts_grouped_padded(x, counts, w1, w3, w2)
 
@@ -199,19 +220,30 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def attention_gqa(q, k, v, *, n_rep: int, causal: bool = True, window: int | None = None,
-                  positions: torch.Tensor | None = None, scale: float | None = None):
+def attention_gqa(
+    q,
+    k,
+    v,
+    *,
+    n_rep: int,
+    causal: bool = True,
+    window: int | None = None,
+    positions: torch.Tensor | None = None,
+    scale: float | None = None,
+):
     # K/V keep their kv heads: SDPA's enable_gqa reads each for its query group without copies
     gqa = n_rep > 1
     if positions is not None:
         if q.is_cuda:
             return attention_documents_flex(q, k, v, positions, window, scale)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions, window), enable_gqa=gqa,
-                                              scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=document_mask(positions, window), enable_gqa=gqa, scale=scale
+        )
     if window is None or window >= q.shape[-2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed_keys(q.shape[-2], window, q.device),
-                                          enable_gqa=gqa, scale=scale)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed_keys(q.shape[-2], window, q.device), enable_gqa=gqa, scale=scale
+    )
 
 
 def torch_fused_kernels() -> Kernels:
@@ -242,8 +274,16 @@ def npu_fused_kernels() -> Kernels:
         # BNSD layout; GQA handled natively (k/v carry the kv heads); sparse_mode=0 with an
         # explicit upper-triangular mask means "masked where True".
         return torch_npu.npu_fusion_attention(
-            q, k, v, h, input_layout="BNSD", atten_mask=mask, scale=d ** -0.5 if scale is None else scale,
-            keep_prob=1.0, sparse_mode=0)[0]
+            q,
+            k,
+            v,
+            h,
+            input_layout="BNSD",
+            atten_mask=mask,
+            scale=d**-0.5 if scale is None else scale,
+            keep_prob=1.0,
+            sparse_mode=0,
+        )[0]
 
     return Kernels("npu_fused", rms_norm, apply_rotary, attention)
 
@@ -259,7 +299,8 @@ def resolve_kernels(choice: str, device_type: str) -> Kernels:
         return torch_fused_kernels()
     if choice == "npu_fused":
         if device_type != "npu":
-            raise ValueError(f"model.kernels=npu_fused needs device npu, got {device_type!r}; "
-                             "use kernels: reference (or auto)")
+            raise ValueError(
+                f"model.kernels=npu_fused needs device npu, got {device_type!r}; use kernels: reference (or auto)"
+            )
         return npu_fused_kernels()
     return reference_kernels()

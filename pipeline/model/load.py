@@ -3,6 +3,7 @@
 The directory is opened and checked by titan_pipe.model.unified_dir (the one reader of unified
 dirs). The model is built on the meta device and each tensor is assigned as it is read, so loading holds one copy of the weights (plus one tensor in flight for a dtype cast).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +18,9 @@ from titan_pipe.model.transformer import Transformer, build_model
 from titan_pipe.model.unified_dir import open_unified
 
 
-def load_unified_model(model_dir: Path, *, dtype: str | torch.dtype | None = None, device: str = "cpu",
-                       kernels: Kernels | None = None) -> tuple[Transformer, ModelArgs]:
+def load_unified_model(
+    model_dir: Path, *, dtype: str | torch.dtype | None = None, device: str = "cpu", kernels: Kernels | None = None
+) -> tuple[Transformer, ModelArgs]:
     """(Transformer in eval mode on ``device``, ModelArgs) from a unified directory.
 
     ``dtype=None`` keeps the stored dtype of each tensor; otherwise every tensor is cast as it is
@@ -40,8 +42,10 @@ def load_unified_model(model_dir: Path, *, dtype: str | torch.dtype | None = Non
     dtypes = {p.dtype for p in model.parameters()}
     model.init_rope(device)
     if len(dtypes) > 1:
-        raise UserError(f"{model_dir}: tensors are stored in mixed dtypes {sorted(map(str, dtypes))}; "
-                        "pass dtype='float32' (or another) to cast them to one")
+        raise UserError(
+            f"{model_dir}: tensors are stored in mixed dtypes {sorted(map(str, dtypes))}; "
+            "pass dtype='float32' (or another) to cast them to one"
+        )
     return model.eval(), args
 
 

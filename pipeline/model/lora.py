@@ -12,6 +12,7 @@ with a row-split one). ``merge`` is W + (alpha / rank) B A, what a deployed mode
 ``adapter_config.json`` all carry. This file is pure data (no torch: the config reads it); the
 modules and the arithmetic are titan_pipe.model.lora_modules.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,8 +23,15 @@ from titan_pipe.model.args import ModelArgs, flops_per_token
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, adapter_param, split_layer
 
 # target -> the base linear it adapts (module relative to the layer); the names PEFT and Hugging Face use
-TARGETS = {"q": "attention.wq", "k": "attention.wk", "v": "attention.wv", "o": "attention.wo",
-           "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"}
+TARGETS = {
+    "q": "attention.wq",
+    "k": "attention.wk",
+    "v": "attention.wv",
+    "o": "attention.wo",
+    "gate": "feed_forward.w1",
+    "up": "feed_forward.w3",
+    "down": "feed_forward.w2",
+}
 INITS = ("kaiming", "gaussian")  # PEFT's init_lora_weights True ("kaiming" A) and "gaussian"; B starts at 0
 CONVERT_MODES = ("merge", "adapter")  # convert --lora: the merged model, or PEFT's adapter dir
 _BASE = {p.module: p for p in LAYER_PARAMS if p.name.endswith(".weight")}
@@ -46,15 +54,25 @@ class LoRASpec:
         return [TARGETS[t] for t in TARGETS if t in self.targets]
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets),
-                "init": self.init}
+        return {
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "targets": list(self.targets),
+            "init": self.init,
+        }
 
     @classmethod
     def from_dict(cls, d: dict, *, source: object) -> "LoRASpec":
         """The record as stored (a manifest's ``extra.lora``); one-line UserError naming ``source``."""
         try:
-            spec = cls(rank=d["rank"], alpha=d["alpha"], targets=tuple(d["targets"]), dropout=d.get("dropout", 0.0),
-                       init=d.get("init", "kaiming"))
+            spec = cls(
+                rank=d["rank"],
+                alpha=d["alpha"],
+                targets=tuple(d["targets"]),
+                dropout=d.get("dropout", 0.0),
+                init=d.get("init", "kaiming"),
+            )
         except (KeyError, TypeError) as e:
             raise UserError(f"{source}: the LoRA record is malformed ({e}); copy the checkpoint again") from None
         problems = spec_problems(spec)
@@ -85,8 +103,10 @@ def model_problems(spec: LoRASpec, args: ModelArgs) -> list[str]:
     adapters here (their stacked weights are not linears); its attention does."""
     ffn = [t for t in spec.targets if TARGETS[t].startswith("feed_forward.")]
     if ffn and args.moe:
-        return [f"targets {ffn}: this model routes its feed-forward through {args.n_experts} experts, which take "
-                "no adapters; target the attention (q, k, v, o)"]
+        return [
+            f"targets {ffn}: this model routes its feed-forward through {args.n_experts} experts, which take "
+            "no adapters; target the attention (q, k, v, o)"
+        ]
     return []
 
 
@@ -151,7 +171,7 @@ def peft_key(name: str, hf_name: str) -> str:
     Hugging Face name (``model.layers.3.self_attn.q_proj.weight`` -> ``base_model.model.model.layers.3.
     self_attn.q_proj.lora_A.weight``)."""
     part = base_of(name)[1]
-    return "base_model.model." + hf_name[:-len(".weight")] + (".lora_A.weight" if part == "a" else ".lora_B.weight")
+    return "base_model.model." + hf_name[: -len(".weight")] + (".lora_A.weight" if part == "a" else ".lora_B.weight")
 
 
 @dataclass(frozen=True)
@@ -183,9 +203,17 @@ def lora_record(extra_other: dict, *, source: object) -> tuple[LoRASpec, BaseRef
         raise UserError(f"{bad} (base.path / base.files); copy the checkpoint again")
     out = {}
     for name, info in files.items():
-        ok = (isinstance(name, str) and isinstance(info, dict) and isinstance(info.get("size"), int)
-              and not isinstance(info.get("size"), bool) and info["size"] >= 0 and isinstance(info.get("sha256"), str)
-              and len(info["sha256"]) == 64 and "/" not in name.replace("model/", "", 1) and not name.startswith("."))
+        ok = (
+            isinstance(name, str)
+            and isinstance(info, dict)
+            and isinstance(info.get("size"), int)
+            and not isinstance(info.get("size"), bool)
+            and info["size"] >= 0
+            and isinstance(info.get("sha256"), str)
+            and len(info["sha256"]) == 64
+            and "/" not in name.replace("model/", "", 1)
+            and not name.startswith(".")
+        )
         if not ok:
             raise UserError(f"{bad} (base.files[{name!r}]); copy the checkpoint again")
         out[name] = (info["size"], info["sha256"])

@@ -1,5 +1,6 @@
 """LoRA's torch side: the adapter module, the adapted forward, the initial values and the merge
 (the names, shapes and records are titan_pipe.model.lora)."""
+
 from __future__ import annotations
 
 import math
@@ -34,8 +35,11 @@ def adapters_for(owner: str, shapes: dict[str, tuple[int, int]], spec: LoRASpec 
     targeted linear of it (``shapes``: linear name -> (in, out)); None without LoRA or targets here."""
     if spec is None:
         return None
-    mods = {m.split(".", 1)[1]: Adapter(*shapes[m.split(".", 1)[1]], spec) for m in spec.modules()
-            if m.startswith(owner + ".")}
+    mods = {
+        m.split(".", 1)[1]: Adapter(*shapes[m.split(".", 1)[1]], spec)
+        for m in spec.modules()
+        if m.startswith(owner + ".")
+    }
     return nn.ModuleDict(mods) if mods else None
 
 

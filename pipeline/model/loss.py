@@ -9,6 +9,7 @@ token, so they are final up to the upstream scalar); backward only scales them. 
 one chunk's logits in float32 plus the gradients of ``h`` and ``weight`` (which backward needs
 anyway). The same loss and the same gradients as the full form, to float rounding (tests).
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ def chunk_rows(vocab: int, n: int) -> int:
     return max(1, min(n, CHUNK_BYTES // (4 * vocab)))
 
 
-def chunk_loss_grads(hc: torch.Tensor, wc: torch.Tensor, y: torch.Tensor, ok: torch.Tensor,
-                     denom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def chunk_loss_grads(
+    hc: torch.Tensor, wc: torch.Tensor, y: torch.Tensor, ok: torch.Tensor, denom: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One chunk of the fused loss: (its loss sum over the labels that count, its gradient with
     respect to the chunk's hidden rows (compute dtype), its share of the weight's gradient (float32
     at least)). ``hc`` (rows, dim) and ``wc`` (vocab, dim) in the matmul's dtype, ``y`` the labels
@@ -57,8 +59,9 @@ def chunk_loss_grads(hc: torch.Tensor, wc: torch.Tensor, y: torch.Tensor, ok: to
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int,
-                denom: float | None, chunk) -> torch.Tensor:
+    def forward(
+        ctx, h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int, denom: float | None, chunk
+    ) -> torch.Tensor:
         n = h.shape[0]
         valid = labels != IGNORE
         if denom is None:
@@ -90,8 +93,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (grad_h * grad_out.to(grad_h.dtype), grad_w * grad_out.to(grad_w.dtype), None, None, None, None)
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                         rows: int | None = None, denom: float | None = None, chunk=None) -> torch.Tensor:
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    rows: int | None = None,
+    denom: float | None = None,
+    chunk=None,
+) -> torch.Tensor:
     """Cross entropy of ``h @ weight.T`` against ``labels`` without materialising the logits: the
     mean over labels that are not -100, or with ``denom`` their sum divided by it.
     h (..., dim), weight (vocab, dim), labels (...) int64. ``chunk``: the chunk step to call (a

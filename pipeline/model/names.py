@@ -5,12 +5,14 @@ The tables are derived from the parameter list (titan_pipe.model.params), never 
 Native q/k rows are already in Hugging Face's rotate-half layout, so native <-> HF is renaming
 only. (torchtitan/Meta checkpoints use interleaved RoPE pairs: their reader permutes q/k rows.)
 """
+
 from __future__ import annotations
 
 import re
 from functools import lru_cache
 
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS, param_of, split_layer
+
 
 # (native pattern, Hugging Face pattern); {i} is the layer id. Derived from the parameter list.
 # Stacked expert weights have no one Hugging Face name (one tensor per expert): hf_expert_key.
@@ -19,18 +21,23 @@ def hf_table(family: str | None = None) -> tuple[tuple[str, str], ...]:
     in its spelling (titan_pipe.model.params: Param.hf_in; None: the list's own names)."""
     return (
         *((p.name, p.hf_in(family)) for p in MODEL_PARAMS if p.scope == "first" and p.held_by(family)),
-        *((f"{LAYER_PREFIX}{{i}}.{p.name}", f"model.layers.{{i}}.{p.hf_in(family)}") for p in LAYER_PARAMS
-          if not p.expert and p.held_by(family)),
+        *(
+            (f"{LAYER_PREFIX}{{i}}.{p.name}", f"model.layers.{{i}}.{p.hf_in(family)}")
+            for p in LAYER_PARAMS
+            if not p.expert and p.held_by(family)
+        ),
         *((p.name, p.hf_in(family)) for p in MODEL_PARAMS if p.scope == "last" and p.held_by(family)),
     )
 
 
 NATIVE_TO_HF = hf_table()
 # Mixtral spells the mixture-of-experts names of the list (Qwen3-MoE's) its own way.
-MIXTRAL_SPELLING = {"mlp.gate.weight": "block_sparse_moe.gate.weight",
-                    "mlp.experts.{e}.gate_proj.weight": "block_sparse_moe.experts.{e}.w1.weight",
-                    "mlp.experts.{e}.up_proj.weight": "block_sparse_moe.experts.{e}.w3.weight",
-                    "mlp.experts.{e}.down_proj.weight": "block_sparse_moe.experts.{e}.w2.weight"}
+MIXTRAL_SPELLING = {
+    "mlp.gate.weight": "block_sparse_moe.gate.weight",
+    "mlp.experts.{e}.gate_proj.weight": "block_sparse_moe.experts.{e}.w1.weight",
+    "mlp.experts.{e}.up_proj.weight": "block_sparse_moe.experts.{e}.w3.weight",
+    "mlp.experts.{e}.down_proj.weight": "block_sparse_moe.experts.{e}.w2.weight",
+}
 MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
@@ -44,13 +51,20 @@ def _tables(family: str | None) -> tuple[list, list]:
     table = hf_table(family)
     n2h = [(_compile(n), h) for n, h in table]
     h2n = [(_compile(h), n) for n, h in table]
-    h2n += [(_compile(f"model.layers.{{i}}.{MIXTRAL_SPELLING[p.hf]}"), f"{LAYER_PREFIX}{{i}}.{p.name}")
-            for p in LAYER_PARAMS if p.hf in MIXTRAL_SPELLING and not p.expert]
+    h2n += [
+        (_compile(f"model.layers.{{i}}.{MIXTRAL_SPELLING[p.hf]}"), f"{LAYER_PREFIX}{{i}}.{p.name}")
+        for p in LAYER_PARAMS
+        if p.hf in MIXTRAL_SPELLING and not p.expert
+    ]
     return n2h, h2n
 
 
-_EXPERT_HF = [(_compile(f"model.layers.{{i}}.{spelling}"), f"{LAYER_PREFIX}{{i}}.{p.name}")
-              for p in LAYER_PARAMS if p.expert for spelling in (p.hf, MIXTRAL_SPELLING[p.hf])]
+_EXPERT_HF = [
+    (_compile(f"model.layers.{{i}}.{spelling}"), f"{LAYER_PREFIX}{{i}}.{p.name}")
+    for p in LAYER_PARAMS
+    if p.expert
+    for spelling in (p.hf, MIXTRAL_SPELLING[p.hf])
+]
 
 
 def _translate(name: str, table) -> str:
@@ -118,20 +132,33 @@ TORCHTITAN_MODEL_PREFIX = "model."
 
 # Megatron-LM (megatron-core GPTModel) names, with {i} the layer index LOCAL to a pipeline stage.
 # Values: the native name, or a fused tensor the Megatron reader splits (qkv, fc1).
-MEGATRON_TO_NATIVE: tuple[tuple[str, str], ...] = tuple(dict.fromkeys((
-    *((m, p.name) for p in MODEL_PARAMS if p.scope == "first" for m in p.megatron),
-    *((f"decoder.layers.{{i}}.{m}", f"<{p.fused[0]}>" if p.fused else f"{LAYER_PREFIX}{{i}}.{p.name}")
-      for p in LAYER_PARAMS for m in p.megatron),
-    *((m, p.name) for p in MODEL_PARAMS if p.scope == "last" for m in p.megatron),
-)))
+MEGATRON_TO_NATIVE: tuple[tuple[str, str], ...] = tuple(
+    dict.fromkeys(
+        (
+            *((m, p.name) for p in MODEL_PARAMS if p.scope == "first" for m in p.megatron),
+            *(
+                (f"decoder.layers.{{i}}.{m}", f"<{p.fused[0]}>" if p.fused else f"{LAYER_PREFIX}{{i}}.{p.name}")
+                for p in LAYER_PARAMS
+                for m in p.megatron
+            ),
+            *((m, p.name) for p in MODEL_PARAMS if p.scope == "last" for m in p.megatron),
+        )
+    )
+)
 _M2N = [(_compile(m), n) for m, n in MEGATRON_TO_NATIVE]
 
 
 # Megatron-LM's legacy rank files keep each SequentialMLP expert of the rank as a module of its own
 # (``local_experts.{e}``, e local to the ep rank) where dist checkpoints stack them ("experts.experts.").
-_M2N_LOCAL_EXPERT = [(_compile("decoder.layers.{i}." + m.replace("experts.experts.", "experts.local_experts.{e}.")),
-                      f"<{p.fused[0]}>" if p.fused else f"{LAYER_PREFIX}{{i}}.{p.name}")
-                     for p in LAYER_PARAMS if p.expert for m in p.megatron]
+_M2N_LOCAL_EXPERT = [
+    (
+        _compile("decoder.layers.{i}." + m.replace("experts.experts.", "experts.local_experts.{e}.")),
+        f"<{p.fused[0]}>" if p.fused else f"{LAYER_PREFIX}{{i}}.{p.name}",
+    )
+    for p in LAYER_PARAMS
+    if p.expert
+    for m in p.megatron
+]
 
 
 def megatron_local_expert(name: str, layer_offset: int) -> tuple[str, int] | None:
@@ -150,10 +177,19 @@ def megatron_local_expert(name: str, layer_offset: int) -> tuple[str, int] | Non
 # under a key of its own (``experts.experts.{e}.``, e global, no expert axis) and a SwiGLU fc1 as two
 # tensors, gate ``weight_w`` and up ``weight_v`` (megatron/core/transformer/mlp.py, moe/experts.py).
 _SINGLETON_PART = {"gate": "_w", "up": "_v"}
-_M2N_SINGLETON = [(_compile("decoder.layers.{i}." + m.replace("experts.experts.", "experts.experts.{e}.")
-                            + (_SINGLETON_PART[p.fused[1]] if p.fused else "")), f"{LAYER_PREFIX}{{i}}.{p.name}")
-                  for p in LAYER_PARAMS for m in p.megatron
-                  if (p.expert or (p.fused and p.fused[0] == "fc1")) and (not p.fused or p.fused[1] in _SINGLETON_PART)]
+_M2N_SINGLETON = [
+    (
+        _compile(
+            "decoder.layers.{i}."
+            + m.replace("experts.experts.", "experts.experts.{e}.")
+            + (_SINGLETON_PART[p.fused[1]] if p.fused else "")
+        ),
+        f"{LAYER_PREFIX}{{i}}.{p.name}",
+    )
+    for p in LAYER_PARAMS
+    for m in p.megatron
+    if (p.expert or (p.fused and p.fused[0] == "fc1")) and (not p.fused or p.fused[1] in _SINGLETON_PART)
+]
 
 
 def megatron_singleton(name: str) -> tuple[str, int | None] | None:

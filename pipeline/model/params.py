@@ -13,6 +13,7 @@ and keeps the dense feed-forward in the others). Expert weights are stacked: dim
 ``expert`` parameter indexes the experts (Hugging Face stores one tensor per expert: ``hf`` holds
 ``{e}``, titan_pipe.model.names spells it per family).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,15 @@ from titan_pipe.model.args import ModelArgs
 # stream as a plain tensor, sequence-split under sequence parallel (a LoRA adapter's B beside a row-split
 # base; Gemma 3's norms on a sub-layer's output).
 TP_STYLES = ("colwise", "rowwise", "vocab", "replicate", "replicate_heads", "replicate_input", "replicate_output")
-_WEIGHT_SPLIT = {"colwise": 0, "rowwise": 1, "vocab": 0, "replicate": None, "replicate_heads": None,
-                 "replicate_input": None, "replicate_output": None}
+_WEIGHT_SPLIT = {
+    "colwise": 0,
+    "rowwise": 1,
+    "vocab": 0,
+    "replicate": None,
+    "replicate_heads": None,
+    "replicate_input": None,
+    "replicate_output": None,
+}
 # Initial values (transformer.init_param): ones; zeros (biases); N(0, 0.02); N(0, 0.02 / sqrt(2
 # n_layers)) for the projections back into the residual stream; N(0, dim^-0.5) for the output projection.
 INITS = ("ones", "zeros", "normal", "depth_scaled", "fan_in")
@@ -92,8 +100,10 @@ class Param:
 
     def __post_init__(self):
         if self.tp not in TP_STYLES or self.init not in INITS or self.scope not in SCOPES:
-            raise ValueError(f"parameter {self.name!r}: tp {self.tp!r}, init {self.init!r} or scope "
-                             f"{self.scope!r} is not one of {TP_STYLES}, {INITS}, {SCOPES}")
+            raise ValueError(
+                f"parameter {self.name!r}: tp {self.tp!r}, init {self.init!r} or scope "
+                f"{self.scope!r} is not one of {TP_STYLES}, {INITS}, {SCOPES}"
+            )
         if self.tp_dim == "style":
             object.__setattr__(self, "tp_dim", _WEIGHT_SPLIT[self.tp])
 
@@ -112,8 +122,9 @@ class Param:
 
 
 def _norm(name: str, hf: str, megatron: tuple[str, ...], scope: str, **kw) -> Param:
-    return Param(name, lambda a: (a.dim,), "replicate", scope, hf, name, init="ones", matmul=False,
-                 megatron=megatron, **kw)
+    return Param(
+        name, lambda a: (a.dim,), "replicate", scope, hf, name, init="ones", matmul=False, megatron=megatron, **kw
+    )
 
 
 GEMMA3 = "gemma3_text"
@@ -121,70 +132,179 @@ GEMMA3 = "gemma3_text"
 
 def _sandwich_norm(name: str, hf: str) -> Param:
     """Gemma 3's norm on a sub-layer's output, before the residual add (ModelArgs.sandwich_norms)."""
-    return Param(name, lambda a: (a.dim,), "replicate_output", "layer", hf, name, init="ones", matmul=False,
-                 when=lambda a: a.sandwich_norms, families=(GEMMA3,))
+    return Param(
+        name,
+        lambda a: (a.dim,),
+        "replicate_output",
+        "layer",
+        hf,
+        name,
+        init="ones",
+        matmul=False,
+        when=lambda a: a.sandwich_norms,
+        families=(GEMMA3,),
+    )
 
 
 def _qkv_bias(part: str, width: Callable[[ModelArgs], int]) -> Param:
     """Qwen2's bias of the q, k or v projection: split with its weight's rows (their output dim);
     Megatron fuses the three like the weights, per query group."""
     hf = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}[part]
-    return Param(f"attention.w{part}.bias", lambda a: (width(a),), "colwise", "layer", f"self_attn.{hf}.bias",
-                 f"w{part}.bias", init="zeros", matmul=False, megatron=("self_attention.linear_qkv.bias",),
-                 fused=("qkv_bias", part), rope=part != "v", when=lambda a: a.qkv_bias)
+    return Param(
+        f"attention.w{part}.bias",
+        lambda a: (width(a),),
+        "colwise",
+        "layer",
+        f"self_attn.{hf}.bias",
+        f"w{part}.bias",
+        init="zeros",
+        matmul=False,
+        megatron=("self_attention.linear_qkv.bias",),
+        fused=("qkv_bias", part),
+        rope=part != "v",
+        when=lambda a: a.qkv_bias,
+    )
 
 
 def _qk_norm(part: str) -> Param:
     """Qwen3's RMSNorm over each head of q or k (weight: head_dim), applied before RoPE."""
-    return Param(f"attention.{part}_norm.weight", lambda a: (a.head_dim,), "replicate_heads", "layer",
-                 f"self_attn.{part}_norm.weight", f"attention.{part}_norm.weight", init="ones", matmul=False,
-                 megatron=(f"self_attention.{part}_layernorm.weight",), when=lambda a: a.qk_norm)
+    return Param(
+        f"attention.{part}_norm.weight",
+        lambda a: (a.head_dim,),
+        "replicate_heads",
+        "layer",
+        f"self_attn.{part}_norm.weight",
+        f"attention.{part}_norm.weight",
+        init="ones",
+        matmul=False,
+        megatron=(f"self_attention.{part}_layernorm.weight",),
+        when=lambda a: a.qk_norm,
+    )
 
 
 MODEL_PARAMS: tuple[Param, ...] = (
-    Param("tok_embeddings.weight", lambda a: (a.vocab_size, a.dim), "vocab", "first",
-          "model.embed_tokens.weight", "tok_embeddings.weight", matmul=False,
-          megatron=("embedding.word_embeddings.weight",), vocab_rows=True),
+    Param(
+        "tok_embeddings.weight",
+        lambda a: (a.vocab_size, a.dim),
+        "vocab",
+        "first",
+        "model.embed_tokens.weight",
+        "tok_embeddings.weight",
+        matmul=False,
+        megatron=("embedding.word_embeddings.weight",),
+        vocab_rows=True,
+    ),
     _norm("norm.weight", "model.norm.weight", ("decoder.final_layernorm.weight",), "last"),
     # Tied embeddings: the output projection is the embedding matrix, stored once as that.
-    Param("output.weight", lambda a: (a.vocab_size, a.dim), "colwise", "last", "lm_head.weight",
-          "output.weight", init="fan_in", megatron=("output_layer.weight",), vocab_rows=True,
-          when=lambda a: not a.tie_embeddings),
+    Param(
+        "output.weight",
+        lambda a: (a.vocab_size, a.dim),
+        "colwise",
+        "last",
+        "lm_head.weight",
+        "output.weight",
+        init="fan_in",
+        megatron=("output_layer.weight",),
+        vocab_rows=True,
+        when=lambda a: not a.tie_embeddings,
+    ),
 )
 
 LAYER_PARAMS: tuple[Param, ...] = (
-    _norm("attention_norm.weight", "input_layernorm.weight",
-          ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"), "layer"),
-    Param("attention.wq.weight", lambda a: (a.q_dim, a.dim), "colwise", "layer",
-          "self_attn.q_proj.weight", "wq", megatron=("self_attention.linear_qkv.weight",),
-          fused=("qkv", "q"), rope=True),
+    _norm(
+        "attention_norm.weight",
+        "input_layernorm.weight",
+        ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+        "layer",
+    ),
+    Param(
+        "attention.wq.weight",
+        lambda a: (a.q_dim, a.dim),
+        "colwise",
+        "layer",
+        "self_attn.q_proj.weight",
+        "wq",
+        megatron=("self_attention.linear_qkv.weight",),
+        fused=("qkv", "q"),
+        rope=True,
+    ),
     _qkv_bias("q", lambda a: a.q_dim),
-    Param("attention.wk.weight", lambda a: (a.kv_dim, a.dim), "colwise", "layer",
-          "self_attn.k_proj.weight", "wk", megatron=("self_attention.linear_qkv.weight",),
-          fused=("qkv", "k"), rope=True),
+    Param(
+        "attention.wk.weight",
+        lambda a: (a.kv_dim, a.dim),
+        "colwise",
+        "layer",
+        "self_attn.k_proj.weight",
+        "wk",
+        megatron=("self_attention.linear_qkv.weight",),
+        fused=("qkv", "k"),
+        rope=True,
+    ),
     _qkv_bias("k", lambda a: a.kv_dim),
-    Param("attention.wv.weight", lambda a: (a.kv_dim, a.dim), "colwise", "layer",
-          "self_attn.v_proj.weight", "wv", megatron=("self_attention.linear_qkv.weight",),
-          fused=("qkv", "v")),
+    Param(
+        "attention.wv.weight",
+        lambda a: (a.kv_dim, a.dim),
+        "colwise",
+        "layer",
+        "self_attn.v_proj.weight",
+        "wv",
+        megatron=("self_attention.linear_qkv.weight",),
+        fused=("qkv", "v"),
+    ),
     _qkv_bias("v", lambda a: a.kv_dim),
-    Param("attention.wo.weight", lambda a: (a.dim, a.q_dim), "rowwise", "layer",
-          "self_attn.o_proj.weight", "wo", init="depth_scaled",
-          megatron=("self_attention.linear_proj.weight",)),
+    Param(
+        "attention.wo.weight",
+        lambda a: (a.dim, a.q_dim),
+        "rowwise",
+        "layer",
+        "self_attn.o_proj.weight",
+        "wo",
+        init="depth_scaled",
+        megatron=("self_attention.linear_proj.weight",),
+    ),
     _qk_norm("q"),
     _qk_norm("k"),
     _sandwich_norm("post_attention_norm.weight", "post_attention_layernorm.weight"),
-    _norm("ffn_norm.weight", "post_attention_layernorm.weight",
-          ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), "layer",
-          hf_spelled=((GEMMA3, "pre_feedforward_layernorm.weight"),)),
-    Param("feed_forward.w1.weight", lambda a: (a.hidden_dim, a.dim), "colwise", "layer",
-          "mlp.gate_proj.weight", "w1", megatron=("mlp.linear_fc1.weight",), fused=("fc1", "gate"),
-          in_layer=_dense_ffn),
-    Param("feed_forward.w3.weight", lambda a: (a.hidden_dim, a.dim), "colwise", "layer",
-          "mlp.up_proj.weight", "w3", megatron=("mlp.linear_fc1.weight",), fused=("fc1", "up"),
-          in_layer=_dense_ffn),
-    Param("feed_forward.w2.weight", lambda a: (a.dim, a.hidden_dim), "rowwise", "layer",
-          "mlp.down_proj.weight", "w2", init="depth_scaled", megatron=("mlp.linear_fc2.weight",),
-          in_layer=_dense_ffn),
+    _norm(
+        "ffn_norm.weight",
+        "post_attention_layernorm.weight",
+        ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
+        "layer",
+        hf_spelled=((GEMMA3, "pre_feedforward_layernorm.weight"),),
+    ),
+    Param(
+        "feed_forward.w1.weight",
+        lambda a: (a.hidden_dim, a.dim),
+        "colwise",
+        "layer",
+        "mlp.gate_proj.weight",
+        "w1",
+        megatron=("mlp.linear_fc1.weight",),
+        fused=("fc1", "gate"),
+        in_layer=_dense_ffn,
+    ),
+    Param(
+        "feed_forward.w3.weight",
+        lambda a: (a.hidden_dim, a.dim),
+        "colwise",
+        "layer",
+        "mlp.up_proj.weight",
+        "w3",
+        megatron=("mlp.linear_fc1.weight",),
+        fused=("fc1", "up"),
+        in_layer=_dense_ffn,
+    ),
+    Param(
+        "feed_forward.w2.weight",
+        lambda a: (a.dim, a.hidden_dim),
+        "rowwise",
+        "layer",
+        "mlp.down_proj.weight",
+        "w2",
+        init="depth_scaled",
+        megatron=("mlp.linear_fc2.weight",),
+        in_layer=_dense_ffn,
+    ),
     _sandwich_norm("post_ffn_norm.weight", "post_feedforward_layernorm.weight"),
     # A mixture of experts in place of the feed-forward (ModelArgs.is_moe_layer): torchtitan's names
     # (its MoE DCP checkpoints read one to one), Qwen3-MoE's Hugging Face names (Mixtral's:
@@ -192,19 +312,53 @@ LAYER_PARAMS: tuple[Param, ...] = (
     # megatron-core (torch_dist) keeps a routing layer's SequentialMLP experts as one tensor per kind
     # with the expert index as a leading axis ("experts.experts.*": (E, rows, cols)), fc1 fused
     # [gate; up] on its rows as the dense MLP's.
-    Param("moe.router.gate.weight", lambda a: (a.n_experts, a.dim), "replicate", "layer", "mlp.gate.weight",
-          "moe.router", in_layer=_routed, megatron=("mlp.router.weight",)),
-    Param("moe.experts.w1", lambda a: (a.n_experts, a.expert_dim, a.dim), "replicate", "layer",
-          "mlp.experts.{e}.gate_proj.weight", "moe.w1", in_layer=_routed, expert=True,
-          megatron=("mlp.experts.experts.linear_fc1.weight",), fused=("expert_fc1", "gate")),
-    Param("moe.experts.w3", lambda a: (a.n_experts, a.expert_dim, a.dim), "replicate", "layer",
-          "mlp.experts.{e}.up_proj.weight", "moe.w3", in_layer=_routed, expert=True,
-          megatron=("mlp.experts.experts.linear_fc1.weight",), fused=("expert_fc1", "up")),
-    Param("moe.experts.w2", lambda a: (a.n_experts, a.dim, a.expert_dim), "replicate", "layer",
-          "mlp.experts.{e}.down_proj.weight", "moe.w2", init="depth_scaled", in_layer=_routed, expert=True,
-          megatron=("mlp.experts.experts.linear_fc2.weight",)),
+    Param(
+        "moe.router.gate.weight",
+        lambda a: (a.n_experts, a.dim),
+        "replicate",
+        "layer",
+        "mlp.gate.weight",
+        "moe.router",
+        in_layer=_routed,
+        megatron=("mlp.router.weight",),
+    ),
+    Param(
+        "moe.experts.w1",
+        lambda a: (a.n_experts, a.expert_dim, a.dim),
+        "replicate",
+        "layer",
+        "mlp.experts.{e}.gate_proj.weight",
+        "moe.w1",
+        in_layer=_routed,
+        expert=True,
+        megatron=("mlp.experts.experts.linear_fc1.weight",),
+        fused=("expert_fc1", "gate"),
+    ),
+    Param(
+        "moe.experts.w3",
+        lambda a: (a.n_experts, a.expert_dim, a.dim),
+        "replicate",
+        "layer",
+        "mlp.experts.{e}.up_proj.weight",
+        "moe.w3",
+        in_layer=_routed,
+        expert=True,
+        megatron=("mlp.experts.experts.linear_fc1.weight",),
+        fused=("expert_fc1", "up"),
+    ),
+    Param(
+        "moe.experts.w2",
+        lambda a: (a.n_experts, a.dim, a.expert_dim),
+        "replicate",
+        "layer",
+        "mlp.experts.{e}.down_proj.weight",
+        "moe.w2",
+        init="depth_scaled",
+        in_layer=_routed,
+        expert=True,
+        megatron=("mlp.experts.experts.linear_fc2.weight",),
+    ),
 )
-
 
 
 def adapter_param(module: str, part: str) -> str:
@@ -231,9 +385,19 @@ def _adapter_entries() -> tuple[Param, ...]:
         styles = {"colwise": ("replicate_input", "colwise"), "rowwise": ("rowwise", "replicate_output")}[base.tp]
         for part, style in zip(("a", "b"), styles):
             name = adapter_param(base.module, part)
-            out.append(Param(name, _no_shape, style, "layer", f"{base.hf[:-len('.weight')]}.lora_{part.upper()}.weight",
-                             name, init="zeros" if part == "b" else "normal", in_layer=base.in_layer,
-                             when=lambda a: False))
+            out.append(
+                Param(
+                    name,
+                    _no_shape,
+                    style,
+                    "layer",
+                    f"{base.hf[: -len('.weight')]}.lora_{part.upper()}.weight",
+                    name,
+                    init="zeros" if part == "b" else "normal",
+                    in_layer=base.in_layer,
+                    when=lambda a: False,
+                )
+            )
     return tuple(out)
 
 
@@ -251,7 +415,7 @@ def layer_name(i: int, p: Param) -> str:
 def split_layer(name: str) -> tuple[int | None, str]:
     """(layer id, name within the layer) of a native name; (None, name) for a per-model one."""
     if name.startswith(LAYER_PREFIX):
-        lid, _, rest = name[len(LAYER_PREFIX):].partition(".")
+        lid, _, rest = name[len(LAYER_PREFIX) :].partition(".")
         if lid.isdigit():
             return int(lid), rest
     return None, name

@@ -6,6 +6,7 @@ graph stores: angles as the module computes them (fp32 position x fp32 frequency
 float64 rounded once to fp32, so each entry is the correctly rounded value; torch's fp32 cos/sin is
 within one unit in the last place of it (about 5% of entries differ by that one unit).
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,8 @@ def inv_freq(args: ModelArgs, *, local: bool = False) -> np.ndarray:
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * math.pi / inv
     smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor)
+        s.high_freq_factor - s.low_freq_factor
+    )
     scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
     mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
     scaled = np.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)

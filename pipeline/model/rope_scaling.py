@@ -1,4 +1,5 @@
 """RopeScaling: how a model scales its RoPE frequencies (pure data; titan_pipe.model.rope computes them)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

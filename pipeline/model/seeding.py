@@ -1,5 +1,6 @@
 """The one seed rule of parameter initialisation: a generator per (seed, parameter name), so every
 parallel layout, and every pipeline stage or tp rank of it, draws a parameter's values alike."""
+
 from __future__ import annotations
 
 import zlib

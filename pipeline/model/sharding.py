@@ -7,6 +7,7 @@ dim and its pipeline owner.
 
 Module names are native names; ``*`` stands for a layer id.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,10 +36,13 @@ class TPRule:
 # Attention and FFN in Megatron's column-then-row pairing, so each block needs one all-reduce (or
 # reduce-scatter under sequence parallel) after wo and after w2. One rule per module, in model order;
 # LoRA adapters (titan_pipe.model.lora) pair the same way beside their base linears.
-TP_PLAN: tuple[TPRule, ...] = tuple(dict.fromkeys(
-    [TPRule(p.module, p.tp) for p in MODEL_PARAMS if p.scope == "first"]
-    + [TPRule(f"{LAYER_PREFIX}*.{p.module}", p.tp) for p in LAYER_PARAMS + ADAPTER_PARAMS]
-    + [TPRule(p.module, p.tp) for p in MODEL_PARAMS if p.scope == "last"]))
+TP_PLAN: tuple[TPRule, ...] = tuple(
+    dict.fromkeys(
+        [TPRule(p.module, p.tp) for p in MODEL_PARAMS if p.scope == "first"]
+        + [TPRule(f"{LAYER_PREFIX}*.{p.module}", p.tp) for p in LAYER_PARAMS + ADAPTER_PARAMS]
+        + [TPRule(p.module, p.tp) for p in MODEL_PARAMS if p.scope == "last"]
+    )
+)
 
 
 def tp_split_dim(param_name: str) -> int | None:
@@ -50,8 +54,9 @@ def _param(param_name: str):
     try:
         return param_of(param_name)
     except KeyError:
-        raise KeyError(f"parameter {param_name!r} has no entry in the sharding table "
-                       "(titan_pipe.model.params)") from None
+        raise KeyError(
+            f"parameter {param_name!r} has no entry in the sharding table (titan_pipe.model.params)"
+        ) from None
 
 
 def tp_problems(args: ModelArgs, tp: int) -> list[str]:
@@ -61,11 +66,15 @@ def tp_problems(args: ModelArgs, tp: int) -> list[str]:
     out = []
     fits = ", ".join(map(str, tp_choices(args)))
     if args.n_heads % tp:
-        out.append(f"does not divide model n_heads={args.n_heads} (tp splits the q heads of head_dim "
-                   f"{args.head_dim}); the tp sizes this model takes: {fits}")
+        out.append(
+            f"does not divide model n_heads={args.n_heads} (tp splits the q heads of head_dim "
+            f"{args.head_dim}); the tp sizes this model takes: {fits}"
+        )
     if args.kv_heads % tp:
-        out.append(f"does not divide model n_kv_heads={args.kv_heads} (tp splits the k/v heads of head_dim "
-                   f"{args.head_dim}); the tp sizes this model takes: {fits}")
+        out.append(
+            f"does not divide model n_kv_heads={args.kv_heads} (tp splits the k/v heads of head_dim "
+            f"{args.head_dim}); the tp sizes this model takes: {fits}"
+        )
     if args.hidden_dim % tp:
         out.append(f"does not divide the FFN hidden size {args.hidden_dim}; the tp sizes this model takes: {fits}")
     if args.vocab_size % tp:
@@ -92,8 +101,10 @@ def split_stages(n_layers: int, n_stages: int) -> list[list[int]]:
     if n_stages < 1:
         raise ValueError(f"pipeline stages must be >= 1, got {n_stages}")
     if n_layers < n_stages:
-        raise ValueError(f"cannot split {n_layers} layers into {n_stages} pipeline stages: "
-                         f"need n_layers >= pp * virtual stages ({n_stages})")
+        raise ValueError(
+            f"cannot split {n_layers} layers into {n_stages} pipeline stages: "
+            f"need n_layers >= pp * virtual stages ({n_stages})"
+        )
     base, extra = divmod(n_layers, n_stages)
     out, start = [], 0
     for s in range(n_stages):

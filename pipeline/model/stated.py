@@ -8,6 +8,7 @@ wrote (an explicit ``null`` included: ``rope_scaling: null`` is a value, "no sca
 both values; nothing the file states is silently replaced by the checkpoint's value, and nothing the
 checkpoint holds by a flavour's or a default's.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -22,15 +23,36 @@ from titan_pipe.tokens.model_files import GENERATION_CONFIG, dir_token_ids, gene
 # ModelArgs value -> the resolved property two architectures are compared on (a field that only
 # helps derive another, like multiple_of for the FFN width, is compared through what it derives).
 COMPARED: dict[str, str] = {
-    "dim": "dim", "n_layers": "n_layers", "n_heads": "n_heads", "n_kv_heads": "kv_heads", "head_dim": "head_dim",
-    "vocab_size": "vocab_size", "multiple_of": "hidden_dim", "ffn_dim_multiplier": "hidden_dim",
-    "ffn_hidden_dim": "hidden_dim", "norm_eps": "norm_eps", "rope_theta": "rope_theta",
-    "rope_scaling": "rope_scaling", "max_seq_len": "max_seq_len", "tie_embeddings": "tie_embeddings",
-    "qkv_bias": "qkv_bias", "qk_norm": "qk_norm", "sliding_window": "sliding_window", "n_experts": "n_experts",
-    "experts_per_token": "experts_per_token", "moe_hidden_dim": "expert_dim", "moe_step": "moe_layers",
-    "dense_layers": "moe_layers", "router_norm_topk": "router_norm_topk", "norm_offset": "norm_offset",
-    "activation": "activation", "sandwich_norms": "sandwich_norms", "embed_scale": "embed_scale",
-    "global_every": "global_every", "rope_local_theta": "rope_local_theta", "attn_scalar": "attn_scale",
+    "dim": "dim",
+    "n_layers": "n_layers",
+    "n_heads": "n_heads",
+    "n_kv_heads": "kv_heads",
+    "head_dim": "head_dim",
+    "vocab_size": "vocab_size",
+    "multiple_of": "hidden_dim",
+    "ffn_dim_multiplier": "hidden_dim",
+    "ffn_hidden_dim": "hidden_dim",
+    "norm_eps": "norm_eps",
+    "rope_theta": "rope_theta",
+    "rope_scaling": "rope_scaling",
+    "max_seq_len": "max_seq_len",
+    "tie_embeddings": "tie_embeddings",
+    "qkv_bias": "qkv_bias",
+    "qk_norm": "qk_norm",
+    "sliding_window": "sliding_window",
+    "n_experts": "n_experts",
+    "experts_per_token": "experts_per_token",
+    "moe_hidden_dim": "expert_dim",
+    "moe_step": "moe_layers",
+    "dense_layers": "moe_layers",
+    "router_norm_topk": "router_norm_topk",
+    "norm_offset": "norm_offset",
+    "activation": "activation",
+    "sandwich_norms": "sandwich_norms",
+    "embed_scale": "embed_scale",
+    "global_every": "global_every",
+    "rope_local_theta": "rope_local_theta",
+    "attn_scalar": "attn_scale",
 }
 # Training choices, not architecture: a value given in flow.yaml is used over the checkpoint's.
 TRAINING_FIELDS = ("router_aux_loss_coef",)
@@ -68,9 +90,11 @@ def _shown(value: object) -> str:
     if hasattr(value, "factor") and getattr(value, "rope_type", "llama3") == "linear":  # RopeScaling
         return f"{{rope_type: linear, factor: {value.factor:g}}}"
     if hasattr(value, "factor"):
-        return (f"{{factor: {value.factor:g}, low_freq_factor: {value.low_freq_factor:g}, high_freq_factor: "
-                f"{value.high_freq_factor:g}, original_max_position_embeddings: "
-                f"{value.original_max_position_embeddings}}}")
+        return (
+            f"{{factor: {value.factor:g}, low_freq_factor: {value.low_freq_factor:g}, high_freq_factor: "
+            f"{value.high_freq_factor:g}, original_max_position_embeddings: "
+            f"{value.original_max_position_embeddings}}}"
+        )
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, tuple):
@@ -78,8 +102,9 @@ def _shown(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def stated_conflicts(stated: ModelArgs, given: set[str], held: ModelArgs, *, flavour: str | None,
-                     where: str) -> list[str]:
+def stated_conflicts(
+    stated: ModelArgs, given: set[str], held: ModelArgs, *, flavour: str | None, where: str
+) -> list[str]:
     """One line per architecture key flow.yaml writes that differs from the checkpoint's, and one line
     for all the values a written ``flavour`` brings that differ.
 
@@ -101,11 +126,15 @@ def stated_conflicts(stated: ModelArgs, given: set[str], held: ModelArgs, *, fla
         if by_flavour:
             brought.append(f"{prop} {shown[0]} vs {shown[1]}")
             continue
-        out.append(f"model.{key}: {shown[0]} but init_from {where} holds {shown[1]}; remove model.{key} (the "
-                   "checkpoint states the architecture) or point init_from at the model you mean")
+        out.append(
+            f"model.{key}: {shown[0]} but init_from {where} holds {shown[1]}; remove model.{key} (the "
+            "checkpoint states the architecture) or point init_from at the model you mean"
+        )
     if brought:
-        out.append(f"model.flavour: {flavour} brings {', '.join(brought)} (flavour vs init_from {where}); remove "
-                   "model.flavour (the checkpoint states the architecture) or point init_from at the model you mean")
+        out.append(
+            f"model.flavour: {flavour} brings {', '.join(brought)} (flavour vs init_from {where}); remove "
+            "model.flavour (the checkpoint states the architecture) or point init_from at the model you mean"
+        )
     return out
 
 

@@ -6,6 +6,7 @@ q/k rows are in Hugging Face's rotate-half RoPE layout, so a unified checkpoint 
 ``LlamaForCausalLM`` by renaming alone. Layers live in a ModuleDict keyed by their global id, so a
 pipeline stage that keeps layers 4..7 still names them ``layers.4`` .. ``layers.7``.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,7 +35,9 @@ def rope_inv_freq(args: ModelArgs, *, local: bool = False) -> torch.Tensor:
     return torch.as_tensor(rope.inv_freq(args, local=local))  # on the default device (meta while building on meta)
 
 
-def rope_cos_sin(args: ModelArgs, seq_len: int | None = None, *, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    args: ModelArgs, seq_len: int | None = None, *, local: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (seq_len, head_dim), each half repeated (rotate-half convention); ``local``:
     the sliding layers' tables (Gemma 3's rope_local_theta)."""
     t = torch.arange(seq_len or args.max_seq_len, dtype=torch.float32)
@@ -84,8 +87,16 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm over each head's head_dim values of q and k, before RoPE.
         self.q_norm = _norm(args, args.head_dim, kernels) if args.qk_norm else None
         self.k_norm = _norm(args, args.head_dim, kernels) if args.qk_norm else None
-        self.lora = adapters_for("attention", {"wq": (args.dim, args.q_dim), "wk": (args.dim, args.kv_dim),
-                                               "wv": (args.dim, args.kv_dim), "wo": (args.q_dim, args.dim)}, lora)
+        self.lora = adapters_for(
+            "attention",
+            {
+                "wq": (args.dim, args.q_dim),
+                "wk": (args.dim, args.kv_dim),
+                "wv": (args.dim, args.kv_dim),
+                "wo": (args.q_dim, args.dim),
+            },
+            lora,
+        )
         self.kernels = kernels
 
     def _heads(self, name: str, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
@@ -106,18 +117,18 @@ class Attention(nn.Module):
         q, k = self.kernels.apply_rotary(q, k, cos, sin)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.project(x, cos, sin)
         if positions is None:
-            out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True, window=self.window,
-                                         **self._scale())
+            out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True, window=self.window, **self._scale())
         else:  # packed documents: each query sees its own document only
-            out = self.kernels.attention(q, k, v, n_rep=self.n_rep, causal=True, window=self.window,
-                                         positions=positions, **self._scale())
+            out = self.kernels.attention(
+                q, k, v, n_rep=self.n_rep, causal=True, window=self.window, positions=positions, **self._scale()
+            )
         return adapted(self.wo, self.lora, "wo", out.transpose(1, 2).reshape(b, t, -1))
-
 
     def _scale(self) -> dict:
         """The attention kwarg of a scale other than head_dim^-1/2 (Gemma 3's query_pre_attn_scalar)."""
@@ -137,8 +148,9 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.lora = adapters_for("feed_forward", {"w1": (dim, hidden_dim), "w3": (dim, hidden_dim),
-                                                  "w2": (hidden_dim, dim)}, lora)
+        self.lora = adapters_for(
+            "feed_forward", {"w1": (dim, hidden_dim), "w3": (dim, hidden_dim), "w2": (hidden_dim, dim)}, lora
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is None:
@@ -247,8 +259,9 @@ class TransformerBlock(nn.Module):
         self.moe = MoE(args, kernels) if routed else None
         self.post_ffn_norm = _norm(args, args.dim, kernels) if args.sandwich_norms else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         a = self.attention(self.attention_norm(x), cos, sin, positions)  # 4 inputs always (TP's input plan)
         h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
         ffn = self.moe if self.moe is not None else self.feed_forward
@@ -324,8 +337,14 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos_local", cos, persistent=False)
             self.register_buffer("rope_sin_local", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor, *carry: torch.Tensor, labels: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, loss_denom: float | None = None):
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *carry: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        loss_denom: float | None = None,
+    ):
         """Logits (or, without ``output``, the hidden state); with ``labels``, the mean cross entropy
         instead, fused with the output projection in chunks (titan_pipe.model.loss) so the float32
         logits never exist, unless the output weight is tensor-parallel (then from full logits).
@@ -362,10 +381,11 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         if not self.args.embed_scale:
             return h
-        return h * torch.tensor(self.args.dim ** 0.5, dtype=h.dtype, device=h.device)
+        return h * torch.tensor(self.args.dim**0.5, dtype=h.dtype, device=h.device)
 
-    def _rope(self, cos: torch.Tensor, sin: torch.Tensor, h: torch.Tensor,
-              positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(
+        self, cos: torch.Tensor, sin: torch.Tensor, h: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin rows for this forward: the first T (T/tp shards under sequence parallel), or per row
         at ``positions``, (B, 1, T, hd), broadcast over the heads."""
         if positions is None:
@@ -375,8 +395,11 @@ class Transformer(nn.Module):
 
     def _carried(self, carry: tuple, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routing statistics so far (``carry``, zeros on the first stage) plus this stage's."""
-        assigned, prob = carry if carry else (torch.zeros(self.args.n_experts, device=h.device),
-                                              torch.zeros(self.args.n_experts, device=h.device))
+        assigned, prob = (
+            carry
+            if carry
+            else (torch.zeros(self.args.n_experts, device=h.device), torch.zeros(self.args.n_experts, device=h.device))
+        )
         for layer in self.layers.values():
             if layer.moe is not None and layer.moe.balance is not None:
                 assigned = assigned + layer.moe.balance[0]
@@ -410,12 +433,13 @@ def _param_std(name: str, args: ModelArgs) -> float | None:
     if init == "depth_scaled":  # projections back into the residual stream, scaled by depth
         return 0.02 / math.sqrt(2 * args.n_layers)
     if init == "fan_in":
-        return args.dim ** -0.5
+        return args.dim**-0.5
     return 0.02
 
 
-def init_param(name: str, shape: tuple[int, ...], args: ModelArgs, seed: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def init_param(
+    name: str, shape: tuple[int, ...], args: ModelArgs, seed: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The full (global) initial value of one parameter, independent of any parallel layout.
 
     Each parameter has its own generator seeded from (seed, name), so a pipeline stage or a TP
@@ -442,8 +466,14 @@ def init_weights(model: Transformer, seed: int) -> None:
         p.copy_(init_param(name, tuple(p.shape), model.args, seed, p.dtype))
 
 
-def build_model(args: ModelArgs, *, kernels: Kernels | None = None, seed: int | None = 0,
-                device: str | torch.device = "cpu", lora: LoRASpec | None = None) -> Transformer:
+def build_model(
+    args: ModelArgs,
+    *,
+    kernels: Kernels | None = None,
+    seed: int | None = 0,
+    device: str | torch.device = "cpu",
+    lora: LoRASpec | None = None,
+) -> Transformer:
     """A whole model on ``device``; ``seed=None`` leaves it uninitialised (e.g. to load weights)."""
     with torch.device(device):
         model = Transformer(args, kernels, lora)

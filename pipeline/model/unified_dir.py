@@ -10,6 +10,7 @@ accounts for every stored tensor against config.json before any tensor data is r
 it, the model has a place for it, nothing else fills that place, its shape is the one config.json
 implies, nothing the model needs is missing. Then ``UnifiedDir.read`` / ``read_box`` read tensors.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,6 +42,7 @@ def weight_file_name(k: int, n: int) -> str:
     """The name of weight file ``k`` (0-based) of ``n``: model.safetensors alone, else the shards
     save_pretrained names (model-00001-of-00003.safetensors), listed by the index (INDEX)."""
     return SINGLE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
 
 # Non-parameter tensors some Hugging Face versions saved; they carry nothing we need.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -79,8 +81,9 @@ class UnifiedDir:
             return self.params[name]
         if name == HEAD and self.args.tie_embeddings and EMBEDDING in self.params:
             return self.params[EMBEDDING]
-        raise UserError(f"{self.root}: no tensor for parameter {name!r}; the directory is "
-                        "incomplete or of another model")
+        raise UserError(
+            f"{self.root}: no tensor for parameter {name!r}; the directory is incomplete or of another model"
+        )
 
     def read(self, name: str) -> "torch.Tensor":
         """The whole tensor of parameter ``name`` in its stored dtype."""
@@ -109,8 +112,9 @@ class UnifiedDir:
 
             chosen = parts if index is None else parts[index[0]]
             rest = None if index is None else index[1:]
-            return torch.stack([handle(p).get_tensor(p.key) if rest is None else handle(p).get_slice(p.key)[rest]
-                                for p in chosen])
+            return torch.stack(
+                [handle(p).get_tensor(p.key) if rest is None else handle(p).get_slice(p.key)[rest] for p in chosen]
+            )
 
     def read_box(self, name: str, box: "Box") -> "torch.Tensor":
         """(box.lengths) piece of parameter ``name``: only that part of the stored tensor(s) is read."""
@@ -126,12 +130,16 @@ def read_config(model_dir: Path) -> ModelArgs:
     """ModelArgs from ``model_dir/config.json`` alone; UserError naming the file and field if unusable."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise UserError(f"{model_dir}: not a directory; pass the output directory of `titan-pipe convert` "
-                        "or a Hugging Face model directory")
+        raise UserError(
+            f"{model_dir}: not a directory; pass the output directory of `titan-pipe convert` "
+            "or a Hugging Face model directory"
+        )
     cfg_path = model_dir / CONFIG
     if not cfg_path.is_file():
-        raise UserError(f"{cfg_path}: missing; a unified model directory needs a Hugging Face config.json "
-                        "beside its weights (`titan-pipe convert` writes one)")
+        raise UserError(
+            f"{cfg_path}: missing; a unified model directory needs a Hugging Face config.json "
+            "beside its weights (`titan-pipe convert` writes one)"
+        )
     return from_hf_config(read_json(cfg_path, what="a model config"), source=str(cfg_path))
 
 
@@ -160,22 +168,28 @@ def open_unified(model_dir: Path) -> UnifiedDir:
             name = _place(model_dir, args, expected, path, key, header[key].shape, placed)
             if name is not None:
                 if name in experts:
-                    raise UserError(f"{path}: tensor {key!r} stacks the experts that are also stored one by one; "
-                                    "which copy is meant is ambiguous. Keep one")
+                    raise UserError(
+                        f"{path}: tensor {key!r} stacks the experts that are also stored one by one; "
+                        "which copy is meant is ambiguous. Keep one"
+                    )
                 placed[name] = StoredParam(name, path, key, header[key])
     stacked = {}
     for name, by_expert in experts.items():
         gap = next((e for e in range(args.n_experts) if e not in by_expert), None)
         if gap is not None:
-            raise UserError(f"{model_dir}: expert {gap} of {name!r} is missing ({len(by_expert)} of "
-                            f"{args.n_experts} stored; config.json: {args.n_experts} experts); the weights and "
-                            "config.json do not belong together")
+            raise UserError(
+                f"{model_dir}: expert {gap} of {name!r} is missing ({len(by_expert)} of "
+                f"{args.n_experts} stored; config.json: {args.n_experts} experts); the weights and "
+                "config.json do not belong together"
+            )
         stacked[name] = tuple(by_expert[e] for e in range(args.n_experts))
     missing = sorted(set(expected) - set(placed) - set(stacked) - ({HEAD} if args.tie_embeddings else set()))
     if missing:
-        raise UserError(f"{model_dir}: {len(missing)} parameter(s) missing from the weights, e.g. "
-                        f"{missing[0]!r} (config.json: {args.n_layers} layers, dim {args.dim}); "
-                        "the weights and config.json do not belong together")
+        raise UserError(
+            f"{model_dir}: {len(missing)} parameter(s) missing from the weights, e.g. "
+            f"{missing[0]!r} (config.json: {args.n_layers} layers, dim {args.dim}); "
+            "the weights and config.json do not belong together"
+        )
     unified = UnifiedDir(model_dir, args, files, placed, headers, stacked)
     return _tie_as_stored(unified)
 
@@ -199,10 +213,14 @@ def _locate(model_dir: Path) -> dict[str, Path]:
     if index.is_file():
         weight_map = read_json(index, what="a safetensors index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
-            raise UserError(f"{index}: 'weight_map' must be a non-empty object {{tensor name: file}}; "
-                            "re-create the index with save_pretrained or `titan-pipe convert`")
-        key_to_file = {k: resolve_inside(model_dir, v, source=index, what=f"weight_map file of {k!r}")
-                       for k, v in weight_map.items()}
+            raise UserError(
+                f"{index}: 'weight_map' must be a non-empty object {{tensor name: file}}; "
+                "re-create the index with save_pretrained or `titan-pipe convert`"
+            )
+        key_to_file = {
+            k: resolve_inside(model_dir, v, source=index, what=f"weight_map file of {k!r}")
+            for k, v in weight_map.items()
+        }
         for f in sorted(set(key_to_file.values())):
             if not f.is_file():
                 raise UserError(f"{index}: lists shard {f.name}, which is missing from {model_dir}")
@@ -213,16 +231,20 @@ def _locate(model_dir: Path) -> dict[str, Path]:
         _check_readable(single)
         return {k: single for k in read_header(single)[0]}
     found = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
-    hint = (f"found {', '.join(found)}" if found else "found no weight files")
-    raise UserError(f"{model_dir}: no {SINGLE} or {INDEX} ({hint}); titan-pipe reads safetensors only — "
-                    "convert the checkpoint with `titan-pipe convert` or save_pretrained(safe_serialization=True)")
+    hint = f"found {', '.join(found)}" if found else "found no weight files"
+    raise UserError(
+        f"{model_dir}: no {SINGLE} or {INDEX} ({hint}); titan-pipe reads safetensors only — "
+        "convert the checkpoint with `titan-pipe convert` or save_pretrained(safe_serialization=True)"
+    )
 
 
 def _check_readable(f: Path) -> None:
     """A weights file this user may not read is one line saying so (it once read as "No such file")."""
     if not os.access(f, os.R_OK):
-        raise UserError(f"{f}: cannot be read by this user (permission denied); give read access "
-                        "(chmod a+r) or run as a user who can read it")
+        raise UserError(
+            f"{f}: cannot be read by this user (permission denied); give read access "
+            "(chmod a+r) or run as a user who can read it"
+        )
 
 
 def native_name(stored: str, source: Path, family: str | None = None) -> str | None:
@@ -234,44 +256,74 @@ def native_name(stored: str, source: Path, family: str | None = None) -> str | N
         try:
             return hf_to_native(stored, family)
         except KeyError:
-            raise UserError(f"{source}: tensor {stored!r} is not a parameter of a model family titan-pipe "
-                            "knows (see titan_pipe.model.names); remove it or convert the checkpoint "
-                            "first") from None
+            raise UserError(
+                f"{source}: tensor {stored!r} is not a parameter of a model family titan-pipe "
+                "knows (see titan_pipe.model.names); remove it or convert the checkpoint "
+                "first"
+            ) from None
     return stored
 
 
-def _place_expert(model_dir: Path, args: ModelArgs, expected: dict[str, tuple[int, ...]], path: Path, key: str,
-                  stored: StoredTensor, found: tuple[str, int], experts: dict, placed: dict) -> None:
+def _place_expert(
+    model_dir: Path,
+    args: ModelArgs,
+    expected: dict[str, tuple[int, ...]],
+    path: Path,
+    key: str,
+    stored: StoredTensor,
+    found: tuple[str, int],
+    experts: dict,
+    placed: dict,
+) -> None:
     """Place one expert's tensor (Hugging Face: one per expert) into its stacked parameter's slot."""
     name, e = found
     if name not in expected or e >= args.n_experts:
-        raise UserError(f"{path}: tensor {key!r} has no place in the model of {model_dir / CONFIG} "
-                        f"({args.n_layers} layers, {args.n_experts} experts in layers {list(args.moe_layers)}); "
-                        "the weights and config.json do not belong together")
+        raise UserError(
+            f"{path}: tensor {key!r} has no place in the model of {model_dir / CONFIG} "
+            f"({args.n_layers} layers, {args.n_experts} experts in layers {list(args.moe_layers)}); "
+            "the weights and config.json do not belong together"
+        )
     if name in placed or e in experts.get(name, {}):
-        raise UserError(f"{path}: tensor {key!r} is also stored elsewhere (expert {e} of {name!r}); which copy "
-                        "is meant is ambiguous. Keep one")
+        raise UserError(
+            f"{path}: tensor {key!r} is also stored elsewhere (expert {e} of {name!r}); which copy "
+            "is meant is ambiguous. Keep one"
+        )
     if tuple(stored.shape) != tuple(expected[name][1:]):
-        raise UserError(f"{path}: tensor {key!r} has shape {list(stored.shape)}, but {model_dir / CONFIG} implies "
-                        f"{list(expected[name][1:])} per expert; the weights and config.json do not belong together")
+        raise UserError(
+            f"{path}: tensor {key!r} has shape {list(stored.shape)}, but {model_dir / CONFIG} implies "
+            f"{list(expected[name][1:])} per expert; the weights and config.json do not belong together"
+        )
     experts.setdefault(name, {})[e] = StoredParam(name, path, key, stored, e)
 
 
-def _place(model_dir: Path, args: ModelArgs, expected: dict[str, tuple[int, ...]], path: Path, stored: str,
-           shape: tuple[int, ...], placed: dict) -> str | None:
+def _place(
+    model_dir: Path,
+    args: ModelArgs,
+    expected: dict[str, tuple[int, ...]],
+    path: Path,
+    stored: str,
+    shape: tuple[int, ...],
+    placed: dict,
+) -> str | None:
     """The native parameter name stored tensor ``stored`` fills; None for a buffer the model does not use."""
     name = native_name(stored, path, args.family)
     if name is None:
         return None
     if name not in expected:
-        raise UserError(f"{path}: tensor {stored!r} has no place in the model of {model_dir / CONFIG} "
-                        f"({args.n_layers} layers, dim {args.dim}); the weights and config.json do not belong "
-                        "together: fix the config (layer count, dims) to describe the weights, or remove the tensor")
+        raise UserError(
+            f"{path}: tensor {stored!r} has no place in the model of {model_dir / CONFIG} "
+            f"({args.n_layers} layers, dim {args.dim}); the weights and config.json do not belong "
+            "together: fix the config (layer count, dims) to describe the weights, or remove the tensor"
+        )
     if name in placed:
-        raise UserError(f"{path}: tensor {stored!r} is also stored in {placed[name].file.name} (as "
-                        f"{placed[name].key!r}); which copy is meant is ambiguous. Keep it in one file (and in the index)")
+        raise UserError(
+            f"{path}: tensor {stored!r} is also stored in {placed[name].file.name} (as "
+            f"{placed[name].key!r}); which copy is meant is ambiguous. Keep it in one file (and in the index)"
+        )
     if tuple(shape) != tuple(expected[name]):
-        raise UserError(f"{path}: tensor {stored!r} has shape {list(shape)}, but "
-                        f"{model_dir / CONFIG} implies {list(expected[name])}; the weights and "
-                        "config.json do not belong together")
+        raise UserError(
+            f"{path}: tensor {stored!r} has shape {list(shape)}, but "
+            f"{model_dir / CONFIG} implies {list(expected[name])}; the weights and "
+            "config.json do not belong together"
+        )
     return name

@@ -3,6 +3,7 @@ from one of our checkpoints (assembled by its manifest), a unified safetensors d
 Hugging Face LLaMA directory. Every source has ``.args`` (ModelArgs), ``.full(name) -> Tensor`` and
 ``.box(name, box) -> Tensor`` (one rank's piece, reading only the stored chunks that overlap it).
 """
+
 from __future__ import annotations
 
 import mmap
@@ -12,7 +13,15 @@ from typing import Protocol
 import torch
 from safetensors import safe_open  # our checkpoint's shards (a unified dir: titan_pipe.model.unified_dir)
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, FileInfo, LayoutError, complete_step, is_complete, open_checkpoint
+from titan_pipe.checkpoint_format import (
+    MANIFEST_NAME,
+    Box,
+    FileInfo,
+    LayoutError,
+    complete_step,
+    is_complete,
+    open_checkpoint,
+)
 from titan_pipe.dtypes import TORCH_DTYPES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import sha256_file
@@ -53,11 +62,17 @@ class CheckpointWeights:
         # a LoRA checkpoint holds its adapters only (their shapes: LoRAWeights checks them)
         self.lora_record = lora_record(self.manifest.extra.other, source=self.dir / MANIFEST_NAME)
         if self.lora_record is None:
-            check_fits(self.args, sum(f.size for f in self.manifest.files.values()), source=self.dir / MANIFEST_NAME,
-                       where="its shard files")
+            check_fits(
+                self.args,
+                sum(f.size for f in self.manifest.files.values()),
+                source=self.dir / MANIFEST_NAME,
+                where="its shard files",
+            )
         # every chunk names a file listed here (validate), so checking these covers them all
-        self._paths = {rel: resolve_inside(self.dir, rel, source=self.dir / MANIFEST_NAME, what="shard")
-                       for rel in self.manifest.files}
+        self._paths = {
+            rel: resolve_inside(self.dir, rel, source=self.dir / MANIFEST_NAME, what="shard")
+            for rel in self.manifest.files
+        }
         self._open: dict[str, object] = {}
 
     def names(self) -> list[str]:
@@ -106,15 +121,19 @@ class CheckpointWeights:
                 out = torch.empty(box.lengths, dtype=piece.dtype)
             out[_slices(part, box)] = piece
         if out is None:
-            raise UserError(f"{self.dir / MANIFEST_NAME}: no chunk of {name!r} overlaps {box}; the manifest "
-                            "does not cover the parameter (copy the checkpoint again)")
+            raise UserError(
+                f"{self.dir / MANIFEST_NAME}: no chunk of {name!r} overlaps {box}; the manifest "
+                "does not cover the parameter (copy the checkpoint again)"
+            )
         return out
 
     def _spec(self, name: str):
         spec = self.manifest.params.get(name)
         if spec is None:
-            raise UserError(f"{self.dir / MANIFEST_NAME}: no parameter {name!r}; the checkpoint is of "
-                            "another model (check model.* in flow.yaml)")
+            raise UserError(
+                f"{self.dir / MANIFEST_NAME}: no parameter {name!r}; the checkpoint is of "
+                "another model (check model.* in flow.yaml)"
+            )
         return spec
 
 
@@ -132,12 +151,16 @@ def verify_file(path: Path, info, *, manifest: Path) -> None:
     if key in _VERIFIED:
         return
     if st.st_size != info.size:
-        raise UserError(f"{path}: {st.st_size:,} bytes, but {manifest} lists {info.size:,}; the file is truncated or "
-                        "replaced: copy the checkpoint again")
+        raise UserError(
+            f"{path}: {st.st_size:,} bytes, but {manifest} lists {info.size:,}; the file is truncated or "
+            "replaced: copy the checkpoint again"
+        )
     digest = sha256_file(path)
     if digest != info.sha256:
-        raise UserError(f"{path}: sha256 {digest[:12]}... but {manifest} lists {info.sha256[:12]}...; the file was "
-                        "changed after it was saved: copy the checkpoint again")
+        raise UserError(
+            f"{path}: sha256 {digest[:12]}... but {manifest} lists {info.sha256[:12]}...; the file was "
+            "changed after it was saved: copy the checkpoint again"
+        )
     _VERIFIED.add(key)
 
 
@@ -185,8 +208,9 @@ class SafetensorsWeights:
                 while pos < end:
                     got = f.readinto(view[pos:end])
                     if not got:
-                        raise UserError(f"{part.file}: ends before tensor {part.key!r} does; the file is "
-                                        "truncated (copy it again)")
+                        raise UserError(
+                            f"{part.file}: ends before tensor {part.key!r} does; the file is truncated (copy it again)"
+                        )
                     pos += got
         return out
 
@@ -207,8 +231,9 @@ class SafetensorsWeights:
             self._maps = None
             return None
         dtype = self.stored_dtype(name)
-        flat = torch.frombuffer(pages, dtype=dtype, count=part.stored.nbytes // dtype.itemsize,
-                                offset=part.stored.start)
+        flat = torch.frombuffer(
+            pages, dtype=dtype, count=part.stored.nbytes // dtype.itemsize, offset=part.stored.start
+        )
         return flat.view(part.stored.shape)
 
     def evict(self) -> None:
@@ -291,8 +316,10 @@ class AdaptedWeights:
             held = {n: tuple(adapters.manifest.params[n].shape) for n in adapters.names()}
             if held != self.shapes:
                 wrong = sorted(set(held.items()) ^ set(self.shapes.items()))[0][0]
-                raise UserError(f"{adapters.dir / MANIFEST_NAME}: adapter {wrong!r} does not match its LoRA record "
-                                f"(rank {spec.rank}, targets {', '.join(spec.targets)}); copy the checkpoint again")
+                raise UserError(
+                    f"{adapters.dir / MANIFEST_NAME}: adapter {wrong!r} does not match its LoRA record "
+                    f"(rank {spec.rank}, targets {', '.join(spec.targets)}); copy the checkpoint again"
+                )
 
     def names(self) -> list[str]:
         return self.base.names() + list(self.shapes)
@@ -351,7 +378,7 @@ class MergedWeights:
         if ab is None:
             return w
         (r0, c0), (nr, nc) = box.offsets, box.lengths
-        return merge(w, ab[0][:, c0:c0 + nc], ab[1][r0:r0 + nr], self.lora.scale)
+        return merge(w, ab[0][:, c0 : c0 + nc], ab[1][r0 : r0 + nr], self.lora.scale)
 
 
 def base_ref(root: Path, paths: list[Path]) -> BaseRef:
@@ -370,8 +397,10 @@ def open_base(ref: BaseRef, *, source: Path):
     against the record (present, of its size and sha256) before a tensor is read."""
     root = Path(ref.path)
     if not root.is_dir():
-        raise UserError(f"{source}: its adapters were trained on the base model {root}, which is not there; the "
-                        "checkpoint holds the adapters only: put that model back at that path")
+        raise UserError(
+            f"{source}: its adapters were trained on the base model {root}, which is not there; the "
+            "checkpoint holds the adapters only: put that model back at that path"
+        )
     for rel, (size, digest) in ref.files.items():
         verify_file(root / rel, FileInfo(size, digest), manifest=source)
     return _open_plain(root)
@@ -405,9 +434,11 @@ def open_weights(path: Path, *, adapters_apart: bool = False) -> WeightSource:
     (AdaptedWeights: a reader that applies the adapters itself, as training did)."""
     path = complete_step(path) or Path(path)
     if not (is_complete(path) or other_format(path) or (path / "config.json").is_file()):
-        raise UserError(f"init_from: {path} is neither a titan-pipe checkpoint (no {MANIFEST_NAME}), a model dir (no "
-                        "config.json), a torch DCP / torchtitan step (no .metadata) nor a Megatron-LM checkpoint; point it "
-                        "at checkpoints/step-XXXXXX, a unified or Hugging Face dir, or one of those")
+        raise UserError(
+            f"init_from: {path} is neither a titan-pipe checkpoint (no {MANIFEST_NAME}), a model dir (no "
+            "config.json), a torch DCP / torchtitan step (no .metadata) nor a Megatron-LM checkpoint; point it "
+            "at checkpoints/step-XXXXXX, a unified or Hugging Face dir, or one of those"
+        )
     src = _open_plain(path)
     return src.adapted if adapters_apart and isinstance(src, MergedWeights) else src
 
@@ -416,5 +447,6 @@ def check_compatible(source_args: ModelArgs, args: ModelArgs, source: Path) -> N
     """The model in flow.yaml must have the shapes of the weights it starts from."""
     diffs = model_differences(source_args, args, keys=SHAPE_KEYS, labels=("there", "in flow.yaml"))
     if diffs:
-        raise UserError(f"init_from: {source} holds another model shape ({'; '.join(diffs)}); set "
-                        "model.* in flow.yaml to match it")
+        raise UserError(
+            f"init_from: {source} holds another model shape ({'; '.join(diffs)}); set model.* in flow.yaml to match it"
+        )

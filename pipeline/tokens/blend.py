@@ -7,6 +7,7 @@ same count c_d (the weights' largest-remainder share of BLOCK, so the realised m
 component d's sample number (j // BLOCK) * c_d + i. The table is BLOCK entries, whatever the
 corpus; Megatron's BlendedDataset keeps a cached array per sample instead.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,7 +21,7 @@ def block_counts(weights: list[float], block: int = BLOCK) -> list[int]:
     exact = [w / total * block for w in weights]
     counts = [int(e) for e in exact]
     by_remainder = sorted(range(len(weights)), key=lambda d: (-(exact[d] - counts[d]), d))
-    for d in by_remainder[:block - sum(counts)]:
+    for d in by_remainder[: block - sum(counts)]:
         counts[d] += 1
     return counts
 

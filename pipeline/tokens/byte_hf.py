@@ -6,6 +6,7 @@ byte-level pre-tokenizer (no regex split, no prefix space) that turns each byte 
 character, a BPE model with no merges whose vocabulary maps the character of byte b to id b, the
 two special tokens added, and a byte-level decoder back to text.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,22 +40,40 @@ def tokenizer_json() -> str:
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [{**s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-                          "special": True} for s in special],
+        "added_tokens": [
+            {**s, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+            for s in special
+        ],
         "normalizer": None,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": []},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [],
+        },
     }
     return json.dumps(doc, ensure_ascii=False, indent=1)
 
 
 def tokenizer_config_json(*, model_max_length: int | None = None) -> str:
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-           "pad_token": EOS, "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
     if model_max_length:
         cfg["model_max_length"] = model_max_length
     return json.dumps(cfg, indent=1)

@@ -26,6 +26,7 @@ Bounds (``RENDER_SECONDS``, ``RENDER_CHARS``): one render stops with a one-line 
 or 4 Mi characters of output, whichever first, so a looping or exploding template never hangs
 prepare nor exhausts memory.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,7 +55,8 @@ BUILTIN_TEMPLATES = {
         "{% endgeneration %}{{ '\n' }}"
         "{% else %}{{ message['content'] + '<|im_end|>' + '\n' }}{% endif %}"
         "{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    ),
     "llama3": (
         "{{ bos_token }}"
         "{% for message in messages %}"
@@ -63,7 +65,8 @@ BUILTIN_TEMPLATES = {
         "{% endgeneration %}"
         "{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}"
         "{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"),
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    ),
 }
 
 
@@ -97,8 +100,16 @@ def _instrument(tree) -> None:
             if isinstance(value, nodes.Concat):
                 setattr(node, field_name, nodes.Call(nodes.Name(CONCAT_CALL, "load"), value.nodes, [], None, None))
             elif isinstance(value, list):
-                setattr(node, field_name, [nodes.Call(nodes.Name(CONCAT_CALL, "load"), v.nodes, [], None, None)
-                                           if isinstance(v, nodes.Concat) else v for v in value])
+                setattr(
+                    node,
+                    field_name,
+                    [
+                        nodes.Call(nodes.Name(CONCAT_CALL, "load"), v.nodes, [], None, None)
+                        if isinstance(v, nodes.Concat)
+                        else v
+                        for v in value
+                    ],
+                )
         for field_name in ("body", "else_", "elif_"):
             children = getattr(node, field_name, None)
             if not isinstance(children, list):
@@ -109,8 +120,11 @@ def _instrument(tree) -> None:
                 out.append(child)
                 if isinstance(child, nodes.For):
                     count[0] += 1
-                    item = (nodes.Name(child.target.name, "load") if isinstance(child.target, nodes.Name)
-                            else nodes.Const("tick"))
+                    item = (
+                        nodes.Name(child.target.name, "load")
+                        if isinstance(child.target, nodes.Name)
+                        else nodes.Const("tick")
+                    )
                     child.body.insert(0, mark(count[0], item))
                     out.append(mark(count[0], nodes.Const(None)))
             setattr(node, field_name, out)
@@ -160,8 +174,13 @@ def _compile(source: str):
         intercepted_binops = frozenset(["*", "**", "+"])
 
         def call_binop(self, context, operator, left, right):
-            if operator == "**" and isinstance(right, int) and isinstance(left, (int, float)) and abs(left) > 1 \
-                    and right > 4096:
+            if (
+                operator == "**"
+                and isinstance(right, int)
+                and isinstance(left, (int, float))
+                and abs(left) > 1
+                and right > 4096
+            ):
                 raise BadRecord(f"the chat template raises a number to the power {right} (over the bound of 4096)")
             if operator in ("*", "+"):
                 _check_size(_result_size(operator, left, right))
@@ -177,16 +196,21 @@ def _compile(source: str):
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals[CONCAT_CALL] = lambda *parts: "".join(map(str, parts)) if _check_size(
-        sum(len(p) if isinstance(p, str) else len(str(p)) for p in parts)) is None else ""
+    env.globals[CONCAT_CALL] = lambda *parts: (
+        "".join(map(str, parts))
+        if _check_size(sum(len(p) if isinstance(p, str) else len(str(p)) for p in parts)) is None
+        else ""
+    )
     for name in ("center", "indent", "replace", "join", "wordwrap"):  # their result's size, checked first
         env.filters[name] = _bounded_filter(name, env.filters[name])
 
     def turn(loop_id, item):
         deadline = _deadline.get()
         if deadline is not None and time.monotonic() > deadline:
-            raise BadRecord(f"the chat template took over {RENDER_SECONDS:.0f} s to render one conversation "
-                            "(the bound); a template that loops?")
+            raise BadRecord(
+                f"the chat template took over {RENDER_SECONDS:.0f} s to render one conversation "
+                "(the bound); a template that loops?"
+            )
         state = _turns.get()
         if state is not None and not isinstance(item, str):
             blocks, events, ids = state
@@ -230,16 +254,25 @@ class ChatTemplate:
         deadline, size = time.monotonic() + RENDER_SECONDS, 0
         token = _deadline.set(deadline)
         try:
-            for piece in template.generate(messages=messages, tools=None, documents=None,
-                                           add_generation_prompt=add_generation_prompt, **self.special):
+            for piece in template.generate(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special,
+            ):
                 blocks.append(piece)
                 size += len(piece)
                 if size > RENDER_CHARS:
-                    raise BadRecord(f"the chat template's output passed {RENDER_CHARS:,} characters (the bound of "
-                                    "one conversation's render); a template that loops or repeats text?")
+                    raise BadRecord(
+                        f"the chat template's output passed {RENDER_CHARS:,} characters (the bound of "
+                        "one conversation's render); a template that loops or repeats text?"
+                    )
                 if time.monotonic() > deadline:
-                    raise BadRecord(f"the chat template took over {RENDER_SECONDS:.0f} s to render one "
-                                    "conversation (the bound); a template that loops?")
+                    raise BadRecord(
+                        f"the chat template took over {RENDER_SECONDS:.0f} s to render one "
+                        "conversation (the bound); a template that loops?"
+                    )
         finally:
             _deadline.reset(token)
         return blocks
@@ -269,8 +302,16 @@ class ChatTemplate:
             raise BadRecord(f"the chat template failed: {_line(e)}") from None
         except RecursionError:
             raise BadRecord("the chat template recurses without end") from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError,
-                OverflowError, MemoryError) as e:
+        except (
+            TypeError,
+            ValueError,
+            KeyError,
+            AttributeError,
+            IndexError,
+            ZeroDivisionError,
+            OverflowError,
+            MemoryError,
+        ) as e:
             raise BadRecord(f"the chat template failed: {type(e).__name__}: {_line(e)}") from None
         spans = [(a, b) for a, b in spans if b > a]
         if not spans:
@@ -301,8 +342,10 @@ class ChatTemplate:
             h = len(_common_prefix(seg, header))
             body = seg[h:].rstrip()
             if h == 0 or not body:
-                raise BadRecord(f"message {i} (assistant): its turn does not start with the template's generation "
-                                f"prompt {header!r}; {ADVICE}")
+                raise BadRecord(
+                    f"message {i} (assistant): its turn does not start with the template's generation "
+                    f"prompt {header!r}; {ADVICE}"
+                )
             want = m["content"].split("</think>")[-1].strip()
             if want and want not in body:
                 raise BadRecord(f"message {i} (assistant): its content is not in the text its turn renders; {ADVICE}")
@@ -314,9 +357,11 @@ class ChatTemplate:
         before = self.render(messages[:i])
         prompt = self.render(messages[:i], add_generation_prompt=True)
         if not prompt.startswith(before) or len(prompt) == len(before):
-            raise BadRecord(f"the chat template writes no generation prompt after message {i - 1}, so where an "
-                            f"answer starts is unknown; {ADVICE}")
-        return prompt[len(before):]
+            raise BadRecord(
+                f"the chat template writes no generation prompt after message {i - 1}, so where an "
+                f"answer starts is unknown; {ADVICE}"
+            )
+        return prompt[len(before) :]
 
 
 ADVICE = "mark the answers with {% generation %} blocks in the template, or use --chat-template chatml/llama3"
@@ -324,8 +369,10 @@ ADVICE = "mark the answers with {% generation %} blocks in the template, or use 
 
 def _check_size(size: int) -> None:
     if size > RENDER_CHARS:
-        raise BadRecord(f"the chat template builds a value of {size:,} characters, over the bound of "
-                        f"{RENDER_CHARS:,}; a template that repeats text?")
+        raise BadRecord(
+            f"the chat template builds a value of {size:,} characters, over the bound of "
+            f"{RENDER_CHARS:,}; a template that repeats text?"
+        )
 
 
 def _method_size(s: str, name: str, args: tuple) -> int:
@@ -423,8 +470,11 @@ def load_chat_template(spec: str, *, tokenizer_dir: Path | None) -> ChatTemplate
 
     config: dict = {}
     fix = "fix the file or pass --chat-template chatml"
-    cfg_path = (resolve_inside(tokenizer_dir, "tokenizer_config.json", source=tokenizer_dir, what="tokenizer file")
-                if tokenizer_dir is not None else None)
+    cfg_path = (
+        resolve_inside(tokenizer_dir, "tokenizer_config.json", source=tokenizer_dir, what="tokenizer file")
+        if tokenizer_dir is not None
+        else None
+    )
     if cfg_path is not None and cfg_path.is_file():
         config = read_json(cfg_path, what="a tokenizer config", fix=fix)
     special = special_tokens(config)
@@ -433,11 +483,16 @@ def load_chat_template(spec: str, *, tokenizer_dir: Path | None) -> ChatTemplate
     if spec != "model":
         path = Path(spec).expanduser()
         if not path.is_file():
-            raise UserError(f"--chat-template {spec!r}: not a file, nor one of model, "
-                            f"{', '.join(BUILTIN_TEMPLATES)}; give a .jinja file or a built-in name")
+            raise UserError(
+                f"--chat-template {spec!r}: not a file, nor one of model, "
+                f"{', '.join(BUILTIN_TEMPLATES)}; give a .jinja file or a built-in name"
+            )
         return ChatTemplate(_template_text(path, f"--chat-template {spec!r}"), str(path.resolve()), special)
-    jinja = (resolve_inside(tokenizer_dir, "chat_template.jinja", source=tokenizer_dir, what="tokenizer file")
-             if tokenizer_dir is not None else None)
+    jinja = (
+        resolve_inside(tokenizer_dir, "chat_template.jinja", source=tokenizer_dir, what="tokenizer file")
+        if tokenizer_dir is not None
+        else None
+    )
     if jinja is not None and jinja.is_file():
         return ChatTemplate(_template_text(jinja, str(jinja)), str(jinja.resolve()), special)
     source = config.get("chat_template")
@@ -448,8 +503,10 @@ def load_chat_template(spec: str, *, tokenizer_dir: Path | None) -> ChatTemplate
         where = cfg_path or "the byte tokenizer"
         raise UserError(f"{where}: no chat_template; pass --chat-template chatml (or llama3, or a .jinja file)")
     if len(source) > TEMPLATE_BYTES.hi:
-        raise UserError(f"{cfg_path}: its chat_template has {len(source):,} characters, over the bound of "
-                        f"{int(TEMPLATE_BYTES.hi):,} ({TEMPLATE_BYTES.why}); {fix}")
+        raise UserError(
+            f"{cfg_path}: its chat_template has {len(source):,} characters, over the bound of "
+            f"{int(TEMPLATE_BYTES.hi):,} ({TEMPLATE_BYTES.why}); {fix}"
+        )
     return ChatTemplate(source, str(cfg_path.resolve()), special)
 
 
@@ -457,8 +514,10 @@ def _template_text(path: Path, label: str) -> str:
     """A template file's text: bounded in size before it is read, UTF-8, parsed by Jinja once."""
     size = path.stat().st_size
     if size > TEMPLATE_BYTES.hi:
-        raise UserError(f"{label}: {size:,} bytes, over the bound of {int(TEMPLATE_BYTES.hi):,} for a chat template "
-                        f"({TEMPLATE_BYTES.why}); give the template itself")
+        raise UserError(
+            f"{label}: {size:,} bytes, over the bound of {int(TEMPLATE_BYTES.hi):,} for a chat template "
+            f"({TEMPLATE_BYTES.why}); give the template itself"
+        )
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
@@ -466,8 +525,9 @@ def _template_text(path: Path, label: str) -> str:
     try:
         _compile(text)
     except Exception as e:  # jinja2.TemplateSyntaxError and what the instrumenting parse raises
-        raise UserError(f"{label}: not a Jinja template ({type(e).__name__}: {_line(e)}); fix it or pass "
-                        "--chat-template chatml") from None
+        raise UserError(
+            f"{label}: not a Jinja template ({type(e).__name__}: {_line(e)}); fix it or pass --chat-template chatml"
+        ) from None
     return text
 
 
@@ -485,7 +545,7 @@ def conversation(record, *, fmt: str) -> list[dict]:
         response = record.get("response", record.get("output"))
         if not isinstance(prompt, str) or not isinstance(response, str):
             raise BadRecord(f"no prompt/response strings (found keys {sorted(record)})")
-        messages = ([{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) else [])
+        messages = [{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) else []
         messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     else:
         messages = record.get("messages")
@@ -503,8 +563,10 @@ def conversation(record, *, fmt: str) -> list[dict]:
             raise BadRecord(f"message {i} ({m['role']}) has {'empty' if isinstance(content, str) else 'no'} content")
         chars += len(content)
         if chars > RENDER_CHARS:
-            raise BadRecord(f"over {RENDER_CHARS:,} characters of content by message {i} (the bound of one "
-                            "conversation's render); split the conversation")
+            raise BadRecord(
+                f"over {RENDER_CHARS:,} characters of content by message {i} (the bound of one "
+                "conversation's render); split the conversation"
+            )
         out.append({k: v for k, v in m.items() if v is not None})
     if not any(m["role"] == "assistant" for m in out):
         raise BadRecord("no assistant message: nothing to learn from")
@@ -521,7 +583,7 @@ def answer_mask(encoding, spans: list[tuple[int, int]]) -> np.ndarray:
         if first is None:
             continue
         last = next(t for c in range(b - 1, a - 1, -1) if (t := encoding.char_to_token(c)) is not None)
-        mask[first:last + 1] = 1
+        mask[first : last + 1] = 1
     return mask
 
 

@@ -5,6 +5,7 @@ The token ids and the document split are the ones ``titan-pipe data prepare`` wr
 text (the same ``encode_documents`` and the same ``val_start`` rule), so evaluating on raw text
 scores exactly the documents a training on its prepared form held out.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,11 +35,18 @@ class Corpus:
 
     def split(self, val_fraction: float) -> tuple[TokenSpan, TokenSpan]:
         """(train, validation): the held-out tail of whole documents, by titan_pipe.tokens.dataset.val_start."""
-        d = val_start(lambda i: int(self.starts[i]), self.n_documents, len(self.tokens), val_fraction,
-                      where=f"data.path {self.root}")
+        d = val_start(
+            lambda i: int(self.starts[i]),
+            self.n_documents,
+            len(self.tokens),
+            val_fraction,
+            where=f"data.path {self.root}",
+        )
         cut = int(self.starts[d])
-        return (TokenSpan(self.tokens, 0, cut, f"{self.root} (train)"),
-                TokenSpan(self.tokens, cut, len(self.tokens), f"{self.root} (validation)"))
+        return (
+            TokenSpan(self.tokens, 0, cut, f"{self.root} (train)"),
+            TokenSpan(self.tokens, cut, len(self.tokens), f"{self.root} (validation)"),
+        )
 
 
 def load_corpus(*, path: Path | None, tokenizer: ByteTokenizer | HFTokenizer, text_key: str = "text") -> Corpus:
@@ -60,8 +68,6 @@ def load_corpus(*, path: Path | None, tokenizer: ByteTokenizer | HFTokenizer, te
     flush()
     lens = np.concatenate(lengths)
     if not len(lens):
-        raise UserError(f"data.path: {root} holds no text (every document is empty); add text or fix "
-                        "data.text_key")
+        raise UserError(f"data.path: {root} holds no text (every document is empty); add text or fix data.text_key")
     starts = np.concatenate([[0], np.cumsum(lens, dtype=np.int64)])
     return Corpus(np.concatenate(pieces), starts, root)
-

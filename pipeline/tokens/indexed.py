@@ -17,6 +17,7 @@ pread (FileArray) and touch only the header and the few index entries they look 
 dataset costs the same for 10 MB and 20 GB. Sequences are assumed contiguous in ``.bin`` (every
 writer we know lays them out so): the token stream is ``.bin`` read as one array.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,16 @@ MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count: 34 bytes
 # megatron-core's DType codes; the integer ones can hold token ids.
-DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
-               7: np.float32, 8: np.uint16}
+DTYPE_CODES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
 TOKEN_CODES = (1, 2, 3, 4, 5, 8)
 # Megatron's preprocess_data.py stores ids as uint16 below this vocabulary size, else int32; so do we.
 UINT16_VOCAB_LIMIT = 65500
@@ -88,21 +97,29 @@ def read_header(idx: Path) -> IndexHeader:
     with open(idx, "rb") as f:
         raw = f.read(HEADER.size)
     if len(raw) < HEADER.size or raw[:9] != MAGIC:
-        raise UserError(f"{idx}: not a Megatron indexed-dataset index (starts with {raw[:9]!r}, expected "
-                        f"{MAGIC!r}); give the .idx written by `titan-pipe data prepare` or Megatron's "
-                        "preprocess_data.py")
+        raise UserError(
+            f"{idx}: not a Megatron indexed-dataset index (starts with {raw[:9]!r}, expected "
+            f"{MAGIC!r}); give the .idx written by `titan-pipe data prepare` or Megatron's "
+            "preprocess_data.py"
+        )
     _, version, code, n_seq, n_doc = HEADER.unpack(raw)
     if version != VERSION:
-        raise UserError(f"{idx}: index version {version}, but only version {VERSION} (megatron-core's) is "
-                        "read; re-write it with `titan-pipe data prepare` or megatron-core")
+        raise UserError(
+            f"{idx}: index version {version}, but only version {VERSION} (megatron-core's) is "
+            "read; re-write it with `titan-pipe data prepare` or megatron-core"
+        )
     if code not in TOKEN_CODES:
         what = DTYPE_CODES[code].__name__ if code in DTYPE_CODES else "unknown"
-        raise UserError(f"{idx}: dtype code {code} ({what}) cannot hold token ids; token ids are integers "
-                        "(code 8 uint16 or 4 int32); re-write the dataset with an integer dtype")
+        raise UserError(
+            f"{idx}: dtype code {code} ({what}) cannot hold token ids; token ids are integers "
+            "(code 8 uint16 or 4 int32); re-write the dataset with an integer dtype"
+        )
     plain = HEADER.size + n_seq * (4 + 8) + n_doc * 8
     if size not in (plain, plain + n_seq) or n_doc < 1:
-        raise UserError(f"{idx}: {size} bytes, but its header's {n_seq} sequences and {n_doc} document "
-                        f"entries need {plain}; the index is truncated or damaged, copy or prepare it again")
+        raise UserError(
+            f"{idx}: {size} bytes, but its header's {n_seq} sequences and {n_doc} document "
+            f"entries need {plain}; the index is truncated or damaged, copy or prepare it again"
+        )
     return IndexHeader(np.dtype(DTYPE_CODES[code]), n_seq, n_doc, size != plain)
 
 
@@ -138,8 +155,10 @@ class FileArray:
         size = (hi - lo) * self.dtype.itemsize
         raw = os.pread(self._fd, size, self.offset + lo * self.dtype.itemsize) if size else b""
         if len(raw) != size:
-            raise UserError(f"{self.path}: ended at byte {self.offset + lo * self.dtype.itemsize + len(raw)} while "
-                            f"reading entries {lo}..{hi}; the file was truncated while in use, prepare it again")
+            raise UserError(
+                f"{self.path}: ended at byte {self.offset + lo * self.dtype.itemsize + len(raw)} while "
+                f"reading entries {lo}..{hi}; the file was truncated while in use, prepare it again"
+            )
         return np.frombuffer(raw, dtype=self.dtype)
 
 
@@ -155,8 +174,10 @@ class IndexedTokens:
         idx, bin_ = idx_path(self.prefix), bin_path(self.prefix)
         for p in (idx, bin_):
             if not p.is_file():
-                raise UserError(f"{p}: not found; a Megatron indexed dataset is a {self.prefix.name}.bin/"
-                                f"{self.prefix.name}.idx pair, give the prefix of both")
+                raise UserError(
+                    f"{p}: not found; a Megatron indexed dataset is a {self.prefix.name}.bin/"
+                    f"{self.prefix.name}.idx pair, give the prefix of both"
+                )
         self.header = h = read_header(idx)
         at = HEADER.size
         self.lengths = FileArray(idx, np.int32, offset=at, count=h.n_sequences)
@@ -171,18 +192,24 @@ class IndexedTokens:
     def _check_bin(self, bin_: Path) -> int:
         h, item = self.header, self.dtype.itemsize
         if int(self.doc_index[0]) != 0 or int(self.doc_index[-1]) != h.n_sequences:
-            raise UserError(f"{idx_path(self.prefix)}: its document index runs from {int(self.doc_index[0])} to "
-                            f"{int(self.doc_index[-1])}, not 0 to its {h.n_sequences} sequences; the index is "
-                            "damaged, copy or prepare it again")
+            raise UserError(
+                f"{idx_path(self.prefix)}: its document index runs from {int(self.doc_index[0])} to "
+                f"{int(self.doc_index[-1])}, not 0 to its {h.n_sequences} sequences; the index is "
+                "damaged, copy or prepare it again"
+            )
         end = 0 if h.n_sequences == 0 else int(self.pointers[-1]) + int(self.lengths[-1]) * item
         size = bin_.stat().st_size
         if size < end:
-            raise UserError(f"{bin_}: {size} bytes, but {idx_path(self.prefix).name} says its {h.n_sequences} "
-                            f"sequences end at byte {end}; the .bin is truncated or belongs to another .idx, "
-                            "copy or prepare it again")
+            raise UserError(
+                f"{bin_}: {size} bytes, but {idx_path(self.prefix).name} says its {h.n_sequences} "
+                f"sequences end at byte {end}; the .bin is truncated or belongs to another .idx, "
+                "copy or prepare it again"
+            )
         if h.n_sequences and int(self.pointers[0]) != 0:
-            raise UserError(f"{idx_path(self.prefix)}: the first sequence starts at byte {int(self.pointers[0])}, "
-                            "not 0; only datasets with sequences back to back are read")
+            raise UserError(
+                f"{idx_path(self.prefix)}: the first sequence starts at byte {int(self.pointers[0])}, "
+                "not 0; only datasets with sequences back to back are read"
+            )
         return end // item
 
     VERIFY_BLOCK = 1 << 20  # index entries read at once by verify()
@@ -202,26 +229,32 @@ class IndexedTokens:
             bad = np.flatnonzero(lengths < 0)
             if bad.size:
                 i = lo + int(bad[0])
-                raise UserError(f"{idx}: sequence {i} has length {int(lengths[bad[0]])}; lengths cannot be negative, "
-                                "the index is damaged: copy or prepare it again")
+                raise UserError(
+                    f"{idx}: sequence {i} has length {int(lengths[bad[0]])}; lengths cannot be negative, "
+                    "the index is damaged: copy or prepare it again"
+                )
             starts = expect + np.concatenate(([0], np.cumsum(lengths[:-1] * item)))
             off = np.flatnonzero(pointers != starts)
             if off.size:
                 i = lo + int(off[0])
-                raise UserError(f"{idx}: sequence {i} starts at byte {int(pointers[off[0]])}, not {int(starts[off[0]])} "
-                                "where the one before it ends; only sequences back to back in the .bin are read "
-                                "(as every Megatron writer lays them out): copy or prepare the dataset again")
+                raise UserError(
+                    f"{idx}: sequence {i} starts at byte {int(pointers[off[0]])}, not {int(starts[off[0]])} "
+                    "where the one before it ends; only sequences back to back in the .bin are read "
+                    "(as every Megatron writer lays them out): copy or prepare the dataset again"
+                )
             expect = int(starts[-1] + lengths[-1] * item)
         previous = 0
         for lo in range(0, h.n_doc_entries, block):
-            docs = np.asarray(self.doc_index[lo:lo + block])
+            docs = np.asarray(self.doc_index[lo : lo + block])
             steps = np.diff(np.concatenate(([previous], docs)))
             back = np.flatnonzero(steps < 0)
             if back.size:
                 i = lo + int(back[0])
-                raise UserError(f"{idx}: document index entry {i} ({int(docs[back[0]])}) comes before the one ahead "
-                                f"of it; documents must be in sequence order: the index is damaged, copy or prepare "
-                                "it again")
+                raise UserError(
+                    f"{idx}: document index entry {i} ({int(docs[back[0]])}) comes before the one ahead "
+                    f"of it; documents must be in sequence order: the index is damaged, copy or prepare "
+                    "it again"
+                )
             previous = int(docs[-1]) if docs.size else previous
 
     @property
@@ -236,7 +269,7 @@ class IndexedTokens:
         return int(self.pointers[seq]) // self.dtype.itemsize if seq < self.header.n_sequences else self.n_tokens
 
     def document(self, d: int) -> np.ndarray:
-        return np.asarray(self.tokens[self.doc_start(d):self.doc_start(d + 1)])
+        return np.asarray(self.tokens[self.doc_start(d) : self.doc_start(d + 1)])
 
 
 class IndexWriter:
@@ -275,7 +308,7 @@ class IndexWriter:
             offset = 0
             lengths = np.memmap(self._lengths_path, dtype=np.int32, mode="r") if n else np.zeros(0, np.int32)
             for lo in range(0, n, BLOCK):
-                nbytes = lengths[lo:lo + BLOCK].astype(np.int64) * self.dtype.itemsize
+                nbytes = lengths[lo : lo + BLOCK].astype(np.int64) * self.dtype.itemsize
                 ptr = np.cumsum(nbytes) - nbytes + offset
                 offset = int(ptr[-1] + nbytes[-1])
                 f.write(ptr.tobytes())

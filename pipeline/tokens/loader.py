@@ -14,6 +14,7 @@ dp rank r keeps rows [r*B/dp, (r+1)*B/dp) and reads only those windows from the 
 Nothing here is O(tokens) or O(windows): the loader holds the spans (open files) and a few
 small tables. Tensors come back on the CPU; the trainer moves them to its device.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -62,8 +63,18 @@ class PackedLoader:
     The state is the number of global batches served so far (``step``).
     """
 
-    def __init__(self, data, *, seq_len: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
-                 seed: int = 0, shuffle: bool = True, vocab_size: int | None = None):
+    def __init__(
+        self,
+        data,
+        *,
+        seq_len: int,
+        global_batch: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        vocab_size: int | None = None,
+    ):
         if seq_len <= 0 or global_batch <= 0:
             raise UserError(f"train.seq_len={seq_len} and train.batch_size={global_batch} must be positive")
         if dp_size <= 0 or not 0 <= dp_rank < dp_size:
@@ -79,8 +90,10 @@ class PackedLoader:
         self.blend = BlendSchedule([w for _, w in self.parts]) if len(self.parts) > 1 else None
         if self.blend is not None and 0 in self.blend.counts:
             d = self.blend.counts.index(0)
-            raise UserError(f"data.blend: weight {self.parts[d][1]:.3g} of {self.parts[d][0].name} is below "
-                            f"1/{self.blend.block} of the total; raise it or drop the entry")
+            raise UserError(
+                f"data.blend: weight {self.parts[d][1]:.3g} of {self.parts[d][0].name} is below "
+                f"1/{self.blend.block} of the total; raise it or drop the entry"
+            )
         # Samples per epoch of each component: whole batches for one dataset, every window in a blend.
         self.epoch_len = [self.steps_per_epoch * global_batch] if self.blend is None else list(self.n_windows)
         self.step = 0
@@ -90,9 +103,11 @@ class PackedLoader:
     def _windows(self, span: TokenSpan) -> int:
         n_seq = (len(span) - 1) // self.seq_len if len(span) > 1 else 0
         if n_seq < (self.global_batch if len(self.parts) == 1 else 1):
-            raise UserError(f"{span.name}: {len(span):,} tokens = {n_seq} sequences of seq_len={self.seq_len}, "
-                            f"fewer than one global batch of {self.global_batch}; use more text or lower "
-                            "train.batch_size / train.seq_len (or data.val_fraction)")
+            raise UserError(
+                f"{span.name}: {len(span):,} tokens = {n_seq} sequences of seq_len={self.seq_len}, "
+                f"fewer than one global batch of {self.global_batch}; use more text or lower "
+                "train.batch_size / train.seq_len (or data.val_fraction)"
+            )
         return n_seq
 
     def _crc(self) -> str:
@@ -146,9 +161,11 @@ class PackedLoader:
         if self.vocab_size is not None and seq.size and int(seq.max()) >= self.vocab_size:
             row = int(np.argmax(seq.max(axis=1)))
             span = self.parts[comp[row]][0]
-            raise UserError(f"{span.name}: token id {int(seq.max())} at token {int(windows[row]) * T:,} is >= "
-                            f"model.vocab_size {self.vocab_size}; train with the tokenizer the data was made "
-                            "with, or raise model.vocab_size")
+            raise UserError(
+                f"{span.name}: token id {int(seq.max())} at token {int(windows[row]) * T:,} is >= "
+                f"model.vocab_size {self.vocab_size}; train with the tokenizer the data was made "
+                "with, or raise model.vocab_size"
+            )
         seq = torch.from_numpy(seq)  # (B_local, T + 1)
         return Batch(inputs=seq[:, :-1].contiguous(), labels=seq[:, 1:].contiguous())
 
@@ -160,9 +177,15 @@ class PackedLoader:
 
     def state_dict(self) -> dict:
         """JSON-able global position plus what must match on resume (not the dp layout)."""
-        state = {"step": self.step, "seed": self.seed, "seq_len": self.seq_len, "global_batch": self.global_batch,
-                 "shuffle": self.shuffle, "n_tokens": sum(len(s) for s, _ in self.parts),
-                 "tokens_crc32": self._fingerprint}
+        state = {
+            "step": self.step,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch": self.global_batch,
+            "shuffle": self.shuffle,
+            "n_tokens": sum(len(s) for s, _ in self.parts),
+            "tokens_crc32": self._fingerprint,
+        }
         if self.blend is not None:
             state["blend"] = [round(w, 12) for _, w in self.parts]
         return state
@@ -177,9 +200,11 @@ def saved_step(state: dict, mine: dict, keys, *, required) -> int:
     the state lacks is not checked unless it is ``required``): one line naming the first that differs."""
     for key in keys:
         if state.get(key) != mine.get(key) and (key in state or key in required):
-            raise UserError(f"data loader state: {key} was {state.get(key)!r} when saved but is "
-                            f"{mine.get(key)!r} now; resume with the same data and train settings, "
-                            "or start a fresh run without --resume")
+            raise UserError(
+                f"data loader state: {key} was {state.get(key)!r} when saved but is "
+                f"{mine.get(key)!r} now; resume with the same data and train settings, "
+                "or start a fresh run without --resume"
+            )
     step = state.get("step")
     if not isinstance(step, int) or step < 0:
         raise UserError(f"data loader state: step {step!r} is not a non-negative integer")

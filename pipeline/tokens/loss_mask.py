@@ -5,6 +5,7 @@ token) and 0 when it is not (system, user, the template's headers). It is a file
 megatron-core and every other reader of ``.bin``/``.idx`` still reads the tokens unchanged; the
 prepared dir's data.json names it (``loss_mask``).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,8 +29,10 @@ def open_mask(prefix: Path, n_tokens: int) -> FileArray:
         raise UserError(f"{path}: not found, but data.json says the data has a loss mask; prepare the data again")
     size = path.stat().st_size
     if size != n_tokens:
-        raise UserError(f"{path}: {size:,} bytes for {n_tokens:,} tokens (one byte a token); the file is truncated "
-                        "or belongs to other data, prepare it again")
+        raise UserError(
+            f"{path}: {size:,} bytes for {n_tokens:,} tokens (one byte a token); the file is truncated "
+            "or belongs to other data, prepare it again"
+        )
     return FileArray(path, np.uint8, count=n_tokens)
 
 
@@ -53,6 +56,6 @@ def has_target(mask, lo: int, hi: int, *, chunk: int = 8 * 2**20) -> bool:
     """Whether tokens [lo, hi) hold a loss target: read in 8 MiB pieces up to the first one (so a
     normal mask costs one piece; an all-zero one, refused by the caller, a full read)."""
     for a in range(lo, hi, chunk):
-        if np.asarray(mask[a:min(hi, a + chunk)]).any():
+        if np.asarray(mask[a : min(hi, a + chunk)]).any():
             return True
     return False

@@ -6,6 +6,7 @@ and its decoding defaults in ``generation_config.json``; transformers' ``generat
 Every conversion and every checkpoint carries both: config.json's ids in a checkpoint manifest's
 ``extra.token_ids``, generation_config.json as an attached file, copied byte for byte.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,11 +30,12 @@ def token_ids(values: dict, *, source: object) -> dict:
         if v is None:
             continue
         ids = v if isinstance(v, list) and key == "eos_token_id" else [v]
-        if not ids or len(ids) > MAX_STOP_IDS or any(
-                type(i) is not int or not 0 <= i < limits.VOCAB.hi for i in ids):
-            raise UserError(f"{source}: {key} {limits.shown(v)} is not a token id (an integer >= 0"
-                            f"{', or a list of them' if key == 'eos_token_id' else ''}); copy the model's "
-                            "original config.json")
+        if not ids or len(ids) > MAX_STOP_IDS or any(type(i) is not int or not 0 <= i < limits.VOCAB.hi for i in ids):
+            raise UserError(
+                f"{source}: {key} {limits.shown(v)} is not a token id (an integer >= 0"
+                f"{', or a list of them' if key == 'eos_token_id' else ''}); copy the model's "
+                "original config.json"
+            )
         out[key] = v
     return out
 

@@ -6,6 +6,7 @@ so a dir with a readable ``data.json`` is complete. ``key`` is the sha256 of eve
 output depends on (tokenizer, sources, text key, validation fraction): the same inputs give the
 same key, and ``titan-pipe data prepare`` with an unchanged key does nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,11 +95,18 @@ class DataRecord:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
             if raw.get("schema") != SCHEMA:
-                raise UserError(f"{path}: schema {raw.get('schema')!r}, this titan-pipe reads {SCHEMA}; prepare "
-                                "the data again with `titan-pipe data prepare`")
-            rec = cls(**{**raw, "tokenizer": _typed(TokenizerInfo, raw["tokenizer"]),
-                         "sources": [_typed(SourceInfo, s) for s in raw["sources"]],
-                         "split": _typed(Split, raw["split"])})
+                raise UserError(
+                    f"{path}: schema {raw.get('schema')!r}, this titan-pipe reads {SCHEMA}; prepare "
+                    "the data again with `titan-pipe data prepare`"
+                )
+            rec = cls(
+                **{
+                    **raw,
+                    "tokenizer": _typed(TokenizerInfo, raw["tokenizer"]),
+                    "sources": [_typed(SourceInfo, s) for s in raw["sources"]],
+                    "split": _typed(Split, raw["split"]),
+                }
+            )
             _typed(cls, {k: v for k, v in raw.items() if k not in ("tokenizer", "sources", "split")})
             if not isinstance(rec.prefix, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*", rec.prefix):
                 raise ValueError(f"prefix {rec.prefix!r} is not a file name inside the data dir")
@@ -108,15 +116,24 @@ class DataRecord:
         except UserError:
             raise
         except OSError as e:
-            raise UserError(f"{path}: cannot be read ({e.strerror}); prepare the data with "
-                            "`titan-pipe data prepare`") from None
+            raise UserError(
+                f"{path}: cannot be read ({e.strerror}); prepare the data with `titan-pipe data prepare`"
+            ) from None
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
-            raise UserError(f"{path}: not a titan-pipe data record ({type(e).__name__}: {e}); prepare the data "
-                            "again with `titan-pipe data prepare`") from None
+            raise UserError(
+                f"{path}: not a titan-pipe data record ({type(e).__name__}: {e}); prepare the data "
+                "again with `titan-pipe data prepare`"
+            ) from None
 
 
-_KINDS = {"int": (int,), "str": (str,), "float": (int, float), "str | None": (str, type(None)),
-          "int | None": (int, type(None)), "list": (list,)}
+_KINDS = {
+    "int": (int,),
+    "str": (str,),
+    "float": (int, float),
+    "str | None": (str, type(None)),
+    "int | None": (int, type(None)),
+    "list": (list,),
+}
 
 
 def _typed(cls, values):
@@ -142,11 +159,16 @@ def is_prepared(path: Path) -> bool:
     return (Path(path) / DATA_JSON).is_file()
 
 
-def prepared_from(rec: DataRecord, files: list[Path], *, text_key: str, val_fraction: float,
-                  tokenizer: TokenizerInfo) -> bool:
+def prepared_from(
+    rec: DataRecord, files: list[Path], *, text_key: str, val_fraction: float, tokenizer: TokenizerInfo
+) -> bool:
     """True when ``rec`` was prepared from exactly ``files`` as they are now (paths, sizes, mtimes),
     with this text key, validation fraction and tokenizer: its tokens are what they would give."""
     now = [(str(Path(f).resolve()), Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
     then = [(s.path, s.size, s.mtime_ns) for s in rec.sources]
-    return (now == then and rec.text_key == text_key and rec.split.val_fraction == val_fraction
-            and rec.tokenizer.fingerprint == tokenizer.fingerprint)
+    return (
+        now == then
+        and rec.text_key == text_key
+        and rec.split.val_fraction == val_fraction
+        and rec.tokenizer.fingerprint == tokenizer.fingerprint
+    )

@@ -5,6 +5,7 @@ A balanced Feistel network on the smallest even number of bits covering n is a b
 [0, n). 2^bits < 4n, so an index walks fewer than 4 times on average. The round function is
 splitmix64's finaliser over (half, round key); the round keys come from the key by splitmix64.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -9,6 +9,7 @@ Reading is split in two so data prepare can parallelise it: ``iter_blocks`` cuts
 blocks of whole lines (or rows) of about 1 MB, cheaply, in the reading process; ``documents``
 parses a block (UTF-8, JSON, the text field) wherever it is sent.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -45,15 +46,17 @@ def corpus_files(path: Path) -> list[Path]:
     """The source files of ``path`` (a file, or a directory searched recursively), sorted."""
     path = Path(path)
     if not path.exists():
-        raise UserError(f"data.path: {path} does not exist; fix the path or set it to null for the "
-                        "shipped corpus")
+        raise UserError(f"data.path: {path} does not exist; fix the path or set it to null for the shipped corpus")
     if path.is_file():
         if kind_of(path) is None:
-            raise UserError(f"data.path: {path} is not a {KINDS} file; convert it or point at a "
-                            f"directory of such files")
+            raise UserError(
+                f"data.path: {path} is not a {KINDS} file; convert it or point at a directory of such files"
+            )
         return [path]
-    files = sorted((p for p in path.rglob("*") if p.is_file() and kind_of(p) is not None),
-                   key=lambda p: p.relative_to(path).as_posix())
+    files = sorted(
+        (p for p in path.rglob("*") if p.is_file() and kind_of(p) is not None),
+        key=lambda p: p.relative_to(path).as_posix(),
+    )
     if not files:
         raise UserError(f"data.path: {path} holds no {KINDS} files; add some or fix the path")
     return files
@@ -78,8 +81,9 @@ class Block:
         return sum(map(len, self.payload)) if isinstance(self.payload, list) else len(self.payload)
 
 
-def iter_blocks(path: Path, *, text_key: str = "text", block_bytes: int | None = None,
-                byte_range: tuple[int, int] | None = None) -> Iterator[Block]:
+def iter_blocks(
+    path: Path, *, text_key: str = "text", block_bytes: int | None = None, byte_range: tuple[int, int] | None = None
+) -> Iterator[Block]:
     """One source file cut into blocks of about ``block_bytes`` (default BLOCK_BYTES; whole lines;
     parquet: batches of ``text_key`` values). ``byte_range`` (lo, hi), plain .jsonl only: the lines
     that start at a byte in [lo, hi), numbered as in the whole file (a sharded prepare's part)."""
@@ -194,8 +198,10 @@ def records(block: Block) -> list[tuple[str, object]]:
     """("file:line", parsed JSON value) of each non-blank line of a .jsonl block (chat and
     instruction data); a line that is not UTF-8 JSON is an error naming it."""
     if block.kind not in (".jsonl", ".jsonl.gz"):
-        raise UserError(f"{block.path}: chat and instruction records are read from .jsonl / .jsonl.gz files, one "
-                        "JSON object per line; convert it")
+        raise UserError(
+            f"{block.path}: chat and instruction records are read from .jsonl / .jsonl.gz files, one "
+            "JSON object per line; convert it"
+        )
     return [(f"{block.path}:{lineno}", record) for lineno, _, record in _json_lines(block)]
 
 
@@ -208,8 +214,9 @@ def _json_lines(block: Block) -> Iterator[tuple[int, str, object]]:
         try:
             line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
         except UnicodeDecodeError as e:
-            raise UserError(f"{block.path}:{lineno}: not UTF-8 text (byte {e.start} of the line); re-encode the "
-                            "file as UTF-8") from None
+            raise UserError(
+                f"{block.path}:{lineno}: not UTF-8 text (byte {e.start} of the line); re-encode the file as UTF-8"
+            ) from None
         if not line.strip():
             continue
         try:
@@ -217,11 +224,15 @@ def _json_lines(block: Block) -> Iterator[tuple[int, str, object]]:
         except ValueError as e:
             raise UserError(f"{block.path}:{lineno}: not valid JSON ({e}); each line must be one JSON object") from None
         except RecursionError:
-            raise UserError(f"{block.path}:{lineno}: JSON nested deeper than Python reads (a hostile or broken "
-                            "line); each line must be one flat JSON object") from None
+            raise UserError(
+                f"{block.path}:{lineno}: JSON nested deeper than Python reads (a hostile or broken "
+                "line); each line must be one flat JSON object"
+            ) from None
         if "\\ud" in line.lower() and _has_lone_surrogate(record):
-            raise UserError(f"{block.path}:{lineno}: a \\ud800-\\udfff escape that is not half of a surrogate pair "
-                            "(not a character: no text can hold it); fix the line's escapes")
+            raise UserError(
+                f"{block.path}:{lineno}: a \\ud800-\\udfff escape that is not half of a surrogate pair "
+                "(not a character: no text can hold it); fix the line's escapes"
+            )
         yield lineno, line, record
 
 
@@ -254,9 +265,11 @@ def too_large(path: Path, line: int | None, size: int) -> UserError:
     """A record (a .txt document, a .jsonl line, a parquet value) over titan_pipe.limits.RECORD_BYTES."""
     limit = int(RECORD_BYTES.hi)
     where = f"{path}:{line}" if line is not None else str(path)
-    return UserError(f"{where}: a record of at least {_size(size)}, over the limit of {_size(limit)} "
-                     f"({RECORD_BYTES.why}); split it into records of at most {_size(limit)} (.jsonl: one "
-                     "document per line; .txt: one document per file)")
+    return UserError(
+        f"{where}: a record of at least {_size(size)}, over the limit of {_size(limit)} "
+        f"({RECORD_BYTES.why}); split it into records of at most {_size(limit)} (.jsonl: one "
+        "document per line; .txt: one document per file)"
+    )
 
 
 def _size(n: int) -> str:
@@ -281,18 +294,21 @@ def _read_txt(path: Path) -> str:
     try:
         return path.read_bytes().decode("utf-8-sig")  # a leading byte-order mark is not text
     except UnicodeDecodeError as e:
-        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
         raise UserError(f"{path}:{line}: not UTF-8 text (byte {e.start}); re-encode it as UTF-8") from None
 
 
 def _refuse_duplicate_text(line: str, text_key: str, where: str) -> None:
     """A record naming its text field twice: JSON parsers keep the last silently, another reader may
     keep the first; which document it is must not depend on that."""
+
     def pairs(items):
         keys = [k for k, _ in items]
         if keys.count(text_key) > 1:
-            raise UserError(f"{where}: the record has the field {text_key!r} {keys.count(text_key)} times; keep one "
-                            "(which one a reader takes differs from reader to reader)")
+            raise UserError(
+                f"{where}: the record has the field {text_key!r} {keys.count(text_key)} times; keep one "
+                "(which one a reader takes differs from reader to reader)"
+            )
         return dict(items)
 
     if line.lstrip().startswith("{"):  # an object: its top level's pairs, in order
@@ -302,8 +318,10 @@ def _refuse_duplicate_text(line: str, text_key: str, where: str) -> None:
 def _text_field(record, text_key: str, where: str) -> str:
     if not isinstance(record, dict) or text_key not in record:
         keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise UserError(f"{where}: no {text_key!r} field (found {keys}); set data.text_key (or --text-key) "
-                        "to the field that holds the text")
+        raise UserError(
+            f"{where}: no {text_key!r} field (found {keys}); set data.text_key (or --text-key) "
+            "to the field that holds the text"
+        )
     value = record[text_key]
     if not isinstance(value, str):
         raise UserError(f"{where}: field {text_key!r} is a {type(value).__name__}, not a string")
@@ -314,16 +332,20 @@ def _parquet_blocks(path: Path, text_key: str) -> Iterator[Block]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise UserError(f"{path}: reading .parquet needs pyarrow; pip install 'titan-pipe[parquet]' "
-                        "(or pyarrow), or convert the file to .jsonl") from None
+        raise UserError(
+            f"{path}: reading .parquet needs pyarrow; pip install 'titan-pipe[parquet]' "
+            "(or pyarrow), or convert the file to .jsonl"
+        ) from None
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for a file that is not parquet
         raise UserError(f"{path}: not a parquet file ({str(e).splitlines()[0]}); re-create it") from None
     names = pf.schema_arrow.names
     if text_key not in names:
-        raise UserError(f"{path}: no {text_key!r} column (found {names}); set data.text_key (or --text-key) to "
-                        "the column that holds the text")
+        raise UserError(
+            f"{path}: no {text_key!r} column (found {names}); set data.text_key (or --text-key) to "
+            "the column that holds the text"
+        )
     row = 1
     for batch in pf.iter_batches(batch_size=PARQUET_ROWS, columns=[text_key]):
         values = batch.column(0).to_pylist()
@@ -333,8 +355,10 @@ def _parquet_blocks(path: Path, text_key: str) -> Iterator[Block]:
 
 def _parquet_value(value, path: Path, row: int, text_key: str) -> str:
     if not isinstance(value, str):
-        raise UserError(f"{path}: row {row}: column {text_key!r} is "
-                        f"{'null' if value is None else type(value).__name__}, not a string")
+        raise UserError(
+            f"{path}: row {row}: column {text_key!r} is "
+            f"{'null' if value is None else type(value).__name__}, not a string"
+        )
     if len(value) > RECORD_BYTES.hi:
         raise too_large(path, row, len(value))
     return value

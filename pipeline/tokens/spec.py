@@ -6,6 +6,7 @@ null: the shipped corpus), a prepared dir (``data.json`` + ``tokens.bin/.idx``) 
 prepared once into the run dir's ``data/`` (by the flow's ``data`` stage, or by ``titan-pipe
 train`` before it starts the ranks); every rank then opens that.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -81,11 +82,16 @@ def data_spec(data, *, base: Path | None) -> DataSpec:
 
     if template != "model" and template not in BUILTIN_TEMPLATES:  # a .jinja file, relative to the flow's dir
         template = str(resolve(template, base))
-    common = dict(tokenizer=tokenizer, text_key=data.text_key, val_fraction=data.val_fraction,
-                  fraction_given="val_fraction" in data.model_fields_set,
-                  records=getattr(data, "format", "text"), chat_template=template,
-                  max_tokens=getattr(data, "max_tokens", None),
-                  max_bad_fraction=getattr(data, "max_bad_fraction", limits.MAX_BAD_FRACTION))
+    common = dict(
+        tokenizer=tokenizer,
+        text_key=data.text_key,
+        val_fraction=data.val_fraction,
+        fraction_given="val_fraction" in data.model_fields_set,
+        records=getattr(data, "format", "text"),
+        chat_template=template,
+        max_tokens=getattr(data, "max_tokens", None),
+        max_bad_fraction=getattr(data, "max_bad_fraction", limits.MAX_BAD_FRACTION),
+    )
     blend = getattr(data, "blend", None)
     if blend:
         return DataSpec(None, tuple(resolve(b.path, base) for b in blend), tuple(b.weight for b in blend), **common)
@@ -107,8 +113,16 @@ def open_spec(spec: DataSpec, *, prepared: Path, vocab_size: int | None = None):
 
     tok = build_tokenizer(spec.tokenizer)
     if vocab_size is not None and tok.vocab_size > vocab_size:
-        raise UserError(f"model.vocab_size: {vocab_size} is smaller than the tokenizer's {tok.vocab_size} "
-                        f"ids ({tok!r}); raise model.vocab_size to at least {tok.vocab_size}")
-    data = open_data(spec.open_paths(prepared), list(spec.weights) or None, val_fraction=spec.val_fraction,
-                     fraction_given=spec.fraction_given, tokenizer=tokenizer_info(tok), vocab_size=vocab_size)
+        raise UserError(
+            f"model.vocab_size: {vocab_size} is smaller than the tokenizer's {tok.vocab_size} "
+            f"ids ({tok!r}); raise model.vocab_size to at least {tok.vocab_size}"
+        )
+    data = open_data(
+        spec.open_paths(prepared),
+        list(spec.weights) or None,
+        val_fraction=spec.val_fraction,
+        fraction_given=spec.fraction_given,
+        tokenizer=tokenizer_info(tok),
+        vocab_size=vocab_size,
+    )
     return tok, data

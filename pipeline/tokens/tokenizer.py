@@ -2,6 +2,7 @@
 
 Shared by training (the corpus is encoded with it) and evaluate (held-out text, prompts).
 """
+
 from __future__ import annotations
 
 import os
@@ -66,25 +67,33 @@ class HFTokenizer:
         self.path = path
         size = path.stat().st_size
         if size > TOKENIZER_BYTES.hi:
-            raise UserError(f"{path}: {size / 2**20:,.0f} MiB, over the bound of {TOKENIZER_BYTES.hi / 2**20:.0f} MiB "
-                            f"for a tokenizer.json ({TOKENIZER_BYTES.why}); give the model's own tokenizer.json")
+            raise UserError(
+                f"{path}: {size / 2**20:,.0f} MiB, over the bound of {TOKENIZER_BYTES.hi / 2**20:.0f} MiB "
+                f"for a tokenizer.json ({TOKENIZER_BYTES.why}); give the model's own tokenizer.json"
+            )
         try:
             self._tok = _Tok.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception for malformed files
-            raise UserError(f"{path}: not a Hugging Face tokenizer.json ({str(e).splitlines()[0]}); "
-                            "give a tokenizer.json saved by `tokenizers` or transformers, or 'byte'") from None
+            raise UserError(
+                f"{path}: not a Hugging Face tokenizer.json ({str(e).splitlines()[0]}); "
+                "give a tokenizer.json saved by `tokenizers` or transformers, or 'byte'"
+            ) from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         named = _special_tokens_from_config(path.parent / "tokenizer_config.json")
         for key in ("bos_token", "eos_token"):  # a token the config names must be in the vocab: no silent stand-in
             if named.get(key) and self._tok.token_to_id(named[key]) is None:
-                raise UserError(f"{path.parent / 'tokenizer_config.json'}: {key} {named[key]!r} is not in {path}'s "
-                                f"vocabulary; fix {key} (or the tokenizer) so the two files belong together")
+                raise UserError(
+                    f"{path.parent / 'tokenizer_config.json'}: {key} {named[key]!r} is not in {path}'s "
+                    f"vocabulary; fix {key} (or the tokenizer) so the two files belong together"
+                )
         self.bos_id = self._find_id(named.get("bos_token"), BOS_CANDIDATES)
         eos = self._find_id(named.get("eos_token"), EOS_CANDIDATES)
         if eos is None:
-            raise UserError(f"{path}: no end-of-text token found (looked for {', '.join(EOS_CANDIDATES)} "
-                            "and eos_token in tokenizer_config.json); documents are joined with it, "
-                            "so add one to the tokenizer")
+            raise UserError(
+                f"{path}: no end-of-text token found (looked for {', '.join(EOS_CANDIDATES)} "
+                "and eos_token in tokenizer_config.json); documents are joined with it, "
+                "so add one to the tokenizer"
+            )
         self.eos_id = eos
 
     def _find_id(self, named: str | None, candidates: tuple[str, ...]) -> int | None:
@@ -142,7 +151,7 @@ def _special_tokens_from_config(path: Path) -> dict[str, str]:
 
 
 def build_tokenizer(spec: str, *, base: Path | None = None) -> ByteTokenizer | HFTokenizer:
-    """"byte" or the path of a tokenizer.json (relative paths are read from ``base``, the flow's dir)."""
+    """ "byte" or the path of a tokenizer.json (relative paths are read from ``base``, the flow's dir)."""
     if spec == "byte":
         return ByteTokenizer()
     path = Path(spec).expanduser()
@@ -151,8 +160,10 @@ def build_tokenizer(spec: str, *, base: Path | None = None) -> ByteTokenizer | H
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise UserError(f"data.tokenizer: {spec!r} is not a file (resolved to {path}); give the path of a "
-                        "Hugging Face tokenizer.json or 'byte'")
+        raise UserError(
+            f"data.tokenizer: {spec!r} is not a file (resolved to {path}); give the path of a "
+            "Hugging Face tokenizer.json or 'byte'"
+        )
     return HFTokenizer(path)
 
 
@@ -201,7 +212,7 @@ def encode_documents(tok: ByteTokenizer | HFTokenizer, docs: list[str], dtype) -
     out = np.empty(int(lengths.sum()), dtype=dtype)
     at = 0
     for e in encoded:
-        out[at:at + len(e)] = e
+        out[at : at + len(e)] = e
         out[at + len(e)] = tok.eos_id
         at += len(e) + 1
     return out, lengths

@@ -1,4 +1,5 @@
 """Which source format a checkpoint path holds, from its files alone; one registry of readers."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,9 +33,11 @@ def detect_format(src: Path) -> str:
         if reader.looks_like(src):
             return name
     shown = ", ".join(entries[:8]) + (" ..." if len(entries) > 8 else "")
-    raise UserError(f"{src}: unknown checkpoint format (found {shown}). Expected a titan-pipe "
-                    "manifest.json, a DCP .metadata + *.distcp, a Megatron iter_*/mp_rank_* tree, or "
-                    "a Hugging Face config.json + *.safetensors")
+    raise UserError(
+        f"{src}: unknown checkpoint format (found {shown}). Expected a titan-pipe "
+        "manifest.json, a DCP .metadata + *.distcp, a Megatron iter_*/mp_rank_* tree, or "
+        "a Hugging Face config.json + *.safetensors"
+    )
 
 
 def open_source(src: Path, source_format: str = "auto", **opts):
@@ -44,7 +47,9 @@ def open_source(src: Path, source_format: str = "auto", **opts):
     found = detect_format(src)
     if source_format != "auto" and source_format != found:
         if not READERS[source_format].looks_like(src):
-            raise UserError(f"{src}: --from {source_format} given, but this looks like a {found} "
-                            f"checkpoint; pass --from {found} or --from auto")
+            raise UserError(
+                f"{src}: --from {source_format} given, but this looks like a {found} "
+                f"checkpoint; pass --from {found} or --from auto"
+            )
         found = source_format
     return READERS[found].open_source(src, **opts)

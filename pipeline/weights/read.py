@@ -1,5 +1,6 @@
 """Whole tensors (or one box of them) read through a SourcePlan: what a reader of weights gets from
 any format, where convert streams the same reads into files instead (titan_pipe.convert.reshard)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

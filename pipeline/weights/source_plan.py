@@ -10,6 +10,7 @@ offsets are all just reads with the right boxes.
 ``plan_unified`` and ``plan_sharded`` then say which output file and key receives which *region*
 of each global tensor. Nothing here touches a file.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,7 +27,6 @@ from titan_pipe.model.names import hf_expert_key, native_to_hf
 from titan_pipe.model.params import native_names, param_of
 from titan_pipe.model.sharding import split_stages, stage_of, tp_problems, tp_split_dim
 from titan_pipe.model.unified_dir import weight_file_name
-
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,10 @@ class Read:
         if hit == self.dst_box:
             return self
         if self.rope_head_dim and (hit.offsets[0] - self.dst_box.offsets[0]) % self.rope_head_dim:
-            raise LayoutError(f"{self.key}: a region boundary at row {hit.offsets[0]} cuts an "
-                              f"attention head of {self.rope_head_dim} rows")
+            raise LayoutError(
+                f"{self.key}: a region boundary at row {hit.offsets[0]} cuts an "
+                f"attention head of {self.rope_head_dim} rows"
+            )
         shift = [s - d for s, d in zip(self.src_box.offsets, self.dst_box.offsets)]
         src = Box(tuple(o + s for o, s in zip(hit.offsets, shift)), hit.lengths)
         return Read(self.file, self.key, src, hit, self.rope_head_dim)
@@ -79,16 +81,18 @@ class TensorPlan:
         total = math.prod(self.shape)
         for i, r in enumerate(self.reads):
             if not r.dst_box.within(self.shape):
-                raise LayoutError(f"{self.name}: {r.file}:{r.key} box {r.dst_box} lies outside "
-                                  f"shape {self.shape}")
+                raise LayoutError(f"{self.name}: {r.file}:{r.key} box {r.dst_box} lies outside shape {self.shape}")
             for other in self.reads[:i]:
                 if r.dst_box.intersect(other.dst_box) is not None:
-                    raise LayoutError(f"{self.name}: {other.file} and {r.file} claim overlapping "
-                                      f"boxes {other.dst_box} and {r.dst_box}")
+                    raise LayoutError(
+                        f"{self.name}: {other.file} and {r.file} claim overlapping "
+                        f"boxes {other.dst_box} and {r.dst_box}"
+                    )
         covered = sum(r.dst_box.numel for r in self.reads)
         if covered != total:
-            raise LayoutError(f"{self.name}: the shards cover {covered} of {total} elements; "
-                              "a shard or chunk is missing")
+            raise LayoutError(
+                f"{self.name}: the shards cover {covered} of {total} elements; a shard or chunk is missing"
+            )
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,9 @@ class SourcePlan:
     tensors: dict[str, TensorPlan]  # native name -> plan, in model order
     files: list[str]  # every data file the plan reads, relative to root
     step: int | None = None
-    layout: dict = field(default_factory=dict)  # a description of the source's layout for inspect and provenance only; no code reads it
+    layout: dict = field(
+        default_factory=dict
+    )  # a description of the source's layout for inspect and provenance only; no code reads it
     pp_schedule: str | None = None  # the pipeline schedule a titan source was trained with (a sharded output keeps it)
     expected_sha256: dict[str, str] = field(default_factory=dict)  # file -> sha256 (titan manifest)
 
@@ -152,8 +158,7 @@ class OutTensor:
             c = r.clip(self.region)
             if c is None:
                 continue
-            rel = Box(tuple(o - ro for o, ro in zip(c.dst_box.offsets, self.region.offsets)),
-                      c.dst_box.lengths)
+            rel = Box(tuple(o - ro for o, ro in zip(c.dst_box.offsets, self.region.offsets)), c.dst_box.lengths)
             out.append(Read(c.file, c.key, c.src_box, rel, c.rope_head_dim))
         return out
 
@@ -185,9 +190,11 @@ def check_accounted(found, args: ModelArgs, *, source: object, describe=repr) ->
     names = set(native_names(args)) | ({"output.weight"} if args.tie_embeddings else set())
     extra = sorted(n for n in found if n not in names)
     if extra:
-        raise UserError(f"{source}: tensor {describe(extra[0])} ({len(extra)} in all) has no place in the model its "
-                        f"config describes ({args.n_layers} layers, dim {args.dim}); fix the config (layer "
-                        "count, dims) to describe the weights, or remove the tensor")
+        raise UserError(
+            f"{source}: tensor {describe(extra[0])} ({len(extra)} in all) has no place in the model its "
+            f"config describes ({args.n_layers} layers, dim {args.dim}); fix the config (layer "
+            "count, dims) to describe the weights, or remove the tensor"
+        )
 
 
 def output_dtype(src_dtype: str, dtype: str) -> str:
@@ -203,8 +210,9 @@ def _unified_tensors(src: SourcePlan) -> list[TensorPlan]:
     return [t for n, t in src.tensors.items() if not (src.args.tie_embeddings and n == "output.weight")]
 
 
-def plan_unified(src: SourcePlan, *, naming: str = "hf", dtype: str = "keep",
-                 max_shard_size: int = 5 * 10**9) -> OutputPlan:
+def plan_unified(
+    src: SourcePlan, *, naming: str = "hf", dtype: str = "keep", max_shard_size: int = 5 * 10**9
+) -> OutputPlan:
     """One model.safetensors, or model-0000k-of-0000n.safetensors when past ``max_shard_size``.
 
     Shards are filled greedily in model order (as transformers' save_pretrained does); a tensor
@@ -216,12 +224,25 @@ def plan_unified(src: SourcePlan, *, naming: str = "hf", dtype: str = "keep",
     outs = []
     for t in _unified_tensors(src):
         if naming == "hf" and param_of(t.name).expert:  # one tensor per expert, as transformers stores them
-            outs += [OutTensor(hf_expert_key(t.name, e, family), t, split_box(t.shape, 0, t.shape[0], e),
-                               output_dtype(t.dtype, dtype), stored_shape=tuple(t.shape[1:]))
-                     for e in range(t.shape[0])]
+            outs += [
+                OutTensor(
+                    hf_expert_key(t.name, e, family),
+                    t,
+                    split_box(t.shape, 0, t.shape[0], e),
+                    output_dtype(t.dtype, dtype),
+                    stored_shape=tuple(t.shape[1:]),
+                )
+                for e in range(t.shape[0])
+            ]
         else:
-            outs.append(OutTensor(native_to_hf(t.name, family) if naming == "hf" else t.name, t, Box.full(t.shape),
-                                  output_dtype(t.dtype, dtype)))
+            outs.append(
+                OutTensor(
+                    native_to_hf(t.name, family) if naming == "hf" else t.name,
+                    t,
+                    Box.full(t.shape),
+                    output_dtype(t.dtype, dtype),
+                )
+            )
     groups: list[list[OutTensor]] = [[]]
     size = 0
     for o in outs:
@@ -233,8 +254,7 @@ def plan_unified(src: SourcePlan, *, naming: str = "hf", dtype: str = "keep",
     if len(groups) == 1:
         return OutputPlan("unified", (OutFile(weight_file_name(0, 1), tuple(groups[0])),))
     n = len(groups)
-    return OutputPlan("unified", tuple(OutFile(weight_file_name(k, n), tuple(g))
-                                       for k, g in enumerate(groups)))
+    return OutputPlan("unified", tuple(OutFile(weight_file_name(k, n), tuple(g)) for k, g in enumerate(groups)))
 
 
 def plan_sharded(src: SourcePlan, *, tp: int, pp: int, dtype: str = "keep") -> OutputPlan:

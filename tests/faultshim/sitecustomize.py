@@ -19,6 +19,7 @@ so do its children: torchrun and every rank), or call ``install`` in-process:
                             caught mid-write, for the kill and two-writer tests); with no
                             TITAN_FAULT_ERRNO nothing fails
 """
+
 from __future__ import annotations
 
 import builtins
@@ -27,8 +28,21 @@ import io
 import os
 import time
 
-_REAL = {name: getattr(os, name) for name in ("open", "mkdir", "rename", "replace", "write", "pwrite",
-                                                "copy_file_range", "statvfs", "truncate", "ftruncate")}
+_REAL = {
+    name: getattr(os, name)
+    for name in (
+        "open",
+        "mkdir",
+        "rename",
+        "replace",
+        "write",
+        "pwrite",
+        "copy_file_range",
+        "statvfs",
+        "truncate",
+        "ftruncate",
+    )
+}
 _REAL_OPEN = builtins.open
 _state: dict = {}
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -74,6 +88,7 @@ def _moving(name):
         if _creating(dst) or _creating(src):
             raise _fail(dst)
         return _REAL[name](src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+
     return move
 
 
@@ -119,13 +134,13 @@ def _builtin_open(file, mode="r", *args, **kwargs):
     return _REAL_OPEN(file, mode, *args, **kwargs)
 
 
-def install(*, root: str, errno: int | str | None, after: int = 0, free: int | None = None,
-            delay: float = 0.0) -> None:
+def install(*, root: str, errno: int | str | None, after: int = 0, free: int | None = None, delay: float = 0.0) -> None:
     """Make the OS refuse writes under ``root`` with ``errno`` (a number or a name like "ENOSPC";
     None: never), after ``after`` bytes, each write ``delay`` seconds late."""
     code = getattr(_errno, errno) if isinstance(errno, str) else errno
-    _state.update(root=os.path.abspath(root), errno=code, after=after, free=free, delay=delay, written=0, fds={},
-                  by_file={})
+    _state.update(
+        root=os.path.abspath(root), errno=code, after=after, free=free, delay=delay, written=0, fds={}, by_file={}
+    )
     os.open, os.mkdir, os.write, os.pwrite = _open, _mkdir, _write, _pwrite
     os.rename, os.replace = _moving("rename"), _moving("replace")
     os.copy_file_range, os.statvfs = _copy_file_range, _statvfs
@@ -140,7 +155,10 @@ def uninstall() -> None:
 
 
 if os.environ.get("TITAN_FAULT_ROOT"):
-    install(root=os.environ["TITAN_FAULT_ROOT"], errno=os.environ.get("TITAN_FAULT_ERRNO") or None,
-            after=int(os.environ.get("TITAN_FAULT_AFTER", "0")),
-            free=int(os.environ["TITAN_FAULT_FREE"]) if os.environ.get("TITAN_FAULT_FREE") else None,
-            delay=float(os.environ.get("TITAN_FAULT_DELAY", "0")))
+    install(
+        root=os.environ["TITAN_FAULT_ROOT"],
+        errno=os.environ.get("TITAN_FAULT_ERRNO") or None,
+        after=int(os.environ.get("TITAN_FAULT_AFTER", "0")),
+        free=int(os.environ["TITAN_FAULT_FREE"]) if os.environ.get("TITAN_FAULT_FREE") else None,
+        delay=float(os.environ.get("TITAN_FAULT_DELAY", "0")),
+    )

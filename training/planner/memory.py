@@ -6,6 +6,7 @@ stage layers ``pipeline_parallel.plan_stages``, checkpointed layers
 ``activation_checkpoint.ac_layer_ids``, per-parameter splits ``sharding.tp_split_dim``.
 Formulas and sources: docs/plan.md.
 """
+
 from __future__ import annotations
 
 import math
@@ -94,13 +95,29 @@ def _owned(name: str, stages: list[tuple[int, list[int]]], n_stages: int) -> boo
 
 
 def _dp_plan(layout: Layout, assume: Assumptions) -> DPPlan:
-    return plan_dp(dp=layout.dp, tp=layout.tp, dp_mode=layout.dp_mode, zero_stage=layout.zero,
-                   offload="cpu" if layout.offload else "none", amp_dtype=layout.amp_dtype, gradient_sync_dtype=assume.gradient_sync_dtype,
-                   fusion_buffer_mb=assume.fusion_buffer_mb, comm_overlap=assume.comm_overlap)
+    return plan_dp(
+        dp=layout.dp,
+        tp=layout.tp,
+        dp_mode=layout.dp_mode,
+        zero_stage=layout.zero,
+        offload="cpu" if layout.offload else "none",
+        amp_dtype=layout.amp_dtype,
+        gradient_sync_dtype=assume.gradient_sync_dtype,
+        fusion_buffer_mb=assume.fusion_buffer_mb,
+        comm_overlap=assume.comm_overlap,
+    )
 
 
-def rank_params(args: ModelArgs, layout: Layout, *, pp_rank: int, tp_rank: int = 0, dp_rank: int = 0,
-                assume: Assumptions = Assumptions(), lora: LoRASpec | None = None) -> RankParams:
+def rank_params(
+    args: ModelArgs,
+    layout: Layout,
+    *,
+    pp_rank: int,
+    tp_rank: int = 0,
+    dp_rank: int = 0,
+    assume: Assumptions = Assumptions(),
+    lora: LoRASpec | None = None,
+) -> RankParams:
     """Exactly what the trainer allocates for parameters and optimizer states on one rank.
 
     TP splits a parameter's split dim (sharding table) by tp; FSDP2 then takes this rank's
@@ -114,8 +131,15 @@ def rank_params(args: ModelArgs, layout: Layout, *, pp_rank: int, tp_rank: int =
 
 
 @lru_cache(maxsize=4096)
-def _rank_params(args: ModelArgs, layout: Layout, pp_rank: int, tp_rank: int, dp_rank: int,
-                 assume: Assumptions, lora: LoRASpec | None = None) -> RankParams:
+def _rank_params(
+    args: ModelArgs,
+    layout: Layout,
+    pp_rank: int,
+    tp_rank: int,
+    dp_rank: int,
+    assume: Assumptions,
+    lora: LoRASpec | None = None,
+) -> RankParams:
     stages = rank_stage_layers(args, layout, pp_rank)
     n_stages = layout.pp * stages_per_rank(layout.pp, layout.schedule, layout.virtual_stages)
     dpp = _dp_plan(layout, assume)
@@ -145,17 +169,36 @@ def _rank_params(args: ModelArgs, layout: Layout, pp_rank: int, tp_rank: int, dp
     if lora is not None:  # the base takes no gradient and has no optimizer state
         trained = [i for i, n in enumerate(names) if is_adapter(n)]
         mine = sum(local[i] for i in trained)
-        return RankParams(tuple(names), sum(local), sum(alloc), mine, len(trained), sum(full),
-                          sum(n for name, n in zip(names, full) if _is_matmul(name)), mine, experts,
-                          trained_full=sum(full[i] for i in trained), trained_alloc=sum(alloc[i] for i in trained))
+        return RankParams(
+            tuple(names),
+            sum(local),
+            sum(alloc),
+            mine,
+            len(trained),
+            sum(full),
+            sum(n for name, n in zip(names, full) if _is_matmul(name)),
+            mine,
+            experts,
+            trained_full=sum(full[i] for i in trained),
+            trained_alloc=sum(alloc[i] for i in trained),
+        )
     grads = sum(local)
     if dpp.kind == "none" and layout.tp > 1 and "tok_embeddings.weight" in names:
         # Without a data-parallel wrapper, DTensor's embedding backward leaves the vocab-parallel
         # table's gradient Replicate: every tp rank holds the full (vocab, dim) gradient.
         i = names.index("tok_embeddings.weight")
         grads += args.vocab_size * args.dim - local[i]
-    return RankParams(tuple(names), sum(local), sum(alloc), sum(local), len(local), sum(full),
-                      sum(n for name, n in zip(names, full) if _is_matmul(name)), grads, experts)
+    return RankParams(
+        tuple(names),
+        sum(local),
+        sum(alloc),
+        sum(local),
+        len(local),
+        sum(full),
+        sum(n for name, n in zip(names, full) if _is_matmul(name)),
+        grads,
+        experts,
+    )
 
 
 def optimizer_bytes(rp: RankParams, optimizer: str = "adamw") -> int:
@@ -187,8 +230,9 @@ def act_dtypes(layout: Layout, assume: Assumptions = Assumptions()) -> ActDtypes
     return ActDtypes(a, a if low_params else 4)
 
 
-def layer_activation_terms(args: ModelArgs, *, tp: int = 1, sp: bool = False,
-                           dt: ActDtypes = ActDtypes()) -> dict[str, float]:
+def layer_activation_terms(
+    args: ModelArgs, *, tp: int = 1, sp: bool = False, dt: ActDtypes = ActDtypes()
+) -> dict[str, float]:
     """Bytes one token keeps for backward in one decoder layer, per tp rank (see docs/plan.md).
 
     Korthikanti et al. (2022) count a GPT layer as sbh(34 + 5as/h) bytes; this is the same count for
@@ -270,8 +314,9 @@ def in_flight(layout: Layout, pp_rank: int) -> int:
     return min(m * v, (v - 1) * p + 2 * (p - 1 - pp_rank) + 1)
 
 
-def activation_bytes(w: Workload, layout: Layout, pp_rank: int,
-                     assume: Assumptions = Assumptions()) -> tuple[float, float]:
+def activation_bytes(
+    w: Workload, layout: Layout, pp_rank: int, assume: Assumptions = Assumptions()
+) -> tuple[float, float]:
     """(kept for backward at the peak, recompute transient) on one rank, bytes.
 
     Interleaved stages of one rank are charged at their average size; a checkpointed layer keeps
@@ -318,9 +363,16 @@ class Memory:
     grad_accum: float = 0.0  # FSDP2 under pp: unsharded float32 gradients held across microbatches
 
     def items(self) -> dict[str, float]:
-        return {"parameters": self.params, "gradients": self.grads, "optimizer states": self.optimizer,
-                "parameter copies": self.param_copies, "unsharded gradients": self.grad_accum,
-                "activations": self.activations, "recompute": self.recompute, "comm buffers": self.buffers}
+        return {
+            "parameters": self.params,
+            "gradients": self.grads,
+            "optimizer states": self.optimizer,
+            "parameter copies": self.param_copies,
+            "unsharded gradients": self.grad_accum,
+            "activations": self.activations,
+            "recompute": self.recompute,
+            "comm buffers": self.buffers,
+        }
 
     @property
     def total(self) -> float:
@@ -341,13 +393,16 @@ def _layer_param_elems(args: ModelArgs, tp: int, ep: int = 1) -> tuple[int, ...]
     return tuple(totals)
 
 
-def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumptions = Assumptions(),
-                   optimizer: str = "adamw") -> Memory:
+def memory_on_rank(
+    w: Workload, layout: Layout, pp_rank: int, assume: Assumptions = Assumptions(), optimizer: str = "adamw"
+) -> Memory:
     rp = rank_params(w.args, layout, pp_rank=pp_rank, assume=assume, lora=w.lora)
     dpp = _dp_plan(layout, assume)
     master, a = 4, DTYPE_BYTES_BY_NAME[layout.amp_dtype or "float32"]
     params = master * rp.params_alloc
-    if w.lora is not None:  # the frozen base held in the AMP dtype (train.lora.base_dtype: auto), the adapters in float32
+    if (
+        w.lora is not None
+    ):  # the frozen base held in the AMP dtype (train.lora.base_dtype: auto), the adapters in float32
         params = a * (rp.params_alloc - rp.trained_alloc) + master * rp.trained_alloc
     # Gradients land in the parameters' dtype (FSDP2: the padded shard); LoRA: the adapters' only.
     grads = master * (rp.params_alloc + rp.grads - rp.params) if w.lora is None else master * rp.grads
@@ -381,13 +436,14 @@ def memory_on_rank(w: Workload, layout: Layout, pp_rank: int, assume: Assumption
     acts, recompute = activation_bytes(w, layout, pp_rank, assume)
     opt = optimizer_bytes(rp, optimizer)
     if dpp.cpu_offload:  # sharded parameters, their gradients and AdamW live in host memory
-        return Memory(0.0, 0.0, 0.0, copies, acts, recompute, buffers, pp_rank, host=params + grads + opt,
-                      grad_accum=accum)
+        return Memory(
+            0.0, 0.0, 0.0, copies, acts, recompute, buffers, pp_rank, host=params + grads + opt, grad_accum=accum
+        )
     return Memory(params, grads, opt, copies, acts, recompute, buffers, pp_rank, grad_accum=accum)
 
 
-def memory_per_device(w: Workload, layout: Layout, assume: Assumptions = Assumptions(),
-                      optimizer: str = "adamw") -> Memory:
+def memory_per_device(
+    w: Workload, layout: Layout, assume: Assumptions = Assumptions(), optimizer: str = "adamw"
+) -> Memory:
     """The pp rank with the largest total (first stages hold more microbatches, last the logits)."""
-    return max((memory_on_rank(w, layout, r, assume, optimizer) for r in range(layout.pp)),
-               key=lambda m: m.total)
+    return max((memory_on_rank(w, layout, r, assume, optimizer) for r in range(layout.pp)), key=lambda m: m.total)

@@ -3,6 +3,7 @@
 (``titan_pipe.config.parse_flow``), ranked by tokens/s, with the reasons a layout does not fit and
 the flow.yaml of the winner. Formulas and sources: docs/plan.md.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -36,8 +37,9 @@ class Estimate:
         return self.timing.step_s
 
 
-def estimate(w: Workload, layout: Layout, cluster: Cluster, assume: Assumptions = Assumptions(),
-             *, explain: bool = True) -> Estimate:
+def estimate(
+    w: Workload, layout: Layout, cluster: Cluster, assume: Assumptions = Assumptions(), *, explain: bool = True
+) -> Estimate:
     mem = memory_per_device(w, layout, assume)
     timing = step_time(w, layout, cluster, assume)
     tps = w.tokens / timing.step_s
@@ -57,19 +59,32 @@ def _remedies(w: Workload, layout: Layout, component: str, cluster: Cluster) -> 
     out: list[tuple[str, Layout]] = []
     world, n = layout.world, w.args.n_layers
     if component == "unsharded gradients" and layout.pp > 1 and layout.tp * 2 <= cluster.devices_per_node:
-        out.append((f"tp {2 * layout.tp}, pp {max(1, layout.pp // 2)}",
-                    replace(layout, tp=2 * layout.tp, pp=max(1, layout.pp // 2),
-                            microbatches=layout.microbatches if layout.pp > 2 else 1)))
-    if component in ("optimizer states", "gradients", "parameters", "parameter copies", "comm buffers",
-                     "unsharded gradients"):
+        out.append(
+            (
+                f"tp {2 * layout.tp}, pp {max(1, layout.pp // 2)}",
+                replace(
+                    layout,
+                    tp=2 * layout.tp,
+                    pp=max(1, layout.pp // 2),
+                    microbatches=layout.microbatches if layout.pp > 2 else 1,
+                ),
+            )
+        )
+    if component in (
+        "optimizer states",
+        "gradients",
+        "parameters",
+        "parameter copies",
+        "comm buffers",
+        "unsharded gradients",
+    ):
         if layout.dp > 1 and layout.zero != 3:
             out.append(("use FSDP (dp_mode fsdp)", replace(layout, zero=3)))
         if not layout.offload:
             out.append(("optimizer_offload cpu", replace(layout, zero=3, offload=True)))
         if layout.dp % 2 == 0 and 2 * layout.pp <= n:
             m = max(layout.microbatches, 2 * layout.pp)
-            out.append((f"pp >= {2 * layout.pp}", replace(layout, pp=2 * layout.pp, dp=layout.dp // 2,
-                                                          microbatches=m)))
+            out.append((f"pp >= {2 * layout.pp}", replace(layout, pp=2 * layout.pp, dp=layout.dp // 2, microbatches=m)))
         if layout.dp % 2 == 0 and w.args.kv_heads % (2 * layout.tp) == 0:
             out.append((f"tp {2 * layout.tp}", replace(layout, tp=2 * layout.tp, dp=layout.dp // 2)))
     if component in ("activations", "recompute"):
@@ -79,13 +94,18 @@ def _remedies(w: Workload, layout: Layout, component: str, cluster: Cluster) -> 
             out.append(("sequence_parallel", replace(layout, sequence_parallel=True)))
         local = w.global_batch // layout.dp
         if layout.pp > 1 and local % (2 * layout.microbatches) == 0:
-            out.append((f"microbatches {2 * layout.microbatches}", replace(layout, microbatches=2 * layout.microbatches)))
+            out.append(
+                (f"microbatches {2 * layout.microbatches}", replace(layout, microbatches=2 * layout.microbatches))
+            )
         if layout.pp > 1 and layout.schedule == "gpipe":
             out.append(("pp_schedule 1f1b", replace(layout, schedule="1f1b")))
         if layout.dp % 2 == 0 and w.args.kv_heads % (2 * layout.tp) == 0:
             out.append((f"tp {2 * layout.tp}", replace(layout, tp=2 * layout.tp, dp=layout.dp // 2)))
-    return [(label, lay) for label, lay in out
-            if lay.world == world and lay.tp <= cluster.devices_per_node and not check_layout(w, lay, cluster)]
+    return [
+        (label, lay)
+        for label, lay in out
+        if lay.world == world and lay.tp <= cluster.devices_per_node and not check_layout(w, lay, cluster)
+    ]
 
 
 def misfit_reason(w: Workload, layout: Layout, cluster: Cluster, mem: Memory, assume: Assumptions) -> str:
@@ -99,7 +119,13 @@ def misfit_reason(w: Workload, layout: Layout, cluster: Cluster, mem: Memory, as
         except ValueError:  # e.g. more stages than layers
             continue
         if total < mem.total:
-            fixes.append((total > cluster.memory_bytes, total, f"{label} ({'fits, ' if total <= cluster.memory_bytes else ''}{_fmt_gb(total)})"))
+            fixes.append(
+                (
+                    total > cluster.memory_bytes,
+                    total,
+                    f"{label} ({'fits, ' if total <= cluster.memory_bytes else ''}{_fmt_gb(total)})",
+                )
+            )
     if not fixes:
         return head + " — no single change fits; use more devices or a smaller --global-batch/--seq-len"
     fixes.sort()
@@ -124,13 +150,16 @@ def parse_device_memory(text: str) -> float:
     except ValueError as e:
         raise UserError(f"--device-memory: {e}") from None
     if not DEVICE_MEMORY.lo <= n <= DEVICE_MEMORY.hi:
-        raise UserError(f"--device-memory {limits.shown(text)} is {n:,} bytes, outside 1 GiB..16 TiB (the {DEVICE_MEMORY.why}); "
-                        "write the size with its unit, e.g. 64GB or 80GiB")
+        raise UserError(
+            f"--device-memory {limits.shown(text)} is {n:,} bytes, outside 1 GiB..16 TiB (the {DEVICE_MEMORY.why}); "
+            "write the size with its unit, e.g. 64GB or 80GiB"
+        )
     return float(n)
 
 
-def build_cluster(device: str, n_devices: int, *, nodes: int | None = None,
-                  device_memory: str | None = None) -> tuple[Cluster, list[str]]:
+def build_cluster(
+    device: str, n_devices: int, *, nodes: int | None = None, device_memory: str | None = None
+) -> tuple[Cluster, list[str]]:
     """The Cluster for ``n_devices`` of one profile (titan_pipe.device_profiles), with notes
     (e.g. which bin an alias family resolved to). Device memory counts memory_gb as 10^9 bytes."""
     from titan_pipe.device_profiles import resolve_profile
@@ -146,11 +175,15 @@ def build_cluster(device: str, n_devices: int, *, nodes: int | None = None,
     if nodes is None:
         nodes = max(1, -(-n_devices // per_node))
     if nodes < 1 or n_devices % nodes:
-        raise UserError(f"--nodes {nodes} does not divide --devices {n_devices}; give a node count "
-                        f"that splits the devices evenly (a {key} server holds {per_node})")
+        raise UserError(
+            f"--nodes {nodes} does not divide --devices {n_devices}; give a node count "
+            f"that splits the devices evenly (a {key} server holds {per_node})"
+        )
     if n_devices // nodes > per_node:
-        notes.append(f"{n_devices // nodes} devices per node, more than the {per_node} of a {key} server: "
-                     f"the intra-node links are assumed to span them all (pass --nodes to change)")
+        notes.append(
+            f"{n_devices // nodes} devices per node, more than the {per_node} of a {key} server: "
+            f"the intra-node links are assumed to span them all (pass --nodes to change)"
+        )
     per_node = n_devices // nodes
     links = []
     for link in prof.get("links") or [{"name": "link", "span": None, "gbps": 25.0}]:
@@ -161,8 +194,9 @@ def build_cluster(device: str, n_devices: int, *, nodes: int | None = None,
     host = prof.get("host_link") or {"name": "PCIe 4.0 x16", "gbps": 32.0}
     memory = parse_device_memory(device_memory) if device_memory else prof["memory_gb"] * GB
     peaks = {k: v for k, v in prof["peak_tflops"].items() if v}
-    return Cluster(key, n_devices, per_node, memory, peaks, tuple(links),
-                   Link(host["name"], None, float(host["gbps"]))), notes
+    return Cluster(
+        key, n_devices, per_node, memory, peaks, tuple(links), Link(host["name"], None, float(host["gbps"]))
+    ), notes
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,7 +204,7 @@ def build_cluster(device: str, n_devices: int, *, nodes: int | None = None,
 
 
 def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
 
@@ -179,11 +213,20 @@ def amp_dtype_for(cluster: Cluster) -> str:
     for dtype in ("bfloat16", "float16", "float32"):
         if cluster.peak_tflops.get(dtype):
             return dtype
-    raise UserError(f"device {cluster.device} lists no peak TFLOPS in titan_pipe.device_profiles (its data/device_profiles.json)")
+    raise UserError(
+        f"device {cluster.device} lists no peak TFLOPS in titan_pipe.device_profiles (its data/device_profiles.json)"
+    )
 
 
-def candidate_layouts(w: Workload, cluster: Cluster, *, dp: int | None = None, tp: int | None = None,
-                      pp: int | None = None, ac_choices=(0, 1, 2, 4)) -> list[Layout]:
+def candidate_layouts(
+    w: Workload,
+    cluster: Cluster,
+    *,
+    dp: int | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    ac_choices=(0, 1, 2, 4),
+) -> list[Layout]:
     """Every combination the planner tries: tp inside a node, dp*tp*pp = devices, each pp schedule
     (interleaved with 2 virtual stages), microbatches pp, 2pp, 4pp, 8pp or all of the local
     batch, every ZeRO stage the trainer maps (and FSDP2 with CPU offload), sequence parallel
@@ -212,25 +255,29 @@ def candidate_layouts(w: Workload, cluster: Cluster, *, dp: int | None = None, t
                 for m in mbs:
                     for z, off in dps:
                         for e in [1] + (eps if z == 3 else []):
-                            for sp in ([False, True] if t > 1 else [False]):
+                            for sp in [False, True] if t > 1 else [False]:
                                 for ac in ac_choices:
                                     out.append(Layout(d, t, p, sched, v, m, z, sp, ac, amp, off, ep=e))
     return out
 
 
-def bounded_candidates(w: Workload, cluster: Cluster, *, dp: int | None = None, tp: int | None = None,
-                       pp: int | None = None) -> list[Layout]:
+def bounded_candidates(
+    w: Workload, cluster: Cluster, *, dp: int | None = None, tp: int | None = None, pp: int | None = None
+) -> list[Layout]:
     """``candidate_layouts``, refused in one line when there are more than the planner may estimate."""
     candidates = candidate_layouts(w, cluster, dp=dp, tp=tp, pp=pp)
     if len(candidates) > limits.LAYOUTS.hi:
-        raise UserError(f"{len(candidates):,} candidate layouts of {cluster.n_devices} devices exceed the planner's "
-                        f"limit of {limits.LAYOUTS.hi:,.0f} ({limits.LAYOUTS.why}); narrow the search with --tp, "
-                        "--pp or --dp")
+        raise UserError(
+            f"{len(candidates):,} candidate layouts of {cluster.n_devices} devices exceed the planner's "
+            f"limit of {limits.LAYOUTS.hi:,.0f} ({limits.LAYOUTS.why}); narrow the search with --tp, "
+            "--pp or --dp"
+        )
     return candidates
 
 
-def layout_flow(w: Workload, layout: Layout, cluster: Cluster, *, name: str = "planned",
-                assume: Assumptions = Assumptions()) -> dict:
+def layout_flow(
+    w: Workload, layout: Layout, cluster: Cluster, *, name: str = "planned", assume: Assumptions = Assumptions()
+) -> dict:
     """The flow.yaml (as a dict) that trains ``w`` with ``layout`` on ``cluster``."""
     nodes = cluster.n_devices // cluster.devices_per_node
     launch = {"nnodes": nodes, "nproc_per_node": cluster.devices_per_node}
@@ -242,18 +289,33 @@ def layout_flow(w: Workload, layout: Layout, cluster: Cluster, *, name: str = "p
         "device": "npu" if cluster.device.startswith("ascend") else "cuda",
         "model": {"flavour": w.flavour, **w.model_overrides},
         "train": {"batch_size": w.global_batch, "seq_len": w.seq_len},
-        "parallel": {"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "pp_schedule": layout.schedule,
-                     "virtual_stages": max(layout.virtual_stages, 1) if layout.schedule == INTERLEAVED else 2,
-                     "microbatches": layout.microbatches, "dp_mode": layout.dp_mode,
-                     "sequence_parallel": layout.sequence_parallel, "ep": layout.ep},
+        "parallel": {
+            "dp": layout.dp,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "pp_schedule": layout.schedule,
+            "virtual_stages": max(layout.virtual_stages, 1) if layout.schedule == INTERLEAVED else 2,
+            "microbatches": layout.microbatches,
+            "dp_mode": layout.dp_mode,
+            "sequence_parallel": layout.sequence_parallel,
+            "ep": layout.ep,
+        },
         "zero_stage": {3: None, 2: 2, 0: None}[layout.zero],
-        "precision": {"amp": layout.amp_dtype is not None, "amp_dtype": layout.amp_dtype or "bfloat16",
-                      "loss_scale": "dynamic" if fp16 else None},
-        "memory": {"activation_checkpointing": layout.ac_every > 0,
-                   "activation_checkpointing_layers": max(layout.ac_every, 1),
-                   "optimizer_offload": "cpu" if layout.offload else "none"},
-        "comm": {"comm_overlap": assume.comm_overlap, "fusion_buffer_mb": assume.fusion_buffer_mb,
-                 "gradient_sync_dtype": assume.gradient_sync_dtype},
+        "precision": {
+            "amp": layout.amp_dtype is not None,
+            "amp_dtype": layout.amp_dtype or "bfloat16",
+            "loss_scale": "dynamic" if fp16 else None,
+        },
+        "memory": {
+            "activation_checkpointing": layout.ac_every > 0,
+            "activation_checkpointing_layers": max(layout.ac_every, 1),
+            "optimizer_offload": "cpu" if layout.offload else "none",
+        },
+        "comm": {
+            "comm_overlap": assume.comm_overlap,
+            "fusion_buffer_mb": assume.fusion_buffer_mb,
+            "gradient_sync_dtype": assume.gradient_sync_dtype,
+        },
         "launch": launch,
     }
 
@@ -281,18 +343,28 @@ class Plan:
         return self.ranked[0] if self.ranked else None
 
 
-def make_plan(w: Workload, cluster: Cluster, *, assume: Assumptions = Assumptions(),
-              dp: int | None = None, tp: int | None = None, pp: int | None = None,
-              notes: list[str] | None = None, progress=None) -> Plan:
+def make_plan(
+    w: Workload,
+    cluster: Cluster,
+    *,
+    assume: Assumptions = Assumptions(),
+    dp: int | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    notes: list[str] | None = None,
+    progress=None,
+) -> Plan:
     """Enumerate, drop what the config rules reject, estimate the rest, rank by tokens/s.
 
     ``progress(done, total)`` is called as candidates are estimated (the CLI draws a bar).
     """
     candidates = bounded_candidates(w, cluster, dp=dp, tp=tp, pp=pp)
     if not candidates:
-        raise UserError(f"no dp x tp x pp layout of {cluster.n_devices} devices matches the given "
-                        f"--dp/--tp/--pp (tp must divide the devices and stay within a node of "
-                        f"{cluster.devices_per_node})")
+        raise UserError(
+            f"no dp x tp x pp layout of {cluster.n_devices} devices matches the given "
+            f"--dp/--tp/--pp (tp must divide the devices and stay within a node of "
+            f"{cluster.devices_per_node})"
+        )
     checked: dict[tuple, list[str]] = {}
     ranked, misfits, invalid = [], [], []
     for i, lay in enumerate(candidates):

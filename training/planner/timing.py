@@ -1,6 +1,7 @@
 """The planner's time model: FLOPs per rank, pipeline bubble, communication per link and the step
 time of one layout on a cluster. Pure arithmetic; formulas and sources: docs/plan.md.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -158,8 +159,11 @@ def dp_bytes(w: Workload, layout: Layout, assume: Assumptions, pp_rank: int = 0)
         gathered = (d - 1) / d * fsdp_gathers(layout, dpp) * a * rp.full_params if dpp.kind == "fsdp" else 0.0
         return gathered + (1 if dpp.kind == "fsdp" else 2) * (d - 1) / d * g * rp.trained_full
     if dpp.kind == "fsdp":
-        groups = [(d, rp.full_params - rp.expert_full_params), (d // layout.ep, rp.expert_full_params)] \
-            if layout.ep > 1 else [(d, rp.full_params)]
+        groups = (
+            [(d, rp.full_params - rp.expert_full_params), (d // layout.ep, rp.expert_full_params)]
+            if layout.ep > 1
+            else [(d, rp.full_params)]
+        )
         return sum((n - 1) / n * (fsdp_gathers(layout, dpp) * a + g) * elems for n, elems in groups if n > 1)
     return 2 * (d - 1) / d * g * rp.full_params
 
@@ -189,8 +193,10 @@ def peak_flops(cluster: Cluster, layout: Layout) -> float:
     dtype = layout.amp_dtype or "float32"
     tflops = cluster.peak_tflops.get(dtype)
     if not tflops:
-        raise UserError(f"device {cluster.device} has no {dtype} peak in titan_pipe.device_profiles (its data/device_profiles.json); "
-                        "pick an AMP dtype it lists, or add the figure with its source")
+        raise UserError(
+            f"device {cluster.device} has no {dtype} peak in titan_pipe.device_profiles (its data/device_profiles.json); "
+            "pick an AMP dtype it lists, or add the figure with its source"
+        )
     return tflops * 1e12
 
 
@@ -216,7 +222,12 @@ def step_time(w: Workload, layout: Layout, cluster: Cluster, assume: Assumptions
     worst = None
     ep_link = cluster.link_for(group_ranks(layout, "ep"))
     for r in range(layout.pp):
-        compute = rank_tokens * rank_flops_per_token(w.args, w.seq_len, layout, r, frozen=w.lora is not None) / layout.tp / peak
+        compute = (
+            rank_tokens
+            * rank_flops_per_token(w.args, w.seq_len, layout, r, frozen=w.lora is not None)
+            / layout.tp
+            / peak
+        )
         tp = _comm("tp", tp_bytes(w, layout, r), tp_link, assume)
         ep = _comm("ep", ep_bytes(w, layout, r), ep_link, assume)  # on the critical path, like tp
         if worst is None or compute + tp.seconds + ep.seconds > worst[0] + worst[1].seconds + worst[3].seconds:

@@ -1,4 +1,5 @@
 """The planner's inputs: the cluster (devices, links), one layout, the workload and the assumptions."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -81,8 +82,11 @@ class Layout:
         return "fsdp" if self.zero >= 2 else "ddp"
 
     def label(self) -> str:
-        sched = "" if self.pp == 1 else (
-            f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.schedule == INTERLEAVED else ""))
+        sched = (
+            ""
+            if self.pp == 1
+            else (f" {self.schedule}" + (f"(v={self.virtual_stages})" if self.schedule == INTERLEAVED else ""))
+        )
         return f"dp{self.dp}{f' ep{self.ep}' if self.ep > 1 else ''} tp{self.tp} pp{self.pp}{sched}"
 
 

@@ -19,6 +19,7 @@ torchtitan) or ``config.json`` (Hugging Face) beside or above the checkpoint, or
 dims, layer count, vocabulary, FFN size, head_dim, q/k norms and q/k/v biases are read off the
 tensor shapes.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -30,9 +31,16 @@ from typing import TYPE_CHECKING
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.weights.readers import torch_save
-from titan_pipe.weights.readers.dcp_metadata import (STAND_INS, BytesStorageMetadata, Metadata, MetadataIndex,
-                                                    StorageInfo, TensorProperties, TensorStorageMetadata,
-                                                    torch_global)
+from titan_pipe.weights.readers.dcp_metadata import (
+    STAND_INS,
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorProperties,
+    TensorStorageMetadata,
+    torch_global,
+)
 from titan_pipe.weights.readers.store import SafetensorsStore, pread_into
 from titan_pipe.safetensors_header import StoredTensor, read_header
 from titan_pipe.weights.readers.torch_save import SavedTensor
@@ -59,11 +67,22 @@ METADATA = ".metadata"
 # callables such as format_utils.dcp_to_torch_save, which writes files.
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"},
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
     "torch.distributed.checkpoint.planner": {  # all_local_plans, kept by newer savers
-        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"},
+        "SavePlan",
+        "WriteItem",
+        "WriteItemType",
+        "TensorWriteData",
+    },
     "torch.serialization": {"_get_layout"},  # layout name -> torch.strided etc. (a dict lookup)
     "torch._utils": {"_get_layout"},
     "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
@@ -93,10 +112,22 @@ def read_metadata(path: Path):
             md = _MetadataUnpickler(fh).load()
     except FileNotFoundError:
         raise UserError(f"{f}: missing; a DCP checkpoint needs its .metadata file") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError, KeyError,
-            IndexError, RecursionError, MemoryError) as e:
-        raise UserError(f"{f}: not a readable DCP metadata file ({type(e).__name__}: {str(e)[:200]}); it is "
-                        "corrupted or not written by torch.distributed.checkpoint") from None
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        ImportError,
+        ValueError,
+        TypeError,
+        KeyError,
+        IndexError,
+        RecursionError,
+        MemoryError,
+    ) as e:
+        raise UserError(
+            f"{f}: not a readable DCP metadata file ({type(e).__name__}: {str(e)[:200]}); it is "
+            "corrupted or not written by torch.distributed.checkpoint"
+        ) from None
     problem = metadata_problem(md)
     if problem:
         raise UserError(f"{f}: {problem}; the metadata is corrupted or not written by torch.distributed.checkpoint")
@@ -104,8 +135,11 @@ def read_metadata(path: Path):
 
 
 def _ints(v, n: int | None = None) -> bool:
-    return (isinstance(v, (tuple, list)) and (n is None or len(v) == n)
-            and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v))
+    return (
+        isinstance(v, (tuple, list))
+        and (n is None or len(v) == n)
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+    )
 
 
 def metadata_problem(md) -> str | None:
@@ -128,7 +162,8 @@ def metadata_problem(md) -> str | None:
         for c in meta.chunks:
             offsets, sizes = getattr(c, "offsets", None), getattr(c, "sizes", None)
             if not (_ints(offsets, len(meta.size)) and _ints(sizes, len(meta.size))) or any(
-                    o + n > d for o, n, d in zip(offsets, sizes, meta.size)):
+                o + n > d for o, n, d in zip(offsets, sizes, meta.size)
+            ):
                 return f"{fqn}: a chunk at {offsets!r} of {sizes!r} is not inside its size {tuple(meta.size)}"
     storage = md.storage_data
     if not isinstance(storage, dict):
@@ -137,8 +172,10 @@ def metadata_problem(md) -> str | None:
         if not isinstance(key, MetadataIndex) or not isinstance(info, StorageInfo):
             return f"a storage entry of {type(key).__name__} -> {type(info).__name__}, not index -> storage info"
         if not isinstance(info.relative_path, str) or not _ints([info.offset, info.length]):
-            return f"the storage entry of {key.fqn!r} has path {info.relative_path!r}, offset {info.offset!r}, " \
-                   f"length {info.length!r}"
+            return (
+                f"the storage entry of {key.fqn!r} has path {info.relative_path!r}, offset {info.offset!r}, "
+                f"length {info.length!r}"
+            )
     return None
 
 
@@ -156,9 +193,11 @@ def _find_config(path: Path, model_config: Path | None) -> Path:
         for name in ("params.json", "config.json"):
             if (d / name).is_file():
                 return d / name
-    raise UserError(f"{path}: a DCP checkpoint holds no model config; put a params.json (Meta/"
-                    "torchtitan: n_heads, n_kv_heads, norm_eps, rope_theta) or a Hugging Face "
-                    "config.json beside it, or pass --model-config FILE")
+    raise UserError(
+        f"{path}: a DCP checkpoint holds no model config; put a params.json (Meta/"
+        "torchtitan: n_heads, n_kv_heads, norm_eps, rope_theta) or a Hugging Face "
+        "config.json beside it, or pass --model-config FILE"
+    )
 
 
 def model_args(cfg_path: Path, shapes: dict[str, tuple[int, ...]]) -> ModelArgs:
@@ -167,9 +206,11 @@ def model_args(cfg_path: Path, shapes: dict[str, tuple[int, ...]]) -> ModelArgs:
     if "hidden_size" in cfg:
         return from_hf_config(cfg, source=str(cfg_path))
     if any(".moe." in n for n in shapes):
-        raise UserError(f"{cfg_path}: a mixture-of-experts checkpoint (torchtitan's moe.experts / moe.router), "
-                        "whose routing a params.json does not describe; pass the model's Hugging Face config.json "
-                        "with --model-config FILE")
+        raise UserError(
+            f"{cfg_path}: a mixture-of-experts checkpoint (torchtitan's moe.experts / moe.router), "
+            "whose routing a params.json does not describe; pass the model's Hugging Face config.json "
+            "with --model-config FILE"
+        )
     try:
         n_layers = 1 + max(int(n.split(".")[1]) for n in shapes if n.startswith("layers."))
         vocab, dim = shapes["tok_embeddings.weight"]
@@ -177,18 +218,29 @@ def model_args(cfg_path: Path, shapes: dict[str, tuple[int, ...]]) -> ModelArgs:
         q_norm = shapes.get("layers.0.attention.q_norm.weight")  # torchtitan's qwen3: head_dim apart
         head_dim = q_norm[0] if q_norm is not None else None
     except (KeyError, ValueError, IndexError) as e:
-        raise UserError(f"{cfg_path}: the checkpoint's tensors do not give the model's dims ({e!r} missing "
-                        "or malformed); is it a LLaMA model checkpoint?") from None
-    return validate_args(ModelArgs(
-        dim=dim, n_layers=n_layers, n_heads=(n_heads := _param(cfg, "n_heads", INT, cfg_path, bound=limits.HEADS)),
-        n_kv_heads=_param(cfg, "n_kv_heads", INT, cfg_path, default=n_heads, bound=limits.HEADS),
-        vocab_size=vocab, ffn_hidden_dim=hidden, head_dim=head_dim,
-        qk_norm=q_norm is not None, qkv_bias="layers.0.attention.wq.bias" in shapes,
-        norm_eps=_param(cfg, "norm_eps", FLOAT, cfg_path, default=1e-5, bound=limits.NORM_EPS),
-        rope_theta=_param(cfg, "rope_theta", FLOAT, cfg_path, default=10000.0, bound=limits.ROPE_THETA),
-        rope_scaling=_meta_scaling(cfg, cfg_path),
-        max_seq_len=_param(cfg, "max_seq_len", INT, cfg_path, default=4096, bound=limits.POSITIONS),
-        tie_embeddings="output.weight" not in shapes), source=cfg_path)
+        raise UserError(
+            f"{cfg_path}: the checkpoint's tensors do not give the model's dims ({e!r} missing "
+            "or malformed); is it a LLaMA model checkpoint?"
+        ) from None
+    return validate_args(
+        ModelArgs(
+            dim=dim,
+            n_layers=n_layers,
+            n_heads=(n_heads := _param(cfg, "n_heads", INT, cfg_path, bound=limits.HEADS)),
+            n_kv_heads=_param(cfg, "n_kv_heads", INT, cfg_path, default=n_heads, bound=limits.HEADS),
+            vocab_size=vocab,
+            ffn_hidden_dim=hidden,
+            head_dim=head_dim,
+            qk_norm=q_norm is not None,
+            qkv_bias="layers.0.attention.wq.bias" in shapes,
+            norm_eps=_param(cfg, "norm_eps", FLOAT, cfg_path, default=1e-5, bound=limits.NORM_EPS),
+            rope_theta=_param(cfg, "rope_theta", FLOAT, cfg_path, default=10000.0, bound=limits.ROPE_THETA),
+            rope_scaling=_meta_scaling(cfg, cfg_path),
+            max_seq_len=_param(cfg, "max_seq_len", INT, cfg_path, default=4096, bound=limits.POSITIONS),
+            tie_embeddings="output.weight" not in shapes,
+        ),
+        source=cfg_path,
+    )
 
 
 def _param(cfg: dict, key: str, kind: str, cfg_path: Path, **kw):
@@ -201,10 +253,15 @@ def _meta_scaling(cfg: dict, cfg_path: Path) -> RopeScaling | None:
     if not (_param(cfg, "use_scaled_rope", BOOL, cfg_path, default=False) or cfg.get("rope_scaling")):
         return None
     s = _param(cfg, "rope_scaling", DICT, cfg_path, default={})
-    p = {k: read(s, k, kind, source=cfg_path, default=d, bound=b, prefix="rope_scaling.")
-         for k, kind, d, b in (("factor", FLOAT, 8.0, limits.ROPE_FACTOR), ("low_freq_factor", FLOAT, 1.0, limits.ROPE_FACTOR),
-                               ("high_freq_factor", FLOAT, 4.0, limits.ROPE_FACTOR),
-                               ("original_max_position_embeddings", INT, 8192, limits.POSITIONS))}
+    p = {
+        k: read(s, k, kind, source=cfg_path, default=d, bound=b, prefix="rope_scaling.")
+        for k, kind, d, b in (
+            ("factor", FLOAT, 8.0, limits.ROPE_FACTOR),
+            ("low_freq_factor", FLOAT, 1.0, limits.ROPE_FACTOR),
+            ("high_freq_factor", FLOAT, 4.0, limits.ROPE_FACTOR),
+            ("original_max_position_embeddings", INT, 8192, limits.POSITIONS),
+        )
+    }
     return RopeScaling(**p)
 
 
@@ -219,8 +276,11 @@ def stored_bytes(md) -> int:
     """Bytes of every tensor .metadata lists (each chunk is later checked against its file)."""
     # a dtype no reader converts ("torch.complex64"...) counts at 8 bytes an element: an estimate for
     # check_fits only (a model tensor of such a dtype is refused by name when it is planned)
-    return sum(math.prod(m.size) * DTYPE_SIZES.get(m.properties.dtype, 8) for m in md.state_dict_metadata.values()
-               if hasattr(m, "chunks"))
+    return sum(
+        math.prod(m.size) * DTYPE_SIZES.get(m.properties.dtype, 8)
+        for m in md.state_dict_metadata.values()
+        if hasattr(m, "chunks")
+    )
 
 
 def data_path(root: Path, relative: str) -> Path:
@@ -228,8 +288,13 @@ def data_path(root: Path, relative: str) -> Path:
 
     The one place paths read from DCP metadata (also Megatron torch_dist's) become file paths.
     """
-    return resolve_inside(root, relative, source=root / METADATA, what="storage file path",
-                          fix="the metadata is corrupted or hostile; re-save the checkpoint")
+    return resolve_inside(
+        root,
+        relative,
+        source=root / METADATA,
+        what="storage file path",
+        fix="the metadata is corrupted or hostile; re-save the checkpoint",
+    )
 
 
 class StorageFiles:
@@ -256,8 +321,9 @@ class DcpStore(SafetensorsStore):
     strides is read whole (one chunk in memory) and viewed with them.
     """
 
-    def __init__(self, root: Path, headers: dict[str, dict[str, StoredTensor]],
-                 strided: dict[tuple[str, str], SavedTensor]):
+    def __init__(
+        self, root: Path, headers: dict[str, dict[str, StoredTensor]], strided: dict[tuple[str, str], SavedTensor]
+    ):
         super().__init__(root, headers)
         self.strided = strided
 
@@ -283,13 +349,15 @@ class DcpStore(SafetensorsStore):
         return x
 
 
-def _locate_chunk(path: Path, fd: int, size: int, fqn: str, info, dtype: str,
-                  lengths: tuple[int, ...], st_headers: dict) -> SavedTensor:
+def _locate_chunk(
+    path: Path, fd: int, size: int, fqn: str, info, dtype: str, lengths: tuple[int, ...], st_headers: dict
+) -> SavedTensor:
     """Where the bytes of one storage item lie; every way it can disagree with .metadata refused."""
     where = f"{path}: chunk of {fqn} at bytes {info.offset}..{info.offset + info.length}"
     if info.offset < 0 or info.length < 0 or info.offset + info.length > size:
-        raise UserError(f"{where} runs past the end of the file ({size} bytes); the file is "
-                        "truncated. Copy the complete checkpoint")
+        raise UserError(
+            f"{where} runs past the end of the file ({size} bytes); the file is truncated. Copy the complete checkpoint"
+        )
     try:
         s = torch_save.locate(fd, info.offset, info.length)
     except torch_save.PayloadError as e:
@@ -302,18 +370,28 @@ def _locate_chunk(path: Path, fd: int, size: int, fqn: str, info, dtype: str,
                 st_headers[path] = {}
         t = st_headers[path].get(fqn)
         if t is None:
-            raise UserError(f"{where}: {e}; expected a torch.save payload (titan-pipe reads DCP "
-                            "FileSystemWriter checkpoints)") from None
-        s = SavedTensor(t.dtype, t.shape, tuple(math.prod(t.shape[d + 1:]) for d in range(len(t.shape))),
-                        t.start, t.start, t.nbytes)
+            raise UserError(
+                f"{where}: {e}; expected a torch.save payload (titan-pipe reads DCP FileSystemWriter checkpoints)"
+            ) from None
+        s = SavedTensor(
+            t.dtype,
+            t.shape,
+            tuple(math.prod(t.shape[d + 1 :]) for d in range(len(t.shape))),
+            t.start,
+            t.start,
+            t.nbytes,
+        )
     if s.dtype != dtype or s.shape != tuple(lengths):
-        raise UserError(f"{where} holds {s.dtype} {list(s.shape)}, but {METADATA} says {dtype} "
-                        f"{list(lengths)}; the file does not belong to this checkpoint")
+        raise UserError(
+            f"{where} holds {s.dtype} {list(s.shape)}, but {METADATA} says {dtype} "
+            f"{list(lengths)}; the file does not belong to this checkpoint"
+        )
     return s
 
 
-def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
-                read_headers: bool = True) -> tuple[SourcePlan, DcpStore]:
+def open_source(
+    path: Path, *, vocab_size: int | None = None, model_config: Path | None = None, read_headers: bool = True
+) -> tuple[SourcePlan, DcpStore]:
     md = read_metadata(path)
     sdm = md.state_dict_metadata
     prefixed = any(k.startswith(TORCHTITAN_MODEL_PREFIX) for k in sdm)
@@ -324,38 +402,54 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
         if prefixed:
             if not fqn.startswith(TORCHTITAN_MODEL_PREFIX):
                 continue  # optimizer state and friends
-            name = fqn[len(TORCHTITAN_MODEL_PREFIX):]
+            name = fqn[len(TORCHTITAN_MODEL_PREFIX) :]
         else:
             name = fqn
         if name.startswith(("layers.", "tok_embeddings.", "norm.", "output.")) and "freqs_cis" not in name:
             tensor_meta[name] = (fqn, meta)
     if not tensor_meta:
         if any(k.startswith(("decoder.layers.", "embedding.word_embeddings.")) for k in sdm):
-            raise UserError(f"{path / METADATA}: holds Megatron tensor names (decoder.layers...): a "
-                            "Megatron torch_dist checkpoint, which needs its metadata.json and "
-                            "common.pt beside .metadata; pass --from megatron")
-        raise UserError(f"{path / METADATA}: holds no torchtitan model tensors (tok_embeddings, "
-                        "layers.N...); is it a model checkpoint?")
+            raise UserError(
+                f"{path / METADATA}: holds Megatron tensor names (decoder.layers...): a "
+                "Megatron torch_dist checkpoint, which needs its metadata.json and "
+                "common.pt beside .metadata; pass --from megatron"
+            )
+        raise UserError(
+            f"{path / METADATA}: holds no torchtitan model tensors (tok_embeddings, "
+            "layers.N...); is it a model checkpoint?"
+        )
     shapes = {n: tuple(m.size) for n, (_, m) in tensor_meta.items()}
     cfg_path = _find_config(path, model_config)
     args = model_args(cfg_path, shapes)
     check_fits(args, stored_bytes(md), source=cfg_path, where=f"the tensors {path / METADATA} lists")
     check_accounted(shapes, args, source=cfg_path, describe=lambda n: f"{tensor_meta[n][0]!r} of {path / METADATA}")
     if vocab_size is not None and vocab_size != args.vocab_size:
-        raise UserError(f"--vocab-size {vocab_size} disagrees with the embedding of {path} "
-                        f"({args.vocab_size} rows)")
+        raise UserError(f"--vocab-size {vocab_size} disagrees with the embedding of {path} ({args.vocab_size} rows)")
     interleaved = not args.qk_norm  # torchtitan's qwen3 is rotate-half already
-    tensors = plan_tensors(path, md, tensor_meta, native_names(args),
-                           rope_head_dim=lambda n: args.head_dim if interleaved and param_of(n).rope else None)
+    tensors = plan_tensors(
+        path,
+        md,
+        tensor_meta,
+        native_names(args),
+        rope_head_dim=lambda n: args.head_dim if interleaved and param_of(n).rope else None,
+    )
     plan_files, headers, strided = locate_chunks(path, md, tensors)
-    return (SourcePlan(FORMAT, path, args, tensors, files=plan_files,
-                       layout={"chunks": sum(len(t.reads) for t in tensors.values()),
-                               "model_prefix": prefixed}),
-            DcpStore(path, headers, strided))
+    return (
+        SourcePlan(
+            FORMAT,
+            path,
+            args,
+            tensors,
+            files=plan_files,
+            layout={"chunks": sum(len(t.reads) for t in tensors.values()), "model_prefix": prefixed},
+        ),
+        DcpStore(path, headers, strided),
+    )
 
 
-def plan_tensors(path: Path, md, wanted: dict[str, tuple[str, object]], order, *,
-                 rope_head_dim=lambda name: None) -> dict[str, TensorPlan]:
+def plan_tensors(
+    path: Path, md, wanted: dict[str, tuple[str, object]], order, *, rope_head_dim=lambda name: None
+) -> dict[str, TensorPlan]:
     """One TensorPlan per native name in ``order``: a read per chunk of its DCP tensor.
 
     ``wanted``: native name -> (fqn in the checkpoint, TensorStorageMetadata). The store key of a
@@ -366,8 +460,9 @@ def plan_tensors(path: Path, md, wanted: dict[str, tuple[str, object]], order, *
     files = StorageFiles(path)
     for name in order:
         if name not in wanted:
-            raise UserError(f"{path / METADATA}: no tensor {name!r}; the checkpoint is incomplete "
-                            "or its config disagrees")
+            raise UserError(
+                f"{path / METADATA}: no tensor {name!r}; the checkpoint is incomplete or its config disagrees"
+            )
         fqn, meta = wanted[name]
         dtype = convertible_dtype(meta, fqn, path)
         hd = rope_head_dim(name)
@@ -375,12 +470,16 @@ def plan_tensors(path: Path, md, wanted: dict[str, tuple[str, object]], order, *
         for chunk in meta.chunks:
             info = storage.get(MetadataIndex(fqn, chunk.offsets))  # its index is only a hint
             if info is None:
-                raise UserError(f"{path / METADATA}: the chunk of {fqn} at {list(chunk.offsets)} has no "
-                                "storage entry (no file holds it); the metadata is incomplete or corrupted")
+                raise UserError(
+                    f"{path / METADATA}: the chunk of {fqn} at {list(chunk.offsets)} has no "
+                    "storage entry (no file holds it); the metadata is incomplete or corrupted"
+                )
             if getattr(info, "transform_descriptors", None):
-                raise UserError(f"{data_path(path, info.relative_path)}: {fqn} is stored transformed "
-                                f"({', '.join(info.transform_descriptors)}); titan-pipe reads plain "
-                                "(uncompressed) DCP only")
+                raise UserError(
+                    f"{data_path(path, info.relative_path)}: {fqn} is stored transformed "
+                    f"({', '.join(info.transform_descriptors)}); titan-pipe reads plain "
+                    "(uncompressed) DCP only"
+                )
             dst = Box(tuple(chunk.offsets), tuple(chunk.sizes))
             if hd and dst.offsets[0] % hd:
                 raise UserError(f"{path}: {fqn} chunk at row {dst.offsets[0]} splits an attention head")
@@ -388,8 +487,9 @@ def plan_tensors(path: Path, md, wanted: dict[str, tuple[str, object]], order, *
             reads.append(Read(file, f"{fqn}@{','.join(map(str, dst.offsets))}", Box.full(dst.lengths), dst, hd))
         reads.sort(key=lambda r: r.dst_box.offsets)
         split = "whole" if len(reads) == 1 else f"{len(reads)} chunks"
-        tensors[name] = TensorPlan(name, tuple(meta.size), dtype, tuple(reads),
-                                   split + (", interleaved RoPE" if hd else ""))
+        tensors[name] = TensorPlan(
+            name, tuple(meta.size), dtype, tuple(reads), split + (", interleaved RoPE" if hd else "")
+        )
     return tensors
 
 
@@ -414,8 +514,9 @@ class ChunkLocator:
             try:
                 fd = os.open(f, os.O_RDONLY)
             except FileNotFoundError:
-                raise UserError(f"{f}: missing; {METADATA} lists it (chunks of {fqn}). Copy the "
-                                "complete checkpoint") from None
+                raise UserError(
+                    f"{f}: missing; {METADATA} lists it (chunks of {fqn}). Copy the complete checkpoint"
+                ) from None
             except IsADirectoryError:
                 raise UserError(f"{f}: is a directory, expected a .distcp file") from None
             self._fds[rel] = (fd, os.fstat(fd).st_size)
@@ -435,9 +536,11 @@ class ChunkLocator:
             if 0 <= j < len(starts):
                 o_lo, o_hi, o_item = owners[j]
                 if o_item != item and o_lo < hi and lo < o_hi:
-                    raise UserError(f"{f}: {o_item[0]} and {item[0]} are located on overlapping bytes "
-                                    f"({max(lo, o_lo)}..{min(hi, o_hi)}); each storage item owns its bytes, so "
-                                    f"{METADATA} is corrupted: copy the checkpoint again")
+                    raise UserError(
+                        f"{f}: {o_item[0]} and {item[0]} are located on overlapping bytes "
+                        f"({max(lo, o_lo)}..{min(hi, o_hi)}); each storage item owns its bytes, so "
+                        f"{METADATA} is corrupted: copy the checkpoint again"
+                    )
                 if o_item == item:
                     return
         starts.insert(i, lo)

@@ -8,6 +8,7 @@ never imports or calls torch's. Nor torch itself (another 1.2 s): ``torch.Size``
 tuple and a ``torch.<dtype>`` as its safetensors code ("BF16"), by the reader's unpickler. Anything
 not on the allow list is still refused by name.
 """
+
 from __future__ import annotations
 
 import enum
@@ -19,10 +20,30 @@ from titan_pipe.dtypes import TABLE
 # torch.<name> as pickled (a dtype pickles as its attribute name) -> safetensors code; the other
 # torch dtypes as "torch.<name>", which no reader converts (they say so, naming it)
 DTYPE_CODES = {d.name: d.code for d in TABLE}
-OTHER_DTYPES = ("complex32", "complex64", "complex128", "uint16", "uint32", "uint64", "float8_e4m3fn",
-                "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
-                "qint8", "quint8", "qint32", "quint4x2", "quint2x4", "bits8", "bits16", "bits1x8", "bits2x4",
-                "bits4x2")
+OTHER_DTYPES = (
+    "complex32",
+    "complex64",
+    "complex128",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float8_e4m3fn",
+    "float8_e4m3fnuz",
+    "float8_e5m2",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "qint8",
+    "quint8",
+    "qint32",
+    "quint4x2",
+    "quint2x4",
+    "bits8",
+    "bits16",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+)
 
 
 def torch_global(name: str):
@@ -141,14 +162,25 @@ def layout_name(name: str) -> str:
 
 # allowed (module, name) -> the stand-in
 STAND_INS: dict[tuple[str, str], Any] = {
-    **{("torch.distributed.checkpoint.metadata", c.__name__): c
-       for c in (ChunkStorageMetadata, TensorProperties, TensorStorageMetadata, BytesStorageMetadata, StorageMeta,
-                 Metadata, MetadataIndex)},
+    **{
+        ("torch.distributed.checkpoint.metadata", c.__name__): c
+        for c in (
+            ChunkStorageMetadata,
+            TensorProperties,
+            TensorStorageMetadata,
+            BytesStorageMetadata,
+            StorageMeta,
+            Metadata,
+            MetadataIndex,
+        )
+    },
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): MemFormatEncoding,
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"): Opaque,
     ("torch.serialization", "_get_layout"): layout_name,
     ("torch._utils", "_get_layout"): layout_name,
-    **{("torch.distributed.checkpoint.planner", n): Opaque
-       for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")},
+    **{
+        ("torch.distributed.checkpoint.planner", n): Opaque
+        for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
+    },
 }

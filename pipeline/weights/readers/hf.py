@@ -5,6 +5,7 @@ export, init_from and evaluate use, so a dir one stage accepts every stage accep
 Hugging Face q/k rows are in rotate-half order, as ours are, so every tensor is one whole-box read
 under its native name. Only safetensors weights are read (pytorch_model.bin is a pickle).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -21,17 +22,19 @@ FORMAT = "hf"
 
 
 def looks_like(path: Path) -> bool:
-    return (path / "config.json").is_file() and (
-        (path / INDEX).is_file() or any(path.glob("*.safetensors")))
+    return (path / "config.json").is_file() and ((path / INDEX).is_file() or any(path.glob("*.safetensors")))
 
 
-def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
-                read_headers: bool = True) -> tuple[SourcePlan, SafetensorsStore]:
+def open_source(
+    path: Path, *, vocab_size: int | None = None, model_config: Path | None = None, read_headers: bool = True
+) -> tuple[SourcePlan, SafetensorsStore]:
     unified = open_unified(path)
     args = unified.args
     if vocab_size is not None and vocab_size != args.vocab_size:
-        raise UserError(f"--vocab-size {vocab_size} disagrees with {path / 'config.json'} (vocab_size "
-                        f"{args.vocab_size}); drop --vocab-size for Hugging Face models")
+        raise UserError(
+            f"--vocab-size {vocab_size} disagrees with {path / 'config.json'} (vocab_size "
+            f"{args.vocab_size}); drop --vocab-size for Hugging Face models"
+        )
     files = [f.relative_to(path).as_posix() for f in unified.files]
     headers = {f.relative_to(path).as_posix(): dict(h) for f, h in unified.headers.items()}
     tensors = {}
@@ -40,8 +43,9 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
         st = parts[0].stored
         if parts[0].expert is None:
             f = parts[0].file.relative_to(path).as_posix()
-            tensors[name] = TensorPlan(name, st.shape, st.dtype,
-                                       (Read(f, parts[0].key, Box.full(st.shape), Box.full(st.shape)),), "whole")
+            tensors[name] = TensorPlan(
+                name, st.shape, st.dtype, (Read(f, parts[0].key, Box.full(st.shape), Box.full(st.shape)),), "whole"
+            )
             continue
         # one tensor per expert: each read as the (1, ...) slice of the stack it is (the same bytes)
         shape, reads = (len(parts), *st.shape), []

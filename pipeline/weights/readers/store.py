@@ -8,6 +8,7 @@ Why pread and not mmap: pages of a mapping stay counted in the process's residen
 unmapped, so mmapping a 100 GB checkpoint reads as 100 GB RSS; pread into a buffer the size of one
 tensor keeps the memory bound real.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,7 +34,7 @@ def contiguous_span(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[in
     k = next((d for d, n in enumerate(box.lengths) if n != 1), len(shape))
     if any(box.lengths[d] != shape[d] for d in range(k + 1, len(shape))):
         return None
-    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     offset = sum(o * s for o, s in zip(box.offsets, strides))
     return offset * itemsize, box.numel * itemsize
 
@@ -44,8 +45,9 @@ def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
     while done < len(buf):
         got = os.preadv(fd, [buf[done:]], offset + done)
         if got == 0:
-            raise UserError(f"{path}: ended early while reading byte {offset + done}; the file was "
-                            "truncated during the conversion")
+            raise UserError(
+                f"{path}: ended early while reading byte {offset + done}; the file was truncated during the conversion"
+            )
         done += got
 
 
@@ -98,8 +100,10 @@ class SafetensorsStore(Store):
     def stored(self, file: str, key: str) -> StoredTensor:
         h = self.header(file)
         if key not in h:
-            raise UserError(f"{self.root / file}: has no tensor {key!r}; the file does not belong "
-                            "to this checkpoint or was overwritten")
+            raise UserError(
+                f"{self.root / file}: has no tensor {key!r}; the file does not belong "
+                "to this checkpoint or was overwritten"
+            )
         return h[key]
 
     def fd(self, file: str) -> int:
@@ -128,8 +132,7 @@ class SafetensorsStore(Store):
             rows, first = box.lengths[0], box.offsets[0]
             row_bytes = math.prod(t.shape[1:]) * DTYPE_SIZES[t.dtype]
         buf = torch.empty(rows * row_bytes, dtype=torch.uint8)
-        pread_into(self.fd(file), memoryview(buf.numpy()), t.start + first * row_bytes,
-                   self.root / file)
+        pread_into(self.fd(file), memoryview(buf.numpy()), t.start + first * row_bytes, self.root / file)
         x = buf.view(TORCH_DTYPES[t.dtype]).view((rows, *t.shape[1:]) if t.shape else ())
         for d in range(1, len(t.shape)):
             x = x.narrow(d, box.offsets[d], box.lengths[d])

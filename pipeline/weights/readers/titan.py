@@ -4,6 +4,7 @@ Everything comes from the manifest (docs/checkpoint-format.md): global shapes, d
 each chunk fills. The reader checks the manifest against the files (present, sizes, keys, shapes)
 before anything is copied; sha256s are checked while the conversion streams (convert/hashing.py).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,8 +30,10 @@ def resolve(path: Path) -> Path:
         return path
     found = newest_complete(path)
     if found is None:
-        raise UserError(f"{path}: no {MANIFEST_NAME} here (nor a complete step-XXXXXX checkpoint "
-                        "under it); the checkpoint is incomplete or not a titan-pipe checkpoint")
+        raise UserError(
+            f"{path}: no {MANIFEST_NAME} here (nor a complete step-XXXXXX checkpoint "
+            "under it); the checkpoint is incomplete or not a titan-pipe checkpoint"
+        )
     return found
 
 
@@ -45,21 +48,26 @@ def _accounted(mpath: Path, m: Manifest, args: ModelArgs) -> list[str]:
     names = native_names(args)
     missing = [n for n in names if n not in m.params]
     if missing:
-        raise UserError(f"{mpath}: parameters {missing[:3]} ({len(missing)} in all) are missing; "
-                        "the manifest does not describe a whole model")
+        raise UserError(
+            f"{mpath}: parameters {missing[:3]} ({len(missing)} in all) are missing; "
+            "the manifest does not describe a whole model"
+        )
     check_accounted(m.params, args, source=mpath)
     return names
 
 
-def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
-                read_headers: bool = True) -> tuple[SourcePlan, SafetensorsStore]:
+def open_source(
+    path: Path, *, vocab_size: int | None = None, model_config: Path | None = None, read_headers: bool = True
+) -> tuple[SourcePlan, SafetensorsStore]:
     root = resolve(path)
     mpath = root / MANIFEST_NAME
     m = open_checkpoint(root)
     args = ModelArgs.from_dict(m.model, source=mpath)
     if vocab_size is not None and vocab_size != args.vocab_size:
-        raise UserError(f"--vocab-size {vocab_size} disagrees with {mpath} (vocab_size "
-                        f"{args.vocab_size}); drop --vocab-size for titan-pipe checkpoints")
+        raise UserError(
+            f"--vocab-size {vocab_size} disagrees with {mpath} (vocab_size "
+            f"{args.vocab_size}); drop --vocab-size for titan-pipe checkpoints"
+        )
     store = SafetensorsStore(root)
     for name, info in sorted(m.files.items()):
         f = resolve_inside(root, name, source=mpath, what="shard")
@@ -67,8 +75,9 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
             raise UserError(f"{f}: missing shard (listed in {mpath}); copy the complete checkpoint")
         size = f.stat().st_size
         if size != info.size:
-            raise UserError(f"{f}: {size} bytes but {mpath} says {info.size}; the shard is truncated "
-                            "or was replaced. Copy it again")
+            raise UserError(
+                f"{f}: {size} bytes but {mpath} says {info.size}; the shard is truncated or was replaced. Copy it again"
+            )
         if read_headers:
             store.headers[name] = read_header(f)[0]
     names = _accounted(mpath, m, args)
@@ -83,15 +92,23 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
             if read_headers:
                 st = store.stored(c.file, c.key)
                 if st.shape != c.box.lengths or st.dtype != p.dtype:
-                    raise UserError(f"{root / c.file}: tensor {c.key!r} is {st.dtype} {list(st.shape)} "
-                                    f"but {mpath} says {p.dtype} {list(c.box.lengths)}; the shard does "
-                                    "not belong to this manifest")
+                    raise UserError(
+                        f"{root / c.file}: tensor {c.key!r} is {st.dtype} {list(st.shape)} "
+                        f"but {mpath} says {p.dtype} {list(c.box.lengths)}; the shard does "
+                        "not belong to this manifest"
+                    )
             reads.append(Read(c.file, c.key, Box.full(c.box.lengths), c.box))
-        tensors[name] = TensorPlan(name, tuple(p.shape), p.dtype, tuple(reads),
-                                   describe_split(p.tp_dim, len(reads)))
+        tensors[name] = TensorPlan(name, tuple(p.shape), p.dtype, tuple(reads), describe_split(p.tp_dim, len(reads)))
     par = m.parallel
-    plan = SourcePlan(FORMAT, root, args, tensors, files=sorted(m.files), step=m.step,
-                      layout={"dp": par.dp, "tp": par.tp, "pp": par.pp, "pp_schedule": par.pp_schedule},
-                      pp_schedule=par.pp_schedule,
-                      expected_sha256={k: v.sha256 for k, v in m.files.items()})
+    plan = SourcePlan(
+        FORMAT,
+        root,
+        args,
+        tensors,
+        files=sorted(m.files),
+        step=m.step,
+        layout={"dp": par.dp, "tp": par.tp, "pp": par.pp, "pp_schedule": par.pp_schedule},
+        pp_schedule=par.pp_schedule,
+        expected_sha256={k: v.sha256 for k, v in m.files.items()},
+    )
     return plan, store

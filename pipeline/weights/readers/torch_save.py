@@ -10,6 +10,7 @@ stand-ins that merely record their arguments (nothing of torch's is called), to 
 byte offset, dtype, shape and strides of the tensor: the data itself can then be read like a
 safetensors tensor, with pread, by the block reader.
 """
+
 from __future__ import annotations
 
 import io
@@ -26,9 +27,18 @@ from titan_pipe.dtypes import DTYPE_SIZES
 # torch's legacy storage names (its dtype -> storage table, torch.storage._dtype_to_storage_type_map)
 # -> safetensors dtype codes; tests/test_convert_dcp_metadata.py holds it against torch's own table.
 # Written out, so reading a DCP checkpoint imports no torch.
-STORAGE_DTYPES = {"DoubleStorage": "F64", "FloatStorage": "F32", "HalfStorage": "F16", "BFloat16Storage": "BF16",
-                  "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8",
-                  "ByteStorage": "U8", "BoolStorage": "BOOL"}
+STORAGE_DTYPES = {
+    "DoubleStorage": "F64",
+    "FloatStorage": "F32",
+    "HalfStorage": "F16",
+    "BFloat16Storage": "BF16",
+    "LongStorage": "I64",
+    "IntStorage": "I32",
+    "ShortStorage": "I16",
+    "CharStorage": "I8",
+    "ByteStorage": "U8",
+    "BoolStorage": "BOOL",
+}
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes
 _MAX_PICKLE = 1 << 20  # a one-tensor data.pkl is ~200 bytes
 
@@ -87,7 +97,7 @@ class _View(io.RawIOBase):
     def readinto(self, b) -> int:
         n = max(0, min(len(b), self.length - self.pos))
         data = os.pread(self.fd, n, self.offset + self.pos) if n else b""
-        b[:len(data)] = data
+        b[: len(data)] = data
         self.pos += len(data)
         return len(data)
 
@@ -119,8 +129,7 @@ class _PayloadUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         # ('storage', storage type, key, location, numel)
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType)):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
             raise PayloadError(f"unexpected persistent id {pid!r:.80}")
         return pid
 
@@ -141,8 +150,10 @@ def locate(fd: int, offset: int, length: int) -> SavedTensor:
         prefix = pkl[: -len("data.pkl")]
         for i in names.values():
             if i.compress_type != zipfile.ZIP_STORED:
-                raise PayloadError(f"record {i.filename} is compressed (method {i.compress_type}); "
-                                   "torch.save stores records uncompressed")
+                raise PayloadError(
+                    f"record {i.filename} is compressed (method {i.compress_type}); "
+                    "torch.save stores records uncompressed"
+                )
         if names[pkl].file_size > _MAX_PICKLE:
             raise PayloadError(f"data.pkl is {names[pkl].file_size} bytes; not a single tensor")
         try:
@@ -150,8 +161,15 @@ def locate(fd: int, offset: int, length: int) -> SavedTensor:
             obj = _PayloadUnpickler(io.BytesIO(z.read(pkl))).load()
         except PayloadError:
             raise
-        except (pickle.UnpicklingError, zipfile.BadZipFile, EOFError, ValueError, TypeError,
-                UnicodeDecodeError, struct.error) as e:
+        except (
+            pickle.UnpicklingError,
+            zipfile.BadZipFile,
+            EOFError,
+            ValueError,
+            TypeError,
+            UnicodeDecodeError,
+            struct.error,
+        ) as e:
             raise PayloadError(f"damaged data.pkl ({type(e).__name__}: {str(e)[:80]})") from None
     if order != "little":
         raise PayloadError(f"saved with byte order {order!r}; only little-endian data is read")
@@ -170,12 +188,14 @@ def locate(fd: int, offset: int, length: int) -> SavedTensor:
     data_at = rec.header_offset + _LOCAL_HEADER.size + name_len + extra_len
     nbytes = int(numel) * itemsize
     if rec.file_size != nbytes or data_at + nbytes > length:
-        raise PayloadError(f"storage record data/{key} holds {rec.file_size} bytes at {data_at}, "
-                           f"expected {nbytes} within the {length}-byte item")
+        raise PayloadError(
+            f"storage record data/{key} holds {rec.file_size} bytes at {data_at}, "
+            f"expected {nbytes} within the {length}-byte item"
+        )
     size, stride, soff = obj.size, obj.stride, int(obj.storage_offset)
     last = soff + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else soff - 1
     if len(size) != len(stride) or soff < 0 or any(s < 0 for s in stride) or last >= int(numel):
-        raise PayloadError(f"tensor view {list(size)} stride {list(stride)} offset {soff} lies "
-                           f"outside its storage of {numel} elements")
-    return SavedTensor(dtype, size, stride, offset + data_at + soff * itemsize,
-                       offset + data_at, nbytes)
+        raise PayloadError(
+            f"tensor view {list(size)} stride {list(stride)} offset {soff} lies outside its storage of {numel} elements"
+        )
+    return SavedTensor(dtype, size, stride, offset + data_at + soff * itemsize, offset + data_at, nbytes)

@@ -8,6 +8,7 @@ What both share (the allow-listed unpickler, the tracker, the model from the sav
 de-fusion of QKV and fc1, the plan builder) is common.py; imports go one way: this module ->
 legacy / torch_dist -> common.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,8 +30,9 @@ def looks_like(path: Path) -> bool:
         return True
 
 
-def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
-                read_headers: bool = True) -> tuple[SourcePlan, object]:
+def open_source(
+    path: Path, *, vocab_size: int | None = None, model_config: Path | None = None, read_headers: bool = True
+) -> tuple[SourcePlan, object]:
     """(SourcePlan, Store) of a Megatron checkpoint in either format."""
     reader = torch_dist if torch_dist.looks_like(path) else legacy
     return reader.open_source(path, vocab_size=vocab_size, model_config=model_config, read_headers=read_headers)

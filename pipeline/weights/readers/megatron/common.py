@@ -11,6 +11,7 @@ De-fusion (all boxes; see titan_pipe.weights.source_plan):
 - the vocabulary is padded (``make_vocab_size_divisible_by`` x tp): rows past the true size are
   not read.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,10 @@ _NP_RECONSTRUCT = np._core.multiarray._reconstruct if hasattr(np, "_core") else 
 # the saved RNG state, stand-ins for Megatron's enums. Nothing that runs code.
 ALLOWED = [
     argparse.Namespace,
-    np.ndarray, np.dtype, type(np.dtype(np.uint32)), type(np.dtype(np.float64)),
+    np.ndarray,
+    np.dtype,
+    type(np.dtype(np.uint32)),
+    type(np.dtype(np.float64)),
     type(np.dtype(np.int64)),
     (_NP_RECONSTRUCT, "numpy.core.multiarray._reconstruct"),
     (_NP_RECONSTRUCT, "numpy._core.multiarray._reconstruct"),
@@ -93,13 +97,16 @@ def load_pickle(path: Path, *, missing: str, mmap: bool = False) -> dict:
     except FileNotFoundError:
         raise UserError(f"{path}: missing; {missing}") from None
     except pickle.UnpicklingError as e:
-        raise UserError(f"{path}: refused to unpickle ({refusal_reason(e)}): titan-pipe loads Megatron files "
-                        "with weights_only=True and an allow-list (titan_pipe.weights.readers.megatron.common "
-                        "ALLOWED); the file holds a type outside it or is corrupted. Re-save it from "
-                        "Megatron-LM, and load it without the allow-list only if you trust its source") from None
+        raise UserError(
+            f"{path}: refused to unpickle ({refusal_reason(e)}): titan-pipe loads Megatron files "
+            "with weights_only=True and an allow-list (titan_pipe.weights.readers.megatron.common "
+            "ALLOWED); the file holds a type outside it or is corrupted. Re-save it from "
+            "Megatron-LM, and load it without the allow-list only if you trust its source"
+        ) from None
     except (RuntimeError, EOFError, ValueError, OSError) as e:
-        raise UserError(f"{path}: not a readable torch checkpoint ({str(e).splitlines()[0][:160]}); "
-                        "it is truncated or corrupted") from None
+        raise UserError(
+            f"{path}: not a readable torch checkpoint ({str(e).splitlines()[0][:160]}); it is truncated or corrupted"
+        ) from None
     if not isinstance(obj, dict):
         raise UserError(f"{path}: holds a {type(obj).__name__}, expected Megatron's checkpoint dict")
     return obj
@@ -114,8 +121,11 @@ def iter_dir(path: Path) -> Path | None:
     if tracker.is_file():
         with open(tracker, "rb") as fh:  # a few bytes: the file is a number, whatever it claims
             it = fh.read(32).decode("ascii", errors="replace").strip()
-        d = path / ("release" if it == "release" else f"iter_{int(it):07d}") if (
-            it == "release" or (it.isascii() and it.isdigit())) else None
+        d = (
+            path / ("release" if it == "release" else f"iter_{int(it):07d}")
+            if (it == "release" or (it.isascii() and it.isdigit()))
+            else None
+        )
         if d is None:
             raise UserError(f"{tracker}: holds {it!r}, expected an iteration number or 'release'")
         if not d.is_dir():
@@ -131,8 +141,15 @@ def iter_dir(path: Path) -> Path | None:
 def arg(a, name: str, kind: str, root: Path, *, default=REQUIRED, bound: Bound | None = None):
     """Megatron argument ``name`` of the saved args, typed strictly (titan_pipe.values): a float
     layer count or a string flag in a pickled Namespace is refused, never truncated or truthy."""
-    return read(vars(a) if hasattr(a, "__dict__") else {}, name, kind, source=f"{root}: Megatron args",
-                default=default, bound=bound, fix="re-save the checkpoint from Megatron-LM")
+    return read(
+        vars(a) if hasattr(a, "__dict__") else {},
+        name,
+        kind,
+        source=f"{root}: Megatron args",
+        default=default,
+        bound=bound,
+        fix="re-save the checkpoint from Megatron-LM",
+    )
 
 
 def iteration(state: dict, where: Path) -> int:
@@ -153,9 +170,11 @@ def true_vocab(a, root: Path, vocab_size: int | None) -> int:
             from tokenizers import Tokenizer
 
             return Tokenizer.from_file(str(tok)).get_vocab_size(with_added_tokens=True)
-    raise UserError(f"{root}: the checkpoint's args hold only the padded vocabulary "
-                    f"({getattr(a, 'padded_vocab_size', '?')}); pass --vocab-size N (the tokenizer's "
-                    "size) or put its tokenizer.json beside the checkpoint")
+    raise UserError(
+        f"{root}: the checkpoint's args hold only the padded vocabulary "
+        f"({getattr(a, 'padded_vocab_size', '?')}); pass --vocab-size N (the tokenizer's "
+        "size) or put its tokenizer.json beside the checkpoint"
+    )
 
 
 def _window(a, root: Path) -> int | None:
@@ -163,38 +182,55 @@ def _window(a, root: Path) -> int | None:
     w = getattr(a, "window_size", None)
     if not w:
         return None
-    if not (isinstance(w, (tuple, list)) and len(w) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                                  for x in w)):
-        raise UserError(f"{root}: Megatron args window_size = {limits.shown(w)} is not a pair of integers "
-                        "(left, right); re-save the checkpoint from Megatron-LM")
+    if not (
+        isinstance(w, (tuple, list)) and len(w) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in w)
+    ):
+        raise UserError(
+            f"{root}: Megatron args window_size = {limits.shown(w)} is not a pair of integers "
+            "(left, right); re-save the checkpoint from Megatron-LM"
+        )
     left, right = w
     if right != 0 or not 0 <= left < limits.POSITIONS.hi:
-        raise UserError(f"{root}: Megatron args window_size {tuple(w)}: only a causal window (left, 0) "
-                        "is supported")
+        raise UserError(f"{root}: Megatron args window_size {tuple(w)}: only a causal window (left, 0) is supported")
     return left + 1  # the query itself plus `left` earlier positions
 
 
 def _refuse_architecture(a, root: Path) -> None:
     """What the decoder cannot compute: another MLP, norm or position embedding, linear biases, MoE."""
+
     def need(cond: bool, what: str):
         if not cond:
-            raise UserError(f"{root}: Megatron args {what}; titan-pipe converts LLaMA-family models "
-                            "(RoPE, RMSNorm, SwiGLU, no linear biases but q/k/v ones) only")
+            raise UserError(
+                f"{root}: Megatron args {what}; titan-pipe converts LLaMA-family models "
+                "(RoPE, RMSNorm, SwiGLU, no linear biases but q/k/v ones) only"
+            )
 
     need(arg(a, "swiglu", BOOL, root, default=True), "have swiglu=False")
-    need(not arg(a, "add_bias_linear", BOOL, root, default=False),
-         "have add_bias_linear=True (biases on every linear layer)")
-    need(getattr(a, "normalization", "RMSNorm") == "RMSNorm", f"use normalization={getattr(a, 'normalization', None)!r}")
-    need(getattr(a, "position_embedding_type", "rope") == "rope",
-         f"use position_embedding_type={getattr(a, 'position_embedding_type', None)!r}")
+    need(
+        not arg(a, "add_bias_linear", BOOL, root, default=False),
+        "have add_bias_linear=True (biases on every linear layer)",
+    )
+    need(
+        getattr(a, "normalization", "RMSNorm") == "RMSNorm", f"use normalization={getattr(a, 'normalization', None)!r}"
+    )
+    need(
+        getattr(a, "position_embedding_type", "rope") == "rope",
+        f"use position_embedding_type={getattr(a, 'position_embedding_type', None)!r}",
+    )
     if arg(a, "num_experts", INT, root, default=None, bound=limits.EXPERTS):  # a mixture of experts: Mixtral's
         # or Qwen3-MoE's router and experts (titan_pipe.model.families), nothing else
-        need(getattr(a, "moe_router_score_function", "softmax") == "softmax",
-             f"route with moe_router_score_function={getattr(a, 'moe_router_score_function', None)!r} (only softmax)")
-        need(getattr(a, "moe_router_topk_scaling_factor", None) in (None, 1.0),
-             f"scale the top-k weights (moe_router_topk_scaling_factor={getattr(a, 'moe_router_topk_scaling_factor', None)})")
-        need(not getattr(a, "moe_shared_expert_intermediate_size", None),
-             "have shared experts (moe_shared_expert_intermediate_size)")
+        need(
+            getattr(a, "moe_router_score_function", "softmax") == "softmax",
+            f"route with moe_router_score_function={getattr(a, 'moe_router_score_function', None)!r} (only softmax)",
+        )
+        need(
+            getattr(a, "moe_router_topk_scaling_factor", None) in (None, 1.0),
+            f"scale the top-k weights (moe_router_topk_scaling_factor={getattr(a, 'moe_router_topk_scaling_factor', None)})",
+        )
+        need(
+            not getattr(a, "moe_shared_expert_intermediate_size", None),
+            "have shared experts (moe_shared_expert_intermediate_size)",
+        )
         need(not getattr(a, "moe_router_enable_expert_bias", False), "have router expert biases (DeepSeek-V3 style)")
         need(not getattr(a, "moe_router_num_groups", None), "route by groups (moe_router_num_groups)")
 
@@ -206,25 +242,37 @@ def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelA
     if arg(a, "num_layers_per_virtual_pipeline_stage", INT, root, default=None, bound=limits.LAYERS) and not virtual_ok:
         raise UserError(f"{root}: virtual pipeline stages (model0, model1 ... per file) are not supported")
     n_heads = arg(a, "num_attention_heads", INT, root, bound=limits.HEADS)
-    groups = (arg(a, "num_query_groups", INT, root, bound=limits.HEADS)
-              if arg(a, "group_query_attention", BOOL, root, default=False) else n_heads)
+    groups = (
+        arg(a, "num_query_groups", INT, root, bound=limits.HEADS)
+        if arg(a, "group_query_attention", BOOL, root, default=False)
+        else n_heads
+    )
     scaling = None
     if arg(a, "use_rope_scaling", BOOL, root, default=False):
-        scaling = RopeScaling(arg(a, "rope_scaling_factor", FLOAT, root, default=8.0, bound=limits.ROPE_FACTOR),
-                              1.0, 4.0, 8192)
-    positions = (arg(a, "max_position_embeddings", INT, root, default=None, bound=limits.POSITIONS)
-                 or arg(a, "seq_length", INT, root, default=4096, bound=limits.POSITIONS))
-    args = ModelArgs(dim=arg(a, "hidden_size", INT, root, bound=limits.DIM),
-                     n_layers=arg(a, "num_layers", INT, root, bound=limits.LAYERS), n_heads=n_heads,
-                     n_kv_heads=groups, head_dim=arg(a, "kv_channels", INT, root, default=None, bound=limits.HEAD_DIM),
-                     vocab_size=vocab, ffn_hidden_dim=arg(a, "ffn_hidden_size", INT, root, bound=limits.FFN),
-                     norm_eps=arg(a, "norm_epsilon", FLOAT, root, default=1e-5, bound=limits.NORM_EPS),
-                     rope_theta=arg(a, "rotary_base", FLOAT, root, default=10000.0, bound=limits.ROPE_THETA),
-                     rope_scaling=scaling, max_seq_len=positions,
-                     tie_embeddings=not arg(a, "untie_embeddings_and_output_weights", BOOL, root, default=False),
-                     qkv_bias=arg(a, "add_qkv_bias", BOOL, root, default=False),
-                     qk_norm=arg(a, "qk_layernorm", BOOL, root, default=False), sliding_window=_window(a, root),
-                     **_moe_fields(a, root))
+        scaling = RopeScaling(
+            arg(a, "rope_scaling_factor", FLOAT, root, default=8.0, bound=limits.ROPE_FACTOR), 1.0, 4.0, 8192
+        )
+    positions = arg(a, "max_position_embeddings", INT, root, default=None, bound=limits.POSITIONS) or arg(
+        a, "seq_length", INT, root, default=4096, bound=limits.POSITIONS
+    )
+    args = ModelArgs(
+        dim=arg(a, "hidden_size", INT, root, bound=limits.DIM),
+        n_layers=arg(a, "num_layers", INT, root, bound=limits.LAYERS),
+        n_heads=n_heads,
+        n_kv_heads=groups,
+        head_dim=arg(a, "kv_channels", INT, root, default=None, bound=limits.HEAD_DIM),
+        vocab_size=vocab,
+        ffn_hidden_dim=arg(a, "ffn_hidden_size", INT, root, bound=limits.FFN),
+        norm_eps=arg(a, "norm_epsilon", FLOAT, root, default=1e-5, bound=limits.NORM_EPS),
+        rope_theta=arg(a, "rotary_base", FLOAT, root, default=10000.0, bound=limits.ROPE_THETA),
+        rope_scaling=scaling,
+        max_seq_len=positions,
+        tie_embeddings=not arg(a, "untie_embeddings_and_output_weights", BOOL, root, default=False),
+        qkv_bias=arg(a, "add_qkv_bias", BOOL, root, default=False),
+        qk_norm=arg(a, "qk_layernorm", BOOL, root, default=False),
+        sliding_window=_window(a, root),
+        **_moe_fields(a, root),
+    )
     return validate_args(args, source=f"{root}: Megatron args")
 
 
@@ -239,23 +287,27 @@ def _moe_fields(a, root: Path) -> dict:
         return {}
     layers = arg(a, "num_layers", INT, root, bound=limits.LAYERS)
     freq = getattr(a, "moe_layer_freq", 1)
-    if isinstance(freq, bool) or not (isinstance(freq, int) or (isinstance(freq, (list, tuple))
-                                                                and all(x in (0, 1) for x in freq))):
-        raise UserError(f"{root}: Megatron args moe_layer_freq {freq!r} is neither a layer step nor a list of 0/1 "
-                        "per layer; re-save the checkpoint from Megatron-LM")
+    if isinstance(freq, bool) or not (
+        isinstance(freq, int) or (isinstance(freq, (list, tuple)) and all(x in (0, 1) for x in freq))
+    ):
+        raise UserError(
+            f"{root}: Megatron args moe_layer_freq {freq!r} is neither a layer step nor a list of 0/1 "
+            "per layer; re-save the checkpoint from Megatron-LM"
+        )
     if isinstance(freq, int):
         routed = [i % freq == 0 for i in range(layers)] if freq >= 1 else [False] * layers
     else:
         routed = [bool(x) for x in freq]
         if len(routed) != layers:
             raise UserError(f"{root}: Megatron args moe_layer_freq lists {len(routed)} layers, num_layers is {layers}")
-    return {"n_experts": n,
-            "experts_per_token": arg(a, "moe_router_topk", INT, root, default=2, bound=limits.EXPERTS),
-            "moe_hidden_dim": arg(a, "moe_ffn_hidden_size", INT, root, default=None, bound=limits.FFN),
-            "dense_layers": tuple(i for i, r in enumerate(routed) if not r),
-            "router_norm_topk": not arg(a, "moe_router_pre_softmax", BOOL, root, default=False),
-            "router_aux_loss_coef": arg(a, "moe_aux_loss_coeff", FLOAT, root, default=0.0,
-                                        bound=Bound(0.0, 1e3))}
+    return {
+        "n_experts": n,
+        "experts_per_token": arg(a, "moe_router_topk", INT, root, default=2, bound=limits.EXPERTS),
+        "moe_hidden_dim": arg(a, "moe_ffn_hidden_size", INT, root, default=None, bound=limits.FFN),
+        "dense_layers": tuple(i for i, r in enumerate(routed) if not r),
+        "router_norm_topk": not arg(a, "moe_router_pre_softmax", BOOL, root, default=False),
+        "router_aux_loss_coef": arg(a, "moe_aux_loss_coeff", FLOAT, root, default=0.0, bound=Bound(0.0, 1e3)),
+    }
 
 
 def rope_rows(a, args: ModelArgs, root: Path) -> int | None:
@@ -285,22 +337,36 @@ def qkv_group_rows(args: ModelArgs) -> int:
     return (args.n_heads // args.kv_heads + 2) * args.head_dim
 
 
-def defuse_qkv(args: ModelArgs, group: str, gid: int, file: str, key: str, *, first: int, n_groups: int,
-               tail: tuple[int, ...], rope: int | None) -> Iterator[tuple[str, Read]]:
+def defuse_qkv(
+    args: ModelArgs,
+    group: str,
+    gid: int,
+    file: str,
+    key: str,
+    *,
+    first: int,
+    n_groups: int,
+    tail: tuple[int, ...],
+    rope: int | None,
+) -> Iterator[tuple[str, Read]]:
     """Reads of ``n_groups`` query groups stored from row 0 of ``file``/``key`` (a linear_qkv weight,
     ``tail`` (dim,), or bias, ``tail`` ()), the first being global group ``first``."""
     hd, qpg = args.head_dim, args.n_heads // args.kv_heads
     parts = fused_parts(group)
     for g in range(n_groups):
         G, base = first + g, g * qkv_group_rows(args)
-        for part, so, do, n in (("q", base, G * qpg * hd, qpg * hd), ("k", base + qpg * hd, G * hd, hd),
-                                ("v", base + (qpg + 1) * hd, G * hd, hd)):
+        for part, so, do, n in (
+            ("q", base, G * qpg * hd, qpg * hd),
+            ("k", base + qpg * hd, G * hd, hd),
+            ("v", base + (qpg + 1) * hd, G * hd, hd),
+        ):
             p = parts[part]
             yield layer_name(gid, p), Read(file, key, _rows(so, n, tail), _rows(do, n, tail), rope if p.rope else None)
 
 
-def defuse_fc1(args: ModelArgs, gid: int, file: str, key: str,
-               pieces: list[tuple[int, int, int]]) -> Iterator[tuple[str, Read]]:
+def defuse_fc1(
+    args: ModelArgs, gid: int, file: str, key: str, pieces: list[tuple[int, int, int]]
+) -> Iterator[tuple[str, Read]]:
     """Reads of a stored linear_fc1: ``pieces`` (row in the stored tensor, row in the whole [gate; up]
     of the FFN, rows); the gate rows go to w1, the up rows to w3."""
     ffn, dim, parts = args.hidden_dim, args.dim, fused_parts("fc1")
@@ -308,12 +374,15 @@ def defuse_fc1(args: ModelArgs, gid: int, file: str, key: str,
         for part, lo in (("gate", 0), ("up", ffn)):
             a, b = max(dst, lo), min(dst + n, lo + ffn)
             if b > a:
-                yield layer_name(gid, parts[part]), Read(file, key, _rows(src + a - dst, b - a, (dim,)),
-                                                         _rows(a - lo, b - a, (dim,)))
+                yield (
+                    layer_name(gid, parts[part]),
+                    Read(file, key, _rows(src + a - dst, b - a, (dim,)), _rows(a - lo, b - a, (dim,))),
+                )
 
 
-def defuse_expert_fc1(args: ModelArgs, gid: int, file: str, key: str, offs: tuple[int, ...],
-                      lens: tuple[int, ...]) -> Iterator[tuple[str, Read]]:
+def defuse_expert_fc1(
+    args: ModelArgs, gid: int, file: str, key: str, offs: tuple[int, ...], lens: tuple[int, ...]
+) -> Iterator[tuple[str, Read]]:
     """Reads of a stored piece (box ``offs``/``lens``) of a routing layer's experts' linear_fc1,
     (n_experts, [gate; up] rows, dim): the gate rows go to moe.experts.w1, the up rows to w3."""
     ffn, parts = args.expert_dim, fused_parts("expert_fc1")
@@ -322,8 +391,10 @@ def defuse_expert_fc1(args: ModelArgs, gid: int, file: str, key: str, offs: tupl
     for part, lo in (("gate", 0), ("up", ffn)):
         a, b = max(r0, lo), min(r0 + nr, lo + ffn)
         if b > a:
-            yield layer_name(gid, parts[part]), Read(file, key, Box((0, a - r0, 0), (ne, b - a, nc)),
-                                                     Box((e0, a - lo, c0), (ne, b - a, nc)))
+            yield (
+                layer_name(gid, parts[part]),
+                Read(file, key, Box((0, a - r0, 0), (ne, b - a, nc)), Box((e0, a - lo, c0), (ne, b - a, nc))),
+            )
 
 
 def vocab_read(args: ModelArgs, file: str, key: str, row: int, n: int) -> Read | None:
@@ -351,8 +422,9 @@ class Reads:
             self.dtypes[name] = dtype
 
 
-def tensor_plans(where: Path, args: ModelArgs, acc: Reads,
-                 split: Callable[[Param, list[Read]], str]) -> dict[str, TensorPlan]:
+def tensor_plans(
+    where: Path, args: ModelArgs, acc: Reads, split: Callable[[Param, list[Read]], str]
+) -> dict[str, TensorPlan]:
     """Every parameter of the model with its declared global shape and its reads (sorted by
     destination), ``split(entry, reads)`` describing how the source held it; a missing one, or a
     stored tensor with no place in the model (check_accounted), is an error naming ``where``."""
@@ -360,10 +432,12 @@ def tensor_plans(where: Path, args: ModelArgs, acc: Reads,
     tensors, shapes = {}, native_shapes(args)
     for name in native_names(args):
         if name not in acc.reads:
-            raise UserError(f"{where}: no tensor for {name!r}; the checkpoint is incomplete or its args "
-                            "disagree with its tensors")
+            raise UserError(
+                f"{where}: no tensor for {name!r}; the checkpoint is incomplete or its args disagree with its tensors"
+            )
         spec, reads = param_of(name), acc.reads[name]
         kind = f"fused {spec.fused[0]}" if spec.fused else split(spec, reads)
-        tensors[name] = TensorPlan(name, shapes[name], acc.dtypes[name],
-                                   tuple(sorted(reads, key=lambda r: r.dst_box.offsets)), kind)
+        tensors[name] = TensorPlan(
+            name, shapes[name], acc.dtypes[name], tuple(sorted(reads, key=lambda r: r.dst_box.offsets)), kind
+        )
     return tensors

@@ -22,6 +22,7 @@ Per rank file (the de-fusion itself: common.py):
   views them; and a copy of everything else (read from ep rank 0; the router, replicated, from tp
   rank 0 too).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,25 @@ from typing import TYPE_CHECKING
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe import limits
-from titan_pipe.weights.readers.megatron.common import (FORMAT, RANK_DIR, TRACKER, Reads, arg, defuse_fc1,
-                                                        defuse_qkv, fused_group, iter_dir, iteration, load_pickle,
-                                                        model_args, qkv_group_rows, rope_rows, tensor_plans,
-                                                        true_vocab, vocab_read)
+from titan_pipe.weights.readers.megatron.common import (
+    FORMAT,
+    RANK_DIR,
+    TRACKER,
+    Reads,
+    arg,
+    defuse_fc1,
+    defuse_qkv,
+    fused_group,
+    iter_dir,
+    iteration,
+    load_pickle,
+    model_args,
+    qkv_group_rows,
+    rope_rows,
+    tensor_plans,
+    true_vocab,
+    vocab_read,
+)
 from titan_pipe.weights.readers.store import Store
 from titan_pipe.weights.source_plan import Read, SourcePlan
 from titan_pipe.errors import UserError
@@ -137,7 +153,7 @@ class MegatronStore(Store):
 
     def read_box(self, file: str, key: str, box: Box) -> torch.Tensor:
         if key.endswith(GROUPED_VIEW):  # GroupedMLP's weight1/weight2 as per-expert fc1 / fc2
-            x = grouped_experts(self.model(file)[key[:-len(GROUPED_VIEW)]], self.grouped[(file, key)])
+            x = grouped_experts(self.model(file)[key[: -len(GROUPED_VIEW)]], self.grouped[(file, key)])
         else:
             x = self.model(file)[key]
         if len(box.offsets) == x.dim() + 1:  # one expert's tensor read as its (1, ...) slice of the stack
@@ -174,15 +190,18 @@ def _rank_files(path: Path) -> tuple[Path, dict, dict]:
     """(iteration dir, {(tp, pp): rank file}, the first rank file loaded): the files and their args."""
     it_dir = iter_dir(path)
     if it_dir is None:
-        raise UserError(f"{path}: no {TRACKER}, iter_* directory or mp_rank_* directories; not a "
-                        "Megatron-LM checkpoint")
+        raise UserError(
+            f"{path}: no {TRACKER}, iter_* directory or mp_rank_* directories; not a Megatron-LM checkpoint"
+        )
     files = rank_files(it_dir)
     if not files:
         raise UserError(f"{it_dir}: no mp_rank_* directories")
     first = load_rank_file(it_dir / files[min(files)])
     if first.get("args") is None:
-        raise UserError(f"{it_dir / files[min(files)]}: has no 'args'; titan-pipe needs the model's "
-                        "Megatron arguments saved in the checkpoint")
+        raise UserError(
+            f"{it_dir / files[min(files)]}: has no 'args'; titan-pipe needs the model's "
+            "Megatron arguments saved in the checkpoint"
+        )
     return it_dir, files, first
 
 
@@ -196,14 +215,21 @@ def _layout(path: Path, it_dir: Path, found: dict, a, vocab_size: int | None) ->
     if set(files) != want or len(files) != len(found):
         missing = sorted(want - set(files))
         names = [rank_dir_name(*c, pp, ep) for c in missing] or sorted(f.split("/")[0] for f in found.values())
-        raise UserError(f"{it_dir}: args say tp={tp} pp={pp}" + (f" ep={ep}" if ep > 1 else "") +
-                        f" but rank dirs {names} are missing or extra; copy the complete checkpoint")
+        raise UserError(
+            f"{it_dir}: args say tp={tp} pp={pp}"
+            + (f" ep={ep}" if ep > 1 else "")
+            + f" but rank dirs {names} are missing or extra; copy the complete checkpoint"
+        )
     for (t, p, e), f in files.items():
         if not (it_dir / f).is_file():
             raise UserError(f"{it_dir / f}: missing rank file; copy the complete checkpoint")
     args = model_args(a, true_vocab(a, path, vocab_size), path)
-    check_fits(args, sum((it_dir / f).stat().st_size for f in files.values()), source=f"{path}: Megatron args",
-               where="its rank files")
+    check_fits(
+        args,
+        sum((it_dir / f).stat().st_size for f in files.values()),
+        source=f"{path}: Megatron args",
+        where="its rank files",
+    )
     if args.kv_heads % tp:
         raise UserError(f"{it_dir}: {args.kv_heads} query groups do not split over tp={tp}")
     if ep > 1 and args.n_experts % ep:
@@ -213,16 +239,29 @@ def _layout(path: Path, it_dir: Path, found: dict, a, vocab_size: int | None) ->
     return _Layout(it_dir, files, a, args, tp, pp, ep, padded, counts, [sum(counts[:s]) for s in range(pp)])
 
 
-def _grouped_reads(lay: _Layout, acc: Reads, grouped: dict, f: str, key: str, gid: int, which: str, t: int,
-                   e: int, shape: tuple, dtype: str) -> None:
+def _grouped_reads(
+    lay: _Layout,
+    acc: Reads,
+    grouped: dict,
+    f: str,
+    key: str,
+    gid: int,
+    which: str,
+    t: int,
+    e: int,
+    shape: tuple,
+    dtype: str,
+) -> None:
     """GroupedMLP's weight1 (which "1") or weight2 ("2") of ep rank ``e``, tp rank ``t``: every local
     expert's fc1 / fc2 through the per-expert view (grouped_experts), as SequentialMLP's would be."""
     args = lay.args
     per, fl, dim = args.n_experts // lay.ep, args.expert_dim // lay.tp, args.dim
     want = (dim, per * 2 * fl) if which == "1" else (per * fl, dim)
     if shape != want:
-        raise UserError(f"{lay.it_dir / f}: {key} is {list(shape)}, expected {list(want)} ({per} experts of "
-                        f"{'2 x ' if which == '1' else ''}{fl} rows on this tp rank, dim {dim})")
+        raise UserError(
+            f"{lay.it_dir / f}: {key} is {list(shape)}, expected {list(want)} ({per} experts of "
+            f"{'2 x ' if which == '1' else ''}{fl} rows on this tp rank, dim {dim})"
+        )
     view = key + GROUPED_VIEW
     grouped[(f, view)] = (per, dim, 2 * fl) if which == "1" else (per, fl, dim)
     fc1 = fused_parts("expert_fc1")
@@ -230,15 +269,22 @@ def _grouped_reads(lay: _Layout, acc: Reads, grouped: dict, f: str, key: str, gi
         x = e * per + j
         if which == "1":
             for part, row in (("gate", 0), ("up", fl)):
-                acc.add(layer_name(gid, fc1[part]), Read(f, view, Box((j, row, 0), (1, fl, dim)),
-                                                         Box((x, t * fl, 0), (1, fl, dim))), dtype)
+                acc.add(
+                    layer_name(gid, fc1[part]),
+                    Read(f, view, Box((j, row, 0), (1, fl, dim)), Box((x, t * fl, 0), (1, fl, dim))),
+                    dtype,
+                )
         else:
-            acc.add(f"layers.{gid}.moe.experts.w2", Read(f, view, Box((j, 0, 0), (1, dim, fl)),
-                                                           Box((x, 0, t * fl), (1, dim, fl))), dtype)
+            acc.add(
+                f"layers.{gid}.moe.experts.w2",
+                Read(f, view, Box((j, 0, 0), (1, dim, fl)), Box((x, 0, t * fl), (1, dim, fl))),
+                dtype,
+            )
 
 
-def _expert_reads(lay: _Layout, acc: Reads, f: str, key: str, name: str, j: int, t: int, e: int, shape: tuple,
-                  dtype: str) -> None:
+def _expert_reads(
+    lay: _Layout, acc: Reads, f: str, key: str, name: str, j: int, t: int, e: int, shape: tuple, dtype: str
+) -> None:
     """One SequentialMLP expert of ep rank ``e`` (local index ``j``): fc1's gate and up slices (its tp
     rank's rows of each) into w1/w3, fc2's tp columns into w2, each as a (1, ...) slice of the stack."""
     args = lay.args
@@ -251,9 +297,13 @@ def _expert_reads(lay: _Layout, acc: Reads, f: str, key: str, name: str, j: int,
         if shape != (2 * fl, dim):
             raise UserError(f"{lay.it_dir / f}: {key} is {list(shape)}, expected {[2 * fl, dim]}")
         parts = fused_parts("expert_fc1")
-        reads = [(layer_name(fused[1], parts[part]), Read(f, key, Box((0, row, 0), (1, fl, dim)),
-                                                          Box((x, t * fl, 0), (1, fl, dim))))
-                 for part, row in (("gate", 0), ("up", fl))]
+        reads = [
+            (
+                layer_name(fused[1], parts[part]),
+                Read(f, key, Box((0, row, 0), (1, fl, dim)), Box((x, t * fl, 0), (1, fl, dim))),
+            )
+            for part, row in (("gate", 0), ("up", fl))
+        ]
     else:
         if shape != (dim, fl):
             raise UserError(f"{lay.it_dir / f}: {key} is {list(shape)}, expected {[dim, fl]}")
@@ -262,8 +312,9 @@ def _expert_reads(lay: _Layout, acc: Reads, f: str, key: str, name: str, j: int,
         acc.add(n, read, dtype)
 
 
-def _fused_reads(lay: _Layout, acc: Reads, f: str, key: str, group: str, gid: int, t: int, shape: tuple,
-                 dtype: str) -> None:
+def _fused_reads(
+    lay: _Layout, acc: Reads, f: str, key: str, group: str, gid: int, t: int, shape: tuple, dtype: str
+) -> None:
     """One rank's linear_qkv (weight or bias: its query groups) or linear_fc1 (gate slice, up slice)."""
     args, tail = lay.args, tuple(shape[1:])
     if group == "fc1":
@@ -274,10 +325,21 @@ def _fused_reads(lay: _Layout, acc: Reads, f: str, key: str, group: str, gid: in
     else:
         exp = (lay.ng_local * qkv_group_rows(args),) + ((args.dim,) if group == "qkv" else ())
         if shape != exp:
-            raise UserError(f"{lay.it_dir / f}: {key} is {list(shape)}, expected {list(exp)} ({lay.ng_local} "
-                            f"query groups x ({args.n_heads // args.kv_heads} q + k + v) x {args.head_dim} rows)")
-        reads = defuse_qkv(args, group, gid, f, key, first=t * lay.ng_local, n_groups=lay.ng_local, tail=tail,
-                           rope=rope_rows(lay.a, args, lay.it_dir))
+            raise UserError(
+                f"{lay.it_dir / f}: {key} is {list(shape)}, expected {list(exp)} ({lay.ng_local} "
+                f"query groups x ({args.n_heads // args.kv_heads} q + k + v) x {args.head_dim} rows)"
+            )
+        reads = defuse_qkv(
+            args,
+            group,
+            gid,
+            f,
+            key,
+            first=t * lay.ng_local,
+            n_groups=lay.ng_local,
+            tail=tail,
+            rope=rope_rows(lay.a, args, lay.it_dir),
+        )
     for name, read in reads:
         acc.add(name, read, dtype)
 
@@ -303,16 +365,29 @@ def _plan_rank(lay: _Layout, acc: Reads, t: int, p: int, e: int, f: str, sd: dic
 
     model = sd.get("model")
     if model is None:
-        raise UserError(f"{lay.it_dir / f}: no 'model' entry (keys {sorted(sd)[:6]}); virtual "
-                        "pipeline checkpoints (model0, model1 ...) are not supported")
+        raise UserError(
+            f"{lay.it_dir / f}: no 'model' entry (keys {sorted(sd)[:6]}); virtual "
+            "pipeline checkpoints (model0, model1 ...) are not supported"
+        )
     n_local = 0
     for key, x in model.items():
         if ".layers." in key and isinstance(x, torch.Tensor):
             n_local = max(n_local, int(key.split(".")[2]) + 1)
         g = _GROUPED.match(key)
         if g is not None and isinstance(x, torch.Tensor):
-            _grouped_reads(lay, acc, grouped, f, key, int(g.group(1)) + lay.offsets[p], g.group(2), t, e,
-                           tuple(x.shape), DTYPE_NAMES[x.dtype])
+            _grouped_reads(
+                lay,
+                acc,
+                grouped,
+                f,
+                key,
+                int(g.group(1)) + lay.offsets[p],
+                g.group(2),
+                t,
+                e,
+                tuple(x.shape),
+                DTYPE_NAMES[x.dtype],
+            )
             continue
         expert = megatron_local_expert(key, lay.offsets[p])
         if expert is not None:
@@ -324,8 +399,9 @@ def _plan_rank(lay: _Layout, acc: Reads, t: int, p: int, e: int, f: str, sd: dic
         try:
             name = megatron_to_native(key, lay.offsets[p])
         except KeyError as e:
-            raise UserError(f"{lay.it_dir / f}: {e.args[0]}; only megatron-core LLaMA-family "
-                            "layers are converted") from None
+            raise UserError(
+                f"{lay.it_dir / f}: {e.args[0]}; only megatron-core LLaMA-family layers are converted"
+            ) from None
         if name is None or not isinstance(x, torch.Tensor):
             continue
         dtype, shape, fused = DTYPE_NAMES[x.dtype], tuple(x.shape), fused_group(name)
@@ -334,12 +410,15 @@ def _plan_rank(lay: _Layout, acc: Reads, t: int, p: int, e: int, f: str, sd: dic
         else:
             _plain_reads(lay, acc, f, key, name, t, shape, dtype)
     if n_local != lay.counts[p]:
-        raise UserError(f"{lay.it_dir / f}: holds {n_local} layers but pp stage {p} should hold "
-                        f"{lay.counts[p]} (num_layers {lay.a.num_layers} over pp={lay.pp})")
+        raise UserError(
+            f"{lay.it_dir / f}: holds {n_local} layers but pp stage {p} should hold "
+            f"{lay.counts[p]} (num_layers {lay.a.num_layers} over pp={lay.pp})"
+        )
 
 
-def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
-                read_headers: bool = True) -> tuple[SourcePlan, MegatronStore]:
+def open_source(
+    path: Path, *, vocab_size: int | None = None, model_config: Path | None = None, read_headers: bool = True
+) -> tuple[SourcePlan, MegatronStore]:
     """Plan a legacy checkpoint: find the rank files, read the layout from their args, plan each
     rank file's reads (one rank file in memory at a time), then every global tensor."""
     it_dir, found, first = _rank_files(path)
@@ -357,11 +436,21 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
         return "replicated" if len(reads) == 1 else f"over tp={lay.tp}"
 
     # Reads name files relative to the iteration dir; the store and the hasher work from there.
-    plan = SourcePlan(FORMAT, it_dir, lay.args, tensor_plans(it_dir, lay.args, acc, split),
-                      files=[files[k] for k in sorted(files, key=lambda x: (x[1], x[2], x[0]))],
-                      step=iteration(first, it_dir / first_file),
-                      layout={"tp": lay.tp, "pp": lay.pp, **({"ep": lay.ep} if lay.ep > 1 else {}),
-                              "layers_per_stage": lay.counts, "checkpoint_version": first.get("checkpoint_version"),
-                              "padded_vocab_size": lay.padded or None})
+    plan = SourcePlan(
+        FORMAT,
+        it_dir,
+        lay.args,
+        tensor_plans(it_dir, lay.args, acc, split),
+        files=[files[k] for k in sorted(files, key=lambda x: (x[1], x[2], x[0]))],
+        step=iteration(first, it_dir / first_file),
+        layout={
+            "tp": lay.tp,
+            "pp": lay.pp,
+            **({"ep": lay.ep} if lay.ep > 1 else {}),
+            "layers_per_stage": lay.counts,
+            "checkpoint_version": first.get("checkpoint_version"),
+            "padded_vocab_size": lay.padded or None,
+        },
+    )
     del first
     return plan, MegatronStore(it_dir, keep=lay.tp * lay.ep, grouped=grouped)

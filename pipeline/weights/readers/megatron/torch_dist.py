@@ -28,6 +28,7 @@ chunks of *global* tensors, so TP, PP and virtual-PP need no rank arithmetic her
 ``common.pt`` is loaded with ``weights_only=True`` under common.py's allow-list
 (``argparse.Namespace``, RNG numpy types, stand-ins for Megatron enums); nothing else unpickles.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,10 +40,24 @@ from pathlib import Path
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.weights.readers import dcp
-from titan_pipe.weights.readers.megatron.common import (FORMAT, Reads, arg, defuse_expert_fc1, defuse_fc1,
-                                                        defuse_qkv, fused_group,
-                                                        iter_dir, iteration, load_pickle, model_args, qkv_group_rows,
-                                                        rope_rows, tensor_plans, true_vocab, vocab_read)
+from titan_pipe.weights.readers.megatron.common import (
+    FORMAT,
+    Reads,
+    arg,
+    defuse_expert_fc1,
+    defuse_fc1,
+    defuse_qkv,
+    fused_group,
+    iter_dir,
+    iteration,
+    load_pickle,
+    model_args,
+    qkv_group_rows,
+    rope_rows,
+    tensor_plans,
+    true_vocab,
+    vocab_read,
+)
 from titan_pipe.safetensors_header import StoredTensor
 from titan_pipe.weights.readers.torch_save import SavedTensor
 from titan_pipe.weights.source_plan import Read, SourcePlan
@@ -92,10 +107,8 @@ def _layer_slices(file: str, key: str, s: SavedTensor, headers: dict, strided: d
     step = s.stride[0] * s.itemsize
     for k in range(s.shape[0]):
         sub = f"{key}#{k}"
-        layer = SavedTensor(s.dtype, s.shape[1:], s.stride[1:], s.start + k * step, s.storage_start,
-                            s.storage_nbytes)
-        headers.setdefault(file, {})[sub] = StoredTensor(s.dtype, layer.shape, layer.start,
-                                                         layer.nbytes)
+        layer = SavedTensor(s.dtype, s.shape[1:], s.stride[1:], s.start + k * step, s.storage_start, s.storage_nbytes)
+        headers.setdefault(file, {})[sub] = StoredTensor(s.dtype, layer.shape, layer.start, layer.nbytes)
         if not layer.row_major:
             strided[(file, sub)] = layer
         keys.append(sub)
@@ -114,18 +127,22 @@ def _open_iteration(path: Path) -> tuple[Path, dict, argparse.Namespace]:
     """(iteration dir, common state dict, Megatron args) of a torch_dist checkpoint."""
     d = resolve(path)
     if d is None:
-        raise UserError(f"{path}: no {BACKEND_FILE} naming a sharded backend; not a Megatron "
-                        "torch_dist checkpoint")
+        raise UserError(f"{path}: no {BACKEND_FILE} naming a sharded backend; not a Megatron torch_dist checkpoint")
     kind = backend(d)
     if kind != "torch_dist":
-        raise UserError(f"{d / BACKEND_FILE}: sharded_backend {kind!r}; titan-pipe reads Megatron's "
-                        "'torch_dist' checkpoints (re-save zarr ones with --ckpt-format torch_dist)")
-    common = load_pickle(d / COMMON, missing="a torch_dist checkpoint keeps the model's args in it. Copy the "
-                         "complete iteration directory")
+        raise UserError(
+            f"{d / BACKEND_FILE}: sharded_backend {kind!r}; titan-pipe reads Megatron's "
+            "'torch_dist' checkpoints (re-save zarr ones with --ckpt-format torch_dist)"
+        )
+    common = load_pickle(
+        d / COMMON,
+        missing="a torch_dist checkpoint keeps the model's args in it. Copy the complete iteration directory",
+    )
     a = common.get("args")
     if a is None:
-        raise UserError(f"{d / COMMON}: has no 'args'; titan-pipe needs the model's Megatron "
-                        "arguments saved in the checkpoint")
+        raise UserError(
+            f"{d / COMMON}: has no 'args'; titan-pipe needs the model's Megatron arguments saved in the checkpoint"
+        )
     return d, common, a
 
 
@@ -140,28 +157,47 @@ def _stored_pieces(d: Path, md, n_layers: int, loc: dcp.ChunkLocator, acc: _Plan
         dtype = dcp.convertible_dtype(meta, fqn, d / dcp.METADATA)
         stacked = _STACKED.match(fqn)
         if stacked and meta.size[0] != n_layers:
-            raise UserError(f"{d / dcp.METADATA}: {fqn} stacks {meta.size[0]} layers but args say "
-                            f"num_layers {n_layers}")
+            raise UserError(
+                f"{d / dcp.METADATA}: {fqn} stacks {meta.size[0]} layers but args say num_layers {n_layers}"
+            )
         for chunk in meta.chunks:
             info = md.storage_data.get(dcp.MetadataIndex(fqn, chunk.offsets))
             if info is None:
-                raise UserError(f"{d / dcp.METADATA}: the chunk of {fqn} at {list(chunk.offsets)} has "
-                                "no storage entry (no file holds it); the metadata is incomplete or corrupted")
+                raise UserError(
+                    f"{d / dcp.METADATA}: the chunk of {fqn} at {list(chunk.offsets)} has "
+                    "no storage entry (no file holds it); the metadata is incomplete or corrupted"
+                )
             if getattr(info, "transform_descriptors", None):
-                raise UserError(f"{dcp.data_path(d, info.relative_path)}: {fqn} is stored transformed "
-                                f"({', '.join(info.transform_descriptors)}); titan-pipe reads plain DCP only")
+                raise UserError(
+                    f"{dcp.data_path(d, info.relative_path)}: {fqn} is stored transformed "
+                    f"({', '.join(info.transform_descriptors)}); titan-pipe reads plain DCP only"
+                )
             file, s = loc.locate(fqn, info, meta.properties.dtype, tuple(chunk.sizes))
             key = f"{fqn}@{','.join(map(str, chunk.offsets))}"
             if stacked:
                 offs, lens = tuple(chunk.offsets[1:]), tuple(chunk.sizes[1:])
                 for k, sub in enumerate(_layer_slices(file, key, s, acc.headers, acc.strided)):
-                    yield f"decoder.layers.{chunk.offsets[0] + k}.{stacked.group(1)}", file, sub, offs, lens, dtype, None
+                    yield (
+                        f"decoder.layers.{chunk.offsets[0] + k}.{stacked.group(1)}",
+                        file,
+                        sub,
+                        offs,
+                        lens,
+                        dtype,
+                        None,
+                    )
             else:
                 offs, lens = tuple(chunk.offsets), tuple(chunk.sizes)
                 single = megatron_singleton(fqn)
                 if single is not None and single[1] is not None:  # one expert: its index is the stacked axis
-                    s = SavedTensor(s.dtype, (1, *s.shape), (math.prod(s.shape), *s.stride), s.start,
-                                    s.storage_start, s.storage_nbytes)
+                    s = SavedTensor(
+                        s.dtype,
+                        (1, *s.shape),
+                        (math.prod(s.shape), *s.stride),
+                        s.start,
+                        s.storage_start,
+                        s.storage_nbytes,
+                    )
                     offs, lens = (single[1], *offs), (1, *lens)
                 acc.headers.setdefault(file, {})[key] = StoredTensor(dtype, s.shape, s.start, s.nbytes)
                 if not s.row_major:
@@ -169,15 +205,30 @@ def _stored_pieces(d: Path, md, n_layers: int, loc: dcp.ChunkLocator, acc: _Plan
                 yield fqn, file, key, offs, lens, dtype, single
 
 
-def _plan_piece(acc: _Plan, args: ModelArgs, name: str, file: str, key: str, offs: tuple, lens: tuple,
-                dtype: str, *, rope: int | None, where: Path, whole: bool = False) -> None:
+def _plan_piece(
+    acc: _Plan,
+    args: ModelArgs,
+    name: str,
+    file: str,
+    key: str,
+    offs: tuple,
+    lens: tuple,
+    dtype: str,
+    *,
+    rope: int | None,
+    where: Path,
+    whole: bool = False,
+) -> None:
     """The reads one stored piece contributes (its box is ``offs``/``lens`` of Megatron's tensor);
     ``whole``: the piece is already of the native tensor (a singleton save's fc1 half or expert)."""
     fused = None if whole else fused_group(name)
     if fused is None:
         spec = param_of(name)
-        read = (vocab_read(args, file, key, offs[0], lens[0]) if spec.vocab_rows
-                else Read(file, key, Box.full(lens), Box(offs, lens)))
+        read = (
+            vocab_read(args, file, key, offs[0], lens[0])
+            if spec.vocab_rows
+            else Read(file, key, Box.full(lens), Box(offs, lens))
+        )
         acc.add(name, read, dtype)
         return
     group, gid = fused
@@ -189,8 +240,17 @@ def _plan_piece(acc: _Plan, args: ModelArgs, name: str, file: str, key: str, off
         rows = qkv_group_rows(args)
         if offs[0] % rows or lens[0] % rows or tuple(lens[1:]) != ((args.dim,) if group == "qkv" else ()):
             raise UserError(f"{where}: {key} rows {offs[0]}+{lens[0]} do not hold whole query groups of {rows} rows")
-        reads = defuse_qkv(args, group, gid, file, key, first=offs[0] // rows, n_groups=lens[0] // rows,
-                           tail=tuple(lens[1:]), rope=rope)
+        reads = defuse_qkv(
+            args,
+            group,
+            gid,
+            file,
+            key,
+            first=offs[0] // rows,
+            n_groups=lens[0] // rows,
+            tail=tuple(lens[1:]),
+            rope=rope,
+        )
     for n, read in reads:
         acc.add(n, read, dtype)
 
@@ -203,14 +263,16 @@ def _virtual_stages(a, args: ModelArgs, d: Path) -> int | None:
     return vpp or (args.n_layers // pp // per if per else None)
 
 
-def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path | None = None,
-                read_headers: bool = True) -> tuple[SourcePlan, dcp.DcpStore]:
+def open_source(
+    path: Path, *, vocab_size: int | None = None, model_config: Path | None = None, read_headers: bool = True
+) -> tuple[SourcePlan, dcp.DcpStore]:
     """Plan a torch_dist checkpoint: args from common.pt, then every model chunk of .metadata."""
     d, common, a = _open_iteration(path)
     md = dcp.read_metadata(d)
     args = model_args(a, true_vocab(a, path, vocab_size), path, virtual_ok=True)
-    check_fits(args, dcp.stored_bytes(md), source=f"{d / COMMON}: Megatron args",
-               where=f"the tensors {d / dcp.METADATA} lists")
+    check_fits(
+        args, dcp.stored_bytes(md), source=f"{d / COMMON}: Megatron args", where=f"the tensors {d / dcp.METADATA} lists"
+    )
     rope = rope_rows(a, args, d)
     acc = _Plan()
     with dcp.ChunkLocator(d) as loc:
@@ -218,11 +280,23 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
             try:
                 name = single[0] if single is not None else megatron_to_native(mkey, 0)
             except KeyError as e:
-                raise UserError(f"{d / dcp.METADATA}: {e.args[0]}; only megatron-core LLaMA-family "
-                                "layers are converted") from None
+                raise UserError(
+                    f"{d / dcp.METADATA}: {e.args[0]}; only megatron-core LLaMA-family layers are converted"
+                ) from None
             if name is not None:
-                _plan_piece(acc, args, name, file, key, offs, lens, dtype, rope=rope,
-                            where=d / dcp.METADATA, whole=single is not None)
+                _plan_piece(
+                    acc,
+                    args,
+                    name,
+                    file,
+                    key,
+                    offs,
+                    lens,
+                    dtype,
+                    rope=rope,
+                    where=d / dcp.METADATA,
+                    whole=single is not None,
+                )
         files = loc.files
     padded = arg(a, "padded_vocab_size", INT, d, default=0, bound=limits.VOCAB)
 
@@ -230,13 +304,21 @@ def open_source(path: Path, *, vocab_size: int | None = None, model_config: Path
         kind = f"{len(reads)} chunks" if len(reads) > 1 else "whole"
         return f"vocab padded to {padded or '?'}, {kind}" if spec.vocab_rows else kind
 
-    plan = SourcePlan(FORMAT, d, args, tensor_plans(d, args, acc, split), files=files,
-                      step=iteration(common, d / COMMON),
-                      layout={"backend": "torch_dist",
-                              "tp": arg(a, "tensor_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL),
-                              "pp": arg(a, "pipeline_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL),
-                              "vpp": _virtual_stages(a, args, d),
-                              "checkpoint_version": common.get("checkpoint_version"),
-                              "padded_vocab_size": padded or None})
+    plan = SourcePlan(
+        FORMAT,
+        d,
+        args,
+        tensor_plans(d, args, acc, split),
+        files=files,
+        step=iteration(common, d / COMMON),
+        layout={
+            "backend": "torch_dist",
+            "tp": arg(a, "tensor_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL),
+            "pp": arg(a, "pipeline_model_parallel_size", INT, d, default=1, bound=limits.PARALLEL),
+            "vpp": _virtual_stages(a, args, d),
+            "checkpoint_version": common.get("checkpoint_version"),
+            "padded_vocab_size": padded or None,
+        },
+    )
     plan.layout["chunks"] = sum(len(t.reads) for t in plan.tensors.values())
     return plan, dcp.DcpStore(d, acc.headers, acc.strided)
