@@ -1,15 +1,18 @@
-"""Prefect artifacts of each stage: tables and markdown built as pure data, then published to the run."""
+"""Prefect artifacts of each stage as pure data: tables and markdown (titan_pipe.flows.stages says which
+stage publishes which, and publishes them)."""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_pipe.errors import UserError
 from titan_pipe.export_record import ExportRecord
-from titan_pipe.flows.tasks import StageOutput
+
+if TYPE_CHECKING:  # the stage records' output type; its module imports Prefect
+    from titan_pipe.flows.tasks import StageOutput
 
 
 def artifact_key(run_name: str, stage: str, what: str) -> str:
@@ -63,7 +66,7 @@ def operator_table(record: ExportRecord | None) -> list[dict]:
     return rows
 
 
-def _export_record(export_json: str | None) -> ExportRecord | None:
+def export_record(export_json: str | None) -> ExportRecord | None:
     """The export stage's record, or None (no table) when it is gone or unusable."""
     try:
         return ExportRecord.find(Path(export_json).parent) if export_json else None
@@ -92,47 +95,3 @@ def links(output: StageOutput) -> list[tuple[str, str]]:
 
 def files_markdown(stage: str, found: list[tuple[str, str]]) -> str:
     return f"## Files of {stage}\n\n" + "\n".join(f"- [{text}]({uri})" for uri, text in found) + "\n"
-
-
-def publish(output: StageOutput, *, run_name: str, cached: bool) -> list[str]:
-    """Create this stage's artifacts in the current Prefect run; returns their keys."""
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
-    note = " (cached: inputs unchanged since the last run)" if cached else ""
-    keys: list[str] = []
-
-    def table(what: str, rows: list[dict], description: str) -> None:
-        if rows:
-            key = artifact_key(run_name, output.stage, what)
-            create_table_artifact(rows, key=key, description=description + note)
-            keys.append(key)
-
-    if output.stage == "train":
-        table("metrics", train_table(output.summary), "Training: final loss, tokens/s, MFU")
-    elif output.stage == "convert":
-        table("summary", key_value_table(output.summary), "Conversion summary")
-    elif output.stage == "export":
-        table(
-            "operators",
-            operator_table(_export_record(output.paths.export_json)),
-            "ONNX operators of the exported graphs (all on the ATC list: export checks it)",
-        )
-        table("summary", key_value_table(output.summary), f"Export; ATC status: {output.summary.get('atc_status')}")
-    elif output.stage == "evaluate":
-        md_path = output.paths.report_md
-        report_md = Path(md_path).read_text() if md_path and Path(md_path).is_file() else None
-        key = artifact_key(run_name, output.stage, "report")
-        create_markdown_artifact(
-            evaluate_markdown(output, report_md),
-            key=key,
-            description=f"Evaluation report: {'PASS' if output.passed else 'FAIL'}{note}",
-        )
-        keys.append(key)
-    found = links(output)
-    if found:
-        key = artifact_key(run_name, output.stage, "files")
-        create_markdown_artifact(
-            files_markdown(output.stage, found), key=key, description=f"Files written by {output.stage}"
-        )
-        keys.append(key)
-    return keys

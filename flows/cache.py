@@ -16,36 +16,19 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from titan_pipe.atomic import write_text
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
-from titan_pipe.export_record import RECORD_FILE
 from titan_pipe.hashing import sha256_file
-from titan_pipe.provenance import PROVENANCE_FILE
+from titan_pipe.tokens.spec import data_spec
+from titan_pipe.flows.stage_files import files_under
+from titan_pipe.flows.stages import STAGES as STAGE_RECORDS
+from titan_pipe.flows.stages import StageInputs
+from titan_pipe.flows.stages import stage as stage_record
 
-STAGES = ("train", "convert", "export", "evaluate")
 # Runs before train when data.path is raw text (prepares it into the run dir); not selectable on its own.
 DATA = "data"
+STAGES = tuple(s.name for s in STAGE_RECORDS if s.name != DATA)  # what --from / --only / --stage select
 SCHEMA = 1  # bump when the key recipe changes, so old records are not trusted
-
-# Training keys that say nothing about the weights: where the ranks run and the fault-injection hook.
-_TRAIN_SECTIONS = (
-    "device",
-    "model",
-    "data",
-    "train",
-    "parallel",
-    "precision",
-    "memory",
-    "zero_stage",
-    "comm",
-    "checkpoint",
-    "init_from",
-)
-_TRAIN_IGNORED = {"train": {"log_every"}}
-# Files in a stage's output directory that the next stage does not read (they hold timestamps).
-_NOT_READ = {PROVENANCE_FILE, RECORD_FILE}
-_NOT_READ_SUFFIXES = (".log", ".sh", ".md", ".html", ".png", ".tmp")
 
 
 class FileHasher:
@@ -81,54 +64,8 @@ def write_json_atomic(path: Path, data: Any) -> None:
     write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def files_under(root: Path) -> list[Path]:
-    """Every regular file under root (or root itself), sorted, minus the ones no stage reads."""
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        return []
-    out = []
-    for p in sorted(root.rglob("*")):
-        if (
-            p.is_file()
-            and p.name not in _NOT_READ
-            and not p.name.endswith(_NOT_READ_SUFFIXES)
-            and not p.name.startswith(".")
-        ):
-            out.append(p)
-    return out
-
-
-def checkpoint_files(ckpt: Path) -> list[Path]:
-    """What convert and evaluate read of a checkpoint: manifest.json and the weight files it lists.
-
-    Not the optimizer state beside them (its torch DCP files differ between identical runs), so a
-    retrain that reproduces the weights bit for bit leaves the later stages cached.
-    """
-    try:
-        m = Manifest.load(ckpt)
-    except (UserError, OSError):  # a LayoutError (a UserError): not our format
-        return files_under(ckpt)  # not our format: everything in it
-    attached = m.extra.attached
-    return [ckpt / MANIFEST_NAME] + [ckpt / name for name in sorted({*m.files, *attached})]
-
-
-def _resolve(path: str, base: Path) -> Path:
-    p = Path(path).expanduser()
-    return p if p.is_absolute() else base / p
-
-
-def data_files(cfg: FlowConfig, flow_dir: Path) -> list[Path]:
-    """The text (or token data) and tokenizer files training and evaluation on the held-out split read."""
-    from titan_pipe.tokens.spec import data_spec
-
-    return data_spec(cfg.data, base=flow_dir).input_files()
-
-
 def needs_data_stage(cfg: FlowConfig, flow_dir: Path) -> bool:
     """data.path is raw text (or null, the shipped corpus): it is prepared before training."""
-    from titan_pipe.tokens.spec import data_spec
-
     return data_spec(cfg.data, base=flow_dir).text is not None
 
 
@@ -139,56 +76,10 @@ def with_data_stage(actions: dict[str, str], raw_text: bool) -> dict[str, str]:
     return {DATA: actions["train"], **actions}
 
 
-@dataclass(frozen=True)
-class StageInputs:
-    """What a stage depends on: a JSON-able config section and the files it reads."""
-
-    stage: str
-    section: dict
-    files: tuple[Path, ...]
-
-
 def stage_inputs(stage: str, cfg: FlowConfig, *, flow_dir: Path, upstream: dict) -> StageInputs:
-    """The inputs of one stage. upstream: the earlier stages' outputs by stage (flows.tasks.StageOutput,
-    whose typed paths name the checkpoint, model dir and ONNX dir)."""
-    # keys only chat/instruction data reads: text flows keep the cache keys they always had
-    chat = {"format", "chat_template", "max_tokens", "max_bad_fraction"} if cfg.data.format != "text" else set()
-    if stage == DATA:
-        section = cfg.data.model_dump(mode="json", include={"path", "tokenizer", "text_key", "val_fraction", *chat})
-        return StageInputs(stage, section, tuple(data_files(cfg, flow_dir)))
-    if stage == "train":
-        ignored = _TRAIN_IGNORED if chat else {**_TRAIN_IGNORED, "data": {"max_tokens", "max_bad_fraction"}}
-        section = cfg.model_dump(mode="json", include=set(_TRAIN_SECTIONS), exclude=ignored)
-        files = data_files(cfg, flow_dir)
-        if cfg.init_from is not None:
-            files += files_under(_resolve(cfg.init_from, flow_dir))
-        return StageInputs(stage, section, tuple(files))
-    if stage == "convert":
-        return StageInputs(
-            stage,
-            cfg.convert.model_dump(mode="json"),
-            tuple(checkpoint_files(Path(upstream["train"].paths.checkpoint))),
-        )
-    if stage == "export":
-        return StageInputs(
-            stage,
-            cfg.export_settings().model_dump(mode="json"),
-            tuple(files_under(Path(upstream["convert"].paths.model_dir))),
-        )
-    if stage == "evaluate":
-        section = {"evaluate": cfg.evaluate.model_dump(mode="json")}
-        if cfg.evaluate.data is None:  # evaluate then reads the validation split of the training data
-            files = data_files(cfg, flow_dir)
-            section["split"] = cfg.data.model_dump(
-                mode="json", include={"path", "blend", "val_fraction", "text_key", *chat}, exclude_none=True
-            )
-        else:
-            files = [_resolve(cfg.evaluate.data, flow_dir)]
-        files += checkpoint_files(Path(upstream["train"].paths.checkpoint))
-        files += files_under(Path(upstream["convert"].paths.model_dir))
-        files += files_under(Path(upstream["export"].paths.onnx_dir))
-        return StageInputs(stage, section, tuple(files))
-    raise ValueError(f"unknown stage {stage!r}; stages are {', '.join(STAGES)}")
+    """The inputs of one stage (its record in titan_pipe.flows.stages). upstream: the earlier stages'
+    outputs by stage (flows.tasks.StageOutput, whose typed paths name the checkpoint, model dir and ONNX dir)."""
+    return stage_record(stage).inputs(cfg, flow_dir, upstream)
 
 
 def _display(path: Path, run_dir: Path) -> str:

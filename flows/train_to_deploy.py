@@ -24,6 +24,9 @@ from titan_pipe.config import FlowConfig, load_flow
 from titan_pipe.errors import Interrupted, RankRefused, StageFailed, UserError
 from titan_pipe.flows import cache
 from titan_pipe.flows.logs import api_only_logger, quiet_user_error_tracebacks, run_logger
+from titan_pipe.flows.stages import Context
+from titan_pipe.flows.stages import publish as publish_stage
+from titan_pipe.flows.stages import stage as stage_record
 from titan_pipe.flows.tasks import StageOutput, convert_task, data_task, evaluate_task, export_task, train_task
 from titan_pipe.run_dir import RunDir
 from titan_pipe.run_lock import run_lock
@@ -88,7 +91,7 @@ class PipelineOutcome:
         }
 
 
-def _retryable(task, task_run, state) -> bool:
+def retryable(task, task_run, state) -> bool:
     """Retry a crashed launch (StageFailed, or anything unexpected), never bad input or an OS fault
     (UserError) and never an interrupt (Ctrl-C, SIGTERM: the user or the scheduler stopped it)."""
     try:
@@ -144,35 +147,17 @@ def _call_stage(
     upstream: dict[str, StageOutput],
     resume: bool,
 ) -> StageOutput:
-    rd = RunDir(run_dir)
-    if stage == cache.DATA:
-        return fn(flow_dir=flow_dir, cfg=cfg, out_dir=rd.data)
-    if stage == "train":
-        if hasattr(fn, "with_options"):  # a Prefect task: the retries of this flow.yaml
-            fn = fn.with_options(
-                retries=cfg.orchestration.train_retries(cfg.launch.max_restarts),
-                retry_delay_seconds=cfg.orchestration.retry_delay_s,
-                retry_condition_fn=_retryable,
-            )
-        return fn(flow_path=flow_path, cfg=cfg, resume=resume)
-    if stage == "convert":
-        return fn(checkpoint=Path(upstream["train"].paths.checkpoint), out_dir=rd.model, settings=cfg.convert)
-    if stage == "export":
-        return fn(model_dir=Path(upstream["convert"].paths.model_dir), out_dir=rd.onnx, settings=cfg.export_settings())
-    from titan_pipe.evaluate.batches import held_out_text
-
-    data, split = held_out_text(data=None, flow=cfg, flow_dir=flow_dir, run_dir=run_dir)
-    exported = upstream["export"].paths
-    return fn(
-        out_dir=rd.report,
-        checkpoint=Path(upstream["train"].paths.checkpoint),
-        model_dir=Path(upstream["convert"].paths.model_dir),
-        onnx=Path(exported.onnx),
-        om=Path(exported.om) if exported.om else None,
-        data=data,
-        settings=cfg.evaluate,
-        split=split,
+    """Call stage ``stage``'s task ``fn`` as its record says (titan_pipe.flows.stages)."""
+    ctx = Context(
+        cfg=cfg,
+        flow_path=flow_path,
+        flow_dir=flow_dir,
+        run_dir=run_dir,
+        upstream=upstream,
+        resume=resume,
+        retry=retryable,
     )
+    return stage_record(stage).call(fn, ctx)
 
 
 def run_pipeline(
@@ -201,7 +186,6 @@ def run_pipeline(
 def _run_stages(
     cfg: FlowConfig, flow_path: Path, run_dir: Path, actions: dict[str, str], tasks: dict[str, Callable], publish: bool
 ) -> PipelineOutcome:
-    from titan_pipe.flows.artifacts import publish as publish_artifacts
 
     reused = cache.check_reusable(actions, run_dir)
     log = run_logger()
@@ -279,7 +263,7 @@ def _run_stages(
         outcome.stages[stage], outcome.outputs[stage] = status, out
         upstream[stage] = out
         if publish:
-            publish_artifacts(out, run_name=cfg.name, cached=status == "cached")
+            publish_stage(out, run_name=cfg.name, cached=status == "cached")
         _emit(StageEvent(stage, status, took, output=out))
     hasher.save()
     if outcome.passed is False:

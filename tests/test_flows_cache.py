@@ -26,7 +26,8 @@ from titan_pipe.flows.tasks import (
     TrainPaths,
     resume_decision,
 )
-from titan_pipe.flows.train_to_deploy import _retryable, listening, run_pipeline
+from titan_pipe.flows.stage_files import checkpoint_files
+from titan_pipe.flows.train_to_deploy import listening, retryable, run_pipeline
 
 
 # ---- keys and hashing -------------------------------------------------------------------------
@@ -316,9 +317,9 @@ def test_resume_decision_and_retry_condition(tmp_path):
         def result(self):
             raise self.exc
 
-    assert _retryable(None, None, State(StageFailed("rank died")))
-    assert _retryable(None, None, State(RuntimeError("launcher crashed")))
-    assert not _retryable(None, None, State(UserError("bad data path")))
+    assert retryable(None, None, State(StageFailed("rank died")))
+    assert retryable(None, None, State(RuntimeError("launcher crashed")))
+    assert not retryable(None, None, State(UserError("bad data path")))
 
 
 def test_retry_owner_is_single(tmp_path):
@@ -362,9 +363,9 @@ def test_checkpoint_inputs_are_the_manifest_and_its_weights_not_optimizer_state(
         files={"model/pp0-tp0.safetensors": FileInfo(1, "0" * 64)},
     )
     (ck / "manifest.json").write_text(manifest.to_json())
-    assert cache.checkpoint_files(ck) == [ck / "manifest.json", ck / "model" / "pp0-tp0.safetensors"]
+    assert checkpoint_files(ck) == [ck / "manifest.json", ck / "model" / "pp0-tp0.safetensors"]
     (ck / "manifest.json").write_text("not json")  # not our format: everything it holds
-    assert len(cache.checkpoint_files(ck)) == 3
+    assert len(checkpoint_files(ck)) == 3
 
 
 def test_worker_node_joins_training_without_writing_records(tmp_path):
@@ -405,3 +406,20 @@ def test_data_stage_runs_before_train_on_raw_text_only_and_is_cached(tmp_path):
     _flow_yaml(tmp_path, data={"path": str(prepared)})
     out = run_pipeline(path, tasks=s.tasks(), publish=False)
     assert s.data_calls == 2 and "data" not in out.stages and out.stages["train"] == "done"
+
+
+def test_every_stage_is_one_record_and_says_its_line():
+    """The cache, the flow, the artifacts and the live table loop over titan_pipe.flows.stages: one
+    record per stage, none spelled elsewhere."""
+    from titan_pipe.flows.stages import BY_NAME, figures
+
+    assert tuple(BY_NAME) == (cache.DATA, *cache.STAGES)
+    assert figures("data", {"tokens": 112855, "documents": 9}, None) == "112,855 tokens, 9 documents"
+    assert figures("train", {"final_loss": 5.93731, "tokens_per_s": 352.4, "mfu": 0.0265, "steps": 4}, None) == (
+        "loss 5.9373, 352 tok/s, MFU 2.65%, 4 steps"
+    )
+    assert figures("convert", {"tensors": 93, "bytes": 12.5e6, "files": 1}, None) == "93 tensors, 12.5 MB, 1 file(s)"
+    assert figures("export", {"atc_status": "not_found"}, None) == "ATC: not_found"
+    assert figures("evaluate", {}, False) == "verdict FAIL" and figures("evaluate", {}, True) == "verdict PASS"
+    with pytest.raises(ValueError, match="unknown stage 'deploy'"):
+        cache.stage_inputs("deploy", None, flow_dir=Path("."), upstream={})

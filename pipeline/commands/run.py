@@ -31,56 +31,20 @@ def prefect_env() -> None:
         os.environ.setdefault(k, v)
 
 
-def stage_figures(stage: str, summary: dict, passed: bool | None) -> str:
-    """The one-line summary of a finished stage in the live output and the final table."""
-
-    def num(key: str, fmt: str) -> str | None:
-        v = summary.get(key)
-        return None if v is None else format(v, fmt) if isinstance(v, (int, float)) else str(v)
-
-    if stage == "data":
-        parts = [
-            f"{num('tokens', ',')} tokens" if "tokens" in summary else None,
-            f"{num('documents', ',')} documents" if "documents" in summary else None,
-            "already prepared" if summary.get("reused") else None,
-        ]
-    elif stage == "train":
-        mfu = summary.get("mfu")
-        parts = [
-            f"loss {num('final_loss', '.4f')}" if "final_loss" in summary else None,
-            f"{num('tokens_per_s', ',.0f')} tok/s" if "tokens_per_s" in summary else None,
-            f"MFU {100 * mfu:.2f}%" if isinstance(mfu, (int, float)) else None,
-            f"{summary['steps']} steps" if "steps" in summary else None,
-        ]
-    elif stage == "export":
-        parts = [f"ATC: {summary.get('atc_status', 'n/a')}"]
-    elif stage == "evaluate":
-        parts = ["verdict PASS" if passed else "verdict FAIL"]
-    elif stage == "convert" and "tensors" in summary:
-        size = summary.get("bytes")
-        parts = [
-            f"{summary['tensors']} tensors",
-            f"{size / 1e6:.1f} MB" if isinstance(size, (int, float)) else None,
-            f"{summary['files']} file(s)" if "files" in summary else None,
-        ]
-    else:
-        parts = [f"{k} {v}" for k, v in list(summary.items())[:3] if isinstance(v, (int, float))]
-    return ", ".join(p for p in parts if p)
-
-
 class LiveSummary:
     """Prints one line per stage event as it happens and keeps them for the closing table."""
 
     STYLE = {"running": "cyan", "done": "green", "cached": "blue", "reused": "blue", "skipped": "dim", "failed": "red"}
 
-    def __init__(self, console: Console):
-        self.console = console
+    def __init__(self, console: Console, figures):
+        """``figures(stage, summary, passed)``: a finished stage's one line (titan_pipe.flows.stages.figures)."""
+        self.console, self.figures = console, figures
         self.rows: dict[str, tuple[str, float, str]] = {}
 
     def __call__(self, ev) -> None:
         figures = ev.message if ev.status != "failed" else "the error is below"  # said once, last
         if ev.output is not None:
-            figures = stage_figures(ev.stage, ev.output.summary, ev.output.passed) or figures
+            figures = self.figures(ev.stage, ev.output.summary, ev.output.passed) or figures
         self.rows[ev.stage] = (ev.status, ev.duration_s, figures)
         style = self.STYLE.get(ev.status, "white")
         took = f" in {ev.duration_s:.1f}s" if ev.duration_s else ""
@@ -156,12 +120,13 @@ def register(app: typer.Typer) -> None:
         from titan_pipe.flows.prefect_api import check_api_reachable
         from titan_pipe.flows.server import temporary_server
         from titan_pipe.flows.logs import console_without_repeats
+        from titan_pipe.flows.stages import figures
         from titan_pipe.flows.train_to_deploy import listening, train_to_deploy
 
         check_api_reachable()  # one line with the fix, before any stage or Prefect run starts
 
         console = Console(stderr=True)
-        live = LiveSummary(console)
+        live = LiveSummary(console, figures)
         failed: BaseException | None = None
         result: dict = {}
         # held here, before Prefect starts, so a second writer fails at once (run_pipeline re-enters it)
