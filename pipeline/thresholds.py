@@ -111,6 +111,10 @@ SCOPES = {
         "logits_top1_min",
     ),
     "sharded": ("cosine_min", "rel_euclidean_max", "msprobe", "logits_kl_max", "sharded_max_abs_max"),
+    # a LoRA checkpoint's adapters applied beside the base vs the same adapters merged into the weights:
+    # the merge rounds W + (alpha/r) B A to the weights' dtype once, an error that grows with the weights'
+    # and the activations' size, not a reduction order: judged on the scale-free bounds only
+    "sharded_merged": ("cosine_min", "rel_euclidean_max", "msprobe", "logits_kl_max"),
     "operator": ("cosine_min", "rel_euclidean_max"),
     # a layer's attention / MLP block output before the residual Add: no residual stream to keep
     # magnitudes up, so near-zero elements make absolute and mean-relative measures meaningless

@@ -439,6 +439,8 @@ def test_merged_deployment_exports_and_evaluates_pass(lora_runs, tmp_path):
     )
     assert r.passed, r.summary["verdict"]
     assert r.summary["comparisons"]["sharded_vs_unified"] == "pass"
+    rows = {c["id"]: c for c in json.loads(r.report_json.read_text())["comparisons"]}
+    assert "LoRA" in rows["sharded_vs_unified"]["title"]  # merged vs applied: the relative bounds
     after = r.summary["perplexity"]["torch float32 (model)"]
     assert r.summary["perplexity_before_finetune"] > 1.5 * after  # the fine-tune learned the held-out text
 

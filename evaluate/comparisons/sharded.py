@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from titan_pipe.checkpoint_format import Manifest, complete_step
 from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.comparisons.common import abs_errors
 from titan_pipe.evaluate.run import REF, Run
@@ -22,6 +25,7 @@ def compare(run: Run) -> cmp.Comparison:
     for b, out in enumerate(dist.run_all(run.request.data.batches)):
         run.store.put_outputs("sharded", b, out)
     dt = run.tdtype(dist.dtype)
+    merged = run.request.model_dir is not None and _lora(run.request.checkpoint)
     c = cmp.compare_values(
         "sharded_vs_unified",
         TITLE,
@@ -31,9 +35,14 @@ def compare(run: Run) -> cmp.Comparison:
         cand_label=ref.label,
         dtype=dt,
         limits=run.limits(dt),
-        logits_scope="sharded",
+        logits_scope="sharded_merged" if merged else "sharded",
         dump=run.dump,
     )
+    if merged:
+        c.title += (
+            " (LoRA: the adapters applied beside the base vs merged into the weights; the merge's rounding is "
+            "judged on the relative bounds, not the reduction-order max abs)"
+        )
     run.judged(dist.label, dt, "sharded")
     run.ledger.hist[f"{ref.label} vs {dist.label}"] = abs_errors(run.values("sharded"), run.values(REF))
     if run.request.model_dir is None:
@@ -42,3 +51,9 @@ def compare(run: Run) -> cmp.Comparison:
             "process (no --model-dir: the converter is not covered)"
         )
     return c
+
+
+def _lora(checkpoint) -> bool:
+    """Whether the checkpoint step holds LoRA adapters (its manifest's extra.lora)."""
+    step = complete_step(Path(checkpoint))
+    return step is not None and Manifest.load(step).extra.other.get("lora") is not None
