@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from titan_pipe import limits
 from titan_pipe.errors import UserError
 from titan_pipe.limits import Bound
-from titan_pipe.model.rope_scaling import RopeScaling
+from titan_pipe.model.rope_scaling import RopeScaling, read_rope_scaling
 from titan_pipe.values import BOOL, DICT, FLOAT, INT, STR, read, refuse
 
 if TYPE_CHECKING:
@@ -279,22 +279,9 @@ def _rope(cfg: dict, source: str):
         scaling = new
     theta = DEFAULTS["rope_theta"] if theta is None else theta
     local = DEFAULTS["rope_local_base_freq"] if local is None else local
-    return theta, local, None if scaling is None else RopeScaling(factor=scaling, rope_type="linear")
+    return theta, local, scaling
 
 
-def _scaling(spec: dict | None, where: str, source: str) -> float | None:
-    """The linear factor of a RoPE spec; None for plain RoPE; another kind refused."""
-    if not spec:
-        return None
-    kind = spec.get("rope_type", spec.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "linear":
-        raise refuse(
-            source,
-            f"{where}.rope_type",
-            kind,
-            "is not supported for Gemma 3",
-            "Gemma 3 scales its global layers linearly (rope_type: linear) or not at all (default)",
-        )
-    return read(spec, "factor", FLOAT, source=source, bound=limits.ROPE_FACTOR, prefix=f"{where}.")
+def _scaling(spec: dict | None, where: str, source: str) -> RopeScaling | None:
+    """The global layers' linear scaling of a RoPE spec; None for plain RoPE; another kind refused."""
+    return read_rope_scaling(spec, where, source, kinds=("linear",))

@@ -18,6 +18,7 @@ from titan_pipe import limits
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs, RopeScaling, validate_args
 from titan_pipe.model.families import config_family, family_keys, read_family
+from titan_pipe.model.rope_scaling import read_rope_scaling
 from titan_pipe.values import BOOL, DICT, FLOAT, INT, REQUIRED, STR, read, refuse
 
 DEFAULT_ROPE_THETA = 10000.0
@@ -103,36 +104,7 @@ def _activation(cfg: dict, source: str) -> None:
 
 def _scaling(spec: dict | None, where: str, source: str) -> RopeScaling | None:
     """Llama-3.1 scaling from a rope_scaling / rope_parameters object; None for plain RoPE."""
-    if not spec:
-        return None
-    kind = spec.get("rope_type", spec.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise refuse(
-            source,
-            f"{where}.rope_type",
-            kind,
-            "is not supported",
-            "titan-pipe computes plain RoPE (default) and Llama-3.1 scaling (llama3) only",
-        )
-    p = f"{where}."
-    low = read(spec, "low_freq_factor", FLOAT, source=source, bound=limits.ROPE_FACTOR, prefix=p)
-    high = read(spec, "high_freq_factor", FLOAT, source=source, bound=limits.ROPE_FACTOR, prefix=p)
-    if high <= low:
-        raise refuse(
-            source,
-            f"{where}.high_freq_factor",
-            high,
-            f"must exceed low_freq_factor {low:g}",
-            "copy the values of the model's original config.json",
-        )
-    return RopeScaling(
-        read(spec, "factor", FLOAT, source=source, bound=limits.ROPE_FACTOR, prefix=p),
-        low,
-        high,
-        read(spec, "original_max_position_embeddings", INT, source=source, bound=limits.POSITIONS, prefix=p),
-    )
+    return read_rope_scaling(spec, where, source, kinds=("llama3",))
 
 
 def _rope(cfg: dict, source: str) -> tuple[float, RopeScaling | None]:
