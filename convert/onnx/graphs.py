@@ -16,7 +16,7 @@ conformance checks); the inputs and outputs are titan_pipe.graph_io's. Besides t
 
 Operators: Add, And, Cast, Concat, Equal, Expand, Gather, Gemm, Identity, LessOrEqual, MatMul,
 Mul, Neg, Pow, Range, ReduceMean, Reshape, Shape, Sigmoid, Slice, Softmax, Sqrt, Transpose,
-Unsqueeze, Where; with a sliding window also CumSum, Less, Sub — all on ATC's list at opsets 14/15
+Unsqueeze, Where; with a sliding window also CumSum, Less, Sub; with GeGLU (Gemma 3) Tanh — all on ATC's list at opsets 14/15
 (checked again by convert/onnx/atc_ops.py).
 """
 
