@@ -10,7 +10,6 @@ no torch, no stage imports. The model's own choice sets live with the model, eac
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 from titan_pipe import limits
@@ -42,34 +41,14 @@ ATC_OPSET_WINDOW = (11, 15)  # the ONNX opsets ATC takes (convert/onnx/data/atc_
 EXPORT_OPSETS = (14, 15)  # inside ATC's window; 14 is the lowest every operator of the graphs exists at
 
 
-@dataclass(frozen=True)
-class ExportDefaults:
-    """The export options a flow.yaml, `titan-pipe export` and export_model start from."""
-
-    opset: int = 14
-    dtype: str = "float32"
-    batch: int = 1
-    seq_len: int = 32
-    cache_len: int | None = None  # None: min(max positions, max_default_cache_len)
-    max_default_cache_len: int = 4096
-    dynamic: bool = True
-    kv_cache: bool = True
-    soc_version: str = "Ascend910B3"
-    run_atc: bool = True
-    precision_mode: str = "origin"
-    hash_weights: bool = True
-    digest: str = "xxh3_128"  # export.json's file digests: DIGESTS (titan_pipe.hashing); sha256 on request
-    # The weights' external-data files, each written on its own thread (convert/onnx/data_file.py):
-    # two measured 1.7-1.9x one's write speed here, where the file system serializes writes to one file.
-    data_files: int = 2
-
-
-EXPORT = ExportDefaults()
+# Decode KV-cache slots when none are asked for: the model's positions, at most this many (the export
+# options' defaults are titan_pipe.config.ExportConfig's).
+MAX_DEFAULT_CACHE_LEN = 4096
 
 
 def default_cache_len(max_positions: int) -> int:
     """Decode KV-cache slots when none are asked for."""
-    return min(max_positions, EXPORT.max_default_cache_len)
+    return min(max_positions, MAX_DEFAULT_CACHE_LEN)
 
 
 def export_problems(
@@ -82,8 +61,8 @@ def export_problems(
     cache_len: int | None,
     kv_cache: bool,
     precision_mode: str,
-    digest: str = EXPORT.digest,
-    data_files: int = EXPORT.data_files,
+    digest: str,
+    data_files: int,
     spell: Callable[[str], str] = lambda k: "--" + k.replace("_", "-"),
 ) -> list[str]:
     """One line per export option the export stage refuses for a model of ``max_positions``.

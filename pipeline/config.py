@@ -32,7 +32,6 @@ from titan_pipe.choices import (
     DEVICES,
     DIGESTS,
     DP_MODES,
-    EXPORT,
     KERNELS,
     LOSSES,
     OFFLOADS,
@@ -205,8 +204,9 @@ SFT_LR = 2e-5  # train.mode sft's default learning rate
 
 
 def _bounded(default, bound: limits.Bound, **kw):
-    """A pydantic Field inside ``bound`` (titan_pipe.limits)."""
-    return Field(default, ge=bound.lo, le=bound.hi, **kw)
+    """A pydantic Field inside ``bound`` (titan_pipe.limits); the bound is kept on the field, so a
+    command's flag made from it says why a value is outside (titan_pipe.commands.options)."""
+    return Field(default, ge=bound.lo, le=bound.hi, json_schema_extra={"limit": [bound.lo, bound.hi, bound.why]}, **kw)
 
 
 class OptimizerConfig(Section):
@@ -393,23 +393,49 @@ class ConvertConfig(Section):
 
 
 class ExportConfig(Section):
-    """The export stage's options; the stage's own rules (titan_pipe.choices.export_problems) are
-    applied to them by _cross_checks, against the model's positions."""
+    """The export stage's options, each one's default and help written here once: `titan-pipe export`'s
+    flags are made from these fields (titan_pipe.commands.options). The stage's own rules
+    (titan_pipe.choices.export_problems) are applied to them by _cross_checks, against the model's
+    positions, and by the export itself."""
 
-    opset: int = EXPORT.opset  # titan_pipe.choices.EXPORT_OPSETS, inside ATC's window
-    dtype: Literal[EXPORT_NAMES] = EXPORT.dtype
-    batch: int = EXPORT.batch
-    seq_len: int = EXPORT.seq_len
-    cache_len: int | None = EXPORT.cache_len  # decode KV-cache slots; None: min(max_position_embeddings, 4096)
-    hash_weights: bool = EXPORT.hash_weights  # the digests of the weights' data files in export.json
-    digest: Literal[DIGESTS] = EXPORT.digest  # export.json's file digests: xxh3_128 (fast) or sha256
-    data_files: int = _bounded(EXPORT.data_files, limits.DATA_FILES)  # the weights' external-data files
-    dynamic: bool = EXPORT.dynamic
-    kv_cache: bool = EXPORT.kv_cache
-    soc_version: str = EXPORT.soc_version
-    atc: bool = EXPORT.run_atc  # run atc when it is on PATH
-    precision_mode: Literal[PRECISION_MODES] = EXPORT.precision_mode
-    expose_hidden: bool = False  # the graphs also output each layer's hidden state (hidden.{i})
+    opset: int = Field(14, description="ONNX opset (ATC takes 11-15; the exporter needs >= 14)")
+    dtype: Literal[EXPORT_NAMES] = Field("float32", description="Weights/activations dtype in the graph")
+    batch: int = Field(1, description="Batch size (static shape, and the ATC gears)")
+    seq_len: int = Field(32, description="Prompt length T of model.onnx (static shape, and the ATC gears)")
+    cache_len: int | None = Field(
+        None,
+        description="KV-cache slots of decode.onnx (default: min(max_position_embeddings, 4096)); >= seq-len + 1",
+    )
+    dynamic: bool = Field(
+        True,
+        description="Dynamic batch/sequence dims, or fixed ones",
+        json_schema_extra={"flag": "--dynamic/--static"},
+    )
+    kv_cache: bool = Field(True, description="Also export decode.onnx with past/present KV")
+    soc_version: str = Field("Ascend910B3", description="ATC --soc_version")
+    atc: bool = Field(True, description="Run atc when it is on PATH")
+    precision_mode: Literal[PRECISION_MODES] = Field(
+        "origin", description="ATC precision: origin keeps the graph dtype"
+    )
+    expose_hidden: bool = Field(
+        False, description="Add hidden.{i} outputs (for evaluation)", json_schema_extra={"flag": "--expose-hidden"}
+    )
+    hash_weights: bool = Field(
+        True, description="The digests of the weights' data files in export.json (one pass over the weights)"
+    )
+    # The weights' external-data files, each written on its own thread (convert/onnx/data_file.py):
+    # two measured 1.7-1.9x one's write speed here, where the file system serializes writes to one file.
+    data_files: int = _bounded(
+        2,
+        limits.DATA_FILES,
+        description="Split the weights over this many external-data files, each written on a thread of its own "
+        "(1: one model.onnx.data)",
+    )
+    digest: Literal[DIGESTS] = Field(
+        "xxh3_128",
+        description="export.json's file digests: xxh3_128 (fast; detects corrupted or swapped files) or sha256 "
+        "(cryptographic, ~10x slower)",
+    )
 
 
 class EvaluateConfig(Section):
@@ -504,7 +530,7 @@ class FlowConfig(Section):
     def export_settings(self) -> ExportConfig:
         """The export section as the flow runs it: a decode cache left unset is sized to what the run
         uses (train.seq_len, export.seq_len + 1, evaluate's prompt + new tokens), within the model's
-        positions and choices.EXPORT's default cap, not always that cap (every decode step attends
+        positions and choices.MAX_DEFAULT_CACHE_LEN, not always that cap (every decode step attends
         over all the cache's slots)."""
         e = self.export
         if e.cache_len is not None or not e.kv_cache:

@@ -125,7 +125,7 @@ def test_digests_agree(tmp_path):
     """export.digest: validate refuses exactly what the export stage and the hashing core refuse."""
     from titan_pipe.hashing import DIGESTS, new_hasher
 
-    assert choices.EXPORT.digest in DIGESTS
+    assert ExportConfig().digest in DIGESTS
     for d in DIGESTS + OUTSIDERS:
         cfg = config_ok({"export": {"digest": d}}, tmp_path)
         assert cfg == stage_ok(_plan_export, digest=d), d
@@ -195,59 +195,22 @@ def test_dp_modes_optimizers_and_offload_agree(tmp_path):
         assert config_ok({"memory": {"optimizer_offload": off}}, tmp_path) == (off in choices.OFFLOADS)
 
 
-def test_export_defaults_are_one_set():
-    """flow.yaml's export section, `titan-pipe export` and export_model start from the same values."""
-    d = choices.EXPORT
+def test_export_options_are_the_sections_fields_spelled_once():
+    """`titan-pipe export`'s options are ExportConfig's fields: the same defaults, one option per field
+    and nothing else but the paths, --overwrite and --flow; export_model takes the section."""
     cfg = ExportConfig()
-    assert (
-        cfg.opset,
-        cfg.dtype,
-        cfg.batch,
-        cfg.seq_len,
-        cfg.cache_len,
-        cfg.dynamic,
-        cfg.kv_cache,
-        cfg.soc_version,
-        cfg.atc,
-        cfg.precision_mode,
-        cfg.hash_weights,
-        cfg.digest,
-        cfg.data_files,
-    ) == (
-        d.opset,
-        d.dtype,
-        d.batch,
-        d.seq_len,
-        d.cache_len,
-        d.dynamic,
-        d.kv_cache,
-        d.soc_version,
-        d.run_atc,
-        d.precision_mode,
-        d.hash_weights,
-        d.digest,
-        d.data_files,
-    )
     assert inspect.signature(export_model).parameters["settings"].default == cfg  # the stage takes the section
     assert len(inspect.signature(export_model).parameters) <= 4
     from titan_pipe.cli import app
 
     command = next(c for c in app.registered_commands if c.name == "export").callback
-    cli = {k: p.default.default for k, p in inspect.signature(command).parameters.items()}
-    for key, value in (
-        ("opset", d.opset),
-        ("dtype", d.dtype),
-        ("batch", d.batch),
-        ("seq_len", d.seq_len),
-        ("cache_len", d.cache_len),
-        ("soc_version", d.soc_version),
-        ("atc", d.run_atc),
-        ("precision_mode", d.precision_mode),
-        ("hash_weights", d.hash_weights),
-        ("digest", d.digest),
-        ("data_files", d.data_files),
-    ):
-        assert cli[key] == value, key  # str-valued enums compare equal to their value
+    params = inspect.signature(command).parameters
+    assert set(params) == set(ExportConfig.model_fields) | {"model_dir", "out_dir", "overwrite", "flow"}
+    for key in ExportConfig.model_fields:
+        assert params[key].default.default == getattr(cfg, key), key  # str-valued enums equal their value
+    assert params["atc"].default.param_decls == ("--atc/--no-atc",)
+    assert params["dynamic"].default.param_decls == ("--dynamic/--static",)
+    assert params["seq_len"].default.help == ExportConfig.model_fields["seq_len"].description
 
 
 def test_convert_defaults_are_one_set():

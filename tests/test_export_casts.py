@@ -16,7 +16,6 @@ import xxhash
 
 from export_support import debug_model, write_unified
 from titan_pipe.config import ExportConfig
-from titan_pipe.choices import EXPORT
 from titan_pipe.convert.casts import BLOCK, bits_dtype, cast_bits
 from titan_pipe.convert.onnx import data_file
 from titan_pipe.convert.onnx.export import export_model
@@ -307,4 +306,4 @@ def test_export_imports_no_torch(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
-    assert all((tmp_path / "onnx" / f).stat().st_size > 0 for f in data_file_names(EXPORT.data_files))
+    assert all((tmp_path / "onnx" / f).stat().st_size > 0 for f in data_file_names(ExportConfig().data_files))

@@ -10,7 +10,6 @@ import xxhash
 
 from export_support import debug_model, hidden_states, write_unified
 from titan_pipe.config import ExportConfig
-from titan_pipe.choices import EXPORT
 from titan_pipe.convert.onnx.export import export_model
 from titan_pipe.graph_io import data_file_names
 from titan_pipe.generation import generate_padded
@@ -101,7 +100,7 @@ def test_export_never_loads_the_model(tmp_path, monkeypatch):
     src = write_unified(model, args, tmp_path / "model")
     result = export_model(src, tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False, hash_weights=False))
     files = json.loads(result.export_json.read_text())["files"]
-    for name in data_file_names(EXPORT.data_files):
+    for name in data_file_names(ExportConfig().data_files):
         assert files[name]["digest"] is None  # --no-hash-weights: the one pass skipped
     assert files["model.onnx"] == {
         "bytes": result.onnx.stat().st_size,
@@ -189,7 +188,7 @@ def test_weights_streamed_into_shared_data_files(exported, tmp_path):
     model, args, result = exported
     src = result.out_dir.parent / "model" / "model.safetensors"
     header, _ = read_header(src)
-    names = data_file_names(EXPORT.data_files)
+    names = data_file_names(ExportConfig().data_files)
     assert len(names) == 2 and names[0].startswith("model.onnx.data")
     places = {}
     for path in (result.onnx, result.decode_onnx):

@@ -39,7 +39,6 @@ from titan_pipe.config import ConvertConfig, ExportConfig
 from titan_pipe import faults, procs
 from titan_pipe.atomic import _HOST
 from titan_pipe.cli import app
-from titan_pipe.choices import EXPORT
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.onnx.export import export_model
 from titan_pipe.graph_io import data_file_names
@@ -641,7 +640,7 @@ def test_outputs_follow_the_umask(built, tmp_path):
         "model/model.safetensors",
         "onnx/model.onnx",
         "report/report.json",
-        *(f"onnx/{name}" for name in data_file_names(EXPORT.data_files)),
+        *(f"onnx/{name}" for name in data_file_names(ExportConfig().data_files)),
     ):
         assert (tmp_path / f).stat().st_mode & 0o777 == mode & 0o666, f
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "onnx", "report"]  # no lock or temp left

@@ -28,8 +28,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from convert_writers import model_args, native_state, write_dcp, write_hf, write_megatron
-from titan_pipe.config import ConvertConfig
-from titan_pipe.choices import EXPORT
+from titan_pipe.config import ConvertConfig, ExportConfig
 from titan_pipe.cli import app
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.errors import UserError
@@ -644,7 +643,7 @@ def test_evaluate_refuses_a_data_file_that_is_not_the_exported_one(good, tmp_pat
     export itself is kept."""
     cli_ok = cli("export", good["model"], "-o", tmp_path / "onnx", "--no-atc", "--no-kv-cache", "--digest", digest)
     assert cli_ok[0] == 0, cli_ok[1]
-    data = tmp_path / "onnx" / data_file_names(EXPORT.data_files)[-1]
+    data = tmp_path / "onnx" / data_file_names(ExportConfig().data_files)[-1]
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     data.write_bytes(bytes(raw))

@@ -66,7 +66,7 @@ class ExportPlan:
     expose_hidden: bool
     soc_version: str
     precision_mode: str
-    run_atc: bool
+    atc: bool  # run atc when it is on PATH (ExportConfig.atc)
     weight_bytes: int
     graphs: tuple[GraphPlan, ...]
     hash_weights: bool  # the digests of the weights' data files in export.json (False: null)
@@ -336,7 +336,7 @@ def export_model(
         script.write_text(atc_mod.command_script(invocations, plan.precision_mode))
         script.chmod(0o755)
         atc_status = "skipped"
-        if plan.run_atc:
+        if plan.atc:
             atc_status = atc_mod.run_atc(
                 invocations, work, lambda line: console.print(line, highlight=False, markup=False)
             )

@@ -1,0 +1,97 @@
+"""A command's options made from its stage's config section: each option is a field of the section
+(titan_pipe.config), its default, type, bounds and help written once there, its flag derived from the
+field's name (``seq_len`` -> ``--seq-len``; a bool ``x`` -> ``--x/--no-x``) unless the field names its
+own (``json_schema_extra={"flag": "--dynamic/--static"}``). The values the user gives are validated
+by the section itself (config.section_from_flags), so a flag and the flow.yaml key take the same
+values and fail with the same line, naming the flag.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from enum import Enum
+from typing import Any, Callable, Literal, Optional, get_args, get_origin
+
+import typer
+
+from titan_pipe import limits
+from titan_pipe.config import Section, section_from_flags
+
+
+def flag_of(cls: type[Section], name: str) -> str:
+    """The flag(s) setting field ``name`` of section ``cls``: its own, or derived from the name."""
+    f = cls.model_fields[name]
+    own = (f.json_schema_extra or {}).get("flag") if isinstance(f.json_schema_extra, dict) else None
+    if own:
+        return own
+    dashed = name.replace("_", "-")
+    return f"--{dashed}/--no-{dashed}" if f.annotation is bool else f"--{dashed}"
+
+
+def limit_of(cls: type[Section], name: str) -> limits.Bound | None:
+    """The titan_pipe.limits bound a field was declared with (config._bounded), or None."""
+    extra = cls.model_fields[name].json_schema_extra
+    limit = extra.get("limit") if isinstance(extra, dict) else None
+    return None if limit is None else limits.Bound(*limit)
+
+
+def flags_of(cls: type[Section], names) -> dict[str, str]:
+    """field -> the flag a message names it by (the first of a --x/--no-x pair)."""
+    return {n: flag_of(cls, n).split("/")[0] for n in names}
+
+
+def _choices(name: str, values: tuple) -> type[Enum]:
+    return Enum(name, {str(v): v for v in values}, type=str)
+
+
+def _annotation(cls: type[Section], name: str) -> tuple[Any, Any]:
+    """(the type typer shows for the field, how its default is given): a Literal becomes a choice."""
+    f = cls.model_fields[name]
+    ann = f.annotation
+    optional = type(None) in get_args(ann)
+    base = next(a for a in get_args(ann) if a is not type(None)) if optional else ann
+    if get_origin(base) is Literal:
+        enum = _choices(f"{cls.__name__}_{name}", get_args(base))
+        default = None if f.default is None else enum(f.default)
+        return (Optional[enum] if optional else enum), default
+    return (Optional[base] if optional else base), f.default
+
+
+def section_options(cls: type[Section], names) -> list[inspect.Parameter]:
+    """The typer options of the fields ``names`` of section ``cls``, in that order."""
+    out = []
+    for name in names:
+        f = cls.model_fields[name]
+        ann, default = _annotation(cls, name)
+        option = typer.Option(default, flag_of(cls, name), help=f.description)
+        out.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=ann))
+    return out
+
+
+def with_section(cls: type[Section], names=None, *, into: str = "settings") -> Callable[[Callable], Callable]:
+    """Give a command the options of section ``cls``'s fields ``names`` (None: every field, in its
+    order) and call it with the section they make, validated as flow.yaml's section is, as keyword
+    ``into``."""
+    names = tuple(cls.model_fields) if names is None else tuple(names)
+
+    def wrap(fn: Callable) -> Callable:
+        own = [p for n, p in inspect.signature(fn).parameters.items() if n != into]
+        extra = section_options(cls, names)
+
+        @functools.wraps(fn)
+        def command(**kwargs):
+            values = {n: kwargs.pop(n) for n in names}
+            values = {k: v.value if isinstance(v, Enum) else v for k, v in values.items()}
+            for name, flag in flags_of(cls, names).items():
+                bound = limit_of(cls, name)
+                if bound is not None and isinstance(values[name], (int, float)):
+                    limits.check_flag(flag, values[name], bound)  # one line saying why, with the range
+            kwargs[into] = section_from_flags(cls, flags_of(cls, names), **values)
+            return fn(**kwargs)
+
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra
+        command.__signature__ = inspect.Signature(params)
+        return command
+
+    return wrap
