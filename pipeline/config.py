@@ -360,19 +360,33 @@ class ConvertConfig(Section):
     source_config) are for converting other checkpoints; a flow converts its own to the unified model
     its export reads, so it refuses them (_cross_checks)."""
 
-    naming: Literal[NAMINGS] = "hf"
-    dtype: Literal[("keep",) + FLOAT_NAMES] = "keep"
-    max_shard_size: str = "5GB"
-    verify: bool = True  # hash the source against its manifest (sizes, headers, shapes are always checked)
-    digest: Literal[DIGESTS] = "xxh3_128"  # provenance.json's source digests (a manifest's sha256s: sha256)
-    source_format: Literal[SOURCE_FORMATS] = "auto"
-    tp: int | None = _bounded(None, limits.PARALLEL)  # write our sharded layout with this TP size ...
-    pp: int | None = _bounded(None, limits.PARALLEL)  # ... and this many pipeline stages
-    vocab_size: int | None = _bounded(None, limits.VOCAB)  # the true vocab of a Megatron padded one
-    source_config: str | None = None  # params.json / config.json for a source without one (DCP): --model-config
+    # `titan-pipe convert`'s options are made from these fields (titan_pipe.commands.options)
+    source_format: Literal[SOURCE_FORMATS] = Field(
+        "auto", description="The source's format (auto: detected)", json_schema_extra={"flag": "--from"}
+    )
+    naming: Literal[NAMINGS] = Field("hf", description="Tensor names of the output (hf: transformers loads it)")
+    dtype: Literal[("keep",) + FLOAT_NAMES] = Field("keep", description="The output's dtype (keep: as stored)")
+    max_shard_size: str = Field("5GB", description="Split the output past this size")
+    tp: int | None = _bounded(None, limits.PARALLEL, description="Write our sharded layout with this TP size")
+    pp: int | None = _bounded(None, limits.PARALLEL, description="... and this number of pipeline stages")
+    vocab_size: int | None = _bounded(None, limits.VOCAB, description="True vocab size (Megatron padded vocab)")
+    source_config: str | None = Field(
+        None, description="params.json / config.json for DCP sources", json_schema_extra={"flag": "--model-config"}
+    )
+    verify: bool = Field(True, description="Hash the source against its manifest (sizes/headers are always checked)")
+    digest: Literal[DIGESTS] = Field(
+        "xxh3_128",
+        description="The source files' digests in provenance.json (xxh3_128: fast, detects corrupted or swapped "
+        "files; sha256: cryptographic, what `sha256sum` and the Hub show). A titan-pipe checkpoint is checked "
+        "against its manifest's sha256s",
+    )
     # a LoRA checkpoint (adapters + its base): merge -> the deployed model W + (alpha/rank) B A; adapter ->
     # a PEFT adapter dir (adapter_config.json + adapter_model.safetensors) for the base model
-    lora: Literal[LORA_CONVERT] = "merge"
+    lora: Literal[LORA_CONVERT] = Field(
+        "merge",
+        description="A LoRA checkpoint as the merged model (W + alpha/rank B A, what export takes) or as a PEFT "
+        "adapter dir for its base model",
+    )
 
     @field_validator("source_config", mode="before")
     @classmethod
@@ -440,20 +454,32 @@ class ExportConfig(Section):
 
 class EvaluateConfig(Section):
     data: str | None = None  # held-out text; None: the validation split of the training data
-    batches: int = _bounded(2, limits.EVAL_BATCHES)
+    batches: int = _bounded(2, limits.EVAL_BATCHES, description="Number of held-out batches")
     batch_size: int = _bounded(2, limits.BATCH)
     seq_len: int = _bounded(32, limits.SEQ_LEN)
-    operators: bool = True
+    operators: bool = Field(True, description="Run the operator conformance table")
     thresholds: dict[str, dict[str, float]] = Field(default_factory=dict)  # per dtype overrides
-    dtype: Literal[("auto",) + FLOAT_NAMES] = "auto"  # threshold set; auto: the candidate's
+    dtype: Literal[("auto",) + FLOAT_NAMES] = Field(
+        "auto", description="Threshold set to judge by (auto: each candidate's own dtype)"
+    )
     prompts: int = Field(2, ge=0, le=limits.BATCH.hi)  # greedy generations compared token for token (0: none)
     prompt_len: int = _bounded(16, limits.SEQ_LEN)
     new_tokens: int = _bounded(16, limits.SEQ_LEN)
-    device: Literal[DEVICES] = "cpu"  # where the PyTorch reference runs
-    dump: bool = False  # REPORT_DIR/dump/<comparison>/{golden,candidate}/<tensor>.npy for msit/msprobe
-    # memory budget: auto (a fraction of the available RAM) or a size (8GB, 6GiB); whole graphs when
-    # they fit in it, else one decoder layer at a time (docs/evaluate.md, "Memory")
-    max_memory: str = "auto"
+    device: Literal[DEVICES] = Field(
+        "cpu",
+        description="Where the PyTorch reference (and the torchrun ranks) run; auto: npu, then cuda, then cpu",
+    )
+    dump: bool = Field(
+        False,
+        description="Also write every compared tensor pair as REPORT_DIR/dump/<comparison>/{golden,candidate}/"
+        "<tensor>.npy (for msit / msprobe compare)",
+    )
+    # whole graphs when they fit in it, else one decoder layer at a time (docs/evaluate.md, "Memory")
+    max_memory: str = Field(
+        "auto",
+        description="Memory budget, e.g. 8GB or 6GiB: whole graphs when they fit, else one decoder layer at a "
+        "time; auto: half the RAM available",
+    )
 
     @field_validator("max_memory", mode="before")
     @classmethod

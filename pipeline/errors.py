@@ -21,7 +21,7 @@ class RankRefused(StageFailed):
 class Interrupted(KeyboardInterrupt):
     """SIGINT, SIGTERM or SIGHUP reached a command: it stops its children, removes its temporary
     outputs and exits 128+signal. A KeyboardInterrupt, so nothing treats it as a failure to retry
-    (Prefect does not retry an interrupted task; flows/train_to_deploy._retryable refuses too)."""
+    (Prefect does not retry an interrupted task; flows/train_to_deploy.retryable refuses too)."""
 
     def __init__(self, signum: int = 2, hint: str = ""):
         super().__init__(signum, hint)

@@ -213,8 +213,9 @@ def test_export_options_are_the_sections_fields_spelled_once():
     assert params["seq_len"].default.help == ExportConfig.model_fields["seq_len"].description
 
 
-def test_convert_defaults_are_one_set():
-    """`titan-pipe convert`'s flags start from the convert section's defaults; the stage takes the section."""
+def test_convert_and_inspect_options_are_the_sections_fields_spelled_once():
+    """`titan-pipe convert`'s options are ConvertConfig's fields with its defaults (and the paths,
+    --overwrite, --flow); `inspect` takes three of them, the same flags; the stage takes the section."""
     from titan_pipe.cli import app
     from titan_pipe.config import ConvertConfig
     from titan_pipe.convert.api import convert_checkpoint
@@ -222,17 +223,17 @@ def test_convert_defaults_are_one_set():
     stage = inspect.signature(convert_checkpoint).parameters
     assert stage["settings"].default == ConvertConfig() and len(stage) <= 4
     command = next(c for c in app.registered_commands if c.name == "convert").callback
-    cli = {k: p.default.default for k, p in inspect.signature(command).parameters.items()}
+    params = inspect.signature(command).parameters
+    assert set(params) == set(ConvertConfig.model_fields) | {"src", "out", "overwrite", "flow"}
     d = ConvertConfig()
-    assert (
-        cli["source_format"],
-        cli["naming"],
-        cli["dtype"],
-        cli["max_shard_size"],
-        cli["tp"],
-        cli["pp"],
-        cli["digest"],
-    ) == (d.source_format, d.naming, d.dtype, d.max_shard_size, d.tp, d.pp, d.digest)
+    for key in ConvertConfig.model_fields:
+        assert params[key].default.default == getattr(d, key), key
+    assert params["source_format"].default.param_decls == ("--from",)
+    assert params["source_config"].default.param_decls == ("--model-config",)
+    look = inspect.signature(next(c for c in app.registered_commands if c.name == "inspect").callback).parameters
+    assert {k: look[k].default.param_decls for k in ("source_format", "vocab_size", "source_config")} == {
+        k: params[k].default.param_decls for k in ("source_format", "vocab_size", "source_config")
+    }
 
 
 def test_a_bad_flag_is_one_line_naming_the_flag(tmp_path):
@@ -254,9 +255,14 @@ def test_atc_window_matches_the_operator_list():
 
 
 def test_devices_agree_with_the_cli():
-    from titan_pipe.commands.evaluate import RefDevice
+    """evaluate's --device takes the section's devices, not given by default (--config's or the section's)."""
+    from titan_pipe.cli import app
 
-    assert tuple(d.value for d in RefDevice) == choices.DEVICES
+    command = next(c for c in app.registered_commands if c.name == "evaluate").callback
+    device = inspect.signature(command).parameters["device"]
+    assert device.default.default is None  # not given: --config's evaluate.device, or the section's
+    assert f"({' | '.join(choices.DEVICES)})" in device.default.help
+    assert "default: evaluate.device, cpu]" in device.default.help
 
 
 def test_flavours_and_families_agree(tmp_path):
@@ -275,3 +281,24 @@ def test_flavours_and_families_agree(tmp_path):
     assert written == set(FAMILIES)  # every family has a flavour
     for kind in OUTSIDERS:
         assert not stage_ok(from_hf_config, {**to_hf_config(DEBUG), "model_type": kind}), kind
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--batches", "-5", "--batches -5: must be >= 1"),
+        ("--max-memory", "lots", "'lots' is not a size"),
+        ("--dtype", "int4", "--dtype: Input should be 'auto', 'float32', 'float16' or 'bfloat16' (got 'int4')"),
+        ("--device", "tpu", "--device: Input should be"),
+    ],
+)
+def test_evaluate_flags_are_checked_as_the_flow_yaml_section_is(tmp_path, flag, value, says):
+    """evaluate's options are the evaluate section's fields: a bad value is refused before anything is
+    read, in one line naming the flag (it once built its config with model_copy, which skipped the rules)."""
+    from typer.testing import CliRunner
+
+    from titan_pipe.cli import app
+
+    r = CliRunner().invoke(app, ["evaluate", "-o", str(tmp_path / "rep"), "--model-dir", str(tmp_path), flag, value])
+    assert r.exit_code == 1 and says in " ".join(r.output.split()), r.output
+    assert "Traceback" not in r.output and not (tmp_path / "rep").exists()

@@ -729,10 +729,10 @@ def test_only_a_crash_is_retried_never_an_error_a_rank_named(exc, retry):
     import builtins
 
     from titan_pipe import errors
-    from titan_pipe.flows.train_to_deploy import _retryable
+    from titan_pipe.flows.train_to_deploy import retryable
 
     cls = getattr(errors, exc, None) or getattr(builtins, exc)
-    assert _retryable(None, None, _State(cls("x"))) is retry
+    assert retryable(None, None, _State(cls("x"))) is retry
 
 
 def test_a_rank_error_line_makes_the_launch_error_one_that_is_not_retried(tmp_path):

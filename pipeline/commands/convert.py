@@ -3,95 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from titan_pipe import limits
-from titan_pipe.choices import DIGESTS, NAMINGS, SOURCE_FORMATS
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
-from titan_pipe.config import ConvertConfig, section_from_flags
-from titan_pipe.model.lora import CONVERT_MODES as LORA_CONVERT
-
-CONVERT = {k: f.default for k, f in ConvertConfig.model_fields.items()}  # each default spelled once, in the section
+from titan_pipe.commands.options import with_section
+from titan_pipe.config import ConvertConfig
 
 
 def register(app: typer.Typer) -> None:
     @app.command("convert")
     @handle_errors
+    @with_section(ConvertConfig)  # every field an option: its default, help and flag are written there
     def convert(
         src: Path = typer.Argument(..., help="Checkpoint dir: titan-pipe, DCP/torchtitan, Megatron-LM or Hugging Face"),
         out: Path = typer.Option(..., "-o", "--out", help="Output directory (must be empty or absent)"),
-        source_format: str = typer.Option(CONVERT["source_format"], "--from", help=" | ".join(SOURCE_FORMATS)),
-        naming: str = typer.Option(
-            CONVERT["naming"], "--naming", help=" | ".join(NAMINGS) + " (hf: transformers loads it)"
-        ),
-        dtype: str = typer.Option(CONVERT["dtype"], "--dtype", help="keep | float32 | float16 | bfloat16"),
-        max_shard_size: str = typer.Option(
-            CONVERT["max_shard_size"], "--max-shard-size", help="Split the output past this size"
-        ),
-        tp: Optional[int] = typer.Option(None, "--tp", help="Write our sharded layout with this TP size"),
-        pp: Optional[int] = typer.Option(None, "--pp", help="... and this number of pipeline stages"),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory"),
-        vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="True vocab size (Megatron padded vocab)"),
-        model_config: Optional[Path] = typer.Option(
-            None, "--model-config", help="params.json / config.json for DCP sources"
-        ),
-        no_verify: bool = typer.Option(
-            False, "--no-verify", help="Skip hashing the source (sizes/headers still checked)"
-        ),
-        digest: str = typer.Option(
-            CONVERT["digest"],
-            "--digest",
-            help=" | ".join(DIGESTS) + ": the source files' digests in provenance.json (xxh3_128: "
-            "fast, detects corrupted or swapped files; sha256: cryptographic, what `sha256sum` "
-            "and the Hub show). A titan-pipe checkpoint is checked against its manifest's sha256s",
-        ),
-        lora: str = typer.Option(
-            CONVERT["lora"],
-            "--lora",
-            help=" | ".join(LORA_CONVERT) + ": a LoRA checkpoint as the merged model (W + "
-            "alpha/rank B A, what export takes) or as a PEFT adapter dir for its base model",
-        ),
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
+        settings: ConvertConfig = None,
     ):
         """Convert a sharded checkpoint into one Hugging Face safetensors model (or reshard it)."""
         from titan_pipe.convert.api import convert_checkpoint
         from titan_pipe.convert.finite import describe
 
-        for flag, value, bound in (
-            ("--tp", tp, limits.PARALLEL),
-            ("--pp", pp, limits.PARALLEL),
-            ("--vocab-size", vocab_size, limits.VOCAB),
-        ):
-            limits.check_flag(flag, value, bound)
-
-        settings = section_from_flags(
-            ConvertConfig,
-            {
-                "source_format": "--from",
-                "naming": "--naming",
-                "dtype": "--dtype",
-                "max_shard_size": "--max-shard-size",
-                "tp": "--tp",
-                "pp": "--pp",
-                "vocab_size": "--vocab-size",
-                "source_config": "--model-config",
-                "digest": "--digest",
-                "lora": "--lora",
-            },
-            source_format=source_format,
-            naming=naming,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            tp=tp,
-            pp=pp,
-            vocab_size=vocab_size,
-            source_config=str(model_config) if model_config is not None else None,
-            verify=not no_verify,
-            digest=digest,
-            lora=lora,
-        )
         r = call_stage(
             "convert", convert_checkpoint, track=flow, src=src, out_dir=out, settings=settings, overwrite=overwrite
         )
@@ -128,20 +62,20 @@ def register(app: typer.Typer) -> None:
 
     @app.command("inspect")
     @handle_errors
+    @with_section(ConvertConfig, ("source_format", "vocab_size", "source_config"))  # convert's own options
     def inspect(
         src: Path = typer.Argument(..., help="Checkpoint dir to describe (no tensor data is read)"),
-        source_format: str = typer.Option("auto", "--from", help="auto | titan | dcp | megatron | hf"),
-        vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="True vocab size (Megatron)"),
-        model_config: Optional[Path] = typer.Option(None, "--model-config", help="params.json / config.json for DCP"),
+        settings: ConvertConfig = None,
     ):
         """Print a checkpoint's format, layout, parameters (shape, dtype, split) and size."""
         from rich.console import Console
 
         from titan_pipe.convert.inspect import inspect_checkpoint, render
 
-        limits.check_flag("--vocab-size", vocab_size, limits.VOCAB)
-
+        config = Path(settings.source_config) if settings.source_config is not None else None
         render(
-            inspect_checkpoint(src=src, source_format=source_format, vocab_size=vocab_size, model_config=model_config),
+            inspect_checkpoint(
+                src=src, source_format=settings.source_format, vocab_size=settings.vocab_size, model_config=config
+            ),
             Console(width=160),
         )

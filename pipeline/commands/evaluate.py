@@ -2,29 +2,27 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.markup import escape
 
-from titan_pipe import limits
-from titan_pipe.choices import DEVICES
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
-from titan_pipe.dtypes import FLOAT_NAMES
+from titan_pipe.commands.options import laid_over, with_section
+from titan_pipe.config import EvaluateConfig
 from titan_pipe.paths import resolve_inside
 
 
-RefDevice = Enum("RefDevice", {n: n for n in DEVICES}, type=str)  # titan_pipe.choices
-
-# --dtype choices: auto, then the float types of the dtype table.
-ThresholdDtype = Enum("ThresholdDtype", {n: n for n in ("auto", *FLOAT_NAMES)}, type=str)
+# The evaluate section's fields that are options here (their help, types and defaults: titan_pipe.config);
+# each one not given keeps --config's value (or the section's default)
+OPTIONS = ("dtype", "device", "batches", "operators", "dump", "max_memory")
 
 
 def register(app: typer.Typer) -> None:
     @app.command("evaluate")
     @handle_errors
+    @with_section(EvaluateConfig, OPTIONS, into="given", overlay="evaluate")
     def evaluate(
         out_dir: Path = typer.Option(..., "-o", "--out", help="REPORT_DIR for report.json/.md/.html, CSVs, plots"),
         checkpoint: Optional[Path] = typer.Option(
@@ -42,48 +40,20 @@ def register(app: typer.Typer) -> None:
             "a .bin/.idx prefix, used whole; a prepared dir: its validation documents; "
             "default: the validation split of --config's data, else of the shipped corpus)",
         ),
-        dtype: ThresholdDtype = typer.Option(
-            ThresholdDtype.auto, "--dtype", help="Threshold set to judge by (auto: each candidate's own dtype)"
-        ),
         config: Optional[Path] = typer.Option(
             None, "--config", help="flow.yaml whose evaluate section (batches, thresholds, ...) to use"
         ),
-        device: Optional[RefDevice] = typer.Option(
-            None,
-            "--device",
-            help="Where the PyTorch reference (and "
-            "the torchrun ranks) run; auto: npu, then cuda, then cpu "
-            "[default: evaluate.device, cpu]",
-        ),
-        batches: Optional[int] = typer.Option(None, "--batches", help="Number of held-out batches"),
-        operators: Optional[bool] = typer.Option(
-            None, "--operators/--no-operators", help="Run the operator conformance table"
-        ),
-        dump: Optional[bool] = typer.Option(
-            None,
-            "--dump/--no-dump",
-            help="Also write every compared tensor "
-            "pair as REPORT_DIR/dump/<comparison>/{golden,candidate}/<tensor>.npy "
-            "(for msit / msprobe compare)",
-        ),
-        max_memory: Optional[str] = typer.Option(
-            None,
-            "--max-memory",
-            help="Memory budget, e.g. 8GB or 6GiB: "
-            "whole graphs when they fit, else one decoder layer at a time; "
-            "auto: half the RAM available [default: evaluate.max_memory, auto]",
-        ),
         flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
+        given: dict = None,
     ):
         """Compare training checkpoint, unified model, ONNX and OM per layer, per operator, per dtype.
 
         Exit code 1 when any threshold fails (the verdict names the first diverging layer and operator).
         """
-        from titan_pipe.config import EvaluateConfig, load_flow, section_from_flags
+        from titan_pipe.config import load_flow
         from titan_pipe.evaluate.api import evaluate_model
         from titan_pipe.evaluate.batches import held_out_text
 
-        limits.check_flag("--batches", batches, limits.EVAL_BATCHES)
         flow_cfg = load_flow(config) if config is not None else None
         settings = flow_cfg.evaluate if flow_cfg is not None else EvaluateConfig()
         if data is None and flow_cfg is not None and flow_cfg.evaluate.data:
@@ -102,21 +72,7 @@ def register(app: typer.Typer) -> None:
             flow_dir=config.parent if config else None,
             run_dir=flow_cfg.run_dir() if flow_cfg is not None else None,
         )
-        updates: dict = {"dtype": dtype.value}
-        if batches is not None:
-            updates["batches"] = batches
-        if device is not None:
-            updates["device"] = device.value
-        if dump is not None:
-            updates["dump"] = dump
-        if operators is not None:
-            updates["operators"] = operators
-        if max_memory is not None:
-            updates["max_memory"] = max_memory
-        # validated as flow.yaml's section is (model_copy would skip the field rules): a bad value is one line
-        settings = section_from_flags(
-            EvaluateConfig, {k: "--" + k.replace("_", "-") for k in updates}, **{**settings.model_dump(), **updates}
-        )
+        settings = laid_over(settings, given)  # validated as flow.yaml's section is: a bad value is one line
         r = call_stage(
             "evaluate",
             evaluate_model,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from enum import Enum
 from typing import Any, Callable, Literal, Optional, get_args, get_origin
 
 import typer
@@ -41,53 +40,63 @@ def flags_of(cls: type[Section], names) -> dict[str, str]:
     return {n: flag_of(cls, n).split("/")[0] for n in names}
 
 
-def _choices(name: str, values: tuple) -> type[Enum]:
-    return Enum(name, {str(v): v for v in values}, type=str)
-
-
-def _annotation(cls: type[Section], name: str) -> tuple[Any, Any]:
-    """(the type typer shows for the field, how its default is given): a Literal becomes a choice."""
+def _annotation(cls: type[Section], name: str) -> tuple[Any, Any, str]:
+    """(the type typer parses the flag as, its default, the help): a Literal field is a string the
+    section checks (a bad value is then the section's one line naming the flag, as for every other
+    value), its choices named in the help."""
     f = cls.model_fields[name]
     ann = f.annotation
     optional = type(None) in get_args(ann)
     base = next(a for a in get_args(ann) if a is not type(None)) if optional else ann
+    help = f.description or ""
     if get_origin(base) is Literal:
-        enum = _choices(f"{cls.__name__}_{name}", get_args(base))
-        default = None if f.default is None else enum(f.default)
-        return (Optional[enum] if optional else enum), default
-    return (Optional[base] if optional else base), f.default
+        help = f"{help} ({' | '.join(map(str, get_args(base)))})"
+        base = str
+    return (Optional[base] if optional else base), f.default, help
 
 
-def section_options(cls: type[Section], names) -> list[inspect.Parameter]:
-    """The typer options of the fields ``names`` of section ``cls``, in that order."""
+def section_options(cls: type[Section], names, *, overlay: str | None = None) -> list[inspect.Parameter]:
+    """The typer options of the fields ``names`` of section ``cls``, in that order. ``overlay`` (the
+    section's flow.yaml name): each option defaults to not given (None), its help naming the
+    flow.yaml key and default it then keeps."""
     out = []
     for name in names:
-        f = cls.model_fields[name]
-        ann, default = _annotation(cls, name)
-        option = typer.Option(default, flag_of(cls, name), help=f.description)
+        ann, default, help = _annotation(cls, name)
+        if overlay is not None:
+            shown = default
+            if ann is bool:
+                shown = str(shown).lower()
+            help = f"{help} \\[default: {overlay}.{name}, {shown}]"  # escaped: rich markup would eat [...]
+            ann, default = (ann if type(None) in get_args(ann) else Optional[ann]), None
+        option = typer.Option(default, flag_of(cls, name), help=help, show_default=overlay is None)
         out.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=ann))
     return out
 
 
-def with_section(cls: type[Section], names=None, *, into: str = "settings") -> Callable[[Callable], Callable]:
+def with_section(
+    cls: type[Section], names=None, *, into: str = "settings", overlay: str | None = None
+) -> Callable[[Callable], Callable]:
     """Give a command the options of section ``cls``'s fields ``names`` (None: every field, in its
     order) and call it with the section they make, validated as flow.yaml's section is, as keyword
-    ``into``."""
+    ``into``. ``overlay`` (the section's flow.yaml name): the command gets instead the values given,
+    {field: value}, to lay over a section it reads (``given_values`` validates the result)."""
     names = tuple(cls.model_fields) if names is None else tuple(names)
 
     def wrap(fn: Callable) -> Callable:
         own = [p for n, p in inspect.signature(fn).parameters.items() if n != into]
-        extra = section_options(cls, names)
+        extra = section_options(cls, names, overlay=overlay)
 
         @functools.wraps(fn)
         def command(**kwargs):
             values = {n: kwargs.pop(n) for n in names}
-            values = {k: v.value if isinstance(v, Enum) else v for k, v in values.items()}
             for name, flag in flags_of(cls, names).items():
                 bound = limit_of(cls, name)
                 if bound is not None and isinstance(values[name], (int, float)):
                     limits.check_flag(flag, values[name], bound)  # one line saying why, with the range
-            kwargs[into] = section_from_flags(cls, flags_of(cls, names), **values)
+            if overlay is not None:
+                kwargs[into] = {k: v for k, v in values.items() if v is not None}
+            else:
+                kwargs[into] = section_from_flags(cls, flags_of(cls, names), **values)
             return fn(**kwargs)
 
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra
@@ -95,3 +104,10 @@ def with_section(cls: type[Section], names=None, *, into: str = "settings") -> C
         return command
 
     return wrap
+
+
+def laid_over(section: Section, given: dict) -> Section:
+    """``section`` with the values a command's flags gave laid over it, validated as flow.yaml's
+    section is: a bad value is one line naming the flag."""
+    cls = type(section)
+    return section_from_flags(cls, flags_of(cls, given), **{**section.model_dump(), **given})
