@@ -30,7 +30,9 @@ def test_every_operator_dtype_case_has_a_row(table):
         "linear_bias",
         "qk_norm",
         "attention_window",
-    }  # Qwen2, Qwen3, Mistral
+        "rms_norm_offset",
+        "geglu",
+    }  # Qwen2, Qwen3, Mistral, Gemma 3
 
 
 def test_float32_all_pass(table):

@@ -182,7 +182,7 @@ def test_adapters_have_rows_in_the_sharding_table():
     # beside a column-split base: A replicated, B split by rows; beside a row-split base: A by columns, B whole
     assert [tp_split_dim(f"layers.0.attention.lora.wq.{p}.weight") for p in "ab"] == [None, 0]
     assert [tp_split_dim(f"layers.0.feed_forward.lora.w2.{p}.weight") for p in "ab"] == [1, None]
-    assert param_of("layers.3.attention.lora.wo.b.weight").tp == "replicate"
+    assert param_of("layers.3.attention.lora.wo.b.weight").tp == "replicate_output"
     assert {r.module for r in TP_PLAN if ".lora." in r.module} >= {
         "layers.*.attention.lora.wq.a",
         "layers.*.feed_forward.lora.w3.b",
