@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from titan_pipe.checkpoint_format import complete_step
 from titan_pipe.config import EvaluateConfig
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate import compare as cmp
@@ -118,6 +119,8 @@ def evaluate_model(
     """
     settings = settings or EvaluateConfig()
     data = data if data is not None else settings.data  # flow.yaml evaluate.data
+    if checkpoint is not None and Path(checkpoint).is_dir():  # a run dir or its checkpoints/: the newest complete step
+        checkpoint = complete_step(Path(checkpoint)) or checkpoint
     check_inputs(checkpoint=checkpoint, model_dir=model_dir, onnx=onnx, om=om, data=data)
     if data is not None and split is not None:
         raise UserError(

@@ -45,7 +45,7 @@ def _check_path(flag: str, p: Path, kind: str) -> None:
     if flag == "--checkpoint" and not is_complete(p) and not other_format(p):
         raise UserError(
             f"--checkpoint {p}: no manifest.json, so not a complete titan-pipe checkpoint (nor a torch DCP / "
-            "torchtitan step or a Megatron-LM checkpoint); pass runs/<name>/checkpoints/step-XXXXXX (the "
+            "torchtitan step or a Megatron-LM checkpoint, nor a run dir holding one); pass runs/<name>, its checkpoints/ or a step-XXXXXX in it (the "
             "manifest is written last)"
         )
     if kind == "file" and not p.is_file():

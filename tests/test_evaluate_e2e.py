@@ -46,7 +46,7 @@ def test_tp2_pp2_every_comparison_runs_and_passes(trained):
     out = trained["root"] / "report"
     r = evaluate_model(
         out_dir=out,
-        checkpoint=trained["checkpoint"],
+        checkpoint=trained["checkpoint"].parent.parent,  # the run dir: its newest complete step is taken
         model_dir=trained["model_dir"],
         onnx=trained["onnx"],
         settings=EvaluateConfig(batches=1, prompts=2, new_tokens=6),
@@ -58,7 +58,7 @@ def test_tp2_pp2_every_comparison_runs_and_passes(trained):
     assert st["om"] == "skipped: no Ascend runtime" and st["npu_fused"] == "skipped: no NPU"
     rep = json.loads(r.report_json.read_text())
     sharded = next(c for c in rep["comparisons"] if c["id"] == "sharded_vs_unified")
-    assert sharded["reference"].startswith("torchrun tp2 pp2")
+    assert sharded["reference"] == f"torchrun tp2 pp2 ({trained['checkpoint'].name})"
     assert [row["tensor"] for row in sharded["rows"]] == ["hidden.0", "hidden.1", "hidden.2", "hidden.3", "logits"]
     assert sharded["rows"][-1]["metrics"]["max_abs"] <= 1e-5  # TP reduction order only
     ppl = r.summary["perplexity"]
