@@ -28,7 +28,7 @@ from titan_pipe.convert.finite import has_nonfinite
 from titan_pipe.weights.readers.store import Store, contiguous_span
 from titan_pipe.weights.read import deinterleave_rope, read_global
 from titan_pipe.weights.source_plan import OutFile, OutTensor, Read
-from titan_pipe.convert.writer import Entry, SafetensorsWriter
+from titan_pipe.safetensors_io import Entry, SafetensorsWriter
 from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
 

@@ -21,6 +21,8 @@ import re
 import sys
 from pathlib import Path
 
+from titan_pipe.safetensors_io import load
+
 MODULE = "titan_pipe.training.sharded_forward"
 TOKENS_FILE = "tokens.safetensors"
 LOGITS_FILE = "logits.safetensors"
@@ -101,14 +103,12 @@ def read_done(out_dir: Path) -> dict:
 
 def read_outputs(out_dir: Path, *, n_batches: int, n_layers: int) -> list[tuple]:
     """(logits (B, T, vocab), [hidden (B, T, dim) per layer] or [] if any layer is missing) per batch."""
-    from safetensors.torch import load_file
-
     out_dir = Path(out_dir)
     done = read_done(out_dir)
-    logits = load_file(str(out_dir / LOGITS_FILE))
+    logits = load(out_dir / LOGITS_FILE)
     hidden: dict = {}
     for f in done["hidden_files"]:
-        hidden.update(load_file(str(out_dir / Path(f).name)))
+        hidden.update(load(out_dir / Path(f).name))
     out = []
     for i in range(n_batches):
         hs = [hidden[hidden_key(i, j)] for j in range(n_layers) if hidden_key(i, j) in hidden]

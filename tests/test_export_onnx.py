@@ -13,7 +13,7 @@ from titan_pipe.config import ExportConfig
 from titan_pipe.convert.onnx.export import export_model
 from titan_pipe.graph_io import data_file_names
 from titan_pipe.generation import generate_padded
-from titan_pipe.safetensors_header import read_header
+from titan_pipe.safetensors_io import read_header
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -162,3 +162,23 @@ def test_the_model_package_imports_its_own_modules_at_the_top_only():
                     )
                     lazy += [f"{path.name}:{inner.lineno} {n}" for n in names if n.startswith("titan_pipe")]
     assert not lazy, lazy
+
+
+def test_safetensors_is_read_and_written_in_one_module():
+    """Every safetensors read and write goes through titan_pipe.safetensors_io (the header, ranged,
+    mapped and whole reads, the streaming writer): no other source file imports the library."""
+    found = []
+    for folder in FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path.name == "safetensors_io.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and not node.level
+                    else []
+                )
+                found += [f"{path.relative_to(REPO)}:{node.lineno}" for n in names if n.split(".")[0] == "safetensors"]
+    assert not found, found

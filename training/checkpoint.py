@@ -21,7 +21,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -31,6 +30,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate
 
 from titan_pipe.atomic import atomic_file, copy_file, write_text
+from titan_pipe.safetensors_io import save
 from titan_pipe.checkpoint_format import (
     MANIFEST_NAME,
     STEP_DIR,
@@ -78,7 +78,7 @@ def tp_local(p: torch.Tensor) -> torch.Tensor:
 def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> FileInfo:
     """Write to a temp name in the same dir, then rename: a reader never sees half a file."""
     with atomic_file(path) as tmp:
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp))
+        save({k: v.contiguous().cpu() for k, v in tensors.items()}, tmp)
     return FileInfo(size=path.stat().st_size, sha256=sha256_file(path))
 
 

@@ -51,12 +51,11 @@ def main(argv: list[str] | None = None) -> None:
 
     rank_dies_with_launcher()
 
-    from safetensors.torch import load_file, save_file
-
     from titan_pipe import sharded_outputs as so
     from titan_pipe.checkpoint_format import open_checkpoint
     from titan_pipe.devices import resolve_device, set_local_device
     from titan_pipe.host_memory import peak_rss_bytes
+    from titan_pipe.safetensors_io import load, save
     from titan_pipe.model.args import ModelArgs
     from titan_pipe.model.kernels import resolve_kernels
     from titan_pipe.model.weights import open_weights
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             lora=getattr(weights, "lora", None) if not a.streamed else None,
         )
         captured = _capture(pm)
-        batches = load_file(str(a.tokens))
+        batches = load(a.tokens)
         logits_out, hidden_out = {}, {}
         for i in range(len(batches)):
             tokens = batches[so.batch_key(i)].to(device.torch_device(local_rank))
@@ -101,9 +100,9 @@ def main(argv: list[str] | None = None) -> None:
         rank = dist.get_rank()
         dp_rank, pp_rank, tp_rank = dims.coords(rank)
         if dp_rank == 0 and tp_rank == 0:
-            save_file(hidden_out, str(a.out / so.hidden_file(pp_rank)))
+            save(hidden_out, a.out / so.hidden_file(pp_rank))
         if rank == 0:
-            save_file(logits_out, str(a.out / so.LOGITS_FILE))
+            save(logits_out, a.out / so.LOGITS_FILE)
         peaks: list | None = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(peak_rss_bytes(), peaks, dst=0)  # after every file above: a barrier too
         if rank == 0:

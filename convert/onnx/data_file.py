@@ -52,7 +52,7 @@ import numpy as np
 
 from titan_pipe.convert.casts import bits_dtype, cast_bits
 from titan_pipe.convert.onnx.weights import DataEntry
-from titan_pipe.weights.readers.store import pread_into
+from titan_pipe.safetensors_io import pread_into
 from titan_pipe.dtypes import BY_NAME, DTYPE_SIZES
 from titan_pipe.errors import UserError
 from titan_pipe.hashing import new_hasher

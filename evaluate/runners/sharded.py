@@ -17,6 +17,7 @@ from titan_pipe.evaluate.runners.outputs import Outputs
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.params import native_shapes
 from titan_pipe.model.sharding import layer_id, split_stages, stage_of, stage_ranks, stages_per_rank, tp_split_dim
+from titan_pipe.safetensors_io import save
 
 
 def pp_rank_bytes(args: ModelArgs, layout: ParallelLayout) -> list[tuple[int, int]]:
@@ -87,12 +88,10 @@ class DistributedRunner:
 
     def run_all(self, batches: list[torch.Tensor]) -> list[Outputs]:
         """All batches in one torchrun launch; StageFailed with the ranks' last log lines on error."""
-        from safetensors.torch import save_file
-
         with scratch_dir("titan-eval-dist") as tmp:  # a killed run's is removed by the next one
-            save_file(
+            save(
                 {sharded_outputs.batch_key(i): b.contiguous() for i, b in enumerate(batches)},
-                str(tmp / sharded_outputs.TOKENS_FILE),
+                tmp / sharded_outputs.TOKENS_FILE,
             )
             cmd = sharded_outputs.command(
                 world_size=self.world_size,

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import safe_open  # our checkpoint's shards (a unified dir: titan_pipe.model.unified_dir)
 
 from titan_pipe.checkpoint_format import (
     MANIFEST_NAME,
@@ -32,6 +31,7 @@ from titan_pipe.model.unified_dir import CONFIG, INDEX, open_unified
 from titan_pipe.weights.detect import open_source, other_format
 from titan_pipe.weights.read import read_global
 from titan_pipe.paths import resolve_inside
+from titan_pipe.safetensors_io import open_tensors
 
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python names it from 3.13 on
 
@@ -85,7 +85,7 @@ class CheckpointWeights:
     def _file(self, rel: str):
         if rel not in self._open:
             verify_file(self._paths[rel], self.manifest.files[rel], manifest=self.dir / MANIFEST_NAME)
-            self._open[rel] = safe_open(str(self._paths[rel]), framework="pt")
+            self._open[rel] = open_tensors(self._paths[rel])
         return self._open[rel]
 
     def close(self) -> None:

@@ -41,8 +41,9 @@ from titan_pipe.weights.readers.dcp_metadata import (
     TensorStorageMetadata,
     torch_global,
 )
-from titan_pipe.weights.readers.store import SafetensorsStore, pread_into
-from titan_pipe.safetensors_header import StoredTensor, read_header
+from titan_pipe.safetensors_io import pread_into
+from titan_pipe.weights.readers.store import SafetensorsStore
+from titan_pipe.safetensors_io import StoredTensor, read_header
 from titan_pipe.weights.readers.torch_save import SavedTensor
 from titan_pipe.weights.source_plan import Read, SourcePlan, TensorPlan, check_accounted
 from titan_pipe.dtypes import DTYPE_SIZES

@@ -38,7 +38,7 @@ from titan_pipe.model.lora import (
 )
 from titan_pipe.model.names import native_to_hf
 from titan_pipe.paths import resolve_inside
-from titan_pipe.safetensors_header import read_header
+from titan_pipe.safetensors_io import read_header
 
 FORMAT = "titan"
 ADAPTER_FORMAT = "peft-adapter"  # SourcePlan.layout["lora"] of an adapter reading

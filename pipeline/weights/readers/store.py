@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from titan_pipe.checkpoint_format import Box
 from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
-from titan_pipe.safetensors_header import StoredTensor, read_header
+from titan_pipe.safetensors_io import StoredTensor, pread_into, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -37,18 +37,6 @@ def contiguous_span(shape: tuple[int, ...], box: Box, itemsize: int) -> tuple[in
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     offset = sum(o * s for o, s in zip(box.offsets, strides))
     return offset * itemsize, box.numel * itemsize
-
-
-def pread_into(fd: int, buf: memoryview, offset: int, path: Path) -> None:
-    """Fill ``buf`` from ``fd`` at ``offset`` (pread may return short counts)."""
-    done = 0
-    while done < len(buf):
-        got = os.preadv(fd, [buf[done:]], offset + done)
-        if got == 0:
-            raise UserError(
-                f"{path}: ended early while reading byte {offset + done}; the file was truncated during the conversion"
-            )
-        done += got
 
 
 class Store:

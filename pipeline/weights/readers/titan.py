@@ -11,7 +11,7 @@ from pathlib import Path
 
 from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, Manifest, newest_complete, open_checkpoint
 from titan_pipe.weights.readers.store import SafetensorsStore
-from titan_pipe.safetensors_header import read_header
+from titan_pipe.safetensors_io import read_header
 from titan_pipe.weights.source_plan import Read, SourcePlan, TensorPlan, check_accounted
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs, check_fits

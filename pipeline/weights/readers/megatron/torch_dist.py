@@ -58,7 +58,7 @@ from titan_pipe.weights.readers.megatron.common import (
     true_vocab,
     vocab_read,
 )
-from titan_pipe.safetensors_header import StoredTensor
+from titan_pipe.safetensors_io import StoredTensor
 from titan_pipe.weights.readers.torch_save import SavedTensor
 from titan_pipe.weights.source_plan import Read, SourcePlan
 from titan_pipe.errors import UserError
