@@ -178,18 +178,39 @@ class DataConfig(Section):
     # dir or a Megatron .bin/.idx prefix; None: the shipped corpus (docs/data.md)
     path: str | None = None
     blend: list[BlendEntry] | None = None  # prepared dirs / prefixes mixed by weight, instead of path
-    tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
-    text_key: str = "text"  # field of a jsonl record (column of a parquet file) holding the text
-    val_fraction: float = Field(0.05, ge=0, lt=1)  # held out as whole documents (a prepared dir: its own)
+    # `titan-pipe data prepare`'s options are made from the fields below (titan_pipe.commands.options)
+    tokenizer: str = Field("byte", description="byte, or a Hugging Face tokenizer.json")
+    text_key: str = Field("text", description="the text field of .jsonl / column of .parquet")
+    val_fraction: float = Field(
+        0.05, ge=0, lt=1, description="held out as whole documents from the end, for validation"
+    )  # (a prepared dir: its own)
     # raw .jsonl of chat ("messages") or instruction (prompt/response) records: rendered with the chat
     # template and masked to the answers when prepared (titan_pipe.tokens.chat); trained with train.mode sft
-    format: Literal[RECORD_FORMATS] = "text"
-    chat_template: str = "model"  # model (the tokenizer's own) | chatml | llama3 | a .jinja file
+    format: Literal[RECORD_FORMATS] = Field(
+        "text",
+        description="text; chat (jsonl 'messages') or instruction (jsonl prompt/response): rendered with the chat "
+        "template, loss on answers",
+    )
+    chat_template: str = Field(
+        "model", description="chat/instruction: model (the tokenizer's own), chatml, llama3, or a .jinja file"
+    )
     # chat/instruction records prepared from data.path: a conversation over max_tokens is left out as a
     # bad record (None: kept; sft then refuses those over train.seq_len), and prepare fails when bad
-    # records pass max_bad_fraction of them (`data prepare --max-tokens / --max-bad-fraction`)
-    max_tokens: int | None = Field(None, ge=2, le=limits.SEQ_LEN.hi)
-    max_bad_fraction: float = Field(limits.MAX_BAD_FRACTION, ge=0, lt=1)
+    # records pass max_bad_fraction of them
+    max_tokens: int | None = Field(
+        None,
+        ge=2,
+        le=limits.SEQ_LEN.hi,
+        description="chat/instruction: a conversation longer than this (train.seq_len: a packed window holds a "
+        "whole conversation) is left out as bad",
+    )
+    max_bad_fraction: float = Field(
+        limits.MAX_BAD_FRACTION,
+        ge=0,
+        lt=1,
+        description="chat/instruction: records that may be left out (counted, the first named in data.json) "
+        "before prepare fails",
+    )
 
     @model_validator(mode="after")
     def _one_source(self):

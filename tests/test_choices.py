@@ -302,3 +302,22 @@ def test_evaluate_flags_are_checked_as_the_flow_yaml_section_is(tmp_path, flag, 
     r = CliRunner().invoke(app, ["evaluate", "-o", str(tmp_path / "rep"), "--model-dir", str(tmp_path), flag, value])
     assert r.exit_code == 1 and says in " ".join(r.output.split()), r.output
     assert "Traceback" not in r.output and not (tmp_path / "rep").exists()
+
+
+def test_data_prepare_options_are_the_data_sections_fields():
+    """`titan-pipe data prepare`'s tokenizer / split / chat options are flow.yaml's data keys: the same
+    names, defaults and bounds (a --val-fraction of 1.5 is the section's one line naming the flag)."""
+    from typer.testing import CliRunner
+
+    from titan_pipe.commands.data import PREPARE_OPTIONS, prepare
+    from titan_pipe.config import DataConfig
+
+    params = inspect.signature(prepare).parameters
+    d = DataConfig()
+    for key in PREPARE_OPTIONS:
+        assert params[key].default.default == getattr(d, key), key
+        assert params[key].default.param_decls == ("--" + key.replace("_", "-"),), key
+    from titan_pipe.cli import app
+
+    r = CliRunner().invoke(app, ["data", "prepare", "x.txt", "-o", "out", "--val-fraction", "1.5"])
+    assert r.exit_code == 1 and "--val-fraction: Input should be less than 1 (got 1.5)" in r.output, r.output

@@ -9,53 +9,33 @@ import typer
 
 from titan_pipe import limits
 from titan_pipe.commands.common import call_stage, console, handle_errors
+from titan_pipe.commands.options import with_section
+from titan_pipe.config import DataConfig
 
 data_app = typer.Typer(
     help="Prepare and inspect token data (Megatron indexed .bin/.idx + data.json).", no_args_is_help=True
 )
 
 
+# The data section's fields that are `data prepare` options (their help, types and defaults: titan_pipe.config)
+PREPARE_OPTIONS = ("tokenizer", "val_fraction", "text_key", "format", "chat_template", "max_tokens", "max_bad_fraction")
+
+
 @data_app.command()
 @handle_errors
+@with_section(DataConfig, PREPARE_OPTIONS)
 def prepare(
     sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.gz/.parquet files or directories"),
     out: Path = typer.Option(..., "-o", "--out", help="the prepared data dir to write"),
-    tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, or a Hugging Face tokenizer.json"),
     workers: Optional[int] = typer.Option(
         None, "--workers", help="tokenizer processes (default: the usable CPUs, at most 8; 1 for corpora under 8 MB)"
     ),
-    val_fraction: float = typer.Option(
-        0.05, "--val-fraction", help="held out as whole documents from the end, for validation"
-    ),
-    text_key: str = typer.Option("text", "--text-key", help="the text field of .jsonl / column of .parquet"),
     shard: Optional[str] = typer.Option(
         None,
         "--shard",
         help="I/N: prepare only part I of N of the sources (one host each; `data merge` joins the parts)",
     ),
-    records: str = typer.Option(
-        "text",
-        "--format",
-        help="text; chat (jsonl 'messages') or instruction "
-        "(jsonl prompt/response): rendered with the chat template, loss on answers",
-    ),
-    chat_template: str = typer.Option(
-        "model",
-        "--chat-template",
-        help="chat/instruction: model (the tokenizer's own), chatml, llama3, or a .jinja file",
-    ),
-    max_tokens: Optional[int] = typer.Option(
-        None,
-        "--max-tokens",
-        help="chat/instruction: a conversation "
-        "longer than this (train.seq_len: a packed window holds a whole conversation) is left out as bad",
-    ),
-    max_bad: float = typer.Option(
-        0.01,
-        "--max-bad-fraction",
-        help="chat/instruction: records that may be "
-        "left out (counted, the first named in data.json) before prepare fails",
-    ),
+    settings: DataConfig = None,
 ):
     """Tokenize SOURCES once into OUT (tokens.bin + tokens.idx + data.json; chat data also
     tokens.lossmask); a no-op when OUT is current."""
@@ -71,16 +51,16 @@ def prepare(
         track=False,
         sources=sources,
         out_dir=out,
-        tokenizer=tokenizer,
+        tokenizer=settings.tokenizer,
         workers=workers,
-        val_fraction=val_fraction,
-        text_key=text_key,
+        val_fraction=settings.val_fraction,
+        text_key=settings.text_key,
         progress=True,
         shard=part,
-        records=records,
-        chat_template=chat_template,
-        max_tokens=max_tokens,
-        max_bad=max_bad,
+        records=settings.format,
+        chat_template=settings.chat_template,
+        max_tokens=settings.max_tokens,
+        max_bad=settings.max_bad_fraction,
     )
     rec = r.record
     if r.reused:
