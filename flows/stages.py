@@ -88,6 +88,9 @@ class Stage:
     call: Callable[[Callable, Context], object]  # (the task, the flow's context) -> StageOutput
     figures: Callable[[dict, bool | None], list]  # (summary, passed) -> the parts of its one line
     tables: Callable[[object], list[Table]]  # (StageOutput) -> its artifacts
+    # its run continues an interrupted one of the same key (training: the flow moves other settings'
+    # checkpoints aside, or resumes from the newest complete one)
+    resumes: bool = False
 
 
 def _chat_keys(cfg: FlowConfig) -> set[str]:
@@ -264,7 +267,7 @@ STAGES: tuple[Stage, ...] = (
         _data_figures,
         _no_tables,
     ),
-    Stage("train", _train_inputs, _train_call, _train_figures, _train_tables),
+    Stage("train", _train_inputs, _train_call, _train_figures, _train_tables, resumes=True),
     Stage(
         "convert",
         _convert_inputs,

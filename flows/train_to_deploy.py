@@ -225,7 +225,7 @@ def _run_stages(
             )
             (api_only_logger() or log).info(f"{stage}: running ({why})")  # the event's line says it on the console
             cache.clear_record(run_dir, stage)
-            resume = _prepare_training(run_dir, key, action) if stage == "train" else False
+            resume = _prepare_training(run_dir, key, action) if stage_record(stage).resumes else False
             _emit(StageEvent(stage, "running", message=why))
             t0 = time.perf_counter()
             try:
