@@ -102,9 +102,19 @@ def test_layer_types_that_are_not_every_nth_and_scaled_sliding_layers_are_refuse
 
 
 def test_all_full_or_all_sliding_layers_read_as_one_attention():
-    full = from_hf_config(dict(G1, sliding_window_pattern=1), source="cfg.json")
+    """Every layer global: full attention with the global RoPE (scaled where the config says); every
+    layer sliding: the window with the local base, unscaled, as transformers runs them; either
+    spelling of each reads as one model and writes back as it."""
+    scaled = dict(G1, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    full = from_hf_config(dict(scaled, sliding_window_pattern=1), source="cfg.json")
     assert full.sliding_window is None and full.global_every == 0 and full.rope_local_theta is None
-    assert from_hf_config(dict(_v5(G1), layer_types=[SLIDING] * 26), source="cfg.json").global_every == 0
+    assert full.rope_theta == 1e6 and full.rope_scaling == RopeScaling(factor=8.0, rope_type="linear")
+    sliding = from_hf_config(dict(_v5(scaled), layer_types=[SLIDING] * 26), source="cfg.json")
+    assert sliding.global_every == 0 and sliding.sliding_window == 512 and sliding.rope_local_theta is None
+    assert sliding.rope_theta == 1e4 and sliding.rope_scaling is None  # the sliding layers' RoPE
+    assert from_hf_config(dict(scaled, sliding_window_pattern=27), source="cfg.json") == sliding
+    for args in (full, sliding):
+        assert from_hf_config(to_hf_config(args), source="back") == args
 
 
 def test_the_multimodal_gemma3_is_named_not_guessed():

@@ -164,7 +164,10 @@ def read_config(cfg: dict, *, n_layers: int, source: str) -> dict:
         )
     window = read(cfg, "sliding_window", INT, source=source, default=DEFAULTS["sliding_window"], bound=limits.POSITIONS)
     every = _global_every(cfg, n_layers, window, source)
+    every = 0 if every > n_layers else every  # a pattern longer than the model: no layer is global
     theta, local, scaling = _rope(cfg, source)
+    if every == 0:  # every layer slides: each rotates with the local base, unscaled (one RoPE for all)
+        theta, scaling = local, None
     tie = read(cfg, "tie_word_embeddings", BOOL, source=source, default=DEFAULTS["tie_word_embeddings"])
     return {
         **REQUIRED,
