@@ -66,6 +66,20 @@ def render(r: InspectResult, console: Console) -> None:
     variant = [k for k, on in (("q/k/v biases", m.get("qkv_bias")), ("q/k norms", m.get("qk_norm"))) if on]
     if m.get("sliding_window"):
         variant.append(f"sliding window {m['sliding_window']}")
+    if m.get("global_every"):  # Gemma 3: one global layer in N, with its own RoPE base
+        variant.append(
+            f"1 global layer in {m['global_every']} (RoPE base {m['rope_theta']:,.0f}, sliding {m['rope_local_theta']:,.0f})"
+        )
+    variant += [
+        k
+        for k, on in (
+            ("norm weights offset from 1", m.get("norm_offset")),
+            ("norms after attention and MLP too", m.get("sandwich_norms")),
+            ("GeGLU", m.get("activation") == "gelu_tanh"),
+            ("embeddings x sqrt(dim)", m.get("embed_scale")),
+        )
+        if on
+    ]
     console.print(
         f"model: dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads "
         f"({m['n_kv_heads'] or m['n_heads']} kv) of {m.get('head_dim') or m['dim'] // m['n_heads']}, "
