@@ -79,7 +79,7 @@ def with_section(
     """Give a command the options of section ``cls``'s fields ``names`` (None: every field, in its
     order) and call it with the section they make, validated as flow.yaml's section is, as keyword
     ``into``. ``overlay`` (the section's flow.yaml name): the command gets instead the values given,
-    {field: value}, to lay over a section it reads (``given_values`` validates the result)."""
+    {field: value}, to lay over a section it reads (``laid_over`` validates the result)."""
     names = tuple(cls.model_fields) if names is None else tuple(names)
 
     def wrap(fn: Callable) -> Callable:
