@@ -178,13 +178,8 @@ def _convert_figures(s: dict, passed: bool | None) -> list:
     ]
 
 
-def _summary_table(description: str) -> Callable[[object], list[Table]]:
-    def tables(out) -> list[Table]:
-        return [
-            Table("summary", description(out) if callable(description) else description, key_value_table(out.summary))
-        ]
-
-    return tables
+def _convert_tables(out) -> list[Table]:
+    return [Table("summary", "Conversion summary", key_value_table(out.summary))]
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -275,7 +270,7 @@ STAGES: tuple[Stage, ...] = (
             checkpoint=c.path("train", "checkpoint"), out_dir=RunDir(c.run_dir).model, settings=c.cfg.convert
         ),
         _convert_figures,
-        _summary_table("Conversion summary"),
+        _convert_tables,
     ),
     Stage(
         "export",

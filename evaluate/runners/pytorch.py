@@ -44,7 +44,7 @@ from titan_pipe.evaluate.runners.outputs import Outputs, OutputsSink
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels, reference_kernels, rms_norm_offset
 from titan_pipe.model.params import native_shapes
-from titan_pipe.model.transformer import TransformerBlock, rope_cos_sin
+from titan_pipe.model.transformer import TransformerBlock, rope_cos_sin, scale_embeddings
 
 _ALIGN = 16  # float32 elements: 64 bytes, where the CPU allocator starts every tensor
 
@@ -277,10 +277,7 @@ class LayeredModel:
     def embed(self, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
         """(B, T) ids each -> (B, T, dim) float32: rows gathered in the stored dtype, then cast (exact)."""
         table = self._top("tok_embeddings.weight", cast=False)
-        rows = [F.embedding(t.to(self.device), table).to(torch.float32) for t in seqs]
-        if self.args.embed_scale:  # Gemma: times sqrt(dim), as the module does in float32
-            rows = [r * torch.tensor(self.args.dim**0.5, dtype=torch.float32) for r in rows]
-        return rows
+        return [scale_embeddings(F.embedding(t.to(self.device), table).to(torch.float32), self.args) for t in seqs]
 
     def head(self, hs: list[torch.Tensor]) -> list[torch.Tensor]:
         """(B, T, dim) each -> logits (B, T, vocab) float32 on the CPU: final norm, output projection."""

@@ -82,6 +82,9 @@ def with_section(
     {field: value}, to lay over a section it reads (``laid_over`` validates the result)."""
     names = tuple(cls.model_fields) if names is None else tuple(names)
 
+    flags = flags_of(cls, names)
+    bounds = {n: b for n in names if (b := limit_of(cls, n)) is not None}
+
     def wrap(fn: Callable) -> Callable:
         own = [p for n, p in inspect.signature(fn).parameters.items() if n != into]
         extra = section_options(cls, names, overlay=overlay)
@@ -89,14 +92,13 @@ def with_section(
         @functools.wraps(fn)
         def command(**kwargs):
             values = {n: kwargs.pop(n) for n in names}
-            for name, flag in flags_of(cls, names).items():
-                bound = limit_of(cls, name)
-                if bound is not None and isinstance(values[name], (int, float)):
-                    limits.check_flag(flag, values[name], bound)  # one line saying why, with the range
+            for name, bound in bounds.items():
+                if isinstance(values[name], (int, float)):
+                    limits.check_flag(flags[name], values[name], bound)  # one line saying why, with the range
             if overlay is not None:
                 kwargs[into] = {k: v for k, v in values.items() if v is not None}
             else:
-                kwargs[into] = section_from_flags(cls, flags_of(cls, names), **values)
+                kwargs[into] = section_from_flags(cls, flags, **values)
             return fn(**kwargs)
 
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own] + extra

@@ -46,17 +46,7 @@ DEFAULTS = {
 }
 
 
-def features(args: ModelArgs) -> dict[str, object]:
-    """Gemma 3's switches as ``args`` sets them (what to_hf_config must be able to say)."""
-    return {
-        "norm_offset": args.norm_offset,
-        "sandwich_norms": args.sandwich_norms,
-        "embed_scale": args.embed_scale,
-        "activation": args.activation,
-        "qk_norm": args.qk_norm,
-    }
-
-
+# The switches Gemma 3 always has, together
 REQUIRED = {
     "norm_offset": True,
     "sandwich_norms": True,
@@ -90,8 +80,7 @@ def uses_any(args: ModelArgs) -> bool:
 
 def problem(args: ModelArgs) -> str | None:
     """Why Gemma3ForCausalLM cannot hold ``args``; None when it can."""
-    have = features(args)
-    missing = [f"{k}: {have[k]}" for k, v in REQUIRED.items() if have[k] != v]
+    missing = [f"{k}: {getattr(args, k)}" for k, v in REQUIRED.items() if getattr(args, k) != v]
     if missing:
         return (
             f"Gemma 3 computes {', '.join(f'{k}: {v}' for k, v in REQUIRED.items())}, together; this model "

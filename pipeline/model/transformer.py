@@ -299,6 +299,13 @@ def balance_loss(assigned: torch.Tensor, prob: torch.Tensor, rows, n_experts: in
     return loss if scale == 1 else loss.detach() + scale * (loss - loss.detach())
 
 
+def scale_embeddings(h: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Embedding rows times sqrt(dim), rounded to their dtype, with ``embed_scale`` (Gemma); else as they are."""
+    if not args.embed_scale:
+        return h
+    return h * torch.tensor(args.dim**0.5, dtype=h.dtype, device=h.device)
+
+
 class Transformer(nn.Module):
     """Decoder-only LLaMA. forward(tokens (B, T) int64) -> logits (B, T, vocab).
 
@@ -377,11 +384,8 @@ class Transformer(nn.Module):
         return loss if aux is None else loss + aux
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The embeddings of ``tokens``, times sqrt(dim) in their dtype with ``embed_scale`` (Gemma)."""
-        h = self.tok_embeddings(tokens)
-        if not self.args.embed_scale:
-            return h
-        return h * torch.tensor(self.args.dim**0.5, dtype=h.dtype, device=h.device)
+        """The embeddings of ``tokens`` (scaled: ``scale_embeddings``)."""
+        return scale_embeddings(self.tok_embeddings(tokens), self.args)
 
     def _rope(
         self, cos: torch.Tensor, sin: torch.Tensor, h: torch.Tensor, positions: torch.Tensor | None
