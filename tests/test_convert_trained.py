@@ -51,7 +51,7 @@ def trained(tmp_path_factory):
         "--standalone",
         "--nproc_per_node=8",
         "-m",
-        "titan_pipe.training.trainer",
+        "titan_pipe.training.rank",
         "--flow",
         str(work / "flow.yaml"),
     ]

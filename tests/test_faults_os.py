@@ -227,33 +227,39 @@ def test_fault_message_names_the_output_file_and_never_calls_a_read_a_write(tmp_
     assert faults.as_fault(ValueError("a bug"), path=out, what="x") is None
 
 
-def test_a_rank_fault_line_is_the_launch_error(tmp_path):
+def test_a_rank_fault_record_is_the_launch_error(tmp_path):
     from titan_pipe.errors import StageFailed
     from titan_pipe.run_dir import RunDir
     from titan_pipe.training.failure import launch_failure
+    from titan_pipe.training.launch import fresh_records_dir
+    from titan_pipe.training.rank_records import RECORDS_ENV, write_failure
 
     run = RunDir(tmp_path / "run")
-    ranks = run.root / "logs" / "job" / "attempt_0"
-    for r in (0, 1):
-        (ranks / str(r)).mkdir(parents=True)
-        (ranks / str(r) / "stderr.log").write_text("")
-    (ranks / "1" / "stderr.log").write_text(
-        "fault: /r/checkpoints/step-000004/model: cannot write the checkpoint "
-        "of step 4: the disk filled up (ENOSPC); free space there\n"
+    records = fresh_records_dir(run.root / "logs", 0)
+    env = {RECORDS_ENV: str(records), "RANK": "1"}
+    write_failure(
+        "fault",
+        "/r/checkpoints/step-000004/model: cannot write the checkpoint of step 4: the disk filled up (ENOSPC); "
+        "free space there",
+        env,
     )
-    run.train_log.write_text("# earlier launch\n[default0]:error: old\n")
+    run.train_log.write_text("# earlier launch\n")
     offset = run.train_log.stat().st_size
     with run.train_log.open("a") as f:
         f.write(
             "Root Cause (first observed failure):\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : 1 (pid: 9)\n"
         )
-    err = launch_failure(1, run, 0, offset, run.train_log)
+    err = launch_failure(1, run, 0, offset, run.train_log, records)
     assert isinstance(err, faults.OutputFault) and not isinstance(err, StageFailed)
     assert str(err).startswith("/r/checkpoints/step-000004/model: cannot write the checkpoint of step 4")
     assert "rank 1 failed first" in str(err) and "train.log" in str(err)
-    (ranks / "1" / "stderr.log").write_text("error: data.path: corpus.txt holds no text\n")
-    err = launch_failure(1, run, 0, offset, run.train_log)
+    write_failure("error", "data.path: corpus.txt holds no text", env)
+    err = launch_failure(1, run, 0, offset, run.train_log, records)
     assert isinstance(err, StageFailed) and err.exit_code == 1 and str(err).endswith("corpus.txt holds no text")
+    # the next launch starts with no record of this one
+    assert fresh_records_dir(run.root / "logs", 0) == records and not list(records.iterdir())
+    assert isinstance(launch_failure(1, run, 0, offset, run.train_log, records), StageFailed)
+    assert not str(launch_failure(1, run, 0, offset, run.train_log, records)).endswith("no text")
 
 
 # --- convert ------------------------------------------------------------------------------------
@@ -869,7 +875,7 @@ def _ranks(pids: list[int]) -> list[int]:
     return [
         p
         for p in pids
-        if "titan_pipe.training.trainer" in _cmdline(p)
+        if "titan_pipe.training.rank" in _cmdline(p)
         and "torch.distributed.run" not in _cmdline(p)
         and not any(a.endswith("guard.py") for a in _cmdline(p))
     ]

@@ -19,6 +19,7 @@ from titan_pipe.cli import app
 from titan_pipe.flows import cache
 
 from flow_helpers import small_flow as _test_flow
+from fault_shim import arm
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.distributed
@@ -127,7 +128,7 @@ def test_changing_one_export_setting_reruns_export_and_evaluate_only(first):
 def test_killed_rank_is_retried_and_resumes_to_the_same_weights(first, monkeypatch):
     path, run_dir, _, _ = first
     faulty = _test_flow(path.parent, "tinyfault")
-    monkeypatch.setenv("TITAN_PIPE_FAULT", "6:1:step")  # rank 1 dies at step 6 (test-only hook)
+    arm(monkeypatch, "6:1:step")  # rank 1 dies at step 6 (tests/fault_shim)
     result = CliRunner().invoke(app, ["run", str(faulty), "--only", "train"])
     assert result.exit_code == 0, result.output[-4000:]
     with _client() as client:

@@ -735,18 +735,47 @@ def test_only_a_crash_is_retried_never_an_error_a_rank_named(exc, retry):
     assert retryable(None, None, _State(cls("x"))) is retry
 
 
-def test_a_rank_error_line_makes_the_launch_error_one_that_is_not_retried(tmp_path):
+def test_a_rank_failure_record_makes_the_launch_error_one_that_is_not_retried(tmp_path):
     from titan_pipe.errors import RankRefused
+    from titan_pipe.faults import OutputFault
     from titan_pipe.run_dir import RunDir
     from titan_pipe.training.failure import launch_failure
+    from titan_pipe.training.rank_records import RECORDS_ENV, write_failure
 
     run = RunDir(tmp_path / "r")
     log = tmp_path / "train.log"
+    records = tmp_path / "records"
+    log.write_text("step 1/4 | loss 6.4\nKilled\n")
+    assert not isinstance(launch_failure(1, run, 0.0, 0, log, records), RankRefused)  # no record: a crash
+    # a line that looks like one is no record (nothing parses the ranks' text)
     log.write_text("[default0]:step 1/4 | loss 6.4\n[default0]:error: step 2: training diverged\n")
-    err = launch_failure(1, run, 0.0, 0, log)
-    assert isinstance(err, RankRefused) and str(err).endswith("step 2: training diverged")
-    log.write_text("[default0]:step 1/4 | loss 6.4\nKilled\n")
-    assert not isinstance(launch_failure(1, run, 0.0, 0, log), RankRefused)
+    assert not isinstance(launch_failure(1, run, 0.0, 0, log, records), RankRefused)
+    env = {RECORDS_ENV: str(records), "RANK": "3"}
+    write_failure("error", "step 2: training diverged", env)
+    err = launch_failure(1, run, 0.0, 0, log, records)
+    assert isinstance(err, RankRefused) and str(err).endswith("step 2: training diverged") and err.exit_code == 1
+    # torchrun's root-cause rank's record wins over an earlier one from another rank
+    write_failure("fault", "no space left on device writing step-000002", {**env, "RANK": "0"})
+    log.write_text(log.read_text() + TORCHRUN_ROOT_CAUSE)
+    err = launch_failure(1, run, 0.0, 0, log, records)
+    assert isinstance(err, OutputFault) and str(err).startswith("no space left on device writing step-000002")
+    # a record of an earlier torchrun attempt does not explain the last one
+    write_failure("error", "attempt 1 failed", {**env, "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert str(launch_failure(1, run, 0.0, 0, log, records)).endswith("attempt 1 failed")
+    # a foreign or broken file in the dir is no record
+    (records / "rank-1.json").write_text('{"rank": "1", "kind": "error"')
+    (records / "rank-7.json").write_text('{"rank": 7, "kind": "oops", "message": "x"}')
+    assert str(launch_failure(1, run, 0.0, 0, log, records)).startswith("no space left")
+
+
+TORCHRUN_ROOT_CAUSE = """
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-07_05:10:00
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 4242)
+"""
 
 
 def test_the_console_drops_prefects_repeats_of_what_run_prints_itself():

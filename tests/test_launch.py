@@ -25,6 +25,7 @@ from titan_pipe.training.launch_command import build_torchrun_command, launch_en
 from titan_pipe.training.slurm import first_slurm_host, inside_launch, reports, slurm_env
 from titan_pipe.training.stream import stream_process
 from titan_pipe.training.metrics import format_progress_line
+from fault_shim import arm
 
 
 def _cfg(**sections):
@@ -63,7 +64,7 @@ def test_single_node_command():
         "--local-ranks-filter",
         "0",
         "-m",
-        "titan_pipe.training.trainer",
+        "titan_pipe.training.rank",
         "--flow",
         "/x/flow.yaml",
     ]
@@ -180,7 +181,7 @@ def test_stream_process_tees_lines_and_returns_the_status(tmp_path):
 TORCHRUN_FAILURE = """
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-titan_pipe.training.trainer FAILED
+titan_pipe.training.rank FAILED
 ------------------------------------------------------------
 Failures:
 [1]:
@@ -387,7 +388,7 @@ def test_train_cli_end_to_end_tp2(tmp_path, monkeypatch):
     # a failing rank (fault injection) makes `titan-pipe train` exit non-zero and names the log
     flow = _write_flow(tmp_path, name="bad", train={"steps": 3, "batch_size": 2, "seq_len": 16})
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TITAN_PIPE_FAULT", "1:0:step")
+        arm(mp, "1:0:step")
         r = CliRunner().invoke(app, ["train", str(flow)])
     assert r.exit_code != 0
     assert "torchrun exited with status" in r.output and "train.log" in r.output

@@ -16,11 +16,11 @@ from titan_pipe.training.metrics import (
     format_progress_line,
     measure_cpu_peak,
     mfu,
-    parse_progress_line,
     peak_flops,
     profile_peak,
     read_metrics,
 )
+from titan_pipe.training.rank_records import PROGRESS_TAG, RECORDS_ENV, progress_line, read_progress
 
 
 def test_logger_appends_flushed_lines_and_disabled_writes_nothing(tmp_path):
@@ -92,29 +92,46 @@ def test_mfu_arithmetic():
     assert mfu(float("nan"), 6e9, 1e12) is None
 
 
-def test_progress_line_round_trip():
+def test_progress_line_for_a_person_and_the_record_for_the_launcher():
     m = {"loss": 3.14159, "lr": 1e-3, "tokens_per_s": 12345.0, "mfu": 0.0123, "peak_memory_bytes": 512 * 1024**2}
     line = format_progress_line(7, 20, m)
     assert line == "step 7/20 | loss 3.1416 | lr 1.000e-03 | 12345 tok/s | MFU 1.23% | peak mem 512.0 MiB"
-    step, total, got = parse_progress_line(line)
-    assert (step, total) == (7, 20)
-    assert got["loss"] == pytest.approx(3.1416) and got["mfu"] == pytest.approx(0.0123)
-    assert got["peak_memory_bytes"] == 512 * 1024**2 and got["tokens_per_s"] == 12345
-    assert parse_progress_line(format_progress_line(1, 2, {"mfu": None}))[2] == {"mfu": None}
-    assert parse_progress_line("[rank0]: some warning") is None
+    step, total, got = read_progress(progress_line(7, 20, m))
+    assert (step, total) == (7, 20) and got == m  # the record keeps full precision
+    assert format_progress_line(step, total, got) == line
+    assert read_progress("[default0]:" + progress_line(1, 2, {"mfu": None}))[2] == {}
+    assert read_progress(progress_line(1, 2, {"loss": float("nan")}))[2] == {"loss": None}  # JSON has no NaN
+    # a person's line, a torchrun warning, a tag inside another line, broken JSON: not records
+    for other in (
+        line,
+        "[rank0]: some warning",
+        "WARNING " + progress_line(1, 2, {}),
+        PROGRESS_TAG + "{",
+        PROGRESS_TAG + '{"step": "1", "total": 2}',
+        PROGRESS_TAG + "[1, 2]",
+    ):
+        assert read_progress(other) is None, other
 
 
-def test_progress_plain_lines_off_a_terminal():
+def test_progress_plain_lines_off_a_terminal(monkeypatch):
+    monkeypatch.delenv(RECORDS_ENV, raising=False)
     out = io.StringIO()
     with TrainProgress(5, enabled=True, log_every=2, stream=out) as p:
         for s in range(1, 6):
             p.update(s, {"loss": 1.0 / s, "mfu": None})
     lines = out.getvalue().splitlines()
-    assert [parse_progress_line(x)[0] for x in lines] == [2, 4, 5]  # every 2nd and the last
+    assert [x.split("/")[0] for x in lines] == ["step 2", "step 4", "step 5"]  # every 2nd and the last
     quiet = io.StringIO()
     with TrainProgress(5, enabled=False, stream=quiet) as p:
         p.update(1, {"loss": 1.0})
     assert quiet.getvalue() == ""
+    # under a launcher that reads records (it named a record dir), the same steps as records
+    monkeypatch.setenv(RECORDS_ENV, "/somewhere")
+    out = io.StringIO()
+    with TrainProgress(5, enabled=True, log_every=2, stream=out) as p:
+        for s in range(1, 6):
+            p.update(s, {"loss": 1.0 / s, "mfu": None})
+    assert [read_progress(x)[0] for x in out.getvalue().splitlines()] == [2, 4, 5]
 
 
 def test_progress_live_bar_renders():

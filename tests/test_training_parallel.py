@@ -28,6 +28,7 @@ from titan_pipe.training.parallelize import fill_parameters
 from titan_pipe.model.weights import CheckpointWeights, open_weights
 
 from training_reference import reference_run, training_loader
+from fault_shim import fault_env
 
 pytestmark = pytest.mark.distributed
 
@@ -322,7 +323,7 @@ def crashed(tmp_path_factory):
     work = tmp_path_factory.mktemp("world2")
     CRASH_FLOW["runs_dir"] = str(work / "runs")
     (work / "crashed.yaml").write_text(yaml.safe_dump(CRASH_FLOW))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TITAN_PIPE_FAULT=CRASH_FAULT)
+    env = dict(fault_env(CRASH_FAULT), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [
         sys.executable,
         "-m",
@@ -330,7 +331,7 @@ def crashed(tmp_path_factory):
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "titan_pipe.training.trainer",
+        "titan_pipe.training.rank",
         "--flow",
         str(work / "crashed.yaml"),
     ]

@@ -16,7 +16,6 @@ import random
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -128,7 +127,6 @@ def save_checkpoint(
     optimizers: list | None,
     train_state: dict,
     parallel: ParallelLayout,
-    fail_hook: Callable[[], None] | None = None,
     extra: CheckpointExtra = CheckpointExtra(),
     attach: dict[str, Path] | None = None,
     frozen_out: bool = False,
@@ -136,8 +134,7 @@ def save_checkpoint(
     """Save a checkpoint of the whole model into ``step_dir``; collective, call on every rank.
 
     Order: shard files (dp-rank-0 of each (stage, tp rank)), optimizer DCP, train_state.json,
-    then manifest.json by global rank 0 once everything else is on disk. ``fail_hook`` runs
-    after the shard files are written and before the manifest (fault-injection tests).
+    then manifest.json by global rank 0 once everything else is on disk.
     ``extra``: the manifest's extra record (the trainer gives kernels and tokenizer; the optimizer,
     train state and attached files are filled in here).
     ``attach`` ({name in the step dir: source file}, e.g. the tokenizer) is copied in by rank 0
@@ -191,8 +188,6 @@ def save_checkpoint(
         )
     for rel, tensors in per_file.items():
         files[rel] = _write_safetensors(tensors, step_dir / rel)
-    if fail_hook is not None:
-        fail_hook()
 
     if optimizers is not None:
         dcp.save({"optimizer": optimizer_state(model, optimizers)}, checkpoint_id=str(step_dir / OPTIM_DIR))

@@ -1,9 +1,10 @@
 """Why a launch failed, in one line: the rank that failed first, its own error line, and where its logs are.
 
-A rank that meets an error it can name prints one line (titan_pipe.training.trainer: ``error: ...``,
-or ``fault: ...`` for an operating-system fault such as a full disk); torchrun prefixes a rank's
-lines with ``[default<local rank>]:`` in train.log and keeps each rank's own stderr.log under
-run_dir/logs. ``launch_failure`` finds that line and says which rank and where to look.
+A rank that meets an error it can name writes a failure record in the launch's record dir
+(training/rank_records.py: ``error`` or ``fault`` for an operating-system fault such as a full
+disk, with its one-line message); torchrun keeps each rank's own stdout.log / stderr.log under
+run_dir/logs and ends its own output with a failure summary naming the root-cause rank.
+``launch_failure`` takes that rank's record (else the first one written) and says where to look.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from titan_pipe.config import FlowConfig
 from titan_pipe.errors import RankRefused, StageFailed
 from titan_pipe.faults import OutputFault
 from titan_pipe.run_dir import RunDir
+from titan_pipe.training.rank_records import RankFailure, read_failures
 
 _ROOT_CAUSE = re.compile(r"Root Cause.*?rank\s*:\s*(\d+) \(local_rank: (\d+)\).*?exitcode\s*:\s*(-?\d+)", re.S)
-_RANK_LINE = re.compile(r"^(?:\[\w+\]:)?(error|fault): (.+)$", re.M)
 
 
 # torchrun's elastic agent logging a failed worker ("E1206 19:47:28.386000 1518 torch/distributed/
@@ -58,13 +59,11 @@ def _read_from(path: Path, offset: int = 0) -> str:
         return f.read().decode("utf-8", errors="replace")
 
 
-def rank_error(*texts: str) -> tuple[str, str] | None:
-    """("error" | "fault", the line) of the first rank error line in ``texts``, in order."""
-    for text in texts:
-        m = _RANK_LINE.search(text)
-        if m:
-            return m.group(1), m.group(2).strip()
-    return None
+def rank_failure(records: Path | None, root_rank: int | None) -> RankFailure | None:
+    """The failure record that says why the launch failed: the root-cause rank's, else the first written."""
+    found = read_failures(records)
+    own = [r for r in found if r.rank == root_rank]
+    return (own or found or [None])[0]
 
 
 def failure_message(rc: int, run: RunDir, started: float, log_offset: int = 0, log: Path | None = None) -> str:
@@ -101,28 +100,21 @@ def _process_limit(text: str) -> str | None:
     return None
 
 
-def launch_failure(rc: int, run: RunDir, started: float, log_offset: int, log: Path) -> StageFailed | OutputFault:
+def launch_failure(
+    rc: int, run: RunDir, started: float, log_offset: int, log: Path, records: Path | None = None
+) -> StageFailed | OutputFault:
     """The error a failed launch raises: OutputFault (exit 1, never retried) when a rank met an OS
-    fault, else StageFailed with torchrun's status as exit code and the rank's own error line first."""
+    fault, else StageFailed with torchrun's status as exit code and the rank's own error first.
+    ``records``: the launch's rank record dir (rank_records.RECORDS_ENV)."""
     where = failure_message(rc, run, started, log_offset, log)
     cause = root_cause(_read_from(log, log_offset))
-    texts = []
-    if cause is not None:
-        d = rank_log_dir(run.root / "logs", cause[1], started)
-        texts.append(_read_from(d / "stderr.log") if d is not None else "")
-    texts.append(_read_from(log, log_offset))
-    texts += [
-        _read_from(p)
-        for p in sorted((run.root / "logs").glob("*/attempt_*/*/stderr.log"))
-        if p.stat().st_mtime >= started
-    ]
-    found = rank_error(*texts)
+    found = rank_failure(records, cause[0] if cause is not None else None)
     if found is None:
         limit = _process_limit(_read_from(log, log_offset))
         if limit is not None:  # torchrun itself met it (no rank got as far as to say so)
             return OutputFault(f"{limit} (torchrun stopped: {where[len('training failed: ') :]})")
-    if found is not None and found[0] == "fault":
-        return OutputFault(f"{found[1]} (training stopped: {where[len('training failed: ') :]})")
-    err = RankRefused(f"{where}: {found[1]}") if found else StageFailed(where)
+    if found is not None and found.kind == "fault":
+        return OutputFault(f"{found.message} (training stopped: {where[len('training failed: ') :]})")
+    err = RankRefused(f"{where}: {found.message}") if found else StageFailed(where)
     err.exit_code = rc
     return err

@@ -24,6 +24,7 @@ from titan_pipe.run_lock import run_lock
 from titan_pipe.training.failure import launch_failure, node_log, torchrun_report
 from titan_pipe.training.launch_command import build_torchrun_command, launch_env
 from titan_pipe.training.metrics import plot_metrics, step_records
+from titan_pipe.training.rank_records import RECORDS_ENV
 from titan_pipe.training.slurm import inside_launch, reports, slurm_env
 from titan_pipe.training.stream import stream_process
 from titan_pipe.training.preflight import check_before_launch
@@ -111,6 +112,8 @@ def _launch(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool, device_
     started = time.time()
     log = node_log(cfg, run)
     log_offset = log.stat().st_size if log.is_file() else 0
+    records = fresh_records_dir(logs, cfg.launch.node_rank)
+    env = {**launch_env(cfg, device_type), RECORDS_ENV: str(records)}
     if reports():
         import sys
 
@@ -124,14 +127,25 @@ def _launch(flow_path: Path, cfg: FlowConfig, run: RunDir, resume: bool, device_
         )
     try:
         with reading_data(cfg, flow_path):
-            rc = stream_process(cmd, env=launch_env(cfg, device_type), log_path=log, hide_from=torchrun_report)
+            rc = stream_process(cmd, env=env, log_path=log, hide_from=torchrun_report)
     except KeyboardInterrupt as e:  # the tree is stopped; an interrupt, not a failure to retry
         raise Interrupted.of(
             e, f"torchrun and its ranks were stopped; see {log}; continue with: titan-pipe train {flow_path} --resume"
         ) from None
     if rc != 0:
-        raise launch_failure(rc, run, started - 1, log_offset, log)
+        raise launch_failure(rc, run, started - 1, log_offset, log, records)
     return collect_result(run, cfg)
+
+
+def fresh_records_dir(logs: Path, node_rank: int) -> Path:
+    """This node's rank record dir (training/rank_records.py), emptied for this launch: a record left
+    by an earlier launch must not explain this one's failure."""
+    records = logs / f"records-node{node_rank}"
+    if records.is_dir():
+        for old in records.glob("rank-*.json"):
+            old.unlink(missing_ok=True)
+    records.mkdir(parents=True, exist_ok=True)
+    return records
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ from typing import Mapping
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
 
-TRAIN_MODULE = "titan_pipe.training.trainer"
+TRAIN_MODULE = "titan_pipe.training.rank"
 
 
 def nproc_per_node(cfg: FlowConfig) -> int:

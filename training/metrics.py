@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from titan_pipe.atomic import atomic_file
 from titan_pipe.device_profiles import get_profile, match_device_name
 from titan_pipe.devices import Device
 from titan_pipe.dtypes import name_of
+from titan_pipe.training.rank_records import progress_line, records_dir
 
 
 class MetricsLogger:
@@ -203,7 +203,7 @@ def format_bytes(n: float | None) -> str:
 
 
 def format_progress_line(step: int, total: int, metrics: dict[str, Any]) -> str:
-    """The plain log line for one step; ``parse_progress_line`` reads it back."""
+    """The plain log line for one step (a person reads it: the launcher reads rank_records' progress records)."""
     parts = [f"step {step}/{total}"]
     if metrics.get("loss") is not None:
         parts.append(f"loss {float(metrics['loss']):.4f}")
@@ -219,42 +219,6 @@ def format_progress_line(step: int, total: int, metrics: dict[str, Any]) -> str:
     if mem is not None:
         parts.append(f"peak mem {format_bytes(float(mem))}")
     return " | ".join(parts)
-
-
-# torchrun prefixes each worker line with "[<role><local_rank>]:" (e.g. "[default0]:").
-_LINE = re.compile(r"^(\[[^\]]*\]:)?step (?P<step>\d+)/(?P<total>\d+)(?P<rest>( \| .*)?)$")
-_UNITS = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
-
-
-def parse_progress_line(line: str) -> tuple[int, int, dict[str, float | None]] | None:
-    """(step, total, metrics) from a line ``format_progress_line`` wrote, else None.
-
-    A torchrun line prefix ("[default0]:") is allowed; metrics come back with the display's
-    rounding (loss to 4 decimals, memory in bytes).
-
-    The launcher uses it to drive a live bar in its own terminal while torchrun pipes rank 0's
-    plain lines to it.
-    """
-    m = _LINE.match(line.strip())
-    if not m:
-        return None
-    metrics: dict[str, float | None] = {}
-    for part in m.group("rest").split(" | ")[1:]:
-        try:
-            if part.startswith("loss "):
-                metrics["loss"] = float(part[5:])
-            elif part.startswith("lr "):
-                metrics["lr"] = float(part[3:])
-            elif part.endswith(" tok/s"):
-                metrics["tokens_per_s"] = float(part[:-6])
-            elif part.startswith("MFU "):
-                metrics["mfu"] = None if part == "MFU n/a" else float(part[4:].rstrip("%")) / 100
-            elif part.startswith("peak mem "):
-                value, unit = part[9:].split()
-                metrics["peak_memory_bytes"] = float(value) * _UNITS[unit]
-        except (ValueError, KeyError):
-            continue
-    return int(m.group("step")), int(m.group("total")), metrics
 
 
 def bar_info(metrics: dict[str, Any]) -> str:
@@ -283,8 +247,10 @@ class TrainProgress:
     """Live progress of a training run: a rich bar on a terminal, plain lines otherwise.
 
     ``with TrainProgress(steps, enabled=rank == 0) as p: p.update(step, metrics)``. Under torchrun
-    stdout is a pipe, so it prints one ``format_progress_line`` per ``log_every`` steps (and the
-    last), flushed, which the launcher streams and may redraw as a bar. Disabled: silent.
+    stdout is a pipe, so it prints one line per ``log_every`` steps (and the last), flushed: a
+    progress record (rank_records.progress_line) when a launcher reads them (``records``; by
+    default when the launcher named a record dir), which it renders as a bar or as
+    ``format_progress_line``; otherwise that plain line itself. Disabled: silent.
     """
 
     def __init__(
@@ -296,6 +262,7 @@ class TrainProgress:
         stream: IO[str] | None = None,
         live: bool | None = None,
         initial_step: int = 0,
+        records: bool | None = None,
     ):
         self.total = total_steps
         self.enabled = enabled
@@ -303,6 +270,7 @@ class TrainProgress:
         self.stream = stream or sys.stdout
         self.live = (self.stream.isatty() if live is None else live) and enabled
         self.initial_step = initial_step
+        self.records = records_dir() is not None if records is None else records
         self._progress = None
         self._task = None
 
@@ -319,7 +287,8 @@ class TrainProgress:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, info=bar_info(metrics))
         elif step % self.log_every == 0 or step == self.total:
-            print(format_progress_line(step, self.total, metrics), file=self.stream, flush=True)
+            line = (progress_line if self.records else format_progress_line)(step, self.total, metrics)
+            print(line, file=self.stream, flush=True)
 
     def __exit__(self, *exc) -> None:
         if self._progress is not None:

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import IO, Callable, Mapping
 
 from titan_pipe import procs
-from titan_pipe.training.metrics import bar_info, new_progress_bar, parse_progress_line
+from titan_pipe.training.metrics import bar_info, format_progress_line, new_progress_bar
+from titan_pipe.training.rank_records import read_progress
 
 
 def stream_process(
@@ -26,8 +27,9 @@ def stream_process(
     """Run ``cmd``, copying each output line (stdout and stderr merged) to ``console`` (stderr) and
     appending it to ``log_path`` as it arrives; returns the exit status (128+N for signal N).
 
-    On a terminal (``live``), progress lines (metrics.format_progress_line) drive a rich bar and
-    everything else prints above it; off a terminal every line is echoed as it is. The child runs
+    A progress record (rank_records.progress_line) is written to the log and off a terminal as
+    metrics.format_progress_line; on a terminal (``live``) it drives a rich bar and everything else
+    prints above it. Every other line is copied as it is. The child runs
     under titan_pipe.procs: it and everything it starts (torchrun's ranks) die with this process
     however it ends. An interrupt (Ctrl-C, or SIGTERM/SIGHUP turned into one by the CLI) is passed
     on as that signal; the tree gets procs.GRACE_S seconds to stop before it is killed, then the
@@ -82,6 +84,9 @@ def _tee(
     for line in tree.stdout:
         if beat is not None:
             beat.seen()
+        progress = read_progress(line)
+        if progress is not None:
+            line = format_progress_line(*progress) + "\n"
         log.write(line)
         log.flush()
         if echo and hide_from is not None and hide_from(line):
@@ -90,7 +95,7 @@ def _tee(
             continue
         try:
             if bar is not None:
-                bar.feed(line.rstrip("\n"))
+                bar.feed(line.rstrip("\n"), progress)
             else:
                 console.write(line)
                 console.flush()
@@ -150,8 +155,8 @@ class _LiveBar:
         self.progress = new_progress_bar(stream)
         self.task = None
 
-    def feed(self, line: str) -> None:
-        parsed = parse_progress_line(line)
+    def feed(self, line: str, parsed: tuple[int, int, dict] | None = None) -> None:
+        """``parsed``: the (step, total, metrics) of a progress record; None prints ``line``."""
         if parsed is None:
             self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
             return

@@ -1,4 +1,4 @@
-"""The torchrun entry point: ``python -m titan_pipe.training.trainer --flow FLOW [--resume]``.
+"""The Trainer and its command line (``main``; torchrun runs it as ``python -m titan_pipe.training.rank``).
 
 The Trainer only: setup (process group and mesh, this rank's model, optimizer, loader), the step,
 the checkpoint, the loop with metrics. Everything else lives in the modules it calls.
@@ -36,7 +36,6 @@ from titan_pipe.model.args import count_params, flops_per_token
 from titan_pipe.model.lora import adapter_count, trained_flops_per_token
 from titan_pipe.model.loss import cross_entropy
 from titan_pipe.run_dir import RunDir
-from titan_pipe.training.fault_injection import InjectedFault
 from titan_pipe.training.launch_command import comm_env
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training import metrics
@@ -50,6 +49,7 @@ from titan_pipe.model.kernels import resolve_kernels
 from titan_pipe.model.sharding import stage_ranks
 from titan_pipe.model.stated import checkpoint_side
 from titan_pipe.training.known_warnings import silence_known_warnings
+from titan_pipe.training.rank_records import write_failure
 from titan_pipe.training.tensorboard import TensorBoardWriter
 from titan_pipe.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from titan_pipe.training.tied import counted
@@ -155,10 +155,6 @@ class Trainer:
         self._setup_loss()
         self.start = self._restore(latest)
         self._setup_schedule()
-        # The injected fault is one transient failure: a resumed run (a retry) does not die again.
-        fault = InjectedFault.from_env()
-        self.fault = fault if self.start == 0 else InjectedFault(None, fault.rank, fault.during)
-        self.forced_save_step = fault.step if fault.during == "checkpoint" else None
         self._setup_metrics()
 
     # -- setup ---------------------------------------------------------------------------------
@@ -492,8 +488,6 @@ class Trainer:
             inputs, labels = (x.to(self.torch_device) for x in self.loader.next_batch())
             positions = None
         local_loss = self._forward_backward(inputs, labels, positions)
-        if self.fault.due(step, self.rank, "step"):
-            self.fault.die()
         # Every holder of the last stage has the loss of its dp slice (tp ranks the same value).
         stats = torch.tensor(
             [0.0 if local_loss is None else float(local_loss), float(peak_memory_bytes(self.device))],
@@ -539,10 +533,7 @@ class Trainer:
     # -- checkpoint ----------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        return (
-            is_save_step(step, steps=self.cfg.train.steps, every=self.cfg.checkpoint.every)
-            or step == self.forced_save_step
-        )  # the same on all ranks
+        return is_save_step(step, steps=self.cfg.train.steps, every=self.cfg.checkpoint.every)  # the same on all ranks
 
     def checkpoint_bytes(self) -> int:
         """About what one checkpoint takes (for a full disk's "free N" advice); with LoRA, the adapters."""
@@ -562,7 +553,6 @@ class Trainer:
     def save(self, step: int) -> None:
         """Checkpoint ``step`` (collective), then prune old ones on rank 0."""
         cfg = self.cfg
-        hook = self.fault.die if self.fault.due(step, self.rank, "checkpoint") else None
         state = {
             "step": step,
             "scheduler": [s.state_dict() for s in self.schedulers],
@@ -576,7 +566,6 @@ class Trainer:
                 optimizers=self.optimizers if cfg.checkpoint.save_optimizer else None,
                 train_state=state,
                 parallel=self.parallel_meta,
-                fail_hook=hook,
                 extra=CheckpointExtra(
                     kernels=cfg.model.kernels,
                     tokenizer="tokenizer.json" if "tokenizer.json" in self.tok_files else "byte",
@@ -647,8 +636,18 @@ def train(cfg: FlowConfig, *, base: Path, resume: bool = False) -> dict:
     return Trainer(cfg, base=base, resume=resume).train()
 
 
+def _failed(kind: str, message: str) -> int:
+    """A named error: one line for a person on stderr, and the record the launcher reads."""
+    print(f"{kind}: {message}", file=sys.stderr, flush=True)
+    try:
+        write_failure(kind, message)
+    except OSError as e:  # a full disk may refuse the record too: the line above still says it
+        print(f"fault: the failure record could not be written ({e})", file=sys.stderr, flush=True)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m titan_pipe.training.trainer")
+    ap = argparse.ArgumentParser(prog="python -m titan_pipe.training.rank")
     ap.add_argument("--flow", required=True, type=Path, help="flow.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     a = ap.parse_args(argv)
@@ -663,19 +662,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    except OutputFault as e:  # the launcher reports this line as the run's error (training/failure.py)
-        print(f"fault: {e}", file=sys.stderr, flush=True)
-        return 1
+    except OutputFault as e:  # the launcher reports the record as the run's error (training/failure.py)
+        return _failed("fault", str(e))
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return _failed("error", str(e))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-
-if __name__ == "__main__":
-    from titan_pipe.procs import exit_rank
-
-    exit_rank(main())
