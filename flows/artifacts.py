@@ -31,24 +31,6 @@ def _fmt(value: Any) -> Any:
     return value
 
 
-def train_table(summary: dict) -> list[dict]:
-    """Rows: final loss, tokens/s, MFU (as %), steps, plus any other scalar the trainer reported."""
-    mfu = summary.get("mfu")
-    rows = [
-        {"metric": "final loss", "value": _fmt(summary.get("final_loss"))},
-        {"metric": "tokens/s", "value": _fmt(summary.get("tokens_per_s"))},
-        {"metric": "MFU", "value": "n/a" if mfu is None else f"{100 * float(mfu):.2f}%"},
-        {"metric": "steps", "value": _fmt(summary.get("steps"))},
-    ]
-    known = {"final_loss", "tokens_per_s", "mfu", "steps"}
-    rows += [{"metric": k, "value": _fmt(v)} for k, v in summary.items() if k not in known]
-    return rows
-
-
-def key_value_table(summary: dict) -> list[dict]:
-    return [{"key": k, "value": _fmt(v)} for k, v in summary.items()]
-
-
 def operator_table(record: ExportRecord | None) -> list[dict]:
     """Rows {graph, domain, operator, count, since opset} from the export record's per-graph operator report."""
     rows = []
@@ -77,7 +59,7 @@ def export_record(export_json: str | None) -> ExportRecord | None:
 def evaluate_markdown(output: StageOutput, report_md: str | None) -> str:
     verdict = "PASS" if output.passed else "FAIL"
     head = [f"# Evaluation verdict: **{verdict}**", ""]
-    for k, v in output.summary.items():
+    for k, v in output.summary.details.items():
         if not isinstance(v, (dict, list)):
             head.append(f"- {k}: {_fmt(v)}")
     head += ["", f"Report: `{output.paths.report_json}`", ""]

@@ -1,5 +1,5 @@
 """The stages of a flow, one record each: what a stage reads, how the flow calls its task, the line
-its summary prints and the Prefect tables it publishes. The cache (flows/cache.py), the flow
+its summary's class (titan_pipe.stage_summaries) prints and the Prefect tables it publishes. The cache (flows/cache.py), the flow
 (flows/train_to_deploy.py), the artifacts (flows/artifacts.py) and `titan-pipe run`'s live table loop
 over these records instead of spelling the stages out; adding a stage is one record here.
 
@@ -20,10 +20,8 @@ from titan_pipe.flows.artifacts import (
     evaluate_markdown,
     export_record,
     files_markdown,
-    key_value_table,
     links,
     operator_table,
-    train_table,
 )
 from titan_pipe.flows.stage_files import checkpoint_files, data_files, files_under, resolve
 from titan_pipe.run_dir import RunDir
@@ -86,7 +84,6 @@ class Stage:
     name: str
     inputs: Callable[[FlowConfig, Path, dict], StageInputs]  # (cfg, flow_dir, upstream)
     call: Callable[[Callable, Context], object]  # (the task, the flow's context) -> StageOutput
-    figures: Callable[[dict, bool | None], list]  # (summary, passed) -> the parts of its one line
     tables: Callable[[object], list[Table]]  # (StageOutput) -> its artifacts
     # its run continues an interrupted one of the same key (training: the flow moves other settings'
     # checkpoints aside, or resumes from the newest complete one)
@@ -98,11 +95,6 @@ def _chat_keys(cfg: FlowConfig) -> set[str]:
     return {"format", "chat_template", "max_tokens", "max_bad_fraction"} if cfg.data.format != "text" else set()
 
 
-def _num(summary: dict, key: str, fmt: str) -> str | None:
-    v = summary.get(key)
-    return None if v is None else format(v, fmt) if isinstance(v, (int, float)) else str(v)
-
-
 # -- data -------------------------------------------------------------------------------------
 
 
@@ -111,14 +103,6 @@ def _data_inputs(cfg: FlowConfig, flow_dir: Path, upstream: dict) -> StageInputs
         mode="json", include={"path", "tokenizer", "text_key", "val_fraction", *_chat_keys(cfg)}
     )
     return StageInputs("data", section, tuple(data_files(cfg, flow_dir)))
-
-
-def _data_figures(s: dict, passed: bool | None) -> list:
-    return [
-        f"{_num(s, 'tokens', ',')} tokens" if "tokens" in s else None,
-        f"{_num(s, 'documents', ',')} documents" if "documents" in s else None,
-        "already prepared" if s.get("reused") else None,
-    ]
 
 
 # -- train ------------------------------------------------------------------------------------
@@ -145,18 +129,8 @@ def _train_call(fn: Callable, ctx: Context):
     return fn(flow_path=ctx.flow_path, cfg=ctx.cfg, resume=ctx.resume)
 
 
-def _train_figures(s: dict, passed: bool | None) -> list:
-    mfu = s.get("mfu")
-    return [
-        f"loss {_num(s, 'final_loss', '.4f')}" if "final_loss" in s else None,
-        f"{_num(s, 'tokens_per_s', ',.0f')} tok/s" if "tokens_per_s" in s else None,
-        f"MFU {100 * mfu:.2f}%" if isinstance(mfu, (int, float)) else None,
-        f"{s['steps']} steps" if "steps" in s else None,
-    ]
-
-
 def _train_tables(out) -> list[Table]:
-    return [Table("metrics", "Training: final loss, tokens/s, MFU", train_table(out.summary))]
+    return [Table("metrics", "Training: final loss, tokens/s, MFU", out.summary.rows())]
 
 
 # -- convert ----------------------------------------------------------------------------------
@@ -167,19 +141,8 @@ def _convert_inputs(cfg: FlowConfig, flow_dir: Path, upstream: dict) -> StageInp
     return StageInputs("convert", cfg.convert.model_dump(mode="json"), tuple(files))
 
 
-def _convert_figures(s: dict, passed: bool | None) -> list:
-    if "tensors" not in s:
-        return _scalars(s)
-    size = s.get("bytes")
-    return [
-        f"{s['tensors']} tensors",
-        f"{size / 1e6:.1f} MB" if isinstance(size, (int, float)) else None,
-        f"{s['files']} file(s)" if "files" in s else None,
-    ]
-
-
 def _convert_tables(out) -> list[Table]:
-    return [Table("summary", "Conversion summary", key_value_table(out.summary))]
+    return [Table("summary", "Conversion summary", out.summary.rows())]
 
 
 # -- export -----------------------------------------------------------------------------------
@@ -197,7 +160,7 @@ def _export_tables(out) -> list[Table]:
             "ONNX operators of the exported graphs (all on the ATC list: export checks it)",
             operator_table(export_record(out.paths.export_json)),
         ),
-        Table("summary", f"Export; ATC status: {out.summary.get('atc_status')}", key_value_table(out.summary)),
+        Table("summary", f"Export; ATC status: {out.summary.atc_status}", out.summary.rows()),
     ]
 
 
@@ -246,10 +209,6 @@ def _evaluate_tables(out) -> list[Table]:
     ]
 
 
-def _scalars(s: dict) -> list:
-    return [f"{k} {v}" for k, v in list(s.items())[:3] if isinstance(v, (int, float))]
-
-
 def _no_tables(out) -> list[Table]:
     return []
 
@@ -259,17 +218,15 @@ STAGES: tuple[Stage, ...] = (
         "data",
         _data_inputs,
         lambda fn, c: fn(flow_dir=c.flow_dir, cfg=c.cfg, out_dir=RunDir(c.run_dir).data),
-        _data_figures,
         _no_tables,
     ),
-    Stage("train", _train_inputs, _train_call, _train_figures, _train_tables, resumes=True),
+    Stage("train", _train_inputs, _train_call, _train_tables, resumes=True),
     Stage(
         "convert",
         _convert_inputs,
         lambda fn, c: fn(
             checkpoint=c.path("train", "checkpoint"), out_dir=RunDir(c.run_dir).model, settings=c.cfg.convert
         ),
-        _convert_figures,
         _convert_tables,
     ),
     Stage(
@@ -278,14 +235,12 @@ STAGES: tuple[Stage, ...] = (
         lambda fn, c: fn(
             model_dir=c.path("convert", "model_dir"), out_dir=RunDir(c.run_dir).onnx, settings=c.cfg.export_settings()
         ),
-        lambda s, passed: [f"ATC: {s.get('atc_status', 'n/a')}"],
         _export_tables,
     ),
     Stage(
         "evaluate",
         _evaluate_inputs,
         _evaluate_call,
-        lambda s, passed: ["verdict PASS" if passed else "verdict FAIL"],
         _evaluate_tables,
     ),
 )
@@ -299,10 +254,10 @@ def stage(name: str) -> Stage:
         raise ValueError(f"unknown stage {name!r}; stages are {', '.join(BY_NAME)}") from None
 
 
-def figures(name: str, summary: dict, passed: bool | None) -> str:
-    """The one-line summary of a finished stage (the live output and the final table of `titan-pipe run`)."""
-    parts = BY_NAME[name].figures(summary, passed) if name in BY_NAME else _scalars(summary)
-    return ", ".join(p for p in parts if p)
+def figures(output) -> str:
+    """The one-line summary of a finished stage (the live output and the final table of `titan-pipe run`):
+    its typed summary's line (titan_pipe.stage_summaries)."""
+    return output.summary.line(output.passed)
 
 
 def publish(output, *, run_name: str, cached: bool) -> list[str]:

@@ -8,7 +8,7 @@ flows/cache.py and docs/flows.md for why); retries are set per run by the flow (
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefect import task
@@ -20,6 +20,14 @@ from titan_pipe.config import ConvertConfig, EvaluateConfig, ExportConfig, FlowC
 from titan_pipe.faults import STAGE_OUTPUTS, writing
 from titan_pipe.flows.logs import follow_log, run_logger
 from titan_pipe.run_dir import RunDir
+from titan_pipe.stage_summaries import (
+    SUMMARIES,
+    ConvertSummary,
+    DataSummary,
+    EvaluateSummary,
+    ExportSummary,
+    Summary,
+)
 
 
 class _Paths:
@@ -84,19 +92,24 @@ class StageOutput:
     stage: str
     paths: _Paths
     outputs: list[str]  # files/dirs whose sha256 go into the stage record
-    summary: dict = field(default_factory=dict)
+    summary: Summary | None = None  # the stage's own class (titan_pipe.stage_summaries); None: empty
     passed: bool | None = None  # the evaluation verdict; None for the other stages
 
     def __post_init__(self):
         if not isinstance(self.paths, STAGE_PATHS[self.stage]):
             raise TypeError(f"{self.stage}: paths must be a {STAGE_PATHS[self.stage].__name__}, not {self.paths!r}")
+        kind = SUMMARIES[self.stage]
+        if self.summary is None:
+            object.__setattr__(self, "summary", kind())
+        elif not isinstance(self.summary, kind):
+            raise TypeError(f"{self.stage}: summary must be a {kind.__name__}, not {self.summary!r}")
 
     def to_json(self) -> dict:
         return {
             "stage": self.stage,
             "paths": self.paths.named(),
             "outputs": self.outputs,
-            "summary": self.summary,
+            "summary": self.summary.to_dict(),
             "passed": self.passed,
         }
 
@@ -106,7 +119,7 @@ class StageOutput:
             stage=data["stage"],
             paths=STAGE_PATHS[data["stage"]](**data["paths"]),
             outputs=list(data["outputs"]),
-            summary=dict(data.get("summary") or {}),
+            summary=SUMMARIES[data["stage"]].of(data.get("summary")),
             passed=data.get("passed"),
         )
 
@@ -151,12 +164,9 @@ def data_task(flow_dir: Path, cfg: FlowConfig, out_dir: Path) -> StageOutput:
         "data",
         DataPaths(str(r.out_dir)),
         outputs=[str(r.out_dir)],
-        summary={
-            "tokens": rec.n_tokens,
-            "documents": rec.n_documents,
-            "val_documents": rec.split.val_documents,
-            "reused": r.reused,
-        },
+        summary=DataSummary(
+            tokens=rec.n_tokens, documents=rec.n_documents, val_documents=rec.split.val_documents, reused=r.reused
+        ),
     )
 
 
@@ -175,7 +185,7 @@ def train_task(flow_path: Path, cfg: FlowConfig, resume: bool = False) -> StageO
         r = run_training(flow_path=flow_path, cfg=cfg, resume=resume)
     log.info(f"training done: checkpoint {r.checkpoint}, summary {r.summary}")
     paths = TrainPaths(str(r.run_dir), str(r.metrics), _text(r.checkpoint))
-    return StageOutput("train", paths, outputs=[str(r.checkpoint)] if r.checkpoint else [], summary=dict(r.summary))
+    return StageOutput("train", paths, outputs=[str(r.checkpoint)] if r.checkpoint else [], summary=r.summary)
 
 
 @task(name="convert", cache_policy=NO_CACHE, persist_result=False)
@@ -189,12 +199,13 @@ def convert_task(checkpoint: Path, out_dir: Path, settings: ConvertConfig) -> St
         lambda: convert_checkpoint(checkpoint, out_dir, settings, overwrite=True),
         lambda r: f"wrote {len(r.files)} file(s): {', '.join(p.name for p in r.files)}",
     )
-    if r.summary.get("nonfinite"):
+    summary = ConvertSummary.from_result(r.summary)
+    if summary.nonfinite:
         run_logger().warning(
-            f"NaN/Inf values in {len(r.summary['nonfinite'])} tensor(s): "
-            f"{', '.join(r.summary['nonfinite'][:8])}; evaluate fails on such a model"
+            f"NaN/Inf values in {len(summary.nonfinite)} tensor(s): "
+            f"{', '.join(summary.nonfinite[:8])}; evaluate fails on such a model"
         )
-    return StageOutput("convert", ConvertPaths(str(r.out_dir)), outputs=[str(r.out_dir)], summary=dict(r.summary))
+    return StageOutput("convert", ConvertPaths(str(r.out_dir)), outputs=[str(r.out_dir)], summary=summary)
 
 
 @task(name="export", cache_policy=NO_CACHE, persist_result=False)
@@ -210,7 +221,10 @@ def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> Stage
     )
     paths = ExportPaths(str(r.out_dir), str(r.onnx), str(r.export_json), _text(r.decode_onnx), _text(r.om))
     return StageOutput(
-        "export", paths, outputs=[str(r.out_dir)], summary={**dict(r.summary), "atc_status": r.atc_status}
+        "export",
+        paths,
+        outputs=[str(r.out_dir)],
+        summary=ExportSummary(atc_status=r.atc_status, details={**dict(r.summary), "atc_status": r.atc_status}),
     )
 
 
@@ -248,4 +262,5 @@ def evaluate_task(
     paths = EvaluatePaths(
         str(r.out_dir), str(r.report_json), _text(md if md.is_file() else None), _text(html if html.is_file() else None)
     )
-    return StageOutput("evaluate", paths, outputs=[str(r.report_json)], summary=dict(r.summary), passed=bool(r.passed))
+    summary = EvaluateSummary(details=dict(r.summary))
+    return StageOutput("evaluate", paths, outputs=[str(r.report_json)], summary=summary, passed=bool(r.passed))

@@ -17,6 +17,14 @@ from titan_pipe.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig, load_flow
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.flows import cache
+from titan_pipe.stage_summaries import (
+    SUMMARIES,
+    ConvertSummary,
+    DataSummary,
+    EvaluateSummary,
+    ExportSummary,
+    TrainSummary,
+)
 from titan_pipe.flows.tasks import (
     ConvertPaths,
     DataPaths,
@@ -138,7 +146,7 @@ class StandIns:
         self.data_calls += 1
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "data.json").write_text(json.dumps({"tokenizer": cfg.data.tokenizer}))
-        return StageOutput("data", DataPaths(str(out_dir)), outputs=[str(out_dir)], summary={"tokens": 1})
+        return StageOutput("data", DataPaths(str(out_dir)), outputs=[str(out_dir)], summary=DataSummary(tokens=1))
 
     def train(self, *, flow_path, cfg, resume):
         self.calls.append("train")
@@ -156,7 +164,7 @@ class StandIns:
             "train",
             TrainPaths(str(run), str(run / "metrics.jsonl"), str(step)),
             outputs=[str(step)],
-            summary={"final_loss": 2.0, "tokens_per_s": 1e3, "mfu": None, "steps": cfg.train.steps},
+            summary=TrainSummary(final_loss=2.0, tokens_per_s=1e3, steps=cfg.train.steps),
         )
 
     def convert(self, *, checkpoint, out_dir, settings):
@@ -165,7 +173,9 @@ class StandIns:
         data = (checkpoint / "model" / "pp0-tp0.safetensors").read_bytes()
         (out_dir / "model.safetensors").write_bytes(data + settings.dtype.encode())
         (out_dir / "config.json").write_text("{}")
-        return StageOutput("convert", ConvertPaths(str(out_dir)), outputs=[str(out_dir)], summary={"files": 2})
+        return StageOutput(
+            "convert", ConvertPaths(str(out_dir)), outputs=[str(out_dir)], summary=ConvertSummary(files=2)
+        )
 
     def export(self, *, model_dir, out_dir, settings):
         self.calls.append("export")
@@ -176,7 +186,7 @@ class StandIns:
             "export",
             ExportPaths(str(out_dir), str(onnx), str(out_dir / "export.json")),
             outputs=[str(out_dir)],
-            summary={"atc_status": "skipped: atc not on PATH"},
+            summary=ExportSummary(atc_status="skipped: atc not on PATH"),
         )
 
     def evaluate(self, *, out_dir, checkpoint, model_dir, onnx, om, data, settings, split=None):
@@ -188,7 +198,7 @@ class StandIns:
             "evaluate",
             EvaluatePaths(str(out_dir), str(report)),
             outputs=[str(report)],
-            summary={"passed": self.passed},
+            summary=EvaluateSummary(details={"passed": self.passed}),
             passed=self.passed,
         )
 
@@ -376,7 +386,7 @@ def test_worker_node_joins_training_without_writing_records(tmp_path):
 
     def train(*, flow_path, cfg, resume):
         seen.append(cfg.launch.node_rank)
-        return StageOutput("train", TrainPaths("r", "m"), outputs=[], summary={})
+        return StageOutput("train", TrainPaths("r", "m"), outputs=[])
 
     with pytest.raises(UserError, match="node_rank 0 must be 1..1"):
         join_training(path, node_rank=0, tasks={"train": train})
@@ -411,15 +421,34 @@ def test_data_stage_runs_before_train_on_raw_text_only_and_is_cached(tmp_path):
 def test_every_stage_is_one_record_and_says_its_line():
     """The cache, the flow, the artifacts and the live table loop over titan_pipe.flows.stages: one
     record per stage, none spelled elsewhere."""
-    from titan_pipe.flows.stages import BY_NAME, figures
+    from titan_pipe.flows.stages import BY_NAME
 
-    assert tuple(BY_NAME) == (cache.DATA, *cache.STAGES)
-    assert figures("data", {"tokens": 112855, "documents": 9}, None) == "112,855 tokens, 9 documents"
-    assert figures("train", {"final_loss": 5.93731, "tokens_per_s": 352.4, "mfu": 0.0265, "steps": 4}, None) == (
-        "loss 5.9373, 352 tok/s, MFU 2.65%, 4 steps"
+    assert tuple(BY_NAME) == (cache.DATA, *cache.STAGES) == tuple(SUMMARIES)
+    assert DataSummary(tokens=112855, documents=9).line(None) == "112,855 tokens, 9 documents"
+    train = TrainSummary(final_loss=5.93731, tokens_per_s=352.4, mfu=0.0265, steps=4)
+    assert train.line(None) == "loss 5.9373, 352 tok/s, MFU 2.65%, 4 steps"
+    assert ConvertSummary(tensors=93, bytes=12_500_000, files=1).line(None) == "93 tensors, 12.5 MB, 1 file(s)"
+    assert ExportSummary(atc_status="not_found").line(None) == "ATC: not_found"
+    assert EvaluateSummary().line(False) == "verdict FAIL" and EvaluateSummary().line(True) == "verdict PASS"
+
+
+def test_a_stage_summary_is_typed_and_read_back_from_the_cache_record():
+    """Each stage carries its own summary class; the cache's JSON reads back as that class (a field an
+    older record lacks is its default, an unknown one is dropped); the wrong class is refused."""
+    out = StageOutput(
+        "convert",
+        ConvertPaths("m"),
+        outputs=["m"],
+        summary=ConvertSummary.from_result(
+            {"tensors": 3, "bytes": 10, "files": 1, "nonfinite": ["w"], "dtype": "bf16"}
+        ),
     )
-    assert figures("convert", {"tensors": 93, "bytes": 12.5e6, "files": 1}, None) == "93 tensors, 12.5 MB, 1 file(s)"
-    assert figures("export", {"atc_status": "not_found"}, None) == "ATC: not_found"
-    assert figures("evaluate", {}, False) == "verdict FAIL" and figures("evaluate", {}, True) == "verdict PASS"
+    back = StageOutput.from_json(json.loads(json.dumps(out.to_json())))
+    assert back == out and back.summary.nonfinite == ("w",) and back.summary.details["dtype"] == "bf16"
+    old = {"stage": "train", "paths": {"run_dir": "r", "metrics": "m"}, "outputs": [], "summary": {"steps": 4, "x": 1}}
+    assert StageOutput.from_json(old).summary == TrainSummary(steps=4)
+    assert StageOutput("data", DataPaths("d"), outputs=[]).summary == DataSummary()
+    with pytest.raises(TypeError, match="summary must be a TrainSummary"):
+        StageOutput("train", TrainPaths("r", "m"), outputs=[], summary=DataSummary())
     with pytest.raises(ValueError, match="unknown stage 'deploy'"):
         cache.stage_inputs("deploy", None, flow_dir=Path("."), upstream={})

@@ -227,13 +227,13 @@ def test_summarize_reads_metrics(tmp_path):
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 4, "lo')
     s = summarize(path)
-    assert s == {"final_loss": 3.0, "tokens_per_s": 40.0, "mfu": pytest.approx(0.4), "steps": 3}
-    assert summarize(tmp_path / "none.jsonl")["steps"] == 0
+    assert (s.final_loss, s.tokens_per_s, s.mfu, s.steps) == (3.0, 40.0, pytest.approx(0.4), 3)
+    assert summarize(tmp_path / "none.jsonl").steps == 0
     # a resumed run that restarted from step 1 logs steps 2.. again: the later records win
     with path.open("a") as f:
         f.write("\n" + json.dumps({"step": 2, "loss": 3.5, "tokens_per_s": 70.0, "mfu": 0.7}) + "\n")
     s = summarize(path)
-    assert s["steps"] == 3 and s["final_loss"] == 3.0 and s["tokens_per_s"] == 60.0
+    assert s.steps == 3 and s.final_loss == 3.0 and s.tokens_per_s == 60.0
 
 
 # --- the CLI and real runs -----------------------------------------------------------------------
@@ -280,8 +280,8 @@ def test_in_process_run_inside_an_existing_launch(tmp_path, monkeypatch):
     assert res.run_dir == (tmp_path / "runs" / "t").resolve()
     assert res.checkpoint.name == "step-000003" and (res.checkpoint / "manifest.json").is_file()
     assert [p.name for p in (res.run_dir / "checkpoints").iterdir()] == ["step-000003"]  # keep_last 1
-    assert res.summary["steps"] == 3 and res.summary["final_loss"] > 0
-    assert res.summary["plot"] == str(res.run_dir / "metrics.png")
+    assert res.summary.steps == 3 and res.summary.final_loss > 0
+    assert res.summary.plot == str(res.run_dir / "metrics.png")
     assert (res.run_dir / "metrics.png").read_bytes()[:4] == b"\x89PNG"
     assert (res.run_dir / "flow.yaml").read_text() == flow.read_text()
     assert not (res.run_dir / "train.log").exists()  # nothing was spawned

@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from titan_pipe.atomic import copy_file
@@ -21,6 +21,7 @@ from titan_pipe.config import FlowConfig
 from titan_pipe.errors import Interrupted, StageFailed, UserError
 from titan_pipe.run_dir import RunDir
 from titan_pipe.run_lock import run_lock
+from titan_pipe.stage_summaries import TrainSummary
 from titan_pipe.training.failure import launch_failure, node_log, torchrun_report
 from titan_pipe.training.launch_command import build_torchrun_command, launch_env
 from titan_pipe.training.metrics import plot_metrics, step_records
@@ -37,15 +38,15 @@ class TrainResult:
     run_dir: Path
     checkpoint: Path | None  # newest complete step dir; None only on a node that holds none
     metrics: Path  # metrics.jsonl
-    summary: dict  # final_loss, tokens_per_s, mfu, steps (+ start_step, peak_flops_source, plot)
+    summary: TrainSummary
 
 
-def summarize(metrics_path: Path) -> dict:
+def summarize(metrics_path: Path) -> TrainSummary:
     """final_loss, tokens_per_s (mean over logged steps after the first, which carries warm-up),
     mfu (same mean; None when never known), steps (last step logged) from metrics.jsonl."""
     recs = step_records(metrics_path)
     if not recs:
-        return {"final_loss": None, "tokens_per_s": None, "mfu": None, "steps": 0}
+        return TrainSummary()
     timed = recs[1:] or recs
 
     def mean(key: str) -> float | None:
@@ -53,12 +54,9 @@ def summarize(metrics_path: Path) -> dict:
         return sum(vals) / len(vals) if vals else None
 
     last_loss = next((r["loss"] for r in reversed(recs) if isinstance(r.get("loss"), (int, float))), None)
-    return {
-        "final_loss": last_loss,
-        "tokens_per_s": mean("tokens_per_s"),
-        "mfu": mean("mfu"),
-        "steps": recs[-1]["step"],
-    }
+    return TrainSummary(
+        final_loss=last_loss, tokens_per_s=mean("tokens_per_s"), mfu=mean("mfu"), steps=recs[-1]["step"]
+    )
 
 
 def copy_flow(flow_path: Path, run: RunDir) -> None:
@@ -224,15 +222,19 @@ def collect_result(run: RunDir, cfg: FlowConfig) -> TrainResult:
     if extra.is_file():
         try:
             theirs = json.loads(extra.read_text())
-            for k in ("start_step", "peak_flops_source"):
-                if k in theirs:
-                    summary[k] = theirs[k]
         except ValueError:
-            pass
+            theirs = None
+        if isinstance(theirs, dict):
+            start, source = theirs.get("start_step"), theirs.get("peak_flops_source")
+            summary = replace(
+                summary,
+                start_step=start if type(start) is int else None,
+                peak_flops_source=source if isinstance(source, str) else None,
+            )
     if reports() and cfg.launch.node_rank == 0:
         picture = plot_metrics(run.metrics, run.root / "metrics.png")
         if picture is not None:
-            summary["plot"] = str(picture)
+            summary = replace(summary, plot=str(picture))
     checkpoint = newest_complete(run.checkpoints, warn=True)
     on_first_node = cfg.launch.node_rank == 0 and os.environ.get("RANK", "0") == "0"
     if checkpoint is None and on_first_node:

@@ -37,14 +37,14 @@ class LiveSummary:
     STYLE = {"running": "cyan", "done": "green", "cached": "blue", "reused": "blue", "skipped": "dim", "failed": "red"}
 
     def __init__(self, console: Console, figures):
-        """``figures(stage, summary, passed)``: a finished stage's one line (titan_pipe.flows.stages.figures)."""
+        """``figures(output)``: a finished stage's one line (titan_pipe.flows.stages.figures)."""
         self.console, self.figures = console, figures
         self.rows: dict[str, tuple[str, float, str]] = {}
 
     def __call__(self, ev) -> None:
         figures = ev.message if ev.status != "failed" else "the error is below"  # said once, last
         if ev.output is not None:
-            figures = self.figures(ev.stage, ev.output.summary, ev.output.passed) or figures
+            figures = self.figures(ev.output) or figures
         self.rows[ev.stage] = (ev.status, ev.duration_s, figures)
         style = self.STYLE.get(ev.status, "white")
         took = f" in {ev.duration_s:.1f}s" if ev.duration_s else ""

@@ -7,17 +7,16 @@ from pathlib import Path
 import typer
 
 from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+from titan_pipe.stage_summaries import TrainSummary
 
 
-def _format_summary(summary: dict) -> str:
+def _format_summary(s: TrainSummary) -> str:
     def num(v, fmt):
         return "n/a" if v is None else format(v, fmt)
 
-    mfu = summary.get("mfu")
     return (
-        f"steps {summary.get('steps')} | final loss {num(summary.get('final_loss'), '.4f')} | "
-        f"{num(summary.get('tokens_per_s'), ',.0f')} tok/s | "
-        f"MFU {'n/a' if mfu is None else f'{100 * mfu:.2f}%'}"
+        f"steps {s.steps} | final loss {num(s.final_loss, '.4f')} | {num(s.tokens_per_s, ',.0f')} tok/s | "
+        f"MFU {'n/a' if s.mfu is None else f'{100 * s.mfu:.2f}%'}"
     )
 
 
@@ -49,8 +48,8 @@ def register(app: typer.Typer) -> None:
             "train", run_training, track=track, writes=cfg.run_dir(), flow_path=flow, cfg=cfg, resume=resume
         )
         console.print(f"done: {_format_summary(result.summary)}", highlight=False, soft_wrap=True)
-        if result.summary.get("peak_flops_source"):
-            console.print(f"peak FLOPs: {result.summary['peak_flops_source']}", highlight=False, soft_wrap=True)
+        if result.summary.peak_flops_source:
+            console.print(f"peak FLOPs: {result.summary.peak_flops_source}", highlight=False, soft_wrap=True)
         console.print(f"checkpoint: {result.checkpoint}\nmetrics:    {result.metrics}", highlight=False, soft_wrap=True)
-        if result.summary.get("plot"):
-            console.print(f"curves:     {result.summary['plot']}", highlight=False, soft_wrap=True)
+        if result.summary.plot:
+            console.print(f"curves:     {result.summary.plot}", highlight=False, soft_wrap=True)
