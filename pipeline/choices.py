@@ -33,7 +33,7 @@ OPTIMIZERS = ("adamw", "sgd")
 # train.compile_backend: auto = inductor on cuda/cpu, TorchAir's backend on npu (titan_pipe.training.compile)
 COMPILE_BACKENDS = ("auto", "inductor", "aot_eager", "eager")
 OFFLOADS = ("none", "cpu")
-SOURCE_FORMATS = ("auto", "titan", "megatron", "dcp", "hf")  # what convert reads (--from); auto: detected
+SOURCE_FORMATS = ("auto", "titan", "megatron", "dcp", "hf")  # what convert reads (--source-format); auto: detected
 NAMINGS = ("hf", "native")  # convert's output tensor names: Hugging Face (transformers loads it) or ours
 PRECISION_MODES = ("origin", "mixed_float16", "fp16")  # ATC's; origin keeps the graph's dtype
 

@@ -382,9 +382,7 @@ class ConvertConfig(Section):
     its export reads, so it refuses them (_cross_checks)."""
 
     # `titan-pipe convert`'s options are made from these fields (titan_pipe.commands.options)
-    source_format: Literal[SOURCE_FORMATS] = Field(
-        "auto", description="The source's format (auto: detected)", json_schema_extra={"flag": "--from"}
-    )
+    source_format: Literal[SOURCE_FORMATS] = Field("auto", description="The source's format (auto: detected)")
     naming: Literal[NAMINGS] = Field("hf", description="Tensor names of the output (hf: transformers loads it)")
     dtype: Literal[("keep",) + FLOAT_NAMES] = Field("keep", description="The output's dtype (keep: as stored)")
     max_shard_size: str = Field("5GB", description="Split the output past this size")

@@ -228,7 +228,7 @@ def test_convert_and_inspect_options_are_the_sections_fields_spelled_once():
     d = ConvertConfig()
     for key in ConvertConfig.model_fields:
         assert params[key].default.default == getattr(d, key), key
-    assert params["source_format"].default.param_decls == ("--from",)
+    assert params["source_format"].default.param_decls == ("--source-format",)
     assert params["source_config"].default.param_decls == ("--model-config",)
     look = inspect.signature(next(c for c in app.registered_commands if c.name == "inspect").callback).parameters
     assert {k: look[k].default.param_decls for k in ("source_format", "vocab_size", "source_config")} == {
@@ -242,8 +242,8 @@ def test_a_bad_flag_is_one_line_naming_the_flag(tmp_path):
 
     from titan_pipe.cli import app
 
-    r = CliRunner().invoke(app, ["convert", str(tmp_path), "-o", str(tmp_path / "o"), "--from", "pickle"])
-    assert r.exit_code == 1 and "--from: " in r.output and "'pickle'" in r.output, r.output
+    r = CliRunner().invoke(app, ["convert", str(tmp_path), "-o", str(tmp_path / "o"), "--source-format", "pickle"])
+    assert r.exit_code == 1 and "--source-format: " in r.output and "'pickle'" in r.output, r.output
     assert not (tmp_path / "o").exists()
 
 

@@ -161,8 +161,8 @@ def test_unknown_format(tmp_path):
 
 
 def test_wrong_explicit_from(good, tmp_path):
-    _fails(good["titan"], tmp_path / "out", "--from", "megatron", expect="--from titan")
-    _fails(good["hf"], tmp_path / "out", "--from", "dcp", expect="looks like a hf")
+    _fails(good["titan"], tmp_path / "out", "--source-format", "megatron", expect="--source-format titan")
+    _fails(good["hf"], tmp_path / "out", "--source-format", "dcp", expect="looks like a hf")
 
 
 def test_non_empty_output_needs_overwrite(good, tmp_path):

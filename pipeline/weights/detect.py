@@ -43,13 +43,13 @@ def detect_format(src: Path) -> str:
 def open_source(src: Path, source_format: str = "auto", **opts):
     """(SourcePlan, Store) for ``src``; an explicit format that does not match is refused clearly."""
     if source_format not in FORMATS:
-        raise UserError(f"--from {source_format!r} is not one of {', '.join(FORMATS)}")
+        raise UserError(f"--source-format {source_format!r} is not one of {', '.join(FORMATS)}")
     found = detect_format(src)
     if source_format != "auto" and source_format != found:
         if not READERS[source_format].looks_like(src):
             raise UserError(
-                f"{src}: --from {source_format} given, but this looks like a {found} "
-                f"checkpoint; pass --from {found} or --from auto"
+                f"{src}: --source-format {source_format} given, but this looks like a {found} "
+                f"checkpoint; pass --source-format {found} or --source-format auto"
             )
         found = source_format
     return READERS[found].open_source(src, **opts)

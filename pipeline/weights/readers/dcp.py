@@ -413,7 +413,7 @@ def open_source(
             raise UserError(
                 f"{path / METADATA}: holds Megatron tensor names (decoder.layers...): a "
                 "Megatron torch_dist checkpoint, which needs its metadata.json and "
-                "common.pt beside .metadata; pass --from megatron"
+                "common.pt beside .metadata; pass --source-format megatron"
             )
         raise UserError(
             f"{path / METADATA}: holds no torchtitan model tensors (tok_embeddings, "

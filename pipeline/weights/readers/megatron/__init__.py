@@ -1,4 +1,4 @@
-"""Megatron-LM checkpoints (``--from megatron``): which of the two formats a path holds, and its reader.
+"""Megatron-LM checkpoints (``--source-format megatron``): which of the two formats a path holds, and its reader.
 
   legacy      iter_*/mp_rank_TT[_PPP]/model_optim_rng.pt, one pickle per (tp, pp) rank (legacy.py)
   torch_dist  an iteration dir whose metadata.json names ``"sharded_backend": "torch_dist"``: a torch
