@@ -3,13 +3,13 @@ stage publishes which, and publishes them)."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from titan_pipe.errors import UserError
 from titan_pipe.export_record import ExportRecord
+from titan_pipe.stage_summaries import cell
 
 if TYPE_CHECKING:  # the stage records' output type; its module imports Prefect
     from titan_pipe.flows.tasks import StageOutput
@@ -18,17 +18,6 @@ if TYPE_CHECKING:  # the stage records' output type; its module imports Prefect
 def artifact_key(run_name: str, stage: str, what: str) -> str:
     """Prefect keys allow lowercase letters, digits and dashes only; the same key versions across runs."""
     return re.sub(r"[^a-z0-9-]+", "-", f"{run_name}-{stage}-{what}".lower()).strip("-")
-
-
-def _fmt(value: Any) -> Any:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    if isinstance(value, (dict, list, tuple)):
-        text = json.dumps(value, default=str)
-        return text if len(text) <= 200 else text[:197] + "..."
-    return value
 
 
 def operator_table(record: ExportRecord | None) -> list[dict]:
@@ -61,7 +50,7 @@ def evaluate_markdown(output: StageOutput, report_md: str | None) -> str:
     head = [f"# Evaluation verdict: **{verdict}**", ""]
     for k, v in output.summary.details.items():
         if not isinstance(v, (dict, list)):
-            head.append(f"- {k}: {_fmt(v)}")
+            head.append(f"- {k}: {cell(v)}")
     head += ["", f"Report: `{output.paths.report_json}`", ""]
     return "\n".join(head) + ("\n---\n\n" + report_md if report_md else "")
 

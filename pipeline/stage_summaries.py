@@ -14,18 +14,17 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 
-def _fmt(value: Any) -> str:
-    """A value as a table cell."""
+def cell(value: Any) -> Any:
+    """A value as a table cell: a float to 6 significant digits, a structure as short JSON, None as
+    n/a, anything else as it is (a count stays a number)."""
     if value is None:
         return "n/a"
-    if isinstance(value, bool):
-        return str(value)
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, (dict, list, tuple)):
         text = json.dumps(value, default=str)
         return text if len(text) <= 200 else text[:197] + "..."
-    return str(value)
+    return value
 
 
 def _number(value: Any) -> float | None:
@@ -53,7 +52,7 @@ class Summary:
         return []
 
     def rows(self) -> list[dict]:
-        return [{"key": k, "value": _fmt(v)} for k, v in self.to_dict().items()]
+        return [{"key": k, "value": cell(v)} for k, v in self.to_dict().items()]
 
     def line(self, passed: bool | None) -> str:
         """The one-line summary of the finished stage (run's live output and its final table)."""
@@ -103,13 +102,13 @@ class TrainSummary(Summary):
     def rows(self) -> list[dict]:
         mfu = _number(self.mfu)
         rows = [
-            {"metric": "final loss", "value": _fmt(self.final_loss)},
-            {"metric": "tokens/s", "value": _fmt(self.tokens_per_s)},
+            {"metric": "final loss", "value": cell(self.final_loss)},
+            {"metric": "tokens/s", "value": cell(self.tokens_per_s)},
             {"metric": "MFU", "value": "n/a" if mfu is None else f"{100 * mfu:.2f}%"},
-            {"metric": "steps", "value": _fmt(self.steps)},
+            {"metric": "steps", "value": cell(self.steps)},
         ]
         extra = {"start_step": self.start_step, "peak_flops_source": self.peak_flops_source, "plot": self.plot}
-        return rows + [{"metric": k, "value": _fmt(v)} for k, v in extra.items() if v is not None]
+        return rows + [{"metric": k, "value": cell(v)} for k, v in extra.items() if v is not None]
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ class ConvertSummary(Summary):
         ]
 
     def rows(self) -> list[dict]:
-        return [{"key": k, "value": _fmt(v)} for k, v in self.details.items()]
+        return [{"key": k, "value": cell(v)} for k, v in self.details.items()]
 
 
 @dataclass(frozen=True)
@@ -157,7 +156,7 @@ class ExportSummary(Summary):
         return [f"ATC: {self.atc_status}"]
 
     def rows(self) -> list[dict]:
-        return [{"key": k, "value": _fmt(v)} for k, v in self.details.items()]
+        return [{"key": k, "value": cell(v)} for k, v in self.details.items()]
 
 
 @dataclass(frozen=True)
