@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from titan_pipe.model import features
 from titan_pipe.weights.detect import open_source
 from titan_pipe.weights.readers import lora
 from titan_pipe.weights.source_plan import SourcePlan
@@ -63,7 +64,8 @@ def render(r: InspectResult, console: Console) -> None:
     console.print(
         f"[bold]{escape(str(r.root))}[/bold]: format [bold]{r.format}[/bold], {step}layout {escape(str(r.layout))}"
     )
-    variant = [k for k, on in (("q/k/v biases", m.get("qkv_bias")), ("q/k norms", m.get("qk_norm"))) if on]
+    shown = (("q/k/v biases", m.get("qkv_bias")), *((f.label, m.get(f.name)) for f in features.FEATURES))
+    variant = [k for k, on in shown if on]
     if m.get("sliding_window"):
         variant.append(f"sliding window {m['sliding_window']}")
     if m.get("global_every"):  # Gemma 3: one global layer in N, with its own RoPE base

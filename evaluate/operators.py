@@ -29,6 +29,7 @@ from titan_pipe.dtypes import FLOAT_NAMES, TORCH_BY_NAME
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.metrics import TensorMetrics, compare_tensors
 from titan_pipe.generation import ort_session
+from titan_pipe.model import features, kernels
 from titan_pipe.model.kernels import apply_rotary_ref, attention_ref, rms_norm_offset, rms_norm_ref
 from titan_pipe.thresholds import check_metrics, resolve_thresholds
 
@@ -171,15 +172,6 @@ def _offset_norm_graph(b, n, a):
     return nodes.rms_norm(b, n["x"], n["weight"], EPS, "norm", offset=True)
 
 
-def _head_norm_inputs(case, rng, spec):
-    """(B, T, heads, head_dim), as Qwen3 normalises q and k before RoPE."""
-    t = 256 if case == "long" else 16
-    return {
-        "x": _randn(rng, (2, t, 4, 128), _scale(case, spec)),
-        "weight": (1.0 + 0.1 * rng.standard_normal(128)).astype(np.float32),
-    }
-
-
 # -- RoPE (rotate-half) ----------------------------------------------------------------------
 
 
@@ -283,6 +275,20 @@ def _cast_graph(b, n, a):
     return b.op("Cast", [b.op("Cast", [n["x"]], to=low)], to=b.elem)
 
 
+def _feature_row(feature, row) -> OpSpec:
+    """A feature's own conformance row (titan_pipe.model.features) as an OpSpec: run for the models
+    that have the feature; a norm row only where the model's norms are plain (an offset model's
+    norms are the rms_norm_offset row)."""
+    return OpSpec(
+        row.name,
+        row.description,
+        lambda case, rng, spec: row.inputs(case, rng, _scale(case, spec)),
+        lambda **tensors: row.torch_fn(kernels, EPS, **tensors),
+        lambda b, n, a: row.graph(nodes, b, n, EPS),
+        family=lambda args: feature.on(args) and not (row.norm and args.norm_offset),
+    )
+
+
 OPERATORS: tuple[OpSpec, ...] = (
     OpSpec(
         "embedding",
@@ -314,14 +320,7 @@ OPERATORS: tuple[OpSpec, ...] = (
         _norm_graph,
         family=_plain_norms,
     ),
-    OpSpec(
-        "qk_norm",
-        "per-head RMSNorm over head_dim of (B, T, heads, hd) (Qwen3's q/k norms)",
-        _head_norm_inputs,
-        lambda x, weight: rms_norm_ref(x, weight, EPS),
-        _norm_graph,
-        family=lambda args: args.qk_norm and not args.norm_offset,
-    ),
+    *(_feature_row(f, c) for f in features.FEATURES for c in f.conformance),
     OpSpec(
         "rms_norm_offset",
         "RMSNorm times (1 + weight) in float32 (Gemma; rms_norm_offset)",

@@ -149,7 +149,7 @@ def test_the_model_package_imports_its_own_modules_at_the_top_only():
     modules' dependencies are their top-level imports (a name needed for annotations only sits under
     ``if TYPE_CHECKING:``), so an import cycle shows at load, not at the first call."""
     lazy = []
-    for path in sorted((REPO / "pipeline" / "model").glob("*.py")):
+    for path in sorted((REPO / "pipeline" / "model").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for inner in ast.walk(node):

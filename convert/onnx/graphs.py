@@ -46,6 +46,8 @@ from titan_pipe.graph_io import (
     router_name,
 )
 from titan_pipe.model.args import ModelArgs
+from titan_pipe import onnx_nodes
+from titan_pipe.model import features
 from titan_pipe.model.params import LAYER_PARAMS
 from titan_pipe.onnx_nodes import (
     GATED,
@@ -253,7 +255,7 @@ def _layer(
         f"{p}.attn.x2d",
     )
 
-    def heads(part: str, shape: str, norm: bool = False) -> str:  # (B*T, dim) -> (B, heads, T, hd)
+    def heads(part: str, shape: str) -> str:  # (B*T, dim) -> (B, heads, T, hd)
         w = _LAYER_INIT[f"attention.w{part}.weight"]
         bias = _w(i, f"attention.w{part}.bias") if args.qkv_bias else None
         y = g.op(
@@ -261,12 +263,15 @@ def _layer(
             [linear(g, x, _w(i, f"attention.w{part}.weight"), f"{p}.attn.{w}", bias), shape],
             f"{p}.attn.{w}.split",
         )
-        if norm:  # Qwen3: RMSNorm over each head's hd values, (B, T, heads, hd), before RoPE
-            y = rms_norm(g, y, _w(i, f"attention.{part}_norm.weight"), args.norm_eps, f"{p}.attn.{part}_norm", off)
+        for f in head_features:  # (B, T, heads, hd), before RoPE (titan_pipe.model.features)
+            y = f.onnx_heads(
+                onnx_nodes, g, y, part=part, weight=lambda n: _w(i, n), eps=args.norm_eps, prefix=p, offset=off
+            )
         return g.op("Transpose", [y], f"{p}.attn.{w}.heads", perm=[0, 2, 1, 3])
 
-    q = rotary(g, heads("q", sh.q, args.qk_norm), cos, sin, hd // 2, f"{p}.attn.rope_q")
-    k = rotary(g, heads("k", sh.kv, args.qk_norm), cos, sin, hd // 2, f"{p}.attn.rope_k")
+    head_features = [f for f in features.active(args) if f.onnx_heads is not None]
+    q = rotary(g, heads("q", sh.q), cos, sin, hd // 2, f"{p}.attn.rope_q")
+    k = rotary(g, heads("k", sh.kv), cos, sin, hd // 2, f"{p}.attn.rope_k")
     v = heads("v", sh.kv)
     if spec.decode:  # write this step's key/value into its slot of the fixed-capacity cache
         k = g.op("Where", [write_at, k, f"{PAST}{i}.key"], f"{PRESENT}{i}.key")

@@ -22,7 +22,7 @@ from typing import get_type_hints
 from titan_pipe import limits
 from titan_pipe.limits import Bound
 from titan_pipe.errors import UserError
-from titan_pipe.model import gemma3
+from titan_pipe.model import features, gemma3
 from titan_pipe.model.families import family_of
 from titan_pipe.model.rope_scaling import ROPE_TYPES, RopeScaling
 from titan_pipe.values import BOOL, DICT, FLOAT, INT, LIST, STR, check, refuse
@@ -303,11 +303,7 @@ def args_problems(args: ModelArgs) -> list[str]:
                 else (("n_experts", args.n_experts) if args.moe else gemma3.first_set(args))
             )
             out.append(f"{key}: {value}: {e}")
-    if args.qk_norm and args.qkv_bias:  # to_hf_config could name no architecture (titan_pipe.model.families)
-        out.append(
-            "qk_norm: true together with qkv_bias: no Hugging Face architecture has both (Qwen2: q/k/v "
-            "biases, Qwen3: q/k norms); drop one of qk_norm / qkv_bias"
-        )
+    out += features.problems(args)  # to_hf_config could name no architecture (titan_pipe.model.families)
     if args.activation not in ACTIVATIONS:
         out.append(
             f"activation: {limits.shown(args.activation)} is not one of {', '.join(ACTIVATIONS)}; use silu "
@@ -626,8 +622,7 @@ def count_params(args: ModelArgs, *, active: bool = False) -> int:
     attn = d * q + 2 * d * kv + q * d
     if args.qkv_bias:
         attn += q + 2 * kv
-    if args.qk_norm:
-        attn += 2 * args.head_dim
+    attn += sum(f.layer_params(args) for f in features.FEATURES)
     norms = 4 if args.sandwich_norms else 2
     n_moe = len(args.moe_layers)
     dense = (args.n_layers - n_moe) * 3 * d * args.hidden_dim
@@ -646,8 +641,8 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     as SDPA's math path and the masked kernels compute it: a sliding window masks scores, it does
     not skip computing them. Norms (q/k norms too) and embedding lookups are not matmuls.
     """
-    norms = args.dim * ((4 if args.sandwich_norms else 2) * args.n_layers + 1) + (
-        2 * args.head_dim * args.n_layers if args.qk_norm else 0
+    norms = args.dim * ((4 if args.sandwich_norms else 2) * args.n_layers + 1) + args.n_layers * sum(
+        f.layer_matmul_free(args) for f in features.FEATURES
     )
     biases = (args.q_dim + 2 * args.kv_dim) * args.n_layers if args.qkv_bias else 0
     # The embedding is a gather, not a matmul; a tied matrix still runs once as the output matmul.
@@ -687,7 +682,7 @@ SHAPE_KEYS = (
     "vocab_size",
     "hidden_dim",
     "qkv_bias",
-    "qk_norm",
+    *features.switches(),
     "sandwich_norms",
     "n_experts",
     "expert_dim",

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 
 from titan_pipe import limits
 from titan_pipe.errors import UserError
-from titan_pipe.model import gemma3
+from titan_pipe.model import features, gemma3
+from titan_pipe.model.features import Feature, qk_norm
 from titan_pipe.limits import Bound, shown
 from titan_pipe.values import BOOL, FLOAT, INT, STR, read, refuse
 
@@ -43,10 +44,23 @@ class Family:
     architecture: str
     model_type: str
     qkv_bias: bool = False  # Qwen2 builds q/k/v with bias=True whatever the config says
-    qk_norm: bool = False  # Qwen3 always has q_norm / k_norm
+    features: tuple[Feature, ...] = ()  # what the architecture always has (titan_pipe.model.features)
     window_keys: str = "none"  # none | mistral (sliding_window) | qwen (per-layer types)
     moe: bool = False  # a mixture of experts (the keys: _read_moe)
     gemma: bool = False  # Gemma 3's switches and keys (titan_pipe.model.gemma3)
+
+    def holds(self, args: ModelArgs) -> bool:
+        """Whether this architecture's config can say ``args``' switches (Gemma 3's: gemma3.problem)."""
+        return (
+            self.moe == args.moe
+            and self.qkv_bias == args.qkv_bias
+            and set(self.features) == set(features.active(args))
+            and not (self.window_keys == "none" and args.sliding_window is not None)
+        )
+
+    def switches(self) -> dict[str, bool]:
+        """Every feature's switch as this architecture sets it."""
+        return {f.name: f in self.features for f in features.FEATURES}
 
 
 FAMILIES: dict[str, Family] = {
@@ -55,10 +69,10 @@ FAMILIES: dict[str, Family] = {
         Family("LlamaForCausalLM", "llama"),
         Family("MistralForCausalLM", "mistral", window_keys="mistral"),
         Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window_keys="qwen"),
-        Family("Qwen3ForCausalLM", "qwen3", qk_norm=True, window_keys="qwen"),
+        Family("Qwen3ForCausalLM", "qwen3", features=(qk_norm.FEATURE,), window_keys="qwen"),
         Family("MixtralForCausalLM", "mixtral", window_keys="mistral", moe=True),
-        Family("Qwen3MoeForCausalLM", "qwen3_moe", qk_norm=True, window_keys="qwen", moe=True),
-        Family(gemma3.ARCHITECTURE, gemma3.MODEL_TYPE, qk_norm=True, window_keys="gemma", gemma=True),
+        Family("Qwen3MoeForCausalLM", "qwen3_moe", features=(qk_norm.FEATURE,), window_keys="qwen", moe=True),
+        Family(gemma3.ARCHITECTURE, gemma3.MODEL_TYPE, features=gemma3.FEATURES, window_keys="gemma", gemma=True),
     )
 }
 SUPPORTED = ", ".join(f.architecture for f in FAMILIES.values())
@@ -88,18 +102,13 @@ def family_of(args: ModelArgs) -> Family:
         if why is not None:
             raise ValueError(why)
         return FAMILIES[gemma3.MODEL_TYPE]
-    if args.qk_norm and args.qkv_bias:
-        raise ValueError(
-            "q/k norms together with q/k/v biases: no Hugging Face architecture has both "
-            f"({SUPPORTED}); drop one of qk_norm / qkv_bias"
-        )
+    clash = features.problems(args)
+    if clash:
+        raise ValueError(f"{clash[0]} ({SUPPORTED})")
     if args.moe:
         return _moe_family(args)
-    if args.qk_norm:
-        return FAMILIES["qwen3"]
-    if args.qkv_bias:
-        return FAMILIES["qwen2"]
-    return FAMILIES["mistral"] if args.sliding_window is not None else FAMILIES["llama"]
+    # the first dense architecture that holds it (llama before mistral: a window is Mistral's)
+    return next(f for f in FAMILIES.values() if not f.moe and not f.gemma and f.holds(args))
 
 
 def _named_family(args: ModelArgs) -> Family:
@@ -117,12 +126,7 @@ def _named_family(args: ModelArgs) -> Family:
                 "(Gemma 3's switches are set); drop model.family or those switches"
             )
         return fam
-    if (
-        fam.moe != args.moe
-        or fam.qkv_bias != args.qkv_bias
-        or fam.qk_norm != args.qk_norm
-        or (fam.window_keys == "none" and args.sliding_window is not None)
-    ):
+    if not fam.holds(args):
         raise ValueError(
             f"{fam.architecture} cannot hold this model ({family_of(plain).architecture} does); "
             "drop model.family or the feature it lacks"
@@ -139,13 +143,18 @@ def _moe_family(args: ModelArgs) -> Family:
             "a mixture of experts with q/k/v biases: no supported architecture has both (Mixtral, "
             "Qwen3-MoE); drop qkv_bias"
         )
-    if args.qk_norm:
+    if FAMILIES["qwen3_moe"].holds(args):
         return FAMILIES["qwen3_moe"]
+    if features.active(args):
+        names = ", ".join(f.name for f in features.active(args))
+        raise ValueError(f"a mixture of experts with {names}: no supported architecture has it (Mixtral, Qwen3-MoE)")
     if args.dense_layers or args.moe_step != 1 or args.expert_dim != args.hidden_dim or not args.router_norm_topk:
         raise ValueError(
             "a mixture of experts without q/k norms is Mixtral's, which routes in every layer "
             "(no dense_layers, moe_step 1) over experts of the dense width (moe_hidden_dim = the "
-            "FFN hidden size) with the top-k renormalized; or set qk_norm: true (Qwen3-MoE)"
+            "FFN hidden size) with the top-k renormalized; or set "
+            + ", ".join(f"{f.name}: true" for f in FAMILIES["qwen3_moe"].features)
+            + " (Qwen3-MoE)"
         )
     return FAMILIES["mixtral"]
 
@@ -209,7 +218,7 @@ def config_family(cfg: dict, source: str) -> Family:
 
 
 def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
-    """ModelArgs fields {qkv_bias, qk_norm, sliding_window} of a config.json, every key typed
+    """ModelArgs fields (qkv_bias, the features' switches, sliding_window) of a config.json, every key typed
     strictly (titan_pipe.values); UserError naming the key for what the model cannot compute."""
     fam = config_family(cfg, source)
     if fam.gemma:
@@ -226,7 +235,7 @@ def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
         raise refuse(source, "mlp_bias", True, "is not supported", "convert a model without MLP biases")
     out = {
         "qkv_bias": fam.qkv_bias,
-        "qk_norm": fam.qk_norm,
+        **fam.switches(),
         "sliding_window": _window(cfg, fam, n_layers, source),
         "family": fam.model_type,
     }

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from titan_pipe import limits
 from titan_pipe.errors import UserError
 from titan_pipe.limits import Bound
+from titan_pipe.model.features import qk_norm
 from titan_pipe.model.rope_scaling import RopeScaling, read_rope_scaling
 from titan_pipe.values import BOOL, DICT, FLOAT, INT, STR, read, refuse
 
@@ -47,12 +48,13 @@ DEFAULTS = {
 
 
 # The switches Gemma 3 always has, together
+FEATURES = (qk_norm.FEATURE,)  # the features (titan_pipe.model.features) Gemma 3 always has
 REQUIRED = {
     "norm_offset": True,
     "sandwich_norms": True,
     "embed_scale": True,
     "activation": "gelu_tanh",
-    "qk_norm": True,
+    **{f.name: True for f in FEATURES},
 }
 
 

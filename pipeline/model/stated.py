@@ -16,6 +16,7 @@ from pathlib import Path
 
 from titan_pipe.weights.detect import open_source, other_format
 from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest, complete_step
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.unified_dir import read_model_args
 from titan_pipe.tokens.model_files import GENERATION_CONFIG, dir_token_ids, generation_config
@@ -38,7 +39,7 @@ COMPARED: dict[str, str] = {
     "max_seq_len": "max_seq_len",
     "tie_embeddings": "tie_embeddings",
     "qkv_bias": "qkv_bias",
-    "qk_norm": "qk_norm",
+    **{switch: switch for switch in features.switches()},
     "sliding_window": "sliding_window",
     "n_experts": "n_experts",
     "experts_per_token": "experts_per_token",

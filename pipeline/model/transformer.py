@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titan_pipe.model import rope
+from titan_pipe.model import features, rope
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels, reference_kernels, rms_norm_offset
 from titan_pipe.model.lora import LoRASpec, is_adapter
@@ -84,9 +84,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.kv_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
-        # Qwen3: RMSNorm over each head's head_dim values of q and k, before RoPE.
-        self.q_norm = _norm(args, args.head_dim, kernels) if args.qk_norm else None
-        self.k_norm = _norm(args, args.head_dim, kernels) if args.qk_norm else None
+        # the features on the heads of q, k, v (titan_pipe.model.features): each builds its own parameters
+        self.features = tuple(f for f in features.active(args) if f.attention_heads is not None)
+        for f in self.features:
+            f.build_attention(self, args, lambda width: _norm(args, width, kernels))
         self.lora = adapters_for(
             "attention",
             {
@@ -99,21 +100,22 @@ class Attention(nn.Module):
         )
         self.kernels = kernels
 
-    def _heads(self, name: str, norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, dim) -> (B, heads, T, hd) through projection ``name``; the norm sees (B, T, heads, hd),
+    def _heads(self, part: str, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, dim) -> (B, heads, T, hd) through projection w``part``; the features see (B, T, heads, hd),
         heads last but one (the dim tensor parallelism splits them on)."""
         b, t, _ = x.shape
+        name = f"w{part}"
         y = adapted(getattr(self, name), self.lora, name, x).view(b, t, -1, self.head_dim)
-        return (norm(y) if norm is not None else y).transpose(1, 2)
+        for f in self.features:
+            y = f.attention_heads(self, part, y)
+        return y.transpose(1, 2)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x (B, T, dim) -> q (B, H, T, hd), k and v (B, Hkv, T, hd), RoPE applied to q and k.
 
         Head counts come from the (possibly TP-local) weight shapes, hence ``-1`` in the views.
         """
-        q = self._heads("wq", self.q_norm, x)
-        k = self._heads("wk", self.k_norm, x)
-        v = self._heads("wv", None, x)
+        q, k, v = self._heads("q", x), self._heads("k", x), self._heads("v", x)
         q, k = self.kernels.apply_rotary(q, k, cos, sin)
         return q, k, v
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.lora import LoRASpec, adapter_shapes, is_adapter
 from titan_pipe.training.activation_checkpoint import ac_layer_ids
@@ -260,9 +261,9 @@ def layer_activation_terms(
         "attention_lse_fp32": 4 * args.n_heads / tp,
         "ffn_swiglu": 4 * a * f / tp,
     }
-    if args.qk_norm:  # per-head RMSNorm of q and k: float32 input, 1/rms per head, normalised output
-        heads = args.n_heads + args.kv_heads
-        terms["qk_norm"] = ((4 + r) * heads * args.head_dim + 4 * heads) / tp
+    for f in features.active(args):  # what each feature keeps (titan_pipe.model.features)
+        if f.activation_terms is not None:
+            terms.update(f.activation_terms(args, r, tp))
     return terms
 
 

@@ -49,6 +49,7 @@ from titan_pipe.weights.source_plan import Read, SourcePlan, TensorPlan, check_a
 from titan_pipe.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
 from titan_pipe import limits
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs, RopeScaling, check_fits, validate_args
 from titan_pipe.model.hf_config import from_hf_config
 from titan_pipe.model.names import TORCHTITAN_MODEL_PREFIX
@@ -232,7 +233,7 @@ def model_args(cfg_path: Path, shapes: dict[str, tuple[int, ...]]) -> ModelArgs:
             vocab_size=vocab,
             ffn_hidden_dim=hidden,
             head_dim=head_dim,
-            qk_norm=q_norm is not None,
+            **{f.name: f.shown_in(shapes) for f in features.FEATURES},
             qkv_bias="layers.0.attention.wq.bias" in shapes,
             norm_eps=_param(cfg, "norm_eps", FLOAT, cfg_path, default=1e-5, bound=limits.NORM_EPS),
             rope_theta=_param(cfg, "rope_theta", FLOAT, cfg_path, default=10000.0, bound=limits.ROPE_THETA),
@@ -426,7 +427,7 @@ def open_source(
     check_accounted(shapes, args, source=cfg_path, describe=lambda n: f"{tensor_meta[n][0]!r} of {path / METADATA}")
     if vocab_size is not None and vocab_size != args.vocab_size:
         raise UserError(f"--vocab-size {vocab_size} disagrees with the embedding of {path} ({args.vocab_size} rows)")
-    interleaved = not args.qk_norm  # torchtitan's qwen3 is rotate-half already
+    interleaved = not any(f.rotate_half_in_torchtitan for f in features.active(args))  # qwen3's is rotate-half
     tensors = plan_tensors(
         path,
         md,

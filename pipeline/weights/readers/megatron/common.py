@@ -25,6 +25,7 @@ import numpy as np
 
 from titan_pipe.checkpoint_format import Box
 from titan_pipe import limits
+from titan_pipe.model import features
 from titan_pipe.weights.source_plan import Read, TensorPlan, check_accounted
 from titan_pipe.errors import UserError
 from titan_pipe.limits import Bound
@@ -269,7 +270,7 @@ def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelA
         max_seq_len=positions,
         tie_embeddings=not arg(a, "untie_embeddings_and_output_weights", BOOL, root, default=False),
         qkv_bias=arg(a, "add_qkv_bias", BOOL, root, default=False),
-        qk_norm=arg(a, "qk_layernorm", BOOL, root, default=False),
+        **{f.name: arg(a, f.megatron_arg, BOOL, root, default=False) for f in features.FEATURES if f.megatron_arg},
         sliding_window=_window(a, root),
         **_moe_fields(a, root),
     )

@@ -1,0 +1,73 @@
+"""What one architectural feature is, as data: the record every feature file fills in.
+
+A feature owns everything about itself that a stage needs: the ModelArgs switch that turns it on
+(``name``; flow.yaml's ``model.<name>``), its parameters (rows of the parameter list, with their
+names in every format and their TP style), the switches it cannot be combined with, the Megatron-LM
+argument that says it, its forward in the torch module, its ONNX node recipe, its operator
+conformance rows, its planner memory terms, and how a checkpoint's tensors show it. The stages
+iterate ``titan_pipe.model.features.FEATURES`` and call these; none tests the switch itself.
+
+Pure data and plain functions: a hook gets what it computes with from its caller (a norm factory,
+the ONNX node recipes, the kernels), so the model package stays free of torch and onnx at import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import TYPE_CHECKING, Any, Callable
+
+from titan_pipe.model.param_spec import Param
+
+if TYPE_CHECKING:
+    from titan_pipe.model.args import ModelArgs
+
+
+@dataclass(frozen=True)
+class Conformance:
+    """One operator conformance row (titan_pipe.evaluate.operators runs it in every dtype and case).
+
+    ``inputs(case, rng, scale)`` -> {name: float32 array}; ``torch_fn(kernels, eps, **tensors)`` -> the
+    training kernel's output; ``graph(nodes, builder, names, eps)`` -> the ONNX output name, built with
+    titan_pipe.onnx_nodes (passed in as ``nodes``)."""
+
+    name: str
+    description: str
+    inputs: Callable[[str, Any, float], dict]
+    torch_fn: Callable[..., Any]
+    graph: Callable[..., str]
+    norm: bool = False  # a norm row: a model with offset norms runs the offset row instead
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str  # the ModelArgs switch (a bool) that turns it on
+    label: str  # how a person is told (inspect, errors): "q/k norms"
+    params: tuple[Param, ...] = ()  # per-layer rows of the parameter list, each ``when`` this is on
+    excludes: tuple[tuple[str, str], ...] = ()  # (another switch, why not together: no architecture has both)
+    megatron_arg: str | None = None  # the Megatron-LM argument that turns it on
+    rotate_half_in_torchtitan: bool = False  # torchtitan's model with it stores q/k rows rotate-half
+    # torch: (attention module, args, make_norm(width)) -> sets the module's parameters (their ``params`` names)
+    build_attention: Callable[[Any, "ModelArgs", Callable], None] | None = None
+    # torch: (attention module, "q" | "k" | "v", (B, T, heads, hd)) -> the same shape, before RoPE
+    attention_heads: Callable[[Any, str, Any], Any] | None = None
+    # ONNX: (nodes, graph, y, part, weight(native name) -> initializer, eps, prefix, offset) -> y
+    onnx_heads: Callable[..., str] | None = None
+    # planner: (args, resid dtype bytes, tp) -> {term: bytes one token keeps for backward, per layer}
+    activation_terms: Callable[["ModelArgs", int, int], dict[str, float]] | None = None
+    conformance: tuple[Conformance, ...] = ()
+
+    def on(self, args: "ModelArgs") -> bool:
+        return bool(getattr(args, self.name))
+
+    def layer_params(self, args: "ModelArgs") -> int:
+        """Parameters it adds to each layer (0 when off)."""
+        return sum(prod(p.shape(args)) for p in self.params) if self.on(args) else 0
+
+    def layer_matmul_free(self, args: "ModelArgs") -> int:
+        """Of those, the ones no matmul multiplies (norm weights): not in the 6N FLOPs."""
+        return sum(prod(p.shape(args)) for p in self.params if not p.matmul) if self.on(args) else 0
+
+    def shown_in(self, shapes: dict[str, tuple[int, ...]]) -> bool:
+        """Whether a checkpoint whose layer-0 tensors are ``shapes`` (native names) has it."""
+        return any(f"layers.0.{p.name}" in shapes for p in self.params)

@@ -1,0 +1,113 @@
+"""A model feature is one file (titan_pipe.model.features): its parameters, its torch forward, its
+ONNX nodes, its conformance row, its planner terms and its checkpoint keys come from there, and no
+stage tests its switch itself. Checked on q/k norms, the first feature moved there; the families'
+and stages' numerics with it on are the Qwen3 / Gemma 3 tests (test_families, test_released_models)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_pipe.model import features
+from titan_pipe.model.args import FLAVOURS, ModelArgs, count_params, flops_per_token, args_problems
+from titan_pipe.model.families import FAMILIES, family_of
+from titan_pipe.model.features import qk_norm
+from titan_pipe.model.params import LAYER_PARAMS, native_names
+from titan_pipe.model.transformer import build_model
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("pipeline", "training", "convert", "evaluate", "flows")
+# where a feature's switch may be written outside its own file: the flow.yaml schema (ModelArgs and
+# the flavours' values) and the lists of features a family has
+SCHEMA_AND_FAMILIES = {
+    "pipeline/model/args.py",
+    "pipeline/model/families.py",
+    "pipeline/model/gemma3.py",
+    "pipeline/model/features/__init__.py",  # the feature list
+}
+
+
+def small(**kw) -> ModelArgs:
+    return ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_hidden_dim=96, **kw)
+
+
+@pytest.mark.parametrize("feature", features.FEATURES, ids=lambda f: f.name)
+def test_no_stage_spells_a_features_switch(feature):
+    """grep for the switch finds its feature file, the schema and the family lists only: every stage
+    asks the feature list."""
+    pattern = re.compile(rf"\b{re.escape(feature.name)}\b")
+    own = f"pipeline/model/features/{feature.name}.py"
+    found = {
+        str(p.relative_to(REPO))
+        for folder in STAGES
+        for p in (REPO / folder).rglob("*.py")
+        if pattern.search(p.read_text())
+    }
+    assert own in found
+    assert found - {own} <= SCHEMA_AND_FAMILIES, sorted(found - {own} - SCHEMA_AND_FAMILIES)
+
+
+def test_the_features_parameters_are_rows_of_the_list_held_only_when_on():
+    for f in features.FEATURES:
+        assert all(p in LAYER_PARAMS for p in f.params)
+    on, off = small(qk_norm=True), small()
+    norms = {f"layers.{i}.attention.{x}_norm.weight" for i in range(2) for x in "qk"}
+    assert norms <= set(native_names(on)) and not norms & set(native_names(off))
+    assert count_params(on) - count_params(off) == 2 * 2 * on.head_dim == 2 * qk_norm.FEATURE.layer_params(on)
+    # norm weights are no matmul: the training FLOPs do not change
+    assert flops_per_token(on, 128) == flops_per_token(off, 128)
+    held = {n for n, _ in build_model(on).named_parameters()}
+    assert norms <= held and not norms & {n for n, _ in build_model(off).named_parameters()}
+
+
+def test_the_torch_hook_normalises_each_head_of_q_and_k_before_rope():
+    """The attention's q with the feature equals the projection's heads normalised by hand."""
+    args = small(qk_norm=True)
+    attn = build_model(args).layers["0"].attention
+    with torch.no_grad():
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 5, args.dim)
+    y = attn.wq(x).view(2, 5, -1, args.head_dim)
+    by_hand = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + args.norm_eps) * attn.q_norm.weight
+    assert torch.allclose(attn._heads("q", x), by_hand.transpose(1, 2), atol=1e-6)
+    assert torch.equal(attn._heads("v", x), attn.wv(x).view(2, 5, -1, args.head_dim).transpose(1, 2))
+    plain = build_model(small()).layers["0"].attention
+    assert plain.features == () and not hasattr(plain, "q_norm")
+
+
+def test_families_are_lists_of_features():
+    """Qwen3's, Qwen3-MoE's and Gemma 3's architectures have q/k norms; the others none; the family
+    a model is written as follows from the features it has; a combination none has is one line."""
+    assert {t for t, f in FAMILIES.items() if qk_norm.FEATURE in f.features} == {"qwen3", "qwen3_moe", "gemma3_text"}
+    assert family_of(small(qk_norm=True)).model_type == "qwen3"
+    assert family_of(small()).model_type == "llama"
+    assert family_of(FLAVOURS["qwen3_30b_a3b"]).model_type == "qwen3_moe"
+    assert family_of(replace(FLAVOURS["mixtral_8x7b"], qk_norm=True)).model_type == "qwen3_moe"
+    problems = args_problems(small(qk_norm=True, qkv_bias=True))
+    assert any(
+        p.startswith("qk_norm: true together with qkv_bias: no Hugging Face architecture has both") for p in problems
+    )
+    assert FAMILIES["qwen3"].switches() == {"qk_norm": True} and FAMILIES["llama"].switches() == {"qk_norm": False}
+
+
+def test_the_planner_and_the_conformance_table_ask_the_feature():
+    from titan_pipe.evaluate.operators import model_operators, run_operator, OPERATORS
+    from titan_pipe.training.planner.memory import layer_activation_terms
+
+    on, off = small(qk_norm=True), small()
+    assert set(layer_activation_terms(on)) - set(layer_activation_terms(off)) == {"qk_norm"}
+    assert "qk_norm" in model_operators(on) and "qk_norm" not in model_operators(off)
+    assert "qk_norm" not in model_operators(FLAVOURS["gemma3_1b"])  # offset norms: the rms_norm_offset row
+    spec = next(s for s in OPERATORS if s.name == "qk_norm")
+    result = run_operator(spec, "float32", "normal")
+    assert result.status == "pass" and result.shape == (2, 16, 4, 128), result
+
+
+def test_a_checkpoint_shows_the_feature_by_its_tensors_and_megatron_by_its_argument():
+    assert qk_norm.FEATURE.shown_in({"layers.0.attention.q_norm.weight": (16,)})
+    assert not qk_norm.FEATURE.shown_in({"layers.0.attention.wq.weight": (64, 64)})
+    assert qk_norm.FEATURE.megatron_arg == "qk_layernorm" and qk_norm.FEATURE.rotate_half_in_torchtitan
