@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from titan_pipe.evaluate.memory import release
 from titan_pipe.evaluate.runners.outputs import Outputs, OutputsSink
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.kernels import Kernels, reference_kernels, rms_norm_offset
+from titan_pipe.model.kernels import Kernels, norm_for, reference_kernels
 from titan_pipe.model.params import native_shapes
 from titan_pipe.model.transformer import TransformerBlock, rope_cos_sin, scale_embeddings
 
@@ -289,7 +289,7 @@ class LayeredModel:
             shape = native_shapes(self.args)[out_name]
             self._reserve_stored(_numel(shape) * self.source.stored_dtype(out_name).itemsize + 64)
             out = self._linear(out_name, shape)
-        norm_of = rms_norm_offset if self.args.norm_offset else self.kernels.rms_norm
+        norm_of = norm_for(self.kernels, self.args.norm_offset)
         logits = [out(norm_of(h, norm, self.args.norm_eps)).to("cpu") for h in hs]
         del out
         self._evict()

@@ -40,6 +40,12 @@ def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return (xf * (1.0 + weight.float())).to(x.dtype)
 
 
+def norm_for(kernels: "Kernels", offset: bool) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+    """The RMSNorm a model's norms run, chosen in this one place: Gemma's offset form (its float32
+    product, whichever kernels) for ``offset`` (ModelArgs.norm_offset), else the kernels' own."""
+    return rms_norm_offset if offset else kernels.rms_norm
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

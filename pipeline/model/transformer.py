@@ -17,7 +17,7 @@ from torch import nn
 
 from titan_pipe.model import features, rope
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.kernels import Kernels, reference_kernels, rms_norm_offset
+from titan_pipe.model.kernels import Kernels, norm_for, reference_kernels
 from titan_pipe.model.lora import LoRASpec, is_adapter
 from titan_pipe.model.lora_modules import adapted, adapters_for, init_adapter
 from titan_pipe.model.loss import cross_entropy, linear_cross_entropy
@@ -58,11 +58,10 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
         self.kernels = kernels
+        self.norm = norm_for(kernels, offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.offset:
-            return rms_norm_offset(x, self.weight, self.eps)
-        return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.norm(x, self.weight, self.eps)
 
 
 def _norm(args: ModelArgs, dim: int, kernels: Kernels) -> RMSNorm:
