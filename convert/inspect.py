@@ -64,8 +64,7 @@ def render(r: InspectResult, console: Console) -> None:
     console.print(
         f"[bold]{escape(str(r.root))}[/bold]: format [bold]{r.format}[/bold], {step}layout {escape(str(r.layout))}"
     )
-    shown = (("q/k/v biases", m.get("qkv_bias")), *((f.label, m.get(f.name)) for f in features.FEATURES))
-    variant = [k for k, on in shown if on]
+    variant = [f.label for f in features.FEATURES if m.get(f.name)]
     if m.get("sliding_window"):
         variant.append(f"sliding window {m['sliding_window']}")
     if m.get("global_every"):  # Gemma 3: one global layer in N, with its own RoPE base

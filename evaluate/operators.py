@@ -133,15 +133,6 @@ def _linear_graph(b, n, a):
     return nodes.linear(b, n["x"], n["w"])
 
 
-def _bias_inputs(case, rng, spec):
-    d = _linear_inputs(case, rng, spec)
-    return {**d, "bias": _randn(rng, (d["w"].shape[0],), 0.5)}
-
-
-def _bias_graph(b, n, a):
-    return nodes.linear(b, n["x"], n["w"], bias=n["bias"])
-
-
 # -- RMSNorm ---------------------------------------------------------------------------------
 
 EPS = 1e-5
@@ -303,14 +294,6 @@ OPERATORS: tuple[OpSpec, ...] = (
         _linear_inputs,
         lambda x, w: F.linear(x, w),
         _linear_graph,
-    ),
-    OpSpec(
-        "linear_bias",
-        "linear with bias x @ W^T + b (Gemm's C input: Qwen2's q/k/v)",
-        _bias_inputs,
-        lambda x, w, bias: F.linear(x, w, bias),
-        _bias_graph,
-        family="qkv_bias",
     ),
     OpSpec(
         "rms_norm",

@@ -1,7 +1,8 @@
 """A model feature is one file (titan_pipe.model.features): its parameters, its torch forward, its
 ONNX nodes, its conformance row, its planner terms and its checkpoint keys come from there, and no
-stage tests its switch itself. Checked on q/k norms, the first feature moved there; the families'
-and stages' numerics with it on are the Qwen3 / Gemma 3 tests (test_families, test_released_models)."""
+stage tests its switch itself. Checked on the features moved there (q/k/v biases, q/k norms); the
+families' and stages' numerics with them on are the Qwen2 / Qwen3 / Gemma 3 tests (test_families,
+test_released_models)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from titan_pipe.model import features
 from titan_pipe.model.args import FLAVOURS, ModelArgs, count_params, flops_per_token, args_problems
 from titan_pipe.model.families import FAMILIES, family_of
-from titan_pipe.model.features import qk_norm
+from titan_pipe.model.features import qk_norm, qkv_bias
 from titan_pipe.model.params import LAYER_PARAMS, native_names
 from titan_pipe.model.transformer import build_model
 
@@ -64,6 +65,19 @@ def test_the_features_parameters_are_rows_of_the_list_held_only_when_on():
     assert norms <= held and not norms & {n for n, _ in build_model(off).named_parameters()}
 
 
+def test_the_biases_are_the_features_rows_and_its_adds():
+    on, off = small(qkv_bias=True), small()
+    biases = {f"layers.{i}.attention.w{x}.bias" for i in range(2) for x in "qkv"}
+    assert biases <= set(native_names(on)) and not biases & set(native_names(off))
+    per_layer = on.q_dim + 2 * on.kv_dim
+    assert count_params(on) - count_params(off) == 2 * per_layer == 2 * qkv_bias.FEATURE.layer_params(on)
+    assert flops_per_token(on, 128) - flops_per_token(off, 128) == 3 * 2 * per_layer  # one add each, x3 for training
+    attn = build_model(on).layers["0"].attention
+    assert attn.wq.bias is not None and attn.wv.bias is not None and attn.wo.bias is None
+    assert build_model(off).layers["0"].attention.wq.bias is None
+    assert family_of(on).model_type == "qwen2" and FAMILIES["qwen2"].switches() == {"qkv_bias": True, "qk_norm": False}
+
+
 def test_the_torch_hook_normalises_each_head_of_q_and_k_before_rope():
     """The attention's q with the feature equals the projection's heads normalised by hand."""
     args = small(qk_norm=True)
@@ -91,7 +105,10 @@ def test_families_are_lists_of_features():
     assert any(
         p.startswith("qk_norm: true together with qkv_bias: no Hugging Face architecture has both") for p in problems
     )
-    assert FAMILIES["qwen3"].switches() == {"qk_norm": True} and FAMILIES["llama"].switches() == {"qk_norm": False}
+    assert FAMILIES["qwen3"].switches() == {"qkv_bias": False, "qk_norm": True}
+    assert not any(FAMILIES["llama"].switches().values())
+    with pytest.raises(ValueError, match="a mixture of experts with q/k/v biases: no supported architecture"):
+        family_of(replace(FLAVOURS["mixtral_8x7b"], qkv_bias=True))
 
 
 def test_the_planner_and_the_conformance_table_ask_the_feature():
@@ -102,12 +119,15 @@ def test_the_planner_and_the_conformance_table_ask_the_feature():
     assert set(layer_activation_terms(on)) - set(layer_activation_terms(off)) == {"qk_norm"}
     assert "qk_norm" in model_operators(on) and "qk_norm" not in model_operators(off)
     assert "qk_norm" not in model_operators(FLAVOURS["gemma3_1b"])  # offset norms: the rms_norm_offset row
-    spec = next(s for s in OPERATORS if s.name == "qk_norm")
-    result = run_operator(spec, "float32", "normal")
-    assert result.status == "pass" and result.shape == (2, 16, 4, 128), result
+    assert "linear_bias" in model_operators(small(qkv_bias=True)) and "linear_bias" not in model_operators(on)
+    for name, shape in (("qk_norm", (2, 16, 4, 128)), ("linear_bias", (16, 96))):
+        result = run_operator(next(s for s in OPERATORS if s.name == name), "float32", "normal")
+        assert result.status == "pass" and result.shape == shape, result
 
 
 def test_a_checkpoint_shows_the_feature_by_its_tensors_and_megatron_by_its_argument():
     assert qk_norm.FEATURE.shown_in({"layers.0.attention.q_norm.weight": (16,)})
     assert not qk_norm.FEATURE.shown_in({"layers.0.attention.wq.weight": (64, 64)})
+    assert qkv_bias.FEATURE.shown_in({"layers.0.attention.wq.bias": (64,)})
+    assert qkv_bias.FEATURE.megatron_arg == "add_qkv_bias" and not qkv_bias.FEATURE.rotate_half_in_torchtitan
     assert qk_norm.FEATURE.megatron_arg == "qk_layernorm" and qk_norm.FEATURE.rotate_half_in_torchtitan

@@ -257,7 +257,7 @@ def _layer(
 
     def heads(part: str, shape: str) -> str:  # (B*T, dim) -> (B, heads, T, hd)
         w = _LAYER_INIT[f"attention.w{part}.weight"]
-        bias = _w(i, f"attention.w{part}.bias") if args.qkv_bias else None
+        bias = _w(i, f"attention.w{part}.bias") if features.biased(args, part) else None
         y = g.op(
             "Reshape",
             [linear(g, x, _w(i, f"attention.w{part}.weight"), f"{p}.attn.{w}", bias), shape],

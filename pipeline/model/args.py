@@ -620,8 +620,6 @@ def count_params(args: ModelArgs, *, active: bool = False) -> int:
     each routing layer, and the router)."""
     d, q, kv = args.dim, args.q_dim, args.kv_dim
     attn = d * q + 2 * d * kv + q * d
-    if args.qkv_bias:
-        attn += q + 2 * kv
     attn += sum(f.layer_params(args) for f in features.FEATURES)
     norms = 4 if args.sandwich_norms else 2
     n_moe = len(args.moe_layers)
@@ -641,17 +639,16 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     as SDPA's math path and the masked kernels compute it: a sliding window masks scores, it does
     not skip computing them. Norms (q/k norms too) and embedding lookups are not matmuls.
     """
-    norms = args.dim * ((4 if args.sandwich_norms else 2) * args.n_layers + 1) + args.n_layers * sum(
-        f.layer_matmul_free(args) for f in features.FEATURES
-    )
-    biases = (args.q_dim + 2 * args.kv_dim) * args.n_layers if args.qkv_bias else 0
+    # matmul-free parameters: the norms (no FLOPs counted) and each feature's own (norm weights; biases,
+    # one add each)
+    norms = args.dim * ((4 if args.sandwich_norms else 2) * args.n_layers + 1)
+    free = norms + args.n_layers * sum(f.layer_matmul_free(args) for f in features.FEATURES)
+    adds = args.n_layers * sum(f.layer_adds(args) for f in features.FEATURES)
     # The embedding is a gather, not a matmul; a tied matrix still runs once as the output matmul.
     # A mixture of experts: the top-k experts a token is routed to, and the router.
-    n_matmul = (
-        count_params(args, active=True) - norms - biases - (0 if args.tie_embeddings else args.vocab_size * args.dim)
-    )
+    n_matmul = count_params(args, active=True) - free - (0 if args.tie_embeddings else args.vocab_size * args.dim)
     attn = 2 * 2 * args.n_layers * seq_len * args.q_dim  # QK^T and PV, per token
-    return 3 * (2 * n_matmul + biases + attn)
+    return 3 * (2 * n_matmul + adds + attn)
 
 
 # The narrowest element a model's weights are stored in (float16 / bfloat16), for check_fits.
@@ -681,7 +678,6 @@ SHAPE_KEYS = (
     "head_dim",
     "vocab_size",
     "hidden_dim",
-    "qkv_bias",
     *features.switches(),
     "sandwich_norms",
     "n_experts",

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from titan_pipe import limits
 from titan_pipe.errors import UserError
 from titan_pipe.model import features, gemma3
-from titan_pipe.model.features import Feature, qk_norm
+from titan_pipe.model.features import Feature, qk_norm, qkv_bias
 from titan_pipe.limits import Bound, shown
 from titan_pipe.values import BOOL, FLOAT, INT, STR, read, refuse
 
@@ -43,7 +43,6 @@ class Family:
 
     architecture: str
     model_type: str
-    qkv_bias: bool = False  # Qwen2 builds q/k/v with bias=True whatever the config says
     features: tuple[Feature, ...] = ()  # what the architecture always has (titan_pipe.model.features)
     window_keys: str = "none"  # none | mistral (sliding_window) | qwen (per-layer types)
     moe: bool = False  # a mixture of experts (the keys: _read_moe)
@@ -53,7 +52,6 @@ class Family:
         """Whether this architecture's config can say ``args``' switches (Gemma 3's: gemma3.problem)."""
         return (
             self.moe == args.moe
-            and self.qkv_bias == args.qkv_bias
             and set(self.features) == set(features.active(args))
             and not (self.window_keys == "none" and args.sliding_window is not None)
         )
@@ -68,7 +66,7 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("LlamaForCausalLM", "llama"),
         Family("MistralForCausalLM", "mistral", window_keys="mistral"),
-        Family("Qwen2ForCausalLM", "qwen2", qkv_bias=True, window_keys="qwen"),
+        Family("Qwen2ForCausalLM", "qwen2", features=(qkv_bias.FEATURE,), window_keys="qwen"),
         Family("Qwen3ForCausalLM", "qwen3", features=(qk_norm.FEATURE,), window_keys="qwen"),
         Family("MixtralForCausalLM", "mixtral", window_keys="mistral", moe=True),
         Family("Qwen3MoeForCausalLM", "qwen3_moe", features=(qk_norm.FEATURE,), window_keys="qwen", moe=True),
@@ -138,16 +136,15 @@ def _named_family(args: ModelArgs) -> Family:
 
 def _moe_family(args: ModelArgs) -> Family:
     """Qwen3-MoE with q/k norms, Mixtral without; ValueError naming what neither config can say."""
-    if args.qkv_bias:
+    held = {f for fam in FAMILIES.values() if fam.moe for f in fam.features}
+    extra = [f for f in features.active(args) if f not in held]
+    if extra:
         raise ValueError(
-            "a mixture of experts with q/k/v biases: no supported architecture has both (Mixtral, "
-            "Qwen3-MoE); drop qkv_bias"
+            f"a mixture of experts with {', '.join(f.label for f in extra)}: no supported architecture has both "
+            f"(Mixtral, Qwen3-MoE); drop {', '.join(f.name for f in extra)}"
         )
     if FAMILIES["qwen3_moe"].holds(args):
         return FAMILIES["qwen3_moe"]
-    if features.active(args):
-        names = ", ".join(f.name for f in features.active(args))
-        raise ValueError(f"a mixture of experts with {names}: no supported architecture has it (Mixtral, Qwen3-MoE)")
     if args.dense_layers or args.moe_step != 1 or args.expert_dim != args.hidden_dim or not args.router_norm_topk:
         raise ValueError(
             "a mixture of experts without q/k norms is Mixtral's, which routes in every layer "
@@ -218,7 +215,7 @@ def config_family(cfg: dict, source: str) -> Family:
 
 
 def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
-    """ModelArgs fields (qkv_bias, the features' switches, sliding_window) of a config.json, every key typed
+    """ModelArgs fields (the features' switches, sliding_window) of a config.json, every key typed
     strictly (titan_pipe.values); UserError naming the key for what the model cannot compute."""
     fam = config_family(cfg, source)
     if fam.gemma:
@@ -234,7 +231,6 @@ def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
     if read(cfg, "mlp_bias", BOOL, source=source, default=False):
         raise refuse(source, "mlp_bias", True, "is not supported", "convert a model without MLP biases")
     out = {
-        "qkv_bias": fam.qkv_bias,
         **fam.switches(),
         "sliding_window": _window(cfg, fam, n_layers, source),
         "family": fam.model_type,

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from titan_pipe import limits
 from titan_pipe.errors import UserError
 from titan_pipe.limits import Bound
+from titan_pipe.model import features
 from titan_pipe.model.features import qk_norm
 from titan_pipe.model.rope_scaling import RopeScaling, read_rope_scaling
 from titan_pipe.values import BOOL, DICT, FLOAT, INT, STR, read, refuse
@@ -88,8 +89,11 @@ def problem(args: ModelArgs) -> str | None:
             f"Gemma 3 computes {', '.join(f'{k}: {v}' for k, v in REQUIRED.items())}, together; this model "
             f"has {', '.join(missing)} instead (set them all, or none)"
         )
-    if args.qkv_bias or args.moe:
-        return "Gemma 3 has no q/k/v biases and no mixture of experts; drop qkv_bias / n_experts"
+    extra = [f for f in features.active(args) if f not in FEATURES]
+    if extra:
+        return f"Gemma 3 has no {', '.join(f.label for f in extra)}; drop {', '.join(f.name for f in extra)}"
+    if args.moe:
+        return "Gemma 3 has no mixture of experts; drop n_experts"
     if args.rope_scaling is not None and args.rope_scaling.rope_type != "linear":
         return "Gemma 3 scales its global layers' RoPE linearly; set rope_scaling.rope_type: linear (or no scaling)"
     return None
@@ -161,8 +165,8 @@ def read_config(cfg: dict, *, n_layers: int, source: str) -> dict:
         theta, scaling = local, None
     tie = read(cfg, "tie_word_embeddings", BOOL, source=source, default=DEFAULTS["tie_word_embeddings"])
     return {
+        **{f.name: f in FEATURES for f in features.FEATURES},
         **REQUIRED,
-        "qkv_bias": False,
         "family": MODEL_TYPE,
         "tie_embeddings": tie,
         "sliding_window": window if every != 1 else None,

@@ -32,6 +32,11 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * xf.to(x.dtype)
 
 
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T (+ bias), W (out, in) as stored: nn.Linear's forward."""
+    return F.linear(x, weight, bias)
+
+
 def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm: the weight is an offset from 1, and the product is taken in float32 before
     the cast back (Hugging Face's Gemma3RMSNorm), whichever kernels the rest of the model runs."""

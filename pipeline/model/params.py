@@ -17,7 +17,6 @@ and keeps the dense feed-forward in the others). Expert weights are stacked: dim
 
 from __future__ import annotations
 
-from typing import Callable
 
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.features import FEATURES
@@ -56,26 +55,6 @@ def _sandwich_norm(name: str, hf: str) -> Param:
         matmul=False,
         when=lambda a: a.sandwich_norms,
         families=(GEMMA3,),
-    )
-
-
-def _qkv_bias(part: str, width: Callable[[ModelArgs], int]) -> Param:
-    """Qwen2's bias of the q, k or v projection: split with its weight's rows (their output dim);
-    Megatron fuses the three like the weights, per query group."""
-    hf = {"q": "q_proj", "k": "k_proj", "v": "v_proj"}[part]
-    return Param(
-        f"attention.w{part}.bias",
-        lambda a: (width(a),),
-        "colwise",
-        "layer",
-        f"self_attn.{hf}.bias",
-        f"w{part}.bias",
-        init="zeros",
-        matmul=False,
-        megatron=("self_attention.linear_qkv.bias",),
-        fused=("qkv_bias", part),
-        rope=part != "v",
-        when=lambda a: a.qkv_bias,
     )
 
 
@@ -125,7 +104,6 @@ LAYER_PARAMS: tuple[Param, ...] = (
         fused=("qkv", "q"),
         rope=True,
     ),
-    _qkv_bias("q", lambda a: a.q_dim),
     Param(
         "attention.wk.weight",
         lambda a: (a.kv_dim, a.dim),
@@ -137,7 +115,6 @@ LAYER_PARAMS: tuple[Param, ...] = (
         fused=("qkv", "k"),
         rope=True,
     ),
-    _qkv_bias("k", lambda a: a.kv_dim),
     Param(
         "attention.wv.weight",
         lambda a: (a.kv_dim, a.dim),
@@ -148,7 +125,6 @@ LAYER_PARAMS: tuple[Param, ...] = (
         megatron=("self_attention.linear_qkv.weight",),
         fused=("qkv", "v"),
     ),
-    _qkv_bias("v", lambda a: a.kv_dim),
     Param(
         "attention.wo.weight",
         lambda a: (a.dim, a.q_dim),
@@ -358,7 +334,7 @@ def native_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def fused_parts(group: str) -> dict[str, Param]:
-    """{part: entry} of the per-layer parameters Megatron fuses into ``group`` ("qkv", "qkv_bias",
+    """{part: entry} of the per-layer parameters Megatron fuses into ``group`` ("qkv", the q/k/v biases',
     "fc1"), in the order of their rows in the fused tensor."""
     parts = {p.fused[1]: p for p in LAYER_PARAMS if p.fused and p.fused[0] == group}
     if not parts:

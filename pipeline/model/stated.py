@@ -38,7 +38,6 @@ COMPARED: dict[str, str] = {
     "rope_scaling": "rope_scaling",
     "max_seq_len": "max_seq_len",
     "tie_embeddings": "tie_embeddings",
-    "qkv_bias": "qkv_bias",
     **{switch: switch for switch in features.switches()},
     "sliding_window": "sliding_window",
     "n_experts": "n_experts",

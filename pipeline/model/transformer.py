@@ -79,9 +79,9 @@ class Attention(nn.Module):
         self.n_rep = args.n_heads // args.kv_heads
         self.window = args.layer_window(layer_id)
         self.scale = None if args.attn_scalar is None else args.attn_scale
-        self.wq = nn.Linear(args.dim, args.q_dim, bias=args.qkv_bias)
-        self.wk = nn.Linear(args.dim, args.kv_dim, bias=args.qkv_bias)
-        self.wv = nn.Linear(args.dim, args.kv_dim, bias=args.qkv_bias)
+        self.wq = nn.Linear(args.dim, args.q_dim, bias=features.biased(args, "q"))
+        self.wk = nn.Linear(args.dim, args.kv_dim, bias=features.biased(args, "k"))
+        self.wv = nn.Linear(args.dim, args.kv_dim, bias=features.biased(args, "v"))
         self.wo = nn.Linear(args.q_dim, args.dim, bias=False)
         # the features on the heads of q, k, v (titan_pipe.model.features): each builds its own parameters
         self.features = tuple(f for f in features.active(args) if f.attention_heads is not None)

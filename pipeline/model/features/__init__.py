@@ -1,25 +1,33 @@
 """Architectural features, one file each (see feature.py for what a feature owns).
 
 ``FEATURES`` is the list the stages iterate; a model family (titan_pipe.model.families) names the
-features its architecture always has. Migrated so far: q/k norms (qk_norm.py). The others (q/k/v
-biases, sliding windows, mixtures of experts, Gemma 3's switches) are still tested as ModelArgs
-switches where they are used (docs/architecture.md, "Features").
+features its architecture always has. Migrated so far: q/k/v biases (qkv_bias.py) and q/k norms
+(qk_norm.py). The others (sliding windows, mixtures of experts, Gemma 3's switches) are still tested
+as ModelArgs switches where they are used (docs/architecture.md, "Features").
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from titan_pipe.model.features import qk_norm
+from titan_pipe.model.features import qk_norm, qkv_bias
 from titan_pipe.model.features.feature import Conformance, Feature
 
 if TYPE_CHECKING:
     from titan_pipe.model.args import ModelArgs
 
-__all__ = ["Conformance", "FEATURES", "Feature", "active", "problems", "switches"]
+__all__ = ["Conformance", "FEATURES", "Feature", "active", "biased", "problems", "switches"]
 
-FEATURES: tuple[Feature, ...] = (qk_norm.FEATURE,)
+FEATURES: tuple[Feature, ...] = (qkv_bias.FEATURE, qk_norm.FEATURE)
 BY_NAME: dict[str, Feature] = {f.name: f for f in FEATURES}
+# features no architecture has together, and why (a relation between two files, so kept in the list)
+EXCLUSIVE: tuple[tuple[Feature, Feature, str], ...] = (
+    (
+        qk_norm.FEATURE,
+        qkv_bias.FEATURE,
+        "no Hugging Face architecture has both (Qwen2: q/k/v biases, Qwen3: q/k norms)",
+    ),
+)
 
 
 def switches() -> tuple[str, ...]:
@@ -31,11 +39,15 @@ def active(args: "ModelArgs") -> tuple[Feature, ...]:
     return tuple(f for f in FEATURES if f.on(args))
 
 
+def biased(args: "ModelArgs", part: str) -> bool:
+    """Whether the attention projection w``part`` has a bias."""
+    return any(part in f.biased_projections for f in active(args))
+
+
 def problems(args: "ModelArgs") -> list[str]:
-    """One line per switch set together with one its feature excludes."""
+    """One line per pair of features set together that no architecture has (EXCLUSIVE)."""
     return [
-        f"{f.name}: true together with {other}: {why}; drop one of {f.name} / {other}"
-        for f in active(args)
-        for other, why in f.excludes
-        if getattr(args, other)
+        f"{a.name}: true together with {b.name}: {why}; drop one of {a.name} / {b.name}"
+        for a, b, why in EXCLUSIVE
+        if a.on(args) and b.on(args)
     ]

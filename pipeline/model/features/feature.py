@@ -2,7 +2,7 @@
 
 A feature owns everything about itself that a stage needs: the ModelArgs switch that turns it on
 (``name``; flow.yaml's ``model.<name>``), its parameters (rows of the parameter list, with their
-names in every format and their TP style), the switches it cannot be combined with, the Megatron-LM
+names in every format and their TP style), the Megatron-LM
 argument that says it, its forward in the torch module, its ONNX node recipe, its operator
 conformance rows, its planner memory terms, and how a checkpoint's tensors show it. The stages
 iterate ``titan_pipe.model.features.FEATURES`` and call these; none tests the switch itself.
@@ -44,9 +44,10 @@ class Feature:
     name: str  # the ModelArgs switch (a bool) that turns it on
     label: str  # how a person is told (inspect, errors): "q/k norms"
     params: tuple[Param, ...] = ()  # per-layer rows of the parameter list, each ``when`` this is on
-    excludes: tuple[tuple[str, str], ...] = ()  # (another switch, why not together: no architecture has both)
     megatron_arg: str | None = None  # the Megatron-LM argument that turns it on
     rotate_half_in_torchtitan: bool = False  # torchtitan's model with it stores q/k rows rotate-half
+    biased_projections: tuple[str, ...] = ()  # of "q", "k", "v": the attention projections that get a bias
+    adds_flops: bool = False  # each of its (matmul-free) parameters costs one add per token (a bias)
     # torch: (attention module, args, make_norm(width)) -> sets the module's parameters (their ``params`` names)
     build_attention: Callable[[Any, "ModelArgs", Callable], None] | None = None
     # torch: (attention module, "q" | "k" | "v", (B, T, heads, hd)) -> the same shape, before RoPE
@@ -65,8 +66,12 @@ class Feature:
         return sum(prod(p.shape(args)) for p in self.params) if self.on(args) else 0
 
     def layer_matmul_free(self, args: "ModelArgs") -> int:
-        """Of those, the ones no matmul multiplies (norm weights): not in the 6N FLOPs."""
+        """Of those, the ones no matmul multiplies (norm weights, biases): not in the 6N FLOPs."""
         return sum(prod(p.shape(args)) for p in self.params if not p.matmul) if self.on(args) else 0
+
+    def layer_adds(self, args: "ModelArgs") -> int:
+        """Forward FLOPs per token per layer besides the matmuls (a bias: one add per element)."""
+        return self.layer_matmul_free(args) if self.adds_flops else 0
 
     def shown_in(self, shapes: dict[str, tuple[int, ...]]) -> bool:
         """Whether a checkpoint whose layer-0 tensors are ``shapes`` (native names) has it."""

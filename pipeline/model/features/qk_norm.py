@@ -58,7 +58,6 @@ FEATURE = Feature(
     name="qk_norm",
     label="q/k norms",
     params=(_param("q"), _param("k")),
-    excludes=(("qkv_bias", "no Hugging Face architecture has both (Qwen2: q/k/v biases, Qwen3: q/k norms)"),),
     megatron_arg="qk_layernorm",
     rotate_half_in_torchtitan=True,  # torchtitan's qwen3
     build_attention=_build,

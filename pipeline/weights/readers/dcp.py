@@ -234,7 +234,6 @@ def model_args(cfg_path: Path, shapes: dict[str, tuple[int, ...]]) -> ModelArgs:
             ffn_hidden_dim=hidden,
             head_dim=head_dim,
             **{f.name: f.shown_in(shapes) for f in features.FEATURES},
-            qkv_bias="layers.0.attention.wq.bias" in shapes,
             norm_eps=_param(cfg, "norm_eps", FLOAT, cfg_path, default=1e-5, bound=limits.NORM_EPS),
             rope_theta=_param(cfg, "rope_theta", FLOAT, cfg_path, default=10000.0, bound=limits.ROPE_THETA),
             rope_scaling=_meta_scaling(cfg, cfg_path),

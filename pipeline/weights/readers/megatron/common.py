@@ -269,7 +269,6 @@ def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelA
         rope_scaling=scaling,
         max_seq_len=positions,
         tie_embeddings=not arg(a, "untie_embeddings_and_output_weights", BOOL, root, default=False),
-        qkv_bias=arg(a, "add_qkv_bias", BOOL, root, default=False),
         **{f.name: arg(a, f.megatron_arg, BOOL, root, default=False) for f in features.FEATURES if f.megatron_arg},
         sliding_window=_window(a, root),
         **_moe_fields(a, root),
@@ -326,7 +325,7 @@ def _rows(off: int, n: int, tail: tuple[int, ...]) -> Box:
 
 
 def fused_group(name: str) -> tuple[str, int] | None:
-    """('qkv' | 'qkv_bias' | 'fc1', global layer id) of a name megatron_to_native gave as '<group>:gid'."""
+    """(the fused group: 'qkv', the biases' or 'fc1', global layer id) of a name megatron_to_native gave as '<group>:gid'."""
     if not name.startswith("<"):
         return None
     group, _, gid = name[1:].partition(">:")
