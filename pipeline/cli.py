@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from titan_pipe import faults
 from titan_pipe.atomic import write_text
 from titan_pipe.commands.common import console, handle_errors
+from titan_pipe.commands.example import InitRequest
+from titan_pipe.commands.options import with_section
 from titan_pipe.config import ConfigError
 from titan_pipe.config import load_flow
 from titan_pipe.errors import UserError
@@ -28,41 +29,24 @@ app = typer.Typer(
 
 @app.command()
 @handle_errors
-def init(
-    directory: Path = typer.Argument(..., help="Directory to write flow.yaml into"),
-    flavour: str = typer.Option("debug", "--flavour", help="Model flavour (debug, llama3_8b, qwen3_8b, ...)"),
-    devices: int = typer.Option(8, "--devices", help="with --flavour: accelerators the run will have"),
-    device: str = typer.Option(
-        "ascend910b",
-        "--device",
-        help="with --flavour: their profile (as `plan --device`); "
-        "cpu: the debug model (or --from's) in one CPU process",
-    ),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing flow.yaml"),
-    sft: bool = typer.Option(
-        False, "--sft", help="a fine-tune of the released --flavour on chat data (and a sample chat.jsonl beside it)"
-    ),
-    released: Optional[Path] = typer.Option(
-        None,
-        "--from",
-        help="a released model's Hugging Face dir: a flow "
-        "for that model (its config.json is the architecture; --device cpu "
-        "for one CPU process)",
-    ),
-    lora: Optional[int] = typer.Option(
-        None, "--lora", help="with --sft: LoRA adapters of this rank, the released model frozen (docs/finetune.md)"
-    ),
-):
+@with_section(InitRequest, into="request")
+def init(directory: Path = typer.Argument(..., help="Directory to write flow.yaml into"), *, request: InitRequest):
     """Write a commented example flow.yaml (the debug model on CPU, a run of --flavour on --devices
     x --device with the planner's layout, or a run of the released model --from HF_DIR; --sft: a
     fine-tune of it) into DIRECTORY."""
-    from titan_pipe import limits
     from titan_pipe.commands.example import SAMPLE_CHAT, example_flow, lora_flow, name_run, released_flow, sample_chat
 
+    r = request
+    flavour, devices, device, force, sft, released, lora = (
+        r.flavour,
+        r.devices,
+        r.device,
+        r.force,
+        r.sft,
+        r.released,
+        r.lora,
+    )
     target = directory / "flow.yaml"
-    if not 1 <= devices <= limits.DEVICES.hi:
-        raise typer.BadParameter(f"--devices {devices} must be 1..{limits.DEVICES.hi}")
-    limits.check_flag("--lora", lora, limits.LORA_RANK)
     if lora is not None and not sft:
         raise UserError("--lora adapts a released model on chat data: add --sft (and --from HF_DIR or --flavour)")
     if released is not None and flavour != "debug":

@@ -224,7 +224,7 @@ class DataConfig(Section):
 SFT_LR = 2e-5  # train.mode sft's default learning rate
 
 
-def _bounded(default, bound: limits.Bound, **kw):
+def bounded(default, bound: limits.Bound, **kw):
     """A pydantic Field inside ``bound`` (titan_pipe.limits); the bound is kept on the field, so a
     command's flag made from it says why a value is outside (titan_pipe.commands.options)."""
     return Field(default, ge=bound.lo, le=bound.hi, json_schema_extra={"limit": [bound.lo, bound.hi, bound.why]}, **kw)
@@ -247,7 +247,7 @@ class OptimizerConfig(Section):
 class LoRAConfig(Section):
     """train.lora: low-rank adapters on a frozen base (titan_pipe.model.lora; docs/finetune.md)."""
 
-    rank: int = _bounded(16, limits.LORA_RANK)
+    rank: int = bounded(16, limits.LORA_RANK)
     alpha: float = Field(32.0, gt=0, le=1e6)  # the adapters' output is scaled by alpha / rank
     dropout: float = Field(0.0, ge=0, lt=1)
     targets: tuple[Literal[tuple(LORA_TARGETS)], ...] = ("q", "k", "v", "o", "gate", "up", "down")
@@ -281,15 +281,15 @@ class LoRAConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = _bounded(20, limits.STEPS)
-    batch_size: int = _bounded(8, limits.BATCH)  # global batch, in sequences, across all dp ranks
-    seq_len: int = _bounded(64, limits.SEQ_LEN)
+    steps: int = bounded(20, limits.STEPS)
+    batch_size: int = bounded(8, limits.BATCH)  # global batch, in sequences, across all dp ranks
+    seq_len: int = bounded(64, limits.SEQ_LEN)
     optimizer: OptimizerConfig = OptimizerConfig()
     warmup_steps: int = Field(2, ge=0, le=limits.STEPS.hi)
     lr_min_ratio: float = Field(0.1, ge=0, le=1)  # cosine decays to lr * lr_min_ratio
     grad_clip: float | None = Field(1.0, gt=0)
     seed: int = Field(0, ge=0, le=2**63 - 1)
-    log_every: int = _bounded(1, limits.STEPS)
+    log_every: int = bounded(1, limits.STEPS)
     compile: bool = False  # torch.compile each transformer block (after TP and AC, before FSDP)
     compile_backend: Literal[COMPILE_BACKENDS] = "auto"
     loss: Literal[LOSSES] = "auto"  # chunked: cross entropy fused with the output projection, no full logits
@@ -315,15 +315,15 @@ class TrainConfig(Section):
 
 
 class ParallelConfig(Section):
-    dp: int = _bounded(1, limits.PARALLEL)
-    tp: int = _bounded(1, limits.PARALLEL)
-    pp: int = _bounded(1, limits.PARALLEL)
+    dp: int = bounded(1, limits.PARALLEL)
+    tp: int = bounded(1, limits.PARALLEL)
+    pp: int = bounded(1, limits.PARALLEL)
     pp_schedule: Literal[PP_SCHEDULES] = "1f1b"
-    virtual_stages: int = _bounded(2, limits.LAYERS)  # stages per pp rank for interleaved_1f1b
-    microbatches: int | None = _bounded(None, limits.BATCH)  # default: pp (or 1 without pp)
+    virtual_stages: int = bounded(2, limits.LAYERS)  # stages per pp rank for interleaved_1f1b
+    microbatches: int | None = bounded(None, limits.BATCH)  # default: pp (or 1 without pp)
     dp_mode: Literal[DP_MODES] = "fsdp"
     sequence_parallel: bool = False
-    ep: int = _bounded(1, limits.PARALLEL)  # expert parallelism: a mixture of experts' experts over ep of the dp ranks
+    ep: int = bounded(1, limits.PARALLEL)  # expert parallelism: a mixture of experts' experts over ep of the dp ranks
 
     @property
     def world_size(self) -> int:
@@ -342,7 +342,7 @@ class PrecisionConfig(Section):
     amp: bool = False
     amp_dtype: Literal["float16", "bfloat16"] = "bfloat16"
     loss_scale: float | Literal["dynamic"] | None = None  # initial scale; None: no scaling
-    loss_scale_window: int = _bounded(2000, limits.STEPS)  # overflow-free steps before the scale doubles
+    loss_scale_window: int = bounded(2000, limits.STEPS)  # overflow-free steps before the scale doubles
     min_loss_scale: float = Field(1.0, gt=0)
     # float8 matmuls through torchao on CUDA compute capability 9.0+ (training/float8.py); none: off
     float8: Literal["none", "tensorwise", "rowwise"] = "none"
@@ -350,7 +350,7 @@ class PrecisionConfig(Section):
 
 class MemoryConfig(Section):
     activation_checkpointing: bool = False
-    activation_checkpointing_layers: int = _bounded(1, limits.LAYERS)  # checkpoint every N-th layer
+    activation_checkpointing_layers: int = bounded(1, limits.LAYERS)  # checkpoint every N-th layer
     optimizer_offload: Literal[OFFLOADS] = "none"
 
 
@@ -362,15 +362,15 @@ class CommConfig(Section):
 
 
 class LaunchConfig(Section):
-    nproc_per_node: int | None = _bounded(None, limits.DEVICES)  # default: dp*tp*pp / nnodes
-    nnodes: int = _bounded(1, limits.DEVICES)
+    nproc_per_node: int | None = bounded(None, limits.DEVICES)  # default: dp*tp*pp / nnodes
+    nnodes: int = bounded(1, limits.DEVICES)
     node_rank: int = Field(0, ge=0, le=limits.DEVICES.hi)
     rdzv_endpoint: str | None = None  # host:port; required when nnodes > 1
     max_restarts: int = Field(0, ge=0, le=1000)
 
 
 class CheckpointConfig(Section):
-    every: int = _bounded(10, limits.STEPS)
+    every: int = bounded(10, limits.STEPS)
     keep_last: int = Field(2, gt=0, le=10_000)
     save_optimizer: bool = True
 
@@ -386,9 +386,9 @@ class ConvertConfig(Section):
     naming: Literal[NAMINGS] = Field("hf", description="Tensor names of the output (hf: transformers loads it)")
     dtype: Literal[("keep",) + FLOAT_NAMES] = Field("keep", description="The output's dtype (keep: as stored)")
     max_shard_size: str = Field("5GB", description="Split the output past this size")
-    tp: int | None = _bounded(None, limits.PARALLEL, description="Write our sharded layout with this TP size")
-    pp: int | None = _bounded(None, limits.PARALLEL, description="... and this number of pipeline stages")
-    vocab_size: int | None = _bounded(None, limits.VOCAB, description="True vocab size (Megatron padded vocab)")
+    tp: int | None = bounded(None, limits.PARALLEL, description="Write our sharded layout with this TP size")
+    pp: int | None = bounded(None, limits.PARALLEL, description="... and this number of pipeline stages")
+    vocab_size: int | None = bounded(None, limits.VOCAB, description="True vocab size (Megatron padded vocab)")
     source_config: str | None = Field(
         None, description="params.json / config.json for DCP sources", json_schema_extra={"flag": "--model-config"}
     )
@@ -458,7 +458,7 @@ class ExportConfig(Section):
     )
     # The weights' external-data files, each written on its own thread (convert/onnx/data_file.py):
     # two measured 1.7-1.9x one's write speed here, where the file system serializes writes to one file.
-    data_files: int = _bounded(
+    data_files: int = bounded(
         2,
         limits.DATA_FILES,
         description="Split the weights over this many external-data files, each written on a thread of its own "
@@ -473,17 +473,17 @@ class ExportConfig(Section):
 
 class EvaluateConfig(Section):
     data: str | None = None  # held-out text; None: the validation split of the training data
-    batches: int = _bounded(2, limits.EVAL_BATCHES, description="Number of held-out batches")
-    batch_size: int = _bounded(2, limits.BATCH)
-    seq_len: int = _bounded(32, limits.SEQ_LEN)
+    batches: int = bounded(2, limits.EVAL_BATCHES, description="Number of held-out batches")
+    batch_size: int = bounded(2, limits.BATCH)
+    seq_len: int = bounded(32, limits.SEQ_LEN)
     operators: bool = Field(True, description="Run the operator conformance table")
     thresholds: dict[str, dict[str, float]] = Field(default_factory=dict)  # per dtype overrides
     dtype: Literal[("auto",) + FLOAT_NAMES] = Field(
         "auto", description="Threshold set to judge by (auto: each candidate's own dtype)"
     )
     prompts: int = Field(2, ge=0, le=limits.BATCH.hi)  # greedy generations compared token for token (0: none)
-    prompt_len: int = _bounded(16, limits.SEQ_LEN)
-    new_tokens: int = _bounded(16, limits.SEQ_LEN)
+    prompt_len: int = bounded(16, limits.SEQ_LEN)
+    new_tokens: int = bounded(16, limits.SEQ_LEN)
     device: Literal[DEVICES] = Field(
         "cpu",
         description="Where the PyTorch reference (and the torchrun ranks) run; auto: npu, then cuda, then cpu",

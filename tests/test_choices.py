@@ -247,6 +247,36 @@ def test_a_bad_flag_is_one_line_naming_the_flag(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_plan_and_init_options_are_their_requests_fields(tmp_path):
+    """`plan`'s and `init`'s options are PlanRequest's and InitRequest's fields (their defaults, a
+    bound field's range): written once, a bad value the section's one line naming the flag (exit 1),
+    nothing written."""
+    from typer.testing import CliRunner
+
+    from titan_pipe.cli import app
+    from titan_pipe.commands.example import InitRequest
+    from titan_pipe.training.planner.request import PlanRequest
+
+    for name, cls, own in (("plan", PlanRequest, set()), ("init", InitRequest, {"directory"})):
+        command = next(c for c in app.registered_commands if (c.name or c.callback.__name__) == name).callback
+        params = inspect.signature(command).parameters
+        assert set(params) == set(cls.model_fields) | own, name
+        for key, f in cls.model_fields.items():
+            assert params[key].default.default == (... if f.is_required() else f.default), (name, key)
+    runner = CliRunner()
+    for argv, said in (
+        (["plan", "--model", "debug", "--devices", "0", "--device", "a100"], "--devices 0: must be >= 1"),
+        (["plan", "--model", "debug", "--devices", "8", "--device", "a100", "--efficiency", "3"], "--efficiency:"),
+        (["plan", "--model", "debug", "--devices", "8", "--device", "a100", "--lora", "5000"], "--lora 5000"),
+        (["plan", "--model", "debug", "--devices", "8", "--device", "a100", "--calibrate-phase", "x"], "'x'"),
+        (["init", str(tmp_path / "i"), "--devices", "70000"], "--devices 70000"),
+        (["init", str(tmp_path / "i"), "--sft", "--lora", "0"], "--lora 0"),
+    ):
+        r = runner.invoke(app, argv)
+        assert r.exit_code == 1 and said in r.output and len(r.output.strip().splitlines()) == 1, (argv, r.output)
+    assert not (tmp_path / "i").exists()
+
+
 def test_atc_window_matches_the_operator_list():
     assert tuple(load_atc_ops()["atc_opset_window"]) == choices.ATC_OPSET_WINDOW
     lo, hi = choices.ATC_OPSET_WINDOW

@@ -9,11 +9,44 @@ from pathlib import Path
 
 import yaml
 
+from pydantic import Field
+
+from titan_pipe import limits
+from titan_pipe.config import Section, bounded
 from titan_pipe.errors import UserError
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "templates" / "flow.yaml"
 EXAMPLE_SEQ_LEN = 4096  # the planner's default; shorter when the model's positions are fewer
 TOKENIZER_NOTE = "FILL IN: the model's tokenizer.json (its Hugging Face dir has one); byte only runs"
+
+
+class InitRequest(Section):
+    """`titan-pipe init`'s options (titan_pipe.commands.options makes the flags from these fields)."""
+
+    flavour: str = Field("debug", description="Model flavour (debug, llama3_8b, qwen3_8b, ...)")
+    devices: int = bounded(8, limits.DEVICES, description="with --flavour: accelerators the run will have")
+    device: str = Field(
+        "ascend910b",
+        description="with --flavour: their profile (as `plan --device`); cpu: the debug model (or --from's) in one "
+        "CPU process",
+    )
+    force: bool = Field(False, description="Overwrite an existing flow.yaml", json_schema_extra={"flag": "--force"})
+    sft: bool = Field(
+        False,
+        description="a fine-tune of the released --flavour on chat data (and a sample chat.jsonl beside it)",
+        json_schema_extra={"flag": "--sft"},
+    )
+    released: Path | None = Field(
+        None,
+        description="a released model's Hugging Face dir: a flow for that model (its config.json is the "
+        "architecture; --device cpu for one CPU process)",
+        json_schema_extra={"flag": "--from"},
+    )
+    lora: int | None = bounded(
+        None,
+        limits.LORA_RANK,
+        description="with --sft: LoRA adapters of this rank, the released model frozen (docs/finetune.md)",
+    )
 
 
 def set_key(text: str, section: str | None, key: str, value, note: str | None = None) -> str:

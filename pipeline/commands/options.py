@@ -29,7 +29,7 @@ def flag_of(cls: type[Section], name: str) -> str:
 
 
 def limit_of(cls: type[Section], name: str) -> limits.Bound | None:
-    """The titan_pipe.limits bound a field was declared with (config._bounded), or None."""
+    """The titan_pipe.limits bound a field was declared with (config.bounded), or None."""
     extra = cls.model_fields[name].json_schema_extra
     limit = extra.get("limit") if isinstance(extra, dict) else None
     return None if limit is None else limits.Bound(*limit)
@@ -52,7 +52,7 @@ def _annotation(cls: type[Section], name: str) -> tuple[Any, Any, str]:
     if get_origin(base) is Literal:
         help = f"{help} ({' | '.join(map(str, get_args(base)))})"
         base = str
-    return (Optional[base] if optional else base), f.default, help
+    return (Optional[base] if optional else base), (... if f.is_required() else f.default), help
 
 
 def section_options(cls: type[Section], names, *, overlay: str | None = None) -> list[inspect.Parameter]:

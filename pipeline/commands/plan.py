@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
 
 import typer
 
-from titan_pipe import faults, limits
+from titan_pipe import faults
 from titan_pipe.commands.common import handle_errors
 from titan_pipe.run_lock import path_lock
+from titan_pipe.commands.options import with_section
+from titan_pipe.training.planner.request import PlanRequest
 
 
 def _workload(model: str, seq_len: int, global_batch: int, lora_rank: int | None = None):
@@ -214,54 +215,8 @@ def _write_flow(plan, path: Path, force: bool) -> None:
 def register(app: typer.Typer) -> None:
     @app.command()
     @handle_errors
-    def plan(
-        model: str = typer.Option(
-            ..., "--model", help="Flavour (llama2_13b, ...) or a flow.yaml whose model section to use"
-        ),
-        devices: int = typer.Option(..., "--devices", help="Number of accelerators"),
-        device: str = typer.Option(
-            ..., "--device", help="Device profile: ascend910a, ascend910b (= b3), ascend910b1-b4, a100, h100"
-        ),
-        device_memory: Optional[str] = typer.Option(
-            None, "--device-memory", help="Override memory per device, e.g. 32GB"
-        ),
-        nodes: Optional[int] = typer.Option(
-            None, "--nodes", help="Servers the devices are spread over (default: full servers)"
-        ),
-        seq_len: int = typer.Option(4096, "--seq-len", help="Tokens per sequence"),
-        global_batch: Optional[int] = typer.Option(
-            None, "--global-batch", help="Sequences per optimizer step (default 4 per device)"
-        ),
-        top: int = typer.Option(10, "--top", help="Rows of the ranked table"),
-        dp: Optional[int] = typer.Option(None, "--dp", help="Only layouts with this dp"),
-        tp: Optional[int] = typer.Option(None, "--tp", help="Only layouts with this tp"),
-        pp: Optional[int] = typer.Option(None, "--pp", help="Only layouts with this pp"),
-        efficiency: float = typer.Option(
-            0.5, "--efficiency", min=0.01, max=1.0, help="Achieved fraction of peak FLOPs"
-        ),
-        comm_efficiency: float = typer.Option(
-            0.7, "--comm-efficiency", min=0.01, max=1.0, help="Achieved fraction of link bandwidth"
-        ),
-        write: Optional[Path] = typer.Option(None, "--write", help="Write the best layout as this flow.yaml"),
-        force: bool = typer.Option(False, "--force", help="Overwrite the --write file"),
-        plot: Optional[Path] = typer.Option(None, "--plot", help="Save a memory-per-device chart (PNG)"),
-        calibrate: Optional[Path] = typer.Option(
-            None,
-            "--calibrate",
-            help="device_check.json or a run's metrics.jsonl: "
-            "set --efficiency to what reproduces its tokens/s, and show its "
-            "peak memory against the model's",
-        ),
-        calibrate_phase: str = typer.Option(
-            "trainer", "--calibrate-phase", help="device_check.json phase: trainer | trainer_compiled | trainer_float8"
-        ),
-        lora: Optional[int] = typer.Option(
-            None,
-            "--lora",
-            help="LoRA of this rank on every attention and MLP linear: "
-            "the base frozen, only the adapters with gradients and AdamW states",
-        ),
-    ):
+    @with_section(PlanRequest, into="request")
+    def plan(request: PlanRequest):
         """Find the fastest dp x tp x pp layout that fits: memory, bubble, communication, tokens/s."""
         from rich.console import Console
         from rich.progress import Progress
@@ -279,35 +234,24 @@ def register(app: typer.Typer) -> None:
         out = Console()
         if not out.is_terminal and not os.environ.get("COLUMNS"):  # piped, no width given: do not squeeze the table
             out = Console(width=150)
-        gb = global_batch if global_batch is not None else 4 * devices
-        for flag, value, bound in (
-            ("--devices", devices, limits.DEVICES),
-            ("--nodes", nodes, limits.DEVICES),
-            ("--seq-len", seq_len, limits.SEQ_LEN),
-            ("--global-batch", gb, limits.BATCH),
-            ("--top", top, limits.TOP_ROWS),
-            ("--dp", dp, limits.PARALLEL),
-            ("--tp", tp, limits.PARALLEL),
-            ("--pp", pp, limits.PARALLEL),
-            ("--lora", lora, limits.LORA_RANK),
-        ):
-            limits.check_flag(flag, value, bound)  # the search space and every table are sized by these
-        cluster, notes = build_cluster(device, devices, nodes=nodes, device_memory=device_memory)
-        w = _workload(model, seq_len, gb, lora)
-        if w.lora is not None and write is not None:
+        r = request
+        gb = r.batch  # --global-batch, else 4 per device
+        cluster, notes = build_cluster(r.device, r.devices, nodes=r.nodes, device_memory=r.device_memory)
+        w = _workload(r.model, r.seq_len, gb, r.lora)
+        if w.lora is not None and r.write is not None:
             raise UserError(
                 "--write with LoRA: a LoRA flow adapts a model it starts from (init_from), which a "
                 "flavour does not name; use titan-pipe init DIR --from HF_DIR --sft --lora RANK"
             )
-        bounded_candidates(w, cluster, dp=dp, tp=tp, pp=pp)  # a search too large: one line, before any output
-        assume = Assumptions(compute_efficiency=efficiency, comm_efficiency=comm_efficiency)
-        if calibrate is not None:
+        bounded_candidates(w, cluster, dp=r.dp, tp=r.tp, pp=r.pp)  # a search too large: one line, before any output
+        assume = Assumptions(compute_efficiency=r.efficiency, comm_efficiency=r.comm_efficiency)
+        if r.calibrate is not None:
             from titan_pipe.training.planner.calibrate import calibrate as fit, read_measurement
 
-            cal = fit(read_measurement(calibrate, phase=calibrate_phase), cluster, assume)
-            for line in cal.lines(efficiency):
+            cal = fit(read_measurement(r.calibrate, phase=r.calibrate_phase), cluster, assume)
+            for line in cal.lines(r.efficiency):
                 out.print(line, highlight=False)
-            assume = Assumptions(compute_efficiency=cal.efficiency, comm_efficiency=comm_efficiency)
+            assume = Assumptions(compute_efficiency=cal.efficiency, comm_efficiency=r.comm_efficiency)
         for note in notes:
             out.print(f"[yellow]note[/yellow] {note}", highlight=False)
         links = ", ".join(
@@ -326,10 +270,10 @@ def register(app: typer.Typer) -> None:
             )
         out.print(
             f"{w.flavour or 'model'}: {size} parameters, "
-            f"{flops_per_token(w.args, seq_len) / 1e9:.1f} GFLOP/token (train){trained}; batch {gb} x {seq_len} tokens\n"
-            f"{devices} x {cluster.device} ({cluster.memory_bytes / 1e9:.0f} GB, "
+            f"{flops_per_token(w.args, r.seq_len) / 1e9:.1f} GFLOP/token (train){trained}; batch {gb} x {r.seq_len} tokens\n"
+            f"{r.devices} x {cluster.device} ({cluster.memory_bytes / 1e9:.0f} GB, "
             f"{', '.join(f'{k} {v:g} TFLOPS' for k, v in cluster.peak_tflops.items())}) in "
-            f"{devices // cluster.devices_per_node} node(s) of {cluster.devices_per_node}; {links}",
+            f"{r.devices // cluster.devices_per_node} node(s) of {cluster.devices_per_node}; {links}",
             highlight=False,
         )
         with Progress(console=Console(stderr=True), transient=True) as bar:
@@ -338,21 +282,21 @@ def register(app: typer.Typer) -> None:
                 w,
                 cluster,
                 assume=assume,
-                dp=dp,
-                tp=tp,
-                pp=pp,
+                dp=r.dp,
+                tp=r.tp,
+                pp=r.pp,
                 notes=notes,
                 progress=lambda i, n: bar.update(task, completed=i, total=n),
             )
         if result.ranked:
-            out.print(_table(result, top, width=out.width))
+            out.print(_table(result, r.top, width=out.width))
         misfits = best_misfits_per_layout(result)
         if misfits:
             out.print(_misfit_table(misfits))
-        if plot is not None:
-            with faults.writing(plot, what="the memory chart"), path_lock(plot, what="titan-pipe plan --plot"):
-                _plot(result, plot, top)
-            out.print(f"wrote {plot}")
+        if r.plot is not None:
+            with faults.writing(r.plot, what="the memory chart"), path_lock(r.plot, what="titan-pipe plan --plot"):
+                _plot(result, r.plot, r.top)
+            out.print(f"wrote {r.plot}")
         if result.best is None:
             raise UserError(
                 f"no layout fits in {cluster.memory_bytes / 1e9:.1f} GB per device; see the "
@@ -366,7 +310,7 @@ def register(app: typer.Typer) -> None:
             f"{b.memory.total / 1e9:.1f} GB/device",
             highlight=False,
         )
-        if write is not None:
-            with faults.writing(write, what="the flow.yaml"), path_lock(write, what="titan-pipe plan --write"):
-                _write_flow(result, write, force)
-            out.print(f"wrote {write}; check it with: titan-pipe validate {write}")
+        if r.write is not None:
+            with faults.writing(r.write, what="the flow.yaml"), path_lock(r.write, what="titan-pipe plan --write"):
+                _write_flow(result, r.write, r.force)
+            out.print(f"wrote {r.write}; check it with: titan-pipe validate {r.write}")
