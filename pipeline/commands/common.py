@@ -22,6 +22,12 @@ from titan_pipe.run_lock import output_lock
 console = Console(stderr=True)
 
 FLOW_HELP = "Track this run as a Prefect flow run (UI, logs); without it no Prefect is involved"
+# the one --flow option every stage command takes (its value: whether call_stage tracks the call)
+TRACK = typer.Option(False, "--flow", help=FLOW_HELP)
+# the one --overwrite of the commands that write an output directory
+OVERWRITE = typer.Option(
+    False, "--overwrite", help="Replace the output directory if it exists (written beside, then swapped)"
+)
 
 
 def _error(text: str) -> None:

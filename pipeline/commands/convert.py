@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+from titan_pipe.commands.common import OVERWRITE, TRACK, call_stage, console, handle_errors
 from titan_pipe.commands.options import with_section
 from titan_pipe.config import ConvertConfig
 
@@ -18,8 +18,8 @@ def register(app: typer.Typer) -> None:
     def convert(
         src: Path = typer.Argument(..., help="Checkpoint dir: titan-pipe, DCP/torchtitan, Megatron-LM or Hugging Face"),
         out: Path = typer.Option(..., "-o", "--out", help="Output directory (must be empty or absent)"),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty output directory"),
-        flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
+        overwrite: bool = OVERWRITE,
+        flow: bool = TRACK,
         settings: ConvertConfig = None,
     ):
         """Convert a sharded checkpoint into one Hugging Face safetensors model (or reshard it)."""

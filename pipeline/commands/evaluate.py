@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+from titan_pipe.commands.common import TRACK, call_stage, console, handle_errors
 from titan_pipe.commands.options import laid_over, with_section
 from titan_pipe.config import EvaluateConfig
 from titan_pipe.paths import resolve_inside
@@ -43,7 +43,7 @@ def register(app: typer.Typer) -> None:
         config: Optional[Path] = typer.Option(
             None, "--config", help="flow.yaml whose evaluate section (batches, thresholds, ...) to use"
         ),
-        flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
+        flow: bool = TRACK,
         given: dict = None,
     ):
         """Compare training checkpoint, unified model, ONNX and OM per layer, per operator, per dtype.

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from titan_pipe import limits
-from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+from titan_pipe.commands.common import OVERWRITE, TRACK, call_stage, console, handle_errors
 from titan_pipe.commands.options import with_section
 from titan_pipe.config import ExportConfig
 
@@ -23,8 +23,8 @@ def register(app: typer.Typer) -> None:
         out_dir: Path = typer.Option(
             ..., "-o", "--out", help="Directory to write model.onnx, decode.onnx, atc/, export.json"
         ),
-        overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUT_DIR if it exists"),
-        flow: bool = typer.Option(False, "--flow", help=FLOW_HELP),
+        overwrite: bool = OVERWRITE,
+        flow: bool = TRACK,
         settings: ExportConfig = None,
     ):
         """Export MODEL_DIR to ONNX (prefill + KV-cache decode) for Ascend ATC, with an operator report."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from titan_pipe.commands.common import FLOW_HELP, call_stage, console, handle_errors
+from titan_pipe.commands.common import TRACK, call_stage, console, handle_errors
 from titan_pipe.stage_summaries import TrainSummary
 
 
@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
     def train(
         flow: Path = typer.Argument(..., help="flow.yaml describing the run"),
         resume: bool = typer.Option(False, "--resume", help="continue from the newest complete checkpoint of the run"),
-        track: bool = typer.Option(False, "--flow", help=FLOW_HELP),
+        track: bool = TRACK,
     ):
         """Train the model of FLOW on dp*tp*pp processes (torchrun); exits with torchrun's status."""
         from titan_pipe.config import load_flow
