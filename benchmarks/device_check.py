@@ -349,7 +349,7 @@ def run_deploy(spec: dict, work: Path, checkpoint: str) -> dict:
     times["evaluate_s"] = time.perf_counter() - t
     return {
         **times,
-        "weight_gb": exported.summary["weight_bytes"] / 1e9,
+        "weight_gb": exported.summary.weight_bytes / 1e9,
         "evaluate_passed": result.passed,
         "evaluate_summary": result.summary,
     }

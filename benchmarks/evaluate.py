@@ -163,8 +163,8 @@ from titan_pipe.evaluate.api import evaluate_model
 t = time.perf_counter()
 r = evaluate_model(out_dir=Path(sys.argv[3]), model_dir=Path(sys.argv[1]), onnx=Path(sys.argv[2]),
                    settings=EvaluateConfig(max_memory=sys.argv[4]))
-print(json.dumps({"seconds": time.perf_counter() - t, "mode": r.summary["memory_mode"], "passed": r.passed,
-                  "verdict": r.summary["verdict"][:160]}))
+print(json.dumps({"seconds": time.perf_counter() - t, "mode": r.summary.memory_mode, "passed": r.passed,
+                  "verdict": r.summary.verdict[:160]}))
 """
 
 

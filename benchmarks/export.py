@@ -76,7 +76,7 @@ else:  # a --before titan_pipe: keyword options
     r = export_model(model_dir=Path(sys.argv[1]), out_dir=Path(sys.argv[3]), dtype=sys.argv[2], run_atc=False,
                      hash_weights=mode != "nohash", **digest)
 c2 = os.times()
-print(json.dumps({"import": t1 - t - prebacked, "preback_s": prebacked, "seconds": time.perf_counter() - t1, "timings": r.summary["timings_seconds"],
+print(json.dumps({"import": t1 - t - prebacked, "preback_s": prebacked, "seconds": time.perf_counter() - t1, "timings": r.summary.timings_seconds,
                   "cpu_export": c2.user - c1.user + c2.system - c1.system, "torch": "torch" in sys.modules}))
 """
 

@@ -58,6 +58,7 @@ from titan_pipe.model.sharding import stage_ranks, tp_split_dim
 from titan_pipe.model.unified_dir import CONFIG, INDEX
 from titan_pipe.provenance import PROVENANCE_FILE, Provenance, SourceInfo
 from titan_pipe.sizes import parse_size
+from titan_pipe.stage_summaries import ConvertSummary
 
 CONVERTER_VERSION = "titan-pipe-convert 1"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names
@@ -68,7 +69,7 @@ WHAT = "the converted model"
 class ConvertResult:
     out_dir: Path
     files: list[Path]
-    summary: dict = field(default_factory=dict)
+    summary: ConvertSummary = field(default_factory=ConvertSummary)
 
 
 def check_shapes(plan: SourcePlan) -> None:
@@ -353,22 +354,22 @@ def convert_checkpoint(
             raise
     files = [out_dir / p.relative_to(tmp) for p in written] + [out_dir / PROVENANCE_FILE]
     wall = time.perf_counter() - t0
-    summary = {
-        "format": plan.format,
-        "src": str(plan.root),
-        "step": plan.step,
-        "layout": plan.layout,
-        "output": out.kind,
-        "tp": out.tp,
-        "pp": out.pp,
-        "tensors": len(plan.tensors),
-        "bytes": total,
-        "files": len(out.files),
-        "wall_s": round(wall, 3),
-        "gb_per_s": round(total / wall / 1e9, 3) if wall > 0 else None,
-        "tokenizer": tok_record.tokenizer,
-        "stop_ids": token_ids.get("eos_token_id"),
-        "nonfinite": sorted(nonfinite),
-        "nonfinite_checked": "all" if verify or not headers else "assembled tensors only",
-    }
+    summary = ConvertSummary(
+        format=plan.format,
+        src=str(plan.root),
+        step=plan.step,
+        layout=plan.layout,
+        output=out.kind,
+        tp=out.tp,
+        pp=out.pp,
+        tensors=len(plan.tensors),
+        bytes=total,
+        files=len(out.files),
+        wall_s=round(wall, 3),
+        gb_per_s=round(total / wall / 1e9, 3) if wall > 0 else None,
+        tokenizer=tok_record.tokenizer,
+        stop_ids=token_ids.get("eos_token_id"),
+        nonfinite=tuple(sorted(nonfinite)),
+        nonfinite_checked="all" if verify or not headers else "assembled tensors only",
+    )
     return ConvertResult(out_dir=out_dir, files=files, summary=summary)

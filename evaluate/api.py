@@ -28,6 +28,7 @@ from titan_pipe.evaluate.inputs import check_inputs
 from titan_pipe.evaluate.prepare import prepare
 from titan_pipe.evaluate.report import check_out_dir, write_report
 from titan_pipe.evaluate.summary import report_dict, sharded_memory, summary
+from titan_pipe.stage_summaries import EvaluateSummary
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class EvalResult:
     out_dir: Path
     passed: bool
     report_json: Path
-    summary: dict = field(default_factory=dict)
+    summary: EvaluateSummary = field(default_factory=EvaluateSummary)
 
 
 class Steps:

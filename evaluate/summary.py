@@ -11,6 +11,7 @@ from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, sharded_line
 from titan_pipe.evaluate.run import Run
 from titan_pipe.evaluate.runners.om import ascend_runtime
+from titan_pipe.stage_summaries import EvaluateSummary
 
 
 def report_dict(run: Run, comparisons: list[cmp.Comparison], verdict: cmp.Verdict) -> dict:
@@ -80,28 +81,29 @@ def environment() -> dict:
     return {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "ascend_runtime": ascend_runtime()}
 
 
-def summary(verdict: cmp.Verdict, comparisons: list[cmp.Comparison], mode: str, sharded: dict | None = None) -> dict:
-    out = {
-        "passed": verdict.passed,
-        "verdict": verdict.text,
-        "memory_mode": mode,
-        "sharded_memory": sharded,
-        "memory_line": memory_line(mode, sharded),
-        "first_failing_layer": verdict.first_failing_layer,
-        "first_failing_operator": verdict.first_failing_operator,
-        "comparisons": {c.id: c.status for c in comparisons},
-    }
+def summary(
+    verdict: cmp.Verdict, comparisons: list[cmp.Comparison], mode: str, sharded: dict | None = None
+) -> EvaluateSummary:
+    logits, perplexity, before = {}, None, None
     for c in comparisons:
         for r in c.rows:
             if r.tensor == "logits":
-                out[f"{c.id}.logits"] = {
-                    "cosine": r.metrics.cosine,
-                    "max_abs": r.metrics.max_abs,
-                    "kl": r.metrics.kl,
-                    "top1": r.metrics.top1,
-                }
+                m = r.metrics
+                logits[c.id] = {"cosine": m.cosine, "max_abs": m.max_abs, "kl": m.kl, "top1": m.top1}
         if c.id == "task":
-            out["perplexity"] = c.details.get("perplexity")
+            perplexity = c.details.get("perplexity")
             if c.details.get("before_finetune"):  # LoRA: the frozen base's perplexity on the same tokens
-                out["perplexity_before_finetune"] = c.details["before_finetune"]["perplexity"]
-    return out
+                before = c.details["before_finetune"]["perplexity"]
+    return EvaluateSummary(
+        passed=verdict.passed,
+        verdict=verdict.text,
+        memory_mode=mode,
+        sharded_memory=sharded,
+        memory_line=memory_line(mode, sharded),
+        first_failing_layer=verdict.first_failing_layer,
+        first_failing_operator=verdict.first_failing_operator,
+        comparisons={c.id: c.status for c in comparisons},
+        logits=logits,
+        perplexity=perplexity,
+        perplexity_before_finetune=before,
+    )

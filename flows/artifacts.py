@@ -48,7 +48,7 @@ def export_record(export_json: str | None) -> ExportRecord | None:
 def evaluate_markdown(output: StageOutput, report_md: str | None) -> str:
     verdict = "PASS" if output.passed else "FAIL"
     head = [f"# Evaluation verdict: **{verdict}**", ""]
-    for k, v in output.summary.details.items():
+    for k, v in output.summary.to_dict().items():
         if not isinstance(v, (dict, list)):
             head.append(f"- {k}: {cell(v)}")
     head += ["", f"Report: `{output.paths.report_json}`", ""]

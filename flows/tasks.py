@@ -22,10 +22,7 @@ from titan_pipe.flows.logs import follow_log, run_logger
 from titan_pipe.run_dir import RunDir
 from titan_pipe.stage_summaries import (
     SUMMARIES,
-    ConvertSummary,
     DataSummary,
-    EvaluateSummary,
-    ExportSummary,
     Summary,
 )
 
@@ -199,7 +196,7 @@ def convert_task(checkpoint: Path, out_dir: Path, settings: ConvertConfig) -> St
         lambda: convert_checkpoint(checkpoint, out_dir, settings, overwrite=True),
         lambda r: f"wrote {len(r.files)} file(s): {', '.join(p.name for p in r.files)}",
     )
-    summary = ConvertSummary.from_result(r.summary)
+    summary = r.summary
     if summary.nonfinite:
         run_logger().warning(
             f"NaN/Inf values in {len(summary.nonfinite)} tensor(s): "
@@ -224,7 +221,7 @@ def export_task(model_dir: Path, out_dir: Path, settings: ExportConfig) -> Stage
         "export",
         paths,
         outputs=[str(r.out_dir)],
-        summary=ExportSummary(atc_status=r.atc_status, details={**dict(r.summary), "atc_status": r.atc_status}),
+        summary=r.summary,
     )
 
 
@@ -262,5 +259,4 @@ def evaluate_task(
     paths = EvaluatePaths(
         str(r.out_dir), str(r.report_json), _text(md if md.is_file() else None), _text(html if html.is_file() else None)
     )
-    summary = EvaluateSummary(details=dict(r.summary))
-    return StageOutput("evaluate", paths, outputs=[str(r.report_json)], summary=summary, passed=bool(r.passed))
+    return StageOutput("evaluate", paths, outputs=[str(r.report_json)], summary=r.summary, passed=bool(r.passed))

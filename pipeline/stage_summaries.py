@@ -1,10 +1,10 @@
 """A finished stage's summary, typed: the figures a flow, its cache record and `titan-pipe run` show.
 
-One class per stage. Each names the fields the code reads as attributes (never a string key), says
-its one line (``figures``) and its table rows (``rows``), and keeps the library's whole record as
-``details`` where it has one (convert's, export's and evaluate's summaries: shown as they are, never
-picked apart). ``of`` reads a stored record back (the flow cache), tolerating a field an older
-version did not write.
+One class per stage, what its library function returns (the trainer's launcher, convert_checkpoint,
+export_model, evaluate_model) and what the flow's tasks hand on. Each names its fields, read as
+attributes (never a string key), says its one line (``figures``) and its table rows (``rows``).
+``of`` reads a stored record back (the flow cache), tolerating a field an older version did not
+write and dropping one it no longer has.
 """
 
 from __future__ import annotations
@@ -113,22 +113,27 @@ class TrainSummary(Summary):
 
 @dataclass(frozen=True)
 class ConvertSummary(Summary):
+    """What convert_checkpoint did: the source (format, path, step, its layout), the output (kind, tp,
+    pp), the tensors, bytes and files written and how fast, the tokenizer and stop ids it carries, and
+    the tensors holding NaN/Inf (checked on every tensor, or on the assembled ones only)."""
+
     stage: ClassVar[str] = "convert"
+    format: str = ""
+    src: str = ""
+    step: int | None = None
+    layout: Any = None  # the source's layout record (dp/tp/pp...) or its name
+    output: str = ""
+    tp: int | None = None
+    pp: int | None = None
     tensors: int | None = None
     bytes: int | None = None
     files: int | None = None
+    wall_s: float | None = None
+    gb_per_s: float | None = None
+    tokenizer: str | None = None
+    stop_ids: Any = None  # an id or a list of ids; None: the source names none
     nonfinite: tuple[str, ...] = ()
-    details: dict = field(default_factory=dict)  # convert_checkpoint's whole summary
-
-    @classmethod
-    def from_result(cls, summary: dict) -> "ConvertSummary":
-        return cls(
-            tensors=_count(summary.get("tensors")),
-            bytes=_count(summary.get("bytes")),
-            files=_count(summary.get("files")),
-            nonfinite=tuple(summary.get("nonfinite") or ()),
-            details=dict(summary),
-        )
+    nonfinite_checked: str = ""
 
     @classmethod
     def of(cls, d):
@@ -142,27 +147,55 @@ class ConvertSummary(Summary):
             f"{self.files} file(s)" if self.files is not None else None,
         ]
 
-    def rows(self) -> list[dict]:
-        return [{"key": k, "value": cell(v)} for k, v in self.details.items()]
-
 
 @dataclass(frozen=True)
 class ExportSummary(Summary):
+    """What export_model wrote: opset, dtype, shapes, the decode cache, the parameters and weight bytes,
+    each graph's nodes and bytes, the external-data files, ATC's status and the seconds it took."""
+
     stage: ClassVar[str] = "export"
+    opset: int | None = None
+    dtype: str | None = None
+    dynamic: bool = False
+    kv_cache: bool = False
+    cache_len: int | None = None
+    params: int | None = None
+    weight_bytes: int | None = None
+    graphs: dict = field(default_factory=dict)  # file -> {nodes, bytes}
+    data_files: tuple[str, ...] = ()
+    data_bytes: int | None = None
     atc_status: str = "n/a"
-    details: dict = field(default_factory=dict)  # export_model's whole summary
+    export_seconds: float | None = None
+    timings_seconds: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, d):
+        s = super().of(d)
+        return replace(s, data_files=tuple(s.data_files or ()))
 
     def figures(self, passed):
         return [f"ATC: {self.atc_status}"]
 
-    def rows(self) -> list[dict]:
-        return [{"key": k, "value": cell(v)} for k, v in self.details.items()]
-
 
 @dataclass(frozen=True)
 class EvaluateSummary(Summary):
+    """The verdict of evaluate_model and what a person reads first: each comparison's status, the
+    first failing layer and operator, the sharded forward's memory, each comparison's logits metrics
+    (``logits``: id -> cosine, max_abs, kl, top1), the perplexities (and, for a LoRA checkpoint, the
+    base's before the fine-tune)."""
+
     stage: ClassVar[str] = "evaluate"
-    details: dict = field(default_factory=dict)  # evaluate_model's whole summary
+    passed: bool = False
+    verdict: str = ""
+    memory_mode: str = ""
+    sharded_memory: dict | None = None
+    memory_line: str = ""
+    first_failing_layer: dict | None = None
+    first_failing_operator: dict | None = None
+    comparisons: dict = field(default_factory=dict)  # id -> status
+    logits: dict = field(default_factory=dict)  # id -> {cosine, max_abs, kl, top1}
+    perplexity: dict | None = None
+    perplexity_before_finetune: float | None = None
 
     def figures(self, passed):
         return ["verdict PASS" if passed else "verdict FAIL"]

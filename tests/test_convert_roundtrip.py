@@ -83,7 +83,7 @@ def test_split_merge_bit_exact_every_kind(tp4pp2, weights, tmp_path):
     # checked against the manifest's sha256s, so those are what it records, whatever convert.digest says
     assert prov["source"]["format"] == "titan" and prov["source"]["algorithm"] == "sha256"
     assert prov["source"]["digests"] == {f: e.sha256 for f, e in m.files.items()} and len(m.files) == 8
-    assert res.summary["tensors"] == len(sd)
+    assert res.summary.tensors == len(sd)
 
 
 def test_sharded_output_reads_back_through_the_trainer(tp4pp2, weights):

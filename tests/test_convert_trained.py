@@ -66,7 +66,7 @@ def test_trained_3d_checkpoint_converts_to_transformers(trained, tmp_path):
     assert (step / "manifest.json").is_file()
     # the run dir itself is accepted: its newest complete checkpoint is converted
     res = convert_checkpoint(trained, tmp_path / "hf")
-    assert res.summary["step"] == 2 and res.summary["layout"]["dp"] == 2
+    assert res.summary.step == 2 and res.summary.layout["dp"] == 2
     weights = CheckpointWeights(step)
     ours = build_model(weights.args, seed=None)
     ours.load_state_dict({n: weights.full(n) for n in weights.names()}, strict=False)

@@ -51,8 +51,8 @@ def test_tp2_pp2_every_comparison_runs_and_passes(trained):
         onnx=trained["onnx"],
         settings=EvaluateConfig(batches=1, prompts=2, new_tokens=6),
     )
-    assert r.passed, r.summary["verdict"]
-    st = r.summary["comparisons"]
+    assert r.passed, r.summary.verdict
+    st = r.summary.comparisons
     for cid in ("sharded_vs_unified", "torch_vs_onnx", "onnx_kv_decode", "operators", "task"):
         assert st[cid] == "pass", (cid, st[cid])
     assert st["om"] == "skipped: no Ascend runtime" and st["npu_fused"] == "skipped: no NPU"
@@ -61,7 +61,7 @@ def test_tp2_pp2_every_comparison_runs_and_passes(trained):
     assert sharded["reference"] == f"torchrun tp2 pp2 ({trained['checkpoint'].name})"
     assert [row["tensor"] for row in sharded["rows"]] == ["hidden.0", "hidden.1", "hidden.2", "hidden.3", "logits"]
     assert sharded["rows"][-1]["metrics"]["max_abs"] <= 1e-5  # TP reduction order only
-    ppl = r.summary["perplexity"]
+    ppl = r.summary.perplexity
     assert len(ppl) == 3 and max(ppl.values()) / min(ppl.values()) - 1 < 1e-5
     gen = next(c for c in rep["comparisons"] if c["id"] == "task")["details"]["generation"]
     assert len(gen) == 2 and all(g["identical"] for g in gen.values())  # prefill re-run and KV-cache decode
@@ -98,8 +98,8 @@ def test_swapped_rows_in_unified_model_fail_at_that_layer(trained, tmp_path):
         settings=EvaluateConfig(batches=1, prompts=0, operators=False),
     )
     assert not r.passed
-    assert r.summary["first_failing_layer"] == {
-        **r.summary["first_failing_layer"],
+    assert r.summary.first_failing_layer == {
+        **r.summary.first_failing_layer,
         "layer": 3,
         "comparison": "sharded_vs_unified",
     }
@@ -171,15 +171,15 @@ def test_streamed_evaluation_streams_the_sharded_forward_too(trained, tmp_path):
         model_dir=trained["model_dir"],
         settings=EvaluateConfig(batches=1, operators=False, max_memory="1.6MB"),
     )
-    assert r.summary["memory_mode"] == "streamed"
-    assert r.summary["comparisons"]["sharded_vs_unified"] == "pass", r.summary["verdict"]
+    assert r.summary.memory_mode == "streamed"
+    assert r.summary.comparisons["sharded_vs_unified"] == "pass", r.summary.verdict
     rep = json.loads(r.report_json.read_text())
     assert rep["memory"]["largest"] == "sharded forward (4 ranks, one layer each)"  # the ranks are counted
     sharded = rep["memory"]["sharded"]
     assert sharded["mode"] == "streamed" and sharded["ranks"] == 4 and len(sharded["peak_rss_per_rank"]) == 4
     row = next(c for c in rep["comparisons"] if c["id"] == "sharded_vs_unified")
     assert row["reference"].startswith("torchrun tp2 pp2") and "one layer at a time" in row["reference"]
-    assert "sharded forward: streamed, 4 ranks" in r.summary["memory_line"]
+    assert "sharded forward: streamed, 4 ranks" in r.summary.memory_line
     assert "sharded forward: streamed, 4 ranks, peak RSS" in (tmp_path / "rep" / "report.md").read_text()
 
 

@@ -82,8 +82,8 @@ def art(tmp_path_factory):
 def test_float32_export_passes_and_report_parses(art, tmp_path):
     settings = EvaluateConfig(batches=1, batch_size=2, seq_len=32, prompts=2, new_tokens=6)
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx32"], settings=settings)
-    assert r.passed, r.summary["verdict"]
-    st = r.summary["comparisons"]
+    assert r.passed, r.summary.verdict
+    st = r.summary.comparisons
     assert st["torch_vs_onnx"] == "pass" and st["operators"] == "pass" and st["task"] == "pass"
     assert st["om"] == "skipped: no Ascend runtime"
     assert st["npu_fused"] == "skipped: no NPU"
@@ -127,11 +127,11 @@ def test_perturbed_onnx_weight_fails_at_that_layer(art, tmp_path, memory):
     )
     ran_in(r.report_json, memory)
     assert not r.passed
-    assert r.summary["first_failing_layer"]["layer"] == 2
+    assert r.summary.first_failing_layer["layer"] == 2
     rows = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")["rows"]
     assert all(row["status"] == "pass" for row in rows if row["layer"] in (0, 1))
     assert {row["tensor"]: row["status"] for row in rows}["attn_out.2"] == "pass"  # before the fault
-    assert "layer 2" in r.summary["verdict"]
+    assert "layer 2" in r.summary.verdict
 
 
 def _to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -150,12 +150,12 @@ def test_rope_convention_mismatch_fails_at_layer_0(art, tmp_path):
     onnx_path = export(wrong_dir, tmp_path / "onnx")
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=onnx_path, settings=FAST)
     assert not r.passed
-    assert r.summary["first_failing_layer"]["layer"] == 0
+    assert r.summary.first_failing_layer["layer"] == 0
 
 
 def test_float16_export_passes_fp16_thresholds_and_fails_fp32(art, tmp_path):
     r16 = evaluate_model(out_dir=tmp_path / "a", model_dir=art["model_dir"], onnx=art["onnx16"], settings=FAST)
-    assert r16.passed, r16.summary["verdict"]
+    assert r16.passed, r16.summary.verdict
     rep = json.loads(r16.report_json.read_text())
     c16 = next(c for c in rep["comparisons"] if c["id"] == "torch_vs_onnx")
     assert c16["dtype"] == "float16"
@@ -171,13 +171,13 @@ def test_float16_export_passes_fp16_thresholds_and_fails_fp32(art, tmp_path):
         settings=FAST.model_copy(update={"dtype": "float32"}),
     )
     assert not r32.passed
-    assert r32.summary["comparisons"]["torch_vs_onnx"] == "fail"
+    assert r32.summary.comparisons["torch_vs_onnx"] == "fail"
 
 
 def test_flow_thresholds_override_changes_the_verdict(art, tmp_path):
     strict = FAST.model_copy(update={"thresholds": {"float16": {"rel_euclidean_max": 1e-6}}})
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=art["onnx16"], settings=strict)
-    assert not r.passed and "rel_euclidean_max" in r.summary["verdict"]
+    assert not r.passed and "rel_euclidean_max" in r.summary.verdict
 
 
 def test_mismatched_config_and_graph_is_a_clear_error(art, tmp_path):
@@ -258,7 +258,7 @@ def test_layer_outputs_out_of_graph_order_fall_back_to_the_structure(art, tmp_pa
     outs[0], outs[2] = outs[2], outs[0]
     (edited / "export.json").write_text(json.dumps(record))
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=edited / "model.onnx", settings=FAST)
-    assert r.passed, r.summary["verdict"]
+    assert r.passed, r.summary.verdict
     c = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")
     assert [row["tensor"] for row in c["rows"]] == LAYER_ROWS + ["logits"]
     assert "computes it before layer" in c["details"]["layers"] and "residual" in c["details"]["layers"]
@@ -286,7 +286,7 @@ def test_graph_without_export_json_falls_back_to_its_structure(art, tmp_path):
         (alone.parent / f.name).write_bytes(f.read_bytes())
     last = json.loads((art["onnx32"].parent / "export.json").read_text())["graphs"]["model.onnx"]["layer_outputs"][-1]
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=alone, settings=FAST)
-    assert r.passed, r.summary["verdict"]
+    assert r.passed, r.summary.verdict
     c = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == "torch_vs_onnx")
     assert [row["tensor"] for row in c["rows"]] == LAYER_ROWS + ["logits"]
     assert "no export.json" in c["details"]["layers"] and "residual" in c["details"]["layers"]
@@ -338,7 +338,7 @@ KV = FAST.model_copy(update={"prompts": 2, "new_tokens": 4})
 
 def test_honest_kv_export_passes_with_per_layer_rows_of_both_graphs(art, kv_export, tmp_path):
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=kv_export / "model.onnx", settings=KV)
-    assert r.passed, r.summary["verdict"]
+    assert r.passed, r.summary.verdict
     rep = json.loads(r.report_json.read_text())
     for cid in ("torch_vs_onnx", "onnx_kv_decode"):
         c = next(c for c in rep["comparisons"] if c["id"] == cid)
@@ -364,13 +364,13 @@ def test_scaled_weight_in_deployed_graph_is_named_at_its_layer(art, kv_export, t
     )
     ran_in(r.report_json, memory)
     assert not r.passed
-    first = r.summary["first_failing_layer"]
+    first = r.summary.first_failing_layer
     assert (first["comparison"], first["layer"]) == (cid, layer), (name, first)
-    assert f"first divergence at layer {layer} ({cid}" in r.summary["verdict"]
+    assert f"first divergence at layer {layer} ({cid}" in r.summary.verdict
     rows = next(c for c in json.loads(r.report_json.read_text())["comparisons"] if c["id"] == cid)["rows"]
     assert all(row["status"] == "pass" for row in rows if row["layer"] is not None and row["layer"] < layer)
     if graph == "decode.onnx":  # the prefill graph is untouched and still passes
-        assert r.summary["comparisons"]["torch_vs_onnx"] == "pass"
+        assert r.summary.comparisons["torch_vs_onnx"] == "pass"
     assert (tmp_path / "rep" / "layer_error.png").stat().st_size > 1000
     if (graph, layer, memory) == ("model.onnx", 3, "auto"):  # and through the CLI: exit 1, the layer named
         res = CliRunner().invoke(
@@ -395,7 +395,7 @@ def test_om_without_ascend_runtime_is_skipped_not_passed(art, tmp_path):
     om = tmp_path / "model.om"
     om.write_bytes(b"not run here")
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], om=om, settings=FAST)
-    assert r.summary["comparisons"]["om"].startswith("skipped: no Ascend runtime")
+    assert r.summary.comparisons["om"].startswith("skipped: no Ascend runtime")
 
 
 def test_report_dir_that_is_not_a_report_is_refused(art, tmp_path):
@@ -429,7 +429,7 @@ def test_kv_cache_decode_graph_is_checked_on_its_own(art, kv_export, tmp_path, m
         out_dir=tmp_path / "good", model_dir=art["model_dir"], onnx=kv_export / "model.onnx", settings=kv
     )
     ran_in(good.report_json, memory)
-    assert good.passed and good.summary["comparisons"]["onnx_kv_decode"] == "pass"
+    assert good.passed and good.summary.comparisons["onnx_kv_decode"] == "pass"
     gen = json.loads(good.report_json.read_text())["comparisons"][-1]["details"]["generation"]
     assert any("KV-cache" in k and v["identical"] for k, v in gen.items())
     out = tmp_path / "kv"
@@ -443,9 +443,9 @@ def test_kv_cache_decode_graph_is_checked_on_its_own(art, kv_export, tmp_path, m
     init.CopyFrom(numpy_helper.from_array(w, init.name))
     onnx.save(m, str(out / "decode.onnx"))
     bad = evaluate_model(out_dir=tmp_path / "bad", model_dir=art["model_dir"], onnx=out / "model.onnx", settings=kv)
-    st = bad.summary["comparisons"]
+    st = bad.summary.comparisons
     assert not bad.passed and st["onnx_kv_decode"] == "fail" and st["torch_vs_onnx"] == "pass"
-    assert bad.summary["first_failing_layer"]["layer"] == 1
+    assert bad.summary.first_failing_layer["layer"] == 1
 
 
 def test_model_without_tokenizer_runs_on_random_ids_and_a_tokenizer_is_kept(art, tmp_path):
@@ -472,7 +472,7 @@ def test_model_without_tokenizer_runs_on_random_ids_and_a_tokenizer_is_kept(art,
 
 def test_nothing_compared_is_not_a_pass(art, tmp_path):
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], settings=FAST)
-    assert not r.passed and "nothing was compared" in r.summary["verdict"]
+    assert not r.passed and "nothing was compared" in r.summary.verdict
 
 
 def test_reference_device_absent_is_one_line_error_and_cpu_is_named(art, tmp_path):
@@ -509,7 +509,7 @@ def test_kv_decode_row_runs_the_generation_loop(art, tmp_path, static):
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=art["model_dir"], onnx=res.onnx, settings=settings)
     rep = json.loads(r.report_json.read_text())
     row = next(c for c in rep["comparisons"] if c["id"] == "onnx_kv_decode")
-    assert row["status"] == "pass" and r.passed, r.summary["verdict"]
+    assert row["status"] == "pass" and r.passed, r.summary.verdict
     assert row["details"]["graphs"] == ("static" if static else "dynamic")
     assert "left-padded, lengths [12, " in row["details"]["positions"] and row["details"]["positions"].endswith(", 6]")
     assert row["details"]["generation"]["identical"]
@@ -541,7 +541,7 @@ def test_fp16_passes_a_massive_activation_and_still_names_a_perturbed_layer(tmp_
     hidden = [row["metrics"] for row in rows if row["tensor"].startswith("hidden.")]
     assert max(m["max_abs"] for m in hidden) > 1.0  # the absolute rule would have cried FAIL here
     assert max(m["max_scaled"] for m in hidden) < 1e-2
-    assert r.passed, r.summary["verdict"]
+    assert r.passed, r.summary.verdict
     task = next(c for c in rep["comparisons"] if c["id"] == "task")
     assert all(g["identical"] for g in task["details"]["generation"].values())
 
@@ -555,4 +555,4 @@ def test_fp16_passes_a_massive_activation_and_still_names_a_perturbed_layer(tmp_
     onnx.save(m, str(bad))
     (bad.parent / "export.json").write_bytes((onnx16.parent / "export.json").read_bytes())
     r = evaluate_model(out_dir=tmp_path / "rep2", model_dir=md, onnx=bad, settings=settings)
-    assert not r.passed and r.summary["first_failing_layer"]["layer"] == 2, r.summary["verdict"]
+    assert not r.passed and r.summary.first_failing_layer["layer"] == 2, r.summary.verdict

@@ -160,4 +160,4 @@ def test_om_without_runtime_stays_skipped(graph, tmp_path):
         onnx=graph["ort"].path,
         settings=EvaluateConfig(operators=False, batches=1, prompts=0),
     )
-    assert r.summary["comparisons"]["om"].startswith("skipped: no Ascend runtime")
+    assert r.summary.comparisons["om"].startswith("skipped: no Ascend runtime")

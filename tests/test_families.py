@@ -310,7 +310,7 @@ def test_evaluate_passes_and_names_the_perturbed_layer(family, tmp_path):
     fast = EvaluateConfig(batches=1, batch_size=2, seq_len=32, prompts=1, new_tokens=4, operators=False)
     res = export_model(src, tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False))
     r = evaluate_model(out_dir=tmp_path / "ok", model_dir=src, onnx=res.onnx, settings=fast)
-    assert r.passed, r.summary["verdict"]
+    assert r.passed, r.summary.verdict
     m = onnx.load(str(res.onnx))
     init = next(i for i in m.graph.initializer if i.name == FAULT[name])
     w = numpy_helper.to_array(init).copy()
@@ -327,8 +327,8 @@ def test_evaluate_passes_and_names_the_perturbed_layer(family, tmp_path):
             onnx=bad,
             settings=fast.model_copy(update={"max_memory": memory}),
         )
-        assert r.summary["memory_mode"] == ("whole" if memory == "auto" else "streamed")
-        assert not r.passed and r.summary["first_failing_layer"]["layer"] == 1, r.summary["verdict"]
+        assert r.summary.memory_mode == ("whole" if memory == "auto" else "streamed")
+        assert not r.passed and r.summary.first_failing_layer["layer"] == 1, r.summary.verdict
 
 
 def test_evaluate_streams_the_kv_decode_layer_by_layer(family, tmp_path):
@@ -341,7 +341,7 @@ def test_evaluate_streams_the_kv_decode_layer_by_layer(family, tmp_path):
         batches=1, batch_size=1, seq_len=32, prompts=2, new_tokens=8, operators=False, max_memory="1.5MB"
     )
     r = evaluate_model(out_dir=tmp_path / "rep", model_dir=src, onnx=res.onnx, settings=fast)
-    assert r.passed and r.summary["memory_mode"] == "streamed", r.summary["verdict"]
+    assert r.passed and r.summary.memory_mode == "streamed", r.summary.verdict
     rows = {c["id"]: c for c in json.loads(r.report_json.read_text())["comparisons"]}
     kv = rows["onnx_kv_decode"]
     assert kv["status"] == "pass" and [x["tensor"] for x in kv["rows"] if x["tensor"].startswith("hidden.")] == [

@@ -198,7 +198,7 @@ class StandIns:
             "evaluate",
             EvaluatePaths(str(out_dir), str(report)),
             outputs=[str(report)],
-            summary=EvaluateSummary(details={"passed": self.passed}),
+            summary=EvaluateSummary(passed=self.passed),
             passed=self.passed,
         )
 
@@ -439,12 +439,12 @@ def test_a_stage_summary_is_typed_and_read_back_from_the_cache_record():
         "convert",
         ConvertPaths("m"),
         outputs=["m"],
-        summary=ConvertSummary.from_result(
-            {"tensors": 3, "bytes": 10, "files": 1, "nonfinite": ["w"], "dtype": "bf16"}
-        ),
+        summary=ConvertSummary(tensors=3, bytes=10, files=1, nonfinite=("w",), layout={"dp": 2}, stop_ids=[1, 2]),
     )
     back = StageOutput.from_json(json.loads(json.dumps(out.to_json())))
-    assert back == out and back.summary.nonfinite == ("w",) and back.summary.details["dtype"] == "bf16"
+    assert back == out and back.summary.nonfinite == ("w",) and back.summary.layout == {"dp": 2}
+    export = ExportSummary(data_files=("model.onnx.data",), graphs={"model.onnx": {"nodes": 9, "bytes": 1}})
+    assert ExportSummary.of(json.loads(json.dumps(export.to_dict()))) == export
     old = {"stage": "train", "paths": {"run_dir": "r", "metrics": "m"}, "outputs": [], "summary": {"steps": 4, "x": 1}}
     assert StageOutput.from_json(old).summary == TrainSummary(steps=4)
     assert StageOutput("data", DataPaths("d"), outputs=[]).summary == DataSummary()

@@ -437,12 +437,12 @@ def test_merged_deployment_exports_and_evaluates_pass(lora_runs, tmp_path):
         onnx=onnx,
         settings=EvaluateConfig(batches=1, prompts=2, new_tokens=4),
     )
-    assert r.passed, r.summary["verdict"]
-    assert r.summary["comparisons"]["sharded_vs_unified"] == "pass"
+    assert r.passed, r.summary.verdict
+    assert r.summary.comparisons["sharded_vs_unified"] == "pass"
     rows = {c["id"]: c for c in json.loads(r.report_json.read_text())["comparisons"]}
     assert "LoRA" in rows["sharded_vs_unified"]["title"]  # merged vs applied: the relative bounds
-    after = r.summary["perplexity"]["torch float32 (model)"]
-    assert r.summary["perplexity_before_finetune"] > 1.5 * after  # the fine-tune learned the held-out text
+    after = r.summary.perplexity["torch float32 (model)"]
+    assert r.summary.perplexity_before_finetune > 1.5 * after  # the fine-tune learned the held-out text
 
 
 @pytest.mark.distributed
@@ -479,8 +479,8 @@ def test_a_deployment_without_the_fine_tune_fails_evaluate(lora_runs, tmp_path):
         onnx=onnx,
         settings=EvaluateConfig(batches=1, prompts=2, new_tokens=4),
     )
-    assert not r.passed and r.summary["comparisons"]["sharded_vs_unified"] == "fail"
-    assert r.summary["first_failing_layer"]["layer"] == 0, r.summary["first_failing_layer"]
+    assert not r.passed and r.summary.comparisons["sharded_vs_unified"] == "fail"
+    assert r.summary.first_failing_layer["layer"] == 0, r.summary.first_failing_layer
 
 
 # -- config, CLI, planner ------------------------------------------------------------------------

@@ -424,7 +424,7 @@ def test_evaluate_routes_and_names_the_perturbed_router_or_expert(tmp_path):
     fast = EvaluateConfig(batches=1, batch_size=2, seq_len=32, prompts=1, new_tokens=4, operators=False)
     r = evaluate_model(out_dir=tmp_path / "ok", model_dir=src, onnx=res.onnx, settings=fast)
     rows = {c["id"]: c for c in json.loads(r.report_json.read_text())["comparisons"]}
-    assert r.passed, r.summary["verdict"]
+    assert r.passed, r.summary.verdict
     assert rows["moe_router"]["status"] == "pass"
     assert set(rows["moe_router"]["details"]["agreement"]) == {"0", "2", "3"}  # layer 1 is dense
 
@@ -454,7 +454,7 @@ def test_evaluate_routes_and_names_the_perturbed_router_or_expert(tmp_path):
     bad = perturbed("layers.2.moe.w2", scale_expert)
     r = evaluate_model(out_dir=tmp_path / "rep-expert", model_dir=src, onnx=bad, settings=fast)
     rows = {c["id"]: c for c in json.loads(r.report_json.read_text())["comparisons"]}
-    assert not r.passed and r.summary["first_failing_layer"]["layer"] == 2, r.summary["verdict"]
+    assert not r.passed and r.summary.first_failing_layer["layer"] == 2, r.summary.verdict
     assert rows["moe_router"]["status"] == "pass"
 
 

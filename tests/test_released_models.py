@@ -275,7 +275,7 @@ def test_hf_to_sharded_to_hf_keeps_weights_tokenizer_template_and_stop_tokens(re
 
     src = released["SmolLM2-135M-Instruct"]
     sharded = convert_checkpoint(src, tmp_path / "tp3pp2", ConvertConfig(tp=3, pp=2))
-    assert sharded.summary["tokenizer"] == "tokenizer.json" and sharded.summary["stop_ids"] == 2
+    assert sharded.summary.tokenizer == "tokenizer.json" and sharded.summary.stop_ids == 2
     back = convert_checkpoint(tmp_path / "tp3pp2", tmp_path / "back").out_dir
     _same_files(src, back, SIDE)
     a, b = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
@@ -501,4 +501,4 @@ def test_each_released_model_goes_hf_to_sharded_to_hf_to_export_to_evaluate(rele
             batches=1, batch_size=2, seq_len=16, prompts=1, prompt_len=8, new_tokens=4, operators=False
         ),
     )
-    assert r.passed, (name, r.summary["verdict"])
+    assert r.passed, (name, r.summary.verdict)

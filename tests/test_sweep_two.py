@@ -372,7 +372,7 @@ def test_more_data_files_than_tensors_writes_no_empty_file(hf_src, tmp_path):
     res = export_model(hf_src, tmp_path / "onnx", ExportConfig(kv_cache=False, atc=False, data_files=64))
     files = sorted((tmp_path / "onnx").glob("model.onnx.data*"))
     assert len(files) == min(64, n) and all(f.stat().st_size > 0 for f in files), [f.name for f in files]
-    assert res.summary["data_files"] == [f.name for f in files]
+    assert list(res.summary.data_files) == [f.name for f in files]
 
 
 def test_an_output_inside_a_bind_mount_alias_of_the_source_is_refused_first(hf_src, tmp_path):

@@ -125,8 +125,8 @@ def test_evaluate_takes_a_dcp_checkpoint_as_its_reference(sources, tmp_path):
         onnx=onnx,
         settings=EvaluateConfig(batches=1, prompts=2, new_tokens=4),
     )
-    assert r.passed, r.summary["verdict"]
-    st = r.summary["comparisons"]
+    assert r.passed, r.summary.verdict
+    st = r.summary.comparisons
     assert st["torch_vs_onnx"] == "pass" and st["sharded_vs_unified"].startswith("skipped: the --checkpoint is not")
     rep = json.loads(r.report_json.read_text())
     onnx_row = next(c for c in rep["comparisons"] if c["id"] == "torch_vs_onnx")

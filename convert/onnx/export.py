@@ -28,6 +28,7 @@ from titan_pipe.model.params import initializer_names
 from titan_pipe.convert.onnx.weights import plan_weights
 from titan_pipe.choices import default_cache_len, export_problems
 from titan_pipe.config import ExportConfig
+from titan_pipe.stage_summaries import ExportSummary
 from titan_pipe.dtypes import BY_NAME
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.export_record import RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord, OperatorUse
@@ -81,7 +82,7 @@ class ExportResult:
     decode_onnx: Path | None
     export_json: Path
     atc_status: str  # ok | not_found | skipped
-    summary: dict
+    summary: ExportSummary
     om: Path | None = None  # the prefill graph's .om, when ATC ran and built it
 
 
@@ -369,22 +370,22 @@ def export_model(
         if fault is not None:  # after the cleanup, so "N free now" counts the space it gave back
             raise fault from None
         raise
-    summary = {
-        "opset": plan.opset,
-        "dtype": plan.dtype,
-        "dynamic": plan.dynamic,
-        "kv_cache": plan.kv_cache,
-        "cache_len": plan.cache_len,
-        "params": count_params(args),
-        "weight_bytes": plan.weight_bytes,
-        "graphs": {f: {"nodes": r.n_nodes, "bytes": record.files[f].bytes} for f, r in graphs.items()},
+    summary = ExportSummary(
+        opset=plan.opset,
+        dtype=plan.dtype,
+        dynamic=plan.dynamic,
+        kv_cache=plan.kv_cache,
+        cache_len=plan.cache_len,
+        params=count_params(args),
+        weight_bytes=plan.weight_bytes,
+        graphs={f: {"nodes": r.n_nodes, "bytes": record.files[f].bytes} for f, r in graphs.items()},
         # the weights, in external-data files the graphs share (a graph file holds only its nodes)
-        "data_files": sorted(f for f in record.files if f.startswith(PREFILL_FILE + ".data")),
-        "data_bytes": sum(e.bytes for f, e in record.files.items() if f.startswith(PREFILL_FILE + ".data")),
-        "atc_status": atc_status,
-        "export_seconds": round(export_s, 3),
-        "timings_seconds": timings,
-    }
+        data_files=tuple(sorted(f for f in record.files if f.startswith(PREFILL_FILE + ".data"))),
+        data_bytes=sum(e.bytes for f, e in record.files.items() if f.startswith(PREFILL_FILE + ".data")),
+        atc_status=atc_status,
+        export_seconds=round(export_s, 3),
+        timings_seconds=timings,
+    )
     om = out_dir / f"{invocations[0].om}.om"  # invocations[0]: the prefill graph, model.onnx
     return ExportResult(
         out_dir=out_dir,

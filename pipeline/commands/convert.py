@@ -30,29 +30,29 @@ def register(app: typer.Typer) -> None:
             "convert", convert_checkpoint, track=flow, src=src, out_dir=out, settings=settings, overwrite=overwrite
         )
         s = r.summary
-        if s.get("nonfinite"):
+        if s.nonfinite:
             console.print(
-                f"[yellow]warning[/yellow] {r.out_dir}: NaN/Inf values in {len(s['nonfinite'])} "
-                f"tensor(s): {describe(s['nonfinite'])}; the source holds them (or a --dtype cast "
+                f"[yellow]warning[/yellow] {r.out_dir}: NaN/Inf values in {len(s.nonfinite)} "
+                f"tensor(s): {describe(s.nonfinite)}; the source holds them (or a --dtype cast "
                 "overflowed): evaluate fails on such a model",
                 highlight=False,
                 soft_wrap=True,
             )
-        step = f"step {s['step']}, " if s.get("step") is not None else ""
+        step = f"step {s.step}, " if s.step is not None else ""
         typer.echo(
-            f"converted {s['format']} {s['src']} ({step}{s['layout']}) -> {r.out_dir}: "
-            f"{s['tensors']} tensors, {s['bytes'] / 1e6:.1f} MB in {s['files']} file(s), "
-            f"{s['wall_s']:.2f} s"
+            f"converted {s.format} {s.src} ({step}{s.layout}) -> {r.out_dir}: "
+            f"{s.tensors} tensors, {s.bytes / 1e6:.1f} MB in {s.files} file(s), "
+            f"{s.wall_s:.2f} s"
         )
-        if s.get("tokenizer") is None:
+        if s.tokenizer is None:
             console.print(
-                f"[yellow]warning[/yellow] {r.out_dir}: no tokenizer: {s['src']} carries none (no "
+                f"[yellow]warning[/yellow] {r.out_dir}: no tokenizer: {s.src} carries none (no "
                 "tokenizer.json beside its weights); copy the model's tokenizer files into it before "
                 "evaluating or serving it",
                 highlight=False,
                 soft_wrap=True,
             )
-        if s.get("stop_ids") is None:
+        if s.stop_ids is None:
             console.print(
                 f"[yellow]warning[/yellow] {r.out_dir}: no eos_token_id: the source names no stop "
                 "token, so generation runs to its token limit; add eos_token_id to config.json",

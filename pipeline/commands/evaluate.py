@@ -87,19 +87,19 @@ def register(app: typer.Typer) -> None:
             progress=True,
             split=split,
         )
-        for cid, status in r.summary["comparisons"].items():
+        for cid, status in r.summary.comparisons.items():
             console.print(f"  {cid:20s} {status}", highlight=False, soft_wrap=True)
-        console.print(r.summary["memory_line"], highlight=False, soft_wrap=True)
-        before = r.summary.get("perplexity_before_finetune")
+        console.print(r.summary.memory_line, highlight=False, soft_wrap=True)
+        before = r.summary.perplexity_before_finetune
         if before is not None:  # a LoRA checkpoint: what the fine-tune changed on the held-out data
-            after = next(iter((r.summary.get("perplexity") or {}).values()), None)
+            after = next(iter((r.summary.perplexity or {}).values()), None)
             console.print(
                 f"  perplexity {before:.4g} before the fine-tune (the base), {after:.4g} after",
                 highlight=False,
                 soft_wrap=True,
             )
         colour = "green" if r.passed else "red"
-        console.print(f"[{colour}]{escape(r.summary['verdict'])}[/{colour}]", highlight=False, soft_wrap=True)
+        console.print(f"[{colour}]{escape(r.summary.verdict)}[/{colour}]", highlight=False, soft_wrap=True)
         console.print(f"report: {r.report_json.parent / 'report.html'}", highlight=False, soft_wrap=True)
         if not r.passed:
             raise typer.Exit(1)

@@ -46,11 +46,11 @@ def register(app: typer.Typer) -> None:
             overwrite=overwrite,
         )
         s = r.summary
-        graphs = ", ".join(f"{f} ({g['nodes']} nodes, {g['bytes'] / 1e6:.1f} MB)" for f, g in s["graphs"].items())
+        graphs = ", ".join(f"{f} ({g['nodes']} nodes, {g['bytes'] / 1e6:.1f} MB)" for f, g in s.graphs.items())
         console.print(
-            f"exported {graphs}; weights {s['data_bytes'] / 1e6:.1f} MB in {len(s['data_files'])} external-data "
-            f"file(s) beside them, at opset {s['opset']}, {s['dtype']}, "
-            f"{'dynamic' if s['dynamic'] else 'static'} shapes in {s['export_seconds']:.1f} s; "
+            f"exported {graphs}; weights {s.data_bytes / 1e6:.1f} MB in {len(s.data_files)} external-data "
+            f"file(s) beside them, at opset {s.opset}, {s.dtype}, "
+            f"{'dynamic' if s.dynamic else 'static'} shapes in {s.export_seconds:.1f} s; "
             f"ATC: {r.atc_status}; report: {r.export_json}",
             highlight=False,
             soft_wrap=True,
