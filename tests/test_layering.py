@@ -182,3 +182,21 @@ def test_safetensors_is_read_and_written_in_one_module():
                 )
                 found += [f"{path.relative_to(REPO)}:{node.lineno}" for n in names if n.split(".")[0] == "safetensors"]
     assert not found, found
+
+
+def test_every_package_folder_is_in_the_wheel():
+    """Each folder with an __init__.py under the mapped source folders is listed in pyproject's
+    packages (an editable install finds an unlisted one, a wheel would leave it out)."""
+    import tomllib
+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    found = set()
+    for package, folder in tool["package-dir"].items():
+        root = REPO / folder
+        for init in root.rglob("__init__.py"):
+            rel = init.parent.relative_to(root)
+            name = ".".join((package, *rel.parts)) if rel.parts else package
+            owner = next((p for p, f in tool["package-dir"].items() if (REPO / f) == init.parent), package)
+            found.add(name if owner == package else owner)
+    assert found <= listed, sorted(found - listed)
