@@ -59,7 +59,7 @@ def build(work: Path, layers: int) -> dict:
     from safetensors.torch import load_file, save_file
 
     from titan_pipe.convert.api import convert_checkpoint
-    from titan_pipe.checkpoint_format import Manifest
+    from titan_pipe.records.checkpoint_format import Manifest
     from titan_pipe.model.names import native_to_hf
     from titan_pipe.model.hf_config import to_hf_config
     from titan_pipe.model.args import ModelArgs
@@ -147,7 +147,7 @@ def run_method(method: str, work: Path, out: Path) -> dict:
         import torch
         from safetensors.torch import load_file, save_file
 
-        from titan_pipe.checkpoint_format import Manifest
+        from titan_pipe.records.checkpoint_format import Manifest
 
         base = _rss_mb()
         t0 = time.perf_counter()

@@ -194,7 +194,7 @@ def run_trainer(spec: dict, work: Path, *, compile: bool, float8: str = "none", 
 def loss_form(choice: str, spec: dict) -> str:
     """The loss the trainer computes for ``choice`` at dp = tp = pp = 1 on this device: "chunked"
     (fused with the output projection) or "full" (auto follows the profile's measured faster_loss)."""
-    from titan_pipe.devices import resolve_device
+    from titan_pipe.rules.devices import resolve_device
     from titan_pipe.training.metrics import measured_loss
     from titan_pipe.training.trainer import resolve_loss
 
@@ -215,7 +215,7 @@ def run_loop(spec: dict, work: Path) -> dict:
     import torch.nn.functional as F
 
     from titan_pipe.config import parse_flow
-    from titan_pipe.devices import resolve_device
+    from titan_pipe.rules.devices import resolve_device
     from titan_pipe.model.args import flops_per_token
     from titan_pipe.model.transformer import build_model
     from titan_pipe.tokens.loader import PackedLoader
@@ -273,7 +273,7 @@ def run_loop(spec: dict, work: Path) -> dict:
 
 
 def _peak_bytes(device) -> float:
-    from titan_pipe.devices import peak_memory_bytes
+    from titan_pipe.rules.devices import peak_memory_bytes
 
     return float(peak_memory_bytes(device))
 

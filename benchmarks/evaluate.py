@@ -87,7 +87,7 @@ print(json.dumps({{"seconds": time.perf_counter() - t}}))
 
 CHILD_FLOOR_ORT = """
 import json, sys, time, numpy as np
-from titan_pipe.generation import ort_session
+from titan_pipe.graphs.generation import ort_session
 {batches}
 t = time.perf_counter()
 s = ort_session(sys.argv[1])
@@ -100,7 +100,7 @@ print(json.dumps({{"seconds": time.perf_counter() - t}}))
 
 CHILD_FLOOR_DECODE = """
 import json, sys, time, numpy as np
-from titan_pipe.generation import ort_session
+from titan_pipe.graphs.generation import ort_session
 t = time.perf_counter()
 s = ort_session(sys.argv[1])
 feeds = {{}}
@@ -118,7 +118,7 @@ print(json.dumps({{"seconds": time.perf_counter() - t}}))
 _HAND_LOGITS = """
 import json, sys, time, numpy as np, torch
 from titan_pipe.evaluate.run import ragged_prompts
-from titan_pipe.generation import generate, ort_session
+from titan_pipe.graphs.generation import generate, ort_session
 {batches}
 t = time.perf_counter()
 from transformers import AutoModelForCausalLM
@@ -140,7 +140,7 @@ print(json.dumps({{"seconds": time.perf_counter() - t, "max_abs": worst}}))
 """
 )
 # The same, plus what a person checking the deployed generation loop by hand adds: transformers'
-# greedy generate and the ONNX prefill + decode loop (titan_pipe.generation) on the same prompts
+# greedy generate and the ONNX prefill + decode loop (titan_pipe.graphs.generation) on the same prompts
 # and new tokens as evaluate's KV row, their tokens compared.
 CHILD_HAND_GEN = (
     _HAND_LOGITS

@@ -8,7 +8,7 @@
      grouped   the same with the torch_fused kernel set (torch._grouped_mm: CUDA, compute
                capability 9.0+, bfloat16; elsewhere it is the loop and the row says so)
    Target: titan >= 1.0x loop (tokens per second).
-2. Export (ONNX Runtime, one thread, the routed layer alone, built by titan_pipe.onnx_nodes as export
+2. Export (ONNX Runtime, one thread, the routed layer alone, built by titan_pipe.graphs.onnx_nodes as export
    builds it): the dense-weighted form (every expert on every token, weighted by its gate) against
    the gathered form (each token's k experts' weights gathered from the stacks), for a
    prefill-sized batch of tokens and a decode-sized one. Export uses the faster of the two for each
@@ -112,12 +112,12 @@ def training(a) -> None:
 
 
 def _graph(form: str, n: int, dim: int, hidden: int, experts: int, top_k: int):
-    """One routed layer as export builds it: titan_pipe.onnx_nodes' router, then the dense-weighted
+    """One routed layer as export builds it: titan_pipe.graphs.onnx_nodes' router, then the dense-weighted
     experts (prefill) or the gathered ones (decode)."""
     import onnx
     from onnx import TensorProto, helper
 
-    from titan_pipe.onnx_nodes import NodeBuilder, experts as dense_experts, experts_gathered, gates, route
+    from titan_pipe.graphs.onnx_nodes import NodeBuilder, experts as dense_experts, experts_gathered, gates, route
 
     g = NodeBuilder("float32")
     top, chosen = route(g, "x", "router", top_k=top_k, norm_topk=True, name="route")

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from titan_pipe.convert.hashing import scan_file
-from titan_pipe.safetensors_io import read_header
+from titan_pipe.io.safetensors_io import read_header
 
 
 def build(path: Path, mib: int) -> int:

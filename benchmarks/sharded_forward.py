@@ -69,7 +69,7 @@ def forward(ckpt: Path, tokens: Path, *, streamed: bool) -> dict:
     """One torchrun launch of the sharded forward: seconds, done.json, logits."""
     from safetensors.torch import load_file
 
-    from titan_pipe import sharded_outputs as so
+    from titan_pipe.records import sharded_outputs as so
 
     out = Path(tempfile.mkdtemp(prefix="shfwd-"))
     shutil.copy(tokens, out / so.TOKENS_FILE)
@@ -86,7 +86,7 @@ def forward(ckpt: Path, tokens: Path, *, streamed: bool) -> dict:
 def rank_bytes(ckpt: Path) -> list[tuple[int, int]]:
     """(resident, streamed) weight bytes of each global rank (dp1: rank = pp_rank * tp + tp_rank), as
     evaluate's memory estimate counts them (titan_pipe.evaluate.runners.sharded.pp_rank_bytes)."""
-    from titan_pipe.checkpoint_format import Manifest
+    from titan_pipe.records.checkpoint_format import Manifest
     from titan_pipe.evaluate.runners.sharded import pp_rank_bytes
     from titan_pipe.model.args import ModelArgs
 
@@ -103,7 +103,7 @@ def main() -> None:
     a = ap.parse_args()
     from safetensors.torch import save_file
 
-    from titan_pipe.checkpoint_format import Manifest
+    from titan_pipe.records.checkpoint_format import Manifest
 
     work = a.workdir or Path(tempfile.mkdtemp(prefix="titan-shfwd-bench-"))
     work.mkdir(parents=True, exist_ok=True)

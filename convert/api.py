@@ -21,8 +21,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from titan_pipe.atomic import swap_dir, temp_dir, write_text
-from titan_pipe.checkpoint_format import (
+from titan_pipe.io.atomic import swap_dir, temp_dir, write_text
+from titan_pipe.records.checkpoint_format import (
     MANIFEST_NAME,
     Box,
     CheckpointExtra,
@@ -48,17 +48,17 @@ from titan_pipe.weights.source_plan import (
 )
 from titan_pipe.convert.tokenizer_files import copy_tokenizer_files, plan_tokenizer_files, source_token_ids
 from titan_pipe.config import ConvertConfig
-from titan_pipe.dtypes import HF_DTYPE_NAMES
-from titan_pipe.paths import overlaps
+from titan_pipe.rules.dtypes import HF_DTYPE_NAMES
+from titan_pipe.io.paths import overlaps
 from titan_pipe.errors import UserError
-from titan_pipe.faults import as_fault, check_free_space
+from titan_pipe.io.faults import as_fault, check_free_space
 from titan_pipe.model.hf_config import to_hf_config
 from titan_pipe.model.params import native_shapes
 from titan_pipe.model.sharding import stage_ranks, tp_split_dim
 from titan_pipe.model.unified_dir import CONFIG, INDEX
-from titan_pipe.provenance import PROVENANCE_FILE, Provenance, SourceInfo
-from titan_pipe.sizes import parse_size
-from titan_pipe.stage_summaries import ConvertSummary
+from titan_pipe.records.provenance import PROVENANCE_FILE, Provenance, SourceInfo
+from titan_pipe.rules.sizes import parse_size
+from titan_pipe.records.stage_summaries import ConvertSummary
 
 CONVERTER_VERSION = "titan-pipe-convert 1"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"  # PEFT's file names

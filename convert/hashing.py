@@ -4,7 +4,7 @@ hashlib (and xxhash) release the GIL on large buffers, so the hashes run on othe
 fill threads move bytes; the conversion waits for them at the end and fails (leaving no output) on a
 mismatch. One digest cannot be split (each block depends on the last), so the parallelism is across
 files: ``threads`` files at once (default: one per core, at most the number of files). The algorithm
-is one of titan_pipe.hashing.DIGESTS: sha256 (~1.8 GB/s a core here, so a single 1 GB file is 0.55 s
+is one of titan_pipe.io.hashing.DIGESTS: sha256 (~1.8 GB/s a core here, so a single 1 GB file is 0.55 s
 whatever the cores) or xxh3_128 (~25 GB/s: the read is the cost).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from titan_pipe.convert.finite import checks, has_nonfinite, itemsize
 from titan_pipe.errors import UserError
-from titan_pipe.hashing import new_hasher
+from titan_pipe.io.hashing import new_hasher
 
 BLOCK = 8 * 2**20
 Span = tuple[int, int, str, str]  # (absolute byte offset, byte length, safetensors dtype, key)

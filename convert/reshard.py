@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from titan_pipe.checkpoint_format import Box
+from titan_pipe.records.checkpoint_format import Box
 from titan_pipe.convert.finite import has_nonfinite
 from titan_pipe.weights.readers.store import Store, contiguous_span
 from titan_pipe.weights.read import deinterleave_rope, read_global
 from titan_pipe.weights.source_plan import OutFile, OutTensor, Read
-from titan_pipe.safetensors_io import Entry, SafetensorsWriter
-from titan_pipe.dtypes import DTYPE_SIZES
+from titan_pipe.io.safetensors_io import Entry, SafetensorsWriter
+from titan_pipe.rules.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set
             if buf is None:
                 import torch  # only here: byte copies and scatters need none
 
-                from titan_pipe.dtypes import TORCH_DTYPES
+                from titan_pipe.rules.dtypes import TORCH_DTYPES
 
                 out_dtype = TORCH_DTYPES[t.dtype]
                 buf = (
@@ -209,7 +209,7 @@ def fill_tensor(w: SafetensorsWriter, t: OutTensor, store: Store, nonfinite: set
             if buf is None:
                 import torch
 
-                from titan_pipe.dtypes import TORCH_DTYPES
+                from titan_pipe.rules.dtypes import TORCH_DTYPES
 
                 buf = torch.frombuffer(raw, dtype=torch.uint8).view(TORCH_DTYPES[t.dtype]).view(block.lengths)
             _add_low_rank(buf, t, block, ab, low.scale)

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_pipe.atomic import copy_file
-from titan_pipe.checkpoint_format import MANIFEST_NAME, FileInfo, Manifest
+from titan_pipe.io.atomic import copy_file
+from titan_pipe.records.checkpoint_format import MANIFEST_NAME, FileInfo, Manifest
 from titan_pipe.weights.source_plan import SourcePlan
 from titan_pipe.errors import UserError
-from titan_pipe.hashing import sha256_file
-from titan_pipe.paths import resolve_inside
-from titan_pipe.provenance import TokenizerInfo
+from titan_pipe.io.hashing import sha256_file
+from titan_pipe.io.paths import resolve_inside
+from titan_pipe.records.provenance import TokenizerInfo
 from titan_pipe.tokens.model_files import GENERATION_CONFIG, dir_token_ids
 from titan_pipe.tokens.tokenizer import TOKENIZER_SIDE_FILES
 
@@ -90,7 +90,7 @@ def copy_tokenizer_files(
     byte = extra is not None and extra.tokenizer == "byte"
     kind = "tokenizer.json" if "tokenizer.json" in todo else "byte" if byte else None
     if kind == "byte" and byte_files:  # the byte tokenizer in Hugging Face's form, so AutoTokenizer loads the model dir
-        from titan_pipe.atomic import write_text
+        from titan_pipe.io.atomic import write_text
         from titan_pipe.tokens.byte_hf import byte_tokenizer_files
 
         for name, text in byte_tokenizer_files().items():

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import complete_step
+from titan_pipe.records.checkpoint_format import complete_step
 from titan_pipe.config import EvaluateConfig
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate import compare as cmp
@@ -28,7 +28,7 @@ from titan_pipe.evaluate.inputs import check_inputs
 from titan_pipe.evaluate.prepare import prepare
 from titan_pipe.evaluate.report import check_out_dir, write_report
 from titan_pipe.evaluate.summary import report_dict, sharded_memory, summary
-from titan_pipe.stage_summaries import EvaluateSummary
+from titan_pipe.records.stage_summaries import EvaluateSummary
 
 
 @dataclass(frozen=True)

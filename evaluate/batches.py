@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from titan_pipe.checkpoint_format import is_complete
+from titan_pipe.records.checkpoint_format import is_complete
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
-from titan_pipe.provenance import Provenance
+from titan_pipe.records.provenance import Provenance
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> st
         if (Path(model_dir) / "tokenizer.json").is_file():
             return str(Path(model_dir) / "tokenizer.json")
     if checkpoint is not None and is_complete(Path(checkpoint)):
-        from titan_pipe.checkpoint_format import Manifest
+        from titan_pipe.records.checkpoint_format import Manifest
 
         kind = Manifest.load(checkpoint).extra.tokenizer
         if kind == "tokenizer.json":

@@ -23,7 +23,7 @@ import torch
 from titan_pipe.evaluate.metrics import TensorMetrics, compare_parts, compare_tensors
 from titan_pipe.evaluate.operators import OperatorRow
 from titan_pipe.evaluate.runners.outputs import Outputs
-from titan_pipe.thresholds import check_metrics, check_task
+from titan_pipe.rules.thresholds import check_metrics, check_task
 
 ORDER = ("sharded_vs_unified", "torch_vs_onnx", "onnx_kv_decode", "npu_fused", "operators", "om", "task")
 

@@ -1,10 +1,10 @@
 """What an ONNX graph handed to evaluate may make us read: files inside its dir, nothing else.
 
 An ONNX graph names its external-data files in the graph itself (``location`` of each external
-tensor); it comes from whoever made the export. Each name goes through titan_pipe.paths.resolve_inside
+tensor); it comes from whoever made the export. Each name goes through titan_pipe.io.paths.resolve_inside
 before ONNX Runtime (or anything else) opens a file, so a graph cannot make evaluate read
 ``../../secret`` into a tensor. (The export record's names are checked by
-titan_pipe.export_record.ExportRecord.load.)
+titan_pipe.records.export_record.ExportRecord.load.)
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from titan_pipe.errors import UserError
-from titan_pipe.paths import resolve_inside
+from titan_pipe.io.paths import resolve_inside
 
 if TYPE_CHECKING:
     import onnx

@@ -12,7 +12,7 @@ about the ops of a layer is made here.
 
 The structure is read once (``load_external_data=False``); a piece's ModelProto holds only
 nodes and initializer references, and ONNX Runtime reads its weights from the graph's directory
-when its session opens (titan_pipe.generation.ort_session with ``external_dir``).
+when its session opens (titan_pipe.graphs.generation.ort_session with ``external_dir``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from titan_pipe.graph_io import LOGITS, PAST, router_name
+from titan_pipe.graphs.graph_io import LOGITS, PAST, router_name
 
 
 @dataclass(frozen=True)

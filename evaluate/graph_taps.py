@@ -1,6 +1,6 @@
 """Where a deployed ONNX graph holds each decoder layer's values: the names evaluate cuts it at.
 
-The exporter records in export.json (titan_pipe.export_record), per graph, the value name holding
+The exporter records in export.json (titan_pipe.records.export_record), per graph, the value name holding
 each decoder layer's output (``GraphRecord.layer_outputs``, and ``attn_outputs`` / ``mlp_outputs``),
 and the stream entering layer 0 (``embed_output``). Evaluate reads them against the candidate's
 structure (``load_external_data=False``) and cuts the graph into pieces between them
@@ -19,7 +19,7 @@ from pathlib import Path
 import onnx
 
 from titan_pipe.errors import UserError
-from titan_pipe.export_record import RECORD_FILE, ExportRecord, GraphRecord
+from titan_pipe.records.export_record import RECORD_FILE, ExportRecord, GraphRecord
 
 TAP_KEYS = (("layer", "layer_outputs"), ("attn", "attn_outputs"), ("mlp", "mlp_outputs"))
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import is_complete
+from titan_pipe.records.checkpoint_format import is_complete
 from titan_pipe.weights.detect import other_format
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.graph_files import check_external_data, external_locations
-from titan_pipe.export_record import ExportRecord
+from titan_pipe.records.export_record import ExportRecord
 from titan_pipe.model.args import ModelArgs, model_differences
 
 
@@ -56,7 +56,7 @@ def _check_path(flag: str, p: Path, kind: str) -> None:
 
 def reference_device(choice: str) -> str:
     """--device auto|cpu|cuda|npu -> the torch device type the PyTorch reference runs on."""
-    from titan_pipe.devices import resolve_device
+    from titan_pipe.rules.devices import resolve_device
 
     try:
         return resolve_device(choice).type

@@ -19,8 +19,8 @@ import gc
 from dataclasses import asdict, dataclass
 
 from titan_pipe.errors import UserError
-from titan_pipe.host_memory import trim_heap
-from titan_pipe.sizes import format_size, parse_size
+from titan_pipe.processes.host_memory import trim_heap
+from titan_pipe.rules.sizes import format_size, parse_size
 
 AUTO_FRACTION = 0.5  # of the RAM available at start, for `auto`
 

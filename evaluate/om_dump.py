@@ -139,7 +139,7 @@ def msaccucmp_convert(raw_dir: Path, npy_dir: Path) -> None:
     """Raw ACL dump files under ``raw_dir`` -> ``npy_dir/*.output.{i}.npy`` (msaccucmp convert)."""
     import sys
 
-    from titan_pipe import procs
+    from titan_pipe.processes import procs
     from titan_pipe.errors import StageFailed
 
     script = msaccucmp_script()

@@ -3,7 +3,7 @@
 For every (operator, dtype, input case) the same float32 inputs are rounded to the dtype on both
 sides; PyTorch runs the training operator (titan_pipe.model.kernels's reference kernels, torch.nn.functional
 otherwise) and ONNX Runtime runs a small opset-14 graph of the very nodes the exporter emits: the
-recipes of titan_pipe.onnx_nodes (e.g. RMSNorm as Cast/Pow/ReduceMean/Add/Sqrt/Div in float32), so
+recipes of titan_pipe.graphs.onnx_nodes (e.g. RMSNorm as Cast/Pow/ReduceMean/Add/Sqrt/Div in float32), so
 the check cannot drift from what is deployed. Graph inputs are float32 and cast to the dtype inside
 the graph, the output is cast back to float32 (exact), so bfloat16 needs no numpy bfloat16 type.
 
@@ -24,14 +24,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from titan_pipe import onnx_nodes as nodes
-from titan_pipe.dtypes import FLOAT_NAMES, TORCH_BY_NAME
+from titan_pipe.graphs import onnx_nodes as nodes
+from titan_pipe.rules.dtypes import FLOAT_NAMES, TORCH_BY_NAME
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.metrics import TensorMetrics, compare_tensors
-from titan_pipe.generation import ort_session
+from titan_pipe.graphs.generation import ort_session
 from titan_pipe.model import features, kernels
 from titan_pipe.model.kernels import apply_rotary_ref, attention_ref, rms_norm_offset, rms_norm_ref
-from titan_pipe.thresholds import check_metrics, resolve_thresholds
+from titan_pipe.rules.thresholds import check_metrics, resolve_thresholds
 
 PROBE_OPSET = 14  # the opset of the one-operator probe graphs built here (the export's is export.opset)
 CASES = ("normal", "large", "tiny", "long")
@@ -76,7 +76,7 @@ class OpSpec:
     """One operator family: its inputs per case, its PyTorch form and its ONNX graph.
 
     inputs(case, rng) -> {name: float32 or int64 array}; torch_fn(dict of tensors in dtype) -> tensor;
-    graph(OpGraph, dict of graph names, arrays) -> output name, built from titan_pipe.onnx_nodes. ``large``/``tiny`` are the input
+    graph(OpGraph, dict of graph names, arrays) -> output name, built from titan_pipe.graphs.onnx_nodes. ``large``/``tiny`` are the input
     magnitudes of those cases, chosen to stay inside float16's range for a correct kernel.
     """
 

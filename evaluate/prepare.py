@@ -7,9 +7,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME, is_complete
+from titan_pipe.records.checkpoint_format import MANIFEST_NAME, is_complete
 from titan_pipe.config import EvaluateConfig
-from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
+from titan_pipe.rules.dtypes import DTYPE_BYTES_BY_NAME
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.batches import ValidationSplit, load_eval_data
 from titan_pipe.evaluate.graph_pieces import past_bytes, tensor_bytes
@@ -22,7 +22,7 @@ from titan_pipe.evaluate.runners.ort_layers import LayerChain, Sessions
 from titan_pipe.evaluate.runners.pytorch import LayeredModel, layer_bytes, top_bytes
 from titan_pipe.evaluate.runners.sharded import DistributedRunner
 from titan_pipe.evaluate.store import StoreSink, ValueStore
-from titan_pipe.generation import plan_batches
+from titan_pipe.graphs.generation import plan_batches
 from titan_pipe.model.args import ModelArgs
 
 

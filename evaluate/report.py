@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_pipe.atomic import swap_dir, temp_dir
+from titan_pipe.io.atomic import swap_dir, temp_dir
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.metrics import CSV_COLUMNS, csv_cells
 
@@ -228,7 +228,7 @@ def sharded_line(sharded: dict | None) -> str:
     """How the sharded forward's ranks held the model (report.json ``memory.sharded``), or ""."""
     if not sharded:
         return ""
-    from titan_pipe.sizes import format_size
+    from titan_pipe.rules.sizes import format_size
 
     peaks = sharded["peak_rss_per_rank"]
     rss = f", peak RSS {format_size(min(peaks))} to {format_size(max(peaks))} per rank" if peaks else ""
@@ -287,7 +287,7 @@ def _thresholds_md(used: dict) -> list[str]:
     """The threshold sets the verdict used, one column per dtype, with where each comes from."""
     if not used:
         return []
-    from titan_pipe.thresholds import SOURCES
+    from titan_pipe.rules.thresholds import SOURCES
 
     dts = list(used)
     keys = list(dict.fromkeys(k for d in dts for k in used[d]))
@@ -379,7 +379,7 @@ def _thresholds_html(used: dict) -> list[str]:
     """The threshold sets the verdict used, one column per dtype, with where each comes from."""
     if not used:
         return []
-    from titan_pipe.thresholds import SOURCES
+    from titan_pipe.rules.thresholds import SOURCES
 
     e = html.escape
     dts = list(used)

@@ -28,9 +28,9 @@ from titan_pipe.evaluate.runners.ort_layers import LayerChain
 from titan_pipe.evaluate.runners.pytorch import LayeredModel
 from titan_pipe.evaluate.runners.sharded import DistributedRunner
 from titan_pipe.evaluate.store import Values, ValueStore
-from titan_pipe.generation import PaddedBatch, plan_batches
+from titan_pipe.graphs.generation import PaddedBatch, plan_batches
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.thresholds import resolve_thresholds
+from titan_pipe.rules.thresholds import resolve_thresholds
 
 REF = "ref"  # the reference's values over the held-out batches, in the store
 REF_GEN = "ref_gen"  # its greedy steps over the prompts: the logits and layer values the KV loop is held to

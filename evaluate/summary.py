@@ -11,7 +11,7 @@ from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.report import SCHEMA, SCHEMA_VERSION, sharded_line
 from titan_pipe.evaluate.run import Run
 from titan_pipe.evaluate.runners.om import ascend_runtime
-from titan_pipe.stage_summaries import EvaluateSummary
+from titan_pipe.records.stage_summaries import EvaluateSummary
 
 
 def report_dict(run: Run, comparisons: list[cmp.Comparison], verdict: cmp.Verdict) -> dict:

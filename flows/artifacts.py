@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from titan_pipe.errors import UserError
-from titan_pipe.export_record import ExportRecord
-from titan_pipe.stage_summaries import cell
+from titan_pipe.records.export_record import ExportRecord
+from titan_pipe.records.stage_summaries import cell
 
 if TYPE_CHECKING:  # the stage records' output type; its module imports Prefect
     from titan_pipe.flows.tasks import StageOutput

@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from titan_pipe.atomic import write_text
+from titan_pipe.io.atomic import write_text
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
-from titan_pipe.hashing import sha256_file
+from titan_pipe.io.hashing import sha256_file
 from titan_pipe.tokens.spec import data_spec
 from titan_pipe.flows.stage_files import files_under
 from titan_pipe.flows.stages import STAGES as STAGE_RECORDS

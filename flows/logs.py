@@ -117,7 +117,7 @@ def follow_log(path: Path, logger=None, *, poll_s: float = 0.5) -> Iterator[_Fol
 
 class _NoUserErrorTraceback(logging.Filter):
     """Prefect logs a failed task or flow run with its traceback; for a UserError (bad input, an OS
-    fault: titan_pipe.faults) or an interrupt the one-line message is the whole story, so the
+    fault: titan_pipe.io.faults) or an interrupt the one-line message is the whole story, so the
     record keeps its message and drops the traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan_pipe import limits
+from titan_pipe.rules import limits
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
 

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Iterator
 
-from titan_pipe import procs
+from titan_pipe.processes import procs
 from titan_pipe.errors import UserError
 
 
@@ -81,7 +81,7 @@ def temporary_server() -> Iterator[None]:
     It runs in its own session and ignores SIGINT/SIGTERM/SIGHUP (flows/server_process.py), so
     Ctrl-C to the command's process group or SIGTERM to every process leaves it serving while the
     command sends its last reports; then the command stops it. Whatever ends this process, the
-    server goes with it (end of file on its stdin, and a titan_pipe.procs watch)."""
+    server goes with it (end of file on its stdin, and a titan_pipe.processes.procs watch)."""
     if not _ephemeral():
         yield
         return

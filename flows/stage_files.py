@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest
+from titan_pipe.records.checkpoint_format import MANIFEST_NAME, Manifest
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
-from titan_pipe.export_record import RECORD_FILE
-from titan_pipe.provenance import PROVENANCE_FILE
+from titan_pipe.records.export_record import RECORD_FILE
+from titan_pipe.records.provenance import PROVENANCE_FILE
 from titan_pipe.tokens.spec import data_spec
 
 # Files in a stage's output directory that the next stage does not read (they hold timestamps).

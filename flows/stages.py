@@ -1,5 +1,5 @@
 """The stages of a flow, one record each: what a stage reads, how the flow calls its task, the line
-its summary's class (titan_pipe.stage_summaries) prints and the Prefect tables it publishes. The cache (flows/cache.py), the flow
+its summary's class (titan_pipe.records.stage_summaries) prints and the Prefect tables it publishes. The cache (flows/cache.py), the flow
 (flows/train_to_deploy.py), the artifacts (flows/artifacts.py) and `titan-pipe run`'s live table loop
 over these records instead of spelling the stages out; adding a stage is one record here.
 
@@ -256,7 +256,7 @@ def stage(name: str) -> Stage:
 
 def figures(output) -> str:
     """The one-line summary of a finished stage (the live output and the final table of `titan-pipe run`):
-    its typed summary's line (titan_pipe.stage_summaries)."""
+    its typed summary's line (titan_pipe.records.stage_summaries)."""
     return output.summary.line(output.passed)
 
 

@@ -2,7 +2,7 @@
 
 Each task takes paths and its config section, calls the stage's library function (the contract in
 docs/flows.md) and returns a ``StageOutput``. An OS fault (full disk, read-only dir, ...) becomes
-titan_pipe.faults' one line (a UserError: the flow never retries it). Caching is not Prefect's here (``NO_CACHE``; see
+titan_pipe.io.faults' one line (a UserError: the flow never retries it). Caching is not Prefect's here (``NO_CACHE``; see
 flows/cache.py and docs/flows.md for why); retries are set per run by the flow (``with_options``).
 """
 
@@ -15,12 +15,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
-from titan_pipe.checkpoint_format import newest_complete
+from titan_pipe.records.checkpoint_format import newest_complete
 from titan_pipe.config import ConvertConfig, EvaluateConfig, ExportConfig, FlowConfig
-from titan_pipe.faults import STAGE_OUTPUTS, writing
+from titan_pipe.io.faults import STAGE_OUTPUTS, writing
 from titan_pipe.flows.logs import follow_log, run_logger
 from titan_pipe.run_dir import RunDir
-from titan_pipe.stage_summaries import (
+from titan_pipe.records.stage_summaries import (
     SUMMARIES,
     DataSummary,
     Summary,
@@ -89,7 +89,7 @@ class StageOutput:
     stage: str
     paths: _Paths
     outputs: list[str]  # files/dirs whose sha256 go into the stage record
-    summary: Summary | None = None  # the stage's own class (titan_pipe.stage_summaries); None: empty
+    summary: Summary | None = None  # the stage's own class (titan_pipe.records.stage_summaries); None: empty
     passed: bool | None = None  # the evaluation verdict; None for the other stages
 
     def __post_init__(self):
@@ -123,7 +123,7 @@ class StageOutput:
 
 def _written(stage: str, out_dir: Path, before: str, call, after):
     """A stage's library ``call`` writing ``out_dir``: a log line before and ``after(result)`` once
-    done, an OS fault while writing as titan_pipe.faults' one line. Returns the call's result."""
+    done, an OS fault while writing as titan_pipe.io.faults' one line. Returns the call's result."""
     run_logger().info(before)
     with writing(out_dir, what=STAGE_OUTPUTS[stage]):
         r = call()

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 from prefect import flow
 
-from titan_pipe.checkpoint_format import newest_complete
+from titan_pipe.records.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig, load_flow
 from titan_pipe.errors import Interrupted, RankRefused, StageFailed, UserError
 from titan_pipe.flows import cache
@@ -29,7 +29,7 @@ from titan_pipe.flows.stages import publish as publish_stage
 from titan_pipe.flows.stages import stage as stage_record
 from titan_pipe.flows.tasks import StageOutput, convert_task, data_task, evaluate_task, export_task, train_task
 from titan_pipe.run_dir import RunDir
-from titan_pipe.run_lock import run_lock
+from titan_pipe.processes.run_lock import run_lock
 
 quiet_user_error_tracebacks()  # a stage's UserError is one line in the run logs too, not a traceback
 

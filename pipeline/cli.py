@@ -8,15 +8,15 @@ from pathlib import Path
 
 import typer
 
-from titan_pipe import faults
-from titan_pipe.atomic import write_text
+from titan_pipe.io import faults
+from titan_pipe.io.atomic import write_text
 from titan_pipe.commands.common import console, handle_errors
 from titan_pipe.commands.example import InitRequest
 from titan_pipe.commands.options import with_section
 from titan_pipe.config import ConfigError
 from titan_pipe.config import load_flow
 from titan_pipe.errors import UserError
-from titan_pipe.run_lock import path_lock
+from titan_pipe.processes.run_lock import path_lock
 
 app = typer.Typer(
     name="titan-pipe",

@@ -2,8 +2,8 @@
 
 ``load_flow(path)`` turns every problem into one line naming the key, the value and the fix
 (``ConfigError.lines``); the CLI prints them and exits 2. Values are typed strictly ("false" is no
-boolean, 4.0 no integer) and bounded (titan_pipe.limits); choice sets and the export rules come
-from titan_pipe.choices, the model's rules from titan_pipe.model.args, so validation refuses what a
+boolean, 4.0 no integer) and bounded (titan_pipe.rules.limits); choice sets and the export rules come
+from titan_pipe.rules.choices, the model's rules from titan_pipe.model.args, so validation refuses what a
 stage would. The YAML itself is refused when a key appears twice or its aliases expand past
 limits.YAML_NODES; no message prints more of a value than limits.shown does.
 """
@@ -26,8 +26,8 @@ from pydantic import (
     model_validator,
 )
 
-from titan_pipe import limits
-from titan_pipe.choices import (
+from titan_pipe.rules import limits
+from titan_pipe.rules.choices import (
     COMPILE_BACKENDS,
     DEVICES,
     DIGESTS,
@@ -42,11 +42,11 @@ from titan_pipe.choices import (
     default_cache_len,
     export_problems,
 )
-from titan_pipe.choices import NAMINGS, RECORD_FORMATS, SOURCE_FORMATS, TRAIN_MODES
-from titan_pipe.dtypes import EXPORT_NAMES, FLOAT_NAMES
+from titan_pipe.rules.choices import NAMINGS, RECORD_FORMATS, SOURCE_FORMATS, TRAIN_MODES
+from titan_pipe.rules.dtypes import EXPORT_NAMES, FLOAT_NAMES
 from titan_pipe.errors import UserError
 from titan_pipe.flow_yaml import FlowYamlError, load_flow_text
-from titan_pipe.checkpoint_format import Manifest, complete_step
+from titan_pipe.records.checkpoint_format import Manifest, complete_step
 from titan_pipe.weights.detect import detect_format, other_format
 from titan_pipe.model.lora import CONVERT_MODES as LORA_CONVERT, INITS as LORA_INITS, TARGETS as LORA_TARGETS, LoRASpec
 from titan_pipe.model.lora import model_problems as lora_model_problems
@@ -61,7 +61,7 @@ from titan_pipe.model.args import (
 )
 from titan_pipe.model.sharding import stages_per_rank, tp_problems
 from titan_pipe.model.stated import checkpoint_args, stated_conflicts, with_training_fields
-from titan_pipe.mesh_math import n_microbatches, world_size
+from titan_pipe.rules.mesh_math import n_microbatches, world_size
 from titan_pipe.run_dir import run_name_problem, suggest_run_name
 
 MAX_FLOW_BYTES = 2**20  # 1 MiB
@@ -225,7 +225,7 @@ SFT_LR = 2e-5  # train.mode sft's default learning rate
 
 
 def bounded(default, bound: limits.Bound, **kw):
-    """A pydantic Field inside ``bound`` (titan_pipe.limits); the bound is kept on the field, so a
+    """A pydantic Field inside ``bound`` (titan_pipe.rules.limits); the bound is kept on the field, so a
     command's flag made from it says why a value is outside (titan_pipe.commands.options)."""
     return Field(default, ge=bound.lo, le=bound.hi, json_schema_extra={"limit": [bound.lo, bound.hi, bound.why]}, **kw)
 
@@ -419,7 +419,7 @@ class ConvertConfig(Section):
     @field_validator("max_shard_size", mode="before")
     @classmethod
     def _check_max_shard_size(cls, v):
-        from titan_pipe.sizes import parse_size
+        from titan_pipe.rules.sizes import parse_size
 
         parse_size(v)  # the size convert reads: refused here, not after training
         return str(v).strip()
@@ -428,7 +428,7 @@ class ConvertConfig(Section):
 class ExportConfig(Section):
     """The export stage's options, each one's default and help written here once: `titan-pipe export`'s
     flags are made from these fields (titan_pipe.commands.options). The stage's own rules
-    (titan_pipe.choices.export_problems) are applied to them by _cross_checks, against the model's
+    (titan_pipe.rules.choices.export_problems) are applied to them by _cross_checks, against the model's
     positions, and by the export itself."""
 
     opset: int = Field(14, description="ONNX opset (ATC takes 11-15; the exporter needs >= 14)")
@@ -503,7 +503,7 @@ class EvaluateConfig(Section):
     @field_validator("max_memory", mode="before")
     @classmethod
     def _check_max_memory(cls, v):
-        from titan_pipe.sizes import parse_size
+        from titan_pipe.rules.sizes import parse_size
 
         if isinstance(v, str) and v.strip().lower() == "auto":
             return "auto"
@@ -515,7 +515,7 @@ class EvaluateConfig(Section):
     def _check_thresholds(cls, thresholds):
         # a field validator, not a model one: it runs (and names its unknown keys) even when another
         # key of the section is wrong, so one pass lists every problem
-        from titan_pipe.thresholds import validate_overrides
+        from titan_pipe.rules.thresholds import validate_overrides
 
         try:
             validate_overrides(thresholds)

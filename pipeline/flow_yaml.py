@@ -4,7 +4,7 @@
   last one without a word, so a second ``steps:`` would silently win). Keys merged in with
   ``<<: *anchor`` may still be overridden: that is what merging is for.
 - Anchors and aliases are counted as they expand: a document whose nodes, aliases expanded,
-  exceed titan_pipe.limits.YAML_NODES is refused before anything is built from it (a 500-byte
+  exceed titan_pipe.rules.limits.YAML_NODES is refused before anything is built from it (a 500-byte
   "billion laughs" file would otherwise make validation walk an exponential tree).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import yaml
 
-from titan_pipe import limits
+from titan_pipe.rules import limits
 
 _MERGE = "tag:yaml.org,2002:merge"
 

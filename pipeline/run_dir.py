@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import step_dir_name, step_dirs
+from titan_pipe.records.checkpoint_format import step_dir_name, step_dirs
 
 RUN_NAME_MAX = 64
 _RUN_NAME_CHARS = re.compile(r"^[A-Za-z0-9_.-]+$")

@@ -304,7 +304,7 @@ def _save_dist(ckpt: Path, rank: int, state: dict) -> None:
 
 
 if __name__ == "__main__":
-    from titan_pipe.procs import exit_rank
+    from titan_pipe.processes.procs import exit_rank
 
     main(Path(sys.argv[1]))
     exit_rank(0)  # no interpreter teardown for gloo's threads to abort (docs/training.md, Faults)

@@ -143,7 +143,7 @@ def main(spec_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    from titan_pipe.procs import exit_rank
+    from titan_pipe.processes.procs import exit_rank
 
     main(*sys.argv[1:3])
     exit_rank(0)  # no interpreter teardown for gloo's threads to abort (docs/training.md, Faults)

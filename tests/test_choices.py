@@ -1,5 +1,5 @@
 """One source per choice: flow.yaml validation and the stage that acts on a choice agree on every
-value of every set (titan_pipe.choices), and the export defaults are the same in the config, the
+value of every set (titan_pipe.rules.choices), and the export defaults are the same in the config, the
 CLI and the stage. Plus the two bugs the copies caused: export.opset 12 passed validation but the
 export stage refused it; pp 1 + interleaved_1f1b on a one-layer model was refused by validation
 though the trainer builds one stage."""
@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 
-from titan_pipe import choices
+from titan_pipe.rules import choices
 from titan_pipe.config import ConfigError, ExportConfig, parse_flow
 from titan_pipe.convert.onnx import atc
 from titan_pipe.convert.onnx.atc_ops import load_atc_ops
@@ -123,7 +123,7 @@ def test_precision_modes_agree(tmp_path):
 
 def test_digests_agree(tmp_path):
     """export.digest: validate refuses exactly what the export stage and the hashing core refuse."""
-    from titan_pipe.hashing import DIGESTS, new_hasher
+    from titan_pipe.io.hashing import DIGESTS, new_hasher
 
     assert ExportConfig().digest in DIGESTS
     for d in DIGESTS + OUTSIDERS:

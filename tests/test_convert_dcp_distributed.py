@@ -22,7 +22,7 @@ from convert_writers import hash_tree, model_args, native_state, to_interleaved
 from titan_pipe.config import ConvertConfig
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
-from titan_pipe.hashing import file_digest
+from titan_pipe.io.hashing import file_digest
 from titan_pipe.model.names import native_to_hf
 
 pytestmark = pytest.mark.distributed

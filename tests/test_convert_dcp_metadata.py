@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from convert_writers import model_args, native_state, write_dcp
-from titan_pipe.dtypes import DTYPE_NAMES
+from titan_pipe.rules.dtypes import DTYPE_NAMES
 
 TESTS = Path(__file__).resolve().parent
 

@@ -20,13 +20,13 @@ from convert_writers import (
     write_megatron_dist,
 )
 from titan_pipe.config import ConvertConfig
-from titan_pipe.checkpoint_format import Manifest
+from titan_pipe.records.checkpoint_format import Manifest
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.inspect import inspect_checkpoint
 from titan_pipe.weights.read import deinterleave_rope
 from titan_pipe.tokens.model_files import TOKEN_ID_KEYS
 from titan_pipe.model.names import native_to_hf
-from titan_pipe.provenance import Provenance
+from titan_pipe.records.provenance import Provenance
 from titan_pipe.model.transformer import build_model
 
 transformers = pytest.importorskip("transformers")
@@ -313,7 +313,7 @@ def test_box_runs_match_numpy():
     """box_runs gives the byte offsets numpy's own indexing of the box reads, in row-major order."""
     import numpy as np
 
-    from titan_pipe.checkpoint_format import Box
+    from titan_pipe.records.checkpoint_format import Box
     from titan_pipe.convert.reshard import box_runs
 
     shape, box = (4, 6, 5), Box((1, 2, 1), (2, 3, 3))  # last dim partial: a run per (i, j)
@@ -332,7 +332,7 @@ def test_rope_row_runs_match_deinterleave():
     """The scatter offsets of the RoPE reorder put every row where deinterleave_rope puts it."""
     import numpy as np
 
-    from titan_pipe.checkpoint_format import Box
+    from titan_pipe.records.checkpoint_format import Box
     from titan_pipe.convert.reshard import rope_row_runs
 
     hd, shape = 8, (40, 3)

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from titan_pipe.dtypes import parse_dtype
+from titan_pipe.rules.dtypes import parse_dtype
 from titan_pipe.errors import UserError
 
 
@@ -14,7 +14,7 @@ def test_parse_dtype_in_a_fresh_interpreter():
     # The torch-valued tables are built lazily (module __getattr__); parse_dtype must not depend on
     # another caller having touched them first, so run it where nothing else has.
     code = (
-        "from titan_pipe.dtypes import parse_dtype; import torch; "
+        "from titan_pipe.rules.dtypes import parse_dtype; import torch; "
         "assert parse_dtype('bf16') is torch.bfloat16 and parse_dtype('float16') is torch.float16; "
         "assert parse_dtype('keep') is None"
     )

@@ -184,7 +184,7 @@ def test_streamed_evaluation_streams_the_sharded_forward_too(trained, tmp_path):
 
 
 def test_sharded_memory_estimate_counts_each_rank_from_the_sharding_table():
-    from titan_pipe.checkpoint_format import ParallelLayout
+    from titan_pipe.records.checkpoint_format import ParallelLayout
     from titan_pipe.evaluate.runners.sharded import pp_rank_bytes
     from titan_pipe.model.args import resolve_args
     from titan_pipe.model.params import native_shapes
@@ -206,7 +206,7 @@ def test_a_failing_rank_is_told_by_its_own_lines(trained, monkeypatch):
     """When the ranks fail, the error carries what the failing rank wrote (its stderr, kept by torchrun
     in the exchange dir), not only torchrun's summary of signals and exit codes. The ranks here run a
     module that refuses the sharded forward's arguments."""
-    from titan_pipe import sharded_outputs
+    from titan_pipe.records import sharded_outputs
     from titan_pipe.errors import StageFailed
     from titan_pipe.evaluate.runners.sharded import DistributedRunner
 

@@ -9,7 +9,7 @@ import torch
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.metrics import CSV_COLUMNS, compare_tensors, csv_cells, perplexity
-from titan_pipe.thresholds import DEFAULTS, check_metrics, check_task, resolve_thresholds
+from titan_pipe.rules.thresholds import DEFAULTS, check_metrics, check_task, resolve_thresholds
 
 
 def test_hand_computed_values():

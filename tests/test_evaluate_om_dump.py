@@ -27,7 +27,7 @@ from titan_pipe.evaluate.runners.ort import OnnxRuntimeRunner  # noqa: E402
 from titan_pipe.evaluate.runners.ort_layers import LayerChain  # noqa: E402
 from titan_pipe.evaluate.runners.outputs import Outputs  # noqa: E402
 from titan_pipe.evaluate.runners.pytorch import LayeredModel  # noqa: E402
-from titan_pipe.thresholds import resolve_thresholds  # noqa: E402
+from titan_pipe.rules.thresholds import resolve_thresholds  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from titan_pipe.errors import UserError  # noqa: E402
 from titan_pipe.evaluate.api import evaluate_model  # noqa: E402
 from titan_pipe.evaluate.runners.ort import OnnxRuntimeRunner  # noqa: E402
 from titan_pipe.evaluate.runners.ort_layers import LayerChain  # noqa: E402
-from titan_pipe.generation import ort_session  # noqa: E402
+from titan_pipe.graphs.generation import ort_session  # noqa: E402
 
 SETTINGS = EvaluateConfig(operators=False, batches=2, batch_size=2, seq_len=32, prompts=2, new_tokens=5)
 
@@ -270,8 +270,8 @@ def test_decode_caches_count_in_the_budget_and_prompts_are_held_at_their_length(
     from titan_pipe.evaluate.graph_pieces import past_bytes
     from titan_pipe.evaluate.runners.ort import OnnxDecodeRunner
     from titan_pipe.evaluate.runners.ort_layers import prefill
-    from titan_pipe.generation import plan_batches
-    from titan_pipe.sizes import parse_size
+    from titan_pipe.graphs.generation import plan_batches
+    from titan_pipe.rules.sizes import parse_size
 
     def needs(cache_len: int):
         onnx = export_model(

@@ -20,7 +20,7 @@ from titan_pipe.convert.casts import BLOCK, bits_dtype, cast_bits
 from titan_pipe.convert.onnx import data_file
 from titan_pipe.convert.onnx.export import export_model
 from titan_pipe.model.params import initializer_names
-from titan_pipe.graph_io import data_file_names
+from titan_pipe.graphs.graph_io import data_file_names
 from titan_pipe.model import rope
 from titan_pipe.model.args import FLAVOURS, resolve_args
 from titan_pipe.model.names import native_to_hf

@@ -11,7 +11,7 @@ import torch
 from export_support import debug_model, write_unified
 from titan_pipe.config import ExportConfig
 from titan_pipe.convert.onnx.export import export_model
-from titan_pipe.generation import generate, generate_padded, ort_session
+from titan_pipe.graphs.generation import generate, generate_padded, ort_session
 from titan_pipe.errors import UserError
 
 ort = pytest.importorskip("onnxruntime")

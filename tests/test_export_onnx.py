@@ -11,9 +11,9 @@ import xxhash
 from export_support import debug_model, hidden_states, write_unified
 from titan_pipe.config import ExportConfig
 from titan_pipe.convert.onnx.export import export_model
-from titan_pipe.graph_io import data_file_names
-from titan_pipe.generation import generate_padded
-from titan_pipe.safetensors_io import read_header
+from titan_pipe.graphs.graph_io import data_file_names
+from titan_pipe.graphs.generation import generate_padded
+from titan_pipe.io.safetensors_io import read_header
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -28,7 +28,7 @@ from convert_writers import (
     write_megatron_dist,
 )
 from titan_pipe.config import ConvertConfig, ExportConfig
-from titan_pipe.checkpoint_format import Manifest
+from titan_pipe.records.checkpoint_format import Manifest
 from titan_pipe.cli import app
 from titan_pipe.config import EvaluateConfig
 from titan_pipe.convert.api import convert_checkpoint
@@ -36,7 +36,7 @@ from titan_pipe.convert.onnx.export import export_model
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.api import evaluate_model
 from titan_pipe.evaluate.operators import OPERATORS, model_operators, run_operator
-from titan_pipe.generation import generate, ort_session
+from titan_pipe.graphs.generation import generate, ort_session
 from titan_pipe.model.args import RopeScaling, model_differences
 from titan_pipe.model.names import hf_to_native, native_to_hf
 from titan_pipe.model.hf_config import from_hf_config, to_hf_config
@@ -367,7 +367,7 @@ def test_operator_conformance_runs_each_familys_operators():
 def test_a_window_off_by_one_fails_conformance():
     import dataclasses
 
-    from titan_pipe import onnx_nodes as nodes
+    from titan_pipe.graphs import onnx_nodes as nodes
     from titan_pipe.evaluate import operators as opmod
 
     spec = next(s for s in OPERATORS if s.name == "attention_window")

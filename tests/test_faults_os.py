@@ -36,13 +36,14 @@ from typer.testing import CliRunner
 
 from convert_writers import model_args, native_state, write_hf
 from titan_pipe.config import ConvertConfig, ExportConfig
-from titan_pipe import faults, procs
-from titan_pipe.atomic import _HOST
+from titan_pipe.io import faults
+from titan_pipe.processes import procs
+from titan_pipe.io.atomic import _HOST
 from titan_pipe.cli import app
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.convert.onnx.export import export_model
-from titan_pipe.graph_io import data_file_names
-from titan_pipe.guard import descendants
+from titan_pipe.graphs.graph_io import data_file_names
+from titan_pipe.processes.guard import descendants
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "faultshim"
@@ -695,12 +696,12 @@ def test_a_killed_convert_leaves_a_temp_the_next_run_removes(built, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-# --- process trees (titan_pipe.procs) -----------------------------------------------------------
+# --- process trees (titan_pipe.processes.procs) -----------------------------------------------------------
 
 PARENT = textwrap.dedent("""
     import sys, time, subprocess
-    from titan_pipe import procs
-    from titan_pipe.run_lock import run_lock
+    from titan_pipe.processes import procs
+    from titan_pipe.processes.run_lock import run_lock
     # a child that starts a grandchild in its own session, as torchrun starts its ranks
     child = ("import subprocess, sys, time; "
              "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True); "
@@ -750,7 +751,7 @@ def test_tree_stop_passes_the_signal_on_and_reports_128_plus_n(tmp_path):
 
 def test_a_watched_process_dies_with_its_watcher(tmp_path):
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
-    code = f"from titan_pipe import procs; import time; w = procs.watch({victim.pid}, grace=1); print('w', flush=True); time.sleep(120)"
+    code = f"from titan_pipe.processes import procs; import time; w = procs.watch({victim.pid}, grace=1); print('w', flush=True); time.sleep(120)"
     watcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert watcher.stdout.readline().strip() == "w"
     guardians = descendants(watcher.pid)
@@ -779,7 +780,7 @@ def test_a_rank_exits_with_its_code_its_output_and_its_exit_hooks_but_no_finaliz
     gloo's worker threads abort the process)."""
     code = textwrap.dedent("""
         import atexit, logging, sys, threading, time
-        from titan_pipe.procs import exit_rank
+        from titan_pipe.processes.procs import exit_rank
         class Finalized:
             def __del__(self):
                 print(' finalized', flush=True)

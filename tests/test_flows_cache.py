@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from titan_pipe.checkpoint_format import newest_complete
+from titan_pipe.records.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig, load_flow
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.flows import cache
-from titan_pipe.stage_summaries import (
+from titan_pipe.records.stage_summaries import (
     SUMMARIES,
     ConvertSummary,
     DataSummary,
@@ -363,7 +363,7 @@ def test_checkpoint_inputs_are_the_manifest_and_its_weights_not_optimizer_state(
     (ck / "optimizer").mkdir()
     (ck / "model" / "pp0-tp0.safetensors").write_bytes(b"w")
     (ck / "optimizer" / "__0_0.distcp").write_bytes(b"o")
-    from titan_pipe.checkpoint_format import FileInfo, Manifest, ParallelLayout
+    from titan_pipe.records.checkpoint_format import FileInfo, Manifest, ParallelLayout
 
     manifest = Manifest(
         step=4,

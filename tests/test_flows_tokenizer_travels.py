@@ -16,14 +16,14 @@ import torch
 import yaml
 
 from flow_helpers import train_in_process
-from titan_pipe.checkpoint_format import Manifest
+from titan_pipe.records.checkpoint_format import Manifest
 from titan_pipe.config import EvaluateConfig
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.api import evaluate_model
 from titan_pipe.evaluate.batches import ValidationSplit, load_eval_data, pick_tokenizer
 from titan_pipe.flows.train_to_deploy import _call_stage
-from titan_pipe.hashing import sha256_file
+from titan_pipe.io.hashing import sha256_file
 from titan_pipe.tokens.tokenizer import build_tokenizer
 
 FAST = EvaluateConfig(operators=False, batches=1, batch_size=2, seq_len=32, prompts=1, new_tokens=4)

@@ -444,7 +444,7 @@ def test_malformed_dcp_metadata_is_one_line(tmp_path, dcp, kind):
     ids=["step-string", "tokenizer-int", "files-int"],
 )
 def test_tampered_provenance_is_one_line(tmp_path, ckpt, path, value):
-    from titan_pipe.provenance import Provenance
+    from titan_pipe.records.provenance import Provenance
 
     model = tmp_path / "model"
     if not (ckpt / "model").exists():
@@ -737,7 +737,7 @@ def test_only_a_crash_is_retried_never_an_error_a_rank_named(exc, retry):
 
 def test_a_rank_failure_record_makes_the_launch_error_one_that_is_not_retried(tmp_path):
     from titan_pipe.errors import RankRefused
-    from titan_pipe.faults import OutputFault
+    from titan_pipe.io.faults import OutputFault
     from titan_pipe.run_dir import RunDir
     from titan_pipe.training.failure import launch_failure
     from titan_pipe.training.rank_records import RECORDS_ENV, write_failure
@@ -804,7 +804,7 @@ def test_the_console_drops_prefects_repeats_of_what_run_prints_itself():
 def test_data_prepare_refuses_a_dir_a_training_reads(tmp_path, tok, chat_data):
     """The launcher holds read_lock on each prepared dir the ranks read; two trainings share it,
     `data prepare -o` that dir stops at once naming the training, and after it the lock file is gone."""
-    from titan_pipe.run_lock import RunDirBusy, path_lock, read_lock
+    from titan_pipe.processes.run_lock import RunDirBusy, path_lock, read_lock
 
     d = copy(chat_data, tmp_path / "data")
     src = write_jsonl(tmp_path / "src" / "chat.jsonl", chat_records(10, seed=3))
@@ -836,7 +836,7 @@ def test_data_prepare_refuses_a_dir_a_training_reads(tmp_path, tok, chat_data):
 
 def test_the_launcher_reads_prepared_data_under_its_lock(tmp_path, chat_data):
     from titan_pipe.config import load_flow
-    from titan_pipe.run_lock import RunDirBusy, path_lock
+    from titan_pipe.processes.run_lock import RunDirBusy, path_lock
     from titan_pipe.training.launch import reading_data
 
     flow = tmp_path / "flow.yaml"

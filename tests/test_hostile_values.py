@@ -24,7 +24,7 @@ from test_untrusted_input import copy, edit_json, refused
 from titan_pipe.config import ConvertConfig
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.errors import UserError
-from titan_pipe.limits import Bound
+from titan_pipe.rules.limits import Bound
 from titan_pipe.model.hf_config import to_hf_config
 
 pytest.importorskip("transformers")

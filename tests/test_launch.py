@@ -308,7 +308,7 @@ def test_in_process_run_inside_an_existing_launch(tmp_path, monkeypatch):
 
 
 def test_checkpoints_written_counts_the_trainers_save_steps():
-    from titan_pipe.checkpoint_format import checkpoints_written, is_save_step
+    from titan_pipe.records.checkpoint_format import checkpoints_written, is_save_step
 
     for steps in range(1, 40):
         for every in (1, 2, 3, 7, 10, 50):
@@ -320,7 +320,7 @@ def test_checkpoints_written_counts_the_trainers_save_steps():
 def test_train_refuses_a_run_whose_checkpoints_cannot_fit(tmp_path, monkeypatch):
     """Less free disk than the checkpoints on it at once: exit 2 before anything is made, the figures
     and the fixes named; validate (which may run away from the cluster) is not held to this host."""
-    from titan_pipe.faults import human
+    from titan_pipe.io.faults import human
     from titan_pipe.training import preflight
 
     flow = _write_flow(tmp_path, train={"steps": 20}, checkpoint={"every": 10, "keep_last": 2})

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_pipe.checkpoint_format import Box, ParallelLayout
+from titan_pipe.records.checkpoint_format import Box, ParallelLayout
 from titan_pipe.model.args import resolve_args
 from titan_pipe.model.weights import CheckpointWeights, open_weights
 from titan_pipe.training.checkpoint import save_checkpoint

@@ -113,7 +113,7 @@ def test_the_scan_sees_lazy_relative_and_dynamic_imports(tmp_path):
         "training imports titan_pipe.commands (cli)",
         "training imports titan_pipe.evaluate.api (evaluate)",
     ]
-    assert layer("titan_pipe.checkpoint_format") == "core" and layer("titan_pipe.commands.run") == "cli"
+    assert layer("titan_pipe.records.checkpoint_format") == "core" and layer("titan_pipe.commands.run") == "cli"
     assert layer("titan_pipe.model.transformer") == "core" and layer("titan_pipe.tokens.corpus") == "core"
     assert violations(
         REPO / "pipeline" / "config.py", "from titan_pipe.training.trainer import x\n", "titan_pipe.config"
@@ -165,7 +165,7 @@ def test_the_model_package_imports_its_own_modules_at_the_top_only():
 
 
 def test_safetensors_is_read_and_written_in_one_module():
-    """Every safetensors read and write goes through titan_pipe.safetensors_io (the header, ranged,
+    """Every safetensors read and write goes through titan_pipe.io.safetensors_io (the header, ranged,
     mapped and whole reads, the streaming writer): no other source file imports the library."""
     found = []
     for folder in FOLDERS:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_pipe.checkpoint_format import Box
+from titan_pipe.records.checkpoint_format import Box
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import FLAVOURS, ModelArgs, count_params, resolve_args
@@ -376,7 +376,7 @@ def test_export_generates_like_transformers(tmp_path, args, family):
 
     from titan_pipe.config import ExportConfig
     from titan_pipe.convert.onnx.export import export_model
-    from titan_pipe.generation import generate, ort_session
+    from titan_pipe.graphs.generation import generate, ort_session
 
     hf = _hf_model(args)
     hf.save_pretrained(tmp_path / "hf")

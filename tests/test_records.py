@@ -6,9 +6,16 @@ import json
 
 import pytest
 
-from titan_pipe.checkpoint_format import LayoutError, Manifest, ParallelLayout
+from titan_pipe.records.checkpoint_format import LayoutError, Manifest, ParallelLayout
 from titan_pipe.errors import UserError
-from titan_pipe.export_record import RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord, OperatorUse
+from titan_pipe.records.export_record import (
+    RECORD_FILE,
+    DecodeContract,
+    ExportRecord,
+    FileEntry,
+    GraphRecord,
+    OperatorUse,
+)
 from titan_pipe.model.args import resolve_args
 from titan_pipe.model.names import MEGATRON_TO_NATIVE, hf_to_native, megatron_to_native, native_to_hf
 from titan_pipe.model.params import (
@@ -23,7 +30,7 @@ from titan_pipe.model.params import (
 )
 from titan_pipe.model.sharding import TP_PLAN, stage_of, tp_split_dim
 from titan_pipe.model.transformer import build_model
-from titan_pipe.provenance import PROVENANCE_FILE, Provenance, SourceInfo, TokenizerInfo
+from titan_pipe.records.provenance import PROVENANCE_FILE, Provenance, SourceInfo, TokenizerInfo
 
 
 # --- the parameter list ---------------------------------------------------------------------------
@@ -120,7 +127,7 @@ def test_parallel_layout_round_trips_and_reads_old_manifests():
 def test_manifest_extra_is_typed_and_keeps_what_it_does_not_know():
     """What the trainer and convert write round-trips; keys of a later version are written back as
     they were; a wrong type is one line naming the key (a LayoutError, so a UserError)."""
-    from titan_pipe.checkpoint_format import CheckpointExtra, FileInfo
+    from titan_pipe.records.checkpoint_format import CheckpointExtra, FileInfo
 
     written = {
         "optimizer": "optimizer",

@@ -113,7 +113,7 @@ def test_a_lock_symlink_beside_the_output_is_refused_and_its_target_untouched(hf
 
 
 def test_a_run_dir_lock_symlink_is_refused_and_its_target_keeps_its_bytes(tmp_path):
-    from titan_pipe.run_lock import LockPathInvalid, run_lock
+    from titan_pipe.processes.run_lock import LockPathInvalid, run_lock
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -180,7 +180,7 @@ def test_a_lock_holders_text_is_printed_bounded(hf_src, tmp_path):
 def test_a_temp_file_name_taken_by_a_link_is_not_followed(tmp_path):
     import os
 
-    from titan_pipe.atomic import temp_file, write_text
+    from titan_pipe.io.atomic import temp_file, write_text
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -195,8 +195,8 @@ def test_a_temp_file_name_taken_by_a_link_is_not_followed(tmp_path):
 def test_logs_and_metrics_are_never_appended_through_a_link_or_to_a_non_file(tmp_path, kind):
     import os
 
-    from titan_pipe.atomic import open_append
-    from titan_pipe.faults import as_fault
+    from titan_pipe.io.atomic import open_append
+    from titan_pipe.io.faults import as_fault
 
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
@@ -342,7 +342,7 @@ def test_a_killed_evaluates_scratch_dir_is_removed_by_the_next_one(tmp_path, mon
     import sys
     import tempfile
 
-    from titan_pipe.atomic import _HOST, scratch_dir
+    from titan_pipe.io.atomic import _HOST, scratch_dir
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     tempfile.tempdir = None  # re-read TMPDIR

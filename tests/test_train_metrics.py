@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from titan_pipe.devices import Device
+from titan_pipe.rules.devices import Device
 from titan_pipe.training.metrics import (
     MetricsLogger,
     TrainProgress,

@@ -19,8 +19,8 @@ import pytest
 import torch
 import yaml
 
-from titan_pipe.checkpoint_format import Manifest
-from titan_pipe.checkpoint_format import newest_complete
+from titan_pipe.records.checkpoint_format import Manifest
+from titan_pipe.records.checkpoint_format import newest_complete
 from titan_pipe.config import parse_flow
 from titan_pipe.model.args import FLAVOURS
 from titan_pipe.model.transformer import build_model

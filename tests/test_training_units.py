@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan_pipe.checkpoint_format import newest_complete
+from titan_pipe.records.checkpoint_format import newest_complete
 from titan_pipe.config import PrecisionConfig
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import FLAVOURS, ModelArgs

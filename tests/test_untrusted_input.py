@@ -32,8 +32,8 @@ from titan_pipe.config import ConvertConfig, ExportConfig
 from titan_pipe.cli import app
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.errors import UserError
-from titan_pipe.graph_io import data_file_names
-from titan_pipe.run_lock import ENV, LOCK_NAME, RunDirBusy, run_lock
+from titan_pipe.graphs.graph_io import data_file_names
+from titan_pipe.processes.run_lock import ENV, LOCK_NAME, RunDirBusy, run_lock
 
 pytest.importorskip("transformers")
 runner = CliRunner()
@@ -741,7 +741,7 @@ def test_deeply_nested_yaml(tmp_path):
 # --- the run-dir lock -------------------------------------------------------------------------------
 
 HOLDER = (
-    "import sys, time\nfrom titan_pipe.run_lock import run_lock\n"
+    "import sys, time\nfrom titan_pipe.processes.run_lock import run_lock\n"
     "with run_lock(sys.argv[1], what='test holder'):\n    print('held', flush=True)\n    time.sleep(300)\n"
 )
 
@@ -802,7 +802,7 @@ def test_second_writer_fails_at_once_naming_the_holder(good, tmp_path):
 def test_lock_is_reentrant_in_process_and_for_children_only(tmp_path):
     d = tmp_path / "run"
     child = (
-        "import sys\nfrom titan_pipe.run_lock import run_lock\n"
+        "import sys\nfrom titan_pipe.processes.run_lock import run_lock\n"
         "with run_lock(sys.argv[1], what='child'):\n    print('child ok')\n"
     )
     with run_lock(d, what="outer"):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from convert_writers import model_args, native_state, write_dcp, write_megatron
-from titan_pipe.checkpoint_format import Box
+from titan_pipe.records.checkpoint_format import Box
 from titan_pipe.config import EvaluateConfig, ExportConfig
 from titan_pipe.convert.api import convert_checkpoint
 from titan_pipe.errors import UserError

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import yaml
 from safetensors.torch import save_file
 
-from titan_pipe.checkpoint_format import ParallelLayout
+from titan_pipe.records.checkpoint_format import ParallelLayout
 from titan_pipe.config import load_flow
 from titan_pipe.training import checkpoint as ckpt
 from titan_pipe.training.data_parallel import plan_dp
@@ -145,7 +145,7 @@ def main(spec_path: str) -> None:
 
 
 if __name__ == "__main__":
-    from titan_pipe.procs import exit_rank
+    from titan_pipe.processes.procs import exit_rank
 
     main(sys.argv[1])
     exit_rank(0)  # no interpreter teardown for gloo's threads to abort (docs/training.md, Faults)

@@ -4,5 +4,5 @@ trainer, checkpoints, the launcher, the sharded forward evaluate starts as a pro
 
 Entry points: ``titan_pipe.training.launch.run_training`` (launch torchrun for a flow.yaml),
 ``titan_pipe.training.planner.search.make_plan`` (rank the layouts of a workload on a cluster),
-``python -m titan_pipe.training.sharded_forward`` (titan_pipe.sharded_outputs).
+``python -m titan_pipe.training.sharded_forward`` (titan_pipe.records.sharded_outputs).
 """

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_pipe.dtypes import TORCH_BY_NAME
+from titan_pipe.rules.dtypes import TORCH_BY_NAME
 
 DEFAULT_INIT_SCALE = 2.0**16
 

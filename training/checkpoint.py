@@ -1,6 +1,6 @@
 """Checkpoints: one safetensors file per (pp stage, tp rank) of TP-local shards plus manifest.json
 (written LAST, marks the step complete), optimizer state beside it in torch DCP, and the
-prune / resume logic (the newest complete one: titan_pipe.checkpoint_format.newest_complete). docs/checkpoint-format.md specifies the layout.
+prune / resume logic (the newest complete one: titan_pipe.records.checkpoint_format.newest_complete). docs/checkpoint-format.md specifies the layout.
 
 For a weights-only read under any layout (e.g. evaluation)::
 
@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Replicate
 
-from titan_pipe.atomic import atomic_file, copy_file, write_text
-from titan_pipe.safetensors_io import save
-from titan_pipe.checkpoint_format import (
+from titan_pipe.io.atomic import atomic_file, copy_file, write_text
+from titan_pipe.io.safetensors_io import save
+from titan_pipe.records.checkpoint_format import (
     MANIFEST_NAME,
     STEP_DIR,
     CheckpointExtra,
@@ -44,9 +44,9 @@ from titan_pipe.checkpoint_format import (
     split_box,
     step_dirs,
 )
-from titan_pipe.dtypes import DTYPE_NAMES
+from titan_pipe.rules.dtypes import DTYPE_NAMES
 from titan_pipe.errors import UserError
-from titan_pipe.hashing import sha256_file
+from titan_pipe.io.hashing import sha256_file
 from titan_pipe.training.parallelize import ParallelModel, copy_global_values
 from titan_pipe.model.params import param_of
 from titan_pipe.model.sharding import tp_split_dim

@@ -29,7 +29,7 @@ import shutil
 import torch
 from torch import nn
 
-from titan_pipe.choices import COMPILE_BACKENDS
+from titan_pipe.rules.choices import COMPILE_BACKENDS
 from titan_pipe.errors import UserError
 
 

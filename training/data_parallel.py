@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from titan_pipe.dtypes import TORCH_BY_NAME
+from titan_pipe.rules.dtypes import TORCH_BY_NAME
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import RankRefused, StageFailed
-from titan_pipe.faults import OutputFault
+from titan_pipe.io.faults import OutputFault
 from titan_pipe.run_dir import RunDir
 from titan_pipe.training.rank_records import RankFailure, read_failures
 

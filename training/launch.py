@@ -15,13 +15,13 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from titan_pipe.atomic import copy_file
-from titan_pipe.checkpoint_format import newest_complete
+from titan_pipe.io.atomic import copy_file
+from titan_pipe.records.checkpoint_format import newest_complete
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import Interrupted, StageFailed, UserError
 from titan_pipe.run_dir import RunDir
-from titan_pipe.run_lock import run_lock
-from titan_pipe.stage_summaries import TrainSummary
+from titan_pipe.processes.run_lock import run_lock
+from titan_pipe.records.stage_summaries import TrainSummary
 from titan_pipe.training.failure import launch_failure, node_log, torchrun_report
 from titan_pipe.training.launch_command import build_torchrun_command, launch_env
 from titan_pipe.training.metrics import plot_metrics, step_records
@@ -74,7 +74,7 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
     this process. A non-zero exit raises StageFailed carrying torchrun's status (``exit_code``) and
     naming run_dir/train.log.
     """
-    from titan_pipe.devices import resolve_device
+    from titan_pipe.rules.devices import resolve_device
 
     flow_path = Path(flow_path).resolve()
     run = RunDir(cfg.run_dir().resolve())
@@ -95,7 +95,7 @@ def run_training(*, flow_path: Path, cfg: FlowConfig, resume: bool = False) -> T
 def lock_run_dir(cfg: FlowConfig, run: RunDir):
     """The run dir's lock, held by the process that owns the run dir: the launcher on node 0, or
     global rank 0 inside an existing launch. Other nodes and ranks write beside it under node 0's
-    lock (they cannot share one flock), and torchrun's children inherit it (titan_pipe.run_lock)."""
+    lock (they cannot share one flock), and torchrun's children inherit it (titan_pipe.processes.run_lock)."""
     if cfg.launch.node_rank != 0 or not reports():
         return contextlib.nullcontext()
     return run_lock(run.root, what=f"titan-pipe train {cfg.name}")
@@ -150,9 +150,9 @@ def fresh_records_dir(logs: Path, node_rank: int) -> Path:
 def reading_data(cfg: FlowConfig, flow_path: Path):
     """Shared locks on the prepared data dirs the ranks read (data.path / data.blend given as token
     data) while they run: `data prepare -o` one of them stops at once instead of replacing the
-    tokens under a running training (titan_pipe.run_lock.read_lock). Raw text is prepared into the
+    tokens under a running training (titan_pipe.processes.run_lock.read_lock). Raw text is prepared into the
     run's own data dir, which the run dir's lock covers."""
-    from titan_pipe.run_lock import read_lock
+    from titan_pipe.processes.run_lock import read_lock
     from titan_pipe.tokens.spec import data_spec
 
     spec = data_spec(cfg.data, base=flow_path.parent)

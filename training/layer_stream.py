@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_pipe.checkpoint_format import Box, split_box
-from titan_pipe.host_memory import trim_heap
+from titan_pipe.records.checkpoint_format import Box, split_box
+from titan_pipe.processes.host_memory import trim_heap
 from titan_pipe.model.sharding import tp_split_dim
 from titan_pipe.model.weights import WeightSource
 

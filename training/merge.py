@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from titan_pipe.atomic import swap_dir, temp_dir
+from titan_pipe.io.atomic import swap_dir, temp_dir
 from titan_pipe.errors import UserError
 from titan_pipe.tokens.dataset import val_start
 from titan_pipe.tokens.indexed import IndexedTokens, IndexWriter

@@ -18,10 +18,10 @@ from typing import IO, Any
 
 import torch
 
-from titan_pipe.atomic import atomic_file
-from titan_pipe.device_profiles import get_profile, match_device_name
-from titan_pipe.devices import Device
-from titan_pipe.dtypes import name_of
+from titan_pipe.io.atomic import atomic_file
+from titan_pipe.rules.device_profiles import get_profile, match_device_name
+from titan_pipe.rules.devices import Device
+from titan_pipe.rules.dtypes import name_of
 from titan_pipe.training.rank_records import progress_line, records_dir
 
 
@@ -35,7 +35,7 @@ class MetricsLogger:
         self._fh: IO[str] | None = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            from titan_pipe.atomic import open_append
+            from titan_pipe.io.atomic import open_append
 
             self._fh = open_append(self.path)
 

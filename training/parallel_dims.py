@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titan_pipe.mesh_math import world_size
+from titan_pipe.rules.mesh_math import world_size
 
 MESH_DIMS = ("dp", "pp", "tp")
 

@@ -22,7 +22,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from titan_pipe.choices import INTERLEAVED, PP_SCHEDULES
+from titan_pipe.rules.choices import INTERLEAVED, PP_SCHEDULES
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels
 from titan_pipe.model.lora import LoRASpec

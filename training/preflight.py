@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import (
+from titan_pipe.records.checkpoint_format import (
     MANIFEST_NAME,
     OPTIMIZER_STATE_COPIES,
     Manifest,
@@ -27,7 +27,7 @@ from titan_pipe.checkpoint_format import (
 )
 from titan_pipe.config import ConfigError, FlowConfig, init_from_path
 from titan_pipe.errors import UserError
-from titan_pipe.faults import free_bytes, human
+from titan_pipe.io.faults import free_bytes, human
 from titan_pipe.model.args import SHAPE_KEYS, count_params, model_differences
 from titan_pipe.model.stated import checkpoint_args
 
@@ -64,7 +64,7 @@ def float8_launch_problem(cfg: FlowConfig) -> str | None:
     the cluster, leaves it to the launch)."""
     if cfg.precision.float8 == "none":
         return None
-    from titan_pipe.devices import resolve_device
+    from titan_pipe.rules.devices import resolve_device
     from titan_pipe.training.float8 import float8_problem
 
     try:
@@ -77,7 +77,7 @@ def float8_launch_problem(cfg: FlowConfig) -> str | None:
 def device_problem(cfg: FlowConfig) -> str | None:
     """The flow's device must be on this host: what train and run would refuse (run: after Prefect's
     start-up), refused by validate unless it checks a flow for another host (--elsewhere)."""
-    from titan_pipe.devices import resolve_device
+    from titan_pipe.rules.devices import resolve_device
 
     try:
         resolve_device(cfg.device)

@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan_pipe import limits
-from titan_pipe.atomic import swap_dir, temp_dir
+from titan_pipe.rules import limits
+from titan_pipe.io.atomic import swap_dir, temp_dir
 from titan_pipe.errors import UserError
-from titan_pipe.hashing import sha256_file
+from titan_pipe.io.hashing import sha256_file
 from titan_pipe.tokens.dataset import val_start
 from titan_pipe.tokens.indexed import IndexedTokens, IndexWriter, token_dtype
 from titan_pipe.tokens.record import PREFIX, DataRecord, SourceInfo, Split, TokenizerInfo, is_prepared
@@ -185,7 +185,7 @@ def _source_infos(files: list[Path], out_dir: Path, read: set[Path] | None = Non
 
 def chat_spec(records: str, *, tok, chat_template: str, max_tokens: int | None) -> ChatSpec | None:
     """How chat / instruction records are rendered (None for plain text); checked before any work."""
-    from titan_pipe.choices import RECORD_FORMATS
+    from titan_pipe.rules.choices import RECORD_FORMATS
     from titan_pipe.tokens.chat import load_chat_template
     from titan_pipe.tokens.tokenizer import HFTokenizer
 

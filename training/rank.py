@@ -4,7 +4,7 @@ Apart from the trainer so that ``titan_pipe.training.trainer`` is always the imp
 ``__main__``): whatever patches or inspects the Trainer class sees the one the rank runs.
 """
 
-from titan_pipe.procs import exit_rank
+from titan_pipe.processes.procs import exit_rank
 from titan_pipe.training.trainer import main
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from titan_pipe.atomic import write_text
+from titan_pipe.io.atomic import write_text
 
 RECORDS_ENV = "TITAN_PIPE_RANK_RECORDS"
 PROGRESS_TAG = "titan-pipe-progress "

@@ -3,7 +3,7 @@
   python -m torch.distributed.run --nproc_per_node=N -m titan_pipe.training.sharded_forward \
       --checkpoint STEP_DIR --tokens TOKENS.safetensors --out DIR [--device cpu] [--streamed]
 
-Evaluate starts this process (titan_pipe.sharded_outputs: the command line, the files written to
+Evaluate starts this process (titan_pipe.records.sharded_outputs: the command line, the files written to
 DIR and how they are read back). The model is built by ``build_parallel_model`` with the training
 operators, and run by ``forward_logits``, the forward the training pipeline uses. ``--streamed``:
 each rank keeps its decoder layers on meta and reads one at a time from its own shard files,
@@ -47,15 +47,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--streamed", action="store_true", help="one decoder layer materialised at a time")
     a = ap.parse_args(argv)
-    from titan_pipe.procs import rank_dies_with_launcher
+    from titan_pipe.processes.procs import rank_dies_with_launcher
 
     rank_dies_with_launcher()
 
-    from titan_pipe import sharded_outputs as so
-    from titan_pipe.checkpoint_format import open_checkpoint
-    from titan_pipe.devices import resolve_device, set_local_device
-    from titan_pipe.host_memory import peak_rss_bytes
-    from titan_pipe.safetensors_io import load, save
+    from titan_pipe.records import sharded_outputs as so
+    from titan_pipe.records.checkpoint_format import open_checkpoint
+    from titan_pipe.rules.devices import resolve_device, set_local_device
+    from titan_pipe.processes.host_memory import peak_rss_bytes
+    from titan_pipe.io.safetensors_io import load, save
     from titan_pipe.model.args import ModelArgs
     from titan_pipe.model.kernels import resolve_kernels
     from titan_pipe.model.weights import open_weights
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from titan_pipe.procs import exit_rank
+    from titan_pipe.processes.procs import exit_rank
 
     main()
     exit_rank(0)  # an exception above exits through Python as usual, with its traceback

@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from typing import Mapping
 
-from titan_pipe import procs
+from titan_pipe.processes import procs
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
 

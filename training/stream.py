@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import IO, Callable, Mapping
 
-from titan_pipe import procs
+from titan_pipe.processes import procs
 from titan_pipe.training.metrics import bar_info, format_progress_line, new_progress_bar
 from titan_pipe.training.rank_records import read_progress
 
@@ -30,7 +30,7 @@ def stream_process(
     A progress record (rank_records.progress_line) is written to the log and off a terminal as
     metrics.format_progress_line; on a terminal (``live``) it drives a rich bar and everything else
     prints above it. Every other line is copied as it is. The child runs
-    under titan_pipe.procs: it and everything it starts (torchrun's ranks) die with this process
+    under titan_pipe.processes.procs: it and everything it starts (torchrun's ranks) die with this process
     however it ends. An interrupt (Ctrl-C, or SIGTERM/SIGHUP turned into one by the CLI) is passed
     on as that signal; the tree gets procs.GRACE_S seconds to stop before it is killed, then the
     interrupt propagates. ``hide_from``: from the first line it accepts on, lines go to the log
@@ -39,7 +39,7 @@ def stream_process(
     console = console or sys.stderr  # progress goes where every other stage's progress goes
     live = console.isatty() if live is None else live
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    from titan_pipe.atomic import open_append
+    from titan_pipe.io.atomic import open_append
 
     with open_append(log_path) as log:
         log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} $ {' '.join(cmd)}\n")

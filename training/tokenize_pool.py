@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 
 import numpy as np
 
-from titan_pipe import procs
+from titan_pipe.processes import procs
 from titan_pipe.tokens.sources import Block, documents
 
 if TYPE_CHECKING:

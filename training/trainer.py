@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_pipe.atomic import write_text
-from titan_pipe.checkpoint_format import (
+from titan_pipe.io.atomic import write_text
+from titan_pipe.records.checkpoint_format import (
     CheckpointExtra,
     ParallelLayout,
     checkpoint_bytes,
@@ -28,10 +28,10 @@ from titan_pipe.checkpoint_format import (
     newest_complete,
 )
 from titan_pipe.config import ConfigError, FlowConfig, init_from_path, load_flow, lora_base_problem
-from titan_pipe.dtypes import TORCH_BY_NAME
-from titan_pipe.devices import peak_memory_bytes, resolve_device, set_local_device
+from titan_pipe.rules.dtypes import TORCH_BY_NAME
+from titan_pipe.rules.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
-from titan_pipe.faults import STAGE_OUTPUTS, OutputFault, writing
+from titan_pipe.io.faults import STAGE_OUTPUTS, OutputFault, writing
 from titan_pipe.model.args import count_params, flops_per_token
 from titan_pipe.model.lora import adapter_count, trained_flops_per_token
 from titan_pipe.model.loss import cross_entropy
@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flow", required=True, type=Path, help="flow.yaml")
     ap.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     a = ap.parse_args(argv)
-    from titan_pipe.procs import rank_dies_with_launcher
+    from titan_pipe.processes.procs import rank_dies_with_launcher
 
     rank_dies_with_launcher()
     silence_known_warnings()

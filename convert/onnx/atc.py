@@ -14,10 +14,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan_pipe import procs
-from titan_pipe.choices import PRECISION_MODES
+from titan_pipe.processes import procs
+from titan_pipe.rules.choices import PRECISION_MODES
 from titan_pipe.errors import StageFailed
-from titan_pipe.graph_io import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, WRITE_INDEX
+from titan_pipe.graphs.graph_io import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, WRITE_INDEX
 
 # --precision_mode_v2 (CANN >= 8.0) value, and the older --precision_mode spelling of the same intent.
 _PRECISION_V2 = {"origin": "origin", "mixed_float16": "mixed_float16", "fp16": "fp16"}
@@ -165,7 +165,7 @@ def run_atc(invocations: list[AtcInvocation], export_dir: Path, log, atc: str | 
     for inv in invocations:
         argv = [exe, *inv.argv[1:]]
         tail: list[str] = []
-        # guarded (titan_pipe.procs): atc dies with this process, however it ends
+        # guarded (titan_pipe.processes.procs): atc dies with this process, however it ends
         with procs.popen(
             argv, cwd=export_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         ) as proc:

@@ -8,7 +8,7 @@ through its own tensors in file order a PIECE at a time:
   cast    a piece of the source, read through a short-lived mmap window of it (WINDOW bytes,
           numpy, titan_pipe.convert.casts), into the lane's PIECE-sized buffer of the export dtype
   write   pwrite that buffer at its offset, WRITE_SLICE bytes a call
-  hash    the lane file's digest (titan_pipe.hashing: xxh3_128 or sha256) of the same buffer
+  hash    the lane file's digest (titan_pipe.io.hashing: xxh3_128 or sha256) of the same buffer
 
 A tensor already in the export dtype is copied file to file by the kernel instead (copy_file_range,
 what `cp` does; pread/pwrite where the file system refuses) and hashed from a window of the source,
@@ -52,10 +52,10 @@ import numpy as np
 
 from titan_pipe.convert.casts import bits_dtype, cast_bits
 from titan_pipe.convert.onnx.weights import DataEntry
-from titan_pipe.safetensors_io import pread_into
-from titan_pipe.dtypes import BY_NAME, DTYPE_SIZES
+from titan_pipe.io.safetensors_io import pread_into
+from titan_pipe.rules.dtypes import BY_NAME, DTYPE_SIZES
 from titan_pipe.errors import UserError
-from titan_pipe.hashing import new_hasher
+from titan_pipe.io.hashing import new_hasher
 from titan_pipe.model.unified_dir import StoredParam
 
 ALIGN = 4096  # page-aligned tensors, so a runtime can mmap them
@@ -91,7 +91,7 @@ class _Lane:
 
 class DataWriter:
     """Tensors into the data files ``names`` under ``folder``, page-aligned, each file hashed with
-    ``digest`` (an algorithm of titan_pipe.hashing.DIGESTS; None: not hashed). Plan with ``add_source``
+    ``digest`` (an algorithm of titan_pipe.io.hashing.DIGESTS; None: not hashed). Plan with ``add_source``
     and ``add_array``, then ``write``; ``entries`` says where each tensor is, and ``write`` returns
     (and ``digests`` keeps) each file's hex digest (None when not hashed). Use as a context manager:
     leaving it closes the files.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import onnx
 
-from titan_pipe.atomic import swap_dir, temp_dir
+from titan_pipe.io.atomic import swap_dir, temp_dir
 from titan_pipe.convert.onnx import atc as atc_mod
 from titan_pipe.convert.onnx.atc_ops import find_problems, load_atc_ops, operator_report
 from titan_pipe.convert.onnx.files import check_and_infer, file_table
@@ -26,17 +26,24 @@ from titan_pipe.convert.onnx.data_file import DataWriter
 from titan_pipe.convert.onnx.graphs import GraphSpec, LayerValues, build_graph, io_dims
 from titan_pipe.model.params import initializer_names
 from titan_pipe.convert.onnx.weights import plan_weights
-from titan_pipe.choices import default_cache_len, export_problems
+from titan_pipe.rules.choices import default_cache_len, export_problems
 from titan_pipe.config import ExportConfig
-from titan_pipe.stage_summaries import ExportSummary
-from titan_pipe.dtypes import BY_NAME
+from titan_pipe.records.stage_summaries import ExportSummary
+from titan_pipe.rules.dtypes import BY_NAME
 from titan_pipe.errors import StageFailed, UserError
-from titan_pipe.export_record import RECORD_FILE, DecodeContract, ExportRecord, FileEntry, GraphRecord, OperatorUse
-from titan_pipe.faults import as_fault, check_free_space
-from titan_pipe.graph_io import DATA_FILE, DECODE_FILE, PREFILL_FILE, data_file_names
+from titan_pipe.records.export_record import (
+    RECORD_FILE,
+    DecodeContract,
+    ExportRecord,
+    FileEntry,
+    GraphRecord,
+    OperatorUse,
+)
+from titan_pipe.io.faults import as_fault, check_free_space
+from titan_pipe.graphs.graph_io import DATA_FILE, DECODE_FILE, PREFILL_FILE, data_file_names
 from titan_pipe.model import rope
 from titan_pipe.model.args import ModelArgs, count_params
-from titan_pipe.onnx_nodes import NP_DTYPES
+from titan_pipe.graphs.onnx_nodes import NP_DTYPES
 from titan_pipe.model.params import native_shapes
 from titan_pipe.model.unified_dir import open_unified
 
@@ -71,8 +78,8 @@ class ExportPlan:
     weight_bytes: int
     graphs: tuple[GraphPlan, ...]
     hash_weights: bool  # the digests of the weights' data files in export.json (False: null)
-    digest: str  # export.json's file digests (titan_pipe.hashing.DIGESTS)
-    data_files: tuple[str, ...] = (DATA_FILE,)  # the weights' external-data files (titan_pipe.graph_io)
+    digest: str  # export.json's file digests (titan_pipe.io.hashing.DIGESTS)
+    data_files: tuple[str, ...] = (DATA_FILE,)  # the weights' external-data files (titan_pipe.graphs.graph_io)
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ class ExportResult:
 
 
 def plan_export(args: ModelArgs, settings: ExportConfig) -> ExportPlan:
-    """Validate the options against the model (titan_pipe.choices: the rules flow.yaml validation
+    """Validate the options against the model (titan_pipe.rules.choices: the rules flow.yaml validation
     uses too) and lay out the graphs (pure data, no I/O)."""
     e = settings
     problems = export_problems(
@@ -246,7 +253,7 @@ def _record(
     export_s: float,
     timings: dict[str, float],
 ) -> ExportRecord:
-    """The export record (titan_pipe.export_record) of a finished export."""
+    """The export record (titan_pipe.records.export_record) of a finished export."""
     return ExportRecord(
         source={"model_dir": str(model_dir.resolve()), "config": args.to_dict()},
         options={k: v for k, v in asdict(plan).items() if k not in ("graphs",)},
@@ -277,7 +284,7 @@ def export_model(
     Writes out_dir/{model.onnx, decode.onnx (kv_cache), model.onnx.data (the weights, shared),
     atc/command.sh, om/ (if atc ran), export.json}; nothing is left behind on failure.
     ``cache_len`` (decode slots C) defaults to min(max_position_embeddings, 4096). ``digest``: the
-    algorithm of export.json's file digests (titan_pipe.hashing.DIGESTS: xxh3_128, or sha256 for a
+    algorithm of export.json's file digests (titan_pipe.io.hashing.DIGESTS: xxh3_128, or sha256 for a
     cryptographic one); ``hash_weights``: the digest of model.onnx.data (computed while streaming; False
     records null and saves the pass over the weights' bytes — a flow's stage cache hashes them anyway).
     """

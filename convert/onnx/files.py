@@ -9,7 +9,7 @@ from pathlib import Path
 
 import onnx
 
-from titan_pipe.hashing import file_digest
+from titan_pipe.io.hashing import file_digest
 
 
 def check_and_infer(onnx_path: Path) -> onnx.ModelProto:
@@ -25,7 +25,7 @@ def check_and_infer(onnx_path: Path) -> onnx.ModelProto:
 
 def file_table(root: Path, *, algorithm: str, known: dict[str, str | None] | None = None) -> dict[str, dict]:
     """{relative path: {bytes, algorithm, digest}} for every file under ``root``, digests by ``algorithm``
-    (titan_pipe.hashing.DIGESTS); ``known`` gives digests already computed while the file was written
+    (titan_pipe.io.hashing.DIGESTS); ``known`` gives digests already computed while the file was written
     (the weights), so those bytes are not read again; a None there means "not hashed" (null)."""
     known = known or {}
     table = {}

@@ -2,8 +2,8 @@
 
 No tracing: a decoder layer is the same dozen-odd nodes emitted once per layer under the names
 ``layers.{i}.…``, on initializers that point into the shared external-data file (see
-convert/onnx/data_file.py). Each operator is a recipe of titan_pipe.onnx_nodes (the ones operator
-conformance checks); the inputs and outputs are titan_pipe.graph_io's. Besides the recipes:
+convert/onnx/data_file.py). Each operator is a recipe of titan_pipe.graphs.onnx_nodes (the ones operator
+conformance checks); the inputs and outputs are titan_pipe.graphs.graph_io's. Besides the recipes:
 
   RoPE      cos/sin rows Gathered by position_ids from tables computed by titan_pipe.model.rope
             (the module's frequencies, Llama-3.1 scaling included)
@@ -28,8 +28,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from titan_pipe.convert.onnx.weights import DataEntry
-from titan_pipe.dtypes import onnx_type
-from titan_pipe.graph_io import (
+from titan_pipe.rules.dtypes import onnx_type
+from titan_pipe.graphs.graph_io import (
     ATTENTION_MASK,
     DECODE_FILE,
     HIDDEN,
@@ -46,10 +46,10 @@ from titan_pipe.graph_io import (
     router_name,
 )
 from titan_pipe.model.args import ModelArgs
-from titan_pipe import onnx_nodes
+from titan_pipe.graphs import onnx_nodes
 from titan_pipe.model import features
 from titan_pipe.model.params import LAYER_PARAMS
-from titan_pipe.onnx_nodes import (
+from titan_pipe.graphs.onnx_nodes import (
     GATED,
     NodeBuilder,
     attention,

@@ -18,7 +18,7 @@ from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.run import REF_GEN, Run
 from titan_pipe.evaluate.runners.ort_layers import forced_steps, prefill
 from titan_pipe.evaluate.store import KINDS
-from titan_pipe.thresholds import check_task
+from titan_pipe.rules.thresholds import check_task
 
 SIDE = "kv"  # its reference side is REF_GEN: the reference's own greedy steps (evaluate/prepare.py)
 TITLE = "KV-cache decode loop (left-padded batch, prefill + decode.onnx against the fixed cache) vs PyTorch on each prompt alone"

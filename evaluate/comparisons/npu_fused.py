@@ -11,7 +11,7 @@ TITLE = "fused NPU training kernels (npu_rms_norm, npu_rotary_mul, npu_fusion_at
 
 
 def compare(run: Run) -> cmp.Comparison:
-    from titan_pipe.devices import npu_available
+    from titan_pipe.rules.devices import npu_available
 
     if not npu_available():
         return cmp.skipped("npu_fused", TITLE, "no NPU")

@@ -4,7 +4,7 @@ experts (as a set) are the same in the PyTorch reference and in the exported pre
 The graph's choices are those of each of its layer pieces run on the reference's input to that
 layer (torch_vs_onnx runs them so, for each layer's own error), so a perturbed router weight in
 layer k shows at layer k alone: a perturbed expert changes layer k's output, not the choices of
-the layers after it. Judged by ``router_agree_min`` (titan_pipe.thresholds).
+the layers after it. Judged by ``router_agree_min`` (titan_pipe.rules.thresholds).
 """
 
 from __future__ import annotations

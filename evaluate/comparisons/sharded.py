@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import Manifest, complete_step
+from titan_pipe.records.checkpoint_format import Manifest, complete_step
 from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.comparisons.common import abs_errors
 from titan_pipe.evaluate.run import REF, Run

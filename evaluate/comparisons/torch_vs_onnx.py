@@ -9,7 +9,7 @@ from titan_pipe.evaluate.metrics import compare_tensors
 from titan_pipe.evaluate.run import REF, Run, forced_sequences
 from titan_pipe.evaluate.runners.ort_layers import JoinedSink, LogitsSink, PrefillSink
 from titan_pipe.evaluate.store import StoreSink
-from titan_pipe.generation import prefill_feeds
+from titan_pipe.graphs.generation import prefill_feeds
 
 SIDE = "onnx"
 TITLE = "PyTorch (training operators) vs ONNX Runtime, per decoder layer and logits"

@@ -13,7 +13,7 @@ import torch
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.runners.ort import OnnxGraph, as_tensor
 from titan_pipe.evaluate.runners.outputs import Outputs
-from titan_pipe.graph_io import LOGITS
+from titan_pipe.graphs.graph_io import LOGITS
 
 
 def ascend_runtime() -> str | None:

@@ -1,5 +1,5 @@
 """ONNX Runtime, whole graphs: the exported prefill graph and the KV-cache decode graph, each in one
-session (sessions come from titan_pipe.generation.ort_session, the one way titan-pipe opens one).
+session (sessions come from titan_pipe.graphs.generation.ort_session, the one way titan-pipe opens one).
 
 A whole graph runs here when its per-layer values are unknown (a graph titan-pipe did not describe
 and whose structure does not give them) and to check, on the first batch, that its pieces chained
@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from titan_pipe.dtypes import FLOAT_NAMES, onnx_type
+from titan_pipe.rules.dtypes import FLOAT_NAMES, onnx_type
 from titan_pipe.errors import UserError
 from titan_pipe.evaluate.graph_files import check_external_data
 from titan_pipe.evaluate.graph_taps import LayerTaps, find_layer_taps, recorded_layer_count
 from titan_pipe.evaluate.runners.outputs import Outputs
-from titan_pipe.export_record import RECORD_FILE
-from titan_pipe.generation import generate, ort_session
-from titan_pipe.graph_io import (
+from titan_pipe.records.export_record import RECORD_FILE
+from titan_pipe.graphs.generation import generate, ort_session
+from titan_pipe.graphs.graph_io import (
     ATTENTION_MASK,
     DECODE_FILE,
     HIDDEN,
@@ -239,7 +239,7 @@ class OnnxRuntimeRunner:
 
 class OnnxDecodeRunner:
     """KV-cache generation with the exported pair through the reference loop
-    (titan_pipe.generation): left-padded prompts, prefill ``model.onnx``, then ``decode.onnx``
+    (titan_pipe.graphs.generation): left-padded prompts, prefill ``model.onnx``, then ``decode.onnx``
     one token a step against the fixed-capacity cache — the path a deployment generates with, on
     static graphs as on dynamic ones. Per-layer values of each decode step come from decode.onnx
     itself (``find_layers``)."""

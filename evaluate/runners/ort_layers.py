@@ -14,7 +14,7 @@ the whole graph computes) and, when asked, separately on the reference's input t
 
 The KV-cache path runs teacher-forced (the tokens of every step are known up front): per layer,
 the prefill piece fills that layer's cache slice, then the decode piece runs every step against
-it (titan_pipe.generation's feeds: the deployed loop's host state, step by step).
+it (titan_pipe.graphs.generation's feeds: the deployed loop's host state, step by step).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from titan_pipe.evaluate.graph_pieces import Piece, layer_pieces
 from titan_pipe.evaluate.memory import release
 from titan_pipe.evaluate.runners.ort import OnnxGraph
 from titan_pipe.evaluate.runners.outputs import Outputs, OutputsSink
-from titan_pipe.generation import PaddedBatch, cache_of, decode_feeds, ort_session, past_of, prefill_feeds
-from titan_pipe.graph_io import LOGITS, PRESENT, router_name
+from titan_pipe.graphs.generation import PaddedBatch, cache_of, decode_feeds, ort_session, past_of, prefill_feeds
+from titan_pipe.graphs.graph_io import LOGITS, PRESENT, router_name
 
 
 def _own(a: np.ndarray) -> np.ndarray:

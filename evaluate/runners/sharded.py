@@ -9,15 +9,16 @@ from pathlib import Path
 
 import torch
 
-from titan_pipe.atomic import scratch_dir
-from titan_pipe import procs, sharded_outputs
-from titan_pipe.checkpoint_format import ParallelLayout, is_complete
+from titan_pipe.io.atomic import scratch_dir
+from titan_pipe.processes import procs
+from titan_pipe.records import sharded_outputs
+from titan_pipe.records.checkpoint_format import ParallelLayout, is_complete
 from titan_pipe.errors import StageFailed, UserError
 from titan_pipe.evaluate.runners.outputs import Outputs
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.params import native_shapes
 from titan_pipe.model.sharding import layer_id, split_stages, stage_of, stage_ranks, stages_per_rank, tp_split_dim
-from titan_pipe.safetensors_io import save
+from titan_pipe.io.safetensors_io import save
 
 
 def pp_rank_bytes(args: ModelArgs, layout: ParallelLayout) -> list[tuple[int, int]]:
@@ -41,7 +42,7 @@ def pp_rank_bytes(args: ModelArgs, layout: ParallelLayout) -> list[tuple[int, in
 class DistributedRunner:
     """The training checkpoint under its own dp/tp/pp layout: torchrun + the training operators.
 
-    Starts training's sharded forward process (titan_pipe.sharded_outputs: ``python -m
+    Starts training's sharded forward process (titan_pipe.records.sharded_outputs: ``python -m
     torch.distributed.run --nproc_per_node=dp*tp*pp -m titan_pipe.training.sharded_forward``) once
     for all batches (start-up dominates on CPU) and reads back logits and per-layer hidden states
     from the safetensors files it writes. ``streamed`` (set from the memory plan: evaluate's
@@ -51,7 +52,7 @@ class DistributedRunner:
     """
 
     def __init__(self, checkpoint: Path, *, device: str = "cpu", timeout_s: float = 900):
-        from titan_pipe.checkpoint_format import open_checkpoint
+        from titan_pipe.records.checkpoint_format import open_checkpoint
 
         checkpoint = Path(checkpoint)
         if not is_complete(checkpoint):

@@ -14,10 +14,10 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from titan_pipe import faults
+from titan_pipe.io import faults
 from titan_pipe.config import ConfigError
 from titan_pipe.errors import Interrupted, UserError
-from titan_pipe.run_lock import output_lock
+from titan_pipe.processes.run_lock import output_lock
 
 console = Console(stderr=True)
 
@@ -84,7 +84,7 @@ def handle_errors(fn: Callable) -> Callable:
 
 def call_stage(stage: str, fn: Callable, *, track: bool, writes: Path | None = None, **kwargs):
     """Run a stage's library function directly, or (``--flow``) inside a tracked Prefect flow run,
-    holding the locks of its ``out_dir`` and of the run dir that lies in (titan_pipe.run_lock). An
+    holding the locks of its ``out_dir`` and of the run dir that lies in (titan_pipe.processes.run_lock). An
     OS fault becomes one line naming ``writes`` (default ``out_dir``) and what the stage writes."""
     out_dir = kwargs.get("out_dir")
 

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from titan_pipe import limits
+from titan_pipe.rules import limits
 from titan_pipe.commands.common import call_stage, console, handle_errors
 from titan_pipe.commands.options import with_section
 from titan_pipe.config import DataConfig

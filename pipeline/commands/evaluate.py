@@ -11,7 +11,7 @@ from rich.markup import escape
 from titan_pipe.commands.common import TRACK, call_stage, console, handle_errors
 from titan_pipe.commands.options import laid_over, with_section
 from titan_pipe.config import EvaluateConfig
-from titan_pipe.paths import resolve_inside
+from titan_pipe.io.paths import resolve_inside
 
 
 # The evaluate section's fields that are options here (their help, types and defaults: titan_pipe.config);

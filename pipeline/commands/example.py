@@ -11,7 +11,7 @@ import yaml
 
 from pydantic import Field
 
-from titan_pipe import limits
+from titan_pipe.rules import limits
 from titan_pipe.config import Section, bounded
 from titan_pipe.errors import UserError
 

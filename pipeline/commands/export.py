@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from titan_pipe import limits
+from titan_pipe.rules import limits
 from titan_pipe.commands.common import OVERWRITE, TRACK, call_stage, console, handle_errors
 from titan_pipe.commands.options import with_section
 from titan_pipe.config import ExportConfig

@@ -14,7 +14,7 @@ from typing import Any, Callable, Literal, Optional, get_args, get_origin
 
 import typer
 
-from titan_pipe import limits
+from titan_pipe.rules import limits
 from titan_pipe.config import Section, section_from_flags
 
 
@@ -29,7 +29,7 @@ def flag_of(cls: type[Section], name: str) -> str:
 
 
 def limit_of(cls: type[Section], name: str) -> limits.Bound | None:
-    """The titan_pipe.limits bound a field was declared with (config.bounded), or None."""
+    """The titan_pipe.rules.limits bound a field was declared with (config.bounded), or None."""
     extra = cls.model_fields[name].json_schema_extra
     limit = extra.get("limit") if isinstance(extra, dict) else None
     return None if limit is None else limits.Bound(*limit)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import typer
 
-from titan_pipe import faults
+from titan_pipe.io import faults
 from titan_pipe.commands.common import handle_errors
-from titan_pipe.run_lock import path_lock
+from titan_pipe.processes.run_lock import path_lock
 from titan_pipe.commands.options import with_section
 from titan_pipe.training.planner.request import PlanRequest
 
@@ -172,7 +172,7 @@ def memory_figure(plan, top: int):
 def _plot(plan, path: Path, top: int) -> None:
     import matplotlib.pyplot as plt
 
-    from titan_pipe.atomic import atomic_file
+    from titan_pipe.io.atomic import atomic_file
 
     fig = memory_figure(plan, top)
     if fig is None:
@@ -207,7 +207,7 @@ def _write_flow(plan, path: Path, force: bool) -> None:
     )
     if "rdzv_endpoint" in data["launch"]:
         header += "# launch.rdzv_endpoint: replace NODE0_HOST with the address of node 0.\n"
-    from titan_pipe.atomic import write_text
+    from titan_pipe.io.atomic import write_text
 
     write_text(path, header + yaml.safe_dump(data, sort_keys=False))
 

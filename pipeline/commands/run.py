@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from titan_pipe import faults
+from titan_pipe.io import faults
 from titan_pipe.commands.common import handle_errors
-from titan_pipe.run_lock import run_lock
+from titan_pipe.processes.run_lock import run_lock
 
 STAGE_HELP = "train | convert | export | evaluate"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from titan_pipe.commands.common import TRACK, call_stage, console, handle_errors
-from titan_pipe.stage_summaries import TrainSummary
+from titan_pipe.records.stage_summaries import TrainSummary
 
 
 def _format_summary(s: TrainSummary) -> str:

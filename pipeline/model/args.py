@@ -19,13 +19,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import get_type_hints
 
-from titan_pipe import limits
-from titan_pipe.limits import Bound
+from titan_pipe.rules import limits
+from titan_pipe.rules.limits import Bound
 from titan_pipe.errors import UserError
 from titan_pipe.model import features, gemma3
 from titan_pipe.model.families import family_of
 from titan_pipe.model.rope_scaling import ROPE_TYPES, RopeScaling
-from titan_pipe.values import BOOL, DICT, FLOAT, INT, LIST, STR, check, refuse
+from titan_pipe.rules.values import BOOL, DICT, FLOAT, INT, LIST, STR, check, refuse
 
 
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -183,7 +183,7 @@ def _whole(x: object) -> bool:
 
 
 def _kinds(cls) -> dict[str, str]:
-    """Field name -> value kind (titan_pipe.values) of a dataclass of ints, floats and bools."""
+    """Field name -> value kind (titan_pipe.rules.values) of a dataclass of ints, floats and bools."""
     out = {}
     for name, hint in get_type_hints(cls).items():
         text = str(hint)
@@ -205,7 +205,7 @@ def _kinds(cls) -> dict[str, str]:
 
 _KINDS = {RopeScaling: _kinds(RopeScaling), ModelArgs: _kinds(ModelArgs)}
 
-# The bound of every numeric field (titan_pipe.limits): flow.yaml's model section and every
+# The bound of every numeric field (titan_pipe.rules.limits): flow.yaml's model section and every
 # reader of a model from a file (config.json, params.json, manifest, Megatron args) use these.
 FIELD_BOUNDS: dict[str, limits.Bound] = {
     "dim": limits.DIM,

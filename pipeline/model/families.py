@@ -16,7 +16,7 @@ One decoder with its switches (titan_pipe.model.args) covers six architectures:
   Gemma3ForCausalLM   (gemma3_text) its own switches and keys: titan_pipe.model.gemma3
 
 A config.json is read by its ``model_type`` (titan_pipe.model.hf_config reads the rest), every key
-typed strictly (titan_pipe.values); what the model cannot compute (mixture-of-experts families, a
+typed strictly (titan_pipe.rules.values); what the model cannot compute (mixture-of-experts families, a
 bias on o_proj, a window on some layers only) is refused in one line naming it.
 The config written for a model is the simplest of the four that computes it.
 """
@@ -26,12 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from titan_pipe import limits
+from titan_pipe.rules import limits
 from titan_pipe.errors import UserError
 from titan_pipe.model import features, gemma3
 from titan_pipe.model.features import Feature, qk_norm, qkv_bias
-from titan_pipe.limits import Bound, shown
-from titan_pipe.values import BOOL, FLOAT, INT, STR, read, refuse
+from titan_pipe.rules.limits import Bound, shown
+from titan_pipe.rules.values import BOOL, FLOAT, INT, STR, read, refuse
 
 if TYPE_CHECKING:  # annotations only: args.py imports this module (family checks), not the reverse
     from titan_pipe.model.args import ModelArgs
@@ -216,7 +216,7 @@ def config_family(cfg: dict, source: str) -> Family:
 
 def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
     """ModelArgs fields (the features' switches, sliding_window) of a config.json, every key typed
-    strictly (titan_pipe.values); UserError naming the key for what the model cannot compute."""
+    strictly (titan_pipe.rules.values); UserError naming the key for what the model cannot compute."""
     fam = config_family(cfg, source)
     if fam.gemma:
         return gemma3.read_config(cfg, n_layers=n_layers, source=source)

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from titan_pipe import limits
+from titan_pipe.rules import limits
 from titan_pipe.errors import UserError
-from titan_pipe.limits import Bound
+from titan_pipe.rules.limits import Bound
 from titan_pipe.model import features
 from titan_pipe.model.features import qk_norm
 from titan_pipe.model.rope_scaling import RopeScaling, read_rope_scaling
-from titan_pipe.values import BOOL, DICT, FLOAT, INT, STR, read, refuse
+from titan_pipe.rules.values import BOOL, DICT, FLOAT, INT, STR, read, refuse
 
 if TYPE_CHECKING:
     from titan_pipe.model.args import ModelArgs

@@ -3,7 +3,7 @@
 transformers 4.x writes ``rope_theta`` and ``rope_scaling`` at the top level; transformers >= 5
 writes ``rope_parameters: {rope_type, rope_theta, factor, ...}`` and may omit the top-level
 ``rope_theta``. Both are read; a file carrying both with different values is refused rather than
-guessed at. Every value is typed strictly (titan_pipe.values): a string "false", 4.7 layers or a
+guessed at. Every value is typed strictly (titan_pipe.rules.values): a string "false", 4.7 layers or a
 null dimension is one line naming the file, the key, the value and the fix.
 
 A field is one row of ``HF_FIELDS``; what tells the families apart (model_type, biases, q/k norms,
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_pipe import limits
+from titan_pipe.rules import limits
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs, RopeScaling, validate_args
 from titan_pipe.model.families import config_family, family_keys, read_family
 from titan_pipe.model.rope_scaling import read_rope_scaling
-from titan_pipe.values import BOOL, DICT, FLOAT, INT, REQUIRED, STR, read, refuse
+from titan_pipe.rules.values import BOOL, DICT, FLOAT, INT, REQUIRED, STR, read, refuse
 
 DEFAULT_ROPE_THETA = 10000.0
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from titan_pipe.dtypes import parse_dtype
+from titan_pipe.rules.dtypes import parse_dtype
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels

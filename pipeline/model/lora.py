@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from titan_pipe.errors import UserError
-from titan_pipe.limits import LORA_RANK
+from titan_pipe.rules.limits import LORA_RANK
 from titan_pipe.model.args import ModelArgs, flops_per_token
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, adapter_param, split_layer
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titan_pipe import limits
-from titan_pipe.values import FLOAT, INT, read, refuse
+from titan_pipe.rules import limits
+from titan_pipe.rules.values import FLOAT, INT, read, refuse
 
 ROPE_TYPES = ("llama3", "linear")
 _NAMES = {"llama3": "Llama-3.1 scaling (llama3)", "linear": "linear scaling (linear)"}

@@ -14,7 +14,7 @@ import math
 
 from dataclasses import dataclass
 
-from titan_pipe.choices import INTERLEAVED
+from titan_pipe.rules.choices import INTERLEAVED
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.params import ADAPTER_PARAMS, LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS, param_of, split_layer
 

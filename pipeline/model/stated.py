@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from titan_pipe.weights.detect import open_source, other_format
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Manifest, complete_step
+from titan_pipe.records.checkpoint_format import MANIFEST_NAME, Manifest, complete_step
 from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.unified_dir import read_model_args

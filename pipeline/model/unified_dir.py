@@ -5,7 +5,7 @@ A unified dir holds ``config.json`` (a Hugging Face config of a supported family
 Hugging Face (``model.layers.0.self_attn.q_proj.weight``) or native (``layers.0.attention.wq.weight``,
 what ``titan-pipe convert --naming native`` writes); ``native_name`` maps either to ours.
 
-``open_unified`` finds the files, reads and checks their headers (titan_pipe.safetensors_io) and
+``open_unified`` finds the files, reads and checks their headers (titan_pipe.io.safetensors_io) and
 accounts for every stored tensor against config.json before any tensor data is read: the file holds
 it, the model has a place for it, nothing else fills that place, its shape is the one config.json
 implies, nothing the model needs is missing. Then ``UnifiedDir.read`` / ``read_box`` read tensors.
@@ -23,14 +23,14 @@ from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.hf_config import from_hf_config
 from titan_pipe.model.names import hf_to_native, parse_hf_expert
 from titan_pipe.model.params import native_shapes
-from titan_pipe.paths import resolve_inside
-from titan_pipe.safetensors_io import StoredTensor, open_tensors, read_header
-from titan_pipe.values import read_json
+from titan_pipe.io.paths import resolve_inside
+from titan_pipe.io.safetensors_io import StoredTensor, open_tensors, read_header
+from titan_pipe.rules.values import read_json
 
 if TYPE_CHECKING:
     import torch
 
-    from titan_pipe.checkpoint_format import Box
+    from titan_pipe.records.checkpoint_format import Box
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"

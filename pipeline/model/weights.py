@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from titan_pipe.checkpoint_format import (
+from titan_pipe.records.checkpoint_format import (
     MANIFEST_NAME,
     Box,
     FileInfo,
@@ -21,17 +21,17 @@ from titan_pipe.checkpoint_format import (
     is_complete,
     open_checkpoint,
 )
-from titan_pipe.dtypes import TORCH_DTYPES
+from titan_pipe.rules.dtypes import TORCH_DTYPES
 from titan_pipe.errors import UserError
-from titan_pipe.hashing import sha256_file
+from titan_pipe.io.hashing import sha256_file
 from titan_pipe.model.args import SHAPE_KEYS, ModelArgs, check_fits, model_differences
 from titan_pipe.model.lora import BaseRef, LoRASpec, adapter_of, adapter_shapes, is_adapter, lora_record
 from titan_pipe.model.lora_modules import init_adapter, merge
 from titan_pipe.model.unified_dir import CONFIG, INDEX, open_unified
 from titan_pipe.weights.detect import open_source, other_format
 from titan_pipe.weights.read import read_global
-from titan_pipe.paths import resolve_inside
-from titan_pipe.safetensors_io import open_tensors
+from titan_pipe.io.paths import resolve_inside
+from titan_pipe.io.safetensors_io import open_tensors
 
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+; Python names it from 3.13 on
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from titan_pipe.errors import UserError
-from titan_pipe.limits import TEMPLATE_BYTES
+from titan_pipe.rules.limits import TEMPLATE_BYTES
 from titan_pipe.tokens.tokenizer import special_tokens
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -465,8 +465,8 @@ def load_chat_template(spec: str, *, tokenizer_dir: Path | None) -> ChatTemplate
     chat_template.jinja beside it), a built-in name (chatml, llama3), or a .jinja file. Files beside
     the tokenizer are read only inside its dir (a link leading out is refused), every file bounded
     in size before it is read."""
-    from titan_pipe.paths import resolve_inside
-    from titan_pipe.values import read_json
+    from titan_pipe.io.paths import resolve_inside
+    from titan_pipe.rules.values import read_json
 
     config: dict = {}
     fix = "fix the file or pass --chat-template chatml"

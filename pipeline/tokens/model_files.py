@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_pipe import limits
+from titan_pipe.rules import limits
 from titan_pipe.errors import UserError
-from titan_pipe.paths import resolve_inside
-from titan_pipe.values import read_json
+from titan_pipe.io.paths import resolve_inside
+from titan_pipe.rules.values import read_json
 
 GENERATION_CONFIG = "generation_config.json"
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")

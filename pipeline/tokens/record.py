@@ -85,7 +85,7 @@ class DataRecord:
         return asdict(self)
 
     def save(self, out_dir: Path) -> Path:
-        from titan_pipe.atomic import write_text
+        from titan_pipe.io.atomic import write_text
 
         return write_text(Path(out_dir) / DATA_JSON, json.dumps(self.to_json(), indent=1) + "\n")
 

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import titan_pipe
 from titan_pipe.errors import UserError
-from titan_pipe.limits import RECORD_BYTES
+from titan_pipe.rules.limits import RECORD_BYTES
 
 # The titan_pipe package dir (pipeline/ in the repo, site-packages/titan_pipe when installed).
 CORPUS_DIR = Path(titan_pipe.__file__).resolve().parent / "data" / "corpus"
@@ -262,7 +262,7 @@ def iter_documents(path: Path, *, text_key: str = "text") -> Iterator[str]:
 
 
 def too_large(path: Path, line: int | None, size: int) -> UserError:
-    """A record (a .txt document, a .jsonl line, a parquet value) over titan_pipe.limits.RECORD_BYTES."""
+    """A record (a .txt document, a .jsonl line, a parquet value) over titan_pipe.rules.limits.RECORD_BYTES."""
     limit = int(RECORD_BYTES.hi)
     where = f"{path}:{line}" if line is not None else str(path)
     return UserError(

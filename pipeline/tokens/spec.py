@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from titan_pipe import limits
+from titan_pipe.rules import limits
 from titan_pipe.tokens.indexed import bin_path, idx_path, is_prefix, strip_suffix
 from titan_pipe.tokens.record import DATA_JSON, PREFIX, is_prepared
 from titan_pipe.tokens.sources import corpus_files, default_corpus

@@ -62,7 +62,7 @@ class HFTokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer as _Tok
 
-        from titan_pipe.limits import TOKENIZER_BYTES
+        from titan_pipe.rules.limits import TOKENIZER_BYTES
 
         self.path = path
         size = path.stat().st_size
@@ -141,7 +141,7 @@ def _special_tokens_from_config(path: Path) -> dict[str, str]:
     """bos_token / eos_token as transformers' tokenizer_config.json names them (str or AddedToken dict)."""
     if not path.is_file():
         return {}
-    from titan_pipe.values import read_json
+    from titan_pipe.rules.values import read_json
 
     try:
         cfg = read_json(path, what="a tokenizer config")
@@ -178,7 +178,7 @@ def tokenizer_files(tok: ByteTokenizer | HFTokenizer) -> dict[str, Path]:
     """{name in a model dir: source path} of the files that reproduce ``tok``; {} for the byte tokenizer."""
     if not isinstance(tok, HFTokenizer):
         return {}
-    from titan_pipe.paths import resolve_inside
+    from titan_pipe.io.paths import resolve_inside
 
     root = Path(tok.path).parent
     out = {"tokenizer.json": Path(tok.path)}
@@ -191,7 +191,7 @@ def tokenizer_files(tok: ByteTokenizer | HFTokenizer) -> dict[str, Path]:
 def tokenizer_info(tok: ByteTokenizer | HFTokenizer) -> TokenizerInfo:
     """What identifies ``tok`` in a data record: kind, the tokenizer.json's sha256, vocab size, bos/eos."""
     if isinstance(tok, HFTokenizer):
-        from titan_pipe.hashing import sha256_file
+        from titan_pipe.io.hashing import sha256_file
 
         return TokenizerInfo("tokenizer.json", sha256_file(tok.path), tok.vocab_size, tok.bos_id, tok.eos_id)
     return TokenizerInfo("byte", None, tok.vocab_size, tok.bos_id, tok.eos_id)

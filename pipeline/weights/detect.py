@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from titan_pipe.weights.readers import dcp, hf, megatron, titan
-from titan_pipe.choices import SOURCE_FORMATS
+from titan_pipe.rules.choices import SOURCE_FORMATS
 from titan_pipe.errors import UserError
 
 # Order matters only for directories that match several: a titan run dir with a config.json, a

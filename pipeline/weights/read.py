@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from titan_pipe.checkpoint_format import Box
+from titan_pipe.records.checkpoint_format import Box
 from titan_pipe.weights.readers.store import Store
 from titan_pipe.weights.source_plan import TensorPlan
 
@@ -29,7 +29,7 @@ def read_global(t: TensorPlan, store: Store, box: Box | None = None) -> torch.Te
     it (each stored piece read once, RoPE rows reordered where the source interleaves them)."""
     import torch
 
-    from titan_pipe.dtypes import TORCH_DTYPES
+    from titan_pipe.rules.dtypes import TORCH_DTYPES
 
     box = box or Box.full(t.shape)
     out = torch.empty(box.lengths, dtype=TORCH_DTYPES[t.dtype])

@@ -17,9 +17,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import Box, LayoutError, shard_file, split_box
-from titan_pipe.choices import NAMINGS
-from titan_pipe.dtypes import DTYPE_SIZES, OUT_DTYPES
+from titan_pipe.records.checkpoint_format import Box, LayoutError, shard_file, split_box
+from titan_pipe.rules.choices import NAMINGS
+from titan_pipe.rules.dtypes import DTYPE_SIZES, OUT_DTYPES
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.errors import UserError
 from titan_pipe.model.families import family_of
@@ -258,7 +258,7 @@ def plan_unified(
 
 
 def plan_sharded(src: SourcePlan, *, tp: int, pp: int, dtype: str = "keep") -> OutputPlan:
-    """Our own checkpoint layout: titan_pipe.checkpoint_format.shard_file names, native keys, local tensors.
+    """Our own checkpoint layout: titan_pipe.records.checkpoint_format.shard_file names, native keys, local tensors.
 
     Split dims come from the sharding table (titan_pipe.model.sharding), stages from split_stages, as
     the trainer does; replicated tensors (norms) sit in every tp rank's file of their stage, so

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
+from titan_pipe.rules.dtypes import DTYPE_BYTES_BY_NAME
 from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.lora import LoRASpec, adapter_shapes, is_adapter

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from titan_pipe import limits
+from titan_pipe.rules import limits
 from titan_pipe.config import Section, bounded
 
 CALIBRATE_PHASES = ("trainer", "trainer_compiled", "trainer_float8")

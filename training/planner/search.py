@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from titan_pipe import limits
-from titan_pipe.choices import INTERLEAVED, PP_SCHEDULES
+from titan_pipe.rules import limits
+from titan_pipe.rules.choices import INTERLEAVED, PP_SCHEDULES
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import flops_per_token
@@ -141,9 +141,9 @@ DEVICE_MEMORY = limits.Bound(2**30, 2**44, "memory of one accelerator")
 
 
 def parse_device_memory(text: str) -> float:
-    """--device-memory in the one size grammar every size flag uses (titan_pipe.sizes: 64GB, 80GiB,
+    """--device-memory in the one size grammar every size flag uses (titan_pipe.rules.sizes: 64GB, 80GiB,
     512MB; a bare number is bytes, as for --max-memory), bounded by DEVICE_MEMORY."""
-    from titan_pipe.sizes import parse_size
+    from titan_pipe.rules.sizes import parse_size
 
     try:
         n = parse_size(text)
@@ -160,9 +160,9 @@ def parse_device_memory(text: str) -> float:
 def build_cluster(
     device: str, n_devices: int, *, nodes: int | None = None, device_memory: str | None = None
 ) -> tuple[Cluster, list[str]]:
-    """The Cluster for ``n_devices`` of one profile (titan_pipe.device_profiles), with notes
+    """The Cluster for ``n_devices`` of one profile (titan_pipe.rules.device_profiles), with notes
     (e.g. which bin an alias family resolved to). Device memory counts memory_gb as 10^9 bytes."""
-    from titan_pipe.device_profiles import resolve_profile
+    from titan_pipe.rules.device_profiles import resolve_profile
 
     if n_devices < 1:
         raise UserError(f"--devices {n_devices} must be >= 1")
@@ -214,7 +214,7 @@ def amp_dtype_for(cluster: Cluster) -> str:
         if cluster.peak_tflops.get(dtype):
             return dtype
     raise UserError(
-        f"device {cluster.device} lists no peak TFLOPS in titan_pipe.device_profiles (its data/device_profiles.json)"
+        f"device {cluster.device} lists no peak TFLOPS in titan_pipe.rules.device_profiles (its data/device_profiles.json)"
     )
 
 

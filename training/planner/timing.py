@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from titan_pipe.dtypes import DTYPE_BYTES_BY_NAME
+from titan_pipe.rules.dtypes import DTYPE_BYTES_BY_NAME
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs, flops_per_token
 from titan_pipe.model.sharding import stages_per_rank
@@ -194,7 +194,7 @@ def peak_flops(cluster: Cluster, layout: Layout) -> float:
     tflops = cluster.peak_tflops.get(dtype)
     if not tflops:
         raise UserError(
-            f"device {cluster.device} has no {dtype} peak in titan_pipe.device_profiles (its data/device_profiles.json); "
+            f"device {cluster.device} has no {dtype} peak in titan_pipe.rules.device_profiles (its data/device_profiles.json); "
             "pick an AMP dtype it lists, or add the figure with its source"
         )
     return tflops * 1e12

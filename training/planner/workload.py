@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titan_pipe.choices import INTERLEAVED
+from titan_pipe.rules.choices import INTERLEAVED
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.lora import LoRASpec
-from titan_pipe.mesh_math import world_size
+from titan_pipe.rules.mesh_math import world_size
 
 
 GB = 1e9  # decimal gigabytes, as device datasheets count them

@@ -29,7 +29,7 @@ class Conformance:
 
     ``inputs(case, rng, scale)`` -> {name: float32 array}; ``torch_fn(kernels, eps, **tensors)`` -> the
     training kernel's output; ``graph(nodes, builder, names, eps)`` -> the ONNX output name, built with
-    titan_pipe.onnx_nodes (passed in as ``nodes``)."""
+    titan_pipe.graphs.onnx_nodes (passed in as ``nodes``)."""
 
     name: str
     description: str

@@ -29,7 +29,7 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from titan_pipe.checkpoint_format import Box
+from titan_pipe.records.checkpoint_format import Box
 from titan_pipe.weights.readers import torch_save
 from titan_pipe.weights.readers.dcp_metadata import (
     STAND_INS,
@@ -41,21 +41,21 @@ from titan_pipe.weights.readers.dcp_metadata import (
     TensorStorageMetadata,
     torch_global,
 )
-from titan_pipe.safetensors_io import pread_into
+from titan_pipe.io.safetensors_io import pread_into
 from titan_pipe.weights.readers.store import SafetensorsStore
-from titan_pipe.safetensors_io import StoredTensor, read_header
+from titan_pipe.io.safetensors_io import StoredTensor, read_header
 from titan_pipe.weights.readers.torch_save import SavedTensor
 from titan_pipe.weights.source_plan import Read, SourcePlan, TensorPlan, check_accounted
-from titan_pipe.dtypes import DTYPE_SIZES
+from titan_pipe.rules.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
-from titan_pipe import limits
+from titan_pipe.rules import limits
 from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs, RopeScaling, check_fits, validate_args
 from titan_pipe.model.hf_config import from_hf_config
 from titan_pipe.model.names import TORCHTITAN_MODEL_PREFIX
 from titan_pipe.model.params import native_names, param_of
-from titan_pipe.paths import resolve_inside
-from titan_pipe.values import BOOL, DICT, FLOAT, INT, read, read_json
+from titan_pipe.io.paths import resolve_inside
+from titan_pipe.rules.values import BOOL, DICT, FLOAT, INT, read, read_json
 
 if TYPE_CHECKING:
     import torch
@@ -245,7 +245,7 @@ def model_args(cfg_path: Path, shapes: dict[str, tuple[int, ...]]) -> ModelArgs:
 
 
 def _param(cfg: dict, key: str, kind: str, cfg_path: Path, **kw):
-    """One value of a params.json (Meta / torchtitan), typed strictly (titan_pipe.values)."""
+    """One value of a params.json (Meta / torchtitan), typed strictly (titan_pipe.rules.values)."""
     return read(cfg, key, kind, source=cfg_path, fix="write the value the model was trained with", **kw)
 
 
@@ -340,7 +340,7 @@ class DcpStore(SafetensorsStore):
             return super().read_box(file, key, box)
         import torch  # here: only a strided chunk needs it
 
-        from titan_pipe.dtypes import TORCH_DTYPES
+        from titan_pipe.rules.dtypes import TORCH_DTYPES
 
         buf = torch.empty(s.storage_nbytes, dtype=torch.uint8)
         pread_into(self.fd(file), memoryview(buf.numpy()), s.storage_start, self.root / file)

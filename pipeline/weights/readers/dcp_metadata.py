@@ -15,7 +15,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from titan_pipe.dtypes import TABLE
+from titan_pipe.rules.dtypes import TABLE
 
 # torch.<name> as pickled (a dtype pickles as its attribute name) -> safetensors code; the other
 # torch dtypes as "torch.<name>", which no reader converts (they say so, naming it)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import Box, split_box
+from titan_pipe.records.checkpoint_format import Box, split_box
 from titan_pipe.weights.readers.store import SafetensorsStore
 from titan_pipe.weights.source_plan import Read, SourcePlan, TensorPlan
 from titan_pipe.errors import UserError

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, Manifest, open_checkpoint
+from titan_pipe.records.checkpoint_format import MANIFEST_NAME, Box, Manifest, open_checkpoint
 from titan_pipe.weights.detect import open_source as open_any
 from titan_pipe.weights.readers import titan
 from titan_pipe.weights.readers.store import SafetensorsStore
@@ -37,8 +37,8 @@ from titan_pipe.model.lora import (
     peft_key,
 )
 from titan_pipe.model.names import native_to_hf
-from titan_pipe.paths import resolve_inside
-from titan_pipe.safetensors_io import read_header
+from titan_pipe.io.paths import resolve_inside
+from titan_pipe.io.safetensors_io import read_header
 
 FORMAT = "titan"
 ADAPTER_FORMAT = "peft-adapter"  # SourcePlan.layout["lora"] of an adapter reading

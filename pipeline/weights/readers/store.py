@@ -17,10 +17,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from titan_pipe.checkpoint_format import Box
-from titan_pipe.dtypes import DTYPE_SIZES
+from titan_pipe.records.checkpoint_format import Box
+from titan_pipe.rules.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
-from titan_pipe.safetensors_io import StoredTensor, pread_into, read_header
+from titan_pipe.io.safetensors_io import StoredTensor, pread_into, read_header
 
 if TYPE_CHECKING:
     import torch
@@ -111,7 +111,7 @@ class SafetensorsStore(Store):
         """The box as a tensor of the stored dtype; reads only the rows (dim 0) the box spans."""
         import torch  # here, not at the top: export reads headers and bytes through this module without torch
 
-        from titan_pipe.dtypes import TORCH_DTYPES
+        from titan_pipe.rules.dtypes import TORCH_DTYPES
 
         t = self.stored(file, key)
         if not t.shape:

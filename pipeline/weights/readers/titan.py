@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import MANIFEST_NAME, Box, Manifest, newest_complete, open_checkpoint
+from titan_pipe.records.checkpoint_format import MANIFEST_NAME, Box, Manifest, newest_complete, open_checkpoint
 from titan_pipe.weights.readers.store import SafetensorsStore
-from titan_pipe.safetensors_io import read_header
+from titan_pipe.io.safetensors_io import read_header
 from titan_pipe.weights.source_plan import Read, SourcePlan, TensorPlan, check_accounted
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs, check_fits
 from titan_pipe.model.params import native_names
-from titan_pipe.paths import resolve_inside
+from titan_pipe.io.paths import resolve_inside
 
 FORMAT = "titan"
 

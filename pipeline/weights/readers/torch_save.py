@@ -22,7 +22,7 @@ import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from titan_pipe.dtypes import DTYPE_SIZES
+from titan_pipe.rules.dtypes import DTYPE_SIZES
 
 # torch's legacy storage names (its dtype -> storage table, torch.storage._dtype_to_storage_type_map)
 # -> safetensors dtype codes; tests/test_convert_dcp_metadata.py holds it against torch's own table.

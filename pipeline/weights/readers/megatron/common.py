@@ -23,16 +23,16 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from titan_pipe.checkpoint_format import Box
-from titan_pipe import limits
+from titan_pipe.records.checkpoint_format import Box
+from titan_pipe.rules import limits
 from titan_pipe.model import features
 from titan_pipe.weights.source_plan import Read, TensorPlan, check_accounted
 from titan_pipe.errors import UserError
-from titan_pipe.limits import Bound
+from titan_pipe.rules.limits import Bound
 from titan_pipe.model.args import ModelArgs, RopeScaling, validate_args
 from titan_pipe.model.params import Param, fused_parts, layer_name, native_names, native_shapes, param_of
-from titan_pipe.paths import resolve_inside
-from titan_pipe.values import BOOL, FLOAT, INT, REQUIRED, read
+from titan_pipe.io.paths import resolve_inside
+from titan_pipe.rules.values import BOOL, FLOAT, INT, REQUIRED, read
 
 FORMAT = "megatron"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -140,7 +140,7 @@ def iter_dir(path: Path) -> Path | None:
 
 
 def arg(a, name: str, kind: str, root: Path, *, default=REQUIRED, bound: Bound | None = None):
-    """Megatron argument ``name`` of the saved args, typed strictly (titan_pipe.values): a float
+    """Megatron argument ``name`` of the saved args, typed strictly (titan_pipe.rules.values): a float
     layer count or a string flag in a pickled Namespace is refused, never truncated or truthy."""
     return read(
         vars(a) if hasattr(a, "__dict__") else {},

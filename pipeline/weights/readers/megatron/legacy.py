@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from titan_pipe.checkpoint_format import Box
-from titan_pipe import limits
+from titan_pipe.records.checkpoint_format import Box
+from titan_pipe.rules import limits
 from titan_pipe.weights.readers.megatron.common import (
     FORMAT,
     RANK_DIR,
@@ -56,11 +56,11 @@ from titan_pipe.weights.readers.megatron.common import (
 from titan_pipe.weights.readers.store import Store
 from titan_pipe.weights.source_plan import Read, SourcePlan
 from titan_pipe.errors import UserError
-from titan_pipe.values import INT
+from titan_pipe.rules.values import INT
 from titan_pipe.model.args import ModelArgs, check_fits
 from titan_pipe.model.names import megatron_local_expert, megatron_to_native
 from titan_pipe.model.params import fused_parts, layer_name, param_of
-from titan_pipe.paths import resolve_inside
+from titan_pipe.io.paths import resolve_inside
 
 if TYPE_CHECKING:
     import torch
@@ -361,7 +361,7 @@ def _plan_rank(lay: _Layout, acc: Reads, t: int, p: int, e: int, f: str, sd: dic
     """The reads one (tp, pp, ep) rank file contributes; its layer count must match its pp stage."""
     import torch  # a rank file was loaded (common.load_pickle): torch is in already
 
-    from titan_pipe.dtypes import DTYPE_NAMES
+    from titan_pipe.rules.dtypes import DTYPE_NAMES
 
     model = sd.get("model")
     if model is None:

@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titan_pipe.checkpoint_format import Box
+from titan_pipe.records.checkpoint_format import Box
 from titan_pipe.weights.readers import dcp
 from titan_pipe.weights.readers.megatron.common import (
     FORMAT,
@@ -58,12 +58,12 @@ from titan_pipe.weights.readers.megatron.common import (
     true_vocab,
     vocab_read,
 )
-from titan_pipe.safetensors_io import StoredTensor
+from titan_pipe.io.safetensors_io import StoredTensor
 from titan_pipe.weights.readers.torch_save import SavedTensor
 from titan_pipe.weights.source_plan import Read, SourcePlan
 from titan_pipe.errors import UserError
-from titan_pipe.values import INT
-from titan_pipe import limits
+from titan_pipe.rules.values import INT
+from titan_pipe.rules import limits
 from titan_pipe.model.args import ModelArgs, check_fits
 from titan_pipe.model.names import megatron_singleton, megatron_to_native
 from titan_pipe.model.params import param_of

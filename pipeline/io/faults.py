@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from titan_pipe.atomic import final_path
+from titan_pipe.io.atomic import final_path
 from titan_pipe.errors import UserError
 
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
@@ -181,7 +181,7 @@ def as_fault(
 def writing(path: Path | str | None, *, what: str, needs: int | None = None) -> Iterator[None]:
     """Turn an OS fault raised in the block into OutputFault naming ``path`` and ``what``.
 
-    Cleanup of temporary outputs is the writers' own (titan_pipe.atomic removes them as the error
+    Cleanup of temporary outputs is the writers' own (titan_pipe.io.atomic removes them as the error
     passes); this only gives the error its one line. Other errors pass unchanged.
     """
     try:

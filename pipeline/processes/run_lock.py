@@ -36,7 +36,7 @@ _fds: dict[str, int] = {}  # lock file -> the descriptor holding its flock, in t
 
 
 def held_fds() -> list[int]:
-    """The descriptors of every lock this process holds: titan_pipe.procs passes them to the
+    """The descriptors of every lock this process holds: titan_pipe.processes.procs passes them to the
     guardian of each child tree, so a lock stays held until the last writer under it is gone."""
     return list(_fds.values())
 
@@ -186,7 +186,7 @@ def run_lock(run_dir: str | os.PathLike, *, what: str) -> Iterator[Path]:
 
 def _gone_note(pid: str) -> str:
     """For a lock whose named holder has exited: its child processes (which inherited the lock,
-    titan_pipe.procs) are still stopping."""
+    titan_pipe.processes.procs) are still stopping."""
     if not pid.isdigit():
         return ""
     try:

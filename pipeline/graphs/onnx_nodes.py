@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from titan_pipe.dtypes import onnx_type
+from titan_pipe.rules.dtypes import onnx_type
 
 NP_DTYPES = {"float32": np.float32, "float16": np.float16}
 _LOWEST = {

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from titan_pipe import limits
-from titan_pipe.dtypes import EXPORT_NAMES
-from titan_pipe.hashing import DIGESTS
+from titan_pipe.rules import limits
+from titan_pipe.rules.dtypes import EXPORT_NAMES
+from titan_pipe.io.hashing import DIGESTS
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
 # model.kernels: auto = npu_fused on NPU, torch_fused on CUDA, reference on CPU (titan_pipe.model.kernels)

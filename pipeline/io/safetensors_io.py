@@ -21,7 +21,7 @@ data_offsets per tensor), then raw row-major bytes.
   ``copy_file_range`` (``copy``), which never passes through this process's memory. The file is
   written under a hidden ``.partial`` name and renamed only when every byte of every tensor has
   arrived; on any error it is removed. An OS fault (a full disk, a file-size limit, ...) is raised
-  as an OSError naming the file being written, which titan_pipe.faults turns into one line.
+  as an OSError naming the file being written, which titan_pipe.io.faults turns into one line.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from titan_pipe.atomic import temp_file
-from titan_pipe.dtypes import DTYPE_SIZES
+from titan_pipe.io.atomic import temp_file
+from titan_pipe.rules.dtypes import DTYPE_SIZES
 from titan_pipe.errors import UserError
 
 if TYPE_CHECKING:

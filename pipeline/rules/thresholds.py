@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from titan_pipe.dtypes import FLOAT_NAMES
+from titan_pipe.rules.dtypes import FLOAT_NAMES
 from titan_pipe.errors import UserError
 
 DTYPES = FLOAT_NAMES

@@ -188,7 +188,7 @@ def open_append(path: Path, *, encoding: str = "utf-8"):
     """``path`` opened for appending text (created per the umask), never through a symbolic link
     and only when it is a regular file: a log or metrics file is ours, never someone else's file a
     link leads to. A link or a non-file there raises the OSError (ELOOP, EISDIR, ESPIPE) that
-    titan_pipe.faults reports in one line."""
+    titan_pipe.io.faults reports in one line."""
     import stat
 
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)

@@ -1,7 +1,7 @@
 """Reference greedy generation with the exported pair: a left-padded batch, one prefill, then
 decode.onnx step by step against a fixed-capacity KV cache — the loop a deployment runs.
 
-Part of the deployed-graph contract (titan_pipe.graph_io names every input and output it feeds):
+Part of the deployed-graph contract (titan_pipe.graphs.graph_io names every input and output it feeds):
 the exporter builds graphs this loop drives, evaluate drives them with it.
 
 Works with any session object that has ONNX Runtime's ``run(output_names, feeds)`` and
@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from titan_pipe.errors import UserError
-from titan_pipe.graph_io import (
+from titan_pipe.graphs.graph_io import (
     ATTENTION_MASK,
     INPUT_IDS,
     LOGITS,

@@ -1,9 +1,9 @@
 """The export record: ``export.json``, written by `titan-pipe export` beside the graphs, read by evaluate and flows.
 
-Typed and versioned like the checkpoint manifest (titan_pipe.checkpoint_format). ``load`` is the
+Typed and versioned like the checkpoint manifest (titan_pipe.records.checkpoint_format). ``load`` is the
 one door: it checks the format, then every graph and file name the record gives through
-titan_pipe.paths.resolve_inside (an export dir is someone else's data), then the fields. Names
-of the graphs' files, inputs and outputs are titan_pipe.graph_io's.
+titan_pipe.io.paths.resolve_inside (an export dir is someone else's data), then the fields. Names
+of the graphs' files, inputs and outputs are titan_pipe.graphs.graph_io's.
 
 Layout (format ``titan-pipe-export/3``; versions 1 and 2 load too: 1 without per-layer values, 1
 and 2 with ``{bytes, sha256}`` file entries, read as algorithm sha256):
@@ -14,7 +14,7 @@ and 2 with ``{bytes, sha256}`` file entries, read as algorithm sha256):
                    embed_output, layer_outputs [...], attn_outputs [...], mlp_outputs [...]}}
   files    {relative path: {bytes, algorithm, digest | null}}   export_seconds, timings_seconds
 
-``algorithm`` names the digest (titan_pipe.hashing.DIGESTS: xxh3_128 by default, sha256 on request);
+``algorithm`` names the digest (titan_pipe.io.hashing.DIGESTS: xxh3_128 by default, sha256 on request);
 ``check_files`` re-computes each with it, so a corrupted or swapped data file is refused in one line.
 """
 
@@ -24,14 +24,14 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from titan_pipe import limits
-from titan_pipe.checkpoint_format import FILE_BYTES
+from titan_pipe.rules import limits
+from titan_pipe.records.checkpoint_format import FILE_BYTES
 from titan_pipe.errors import UserError
-from titan_pipe.graph_io import CACHE_UPDATE, PREFILL_FILE, WRITE_INDEX
-from titan_pipe.hashing import DIGESTS, file_digest
-from titan_pipe.limits import Bound
-from titan_pipe.paths import resolve_inside
-from titan_pipe.values import INT, read, read_json
+from titan_pipe.graphs.graph_io import CACHE_UPDATE, PREFILL_FILE, WRITE_INDEX
+from titan_pipe.io.hashing import DIGESTS, file_digest
+from titan_pipe.rules.limits import Bound
+from titan_pipe.io.paths import resolve_inside
+from titan_pipe.rules.values import INT, read, read_json
 
 RECORD_FILE = "export.json"
 FORMAT_NAME = "titan-pipe-export"
@@ -91,7 +91,7 @@ class DecodeContract:
 class FileEntry:
     bytes: int
     digest: str | None  # hex; None: not hashed (export --no-hash-weights)
-    algorithm: str = "sha256"  # of ``digest`` (titan_pipe.hashing.DIGESTS); records before version 3: sha256
+    algorithm: str = "sha256"  # of ``digest`` (titan_pipe.io.hashing.DIGESTS); records before version 3: sha256
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ def _name(value) -> str | None:
     return value
 
 
-# The record's numbers, typed strictly and bounded (titan_pipe.values) like every number read from a file.
+# The record's numbers, typed strictly and bounded (titan_pipe.rules.values) like every number read from a file.
 COUNT = Bound(0, 2**40, "nodes or operator uses of one graph")
 _MALFORMED = "a malformed field; re-export with `titan-pipe export`"
 OPSET = Bound(1, 1000, "an ONNX opset")

@@ -5,7 +5,7 @@ source file), which tokenizer the model dir carries, and what was written. Evalu
 tokenizer from it; flows do not key their cache on it (it holds a timestamp).
 
 Layout (``format: titan-pipe-provenance/2``): source {format, path, step, layout, algorithm
-("sha256" | "xxh3_128", titan_pipe.hashing.DIGESTS), digests {file: hex digest}, verified},
+("sha256" | "xxh3_128", titan_pipe.io.hashing.DIGESTS), digests {file: hex digest}, verified},
 converter, tokenizer null | {tokenizer: "byte" | "tokenizer.json" | null, files {name: sha256}},
 output {kind, naming, dtype, tp, pp, files [...]}, created (UTC, ISO 8601). Version 1 (and records
 from before the format field) named the source digests ``sha256`` and ``sha256_verified``; they load
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from titan_pipe.errors import UserError
-from titan_pipe.hashing import DIGESTS
+from titan_pipe.io.hashing import DIGESTS
 
 PROVENANCE_FILE = "provenance.json"
 FORMAT_NAME = "titan-pipe-provenance"
@@ -34,7 +34,7 @@ class SourceInfo:
     step: int | None = None
     layout: dict = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # source file -> hex digest
-    algorithm: str = "sha256"  # of ``digests``: one of titan_pipe.hashing.DIGESTS
+    algorithm: str = "sha256"  # of ``digests``: one of titan_pipe.io.hashing.DIGESTS
     verified: bool = True  # False: the source's own recorded digests, not re-computed
 
     @classmethod

@@ -1,6 +1,6 @@
 """The guardian of a child process tree: it dies with the command that started it, and takes the tree along.
 
-Started by titan_pipe.procs (never by hand), by file path with ``python -I -S`` so it imports the
+Started by titan_pipe.processes.procs (never by hand), by file path with ``python -I -S`` so it imports the
 standard library only and starts in milliseconds:
 
   guard.py --parent-fd FD [--grace S] -- CMD ...   run CMD as our child and guard its whole tree

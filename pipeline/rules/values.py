@@ -4,7 +4,7 @@ config.json, params.json, manifest.json, Megatron args, export.json and flow.yam
 and flags that size what titan-pipe allocates. Nothing read from them is coerced: ``"false"`` is
 not a boolean, ``4.7`` and ``4.0`` are not layer counts, ``true`` is not the integer 1, ``null``
 is not a dimension. Every refusal is one UserError line: the file, the key, the value (cut short
-by titan_pipe.limits.shown) and the fix.
+by titan_pipe.rules.limits.shown) and the fix.
 
     n = read(cfg, "num_hidden_layers", INT, source=path, bound=limits.LAYERS)
     eps = read(cfg, "rms_norm_eps", FLOAT, source=path, default=1e-5, bound=limits.NORM_EPS)
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from titan_pipe.errors import UserError
-from titan_pipe.limits import JSON_BYTES, Bound, shown
+from titan_pipe.rules.limits import JSON_BYTES, Bound, shown
 
 INT, FLOAT, BOOL, STR, DICT, LIST = "int", "float", "bool", "str", "dict", "list"
 REQUIRED = object()  # the ``default`` of a key that must be present

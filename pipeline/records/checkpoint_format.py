@@ -17,13 +17,13 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from titan_pipe import limits
-from titan_pipe.choices import PP_SCHEDULES
+from titan_pipe.rules import limits
+from titan_pipe.rules.choices import PP_SCHEDULES
 from titan_pipe.errors import UserError
 from titan_pipe.tokens.model_files import token_ids
-from titan_pipe.limits import Bound, shown
-from titan_pipe.mesh_math import world_size
-from titan_pipe.values import BOOL, DICT, INT, STR, check, read, refuse
+from titan_pipe.rules.limits import Bound, shown
+from titan_pipe.rules.mesh_math import world_size
+from titan_pipe.rules.values import BOOL, DICT, INT, STR, check, read, refuse
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_NAME = "titan-pipe-checkpoint"
@@ -92,7 +92,7 @@ def split_box(shape: tuple[int, ...], dim: int | None, n: int, i: int) -> Box:
     return Box(tuple(offs), tuple(lens))
 
 
-# A manifest's numbers size what readers plan and allocate: typed strictly, bounded (titan_pipe.values).
+# A manifest's numbers size what readers plan and allocate: typed strictly, bounded (titan_pipe.rules.values).
 DIM_SIZE = Bound(0, 2**40, "one dimension of one tensor")
 _MALFORMED = "the manifest holds a malformed value; copy the checkpoint again"
 FILE_BYTES = Bound(0, 2**50, "one shard file")
@@ -214,7 +214,7 @@ class ParallelLayout:
         """The layout of a manifest's ``parallel`` object; LayoutError naming the field otherwise."""
         if not isinstance(d, dict):
             raise LayoutError(f"{source}: 'parallel' is a {type(d).__name__}, not an object")
-        # Every value typed strictly and bounded (titan_pipe.values): "2" is no tp, 0 no pp.
+        # Every value typed strictly and bounded (titan_pipe.rules.values): "2" is no tp, 0 no pp.
         kw = dict(source=source, prefix="parallel.", exc=LayoutError, fix=_MALFORMED)
         sizes = {k: read(d, k, INT, default=1, bound=limits.PARALLEL, **kw) for k in ("dp", "tp", "pp")}
         schedule = read(d, "pp_schedule", STR, default="1f1b", **kw)

@@ -5,7 +5,7 @@ in its own session. The guardian holds the read end of a pipe only this process 
 this process ends in any way (exit, exception, SIGTERM, SIGKILL) the guardian sees end of file and
 stops the whole tree — ``cmd``, and the processes ``cmd`` started even in their own sessions
 (torchrun's ranks): SIGTERM, then SIGKILL after ``grace`` seconds. Locks this process holds
-(titan_pipe.run_lock) are passed to the guardian, which exits last, so a lock is never free while a
+(titan_pipe.processes.run_lock) are passed to the guardian, which exits last, so a lock is never free while a
 writer it covers is alive. ``Tree.stop(sig)`` stops the tree on purpose (Ctrl-C, a timeout).
 
 ``run`` is ``subprocess.run`` on top of it; ``watch(pid)`` guards a process someone else started
@@ -54,7 +54,7 @@ def _start_guard(
 
 
 def _held_locks() -> list[int]:
-    from titan_pipe.run_lock import held_fds
+    from titan_pipe.processes.run_lock import held_fds
 
     return held_fds()
 
@@ -120,7 +120,7 @@ def popen(cmd: Sequence[str], *, grace: float | None = None, hold: Sequence[int]
     """Start ``cmd`` under a guardian; ``kwargs`` as for subprocess.Popen (stdout, env, cwd, text...).
 
     ``hold``: file descriptors the guardian keeps open until the tree is gone (default: the locks
-    this process holds, titan_pipe.run_lock).
+    this process holds, titan_pipe.processes.run_lock).
     """
     return Tree(
         *_start_guard(["--", *map(str, cmd)], grace=grace, hold=_held_locks() if hold is None else hold, **kwargs)
@@ -152,7 +152,7 @@ def die_with_parent(parent: int) -> None:
     ``parent`` (the PID that started it, passed in by that process) ends, however it ends, and exit
     now if that already happened. Call it first thing in the worker (a pool's ``initializer``).
     Linux; elsewhere nothing."""
-    from titan_pipe.guard import PR_SET_PDEATHSIG, prctl
+    from titan_pipe.processes.guard import PR_SET_PDEATHSIG, prctl
 
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if sys.platform.startswith("linux") and os.getppid() != parent:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from titan_pipe.limits import shown
+from titan_pipe.rules.limits import shown
 
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 # decimal units as disks and Hugging Face count; the -iB units binary

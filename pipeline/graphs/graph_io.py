@@ -1,7 +1,7 @@
 """The deployed graphs' interface: file names, input/output names and the decode contract, spelled once.
 
 The exporter builds graphs with these names, the export record lists them, the generation loop
-(titan_pipe.generation) feeds them and evaluate's runners read them (docs/export.md):
+(titan_pipe.graphs.generation) feeds them and evaluate's runners read them (docs/export.md):
 
   model.onnx   prefill: input_ids, attention_mask, position_ids (B, T) -> logits (B, T, vocab)
                [+ present.{i}.key/value (B, Hkv, T, hd) with the KV cache] [+ hidden.{i} (B, T, dim)]
@@ -62,7 +62,7 @@ def present_of(past: str) -> str:
 
 def router_name(i: int) -> str:
     """The experts layer ``i`` of a mixture of experts chose per token ((N, k) int64): a value of the
-    exported graphs (titan_pipe.onnx_nodes.route names it), which evaluate's router row compares."""
+    exported graphs (titan_pipe.graphs.onnx_nodes.route names it), which evaluate's router row compares."""
     return f"layers.{i}.route.topk"
 
 

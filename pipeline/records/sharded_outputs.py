@@ -21,7 +21,7 @@ import re
 import sys
 from pathlib import Path
 
-from titan_pipe.safetensors_io import load
+from titan_pipe.io.safetensors_io import load
 
 MODULE = "titan_pipe.training.sharded_forward"
 TOKENS_FILE = "tokens.safetensors"

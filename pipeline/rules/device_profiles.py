@@ -6,7 +6,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-PROFILES_FILE = Path(__file__).parent / "data" / "device_profiles.json"
+PROFILES_FILE = Path(__file__).parent.parent / "data" / "device_profiles.json"
 
 
 @lru_cache(maxsize=1)

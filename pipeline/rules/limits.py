@@ -4,7 +4,7 @@ A number from a file someone else wrote (config.json, params.json, manifest.json
 export.json, flow.yaml) or from a flag sizes allocations, loops and search spaces. Each bound
 here is far above any real model or cluster (the figures in the comments) and far below what
 would exhaust a machine, so a value past it is refused in one line before anything is allocated.
-titan_pipe.values reads values against these; the CLI checks flags with ``check_flag``.
+titan_pipe.rules.values reads values against these; the CLI checks flags with ``check_flag``.
 """
 
 from __future__ import annotations

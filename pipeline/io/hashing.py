@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-DIGESTS = ("xxh3_128", "sha256")  # export.digest's choice set (titan_pipe.choices re-exports it)
+DIGESTS = ("xxh3_128", "sha256")  # export.digest's choice set (titan_pipe.rules.choices re-exports it)
 
 
 def new_hasher(algorithm: str):

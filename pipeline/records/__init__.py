@@ -1,0 +1,1 @@
+"""The core's records: what the stages hand each other on disk and in memory: the checkpoint format, the export record, a unified dir's provenance, the sharded forward's exchange files, the stages' typed summaries."""
