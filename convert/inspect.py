@@ -77,7 +77,6 @@ def render(r: InspectResult, console: Console) -> None:
             ("norm weights offset from 1", m.get("norm_offset")),
             ("norms after attention and MLP too", m.get("sandwich_norms")),
             ("GeGLU", m.get("activation") == "gelu_tanh"),
-            ("embeddings x sqrt(dim)", m.get("embed_scale")),
         )
         if on
     ]

@@ -1,8 +1,8 @@
 """A model feature is one file (titan_pipe.model.features): its parameters, its torch forward, its
 ONNX nodes, its conformance row, its planner terms and its checkpoint keys come from there, and no
-stage tests its switch itself. Checked on the features moved there (q/k/v biases, q/k norms); the
-families' and stages' numerics with them on are the Qwen2 / Qwen3 / Gemma 3 tests (test_families,
-test_released_models)."""
+stage tests its switch itself. Checked on the features moved there (q/k/v biases, q/k norms,
+scaled embeddings); the families' and stages' numerics with them on are the Qwen2 / Qwen3 / Gemma 3
+tests (test_families, test_released_models, test_gemma3_config)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from titan_pipe.model import features
 from titan_pipe.model.args import FLAVOURS, ModelArgs, count_params, flops_per_token, args_problems
 from titan_pipe.model.families import FAMILIES, family_of
-from titan_pipe.model.features import qk_norm, qkv_bias
+from titan_pipe.model.features import embed_scale, qk_norm, qkv_bias
 from titan_pipe.model.params import LAYER_PARAMS, native_names
 from titan_pipe.model.transformer import build_model
 
@@ -75,7 +75,25 @@ def test_the_biases_are_the_features_rows_and_its_adds():
     attn = build_model(on).layers["0"].attention
     assert attn.wq.bias is not None and attn.wv.bias is not None and attn.wo.bias is None
     assert build_model(off).layers["0"].attention.wq.bias is None
-    assert family_of(on).model_type == "qwen2" and FAMILIES["qwen2"].switches() == {"qkv_bias": True, "qk_norm": False}
+    assert family_of(on).model_type == "qwen2" and {k for k, on in FAMILIES["qwen2"].switches().items() if on} == {
+        "qkv_bias"
+    }
+
+
+def test_scaled_embeddings_are_a_feature_without_parameters():
+    """Gemma 3's sqrt(dim) on the embedding rows, rounded to their dtype, in the module (and the
+    reference evaluate runs, which calls the same function); a switch of the numerics, not the shapes."""
+    from titan_pipe import model
+    from titan_pipe.model.args import SAME_MODEL_KEYS, SHAPE_KEYS
+    from titan_pipe.model.transformer import scale_embeddings
+
+    h = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    assert torch.equal(scale_embeddings(h, small(embed_scale=True)), h * torch.tensor(8.0, dtype=torch.bfloat16))
+    assert scale_embeddings(h, small()) is h
+    assert embed_scale.FEATURE.params == () and count_params(small(embed_scale=True)) == count_params(small())
+    assert "embed_scale" in SAME_MODEL_KEYS and "embed_scale" not in SHAPE_KEYS
+    g = model.gemma3
+    assert g.REQUIRED["embed_scale"] is True and g.OFF["embed_scale"] is False and "qk_norm" not in g.OFF
 
 
 def test_the_torch_hook_normalises_each_head_of_q_and_k_before_rope():
@@ -105,7 +123,8 @@ def test_families_are_lists_of_features():
     assert any(
         p.startswith("qk_norm: true together with qkv_bias: no Hugging Face architecture has both") for p in problems
     )
-    assert FAMILIES["qwen3"].switches() == {"qkv_bias": False, "qk_norm": True}
+    assert {k for k, on in FAMILIES["qwen3"].switches().items() if on} == {"qk_norm"}
+    assert {k for k, on in FAMILIES["gemma3_text"].switches().items() if on} == {"qk_norm", "embed_scale"}
     assert not any(FAMILIES["llama"].switches().values())
     with pytest.raises(ValueError, match="a mixture of experts with q/k/v biases: no supported architecture"):
         family_of(replace(FLAVOURS["mixtral_8x7b"], qkv_bias=True))

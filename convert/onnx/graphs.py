@@ -356,8 +356,9 @@ def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry])
     sh = _shapes(g, args, bt)
     rope = _positions(g, args, spec, bt)
     h = embedding(g, "tok_embeddings.weight", INPUT_IDS, "embed")
-    if args.embed_scale:  # Gemma: times sqrt(dim), rounded to the graph dtype as the module does
-        h = g.op("Mul", [h, g.fconst(args.dim**0.5)], "embed.scaled")
+    for f in features.active(args):  # as the module's scale_embeddings (titan_pipe.model.features)
+        if f.onnx_embed is not None:
+            h = f.onnx_embed(g, h, args)
     values = LayerValues(embed_output=h)
     outputs: dict[str, str] = {}
     for i in range(args.n_layers):

@@ -678,7 +678,7 @@ SHAPE_KEYS = (
     "head_dim",
     "vocab_size",
     "hidden_dim",
-    *features.switches(),
+    *(f.name for f in features.FEATURES if f.params),  # the features with parameters of their own
     "sandwich_norms",
     "n_experts",
     "expert_dim",
@@ -694,7 +694,7 @@ SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + (
     "router_norm_topk",
     "norm_offset",
     "activation",
-    "embed_scale",
+    *(f.name for f in features.FEATURES if not f.params),  # the others change the numerics only
     "global_every",
     "rope_local_theta",
     "attn_scale",

@@ -26,7 +26,7 @@ from titan_pipe.rules import limits
 from titan_pipe.errors import UserError
 from titan_pipe.rules.limits import Bound
 from titan_pipe.model import features
-from titan_pipe.model.features import qk_norm
+from titan_pipe.model.features import embed_scale, qk_norm
 from titan_pipe.model.rope_scaling import RopeScaling, read_rope_scaling
 from titan_pipe.rules.values import BOOL, DICT, FLOAT, INT, STR, read, refuse
 
@@ -49,11 +49,11 @@ DEFAULTS = {
 
 
 # The switches Gemma 3 always has, together
-FEATURES = (qk_norm.FEATURE,)  # the features (titan_pipe.model.features) Gemma 3 always has
+FEATURES = (qk_norm.FEATURE, embed_scale.FEATURE)  # the features (titan_pipe.model.features) it always has
+OWN = (embed_scale.FEATURE,)  # of those, the ones only Gemma 3 among the families has
 REQUIRED = {
     "norm_offset": True,
     "sandwich_norms": True,
-    "embed_scale": True,
     "activation": "gelu_tanh",
     **{f.name: True for f in FEATURES},
 }
@@ -63,7 +63,7 @@ REQUIRED = {
 OFF = {
     "norm_offset": False,
     "sandwich_norms": False,
-    "embed_scale": False,
+    **{f.name: False for f in OWN},
     "activation": "silu",
     "global_every": 0,
     "rope_local_theta": None,

@@ -49,7 +49,6 @@ COMPARED: dict[str, str] = {
     "norm_offset": "norm_offset",
     "activation": "activation",
     "sandwich_norms": "sandwich_norms",
-    "embed_scale": "embed_scale",
     "global_every": "global_every",
     "rope_local_theta": "rope_local_theta",
     "attn_scalar": "attn_scale",

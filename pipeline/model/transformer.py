@@ -301,10 +301,11 @@ def balance_loss(assigned: torch.Tensor, prob: torch.Tensor, rows, n_experts: in
 
 
 def scale_embeddings(h: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    """Embedding rows times sqrt(dim), rounded to their dtype, with ``embed_scale`` (Gemma); else as they are."""
-    if not args.embed_scale:
-        return h
-    return h * torch.tensor(args.dim**0.5, dtype=h.dtype, device=h.device)
+    """The embedding rows as the first layer takes them: each feature's ``embed`` (titan_pipe.model.features)."""
+    for f in features.active(args):
+        if f.embed is not None:
+            h = f.embed(h, args)
+    return h
 
 
 class Transformer(nn.Module):

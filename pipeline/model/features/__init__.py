@@ -1,8 +1,8 @@
 """Architectural features, one file each (see feature.py for what a feature owns).
 
 ``FEATURES`` is the list the stages iterate; a model family (titan_pipe.model.families) names the
-features its architecture always has. Migrated so far: q/k/v biases (qkv_bias.py) and q/k norms
-(qk_norm.py). The others (sliding windows, mixtures of experts, Gemma 3's switches) are still tested
+features its architecture always has. Migrated so far: q/k/v biases (qkv_bias.py), q/k norms
+(qk_norm.py) and scaled embeddings (embed_scale.py). The others (sliding windows, mixtures of experts, Gemma 3's switches) are still tested
 as ModelArgs switches where they are used (docs/architecture.md, "Features").
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from titan_pipe.model.features import qk_norm, qkv_bias
+from titan_pipe.model.features import embed_scale, qk_norm, qkv_bias
 from titan_pipe.model.features.feature import Conformance, Feature
 
 if TYPE_CHECKING:
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Conformance", "FEATURES", "Feature", "active", "biased", "problems", "switches"]
 
-FEATURES: tuple[Feature, ...] = (qkv_bias.FEATURE, qk_norm.FEATURE)
+FEATURES: tuple[Feature, ...] = (qkv_bias.FEATURE, qk_norm.FEATURE, embed_scale.FEATURE)
 BY_NAME: dict[str, Feature] = {f.name: f for f in FEATURES}
 # features no architecture has together, and why (a relation between two files, so kept in the list)
 EXCLUSIVE: tuple[tuple[Feature, Feature, str], ...] = (

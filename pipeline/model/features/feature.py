@@ -54,6 +54,10 @@ class Feature:
     attention_heads: Callable[[Any, str, Any], Any] | None = None
     # ONNX: (nodes, graph, y, part, weight(native name) -> initializer, eps, prefix, offset) -> y
     onnx_heads: Callable[..., str] | None = None
+    # torch: ((B, T, dim) embedding rows, args) -> the rows the first layer takes
+    embed: Callable[[Any, "ModelArgs"], Any] | None = None
+    # ONNX: (graph, the embedding's output, args) -> the value the first layer takes
+    onnx_embed: Callable[..., str] | None = None
     # planner: (args, resid dtype bytes, tp) -> {term: bytes one token keeps for backward, per layer}
     activation_terms: Callable[["ModelArgs", int, int], dict[str, float]] | None = None
     conformance: tuple[Conformance, ...] = ()
