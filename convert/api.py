@@ -312,9 +312,7 @@ def convert_checkpoint(
             if sharded:
                 written += tok_files
                 written.append(
-                    _write_manifest(
-                        tmp, plan, out, tokenizer=tok_record.tokenizer, attached=tok_infos, token_ids=token_ids
-                    )
+                    _write_manifest(tmp, plan, out, tokenizer=tok_record.kind, attached=tok_infos, token_ids=token_ids)
                 )
             elif adapter:
                 _write_json(tmp / ADAPTER_CONFIG, lora.adapter_config(plan, spec))
@@ -367,7 +365,7 @@ def convert_checkpoint(
         files=len(out.files),
         wall_s=round(wall, 3),
         gb_per_s=round(total / wall / 1e9, 3) if wall > 0 else None,
-        tokenizer=tok_record.tokenizer,
+        tokenizer=tok_record.kind,
         stop_ids=token_ids.get("eos_token_id"),
         nonfinite=tuple(sorted(nonfinite)),
         nonfinite_checked="all" if verify or not headers else "assembled tensors only",

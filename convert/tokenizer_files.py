@@ -23,7 +23,7 @@ from titan_pipe.weights.source_plan import SourcePlan
 from titan_pipe.errors import UserError
 from titan_pipe.io.hashing import sha256_file
 from titan_pipe.io.paths import resolve_inside
-from titan_pipe.records.provenance import TokenizerInfo
+from titan_pipe.tokens.identity import TokenizerRecord
 from titan_pipe.tokens.model_files import GENERATION_CONFIG, dir_token_ids
 from titan_pipe.tokens.tokenizer import TOKENIZER_SIDE_FILES
 
@@ -65,7 +65,7 @@ def source_token_ids(plan: SourcePlan) -> dict:
 
 def copy_tokenizer_files(
     plan: SourcePlan, dest: Path, *, byte_files: bool = True
-) -> tuple[list[Path], TokenizerInfo, dict[str, FileInfo]]:
+) -> tuple[list[Path], TokenizerRecord, dict[str, FileInfo]]:
     """Copy the source's side files into ``dest`` (the conversion's temp dir); ``byte_files``: write
     the byte tokenizer's Hugging Face form where the source trained on it (a unified output).
 
@@ -87,7 +87,7 @@ def copy_tokenizer_files(
                 f"records {expected[name][:12]}...; the file was replaced. Copy the checkpoint again"
             )
         written.append(path)
-    byte = extra is not None and extra.tokenizer == "byte"
+    byte = extra is not None and TokenizerRecord.of_checkpoint(extra).kind == "byte"
     kind = "tokenizer.json" if "tokenizer.json" in todo else "byte" if byte else None
     if kind == "byte" and byte_files:  # the byte tokenizer in Hugging Face's form, so AutoTokenizer loads the model dir
         from titan_pipe.io.atomic import write_text
@@ -99,4 +99,4 @@ def copy_tokenizer_files(
             digests[name] = sha256_file(path)
             written.append(path)
     infos = {p.name: FileInfo(p.stat().st_size, digests[p.name]) for p in written}
-    return written, TokenizerInfo(kind, digests), infos
+    return written, TokenizerRecord(kind, sha256=digests.get("tokenizer.json"), files=digests), infos

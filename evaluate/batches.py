@@ -23,6 +23,7 @@ from titan_pipe.records.checkpoint_format import is_complete
 from titan_pipe.config import FlowConfig
 from titan_pipe.errors import UserError
 from titan_pipe.records.provenance import Provenance
+from titan_pipe.tokens.identity import TokenizerRecord
 
 
 @dataclass(frozen=True)
@@ -109,19 +110,16 @@ def pick_tokenizer(model_dir: Path | None, checkpoint: Path | None = None) -> st
     """
     if model_dir is not None:
         prov = Provenance.find(model_dir)
-        if prov is not None and prov.tokenizer is not None and prov.tokenizer.tokenizer == "byte":
+        record = prov.tokenizer if prov is not None else None
+        if record is not None and record.kind == "byte":
             _check_byte_form(Path(model_dir))
             return "byte"
-        if (Path(model_dir) / "tokenizer.json").is_file():
+        if (Path(model_dir) / "tokenizer.json").is_file():  # a record's or a released model's own
             return str(Path(model_dir) / "tokenizer.json")
     if checkpoint is not None and is_complete(Path(checkpoint)):
         from titan_pipe.records.checkpoint_format import Manifest
 
-        kind = Manifest.load(checkpoint).extra.tokenizer
-        if kind == "tokenizer.json":
-            return str(Path(checkpoint) / "tokenizer.json")
-        if kind == "byte":
-            return "byte"
+        return TokenizerRecord.of_checkpoint(Manifest.load(checkpoint).extra).path_in(Path(checkpoint))
     return None
 
 

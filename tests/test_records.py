@@ -3,6 +3,7 @@ record and the provenance record — round trips, records written by the previou
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -30,7 +31,8 @@ from titan_pipe.model.params import (
 )
 from titan_pipe.model.sharding import TP_PLAN, stage_of, tp_split_dim
 from titan_pipe.model.transformer import build_model
-from titan_pipe.records.provenance import PROVENANCE_FILE, Provenance, SourceInfo, TokenizerInfo
+from titan_pipe.records.provenance import PROVENANCE_FILE, Provenance, SourceInfo
+from titan_pipe.tokens.identity import TokenizerRecord
 
 
 # --- the parameter list ---------------------------------------------------------------------------
@@ -290,7 +292,7 @@ def test_provenance_round_trips_and_reads_records_without_a_format(tmp_path):
         converter="titan-pipe-convert 1",
         output={"kind": "unified"},
         created="2025-01-01T00:00:00Z",
-        tokenizer=TokenizerInfo("tokenizer.json", {"tokenizer.json": "1" * 64}),
+        tokenizer=TokenizerRecord("tokenizer.json", files={"tokenizer.json": "1" * 64}),
     )
     (tmp_path / PROVENANCE_FILE).write_text(p.to_json())
     assert Provenance.load(tmp_path) == p
@@ -322,3 +324,40 @@ def test_provenance_round_trips_and_reads_records_without_a_format(tmp_path):
     with pytest.raises(UserError, match=r"source.algorithm 'md5' is not one of xxh3_128, sha256"):
         Provenance.load(tmp_path)
     assert Provenance.find(tmp_path / "none") is None
+
+
+def test_one_tokenizer_record_each_file_holding_its_part(tmp_path):
+    """data.json, provenance.json and a checkpoint's manifest each hold their fields of the one
+    TokenizerRecord, as they always did; each reads back to the record; a tampered data.json field is
+    refused naming it."""
+    from titan_pipe.records.checkpoint_format import CheckpointExtra, FileInfo
+
+    rec = TokenizerRecord("tokenizer.json", "a" * 64, 151_936, None, 151_645)
+    assert rec.data_fields() == {
+        "kind": "tokenizer.json",
+        "sha256": "a" * 64,
+        "vocab_size": 151_936,
+        "bos_id": None,
+        "eos_id": 151_645,
+    }
+    assert TokenizerRecord.from_data_fields(json.loads(json.dumps(rec.data_fields()))) == rec
+    assert rec.fingerprint == f"tokenizer.json:{'a' * 64}:151936:151645" and rec.describe().endswith("a" * 12)
+    carried = TokenizerRecord("byte", files={"tokenizer.json": "b" * 64})
+    assert carried.provenance_fields() == {"tokenizer": "byte", "files": {"tokenizer.json": "b" * 64}}
+    assert TokenizerRecord.from_provenance_fields(carried.provenance_fields()) == carried
+    extra = CheckpointExtra(tokenizer="tokenizer.json", attached={"tokenizer.json": FileInfo(10, "c" * 64)})
+    got = TokenizerRecord.of_checkpoint(extra)
+    assert (got.kind, got.sha256, got.files) == ("tokenizer.json", "c" * 64, {"tokenizer.json": "c" * 64})
+    assert got.path_in(tmp_path) == str(tmp_path / "tokenizer.json")
+    assert TokenizerRecord.of_checkpoint(CheckpointExtra(tokenizer="byte")).path_in(tmp_path) == "byte"
+    assert TokenizerRecord.of_checkpoint(CheckpointExtra()).path_in(tmp_path) is None
+    for bad, said in (
+        ({**rec.data_fields(), "vocab_size": "5"}, "tokenizer.vocab_size is '5'"),
+        ({**rec.data_fields(), "eos_id": True}, "tokenizer.eos_id is True"),
+        ({**rec.data_fields(), "kind": "sentencepiece"}, "tokenizer.kind is 'sentencepiece'"),
+        ({**rec.data_fields(), "bos_id": -1}, "tokenizer.bos_id is -1, below 0"),
+        ({**rec.data_fields(), "files": {}}, "unknown field(s) ['files']"),
+        ([1, 2], "not an object"),
+    ):
+        with pytest.raises((TypeError, ValueError), match=re.escape(said)):
+            TokenizerRecord.from_data_fields(bad)

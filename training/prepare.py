@@ -24,7 +24,8 @@ from titan_pipe.errors import UserError
 from titan_pipe.io.hashing import sha256_file
 from titan_pipe.tokens.dataset import val_start
 from titan_pipe.tokens.indexed import IndexedTokens, IndexWriter, token_dtype
-from titan_pipe.tokens.record import PREFIX, DataRecord, SourceInfo, Split, TokenizerInfo, is_prepared
+from titan_pipe.tokens.identity import TokenizerRecord
+from titan_pipe.tokens.record import PREFIX, DataRecord, SourceInfo, Split, is_prepared
 from titan_pipe.tokens.sources import corpus_files, iter_blocks
 from titan_pipe.tokens.tokenizer import build_tokenizer, tokenizer_info
 from titan_pipe.training.tokenize_pool import ChatSpec, chunk_blocks, encode_stream
@@ -85,7 +86,7 @@ def shard_pieces(files: list[Path], sizes: list[int], shard: Shard | None) -> li
 
 
 def prepare_key(
-    info: TokenizerInfo,
+    info: TokenizerRecord,
     text_key: str,
     val_fraction: float,
     sources: list[SourceInfo],
@@ -115,7 +116,7 @@ class PreparePlan:
     files: list[Path]
     sources: list[SourceInfo]
     tokenizer: str  # "byte" or an absolute tokenizer.json path
-    info: TokenizerInfo
+    info: TokenizerRecord
     text_key: str
     val_fraction: float
     out_dir: Path

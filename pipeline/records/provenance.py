@@ -20,6 +20,7 @@ from pathlib import Path
 
 from titan_pipe.errors import UserError
 from titan_pipe.io.hashing import DIGESTS
+from titan_pipe.tokens.identity import TokenizerRecord
 
 PROVENANCE_FILE = "provenance.json"
 FORMAT_NAME = "titan-pipe-provenance"
@@ -49,21 +50,12 @@ class SourceInfo:
 
 
 @dataclass(frozen=True)
-class TokenizerInfo:
-    """What the model dir carries: "tokenizer.json" (copied, with ``files``' sha256s), "byte" (the
-    checkpoint was trained on bytes) or None (the source named none)."""
-
-    tokenizer: str | None
-    files: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
 class Provenance:
     source: SourceInfo | None  # None only in records written by hand
     converter: str = ""
     output: dict = field(default_factory=dict)  # kind, naming, dtype, tp, pp, files (relative paths written)
     created: str = ""
-    tokenizer: TokenizerInfo | None = None
+    tokenizer: TokenizerRecord | None = None  # what the dir carries (provenance_fields)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -71,7 +63,7 @@ class Provenance:
             "format": f"{FORMAT_NAME}/{self.format_version}",
             "source": None if self.source is None else asdict(self.source),
             "converter": self.converter,
-            "tokenizer": None if self.tokenizer is None else asdict(self.tokenizer),
+            "tokenizer": None if self.tokenizer is None else self.tokenizer.provenance_fields(),
             "output": self.output,
             "created": self.created,
         }
@@ -102,7 +94,7 @@ class Provenance:
                 converter=str(d.get("converter", "")),
                 output=dict(d.get("output") or {}),
                 created=str(d.get("created", "")),
-                tokenizer=None if tok is None else TokenizerInfo(tok.get("tokenizer"), dict(tok.get("files") or {})),
+                tokenizer=None if tok is None else TokenizerRecord.from_provenance_fields(tok),
                 format_version=int(version),
             )
             problem = _field_problem(got)
@@ -145,8 +137,8 @@ def _field_problem(p: Provenance) -> str | None:
             if not ok:
                 return f"{name} is {str(value)[:80]!r}, not of the type convert writes"
     if t is not None:
-        if t.tokenizer not in ("tokenizer.json", "byte", None):
-            return f"tokenizer.tokenizer is {str(t.tokenizer)[:80]!r}, not tokenizer.json, byte or null"
+        if t.kind not in ("tokenizer.json", "byte", None):
+            return f"tokenizer.tokenizer is {str(t.kind)[:80]!r}, not tokenizer.json, byte or null"
         if not _strings(t.files):
             return "tokenizer.files is not an object of file name -> sha256"
     files = p.output.get("files", [])

@@ -16,7 +16,8 @@ import numpy as np
 
 from titan_pipe.errors import UserError
 from titan_pipe.tokens.indexed import IndexedTokens, is_prefix, strip_suffix
-from titan_pipe.tokens.record import PREFIX, DataRecord, TokenizerInfo, is_prepared
+from titan_pipe.tokens.identity import TokenizerRecord
+from titan_pipe.tokens.record import PREFIX, DataRecord, is_prepared
 
 FINGERPRINT_BYTES = 1 << 16  # bytes of each end of a span that go into its fingerprint
 VOCAB_SAMPLES = 64  # spread reads of a dataset without a record, to check its ids against the vocab
@@ -146,7 +147,7 @@ def open_source(path: Path, *, val_fraction: float, fraction_given: bool = True)
     )
 
 
-def check_tokenizer(src: OpenedSource, tok: TokenizerInfo, *, vocab_size: int) -> None:
+def check_tokenizer(src: OpenedSource, tok: TokenizerRecord, *, vocab_size: int) -> None:
     """The data's ids come from ``tok`` (when its record says which) and fit in ``vocab_size``."""
     rec = src.record
     if rec is not None:
@@ -215,7 +216,7 @@ def open_data(
     *,
     val_fraction: float,
     fraction_given: bool = True,
-    tokenizer: TokenizerInfo | None = None,
+    tokenizer: TokenizerRecord | None = None,
     vocab_size: int | None = None,
 ) -> TokenData:
     """Open one dataset or a blend; check the tokenizer (and that a blend shares one) and the vocab."""

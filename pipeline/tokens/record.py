@@ -15,28 +15,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from titan_pipe.errors import UserError
+from titan_pipe.tokens.identity import TokenizerRecord
 
 DATA_JSON = "data.json"
 PREFIX = "tokens"  # tokens.bin / tokens.idx inside a prepared dir
 SCHEMA = 1
-
-
-@dataclass(frozen=True)
-class TokenizerInfo:
-    """Enough of a tokenizer to tell whether two datasets (or a dataset and a model) share it."""
-
-    kind: str  # "byte" or "tokenizer.json"
-    sha256: str | None  # of the tokenizer.json; None for the byte tokenizer
-    vocab_size: int
-    bos_id: int | None
-    eos_id: int
-
-    @property
-    def fingerprint(self) -> str:
-        return f"{self.kind}:{self.sha256 or '-'}:{self.vocab_size}:{self.eos_id}"
-
-    def describe(self) -> str:
-        return "byte" if self.kind == "byte" else f"tokenizer.json sha256 {self.sha256[:12]}"
 
 
 @dataclass(frozen=True)
@@ -61,7 +44,7 @@ class Split:
 @dataclass(frozen=True)
 class DataRecord:
     key: str
-    tokenizer: TokenizerInfo
+    tokenizer: TokenizerRecord  # data.json holds its data_fields()
     sources: list[SourceInfo]
     text_key: str
     dtype: str  # numpy name of the .bin ids: uint16 | int32
@@ -82,7 +65,7 @@ class DataRecord:
     format: str = field(default="megatron-indexed-dataset")
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "tokenizer": self.tokenizer.data_fields()}
 
     def save(self, out_dir: Path) -> Path:
         from titan_pipe.io.atomic import write_text
@@ -102,7 +85,7 @@ class DataRecord:
             rec = cls(
                 **{
                     **raw,
-                    "tokenizer": _typed(TokenizerInfo, raw["tokenizer"]),
+                    "tokenizer": TokenizerRecord.from_data_fields(raw["tokenizer"]),
                     "sources": [_typed(SourceInfo, s) for s in raw["sources"]],
                     "split": _typed(Split, raw["split"]),
                 }
@@ -160,7 +143,7 @@ def is_prepared(path: Path) -> bool:
 
 
 def prepared_from(
-    rec: DataRecord, files: list[Path], *, text_key: str, val_fraction: float, tokenizer: TokenizerInfo
+    rec: DataRecord, files: list[Path], *, text_key: str, val_fraction: float, tokenizer: TokenizerRecord
 ) -> bool:
     """True when ``rec`` was prepared from exactly ``files`` as they are now (paths, sizes, mtimes),
     with this text key, validation fraction and tokenizer: its tokens are what they would give."""

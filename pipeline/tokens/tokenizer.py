@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from titan_pipe.errors import UserError
-from titan_pipe.tokens.record import TokenizerInfo
+from titan_pipe.tokens.identity import TokenizerRecord
 
 # Special tokens looked for in a tokenizer.json when no tokenizer_config.json names them; the
 # spellings of LLaMA-2 (<s>, </s>), LLaMA-3 (<|begin_of_text|>, <|end_of_text|>), GPT-2 and BERT-likes.
@@ -188,13 +188,13 @@ def tokenizer_files(tok: ByteTokenizer | HFTokenizer) -> dict[str, Path]:
     return out
 
 
-def tokenizer_info(tok: ByteTokenizer | HFTokenizer) -> TokenizerInfo:
+def tokenizer_info(tok: ByteTokenizer | HFTokenizer) -> TokenizerRecord:
     """What identifies ``tok`` in a data record: kind, the tokenizer.json's sha256, vocab size, bos/eos."""
     if isinstance(tok, HFTokenizer):
         from titan_pipe.io.hashing import sha256_file
 
-        return TokenizerInfo("tokenizer.json", sha256_file(tok.path), tok.vocab_size, tok.bos_id, tok.eos_id)
-    return TokenizerInfo("byte", None, tok.vocab_size, tok.bos_id, tok.eos_id)
+        return TokenizerRecord("tokenizer.json", sha256_file(tok.path), tok.vocab_size, tok.bos_id, tok.eos_id)
+    return TokenizerRecord("byte", None, tok.vocab_size, tok.bos_id, tok.eos_id)
 
 
 def encode_documents(tok: ByteTokenizer | HFTokenizer, docs: list[str], dtype) -> tuple[np.ndarray, np.ndarray]:
