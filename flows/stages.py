@@ -257,7 +257,7 @@ def stage(name: str) -> Stage:
 def figures(output) -> str:
     """The one-line summary of a finished stage (the live output and the final table of `titan-pipe run`):
     its typed summary's line (titan_pipe.records.stage_summaries)."""
-    return output.summary.line(output.passed)
+    return output.summary.line()
 
 
 def publish(output, *, run_name: str, cached: bool) -> list[str]:

@@ -37,36 +37,27 @@ def init(directory: Path = typer.Argument(..., help="Directory to write flow.yam
     from titan_pipe.commands.example import SAMPLE_CHAT, example_flow, lora_flow, name_run, released_flow, sample_chat
 
     r = request
-    flavour, devices, device, force, sft, released, lora = (
-        r.flavour,
-        r.devices,
-        r.device,
-        r.force,
-        r.sft,
-        r.released,
-        r.lora,
-    )
     target = directory / "flow.yaml"
-    if lora is not None and not sft:
+    if r.lora is not None and not r.sft:
         raise UserError("--lora adapts a released model on chat data: add --sft (and --from HF_DIR or --flavour)")
-    if released is not None and flavour != "debug":
+    if r.released is not None and r.flavour != "debug":
         raise UserError("--from and --flavour both given; the released dir states the model: drop --flavour")
     # refused before anything is written
     text = (
-        released_flow(released.resolve(), sft=sft, devices=devices, device=device)
-        if released is not None
-        else example_flow(flavour, devices=devices, device=device, sft=sft)
+        released_flow(r.released.resolve(), sft=r.sft, devices=r.devices, device=r.device)
+        if r.released is not None
+        else example_flow(r.flavour, devices=r.devices, device=r.device, sft=r.sft)
     )
-    if lora is not None:
-        text = lora_flow(text, lora)
+    if r.lora is not None:
+        text = lora_flow(text, r.lora)
     text = name_run(text, directory)
     with faults.writing(target, what="the example flow.yaml"), path_lock(target, what="titan-pipe init"):
-        if target.exists() and not force:
+        if target.exists() and not r.force:
             raise UserError(f"{target} already exists; pass --force to overwrite it")
-        if sft and not (directory / SAMPLE_CHAT).exists():
+        if r.sft and not (directory / SAMPLE_CHAT).exists():
             write_text(directory / SAMPLE_CHAT, sample_chat())
         write_text(target, text)
-    extra = f" and {directory / SAMPLE_CHAT}" if sft else ""
+    extra = f" and {directory / SAMPLE_CHAT}" if r.sft else ""
     todo = "FILL IN" in text  # lines the user completes first (a fine-tune's init_from, a real tokenizer)
     console.print(
         f"wrote {target}{extra}; "

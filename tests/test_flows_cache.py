@@ -424,12 +424,14 @@ def test_every_stage_is_one_record_and_says_its_line():
     from titan_pipe.flows.stages import BY_NAME
 
     assert tuple(BY_NAME) == (cache.DATA, *cache.STAGES) == tuple(SUMMARIES)
-    assert DataSummary(tokens=112855, documents=9).line(None) == "112,855 tokens, 9 documents"
+    assert DataSummary(tokens=112855, documents=9).line() == "112,855 tokens, 9 documents"
     train = TrainSummary(final_loss=5.93731, tokens_per_s=352.4, mfu=0.0265, steps=4)
-    assert train.line(None) == "loss 5.9373, 352 tok/s, MFU 2.65%, 4 steps"
-    assert ConvertSummary(tensors=93, bytes=12_500_000, files=1).line(None) == "93 tensors, 12.5 MB, 1 file(s)"
-    assert ExportSummary(atc_status="not_found").line(None) == "ATC: not_found"
-    assert EvaluateSummary().line(False) == "verdict FAIL" and EvaluateSummary().line(True) == "verdict PASS"
+    assert train.line() == "loss 5.9373, 352 tok/s, MFU 2.65%, 4 steps"
+    assert ConvertSummary(tensors=93, bytes=12_500_000, files=1).line() == "93 tensors, 12.5 MB, 1 file(s)"
+    assert ExportSummary(atc_status="not_found").line() == "ATC: not_found"
+    assert (
+        EvaluateSummary(passed=False).line() == "verdict FAIL" and EvaluateSummary(passed=True).line() == "verdict PASS"
+    )
 
 
 def test_a_stage_summary_is_typed_and_read_back_from_the_cache_record():

@@ -107,10 +107,11 @@ def launch_failure(
     fault, else StageFailed with torchrun's status as exit code and the rank's own error first.
     ``records``: the launch's rank record dir (rank_records.RECORDS_ENV)."""
     where = failure_message(rc, run, started, log_offset, log)
-    cause = root_cause(_read_from(log, log_offset))
+    text = _read_from(log, log_offset)  # this launch's part of the log
+    cause = root_cause(text)
     found = rank_failure(records, cause[0] if cause is not None else None)
     if found is None:
-        limit = _process_limit(_read_from(log, log_offset))
+        limit = _process_limit(text)
         if limit is not None:  # torchrun itself met it (no rank got as far as to say so)
             return OutputFault(f"{limit} (torchrun stopped: {where[len('training failed: ') :]})")
     if found is not None and found.kind == "fault":

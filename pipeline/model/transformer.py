@@ -55,9 +55,8 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, kernels: Kernels, offset: bool = False):
         super().__init__()
-        self.eps, self.offset = eps, offset
+        self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
-        self.kernels = kernels
         self.norm = norm_for(kernels, offset)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ write and dropping one it no longer has.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 
@@ -44,19 +44,26 @@ class Summary:
 
     @classmethod
     def of(cls, d: dict | None) -> "Summary":
-        """The summary stored as ``d`` (a flow cache record): known fields only, absent ones as None."""
+        """The summary stored as ``d`` (a flow cache record): known fields only, absent ones their
+        default; a tuple field stored as a JSON list read back as a tuple."""
         d = d if isinstance(d, dict) else {}
-        return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
+        return cls(
+            **{
+                f.name: tuple(d[f.name] or ()) if isinstance(f.default, tuple) else d[f.name]
+                for f in fields(cls)
+                if f.name in d
+            }
+        )
 
-    def figures(self, passed: bool | None) -> list[str | None]:
+    def figures(self) -> list[str | None]:
         return []
 
     def rows(self) -> list[dict]:
         return [{"key": k, "value": cell(v)} for k, v in self.to_dict().items()]
 
-    def line(self, passed: bool | None) -> str:
+    def line(self) -> str:
         """The one-line summary of the finished stage (run's live output and its final table)."""
-        return ", ".join(p for p in self.figures(passed) if p)
+        return ", ".join(p for p in self.figures() if p)
 
 
 @dataclass(frozen=True)
@@ -67,7 +74,7 @@ class DataSummary(Summary):
     val_documents: int | None = None
     reused: bool = False
 
-    def figures(self, passed):
+    def figures(self):
         return [
             f"{self.tokens:,} tokens" if _count(self.tokens) is not None else None,
             f"{self.documents:,} documents" if _count(self.documents) is not None else None,
@@ -90,7 +97,7 @@ class TrainSummary(Summary):
     peak_flops_source: str | None = None
     plot: str | None = None
 
-    def figures(self, passed):
+    def figures(self):
         mfu = _number(self.mfu)
         return [
             f"loss {self.final_loss:.4f}" if _number(self.final_loss) is not None else None,
@@ -135,12 +142,7 @@ class ConvertSummary(Summary):
     nonfinite: tuple[str, ...] = ()
     nonfinite_checked: str = ""
 
-    @classmethod
-    def of(cls, d):
-        s = super().of(d)
-        return replace(s, nonfinite=tuple(s.nonfinite or ()))  # a stored record holds a list
-
-    def figures(self, passed):
+    def figures(self):
         return [
             f"{self.tensors} tensors" if self.tensors is not None else None,
             f"{self.bytes / 1e6:.1f} MB" if self.bytes is not None else None,
@@ -168,12 +170,7 @@ class ExportSummary(Summary):
     export_seconds: float | None = None
     timings_seconds: dict = field(default_factory=dict)
 
-    @classmethod
-    def of(cls, d):
-        s = super().of(d)
-        return replace(s, data_files=tuple(s.data_files or ()))
-
-    def figures(self, passed):
+    def figures(self):
         return [f"ATC: {self.atc_status}"]
 
 
@@ -197,8 +194,8 @@ class EvaluateSummary(Summary):
     perplexity: dict | None = None
     perplexity_before_finetune: float | None = None
 
-    def figures(self, passed):
-        return ["verdict PASS" if passed else "verdict FAIL"]
+    def figures(self):
+        return ["verdict PASS" if self.passed else "verdict FAIL"]
 
 
 SUMMARIES: dict[str, type[Summary]] = {

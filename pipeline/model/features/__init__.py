@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 __all__ = ["Conformance", "FEATURES", "Feature", "active", "biased", "problems", "switches"]
 
 FEATURES: tuple[Feature, ...] = (qkv_bias.FEATURE, qk_norm.FEATURE, embed_scale.FEATURE)
-BY_NAME: dict[str, Feature] = {f.name: f for f in FEATURES}
 # features no architecture has together, and why (a relation between two files, so kept in the list)
 EXCLUSIVE: tuple[tuple[Feature, Feature, str], ...] = (
     (
