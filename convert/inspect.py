@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from titan_pipe.model import features
+from titan_pipe.model.features import gates
 from titan_pipe.weights.detect import open_source
 from titan_pipe.weights.readers import lora
 from titan_pipe.weights.source_plan import SourcePlan
@@ -71,15 +72,9 @@ def render(r: InspectResult, console: Console) -> None:
         variant.append(
             f"1 global layer in {m['global_every']} (RoPE base {m['rope_theta']:,.0f}, sliding {m['rope_local_theta']:,.0f})"
         )
-    variant += [
-        k
-        for k, on in (
-            ("norm weights offset from 1", m.get("norm_offset")),
-            ("norms after attention and MLP too", m.get("sandwich_norms")),
-            ("GeGLU", m.get("activation") == "gelu_tanh"),
-        )
-        if on
-    ]
+    gate = gates.GATES.get(m.get("activation") or gates.DEFAULT.name)
+    if gate is not None and gate is not gates.DEFAULT:
+        variant.append(gate.label)
     console.print(
         f"model: dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads "
         f"({m['n_kv_heads'] or m['n_heads']} kv) of {m.get('head_dim') or m['dim'] // m['n_heads']}, "

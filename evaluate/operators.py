@@ -30,7 +30,9 @@ from titan_pipe.errors import UserError
 from titan_pipe.evaluate.metrics import TensorMetrics, compare_tensors
 from titan_pipe.graphs.generation import ort_session
 from titan_pipe.model import features, kernels
-from titan_pipe.model.kernels import apply_rotary_ref, attention_ref, rms_norm_offset, rms_norm_ref
+from titan_pipe.model.features import gates
+from titan_pipe.model.features.feature import row_shape
+from titan_pipe.model.kernels import apply_rotary_ref, attention_ref, rms_norm_ref
 from titan_pipe.rules.thresholds import check_metrics, resolve_thresholds
 
 PROBE_OPSET = 14  # the opset of the one-operator probe graphs built here (the export's is export.opset)
@@ -96,9 +98,7 @@ def _scale(case: str, spec) -> float:
     return {"normal": 1.0, "large": spec.large, "tiny": spec.tiny, "long": 1.0}[case]
 
 
-def _rows(case: str) -> tuple[int, int]:
-    """(rows, row length): long rows test reductions over many elements."""
-    return (4, 8192) if case == "long" else (16, 64)
+_rows = row_shape  # (rows, row length), as the features' own rows
 
 
 def _randn(rng, shape, scale):
@@ -148,19 +148,6 @@ def _norm_inputs(case, rng, spec):
 
 def _norm_graph(b, n, a):
     return nodes.rms_norm(b, n["x"], n["weight"], EPS, "norm")
-
-
-def _offset_norm_inputs(case, rng, spec):
-    """Gemma's norm weights are offsets from 1: small values around 0."""
-    rows, d = _rows(case)
-    return {
-        "x": _randn(rng, (rows, d), _scale(case, spec)),
-        "weight": (0.1 * rng.standard_normal(d)).astype(np.float32),
-    }
-
-
-def _offset_norm_graph(b, n, a):
-    return nodes.rms_norm(b, n["x"], n["weight"], EPS, "norm", offset=True)
 
 
 # -- RoPE (rotate-half) ----------------------------------------------------------------------
@@ -232,24 +219,8 @@ def _xy_inputs(case, rng, spec):
     return {"a": _randn(rng, shape, _scale(case, spec)), "b": _randn(rng, shape, _scale(case, spec))}
 
 
-def _swiglu_graph(b, n, a):
-    return nodes.swiglu(b, n["a"], n["b"], "swiglu")
-
-
-def _geglu_graph(b, n, a):
-    return nodes.geglu(b, n["a"], n["b"], "geglu")
-
-
 def _plain_norms(args) -> bool:
-    return not args.norm_offset
-
-
-def _silu_gated(args) -> bool:
-    return args.activation == "silu"
-
-
-def _gelu_gated(args) -> bool:
-    return args.activation == "gelu_tanh"
+    return not features.offset_norms(args)
 
 
 def _cast_torch(x):
@@ -266,18 +237,25 @@ def _cast_graph(b, n, a):
     return b.op("Cast", [b.op("Cast", [n["x"]], to=low)], to=b.elem)
 
 
-def _feature_row(feature, row) -> OpSpec:
-    """A feature's own conformance row (titan_pipe.model.features) as an OpSpec: run for the models
-    that have the feature; a norm row only where the model's norms are plain (an offset model's
-    norms are the rms_norm_offset row)."""
+def _row(row, family: Callable) -> OpSpec:
+    """A conformance row of titan_pipe.model.features (a feature's, a gate kind's) as an OpSpec, run
+    for the models ``family(args)`` says."""
     return OpSpec(
         row.name,
         row.description,
         lambda case, rng, spec: row.inputs(case, rng, _scale(case, spec)),
         lambda **tensors: row.torch_fn(kernels, EPS, **tensors),
         lambda b, n, a: row.graph(nodes, b, n, EPS),
-        family=lambda args: feature.on(args) and not (row.norm and args.norm_offset),
+        large=row.large,
+        tiny=row.tiny,
+        family=family,
     )
+
+
+def _feature_row(feature, row) -> OpSpec:
+    """A feature's own row: run for the models that have the feature; a norm row only where the
+    model's norms are plain (an offset model's norms are the rms_norm_offset row)."""
+    return _row(row, lambda args: feature.on(args) and not (row.norm and features.offset_norms(args)))
 
 
 OPERATORS: tuple[OpSpec, ...] = (
@@ -304,14 +282,6 @@ OPERATORS: tuple[OpSpec, ...] = (
         family=_plain_norms,
     ),
     *(_feature_row(f, c) for f in features.FEATURES for c in f.conformance),
-    OpSpec(
-        "rms_norm_offset",
-        "RMSNorm times (1 + weight) in float32 (Gemma; rms_norm_offset)",
-        _offset_norm_inputs,
-        lambda x, weight: rms_norm_offset(x, weight, EPS),
-        _offset_norm_graph,
-        family="norm_offset",
-    ),
     OpSpec("rope", "RoPE rotate-half (apply_rotary_ref)", _rope_inputs, _rope_torch, _rope_graph),
     OpSpec(
         "attention",
@@ -338,37 +308,7 @@ OPERATORS: tuple[OpSpec, ...] = (
         lambda b, n, a: b.op("Softmax", [n["x"]], axis=-1),
         large=30.0,
     ),
-    OpSpec(
-        "silu",
-        "SiLU x * sigmoid(x)",
-        _x_inputs,
-        lambda x: F.silu(x),
-        lambda b, n, a: nodes.silu(b, n["x"], "silu"),
-        family=_silu_gated,
-    ),
-    # tiny 1e-2: the product of two 1e-4 values is below float16's subnormals, which would test
-    # underflow, not the kernel.
-    OpSpec(
-        "swiglu",
-        "SwiGLU silu(a) * b",
-        _xy_inputs,
-        lambda a, b: F.silu(a) * b,
-        _swiglu_graph,
-        large=100.0,
-        tiny=1e-2,
-        family=_silu_gated,
-    ),
-    # large 30: the cube inside the tanh approximation stays inside float16's range (30^3 = 27,000)
-    OpSpec(
-        "geglu",
-        "GeGLU gelu_tanh(a) * b (Gemma; F.gelu approximate='tanh')",
-        _xy_inputs,
-        lambda a, b: F.gelu(a, approximate="tanh") * b,
-        _geglu_graph,
-        large=30.0,
-        tiny=1e-2,
-        family=_gelu_gated,
-    ),
+    *(_row(c, lambda args, g=g: gates.gate_of(args) is g) for g in gates.GATES.values() for c in g.conformance),
     OpSpec(
         "residual_add",
         "residual add a + b",

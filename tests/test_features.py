@@ -1,7 +1,7 @@
 """A model feature is one file (titan_pipe.model.features): its parameters, its torch forward, its
 ONNX nodes, its conformance row, its planner terms and its checkpoint keys come from there, and no
 stage tests its switch itself. Checked on the features moved there (q/k/v biases, q/k norms,
-scaled embeddings); the families' and stages' numerics with them on are the Qwen2 / Qwen3 / Gemma 3
+scaled embeddings, sandwich norms); the families' and stages' numerics with them on are the Qwen2 / Qwen3 / Gemma 3
 tests (test_families, test_released_models, test_gemma3_config)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from titan_pipe.model import features
 from titan_pipe.model.args import FLAVOURS, ModelArgs, count_params, flops_per_token, args_problems
 from titan_pipe.model.families import FAMILIES, family_of
-from titan_pipe.model.features import embed_scale, qk_norm, qkv_bias
+from titan_pipe.model.features import embed_scale, qk_norm, qkv_bias, sandwich_norms
 from titan_pipe.model.params import LAYER_PARAMS, native_names
 from titan_pipe.model.transformer import build_model
 
@@ -96,6 +96,36 @@ def test_scaled_embeddings_are_a_feature_without_parameters():
     assert g.REQUIRED["embed_scale"] is True and g.OFF["embed_scale"] is False and "qk_norm" not in g.OFF
 
 
+def test_sandwich_norms_norm_each_sublayers_output_before_its_residual_add():
+    """Two dim-wide norm rows a layer (counted, no FLOPs), the block's forward by hand, the planner's
+    two more norms split like the others under sequence parallel."""
+    from titan_pipe.training.planner.memory import layer_activation_terms
+
+    on, off = small(sandwich_norms=True), small()
+    rows = {f"layers.{i}.{n}.weight" for i in range(2) for n in ("post_attention_norm", "post_ffn_norm")}
+    assert rows <= set(native_names(on)) and not rows & set(native_names(off))
+    assert count_params(on) - count_params(off) == 2 * 2 * on.dim == 2 * sandwich_norms.FEATURE.layer_params(on)
+    assert flops_per_token(on, 128) == flops_per_token(off, 128)
+    torch.manual_seed(0)
+    block = build_model(on).layers["0"]
+    with torch.no_grad():
+        for n in ("post_attention_norm", "post_ffn_norm"):
+            getattr(block, n).weight.uniform_(0.5, 1.5)
+
+    def norm(y, w):
+        return y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + on.norm_eps) * w
+
+    a = torch.randn(2, 5, on.dim)
+    assert torch.allclose(block.sublayer_output("attention", a), norm(a, block.post_attention_norm.weight), atol=1e-6)
+    assert torch.allclose(block.sublayer_output("mlp", a), norm(a, block.post_ffn_norm.weight), atol=1e-6)
+    plain = build_model(off).layers["0"]
+    assert plain.sublayer_output("mlp", a) is a and not hasattr(plain, "post_ffn_norm")
+    with_sp = layer_activation_terms(on, tp=2, sp=True)
+    assert set(with_sp) - set(layer_activation_terms(off, tp=2, sp=True)) == {"sandwich_norms"}
+    # the two norms cost what the two before attention and MLP cost (each term of theirs: 2 norms)
+    assert with_sp["sandwich_norms"] == sum(v for k, v in with_sp.items() if k.startswith("norm_"))
+
+
 def test_the_torch_hook_normalises_each_head_of_q_and_k_before_rope():
     """The attention's q with the feature equals the projection's heads normalised by hand."""
     args = small(qk_norm=True)
@@ -124,7 +154,12 @@ def test_families_are_lists_of_features():
         p.startswith("qk_norm: true together with qkv_bias: no Hugging Face architecture has both") for p in problems
     )
     assert {k for k, on in FAMILIES["qwen3"].switches().items() if on} == {"qk_norm"}
-    assert {k for k, on in FAMILIES["gemma3_text"].switches().items() if on} == {"qk_norm", "embed_scale"}
+    assert {k for k, on in FAMILIES["gemma3_text"].switches().items() if on} == {
+        "qk_norm",
+        "embed_scale",
+        "sandwich_norms",
+        "norm_offset",
+    }
     assert not any(FAMILIES["llama"].switches().values())
     with pytest.raises(ValueError, match="a mixture of experts with q/k/v biases: no supported architecture"):
         family_of(replace(FLAVOURS["mixtral_8x7b"], qkv_bias=True))
@@ -150,3 +185,53 @@ def test_a_checkpoint_shows_the_feature_by_its_tensors_and_megatron_by_its_argum
     assert qkv_bias.FEATURE.shown_in({"layers.0.attention.wq.bias": (64,)})
     assert qkv_bias.FEATURE.megatron_arg == "add_qkv_bias" and not qkv_bias.FEATURE.rotate_half_in_torchtitan
     assert qk_norm.FEATURE.megatron_arg == "qk_layernorm" and qk_norm.FEATURE.rotate_half_in_torchtitan
+
+
+def test_offset_norms_are_a_feature_of_the_norms_not_a_switch_each_stage_reads():
+    """Gemma's (1 + w) norms: the module's norms start at 0 and multiply by 1 + w; the conformance
+    table runs the offset row in place of every plain norm row."""
+    from titan_pipe.evaluate.operators import model_operators
+    from titan_pipe.model.features import norm_offset
+
+    on = small(norm_offset=True, qk_norm=True)
+    assert features.offset_norms(on) and not features.offset_norms(small())
+    assert norm_offset.FEATURE.params == () and count_params(on) == count_params(small(qk_norm=True))
+    model = build_model(on)
+    norm = model.layers["0"].attention_norm
+    assert torch.count_nonzero(norm.weight) == 0 and torch.count_nonzero(model.layers["0"].attention.q_norm.weight) == 0
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 0.5)
+    x = torch.randn(3, on.dim)
+    by_hand = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + on.norm_eps) * (1 + norm.weight)
+    assert torch.allclose(norm(x), by_hand, atol=1e-6)
+    ops = model_operators(on)
+    assert "rms_norm_offset" in ops and "rms_norm" not in ops and "qk_norm" not in ops
+
+
+def test_the_mlp_gate_is_one_record_per_kind():
+    """The gate kinds (features/gates.py) are the schema's choices, the module's gate, the graph's
+    product and the operator rows; no stage reads ``activation`` itself."""
+    import torch.nn.functional as F
+
+    from titan_pipe.evaluate.operators import model_operators
+    from titan_pipe.model.args import ACTIVATIONS
+    from titan_pipe.model.features import gates
+
+    assert ACTIVATIONS == ("silu", "gelu_tanh")
+    geglu = small(activation="gelu_tanh")
+    ffn = build_model(geglu).layers["0"].feed_forward
+    x = torch.randn(2, geglu.dim)
+    by_hand = ffn.w2(F.gelu(ffn.w1(x), approximate="tanh") * ffn.w3(x))
+    assert torch.allclose(ffn(x), by_hand, atol=1e-6)
+    assert {"geglu"} <= set(model_operators(geglu)) and not {"silu", "swiglu"} & set(model_operators(geglu))
+    assert {"silu", "swiglu"} <= set(model_operators(small()))
+    assert any("use silu (SwiGLU) or gelu_tanh (GeGLU)" in p for p in args_problems(small(activation="relu")))
+    pattern = re.compile(r"\.activation\b")
+    readers = {
+        str(p.relative_to(REPO))
+        for folder in STAGES
+        for p in (REPO / folder).rglob("*.py")
+        if pattern.search(p.read_text())
+    }
+    assert readers == {"pipeline/model/features/gates.py", "pipeline/model/args.py"}, readers
+    assert gates.gate_of(geglu) is gates.GELU_TANH and gates.gate_of(small()) is gates.DEFAULT

@@ -48,9 +48,9 @@ from titan_pipe.graphs.graph_io import (
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.graphs import onnx_nodes
 from titan_pipe.model import features
+from titan_pipe.model.features import gates as gate_kinds
 from titan_pipe.model.params import LAYER_PARAMS
 from titan_pipe.graphs.onnx_nodes import (
-    GATED,
     NodeBuilder,
     attention,
     embedding,
@@ -247,7 +247,7 @@ def _layer(
     g: NodeBuilder, args: ModelArgs, spec: GraphSpec, i: int, h: str, sh: _Shapes, rope: tuple, outputs: dict[str, str]
 ) -> tuple[str, str, str]:
     """Decoder layer i on the residual stream ``h``: (layer output, attention output, MLP output)."""
-    p, hd, off = f"layers.{i}", args.head_dim, args.norm_offset
+    p, hd, off = f"layers.{i}", args.head_dim, features.offset_norms(args)
     cos, sin, allowed, write_at = rope.of_layer(args, i)
     x = g.op(
         "Reshape",
@@ -298,7 +298,7 @@ def _layer(
     attn = g.op(
         "Reshape", [linear(g, ctx, _w(i, "attention.wo.weight"), f"{p}.attn.wo"), sh.hidden], f"{p}.attn.output"
     )
-    h = g.op("Add", [h, _post_norm(g, args, i, "post_attention_norm", attn)], f"{p}.attn.residual")
+    h = g.op("Add", [h, _sublayer_output(g, args, i, "attention", attn)], f"{p}.attn.residual")
 
     x = g.op(
         "Reshape",
@@ -325,7 +325,8 @@ def _layer(
                 g, x, gates(g, top, chosen, n_experts=args.n_experts, name=f"{p}.route"), *w, f"{p}.moe.experts"
             )
     else:
-        gated = GATED[args.activation](
+        gated = gate_kinds.gate_of(args).onnx_product(
+            onnx_nodes,
             g,
             linear(g, x, _w(i, "feed_forward.w1.weight"), f"{p}.mlp.w1"),
             linear(g, x, _w(i, "feed_forward.w3.weight"), f"{p}.mlp.w3"),
@@ -333,14 +334,25 @@ def _layer(
         )
         out = linear(g, gated, _w(i, "feed_forward.w2.weight"), f"{p}.mlp.w2")
     mlp = g.op("Reshape", [out, sh.hidden], f"{p}.mlp.output")
-    return g.op("Add", [h, _post_norm(g, args, i, "post_ffn_norm", mlp)], f"{p}.output"), attn, mlp
+    return g.op("Add", [h, _sublayer_output(g, args, i, "mlp", mlp)], f"{p}.output"), attn, mlp
 
 
-def _post_norm(g: NodeBuilder, args: ModelArgs, i: int, norm: str, x: str) -> str:
-    """A sub-layer's output normed before its residual add (Gemma 3's sandwich norms), else as it is."""
-    if not args.sandwich_norms:
-        return x
-    return rms_norm(g, x, _w(i, f"{norm}.weight"), args.norm_eps, f"layers.{i}.{norm}", args.norm_offset)
+def _sublayer_output(g: NodeBuilder, args: ModelArgs, i: int, part: str, x: str) -> str:
+    """Sub-layer ``part``'s (attention, mlp) output as its residual add takes it: each feature's
+    ``onnx_sublayer_output``, as the module's TransformerBlock.sublayer_output."""
+    for f in features.active(args):
+        if f.onnx_sublayer_output is not None:
+            x = f.onnx_sublayer_output(
+                onnx_nodes,
+                g,
+                x,
+                part=part,
+                weight=lambda n: _w(i, n),
+                eps=args.norm_eps,
+                prefix=f"layers.{i}",
+                offset=features.offset_norms(args),
+            )
+    return x
 
 
 def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry]) -> tuple[onnx.ModelProto, LayerValues]:
@@ -368,7 +380,11 @@ def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry])
         values.mlp_outputs.append(mlp)
         if spec.expose_hidden:
             outputs[hidden_name(i)] = g.op("Identity", [h], hidden_name(i))
-    x = g.op("Reshape", [rms_norm(g, h, "norm.weight", args.norm_eps, "norm", args.norm_offset), sh.flat], "norm.x2d")
+    x = g.op(
+        "Reshape",
+        [rms_norm(g, h, "norm.weight", args.norm_eps, "norm", features.offset_norms(args)), sh.flat],
+        "norm.x2d",
+    )
     emb_out = "tok_embeddings.weight" if args.tie_embeddings else "output.weight"
     outputs[LOGITS] = g.op("Reshape", [linear(g, x, emb_out, "lm_head"), sh.logits], LOGITS)
     return _model(g, args, spec, weights, outputs), values

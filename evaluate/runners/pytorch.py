@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from titan_pipe.evaluate.memory import release
 from titan_pipe.evaluate.runners.outputs import Outputs, OutputsSink
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels, norm_for, reference_kernels
 from titan_pipe.model.params import native_shapes
@@ -289,7 +290,7 @@ class LayeredModel:
             shape = native_shapes(self.args)[out_name]
             self._reserve_stored(_numel(shape) * self.source.stored_dtype(out_name).itemsize + 64)
             out = self._linear(out_name, shape)
-        norm_of = norm_for(self.kernels, self.args.norm_offset)
+        norm_of = norm_for(self.kernels, features.offset_norms(self.args))
         logits = [out(norm_of(h, norm, self.args.norm_eps)).to("cpu") for h in hs]
         del out
         self._evict()

@@ -188,9 +188,6 @@ def geglu(g: NodeBuilder, gate: str, up: str, name: str) -> str:
     return g.op("Mul", [gelu_tanh(g, gate, name), up], f"{name}.gated")
 
 
-GATED = {"silu": swiglu, "gelu_tanh": geglu}  # ModelArgs.activation -> its gated product
-
-
 def route(g: NodeBuilder, x2d: str, router: str, *, top_k: int, norm_topk: bool, name: str) -> tuple[str, str]:
     """A mixture of experts' router (as titan_pipe.model.transformer.MoE.route): softmax over the
     experts in float32, the top k, renormalized to sum to 1 with ``norm_topk``. Returns (their

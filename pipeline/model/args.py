@@ -23,12 +23,13 @@ from titan_pipe.rules import limits
 from titan_pipe.rules.limits import Bound
 from titan_pipe.errors import UserError
 from titan_pipe.model import features, gemma3
+from titan_pipe.model.features import gates
 from titan_pipe.model.families import family_of
 from titan_pipe.model.rope_scaling import ROPE_TYPES, RopeScaling
 from titan_pipe.rules.values import BOOL, DICT, FLOAT, INT, LIST, STR, check, refuse
 
 
-ACTIVATIONS = ("silu", "gelu_tanh")
+ACTIVATIONS = tuple(gates.GATES)  # the gated MLP's gate kinds (titan_pipe.model.features.gates)
 
 
 @dataclass(frozen=True)
@@ -306,8 +307,8 @@ def args_problems(args: ModelArgs) -> list[str]:
     out += features.problems(args)  # to_hf_config could name no architecture (titan_pipe.model.families)
     if args.activation not in ACTIVATIONS:
         out.append(
-            f"activation: {limits.shown(args.activation)} is not one of {', '.join(ACTIVATIONS)}; use silu "
-            "(SwiGLU) or gelu_tanh (GeGLU)"
+            f"activation: {limits.shown(args.activation)} is not one of {', '.join(ACTIVATIONS)}; use "
+            + gates.choices()
         )
     if args.global_every and args.sliding_window is None:
         out.append(
@@ -620,8 +621,8 @@ def count_params(args: ModelArgs, *, active: bool = False) -> int:
     each routing layer, and the router)."""
     d, q, kv = args.dim, args.q_dim, args.kv_dim
     attn = d * q + 2 * d * kv + q * d
-    attn += sum(f.layer_params(args) for f in features.FEATURES)
-    norms = 4 if args.sandwich_norms else 2
+    attn += sum(f.layer_params(args) for f in features.FEATURES)  # features' own: in the layer's count
+    norms = 2
     n_moe = len(args.moe_layers)
     dense = (args.n_layers - n_moe) * 3 * d * args.hidden_dim
     experts = args.experts_per_token if active else args.n_experts
@@ -641,7 +642,7 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """
     # matmul-free parameters: the norms (no FLOPs counted) and each feature's own (norm weights; biases,
     # one add each)
-    norms = args.dim * ((4 if args.sandwich_norms else 2) * args.n_layers + 1)
+    norms = args.dim * (2 * args.n_layers + 1)
     free = norms + args.n_layers * sum(f.layer_matmul_free(args) for f in features.FEATURES)
     adds = args.n_layers * sum(f.layer_adds(args) for f in features.FEATURES)
     # The embedding is a gather, not a matmul; a tied matrix still runs once as the output matmul.
@@ -679,7 +680,6 @@ SHAPE_KEYS = (
     "vocab_size",
     "hidden_dim",
     *(f.name for f in features.FEATURES if f.params),  # the features with parameters of their own
-    "sandwich_norms",
     "n_experts",
     "expert_dim",
     "moe_layers",
@@ -692,7 +692,6 @@ SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + (
     "sliding_window",
     "experts_per_token",
     "router_norm_topk",
-    "norm_offset",
     "activation",
     *(f.name for f in features.FEATURES if not f.params),  # the others change the numerics only
     "global_every",

@@ -26,7 +26,7 @@ from titan_pipe.rules import limits
 from titan_pipe.errors import UserError
 from titan_pipe.rules.limits import Bound
 from titan_pipe.model import features
-from titan_pipe.model.features import embed_scale, qk_norm
+from titan_pipe.model.features import embed_scale, gates, norm_offset, qk_norm, sandwich_norms
 from titan_pipe.model.rope_scaling import RopeScaling, read_rope_scaling
 from titan_pipe.rules.values import BOOL, DICT, FLOAT, INT, STR, read, refuse
 
@@ -49,22 +49,24 @@ DEFAULTS = {
 
 
 # The switches Gemma 3 always has, together
-FEATURES = (qk_norm.FEATURE, embed_scale.FEATURE)  # the features (titan_pipe.model.features) it always has
-OWN = (embed_scale.FEATURE,)  # of those, the ones only Gemma 3 among the families has
+FEATURES = (
+    qk_norm.FEATURE,
+    embed_scale.FEATURE,
+    sandwich_norms.FEATURE,
+    norm_offset.FEATURE,
+)  # the features (titan_pipe.model.features) it always has
+# of those, the ones only Gemma 3 among the families has (in the order a half-Gemma model is told them)
+OWN = (norm_offset.FEATURE, sandwich_norms.FEATURE, embed_scale.FEATURE)
 REQUIRED = {
-    "norm_offset": True,
-    "sandwich_norms": True,
-    "activation": "gelu_tanh",
+    "activation": gates.GELU_TANH.name,
     **{f.name: True for f in FEATURES},
 }
 
 
 # Gemma 3's switches off (ModelArgs' defaults): a model setting any other value is a Gemma 3
 OFF = {
-    "norm_offset": False,
-    "sandwich_norms": False,
     **{f.name: False for f in OWN},
-    "activation": "silu",
+    "activation": gates.DEFAULT.name,
     "global_every": 0,
     "rope_local_theta": None,
     "attn_scalar": None,

@@ -47,7 +47,7 @@ def rms_norm_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def norm_for(kernels: "Kernels", offset: bool) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
     """The RMSNorm a model's norms run, chosen in this one place: Gemma's offset form (its float32
-    product, whichever kernels) for ``offset`` (ModelArgs.norm_offset), else the kernels' own."""
+    product, whichever kernels) for ``offset`` (titan_pipe.model.features.offset_norms), else the kernels' own."""
     return rms_norm_offset if offset else kernels.rms_norm
 
 

@@ -42,22 +42,6 @@ def _norm(name: str, hf: str, megatron: tuple[str, ...], scope: str, **kw) -> Pa
 GEMMA3 = "gemma3_text"
 
 
-def _sandwich_norm(name: str, hf: str) -> Param:
-    """Gemma 3's norm on a sub-layer's output, before the residual add (ModelArgs.sandwich_norms)."""
-    return Param(
-        name,
-        lambda a: (a.dim,),
-        "replicate_output",
-        "layer",
-        hf,
-        name,
-        init="ones",
-        matmul=False,
-        when=lambda a: a.sandwich_norms,
-        families=(GEMMA3,),
-    )
-
-
 MODEL_PARAMS: tuple[Param, ...] = (
     Param(
         "tok_embeddings.weight",
@@ -136,7 +120,6 @@ LAYER_PARAMS: tuple[Param, ...] = (
         megatron=("self_attention.linear_proj.weight",),
     ),
     *(p for feature in FEATURES for p in feature.params),  # each feature's own (titan_pipe.model.features)
-    _sandwich_norm("post_attention_norm.weight", "post_attention_layernorm.weight"),
     _norm(
         "ffn_norm.weight",
         "post_attention_layernorm.weight",
@@ -177,7 +160,6 @@ LAYER_PARAMS: tuple[Param, ...] = (
         megatron=("mlp.linear_fc2.weight",),
         in_layer=_dense_ffn,
     ),
-    _sandwich_norm("post_ffn_norm.weight", "post_feedforward_layernorm.weight"),
     # A mixture of experts in place of the feed-forward (ModelArgs.is_moe_layer): torchtitan's names
     # (its MoE DCP checkpoints read one to one), Qwen3-MoE's Hugging Face names (Mixtral's:
     # titan_pipe.model.names). Replicated under TP: expert parallelism is what splits experts.

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_pipe.model import features, rope
+from titan_pipe.model.features import gates
+from titan_pipe.model.features.gates import Gate
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels, norm_for, reference_kernels
 from titan_pipe.model.lora import LoRASpec, is_adapter
@@ -64,7 +66,7 @@ class RMSNorm(nn.Module):
 
 
 def _norm(args: ModelArgs, dim: int, kernels: Kernels) -> RMSNorm:
-    return RMSNorm(dim, args.norm_eps, kernels, args.norm_offset)
+    return RMSNorm(dim, args.norm_eps, kernels, features.offset_norms(args))
 
 
 class Attention(nn.Module):
@@ -135,16 +137,13 @@ class Attention(nn.Module):
         return {} if self.scale is None else {"scale": self.scale}
 
 
-GATES = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
-
 class FeedForward(nn.Module):
-    """A gated MLP: w2(gate(w1 x) * w3 x), the gate silu (SwiGLU) or tanh-approximated GELU
-    (GeGLU, Gemma); ``lora``: adapters beside the targeted ones."""
+    """A gated MLP: w2(gate(w1 x) * w3 x), the gate one kind of titan_pipe.model.features.gates
+    (SwiGLU's silu, Gemma's GeGLU); ``lora``: adapters beside the targeted ones."""
 
-    def __init__(self, dim: int, hidden_dim: int, lora: LoRASpec | None = None, activation: str = "silu"):
+    def __init__(self, dim: int, hidden_dim: int, lora: LoRASpec | None = None, gate: Gate = gates.DEFAULT):
         super().__init__()
-        self.gate = GATES[activation]
+        self.gate = gate.torch_gate  # (F, x) -> gate(x)
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
@@ -154,8 +153,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora is None:
-            return self.w2(self.gate(self.w1(x)) * self.w3(x))
-        h = self.gate(adapted(self.w1, self.lora, "w1", x)) * adapted(self.w3, self.lora, "w3", x)
+            return self.w2(self.gate(F, self.w1(x)) * self.w3(x))
+        h = self.gate(F, adapted(self.w1, self.lora, "w1", x)) * adapted(self.w3, self.lora, "w3", x)
         return adapted(self.w2, self.lora, "w2", h)
 
 
@@ -244,29 +243,35 @@ class MoE(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Attention and a feed-forward: the dense gated MLP, or in a routing layer of a mixture-of-experts
-    model (ModelArgs.is_moe_layer) the MoE (``moe``; ``feed_forward`` is then None). With
-    ``sandwich_norms`` (Gemma 3) each sub-layer's output is normed too before its residual add
-    (``post_attention_norm``, ``post_ffn_norm``; else None)."""
+    model (ModelArgs.is_moe_layer) the MoE (``moe``; ``feed_forward`` is then None). A feature may
+    hold modules of the block's own and change what a sub-layer's output adds to the residual
+    (``sublayer_output``: Gemma 3's norms on the outputs; titan_pipe.model.features)."""
 
     def __init__(self, args: ModelArgs, kernels: Kernels, layer_id: int = 0, lora: LoRASpec | None = None):
         super().__init__()
         self.attention_norm = _norm(args, args.dim, kernels)
         self.attention = Attention(args, kernels, lora, layer_id)
-        self.post_attention_norm = _norm(args, args.dim, kernels) if args.sandwich_norms else None
         self.ffn_norm = _norm(args, args.dim, kernels)
         routed = args.is_moe_layer(layer_id)
-        self.feed_forward = None if routed else FeedForward(args.dim, args.hidden_dim, lora, args.activation)
+        self.feed_forward = None if routed else FeedForward(args.dim, args.hidden_dim, lora, gates.gate_of(args))
         self.moe = MoE(args, kernels) if routed else None
-        self.post_ffn_norm = _norm(args, args.dim, kernels) if args.sandwich_norms else None
+        self.features = tuple(f for f in features.active(args) if f.sublayer_output is not None)
+        for f in self.features:
+            f.build_block(self, args, lambda width: _norm(args, width, kernels))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         a = self.attention(self.attention_norm(x), cos, sin, positions)  # 4 inputs always (TP's input plan)
-        h = x + (a if self.post_attention_norm is None else self.post_attention_norm(a))
+        h = x + self.sublayer_output("attention", a)
         ffn = self.moe if self.moe is not None else self.feed_forward
-        f = ffn(self.ffn_norm(h))
-        return h + (f if self.post_ffn_norm is None else self.post_ffn_norm(f))
+        return h + self.sublayer_output("mlp", ffn(self.ffn_norm(h)))
+
+    def sublayer_output(self, part: str, y: torch.Tensor) -> torch.Tensor:
+        """Sub-layer ``part``'s output (attention, mlp) as its residual add takes it."""
+        for f in self.features:
+            y = f.sublayer_output(self, part, y)
+        return y
 
 
 def load_balancing_loss(moes: list[MoE], reduce=None) -> torch.Tensor | None:
@@ -455,7 +460,7 @@ def init_param(
         return init_adapter(name, shape, seed).to(dtype)
     std = _param_std(name, args)
     if std is None:
-        ones = param_of(name).init == "ones" and not args.norm_offset
+        ones = param_of(name).init == "ones" and not features.offset_norms(args)
         return (torch.ones if ones else torch.zeros)(shape, dtype=dtype)
     g = param_generator(seed, name)
     t = torch.empty(shape, dtype=torch.float32)

@@ -248,7 +248,7 @@ def layer_activation_terms(
     q = args.q_dim  # n_heads x head_dim: dim for Llama, not for Qwen3
     kv = q  # k and v are repeated to n_heads before attention (GQA), so they are q wide too
     seq = tp if sp else 1
-    norms = 4 if args.sandwich_norms else 2  # Gemma 3 norms each sub-layer's output too
+    norms = 2  # before attention and before the MLP (a feature's own: its terms)
     terms = {
         "norm_input_fp32": norms * 4 * h / seq,
         "norm_rstd_fp32": norms * 4 / seq,
@@ -263,7 +263,7 @@ def layer_activation_terms(
     }
     for f in features.active(args):  # what each feature keeps (titan_pipe.model.features)
         if f.activation_terms is not None:
-            terms.update(f.activation_terms(args, r, tp))
+            terms.update(f.activation_terms(args, r, tp, seq))
     return terms
 
 

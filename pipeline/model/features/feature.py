@@ -37,6 +37,13 @@ class Conformance:
     torch_fn: Callable[..., Any]
     graph: Callable[..., str]
     norm: bool = False  # a norm row: a model with offset norms runs the offset row instead
+    large: float = 300.0  # the input magnitude of the "large" case (inside float16's range for a correct kernel)
+    tiny: float = 1e-4  # of the "tiny" case
+
+
+def row_shape(case: str) -> tuple[int, int]:
+    """(rows, row length) of a conformance row's 2-D inputs: long rows test reductions over many elements."""
+    return (4, 8192) if case == "long" else (16, 64)
 
 
 @dataclass(frozen=True)
@@ -54,12 +61,21 @@ class Feature:
     attention_heads: Callable[[Any, str, Any], Any] | None = None
     # ONNX: (nodes, graph, y, part, weight(native name) -> initializer, eps, prefix, offset) -> y
     onnx_heads: Callable[..., str] | None = None
+    # torch: (transformer block, args, make_norm(width)) -> sets the block's own modules (``params``)
+    build_block: Callable[[Any, "ModelArgs", Callable], None] | None = None
+    # torch: (block, "attention" | "mlp", (B, T, dim) the sub-layer's output) -> what its residual add takes
+    sublayer_output: Callable[[Any, str, Any], Any] | None = None
+    # ONNX: (nodes, graph, y, part, weight(native name) -> initializer, eps, prefix, offset) -> y
+    onnx_sublayer_output: Callable[..., str] | None = None
     # torch: ((B, T, dim) embedding rows, args) -> the rows the first layer takes
     embed: Callable[[Any, "ModelArgs"], Any] | None = None
     # ONNX: (graph, the embedding's output, args) -> the value the first layer takes
     onnx_embed: Callable[..., str] | None = None
-    # planner: (args, resid dtype bytes, tp) -> {term: bytes one token keeps for backward, per layer}
-    activation_terms: Callable[["ModelArgs", int, int], dict[str, float]] | None = None
+    # its model's RMSNorm weights are offsets from 1 (multiplied as 1 + w, in float32; initialised at 0)
+    offset_norms: bool = False
+    # planner: (args, resid dtype bytes, tp, seq: tp under sequence parallel else 1) -> {term: bytes one
+    # token keeps for backward, per layer}
+    activation_terms: Callable[["ModelArgs", int, int, int], dict[str, float]] | None = None
     conformance: tuple[Conformance, ...] = ()
 
     def on(self, args: "ModelArgs") -> bool:

@@ -39,7 +39,7 @@ def _onnx_heads(nodes, g, y: str, *, part: str, weight, eps: float, prefix: str,
     return nodes.rms_norm(g, y, weight(f"attention.{part}_norm.weight"), eps, f"{prefix}.attn.{part}_norm", offset)
 
 
-def _activations(args, resid: int, tp: int) -> dict[str, float]:
+def _activations(args, resid: int, tp: int, seq: int) -> dict[str, float]:
     """Per-head RMSNorm of q and k: float32 input, 1/rms per head, the normalised output."""
     heads = args.n_heads + args.kv_heads
     return {"qk_norm": ((4 + resid) * heads * args.head_dim + 4 * heads) / tp}
