@@ -109,18 +109,20 @@ def test_training_starts_from_a_dcp_and_a_megatron_checkpoint(sources):
 
 
 @pytest.mark.distributed
-def test_evaluate_takes_a_dcp_checkpoint_as_its_reference(sources, tmp_path):
-    """evaluate --checkpoint DCP --model-dir (convert's output) --onnx: the DCP, read in one process, is
-    the reference the deployment is compared with; the sharded row says why it does not run."""
+@pytest.mark.parametrize("fmt", ["dcp", "megatron"])
+def test_evaluate_takes_a_dcp_or_megatron_checkpoint_as_its_reference(sources, tmp_path, fmt):
+    """evaluate --checkpoint DCP|Megatron --model-dir (convert's output) --onnx: the checkpoint, read in
+    one process, is the reference the deployment is compared with; the sharded row says why it does
+    not run."""
     pytest.importorskip("onnxruntime")
     from titan_pipe.convert.onnx.export import export_model
     from titan_pipe.evaluate.api import evaluate_model
 
-    convert_checkpoint(sources["dcp"], tmp_path / "model")
+    convert_checkpoint(sources[fmt], tmp_path / "model")
     onnx = export_model(tmp_path / "model", tmp_path / "onnx", ExportConfig(atc=False)).onnx
     r = evaluate_model(
         out_dir=tmp_path / "report",
-        checkpoint=sources["dcp"],
+        checkpoint=sources[fmt],
         model_dir=tmp_path / "model",
         onnx=onnx,
         settings=EvaluateConfig(batches=1, prompts=2, new_tokens=4),
@@ -130,4 +132,4 @@ def test_evaluate_takes_a_dcp_checkpoint_as_its_reference(sources, tmp_path):
     assert st["torch_vs_onnx"] == "pass" and st["sharded_vs_unified"].startswith("skipped: the --checkpoint is not")
     rep = json.loads(r.report_json.read_text())
     onnx_row = next(c for c in rep["comparisons"] if c["id"] == "torch_vs_onnx")
-    assert "dcp" in onnx_row["reference"]
+    assert fmt in onnx_row["reference"]
