@@ -24,6 +24,13 @@ console = Console(stderr=True)
 FLOW_HELP = "Track this run as a Prefect flow run (UI, logs); without it no Prefect is involved"
 # the one --flow option every stage command takes (its value: whether call_stage tracks the call)
 TRACK = typer.Option(False, "--flow", help=FLOW_HELP)
+
+
+def out_option(what: str):
+    """The one -o/--out option of the commands that write a directory; ``what``: what it receives."""
+    return typer.Option(..., "-o", "--out", help=what)
+
+
 # the one --overwrite of the commands that write an output directory
 OVERWRITE = typer.Option(
     False, "--overwrite", help="Replace the output directory if it exists (written beside, then swapped)"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from titan_pipe.commands.common import OVERWRITE, TRACK, call_stage, console, handle_errors
+from titan_pipe.commands.common import OVERWRITE, TRACK, call_stage, console, handle_errors, out_option
 from titan_pipe.commands.options import with_section
 from titan_pipe.config import ConvertConfig
 
@@ -17,7 +17,7 @@ def register(app: typer.Typer) -> None:
     @with_section(ConvertConfig)  # every field an option: its default, help and flag are written there
     def convert(
         src: Path = typer.Argument(..., help="Checkpoint dir: titan-pipe, DCP/torchtitan, Megatron-LM or Hugging Face"),
-        out: Path = typer.Option(..., "-o", "--out", help="Output directory (must be empty or absent)"),
+        out: Path = out_option("Output directory (must be empty or absent)"),
         overwrite: bool = OVERWRITE,
         flow: bool = TRACK,
         settings: ConvertConfig = None,

@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from titan_pipe.rules import limits
-from titan_pipe.commands.common import call_stage, console, handle_errors
+from titan_pipe.commands.common import call_stage, console, handle_errors, out_option
 from titan_pipe.commands.options import with_section
 from titan_pipe.config import DataConfig
 
@@ -26,7 +26,7 @@ PREPARE_OPTIONS = ("tokenizer", "val_fraction", "text_key", "format", "chat_temp
 @with_section(DataConfig, PREPARE_OPTIONS)
 def prepare(
     sources: List[Path] = typer.Argument(..., help=".txt/.jsonl/.jsonl.gz/.parquet files or directories"),
-    out: Path = typer.Option(..., "-o", "--out", help="the prepared data dir to write"),
+    out: Path = out_option("the prepared data dir to write"),
     workers: Optional[int] = typer.Option(
         None, "--workers", help="tokenizer processes (default: the usable CPUs, at most 8; 1 for corpora under 8 MB)"
     ),
@@ -93,7 +93,7 @@ def merge(
     inputs: List[Path] = typer.Argument(
         ..., help="prepared data dirs: the N parts of `data prepare --shard`, or any prepared dirs of one tokenizer"
     ),
-    out: Path = typer.Option(..., "-o", "--out", help="the merged data dir to write"),
+    out: Path = out_option("the merged data dir to write"),
 ):
     """Join prepared data dirs into one without tokenizing again (the N parts of a sharded prepare give
     what one unsharded prepare writes, byte for byte)."""

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from titan_pipe.commands.common import TRACK, call_stage, console, handle_errors
+from titan_pipe.commands.common import TRACK, call_stage, console, handle_errors, out_option
 from titan_pipe.commands.options import laid_over, with_section
 from titan_pipe.config import EvaluateConfig
 from titan_pipe.io.paths import resolve_inside
@@ -24,7 +24,7 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     @with_section(EvaluateConfig, OPTIONS, into="given", overlay="evaluate")
     def evaluate(
-        out_dir: Path = typer.Option(..., "-o", "--out", help="REPORT_DIR for report.json/.md/.html, CSVs, plots"),
+        out_dir: Path = out_option("REPORT_DIR for report.json/.md/.html, CSVs, plots"),
         checkpoint: Optional[Path] = typer.Option(
             None, "--checkpoint", help="Training checkpoint step dir (run under its own TP/PP layout with torchrun)"
         ),

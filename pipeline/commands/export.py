@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from titan_pipe.rules import limits
-from titan_pipe.commands.common import OVERWRITE, TRACK, call_stage, console, handle_errors
+from titan_pipe.commands.common import OVERWRITE, TRACK, call_stage, console, handle_errors, out_option
 from titan_pipe.commands.options import with_section
 from titan_pipe.config import ExportConfig
 
@@ -20,9 +20,7 @@ def register(app: typer.Typer) -> None:
         model_dir: Path = typer.Argument(
             ..., help="Unified model dir (titan-pipe convert output or a Hugging Face LLaMA dir)"
         ),
-        out_dir: Path = typer.Option(
-            ..., "-o", "--out", help="Directory to write model.onnx, decode.onnx, atc/, export.json"
-        ),
+        out_dir: Path = out_option("Directory to write model.onnx, decode.onnx, atc/, export.json"),
         overwrite: bool = OVERWRITE,
         flow: bool = TRACK,
         settings: ExportConfig = None,
