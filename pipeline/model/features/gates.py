@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 class Gate:
     name: str  # ModelArgs.activation's value
     label: str  # "SwiGLU"
-    product: str  # what the gated product is called in the operator table and the docs
     # torch: (torch.nn.functional, x) -> gate(x)
     torch_gate: Callable[[Any, Any], Any]
     # ONNX: (nodes, graph, gate input, up input, name) -> the gated product's name
@@ -49,48 +48,66 @@ def _torch(fn):
     return run
 
 
+def _product_row(name: str, description: str, gate, onnx_product, *, large: float, tiny: float) -> Conformance:
+    """The gated product gate(a) * b as the model runs it: the kind's own torch gate and ONNX product."""
+    return Conformance(
+        name,
+        description,
+        _ab,
+        _torch(lambda F, a, b: gate(F, a) * b),
+        lambda nodes, g, n, eps: onnx_product(nodes, g, n["a"], n["b"], name),
+        large=large,
+        tiny=tiny,
+    )
+
+
+def _silu(F, x):
+    return F.silu(x)
+
+
+def _swiglu(nodes, g, gate, up, name):
+    return nodes.swiglu(g, gate, up, name)
+
+
+def _gelu_tanh(F, x):
+    return F.gelu(x, approximate="tanh")
+
+
+def _geglu(nodes, g, gate, up, name):
+    return nodes.geglu(g, gate, up, name)
+
+
 SILU = Gate(
     name="silu",
     label="SwiGLU",
-    product="swiglu",
-    torch_gate=lambda F, x: F.silu(x),
-    onnx_product=lambda nodes, g, gate, up, name: nodes.swiglu(g, gate, up, name),
+    torch_gate=_silu,
+    onnx_product=_swiglu,
     conformance=(
         Conformance(
             "silu",
             "SiLU x * sigmoid(x)",
             _x,
-            _torch(lambda F, x: F.silu(x)),
+            _torch(_silu),
             lambda nodes, b, n, eps: nodes.silu(b, n["x"], "silu"),
         ),
         # tiny 1e-2: the product of two 1e-4 values is below float16's subnormals, which would test
         # underflow, not the kernel.
-        Conformance(
-            "swiglu",
-            "SwiGLU silu(a) * b",
-            _ab,
-            _torch(lambda F, a, b: F.silu(a) * b),
-            lambda nodes, b, n, eps: nodes.swiglu(b, n["a"], n["b"], "swiglu"),
-            large=100.0,
-            tiny=1e-2,
-        ),
+        _product_row("swiglu", "SwiGLU silu(a) * b", _silu, _swiglu, large=100.0, tiny=1e-2),
     ),
 )
 
 GELU_TANH = Gate(
     name="gelu_tanh",
     label="GeGLU",
-    product="geglu",
-    torch_gate=lambda F, x: F.gelu(x, approximate="tanh"),
-    onnx_product=lambda nodes, g, gate, up, name: nodes.geglu(g, gate, up, name),
+    torch_gate=_gelu_tanh,
+    onnx_product=_geglu,
+    # large 30: the cube inside the tanh approximation stays inside float16's range (30^3 = 27,000)
     conformance=(
-        # large 30: the cube inside the tanh approximation stays inside float16's range (30^3 = 27,000)
-        Conformance(
+        _product_row(
             "geglu",
             "GeGLU gelu_tanh(a) * b (Gemma; F.gelu approximate='tanh')",
-            _ab,
-            _torch(lambda F, a, b: F.gelu(a, approximate="tanh") * b),
-            lambda nodes, b, n, eps: nodes.geglu(b, n["a"], n["b"], "geglu"),
+            _gelu_tanh,
+            _geglu,
             large=30.0,
             tiny=1e-2,
         ),
