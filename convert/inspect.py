@@ -65,13 +65,9 @@ def render(r: InspectResult, console: Console) -> None:
     console.print(
         f"[bold]{escape(str(r.root))}[/bold]: format [bold]{r.format}[/bold], {step}layout {escape(str(r.layout))}"
     )
-    variant = [f.label for f in features.FEATURES if m.get(f.name)]
+    variant = [f.label if f.describe is None else f.describe(m) for f in features.FEATURES if m.get(f.name)]
     if m.get("sliding_window"):
         variant.append(f"sliding window {m['sliding_window']}")
-    if m.get("global_every"):  # Gemma 3: one global layer in N, with its own RoPE base
-        variant.append(
-            f"1 global layer in {m['global_every']} (RoPE base {m['rope_theta']:,.0f}, sliding {m['rope_local_theta']:,.0f})"
-        )
     gate = gates.GATES.get(m.get("activation") or gates.DEFAULT.name)
     if gate is not None and gate is not gates.DEFAULT:
         variant.append(gate.label)

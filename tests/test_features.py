@@ -10,11 +10,12 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from titan_pipe.model import features
-from titan_pipe.model.args import FLAVOURS, ModelArgs, count_params, flops_per_token, args_problems
+from titan_pipe.model.args import FLAVOURS, ModelArgs, args_problems, count_params, flops_per_token, model_differences
 from titan_pipe.model.families import FAMILIES, family_of
 from titan_pipe.model.features import embed_scale, qk_norm, qkv_bias, sandwich_norms
 from titan_pipe.model.params import LAYER_PARAMS, native_names
@@ -33,7 +34,9 @@ SCHEMA_AND_FAMILIES = {
 
 
 def small(**kw) -> ModelArgs:
-    return ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, ffn_hidden_dim=96, **kw)
+    return ModelArgs(
+        **{"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 96, "ffn_hidden_dim": 96, **kw}
+    )
 
 
 @pytest.mark.parametrize("feature", features.FEATURES, ids=lambda f: f.name)
@@ -42,6 +45,25 @@ def test_no_stage_spells_a_features_switch(feature):
     asks the feature list."""
     pattern = re.compile(rf"\b{re.escape(feature.name)}\b")
     own = f"pipeline/model/features/{feature.name}.py"
+    found = {
+        str(p.relative_to(REPO))
+        for folder in STAGES
+        for p in (REPO / folder).rglob("*.py")
+        if pattern.search(p.read_text())
+    }
+    assert own in found
+    assert found - {own} <= SCHEMA_AND_FAMILIES, sorted(found - {own} - SCHEMA_AND_FAMILIES)
+
+
+@pytest.mark.parametrize(
+    "field",
+    sorted({field for f in features.FEATURES for field, _ in f.compared_fields()} - set(features.switches())),
+)
+def test_no_stage_spells_a_value_a_feature_owns(field):
+    """The same for the values a feature owns beside its switch (Gemma 3's rope_local_theta)."""
+    owner = next(f for f in features.FEATURES if field in dict(f.compared_fields()))
+    own = f"pipeline/model/features/{owner.name}.py"
+    pattern = re.compile(rf"\b{re.escape(field)}\b")
     found = {
         str(p.relative_to(REPO))
         for folder in STAGES
@@ -235,3 +257,58 @@ def test_the_mlp_gate_is_one_record_per_kind():
     }
     assert readers == {"pipeline/model/features/gates.py", "pipeline/model/args.py"}, readers
     assert gates.gate_of(geglu) is gates.GELU_TANH and gates.gate_of(small()) is gates.DEFAULT
+
+
+def test_global_layers_rotate_with_the_main_table_and_sliding_ones_with_their_own():
+    """Gemma 3's pattern at small size: every 3rd layer global (RoPE base and linear scaling of the
+    model), the others sliding with rope_local_theta unscaled; the module, the exported tables and
+    evaluate's reference all take the tables from features.rope_tables / layer_rope."""
+    from titan_pipe.model import rope
+    from titan_pipe.model.rope_scaling import RopeScaling
+
+    a = small(n_layers=6, sliding_window=8, global_every=3, rope_local_theta=1e4, rope_theta=1e6)
+    a = replace(a, rope_scaling=RopeScaling(rope_type="linear", factor=8.0))
+    tables = features.rope_tables(a)
+    assert [(t.name, t.theta, t.scaled, t.suffix) for t in tables] == [
+        ("", 1e6, True, ""),
+        ("local", 1e4, False, "_local"),
+    ]
+    assert [features.layer_rope(a, i) for i in range(6)] == ["local", "local", "", "local", "local", ""]
+    assert [a.layer_window(i) for i in range(6)] == [8, 8, None, 8, 8, None]
+    hd = a.head_dim
+    by_hand = 1.0 / (1e6 ** (np.arange(0, hd, 2, dtype=np.float64) / hd)) / 8.0
+    np.testing.assert_allclose(rope.inv_freq(a), by_hand.astype(np.float32), rtol=0)
+    by_hand = 1.0 / (1e4 ** (np.arange(0, hd, 2, dtype=np.float64) / hd))  # unscaled
+    np.testing.assert_allclose(rope.inv_freq(a, tables[1]), by_hand.astype(np.float32), rtol=0)
+    m = build_model(a)
+    assert torch.equal(m.rope_cos_local[5, : hd // 2], torch.cos(5 * torch.as_tensor(by_hand, dtype=torch.float32)))
+    assert not torch.equal(m.rope_cos_local, m.rope_cos)
+    plain = small(n_layers=6)  # no feature: one table every layer takes
+    assert [t.name for t in features.rope_tables(plain)] == [""] and features.layer_rope(plain, 1) == ""
+    assert not hasattr(build_model(plain), "rope_cos_local")
+
+
+def test_the_query_scale_is_a_value_feature_compared_by_the_scale_it_gives():
+    a = small(attn_scalar=24.0)
+    assert features.attention_scale(a) == 24.0**-0.5 and features.attention_scale(small()) is None
+    assert build_model(a).layers["0"].attention.scale == 24.0**-0.5
+    assert build_model(small()).layers["0"].attention.scale is None  # SDPA's own head_dim^-1/2
+    # None and head_dim's own value compute the same model: not a difference
+    assert model_differences(small(attn_scalar=float(small().head_dim)), small()) == []
+    assert model_differences(a, small()) == [f"attn_scale {24.0**-0.5} vs {small().head_dim ** -0.5}"]
+    # a value feature is no switch: families are told apart by their switches only
+    assert "attn_scalar" not in features.switches() and "global_every" not in features.switches()
+    assert features.compared()["attn_scalar"] == "attn_scale"
+
+
+def test_a_value_features_check_names_the_fix():
+    assert any(
+        "global_every: 3 needs sliding_window" in line and "global_every: 0" in line
+        for line in args_problems(small(global_every=3))
+    )
+    assert any(
+        "rope_local_theta: 10000 is the sliding layers'" in line for line in args_problems(small(rope_local_theta=1e4))
+    )
+    # set together, neither check speaks (what is left is that only Gemma 3 has them: families)
+    lines = args_problems(small(n_layers=6, sliding_window=8, global_every=3, rope_local_theta=1e4))
+    assert lines and not any("needs sliding_window" in x or "beside global layers" in x for x in lines)

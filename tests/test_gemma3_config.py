@@ -12,6 +12,7 @@ import pytest
 
 from released_configs import PUBLISHED
 from titan_pipe.errors import UserError
+from titan_pipe.model import features
 from titan_pipe.model.args import FLAVOURS, args_problems
 from titan_pipe.model.hf_config import from_hf_config, to_hf_config
 from titan_pipe.model.rope_scaling import RopeScaling
@@ -39,7 +40,7 @@ def test_both_layouts_read_as_the_released_model_and_write_back():
     a = from_hf_config(G1, source="4.x")
     assert a == replace(FLAVOURS["gemma3_1b"], family="gemma3_text") and a.family == "gemma3_text"
     assert [a.layer_window(i) for i in range(6)] == [512] * 5 + [None]
-    assert [a.local_rope(i) for i in range(6)] == [True] * 5 + [False] and a.attn_scale == 256**-0.5
+    assert [features.layer_rope(a, i) for i in range(6)] == ["local"] * 5 + [""] and a.attn_scale == 256**-0.5
     assert from_hf_config(_v5(G1), source="5.x") == a
     back = to_hf_config(a)
     for key in (

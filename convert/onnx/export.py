@@ -41,7 +41,7 @@ from titan_pipe.records.export_record import (
 )
 from titan_pipe.io.faults import as_fault, check_free_space
 from titan_pipe.graphs.graph_io import DATA_FILE, DECODE_FILE, PREFILL_FILE, data_file_names
-from titan_pipe.model import rope
+from titan_pipe.model import features, rope
 from titan_pipe.model.args import ModelArgs, count_params
 from titan_pipe.graphs.onnx_nodes import NP_DTYPES
 from titan_pipe.model.params import native_shapes
@@ -183,7 +183,7 @@ def _rope_rows(plan: ExportPlan, args: ModelArgs) -> int:
 def output_bytes(plan: ExportPlan, args: ModelArgs) -> int:
     """What the export will take on disk: the weights in the graph dtype, the two RoPE tables, and
     for each graph 64 kB plus 16 kB a layer (node protos without weights), ATC script, export.json."""
-    tables = 4 if args.rope_local_theta is not None else 2
+    tables = 2 * len(features.rope_tables(args))  # cos and sin of each
     rope = tables * _rope_rows(plan, args) * args.head_dim * BY_NAME[plan.dtype].itemsize
     return plan.weight_bytes + rope + len(plan.graphs) * (65536 + 16384 * args.n_layers) + 65536
 
@@ -197,14 +197,11 @@ def _write_weights(args: ModelArgs, plan: ExportPlan, work: Path, sources, hash_
                 data.add_source(init_name, parts[0])
             else:  # stored one tensor per expert (Hugging Face): one stacked initializer
                 data.add_stacked(init_name, parts)
-        cos, sin = rope.cos_sin(args, _rope_rows(plan, args))
         np_dtype = NP_DTYPES[plan.dtype]
-        data.add_array("rope_cos", cos.astype(np_dtype))
-        data.add_array("rope_sin", sin.astype(np_dtype))
-        if args.rope_local_theta is not None:  # Gemma 3's sliding layers: their own base
-            cos, sin = rope.cos_sin(args, _rope_rows(plan, args), local=True)
-            data.add_array("rope_cos_local", cos.astype(np_dtype))
-            data.add_array("rope_sin_local", sin.astype(np_dtype))
+        for table in features.rope_tables(args):  # the main one, and Gemma 3's sliding layers' own
+            cos, sin = rope.cos_sin(args, _rope_rows(plan, args), table)
+            data.add_array(f"rope_cos{table.suffix}", cos.astype(np_dtype))
+            data.add_array(f"rope_sin{table.suffix}", sin.astype(np_dtype))
         data.write()
     return data
 

@@ -161,12 +161,12 @@ class _Positions:
     without the sliding window (bool (B, 1, T, S); decode (B, 1, 1, C)), and in decode the one-hot
     (B, 1, C, 1) of the slot it writes."""
 
-    rope: dict[bool, tuple[str, str]]  # local? -> (cos, sin)
+    rope: dict[str, tuple[str, str]]  # table name (features.rope_tables) -> (cos, sin)
     allowed: dict[bool, str]  # windowed? -> mask
     write_at: str | None
 
     def of_layer(self, args: ModelArgs, i: int) -> tuple[str, str, str, str | None]:
-        cos, sin = self.rope[args.local_rope(i)]
+        cos, sin = self.rope[features.layer_rope(args, i)]
         return cos, sin, self.allowed[args.layer_window(i) is not None], self.write_at
 
 
@@ -180,12 +180,10 @@ def _rope_rows(g: NodeBuilder, table: str) -> str:
 
 def _positions(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, bt: str) -> _Positions:
     """The position-derived values of the graph (_Positions)."""
-    rope = {False: (_rope_rows(g, "rope_cos"), _rope_rows(g, "rope_sin"))}
-    rope[True] = (
-        (_rope_rows(g, "rope_cos_local"), _rope_rows(g, "rope_sin_local"))
-        if args.rope_local_theta is not None
-        else rope[False]
-    )
+    rope = {
+        t.name: (_rope_rows(g, f"rope_cos{t.suffix}"), _rope_rows(g, f"rope_sin{t.suffix}"))
+        for t in features.rope_tables(args)
+    }
     key_ok = g.op(
         "Unsqueeze", [g.op("Cast", [ATTENTION_MASK], "mask.bool", to=TensorProto.BOOL), g.const([1, 2])], "mask.keys"
     )

@@ -105,10 +105,10 @@ class LayeredModel:
         self.dtype = "float32"
         self._attn = _CachedAttention((kernels or reference_kernels()).attention)
         self.kernels = replace(kernels or reference_kernels(), attention=self._attn)
-        # local? -> (cos, sin): Gemma 3's sliding layers rotate with their own base (else one table)
+        # table name -> (cos, sin): one per features.rope_tables (Gemma 3's sliding layers: their own base)
         self._tables = {
-            local: tuple(t.to(device) for t in rope_cos_sin(self.args, local=local))
-            for local in ((False, True) if self.args.rope_local_theta is not None else (False,))
+            table.name: tuple(t.to(device) for t in rope_cos_sin(self.args, table=table))
+            for table in features.rope_tables(self.args)
         }
         self._blocks: dict[int, TransformerBlock] = {}
         self._tops: dict[tuple[str, bool], torch.Tensor] = {}
@@ -299,7 +299,7 @@ class LayeredModel:
 
     def _table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE (cos, sin) tables layer ``layer`` rotates with."""
-        return self._tables[self.args.local_rope(layer)]
+        return self._tables[features.layer_rope(self.args, layer)]
 
     def _rope(self, start: int, n: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._table(layer)

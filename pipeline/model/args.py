@@ -106,10 +106,6 @@ class ModelArgs:
         """The sliding window of layer ``i`` (None: full causal attention)."""
         return None if self.is_global_layer(i) else self.sliding_window
 
-    def local_rope(self, i: int) -> bool:
-        """Whether layer ``i`` rotates with the local RoPE base (``rope_local_theta``, unscaled)."""
-        return self.rope_local_theta is not None and not self.is_global_layer(i)
-
     @property
     def attn_scale(self) -> float:
         """The factor on q.k: attn_scalar^-1/2 (Gemma 3's query_pre_attn_scalar), else head_dim^-1/2."""
@@ -309,16 +305,6 @@ def args_problems(args: ModelArgs) -> list[str]:
         out.append(
             f"activation: {limits.shown(args.activation)} is not one of {', '.join(ACTIVATIONS)}; use "
             + gates.choices()
-        )
-    if args.global_every and args.sliding_window is None:
-        out.append(
-            f"global_every: {args.global_every} needs sliding_window (the other layers' window); set "
-            "sliding_window, or global_every: 0"
-        )
-    if args.rope_local_theta is not None and not args.global_every:
-        out.append(
-            f"rope_local_theta: {args.rope_local_theta:g} is the sliding layers' RoPE base beside global "
-            "layers, but global_every is 0; set global_every, or drop rope_local_theta"
         )
     if args.n_heads % args.kv_heads:
         out.append(f"n_kv_heads: {args.kv_heads} does not divide n_heads={args.n_heads}; pick a divisor")
@@ -693,10 +679,8 @@ SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + (
     "experts_per_token",
     "router_norm_topk",
     "activation",
-    *(f.name for f in features.FEATURES if not f.params),  # the others change the numerics only
-    "global_every",
-    "rope_local_theta",
-    "attn_scale",
+    # the others change the numerics only (each value a feature owns, by what it computes)
+    *(prop for f in features.FEATURES if not f.params for _, prop in f.compared_fields()),
     "rope_scaling",
     "tie_embeddings",
 )

@@ -52,13 +52,13 @@ class Family:
         """Whether this architecture's config can say ``args``' switches (Gemma 3's: gemma3.problem)."""
         return (
             self.moe == args.moe
-            and set(self.features) == set(features.active(args))
+            and set(self.features) == {f for f in features.active(args) if f.switch}
             and not (self.window_keys == "none" and args.sliding_window is not None)
         )
 
     def switches(self) -> dict[str, bool]:
         """Every feature's switch as this architecture sets it."""
-        return {f.name: f in self.features for f in features.FEATURES}
+        return {name: any(f.name == name for f in self.features) for name in features.switches()}
 
 
 FAMILIES: dict[str, Family] = {
@@ -100,7 +100,7 @@ def family_of(args: ModelArgs) -> Family:
         if why is not None:
             raise ValueError(why)
         return FAMILIES[gemma3.MODEL_TYPE]
-    clash = features.problems(args)
+    clash = features.clashes(args)
     if clash:
         raise ValueError(f"{clash[0]} ({SUPPORTED})")
     if args.moe:
@@ -137,7 +137,7 @@ def _named_family(args: ModelArgs) -> Family:
 def _moe_family(args: ModelArgs) -> Family:
     """Qwen3-MoE with q/k norms, Mixtral without; ValueError naming what neither config can say."""
     held = {f for fam in FAMILIES.values() if fam.moe for f in fam.features}
-    extra = [f for f in features.active(args) if f not in held]
+    extra = [f for f in features.active(args) if f.switch and f not in held]
     if extra:
         raise ValueError(
             f"a mixture of experts with {', '.join(f.label for f in extra)}: no supported architecture has both "

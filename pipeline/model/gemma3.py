@@ -91,7 +91,7 @@ def problem(args: ModelArgs) -> str | None:
             f"Gemma 3 computes {', '.join(f'{k}: {v}' for k, v in REQUIRED.items())}, together; this model "
             f"has {', '.join(missing)} instead (set them all, or none)"
         )
-    extra = [f for f in features.active(args) if f not in FEATURES]
+    extra = [f for f in features.active(args) if f.switch and f not in FEATURES]
     if extra:
         return f"Gemma 3 has no {', '.join(f.label for f in extra)}; drop {', '.join(f.name for f in extra)}"
     if args.moe:
@@ -167,7 +167,7 @@ def read_config(cfg: dict, *, n_layers: int, source: str) -> dict:
         theta, scaling = local, None
     tie = read(cfg, "tie_word_embeddings", BOOL, source=source, default=DEFAULTS["tie_word_embeddings"])
     return {
-        **{f.name: f in FEATURES for f in features.FEATURES},
+        **{name: any(f.name == name for f in FEATURES) for name in features.switches()},
         **REQUIRED,
         "family": MODEL_TYPE,
         "tie_embeddings": tie,

@@ -14,15 +14,17 @@ import math
 import numpy as np
 
 from titan_pipe.model.args import ModelArgs
+from titan_pipe.model.features import RopeTable
 
 
-def inv_freq(args: ModelArgs, *, local: bool = False) -> np.ndarray:
+def inv_freq(args: ModelArgs, table: RopeTable | None = None) -> np.ndarray:
     """(head_dim/2,) float32 inverse frequencies, computed in float64, with the configured scaling
-    (Llama-3.1's or linear); ``local``: the sliding layers' base (``rope_local_theta``), unscaled."""
+    (Llama-3.1's or linear) where the table takes it; ``table``: one of features.rope_tables (None:
+    the main one, rope_theta)."""
     hd = args.head_dim
-    theta = args.rope_local_theta if local else args.rope_theta
+    theta = args.rope_theta if table is None else table.theta
     inv = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    s = None if local else args.rope_scaling
+    s = args.rope_scaling if table is None or table.scaled else None
     if s is None:
         return inv.astype(np.float32)
     if s.rope_type == "linear":
@@ -39,9 +41,9 @@ def inv_freq(args: ModelArgs, *, local: bool = False) -> np.ndarray:
     return scaled.astype(np.float32)
 
 
-def cos_sin(args: ModelArgs, rows: int, *, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin float32 of shape (rows, head_dim), each half repeated (rotate-half convention);
-    ``local``: the sliding layers' tables (inv_freq)."""
-    freqs = np.outer(np.arange(rows, dtype=np.float32), inv_freq(args, local=local))  # fp32 products, as torch.outer
+def cos_sin(args: ModelArgs, rows: int, table: RopeTable | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 of shape (rows, head_dim), each half repeated (rotate-half convention), of
+    ``table`` (inv_freq)."""
+    freqs = np.outer(np.arange(rows, dtype=np.float32), inv_freq(args, table))  # fp32 products, as torch.outer
     angles = np.concatenate([freqs, freqs], axis=-1).astype(np.float64)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

@@ -38,7 +38,7 @@ COMPARED: dict[str, str] = {
     "rope_scaling": "rope_scaling",
     "max_seq_len": "max_seq_len",
     "tie_embeddings": "tie_embeddings",
-    **{switch: switch for switch in features.switches()},
+    **features.compared(),  # the features' switches and values
     "sliding_window": "sliding_window",
     "n_experts": "n_experts",
     "experts_per_token": "experts_per_token",
@@ -47,9 +47,6 @@ COMPARED: dict[str, str] = {
     "dense_layers": "moe_layers",
     "router_norm_topk": "router_norm_topk",
     "activation": "activation",
-    "global_every": "global_every",
-    "rope_local_theta": "rope_local_theta",
-    "attn_scalar": "attn_scale",
 }
 # Training choices, not architecture: a value given in flow.yaml is used over the checkpoint's.
 TRAINING_FIELDS = ("router_aux_loss_coef",)

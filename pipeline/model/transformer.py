@@ -31,19 +31,19 @@ from titan_pipe.model.seeding import param_generator
 # RoPE: real-valued, rotate-half layout
 
 
-def rope_inv_freq(args: ModelArgs, *, local: bool = False) -> torch.Tensor:
-    """(head_dim/2,) inverse frequencies, with the configured scaling; ``local``: the sliding layers'
-    (titan_pipe.model.rope)."""
-    return torch.as_tensor(rope.inv_freq(args, local=local))  # on the default device (meta while building on meta)
+def rope_inv_freq(args: ModelArgs, table: features.RopeTable | None = None) -> torch.Tensor:
+    """(head_dim/2,) inverse frequencies of ``table`` (None: the main one), with the configured
+    scaling where it takes it (titan_pipe.model.rope)."""
+    return torch.as_tensor(rope.inv_freq(args, table))  # on the default device (meta while building on meta)
 
 
 def rope_cos_sin(
-    args: ModelArgs, seq_len: int | None = None, *, local: bool = False
+    args: ModelArgs, seq_len: int | None = None, table: features.RopeTable | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape (seq_len, head_dim), each half repeated (rotate-half convention); ``local``:
-    the sliding layers' tables (Gemma 3's rope_local_theta)."""
+    """cos, sin of shape (seq_len, head_dim), each half repeated (rotate-half convention), of
+    ``table`` (one of features.rope_tables; None: the main one)."""
     t = torch.arange(seq_len or args.max_seq_len, dtype=torch.float32)
-    freqs = torch.outer(t, rope_inv_freq(args, local=local))
+    freqs = torch.outer(t, rope_inv_freq(args, table))
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -79,7 +79,7 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.kv_heads
         self.window = args.layer_window(layer_id)
-        self.scale = None if args.attn_scalar is None else args.attn_scale
+        self.scale = features.attention_scale(args)
         self.wq = nn.Linear(args.dim, args.q_dim, bias=features.biased(args, "q"))
         self.wk = nn.Linear(args.dim, args.kv_dim, bias=features.biased(args, "k"))
         self.wv = nn.Linear(args.dim, args.kv_dim, bias=features.biased(args, "v"))
@@ -342,13 +342,12 @@ class Transformer(nn.Module):
         # and its gradient flows back to each (balance_loss).
         self.carry_balance = False
         self.loss_chunk = None  # the fused loss's chunk step when compiled (model.loss.CompiledLoss); None: eager
-        cos, sin = rope_cos_sin(args)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        if args.rope_local_theta is not None:  # Gemma 3's sliding layers rotate with their own base
-            cos, sin = rope_cos_sin(args, local=True)
-            self.register_buffer("rope_cos_local", cos, persistent=False)
-            self.register_buffer("rope_sin_local", sin, persistent=False)
+        # one (rope_cos<suffix>, rope_sin<suffix>) buffer pair per table (features.rope_tables)
+        self.rope_tables = features.rope_tables(args)
+        for table in self.rope_tables:
+            cos, sin = rope_cos_sin(args, table=table)
+            self.register_buffer(f"rope_cos{table.suffix}", cos, persistent=False)
+            self.register_buffer(f"rope_sin{table.suffix}", sin, persistent=False)
 
     def forward(
         self,
@@ -370,11 +369,12 @@ class Transformer(nn.Module):
         statistics of the stages before (none on the first) and the result is (logits or hidden
         state, assignments, probability sums) with this stage's routers' added."""
         h = self.embed(tokens) if self.tok_embeddings is not None else tokens
-        tables = {False: self._rope(self.rope_cos, self.rope_sin, h, positions)}
-        if self.args.rope_local_theta is not None:
-            tables[True] = self._rope(self.rope_cos_local, self.rope_sin_local, h, positions)
+        tables = {
+            t.name: self._rope(getattr(self, f"rope_cos{t.suffix}"), getattr(self, f"rope_sin{t.suffix}"), h, positions)
+            for t in self.rope_tables
+        }
         for lid, layer in self.layers.items():
-            h = layer(h, *tables[self.args.local_rope(int(lid))], positions)
+            h = layer(h, *tables[features.layer_rope(self.args, int(lid))], positions)
         h = self.norm(h) if self.norm is not None else h
         if self.carry_balance:
             return (self.output(h) if self.output is not None else h, *self._carried(carry, h))
@@ -428,11 +428,10 @@ class Transformer(nn.Module):
     def init_rope(self, device: str | torch.device | None = None) -> None:
         """Recompute the RoPE buffers (after building on the meta device), on ``device`` (None: where they are)."""
         device = self.rope_cos.device if device is None else device
-        cos, sin = rope_cos_sin(self.args)
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
-        if self.args.rope_local_theta is not None:
-            cos, sin = rope_cos_sin(self.args, local=True)
-            self.rope_cos_local, self.rope_sin_local = cos.to(device), sin.to(device)
+        for table in self.rope_tables:
+            cos, sin = rope_cos_sin(self.args, table=table)
+            setattr(self, f"rope_cos{table.suffix}", cos.to(device))
+            setattr(self, f"rope_sin{table.suffix}", sin.to(device))
 
 
 def _param_std(name: str, args: ModelArgs) -> float | None:

@@ -2,23 +2,47 @@
 
 ``FEATURES`` is the list the stages iterate; a model family (titan_pipe.model.families) names the
 features its architecture always has. Migrated so far: q/k/v biases (qkv_bias.py), q/k norms
-(qk_norm.py), scaled embeddings (embed_scale.py), sandwich norms (sandwich_norms.py) and offset
-norms (norm_offset.py). The others (sliding windows, mixtures of experts, Gemma 3's GeGLU and layer
-pattern, the tied head) are still tested as ModelArgs fields where they are used
-(docs/architecture.md, "Features").
+(qk_norm.py), scaled embeddings (embed_scale.py), sandwich norms (sandwich_norms.py), offset
+norms (norm_offset.py), and two values a family's config states: global layers among sliding ones
+with their own RoPE table (global_every.py) and the query scale (attn_scalar.py); the MLP's gate is
+a choice among records (gates.py). The others (the sliding window itself, mixtures of experts, the
+tied head) are still tested as ModelArgs fields where they are used (docs/architecture.md, "Features").
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from titan_pipe.model.features import embed_scale, norm_offset, qk_norm, qkv_bias, sandwich_norms
-from titan_pipe.model.features.feature import Conformance, Feature
+from titan_pipe.model.features import (
+    attn_scalar,
+    embed_scale,
+    global_every,
+    norm_offset,
+    qk_norm,
+    qkv_bias,
+    sandwich_norms,
+)
+from titan_pipe.model.features.feature import Conformance, Feature, RopeTable
 
 if TYPE_CHECKING:
     from titan_pipe.model.args import ModelArgs
 
-__all__ = ["Conformance", "FEATURES", "Feature", "active", "biased", "offset_norms", "problems", "switches"]
+__all__ = [
+    "Conformance",
+    "FEATURES",
+    "Feature",
+    "RopeTable",
+    "active",
+    "attention_scale",
+    "biased",
+    "clashes",
+    "compared",
+    "layer_rope",
+    "offset_norms",
+    "problems",
+    "rope_tables",
+    "switches",
+]
 
 FEATURES: tuple[Feature, ...] = (
     qkv_bias.FEATURE,
@@ -26,6 +50,8 @@ FEATURES: tuple[Feature, ...] = (
     embed_scale.FEATURE,
     sandwich_norms.FEATURE,
     norm_offset.FEATURE,
+    global_every.FEATURE,
+    attn_scalar.FEATURE,
 )
 # features no architecture has together, and why (a relation between two files, so kept in the list)
 EXCLUSIVE: tuple[tuple[Feature, Feature, str], ...] = (
@@ -38,8 +64,13 @@ EXCLUSIVE: tuple[tuple[Feature, Feature, str], ...] = (
 
 
 def switches() -> tuple[str, ...]:
-    """The ModelArgs switches the features own."""
-    return tuple(f.name for f in FEATURES)
+    """The ModelArgs switches (bools an architecture has or not) the features own."""
+    return tuple(f.name for f in FEATURES if f.switch)
+
+
+def compared() -> dict[str, str]:
+    """ModelArgs field -> the property two models are compared on, of every field the features own."""
+    return {field: prop for f in FEATURES for field, prop in f.compared_fields()}
 
 
 def active(args: "ModelArgs") -> tuple[Feature, ...]:
@@ -56,7 +87,28 @@ def offset_norms(args: "ModelArgs") -> bool:
     return any(f.offset_norms for f in active(args))
 
 
+def rope_tables(args: "ModelArgs") -> tuple[RopeTable, ...]:
+    """The RoPE tables the model's layers rotate with: the main one (rope_theta, scaled) first."""
+    extra = (f.rope_table(args) for f in active(args) if f.rope_table is not None)
+    return (RopeTable("", args.rope_theta, scaled=True), *(t for t in extra if t is not None))
+
+
+def layer_rope(args: "ModelArgs", i: int) -> str:
+    """The name of the RoPE table (rope_tables) layer ``i`` rotates with."""
+    return next((f.layer_rope(args, i) for f in active(args) if f.layer_rope is not None), "")
+
+
+def attention_scale(args: "ModelArgs") -> float | None:
+    """The factor on q.k a feature sets; None: head_dim^-1/2."""
+    return next((f.attention_scale(args) for f in active(args) if f.attention_scale is not None), None)
+
+
 def problems(args: "ModelArgs") -> list[str]:
+    """One line per feature value the model cannot compute, then the clashes."""
+    return [line for f in FEATURES if f.check is not None for line in f.check(args)] + clashes(args)
+
+
+def clashes(args: "ModelArgs") -> list[str]:
     """One line per pair of features set together that no architecture has (EXCLUSIVE)."""
     return [
         f"{a.name}: true together with {b.name}: {why}; drop one of {a.name} / {b.name}"

@@ -41,6 +41,21 @@ class Conformance:
     tiny: float = 1e-4  # of the "tiny" case
 
 
+@dataclass(frozen=True)
+class RopeTable:
+    """One RoPE table layers rotate with: ``name`` ("" the model's main table, rope_theta with the
+    configured scaling), its base, and whether the configured scaling applies to it."""
+
+    name: str
+    theta: float
+    scaled: bool
+
+    @property
+    def suffix(self) -> str:
+        """What its buffers' and initializers' names end with (``rope_cos`` + suffix)."""
+        return f"_{self.name}" if self.name else ""
+
+
 def row_shape(case: str) -> tuple[int, int]:
     """(rows, row length) of a conformance row's 2-D inputs: long rows test reductions over many elements."""
     return (4, 8192) if case == "long" else (16, 64)
@@ -48,8 +63,13 @@ def row_shape(case: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Feature:
-    name: str  # the ModelArgs switch (a bool) that turns it on
+    name: str  # the ModelArgs field that turns it on (a bool switch, or a value: 0 / None is off)
     label: str  # how a person is told (inspect, errors): "q/k norms"
+    # True: a bool an architecture always has or never has (titan_pipe.model.families); False: a value
+    # a family's config states (Gemma 3's layer pattern), not part of what tells families apart
+    switch: bool = True
+    # (ModelArgs field, the property two models are compared on) of each value it owns; empty: (name, name)
+    compared: tuple[tuple[str, str], ...] = ()
     params: tuple[Param, ...] = ()  # per-layer rows of the parameter list, each ``when`` this is on
     megatron_arg: str | None = None  # the Megatron-LM argument that turns it on
     rotate_half_in_torchtitan: bool = False  # torchtitan's model with it stores q/k rows rotate-half
@@ -77,9 +97,21 @@ class Feature:
     # token keeps for backward, per layer}
     activation_terms: Callable[["ModelArgs", int, int, int], dict[str, float]] | None = None
     conformance: tuple[Conformance, ...] = ()
+    # RoPE: (args) -> a table besides the main one, and (args, layer) -> the name of the table it rotates with
+    rope_table: Callable[["ModelArgs"], RopeTable] | None = None
+    layer_rope: Callable[["ModelArgs", int], str] | None = None
+    # attention: (args) -> the factor on q.k in place of head_dim^-1/2
+    attention_scale: Callable[["ModelArgs"], float] | None = None
+    # (args) -> one line per value it cannot compute, each naming the fix (asked whether on or not)
+    check: Callable[["ModelArgs"], list[str]] | None = None
+    # (a model dict: ModelArgs.to_dict) -> how inspect names it, when its label is not enough
+    describe: Callable[[dict], str] | None = None
 
     def on(self, args: "ModelArgs") -> bool:
         return bool(getattr(args, self.name))
+
+    def compared_fields(self) -> tuple[tuple[str, str], ...]:
+        return self.compared or ((self.name, self.name),)
 
     def layer_params(self, args: "ModelArgs") -> int:
         """Parameters it adds to each layer (0 when off)."""

@@ -233,7 +233,7 @@ def model_args(cfg_path: Path, shapes: dict[str, tuple[int, ...]]) -> ModelArgs:
             vocab_size=vocab,
             ffn_hidden_dim=hidden,
             head_dim=head_dim,
-            **{f.name: f.shown_in(shapes) for f in features.FEATURES},
+            **{f.name: f.shown_in(shapes) for f in features.FEATURES if f.switch},
             norm_eps=_param(cfg, "norm_eps", FLOAT, cfg_path, default=1e-5, bound=limits.NORM_EPS),
             rope_theta=_param(cfg, "rope_theta", FLOAT, cfg_path, default=10000.0, bound=limits.ROPE_THETA),
             rope_scaling=_meta_scaling(cfg, cfg_path),

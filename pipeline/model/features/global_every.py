@@ -1,0 +1,52 @@
+"""Global layers among sliding ones (Gemma 3: five sliding-window layers to one global): layer i
+attends to every position before it when (i + 1) % ``global_every`` == 0, the others slide over
+``sliding_window`` positions (ModelArgs.layer_window). The sliding layers may rotate with a RoPE base
+of their own, unscaled (``rope_local_theta``); the global ones with rope_theta and the configured
+scaling. Fields ``model.global_every`` (0: off) and ``model.rope_local_theta`` (None: one table)."""
+
+from __future__ import annotations
+
+from titan_pipe.model.features.feature import Feature, RopeTable
+
+LOCAL = "local"  # the sliding layers' RoPE table (buffers and initializers ``rope_cos_local``, ``rope_sin_local``)
+
+
+def _table(args) -> RopeTable | None:
+    return None if args.rope_local_theta is None else RopeTable(LOCAL, args.rope_local_theta, scaled=False)
+
+
+def _layer_rope(args, i: int) -> str:
+    return LOCAL if args.rope_local_theta is not None and not args.is_global_layer(i) else ""
+
+
+def _check(args) -> list[str]:
+    out = []
+    if args.global_every and args.sliding_window is None:
+        out.append(
+            f"global_every: {args.global_every} needs sliding_window (the other layers' window); set "
+            "sliding_window, or global_every: 0"
+        )
+    if args.rope_local_theta is not None and not args.global_every:
+        out.append(
+            f"rope_local_theta: {args.rope_local_theta:g} is the sliding layers' RoPE base beside global "
+            "layers, but global_every is 0; set global_every, or drop rope_local_theta"
+        )
+    return out
+
+
+def _describe(m: dict) -> str:
+    local = m.get("rope_local_theta")
+    bases = f"RoPE base {m['rope_theta']:,.0f}" + (f", sliding {local:,.0f}" if local is not None else "")
+    return f"1 global layer in {m['global_every']} ({bases})"
+
+
+FEATURE = Feature(
+    name="global_every",
+    label="global layers among sliding ones",
+    switch=False,
+    compared=(("global_every", "global_every"), ("rope_local_theta", "rope_local_theta")),
+    rope_table=_table,
+    layer_rope=_layer_rope,
+    check=_check,
+    describe=_describe,
+)
