@@ -312,3 +312,47 @@ def test_a_value_features_check_names_the_fix():
     # set together, neither check speaks (what is left is that only Gemma 3 has them: families)
     lines = args_problems(small(n_layers=6, sliding_window=8, global_every=3, rope_local_theta=1e4))
     assert lines and not any("needs sliding_window" in x or "beside global layers" in x for x in lines)
+
+
+def _code_mentions(path: Path, name: str) -> list[int]:
+    """Lines of ``path`` whose code (not comments, not docstrings) names ``name``: an identifier or
+    inside a one-quoted string."""
+    import io
+    import tokenize
+
+    lines = []
+    for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if tok.type == tokenize.NAME and tok.string == name:
+            lines.append(tok.start[0])
+        elif tok.type == tokenize.STRING and not tok.string.lstrip("rbfu").startswith(('"""', "'''")):
+            if re.search(rf"\b{re.escape(name)}\b", tok.string):
+                lines.append(tok.start[0])
+    return lines
+
+
+def test_gemma3_is_its_module_and_one_line_in_the_family_list():
+    """Gemma 3's keys, values, spellings, flavour and relatives live in titan_pipe.model.gemma3 (its
+    Family record) and its feature files; outside them the code names it once: the family list's
+    entry (and the import that brings it)."""
+    from titan_pipe.model import gemma3
+
+    named = {
+        str(p.relative_to(REPO)): lines
+        for folder in STAGES
+        for p in (REPO / folder).rglob("*.py")
+        if p.name != "gemma3.py"
+        for lines in [_code_mentions(p, "gemma3") + _code_mentions(p, gemma3.MODEL_TYPE)]
+        if lines
+    }
+    assert list(named) == ["pipeline/model/families.py"] and len(named["pipeline/model/families.py"]) == 2, named
+    assert FAMILIES[gemma3.MODEL_TYPE] is gemma3.FAMILY and "gemma3_1b" in FLAVOURS
+    # what the record carries is what the stages read: its spelling, its own tensors, its relatives
+    from titan_pipe.model.families import NOT_COMPUTED
+    from titan_pipe.model.names import hf_to_native, native_to_hf
+
+    assert native_to_hf("layers.0.ffn_norm.weight", gemma3.MODEL_TYPE).endswith("pre_feedforward_layernorm.weight")
+    assert hf_to_native("model.layers.0.post_attention_layernorm.weight", gemma3.MODEL_TYPE) == (
+        "layers.0.post_attention_norm.weight"
+    )
+    assert hf_to_native("model.layers.0.post_attention_layernorm.weight", "llama") == "layers.0.ffn_norm.weight"
+    assert set(gemma3.RELATIVES) <= set(NOT_COMPUTED)

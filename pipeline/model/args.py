@@ -22,9 +22,9 @@ from typing import get_type_hints
 from titan_pipe.rules import limits
 from titan_pipe.rules.limits import Bound
 from titan_pipe.errors import UserError
-from titan_pipe.model import features, gemma3
+from titan_pipe.model import features
 from titan_pipe.model.features import gates
-from titan_pipe.model.families import family_of
+from titan_pipe.model.families import FAMILIES, claimed, family_of
 from titan_pipe.model.rope_scaling import ROPE_TYPES, RopeScaling
 from titan_pipe.rules.values import BOOL, DICT, FLOAT, INT, LIST, STR, check, refuse
 
@@ -290,14 +290,15 @@ def args_problems(args: ModelArgs) -> list[str]:
         ]
     if args.head_dim % 2:
         out.append(f"head_dim: {args.head_dim} must be even (RoPE rotates pairs); change head_dim (or dim / n_heads)")
-    if args.moe or args.family is not None or gemma3.uses_any(args):  # the architecture that says it (families)
+    owned = claimed(args)  # a value only one family has (Gemma 3's layer pattern)
+    if args.moe or args.family is not None or owned is not None:  # the architecture that says it (families)
         try:
             family_of(args)
         except ValueError as e:
             key, value = (
                 ("family", args.family)
                 if args.family is not None
-                else (("n_experts", args.n_experts) if args.moe else gemma3.first_set(args))
+                else (("n_experts", args.n_experts) if args.moe else owned)
             )
             out.append(f"{key}: {value}: {e}")
     out += features.problems(args)  # to_hf_config could name no architecture (titan_pipe.model.families)
@@ -540,30 +541,8 @@ FLAVOURS: dict[str, ModelArgs] = {
         moe_hidden_dim=1536,
         router_aux_loss_coef=0.001,
     ),
-    # Gemma 3 1B (Gemma3ForCausalLM, text only): offset norms around both sub-layers, GeGLU, embeddings
-    # times sqrt(dim), 5 sliding (512, RoPE base 1e4) : 1 global (1e6) layers, head_dim 256, tied.
-    "gemma3_1b": ModelArgs(
-        dim=1152,
-        n_layers=26,
-        n_heads=4,
-        n_kv_heads=1,
-        head_dim=256,
-        vocab_size=262144,
-        ffn_hidden_dim=6912,
-        norm_eps=1e-6,
-        rope_theta=1e6,
-        max_seq_len=32768,
-        tie_embeddings=True,
-        qk_norm=True,
-        sliding_window=512,
-        norm_offset=True,
-        activation="gelu_tanh",
-        sandwich_norms=True,
-        embed_scale=True,
-        global_every=6,
-        rope_local_theta=1e4,
-        attn_scalar=256.0,
-    ),
+    # the released models of families defined in their own module (Gemma 3 1B: titan_pipe.model.gemma3)
+    **{name: ModelArgs(**values) for fam in FAMILIES.values() for name, values in fam.flavours.items()},
     # A tiny Mixtral-shaped mixture for CPU tests and examples.
     "debug_moe": ModelArgs(
         dim=64,

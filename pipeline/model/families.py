@@ -13,7 +13,10 @@ One decoder with its switches (titan_pipe.model.args) covers six architectures:
   Qwen3MoeForCausalLM (qwen3_moe) Qwen3 with a mixture of experts (num_experts of width
                                    moe_intermediate_size, norm_topk_prob) in the layers decoder_sparse_step
                                    and mlp_only_layers say; the other layers keep intermediate_size
-  Gemma3ForCausalLM   (gemma3_text) its own switches and keys: titan_pipe.model.gemma3
+  Gemma3ForCausalLM   (gemma3_text) its own keys and values: its module (titan_pipe.model.gemma3)
+
+A family is a record (titan_pipe.model.family); one whose config says more than the shared keys
+defines its record in its own module with ``OwnKeys``, and this list names it in one line.
 
 A config.json is read by its ``model_type`` (titan_pipe.model.hf_config reads the rest), every key
 typed strictly (titan_pipe.rules.values); what the model cannot compute (mixture-of-experts families, a
@@ -23,42 +26,19 @@ The config written for a model is the simplest of the four that computes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from titan_pipe.rules import limits
 from titan_pipe.errors import UserError
 from titan_pipe.model import features, gemma3
-from titan_pipe.model.features import Feature, qk_norm, qkv_bias
+from titan_pipe.model.family import Family
+from titan_pipe.model.features import qk_norm, qkv_bias
 from titan_pipe.rules.limits import Bound, shown
 from titan_pipe.rules.values import BOOL, FLOAT, INT, STR, read, refuse
 
 if TYPE_CHECKING:  # annotations only: args.py imports this module (family checks), not the reverse
     from titan_pipe.model.args import ModelArgs
-
-
-@dataclass(frozen=True)
-class Family:
-    """One Hugging Face architecture: its class name, model_type and switches it always has."""
-
-    architecture: str
-    model_type: str
-    features: tuple[Feature, ...] = ()  # what the architecture always has (titan_pipe.model.features)
-    window_keys: str = "none"  # none | mistral (sliding_window) | qwen (per-layer types)
-    moe: bool = False  # a mixture of experts (the keys: _read_moe)
-    gemma: bool = False  # Gemma 3's switches and keys (titan_pipe.model.gemma3)
-
-    def holds(self, args: ModelArgs) -> bool:
-        """Whether this architecture's config can say ``args``' switches (Gemma 3's: gemma3.problem)."""
-        return (
-            self.moe == args.moe
-            and set(self.features) == {f for f in features.active(args) if f.switch}
-            and not (self.window_keys == "none" and args.sliding_window is not None)
-        )
-
-    def switches(self) -> dict[str, bool]:
-        """Every feature's switch as this architecture sets it."""
-        return {name: any(f.name == name for f in self.features) for name in features.switches()}
 
 
 FAMILIES: dict[str, Family] = {
@@ -70,7 +50,7 @@ FAMILIES: dict[str, Family] = {
         Family("Qwen3ForCausalLM", "qwen3", features=(qk_norm.FEATURE,), window_keys="qwen"),
         Family("MixtralForCausalLM", "mixtral", window_keys="mistral", moe=True),
         Family("Qwen3MoeForCausalLM", "qwen3_moe", features=(qk_norm.FEATURE,), window_keys="qwen", moe=True),
-        Family(gemma3.ARCHITECTURE, gemma3.MODEL_TYPE, features=gemma3.FEATURES, window_keys="gemma", gemma=True),
+        gemma3.FAMILY,
     )
 }
 SUPPORTED = ", ".join(f.architecture for f in FAMILIES.values())
@@ -81,12 +61,7 @@ UNSUPPORTED = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # Relatives that are not mixtures of experts: why each is not computed.
-NOT_COMPUTED = {
-    "gemma3": "Gemma3ForConditionalGeneration (its vision tower); convert the text model "
-    "(Gemma3ForCausalLM, model_type gemma3_text)",
-    "gemma2": "Gemma2ForCausalLM (logit soft-capping)",
-    "gemma": "GemmaForCausalLM",
-}
+NOT_COMPUTED = {kind: why for f in FAMILIES.values() for kind, why in f.relatives.items()}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
@@ -95,18 +70,30 @@ def family_of(args: ModelArgs) -> Family:
     checkpoint named); ValueError for a combination none has."""
     if args.family is not None:
         return _named_family(args)
-    if gemma3.uses_any(args):
-        why = gemma3.problem(args)
+    owner = _claimed_by(args)
+    if owner is not None:
+        why = owner.own.problem(args)
         if why is not None:
             raise ValueError(why)
-        return FAMILIES[gemma3.MODEL_TYPE]
+        return owner
     clash = features.clashes(args)
     if clash:
         raise ValueError(f"{clash[0]} ({SUPPORTED})")
     if args.moe:
         return _moe_family(args)
     # the first dense architecture that holds it (llama before mistral: a window is Mistral's)
-    return next(f for f in FAMILIES.values() if not f.moe and not f.gemma and f.holds(args))
+    return next(f for f in FAMILIES.values() if not f.moe and f.own is None and f.holds(args))
+
+
+def _claimed_by(args: ModelArgs) -> Family | None:
+    """The family a value of ``args`` belongs to alone (Gemma 3's layer pattern); None if none."""
+    return next((f for f in FAMILIES.values() if f.claims(args)), None)
+
+
+def claimed(args: ModelArgs) -> tuple[str, object] | None:
+    """(field, value) of the first value of ``args`` only one family has; None if none."""
+    owner = _claimed_by(args)
+    return None if owner is None else owner.own.first_set(args)
 
 
 def _named_family(args: ModelArgs) -> Family:
@@ -115,14 +102,16 @@ def _named_family(args: ModelArgs) -> Family:
     if fam is None:
         raise ValueError(f"is not one of {', '.join(FAMILIES)} (Hugging Face model_type)")
     plain = replace(args, family=None)
-    if fam.gemma or gemma3.uses_any(args):
-        if not fam.gemma or gemma3.problem(args) is not None:
+    owner = _claimed_by(args)
+    if fam.own is not None or owner is not None:
+        if fam is not owner and fam.own is None:
             raise ValueError(
-                gemma3.problem(args)
-                if fam.gemma
-                else f"{fam.architecture} cannot hold this model "
-                "(Gemma 3's switches are set); drop model.family or those switches"
+                f"{fam.architecture} cannot hold this model ({owner.architecture}'s values are set: "
+                f"{owner.own.first_set(args)[0]}); drop model.family or those values"
             )
+        why = fam.own.problem(args)
+        if why is not None:
+            raise ValueError(why)
         return fam
     if not fam.holds(args):
         raise ValueError(
@@ -159,8 +148,8 @@ def _moe_family(args: ModelArgs) -> Family:
 def family_keys(args: ModelArgs) -> dict:
     """The architecture keys of ``args``' config.json (architectures, model_type, biases, windows)."""
     fam = family_of(args)
-    if fam.gemma:
-        return gemma3.write_config(args)
+    if fam.own is not None:
+        return fam.own.write(args)
     cfg: dict = {"architectures": [fam.architecture], "model_type": fam.model_type}
     if fam.model_type in ("llama", "qwen3"):
         cfg["attention_bias"] = False
@@ -218,8 +207,8 @@ def read_family(cfg: dict, *, n_layers: int, source: str) -> dict:
     """ModelArgs fields (the features' switches, sliding_window) of a config.json, every key typed
     strictly (titan_pipe.rules.values); UserError naming the key for what the model cannot compute."""
     fam = config_family(cfg, source)
-    if fam.gemma:
-        return gemma3.read_config(cfg, n_layers=n_layers, source=source)
+    if fam.own is not None:
+        return fam.own.read(cfg, n_layers=n_layers, source=source)
     if read(cfg, "attention_bias", BOOL, source=source, default=False) and fam.model_type in ("llama", "qwen3"):
         raise refuse(
             source,

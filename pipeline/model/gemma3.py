@@ -26,6 +26,7 @@ from titan_pipe.rules import limits
 from titan_pipe.errors import UserError
 from titan_pipe.rules.limits import Bound
 from titan_pipe.model import features
+from titan_pipe.model.family import Family, OwnKeys
 from titan_pipe.model.features import embed_scale, gates, norm_offset, qk_norm, sandwich_norms
 from titan_pipe.model.rope_scaling import RopeScaling, read_rope_scaling
 from titan_pipe.rules.values import BOOL, DICT, FLOAT, INT, STR, read, refuse
@@ -76,11 +77,6 @@ OFF = {
 def first_set(args: ModelArgs) -> tuple[str, object] | None:
     """(field, value) of the first switch only Gemma 3 among the supported families has; None if none."""
     return next(((k, getattr(args, k)) for k, off in OFF.items() if getattr(args, k) != off), None)
-
-
-def uses_any(args: ModelArgs) -> bool:
-    """Whether ``args`` sets a switch only Gemma 3 among the supported families has."""
-    return first_set(args) is not None
 
 
 def problem(args: ModelArgs) -> str | None:
@@ -285,3 +281,53 @@ def _rope(cfg: dict, source: str):
 def _scaling(spec: dict | None, where: str, source: str) -> RopeScaling | None:
     """The global layers' linear scaling of a RoPE spec; None for plain RoPE; another kind refused."""
     return read_rope_scaling(spec, where, source, kinds=("linear",))
+
+
+# Its released models' values (flow.yaml's ``model.flavour``; ModelArgs builds them: titan_pipe.model.args)
+FLAVOURS = {
+    # Gemma 3 1B (text only): offset norms around both sub-layers, GeGLU, embeddings times sqrt(dim),
+    # 5 sliding (512, RoPE base 1e4) : 1 global (1e6) layers, head_dim 256, tied.
+    "gemma3_1b": {
+        "dim": 1152,
+        "n_layers": 26,
+        "n_heads": 4,
+        "n_kv_heads": 1,
+        "head_dim": 256,
+        "vocab_size": 262144,
+        "ffn_hidden_dim": 6912,
+        "norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_seq_len": 32768,
+        "tie_embeddings": True,
+        "qk_norm": True,
+        "sliding_window": 512,
+        "norm_offset": True,
+        "activation": "gelu_tanh",
+        "sandwich_norms": True,
+        "embed_scale": True,
+        "global_every": 6,
+        "rope_local_theta": 1e4,
+        "attn_scalar": 256.0,
+    },
+}
+RELATIVES = {  # model_types of Gemma 3's relatives it does not compute, and why (titan_pipe.model.families)
+    "gemma3": "Gemma3ForConditionalGeneration (its vision tower); convert the text model "
+    "(Gemma3ForCausalLM, model_type gemma3_text)",
+    "gemma2": "Gemma2ForCausalLM (logit soft-capping)",
+    "gemma": "GemmaForCausalLM",
+}
+
+# The family (one line in titan_pipe.model.families.FAMILIES): its config.json keys are its own.
+FAMILY = Family(
+    ARCHITECTURE,
+    MODEL_TYPE,
+    features=FEATURES,
+    window_keys="own",
+    own=OwnKeys(read=read_config, write=write_config, first_set=first_set, problem=problem),
+    # its norm before the MLP is pre_feedforward_layernorm, and post_attention_layernorm is the norm
+    # after attention (a sandwich norm), which no other family's checkpoint holds
+    hf_names=(("ffn_norm.weight", "pre_feedforward_layernorm.weight"),),
+    own_params=tuple(p.name for p in sandwich_norms.FEATURE.params),
+    flavours=FLAVOURS,
+    relatives=RELATIVES,
+)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from titan_pipe.rules import limits
 from titan_pipe.errors import UserError
 from titan_pipe.model.args import ModelArgs, RopeScaling, validate_args
-from titan_pipe.model.families import config_family, family_keys, read_family
+from titan_pipe.model.families import config_family, family_keys, family_of, read_family
 from titan_pipe.model.rope_scaling import read_rope_scaling
 from titan_pipe.rules.values import BOOL, DICT, FLOAT, INT, REQUIRED, STR, read, refuse
 
@@ -51,10 +51,10 @@ SUPPORTED_ACTS = ("silu",)
 
 
 def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
-    """A config.json dict for ``args`` (Llama, Mistral, Qwen2 or Qwen3: titan_pipe.model.families),
-    in the 4.x layout both 4.x and 5.x load."""
+    """A config.json dict for ``args`` (its family: titan_pipe.model.families), in the 4.x layout
+    both 4.x and 5.x load."""
+    own = family_of(args).own is not None  # a family whose RoPE and activation keys are its own (Gemma 3)
     fam = family_keys(args)
-    gemma = fam["model_type"] == "gemma3_text"  # its RoPE and activation keys are its own (titan_pipe.model.gemma3)
     cfg = {
         "architectures": fam.pop("architectures"),
         "model_type": fam.pop("model_type"),
@@ -74,7 +74,7 @@ def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
         "torch_dtype": torch_dtype,
         "rope_scaling": None,
     }
-    if gemma:
+    if own:
         del cfg["hidden_act"]
         cfg["rope_scaling"] = fam["rope_scaling"]
     elif args.rope_scaling is not None:

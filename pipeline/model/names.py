@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+from titan_pipe.model.families import FAMILIES
+from titan_pipe.model.param_spec import Param
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS, param_of, split_layer
 
 
@@ -18,16 +20,29 @@ from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, MODEL_PARAMS, pa
 # Stacked expert weights have no one Hugging Face name (one tensor per expert): hf_expert_key.
 def hf_table(family: str | None = None) -> tuple[tuple[str, str], ...]:
     """(native pattern, Hugging Face pattern) of every parameter ``family``'s checkpoints may hold,
-    in its spelling (titan_pipe.model.params: Param.hf_in; None: the list's own names)."""
+    in its spelling (its Family's hf_names; None: the list's own names)."""
     return (
-        *((p.name, p.hf_in(family)) for p in MODEL_PARAMS if p.scope == "first" and p.held_by(family)),
+        *((p.name, _hf_in(p, family)) for p in MODEL_PARAMS if p.scope == "first" and _held_by(p, family)),
         *(
-            (f"{LAYER_PREFIX}{{i}}.{p.name}", f"model.layers.{{i}}.{p.hf_in(family)}")
+            (f"{LAYER_PREFIX}{{i}}.{p.name}", f"model.layers.{{i}}.{_hf_in(p, family)}")
             for p in LAYER_PARAMS
-            if not p.expert and p.held_by(family)
+            if not p.expert and _held_by(p, family)
         ),
-        *((p.name, p.hf_in(family)) for p in MODEL_PARAMS if p.scope == "last" and p.held_by(family)),
+        *((p.name, _hf_in(p, family)) for p in MODEL_PARAMS if p.scope == "last" and _held_by(p, family)),
     )
+
+
+def _hf_in(p: Param, family: str | None) -> str:
+    """``p``'s Hugging Face name in ``family``'s checkpoints (relative to the layer for per-layer ones)."""
+    fam = FAMILIES.get(family)
+    return p.hf if fam is None else dict(fam.hf_names).get(p.name, p.hf)
+
+
+def _held_by(p: Param, family: str | None) -> bool:
+    """Whether checkpoints of ``family`` (None: a family not named) may hold ``p``: any, unless some
+    family holds it alone (Family.own_params)."""
+    owners = [f.model_type for f in FAMILIES.values() if p.name in f.own_params]
+    return not owners or family in owners
 
 
 NATIVE_TO_HF = hf_table()

@@ -74,10 +74,6 @@ class Param:
     tp_dim: int | None | str = "style"
     in_layer: Callable[[ModelArgs, int], bool] = _every_layer  # per-layer entries: does layer i hold it
     expert: bool = False  # dim 0 indexes the experts (one Hugging Face tensor per expert)
-    # (model_type, its Hugging Face name) where a family spells this parameter otherwise (Gemma 3 calls the
-    # norm before the MLP pre_feedforward_layernorm, and post_attention_layernorm is its norm after attention)
-    hf_spelled: tuple[tuple[str, str], ...] = ()
-    families: tuple[str, ...] = ()  # the model_types whose checkpoints hold it (empty: any)
 
     def __post_init__(self):
         if self.tp not in TP_STYLES or self.init not in INITS or self.scope not in SCOPES:
@@ -92,11 +88,3 @@ class Param:
     def module(self) -> str:
         """The owning module (``attention.wq``), relative to the layer for per-layer parameters."""
         return self.name.rsplit(".", 1)[0]
-
-    def hf_in(self, family: str | None) -> str:
-        """The Hugging Face name in ``family``'s checkpoints (relative to the layer for per-layer ones)."""
-        return dict(self.hf_spelled).get(family, self.hf)
-
-    def held_by(self, family: str | None) -> bool:
-        """Whether checkpoints of ``family`` (None: a family not named) may hold it."""
-        return not self.families or family in self.families

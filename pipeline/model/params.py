@@ -39,9 +39,6 @@ def _norm(name: str, hf: str, megatron: tuple[str, ...], scope: str, **kw) -> Pa
     )
 
 
-GEMMA3 = "gemma3_text"
-
-
 MODEL_PARAMS: tuple[Param, ...] = (
     Param(
         "tok_embeddings.weight",
@@ -125,7 +122,6 @@ LAYER_PARAMS: tuple[Param, ...] = (
         "post_attention_layernorm.weight",
         ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
         "layer",
-        hf_spelled=((GEMMA3, "pre_feedforward_layernorm.weight"),),
     ),
     Param(
         "feed_forward.w1.weight",

@@ -7,9 +7,6 @@ from __future__ import annotations
 from titan_pipe.model.features.feature import Feature
 from titan_pipe.model.param_spec import Param
 
-# the checkpoints that hold these tensors (model_type): in the others post_attention_layernorm is the
-# norm before the MLP
-_HELD_BY = ("gemma3_text",)
 # (the block's sub-layer, the module attribute that norms its output)
 _NORMS = {"attention": "post_attention_norm", "mlp": "post_ffn_norm"}
 
@@ -26,8 +23,7 @@ def _param(name: str, hf: str) -> Param:
         init="ones",
         matmul=False,
         when=lambda a: a.sandwich_norms,
-        families=_HELD_BY,
-    )
+    )  # held only by the checkpoints of a family that says so (Family.own_params: Gemma 3's)
 
 
 def _build(block, args, make_norm) -> None:
