@@ -66,8 +66,6 @@ def render(r: InspectResult, console: Console) -> None:
         f"[bold]{escape(str(r.root))}[/bold]: format [bold]{r.format}[/bold], {step}layout {escape(str(r.layout))}"
     )
     variant = [f.label if f.describe is None else f.describe(m) for f in features.FEATURES if m.get(f.name)]
-    if m.get("sliding_window"):
-        variant.append(f"sliding window {m['sliding_window']}")
     gate = gates.GATES.get(m.get("activation") or gates.DEFAULT.name)
     if gate is not None and gate is not gates.DEFAULT:
         variant.append(gate.label)

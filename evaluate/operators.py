@@ -298,7 +298,7 @@ OPERATORS: tuple[OpSpec, ...] = (
         _window_torch,
         _window_graph,
         large=8.0,
-        family="sliding_window",
+        family=features.windowed,
     ),
     OpSpec(
         "softmax",

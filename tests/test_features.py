@@ -28,6 +28,7 @@ STAGES = ("pipeline", "training", "convert", "evaluate", "flows")
 SCHEMA_AND_FAMILIES = {
     "pipeline/model/args.py",
     "pipeline/model/families.py",
+    "pipeline/model/family.py",  # the family record: a family without window keys holds no window
     "pipeline/model/gemma3.py",
     "pipeline/model/features/__init__.py",  # the feature list
 }
@@ -356,3 +357,27 @@ def test_gemma3_is_its_module_and_one_line_in_the_family_list():
     )
     assert hf_to_native("model.layers.0.post_attention_layernorm.weight", "llama") == "layers.0.ffn_norm.weight"
     assert set(gemma3.RELATIVES) <= set(NOT_COMPUTED)
+
+
+def test_the_sliding_window_owns_its_mask_bytes_and_its_megatron_argument():
+    from argparse import Namespace
+
+    from titan_pipe.errors import UserError
+    from titan_pipe.model.features import sliding_window
+
+    a = small(n_layers=6, sliding_window=8, global_every=3)  # layers 2 and 5 global: 4 of 6 slide
+    assert [a.layer_window(i) for i in range(6)] == [8, 8, None, 8, 8, None]
+    assert features.mask_bytes(a, 64, 2) == 2 * 64 * 64 * 4 / 6  # a (T, T) bias per sliding layer, averaged
+    assert features.mask_bytes(a, 8, 2) == 0  # the window covers the sequence: no mask
+    assert features.mask_bytes(small(n_layers=6), 64, 2) == 0 and not features.windowed(small())
+    assert features.windowed(small(sliding_window=8))
+    read = sliding_window.FEATURE.read_megatron
+    assert read(Namespace(window_size=(7, 0)), Path("ckpt")) == 8  # the query plus 7 before it
+    assert read(Namespace(), Path("ckpt")) is None and read(Namespace(window_size=None), Path("ckpt")) is None
+    with pytest.raises(UserError, match=r"ckpt: Megatron args window_size \(7, 3\): only a causal window"):
+        read(Namespace(window_size=(7, 3)), Path("ckpt"))
+    # a feature that needs another says which and how to fix it
+    assert any(
+        line.startswith("global_every: 3 needs sliding_window (the other layers' window); set sliding_window")
+        for line in args_problems(small(global_every=3))
+    )

@@ -61,7 +61,6 @@ from titan_pipe.graphs.onnx_nodes import (
     rms_norm,
     rotary,
     route,
-    within_window,
 )
 
 _LAYER_INIT = {p.name: p.onnx for p in LAYER_PARAMS}  # native name within a layer -> initializer name
@@ -129,29 +128,11 @@ def io_dims(args: ModelArgs, spec: GraphSpec) -> dict[str, list]:
     return dims
 
 
-def window_applies(args: ModelArgs) -> bool:
-    """Whether the graphs need the sliding-window term: a window shorter than the positions."""
-    return args.sliding_window is not None and args.sliding_window < args.max_seq_len
-
-
 def _window(g: NodeBuilder, args: ModelArgs, spec: GraphSpec, allowed: str) -> str:
-    """``allowed`` narrowed to each query's sliding window, by position distance (int64 gaps)."""
-    if not window_applies(args):
-        return allowed
-    # Named under "mask." with the other shared mask nodes every layer reads.
-    if spec.decode:  # real tokens after each slot = query position - key position; (B, 1, 1, C)
-        after = g.op("CumSum", [ATTENTION_MASK, g.const(1)], "mask.window.after", exclusive=1, reverse=1)
-        gap = g.op("Unsqueeze", [after, g.const([1, 2])], "mask.window.gap")
-    else:  # (B, 1, T, 1) - (B, 1, 1, T)
-        gap = g.op(
-            "Sub",
-            [
-                g.op("Unsqueeze", [POSITION_IDS, g.const([1, 3])], "mask.window.query_pos"),
-                g.op("Unsqueeze", [POSITION_IDS, g.const([1, 2])], "mask.window.key_pos"),
-            ],
-            "mask.window.gap",
-        )
-    return within_window(g, allowed, gap, args.sliding_window, "mask.window")
+    """``allowed`` narrowed by the features' mask terms (a sliding window: titan_pipe.model.features)."""
+    return features.onnx_mask(
+        onnx_nodes, g, args, allowed, decode=spec.decode, attention_mask=ATTENTION_MASK, position_ids=POSITION_IDS
+    )
 
 
 @dataclass(frozen=True)

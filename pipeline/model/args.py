@@ -654,7 +654,6 @@ SHAPE_KEYS = (
 SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + (
     "norm_eps",
     "rope_theta",
-    "sliding_window",
     "experts_per_token",
     "router_norm_topk",
     "activation",

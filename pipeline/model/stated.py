@@ -39,7 +39,6 @@ COMPARED: dict[str, str] = {
     "max_seq_len": "max_seq_len",
     "tie_embeddings": "tie_embeddings",
     **features.compared(),  # the features' switches and values
-    "sliding_window": "sliding_window",
     "n_experts": "n_experts",
     "experts_per_token": "experts_per_token",
     "moe_hidden_dim": "expert_dim",

@@ -271,17 +271,6 @@ def layer_activation_bytes(args: ModelArgs, *, tp: int = 1, sp: bool = False, dt
     return sum(layer_activation_terms(args, tp=tp, sp=sp, dt=dt).values())
 
 
-def window_mask_bytes(args: ModelArgs, seq_len: int, dt: ActDtypes = ActDtypes()) -> float:
-    """A sliding window shorter than the sequence is an explicit (T, T) mask each masked attention
-    keeps for backward (an additive bias in the compute dtype), per layer and microbatch, averaged
-    over the layers (Gemma 3's global layers have none); 0 without."""
-    w = args.sliding_window
-    if w is None or w >= seq_len:
-        return 0.0
-    sliding = sum(args.layer_window(i) is not None for i in range(args.n_layers)) / args.n_layers
-    return dt.matmul * seq_len * seq_len * sliding
-
-
 def checkpointed_layer_bytes(args: ModelArgs, *, tp: int = 1, sp: bool = False, dt: ActDtypes = ActDtypes()) -> float:
     """A checkpointed layer keeps only its input (B, T, dim) (sequence-split under SP)."""
     return dt.resid * args.dim / (tp if sp else 1)
@@ -327,7 +316,7 @@ def activation_bytes(
     mb_tokens = w.global_batch // layout.dp // layout.microbatches * w.seq_len
     kw = dict(tp=layout.tp, sp=layout.sequence_parallel, dt=act_dtypes(layout, assume))
     full, ckpt = layer_activation_bytes(args, **kw), checkpointed_layer_bytes(args, **kw)
-    full += window_mask_bytes(args, w.seq_len, kw["dt"]) / max(mb_tokens, 1)  # per token, like the rest
+    full += features.mask_bytes(args, w.seq_len, kw["dt"].matmul) / max(mb_tokens, 1)  # per token, like the rest
     stages = rank_stage_layers(args, layout, pp_rank)
     n_stages = layout.pp * len(stages)
     per_stage = []

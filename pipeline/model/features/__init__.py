@@ -4,9 +4,10 @@
 features its architecture always has. Migrated so far: q/k/v biases (qkv_bias.py), q/k norms
 (qk_norm.py), scaled embeddings (embed_scale.py), sandwich norms (sandwich_norms.py), offset
 norms (norm_offset.py), and two values a family's config states: global layers among sliding ones
-with their own RoPE table (global_every.py) and the query scale (attn_scalar.py); the MLP's gate is
-a choice among records (gates.py). The others (the sliding window itself, mixtures of experts, the
-tied head) are still tested as ModelArgs fields where they are used (docs/architecture.md, "Features").
+with their own RoPE table (global_every.py) and the query scale (attn_scalar.py), and the sliding
+window (sliding_window.py); the MLP's gate is a choice among records (gates.py). The others
+(mixtures of experts, the tied head) are still tested as ModelArgs fields where they are used
+(docs/architecture.md, "Features").
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from titan_pipe.model.features import (
     qk_norm,
     qkv_bias,
     sandwich_norms,
+    sliding_window,
 )
 from titan_pipe.model.features.feature import Conformance, Feature, RopeTable
 
@@ -38,10 +40,13 @@ __all__ = [
     "clashes",
     "compared",
     "layer_rope",
+    "mask_bytes",
+    "onnx_mask",
     "offset_norms",
     "problems",
     "rope_tables",
     "switches",
+    "windowed",
 ]
 
 FEATURES: tuple[Feature, ...] = (
@@ -50,6 +55,7 @@ FEATURES: tuple[Feature, ...] = (
     embed_scale.FEATURE,
     sandwich_norms.FEATURE,
     norm_offset.FEATURE,
+    sliding_window.FEATURE,
     global_every.FEATURE,
     attn_scalar.FEATURE,
 )
@@ -60,6 +66,12 @@ EXCLUSIVE: tuple[tuple[Feature, Feature, str], ...] = (
         qkv_bias.FEATURE,
         "no Hugging Face architecture has both (Qwen2: q/k/v biases, Qwen3: q/k norms)",
     ),
+)
+
+
+# features that need another, and what the other is to them (a relation between two files, so kept here)
+REQUIRES: tuple[tuple[Feature, Feature, str], ...] = (
+    (global_every.FEATURE, sliding_window.FEATURE, "the other layers' window"),
 )
 
 
@@ -98,14 +110,38 @@ def layer_rope(args: "ModelArgs", i: int) -> str:
     return next((f.layer_rope(args, i) for f in active(args) if f.layer_rope is not None), "")
 
 
+def windowed(args: "ModelArgs") -> bool:
+    """Whether a feature narrows the attention mask (a sliding window: the window operator row runs)."""
+    return any(f.onnx_mask is not None for f in active(args))
+
+
+def mask_bytes(args: "ModelArgs", seq_len: int, elem_bytes: float) -> float:
+    """Bytes of attention masks the features keep for backward, per layer and microbatch."""
+    return sum(f.mask_bytes(args, seq_len, elem_bytes) for f in active(args) if f.mask_bytes is not None)
+
+
+def onnx_mask(nodes, g, args: "ModelArgs", allowed: str, **names) -> str:
+    """The keys each query may see, narrowed by each feature's mask term (onnx_mask)."""
+    for f in active(args):
+        if f.onnx_mask is not None:
+            allowed = f.onnx_mask(nodes, g, args, allowed, **names)
+    return allowed
+
+
 def attention_scale(args: "ModelArgs") -> float | None:
     """The factor on q.k a feature sets; None: head_dim^-1/2."""
     return next((f.attention_scale(args) for f in active(args) if f.attention_scale is not None), None)
 
 
 def problems(args: "ModelArgs") -> list[str]:
-    """One line per feature value the model cannot compute, then the clashes."""
-    return [line for f in FEATURES if f.check is not None for line in f.check(args)] + clashes(args)
+    """One line per feature value the model cannot compute, per feature set without one it needs
+    (REQUIRES), then the clashes."""
+    needs = [
+        f"{a.name}: {getattr(args, a.name)} needs {b.name} ({what}); set {b.name}, or {a.name}: 0"
+        for a, b, what in REQUIRES
+        if a.on(args) and not b.on(args)
+    ]
+    return [line for f in FEATURES if f.check is not None for line in f.check(args)] + needs + clashes(args)
 
 
 def clashes(args: "ModelArgs") -> list[str]:

@@ -104,6 +104,14 @@ class Feature:
     attention_scale: Callable[["ModelArgs"], float] | None = None
     # (args) -> one line per value it cannot compute, each naming the fix (asked whether on or not)
     check: Callable[["ModelArgs"], list[str]] | None = None
+    # planner: (args, seq_len, bytes per element) -> bytes of the attention mask it keeps for backward,
+    # per layer and microbatch
+    mask_bytes: Callable[["ModelArgs", int, float], float] | None = None
+    # ONNX: (nodes, graph, args, allowed, decode=, attention_mask=, position_ids=) -> the keys each query
+    # may see (bool) narrowed by it
+    onnx_mask: Callable[..., str] | None = None
+    # Megatron-LM: (its args namespace, the checkpoint dir) -> the field's value (a value feature)
+    read_megatron: Callable[[Any, Any], Any] | None = None
     # (a model dict: ModelArgs.to_dict) -> how inspect names it, when its label is not enough
     describe: Callable[[dict], str] | None = None
 

@@ -1,6 +1,6 @@
 """Global layers among sliding ones (Gemma 3: five sliding-window layers to one global): layer i
-attends to every position before it when (i + 1) % ``global_every`` == 0, the others slide over
-``sliding_window`` positions (ModelArgs.layer_window). The sliding layers may rotate with a RoPE base
+attends to every position before it when (i + 1) % ``global_every`` == 0, the others slide over the
+model's window (ModelArgs.layer_window; the window needs to be set: features.REQUIRES). The sliding layers may rotate with a RoPE base
 of their own, unscaled (``rope_local_theta``); the global ones with rope_theta and the configured
 scaling. Fields ``model.global_every`` (0: off) and ``model.rope_local_theta`` (None: one table)."""
 
@@ -21,11 +21,6 @@ def _layer_rope(args, i: int) -> str:
 
 def _check(args) -> list[str]:
     out = []
-    if args.global_every and args.sliding_window is None:
-        out.append(
-            f"global_every: {args.global_every} needs sliding_window (the other layers' window); set "
-            "sliding_window, or global_every: 0"
-        )
     if args.rope_local_theta is not None and not args.global_every:
         out.append(
             f"rope_local_theta: {args.rope_local_theta:g} is the sliding layers' RoPE base beside global "

@@ -178,24 +178,6 @@ def true_vocab(a, root: Path, vocab_size: int | None) -> int:
     )
 
 
-def _window(a, root: Path) -> int | None:
-    """Megatron's ``window_size`` (left, right), as flash-attention takes it -> our sliding window."""
-    w = getattr(a, "window_size", None)
-    if not w:
-        return None
-    if not (
-        isinstance(w, (tuple, list)) and len(w) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in w)
-    ):
-        raise UserError(
-            f"{root}: Megatron args window_size = {limits.shown(w)} is not a pair of integers "
-            "(left, right); re-save the checkpoint from Megatron-LM"
-        )
-    left, right = w
-    if right != 0 or not 0 <= left < limits.POSITIONS.hi:
-        raise UserError(f"{root}: Megatron args window_size {tuple(w)}: only a causal window (left, 0) is supported")
-    return left + 1  # the query itself plus `left` earlier positions
-
-
 def _refuse_architecture(a, root: Path) -> None:
     """What the decoder cannot compute: another MLP, norm or position embedding, linear biases, MoE."""
 
@@ -270,7 +252,7 @@ def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelA
         max_seq_len=positions,
         tie_embeddings=not arg(a, "untie_embeddings_and_output_weights", BOOL, root, default=False),
         **{f.name: arg(a, f.megatron_arg, BOOL, root, default=False) for f in features.FEATURES if f.megatron_arg},
-        sliding_window=_window(a, root),
+        **{f.name: f.read_megatron(a, root) for f in features.FEATURES if f.read_megatron is not None},
         **_moe_fields(a, root),
     )
     return validate_args(args, source=f"{root}: Megatron args")
