@@ -370,3 +370,13 @@ def test_the_sliding_window_owns_its_mask_bytes_and_its_megatron_argument():
         line.startswith("global_every: 3 needs sliding_window (the other layers' window); set sliding_window")
         for line in args_problems(small(global_every=3))
     )
+
+
+def test_a_value_features_bounds_are_its_own_and_checked_like_every_field():
+    from titan_pipe.model.args import FIELD_BOUNDS
+
+    owned = features.bounds()
+    assert set(owned) == {"sliding_window", "global_every", "rope_local_theta", "attn_scalar"}
+    assert all(FIELD_BOUNDS[k] is b for k, b in owned.items())
+    assert args_problems(small(attn_scalar=0.5)) == ["attn_scalar: 0.5 must be >= 1; use a value in 1..1000000"]
+    assert args_problems(small(sliding_window=0))[0].startswith("sliding_window: 0 must be >= 1")

@@ -217,15 +217,12 @@ FIELD_BOUNDS: dict[str, limits.Bound] = {
     "rope_theta": limits.ROPE_THETA,
     "max_seq_len": limits.POSITIONS,
     "head_dim": limits.HEAD_DIM,
-    "sliding_window": Bound(1, limits.POSITIONS.hi, "a window is at most a model's positions"),
     "n_experts": Bound(0, limits.EXPERTS.hi, limits.EXPERTS.why),
     "experts_per_token": Bound(0, limits.EXPERTS.hi),
     "moe_hidden_dim": limits.FFN,
     "moe_step": limits.LAYERS,
     "router_aux_loss_coef": Bound(0.0, 1e3),
-    "global_every": Bound(0, limits.LAYERS.hi, "0: no global layers; N: every N-th layer attends fully"),
-    "rope_local_theta": limits.ROPE_THETA,
-    "attn_scalar": Bound(1.0, 1e6, "a query_pre_attn_scalar"),
+    **features.bounds(),  # the values the features own (titan_pipe.model.features)
 }
 SCALING_BOUNDS: dict[str, limits.Bound] = {
     "factor": limits.ROPE_FACTOR,

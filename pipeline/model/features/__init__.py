@@ -28,6 +28,7 @@ from titan_pipe.model.features.feature import Conformance, Feature, RopeTable
 
 if TYPE_CHECKING:
     from titan_pipe.model.args import ModelArgs
+    from titan_pipe.rules.limits import Bound
 
 __all__ = [
     "Conformance",
@@ -37,6 +38,7 @@ __all__ = [
     "active",
     "attention_scale",
     "biased",
+    "bounds",
     "clashes",
     "compared",
     "layer_rope",
@@ -78,6 +80,11 @@ REQUIRES: tuple[tuple[Feature, Feature, str], ...] = (
 def switches() -> tuple[str, ...]:
     """The ModelArgs switches (bools an architecture has or not) the features own."""
     return tuple(f.name for f in FEATURES if f.switch)
+
+
+def bounds() -> dict[str, "Bound"]:
+    """ModelArgs field -> its bound, of every numeric value the features own (args.FIELD_BOUNDS)."""
+    return {field: b for f in FEATURES for field, b in f.bounds}
 
 
 def compared() -> dict[str, str]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from titan_pipe.model.features.feature import Feature
+from titan_pipe.rules.limits import Bound
 
 
 def _scale(args) -> float:
@@ -16,6 +17,7 @@ FEATURE = Feature(
     switch=False,
     # compared by the scale it gives: None and head_dim's own value are the same model
     compared=(("attn_scalar", "attn_scale"),),
+    bounds=(("attn_scalar", Bound(1.0, 1e6, "a query_pre_attn_scalar")),),
     attention_scale=_scale,
     describe=lambda m: f"scores x {m['attn_scalar']:g}^-1/2",
 )

@@ -18,6 +18,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any, Callable
 
 from titan_pipe.model.param_spec import Param
+from titan_pipe.rules.limits import Bound
 
 if TYPE_CHECKING:
     from titan_pipe.model.args import ModelArgs
@@ -70,6 +71,8 @@ class Feature:
     switch: bool = True
     # (ModelArgs field, the property two models are compared on) of each value it owns; empty: (name, name)
     compared: tuple[tuple[str, str], ...] = ()
+    # (ModelArgs field, its bound) of each numeric value it owns: flow.yaml and every reader check them
+    bounds: tuple[tuple[str, Bound], ...] = ()
     params: tuple[Param, ...] = ()  # per-layer rows of the parameter list, each ``when`` this is on
     megatron_arg: str | None = None  # the Megatron-LM argument that turns it on
     rotate_half_in_torchtitan: bool = False  # torchtitan's model with it stores q/k rows rotate-half

@@ -7,6 +7,8 @@ scaling. Fields ``model.global_every`` (0: off) and ``model.rope_local_theta`` (
 from __future__ import annotations
 
 from titan_pipe.model.features.feature import Feature, RopeTable
+from titan_pipe.rules import limits
+from titan_pipe.rules.limits import Bound
 
 LOCAL = "local"  # the sliding layers' RoPE table (buffers and initializers ``rope_cos_local``, ``rope_sin_local``)
 
@@ -40,6 +42,10 @@ FEATURE = Feature(
     label="global layers among sliding ones",
     switch=False,
     compared=(("global_every", "global_every"), ("rope_local_theta", "rope_local_theta")),
+    bounds=(
+        ("global_every", Bound(0, limits.LAYERS.hi, "0: no global layers; N: every N-th layer attends fully")),
+        ("rope_local_theta", limits.ROPE_THETA),
+    ),
     rope_table=_table,
     layer_rope=_layer_rope,
     check=_check,

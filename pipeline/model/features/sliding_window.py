@@ -14,6 +14,7 @@ from pathlib import Path
 from titan_pipe.errors import UserError
 from titan_pipe.model.features.feature import Feature
 from titan_pipe.rules import limits
+from titan_pipe.rules.limits import Bound
 
 
 def applies(args) -> bool:
@@ -73,6 +74,7 @@ FEATURE = Feature(
     name="sliding_window",
     label="sliding window",
     switch=False,
+    bounds=(("sliding_window", Bound(1, limits.POSITIONS.hi, "a window is at most a model's positions")),),
     describe=lambda m: f"sliding window {m['sliding_window']}",
     mask_bytes=_mask_bytes,
     onnx_mask=_onnx_mask,
