@@ -110,6 +110,7 @@ class LayeredModel:
             table.name: tuple(t.to(device) for t in rope_cos_sin(self.args, table=table))
             for table in features.rope_tables(self.args)
         }
+        self._layer_rope = tuple(features.layer_rope(self.args, i) for i in range(self.args.n_layers))
         self._blocks: dict[int, TransformerBlock] = {}
         self._tops: dict[tuple[str, bool], torch.Tensor] = {}
         self._arena: torch.Tensor | None = None  # streamed: one block's float32 parameters besides its linears
@@ -299,7 +300,7 @@ class LayeredModel:
 
     def _table(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The RoPE (cos, sin) tables layer ``layer`` rotates with."""
-        return self._tables[features.layer_rope(self.args, layer)]
+        return self._tables[self._layer_rope[layer]]
 
     def _rope(self, start: int, n: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._table(layer)

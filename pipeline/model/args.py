@@ -108,8 +108,9 @@ class ModelArgs:
 
     @property
     def attn_scale(self) -> float:
-        """The factor on q.k: attn_scalar^-1/2 (Gemma 3's query_pre_attn_scalar), else head_dim^-1/2."""
-        return (self.attn_scalar if self.attn_scalar is not None else self.head_dim) ** -0.5
+        """The factor on q.k: a feature's (Gemma 3's query_pre_attn_scalar^-1/2), else head_dim^-1/2."""
+        scale = features.attention_scale(self)
+        return self.head_dim**-0.5 if scale is None else scale
 
     @property
     def moe(self) -> bool:

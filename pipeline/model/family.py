@@ -71,4 +71,4 @@ class Family:
 
     def switches(self) -> dict[str, bool]:
         """Every feature's switch as this architecture sets it."""
-        return {name: any(f.name == name for f in self.features) for name in features.switches()}
+        return {f.name: f in self.features for f in features.FEATURES if f.switch}

@@ -163,7 +163,7 @@ def read_config(cfg: dict, *, n_layers: int, source: str) -> dict:
         theta, scaling = local, None
     tie = read(cfg, "tie_word_embeddings", BOOL, source=source, default=DEFAULTS["tie_word_embeddings"])
     return {
-        **{name: any(f.name == name for f in FEATURES) for name in features.switches()},
+        **FAMILY.switches(),  # the record's, defined below
         **REQUIRED,
         "family": MODEL_TYPE,
         "tie_embeddings": tie,

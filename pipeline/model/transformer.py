@@ -344,6 +344,7 @@ class Transformer(nn.Module):
         self.loss_chunk = None  # the fused loss's chunk step when compiled (model.loss.CompiledLoss); None: eager
         # one (rope_cos<suffix>, rope_sin<suffix>) buffer pair per table (features.rope_tables)
         self.rope_tables = features.rope_tables(args)
+        self.layer_rope = tuple(features.layer_rope(args, i) for i in range(args.n_layers))  # each layer's table
         for table in self.rope_tables:
             cos, sin = rope_cos_sin(args, table=table)
             self.register_buffer(f"rope_cos{table.suffix}", cos, persistent=False)
@@ -374,7 +375,7 @@ class Transformer(nn.Module):
             for t in self.rope_tables
         }
         for lid, layer in self.layers.items():
-            h = layer(h, *tables[features.layer_rope(self.args, int(lid))], positions)
+            h = layer(h, *tables[self.layer_rope[int(lid)]], positions)
         h = self.norm(h) if self.norm is not None else h
         if self.carry_balance:
             return (self.output(h) if self.output is not None else h, *self._carried(carry, h))
