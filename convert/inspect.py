@@ -72,8 +72,7 @@ def render(r: InspectResult, console: Console) -> None:
     console.print(
         f"model: dim {m['dim']}, {m['n_layers']} layers, {m['n_heads']} heads "
         f"({m['n_kv_heads'] or m['n_heads']} kv) of {m.get('head_dim') or m['dim'] // m['n_heads']}, "
-        f"vocab {m['vocab_size']}, ffn {m['ffn_hidden_dim']}, tied embeddings {m['tie_embeddings']}"
-        + "".join(f", {v}" for v in variant)
+        f"vocab {m['vocab_size']}, ffn {m['ffn_hidden_dim']}" + "".join(f", {v}" for v in variant)
     )
     table = Table(show_edge=False, pad_edge=False)
     for col in ("parameter", "global shape", "dtype", "split", "reads"):

@@ -380,3 +380,45 @@ def test_a_value_features_bounds_are_its_own_and_checked_like_every_field():
     assert all(FIELD_BOUNDS[k] is b for k, b in owned.items())
     assert args_problems(small(attn_scalar=0.5)) == ["attn_scalar: 0.5 must be >= 1; use a value in 1..1000000"]
     assert args_problems(small(sliding_window=0))[0].startswith("sliding_window: 0 must be >= 1")
+
+
+def test_the_tied_head_is_the_embeddings_tensor_wherever_a_stage_asks():
+    """The tied head (features/tie_embeddings.py) as the stages see it: one shared tensor, not a
+    switch: the parameter list, the module, the counts, and every format's way of stating it."""
+    from argparse import Namespace
+
+    from titan_pipe.model.args import SAME_MODEL_KEYS, SHAPE_KEYS
+    from titan_pipe.model.features import sliding_window, tie_embeddings
+    from titan_pipe.model.hf_config import from_hf_config, to_hf_config
+    from titan_pipe.weights.readers.megatron.common import model_args as megatron_model_args
+
+    on, off = small(tie_embeddings=True), small()
+    assert features.shared(on) == {"output.weight": "tok_embeddings.weight"} and features.shared(off) == {}
+    assert features.read_from(on, "output.weight") == "tok_embeddings.weight"
+    assert features.read_from(off, "output.weight") == "output.weight"
+    assert features.read_from(on, "norm.weight") == "norm.weight" and features.unshared(on) == off
+    assert "output.weight" in native_names(off) and "output.weight" not in native_names(on)
+    assert count_params(off) - count_params(on) == 96 * 64
+    assert flops_per_token(on, 128) == flops_per_token(off, 128)  # the matrix runs once as the head either way
+    m = build_model(on, seed=0)
+    assert m.output.weight is m.tok_embeddings.weight and len(list(m.parameters())) == len(native_names(on))
+    # config.json both ways (absent: untied); Megatron's argument is the negation; a DCP checkpoint
+    # shows it by holding no head; value features without tensors leave the DCP reader alone
+    cfg = to_hf_config(on)
+    assert cfg["tie_word_embeddings"] is True and to_hf_config(off)["tie_word_embeddings"] is False
+    assert (
+        from_hf_config(cfg).tie_embeddings and not from_hf_config({**cfg, "tie_word_embeddings": False}).tie_embeddings
+    )
+    assert not from_hf_config({k: v for k, v in cfg.items() if k != "tie_word_embeddings"}).tie_embeddings
+    meg = dict(num_attention_heads=4, hidden_size=64, num_layers=2, ffn_hidden_size=96, swiglu=True)
+    assert megatron_model_args(Namespace(**meg), 96, Path("ckpt")).tie_embeddings
+    assert not megatron_model_args(
+        Namespace(**meg, untie_embeddings_and_output_weights=True), 96, Path("ckpt")
+    ).tie_embeddings
+    f = tie_embeddings.FEATURE
+    assert f.shown_in({"tok_embeddings.weight": (96, 64)}) is True
+    assert f.shown_in({"tok_embeddings.weight": (96, 64), "output.weight": (96, 64)}) is False
+    assert sliding_window.FEATURE.shown_in({}) is None and qk_norm.FEATURE.shown_in({}) is False
+    # it changes the shapes: a shape key, compared once, last
+    assert SHAPE_KEYS.count("tie_embeddings") == SAME_MODEL_KEYS.count("tie_embeddings") == 1
+    assert SAME_MODEL_KEYS[-1] == "tie_embeddings" and model_differences(on, off) == ["tie_embeddings True vs False"]

@@ -15,7 +15,7 @@ for its own forward only (training/layer_stream.py): a rank then holds one layer
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.training.activation_checkpoint import apply_ac
 from titan_pipe.training.compile import apply_compile
@@ -260,7 +261,7 @@ def build_parallel_model(
     model = ParallelModel(args, mesh, plan, dp_plan)
     stage_args = args
     if needs_copy(args, mesh):  # the output projection as a synced copy of the embedding
-        stage_args = replace(args, tie_embeddings=False)
+        stage_args = features.unshared(args)
         model.tied = TiedGrads(mesh, last_pp_rank=stage_ranks(plan.n_stages, pp)[-1])
 
     def materialize(part: nn.Module) -> None:

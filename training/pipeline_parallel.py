@@ -23,6 +23,7 @@ from torch.distributed.pipelining import (
 )
 
 from titan_pipe.rules.choices import INTERLEAVED, PP_SCHEDULES
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels
 from titan_pipe.model.lora import LoRASpec
@@ -72,11 +73,12 @@ def build_stage_module(
     materializes local shards afterwards). A tied model's stage without both ends is built from
     untied args: build_parallel_model does that, making the output a synced copy (training/tied.py).
     """
-    if args.tie_embeddings and not (first and last):
+    sharing = [f"model.{f.name}" for f in features.active(args) if f.shares]
+    if sharing and not (first and last):
         raise ValueError(
-            "model.tie_embeddings: the embedding and the output projection live on different "
-            "stages here; build the stages through build_parallel_model, which keeps the "
-            "output as a synced copy of the embedding"
+            f"{', '.join(sharing)}: the output projection shares the embedding's tensor, but the two live "
+            "on different stages here; build the stages through build_parallel_model, which keeps "
+            "the output as a synced copy of the embedding"
         )
     with torch.device(device):
         model = Transformer(args, kernels, lora)

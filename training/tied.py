@@ -19,19 +19,20 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs
 
-EMBEDDING, OUTPUT = "tok_embeddings.weight", "output.weight"
+EMBEDDING, OUTPUT = "tok_embeddings.weight", "output.weight"  # the parameters the tied head makes one (features.shared)
 
 
 def needs_copy(args: ModelArgs, mesh: DeviceMesh) -> bool:
     """Whether the output projection is a synchronised copy of the embedding in this layout."""
-    return args.tie_embeddings and (mesh["tp"].size() > 1 or mesh["pp"].size() > 1)
+    return OUTPUT in features.shared(args) and (mesh["tp"].size() > 1 or mesh["pp"].size() > 1)
 
 
 def source_name(name: str, args: ModelArgs) -> str:
     """The parameter whose value ``name`` starts from: a tied output copy starts as the embedding."""
-    return EMBEDDING if args.tie_embeddings and name == OUTPUT else name
+    return features.read_from(args, name)
 
 
 class TiedGrads:

@@ -364,7 +364,7 @@ def build_graph(args: ModelArgs, spec: GraphSpec, weights: dict[str, DataEntry])
         [rms_norm(g, h, "norm.weight", args.norm_eps, "norm", features.offset_norms(args)), sh.flat],
         "norm.x2d",
     )
-    emb_out = "tok_embeddings.weight" if args.tie_embeddings else "output.weight"
+    emb_out = features.read_from(args, "output.weight")  # a tied head reads the embedding
     outputs[LOGITS] = g.op("Reshape", [linear(g, x, emb_out, "lm_head"), sh.logits], LOGITS)
     return _model(g, args, spec, weights, outputs), values
 

@@ -428,7 +428,7 @@ def layer_bytes(args: ModelArgs, i: int, itemsize: int = 4) -> int:
 
 def _head_names(args: ModelArgs) -> tuple[str, str]:
     """The head's parameters: the final norm, and the output projection (the embedding when tied)."""
-    return "norm.weight", ("tok_embeddings.weight" if args.tie_embeddings else "output.weight")
+    return "norm.weight", features.read_from(args, "output.weight")
 
 
 def top_bytes(args: ModelArgs, itemsize: int = 4) -> int:

@@ -591,7 +591,7 @@ def count_params(args: ModelArgs, *, active: bool = False) -> int:
     experts = args.experts_per_token if active else args.n_experts
     routed = n_moe * (experts * 3 * d * args.expert_dim + args.n_experts * d)  # experts + router
     emb = args.vocab_size * d
-    out = 0 if args.tie_embeddings else args.vocab_size * d
+    out = 0 if "output.weight" in features.shared(args) else args.vocab_size * d  # a tied head is the embedding
     return args.n_layers * (attn + norms * d) + dense + routed + emb + out + d
 
 
@@ -610,7 +610,8 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     adds = args.n_layers * sum(f.layer_adds(args) for f in features.FEATURES)
     # The embedding is a gather, not a matmul; a tied matrix still runs once as the output matmul.
     # A mixture of experts: the top-k experts a token is routed to, and the router.
-    n_matmul = count_params(args, active=True) - free - (0 if args.tie_embeddings else args.vocab_size * args.dim)
+    gather = 0 if "output.weight" in features.shared(args) else args.vocab_size * args.dim
+    n_matmul = count_params(args, active=True) - free - gather
     attn = 2 * 2 * args.n_layers * seq_len * args.q_dim  # QK^T and PV, per token
     return 3 * (2 * n_matmul + adds + attn)
 
@@ -646,19 +647,20 @@ SHAPE_KEYS = (
     "n_experts",
     "expert_dim",
     "moe_layers",
-    "tie_embeddings",
+    *(f.name for f in features.FEATURES if f.shares),  # ... or that make one tensor of two (the tied head)
 )
 # The shapes plus the numerics of the forward: what two artifacts must share to be compared.
-SAME_MODEL_KEYS = SHAPE_KEYS[:-1] + (
+_SHARING = tuple(f.name for f in features.FEATURES if f.shares)
+SAME_MODEL_KEYS = SHAPE_KEYS[: -len(_SHARING)] + (
     "norm_eps",
     "rope_theta",
     "experts_per_token",
     "router_norm_topk",
     "activation",
     # the others change the numerics only (each value a feature owns, by what it computes)
-    *(prop for f in features.FEATURES if not f.params for _, prop in f.compared_fields()),
+    *(prop for f in features.FEATURES if not (f.params or f.shares) for _, prop in f.compared_fields()),
     "rope_scaling",
-    "tie_embeddings",
+    *_SHARING,
 )
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from titan_pipe.rules import limits
 from titan_pipe.errors import UserError
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs, RopeScaling, validate_args
 from titan_pipe.model.families import config_family, family_keys, family_of, read_family
 from titan_pipe.model.rope_scaling import read_rope_scaling
@@ -44,7 +45,7 @@ HF_FIELDS: tuple[HFField, ...] = (
     HFField("intermediate_size", "ffn_hidden_dim", INT, limits.FFN),
     HFField("rms_norm_eps", "norm_eps", FLOAT, limits.NORM_EPS, 1e-5),
     HFField("max_position_embeddings", "max_seq_len", INT, limits.POSITIONS, 4096),
-    HFField("tie_word_embeddings", "tie_embeddings", BOOL, None, False),
+    *(HFField(f.hf_key, f.name, BOOL, None, False) for f in features.FEATURES if f.hf_key),
     HFField("head_dim", "head_dim", INT, limits.HEAD_DIM, None),  # Qwen3: 128 apart from hidden_size / heads
 )
 SUPPORTED_ACTS = ("silu",)
@@ -68,7 +69,7 @@ def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
         "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
+        **{f.hf_key: f.on(args) for f in features.FEATURES if f.hf_key},
         "hidden_act": "silu",
         **fam,
         "torch_dtype": torch_dtype,

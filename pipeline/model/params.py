@@ -19,7 +19,7 @@ from __future__ import annotations
 
 
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.features import FEATURES
+from titan_pipe.model.features import FEATURES, shared
 from titan_pipe.model.param_spec import INITS, SCOPES, TP_STYLES, Param
 
 __all__ = ["INITS", "SCOPES", "TP_STYLES", "Param"]  # the record lives in param_spec; readers import it here too
@@ -63,7 +63,7 @@ MODEL_PARAMS: tuple[Param, ...] = (
         init="fan_in",
         megatron=("output_layer.weight",),
         vocab_rows=True,
-        when=lambda a: not a.tie_embeddings,
+        when=lambda a: "output.weight" not in shared(a),  # a tied head is the embedding (features.shared)
     ),
 )
 

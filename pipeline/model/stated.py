@@ -37,7 +37,6 @@ COMPARED: dict[str, str] = {
     "rope_theta": "rope_theta",
     "rope_scaling": "rope_scaling",
     "max_seq_len": "max_seq_len",
-    "tie_embeddings": "tie_embeddings",
     **features.compared(),  # the features' switches and values
     "n_experts": "n_experts",
     "experts_per_token": "experts_per_token",

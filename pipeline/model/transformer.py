@@ -328,8 +328,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args, kernels, i, lora) for i in range(args.n_layers)})
         self.norm = _norm(args, args.dim, kernels)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.share_tensors()
         # Under sequence parallel (training/tensor_parallel.py) the residual stream holds T/tp
         # positions per rank while attention sees all T: RoPE tables are cut to T = local * this.
         self.seq_shards = 1
@@ -425,6 +424,13 @@ class Transformer(nn.Module):
             return None
         balance = load_balancing_loss(moes, self.balance_reduce)
         return None if balance is None else self.args.router_aux_loss_coef * balance
+
+    def share_tensors(self) -> None:
+        """Each parameter a feature makes one with another (features.shared: the tied head) becomes
+        that other Parameter: one tensor, one gradient."""
+        for name, source in features.shared(self.args).items():
+            owner, _, attr = name.rpartition(".")
+            setattr(self.get_submodule(owner), attr, self.get_parameter(source))
 
     def init_rope(self, device: str | torch.device | None = None) -> None:
         """Recompute the RoPE buffers (after building on the meta device), on ``device`` (None: where they are)."""

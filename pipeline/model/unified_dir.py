@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from titan_pipe.errors import UserError
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.hf_config import from_hf_config
 from titan_pipe.model.names import hf_to_native, parse_hf_expert
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-HEAD, EMBEDDING = "output.weight", "tok_embeddings.weight"
 
 
 def weight_file_name(k: int, n: int) -> str:
@@ -79,8 +79,9 @@ class UnifiedDir:
     def get(self, name: str) -> StoredParam:
         if name in self.params:
             return self.params[name]
-        if name == HEAD and self.args.tie_embeddings and EMBEDDING in self.params:
-            return self.params[EMBEDDING]
+        source = features.shared(self.args).get(name)  # a tied head stored as the embedding alone
+        if source is not None and source in self.params:
+            return self.params[source]
         raise UserError(
             f"{self.root}: no tensor for parameter {name!r}; the directory is incomplete or of another model"
         )
@@ -148,8 +149,9 @@ def open_unified(model_dir: Path) -> UnifiedDir:
     key_to_file = _locate(model_dir)
     files = tuple(sorted(set(key_to_file.values())))
     expected = dict(native_shapes(args))
-    if args.tie_embeddings:  # a tied model may store its head too (the embedding, or an untied one)
-        expected[HEAD] = (args.vocab_size, args.dim)
+    shared = features.shared(args)
+    for name, source in shared.items():  # a tied model may store its head too (the embedding, or an untied one)
+        expected[name] = expected[source]
     placed: dict[str, StoredParam] = {}
     headers = {path: read_header(path)[0] for path in files}
     for path, header in headers.items():
@@ -181,7 +183,7 @@ def open_unified(model_dir: Path) -> UnifiedDir:
                 "config.json do not belong together"
             )
         stacked[name] = tuple(by_expert[e] for e in range(args.n_experts))
-    missing = sorted(set(expected) - set(placed) - set(stacked) - ({HEAD} if args.tie_embeddings else set()))
+    missing = sorted(set(expected) - set(placed) - set(stacked) - set(shared))
     if missing:
         raise UserError(
             f"{model_dir}: {len(missing)} parameter(s) missing from the weights, e.g. "
@@ -197,12 +199,13 @@ def _tie_as_stored(u: UnifiedDir) -> UnifiedDir:
     over weights holding a head that differs from the embedding is an untied model (transformers
     keeps both), so the args say untied and every reader keeps that head. A stored head equal to the
     embedding, bit for bit, is the tie; so is none stored. Reads the two tensors only in that case."""
-    if not u.args.tie_embeddings or HEAD not in u.params:
-        return u
-    emb, head = u.read(EMBEDDING), u.read(HEAD)
-    if emb.shape == head.shape and emb.dtype == head.dtype and bool((emb == head).all()):
-        return u
-    return replace(u, args=replace(u.args, tie_embeddings=False))
+    for name, source in features.shared(u.args).items():
+        if name not in u.params:
+            continue
+        emb, head = u.read(source), u.read(name)
+        if not (emb.shape == head.shape and emb.dtype == head.dtype and bool((emb == head).all())):
+            return replace(u, args=features.unshared(u.args))
+    return u
 
 
 def _locate(model_dir: Path) -> dict[str, Path]:

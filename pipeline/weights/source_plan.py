@@ -20,6 +20,7 @@ from pathlib import Path
 from titan_pipe.records.checkpoint_format import Box, LayoutError, shard_file, split_box
 from titan_pipe.rules.choices import NAMINGS
 from titan_pipe.rules.dtypes import DTYPE_SIZES, OUT_DTYPES
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.errors import UserError
 from titan_pipe.model.families import family_of
@@ -187,7 +188,7 @@ def check_accounted(found, args: ModelArgs, *, source: object, describe=repr) ->
     """Every tensor a source holds (``found``: native names) has a place in the model ``args``
     describes; one that has none (a layer past n_layers, a parameter the model lacks) is refused,
     naming it as stored (``describe(name)``), never skipped. A tied model may store output.weight."""
-    names = set(native_names(args)) | ({"output.weight"} if args.tie_embeddings else set())
+    names = set(native_names(args)) | set(features.shared(args))
     extra = sorted(n for n in found if n not in names)
     if extra:
         raise UserError(
@@ -206,8 +207,9 @@ def output_dtype(src_dtype: str, dtype: str) -> str:
 
 
 def _unified_tensors(src: SourcePlan) -> list[TensorPlan]:
-    """The tensors a unified model holds: a tied output matrix is the embedding, so it is left out."""
-    return [t for n, t in src.tensors.items() if not (src.args.tie_embeddings and n == "output.weight")]
+    """The tensors a unified model holds: a shared one (a tied output matrix is the embedding) is left out."""
+    shared = features.shared(src.args)
+    return [t for n, t in src.tensors.items() if n not in shared]
 
 
 def plan_unified(

@@ -39,8 +39,9 @@ def layout_params(args: ModelArgs, layout: Layout) -> tuple[tuple[str, tuple[int
     """What the trainer holds under ``layout``: the list, plus, for tied embeddings under tp or pp,
     the output projection's copy of the embedding on the last stage (training/tied.py)."""
     shapes = param_shapes(args)
-    if args.tie_embeddings and (layout.tp > 1 or layout.pp > 1):
-        shapes += (("output.weight", (args.vocab_size, args.dim)),)
+    if layout.tp > 1 or layout.pp > 1:
+        held = dict(shapes)
+        shapes += tuple((name, held[source]) for name, source in features.shared(args).items())
     return shapes
 
 

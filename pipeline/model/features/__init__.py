@@ -5,13 +5,14 @@ features its architecture always has. Migrated so far: q/k/v biases (qkv_bias.py
 (qk_norm.py), scaled embeddings (embed_scale.py), sandwich norms (sandwich_norms.py), offset
 norms (norm_offset.py), and two values a family's config states: global layers among sliding ones
 with their own RoPE table (global_every.py) and the query scale (attn_scalar.py), and the sliding
-window (sliding_window.py); the MLP's gate is a choice among records (gates.py). The others
-(mixtures of experts, the tied head) are still tested as ModelArgs fields where they are used
-(docs/architecture.md, "Features").
+window (sliding_window.py), and the tied head (tie_embeddings.py: the output projection shares the
+embedding); the MLP's gate is a choice among records (gates.py). Mixtures of experts are still
+tested as ModelArgs fields where they are used (docs/architecture.md, "Features").
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from titan_pipe.model.features import (
@@ -23,6 +24,7 @@ from titan_pipe.model.features import (
     qkv_bias,
     sandwich_norms,
     sliding_window,
+    tie_embeddings,
 )
 from titan_pipe.model.features.feature import Conformance, Feature, RopeTable
 
@@ -46,6 +48,9 @@ __all__ = [
     "onnx_mask",
     "offset_norms",
     "problems",
+    "read_from",
+    "shared",
+    "unshared",
     "rope_tables",
     "switches",
     "windowed",
@@ -60,6 +65,7 @@ FEATURES: tuple[Feature, ...] = (
     sliding_window.FEATURE,
     global_every.FEATURE,
     attn_scalar.FEATURE,
+    tie_embeddings.FEATURE,
 )
 # features no architecture has together, and why (a relation between two files, so kept in the list)
 EXCLUSIVE: tuple[tuple[Feature, Feature, str], ...] = (
@@ -115,6 +121,24 @@ def rope_tables(args: "ModelArgs") -> tuple[RopeTable, ...]:
 def layer_rope(args: "ModelArgs", i: int) -> str:
     """The name of the RoPE table (rope_tables) layer ``i`` rotates with."""
     return next((f.layer_rope(args, i) for f in active(args) if f.layer_rope is not None), "")
+
+
+def shared(args: "ModelArgs") -> dict[str, str]:
+    """Parameter -> the parameter whose tensor it is, of each tensor a feature makes one with
+    another (the tied head: output.weight -> tok_embeddings.weight). Such a name is not in the
+    parameter list; a checkpoint may store it (unified_dir decides whether it is the same tensor)."""
+    return {name: source for f in active(args) for name, source in f.shares}
+
+
+def read_from(args: "ModelArgs", name: str) -> str:
+    """The parameter whose tensor ``name`` reads: itself, or the one it shares (``shared``)."""
+    return shared(args).get(name, name)
+
+
+def unshared(args: "ModelArgs") -> "ModelArgs":
+    """``args`` with every sharing feature off: each shared name its own parameter (a pipeline
+    stage's head as a copy, a stored head that differs from the embedding)."""
+    return replace(args, **{f.name: False for f in active(args) if f.shares})
 
 
 def windowed(args: "ModelArgs") -> bool:

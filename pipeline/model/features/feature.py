@@ -75,6 +75,11 @@ class Feature:
     bounds: tuple[tuple[str, Bound], ...] = ()
     params: tuple[Param, ...] = ()  # per-layer rows of the parameter list, each ``when`` this is on
     megatron_arg: str | None = None  # the Megatron-LM argument that turns it on
+    megatron_negated: bool = False  # ... or that turns it off (Megatron's untie_embeddings_and_output_weights)
+    # the config.json key (a bool, false when absent) every family states it by (Hugging Face's tie_word_embeddings)
+    hf_key: str | None = None
+    # (parameter, the parameter it reads) while on: one tensor held and stored once under the second name
+    shares: tuple[tuple[str, str], ...] = ()
     rotate_half_in_torchtitan: bool = False  # torchtitan's model with it stores q/k rows rotate-half
     biased_projections: tuple[str, ...] = ()  # of "q", "k", "v": the attention projections that get a bias
     adds_flops: bool = False  # each of its (matmul-free) parameters costs one add per token (a bias)
@@ -136,6 +141,12 @@ class Feature:
         """Forward FLOPs per token per layer besides the matmuls (a bias: one add per element)."""
         return self.layer_matmul_free(args) if self.adds_flops else 0
 
-    def shown_in(self, shapes: dict[str, tuple[int, ...]]) -> bool:
-        """Whether a checkpoint whose layer-0 tensors are ``shapes`` (native names) has it."""
+    def shown_in(self, shapes: dict[str, tuple[int, ...]]) -> bool | None:
+        """Whether a checkpoint whose tensors are ``shapes`` (native names) has it: its layer-0
+        parameters are there, or the tensors it shares are not; None where tensors do not show it
+        (a value feature without parameters: a window, a scale)."""
+        if self.shares:
+            return not any(name in shapes for name, _ in self.shares)
+        if not self.switch and not self.params:
+            return None
         return any(f"layers.0.{p.name}" in shapes for p in self.params)

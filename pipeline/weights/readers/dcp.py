@@ -233,12 +233,11 @@ def model_args(cfg_path: Path, shapes: dict[str, tuple[int, ...]]) -> ModelArgs:
             vocab_size=vocab,
             ffn_hidden_dim=hidden,
             head_dim=head_dim,
-            **{f.name: f.shown_in(shapes) for f in features.FEATURES if f.switch},
+            **{f.name: shown for f in features.FEATURES if (shown := f.shown_in(shapes)) is not None},
             norm_eps=_param(cfg, "norm_eps", FLOAT, cfg_path, default=1e-5, bound=limits.NORM_EPS),
             rope_theta=_param(cfg, "rope_theta", FLOAT, cfg_path, default=10000.0, bound=limits.ROPE_THETA),
             rope_scaling=_meta_scaling(cfg, cfg_path),
             max_seq_len=_param(cfg, "max_seq_len", INT, cfg_path, default=4096, bound=limits.POSITIONS),
-            tie_embeddings="output.weight" not in shapes,
         ),
         source=cfg_path,
     )

@@ -250,8 +250,11 @@ def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelA
         rope_theta=arg(a, "rotary_base", FLOAT, root, default=10000.0, bound=limits.ROPE_THETA),
         rope_scaling=scaling,
         max_seq_len=positions,
-        tie_embeddings=not arg(a, "untie_embeddings_and_output_weights", BOOL, root, default=False),
-        **{f.name: arg(a, f.megatron_arg, BOOL, root, default=False) for f in features.FEATURES if f.megatron_arg},
+        **{
+            f.name: arg(a, f.megatron_arg, BOOL, root, default=False) != f.megatron_negated
+            for f in features.FEATURES
+            if f.megatron_arg
+        },
         **{f.name: f.read_megatron(a, root) for f in features.FEATURES if f.read_megatron is not None},
         **_moe_fields(a, root),
     )
