@@ -48,6 +48,7 @@ from titan_pipe.errors import UserError
 from titan_pipe.flow_yaml import FlowYamlError, load_flow_text
 from titan_pipe.records.checkpoint_format import Manifest, complete_step
 from titan_pipe.weights.detect import detect_format, other_format
+from titan_pipe.model import features
 from titan_pipe.model.lora import CONVERT_MODES as LORA_CONVERT, INITS as LORA_INITS, TARGETS as LORA_TARGETS, LoRASpec
 from titan_pipe.model.lora import model_problems as lora_model_problems
 from titan_pipe.model.args import (
@@ -98,7 +99,9 @@ def _mirror(
             continue
         t = hints[f.name]
         base = next(a for a in get_args(t) if a is not type(None)) if type(None) in get_args(t) else t
-        if get_origin(base) is tuple:  # a YAML list of ints (dense_layers); strict pydantic takes no list as a tuple
+        if (
+            get_origin(base) is tuple
+        ):  # a YAML list of ints (a mixture of experts' dense layers); strict pydantic takes no list as a tuple
             base = t = list[int]
         b = bounds.get(f.name)
         limit = {} if b is None else {"ge": b.lo, "le": b.hi}
@@ -152,8 +155,7 @@ class _ModelChoice(Section):
         dims = {k: getattr(self, k) for k in self.given() - {"flavour"}}
         if isinstance(dims.get("rope_scaling"), BaseModel):
             dims["rope_scaling"] = dims["rope_scaling"].model_dump()
-        if isinstance(dims.get("dense_layers"), list):
-            dims["dense_layers"] = tuple(dims["dense_layers"])
+        dims = {k: tuple(v) if isinstance(v, list) else v for k, v in dims.items()}  # a YAML list: a tuple field
         return resolve_args(self.flavour, **dims)
 
     def args(self) -> ModelArgs:
@@ -799,11 +801,7 @@ def _moe_training_problems(cfg: FlowConfig, args: ModelArgs) -> list[str]:
     with yet (tensor parallelism, compile, float8) is one line each."""
     p = cfg.parallel
     if not args.moe:
-        return (
-            [f"parallel.ep: {p.ep} splits a mixture of experts' experts; the model has none (n_experts: 0); use ep: 1"]
-            if p.ep > 1
-            else []
-        )
+        return features.split_problems(args, p.ep)
     out = []
     if p.ep > 1:
         if p.dp % p.ep:
@@ -811,11 +809,7 @@ def _moe_training_problems(cfg: FlowConfig, args: ModelArgs) -> list[str]:
                 f"parallel.ep: {p.ep} does not divide dp={p.dp} (the experts are split over ep of the dp "
                 f"ranks); pick ep from the divisors of {p.dp}"
             )
-        if args.n_experts % p.ep:
-            out.append(
-                f"parallel.ep: {p.ep} does not divide the model's n_experts={args.n_experts} (each ep rank "
-                f"holds as many experts); pick ep from the divisors of {args.n_experts}"
-            )
+        out += features.split_problems(args, p.ep)
         if p.dp_mode != "fsdp":
             out.append(
                 f"parallel.dp_mode: {p.dp_mode} with ep={p.ep}: expert parallelism runs under FSDP (the "

@@ -48,12 +48,19 @@ OWNED_WORDS = [
 ]
 
 
+def _own_file(feature) -> str:
+    """The features/ file whose record it is (named after its field, or after what it is: experts.py)."""
+    spelled = re.compile(rf'^FEATURE = Feature\(\s*name="{feature.name}"', re.M)
+    (own,) = [p for p in (REPO / "pipeline/model/features").glob("*.py") if spelled.search(p.read_text())]
+    return str(own.relative_to(REPO))
+
+
 @pytest.mark.parametrize("feature, word", OWNED_WORDS, ids=[w for _, w in OWNED_WORDS])
 def test_no_stage_spells_a_features_switch_or_values(feature, word):
     """grep for the switch (or a value the feature owns) finds its feature file, the schema and the
     family lists only: every stage asks the feature list."""
     pattern = re.compile(rf"\b{re.escape(word)}\b")
-    own = f"pipeline/model/features/{feature.name}.py"
+    own = _own_file(feature)
     found = {
         str(p.relative_to(REPO))
         for folder in STAGES
@@ -353,6 +360,7 @@ def test_the_sliding_window_owns_its_mask_bytes_and_its_megatron_argument():
 
     from titan_pipe.errors import UserError
     from titan_pipe.model.features import sliding_window
+    from titan_pipe.weights.readers.megatron.common import arg
 
     a = small(n_layers=6, sliding_window=8, global_every=3)  # layers 2 and 5 global: 4 of 6 slide
     assert [a.layer_window(i) for i in range(6)] == [8, 8, None, 8, 8, None]
@@ -360,11 +368,14 @@ def test_the_sliding_window_owns_its_mask_bytes_and_its_megatron_argument():
     assert features.mask_bytes(a, 8, 2) == 0  # the window covers the sequence: no mask
     assert features.mask_bytes(small(n_layers=6), 64, 2) == 0 and not features.windowed(small())
     assert features.windowed(small(sliding_window=8))
-    read = sliding_window.FEATURE.read_megatron
-    assert read(Namespace(window_size=(7, 0)), Path("ckpt")) == 8  # the query plus 7 before it
-    assert read(Namespace(), Path("ckpt")) is None and read(Namespace(window_size=None), Path("ckpt")) is None
+
+    def read(a):
+        return sliding_window.FEATURE.read_megatron(a, Path("ckpt"), arg)
+
+    assert read(Namespace(window_size=(7, 0))) == {"sliding_window": 8}  # the query plus 7 before it
+    assert read(Namespace()) == read(Namespace(window_size=None)) == {"sliding_window": None}
     with pytest.raises(UserError, match=r"ckpt: Megatron args window_size \(7, 3\): only a causal window"):
-        read(Namespace(window_size=(7, 3)), Path("ckpt"))
+        read(Namespace(window_size=(7, 3)))
     # a feature that needs another says which and how to fix it
     assert any(
         line.startswith("global_every: 3 needs sliding_window (the other layers' window); set sliding_window")
@@ -376,7 +387,12 @@ def test_a_value_features_bounds_are_its_own_and_checked_like_every_field():
     from titan_pipe.model.args import FIELD_BOUNDS
 
     owned = features.bounds()
-    assert set(owned) == {"sliding_window", "global_every", "rope_local_theta", "attn_scalar"}
+    assert set(owned) == {"sliding_window", "global_every", "rope_local_theta", "attn_scalar"} | {
+        "n_experts",
+        "experts_per_token",
+        "moe_hidden_dim",
+        "moe_step",
+    }
     assert all(FIELD_BOUNDS[k] is b for k, b in owned.items())
     assert args_problems(small(attn_scalar=0.5)) == ["attn_scalar: 0.5 must be >= 1; use a value in 1..1000000"]
     assert args_problems(small(sliding_window=0))[0].startswith("sliding_window: 0 must be >= 1")
@@ -419,6 +435,60 @@ def test_the_tied_head_is_the_embeddings_tensor_wherever_a_stage_asks():
     assert f.shown_in({"tok_embeddings.weight": (96, 64)}) is True
     assert f.shown_in({"tok_embeddings.weight": (96, 64), "output.weight": (96, 64)}) is False
     assert sliding_window.FEATURE.shown_in({}) is None and qk_norm.FEATURE.shown_in({}) is False
-    # it changes the shapes: a shape key, compared once, last
+    # it changes the shapes: a shape key, compared once
     assert SHAPE_KEYS.count("tie_embeddings") == SAME_MODEL_KEYS.count("tie_embeddings") == 1
-    assert SAME_MODEL_KEYS[-1] == "tie_embeddings" and model_differences(on, off) == ["tie_embeddings True vs False"]
+    assert model_differences(on, off) == ["tie_embeddings True vs False"]
+
+
+def test_a_mixture_of_experts_is_its_file_and_the_stages_take_its_routing():
+    """Mixtures of experts (features/experts.py): the stages take its Routing record; its parameter
+    rows, rules, expert-parallel split and Megatron reading are the file's."""
+    from argparse import Namespace
+
+    from titan_pipe.model.features import experts
+    from titan_pipe.model.params import native_shapes
+    from titan_pipe.weights.readers.megatron.common import model_args as megatron_model_args
+
+    # Qwen3-MoE's shape: q/k norms, narrow experts, layer 0 dense
+    moe = small(n_layers=4, qk_norm=True, n_experts=4, experts_per_token=2, moe_hidden_dim=48, dense_layers=(0,))
+    r = features.routing(moe)
+    assert r == features.Routing(experts=4, top_k=2, width=48, renormalize=True, layers=(1, 2, 3))
+    assert features.routing(small()) is None
+    shapes = native_shapes(moe)
+    assert shapes["layers.1.moe.experts.w1"] == (4, 48, 64) and shapes["layers.3.moe.router.gate.weight"] == (4, 64)
+    assert "layers.0.moe.experts.w1" not in shapes and "layers.0.feed_forward.w1.weight" in shapes
+    assert all(p in LAYER_PARAMS for p in experts.PARAMS)
+    m = build_model(moe, seed=0)
+    assert m.layers["1"].moe.routing == r and m.layers["1"].moe.experts.w1.shape == (4, 48, 64)
+    assert m.layers["0"].moe is None
+    # its rules and its split over expert-parallel ranks: one line each, naming the fix
+    assert args_problems(replace(moe, experts_per_token=5)) == [
+        "experts_per_token: 5 must be 1..n_experts=4 (each token goes to that many of the 4 experts); "
+        "pick a top-k in 1..4"
+    ]
+    assert features.split_problems(moe, 2) == [] and features.split_problems(small(), 1) == []
+    assert "does not divide the model's n_experts=4" in features.split_problems(moe, 3)[0]
+    assert "the model has none (n_experts: 0); use ep: 1" in features.split_problems(small(), 2)[0]
+    # two spellings of the same routed layers are one model; another top-k is not
+    assert (
+        model_differences(
+            small(n_layers=4, qk_norm=True, n_experts=4, experts_per_token=2, moe_step=2),
+            replace(moe, dense_layers=(0, 2), moe_hidden_dim=None),
+        )
+        == []
+    )
+    assert model_differences(moe, replace(moe, experts_per_token=1)) == ["experts_per_token 2 vs 1"]
+    # Megatron's MoE arguments, through the file's reader: layer 0 keeps the dense MLP
+    meg = Namespace(
+        num_attention_heads=4,
+        hidden_size=64,
+        num_layers=4,
+        ffn_hidden_size=96,
+        swiglu=True,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=48,
+        moe_layer_freq=[0, 1, 1, 1],
+        qk_layernorm=True,
+    )
+    assert features.routing(megatron_model_args(meg, 96, Path("ckpt"))) == r

@@ -66,8 +66,8 @@ def dispatch(ep_mesh: DeviceMesh):
     group, ep = ep_mesh.get_group(), ep_mesh.size()
 
     def run(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, compute) -> torch.Tensor:
-        n_experts = counts.numel()
-        local = n_experts // ep
+        experts = counts.numel()
+        local = experts // ep
         # how many rows each rank sends to each of my local experts
         got = torch.empty_like(counts)
         dist.all_to_all_single(got, counts, group=group)

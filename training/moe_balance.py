@@ -3,7 +3,7 @@
 Each dp rank routes its own tokens. The loss (titan_pipe.model.transformer.load_balancing_loss) is
 a product of two batch means (assignments per expert, router probability per expert), so a mean of
 per-rank losses is not the loss of the batch. Here every rank sums the statistics of all ranks
-(one all-reduce of 2 x n_experts + 1 numbers per step): the value is the single-process one; the
+(one all-reduce of 2 x experts + 1 numbers per step): the value is the single-process one; the
 gradient reaches this rank's router only through its own tokens' probabilities, scaled by the dp
 size, so that data parallelism's averaging of the ranks' gradients gives the batch's gradient.
 """

@@ -32,6 +32,7 @@ from titan_pipe.rules.dtypes import TORCH_BY_NAME
 from titan_pipe.rules.devices import peak_memory_bytes, resolve_device, set_local_device
 from titan_pipe.errors import UserError
 from titan_pipe.io.faults import STAGE_OUTPUTS, OutputFault, writing
+from titan_pipe.model import features
 from titan_pipe.model.args import count_params, flops_per_token
 from titan_pipe.model.lora import adapter_count, trained_flops_per_token
 from titan_pipe.model.loss import cross_entropy
@@ -374,7 +375,7 @@ class Trainer:
 
         rows = logits.shape[0] * logits.shape[1] * len(a.moe_layers)
         return loss + a.router_aux_loss_coef * balance_loss(
-            assigned.detach(), prob, rows, a.n_experts, self.balance_reduce
+            assigned.detach(), prob, rows, features.routing(a).experts, self.balance_reduce
         )
 
     def _setup_schedule(self) -> None:

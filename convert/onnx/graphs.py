@@ -285,23 +285,22 @@ def _layer(
         f"{p}.mlp.x2d",
     )
     if args.is_moe_layer(i):
+        routing = features.routing(args)
         top, chosen = route(
             g,
             x,
             _w(i, "moe.router.gate.weight"),
-            top_k=args.experts_per_token,
-            norm_topk=args.router_norm_topk,
+            top_k=routing.top_k,
+            norm_topk=routing.renormalize,
             name=f"{p}.route",
         )
         assert chosen == router_name(i)  # the value evaluate's router row reads
         w = [_w(i, f"moe.experts.{n}") for n in ("w1", "w3", "w2")]
         if spec.decode:  # a token a row: gather the k chosen experts (docs/moe.md, "Export")
-            out = experts_gathered(
-                g, x, top, chosen, *w, top_k=args.experts_per_token, dim=args.dim, name=f"{p}.moe.experts"
-            )
+            out = experts_gathered(g, x, top, chosen, *w, top_k=routing.top_k, dim=args.dim, name=f"{p}.moe.experts")
         else:  # many tokens: every expert, weighted by its gate
             out = experts(
-                g, x, gates(g, top, chosen, n_experts=args.n_experts, name=f"{p}.route"), *w, f"{p}.moe.experts"
+                g, x, gates(g, top, chosen, experts=routing.experts, name=f"{p}.route"), *w, f"{p}.moe.experts"
             )
     else:
         gated = gate_kinds.gate_of(args).onnx_product(

@@ -14,6 +14,7 @@ import torch
 from titan_pipe.evaluate import compare as cmp
 from titan_pipe.evaluate.comparisons.torch_vs_onnx import SIDE
 from titan_pipe.evaluate.run import REF, Run
+from titan_pipe.model import features
 
 TITLE = "Mixture of experts: the experts each token is routed to, PyTorch vs ONNX Runtime, per routing layer"
 
@@ -43,7 +44,7 @@ def compare(run: Run) -> cmp.Comparison | None:
         if not agree[i] >= bound:
             failures.append(
                 f"layer {i} router: {agree[i]:.1%} of {same.numel()} tokens chose the same "
-                f"{args.experts_per_token} experts (< {bound:.0%}, router_agree_min)"
+                f"{features.routing(args).top_k} experts (< {bound:.0%}, router_agree_min)"
             )
     c = cmp.Comparison(
         "moe_router",
@@ -57,7 +58,7 @@ def compare(run: Run) -> cmp.Comparison | None:
     c.details = {
         "agreement": {str(i): round(a, 4) for i, a in agree.items()},
         "bound": bound,
-        "experts": args.n_experts,
-        "top_k": args.experts_per_token,
+        "experts": features.routing(args).experts,
+        "top_k": features.routing(args).top_k,
     }
     return c

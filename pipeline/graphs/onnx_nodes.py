@@ -206,13 +206,13 @@ def route(g: NodeBuilder, x2d: str, router: str, *, top_k: int, norm_topk: bool,
     return top, chosen
 
 
-def gates(g: NodeBuilder, top: str, chosen: str, *, n_experts: int, name: str) -> str:
+def gates(g: NodeBuilder, top: str, chosen: str, *, experts: int, name: str) -> str:
     """The experts' gates (N, E) in the graph dtype: the top-k weights where chosen, 0 elsewhere; a
     one-hot of the chosen experts from Equal against Range (ScatterElements and OneHot are not on
     ATC's list)."""
     hot = g.op(
         "Equal",
-        [g.op("Unsqueeze", [chosen, g.const([-1])], f"{name}.topk.col"), g.const(np.arange(n_experts))],
+        [g.op("Unsqueeze", [chosen, g.const([-1])], f"{name}.topk.col"), g.const(np.arange(experts))],
         f"{name}.onehot",
     )
     weighted = g.op(

@@ -218,10 +218,6 @@ FIELD_BOUNDS: dict[str, limits.Bound] = {
     "rope_theta": limits.ROPE_THETA,
     "max_seq_len": limits.POSITIONS,
     "head_dim": limits.HEAD_DIM,
-    "n_experts": Bound(0, limits.EXPERTS.hi, limits.EXPERTS.why),
-    "experts_per_token": Bound(0, limits.EXPERTS.hi),
-    "moe_hidden_dim": limits.FFN,
-    "moe_step": limits.LAYERS,
     "router_aux_loss_coef": Bound(0.0, 1e3),
     **features.bounds(),  # the values the features own (titan_pipe.model.features)
 }
@@ -307,7 +303,6 @@ def args_problems(args: ModelArgs) -> list[str]:
         )
     if args.n_heads % args.kv_heads:
         out.append(f"n_kv_heads: {args.kv_heads} does not divide n_heads={args.n_heads}; pick a divisor")
-    out += _moe_problems(args)
     rows = args.max_seq_len * args.head_dim
     if not out and rows > limits.ROPE_TABLE.hi:
         out.append(
@@ -320,35 +315,6 @@ def args_problems(args: ModelArgs) -> list[str]:
     n = count_params(args)
     if not out and n > limits.PARAMS.hi:
         out.append(f"dims: {n:.3g} parameters {limits.PARAMS.problem(n)}; check the dims")
-    return out
-
-
-def _moe_problems(args: ModelArgs) -> list[str]:
-    """The mixture-of-experts rules: k of n experts with 1 <= k <= n, dense layers inside the model."""
-    out = []
-    if args.n_experts == 0:
-        if args.experts_per_token:
-            out.append(
-                f"experts_per_token: {args.experts_per_token} without experts (n_experts: 0); set "
-                "n_experts, or drop experts_per_token"
-            )
-        return out
-    if not 1 <= args.experts_per_token <= args.n_experts:
-        out.append(
-            f"experts_per_token: {args.experts_per_token} must be 1..n_experts={args.n_experts} (each token "
-            f"goes to that many of the {args.n_experts} experts); pick a top-k in 1..{args.n_experts}"
-        )
-    outside = [i for i in args.dense_layers if not 0 <= i < args.n_layers]
-    if outside:
-        out.append(
-            f"dense_layers: {outside[0]} is not a layer of the model's {args.n_layers}; list layers in "
-            f"0..{args.n_layers - 1}"
-        )
-    elif not args.moe_layers:
-        out.append(
-            f"n_experts: {args.n_experts} but no layer routes (moe_step {args.moe_step}, dense_layers "
-            f"{list(args.dense_layers)}); set n_experts: 0 for a dense model"
-        )
     return out
 
 
@@ -643,24 +609,16 @@ SHAPE_KEYS = (
     "head_dim",
     "vocab_size",
     "hidden_dim",
-    *(f.name for f in features.FEATURES if f.params),  # the features with parameters of their own
-    "n_experts",
-    "expert_dim",
-    "moe_layers",
-    *(f.name for f in features.FEATURES if f.shares),  # ... or that make one tensor of two (the tied head)
+    *(k for f in features.FEATURES for k in f.shape_keys()),  # what sizes the features' tensors
 )
 # The shapes plus the numerics of the forward: what two artifacts must share to be compared.
-_SHARING = tuple(f.name for f in features.FEATURES if f.shares)
-SAME_MODEL_KEYS = SHAPE_KEYS[: -len(_SHARING)] + (
+SAME_MODEL_KEYS = SHAPE_KEYS + (
     "norm_eps",
     "rope_theta",
-    "experts_per_token",
-    "router_norm_topk",
     "activation",
     # the others change the numerics only (each value a feature owns, by what it computes)
-    *(prop for f in features.FEATURES if not (f.params or f.shares) for _, prop in f.compared_fields()),
+    *dict.fromkeys(prop for f in features.FEATURES for _, prop in f.compared_fields() if prop not in f.shape_keys()),
     "rope_scaling",
-    *_SHARING,
 )
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from titan_pipe.errors import UserError
 from titan_pipe.rules.limits import LORA_RANK
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs, flops_per_token
 from titan_pipe.model.params import LAYER_PARAMS, LAYER_PREFIX, adapter_param, split_layer
 
@@ -104,7 +105,7 @@ def model_problems(spec: LoRASpec, args: ModelArgs) -> list[str]:
     ffn = [t for t in spec.targets if TARGETS[t].startswith("feed_forward.")]
     if ffn and args.moe:
         return [
-            f"targets {ffn}: this model routes its feed-forward through {args.n_experts} experts, which take "
+            f"targets {ffn}: this model routes its feed-forward through {features.routing(args).experts} experts, which take "
             "no adapters; target the attention (q, k, v, o)"
         ]
     return []

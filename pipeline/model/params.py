@@ -19,7 +19,7 @@ from __future__ import annotations
 
 
 from titan_pipe.model.args import ModelArgs
-from titan_pipe.model.features import FEATURES, shared
+from titan_pipe.model.features import FEATURES, experts, shared
 from titan_pipe.model.param_spec import INITS, SCOPES, TP_STYLES, Param
 
 __all__ = ["INITS", "SCOPES", "TP_STYLES", "Param"]  # the record lives in param_spec; readers import it here too
@@ -27,10 +27,6 @@ __all__ = ["INITS", "SCOPES", "TP_STYLES", "Param"]  # the record lives in param
 
 def _dense_ffn(args: ModelArgs, i: int) -> bool:
     return not args.is_moe_layer(i)
-
-
-def _routed(args: ModelArgs, i: int) -> bool:
-    return args.is_moe_layer(i)
 
 
 def _norm(name: str, hf: str, megatron: tuple[str, ...], scope: str, **kw) -> Param:
@@ -156,58 +152,7 @@ LAYER_PARAMS: tuple[Param, ...] = (
         megatron=("mlp.linear_fc2.weight",),
         in_layer=_dense_ffn,
     ),
-    # A mixture of experts in place of the feed-forward (ModelArgs.is_moe_layer): torchtitan's names
-    # (its MoE DCP checkpoints read one to one), Qwen3-MoE's Hugging Face names (Mixtral's:
-    # titan_pipe.model.names). Replicated under TP: expert parallelism is what splits experts.
-    # megatron-core (torch_dist) keeps a routing layer's SequentialMLP experts as one tensor per kind
-    # with the expert index as a leading axis ("experts.experts.*": (E, rows, cols)), fc1 fused
-    # [gate; up] on its rows as the dense MLP's.
-    Param(
-        "moe.router.gate.weight",
-        lambda a: (a.n_experts, a.dim),
-        "replicate",
-        "layer",
-        "mlp.gate.weight",
-        "moe.router",
-        in_layer=_routed,
-        megatron=("mlp.router.weight",),
-    ),
-    Param(
-        "moe.experts.w1",
-        lambda a: (a.n_experts, a.expert_dim, a.dim),
-        "replicate",
-        "layer",
-        "mlp.experts.{e}.gate_proj.weight",
-        "moe.w1",
-        in_layer=_routed,
-        expert=True,
-        megatron=("mlp.experts.experts.linear_fc1.weight",),
-        fused=("expert_fc1", "gate"),
-    ),
-    Param(
-        "moe.experts.w3",
-        lambda a: (a.n_experts, a.expert_dim, a.dim),
-        "replicate",
-        "layer",
-        "mlp.experts.{e}.up_proj.weight",
-        "moe.w3",
-        in_layer=_routed,
-        expert=True,
-        megatron=("mlp.experts.experts.linear_fc1.weight",),
-        fused=("expert_fc1", "up"),
-    ),
-    Param(
-        "moe.experts.w2",
-        lambda a: (a.n_experts, a.dim, a.expert_dim),
-        "replicate",
-        "layer",
-        "mlp.experts.{e}.down_proj.weight",
-        "moe.w2",
-        init="depth_scaled",
-        in_layer=_routed,
-        expert=True,
-        megatron=("mlp.experts.experts.linear_fc2.weight",),
-    ),
+    *experts.PARAMS,  # a routing layer's, in place of the dense feed-forward's (features/experts.py)
 )
 
 

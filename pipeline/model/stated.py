@@ -38,12 +38,6 @@ COMPARED: dict[str, str] = {
     "rope_scaling": "rope_scaling",
     "max_seq_len": "max_seq_len",
     **features.compared(),  # the features' switches and values
-    "n_experts": "n_experts",
-    "experts_per_token": "experts_per_token",
-    "moe_hidden_dim": "expert_dim",
-    "moe_step": "moe_layers",
-    "dense_layers": "moe_layers",
-    "router_norm_topk": "router_norm_topk",
     "activation": "activation",
 }
 # Training choices, not architecture: a value given in flow.yaml is used over the checkpoint's.

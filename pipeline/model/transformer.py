@@ -191,7 +191,7 @@ class Router(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.gate = nn.Linear(args.dim, features.routing(args).experts, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gate(x)
@@ -199,8 +199,8 @@ class Router(nn.Module):
 
 class MoE(nn.Module):
     """A mixture of experts in place of the feed-forward (Mixtral, Qwen3-MoE): the router's softmax
-    over the experts, the top k of them per token (their probabilities renormalized to sum to 1 with
-    ``router_norm_topk``), each token's output the so-weighted sum of its experts' outputs.
+    over the experts, the top k of them per token (their probabilities renormalized to sum to 1 where
+    the model's Routing says so), each token's output the so-weighted sum of its experts' outputs.
 
     Each forward keeps the router statistics of its tokens (``balance``: assignments per expert, the
     sum of the probabilities per expert, the token count) for the load-balancing loss
@@ -208,9 +208,9 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs, kernels: Kernels):
         super().__init__()
-        self.n_experts, self.top_k, self.norm_topk = args.n_experts, args.experts_per_token, args.router_norm_topk
+        self.routing = features.routing(args)  # features/experts.py: what a routing layer computes with
         self.router = Router(args)
-        self.experts = Experts(args.n_experts, args.dim, args.expert_dim, kernels)
+        self.experts = Experts(self.routing.experts, args.dim, self.routing.width, kernels)
         self.balance: tuple[torch.Tensor, torch.Tensor, int] | None = None
         # evaluate's reference sets keep_choices: the last forward's experts per token (N, k) are then
         # kept in ``chosen`` (training does not keep them: one (N, k) tensor a layer for nothing)
@@ -220,8 +220,8 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, dim) -> (probabilities (N, E) float32, chosen experts (N, k), their weights (N, k) float32)."""
         probs = F.softmax(self.router(x).float(), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk:
+        weights, chosen = probs.topk(self.routing.top_k, dim=-1)
+        if self.routing.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return probs, chosen, weights
 
@@ -232,10 +232,10 @@ class MoE(nn.Module):
         if self.keep_choices:
             self.chosen = chosen.detach()
         assigned = chosen.reshape(-1)
-        counts = torch.bincount(assigned, minlength=self.n_experts)
+        counts = torch.bincount(assigned, minlength=self.routing.experts)
         self.balance = (counts.float(), probs.sum(dim=0), flat.shape[0])
         order = assigned.argsort(stable=True)  # the (token, slot) pairs grouped by expert
-        token = order // self.top_k
+        token = order // self.routing.top_k
         y = self.experts(flat[token], counts)
         y = (y.float() * weights.reshape(-1)[order, None]).to(flat.dtype)
         return torch.zeros_like(flat).index_add_(0, token, y).view(shape)
@@ -276,7 +276,7 @@ class TransformerBlock(nn.Module):
 
 def load_balancing_loss(moes: list[MoE], reduce=None) -> torch.Tensor | None:
     """The load-balancing loss of the last forward through ``moes`` (Switch Transformer's, as
-    transformers computes it for Mixtral and Qwen3-MoE): n_experts x sum over experts of (the share
+    transformers computes it for Mixtral and Qwen3-MoE): E (the experts) x sum over experts of (the share
     of top-k assignments it got) x (its mean router probability), both over every routing layer's
     tokens. None without routing layers or before a forward.
 
@@ -290,17 +290,17 @@ def load_balancing_loss(moes: list[MoE], reduce=None) -> torch.Tensor | None:
         return None
     assigned = sum(c for c, _, _ in stats)
     prob = sum(p for _, p, _ in stats)
-    return balance_loss(assigned, prob, sum(n for _, _, n in stats), moes[0].n_experts, reduce)
+    return balance_loss(assigned, prob, sum(n for _, _, n in stats), moes[0].routing.experts, reduce)
 
 
-def balance_loss(assigned: torch.Tensor, prob: torch.Tensor, rows, n_experts: int, reduce=None) -> torch.Tensor:
+def balance_loss(assigned: torch.Tensor, prob: torch.Tensor, rows, experts: int, reduce=None) -> torch.Tensor:
     """load_balancing_loss from its statistics summed over the routing layers: top-k assignments per
     expert, router probability summed per expert, (token, layer) rows. A pipeline carries the first
     two from stage to stage (Transformer.carry_balance) and its last stage calls this."""
     scale = 1
     if reduce is not None:
         assigned, prob, rows, scale = reduce(assigned, prob, rows)
-    loss = ((assigned / rows) * (prob / rows)).sum() * n_experts
+    loss = ((assigned / rows) * (prob / rows)).sum() * experts
     return loss if scale == 1 else loss.detach() + scale * (loss - loss.detach())
 
 
@@ -405,11 +405,8 @@ class Transformer(nn.Module):
 
     def _carried(self, carry: tuple, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routing statistics so far (``carry``, zeros on the first stage) plus this stage's."""
-        assigned, prob = (
-            carry
-            if carry
-            else (torch.zeros(self.args.n_experts, device=h.device), torch.zeros(self.args.n_experts, device=h.device))
-        )
+        n = features.routing(self.args).experts
+        assigned, prob = carry if carry else (torch.zeros(n, device=h.device), torch.zeros(n, device=h.device))
         for layer in self.layers.values():
             if layer.moe is not None and layer.moe.balance is not None:
                 assigned = assigned + layer.moe.balance[0]

@@ -174,15 +174,16 @@ def open_unified(model_dir: Path) -> UnifiedDir:
                     )
                 placed[name] = StoredParam(name, path, key, header[key])
     stacked = {}
+    n = features.routing(args).experts if experts else 0
     for name, by_expert in experts.items():
-        gap = next((e for e in range(args.n_experts) if e not in by_expert), None)
+        gap = next((e for e in range(n) if e not in by_expert), None)
         if gap is not None:
             raise UserError(
                 f"{model_dir}: expert {gap} of {name!r} is missing ({len(by_expert)} of "
-                f"{args.n_experts} stored; config.json: {args.n_experts} experts); the weights and "
+                f"{n} stored; config.json: {n} experts); the weights and "
                 "config.json do not belong together"
             )
-        stacked[name] = tuple(by_expert[e] for e in range(args.n_experts))
+        stacked[name] = tuple(by_expert[e] for e in range(n))
     missing = sorted(set(expected) - set(placed) - set(stacked) - set(shared))
     if missing:
         raise UserError(
@@ -278,10 +279,12 @@ def _place_expert(
 ) -> None:
     """Place one expert's tensor (Hugging Face: one per expert) into its stacked parameter's slot."""
     name, e = found
-    if name not in expected or e >= args.n_experts:
+    routing = features.routing(args)
+    if name not in expected or routing is None or e >= routing.experts:
+        n, layers = (0, []) if routing is None else (routing.experts, list(routing.layers))
         raise UserError(
             f"{path}: tensor {key!r} has no place in the model of {model_dir / CONFIG} "
-            f"({args.n_layers} layers, {args.n_experts} experts in layers {list(args.moe_layers)}); "
+            f"({args.n_layers} layers, {n} experts in layers {layers}); "
             "the weights and config.json do not belong together"
         )
     if name in placed or e in experts.get(name, {}):

@@ -12,6 +12,7 @@ from titan_pipe.rules import limits
 from titan_pipe.rules.choices import INTERLEAVED, PP_SCHEDULES
 from titan_pipe.config import ConfigError, parse_flow
 from titan_pipe.errors import UserError
+from titan_pipe.model import features
 from titan_pipe.model.args import flops_per_token
 from titan_pipe.training.planner.memory import Memory, memory_per_device
 from titan_pipe.training.planner.timing import Timing, peak_flops, step_time
@@ -250,7 +251,7 @@ def candidate_layouts(
                 mbs = sorted({m for m in (p, 2 * p, 4 * p, 8 * p, local) if m and local % m == 0} or {p})
             dps = [(3, False), (3, True)] + ([] if d == 1 else [(2, False), (0, False)])
             # a mixture of experts: experts split over ep of the dp ranks (FSDP only), ep dividing both
-            eps = [e for e in _divisors(d) if w.args.moe and e > 1 and w.args.n_experts % e == 0]
+            eps = [e for e in _divisors(d) if w.args.moe and e > 1 and not features.split_problems(w.args, e)]
             for sched, v in schedules:
                 for m in mbs:
                     for z, off in dps:

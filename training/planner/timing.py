@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from titan_pipe.rules.dtypes import DTYPE_BYTES_BY_NAME
 from titan_pipe.errors import UserError
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs, flops_per_token
 from titan_pipe.model.sharding import stages_per_rank
 from titan_pipe.training.activation_checkpoint import ac_layer_ids
@@ -179,10 +180,21 @@ def ep_bytes(w: Workload, layout: Layout, pp_rank: int) -> float:
     args = w.args
     layers = rank_layers(args, layout, pp_rank)
     routed = [i for i in layers if args.is_moe_layer(i)]
+    if not routed:
+        return 0.0
     ckpt = set(ac_layer_ids(layers, layout.ac_every)) if layout.ac_every else set()
     exchanges = sum(6 if i in ckpt else 4 for i in routed)
     a = DTYPE_BYTES_BY_NAME[layout.amp_dtype or "float32"]
-    return exchanges * (e - 1) / e * _mb_tokens(w, layout) * layout.microbatches * args.experts_per_token * args.dim * a
+    return (
+        exchanges
+        * (e - 1)
+        / e
+        * _mb_tokens(w, layout)
+        * layout.microbatches
+        * features.routing(args).top_k
+        * args.dim
+        * a
+    )
 
 
 def _comm(kind: str, b: float, link: Link, assume: Assumptions) -> Comm:

@@ -5,9 +5,9 @@ features its architecture always has. Migrated so far: q/k/v biases (qkv_bias.py
 (qk_norm.py), scaled embeddings (embed_scale.py), sandwich norms (sandwich_norms.py), offset
 norms (norm_offset.py), and two values a family's config states: global layers among sliding ones
 with their own RoPE table (global_every.py) and the query scale (attn_scalar.py), and the sliding
-window (sliding_window.py), and the tied head (tie_embeddings.py: the output projection shares the
-embedding); the MLP's gate is a choice among records (gates.py). Mixtures of experts are still
-tested as ModelArgs fields where they are used (docs/architecture.md, "Features").
+window (sliding_window.py), the tied head (tie_embeddings.py: the output projection shares the
+embedding), and mixtures of experts (experts.py: the stages take its ``Routing``); the MLP's gate
+is a choice among records (gates.py). See docs/architecture.md, "Features".
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from titan_pipe.model.features import (
     attn_scalar,
     embed_scale,
+    experts,
     global_every,
     norm_offset,
     qk_norm,
@@ -26,6 +27,7 @@ from titan_pipe.model.features import (
     sliding_window,
     tie_embeddings,
 )
+from titan_pipe.model.features.experts import Routing, routing, split_problems
 from titan_pipe.model.features.feature import Conformance, Feature, RopeTable
 
 if TYPE_CHECKING:
@@ -37,6 +39,7 @@ __all__ = [
     "FEATURES",
     "Feature",
     "RopeTable",
+    "Routing",
     "active",
     "attention_scale",
     "biased",
@@ -50,8 +53,10 @@ __all__ = [
     "problems",
     "read_from",
     "shared",
+    "split_problems",
     "unshared",
     "rope_tables",
+    "routing",
     "switches",
     "windowed",
 ]
@@ -65,6 +70,7 @@ FEATURES: tuple[Feature, ...] = (
     sliding_window.FEATURE,
     global_every.FEATURE,
     attn_scalar.FEATURE,
+    experts.FEATURE,
     tie_embeddings.FEATURE,
 )
 # features no architecture has together, and why (a relation between two files, so kept in the list)

@@ -80,6 +80,9 @@ class Feature:
     hf_key: str | None = None
     # (parameter, the parameter it reads) while on: one tensor held and stored once under the second name
     shares: tuple[tuple[str, str], ...] = ()
+    # of the properties it is compared on, those that size tensors (a feature with parameters or shared
+    # tensors: its name); the others change the numerics only
+    shaped: tuple[str, ...] = ()
     rotate_half_in_torchtitan: bool = False  # torchtitan's model with it stores q/k rows rotate-half
     biased_projections: tuple[str, ...] = ()  # of "q", "k", "v": the attention projections that get a bias
     adds_flops: bool = False  # each of its (matmul-free) parameters costs one add per token (a bias)
@@ -118,13 +121,18 @@ class Feature:
     # ONNX: (nodes, graph, args, allowed, decode=, attention_mask=, position_ids=) -> the keys each query
     # may see (bool) narrowed by it
     onnx_mask: Callable[..., str] | None = None
-    # Megatron-LM: (its args namespace, the checkpoint dir) -> the field's value (a value feature)
-    read_megatron: Callable[[Any, Any], Any] | None = None
+    # Megatron-LM: (its args namespace, the checkpoint dir, arg(a, name, kind, root, default=, bound=): one
+    # argument read typed) -> {ModelArgs field: value} of the fields it owns
+    read_megatron: Callable[[Any, Any, Callable], dict] | None = None
     # (a model dict: ModelArgs.to_dict) -> how inspect names it, when its label is not enough
     describe: Callable[[dict], str] | None = None
 
     def on(self, args: "ModelArgs") -> bool:
         return bool(getattr(args, self.name))
+
+    def shape_keys(self) -> tuple[str, ...]:
+        """The properties two models' tensors are sized by, of those it owns (ModelArgs.SHAPE_KEYS)."""
+        return (self.name,) if self.params or self.shares else self.shaped
 
     def compared_fields(self) -> tuple[tuple[str, str], ...]:
         return self.compared or ((self.name, self.name),)

@@ -52,11 +52,11 @@ def _onnx_mask(nodes, g, args, allowed: str, *, decode: bool, attention_mask: st
     return nodes.within_window(g, allowed, gap, args.sliding_window, "mask.window")
 
 
-def _read_megatron(a, root: Path) -> int | None:
+def _read_megatron(a, root: Path, arg) -> dict:
     """Megatron's ``window_size`` (left, right), as flash-attention takes it -> the window."""
     w = getattr(a, "window_size", None)
     if not w:
-        return None
+        return {"sliding_window": None}
     if not (
         isinstance(w, (tuple, list)) and len(w) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in w)
     ):
@@ -67,7 +67,7 @@ def _read_megatron(a, root: Path) -> int | None:
     left, right = w
     if right != 0 or not 0 <= left < limits.POSITIONS.hi:
         raise UserError(f"{root}: Megatron args window_size {tuple(w)}: only a causal window (left, 0) is supported")
-    return left + 1  # the query itself plus `left` earlier positions
+    return {"sliding_window": left + 1}  # the query itself plus `left` earlier positions
 
 
 FEATURE = Feature(

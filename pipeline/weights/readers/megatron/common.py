@@ -255,44 +255,14 @@ def model_args(a, vocab: int, root: Path, *, virtual_ok: bool = False) -> ModelA
             for f in features.FEATURES
             if f.megatron_arg
         },
-        **{f.name: f.read_megatron(a, root) for f in features.FEATURES if f.read_megatron is not None},
-        **_moe_fields(a, root),
+        **{
+            k: v
+            for f in features.FEATURES
+            if f.read_megatron is not None
+            for k, v in f.read_megatron(a, root, arg).items()
+        },
     )
     return validate_args(args, source=f"{root}: Megatron args")
-
-
-def _moe_fields(a, root: Path) -> dict:
-    """ModelArgs' mixture-of-experts fields from Megatron's MoE args ({} for a dense model).
-
-    ``moe_layer_freq`` k routes layers 0, k, 2k, ... (a list: 1 routes, 0 keeps the dense MLP): the
-    others are ``dense_layers``. ``moe_router_pre_softmax`` false (the default: softmax over the
-    top-k logits) is the top-k renormalized; true is the softmax over all experts, not renormalized."""
-    n = arg(a, "num_experts", INT, root, default=None, bound=limits.EXPERTS)
-    if not n:
-        return {}
-    layers = arg(a, "num_layers", INT, root, bound=limits.LAYERS)
-    freq = getattr(a, "moe_layer_freq", 1)
-    if isinstance(freq, bool) or not (
-        isinstance(freq, int) or (isinstance(freq, (list, tuple)) and all(x in (0, 1) for x in freq))
-    ):
-        raise UserError(
-            f"{root}: Megatron args moe_layer_freq {freq!r} is neither a layer step nor a list of 0/1 "
-            "per layer; re-save the checkpoint from Megatron-LM"
-        )
-    if isinstance(freq, int):
-        routed = [i % freq == 0 for i in range(layers)] if freq >= 1 else [False] * layers
-    else:
-        routed = [bool(x) for x in freq]
-        if len(routed) != layers:
-            raise UserError(f"{root}: Megatron args moe_layer_freq lists {len(routed)} layers, num_layers is {layers}")
-    return {
-        "n_experts": n,
-        "experts_per_token": arg(a, "moe_router_topk", INT, root, default=2, bound=limits.EXPERTS),
-        "moe_hidden_dim": arg(a, "moe_ffn_hidden_size", INT, root, default=None, bound=limits.FFN),
-        "dense_layers": tuple(i for i, r in enumerate(routed) if not r),
-        "router_norm_topk": not arg(a, "moe_router_pre_softmax", BOOL, root, default=False),
-        "router_aux_loss_coef": arg(a, "moe_aux_loss_coeff", FLOAT, root, default=0.0, bound=Bound(0.0, 1e3)),
-    }
 
 
 def rope_rows(a, args: ModelArgs, root: Path) -> int | None:
@@ -369,7 +339,7 @@ def defuse_expert_fc1(
     args: ModelArgs, gid: int, file: str, key: str, offs: tuple[int, ...], lens: tuple[int, ...]
 ) -> Iterator[tuple[str, Read]]:
     """Reads of a stored piece (box ``offs``/``lens``) of a routing layer's experts' linear_fc1,
-    (n_experts, [gate; up] rows, dim): the gate rows go to moe.experts.w1, the up rows to w3."""
+    (experts, [gate; up] rows, dim): the gate rows go to moe.experts.w1, the up rows to w3."""
     ffn, parts = args.expert_dim, fused_parts("expert_fc1")
     e0, r0, c0 = offs
     ne, nr, nc = lens

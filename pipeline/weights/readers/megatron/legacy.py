@@ -57,6 +57,7 @@ from titan_pipe.weights.readers.store import Store
 from titan_pipe.weights.source_plan import Read, SourcePlan
 from titan_pipe.errors import UserError
 from titan_pipe.rules.values import INT
+from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs, check_fits
 from titan_pipe.model.names import megatron_local_expert, megatron_to_native
 from titan_pipe.model.params import fused_parts, layer_name, param_of
@@ -232,8 +233,8 @@ def _layout(path: Path, it_dir: Path, found: dict, a, vocab_size: int | None) ->
     )
     if args.kv_heads % tp:
         raise UserError(f"{it_dir}: {args.kv_heads} query groups do not split over tp={tp}")
-    if ep > 1 and args.n_experts % ep:
-        raise UserError(f"{it_dir}: {args.n_experts} experts do not split over ep={ep}")
+    if features.split_problems(args, ep):
+        raise UserError(f"{it_dir}: {features.routing(args).experts} experts do not split over ep={ep}")
     counts = _stage_layers(a, pp, path)
     padded = arg(a, "padded_vocab_size", INT, path, default=0, bound=limits.VOCAB)
     return _Layout(it_dir, files, a, args, tp, pp, ep, padded, counts, [sum(counts[:s]) for s in range(pp)])
@@ -255,7 +256,8 @@ def _grouped_reads(
     """GroupedMLP's weight1 (which "1") or weight2 ("2") of ep rank ``e``, tp rank ``t``: every local
     expert's fc1 / fc2 through the per-expert view (grouped_experts), as SequentialMLP's would be."""
     args = lay.args
-    per, fl, dim = args.n_experts // lay.ep, args.expert_dim // lay.tp, args.dim
+    routing = features.routing(args)
+    per, fl, dim = routing.experts // lay.ep, routing.width // lay.tp, args.dim
     want = (dim, per * 2 * fl) if which == "1" else (per * fl, dim)
     if shape != want:
         raise UserError(
@@ -288,7 +290,8 @@ def _expert_reads(
     """One SequentialMLP expert of ep rank ``e`` (local index ``j``): fc1's gate and up slices (its tp
     rank's rows of each) into w1/w3, fc2's tp columns into w2, each as a (1, ...) slice of the stack."""
     args = lay.args
-    per, fl, dim = args.n_experts // lay.ep, args.expert_dim // lay.tp, args.dim
+    routing = features.routing(args)
+    per, fl, dim = routing.experts // lay.ep, routing.width // lay.tp, args.dim
     if j >= per:
         raise UserError(f"{lay.it_dir / f}: {key}: local expert {j}, but ep={lay.ep} leaves {per} experts a rank")
     x = e * per + j
