@@ -277,7 +277,7 @@ def _layer(
     attn = g.op(
         "Reshape", [linear(g, ctx, _w(i, "attention.wo.weight"), f"{p}.attn.wo"), sh.hidden], f"{p}.attn.output"
     )
-    h = g.op("Add", [h, _sublayer_output(g, args, i, "attention", attn)], f"{p}.attn.residual")
+    h = g.op("Add", [h, _sublayer_output(g, args, i, "attention", attn, off)], f"{p}.attn.residual")
 
     x = g.op(
         "Reshape",
@@ -312,12 +312,13 @@ def _layer(
         )
         out = linear(g, gated, _w(i, "feed_forward.w2.weight"), f"{p}.mlp.w2")
     mlp = g.op("Reshape", [out, sh.hidden], f"{p}.mlp.output")
-    return g.op("Add", [h, _sublayer_output(g, args, i, "mlp", mlp)], f"{p}.output"), attn, mlp
+    return g.op("Add", [h, _sublayer_output(g, args, i, "mlp", mlp, off)], f"{p}.output"), attn, mlp
 
 
-def _sublayer_output(g: NodeBuilder, args: ModelArgs, i: int, part: str, x: str) -> str:
+def _sublayer_output(g: NodeBuilder, args: ModelArgs, i: int, part: str, x: str, off: bool) -> str:
     """Sub-layer ``part``'s (attention, mlp) output as its residual add takes it: each feature's
-    ``onnx_sublayer_output``, as the module's TransformerBlock.sublayer_output."""
+    ``onnx_sublayer_output``, as the module's TransformerBlock.sublayer_output (``off``: the
+    model's norms are offsets from 1)."""
     for f in features.active(args):
         if f.onnx_sublayer_output is not None:
             x = f.onnx_sublayer_output(
@@ -328,7 +329,7 @@ def _sublayer_output(g: NodeBuilder, args: ModelArgs, i: int, part: str, x: str)
                 weight=lambda n: _w(i, n),
                 eps=args.norm_eps,
                 prefix=f"layers.{i}",
-                offset=features.offset_norms(args),
+                offset=off,
             )
     return x
 

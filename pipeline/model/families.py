@@ -145,9 +145,10 @@ def _moe_family(args: ModelArgs) -> Family:
     return FAMILIES["mixtral"]
 
 
-def family_keys(args: ModelArgs) -> dict:
-    """The architecture keys of ``args``' config.json (architectures, model_type, biases, windows)."""
-    fam = family_of(args)
+def family_keys(args: ModelArgs, *, family: Family | None = None) -> dict:
+    """The architecture keys of ``args``' config.json (architectures, model_type, biases, windows);
+    ``family``: ``family_of(args)`` where the caller holds it already."""
+    fam = family or family_of(args)
     if fam.own is not None:
         return fam.own.write(args)
     cfg: dict = {"architectures": [fam.architecture], "model_type": fam.model_type}

@@ -54,8 +54,9 @@ SUPPORTED_ACTS = ("silu",)
 def to_hf_config(args: ModelArgs, *, torch_dtype: str = "float32") -> dict:
     """A config.json dict for ``args`` (its family: titan_pipe.model.families), in the 4.x layout
     both 4.x and 5.x load."""
-    own = family_of(args).own is not None  # a family whose RoPE and activation keys are its own (Gemma 3)
-    fam = family_keys(args)
+    family = family_of(args)
+    own = family.own is not None  # a family whose RoPE and activation keys are its own (Gemma 3)
+    fam = family_keys(args, family=family)
     cfg = {
         "architectures": fam.pop("architectures"),
         "model_type": fam.pop("model_type"),
