@@ -50,6 +50,22 @@ def _routed(args: "ModelArgs", i: int) -> bool:
     return args.is_moe_layer(i)
 
 
+def _expert_in(w: str, part: str) -> Param:
+    """An expert's input projection, (E, width, dim): w1 the gate, w3 the up rows of megatron's fused fc1."""
+    return Param(
+        f"moe.experts.{w}",
+        lambda a: (a.n_experts, a.expert_dim, a.dim),
+        "replicate",
+        "layer",
+        f"mlp.experts.{{e}}.{part}_proj.weight",
+        f"moe.{w}",
+        in_layer=_routed,
+        expert=True,
+        megatron=("mlp.experts.experts.linear_fc1.weight",),
+        fused=("expert_fc1", part),
+    )
+
+
 # A routing layer's rows of the parameter list, in place of the dense feed-forward's: torchtitan's
 # names (its MoE DCP checkpoints read one to one), Qwen3-MoE's Hugging Face names (Mixtral's:
 # titan_pipe.model.names). Replicated under TP: expert parallelism is what splits experts.
@@ -67,30 +83,8 @@ PARAMS: tuple[Param, ...] = (
         in_layer=_routed,
         megatron=("mlp.router.weight",),
     ),
-    Param(
-        "moe.experts.w1",
-        lambda a: (a.n_experts, a.expert_dim, a.dim),
-        "replicate",
-        "layer",
-        "mlp.experts.{e}.gate_proj.weight",
-        "moe.w1",
-        in_layer=_routed,
-        expert=True,
-        megatron=("mlp.experts.experts.linear_fc1.weight",),
-        fused=("expert_fc1", "gate"),
-    ),
-    Param(
-        "moe.experts.w3",
-        lambda a: (a.n_experts, a.expert_dim, a.dim),
-        "replicate",
-        "layer",
-        "mlp.experts.{e}.up_proj.weight",
-        "moe.w3",
-        in_layer=_routed,
-        expert=True,
-        megatron=("mlp.experts.experts.linear_fc1.weight",),
-        fused=("expert_fc1", "up"),
-    ),
+    _expert_in("w1", "gate"),
+    _expert_in("w3", "up"),
     Param(
         "moe.experts.w2",
         lambda a: (a.n_experts, a.dim, a.expert_dim),
