@@ -99,9 +99,8 @@ def _mirror(
             continue
         t = hints[f.name]
         base = next(a for a in get_args(t) if a is not type(None)) if type(None) in get_args(t) else t
-        if (
-            get_origin(base) is tuple
-        ):  # a YAML list of ints (a mixture of experts' dense layers); strict pydantic takes no list as a tuple
+        # a YAML list of ints (a mixture of experts' dense layers); strict pydantic takes no list as a tuple
+        if get_origin(base) is tuple:
             base = t = list[int]
         b = bounds.get(f.name)
         limit = {} if b is None else {"ge": b.lo, "le": b.hi}

@@ -20,8 +20,8 @@ TITLE = "Mixture of experts: the experts each token is routed to, PyTorch vs ONN
 
 
 def compare(run: Run) -> cmp.Comparison | None:
-    args = run.sides.reference.args
-    if not args.moe:
+    routing = features.routing(run.sides.reference.args)
+    if routing is None:
         return None
     ort = run.sides.prefill
     if ort is None:
@@ -30,7 +30,7 @@ def compare(run: Run) -> cmp.Comparison | None:
     agree, failures = {}, []
     dt = run.tdtype(ort.dtype)
     bound = run.limits(dt)["router_agree_min"]
-    for i in args.moe_layers:
+    for i in routing.layers:
         ref = [run.store.get((REF, "router", i, b)) for b in parts]
         got = [run.store.get((SIDE, "router", i, b)) for b in parts]
         if any(x is None for x in ref + got):
@@ -44,7 +44,7 @@ def compare(run: Run) -> cmp.Comparison | None:
         if not agree[i] >= bound:
             failures.append(
                 f"layer {i} router: {agree[i]:.1%} of {same.numel()} tokens chose the same "
-                f"{features.routing(args).top_k} experts (< {bound:.0%}, router_agree_min)"
+                f"{routing.top_k} experts (< {bound:.0%}, router_agree_min)"
             )
     c = cmp.Comparison(
         "moe_router",
@@ -58,7 +58,7 @@ def compare(run: Run) -> cmp.Comparison | None:
     c.details = {
         "agreement": {str(i): round(a, 4) for i, a in agree.items()},
         "bound": bound,
-        "experts": features.routing(args).experts,
-        "top_k": features.routing(args).top_k,
+        "experts": routing.experts,
+        "top_k": routing.top_k,
     }
     return c

@@ -12,7 +12,6 @@ import torch
 
 from titan_pipe.rules.dtypes import parse_dtype
 from titan_pipe.errors import UserError
-from titan_pipe.model import features
 from titan_pipe.model.args import ModelArgs
 from titan_pipe.model.kernels import Kernels
 from titan_pipe.model.transformer import Transformer, build_model
@@ -31,15 +30,12 @@ def load_unified_model(
     unified = open_unified(model_dir)
     args, target = unified.args, parse_dtype(dtype)
     model = build_model(args, kernels=kernels, seed=None, device="meta")
-    shared = features.shared(args)  # read once, as the tensor they share (the tied head: the embedding)
-    for name in dict(model.named_parameters()):
-        if name in shared:
-            continue
+    for name in dict(model.named_parameters()):  # a shared tensor (the tied head) is listed once, as its source
         t = unified.read(name)
         if target is not None and t.dtype != target:
             t = t.to(target)
         _assign_param(model, name, t.to(device))
-    model.share_tensors()
+    model.share_tensors()  # the assignments replaced the source: share it again
     dtypes = {p.dtype for p in model.parameters()}
     model.init_rope(device)
     if len(dtypes) > 1:

@@ -344,6 +344,7 @@ class Transformer(nn.Module):
         # one (rope_cos<suffix>, rope_sin<suffix>) buffer pair per table (features.rope_tables)
         self.rope_tables = features.rope_tables(args)
         self.layer_rope = tuple(features.layer_rope(args, i) for i in range(args.n_layers))  # each layer's table
+        self.routing = features.routing(args)  # a mixture of experts' (features/experts.py); None: dense
         for table in self.rope_tables:
             cos, sin = rope_cos_sin(args, table=table)
             self.register_buffer(f"rope_cos{table.suffix}", cos, persistent=False)
@@ -405,7 +406,7 @@ class Transformer(nn.Module):
 
     def _carried(self, carry: tuple, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The routing statistics so far (``carry``, zeros on the first stage) plus this stage's."""
-        n = features.routing(self.args).experts
+        n = self.routing.experts
         assigned, prob = carry if carry else (torch.zeros(n, device=h.device), torch.zeros(n, device=h.device))
         for layer in self.layers.values():
             if layer.moe is not None and layer.moe.balance is not None:

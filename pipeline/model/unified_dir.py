@@ -149,7 +149,7 @@ def open_unified(model_dir: Path) -> UnifiedDir:
     key_to_file = _locate(model_dir)
     files = tuple(sorted(set(key_to_file.values())))
     expected = dict(native_shapes(args))
-    shared = features.shared(args)
+    shared, routing = features.shared(args), features.routing(args)
     for name, source in shared.items():  # a tied model may store its head too (the embedding, or an untied one)
         expected[name] = expected[source]
     placed: dict[str, StoredParam] = {}
@@ -163,7 +163,7 @@ def open_unified(model_dir: Path) -> UnifiedDir:
         for key in sorted(header):
             one = parse_hf_expert(key)
             if one is not None:
-                _place_expert(model_dir, args, expected, path, key, header[key], one, experts, placed)
+                _place_expert(model_dir, args, routing, expected, path, key, header[key], one, experts, placed)
                 continue
             name = _place(model_dir, args, expected, path, key, header[key].shape, placed)
             if name is not None:
@@ -174,7 +174,7 @@ def open_unified(model_dir: Path) -> UnifiedDir:
                     )
                 placed[name] = StoredParam(name, path, key, header[key])
     stacked = {}
-    n = features.routing(args).experts if experts else 0
+    n = routing.experts if routing is not None else 0
     for name, by_expert in experts.items():
         gap = next((e for e in range(n) if e not in by_expert), None)
         if gap is not None:
@@ -269,6 +269,7 @@ def native_name(stored: str, source: Path, family: str | None = None) -> str | N
 def _place_expert(
     model_dir: Path,
     args: ModelArgs,
+    routing: "features.Routing | None",
     expected: dict[str, tuple[int, ...]],
     path: Path,
     key: str,
@@ -277,11 +278,11 @@ def _place_expert(
     experts: dict,
     placed: dict,
 ) -> None:
-    """Place one expert's tensor (Hugging Face: one per expert) into its stacked parameter's slot."""
+    """Place one expert's tensor (Hugging Face: one per expert) into its stacked parameter's slot;
+    ``routing``: the model's (None: a dense model, where no expert's tensor has a place)."""
     name, e = found
-    routing = features.routing(args)
-    if name not in expected or routing is None or e >= routing.experts:
-        n, layers = (0, []) if routing is None else (routing.experts, list(routing.layers))
+    n, layers = (0, []) if routing is None else (routing.experts, list(routing.layers))
+    if name not in expected or e >= n:
         raise UserError(
             f"{path}: tensor {key!r} has no place in the model of {model_dir / CONFIG} "
             f"({args.n_layers} layers, {n} experts in layers {layers}); "

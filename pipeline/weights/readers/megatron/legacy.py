@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from functools import cached_property
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +187,12 @@ class _Layout:
     def ng_local(self) -> int:  # query groups per tp rank
         return self.args.kv_heads // self.tp
 
+    @cached_property
+    def expert_split(self) -> tuple[int, int, int]:
+        """(experts an ep rank holds, an expert's rows a tp rank holds, dim) of a mixture of experts."""
+        routing = features.routing(self.args)
+        return routing.experts // self.ep, routing.width // self.tp, self.args.dim
+
 
 def _rank_files(path: Path) -> tuple[Path, dict, dict]:
     """(iteration dir, {(tp, pp): rank file}, the first rank file loaded): the files and their args."""
@@ -233,8 +240,9 @@ def _layout(path: Path, it_dir: Path, found: dict, a, vocab_size: int | None) ->
     )
     if args.kv_heads % tp:
         raise UserError(f"{it_dir}: {args.kv_heads} query groups do not split over tp={tp}")
-    if features.split_problems(args, ep):
-        raise UserError(f"{it_dir}: {features.routing(args).experts} experts do not split over ep={ep}")
+    routing = features.routing(args)
+    if routing is not None and routing.experts % ep:
+        raise UserError(f"{it_dir}: {routing.experts} experts do not split over ep={ep}")
     counts = _stage_layers(a, pp, path)
     padded = arg(a, "padded_vocab_size", INT, path, default=0, bound=limits.VOCAB)
     return _Layout(it_dir, files, a, args, tp, pp, ep, padded, counts, [sum(counts[:s]) for s in range(pp)])
@@ -255,9 +263,7 @@ def _grouped_reads(
 ) -> None:
     """GroupedMLP's weight1 (which "1") or weight2 ("2") of ep rank ``e``, tp rank ``t``: every local
     expert's fc1 / fc2 through the per-expert view (grouped_experts), as SequentialMLP's would be."""
-    args = lay.args
-    routing = features.routing(args)
-    per, fl, dim = routing.experts // lay.ep, routing.width // lay.tp, args.dim
+    per, fl, dim = lay.expert_split
     want = (dim, per * 2 * fl) if which == "1" else (per * fl, dim)
     if shape != want:
         raise UserError(
@@ -289,9 +295,7 @@ def _expert_reads(
 ) -> None:
     """One SequentialMLP expert of ep rank ``e`` (local index ``j``): fc1's gate and up slices (its tp
     rank's rows of each) into w1/w3, fc2's tp columns into w2, each as a (1, ...) slice of the stack."""
-    args = lay.args
-    routing = features.routing(args)
-    per, fl, dim = routing.experts // lay.ep, routing.width // lay.tp, args.dim
+    per, fl, dim = lay.expert_split
     if j >= per:
         raise UserError(f"{lay.it_dir / f}: {key}: local expert {j}, but ep={lay.ep} leaves {per} experts a rank")
     x = e * per + j
